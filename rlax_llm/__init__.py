@@ -1,0 +1,1 @@
+"""rlax_llm: parameter-server RL for post-training LLMs in JAX."""

@@ -1,0 +1,1 @@
+"""Decoder models, KV cache and tokenizers."""

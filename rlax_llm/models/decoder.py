@@ -1,0 +1,276 @@
+"""A Llama-style decoder-only transformer in Flax NNX, with a fixed-size KV cache.
+
+One readable file (after nanoGPT): RMSNorm, rotary position embeddings (RoPE, the
+"rotate half" layout used by Hugging Face Llama), grouped-query attention (GQA) and a
+SwiGLU MLP. Every parameter carries its logical axis names in the ``logical_axes``
+metadata (``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``);
+``rlax_llm.trainer.sharding`` maps them to mesh axes.
+
+References:
+  Touvron et al., "LLaMA: Open and Efficient Foundation Language Models", arXiv 2302.13971.
+  Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding", arXiv 2104.09864.
+  Ainslie et al., "GQA: Training Generalized Multi-Query Transformer Models", arXiv 2305.13245.
+  Shazeer, "GLU Variants Improve Transformer", arXiv 2002.05202.
+
+KV cache contract (``KVCache``): ``k[i]`` and ``v[i]`` for layer ``i`` are
+``[batch, max_len, kv_heads, head_dim]``; ``lengths`` is ``int32 [batch]``, the number of
+valid positions of each slot. A call with ``cache`` writes the ``T`` new keys/values of row
+``b`` at positions ``lengths[b] .. lengths[b] + T - 1`` and advances ``lengths[b]`` by
+``num_valid[b]`` (default ``T``). Query ``t`` of row ``b`` sits at position
+``lengths[b] + t`` and attends to every cached position ``<=`` its own. Rows may be
+right-padded: positions past ``num_valid`` hold junk that later writes overwrite before any
+query can see it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import chex
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+  """Architecture of a decoder. Sizes are per model, not per device."""
+
+  vocab_size: int
+  num_layers: int = 2
+  embed_dim: int = 64
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 16
+  mlp_dim: int = 256
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+  tie_embeddings: bool = True
+  max_seq_len: int = 64
+  param_dtype: Any = jnp.float32
+  dtype: Any = jnp.float32  # compute dtype
+
+  def __post_init__(self):
+    for name in ('vocab_size', 'num_layers', 'embed_dim', 'num_heads', 'num_kv_heads',
+                 'head_dim', 'mlp_dim', 'max_seq_len'):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f'DecoderConfig.{name} must be a positive int, got {value!r}.')
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f'num_heads ({self.num_heads}) must be a multiple of num_kv_heads '
+          f'({self.num_kv_heads}) for grouped-query attention.')
+    if self.head_dim % 2:
+      raise ValueError(f'head_dim must be even for RoPE, got {self.head_dim}.')
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Fixed-size per-layer key/value cache (see module docstring for the contract)."""
+
+  k: tuple[Array, ...]  # per layer: [batch, max_len, kv_heads, head_dim]
+  v: tuple[Array, ...]
+  lengths: Array  # int32 [batch]
+
+  @classmethod
+  def init(cls, config: DecoderConfig, batch: int, max_len: int | None = None) -> 'KVCache':
+    max_len = max_len or config.max_seq_len
+    shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+    zeros = lambda: jnp.zeros(shape, config.dtype)
+    return cls(k=tuple(zeros() for _ in range(config.num_layers)),
+               v=tuple(zeros() for _ in range(config.num_layers)),
+               lengths=jnp.zeros((batch,), jnp.int32))
+
+  @property
+  def max_len(self) -> int:
+    return self.k[0].shape[1]
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, scale: float | None = None) -> nnx.Param:
+  """A truncated-normal (fan-in scaled) or ones parameter annotated with logical axes."""
+  if scale is None:
+    value = jnp.ones(shape, dtype)
+  else:
+    value = scale * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, dtype)
+  return nnx.Param(value, logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+  """Root-mean-square layer norm (Zhang & Sennrich, arXiv 1910.07467), fp32 statistics."""
+
+  def __init__(self, dim: int, eps: float, param_dtype, *, rngs: nnx.Rngs):
+    self.scale = _param(rngs, (dim,), ('embed',), param_dtype)
+    self.eps = eps
+
+  def __call__(self, x: Array) -> Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: Array, positions: Array, theta: float) -> Array:
+  """Rotary embedding, Hugging Face "rotate half" layout.
+
+  Args:
+    x: ``[batch, length, heads, head_dim]``.
+    positions: int ``[batch, length]`` absolute positions.
+    theta: RoPE base frequency.
+  Returns:
+    ``x`` rotated, same shape and dtype.
+  """
+  half = x.shape[-1] // 2
+  inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, half]
+  sin = jnp.sin(angles)[:, :, None, :]
+  cos = jnp.cos(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def _write_rows(buffer: Array, update: Array, starts: Array) -> Array:
+  """Writes ``update[b]`` ([T, ...]) into ``buffer[b]`` ([S, ...]) at row offset ``starts[b]``."""
+  def one(buf, upd, start):
+    index = (start,) + (0,) * (buf.ndim - 1)
+    return jax.lax.dynamic_update_slice(buf, upd.astype(buf.dtype), index)
+  return jax.vmap(one)(buffer, update, starts)
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention with RoPE and an optional KV cache."""
+
+  def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+    c = config
+    s_in = c.embed_dim ** -0.5
+    s_out = (c.num_heads * c.head_dim) ** -0.5
+    self.wq = _param(rngs, (c.embed_dim, c.num_heads, c.head_dim),
+                     ('embed', 'heads', 'head_dim'), c.param_dtype, s_in)
+    self.wk = _param(rngs, (c.embed_dim, c.num_kv_heads, c.head_dim),
+                     ('embed', 'kv_heads', 'head_dim'), c.param_dtype, s_in)
+    self.wv = _param(rngs, (c.embed_dim, c.num_kv_heads, c.head_dim),
+                     ('embed', 'kv_heads', 'head_dim'), c.param_dtype, s_in)
+    self.wo = _param(rngs, (c.num_heads, c.head_dim, c.embed_dim),
+                     ('heads', 'head_dim', 'embed'), c.param_dtype, s_out)
+    self.config = c
+
+  def __call__(self, x: Array, positions: Array, mask: Array,
+               kv: tuple[Array, Array] | None, starts: Array | None):
+    """x: [B, T, E]; positions: [B, T]; mask: bool [B, T, S]; kv: cached (k, v) or None."""
+    c = self.config
+    dt = c.dtype
+    q = jnp.einsum('bte,ehd->bthd', x, self.wq[...].astype(dt))
+    k = jnp.einsum('bte,ehd->bthd', x, self.wk[...].astype(dt))
+    v = jnp.einsum('bte,ehd->bthd', x, self.wv[...].astype(dt))
+    q = rope(q, positions, c.rope_theta)
+    k = rope(k, positions, c.rope_theta)
+    if kv is not None:
+      k = _write_rows(kv[0], k, starts)
+      v = _write_rows(kv[1], v, starts)
+      new_kv = (k, v)
+    else:
+      new_kv = None
+    batch, length = q.shape[:2]
+    groups = c.num_heads // c.num_kv_heads
+    q = q.reshape(batch, length, c.num_kv_heads, groups, c.head_dim)
+    scores = jnp.einsum('btkgd,bskd->bkgts', q, k).astype(jnp.float32)
+    scores = scores * (c.head_dim ** -0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out = jnp.einsum('bkgts,bskd->btkgd', probs, v)
+    out = out.reshape(batch, length, c.num_heads, c.head_dim)
+    return jnp.einsum('bthd,hde->bte', out, self.wo[...].astype(dt)), new_kv
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward block: ``down(silu(gate(x)) * up(x))``."""
+
+  def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+    c = config
+    self.w_gate = _param(rngs, (c.embed_dim, c.mlp_dim), ('embed', 'mlp'), c.param_dtype,
+                         c.embed_dim ** -0.5)
+    self.w_up = _param(rngs, (c.embed_dim, c.mlp_dim), ('embed', 'mlp'), c.param_dtype,
+                       c.embed_dim ** -0.5)
+    self.w_down = _param(rngs, (c.mlp_dim, c.embed_dim), ('mlp', 'embed'), c.param_dtype,
+                         c.mlp_dim ** -0.5)
+    self.dtype = c.dtype
+
+  def __call__(self, x: Array) -> Array:
+    dt = self.dtype
+    gate = jax.nn.silu(x @ self.w_gate[...].astype(dt))
+    return (gate * (x @ self.w_up[...].astype(dt))) @ self.w_down[...].astype(dt)
+
+
+class Block(nnx.Module):
+  """Pre-norm transformer block."""
+
+  def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(config.embed_dim, config.norm_eps, config.param_dtype, rngs=rngs)
+    self.attn = Attention(config, rngs=rngs)
+    self.mlp_norm = RMSNorm(config.embed_dim, config.norm_eps, config.param_dtype, rngs=rngs)
+    self.mlp = MLP(config, rngs=rngs)
+
+  def __call__(self, x, positions, mask, kv, starts):
+    h, new_kv = self.attn(self.attn_norm(x), positions, mask, kv, starts)
+    x = x + h
+    return x + self.mlp(self.mlp_norm(x)), new_kv
+
+
+class Decoder(nnx.Module):
+  """Decoder-only language model.
+
+  ``model(tokens)`` -> logits ``float32 [batch, length, vocab]`` (causal, positions 0..T-1).
+  ``model(tokens, cache=cache, num_valid=n)`` -> ``(logits, new_cache)`` (see module doc).
+  """
+
+  def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+    c = config
+    self.config = c
+    # std 1/sqrt(embed): with tied embeddings the initial logits then have unit scale.
+    self.embed = _param(rngs, (c.vocab_size, c.embed_dim), ('vocab', 'embed'), c.param_dtype,
+                        c.embed_dim ** -0.5)
+    self.blocks = nnx.List([Block(c, rngs=rngs) for _ in range(c.num_layers)])
+    self.final_norm = RMSNorm(c.embed_dim, c.norm_eps, c.param_dtype, rngs=rngs)
+    if not c.tie_embeddings:
+      self.lm_head = _param(rngs, (c.embed_dim, c.vocab_size), ('embed', 'vocab'),
+                            c.param_dtype, c.embed_dim ** -0.5)
+
+  def __call__(self, tokens: Array, *, cache: KVCache | None = None,
+               num_valid: Array | None = None):
+    c = self.config
+    chex.assert_rank(tokens, 2)
+    batch, length = tokens.shape
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(c.dtype)
+    if cache is None:
+      positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+      causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
+      mask = jnp.broadcast_to(causal, (batch, length, length))
+      starts = None
+    else:
+      starts = cache.lengths
+      positions = starts[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
+      key_pos = jnp.arange(cache.max_len, dtype=jnp.int32)
+      mask = key_pos[None, None, :] <= positions[:, :, None]
+    new_k, new_v = [], []
+    for i, block in enumerate(self.blocks):
+      kv = None if cache is None else (cache.k[i], cache.v[i])
+      x, layer_kv = block(x, positions, mask, kv, starts)
+      if layer_kv is not None:
+        new_k.append(layer_kv[0])
+        new_v.append(layer_kv[1])
+    x = self.final_norm(x)
+    if c.tie_embeddings:
+      logits = jnp.einsum('bte,ve->btv', x, self.embed[...].astype(c.dtype))
+    else:
+      logits = x @ self.lm_head[...].astype(c.dtype)
+    logits = logits.astype(jnp.float32)
+    if cache is None:
+      return logits
+    if num_valid is None:
+      num_valid = jnp.full((batch,), length, jnp.int32)
+    new_cache = KVCache(k=tuple(new_k), v=tuple(new_v),
+                        lengths=cache.lengths + num_valid.astype(jnp.int32))
+    return logits, new_cache

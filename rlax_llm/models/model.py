@@ -1,0 +1,75 @@
+"""The functional face of a decoder: a static graph plus a pure params pytree.
+
+Every other role (trainer, parameter server, sampler) sees a model as ``Model`` (static,
+hashable by identity, safe as a ``jax.jit`` static argument) and ``params``: a nested
+``dict`` of arrays (``flax.nnx.to_pure_dict`` layout, e.g.
+``params['blocks'][0]['attn']['wq']``). Keeping params a plain pytree lets optax update them,
+the parameter server validate and copy them, and ``NamedSharding`` trees mirror them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from rlax_llm.models.decoder import Decoder, DecoderConfig, KVCache
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Model:
+  """A decoder's static structure. Build with ``create_model``."""
+
+  config: DecoderConfig
+  graphdef: Any
+
+  def apply(self, params: Params, tokens: jax.Array, *, cache: KVCache | None = None,
+            num_valid: jax.Array | None = None):
+    """Runs the decoder. tokens: int32 ``[batch, length]``.
+
+    Returns float32 logits ``[batch, length, vocab]``, or ``(logits, new_cache)`` when a
+    ``cache`` is given (see ``rlax_llm.models.decoder`` for the cache contract).
+    """
+    module = nnx.merge(self.graphdef, params)
+    return module(tokens, cache=cache, num_valid=num_valid)
+
+  def init_cache(self, batch: int, max_len: int | None = None) -> KVCache:
+    return KVCache.init(self.config, batch, max_len)
+
+  def logical_axes(self) -> dict[str, Any]:
+    """Logical axis names of every parameter, as a params-shaped tree of ``PartitionSpec``."""
+    abstract = nnx.eval_shape(lambda: Decoder(self.config, rngs=nnx.Rngs(0)))
+    state = nnx.state(abstract, nnx.Param)
+    specs = jax.tree.map(lambda v: PartitionSpec(*v.get_metadata()['logical_axes']), state,
+                         is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.to_pure_dict(specs)
+
+  def abstract_params(self) -> Params:
+    """Params as ``jax.ShapeDtypeStruct`` leaves, without allocating."""
+    abstract = nnx.eval_shape(lambda: Decoder(self.config, rngs=nnx.Rngs(0)))
+    return nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+
+
+def create_model(config: DecoderConfig, seed: int = 0) -> tuple[Model, Params]:
+  """Initialises a decoder. Returns ``(model, params)``; params are fp32 unless configured."""
+  module = Decoder(config, rngs=nnx.Rngs(params=seed))
+  graphdef, state = nnx.split(module, nnx.Param)
+  return Model(config=config, graphdef=graphdef), nnx.to_pure_dict(state)
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Log-probability of each target under ``logits``.
+
+  Args:
+    logits: float ``[batch, length, vocab]``.
+    targets: int ``[batch, length]``.
+  Returns:
+    float32 ``[batch, length]``: ``log_softmax(logits)[b, t, targets[b, t]]``.
+  """
+  logp = jax.nn.log_softmax(logits.astype(jax.numpy.float32), axis=-1)
+  return jax.numpy.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]

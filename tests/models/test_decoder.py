@@ -1,0 +1,112 @@
+"""Decoder: cached decoding equals the full forward pass; config validation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlax_llm.models.decoder import DecoderConfig, rope
+from rlax_llm.models.model import create_model
+
+CONFIG = DecoderConfig(vocab_size=19, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
+                       head_dim=8, mlp_dim=64, max_seq_len=24)
+
+
+@pytest.fixture(scope='module')
+def model_and_params():
+  return create_model(CONFIG, seed=3)
+
+
+def test_full_forward_shape_and_causality(model_and_params):
+  model, params = model_and_params
+  tokens = jnp.asarray(np.random.RandomState(0).randint(0, 19, (2, 10)), jnp.int32)
+  logits = model.apply(params, tokens)
+  assert logits.shape == (2, 10, 19) and logits.dtype == jnp.float32
+  # Changing a later token never changes earlier logits.
+  changed = tokens.at[:, 7].set((tokens[:, 7] + 1) % 19)
+  np.testing.assert_allclose(model.apply(params, changed)[:, :7], logits[:, :7], atol=1e-6)
+  assert not np.allclose(model.apply(params, changed)[:, 7:], logits[:, 7:])
+
+
+def test_prefill_then_decode_equals_full_forward(model_and_params):
+  """Right-padded prompts of different lengths, then one token at a time."""
+  model, params = model_and_params
+  rng = np.random.RandomState(1)
+  batch, total = 3, 14
+  tokens = jnp.asarray(rng.randint(0, 19, (batch, total)), jnp.int32)
+  full = np.asarray(model.apply(params, tokens))
+  prompt_lengths = jnp.array([4, 7, 5], jnp.int32)
+  width = 7  # padded prompt width; positions past each length hold other tokens (junk)
+  cache = model.init_cache(batch, max_len=total)
+  logits, cache = model.apply(params, tokens[:, :width], cache=cache, num_valid=prompt_lengths)
+  for b in range(batch):
+    n = int(prompt_lengths[b])
+    np.testing.assert_allclose(logits[b, :n], full[b, :n], atol=1e-5)
+  np.testing.assert_array_equal(cache.lengths, prompt_lengths)
+  rows = np.arange(batch)
+  for _ in range(total - width):
+    pos = np.asarray(cache.lengths)
+    step_logits, cache = model.apply(params, tokens[rows, pos][:, None], cache=cache)
+    np.testing.assert_allclose(step_logits[:, 0], full[rows, pos], atol=1e-5)
+  np.testing.assert_array_equal(cache.lengths, prompt_lengths + total - width)
+
+
+def test_jitted_decode_step_matches(model_and_params):
+  model, params = model_and_params
+  tokens = jnp.asarray(np.random.RandomState(2).randint(0, 19, (2, 6)), jnp.int32)
+  full = model.apply(params, tokens)
+  step = jax.jit(lambda p, t, c: model.apply(p, t, cache=c))
+  cache = model.init_cache(2, 6)
+  for t in range(6):
+    out, cache = step(params, tokens[:, t:t + 1], cache)
+    np.testing.assert_allclose(out[:, 0], full[:, t], atol=1e-5)
+
+
+def test_untied_embeddings_and_bf16_compute():
+  config = DecoderConfig(vocab_size=11, num_layers=1, embed_dim=16, num_heads=2,
+                         num_kv_heads=2, head_dim=8, mlp_dim=32, tie_embeddings=False,
+                         dtype=jnp.bfloat16)
+  model, params = create_model(config)
+  assert 'lm_head' in params and params['lm_head'].shape == (16, 11)
+  assert params['embed'].dtype == jnp.float32  # param dtype stays fp32 (master weights)
+  logits = model.apply(params, jnp.zeros((1, 4), jnp.int32))
+  assert logits.dtype == jnp.float32 and np.isfinite(np.asarray(logits)).all()
+
+
+def test_rope_matches_numpy_reference():
+  rng = np.random.RandomState(0)
+  x = rng.randn(1, 3, 2, 8).astype(np.float32)
+  pos = np.array([[0, 1, 5]])
+  out = np.asarray(rope(jnp.asarray(x), jnp.asarray(pos), 10_000.0))
+  half = 4
+  inv = 1.0 / (10_000.0 ** (np.arange(half) / half))
+  ang = pos[..., None] * inv
+  cos, sin = np.cos(ang)[:, :, None], np.sin(ang)[:, :, None]
+  x1, x2 = x[..., :half], x[..., half:]
+  ref = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+  np.testing.assert_allclose(out, ref, atol=1e-5)
+  np.testing.assert_allclose(out[:, 0], x[:, 0], atol=1e-6)  # position 0 is the identity
+
+
+def test_logical_axes_cover_every_param(model_and_params):
+  model, params = model_and_params
+  axes = model.logical_axes()
+  flat_params = jax.tree.leaves(params)
+  flat_axes = jax.tree.leaves(axes)
+  assert len(flat_params) == len(flat_axes)
+  for p, spec in zip(flat_params, flat_axes):
+    assert len(spec) == p.ndim
+  assert axes['blocks'][0]['attn']['wq'] == jax.sharding.PartitionSpec('embed', 'heads',
+                                                                       'head_dim')
+
+
+@pytest.mark.parametrize('kwargs, message', [
+    (dict(num_heads=3, num_kv_heads=2), 'multiple of num_kv_heads'),
+    (dict(head_dim=7), 'even'),
+    (dict(num_layers=0), 'num_layers'),
+])
+def test_config_validation(kwargs, message):
+  base = dict(vocab_size=10, num_layers=1, embed_dim=16, num_heads=2, num_kv_heads=1,
+              head_dim=8, mlp_dim=32)
+  with pytest.raises(ValueError, match=message):
+    DecoderConfig(**(base | kwargs))
