@@ -1,0 +1,33 @@
+"""Supervised (teacher-forced) token losses, used for the warm-up before RL."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+
+
+def token_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array):
+  """Token-mean cross-entropy over masked positions.
+
+  Args:
+    logits: float ``[B, T, V]`` predicting ``targets``.
+    targets: int ``[B, T]``.
+    mask: ``[B, T]``, 1 where the target counts.
+  Returns:
+    ``(loss, diagnostics)``: float32 scalar, and ``{'accuracy': token accuracy}``.
+  """
+  chex.assert_rank(logits, 3)
+  chex.assert_equal_shape([targets, mask])
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  mask = mask.astype(jnp.float32)
+  denom = jnp.maximum(mask.sum(), 1.0)
+  correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
+  return jnp.sum(nll * mask) / denom, {'accuracy': jnp.sum(correct * mask) / denom}
+
+
+def entropy_from_logits(logits: jax.Array) -> jax.Array:
+  """Entropy of ``softmax(logits)`` per position: float ``[..., V]`` -> float32 ``[...]``."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
