@@ -1,0 +1,201 @@
+"""Tests for rlax_llm.rollout.sampling (truncation and sampling with exact behaviour log-probs)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from rlax_llm.rollout.sampling import sample_tokens, truncate_logits
+
+VOCAB = 10
+BATCH = 64
+
+
+def np_log_softmax(x):
+  x = np.asarray(x, np.float64)
+  m = np.max(x, axis=-1, keepdims=True)
+  return x - m - np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True))
+
+
+def np_top_k_keep(scaled, k):
+  """bool [B, V]: the k largest entries of each row."""
+  order = np.argsort(-scaled, axis=-1)[:, :k]
+  keep = np.zeros(scaled.shape, bool)
+  np.put_along_axis(keep, order, True, axis=-1)
+  return keep
+
+
+def np_top_p_keep(scaled, top_p):
+  """bool [B, V]: sort descending, keep a token while the mass before it is < top_p.
+
+  Also returns the smallest distance between a mass-before value and ``top_p`` (to skip cases
+  that float32 rounding could decide differently).
+  """
+  probs = np.exp(np_log_softmax(scaled))
+  order = np.argsort(-probs, axis=-1)
+  sorted_probs = np.take_along_axis(probs, order, axis=-1)
+  before = np.cumsum(sorted_probs, axis=-1) - sorted_probs
+  keep_sorted = before < top_p
+  keep = np.zeros(scaled.shape, bool)
+  np.put_along_axis(keep, order, keep_sorted, axis=-1)
+  return keep, np.min(np.abs(before - top_p))
+
+
+def np_truncated_logp(scaled, keep):
+  """log-probs renormalised over the kept set (-inf elsewhere)."""
+  return np_log_softmax(np.where(keep, scaled, -np.inf))
+
+
+def random_logits(seed, batch=BATCH, vocab=VOCAB, scale=2.0):
+  rng = np.random.RandomState(seed)
+  return (scale * rng.normal(size=(batch, vocab))).astype(np.float32)
+
+
+def check_samples(tokens, logprobs, keep, ref_logp):
+  tokens = np.asarray(tokens)
+  assert tokens.dtype == np.int32 and tokens.shape == (keep.shape[0],)
+  assert np.asarray(logprobs).dtype == np.float32
+  rows = np.arange(len(tokens))
+  assert np.all(keep[rows, tokens]), 'sampled a token outside the kept set'
+  np.testing.assert_allclose(logprobs, ref_logp[rows, tokens], rtol=1e-5, atol=1e-5)
+
+
+def test_temperature_zero_is_argmax_with_zero_logprob():
+  logits = random_logits(0)
+  tokens, logprobs = sample_tokens(jnp.asarray(logits), jax.random.key(0), temperature=0.0)
+  np.testing.assert_array_equal(tokens, logits.argmax(-1))
+  assert tokens.dtype == jnp.int32
+  np.testing.assert_array_equal(logprobs, np.zeros(BATCH, np.float32))
+  # Truncation is irrelevant for greedy decoding.
+  tokens2, logprobs2 = sample_tokens(jnp.asarray(logits), jax.random.key(1), temperature=0.0,
+                                     top_k=3, top_p=0.5)
+  np.testing.assert_array_equal(tokens2, tokens)
+  np.testing.assert_array_equal(logprobs2, 0.0)
+
+
+@pytest.mark.parametrize('temperature', [0.5, 1.0, 1.7])
+def test_logprob_is_temperature_scaled_log_softmax(temperature):
+  logits = random_logits(1)
+  tokens, logprobs = sample_tokens(jnp.asarray(logits), jax.random.key(2),
+                                   temperature=temperature)
+  scaled = logits.astype(np.float64) / temperature
+  check_samples(tokens, logprobs, np.ones_like(logits, bool), np_log_softmax(scaled))
+  assert len(np.unique(np.asarray(tokens))) > 1  # actually sampled, not greedy
+
+
+@pytest.mark.parametrize('top_k', [1, 3, VOCAB - 1, VOCAB, VOCAB + 5])
+def test_top_k(top_k):
+  logits = random_logits(2)
+  temperature = 0.8
+  tokens, logprobs = sample_tokens(jnp.asarray(logits), jax.random.key(3),
+                                   temperature=temperature, top_k=top_k)
+  scaled = logits.astype(np.float64) / temperature
+  keep = np_top_k_keep(scaled, min(top_k, VOCAB))
+  check_samples(tokens, logprobs, keep, np_truncated_logp(scaled, keep))
+  if top_k == 1:
+    np.testing.assert_array_equal(tokens, logits.argmax(-1))
+    np.testing.assert_array_equal(logprobs, 0.0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), top_p=st.floats(0.05, 0.99),
+       temperature=st.sampled_from([0.6, 1.0, 1.5]), top_k=st.sampled_from([0, 4]))
+def test_top_p_matches_numpy_nucleus(seed, top_p, temperature, top_k):
+  logits = random_logits(seed, batch=16)
+  scaled = logits.astype(np.float64) / temperature
+  keep = np.ones(scaled.shape, bool)
+  if top_k:
+    keep = np_top_k_keep(scaled, top_k)
+  # top-p acts on the distribution already restricted to the top-k set.
+  keep_p, margin = np_top_p_keep(np.where(keep, scaled, -np.inf), top_p)
+  assume(margin > 1e-4)
+  keep &= keep_p
+  tokens, logprobs = sample_tokens(jnp.asarray(logits), jax.random.key(seed),
+                                   temperature=temperature, top_k=top_k, top_p=top_p)
+  check_samples(tokens, logprobs, keep, np_truncated_logp(scaled, keep))
+  # truncate_logits keeps exactly that set.
+  truncated = np.asarray(truncate_logits(jnp.asarray(scaled, jnp.float32), top_k, top_p))
+  np.testing.assert_array_equal(truncated > -1e29, keep)
+
+
+def test_top_p_hand_case():
+  # probs 0.5, 0.3, 0.15, 0.05 (already sorted). Mass before: 0, 0.5, 0.8, 0.95.
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+  keep = lambda p: np.asarray(truncate_logits(logits, top_p=p)) > -1e29
+  np.testing.assert_array_equal(keep(0.3), [[True, False, False, False]])  # first always kept
+  np.testing.assert_array_equal(keep(0.45), [[True, False, False, False]])
+  np.testing.assert_array_equal(keep(0.6), [[True, True, False, False]])
+  np.testing.assert_array_equal(keep(0.9), [[True, True, True, False]])
+  np.testing.assert_array_equal(keep(1.0), [[True, True, True, True]])
+
+
+def test_top_p_boundary_is_strict():
+  """A token whose mass-before equals top_p exactly is dropped ("< top_p", not "<=")."""
+  # probs 1/2, 1/4, 1/8, 1/8: powers of two, exact in float32 on CPU.
+  logits = jnp.array([[1.0, 1.0 - np.log(2.0), 1.0 - np.log(4.0), 1.0 - np.log(4.0)]],
+                     jnp.float32)
+  probs = np.asarray(jax.nn.softmax(logits))
+  if not np.array_equal(probs, [[0.5, 0.25, 0.125, 0.125]]):
+    pytest.skip(f'softmax not exact on this backend: {probs}')
+  keep = lambda p: np.asarray(truncate_logits(logits, top_p=p)) > -1e29
+  np.testing.assert_array_equal(keep(0.5), [[True, False, False, False]])
+  np.testing.assert_array_equal(keep(0.75), [[True, True, False, False]])
+  # The two 1/8 tokens tie: at mass-before 0.75 < 0.8 the first is kept, and so is its tie.
+  np.testing.assert_array_equal(keep(0.8), [[True, True, True, True]])
+
+
+def test_empirical_frequencies_match_probabilities():
+  logits = np.array([1.0, 0.5, -0.3, 2.0, 0.0], np.float32)
+  temperature = 0.7
+  n = 4000
+  tokens, logprobs = sample_tokens(jnp.broadcast_to(jnp.asarray(logits), (n, 5)),
+                                   jax.random.key(42), temperature=temperature)
+  probs = np.exp(np_log_softmax(logits / temperature))
+  freq = np.bincount(np.asarray(tokens), minlength=5) / n
+  np.testing.assert_allclose(freq, probs, atol=0.03)
+  np.testing.assert_allclose(np.exp(logprobs), probs[np.asarray(tokens)], rtol=1e-5)
+
+
+def test_empirical_frequencies_with_truncation():
+  logits = np.array([1.0, 0.5, -0.3, 2.0, 0.0], np.float32)
+  n = 4000
+  tokens, _ = sample_tokens(jnp.broadcast_to(jnp.asarray(logits), (n, 5)), jax.random.key(7),
+                            temperature=1.0, top_k=4, top_p=0.8)
+  keep = np_top_k_keep(logits[None].astype(np.float64), 4)
+  keep &= np_top_p_keep(np.where(keep, logits[None], -np.inf), 0.8)[0]
+  probs = np.exp(np_truncated_logp(logits[None].astype(np.float64), keep))[0]
+  assert keep.sum() == 3
+  freq = np.bincount(np.asarray(tokens), minlength=5) / n
+  np.testing.assert_allclose(freq, probs, atol=0.03)
+
+
+def test_same_key_same_samples_different_key_different_samples():
+  logits = jnp.asarray(random_logits(5, scale=0.5))
+  a = sample_tokens(logits, jax.random.key(0))
+  b = sample_tokens(logits, jax.random.key(0))
+  c = sample_tokens(logits, jax.random.key(1))
+  np.testing.assert_array_equal(a[0], b[0])
+  np.testing.assert_array_equal(a[1], b[1])
+  assert np.any(np.asarray(a[0]) != np.asarray(c[0]))
+
+
+def test_works_under_jit_with_bf16_logits():
+  logits = random_logits(6)
+  bf = jnp.asarray(logits, jnp.bfloat16)
+  fn = jax.jit(lambda x, key: sample_tokens(x, key, temperature=0.9, top_k=5, top_p=0.9))
+  tokens, logprobs = fn(bf, jax.random.key(0))
+  scaled = np.asarray(bf.astype(jnp.float32), np.float64) / 0.9
+  keep = np_top_k_keep(scaled, 5)
+  keep_p, margin = np_top_p_keep(np.where(keep, scaled, -np.inf), 0.9)
+  assert margin > 1e-4
+  keep &= keep_p
+  check_samples(tokens, logprobs, keep, np_truncated_logp(scaled, keep))
+
+
+@pytest.mark.parametrize('kwargs', [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=-0.5),
+                                    dict(top_p=1.01)])
+def test_invalid_arguments_raise(kwargs):
+  with pytest.raises(ValueError):
+    sample_tokens(jnp.zeros((2, 4)), jax.random.key(0), **kwargs)
