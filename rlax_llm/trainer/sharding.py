@@ -1,0 +1,116 @@
+"""Device meshes and the logical-axis rules that place params and batches on them.
+
+Parameters carry logical axis names (``rlax_llm.models.decoder``); ``LOGICAL_RULES`` maps
+each name to mesh axes, as in MaxText / Tunix. A dimension whose size does not divide by
+the product of its mesh axes is replicated instead (tiny models on big meshes stay
+runnable); ``param_shardings`` reports no error for that, by design.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ('data', 'fsdp', 'tensor')
+
+# logical axis -> mesh axes (None = replicated).
+LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
+    ('batch', ('data', 'fsdp')),
+    ('vocab', 'tensor'),
+    ('embed', 'fsdp'),
+    ('heads', 'tensor'),
+    ('kv_heads', 'tensor'),
+    ('mlp', 'tensor'),
+    ('head_dim', None),
+    ('length', None),
+)
+
+
+def make_mesh(axis_sizes: Mapping[str, int], devices: Sequence[jax.Device] | None = None
+              ) -> Mesh:
+  """Builds a ``Mesh`` with axes ``('data', 'fsdp', 'tensor')`` (Auto axis types).
+
+  Args:
+    axis_sizes: size per axis name; at most one may be -1 (use the remaining devices).
+      Missing axes have size 1.
+    devices: defaults to ``jax.devices()``.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  unknown = set(axis_sizes) - set(MESH_AXES)
+  if unknown:
+    raise ValueError(f'Unknown mesh axes {sorted(unknown)}; valid axes are {MESH_AXES}.')
+  sizes = [int(axis_sizes.get(name, 1)) for name in MESH_AXES]
+  if sizes.count(-1) > 1:
+    raise ValueError(f'At most one mesh axis may be -1, got {dict(zip(MESH_AXES, sizes))}.')
+  if any(s == 0 or s < -1 for s in sizes):
+    raise ValueError(f'Mesh axis sizes must be positive or -1, got {dict(zip(MESH_AXES, sizes))}.')
+  if -1 in sizes:
+    known = int(np.prod([s for s in sizes if s != -1]))
+    if len(devices) % known:
+      raise ValueError(f'{len(devices)} devices do not divide by the fixed mesh axes '
+                       f'{dict(zip(MESH_AXES, sizes))}.')
+    sizes[sizes.index(-1)] = len(devices) // known
+  total = int(np.prod(sizes))
+  if total > len(devices):
+    raise ValueError(f'Mesh {dict(zip(MESH_AXES, sizes))} needs {total} devices; '
+                     f'{len(devices)} are available.')
+  grid = np.array(devices[:total]).reshape(sizes)
+  return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _mesh_axes_for(name: str | None, rules: Mapping[str, Any]):
+  if name is None:
+    return None
+  if name not in rules:
+    raise ValueError(f'No sharding rule for logical axis {name!r}; rules cover {sorted(rules)}.')
+  return rules[name]
+
+
+def logical_to_spec(logical: PartitionSpec, shape: Sequence[int], mesh: Mesh,
+                    rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> PartitionSpec:
+  """Maps a logical ``PartitionSpec`` to a mesh ``PartitionSpec`` for an array of ``shape``.
+
+  A mesh axis is used at most once; a dimension not divisible by its mesh axes is replicated.
+  """
+  rules = dict(rules)
+  used: set[str] = set()
+  out = []
+  for dim, name in zip(shape, logical):
+    axes = _mesh_axes_for(name, rules)
+    if axes is None:
+      out.append(None)
+      continue
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    axes = tuple(a for a in axes if a not in used and mesh.shape[a] > 1)
+    size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+    if not axes or dim % size:
+      out.append(None)
+      continue
+    used.update(axes)
+    out.append(axes[0] if len(axes) == 1 else axes)
+  return PartitionSpec(*out)
+
+
+def param_shardings(abstract_params: Any, logical_axes: Any, mesh: Mesh,
+                    rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> Any:
+  """A params-shaped tree of ``NamedSharding`` from logical axes and shapes."""
+  return jax.tree.map(
+      lambda x, spec: NamedSharding(mesh, logical_to_spec(spec, x.shape, mesh, rules)),
+      abstract_params, logical_axes)
+
+
+def batch_sharding(mesh: Mesh, batch: Any,
+                   rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> Any:
+  """Shards dim 0 (``batch``) of every leaf; other dims replicated."""
+  def one(x):
+    logical = PartitionSpec('batch', *([None] * (np.ndim(x) - 1)))
+    return NamedSharding(mesh, logical_to_spec(logical, np.shape(x), mesh, rules))
+  return jax.tree.map(one, batch)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec())
