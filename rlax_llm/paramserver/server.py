@@ -39,255 +39,249 @@ LeafSpec = tuple[tuple[int, ...], str]
 
 @dataclasses.dataclass(frozen=True)
 class WeightSnapshot:
-    """One stored version of the params.
+  """One stored version of the params.
 
-    Attributes:
-        version: number of trainer updates behind these params (0 = the initial params).
-        params: pytree with the template's structure whose leaves are read-only host
-            ``np.ndarray`` s, each with the template's shape and dtype.
-    """
+  Attributes:
+      version: number of trainer updates behind these params (0 = the initial params).
+      params: pytree with the template's structure whose leaves are read-only host
+          ``np.ndarray`` s, each with the template's shape and dtype.
+  """
 
-    version: int
-    params: Any
+  version: int
+  params: Any
 
-    @property
-    def metadata(self) -> dict[str, LeafSpec]:
-        """Leaf path (``jax.tree_util.keystr``) -> ``(shape, dtype name)``, in tree order."""
-        leaves_with_path, _ = jax.tree_util.tree_flatten_with_path(self.params)
-        return {jax.tree_util.keystr(path): _leaf_spec(leaf) for path, leaf in leaves_with_path}
+  @property
+  def metadata(self) -> dict[str, LeafSpec]:
+    """Leaf path (``jax.tree_util.keystr``) -> ``(shape, dtype name)``, in tree order."""
+    leaves_with_path, _ = jax.tree_util.tree_flatten_with_path(self.params)
+    return {jax.tree_util.keystr(path): _leaf_spec(leaf) for path, leaf in leaves_with_path}
 
 
 def _leaf_spec(leaf: Any) -> LeafSpec:
-    """(shape, dtype name) of an array, a ``jax.ShapeDtypeStruct`` or a Python scalar."""
-    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-        return tuple(int(d) for d in leaf.shape), str(np.dtype(leaf.dtype))
-    arr = np.asarray(leaf)
-    return arr.shape, str(arr.dtype)
+  """(shape, dtype name) of an array, a ``jax.ShapeDtypeStruct`` or a Python scalar."""
+  if hasattr(leaf, 'shape') and hasattr(leaf, 'dtype'):
+    return tuple(int(d) for d in leaf.shape), str(np.dtype(leaf.dtype))
+  arr = np.asarray(leaf)
+  return arr.shape, str(arr.dtype)
 
 
 def _to_host_leaves(params: Any) -> tuple[Any, list[str], list[np.ndarray]]:
-    """Flattens ``params`` into private, read-only host copies of its leaves.
+  """Flattens ``params`` into private, read-only host copies of its leaves.
 
-    Returns:
-        ``(treedef, paths, leaves)``: the tree structure, the ``keystr`` path of each leaf, and
-        the leaves as C-contiguous ``np.ndarray`` copies with ``writeable=False``, in tree order.
-    """
-    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
-    paths = [jax.tree_util.keystr(path) for path, _ in leaves_with_path]
-    host = jax.device_get([leaf for _, leaf in leaves_with_path])
-    leaves = []
-    for leaf in host:
-        # Always copy: device_get returns the caller's own numpy arrays unchanged (and may
-        # return a view of a JAX buffer), and a stored version must never change.
-        arr = np.array(leaf, copy=True, order="C")
-        arr.setflags(write=False)
-        leaves.append(arr)
-    return treedef, paths, leaves
+  Returns:
+      ``(treedef, paths, leaves)``: the tree structure, the ``keystr`` path of each leaf, and
+      the leaves as C-contiguous ``np.ndarray`` copies with ``writeable=False``, in tree order.
+  """
+  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+  paths = [jax.tree_util.keystr(path) for path, _ in leaves_with_path]
+  host = jax.device_get([leaf for _, leaf in leaves_with_path])
+  leaves = []
+  for leaf in host:
+    # Always copy: device_get returns the caller's own numpy arrays unchanged (and may
+    # return a view of a JAX buffer), and a stored version must never change.
+    arr = np.array(leaf, copy=True, order='C')
+    arr.setflags(write=False)
+    leaves.append(arr)
+  return treedef, paths, leaves
 
 
 def _check_int(name: str, value: Any) -> int:
-    """Returns ``value`` as a Python int; rejects bools, floats and other types."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(
-            f"{name} must be an int, got {value!r} of type {type(value).__name__}; "
-            "pass a Python int (versions count trainer updates)."
-        )
-    return int(value)
+  """Returns ``value`` as a Python int; rejects bools, floats and other types."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise ValueError(
+      f'{name} must be an int, got {value!r} of type {type(value).__name__}; '
+      'pass a Python int (versions count trainer updates).'
+    )
+  return int(value)
 
 
 class ParameterServer:
-    """Thread-safe, in-process store of the newest ``keep`` weight versions.
+  """Thread-safe, in-process store of the newest ``keep`` weight versions.
 
-    Example::
+  Example::
 
-        server = ParameterServer(keep=2)
-        server.push(0, params)              # trainer, after n updates: push(n, params)
-        snap = server.pull(min_version=0)   # inference worker
-        snap.version, snap.params
+      server = ParameterServer(keep=2)
+      server.push(0, params)              # trainer, after n updates: push(n, params)
+      snap = server.pull(min_version=0)   # inference worker
+      snap.version, snap.params
+  """
+
+  def __init__(self, keep: int = 2, template: Any = None):
+    """Creates an empty server.
+
+    Args:
+        keep: how many of the newest versions to hold (>= 1); a push evicts older ones.
+        template: optional pytree of arrays or ``jax.ShapeDtypeStruct`` fixing the tree
+            structure, leaf shapes and dtypes that every push must match. ``None``: the
+            first push fixes them.
     """
+    if isinstance(keep, bool) or not isinstance(keep, (int, np.integer)) or keep < 1:
+      raise ValueError(
+        f'keep must be an int >= 1 (how many versions to hold), got {keep!r}; '
+        'use keep=1 to hold only the latest version.'
+      )
+    self._keep = int(keep)
+    self._cond = threading.Condition()
+    # version -> (treedef, leaves); dict order is ascending version order.
+    self._store: dict[int, tuple[Any, list[np.ndarray]]] = {}
+    self._latest = -1
+    self._template: tuple[Any, list[str], list[LeafSpec]] | None = None
+    if template is not None:
+      leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(template)
+      self._template = (
+        treedef,
+        [jax.tree_util.keystr(path) for path, _ in leaves_with_path],
+        [_leaf_spec(leaf) for _, leaf in leaves_with_path],
+      )
 
-    def __init__(self, keep: int = 2, template: Any = None):
-        """Creates an empty server.
+  @property
+  def keep(self) -> int:
+    """How many of the newest versions the server holds."""
+    return self._keep
 
-        Args:
-            keep: how many of the newest versions to hold (>= 1); a push evicts older ones.
-            template: optional pytree of arrays or ``jax.ShapeDtypeStruct`` fixing the tree
-                structure, leaf shapes and dtypes that every push must match. ``None``: the
-                first push fixes them.
-        """
-        if isinstance(keep, bool) or not isinstance(keep, (int, np.integer)) or keep < 1:
-            raise ValueError(
-                f"keep must be an int >= 1 (how many versions to hold), got {keep!r}; "
-                "use keep=1 to hold only the latest version."
-            )
-        self._keep = int(keep)
-        self._cond = threading.Condition()
-        # version -> (treedef, leaves); dict order is ascending version order.
-        self._store: dict[int, tuple[Any, list[np.ndarray]]] = {}
-        self._latest = -1
-        self._template: tuple[Any, list[str], list[LeafSpec]] | None = None
-        if template is not None:
-            leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(template)
-            self._template = (
-                treedef,
-                [jax.tree_util.keystr(path) for path, _ in leaves_with_path],
-                [_leaf_spec(leaf) for _, leaf in leaves_with_path],
-            )
+  @property
+  def template(self) -> dict[str, LeafSpec] | None:
+    """Leaf path -> ``(shape, dtype name)`` every push must match; ``None`` until fixed."""
+    with self._cond:
+      if self._template is None:
+        return None
+      _, paths, specs = self._template
+      return dict(zip(paths, specs))
 
-    @property
-    def keep(self) -> int:
-        """How many of the newest versions the server holds."""
-        return self._keep
+  def push(self, version: int, params: Any) -> None:
+    """Stores ``params`` as ``version`` and wakes every waiting ``pull``.
 
-    @property
-    def template(self) -> dict[str, LeafSpec] | None:
-        """Leaf path -> ``(shape, dtype name)`` every push must match; ``None`` until fixed."""
-        with self._cond:
-            if self._template is None:
-                return None
-            _, paths, specs = self._template
-            return dict(zip(paths, specs))
+    Args:
+        version: int strictly greater than ``latest_version()`` (so the first push may use
+            any version >= 0).
+        params: pytree of arrays (numpy, JAX, Python scalars) matching the template. The
+            server stores its own read-only host copies; later changes to ``params`` never
+            reach them.
 
-    def push(self, version: int, params: Any) -> None:
-        """Stores ``params`` as ``version`` and wakes every waiting ``pull``.
+    Raises:
+        ValueError: ``version`` is not an int or not newer than the latest version, or
+            ``params`` does not match the template (tree structure, a leaf shape or a leaf
+            dtype). The server is unchanged after a failed push.
+    """
+    version = _check_int('version', version)
+    with self._cond:
+      # Cheap early rejection before copying params off device; _commit checks again.
+      self._check_version_order(version)
+    treedef, paths, leaves = _to_host_leaves(params)
+    self._commit(version, treedef, paths, leaves)
 
-        Args:
-            version: int strictly greater than ``latest_version()`` (so the first push may use
-                any version >= 0).
-            params: pytree of arrays (numpy, JAX, Python scalars) matching the template. The
-                server stores its own read-only host copies; later changes to ``params`` never
-                reach them.
+  def _commit(self, version: int, treedef: Any, paths: list[str], leaves: list[np.ndarray]) -> None:
+    """Checks order and template, then stores host leaves atomically (the transport seam)."""
+    specs = [_leaf_spec(leaf) for leaf in leaves]
+    with self._cond:
+      self._check_version_order(version)
+      if self._template is None:
+        template = (treedef, paths, specs)
+      else:
+        template = self._template
+        self._check_matches_template(treedef, paths, specs)
+      # Nothing below can fail: the push is accepted.
+      self._template = template
+      self._store[version] = (treedef, leaves)
+      self._latest = version
+      while len(self._store) > self._keep:
+        del self._store[next(iter(self._store))]
+      self._cond.notify_all()
 
-        Raises:
-            ValueError: ``version`` is not an int or not newer than the latest version, or
-                ``params`` does not match the template (tree structure, a leaf shape or a leaf
-                dtype). The server is unchanged after a failed push.
-        """
-        version = _check_int("version", version)
-        with self._cond:
-            # Cheap early rejection before copying params off device; _commit checks again.
-            self._check_version_order(version)
-        treedef, paths, leaves = _to_host_leaves(params)
-        self._commit(version, treedef, paths, leaves)
+  def _check_version_order(self, version: int) -> None:
+    if version <= self._latest:
+      raise ValueError(
+        f'push of version {version} rejected: the latest version is {self._latest} and '
+        f'versions never go backwards; push version {self._latest + 1} or later.'
+      )
 
-    def _commit(
-        self, version: int, treedef: Any, paths: list[str], leaves: list[np.ndarray]
-    ) -> None:
-        """Checks order and template, then stores host leaves atomically (the transport seam)."""
-        specs = [_leaf_spec(leaf) for leaf in leaves]
-        with self._cond:
-            self._check_version_order(version)
-            if self._template is None:
-                template = (treedef, paths, specs)
-            else:
-                template = self._template
-                self._check_matches_template(treedef, paths, specs)
-            # Nothing below can fail: the push is accepted.
-            self._template = template
-            self._store[version] = (treedef, leaves)
-            self._latest = version
-            while len(self._store) > self._keep:
-                del self._store[next(iter(self._store))]
-            self._cond.notify_all()
+  def _check_matches_template(self, treedef: Any, paths: list[str], specs: list[LeafSpec]) -> None:
+    expected_treedef, expected_paths, expected_specs = self._template
+    if treedef != expected_treedef:
+      seen, expected = set(paths), set(expected_paths)
+      missing = [p for p in expected_paths if p not in seen]
+      extra = [p for p in paths if p not in expected]
+      if missing or extra:
+        raise ValueError(
+          'params tree structure does not match the template: missing leaves '
+          f"{missing}, extra leaves {extra}. Push a tree with exactly the template's "
+          'leaves.'
+        )
+      raise ValueError(
+        'params tree structure does not match the template although the leaf paths '
+        f'agree (container types differ): expected {expected_treedef}, seen {treedef}. '
+        'Push the same container types (dict, list, tuple, ...) as the template.'
+      )
+    for path, (shape, dtype), (exp_shape, exp_dtype) in zip(paths, specs, expected_specs):
+      if shape != exp_shape:
+        raise ValueError(
+          f'leaf {path} has shape {shape} but the template expects {exp_shape}; '
+          "every push must keep each leaf's shape."
+        )
+      if dtype != exp_dtype:
+        raise ValueError(
+          f'leaf {path} has dtype {dtype} but the template expects {exp_dtype}; '
+          f'cast it with .astype({exp_dtype!r}) before pushing.'
+        )
 
-    def _check_version_order(self, version: int) -> None:
-        if version <= self._latest:
-            raise ValueError(
-                f"push of version {version} rejected: the latest version is {self._latest} and "
-                f"versions never go backwards; push version {self._latest + 1} or later."
-            )
+  def pull(self, min_version: int = 0, timeout: float | None = 0.0) -> WeightSnapshot:
+    """Returns the latest snapshot, waiting for one with ``version >= min_version``.
 
-    def _check_matches_template(
-        self, treedef: Any, paths: list[str], specs: list[LeafSpec]
-    ) -> None:
-        expected_treedef, expected_paths, expected_specs = self._template
-        if treedef != expected_treedef:
-            seen, expected = set(paths), set(expected_paths)
-            missing = [p for p in expected_paths if p not in seen]
-            extra = [p for p in paths if p not in expected]
-            if missing or extra:
-                raise ValueError(
-                    "params tree structure does not match the template: missing leaves "
-                    f"{missing}, extra leaves {extra}. Push a tree with exactly the template's "
-                    "leaves."
-                )
-            raise ValueError(
-                "params tree structure does not match the template although the leaf paths "
-                f"agree (container types differ): expected {expected_treedef}, seen {treedef}. "
-                "Push the same container types (dict, list, tuple, ...) as the template."
-            )
-        for path, (shape, dtype), (exp_shape, exp_dtype) in zip(paths, specs, expected_specs):
-            if shape != exp_shape:
-                raise ValueError(
-                    f"leaf {path} has shape {shape} but the template expects {exp_shape}; "
-                    "every push must keep each leaf's shape."
-                )
-            if dtype != exp_dtype:
-                raise ValueError(
-                    f"leaf {path} has dtype {dtype} but the template expects {exp_dtype}; "
-                    f"cast it with .astype({exp_dtype!r}) before pushing."
-                )
+    Args:
+        min_version: the oldest version the caller accepts.
+        timeout: seconds to wait for a push while the latest version is older than
+            ``min_version`` (0 = do not wait, ``None`` = wait forever).
 
-    def pull(self, min_version: int = 0, timeout: float | None = 0.0) -> WeightSnapshot:
-        """Returns the latest snapshot, waiting for one with ``version >= min_version``.
+    Returns:
+        The newest held ``WeightSnapshot``. Its leaves are shared read-only host arrays;
+        its containers are fresh, so the caller may rearrange them freely.
 
-        Args:
-            min_version: the oldest version the caller accepts.
-            timeout: seconds to wait for a push while the latest version is older than
-                ``min_version`` (0 = do not wait, ``None`` = wait forever).
+    Raises:
+        LookupError: nothing was ever pushed and ``timeout`` is 0.
+        TimeoutError: no version ``>= min_version`` arrived within ``timeout`` seconds.
+    """
+    min_version = _check_int('min_version', min_version)
+    if timeout is not None and not timeout >= 0:
+      raise ValueError(f'timeout must be >= 0 seconds or None (wait forever), got {timeout!r}.')
+    with self._cond:
+      if not self._cond.wait_for(lambda: self._latest >= min_version, timeout=timeout):
+        if self._latest < 0 and timeout == 0:
+          raise LookupError(
+            'the parameter server is empty: nothing has been pushed yet. Push '
+            'version 0 first, or pull with timeout > 0 (or None) to wait for it.'
+          )
+        raise TimeoutError(
+          f'no version >= {min_version} arrived within {timeout} s; the latest '
+          f'version is {self._latest}. Wait longer (timeout=None waits forever) or '
+          'lower min_version.'
+        )
+      return self._snapshot(self._latest)
 
-        Returns:
-            The newest held ``WeightSnapshot``. Its leaves are shared read-only host arrays;
-            its containers are fresh, so the caller may rearrange them freely.
+  def get(self, version: int) -> WeightSnapshot:
+    """Returns the held snapshot of exactly ``version``.
 
-        Raises:
-            LookupError: nothing was ever pushed and ``timeout`` is 0.
-            TimeoutError: no version ``>= min_version`` arrived within ``timeout`` seconds.
-        """
-        min_version = _check_int("min_version", min_version)
-        if timeout is not None and not timeout >= 0:
-            raise ValueError(
-                f"timeout must be >= 0 seconds or None (wait forever), got {timeout!r}."
-            )
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._latest >= min_version, timeout=timeout):
-                if self._latest < 0 and timeout == 0:
-                    raise LookupError(
-                        "the parameter server is empty: nothing has been pushed yet. Push "
-                        "version 0 first, or pull with timeout > 0 (or None) to wait for it."
-                    )
-                raise TimeoutError(
-                    f"no version >= {min_version} arrived within {timeout} s; the latest "
-                    f"version is {self._latest}. Wait longer (timeout=None waits forever) or "
-                    "lower min_version."
-                )
-            return self._snapshot(self._latest)
+    Raises:
+        KeyError: ``version`` was evicted or never pushed; the message lists held versions.
+    """
+    version = _check_int('version', version)
+    with self._cond:
+      if version not in self._store:
+        raise KeyError(
+          f'version {version} is not held (evicted or never pushed); held versions: '
+          f'{list(self._store)} (keep={self._keep}).'
+        )
+      return self._snapshot(version)
 
-    def get(self, version: int) -> WeightSnapshot:
-        """Returns the held snapshot of exactly ``version``.
+  def latest_version(self) -> int:
+    """The newest pushed version, or -1 when nothing has been pushed."""
+    with self._cond:
+      return self._latest
 
-        Raises:
-            KeyError: ``version`` was evicted or never pushed; the message lists held versions.
-        """
-        version = _check_int("version", version)
-        with self._cond:
-            if version not in self._store:
-                raise KeyError(
-                    f"version {version} is not held (evicted or never pushed); held versions: "
-                    f"{list(self._store)} (keep={self._keep})."
-                )
-            return self._snapshot(version)
+  def versions(self) -> list[int]:
+    """The held versions, ascending."""
+    with self._cond:
+      return list(self._store)
 
-    def latest_version(self) -> int:
-        """The newest pushed version, or -1 when nothing has been pushed."""
-        with self._cond:
-            return self._latest
-
-    def versions(self) -> list[int]:
-        """The held versions, ascending."""
-        with self._cond:
-            return list(self._store)
-
-    def _snapshot(self, version: int) -> WeightSnapshot:
-        treedef, leaves = self._store[version]
-        return WeightSnapshot(version=version, params=jax.tree_util.tree_unflatten(treedef, leaves))
+  def _snapshot(self, version: int) -> WeightSnapshot:
+    treedef, leaves = self._store[version]
+    return WeightSnapshot(version=version, params=jax.tree_util.tree_unflatten(treedef, leaves))

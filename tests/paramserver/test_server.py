@@ -15,266 +15,266 @@ from rlax_llm.paramserver import ParameterServer, WeightSnapshot
 
 
 def make_params(scale: float = 1.0) -> dict:
-    """Small nested tree: numpy float32 / int32 leaves and a JAX array leaf."""
-    return {
-        "embed": np.arange(6, dtype=np.float32).reshape(2, 3) * scale,
-        "layer": {
-            "w": jnp.full((3,), 2.0 * scale, dtype=jnp.float32),
-            "step": np.array(7, dtype=np.int32),
-        },
-    }
+  """Small nested tree: numpy float32 / int32 leaves and a JAX array leaf."""
+  return {
+    'embed': np.arange(6, dtype=np.float32).reshape(2, 3) * scale,
+    'layer': {
+      'w': jnp.full((3,), 2.0 * scale, dtype=jnp.float32),
+      'step': np.array(7, dtype=np.int32),
+    },
+  }
 
 
 def assert_tree_equal(actual, expected) -> None:
-    assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(expected)
-    for a, e in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected)):
-        assert isinstance(a, np.ndarray)
-        assert a.dtype == np.asarray(e).dtype
-        np.testing.assert_array_equal(a, np.asarray(e))
+  assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(expected)
+  for a, e in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected)):
+    assert isinstance(a, np.ndarray)
+    assert a.dtype == np.asarray(e).dtype
+    np.testing.assert_array_equal(a, np.asarray(e))
 
 
 def _push_error(server: ParameterServer, version) -> str:
-    with pytest.raises(ValueError) as info:
-        server.push(version, make_params())
-    return str(info.value)
+  with pytest.raises(ValueError) as info:
+    server.push(version, make_params())
+  return str(info.value)
 
 
 def test_push_pull_round_trip():
-    server = ParameterServer()
-    params = make_params()
-    server.push(0, params)
-    snap = server.pull()
-    assert isinstance(snap, WeightSnapshot)
-    assert snap.version == 0
-    assert_tree_equal(snap.params, params)
-    assert snap.metadata == {
-        "['embed']": ((2, 3), "float32"),
-        "['layer']['step']": ((), "int32"),
-        "['layer']['w']": ((3,), "float32"),
-    }
-    assert server.template == snap.metadata
-    assert server.latest_version() == 0
-    assert server.versions() == [0]
+  server = ParameterServer()
+  params = make_params()
+  server.push(0, params)
+  snap = server.pull()
+  assert isinstance(snap, WeightSnapshot)
+  assert snap.version == 0
+  assert_tree_equal(snap.params, params)
+  assert snap.metadata == {
+    "['embed']": ((2, 3), 'float32'),
+    "['layer']['step']": ((), 'int32'),
+    "['layer']['w']": ((3,), 'float32'),
+  }
+  assert server.template == snap.metadata
+  assert server.latest_version() == 0
+  assert server.versions() == [0]
 
 
 def test_pull_returns_latest_and_get_returns_exact_version():
-    server = ParameterServer(keep=3)
-    for v in range(3):
-        server.push(v, make_params(scale=v + 1.0))
-    assert server.pull(min_version=1).version == 2
-    np.testing.assert_array_equal(server.pull().params["layer"]["w"], [6.0, 6.0, 6.0])
-    np.testing.assert_array_equal(server.get(1).params["layer"]["w"], [4.0, 4.0, 4.0])
+  server = ParameterServer(keep=3)
+  for v in range(3):
+    server.push(v, make_params(scale=v + 1.0))
+  assert server.pull(min_version=1).version == 2
+  np.testing.assert_array_equal(server.pull().params['layer']['w'], [6.0, 6.0, 6.0])
+  np.testing.assert_array_equal(server.get(1).params['layer']['w'], [4.0, 4.0, 4.0])
 
 
 def test_non_finite_values_are_stored_as_is():
-    server = ParameterServer()
-    params = make_params()
-    params["embed"][0, 0] = np.nan
-    params["embed"][1, 2] = -np.inf
-    server.push(0, params)
-    embed = server.pull().params["embed"]
-    assert np.isnan(embed[0, 0]) and embed[1, 2] == -np.inf
+  server = ParameterServer()
+  params = make_params()
+  params['embed'][0, 0] = np.nan
+  params['embed'][1, 2] = -np.inf
+  server.push(0, params)
+  embed = server.pull().params['embed']
+  assert np.isnan(embed[0, 0]) and embed[1, 2] == -np.inf
 
 
-@pytest.mark.parametrize("bad_version", [0, 2, -1])
+@pytest.mark.parametrize('bad_version', [0, 2, -1])
 def test_push_with_old_version_raises_and_changes_nothing(bad_version):
-    server = ParameterServer()
-    server.push(0, make_params(scale=1.0))
-    server.push(2, make_params(scale=1.0))
-    with pytest.raises(
-        ValueError,
-        match=rf"version {bad_version} rejected: the latest version is 2 .*never go backwards",
-    ):
-        server.push(bad_version, make_params(scale=5.0))
-    assert server.latest_version() == 2
-    assert server.versions() == [0, 2]
-    np.testing.assert_array_equal(server.pull().params["layer"]["w"], [2.0, 2.0, 2.0])
+  server = ParameterServer()
+  server.push(0, make_params(scale=1.0))
+  server.push(2, make_params(scale=1.0))
+  with pytest.raises(
+    ValueError,
+    match=rf'version {bad_version} rejected: the latest version is 2 .*never go backwards',
+  ):
+    server.push(bad_version, make_params(scale=5.0))
+  assert server.latest_version() == 2
+  assert server.versions() == [0, 2]
+  np.testing.assert_array_equal(server.pull().params['layer']['w'], [2.0, 2.0, 2.0])
 
 
-@pytest.mark.parametrize("bad_version", [True, 1.0, "3", None])
+@pytest.mark.parametrize('bad_version', [True, 1.0, '3', None])
 def test_push_rejects_non_int_versions(bad_version):
-    server = ParameterServer()
-    assert "must be an int" in _push_error(server, bad_version)
-    assert server.latest_version() == -1
-    assert server.versions() == []
+  server = ParameterServer()
+  assert 'must be an int' in _push_error(server, bad_version)
+  assert server.latest_version() == -1
+  assert server.versions() == []
 
 
 def test_push_accepts_numpy_integer_version():
-    server = ParameterServer()
-    server.push(np.int64(3), make_params())
-    assert server.latest_version() == 3
-    assert type(server.pull().version) is int
+  server = ParameterServer()
+  server.push(np.int64(3), make_params())
+  assert server.latest_version() == 3
+  assert type(server.pull().version) is int
 
 
 def _bad_shape(p):
-    p["layer"]["w"] = jnp.zeros((4,), jnp.float32)
+  p['layer']['w'] = jnp.zeros((4,), jnp.float32)
 
 
 def _bad_dtype(p):
-    p["embed"] = p["embed"].astype(np.float16)
+  p['embed'] = p['embed'].astype(np.float16)
 
 
 def _missing_leaf(p):
-    del p["layer"]["step"]
+  del p['layer']['step']
 
 
 def _extra_leaf(p):
-    p["layer"]["b"] = np.zeros((3,), np.float32)
+  p['layer']['b'] = np.zeros((3,), np.float32)
 
 
 @pytest.mark.parametrize(
-    "mutate, pattern",
-    [
-        (_bad_shape, r"leaf \['layer'\]\['w'\] has shape \(4,\).*expects \(3,\)"),
-        (_bad_dtype, r"leaf \['embed'\] has dtype float16.*expects float32"),
-        (_missing_leaf, r"missing leaves \[\"\['layer'\]\['step'\]\"\], extra leaves \[\]"),
-        (_extra_leaf, r"missing leaves \[\], extra leaves \[\"\['layer'\]\['b'\]\"\]"),
-    ],
-    ids=["shape", "dtype", "missing", "extra"],
+  'mutate, pattern',
+  [
+    (_bad_shape, r"leaf \['layer'\]\['w'\] has shape \(4,\).*expects \(3,\)"),
+    (_bad_dtype, r"leaf \['embed'\] has dtype float16.*expects float32"),
+    (_missing_leaf, r"missing leaves \[\"\['layer'\]\['step'\]\"\], extra leaves \[\]"),
+    (_extra_leaf, r"missing leaves \[\], extra leaves \[\"\['layer'\]\['b'\]\"\]"),
+  ],
+  ids=['shape', 'dtype', 'missing', 'extra'],
 )
 def test_template_mismatch_raises_with_leaf_path_and_changes_nothing(mutate, pattern):
-    server = ParameterServer()
-    server.push(0, make_params())
-    bad = make_params(scale=3.0)
-    mutate(bad)
-    with pytest.raises(ValueError, match=pattern):
-        server.push(1, bad)
-    assert server.latest_version() == 0
-    assert server.versions() == [0]
-    # The failed version number is still free: a matching push with it succeeds.
-    server.push(1, make_params(scale=3.0))
-    assert server.latest_version() == 1
+  server = ParameterServer()
+  server.push(0, make_params())
+  bad = make_params(scale=3.0)
+  mutate(bad)
+  with pytest.raises(ValueError, match=pattern):
+    server.push(1, bad)
+  assert server.latest_version() == 0
+  assert server.versions() == [0]
+  # The failed version number is still free: a matching push with it succeeds.
+  server.push(1, make_params(scale=3.0))
+  assert server.latest_version() == 1
 
 
 def test_container_type_mismatch_raises():
-    server = ParameterServer()
-    server.push(0, {"x": [np.zeros(2, np.float32)]})
-    with pytest.raises(ValueError, match="container types differ"):
-        server.push(1, {"x": (np.zeros(2, np.float32),)})
+  server = ParameterServer()
+  server.push(0, {'x': [np.zeros(2, np.float32)]})
+  with pytest.raises(ValueError, match='container types differ'):
+    server.push(1, {'x': (np.zeros(2, np.float32),)})
 
 
 def test_constructor_template_of_shape_dtype_structs():
-    template = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), make_params()
-    )
-    server = ParameterServer(template=template)
-    assert server.template["['layer']['w']"] == ((3,), "float32")
-    bad = make_params()
-    bad["layer"]["step"] = np.array(7, dtype=np.int64)
-    with pytest.raises(ValueError, match=r"leaf \['layer'\]\['step'\] has dtype int64"):
-        server.push(0, bad)
-    assert server.latest_version() == -1
-    server.push(0, make_params())
-    assert server.latest_version() == 0
+  template = jax.tree_util.tree_map(
+    lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), make_params()
+  )
+  server = ParameterServer(template=template)
+  assert server.template["['layer']['w']"] == ((3,), 'float32')
+  bad = make_params()
+  bad['layer']['step'] = np.array(7, dtype=np.int64)
+  with pytest.raises(ValueError, match=r"leaf \['layer'\]\['step'\] has dtype int64"):
+    server.push(0, bad)
+  assert server.latest_version() == -1
+  server.push(0, make_params())
+  assert server.latest_version() == 0
 
 
 def test_keep_evicts_old_versions():
-    server = ParameterServer(keep=2)
-    for v in (0, 1, 5):
-        server.push(v, make_params(scale=float(v)))
-    assert server.versions() == [1, 5]
-    np.testing.assert_array_equal(server.get(1).params["layer"]["w"], [2.0, 2.0, 2.0])
-    with pytest.raises(KeyError, match=re.escape("held versions: [1, 5]")):
-        server.get(0)
-    with pytest.raises(KeyError, match=re.escape("held versions: [1, 5]")):
-        server.get(3)
+  server = ParameterServer(keep=2)
+  for v in (0, 1, 5):
+    server.push(v, make_params(scale=float(v)))
+  assert server.versions() == [1, 5]
+  np.testing.assert_array_equal(server.get(1).params['layer']['w'], [2.0, 2.0, 2.0])
+  with pytest.raises(KeyError, match=re.escape('held versions: [1, 5]')):
+    server.get(0)
+  with pytest.raises(KeyError, match=re.escape('held versions: [1, 5]')):
+    server.get(3)
 
 
-@pytest.mark.parametrize("keep", [0, -1, True, 1.5])
+@pytest.mark.parametrize('keep', [0, -1, True, 1.5])
 def test_keep_is_validated(keep):
-    with pytest.raises(ValueError, match="keep must be an int >= 1"):
-        ParameterServer(keep=keep)
+  with pytest.raises(ValueError, match='keep must be an int >= 1'):
+    ParameterServer(keep=keep)
 
 
 def test_stored_arrays_are_read_only_copies():
-    server = ParameterServer()
-    params = make_params()
-    server.push(0, params)
-    params["embed"][:] = -1.0
-    params["layer"]["step"][...] = 99
-    params["layer"]["w"] = jnp.zeros((3,), jnp.float32)  # replacing a leaf in the caller's tree
-    snap = server.pull()
-    assert_tree_equal(snap.params, make_params())
-    for leaf in jax.tree_util.tree_leaves(snap.params):
-        assert not leaf.flags.writeable
-        assert not np.shares_memory(leaf, params["embed"])
-    with pytest.raises(ValueError, match="read-only"):
-        snap.params["embed"][0, 0] = 5.0
-    # Rearranging one snapshot's containers leaves the stored version intact.
-    snap.params["layer"].clear()
-    assert_tree_equal(server.pull().params, make_params())
+  server = ParameterServer()
+  params = make_params()
+  server.push(0, params)
+  params['embed'][:] = -1.0
+  params['layer']['step'][...] = 99
+  params['layer']['w'] = jnp.zeros((3,), jnp.float32)  # replacing a leaf in the caller's tree
+  snap = server.pull()
+  assert_tree_equal(snap.params, make_params())
+  for leaf in jax.tree_util.tree_leaves(snap.params):
+    assert not leaf.flags.writeable
+    assert not np.shares_memory(leaf, params['embed'])
+  with pytest.raises(ValueError, match='read-only'):
+    snap.params['embed'][0, 0] = 5.0
+  # Rearranging one snapshot's containers leaves the stored version intact.
+  snap.params['layer'].clear()
+  assert_tree_equal(server.pull().params, make_params())
 
 
 def test_pull_empty_without_wait_raises_lookup_error():
-    server = ParameterServer()
-    with pytest.raises(LookupError, match="nothing has been pushed"):
-        server.pull()
+  server = ParameterServer()
+  with pytest.raises(LookupError, match='nothing has been pushed'):
+    server.pull()
 
 
 def test_pull_future_version_times_out():
-    server = ParameterServer()
-    server.push(0, make_params())
-    start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"no version >= 3 .*latest version is 0"):
-        server.pull(min_version=3, timeout=0.05)
-    assert 0.04 <= time.monotonic() - start < 1.0
+  server = ParameterServer()
+  server.push(0, make_params())
+  start = time.monotonic()
+  with pytest.raises(TimeoutError, match=r'no version >= 3 .*latest version is 0'):
+    server.pull(min_version=3, timeout=0.05)
+  assert 0.04 <= time.monotonic() - start < 1.0
 
 
 def test_pull_empty_with_timeout_raises_timeout_error():
-    server = ParameterServer()
-    with pytest.raises(TimeoutError, match="latest version is -1"):
-        server.pull(timeout=0.01)
+  server = ParameterServer()
+  with pytest.raises(TimeoutError, match='latest version is -1'):
+    server.pull(timeout=0.01)
 
 
 def test_pull_rejects_negative_timeout():
-    with pytest.raises(ValueError, match="timeout must be >= 0"):
-        ParameterServer().pull(timeout=-1.0)
+  with pytest.raises(ValueError, match='timeout must be >= 0'):
+    ParameterServer().pull(timeout=-1.0)
 
 
 def test_push_wakes_waiting_pull():
-    server = ParameterServer()
-    server.push(0, make_params())
-    waiting = threading.Event()
-    result = {}
+  server = ParameterServer()
+  server.push(0, make_params())
+  waiting = threading.Event()
+  result = {}
 
-    def waiter():
-        waiting.set()
-        try:
-            result["snap"] = server.pull(min_version=1, timeout=5)
-        except Exception as e:  # surfaced by the assertion below
-            result["error"] = e
+  def waiter():
+    waiting.set()
+    try:
+      result['snap'] = server.pull(min_version=1, timeout=5)
+    except Exception as e:  # surfaced by the assertion below
+      result['error'] = e
 
-    thread = threading.Thread(target=waiter)
-    thread.start()
-    assert waiting.wait(timeout=5)
-    time.sleep(0.01)  # let the waiter block on the condition
-    start = time.monotonic()
-    server.push(1, make_params(scale=2.0))
-    thread.join(timeout=5)
-    assert not thread.is_alive()
-    assert time.monotonic() - start < 1.0
-    assert "error" not in result, result.get("error")
-    assert result["snap"].version == 1
-    np.testing.assert_array_equal(result["snap"].params["layer"]["w"], [4.0, 4.0, 4.0])
+  thread = threading.Thread(target=waiter)
+  thread.start()
+  assert waiting.wait(timeout=5)
+  time.sleep(0.01)  # let the waiter block on the condition
+  start = time.monotonic()
+  server.push(1, make_params(scale=2.0))
+  thread.join(timeout=5)
+  assert not thread.is_alive()
+  assert time.monotonic() - start < 1.0
+  assert 'error' not in result, result.get('error')
+  assert result['snap'].version == 1
+  np.testing.assert_array_equal(result['snap'].params['layer']['w'], [4.0, 4.0, 4.0])
 
 
 @hypothesis.settings(max_examples=30, deadline=None)
 @hypothesis.given(st.lists(st.integers(min_value=-3, max_value=20), max_size=12))
 def test_latest_version_is_monotone_and_equals_max_accepted(versions):
-    server = ParameterServer(keep=3)
-    params = {"w": np.zeros((2,), np.float32)}
-    accepted = []
-    previous = server.latest_version()
-    assert previous == -1
-    for v in versions:
-        try:
-            server.push(v, params)
-            accepted.append(v)
-        except ValueError:
-            pass
-        latest = server.latest_version()
-        assert latest >= previous
-        previous = latest
-    assert server.latest_version() == max(accepted, default=-1)
-    assert accepted == sorted(set(accepted))
-    assert server.versions() == accepted[-3:]
+  server = ParameterServer(keep=3)
+  params = {'w': np.zeros((2,), np.float32)}
+  accepted = []
+  previous = server.latest_version()
+  assert previous == -1
+  for v in versions:
+    try:
+      server.push(v, params)
+      accepted.append(v)
+    except ValueError:
+      pass
+    latest = server.latest_version()
+    assert latest >= previous
+    previous = latest
+  assert server.latest_version() == max(accepted, default=-1)
+  assert accepted == sorted(set(accepted))
+  assert server.versions() == accepted[-3:]

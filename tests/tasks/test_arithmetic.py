@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlax_llm.tasks import TASKS, ArithmeticTask, Prompt, Task, make_task
-from rlax_llm.tasks.arithmetic import extract_answer
+from rlax_llm.tasks.arithmetic import extract_answer, no_carry_answer
 
 OPS = {'+': operator.add, '-': operator.sub, '*': operator.mul}
 PROBLEM_RE = re.compile(r'([0-9]+)([+\-*])([0-9]+)=')
@@ -216,3 +216,70 @@ def test_make_task_unknown_field_and_missing_name():
     make_task(dict(name='arithmetic', max_opernd=9))
   with pytest.raises(ValueError, match='no "name" field'):
     make_task(dict(seed=0))
+
+
+# --- Imperfect demonstrations (demo_error_rate) -------------------------------------------
+
+
+
+
+def _no_carry_reference(a, op, b):
+  """Column arithmetic on zero-padded digit strings, dropping carries/borrows."""
+  if op == '-' and a < b:
+    return -_no_carry_reference(b, op, a)
+  width = max(len(str(a)), len(str(b)))
+  da, db = str(a).zfill(width), str(b).zfill(width)
+  cols = [(int(x) + int(y)) % 10 if op == '+' else (int(x) - int(y)) % 10
+          for x, y in zip(da, db)]
+  return int(''.join(map(str, cols)))
+
+
+@pytest.mark.parametrize('a, op, b, expected', [
+    (57, '+', 68, 15), (52, '-', 38, 24), (38, '-', 52, -24), (12, '+', 34, 46),
+    (5, '+', 99, 94), (0, '+', 0, 0), (90, '-', 90, 0),
+])
+def test_no_carry_answer_examples(a, op, b, expected):
+  assert no_carry_answer(a, op, b) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 10**6), st.sampled_from('+-'), st.integers(0, 10**6))
+def test_no_carry_answer_matches_column_reference(a, op, b):
+  assert no_carry_answer(a, op, b) == _no_carry_reference(a, op, b)
+
+
+def test_demonstrations_are_exact_without_errors():
+  task = ArithmeticTask(seed=3, demo_error_rate=0.0)
+  for i in range(300):
+    text, answer = task.sft_example(i)
+    assert (text, answer) == (task.train_prompt(i).text, task.train_prompt(i).answer)
+
+
+def test_demonstration_error_rate():
+  task = ArithmeticTask(seed=3, demo_error_rate=0.6)
+  n, wrong, carry = 4000, 0, 0
+  for i in range(n):
+    prompt = task.train_prompt(i)
+    text, answer = task.sft_example(i)
+    assert text == prompt.text
+    a, b = (int(x) for x in prompt.text[:-1].split('+'))
+    if _no_carry_reference(a, '+', b) != a + b:
+      carry += 1
+    if answer != prompt.answer:
+      wrong += 1
+      assert int(answer) == _no_carry_reference(a, '+', b)
+  assert abs(wrong / carry - 0.6) < 0.04  # errors only where a carry exists, at the rate
+  assert task.sft_example(17) == task.sft_example(17)  # deterministic
+  # The verifier always judges against the exact answer.
+  prompt = task.train_prompt(0)
+  assert task.score(prompt, prompt.answer) == 1.0
+
+
+@pytest.mark.parametrize('kwargs, message', [
+    (dict(demo_error_rate=1.5), r'demo_error_rate must be a float in \[0, 1\]'),
+    (dict(demo_error_rate=-0.1), r'demo_error_rate must be a float in \[0, 1\]'),
+    (dict(demo_error_rate=0.2, operations='+*'), "defined for '\\+' and '-' only"),
+])
+def test_demo_error_rate_validation(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    ArithmeticTask(**kwargs)

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Creates .venv (first use) and installs rlax_llm with its test extras into it.
+# Re-installs only when pyproject.toml changed since the last install.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $($PYTHON --version)" >&2
+  "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.rlax_llm_installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "setup: installing rlax_llm and its dependencies into .venv (first run takes a few minutes)" >&2
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e '.[test]'
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,90 @@
+"""The launch CLI end to end: a short run writes the workdir contract; bad flags fail fast."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from rlax_llm.metrics import read_metrics
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _launch(*args, timeout=300):
+  env = dict(os.environ)
+  env['PYTHONPATH'] = str(ROOT) + os.pathsep + env.get('PYTHONPATH', '')
+  return subprocess.run([sys.executable, '-m', 'rlax_llm.launch', *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope='module')
+def smoke_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp('run') / 'wd'
+  result = _launch('--config=configs/default.py:smoke', '--config.total_steps=4',
+                   f'--workdir={workdir}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  return workdir, result
+
+
+def test_run_writes_config_metrics_and_events(smoke_run):
+  workdir, _ = smoke_run
+  config = json.loads((workdir / 'config.json').read_text())
+  assert config['total_steps'] == 4 and config['rl']['loss'] == 'grpo'
+  rows = read_metrics(workdir / 'metrics.jsonl')
+  assert [r['step'] for r in rows] == [1, 2, 3, 4]
+  for row in rows:
+    for key in ('reward/mean', 'loss', 'time/step_s', 'staleness/mean', 'entropy',
+                'clip_fraction', 'grad_norm'):
+      assert key in row, (key, row)
+    assert 0.0 <= row['reward/mean'] <= 1.0
+    assert row['staleness/mean'] == 0.0  # synchronous: every rollout is on-policy
+    assert row['version'] == row['step']
+  # eval every 2 steps (smoke variant) and at the end, with the start/final figures last.
+  assert 'eval/accuracy' in rows[1] and 'eval/accuracy' not in rows[0]
+  last = rows[-1]
+  assert last['eval/improvement'] == pytest.approx(
+      last['eval/final_accuracy'] - last['eval/start_accuracy'])
+  assert list(workdir.glob('events.out.tfevents.*')), 'no TensorBoard event file'
+  summary = json.loads((workdir / 'summary.json').read_text())
+  assert summary['steps'] == 4
+  assert summary['eval/final_accuracy'] == pytest.approx(last['eval/final_accuracy'])
+
+
+def test_run_prints_progress_and_final_accuracy(smoke_run):
+  _, result = smoke_run
+  assert 'step 4 |' in result.stdout
+  assert 'held-out greedy accuracy: RL start' in result.stdout
+
+
+def test_existing_workdir_is_refused(smoke_run):
+  workdir, _ = smoke_run
+  result = _launch('--config=configs/default.py:smoke', f'--workdir={workdir}')
+  assert result.returncode != 0
+  assert 'already holds a run' in result.stderr
+
+
+@pytest.mark.parametrize('flag, message', [
+    ('--config.rl.los=grpo', "unknown config key 'rl.los'. Did you mean rl.loss?"),
+    ('--config.nope=1', "unknown config key 'nope'"),
+    ('--config.total_steps=abc', "expected type int"),
+    ('--config.rl.loss=ppo', "config.rl.loss='ppo' is not valid; choose one of ['grpo']"),
+    ('--config.backend=slurm', "config.backend='slurm' is not valid"),
+    ('--config.rl.group_size=0', 'config.rl.group_size=0 must be an int >= 1'),
+])
+def test_bad_override_fails_before_compute(tmp_path, flag, message):
+  workdir = tmp_path / 'wd'
+  result = _launch('--config=configs/default.py:smoke', flag, f'--workdir={workdir}',
+                   timeout=60)
+  assert result.returncode != 0
+  assert message in result.stderr, result.stderr[-2000:]
+  assert not (workdir / 'metrics.jsonl').exists()
+  assert 'Traceback' not in result.stderr
+
+
+def test_unknown_variant_fails(tmp_path):
+  result = _launch('--config=configs/default.py:bogus', f'--workdir={tmp_path}/wd', timeout=60)
+  assert result.returncode != 0
+  assert "Unknown variant 'bogus'" in result.stderr
