@@ -62,6 +62,11 @@ class Run:
 @contextlib.contextmanager
 def build_run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> Iterator[Run]:
   """Builds task, model, warm-up, trainer, parameter server, worker and controller."""
+  rl = config.rl
+  settings = ControllerSettings(  # validates the staleness setting before any compute
+      total_steps=config.total_steps, prompts_per_step=rl.prompts_per_step,
+      group_size=rl.group_size, staleness_j=config.staleness.j,
+      staleness_k=config.staleness.k, eval_every=config.eval.every_steps, seed=config.seed)
   task = make_task(config.task.to_dict() | {'seed': config.seed})
   tokenizer = task.tokenizer
   model, params = create_model(decoder_config(config, tokenizer.vocab_size), seed=config.seed)
@@ -75,7 +80,6 @@ def build_run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> Itera
       model, params, task, trainer_mesh, steps=w.steps, batch_size=w.batch_size,
       learning_rate=w.learning_rate, warmup_steps=w.warmup_steps)
 
-  rl = config.rl
   loss_config = RLLossConfig(loss=rl.loss, clip_eps=rl.clip_eps, kl_beta=rl.kl_beta,
                              kl_estimator=rl.kl_estimator)
   optimizer = make_optimizer(rl.learning_rate, weight_decay=rl.weight_decay,
@@ -90,10 +94,6 @@ def build_run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> Itera
                             pad_id=tokenizer.pad_id, temperature=s.temperature, top_k=s.top_k,
                             top_p=s.top_p)
   worker = InferenceWorker(model, tokenizer, sampling, inference_mesh, s.max_prompt_len)
-  settings = ControllerSettings(
-      total_steps=config.total_steps, prompts_per_step=rl.prompts_per_step,
-      group_size=rl.group_size, staleness_j=config.staleness.j,
-      staleness_k=config.staleness.k, eval_every=config.eval.every_steps, seed=config.seed)
   with MetricsWriter(workdir, tensorboard=config.log.tensorboard,
                      console_every=config.log.console_every) as writer:
     yield Run(Controller(settings, task, trainer, server, worker, writer), writer,

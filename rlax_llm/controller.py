@@ -41,6 +41,13 @@ class ControllerSettings:
   eval_every: int
   seed: int
 
+  def __post_init__(self):
+    if (self.staleness_j, self.staleness_k) != (1, 1):
+      raise ValueError(
+          'The synchronous controller runs on-policy lockstep, staleness (j, k) = (1, 1); got '
+          f'(j, k) = ({self.staleness_j}, {self.staleness_k}). Set '
+          '--config.staleness.j=1 --config.staleness.k=1.')
+
 
 def prompt_dataset(task: Task, prompts_per_step: int) -> grain.MapDataset:
   """Batches of training prompts: element ``s`` holds the prompts of RL step ``s``."""
@@ -54,11 +61,6 @@ class Controller:
 
   def __init__(self, settings: ControllerSettings, task: Task, trainer: Trainer,
                server: ParameterServer, worker: InferenceWorker, writer: MetricsWriter):
-    if (settings.staleness_j, settings.staleness_k) != (1, 1):
-      raise ValueError(
-          'The synchronous controller runs on-policy lockstep, staleness (j, k) = (1, 1); got '
-          f'(j, k) = ({settings.staleness_j}, {settings.staleness_k}). Set '
-          '--config.staleness.j=1 --config.staleness.k=1.')
     self.settings = settings
     self.task = task
     self.trainer = trainer
