@@ -7,6 +7,7 @@ held-out greedy accuracy. Variants (``--config=configs/default.py:VARIANT``):
 """
 
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
@@ -28,9 +29,19 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c.warmup = ml_collections.ConfigDict(dict(
       steps=2000, batch_size=64, learning_rate=3e-3, warmup_steps=50,
   ))
+  # Loss: any name in rlax_llm.losses.LOSSES (docs/losses.md). Placeholders (None) take the
+  # named loss's defaults: its advantage estimator, clip range, aggregation, KL estimator.
   c.rl = ml_collections.ConfigDict(dict(
       loss='grpo', group_size=8, prompts_per_step=32, learning_rate=3e-4,
-      clip_eps=0.2, kl_beta=0.0, kl_estimator='k3', max_grad_norm=1.0, weight_decay=0.0,
+      max_grad_norm=1.0, weight_decay=0.0,
+      advantage_estimator=placeholder(str), eps_low=placeholder(float),
+      eps_high=placeholder(float), aggregation=placeholder(str),
+      kl_beta=0.0, kl_estimator=placeholder(str),
+      m2po_tau=0.04, m2po_variant='paper',
+      old_logprobs='behaviour',  # or 'recompute' (on-policy only; enables mismatch)
+      mismatch=ml_collections.ConfigDict(dict(
+          enabled=False, level='token', mode='truncate', threshold=2.0,
+          veto_threshold=placeholder(float))),
   ))
   c.sampling = ml_collections.ConfigDict(dict(
       temperature=1.0, top_k=0, top_p=1.0, max_prompt_len=8, max_new_tokens=5,

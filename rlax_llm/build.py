@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from rlax_llm import losses
 from rlax_llm.controller import Controller, ControllerSettings
 from rlax_llm.metrics import MetricsWriter
 from rlax_llm.models.decoder import DecoderConfig
@@ -26,7 +27,7 @@ from rlax_llm.rollout.sampler import SamplingConfig
 from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.tasks import make_task
 from rlax_llm.trainer.objectives import RLLossConfig, rl_objective
-from rlax_llm.trainer.sharding import make_mesh
+from rlax_llm.sharding import make_mesh
 from rlax_llm.trainer.trainer import Trainer, make_optimizer
 from rlax_llm.trainer.warmup import supervised_warmup
 
@@ -41,6 +42,20 @@ def decoder_config(config: ml_collections.ConfigDict, vocab_size: int) -> Decode
       num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
       mlp_dim=m.mlp_dim, rope_theta=m.rope_theta, tie_embeddings=m.tie_embeddings,
       max_seq_len=m.max_seq_len, param_dtype=_DTYPES[m.param_dtype], dtype=_DTYPES[m.dtype])
+
+
+def rl_loss_config(rl: ml_collections.ConfigDict) -> RLLossConfig:
+  """The ``RLLossConfig`` for ``config.rl`` (``None`` fields take the loss's defaults)."""
+  mismatch = None
+  if rl.mismatch.enabled:
+    mismatch = losses.MismatchConfig(level=rl.mismatch.level, mode=rl.mismatch.mode,
+                                     threshold=rl.mismatch.threshold,
+                                     veto_threshold=rl.mismatch.veto_threshold)
+  return RLLossConfig(
+      loss=rl.loss, advantage_estimator=rl.advantage_estimator, eps_low=rl.eps_low,
+      eps_high=rl.eps_high, aggregation=rl.aggregation, kl_beta=rl.kl_beta,
+      kl_estimator=rl.kl_estimator, m2po_tau=rl.m2po_tau, m2po_variant=rl.m2po_variant,
+      old_logprobs=rl.old_logprobs, mismatch=mismatch)
 
 
 @dataclasses.dataclass
@@ -63,10 +78,12 @@ class Run:
 def build_run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> Iterator[Run]:
   """Builds task, model, warm-up, trainer, parameter server, worker and controller."""
   rl = config.rl
+  loss_config = rl_loss_config(rl)
   settings = ControllerSettings(  # validates the staleness setting before any compute
       total_steps=config.total_steps, prompts_per_step=rl.prompts_per_step,
       group_size=rl.group_size, staleness_j=config.staleness.j,
-      staleness_k=config.staleness.k, eval_every=config.eval.every_steps, seed=config.seed)
+      staleness_k=config.staleness.k, eval_every=config.eval.every_steps, seed=config.seed,
+      advantage_estimator=loss_config.estimator)
   task = make_task(config.task.to_dict() | {'seed': config.seed})
   tokenizer = task.tokenizer
   model, params = create_model(decoder_config(config, tokenizer.vocab_size), seed=config.seed)
@@ -80,8 +97,6 @@ def build_run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> Itera
       model, params, task, trainer_mesh, steps=w.steps, batch_size=w.batch_size,
       learning_rate=w.learning_rate, warmup_steps=w.warmup_steps)
 
-  loss_config = RLLossConfig(loss=rl.loss, clip_eps=rl.clip_eps, kl_beta=rl.kl_beta,
-                             kl_estimator=rl.kl_estimator)
   optimizer = make_optimizer(rl.learning_rate, weight_decay=rl.weight_decay,
                              max_grad_norm=rl.max_grad_norm)
   objective = lambda m, p, b, ref: rl_objective(m, p, b, ref, loss_config)

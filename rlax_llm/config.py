@@ -24,16 +24,29 @@ REQUIRED_KEYS = (
     'eval.every_steps', 'mesh',
 )
 
-# Choice fields -> valid values. Kept here so the CLI can validate without importing jax.
+# Choice fields -> valid values (loss-related ones come from ``rlax_llm.losses``).
 CHOICES = {
     'backend': ('local',),
     'model.name': ('tiny',),
     'task.name': ('arithmetic',),
-    'rl.loss': ('grpo',),
-    'rl.kl_estimator': ('k1', 'k2', 'k3'),
     'model.param_dtype': ('float32', 'bfloat16'),
     'model.dtype': ('float32', 'bfloat16'),
+    'rl.old_logprobs': ('behaviour', 'recompute'),
 }
+
+
+def choices() -> dict[str, tuple]:
+  """Every choice field and its valid values (``None`` = use the loss's default)."""
+  from rlax_llm import losses  # pylint: disable=import-outside-toplevel
+  return CHOICES | {
+      'rl.loss': tuple(sorted(losses.LOSSES)),
+      'rl.advantage_estimator': (None,) + losses.ESTIMATORS,
+      'rl.kl_estimator': (None,) + losses.KL_ESTIMATORS,
+      'rl.aggregation': (None,) + losses.AGGREGATIONS,
+      'rl.m2po_variant': losses.M2PO_VARIANTS,
+      'rl.mismatch.level': losses.components.MISMATCH_LEVELS,
+      'rl.mismatch.mode': losses.components.MISMATCH_MODES,
+  }
 
 POSITIVE_INTS = ('rl.group_size', 'rl.prompts_per_step', 'sampling.max_new_tokens',
                  'sampling.max_prompt_len')
@@ -71,7 +84,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ``ConfigError`` naming the first key that is missing or invalid."""
   for key in REQUIRED_KEYS:
     _get(config, key)
-  for key, valid in CHOICES.items():
+  for key, valid in choices().items():
     try:
       value = _get(config, key)
     except ConfigError:

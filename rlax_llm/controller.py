@@ -40,6 +40,7 @@ class ControllerSettings:
   staleness_k: int
   eval_every: int
   seed: int
+  advantage_estimator: str = 'grpo'
 
   def __post_init__(self):
     if (self.staleness_j, self.staleness_k) != (1, 1):
@@ -117,7 +118,8 @@ class Controller:
       rollouts = self.collect(prompts, key)
       t_rollout = time.perf_counter() - t0
 
-      advantages = np.asarray(losses.grpo_advantages(rollouts.rewards, rollouts.group_ids))
+      advantages = np.asarray(losses.group_advantages(
+          rollouts.rewards, rollouts.group_ids, s.advantage_estimator))
       batch = make_train_batch(rollouts, advantages)
       staleness = self.trainer.version - batch.versions[batch.versions >= 0]
       too_stale = int(np.sum(staleness >= s.staleness_k))

@@ -67,10 +67,10 @@ def test_existing_workdir_is_refused(smoke_run):
 
 
 @pytest.mark.parametrize('flag, message', [
-    ('--config.rl.los=grpo', "unknown config key 'rl.los'. Did you mean rl.loss?"),
+    ('--config.rl.los=grpo', "unknown config key 'rl.los'. Did you mean rl.loss"),
     ('--config.nope=1', "unknown config key 'nope'"),
     ('--config.total_steps=abc', "expected type int"),
-    ('--config.rl.loss=ppo', "config.rl.loss='ppo' is not valid; choose one of ['grpo']"),
+    ('--config.rl.loss=trpo', "config.rl.loss='trpo' is not valid; choose one of ['cispo', 'dapo'"),
     ('--config.backend=slurm', "config.backend='slurm' is not valid"),
     ('--config.rl.group_size=0', 'config.rl.group_size=0 must be an int >= 1'),
 ])

@@ -1,13 +1,28 @@
-"""Losses as pure functions: advantages, policy losses, KL estimators, diagnostics."""
+"""Losses as pure functions: advantages, policy losses, KL estimators, masks, diagnostics.
 
-from rlax_llm.losses.advantages import grpo_advantages
+Public API:
+  ``group_advantages(rewards, group_ids, estimator='grpo')`` -> per-sample advantages;
+  ``policy_loss(name, logp, behaviour_logp, advantages, loss_mask, ...)`` ->
+  ``(loss, diagnostics)`` for every name in ``LOSSES``;
+  ``m2po_mask(log_ratio, loss_mask, tau=0.04)`` -> bool kept mask.
+See ``docs/losses.md`` for the formulas, defaults and references.
+"""
+
+from rlax_llm.losses.advantages import (ESTIMATORS, batch_normalize, group_advantages,
+                                        grpo_advantages)
+from rlax_llm.losses.components import (AGGREGATIONS, aggregate, m2po_mask,
+                                        m2po_trust_region_candidates, masked_token_mean,
+                                        mismatch_weights, ppo_clip_objective,
+                                        sequence_log_ratio, token_log_ratio)
+from rlax_llm.losses.diagnostics import mismatch_diagnostics, ratio_diagnostics
 from rlax_llm.losses.kl import KL_ESTIMATORS, kl_penalty
-from rlax_llm.losses.policy import (POLICY_LOSSES, grpo_loss, importance_ratio,
-                                    masked_token_mean, policy_loss, ppo_clip_objective,
-                                    sequence_mean_aggregate)
+from rlax_llm.losses.policy import (LOSSES, M2PO_VARIANTS, LossSpec, MismatchConfig,
+                                    grpo_loss, m2po_loss, policy_loss)
 
 __all__ = [
-    'KL_ESTIMATORS', 'POLICY_LOSSES', 'grpo_advantages', 'grpo_loss', 'importance_ratio',
-    'kl_penalty', 'masked_token_mean', 'policy_loss', 'ppo_clip_objective',
-    'sequence_mean_aggregate',
+    'AGGREGATIONS', 'ESTIMATORS', 'KL_ESTIMATORS', 'LOSSES', 'M2PO_VARIANTS', 'LossSpec',
+    'MismatchConfig', 'aggregate', 'batch_normalize', 'group_advantages', 'grpo_advantages',
+    'grpo_loss', 'kl_penalty', 'm2po_loss', 'm2po_mask', 'm2po_trust_region_candidates',
+    'masked_token_mean', 'mismatch_diagnostics', 'mismatch_weights', 'policy_loss',
+    'ppo_clip_objective', 'ratio_diagnostics', 'sequence_log_ratio', 'token_log_ratio',
 ]

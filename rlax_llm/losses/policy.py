@@ -1,124 +1,269 @@
-"""Policy-gradient losses in the modular form of RLAX (arXiv 2512.06392):
+"""Named policy losses, each a small composition of the parts in ``components``.
 
-``J = E[ sum_i sum_t sg[Agg_it * IS_it] * (sg[Adv_it] * GradTerm1_it + GradTerm2_it) ]``
+``policy_loss(name, logp, behaviour_logp, advantages, loss_mask, ...) -> (loss, diagnostics)``
+computes ``loss`` (float32 scalar, to *minimise*) for every algorithm in ``LOSSES``. The
+table of formulas, defaults and references is ``docs/losses.md``; in short, with
+``r = exp(logp - sg[old])`` (``old`` = ``old_logp`` if given, else ``behaviour_logp``):
 
-The building blocks (aggregation, importance ratio, clipping) are small functions here;
-each named algorithm composes them. All losses return ``(loss, diagnostics)`` where
-``loss`` is a float32 scalar to *minimise* and ``diagnostics`` a dict of float32 scalars.
+=============  ============================================  ====================  =========
+name           per-token objective (maximised)               aggregation           advantage
+=============  ============================================  ====================  =========
+ppo            min(r A, clip(r, 1-eps, 1+eps) A)             token-mean            grpo
+grpo           same, eps 0.2                                 seq-mean-token-mean   grpo
+dapo           same, eps_low 0.2, eps_high 0.28              token-mean            grpo
+drgrpo         same, eps 0.2                                 seq-mean-token-sum-norm drgrpo
+gspo           min(s A, clip(s, 1-3e-4, 1+4e-4) A), s=seq r  seq-mean-token-mean   grpo
+cispo          sg[clip(r, 1-eps_low, 1+eps_high)] A logp     token-mean            grpo
+reinforce      sg[r] A logp                                  seq-mean-token-sum    reinforce
+rloo           sg[r] A logp                                  seq-mean-token-sum    rloo
+reinforce_pp   PPO clip, eps 0.2, KL estimator k2            token-mean            reinforce_pp
+m2po           M r A, M = second-moment mask (no eps clip)   token-mean            grpo
+=============  ============================================  ====================  =========
+
+Options shared by all: a KL penalty ``kl_beta * KL(pi || pi_ref)`` (``kl_estimator`` k1/k2/k3,
+aggregated like the objective), and a train-inference mismatch correction (``mismatch``:
+token/sequence TIS or MIS with a veto threshold; needs ``old_logp``, the trainer's
+recomputed log-probs of the sampling version). Importance weights used as coefficients
+never carry gradient; ``behaviour_logp``, ``old_logp``, ``ref_logp`` and ``advantages`` are
+stop-gradient inputs.
 """
 
 from __future__ import annotations
 
-import chex
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from rlax_llm.losses.kl import kl_penalty
+from rlax_llm.losses import components as C
+from rlax_llm.losses import diagnostics as D
+from rlax_llm.losses.kl import KL_ESTIMATORS, kl_penalty
 
 
-def masked_token_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
-  """Mean of ``x`` over the tokens where ``mask`` is set (0 when there are none)."""
-  mask = mask.astype(jnp.float32)
-  return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+  """How a named algorithm composes the shared parts, and its defaults."""
+
+  reference: str
+  advantage_estimator: str
+  ratio: str  # 'token' | 'sequence'
+  objective: str  # 'ppo_clip' | 'pg' | 'cispo' | 'm2po'
+  aggregation: str
+  eps_low: float = 0.2
+  eps_high: float = 0.2
+  kl_estimator: str = 'k3'
 
 
-def sequence_mean_aggregate(per_token: jax.Array, mask: jax.Array) -> jax.Array:
-  """GRPO aggregation ``1/G sum_i 1/|o_i| sum_t x_it``.
+LOSSES: dict[str, LossSpec] = {
+    'ppo': LossSpec('Schulman et al., PPO, arXiv 1707.06347', 'grpo', 'token', 'ppo_clip',
+                    'token-mean'),
+    'grpo': LossSpec('Shao et al., DeepSeekMath (GRPO), arXiv 2402.03300', 'grpo', 'token',
+                     'ppo_clip', 'seq-mean-token-mean'),
+    'dapo': LossSpec('Yu et al., DAPO, arXiv 2503.14476', 'grpo', 'token', 'ppo_clip',
+                     'token-mean', eps_low=0.2, eps_high=0.28),
+    'drgrpo': LossSpec('Liu et al., Understanding R1-Zero-Like Training (Dr. GRPO), '
+                       'arXiv 2503.20783', 'drgrpo', 'token', 'ppo_clip',
+                       'seq-mean-token-sum-norm'),
+    'gspo': LossSpec('Zheng et al., GSPO, arXiv 2507.18071', 'grpo', 'sequence', 'ppo_clip',
+                     'seq-mean-token-mean', eps_low=3e-4, eps_high=4e-4),
+    'cispo': LossSpec('MiniMax, MiniMax-M1 (CISPO), arXiv 2506.13585', 'grpo', 'token',
+                      'cispo', 'token-mean', eps_low=1.0, eps_high=0.28),
+    'reinforce': LossSpec('Williams, REINFORCE (1992)', 'reinforce', 'token', 'pg',
+                          'seq-mean-token-sum'),
+    'rloo': LossSpec('Ahmadian et al., Back to Basics (RLOO), arXiv 2402.14740', 'rloo',
+                     'token', 'pg', 'seq-mean-token-sum'),
+    'reinforce_pp': LossSpec('Hu, REINFORCE++, arXiv 2501.03262', 'reinforce_pp', 'token',
+                             'ppo_clip', 'token-mean', kl_estimator='k2'),
+    'm2po': LossSpec('Zheng, Zhao & Chen, Prosperity before Collapse (M2PO), '
+                     'arXiv 2510.01161', 'grpo', 'token', 'm2po', 'token-mean'),
+}
 
-  Each sequence's tokens are averaged, then sequences are averaged. Sequences without any
-  loss token are left out of the outer mean.
+M2PO_VARIANTS = ('paper', 'areal', 'adaptive_clip')
+
+
+@dataclasses.dataclass(frozen=True)
+class MismatchConfig:
+  """Train-inference mismatch correction (see ``components.mismatch_weights``)."""
+
+  level: str = 'token'
+  mode: str = 'truncate'
+  threshold: float = 2.0
+  veto_threshold: float | None = None
+
+
+def _check(name, logp, behaviour_logp, advantages, loss_mask, old_logp, ref_logp):
+  if name not in LOSSES:
+    raise ValueError(f'Unknown policy loss {name!r}; choose one of {sorted(LOSSES)}.')
+  if logp.ndim != 2:
+    raise ValueError(f'logp must be [batch, tokens], got shape {logp.shape}.')
+  for arg, value in (('behaviour_logp', behaviour_logp), ('loss_mask', loss_mask),
+                     ('old_logp', old_logp), ('ref_logp', ref_logp)):
+    if value is not None and value.shape != logp.shape:
+      raise ValueError(f'{arg} has shape {value.shape} but logp has shape {logp.shape}; '
+                       'every per-token input must be [batch, tokens].')
+  if advantages.shape not in (logp.shape[:1], logp.shape):
+    raise ValueError(f'advantages must be [batch] = {logp.shape[:1]} or [batch, tokens] = '
+                     f'{logp.shape}, got {advantages.shape}.')
+
+
+def policy_loss(name: str, logp: jax.Array, behaviour_logp: jax.Array, advantages: jax.Array,
+                loss_mask: jax.Array, *, old_logp: jax.Array | None = None,
+                ref_logp: jax.Array | None = None, kl_beta: float = 0.0,
+                kl_estimator: str | None = None, eps_low: float | None = None,
+                eps_high: float | None = None, aggregation: str | None = None,
+                max_length: int | None = None, m2po_tau: float = 0.04,
+                m2po_variant: str = 'paper', mismatch: MismatchConfig | None = None
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Computes the named policy loss and its diagnostics.
 
   Args:
-    per_token: float ``[B, T]``.
-    mask: ``[B, T]``, 1 for loss tokens.
+    name: a key of ``LOSSES``.
+    logp: float ``[B, T]`` log-probs of the taken tokens under the policy being trained.
+    behaviour_logp: float ``[B, T]`` log-probs under the distribution that sampled them
+      (from the rollout engine).
+    advantages: float ``[B]`` or ``[B, T]`` (compute with ``group_advantages`` and the
+      spec's ``advantage_estimator``).
+    loss_mask: ``[B, T]``, 1 on tokens that count.
+    old_logp: float ``[B, T]``, the trainer's recomputed log-probs under the sampling version
+      (the proximal policy). When given, ratios use it instead of ``behaviour_logp`` and the
+      mismatch correction/diagnostics compare it with ``behaviour_logp``.
+    ref_logp: float ``[B, T]`` reference-policy log-probs; needed when ``kl_beta > 0``.
+    kl_beta, kl_estimator: KL penalty weight and estimator (default: the spec's).
+    eps_low, eps_high: clip range overrides (``ppo_clip`` and ``cispo`` objectives).
+    aggregation: override of the spec's aggregation (``components.AGGREGATIONS``).
+    max_length: ``L_max`` for ``seq-mean-token-sum-norm`` (default ``T``).
+    m2po_tau, m2po_variant: M2PO threshold and variant (``M2PO_VARIANTS``, see docs).
+    mismatch: optional ``MismatchConfig``; needs ``old_logp``.
   Returns:
-    float32 scalar.
+    ``(loss, diagnostics)``: float32 scalar and a dict of float32 scalars.
   """
-  mask = mask.astype(jnp.float32)
-  lengths = jnp.sum(mask, axis=-1)
-  per_seq = jnp.sum(per_token * mask, axis=-1) / jnp.maximum(lengths, 1.0)
-  has_tokens = (lengths > 0).astype(jnp.float32)
-  return jnp.sum(per_seq * has_tokens) / jnp.maximum(jnp.sum(has_tokens), 1.0)
+  logp, behaviour_logp, advantages, loss_mask = map(
+      jnp.asarray, (logp, behaviour_logp, advantages, loss_mask))
+  _check(name, logp, behaviour_logp, advantages, loss_mask, old_logp, ref_logp)
+  spec = LOSSES[name]
+  eps_low = spec.eps_low if eps_low is None else eps_low
+  eps_high = spec.eps_high if eps_high is None else eps_high
+  aggregation = spec.aggregation if aggregation is None else aggregation
+  kl_estimator = spec.kl_estimator if kl_estimator is None else kl_estimator
+  if kl_estimator not in KL_ESTIMATORS:
+    raise ValueError(f'Unknown KL estimator {kl_estimator!r}; choose one of {KL_ESTIMATORS}.')
+  if aggregation not in C.AGGREGATIONS:
+    raise ValueError(f'Unknown aggregation {aggregation!r}; choose one of {C.AGGREGATIONS}.')
+  if kl_beta > 0 and ref_logp is None:
+    raise ValueError(f'{name}: kl_beta={kl_beta} > 0 needs ref_logp (reference log-probs).')
+  if mismatch is not None and old_logp is None:
+    raise ValueError('a mismatch correction needs old_logp (the trainer\'s log-probs of the '
+                     'sampling version) to compare with behaviour_logp.')
+
+  mask = loss_mask.astype(jnp.float32)
+  bmask = mask > 0
+  adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))
+  adv = jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, mask.shape)
+  proximal = behaviour_logp if old_logp is None else old_logp
+  log_r = C.token_log_ratio(logp, proximal)
+  diagnostics = D.ratio_diagnostics(log_r, bmask)
+
+  # Train-inference mismatch correction: an extra detached per-token weight.
+  weight = jnp.ones_like(mask)
+  if mismatch is not None:
+    weight, kept = C.mismatch_weights(old_logp, behaviour_logp, mask, level=mismatch.level,
+                                      mode=mismatch.mode, threshold=mismatch.threshold,
+                                      veto_threshold=mismatch.veto_threshold)
+    diagnostics['mismatch/weight_mean'] = C.masked_token_mean(weight, bmask)
+    diagnostics['mismatch/kept_fraction'] = C.masked_token_mean(kept, bmask)
+  trainer_side = jax.lax.stop_gradient(logp if old_logp is None else old_logp)
+  diagnostics.update(D.mismatch_diagnostics(trainer_side, behaviour_logp, bmask))
+
+  agg_mask = mask
+  if spec.objective == 'ppo_clip':
+    if spec.ratio == 'sequence':
+      seq_lr = C.sequence_log_ratio(log_r, mask)[:, None]
+      ratio = jnp.broadcast_to(C.safe_exp(seq_lr), mask.shape)
+    else:
+      ratio = C.safe_exp(log_r)
+    objective, clipped = C.ppo_clip_objective(ratio, adv, eps_low, eps_high)
+  elif spec.objective in ('pg', 'cispo'):
+    coeff = C.safe_exp(jax.lax.stop_gradient(log_r))
+    if spec.objective == 'cispo':
+      # The clip only limits the (detached) weight; the token's gradient remains.
+      clipped = (coeff > 1.0 + eps_high) | (coeff < 1.0 - eps_low)
+      coeff = jnp.clip(coeff, 1.0 - eps_low, 1.0 + eps_high)
+    else:
+      clipped = jnp.zeros(mask.shape, bool)
+    objective = coeff * adv * logp.astype(jnp.float32)
+  else:  # m2po
+    objective, clipped, agg_mask, m2_diag = _m2po(log_r, adv, mask, m2po_tau, m2po_variant)
+    diagnostics.update(m2_diag)
+
+  per_token = -objective * weight
+  loss = C.aggregate(per_token, agg_mask, aggregation, max_length)
+  if kl_beta > 0:
+    kl = kl_penalty(logp, jax.lax.stop_gradient(ref_logp), kl_estimator)
+    kl_term = C.aggregate(kl, mask, aggregation, max_length)
+    loss = loss + kl_beta * kl_term
+    diagnostics['kl'] = C.masked_token_mean(jax.lax.stop_gradient(kl), bmask)
+  diagnostics['clip_fraction'] = C.masked_token_mean(clipped, bmask)
+  diagnostics['advantage/mean'] = C.masked_token_mean(adv, bmask)
+  return loss, jax.lax.stop_gradient(diagnostics)
 
 
-def importance_ratio(logp: jax.Array, behaviour_logp: jax.Array) -> jax.Array:
-  """``r = exp(logp - sg[behaviour_logp])``; gradient flows through ``logp`` only."""
-  log_ratio = logp.astype(jnp.float32) - jax.lax.stop_gradient(behaviour_logp).astype(
-      jnp.float32)
-  return jnp.exp(jnp.clip(log_ratio, -20.0, 20.0))
+def _m2po(log_r, adv, mask, tau, variant):
+  """M2PO objective for one of ``M2PO_VARIANTS``; see ``docs/losses.md``.
 
-
-def ppo_clip_objective(ratio: jax.Array, advantages: jax.Array, eps_low: float,
-                       eps_high: float) -> tuple[jax.Array, jax.Array]:
-  """PPO clipped surrogate ``min(r A, clip(r, 1-eps_low, 1+eps_high) A)`` per token.
-
-  Schulman et al., "Proximal Policy Optimization Algorithms", arXiv 1707.06347.
-  Returns ``(objective [B, T], clipped [B, T] bool)`` where ``clipped`` marks tokens whose
-  gradient the clip removes.
+  Returns ``(objective, removed, aggregation mask, diagnostics)``.
   """
-  unclipped = ratio * advantages
-  clipped_obj = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
-  objective = jnp.minimum(unclipped, clipped_obj)
-  clipped = clipped_obj < unclipped
-  return objective, clipped
+  if variant not in M2PO_VARIANTS:
+    raise ValueError(f'Unknown m2po_variant {variant!r}; choose one of {M2PO_VARIANTS}.')
+  if tau <= 0:
+    raise ValueError(f'm2po_tau must be > 0, got {tau}.')
+  bmask = mask > 0
+  if variant == 'paper':
+    candidates = C.m2po_trust_region_candidates(log_r, adv, bmask)
+  else:
+    candidates = bmask
+  kept = C.m2po_mask(log_r, candidates, tau)
+  m2 = jnp.square(jax.lax.stop_gradient(log_r))
+  diagnostics = {
+      'm2po/m2_before': C.masked_token_mean(m2, candidates),
+      'm2po/m2_after': C.masked_token_mean(m2, kept),
+      'm2po/candidate_fraction': C.masked_token_mean(candidates, bmask),
+  }
+  ratio = C.safe_exp(log_r)
+  if variant == 'adaptive_clip':
+    # The largest kept |log r| becomes a symmetric clip in log space: as in PPO's min, a
+    # token whose ratio is beyond exp(+-delta) on the side its advantage pushes keeps the
+    # clipped (constant) value and loses its gradient, instead of leaving the denominator.
+    # Strict inequalities: the token that sets delta, and every token on-policy (delta = 0),
+    # keep their full gradient (jnp.clip/jnp.minimum would split it at the tie).
+    delta = jnp.sqrt(D.masked_max(m2, kept))
+    lr = jax.lax.stop_gradient(log_r)
+    removed = bmask & (((adv > 0) & (lr > delta)) | ((adv < 0) & (lr < -delta)))
+    bound = jnp.where(adv > 0, jnp.exp(delta), jnp.exp(-delta))
+    objective = jnp.where(removed, bound * adv, ratio * adv)
+    agg_mask = mask
+  else:
+    masked = candidates & ~kept
+    objective = jnp.where(masked, 0.0, ratio * adv)
+    removed = masked
+    agg_mask = kept.astype(jnp.float32) if variant == 'areal' else mask
+  diagnostics['m2po/masked_fraction'] = C.masked_token_mean(removed, bmask)
+  return objective, removed, agg_mask, diagnostics
 
 
 def grpo_loss(logp: jax.Array, behaviour_logp: jax.Array, advantages: jax.Array,
               loss_mask: jax.Array, *, clip_eps: float = 0.2, kl_beta: float = 0.0,
               ref_logp: jax.Array | None = None, kl_estimator: str = 'k3'):
-  """GRPO loss: PPO-clipped surrogate with sequence-mean aggregation and optional KL.
+  """GRPO loss (DeepSeekMath, arXiv 2402.03300, eq. 3); ``policy_loss('grpo', ...)``.
 
-  Shao et al., "DeepSeekMath", arXiv 2402.03300, eq. (3):
-  ``L = -1/G sum_i 1/|o_i| sum_t [min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i)
-        - beta KL_k3(pi_theta || pi_ref)_it]``.
-
-  Args:
-    logp: float ``[B, T]`` log-probs of the taken tokens under the policy being trained.
-    behaviour_logp: float ``[B, T]`` log-probs under the policy that sampled them
-      (never differentiated).
-    advantages: float ``[B]`` per-sample (or ``[B, T]`` per-token) advantages.
-    loss_mask: ``[B, T]``, 1 on completion tokens that count.
-    clip_eps: PPO clip range.
-    kl_beta: weight of the KL penalty; requires ``ref_logp`` when > 0.
-    ref_logp: float ``[B, T]`` reference-policy log-probs.
-    kl_estimator: 'k1' | 'k2' | 'k3'.
-  Returns:
-    ``(loss, diagnostics)``.
+  ``L = -1/G sum_i 1/|o_i| sum_t [min(r A, clip(r, 1-eps, 1+eps) A) - beta KL_it]``.
   """
-  chex.assert_rank([logp, behaviour_logp, loss_mask], 2)
-  chex.assert_equal_shape([logp, behaviour_logp, loss_mask])
-  if advantages.ndim == 1:
-    chex.assert_axis_dimension(advantages, 0, logp.shape[0])
-    advantages = advantages[:, None]
-  advantages = jax.lax.stop_gradient(advantages.astype(jnp.float32))
-  mask = loss_mask.astype(jnp.float32)
-  ratio = importance_ratio(logp, behaviour_logp)
-  objective, clipped = ppo_clip_objective(ratio, advantages, clip_eps, clip_eps)
-  per_token = -objective
-  diagnostics = {}
-  if kl_beta > 0:
-    if ref_logp is None:
-      raise ValueError('grpo_loss: kl_beta > 0 needs ref_logp (reference log-probs).')
-    kl = kl_penalty(logp, jax.lax.stop_gradient(ref_logp), kl_estimator)
-    per_token = per_token + kl_beta * kl
-    diagnostics['kl'] = sequence_mean_aggregate(kl, mask)
-  loss = sequence_mean_aggregate(per_token, mask)
-  diagnostics.update({
-      'clip_fraction': masked_token_mean(clipped.astype(jnp.float32), mask),
-      'ratio/mean': masked_token_mean(ratio, mask),
-      'ratio/max': jnp.max(jnp.where(mask > 0, ratio, 0.0)),
-      'mismatch/abs_dlogp': masked_token_mean(
-          jnp.abs(logp - behaviour_logp).astype(jnp.float32), mask),
-      'advantage/mean': masked_token_mean(jnp.broadcast_to(advantages, mask.shape), mask),
-  })
-  return loss, jax.lax.stop_gradient(diagnostics)
+  return policy_loss('grpo', logp, behaviour_logp, advantages, loss_mask, ref_logp=ref_logp,
+                     kl_beta=kl_beta, kl_estimator=kl_estimator, eps_low=clip_eps,
+                     eps_high=clip_eps)
 
 
-POLICY_LOSSES = {'grpo': grpo_loss}
-
-
-def policy_loss(name: str, *args, **kwargs):
-  """Dispatches to a named policy loss (``POLICY_LOSSES``); returns ``(loss, diagnostics)``."""
-  if name not in POLICY_LOSSES:
-    raise ValueError(f'Unknown policy loss {name!r}; choose one of {sorted(POLICY_LOSSES)}.')
-  return POLICY_LOSSES[name](*args, **kwargs)
+def m2po_loss(logp: jax.Array, behaviour_logp: jax.Array, advantages: jax.Array,
+              loss_mask: jax.Array, *, tau: float = 0.04, variant: str = 'paper', **kwargs):
+  """M2PO loss (arXiv 2510.01161); ``policy_loss('m2po', ...)``."""
+  return policy_loss('m2po', logp, behaviour_logp, advantages, loss_mask, m2po_tau=tau,
+                     m2po_variant=variant, **kwargs)

@@ -19,12 +19,16 @@ from rlax_llm.models.tokenizer import CharTokenizer
 from rlax_llm.paramserver import ParameterServer
 from rlax_llm.rollout.sampler import Sampler, Samples, SamplingConfig
 from rlax_llm.tasks import Prompt
-from rlax_llm.trainer import sharding as sharding_lib
+from rlax_llm import sharding as sharding_lib
 
 
 def encode_prompts(tokenizer: CharTokenizer, prompts: Sequence[Prompt], length: int):
-  """``[bos] + prompt text`` per prompt -> ``(tokens int32 [B, length], lengths int32 [B])``."""
-  return tokenizer.encode_batch([p.text for p in prompts], length=length, add_bos=True)
+  """Encodes prompt texts -> ``(tokens int32 [B, length], lengths int32 [B])``.
+
+  A bos is prepended when the tokenizer's ``add_bos_token`` says its model expects one.
+  """
+  return tokenizer.encode_batch([p.text for p in prompts], length=length,
+                                add_bos=tokenizer.add_bos_token)
 
 
 class InferenceWorker:

@@ -1,7 +1,7 @@
 """The trainer: a sharded train state and one jitted update step.
 
 Params live on a ``Mesh`` with ``NamedSharding``s derived from the model's logical axes
-(``rlax_llm.trainer.sharding``); the optimizer state follows the params' shardings; each
+(``rlax_llm.sharding``); the optimizer state follows the params' shardings; each
 batch is sharded along ``batch`` over ``('data', 'fsdp')``. The step is
 ``jax.jit(value_and_grad(objective) -> optax update)`` with the params and optimizer state
 donated, so an update happens in place on device.
@@ -23,7 +23,7 @@ import optax
 from jax.sharding import Mesh
 
 from rlax_llm.models.model import Model, Params
-from rlax_llm.trainer import sharding as sharding_lib
+from rlax_llm import sharding as sharding_lib
 
 Objective = Callable[[Model, Params, Any, Params | None], tuple[jax.Array, dict[str, Any]]]
 
@@ -90,8 +90,9 @@ class Trainer:
   def step(self, batch: Any) -> dict[str, float]:
     """One update on ``batch`` (a pytree of ``[B, ...]`` arrays). Returns host metrics."""
     batch = jax.device_put(batch, sharding_lib.batch_sharding(self.mesh, batch, self.rules))
-    self.params, self.opt_state, metrics = self._step(
-        self.params, self.opt_state, batch, self.frozen_params)
+    with sharding_lib.activation_sharding(self.mesh, self.rules):  # used when tracing
+      self.params, self.opt_state, metrics = self._step(
+          self.params, self.opt_state, batch, self.frozen_params)
     self.version += 1
     return {k: float(v) for k, v in jax.device_get(metrics).items()}
 

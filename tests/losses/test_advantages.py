@@ -1,6 +1,8 @@
-"""Tests for rlax_llm.losses.advantages (GRPO group-normalised advantages)."""
+"""Tests for rlax_llm.losses.advantages: every estimator in ESTIMATORS against NumPy loops."""
 
 import math
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -9,148 +11,320 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlax_llm.losses.advantages import grpo_advantages
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import np_reference as ref
 
-# One compiled program per shape keeps the randomised tests fast (eager dispatch recompiles
-# jnp.unique and the segment sums op by op).
-jit_advantages = jax.jit(grpo_advantages)
+from rlax_llm.losses.advantages import (
+  ESTIMATORS,
+  batch_normalize,
+  group_advantages,
+  grpo_advantages,
+)
+
+# One compiled program per (estimator, shape) keeps the randomised tests fast (eager dispatch
+# recompiles jnp.unique and the segment sums op by op).
+jit_advantages = jax.jit(group_advantages, static_argnames='estimator')
+jit_grpo = jax.jit(grpo_advantages)
+GROUP_RELATIVE = ('grpo', 'drgrpo', 'rloo', 'median', 'gdpo', 'reinforce_pp')
 HYP_BATCH = 10
 
 
-def np_grpo_advantages(rewards, group_ids, eps=1e-6):
-  """Reference from the formula: per group (r - mean) / (unbiased std + eps); 0 if |g| == 1."""
-  rewards = np.asarray(rewards, np.float64)
-  group_ids = np.asarray(group_ids)
-  out = np.zeros_like(rewards)
-  for g in set(group_ids.tolist()):
-    idx = np.flatnonzero(group_ids == g)
-    if len(idx) < 2:
-      continue
-    r = rewards[idx]
-    mean = sum(r) / len(r)
-    std = math.sqrt(sum((x - mean) ** 2 for x in r) / (len(r) - 1))
-    out[idx] = (r - mean) / (std + eps)
-  return out
+def test_estimators_are_the_documented_ones():
+  assert set(ESTIMATORS) == set(ref.ESTIMATORS)
 
 
-def test_hand_computed_values():
-  # group 7 -> indices 0, 2, 5 with rewards 1, 0, 5: mean 2, deviations -1, -2, 3,
-  #   sum of squares 14, unbiased var 14 / 2 = 7.
-  # group 3 -> indices 1, 4 with rewards 0, 4: mean 2, deviations -2, 2, var 8 / 1 = 8.
-  # group 100 -> index 3 alone: 0.
-  rewards = jnp.array([1.0, 0.0, 0.0, 2.0, 4.0, 5.0])
-  group_ids = jnp.array([7, 3, 7, 100, 3, 7])
-  s7 = math.sqrt(7.0) + 1e-6
-  s3 = math.sqrt(8.0) + 1e-6
-  expected = [-1 / s7, -2 / s3, -2 / s7, 0.0, 2 / s3, 3 / s7]
-  adv = jit_advantages(rewards, group_ids)
+def advantages(rewards, group_ids, estimator, **kwargs):
+  return np.asarray(jit_advantages(jnp.asarray(rewards), jnp.asarray(group_ids),
+                                   estimator=estimator, **kwargs))
+
+
+def expected(rewards, group_ids, estimator, valid=None, eps=1e-6, reward_weights=None):
+  fn = ref.ESTIMATORS[estimator]
+  if estimator in ('drgrpo', 'rloo', 'reinforce'):
+    return fn(rewards, group_ids, valid)
+  if estimator == 'gdpo':
+    return fn(rewards, group_ids, reward_weights, valid, eps)
+  return fn(rewards, group_ids, valid, eps)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hand-computed values.
+
+# group 7 -> indices 0, 2, 5 with rewards 1, 0, 5: mean 2, median 1, deviations -1, -2, 3,
+#   sum of squares 14, unbiased var 7. group 3 -> indices 1, 4 with rewards 0, 4: mean 2,
+#   median 2, deviations -2, 2, var 8. group 100 -> index 3 alone: 0 for every group-relative
+#   estimator.
+HAND_REWARDS = np.array([1.0, 0.0, 0.0, 2.0, 4.0, 5.0], np.float32)
+HAND_IDS = np.array([7, 3, 7, 100, 3, 7])
+_S7 = math.sqrt(7.0) + 1e-6
+_S3 = math.sqrt(8.0) + 1e-6
+# reinforce_pp: r - mean = -1, -2, -2, 0, 2, 3 (batch mean 0, sum of squares 22, var 22 / 5).
+_SB = math.sqrt(22 / 5) + 1e-6
+HAND_EXPECTED = {
+    'grpo': [-1 / _S7, -2 / _S3, -2 / _S7, 0.0, 2 / _S3, 3 / _S7],
+    'drgrpo': [-1.0, -2.0, -2.0, 0.0, 2.0, 3.0],
+    # r_i - mean of the others: 1 - (0 + 5) / 2, 0 - 4, 0 - (1 + 5) / 2, -, 4 - 0, 5 - (1 + 0) / 2.
+    'rloo': [-1.5, -4.0, -3.0, 0.0, 4.0, 4.5],
+    'median': [0.0, -2 / _S3, -1 / _S7, 0.0, 2 / _S3, 4 / _S7],
+    'reinforce': [1.0, 0.0, 0.0, 2.0, 4.0, 5.0],
+    'reinforce_pp': [-1 / _SB, -2 / _SB, -2 / _SB, 0.0, 2 / _SB, 3 / _SB],
+}
+
+
+@pytest.mark.parametrize('estimator', sorted(HAND_EXPECTED))
+def test_hand_computed_values(estimator):
+  adv = jit_advantages(jnp.asarray(HAND_REWARDS), jnp.asarray(HAND_IDS), estimator=estimator)
   assert adv.dtype == jnp.float32 and adv.shape == (6,)
-  np.testing.assert_allclose(adv, expected, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(adv, HAND_EXPECTED[estimator], rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(expected(HAND_REWARDS, HAND_IDS, estimator),
+                             HAND_EXPECTED[estimator], rtol=1e-12, atol=1e-12)
+
+
+def test_gdpo_hand_case():
+  # Two groups of two, reward columns (1, 0, 1, 1) and (0, 1, 1, 0), weights (1, 2).
+  # Column 0: group 0 -> +-0.5 / sqrt(0.5) = +-a (a = sqrt(0.5)), group 1 constant -> 0.
+  # Column 1: group 0 -> -a, +a; group 1 -> +a, -a. Weighted sum: -a, a, 2a, -2a; batch mean 0,
+  # unbiased var 10 a^2 / 3 = 5 / 3, so the advantages are sqrt(0.3) * (-1, 1, 2, -2).
+  rewards = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, 0.0]], np.float32)
+  adv = advantages(rewards, [0, 0, 1, 1], 'gdpo', reward_weights=jnp.array([1.0, 2.0]))
+  np.testing.assert_allclose(adv, math.sqrt(0.3) * np.array([-1, 1, 2, -2]), rtol=1e-5)
+  np.testing.assert_allclose(
+      ref.gdpo_advantages(rewards, [0, 0, 1, 1], [1.0, 2.0]),
+      math.sqrt(0.3) * np.array([-1, 1, 2, -2]), rtol=1e-5)
+  # Default weights (1, 1): sums 0, 0, a, -a; batch var 2 a^2 / 3 = 1 / 3, so (0, 0, 1, -1)
+  # * sqrt(1.5).
+  adv = advantages(rewards, [0, 0, 1, 1], 'gdpo')
+  np.testing.assert_allclose(adv, math.sqrt(1.5) * np.array([0, 0, 1, -1]), rtol=1e-5,
+                             atol=1e-6)
+  np.testing.assert_allclose(ref.gdpo_advantages(rewards, [0, 0, 1, 1]),
+                             math.sqrt(1.5) * np.array([0, 0, 1, -1]), rtol=1e-5, atol=1e-6)
+
+
+def test_median_of_odd_group_gets_exactly_zero():
+  adv = advantages(np.array([3.0, 10.0, -1.0, 0.25, 0.5], np.float32), [1, 1, 1, 2, 2],
+                   'median')
+  assert adv[0] == 0.0  # the median of 3, 10, -1
+  np.testing.assert_allclose(adv, ref.median_advantages([3.0, 10.0, -1.0, 0.25, 0.5],
+                                                        [1, 1, 1, 2, 2]), rtol=1e-6)
 
 
 def test_eps_is_added_to_std():
   # rewards 0, 2: mean 1, unbiased std sqrt(2); with eps = 1 the advantages are +-1/(sqrt2+1).
-  adv = jit_advantages(jnp.array([0.0, 2.0]), jnp.array([5, 5]), eps=1.0)
+  adv = jit_grpo(jnp.array([0.0, 2.0]), jnp.array([5, 5]), eps=1.0)
   np.testing.assert_allclose(adv, [-1 / (math.sqrt(2) + 1), 1 / (math.sqrt(2) + 1)], rtol=1e-6)
+  adv = advantages(np.array([0.0, 2.0, 0.0]), [5, 5, 5], 'median', eps=1.0)
+  # median 0, std sqrt(4/3): (0, 2, 0) / (sqrt(4/3) + 1).
+  np.testing.assert_allclose(adv, [0.0, 2 / (math.sqrt(4 / 3) + 1), 0.0], rtol=1e-6)
 
 
 def test_integer_rewards_are_accepted():
-  adv = jit_advantages(jnp.array([0, 1, 1, 0]), jnp.array([0, 0, 1, 1]))
-  assert adv.dtype == jnp.float32
-  np.testing.assert_allclose(adv, np_grpo_advantages([0, 1, 1, 0], [0, 0, 1, 1]), rtol=1e-6)
+  for estimator in ('grpo', 'rloo', 'median', 'reinforce_pp'):
+    adv = advantages(np.array([0, 1, 1, 0]), [0, 0, 1, 1], estimator)
+    assert adv.dtype == np.float32
+    np.testing.assert_allclose(adv, expected([0, 1, 1, 0], [0, 0, 1, 1], estimator),
+                               rtol=1e-6, err_msg=estimator)
 
 
-def test_random_unequal_groups_with_arbitrary_ids():
-  rng = np.random.RandomState(0)
-  ids_pool = np.array([7, 3, 100, -5, 0, 2**30])
-  batch = 16
-  for _ in range(5):
-    group_ids = ids_pool[rng.randint(0, len(ids_pool), batch)]
-    rewards = rng.normal(size=batch).astype(np.float32)
-    adv = jit_advantages(jnp.asarray(rewards), jnp.asarray(group_ids, jnp.int32))
-    np.testing.assert_allclose(adv, np_grpo_advantages(rewards, group_ids), rtol=1e-4,
-                               atol=1e-5)
-  # The example from the docstring-style id set [7, 3, 7, 100, 3].
-  rewards = np.array([0.3, -1.2, 2.5, 4.0, 0.7], np.float32)
-  group_ids = np.array([7, 3, 7, 100, 3])
-  np.testing.assert_allclose(jit_advantages(jnp.asarray(rewards), jnp.asarray(group_ids)),
-                             np_grpo_advantages(rewards, group_ids), rtol=1e-5, atol=1e-6)
-
-
-# Rewards on a grid of quarter-integers are exact in float32, so group means are exact and the
-# float64 reference is comparable at float32 precision.
-_rewards = st.integers(-8, 8).map(lambda k: k * 0.25)
-_ids = st.sampled_from([7, 3, 100, -5, 0, 2**30, -(2**31)])
-
-
-@settings(max_examples=25, deadline=None)
-@given(st.lists(st.tuples(_rewards, _ids), min_size=HYP_BATCH, max_size=HYP_BATCH))
-def test_matches_reference_on_random_groups(pairs):
-  rewards = np.array([p[0] for p in pairs], np.float32)
-  group_ids = np.array([p[1] for p in pairs], np.int32)
-  adv = np.asarray(jit_advantages(jnp.asarray(rewards), jnp.asarray(group_ids)))
-  assert np.all(np.isfinite(adv))
-  np.testing.assert_allclose(adv, np_grpo_advantages(rewards, group_ids), rtol=1e-5,
-                             atol=1e-6)
-
-
-@settings(max_examples=25, deadline=None)
-@given(st.lists(st.tuples(_rewards, _ids), min_size=HYP_BATCH, max_size=HYP_BATCH).flatmap(
-    lambda pairs: st.tuples(st.just(pairs), st.permutations(range(len(pairs))))))
-def test_permuting_samples_permutes_advantages(pairs_and_perm):
-  pairs, perm = pairs_and_perm
-  perm = np.array(perm)
-  rewards = jnp.array([p[0] for p in pairs], jnp.float32)
-  group_ids = jnp.array([p[1] for p in pairs], jnp.int32)
-  adv = np.asarray(jit_advantages(rewards, group_ids))
-  adv_perm = np.asarray(jit_advantages(rewards[perm], group_ids[perm]))
-  np.testing.assert_allclose(adv_perm, adv[perm], rtol=1e-6, atol=1e-7)
-
-
-def test_singleton_groups_are_zero_and_finite():
-  adv = jit_advantages(jnp.array([5.0, 1.0, 2.0]), jnp.array([1, 2, 2]))
-  # Group 2 = rewards 1, 2: mean 1.5, deviations -+0.5, unbiased var 0.5.
-  s2 = math.sqrt(0.5) + 1e-6
-  np.testing.assert_allclose(adv, [0.0, -0.5 / s2, 0.5 / s2], rtol=1e-6)
-  # Every sample alone (incl. a batch of one): all zero, no NaN even with eps = 0.
-  for eps in (1e-6, 0.0):
-    for rewards, ids in (([3.0, -1.0, 7.0], [0, 1, 2]), ([4.0], [9])):
-      adv = np.asarray(jit_advantages(jnp.array(rewards), jnp.array(ids), eps=eps))
-      assert np.all(np.isfinite(adv))
-      np.testing.assert_array_equal(adv, np.zeros(len(rewards)))
-
-
-def test_all_equal_group_is_zero():
-  # Values exactly representable in float32 (the usual 0/1 verifier rewards).
-  rewards = jnp.array([0.5, 0.5, 0.5, 0.5, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
-  group_ids = jnp.array([1, 1, 1, 1, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3])
-  adv = np.asarray(jit_advantages(rewards, group_ids))
-  assert np.all(np.isfinite(adv))
-  np.testing.assert_array_equal(adv[:4], 0.0)
-  np.testing.assert_array_equal(adv[6:], 0.0)
-  # Group 2 = rewards 1, 0: mean 0.5, deviations +-0.5, unbiased var 0.5.
-  s2 = math.sqrt(0.5) + 1e-6
-  np.testing.assert_allclose(adv[4:6], [0.5 / s2, -0.5 / s2], rtol=1e-6)
-
-
-@pytest.mark.parametrize('value,size', [(0.1, 8), (0.9, 16)])
-def test_all_equal_group_is_zero_for_inexact_rewards(value, size):
-  adv = jit_advantages(jnp.full((size,), value, jnp.float32), jnp.zeros((size,), jnp.int32))
-  np.testing.assert_allclose(adv, np.zeros(size), atol=1e-4)
-
-
-def test_jit_gives_same_result():
+def test_grpo_advantages_wrapper_and_jit_gives_same_result():
   rewards = jnp.array([0.3, -1.2, 2.5, 4.0, 0.7, 1.1, -0.4])
   group_ids = jnp.array([7, 3, 7, 100, 3, 3, -2])
   eager = grpo_advantages(rewards, group_ids)
   jitted = jax.jit(grpo_advantages)(rewards, group_ids)  # a fresh trace, not the cached one
   np.testing.assert_allclose(jitted, eager, rtol=1e-6, atol=1e-7)
-  np.testing.assert_allclose(jitted, np_grpo_advantages(rewards, group_ids), rtol=1e-5,
+  np.testing.assert_allclose(jitted, ref.grpo_advantages(rewards, group_ids), rtol=1e-5,
                              atol=1e-6)
 
 
+# ---------------------------------------------------------------------------------------------
+# Random inputs.
+
+
+@pytest.mark.parametrize('estimator', [e for e in ESTIMATORS if e != 'gdpo'])
+def test_random_unequal_groups_with_arbitrary_ids(estimator):
+  rng = np.random.RandomState(0)
+  ids_pool = np.array([7, 3, 100, -5, 0, 2**30])
+  for _ in range(4):
+    group_ids = ids_pool[rng.randint(0, len(ids_pool), 16)].astype(np.int32)
+    rewards = rng.normal(size=16).astype(np.float32)
+    valid = rng.rand(16) < 0.8
+    np.testing.assert_allclose(advantages(rewards, group_ids, estimator),
+                               expected(rewards, group_ids, estimator), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(advantages(rewards, group_ids, estimator, valid=valid),
+                               expected(rewards, group_ids, estimator, valid=valid),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_gdpo_random():
+  rng = np.random.RandomState(1)
+  for _ in range(4):
+    group_ids = rng.randint(0, 4, 16).astype(np.int32)
+    rewards = rng.normal(size=(16, 3)).astype(np.float32)
+    weights = rng.uniform(0.1, 2.0, 3).astype(np.float32)
+    valid = rng.rand(16) < 0.8
+    np.testing.assert_allclose(
+        advantages(rewards, group_ids, 'gdpo', reward_weights=weights, valid=valid),
+        ref.gdpo_advantages(rewards, group_ids, weights, valid), rtol=1e-4, atol=1e-5)
+
+
+# Rewards on a grid of quarter-integers are exact in float32, so group means are nearly exact
+# and the float64 reference is comparable at float32 precision.
+_rewards = st.integers(-8, 8).map(lambda k: k * 0.25)
+_ids = st.sampled_from([7, 3, 100, -5, 0, 2**30, -(2**31)])
+_rows = st.lists(st.tuples(_rewards, _ids, st.booleans()), min_size=HYP_BATCH,
+                 max_size=HYP_BATCH)
+
+
+@settings(max_examples=40, deadline=None)
+@given(_rows, st.sampled_from([e for e in ESTIMATORS if e != 'gdpo']), st.booleans())
+def test_matches_reference_on_random_groups(rows, estimator, use_valid):
+  rewards = np.array([r[0] for r in rows], np.float32)
+  group_ids = np.array([r[1] for r in rows], np.int32)
+  valid = np.array([r[2] for r in rows]) if use_valid else None
+  adv = advantages(rewards, group_ids, estimator, valid=valid)
+  assert np.all(np.isfinite(adv))
+  np.testing.assert_allclose(adv, expected(rewards, group_ids, estimator, valid=valid),
+                             rtol=1e-5, atol=1e-5)
+  if valid is not None:
+    np.testing.assert_array_equal(adv[~valid], 0.0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(_rewards, _rewards, st.sampled_from([0, 1, 2, 3])),
+                min_size=HYP_BATCH, max_size=HYP_BATCH))
+def test_gdpo_matches_reference_on_random_groups(rows):
+  # Continuous weights keep the weighted column sum away from an exact all-equal batch (see
+  # test_gdpo_complementary_rewards_give_zero).
+  rewards = np.array([[r[0], r[1]] for r in rows], np.float32)
+  group_ids = np.array([r[2] for r in rows], np.int32)
+  weights = np.array([1.0, 0.37], np.float32)
+  adv = advantages(rewards, group_ids, 'gdpo', reward_weights=weights)
+  want = ref.gdpo_advantages(rewards, group_ids, weights)
+  assert np.all(np.isfinite(adv))
+  np.testing.assert_allclose(adv, want, rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(_rewards, _ids, _rewards), min_size=HYP_BATCH, max_size=HYP_BATCH)
+       .flatmap(lambda rows: st.tuples(st.just(rows), st.permutations(range(len(rows))))),
+       st.sampled_from(ESTIMATORS))
+def test_permuting_samples_permutes_advantages(rows_and_perm, estimator):
+  rows, perm = rows_and_perm
+  perm = np.array(perm)
+  if estimator == 'gdpo':
+    rewards = np.array([[r[0], r[2]] for r in rows], np.float32)
+  else:
+    rewards = np.array([r[0] for r in rows], np.float32)
+  group_ids = np.array([r[1] for r in rows], np.int32)
+  adv = advantages(rewards, group_ids, estimator)
+  adv_perm = advantages(rewards[perm], group_ids[perm], estimator)
+  np.testing.assert_allclose(adv_perm, adv[perm], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Edge cases: singletons, equal rewards, invalid rows.
+
+
+@pytest.mark.parametrize('eps', [1e-6, 0.0])
+@pytest.mark.parametrize('estimator', GROUP_RELATIVE)
+def test_group_of_one_gets_zero_and_never_nan(estimator, eps):
+  # Index 0 and index 3 are alone in their groups; the others form groups of 2 and 3.
+  rewards = np.array([5.0, 1.0, 2.0, -3.0, 0.5, 4.0, 1.5], np.float32)
+  ids = [10, 20, 20, 30, 40, 40, 40]
+  if estimator == 'gdpo':
+    rewards = np.stack([rewards, rewards[::-1] * 0.5], axis=1)
+  adv = advantages(rewards, ids, estimator, eps=eps)
+  assert np.all(np.isfinite(adv))
+  np.testing.assert_allclose(adv[[0, 3]], 0.0, atol=1e-6)
+  np.testing.assert_allclose(adv, expected(rewards, ids, estimator, eps=eps), rtol=1e-5,
+                             atol=1e-6)
+  # Every sample alone, including a batch of one: all exactly zero.
+  for r, i in (([3.0, -1.0, 7.0], [0, 1, 2]), ([4.0], [9])):
+    r = np.asarray(r, np.float32)
+    if estimator == 'gdpo':
+      r = np.stack([r, -r], axis=1)
+    adv = advantages(r, i, estimator, eps=eps)
+    np.testing.assert_array_equal(adv, np.zeros(len(i)))
+
+
+@pytest.mark.parametrize('estimator', GROUP_RELATIVE)
+def test_all_equal_group_is_zero(estimator):
+  # Values exactly representable in float32 (the usual 0/1 verifier rewards).
+  rewards = np.array([0.5, 0.5, 0.5, 0.5, 1.0, 0.0, 1.0, 1.0, 1.0], np.float32)
+  ids = np.array([1, 1, 1, 1, 2, 2, 3, 3, 3])
+  if estimator == 'gdpo':
+    rewards = np.stack([rewards, rewards], axis=1)
+  adv = advantages(rewards, ids, estimator)
+  assert np.all(np.isfinite(adv))
+  np.testing.assert_allclose(adv[:4], 0.0, atol=1e-7)
+  np.testing.assert_allclose(adv[6:], 0.0, atol=1e-7)
+  assert adv[4] > 0 > adv[5]
+
+
+@pytest.mark.parametrize('estimator', ['grpo', 'median', 'rloo', 'drgrpo'])
+@pytest.mark.parametrize('value,size', [(0.1, 8), (0.9, 16), (1 / 3, 5)])
+def test_all_equal_group_is_zero_for_inexact_rewards(estimator, value, size):
+  adv = advantages(np.full((size,), value, np.float32), np.zeros((size,), np.int32), estimator)
+  np.testing.assert_array_equal(adv, np.zeros(size))
+
+
+def test_gdpo_complementary_rewards_give_zero():
+  # Two groups of three; column 1 = 1 - column 0. Per group the GRPO advantages of the two
+  # columns are exact negatives, so the per-sample sum is 0 for every sample: an all-equal
+  # batch, documented to give 0.
+  col = np.array([1.0, 0.0, 0.0, 0.0, 1.0, 1.0], np.float32)
+  rewards = np.stack([col, 1.0 - col], axis=1)
+  adv = advantages(rewards, [0, 0, 0, 1, 1, 1], 'gdpo')
+  np.testing.assert_allclose(ref.gdpo_advantages(rewards, [0, 0, 0, 1, 1, 1]), 0.0, atol=1e-9)
+  np.testing.assert_allclose(adv, 0.0, atol=1e-4)
+
+
+def test_invalid_rows_are_ignored_and_get_zero():
+  # Group 0 = rewards 1, 3 and an invalid 100: the 100 changes nothing.
+  rewards = np.array([1.0, 3.0, 100.0, 2.0, 2.5], np.float32)
+  ids = [0, 0, 0, 1, 1]
+  valid = np.array([True, True, False, True, True])
+  for estimator in ESTIMATORS:
+    r = np.stack([rewards, rewards], 1) if estimator == 'gdpo' else rewards
+    r_valid = np.stack([rewards[valid]] * 2, 1) if estimator == 'gdpo' else rewards[valid]
+    adv = advantages(r, ids, estimator, valid=valid)
+    assert adv[2] == 0.0, estimator
+    np.testing.assert_allclose(adv[valid], expected(r_valid, [0, 0, 1, 1], estimator),
+                               rtol=1e-5, atol=1e-6, err_msg=estimator)
+
+
+def test_batch_normalize():
+  # (x - mean) / (std + eps) with Bessel std over the valid entries; 0 elsewhere and when all
+  # equal. x = 1, 2, 3 (valid), 50 (invalid): mean 2, std 1.
+  x = jnp.array([1.0, 2.0, 3.0, 50.0])
+  valid = jnp.array([True, True, True, False])
+  np.testing.assert_allclose(batch_normalize(x, valid), [-1 / (1 + 1e-6), 0, 1 / (1 + 1e-6), 0],
+                             rtol=1e-6)
+  np.testing.assert_allclose(batch_normalize(x), ref.batch_normalize(x), rtol=1e-6)
+  np.testing.assert_array_equal(batch_normalize(jnp.full(5, 0.1)), 0.0)
+  np.testing.assert_array_equal(batch_normalize(jnp.array([3.0])), 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input.
+
+
 def test_mismatched_shapes_raise():
-  with pytest.raises(AssertionError):
-    grpo_advantages(jnp.ones(3), jnp.zeros(4, jnp.int32))
-  with pytest.raises(AssertionError):
-    grpo_advantages(jnp.ones((2, 3)), jnp.zeros((2, 3), jnp.int32))
+  with pytest.raises(ValueError, match=r'group_ids must have shape \[batch\] = \(3,\), got '
+                                       r'\(4,\)'):
+    group_advantages(jnp.ones(3), jnp.zeros(4, jnp.int32))
+  with pytest.raises(ValueError, match=r"estimator 'grpo' needs rewards of shape \[batch\], "
+                                       r'got shape \(2, 3\)'):
+    grpo_advantages(jnp.ones((2, 3)), jnp.zeros(2, jnp.int32))
+  with pytest.raises(ValueError, match=r"estimator 'gdpo' needs rewards of shape "
+                                       r'\[batch, num_rewards\], got shape \(4,\)'):
+    group_advantages(jnp.ones(4), jnp.zeros(4, jnp.int32), 'gdpo')
+  with pytest.raises(ValueError, match=r'valid must have shape \[batch\] = \(4,\), got \(3,\)'):
+    group_advantages(jnp.ones(4), jnp.zeros(4, jnp.int32), 'rloo', valid=jnp.ones(3, bool))
+  with pytest.raises(ValueError, match='group_ids must be integers, got dtype float32'):
+    group_advantages(jnp.ones(4), jnp.zeros(4, jnp.float32))
+
+
+def test_unknown_estimator_lists_the_valid_ones():
+  with pytest.raises(ValueError, match="Unknown advantage estimator 'ppo'") as e:
+    group_advantages(jnp.ones(4), jnp.zeros(4, jnp.int32), 'ppo')
+  assert all(repr(name) in str(e.value) for name in ESTIMATORS)

@@ -8,7 +8,7 @@ import pytest
 from rlax_llm.models.decoder import DecoderConfig
 from rlax_llm.models.model import create_model
 from rlax_llm.trainer.objectives import RLLossConfig, rl_objective, sft_objective
-from rlax_llm.trainer.sharding import make_mesh
+from rlax_llm.sharding import make_mesh
 from rlax_llm.trainer.trainer import Trainer, make_optimizer
 from rlax_llm.types import TrainBatch
 

@@ -8,6 +8,8 @@ runnable); ``param_shardings`` reports no error for that, by design.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -114,3 +116,29 @@ def batch_sharding(mesh: Mesh, batch: Any,
 
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
+
+
+# Activation sharding: models call ``constrain(x, logical_axes)`` on their activations; it is
+# a no-op unless a caller (the trainer) traces them inside ``activation_sharding(mesh)``.
+_ACTIVATION: contextvars.ContextVar = contextvars.ContextVar('activation_sharding',
+                                                            default=None)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh, rules: Sequence[tuple[str, Any]] = LOGICAL_RULES):
+  """Within this context (at trace time), ``constrain`` pins activations to ``mesh``."""
+  token = _ACTIVATION.set((mesh, tuple(rules)))
+  try:
+    yield
+  finally:
+    _ACTIVATION.reset(token)
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+  """``with_sharding_constraint`` by logical axis names; identity outside the context."""
+  context = _ACTIVATION.get()
+  if context is None:
+    return x
+  mesh, rules = context
+  spec = logical_to_spec(PartitionSpec(*logical), x.shape, mesh, rules)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -1,0 +1,76 @@
+"""Masked statistics the losses report: importance weights, second moments, mismatch.
+
+Every function reads only tokens where ``mask`` is set, returns float32 scalars and carries
+no gradient. With no masked token a statistic is 0 (never NaN).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rlax_llm.losses.components import masked_token_mean, safe_exp
+from rlax_llm.losses.kl import kl_penalty
+
+
+def masked_max(x: jax.Array, mask: jax.Array) -> jax.Array:
+  mask = mask.astype(bool)
+  return jnp.where(jnp.any(mask), jnp.max(jnp.where(mask, x, -jnp.inf)), 0.0)
+
+
+def masked_min(x: jax.Array, mask: jax.Array) -> jax.Array:
+  mask = mask.astype(bool)
+  return jnp.where(jnp.any(mask), jnp.min(jnp.where(mask, x, jnp.inf)), 0.0)
+
+
+def masked_quantile(x: jax.Array, mask: jax.Array, q: float) -> jax.Array:
+  """Nearest-rank ``q``-quantile of the masked values (NumPy's ``method='inverted_cdf'``)."""
+  mask = mask.astype(bool).reshape(-1)
+  values = jnp.sort(jnp.where(mask, x.reshape(-1).astype(jnp.float32), jnp.inf))
+  n = jnp.sum(mask)
+  index = jnp.clip(jnp.ceil(q * n).astype(jnp.int32) - 1, 0, jnp.maximum(n - 1, 0))
+  return jnp.where(n > 0, values[index], 0.0)
+
+
+def masked_correlation(x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:
+  """Pearson correlation of ``x`` and ``y`` over the mask (0 if either is constant)."""
+  w = mask.astype(jnp.float32)
+  n = jnp.maximum(jnp.sum(w), 1.0)
+  x = x.astype(jnp.float32)
+  y = y.astype(jnp.float32)
+  dx = (x - jnp.sum(x * w) / n) * w
+  dy = (y - jnp.sum(y * w) / n) * w
+  denom = jnp.sqrt(jnp.sum(dx * dx) * jnp.sum(dy * dy))
+  return jnp.where(denom > 0, jnp.sum(dx * dy) / jnp.where(denom > 0, denom, 1.0), 0.0)
+
+
+def ratio_diagnostics(log_ratio: jax.Array, mask: jax.Array, prefix: str = 'is'
+                      ) -> dict[str, jax.Array]:
+  """Importance-ratio stats: mean/max/min of ``r`` and ``M2 = mean (log r)^2``."""
+  log_ratio = jax.lax.stop_gradient(log_ratio)
+  ratio = safe_exp(log_ratio)
+  return {
+      f'{prefix}/ratio_mean': masked_token_mean(ratio, mask),
+      f'{prefix}/ratio_max': masked_max(ratio, mask),
+      f'{prefix}/ratio_min': masked_min(ratio, mask),
+      f'{prefix}/m2': masked_token_mean(jnp.square(log_ratio), mask),
+  }
+
+
+def mismatch_diagnostics(trainer_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array
+                         ) -> dict[str, jax.Array]:
+  """Train-inference mismatch on the same tokens (RLAX / VeXact style reporting).
+
+  ``mismatch/kl``: k3 estimate of ``KL(pi_rollout || pi_trainer)`` (tokens are sampled from
+  the rollout engine), ``>= 0``; ``mismatch/max_abs_dlogp`` and ``mismatch/p95_abs_dlogp``:
+  ``|trainer_logp - rollout_logp|``; ``mismatch/logp_corr``: Pearson correlation of the two.
+  """
+  trainer_logp = jax.lax.stop_gradient(trainer_logp).astype(jnp.float32)
+  rollout_logp = jax.lax.stop_gradient(rollout_logp).astype(jnp.float32)
+  abs_d = jnp.abs(trainer_logp - rollout_logp)
+  return {
+      'mismatch/kl': masked_token_mean(kl_penalty(rollout_logp, trainer_logp, 'k3'), mask),
+      'mismatch/max_abs_dlogp': masked_max(abs_d, mask),
+      'mismatch/p95_abs_dlogp': masked_quantile(abs_d, mask, 0.95),
+      'mismatch/logp_corr': masked_correlation(trainer_logp, rollout_logp, mask),
+  }
