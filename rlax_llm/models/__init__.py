@@ -1,1 +1,13 @@
 """Decoder models, KV cache and tokenizers."""
+
+from rlax_llm.models.configs import MODEL_CONFIGS, get_config, memory_per_device
+from rlax_llm.models.decoder import Decoder, DecoderConfig, KVCache, RopeScaling
+from rlax_llm.models.gguf import smollm2_gguf_path
+from rlax_llm.models.model import Model, create_model, split_module
+from rlax_llm.models.pretrained import from_pretrained, save_pretrained
+
+__all__ = [
+    'Decoder', 'DecoderConfig', 'KVCache', 'MODEL_CONFIGS', 'Model', 'RopeScaling',
+    'create_model', 'from_pretrained', 'get_config', 'memory_per_device', 'save_pretrained',
+    'smollm2_gguf_path', 'split_module',
+]

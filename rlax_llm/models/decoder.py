@@ -4,13 +4,16 @@ One readable file (after nanoGPT): RMSNorm, rotary position embeddings (RoPE, th
 "rotate half" layout used by Hugging Face Llama), grouped-query attention (GQA) and a
 SwiGLU MLP. Every parameter carries its logical axis names in the ``logical_axes``
 metadata (``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``);
-``rlax_llm.trainer.sharding`` maps them to mesh axes.
+``rlax_llm.sharding`` maps them to mesh axes.
 
 References:
   Touvron et al., "LLaMA: Open and Efficient Foundation Language Models", arXiv 2302.13971.
   Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding", arXiv 2104.09864.
   Ainslie et al., "GQA: Training Generalized Multi-Query Transformer Models", arXiv 2305.13245.
   Shazeer, "GLU Variants Improve Transformer", arXiv 2002.05202.
+  Meta, "The Llama 3 Herd of Models", arXiv 2407.21783 (RoPE frequency scaling).
+  Qwen Team, "Qwen2.5 Technical Report", arXiv 2412.15115; "Qwen3 Technical Report",
+  arXiv 2505.09388.
 
 KV cache contract (``KVCache``): ``k[i]`` and ``v[i]`` for layer ``i`` are
 ``[batch, max_len, kv_heads, head_dim]``; ``lengths`` is ``int32 [batch]``, the number of
@@ -25,15 +28,33 @@ query can see it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from rlax_llm.sharding import constrain
+
 Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama 3.x RoPE frequency scaling (Hugging Face ``rope_type='llama3'``)."""
+
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+
+REMAT_POLICIES = ('none', 'full', 'dots')
+FAMILIES = ('llama', 'qwen2', 'qwen3')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,13 +69,22 @@ class DecoderConfig:
   head_dim: int = 16
   mlp_dim: int = 256
   rope_theta: float = 10_000.0
+  rope_scaling: RopeScaling | None = None
   norm_eps: float = 1e-6
   tie_embeddings: bool = True
+  qkv_bias: bool = False  # Qwen2 / Qwen2.5
+  qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on queries and keys, before RoPE
   max_seq_len: int = 64
+  family: str = 'llama'  # the Hugging Face architecture it exports to
+  remat: str = 'none'
   param_dtype: Any = jnp.float32
   dtype: Any = jnp.float32  # compute dtype
 
   def __post_init__(self):
+    if self.family not in FAMILIES:
+      raise ValueError(f'DecoderConfig.family={self.family!r}; choose one of {FAMILIES}.')
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f'DecoderConfig.remat={self.remat!r}; choose one of {REMAT_POLICIES}.')
     for name in ('vocab_size', 'num_layers', 'embed_dim', 'num_heads', 'num_kv_heads',
                  'head_dim', 'mlp_dim', 'max_seq_len'):
       value = getattr(self, name)
@@ -99,11 +129,17 @@ def _param(rngs: nnx.Rngs, shape, axes, dtype, scale: float | None = None) -> nn
   return nnx.Param(value, logical_axes=axes)
 
 
+def _zeros(rngs: nnx.Rngs, shape, axes, dtype) -> nnx.Param:
+  del rngs
+  return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes)
+
+
 class RMSNorm(nnx.Module):
   """Root-mean-square layer norm (Zhang & Sennrich, arXiv 1910.07467), fp32 statistics."""
 
-  def __init__(self, dim: int, eps: float, param_dtype, *, rngs: nnx.Rngs):
-    self.scale = _param(rngs, (dim,), ('embed',), param_dtype)
+  def __init__(self, dim: int, eps: float, param_dtype, *, rngs: nnx.Rngs,
+               axis: str = 'embed'):
+    self.scale = _param(rngs, (dim,), (axis,), param_dtype)
     self.eps = eps
 
   def __call__(self, x: Array) -> Array:
@@ -112,18 +148,43 @@ class RMSNorm(nnx.Module):
     return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: Array, positions: Array, theta: float) -> Array:
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None
+                  ) -> np.ndarray:
+  """RoPE inverse frequencies ``theta^(-2i/d)``, float32 ``[head_dim // 2]``.
+
+  With ``scaling`` (Llama 3.x): wavelengths longer than ``original / low_freq_factor`` are
+  divided by ``factor``, shorter than ``original / high_freq_factor`` kept, and the band in
+  between interpolated smoothly.
+  """
+  half = head_dim // 2
+  inv_freq = 1.0 / (theta ** (np.arange(half, dtype=np.float64) * 2.0 / head_dim))
+  if scaling is not None:
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2.0 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1.0 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    inv_freq = np.where(medium, smoothed, scaled)
+  return inv_freq.astype(np.float32)
+
+
+def rope(x: Array, positions: Array, theta: float | np.ndarray) -> Array:
   """Rotary embedding, Hugging Face "rotate half" layout.
 
   Args:
     x: ``[batch, length, heads, head_dim]``.
     positions: int ``[batch, length]`` absolute positions.
-    theta: RoPE base frequency.
+    theta: RoPE base frequency, or the inverse frequencies ``[head_dim // 2]``
+      (``rope_inv_freq``).
   Returns:
     ``x`` rotated, same shape and dtype.
   """
-  half = x.shape[-1] // 2
-  inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+  inv_freq = (rope_inv_freq(x.shape[-1], theta) if np.ndim(theta) == 0
+              else np.asarray(theta, np.float32))
   angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, half]
   sin = jnp.sin(angles)[:, :, None, :]
   cos = jnp.cos(angles)[:, :, None, :]
@@ -155,6 +216,15 @@ class Attention(nnx.Module):
                      ('embed', 'kv_heads', 'head_dim'), c.param_dtype, s_in)
     self.wo = _param(rngs, (c.num_heads, c.head_dim, c.embed_dim),
                      ('heads', 'head_dim', 'embed'), c.param_dtype, s_out)
+    if c.qkv_bias:
+      self.bq = _zeros(rngs, (c.num_heads, c.head_dim), ('heads', 'head_dim'), c.param_dtype)
+      self.bk = _zeros(rngs, (c.num_kv_heads, c.head_dim), ('kv_heads', 'head_dim'),
+                       c.param_dtype)
+      self.bv = _zeros(rngs, (c.num_kv_heads, c.head_dim), ('kv_heads', 'head_dim'),
+                       c.param_dtype)
+    if c.qk_norm:
+      self.q_norm = RMSNorm(c.head_dim, c.norm_eps, c.param_dtype, rngs=rngs, axis='head_dim')
+      self.k_norm = RMSNorm(c.head_dim, c.norm_eps, c.param_dtype, rngs=rngs, axis='head_dim')
     self.config = c
 
   def __call__(self, x: Array, positions: Array, mask: Array,
@@ -165,8 +235,17 @@ class Attention(nnx.Module):
     q = jnp.einsum('bte,ehd->bthd', x, self.wq[...].astype(dt))
     k = jnp.einsum('bte,ehd->bthd', x, self.wk[...].astype(dt))
     v = jnp.einsum('bte,ehd->bthd', x, self.wv[...].astype(dt))
-    q = rope(q, positions, c.rope_theta)
-    k = rope(k, positions, c.rope_theta)
+    if c.qkv_bias:
+      q = q + self.bq[...].astype(dt)
+      k = k + self.bk[...].astype(dt)
+      v = v + self.bv[...].astype(dt)
+    if c.qk_norm:
+      q = self.q_norm(q)
+      k = self.k_norm(k)
+    q = constrain(q, ('batch', 'length', 'heads', 'head_dim'))
+    inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)  # static, numpy
+    q = rope(q, positions, inv_freq)
+    k = rope(k, positions, inv_freq)
     if kv is not None:
       k = _write_rows(kv[0], k, starts)
       v = _write_rows(kv[1], v, starts)
@@ -182,7 +261,8 @@ class Attention(nnx.Module):
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     out = jnp.einsum('bkgts,bskd->btkgd', probs, v)
     out = out.reshape(batch, length, c.num_heads, c.head_dim)
-    return jnp.einsum('bthd,hde->bte', out, self.wo[...].astype(dt)), new_kv
+    out = jnp.einsum('bthd,hde->bte', out, self.wo[...].astype(dt))
+    return constrain(out, ('batch', 'length', 'embed')), new_kv
 
 
 class MLP(nnx.Module):
@@ -201,7 +281,8 @@ class MLP(nnx.Module):
   def __call__(self, x: Array) -> Array:
     dt = self.dtype
     gate = jax.nn.silu(x @ self.w_gate[...].astype(dt))
-    return (gate * (x @ self.w_up[...].astype(dt))) @ self.w_down[...].astype(dt)
+    hidden = constrain(gate * (x @ self.w_up[...].astype(dt)), ('batch', 'length', 'mlp'))
+    return constrain(hidden @ self.w_down[...].astype(dt), ('batch', 'length', 'embed'))
 
 
 class Block(nnx.Module):
@@ -217,6 +298,17 @@ class Block(nnx.Module):
     h, new_kv = self.attn(self.attn_norm(x), positions, mask, kv, starts)
     x = x + h
     return x + self.mlp(self.mlp_norm(x)), new_kv
+
+
+def _block_call(block, *args):
+  return block(*args)
+
+
+_REMAT_CALL = {
+    'none': _block_call,
+    'full': nnx.remat(_block_call, policy=jax.checkpoint_policies.nothing_saveable),
+    'dots': nnx.remat(_block_call, policy=jax.checkpoint_policies.checkpoint_dots),
+}
 
 
 class Decoder(nnx.Module):
@@ -243,7 +335,8 @@ class Decoder(nnx.Module):
     c = self.config
     chex.assert_rank(tokens, 2)
     batch, length = tokens.shape
-    x = jnp.take(self.embed[...], tokens, axis=0).astype(c.dtype)
+    x = constrain(jnp.take(self.embed[...], tokens, axis=0).astype(c.dtype),
+                  ('batch', 'length', 'embed'))
     if cache is None:
       positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
       causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
@@ -255,9 +348,10 @@ class Decoder(nnx.Module):
       key_pos = jnp.arange(cache.max_len, dtype=jnp.int32)
       mask = key_pos[None, None, :] <= positions[:, :, None]
     new_k, new_v = [], []
+    call = _REMAT_CALL[c.remat]
     for i, block in enumerate(self.blocks):
       kv = None if cache is None else (cache.k[i], cache.v[i])
-      x, layer_kv = block(x, positions, mask, kv, starts)
+      x, layer_kv = call(block, x, positions, mask, kv, starts)
       if layer_kv is not None:
         new_k.append(layer_kv[0])
         new_v.append(layer_kv[1])
@@ -266,7 +360,7 @@ class Decoder(nnx.Module):
       logits = jnp.einsum('bte,ve->btv', x, self.embed[...].astype(c.dtype))
     else:
       logits = x @ self.lm_head[...].astype(c.dtype)
-    logits = logits.astype(jnp.float32)
+    logits = constrain(logits.astype(jnp.float32), ('batch', 'length', 'vocab'))
     if cache is None:
       return logits
     if num_valid is None:

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
@@ -39,7 +40,30 @@ class Model:
     return module(tokens, cache=cache, num_valid=num_valid)
 
   def init_cache(self, batch: int, max_len: int | None = None) -> KVCache:
+    """An empty cache: ``k``/``v`` per layer ``[batch, max_len, kv_heads, head_dim]``."""
     return KVCache.init(self.config, batch, max_len)
+
+  def prefill(self, params: Params, tokens: jax.Array, lengths: jax.Array, cache: KVCache
+              ) -> tuple[jax.Array, KVCache]:
+    """Writes right-padded prompts into the cache slots.
+
+    Args:
+      tokens: int32 ``[batch, P]``, row ``b`` valid for its first ``lengths[b]`` tokens.
+      lengths: int32 ``[batch]`` in ``[1, P]``.
+      cache: slots to append to (each row continues at its own ``cache.lengths[b]``).
+    Returns:
+      ``(logits of each row's last valid token, float32 [batch, vocab], new cache)``.
+    """
+    logits, cache = self.apply(params, tokens, cache=cache, num_valid=lengths)
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    return last, cache
+
+  def decode_step(self, params: Params, tokens: jax.Array, cache: KVCache
+                  ) -> tuple[jax.Array, KVCache]:
+    """One token per slot: int32 ``[batch]`` -> (float32 logits ``[batch, vocab]``, cache)."""
+    logits, cache = self.apply(params, tokens[:, None], cache=cache,
+                               num_valid=jnp.ones(tokens.shape, jnp.int32))
+    return logits[:, 0], cache
 
   def logical_axes(self) -> dict[str, Any]:
     """Logical axis names of every parameter, as a params-shaped tree of ``PartitionSpec``."""
@@ -73,3 +97,9 @@ def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
   """
   logp = jax.nn.log_softmax(logits.astype(jax.numpy.float32), axis=-1)
   return jax.numpy.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+def split_module(module: Any) -> tuple[Model, Params]:
+  """``(Model, params)`` of an NNX ``Decoder`` (e.g. from ``from_pretrained``)."""
+  graphdef, state = nnx.split(module, nnx.Param)
+  return Model(config=module.config, graphdef=graphdef), nnx.to_pure_dict(state)

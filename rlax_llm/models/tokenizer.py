@@ -1,20 +1,88 @@
 """Tokenizers: text <-> int32 token ids.
 
-``CharTokenizer`` is a self-contained character-level tokenizer for tiny models trained from
-scratch on synthetic tasks (``rlax_llm.tasks``): three special ids followed by one id per
-alphabet character. It depends on nothing else in the package. The wrapper around Hugging
-Face ``tokenizers`` for pretrained checkpoints belongs beside it in this module, with the same
-``encode`` / ``decode`` / ``encode_batch`` / ``decode_batch`` surface and the ``pad_id`` /
-``bos_id`` / ``eos_id`` / ``vocab_size`` attributes, so tasks and the rollout loop never care
-which one they hold.
+Two tokenizers with one surface (``encode`` / ``decode`` / ``encode_batch`` / ``decode_batch``
+and the ``pad_id`` / ``bos_id`` / ``eos_id`` / ``vocab_size`` attributes), so tasks and the
+rollout loop never care which one they hold:
+
+* ``CharTokenizer``: a self-contained character-level tokenizer for tiny models trained from
+  scratch on synthetic tasks (``rlax_llm.tasks``): three special ids followed by one id per
+  alphabet character. It needs nothing beyond numpy.
+* ``HFTokenizer``: a wrapper over a Hugging Face ``tokenizers.Tokenizer`` for pretrained
+  checkpoints, loaded from a Hugging Face directory (``tokenizer.json`` and friends) or from a
+  GGUF file's metadata, with the checkpoint's chat template rendered the way ``transformers``
+  renders it. It gives the same ids as ``transformers.AutoTokenizer`` on the same files and
+  ``save`` writes a directory ``AutoTokenizer.from_pretrained`` loads back. It imports
+  ``tokenizers``, ``jinja2`` and ``gguf`` only when used, so ``CharTokenizer`` users need none
+  of them.
+
+Conventions shared by both: ``encode`` adds bos / eos only when asked (``add_bos`` /
+``add_eos``), never because the checkpoint's post-processor would; batches are right-padded
+with ``pad_id``; ``decode(..., stop_at_eos=True)`` drops everything from the first eos on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import ClassVar
+import datetime
+import functools
+import json
+import os
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+
+if TYPE_CHECKING:
+  import jinja2
+  import tokenizers
+
+
+def _check_batch_args(texts: Sequence[str], length: int | None) -> None:
+  """Raises if ``texts`` is a bare string or ``length`` is not a non-negative int or None."""
+  if isinstance(texts, str):
+    raise TypeError(f'encode_batch expects a sequence of strings, got the single string '
+                    f'{texts!r}; wrap it in a list or call encode.')
+  if length is not None and (isinstance(length, bool) or not isinstance(length, int)
+                             or length < 0):
+    raise ValueError(f'length must be a non-negative int or None, got {length!r}.')
+
+
+def _right_pad(texts: Sequence[str], encoded: Sequence[Sequence[int]], length: int | None,
+               pad_id: int, add_bos: bool, add_eos: bool) -> tuple[np.ndarray, np.ndarray]:
+  """Right-pads B id lists with ``pad_id`` to ``length`` (``None``: the longest).
+
+  Returns ``(ids, lengths)``: int32 ``[B, L]`` and int32 ``[B]``. ``texts`` (B strings) and
+  ``add_bos`` / ``add_eos`` only name the culprit when an encoding is longer than ``length``.
+  """
+  lengths = np.asarray([len(ids) for ids in encoded], dtype=np.int32).reshape(-1)
+  width = length if length is not None else int(lengths.max(initial=0))
+  for text, ids in zip(texts, encoded):
+    if len(ids) > width:
+      raise ValueError(f'text {text!r} encodes to {len(ids)} tokens (add_bos={add_bos}, '
+                       f'add_eos={add_eos}) but length={width}; raise length or shorten '
+                       'the text.')
+  batch = np.full((len(encoded), width), pad_id, dtype=np.int32)
+  for row, ids in enumerate(encoded):
+    batch[row, :len(ids)] = ids
+  return batch, lengths
+
+
+def _as_1d_ids(ids: Sequence[int] | np.ndarray) -> list[int]:
+  """A 1-D id sequence or array as Python ints; raises on any other rank."""
+  array = np.asarray(ids)
+  if array.ndim != 1:
+    raise ValueError(f'decode expects a 1-D sequence of ids, got shape {array.shape}; use '
+                     'decode_batch for [batch, length] arrays.')
+  return array.tolist()
+
+
+def _as_2d_ids(ids: np.ndarray) -> np.ndarray:
+  """``ids`` as an array of shape ``[B, L]``; raises on any other rank."""
+  array = np.asarray(ids)
+  if array.ndim != 2:
+    raise ValueError(f'decode_batch expects ids of shape [batch, length], got shape '
+                     f'{array.shape}; use decode for a single 1-D sequence.')
+  return array
 
 
 class CharTokenizer:
@@ -28,6 +96,8 @@ class CharTokenizer:
   bos_id: ClassVar[int] = 1
   eos_id: ClassVar[int] = 2
   num_special: ClassVar[int] = 3
+  # Prompts of tiny models start with bos (HFTokenizer reports what its checkpoint does).
+  add_bos_token: ClassVar[bool] = True
 
   def __init__(self, alphabet: str):
     """alphabet: non-empty ``str`` of distinct characters, in id order."""
@@ -88,12 +158,8 @@ class CharTokenizer:
     eos is skipped too). Ids outside ``[0, vocab_size)`` decode to nothing, so sampled
     garbage never raises. ids: any integer (or integer-valued) sequence or 1-D array.
     """
-    array = np.asarray(ids)
-    if array.ndim != 1:
-      raise ValueError(f'decode expects a 1-D sequence of ids, got shape {array.shape}; use '
-                       'decode_batch for [batch, length] arrays.')
     chars = []
-    for token in array.tolist():
+    for token in _as_1d_ids(ids):
       if stop_at_eos and token == self.eos_id:
         break
       chars.append(self._id_to_char.get(token, ''))
@@ -113,29 +179,718 @@ class CharTokenizer:
       ``(ids, lengths)``: int32 ``[B, L]`` and int32 ``[B]`` (tokens before the padding).
     Raises ValueError if an encoding is longer than ``length``.
     """
-    if isinstance(texts, str):
-      raise TypeError(f'encode_batch expects a sequence of strings, got the single string '
-                      f'{texts!r}; wrap it in a list or call encode.')
-    if length is not None and (isinstance(length, bool) or not isinstance(length, int)
-                               or length < 0):
-      raise ValueError(f'length must be a non-negative int or None, got {length!r}.')
+    _check_batch_args(texts, length)
     encoded = [self.encode(text, add_bos=add_bos, add_eos=add_eos) for text in texts]
-    lengths = np.asarray([len(ids) for ids in encoded], dtype=np.int32).reshape(-1)
-    width = length if length is not None else int(lengths.max(initial=0))
-    for text, ids in zip(texts, encoded):
-      if len(ids) > width:
-        raise ValueError(f'text {text!r} encodes to {len(ids)} tokens (add_bos={add_bos}, '
-                         f'add_eos={add_eos}) but length={width}; raise length or shorten '
-                         'the text.')
-    batch = np.full((len(encoded), width), self.pad_id, dtype=np.int32)
-    for row, ids in enumerate(encoded):
-      batch[row, :len(ids)] = ids
-    return batch, lengths
+    return _right_pad(texts, encoded, length, self.pad_id, add_bos, add_eos)
 
   def decode_batch(self, ids: np.ndarray, stop_at_eos: bool = True) -> list[str]:
     """Decodes each row of int ``[B, L]`` ids with ``decode``; returns B strings."""
-    array = np.asarray(ids)
-    if array.ndim != 2:
-      raise ValueError(f'decode_batch expects ids of shape [batch, length], got shape '
-                       f'{array.shape}; use decode for a single 1-D sequence.')
-    return [self.decode(row, stop_at_eos=stop_at_eos) for row in array]
+    return [self.decode(row, stop_at_eos=stop_at_eos) for row in _as_2d_ids(ids)]
+
+
+# Split patterns for byte-level BPE vocabularies, keyed by GGUF ``tokenizer.ggml.pre`` (the name
+# llama.cpp gives the pre-tokenizer a vocabulary was trained with). Each is the pattern of that
+# family's ``tokenizer.json``; names not listed (``gpt2``, ``smollm``, ...) get GPT-2's own split,
+# which ``ByteLevel(use_regex=True)`` applies. These are the names transformers recognises too.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+GGUF_PRE_TOKENIZER_SPLITS: dict[str, str] = {
+    **dict.fromkeys(('llama3', 'llama-v3', 'llama-bpe', 'falcon3', 'falcon-h1', 'pixtral',
+                     'midm-2.0', 'lfm2', 'jina-v5-nano', 'dbrx', 'smaug-bpe'), _LLAMA3_SPLIT),
+    **dict.fromkeys(('qwen2', 'deepseek-r1-qwen', 'kormo', 'f2llmv2', 'megrez'), _QWEN2_SPLIT),
+    'qwen35': _QWEN35_SPLIT,
+    'tekken': _TEKKEN_SPLIT,
+    **dict.fromkeys(('gpt-4o', 'llama4', 'kanana2', 'talkie', 'minimax-m2'), _GPT4O_SPLIT),
+}
+
+# GGUF ``tokenizer.ggml.model`` values ``HFTokenizer.from_gguf`` builds (byte-level BPE).
+GGUF_TOKENIZER_MODELS = ('gpt2',)
+# GGUF ``tokenizer.ggml.token_type`` values (llama.cpp's ``llama_token_type``).
+_GGUF_CONTROL = 3
+_GGUF_USER_DEFINED = 4
+# The named special tokens, as ``tokenizer_config.json`` and chat templates call them.
+_SPECIAL_TOKEN_NAMES = ('bos_token', 'eos_token', 'unk_token', 'pad_token')
+# transformers writes ``model_max_length = int(1e30)`` for "no limit".
+_NO_MAX_LENGTH = 10**29
+# Names a message's reasoning may come under; templates read ``reasoning_content`` (or
+# ``thinking``, gpt-oss), so transformers fills both from whichever is given.
+_REASONING_KEYS = ('reasoning_content', 'thinking', 'reasoning')
+
+
+@functools.cache
+def _byte_to_unicode() -> dict[int, str]:
+  """GPT-2's reversible map from the 256 byte values to printable characters.
+
+  Bytes that are printable Latin-1 characters (``!``..``~``, ``¡``..``¬``, ``®``..``ÿ``) map
+  to themselves; the 68 others map, in increasing byte order, to ``chr(256)``, ``chr(257)``, ...
+  Byte-level BPE vocabularies spell every token in this alphabet (Radford et al., 2019,
+  "Language Models are Unsupervised Multitask Learners", section 2.2).
+  """
+  printable = [*range(ord('!'), ord('~') + 1), *range(ord('¡'), ord('¬') + 1),
+               *range(ord('®'), ord('ÿ') + 1)]
+  mapping = {byte: chr(byte) for byte in printable}
+  for offset, byte in enumerate(b for b in range(256) if b not in mapping):
+    mapping[byte] = chr(256 + offset)
+  return mapping
+
+
+def _token_content(value: Any, name: str, source: str) -> str | None:
+  """A special token's text from a config entry: a string, an AddedToken dict, or None."""
+  if value is None or isinstance(value, str):
+    return value
+  if isinstance(value, Mapping) and isinstance(value.get('content'), str):
+    return value['content']
+  raise ValueError(f'{name} in {source} is {value!r}; expected a string, null, or an '
+                   'AddedToken dict with a string "content" field.')
+
+
+def _select_chat_template(value: Any, name: str, source: str) -> str | None:
+  """The template called ``name`` from a ``chat_template`` config entry.
+
+  The entry is a single template string, a list of ``{'name': ..., 'template': ...}`` dicts, or
+  a mapping from names to templates; a single string is used whatever ``name`` is.
+  """
+  if value is None or isinstance(value, str):
+    return value
+  if isinstance(value, Mapping):
+    named = dict(value)
+  elif isinstance(value, list) and all(isinstance(entry, Mapping) and 'name' in entry
+                                       and 'template' in entry for entry in value):
+    named = {entry['name']: entry['template'] for entry in value}
+  else:
+    raise ValueError(f'chat_template in {source} is a {type(value).__name__}; expected a '
+                     "template string or a list of {'name': ..., 'template': ...} dicts.")
+  if name not in named:
+    raise ValueError(f'{source} has chat templates {sorted(named)} but none named {name!r}; '
+                     'pass chat_template_name= one of those names.')
+  return named[name]
+
+
+def _read_json_object(path: pathlib.Path) -> dict[str, Any]:
+  """The JSON object in ``path``, or ``{}`` if there is no such file."""
+  if not path.is_file():
+    return {}
+  with open(path, encoding='utf-8') as handle:
+    value = json.load(handle)
+  if not isinstance(value, dict):
+    raise TypeError(f'{path} holds a JSON {type(value).__name__}; expected a JSON object '
+                    '({...}). Check that it is the Hugging Face file of that name.')
+  return value
+
+
+def _clean_up_tokenization(text: str) -> str:
+  """Removes the spaces WordPiece-style decoding leaves before punctuation and contractions.
+
+  The replacements of transformers' ``clean_up_tokenization``, which it applies to non-BPE
+  tokenizers whose config sets ``clean_up_tokenization_spaces``.
+  """
+  for before, after in ((' .', '.'), (' ?', '?'), (' !', '!'), (' ,', ','), (" ' ", "'"),
+                        (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"),
+                        (" 're", "'re")):
+    text = text.replace(before, after)
+  return text
+
+
+@functools.cache
+def _chat_environment() -> jinja2.Environment:
+  """The sandboxed jinja2 environment transformers renders chat templates in.
+
+  ``ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)`` with the
+  ``loopcontrols`` extension (``break`` / ``continue``), a ``{% generation %}`` block tag that
+  renders its body unchanged (transformers uses it to locate assistant tokens), a ``tojson``
+  filter that does not HTML-escape (``json.dumps`` with ``ensure_ascii=False`` by default), and
+  the ``raise_exception(message)`` and ``strftime_now(format)`` globals.
+  """
+  import jinja2
+  import jinja2.ext
+  import jinja2.nodes
+  from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+  class GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %} body {% endgeneration %}`` renders as ``body``."""
+
+    tags: ClassVar[set[str]] = {'generation'}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
+      lineno = next(parser.stream).lineno
+      body = parser.parse_statements(('name:endgeneration',), drop_needle=True)
+      return jinja2.nodes.CallBlock(self.call_method('_render_body'), [], [],
+                                    body).set_lineno(lineno)
+
+    def _render_body(self, caller: Any) -> str:
+      return caller()
+
+  def raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+  def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+  def strftime_now(format_string: str) -> str:
+    return datetime.datetime.now().strftime(format_string)
+
+  environment = ImmutableSandboxedEnvironment(
+      trim_blocks=True, lstrip_blocks=True,
+      extensions=[GenerationBlock, jinja2.ext.loopcontrols])
+  environment.filters['tojson'] = tojson
+  environment.globals['raise_exception'] = raise_exception
+  environment.globals['strftime_now'] = strftime_now
+  return environment
+
+
+@functools.lru_cache(maxsize=32)
+def _compile_chat_template(template: str) -> jinja2.Template:
+  """``template`` compiled in ``_chat_environment()`` (cached: compiling is the slow part)."""
+  return _chat_environment().from_string(template)
+
+
+def _template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+  """Copies of ``messages`` as transformers hands them to a template.
+
+  Keys whose value is None are dropped (templates test for a key, not for None), and a
+  message's reasoning, given under any of ``_REASONING_KEYS``, is also put under ``thinking``
+  and ``reasoning_content``.
+  """
+  if isinstance(messages, (str, Mapping)) or not isinstance(messages, Sequence):
+    raise TypeError(f'messages must be a list of dicts such as [{{"role": "user", "content": '
+                    f'"hi"}}], got {type(messages).__name__}: {messages!r}.')
+  if not messages:
+    raise ValueError('messages is empty; a chat template needs at least one message, e.g. '
+                     '[{"role": "user", "content": "hi"}].')
+  plain = []
+  for index, message in enumerate(messages):
+    if not isinstance(message, Mapping):
+      raise TypeError(f'messages[{index}] is a {type(message).__name__} ({message!r}); every '
+                      'message must be a dict like {"role": "user", "content": "hi"}.')
+    message = {key: value for key, value in message.items() if value is not None}
+    reasoning = next((message[key] for key in _REASONING_KEYS if key in message), None)
+    if reasoning is not None:
+      message = {'thinking': reasoning, **message, 'reasoning_content': reasoning}
+    plain.append(message)
+  return plain
+
+
+def _gguf_field_getter(path_or_reader: str | os.PathLike | Any) -> tuple[Any, str]:
+  """``(get, source)``: ``get(key)`` is a GGUF metadata value (None if absent).
+
+  ``path_or_reader`` is a path to a ``.gguf`` file or an object with a ``fields`` mapping whose
+  values have ``contents()`` (a ``gguf.GGUFReader``). ``source`` names it in error messages.
+  """
+  if isinstance(path_or_reader, (str, os.PathLike)):
+    path = pathlib.Path(path_or_reader)
+    if not path.is_file():
+      raise FileNotFoundError(f'no GGUF file at {path}; pass the path of a .gguf file (or a '
+                              'gguf.GGUFReader) to HFTokenizer.from_gguf.')
+    import gguf
+    reader = gguf.GGUFReader(path)
+    source = str(path)
+  else:
+    reader = path_or_reader
+    source = f'{type(reader).__name__} object'
+  fields = getattr(reader, 'fields', None)
+  if not isinstance(fields, Mapping):
+    raise TypeError(f'from_gguf expects a .gguf path or a gguf.GGUFReader, got '
+                    f'{type(path_or_reader).__name__}: {path_or_reader!r} (it has no `fields` '
+                    'mapping).')
+
+  def get(key: str) -> Any:
+    field = fields.get(key)
+    return None if field is None else field.contents()
+
+  return get, source
+
+
+def _gguf_byte_level_bpe(tokens: Sequence[str], merges: Sequence[str],
+                         token_types: Sequence[int], pre: str | None,
+                         source: str) -> tokenizers.Tokenizer:
+  """The byte-level BPE ``tokenizers.Tokenizer`` a GGUF ``gpt2`` vocabulary describes.
+
+  Vocabulary ids are token positions; a token the file writes in plain UTF-8 rather than in the
+  byte alphabet is respelled byte by byte. The pre-tokenizer is GPT-2's ``ByteLevel`` split,
+  or the family's split pattern from ``GGUF_PRE_TOKENIZER_SPLITS`` followed by a regex-free
+  ``ByteLevel``; the decoder is ``ByteLevel``. Tokens typed CONTROL become special added tokens
+  (so ``'<|im_start|>'`` in text encodes to its one id and ``skip_special_tokens`` drops it);
+  USER_DEFINED ones become plain added tokens. A CONTROL token outside the byte alphabet is a
+  llama.cpp mislabel and is left alone, as transformers does.
+  """
+  from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+  to_unicode = _byte_to_unicode()
+  alphabet = set(to_unicode.values())
+  vocab = {}
+  for index, token in enumerate(tokens):
+    if not set(token) <= alphabet:
+      token = ''.join(to_unicode[byte] for byte in token.encode('utf-8'))
+    vocab[token] = index
+  pairs = []
+  for rank, merge in enumerate(merges):
+    parts = merge.split(' ')
+    if len(parts) != 2:
+      raise ValueError(f'tokenizer.ggml.merges[{rank}] in {source} is {merge!r}; a merge must '
+                       'be two tokens separated by one space.')
+    pairs.append((parts[0], parts[1]))
+  backend = Tokenizer(models.BPE(vocab=vocab, merges=pairs, dropout=None,
+                                 continuing_subword_prefix='', end_of_word_suffix='',
+                                 fuse_unk=False))
+  split = GGUF_PRE_TOKENIZER_SPLITS.get(pre)
+  if split is None:
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  else:
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split), behavior='isolated'),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  backend.decoder = decoders.ByteLevel()
+  typed = list(zip(tokens, token_types))
+  backend.add_special_tokens([
+      AddedToken(token, special=True, normalized=False) for token, kind in typed
+      if kind == _GGUF_CONTROL and set(token) <= alphabet])
+  backend.add_tokens([
+      AddedToken(token, special=False, normalized=False) for token, kind in typed
+      if kind == _GGUF_USER_DEFINED and token in vocab])
+  return backend
+
+
+def _template_post_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> Any:
+  """transformers' post-processor for ``add_bos_token`` / ``add_eos_token``.
+
+  ``[bos] $A [eos]`` for one sequence and ``[bos] $A [eos] [bos] $B [eos]`` for a pair, each
+  bracket present when that ``(token, id)`` is given.
+  """
+  from tokenizers import processors
+
+  def frame(sequence: str, type_id: int) -> str:
+    parts = [f'{bos[0]}:{type_id}'] if bos else []
+    parts.append(f'{sequence}:{type_id}')
+    if eos:
+      parts.append(f'{eos[0]}:{type_id}')
+    return ' '.join(parts)
+
+  return processors.TemplateProcessing(
+      single=frame('$A', 0), pair=f"{frame('$A', 0)} {frame('$B', 1)}",
+      special_tokens=[token for token in (bos, eos) if token])
+
+
+class HFTokenizer:
+  """A Hugging Face ``tokenizers.Tokenizer`` behind ``CharTokenizer``'s interface.
+
+  Build it with ``from_directory`` (a Hugging Face tokenizer directory) or ``from_gguf`` (a
+  GGUF checkpoint's metadata). Ids and text match ``transformers.AutoTokenizer`` on the same
+  files: ``encode(text)`` equals ``tok(text, add_special_tokens=False)['input_ids']``,
+  special tokens written in the text (``'<|im_start|>'``) encode to their single ids, and
+  ``decode(ids, stop_at_eos=False, skip_special_tokens=s)`` equals
+  ``tok.decode(ids, skip_special_tokens=s)``.
+
+  bos / eos are added only when ``encode`` is asked to (``add_bos`` / ``add_eos``), never by
+  the checkpoint's post-processor; ``add_bos_token`` / ``add_eos_token`` say what that
+  post-processor adds, i.e. what ``tok(text)`` with ``add_special_tokens=True`` would add.
+  Chat-formatted prompts already carry their specials and take ``add_bos=False``.
+
+  ``pad_id`` is the declared pad token's id, or ``eos_id`` when the checkpoint declares no pad
+  token; ``bos_id`` is None when it declares no bos token.
+  """
+
+  def __init__(self, tokenizer: tokenizers.Tokenizer, *, eos_token: str | None,
+               bos_token: str | None = None, pad_token: str | None = None,
+               unk_token: str | None = None, chat_template: str | None = None,
+               model_max_length: int | None = None,
+               clean_up_tokenization_spaces: bool = False, source: str = 'in-memory tokenizer'):
+    """Wraps ``tokenizer``, whose padding and truncation are switched off (``encode_batch``
+    pads itself).
+
+    Args:
+      tokenizer: the ``tokenizers.Tokenizer``; the wrapper owns it from now on.
+      eos_token: the text of the end-of-sequence token (generation stops on it); required.
+      bos_token, pad_token, unk_token: the text of those special tokens, or None if the
+        checkpoint has none. Every given token must be in the vocabulary.
+      chat_template: a jinja2 chat template, or None.
+      model_max_length: the longest sequence the model takes, or None if unknown.
+      clean_up_tokenization_spaces: the transformers flag of that name; it affects ``decode``
+        of non-BPE models only (transformers ignores it for BPE).
+      source: where the tokenizer came from, for error messages and ``repr``.
+    """
+    import tokenizers
+    if not isinstance(tokenizer, tokenizers.Tokenizer):
+      raise TypeError(f'HFTokenizer wraps a tokenizers.Tokenizer, got '
+                      f'{type(tokenizer).__name__}; load one with HFTokenizer.from_directory '
+                      'or HFTokenizer.from_gguf.')
+    if eos_token is None:
+      raise ValueError(f'{source} declares no eos token; HFTokenizer needs one to stop '
+                       'generation. Pass eos_token= (e.g. the end-of-turn token of the chat '
+                       'template).')
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    self._tokenizer = tokenizer
+    self._source = source
+    self._special_tokens = {'bos_token': bos_token, 'eos_token': eos_token,
+                            'unk_token': unk_token, 'pad_token': pad_token}
+    self._special_ids: dict[str, int | None] = {}
+    for name, token in self._special_tokens.items():
+      if token is not None and not isinstance(token, str):
+        raise TypeError(f'{name} must be a str or None, got {type(token).__name__}: {token!r}.')
+      token_id = None if token is None else tokenizer.token_to_id(token)
+      if token is not None and token_id is None:
+        raise ValueError(f'{name} {token!r} of {source} is not in its vocabulary; pass a '
+                         f'token the tokenizer knows (or None for {name}).')
+      self._special_ids[name] = token_id
+    if chat_template is not None and not isinstance(chat_template, str):
+      raise TypeError(f'chat_template must be a str or None, got '
+                      f'{type(chat_template).__name__}; pick one template from a named set.')
+    self._chat_template = chat_template
+    if model_max_length is not None and (isinstance(model_max_length, bool)
+                                         or not isinstance(model_max_length, int)
+                                         or model_max_length <= 0):
+      raise ValueError(f'model_max_length must be a positive int or None, got '
+                       f'{model_max_length!r}.')
+    self._model_max_length = model_max_length
+    self._clean_up = bool(clean_up_tokenization_spaces) and (
+        type(tokenizer.model).__name__ != 'BPE')
+    self._clean_up_tokenization_spaces = bool(clean_up_tokenization_spaces)
+    self._vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    prefix, suffix = self._post_processor_frame()
+    self._add_bos_token = self.bos_id is not None and self.bos_id in prefix
+    self._add_eos_token = self.eos_id in suffix
+
+  def _post_processor_frame(self) -> tuple[list[int], list[int]]:
+    """The ids the backend's post-processor puts before and after a single sequence.
+
+    Found by encoding a probe text with and without ``add_special_tokens``; the probe is the
+    first of a few plain strings whose encoding holds neither bos nor eos, so that a frame of
+    bos == eos is still read the right way round. ``([], [])`` if no probe qualifies.
+    """
+    framing = {self.bos_id, self.eos_id}
+    for probe in ('a', 'hello', '0', ' ', '.'):
+      plain = self._tokenizer.encode(probe, add_special_tokens=False).ids
+      if not plain or framing & set(plain):
+        continue
+      framed = self._tokenizer.encode(probe, add_special_tokens=True).ids
+      for start in range(len(framed) - len(plain) + 1):
+        if framed[start:start + len(plain)] == plain:
+          return framed[:start], framed[start + len(plain):]
+    return [], []
+
+  # ----------------------------------------------------------------------------- loading
+
+  @classmethod
+  def from_directory(cls, path: str | os.PathLike, chat_template_name: str = 'default'
+                     ) -> HFTokenizer:
+    """Loads a Hugging Face tokenizer directory.
+
+    Reads ``tokenizer.json`` (required), ``tokenizer_config.json`` (special tokens as strings
+    or AddedToken dicts, ``chat_template``, ``model_max_length``,
+    ``clean_up_tokenization_spaces``) and, for special tokens the config leaves out,
+    ``special_tokens_map.json``. A ``chat_template.jinja`` file takes precedence over the
+    config's template, as in transformers; a config holding a list of named templates gives the
+    one called ``chat_template_name``.
+
+    Raises FileNotFoundError naming the path when there is no ``tokenizer.json``.
+    """
+    import tokenizers
+    directory = pathlib.Path(path)
+    tokenizer_file = directory / 'tokenizer.json'
+    if not tokenizer_file.is_file():
+      raise FileNotFoundError(f'no tokenizer.json at {tokenizer_file}; from_directory needs a '
+                              'Hugging Face tokenizer directory (tokenizer.json, '
+                              'tokenizer_config.json). For a .gguf checkpoint use '
+                              'HFTokenizer.from_gguf.')
+    config_file = directory / 'tokenizer_config.json'
+    config = _read_json_object(config_file)
+    special_map = _read_json_object(directory / 'special_tokens_map.json')
+    special = {}
+    for name in _SPECIAL_TOKEN_NAMES:
+      if config.get(name) is not None:
+        special[name] = _token_content(config[name], name, str(config_file))
+      else:
+        special[name] = _token_content(special_map.get(name), name,
+                                       str(directory / 'special_tokens_map.json'))
+    template_file = directory / 'chat_template.jinja'
+    if template_file.is_file():
+      chat_template = template_file.read_text(encoding='utf-8')
+    else:
+      chat_template = _select_chat_template(config.get('chat_template'), chat_template_name,
+                                            str(config_file))
+    max_length = config.get('model_max_length')
+    if isinstance(max_length, float) and max_length.is_integer():
+      max_length = int(max_length)
+    if not isinstance(max_length, int) or not 0 < max_length < _NO_MAX_LENGTH:
+      max_length = None
+    return cls(tokenizers.Tokenizer.from_file(str(tokenizer_file)), **special,
+               chat_template=chat_template, model_max_length=max_length,
+               clean_up_tokenization_spaces=bool(config.get('clean_up_tokenization_spaces',
+                                                            False)),
+               source=str(directory))
+
+  @classmethod
+  def from_gguf(cls, path_or_reader: str | os.PathLike | Any) -> HFTokenizer:
+    """Builds the tokenizer a GGUF checkpoint's metadata describes.
+
+    Supports ``tokenizer.ggml.model == 'gpt2'`` (byte-level BPE; see ``_gguf_byte_level_bpe``).
+    bos / eos / unk / pad come from ``tokenizer.ggml.{bos,eos,unknown,padding}_token_id``, the
+    chat template from ``tokenizer.chat_template``, ``model_max_length`` from
+    ``{general.architecture}.context_length``, and the post-processor adds bos / eos to
+    ``add_special_tokens=True`` encodings iff ``tokenizer.ggml.add_{bos,eos}_token`` say so --
+    the tokenizer transformers builds with ``AutoTokenizer.from_pretrained(dir, gguf_file=...)``.
+
+    Args:
+      path_or_reader: path to a ``.gguf`` file, or a ``gguf.GGUFReader`` already open on one.
+    Raises ValueError naming the model for other ``tokenizer.ggml.model`` values.
+    """
+    get, source = _gguf_field_getter(path_or_reader)
+    model = get('tokenizer.ggml.model')
+    if model not in GGUF_TOKENIZER_MODELS:
+      raise ValueError(f'{source} has tokenizer.ggml.model={model!r}; HFTokenizer.from_gguf '
+                       f'supports {list(GGUF_TOKENIZER_MODELS)} (byte-level BPE). For other '
+                       'models load the original tokenizer directory with from_directory.')
+    tokens = get('tokenizer.ggml.tokens')
+    merges = get('tokenizer.ggml.merges')
+    if not tokens or merges is None:
+      missing = 'tokenizer.ggml.tokens' if not tokens else 'tokenizer.ggml.merges'
+      raise ValueError(f'{source} has no {missing}; a byte-level BPE vocabulary needs both '
+                       'tokenizer.ggml.tokens and tokenizer.ggml.merges.')
+    token_types = get('tokenizer.ggml.token_type') or []
+    backend = _gguf_byte_level_bpe(tokens, merges, token_types, get('tokenizer.ggml.pre'),
+                                   source)
+    special = {}
+    for name, key in (('bos_token', 'bos_token_id'), ('eos_token', 'eos_token_id'),
+                      ('unk_token', 'unknown_token_id'), ('pad_token', 'padding_token_id')):
+      token_id = get(f'tokenizer.ggml.{key}')
+      if token_id is not None and not 0 <= token_id < len(tokens):
+        raise ValueError(f'tokenizer.ggml.{key}={token_id} in {source} is outside the '
+                         f'vocabulary of {len(tokens)} tokens.')
+      special[name] = None if token_id is None else backend.id_to_token(token_id)
+    frame = {}
+    for name in ('bos', 'eos'):
+      token = special[f'{name}_token']
+      if get(f'tokenizer.ggml.add_{name}_token') and token is not None:
+        frame[name] = (token, backend.token_to_id(token))
+    backend.post_processor = _template_post_processor(frame.get('bos'), frame.get('eos'))
+    architecture = get('general.architecture')
+    context = get(f'{architecture}.context_length') if architecture else None
+    return cls(backend, **special, chat_template=get('tokenizer.chat_template'),
+               model_max_length=int(context) if context else None, source=source)
+
+  def save(self, out_dir: str | os.PathLike) -> pathlib.Path:
+    """Writes a directory ``transformers.AutoTokenizer.from_pretrained`` loads.
+
+    Files: ``tokenizer.json`` (the full ``tokenizers`` pipeline), ``tokenizer_config.json``
+    (``tokenizer_class: 'PreTrainedTokenizerFast'``, the special tokens, ``chat_template``,
+    ``model_max_length`` when known, ``add_bos_token`` / ``add_eos_token``,
+    ``clean_up_tokenization_spaces``) and ``special_tokens_map.json``. The loaded tokenizer
+    gives the same ids and chat rendering; ``from_directory`` on it gives this tokenizer back.
+    Creates ``out_dir`` if needed and returns it as a Path.
+    """
+    directory = pathlib.Path(out_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    self._tokenizer.save(str(directory / 'tokenizer.json'))
+    config: dict[str, Any] = {
+        'tokenizer_class': 'PreTrainedTokenizerFast',
+        **self._special_tokens,
+        'add_bos_token': self._add_bos_token,
+        'add_eos_token': self._add_eos_token,
+        'clean_up_tokenization_spaces': self._clean_up_tokenization_spaces,
+    }
+    if self._model_max_length is not None:
+      config['model_max_length'] = self._model_max_length
+    if self._chat_template is not None:
+      config['chat_template'] = self._chat_template
+    special_map = {name: token for name, token in self._special_tokens.items() if token}
+    for name, content in (('tokenizer_config.json', config),
+                          ('special_tokens_map.json', special_map)):
+      with open(directory / name, 'w', encoding='utf-8') as handle:
+        json.dump(content, handle, indent=2, ensure_ascii=False)
+        handle.write('\n')
+    return directory
+
+  # -------------------------------------------------------------------------- attributes
+
+  @property
+  def backend(self) -> tokenizers.Tokenizer:
+    """The wrapped ``tokenizers.Tokenizer``."""
+    return self._tokenizer
+
+  @property
+  def vocab_size(self) -> int:
+    """One more than the largest id, added tokens included: every id is in ``[0, vocab_size)``.
+    """
+    return self._vocab_size
+
+  @property
+  def eos_id(self) -> int:
+    """Id of the end-of-sequence token."""
+    return self._special_ids['eos_token']
+
+  @property
+  def bos_id(self) -> int | None:
+    """Id of the beginning-of-sequence token, or None if the checkpoint has none."""
+    return self._special_ids['bos_token']
+
+  @property
+  def pad_id(self) -> int:
+    """Id ``encode_batch`` pads with: the pad token's, else ``eos_id``."""
+    pad = self._special_ids['pad_token']
+    return self.eos_id if pad is None else pad
+
+  @property
+  def unk_id(self) -> int | None:
+    """Id of the unknown token, or None."""
+    return self._special_ids['unk_token']
+
+  @property
+  def special_tokens(self) -> dict[str, str | None]:
+    """``{'bos_token', 'eos_token', 'unk_token', 'pad_token'}`` -> token text or None."""
+    return dict(self._special_tokens)
+
+  @property
+  def chat_template(self) -> str | None:
+    """The jinja2 chat template, or None."""
+    return self._chat_template
+
+  @property
+  def model_max_length(self) -> int | None:
+    """The longest sequence the model takes, if the checkpoint says."""
+    return self._model_max_length
+
+  @property
+  def add_bos_token(self) -> bool:
+    """Whether the checkpoint's post-processor prepends bos (transformers'
+    ``add_special_tokens=True``). ``encode`` itself only adds bos when asked."""
+    return self._add_bos_token
+
+  @property
+  def add_eos_token(self) -> bool:
+    """Whether the checkpoint's post-processor appends eos; see ``add_bos_token``."""
+    return self._add_eos_token
+
+  def __repr__(self) -> str:
+    return f'HFTokenizer(source={self._source!r}, vocab_size={self._vocab_size})'
+
+  # ------------------------------------------------------------------------ text <-> ids
+
+  def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+    """Maps ``text`` to ids, optionally framed by bos / eos.
+
+    Special tokens written in ``text`` encode to their single ids. Returns a list of Python
+    ints: ``transformers`` ``tok(text, add_special_tokens=False)['input_ids']``, with
+    ``bos_id`` prepended if ``add_bos`` and ``eos_id`` appended if ``add_eos``.
+    Raises ValueError for ``add_bos`` when the checkpoint has no bos token.
+    """
+    if not isinstance(text, str):
+      raise TypeError(f'encode expects a str, got {type(text).__name__}: {text!r}.')
+    return self._frame(self._tokenizer.encode(text, add_special_tokens=False).ids,
+                       add_bos, add_eos)
+
+  def _frame(self, ids: list[int], add_bos: bool, add_eos: bool) -> list[int]:
+    """``ids`` with bos prepended / eos appended as asked."""
+    if add_bos:
+      if self.bos_id is None:
+        raise ValueError(f'add_bos=True but {self._source} declares no bos token; encode '
+                         'with add_bos=False (chat templates write their own start tokens).')
+      ids = [self.bos_id, *ids]
+    if add_eos:
+      ids = [*ids, self.eos_id]
+    return ids
+
+  def decode(self, ids: Sequence[int] | np.ndarray, stop_at_eos: bool = True,
+             skip_special_tokens: bool = False) -> str:
+    """Maps a 1-D sequence of ids back to text.
+
+    With ``stop_at_eos`` everything from the first eos on is dropped first. Ids outside
+    ``[0, vocab_size)`` decode to nothing, so sampled garbage never raises. The rest decodes
+    as ``transformers`` ``tok.decode(ids, skip_special_tokens=skip_special_tokens)``: special
+    tokens appear as their text unless ``skip_special_tokens``.
+    ids: any integer (or integer-valued) sequence or 1-D array.
+    """
+    values = _as_1d_ids(ids)
+    if stop_at_eos and self.eos_id in values:
+      values = values[:values.index(self.eos_id)]
+    kept = [int(token) for token in values if 0 <= token < self._vocab_size]
+    text = self._tokenizer.decode(kept, skip_special_tokens=skip_special_tokens)
+    return _clean_up_tokenization(text) if self._clean_up else text
+
+  def encode_batch(self, texts: Sequence[str], length: int | None = None,
+                   add_bos: bool = False, add_eos: bool = False
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Encodes and right-pads ``texts`` with ``pad_id``.
+
+    Args:
+      texts: B strings.
+      length: padded length L; ``None`` pads to the longest encoding.
+      add_bos, add_eos: as in ``encode`` (they count towards the length).
+
+    Returns:
+      ``(ids, lengths)``: int32 ``[B, L]`` and int32 ``[B]`` (tokens before the padding).
+    Raises ValueError if an encoding is longer than ``length``.
+    """
+    _check_batch_args(texts, length)
+    texts = list(texts)
+    for index, text in enumerate(texts):
+      if not isinstance(text, str):
+        raise TypeError(f'encode_batch expects strings, got {type(text).__name__} at index '
+                        f'{index}: {text!r}.')
+    encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
+    encoded = [self._frame(encoding.ids, add_bos, add_eos) for encoding in encodings]
+    return _right_pad(texts, encoded, length, self.pad_id, add_bos, add_eos)
+
+  def decode_batch(self, ids: np.ndarray, stop_at_eos: bool = True,
+                   skip_special_tokens: bool = False) -> list[str]:
+    """Decodes each row of int ``[B, L]`` ids with ``decode``; returns B strings.
+
+    Trailing ``pad_id`` entries of a row are right padding and are dropped before decoding,
+    so ``decode_batch(encode_batch(texts)[0])`` gives ``texts`` back. (When ``pad_id ==
+    eos_id`` this also drops a row's final eos, which ``stop_at_eos`` drops anyway.)
+    """
+    texts = []
+    for row in _as_2d_ids(ids):
+      values = row.tolist()
+      while values and values[-1] == self.pad_id:
+        values.pop()
+      texts.append(self.decode(values, stop_at_eos=stop_at_eos,
+                               skip_special_tokens=skip_special_tokens))
+    return texts
+
+  # ------------------------------------------------------------------------- chat format
+
+  def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                          add_generation_prompt: bool = False, tokenize: bool = False,
+                          **kwargs: Any) -> str | list[int]:
+    """Renders a conversation with the checkpoint's chat template, as transformers does.
+
+    The template sees ``messages`` (None-valued keys dropped, reasoning aliased as in
+    ``_template_messages``), ``add_generation_prompt``, ``tools=None``, ``documents=None``,
+    the special tokens that are set (``bos_token``, ``eos_token``, ``unk_token``,
+    ``pad_token``) and ``kwargs`` (which override all but ``messages`` and
+    ``add_generation_prompt``), in the environment of ``_chat_environment``.
+
+    Args:
+      messages: dicts such as ``{'role': 'user', 'content': 'hi'}``; at least one.
+      add_generation_prompt: append the header that starts an assistant turn.
+      tokenize: return ids instead of text: ``encode(rendered)``, no bos added (the template
+        writes its own special tokens).
+      **kwargs: extra template variables (``tools``, ``enable_thinking``, ...).
+    Returns the rendered ``str``, or its ids as a list of ints if ``tokenize``.
+    Raises ValueError when the tokenizer has no chat template.
+    """
+    if self._chat_template is None:
+      raise ValueError(f'{self._source} has no chat template; build the HFTokenizer with '
+                       'chat_template=... or format the prompt yourself and call encode.')
+    variables = {name: token for name, token in self._special_tokens.items()
+                 if token is not None}
+    variables.update(tools=None, documents=None)
+    variables.update(kwargs)
+    rendered = _compile_chat_template(self._chat_template).render(
+        **variables, messages=_template_messages(messages),
+        add_generation_prompt=add_generation_prompt)
+    return self.encode(rendered) if tokenize else rendered

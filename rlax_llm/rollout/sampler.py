@@ -76,9 +76,7 @@ def generate(model: Model, params: Params, prompt_tokens: jax.Array,
   batch, prompt_len = prompt_tokens.shape
   n = config.max_new_tokens
   cache = model.init_cache(batch, prompt_len + n)
-  logits, cache = model.apply(params, prompt_tokens, cache=cache, num_valid=prompt_lengths)
-  last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
-  ones = jnp.ones((batch,), jnp.int32)
+  last, cache = model.prefill(params, prompt_tokens, prompt_lengths, cache)
 
   def step(carry, key):
     cache, last_logits, done = carry
@@ -88,8 +86,8 @@ def generate(model: Model, params: Params, prompt_tokens: jax.Array,
     token = jnp.where(live, token, config.pad_id)
     logp = jnp.where(live, logp, 0.0)
     done = done | (token == config.eos_id)
-    next_logits, cache = model.apply(params, token[:, None], cache=cache, num_valid=ones)
-    return (cache, next_logits[:, 0], done), (token, logp, live)
+    next_logits, cache = model.decode_step(params, token, cache)
+    return (cache, next_logits, done), (token, logp, live)
 
   keys = jax.random.split(rng, n)
   done0 = jnp.zeros((batch,), bool)

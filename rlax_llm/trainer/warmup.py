@@ -20,7 +20,8 @@ from rlax_llm.trainer.trainer import Trainer, make_optimizer
 
 
 def sft_batch(task: Task, start: int, batch_size: int) -> dict[str, np.ndarray]:
-  """Examples ``start .. start + batch_size - 1`` as ``[bos] prompt completion [eos]`` rows.
+  """Examples ``start .. start + batch_size - 1`` as ``[bos] prompt completion [eos]`` rows
+  (bos only if the tokenizer's ``add_bos_token`` says so).
 
   Returns ``tokens`` int32 ``[B, T]`` and ``loss_mask`` float32 ``[B, T]`` (1 on the
   completion and eos tokens, the targets the model must learn to produce).
@@ -29,7 +30,7 @@ def sft_batch(task: Task, start: int, batch_size: int) -> dict[str, np.ndarray]:
   rows, masks = [], []
   for i in range(start, start + batch_size):
     prompt, completion = task.sft_example(i)
-    p = tok.encode(prompt, add_bos=True)
+    p = tok.encode(prompt, add_bos=tok.add_bos_token)
     c = tok.encode(completion, add_eos=True)
     rows.append(p + c)
     masks.append([0.0] * len(p) + [1.0] * len(c))

@@ -110,3 +110,36 @@ def test_config_validation(kwargs, message):
               head_dim=8, mlp_dim=32)
   with pytest.raises(ValueError, match=message):
     DecoderConfig(**(base | kwargs))
+
+
+@pytest.mark.parametrize('policy', ['full', 'dots'])
+def test_remat_gives_same_loss_and_gradients(policy):
+  import dataclasses
+  base, params = create_model(CONFIG, seed=5)
+  remat, _ = create_model(dataclasses.replace(CONFIG, remat=policy), seed=5)
+  tokens = jnp.asarray(np.random.RandomState(7).randint(0, 19, (2, 8)), jnp.int32)
+
+  def loss(model, p):
+    return jnp.mean(jax.nn.log_softmax(model.apply(p, tokens))[..., 3])
+
+  l0, g0 = jax.value_and_grad(lambda p: loss(base, p))(params)
+  l1, g1 = jax.jit(jax.value_and_grad(lambda p: loss(remat, p)))(params)
+  np.testing.assert_allclose(l1, l0, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g1, g0)
+
+
+def test_prefill_and_decode_step_api(model_and_params):
+  model, params = model_and_params
+  tokens = jnp.asarray(np.random.RandomState(8).randint(0, 19, (2, 9)), jnp.int32)
+  full = np.asarray(model.apply(params, tokens))
+  lengths = jnp.array([3, 5], jnp.int32)
+  last, cache = model.prefill(params, tokens[:, :5], lengths, model.init_cache(2, 12))
+  np.testing.assert_allclose(last, full[[0, 1], [2, 4]], atol=1e-5)
+  step_logits, cache = model.decode_step(params, tokens[[0, 1], [3, 5]], cache)
+  np.testing.assert_allclose(step_logits, full[[0, 1], [3, 5]], atol=1e-5)
+  np.testing.assert_array_equal(cache.lengths, [4, 6])
+
+
+def test_unknown_remat_policy():
+  with pytest.raises(ValueError, match="remat='some'"):
+    DecoderConfig(vocab_size=10, remat='some')

@@ -1,0 +1,103 @@
+"""Named model configs for the real targets, and memory per device on a mesh.
+
+Sizes follow each model's published ``config.json``. ``memory_per_device`` uses
+``jax.eval_shape`` (nothing is allocated) and the logical-axis sharding rules to report the
+bytes of params and optimizer state each device holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from rlax_llm import sharding as sharding_lib
+from rlax_llm.models.decoder import DecoderConfig, RopeScaling
+
+_QWEN3 = dict(vocab_size=151_936, head_dim=128, rope_theta=1_000_000.0, norm_eps=1e-6,
+              qk_norm=True, family='qwen3', max_seq_len=40_960)
+
+MODEL_CONFIGS: dict[str, DecoderConfig] = {
+    'smollm2-135m': DecoderConfig(
+        vocab_size=49_152, num_layers=30, embed_dim=576, num_heads=9, num_kv_heads=3,
+        head_dim=64, mlp_dim=1536, rope_theta=100_000.0, norm_eps=1e-5, tie_embeddings=True,
+        max_seq_len=8192, family='llama'),
+    'qwen3-0.6b': DecoderConfig(num_layers=28, embed_dim=1024, num_heads=16, num_kv_heads=8,
+                                mlp_dim=3072, tie_embeddings=True, **_QWEN3),
+    'qwen3-1.7b': DecoderConfig(num_layers=28, embed_dim=2048, num_heads=16, num_kv_heads=8,
+                                mlp_dim=6144, tie_embeddings=True, **_QWEN3),
+    'qwen3-8b': DecoderConfig(num_layers=36, embed_dim=4096, num_heads=32, num_kv_heads=8,
+                              mlp_dim=12_288, tie_embeddings=False, **_QWEN3),
+    'qwen3-32b': DecoderConfig(num_layers=64, embed_dim=5120, num_heads=64, num_kv_heads=8,
+                               mlp_dim=25_600, tie_embeddings=False, **_QWEN3),
+    'qwen2.5-7b': DecoderConfig(
+        vocab_size=152_064, num_layers=28, embed_dim=3584, num_heads=28, num_kv_heads=4,
+        head_dim=128, mlp_dim=18_944, rope_theta=1_000_000.0, norm_eps=1e-6,
+        tie_embeddings=False, qkv_bias=True, max_seq_len=32_768, family='qwen2'),
+    'llama-3.1-8b': DecoderConfig(
+        vocab_size=128_256, num_layers=32, embed_dim=4096, num_heads=32, num_kv_heads=8,
+        head_dim=128, mlp_dim=14_336, rope_theta=500_000.0,
+        rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=8192),
+        norm_eps=1e-5, tie_embeddings=False, max_seq_len=131_072, family='llama'),
+    'qwq-32b': DecoderConfig(
+        vocab_size=152_064, num_layers=64, embed_dim=5120, num_heads=40, num_kv_heads=8,
+        head_dim=128, mlp_dim=27_648, rope_theta=1_000_000.0, norm_eps=1e-5,
+        tie_embeddings=False, qkv_bias=True, max_seq_len=40_960, family='qwen2'),
+}
+
+
+def get_config(name: str, **overrides: Any) -> DecoderConfig:
+  """A named config (``MODEL_CONFIGS``) with optional field overrides (e.g. ``dtype``)."""
+  if name not in MODEL_CONFIGS:
+    raise ValueError(f'Unknown model {name!r}; choose one of {sorted(MODEL_CONFIGS)}.')
+  return dataclasses.replace(MODEL_CONFIGS[name], **overrides)
+
+
+def abstract_params(config: DecoderConfig) -> Any:
+  """Params as ``jax.ShapeDtypeStruct`` leaves (no allocation)."""
+  from rlax_llm.models.pretrained import abstract_decoder  # pylint: disable=import-outside-toplevel
+  return abstract_decoder(config)[1]
+
+
+def count_params(config: DecoderConfig) -> int:
+  """Number of parameters (tied embeddings counted once)."""
+  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(abstract_params(config))))
+
+
+def memory_per_device(config: DecoderConfig, mesh: Mesh, *, optimizer_moments: int = 2,
+                      optimizer_dtype: Any = jnp.float32,
+                      rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES
+                      ) -> dict[str, float]:
+  """Bytes of params and optimizer state on the most loaded device.
+
+  Args:
+    config: the model.
+    mesh: the trainer mesh; shardings come from the logical-axis ``rules``.
+    optimizer_moments: state tensors per param (AdamW: 2).
+    optimizer_dtype: dtype of the optimizer state.
+  Returns:
+    ``{'params_bytes', 'optimizer_bytes', 'total_bytes', 'total_gib', 'num_params'}`` per
+    device (the max over devices; shards are equal-sized under these rules).
+  """
+  from rlax_llm.models.pretrained import abstract_decoder  # pylint: disable=import-outside-toplevel
+  from rlax_llm.models.model import Model  # pylint: disable=import-outside-toplevel
+  graphdef, abstract = abstract_decoder(config)
+  logical = Model(config=config, graphdef=graphdef).logical_axes()
+  shardings = sharding_lib.param_shardings(abstract, logical, mesh, rules)
+  params_bytes = 0
+  opt_bytes = 0
+  opt_itemsize = jnp.dtype(optimizer_dtype).itemsize
+  for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
+    shard = int(np.prod(sharding.shard_shape(leaf.shape)))
+    params_bytes += shard * jnp.dtype(leaf.dtype).itemsize
+    opt_bytes += optimizer_moments * shard * opt_itemsize
+  total = params_bytes + opt_bytes
+  return {'params_bytes': float(params_bytes), 'optimizer_bytes': float(opt_bytes),
+          'total_bytes': float(total), 'total_gib': total / 2**30,
+          'num_params': float(count_params(config))}

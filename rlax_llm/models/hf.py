@@ -1,0 +1,332 @@
+"""Hugging Face checkpoint format: config mapping, weight mapping, safetensors I/O.
+
+Everything here is NumPy: a Hugging Face config dict and a state dict of arrays in Hugging
+Face names and layouts (``model.layers.{i}.self_attn.q_proj.weight`` is
+``[heads * head_dim, hidden]``) on one side, ``DecoderConfig`` and rlax_llm params (nested
+dicts, ``wq`` is ``[embed, heads, head_dim]``) on the other. Loaders (safetensors, GGUF) and
+the exporter meet at this interface; ``rlax_llm.models.pretrained`` places the arrays on
+devices.
+
+Supported architectures: ``LlamaForCausalLM`` (Llama 3.x incl. ``llama3`` RoPE scaling,
+SmolLM2), ``Qwen2ForCausalLM`` (Qwen2/2.5, QwQ: q/k/v biases), ``Qwen3ForCausalLM`` (q/k
+RMSNorm).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from rlax_llm.models.decoder import DecoderConfig, RopeScaling
+
+ARCHITECTURES = {
+    'LlamaForCausalLM': 'llama',
+    'Qwen2ForCausalLM': 'qwen2',
+    'Qwen3ForCausalLM': 'qwen3',
+}
+_FAMILY_TO_ARCH = {v: k for k, v in ARCHITECTURES.items()}
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that cannot be loaded as asked; the message names the tensor or field."""
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def config_from_hf(hf: Mapping[str, Any], *, param_dtype: Any = jnp.float32,
+                   dtype: Any = jnp.float32, max_seq_len: int | None = None) -> DecoderConfig:
+  """``DecoderConfig`` from a Hugging Face ``config.json`` dict (transformers 4 or 5 keys)."""
+  archs = hf.get('architectures') or []
+  family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+  if family is None:
+    model_type = hf.get('model_type')
+    family = model_type if model_type in _FAMILY_TO_ARCH else None
+  if family is None:
+    raise CheckpointError(
+        f'config field "architectures" = {archs!r} (model_type {hf.get("model_type")!r}) is '
+        f'not supported; supported architectures: {sorted(ARCHITECTURES)}.')
+
+  def need(key):
+    if key not in hf:
+      raise CheckpointError(f'config.json lacks the field {key!r} needed for {family}.')
+    return hf[key]
+
+  rope = dict(hf.get('rope_parameters') or {})
+  legacy_scaling = hf.get('rope_scaling') or {}
+  rope_theta = rope.get('rope_theta', hf.get('rope_theta', 10_000.0))
+  rope_type = rope.get('rope_type', legacy_scaling.get('rope_type',
+                                                        legacy_scaling.get('type', 'default')))
+  scaling = None
+  if rope_type == 'llama3':
+    src = rope if 'factor' in rope else legacy_scaling
+    scaling = RopeScaling(
+        factor=float(src['factor']), low_freq_factor=float(src['low_freq_factor']),
+        high_freq_factor=float(src['high_freq_factor']),
+        original_max_position_embeddings=int(src['original_max_position_embeddings']))
+  elif rope_type not in ('default', None):
+    raise CheckpointError(f'config rope_type {rope_type!r} is not supported; supported: '
+                          "'default', 'llama3'.")
+  num_heads = need('num_attention_heads')
+  hidden = need('hidden_size')
+  head_dim = hf.get('head_dim') or hidden // num_heads
+  return DecoderConfig(
+      vocab_size=need('vocab_size'), num_layers=need('num_hidden_layers'), embed_dim=hidden,
+      num_heads=num_heads, num_kv_heads=hf.get('num_key_value_heads') or num_heads,
+      head_dim=head_dim, mlp_dim=need('intermediate_size'), rope_theta=float(rope_theta),
+      rope_scaling=scaling, norm_eps=float(hf.get('rms_norm_eps', 1e-6)),
+      tie_embeddings=bool(hf.get('tie_word_embeddings', False)),
+      qkv_bias=family == 'qwen2' or bool(hf.get('attention_bias', False)),
+      qk_norm=family == 'qwen3',
+      max_seq_len=max_seq_len or int(hf.get('max_position_embeddings', 4096)),
+      family=family, param_dtype=param_dtype, dtype=dtype)
+
+
+def config_to_hf(config: DecoderConfig, **extra: Any) -> dict[str, Any]:
+  """A ``config.json`` dict that transformers loads as the same architecture."""
+  rope: dict[str, Any] = {'rope_theta': config.rope_theta, 'rope_type': 'default'}
+  if config.rope_scaling is not None:
+    s = config.rope_scaling
+    rope.update(rope_type='llama3', factor=s.factor, low_freq_factor=s.low_freq_factor,
+                high_freq_factor=s.high_freq_factor,
+                original_max_position_embeddings=s.original_max_position_embeddings)
+  hf = {
+      'architectures': [_FAMILY_TO_ARCH[config.family]],
+      'model_type': config.family,
+      'vocab_size': config.vocab_size,
+      'hidden_size': config.embed_dim,
+      'intermediate_size': config.mlp_dim,
+      'num_hidden_layers': config.num_layers,
+      'num_attention_heads': config.num_heads,
+      'num_key_value_heads': config.num_kv_heads,
+      'head_dim': config.head_dim,
+      'hidden_act': 'silu',
+      'max_position_embeddings': config.max_seq_len,
+      'rms_norm_eps': config.norm_eps,
+      'rope_theta': config.rope_theta,
+      'rope_parameters': rope,
+      'tie_word_embeddings': config.tie_embeddings,
+      'attention_bias': config.qkv_bias,
+      'torch_dtype': 'float32' if config.param_dtype == jnp.float32 else 'bfloat16',
+  }
+  if config.rope_scaling is not None:
+    hf['rope_scaling'] = {k: v for k, v in rope.items() if k != 'rope_theta'}
+  hf.update(extra)
+  return hf
+
+
+# ----------------------------------------------------------------------------- weights
+
+# (our path inside a layer, HF name inside ``model.layers.{i}.``, kind) — kinds say how to
+# convert: 'q'/'kv' projection in, 'o' projection out, 'linear' transposed matrix, 'bias_q',
+# 'bias_kv' reshaped biases, 'vector' copied.
+_LAYER_WEIGHTS = (
+    (('attn', 'wq'), 'self_attn.q_proj.weight', 'q'),
+    (('attn', 'wk'), 'self_attn.k_proj.weight', 'kv'),
+    (('attn', 'wv'), 'self_attn.v_proj.weight', 'kv'),
+    (('attn', 'wo'), 'self_attn.o_proj.weight', 'o'),
+    (('mlp', 'w_gate'), 'mlp.gate_proj.weight', 'linear'),
+    (('mlp', 'w_up'), 'mlp.up_proj.weight', 'linear'),
+    (('mlp', 'w_down'), 'mlp.down_proj.weight', 'linear'),
+    (('attn_norm', 'scale'), 'input_layernorm.weight', 'vector'),
+    (('mlp_norm', 'scale'), 'post_attention_layernorm.weight', 'vector'),
+)
+_BIAS_WEIGHTS = (
+    (('attn', 'bq'), 'self_attn.q_proj.bias', 'bias_q'),
+    (('attn', 'bk'), 'self_attn.k_proj.bias', 'bias_kv'),
+    (('attn', 'bv'), 'self_attn.v_proj.bias', 'bias_kv'),
+)
+_QK_NORM_WEIGHTS = (
+    (('attn', 'q_norm', 'scale'), 'self_attn.q_norm.weight', 'vector'),
+    (('attn', 'k_norm', 'scale'), 'self_attn.k_norm.weight', 'vector'),
+)
+
+
+def weight_layout(config: DecoderConfig) -> Iterator[tuple[tuple, str, str]]:
+  """Yields ``(our param path, HF tensor name, kind)`` for every tensor of the model."""
+  yield ('embed',), 'model.embed_tokens.weight', 'embed'
+  per_layer = _LAYER_WEIGHTS + (_BIAS_WEIGHTS if config.qkv_bias else ()) + (
+      _QK_NORM_WEIGHTS if config.qk_norm else ())
+  for i in range(config.num_layers):
+    for path, name, kind in per_layer:
+      yield ('blocks', i) + path, f'model.layers.{i}.{name}', kind
+  yield ('final_norm', 'scale'), 'model.norm.weight', 'vector'
+  if not config.tie_embeddings:
+    yield ('lm_head',), 'lm_head.weight', 'linear'
+
+
+def _hf_shape(kind: str, ours: tuple[int, ...]) -> tuple[int, ...]:
+  if kind in ('q', 'kv'):  # ours [E, H, D] <- HF [H*D, E]
+    return (ours[1] * ours[2], ours[0])
+  if kind == 'o':  # ours [H, D, E] <- HF [E, H*D]
+    return (ours[2], ours[0] * ours[1])
+  if kind == 'linear':
+    return (ours[1], ours[0])
+  if kind in ('bias_q', 'bias_kv'):
+    return (ours[0] * ours[1],)
+  return ours  # embed [V, E] and vectors are stored as-is
+
+
+def _from_hf(kind: str, array: np.ndarray, ours: tuple[int, ...]) -> np.ndarray:
+  if kind in ('q', 'kv'):
+    return array.T.reshape(ours)
+  if kind == 'o':
+    return array.T.reshape(ours)
+  if kind == 'linear':
+    return array.T
+  return array.reshape(ours)
+
+
+def _to_hf(kind: str, array: np.ndarray) -> np.ndarray:
+  if kind in ('q', 'kv'):
+    return array.reshape(array.shape[0], -1).T
+  if kind == 'o':
+    return array.reshape(-1, array.shape[-1]).T
+  if kind == 'linear':
+    return array.T
+  if kind in ('bias_q', 'bias_kv'):
+    return array.reshape(-1)
+  return array
+
+
+def _set(tree: dict, path: tuple, value) -> None:
+  node = tree
+  for key in path[:-1]:
+    node = node.setdefault(key, {})
+  node[path[-1]] = value
+
+
+def get_path(tree: Mapping, path: tuple):
+  node = tree
+  for key in path:
+    node = node[key]
+  return node
+
+
+def params_from_hf(get_tensor: Callable[[str], np.ndarray], names: set[str],
+                   config: DecoderConfig, abstract_params: Any,
+                   place: Callable[[tuple, np.ndarray], Any] = lambda path, x: x) -> dict:
+  """Builds params from HF tensors, checking every name and shape.
+
+  Args:
+    get_tensor: reads one HF tensor by name (lazily: one tensor in host memory at a time).
+    names: the tensor names the checkpoint holds.
+    config: the target architecture.
+    abstract_params: ``Model.abstract_params()`` (shapes and dtypes of our params).
+    place: turns a host array for one of our params into its final form (e.g. a sharded
+      device array); identity by default.
+  Raises:
+    CheckpointError naming the missing, unexpected or mis-shaped tensor.
+  """
+  layout = list(weight_layout(config))
+  expected = {name for _, name, _ in layout}
+  missing = sorted(expected - names)
+  if missing:
+    raise CheckpointError(f'checkpoint is missing {len(missing)} tensor(s) the {config.family} '
+                          f'config needs, e.g. {missing[:5]}.')
+  # Tied checkpoints sometimes also store lm_head.weight (a copy); anything else is an error.
+  unexpected = sorted(names - expected - ({'lm_head.weight'} if config.tie_embeddings else set())
+                      - {n for n in names if n.endswith('rotary_emb.inv_freq')})
+  if unexpected:
+    raise CheckpointError(f'checkpoint has {len(unexpected)} tensor(s) this {config.family} '
+                          f'config does not use, e.g. {unexpected[:5]}; check the config '
+                          '(qkv_bias / qk_norm / tie_word_embeddings).')
+  params: dict = {}
+  for path, name, kind in layout:
+    target = get_path(abstract_params, path)
+    array = np.asarray(get_tensor(name))
+    want = _hf_shape(kind, tuple(target.shape))
+    if tuple(array.shape) != want:
+      raise CheckpointError(f'tensor {name!r} has shape {tuple(array.shape)}; the config '
+                            f'implies {want}.')
+    value = _from_hf(kind, array, tuple(target.shape)).astype(target.dtype)
+    _set(params, path, place(path, value))
+  return params
+
+
+def params_to_hf(params: Any, config: DecoderConfig) -> dict[str, np.ndarray]:
+  """HF-named host arrays for every tensor of ``params`` (in their stored dtype)."""
+  return {name: np.ascontiguousarray(_to_hf(kind, np.asarray(get_path(params, path))))
+          for path, name, kind in weight_layout(config)}
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+_ST_DTYPES = {
+    'F64': np.dtype(np.float64), 'F32': np.dtype(np.float32), 'F16': np.dtype(np.float16),
+    'BF16': np.dtype(ml_dtypes.bfloat16), 'I64': np.dtype(np.int64),
+    'I32': np.dtype(np.int32), 'I16': np.dtype(np.int16), 'I8': np.dtype(np.int8),
+    'U8': np.dtype(np.uint8), 'BOOL': np.dtype(np.bool_),
+}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def read_safetensors_header(path: pathlib.Path) -> tuple[dict, int]:
+  """Returns ``(header, data offset)`` of a .safetensors file."""
+  with open(path, 'rb') as f:
+    size = int.from_bytes(f.read(8), 'little')
+    header = json.loads(f.read(size))
+  header.pop('__metadata__', None)
+  return header, 8 + size
+
+
+class SafetensorsCheckpoint:
+  """Lazy reader over one or more .safetensors files (memory-mapped, bf16 via ml_dtypes)."""
+
+  def __init__(self, directory: str | pathlib.Path):
+    directory = pathlib.Path(directory)
+    index = directory / 'model.safetensors.index.json'
+    if index.exists():
+      weight_map = json.loads(index.read_text())['weight_map']
+      files = sorted(set(weight_map.values()))
+    else:
+      files = sorted(p.name for p in directory.glob('*.safetensors'))
+      if not files:
+        raise FileNotFoundError(f'no *.safetensors file in {directory}.')
+    self._entries: dict[str, tuple[pathlib.Path, dict, int]] = {}
+    for file in files:
+      header, offset = read_safetensors_header(directory / file)
+      for name, entry in header.items():
+        self._entries[name] = (directory / file, entry, offset)
+
+  @property
+  def names(self) -> set[str]:
+    return set(self._entries)
+
+  def get(self, name: str) -> np.ndarray:
+    path, entry, offset = self._entries[name]
+    if entry['dtype'] not in _ST_DTYPES:
+      raise CheckpointError(f'tensor {name!r} has unsupported dtype {entry["dtype"]}.')
+    start, end = entry['data_offsets']
+    dtype = _ST_DTYPES[entry['dtype']]
+    return np.memmap(path, dtype=dtype, mode='r', offset=offset + start,
+                     shape=tuple(entry['shape']))
+
+
+def write_safetensors(path: str | pathlib.Path, tensors: Mapping[str, np.ndarray],
+                      metadata: Mapping[str, str] | None = None) -> None:
+  """Writes ``tensors`` (name -> array) as one .safetensors file (sorted names, aligned)."""
+  header: dict[str, Any] = {'__metadata__': dict(metadata or {'format': 'pt'})}
+  offset = 0
+  arrays = {}
+  for name in sorted(tensors):
+    array = np.ascontiguousarray(tensors[name])
+    if array.dtype not in _ST_NAMES:
+      raise CheckpointError(f'tensor {name!r} has dtype {array.dtype} that safetensors lacks.')
+    arrays[name] = array
+    header[name] = {'dtype': _ST_NAMES[array.dtype], 'shape': list(array.shape),
+                    'data_offsets': [offset, offset + array.nbytes]}
+    offset += array.nbytes
+  blob = json.dumps(header, separators=(',', ':')).encode()
+  blob += b' ' * (-len(blob) % 8)
+  with open(path, 'wb') as f:
+    f.write(len(blob).to_bytes(8, 'little'))
+    f.write(blob)
+    for array in arrays.values():
+      f.write(array.tobytes())

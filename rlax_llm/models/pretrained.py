@@ -1,0 +1,115 @@
+"""Load and save real checkpoints: Hugging Face directories and GGUF files.
+
+``from_pretrained(path, mesh=None, dtype=...)`` returns ``(model, tokenizer)``: ``model`` is
+an NNX ``Decoder`` (``model(tokens)`` with int32 ``[batch, length]`` gives float32 logits
+``[batch, length, vocab]``) whose params are already placed with their target
+``NamedSharding`` when a mesh is given. Each tensor is read lazily (memory-mapped
+safetensors, or dequantised GGUF), converted on the host once, and handed to
+``jax.make_array_from_callback``, so every device receives only its own shard: no device
+ever holds a full unsharded copy of a sharded tensor.
+
+``save_pretrained(model, tokenizer, out_dir)`` writes ``config.json``, ``model.safetensors``,
+``generation_config.json`` and the tokenizer files, loadable by ``transformers``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from rlax_llm import sharding as sharding_lib
+from rlax_llm.models import gguf as gguf_lib
+from rlax_llm.models import hf
+from rlax_llm.models.decoder import Decoder, DecoderConfig
+from rlax_llm.models.model import Model
+from rlax_llm.models import tokenizer as tokenizer_lib
+
+
+def abstract_decoder(config: DecoderConfig):
+  """``(graphdef, abstract params)`` of a decoder, without allocating anything."""
+  abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract, nnx.Param)
+  return graphdef, nnx.to_pure_dict(state)
+
+
+def from_pretrained(path: str | pathlib.Path, mesh: Mesh | None = None,
+                    dtype: Any = jnp.float32, *, param_dtype: Any = jnp.float32,
+                    remat: str = 'none', max_seq_len: int | None = None,
+                    rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES
+                    ) -> tuple[Decoder, Any]:
+  """Loads a Hugging Face directory or a ``.gguf`` file.
+
+  Args:
+    path: a directory with ``config.json`` and ``*.safetensors`` (single file or sharded
+      with ``model.safetensors.index.json``), or a ``.gguf`` file.
+    mesh: if given, params are placed with the shardings that the logical-axis ``rules``
+      give on this mesh; else on the default device.
+    dtype: compute dtype; ``param_dtype``: storage dtype of the params.
+    remat: rematerialisation policy of the blocks ('none' | 'full' | 'dots').
+    max_seq_len: override of the config's maximum sequence length.
+  Returns:
+    ``(model, tokenizer)``; tokenizer is None for a directory without ``tokenizer.json``.
+  Raises:
+    FileNotFoundError for a missing file; ``hf.CheckpointError`` naming the tensor or
+    field for a missing tensor, a shape mismatch or an unsupported architecture.
+  """
+  path = pathlib.Path(path)
+  if path.suffix == '.gguf':
+    if not path.is_file():
+      raise FileNotFoundError(f'GGUF file {path} does not exist.')
+    hf_config, state, _ = gguf_lib.read_gguf(path)
+    get_tensor, names = state.__getitem__, set(state)
+    tokenizer = tokenizer_lib.HFTokenizer.from_gguf(path)
+  else:
+    config_file = path / 'config.json'
+    if not config_file.is_file():
+      raise FileNotFoundError(f'{config_file} does not exist: not a Hugging Face model '
+                              'directory (or pass a .gguf file).')
+    hf_config = json.loads(config_file.read_text())
+    checkpoint = hf.SafetensorsCheckpoint(path)
+    get_tensor, names = checkpoint.get, checkpoint.names
+    tokenizer = (tokenizer_lib.HFTokenizer.from_directory(path)
+                 if (path / 'tokenizer.json').exists() else None)
+  config = hf.config_from_hf(hf_config, param_dtype=param_dtype, dtype=dtype,
+                             max_seq_len=max_seq_len)
+  config = dataclasses.replace(config, remat=remat)
+  graphdef, abstract = abstract_decoder(config)
+
+  if mesh is None:
+    place = lambda _, x: jnp.asarray(x)
+  else:
+    logical = Model(config=config, graphdef=graphdef).logical_axes()
+    shardings = sharding_lib.param_shardings(abstract, logical, mesh, rules)
+
+    def place(param_path, host):
+      target = hf.get_path(shardings, param_path)
+      return jax.make_array_from_callback(host.shape, target, lambda index: host[index])
+
+  params = hf.params_from_hf(get_tensor, names, config, abstract, place)
+  return nnx.merge(graphdef, params), tokenizer
+
+
+def save_pretrained(model: Decoder, tokenizer: Any, out_dir: str | pathlib.Path) -> None:
+  """Writes ``model`` (and ``tokenizer`` if it can ``save``) as a Hugging Face directory."""
+  out = pathlib.Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  config: DecoderConfig = model.config
+  params = jax.tree.map(np.asarray,
+                        jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+  hf.write_safetensors(out / 'model.safetensors', hf.params_to_hf(params, config))
+  special = {}
+  if tokenizer is not None and getattr(tokenizer, 'bos_id', None) is not None:
+    special = {'bos_token_id': tokenizer.bos_id, 'eos_token_id': tokenizer.eos_id}
+  (out / 'config.json').write_text(json.dumps(hf.config_to_hf(config, **special), indent=2))
+  (out / 'generation_config.json').write_text(json.dumps(special, indent=2))
+  if tokenizer is not None and hasattr(tokenizer, 'save'):
+    tokenizer.save(out)

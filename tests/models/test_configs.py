@@ -1,0 +1,36 @@
+"""Named model configs: published parameter counts; memory per device without allocation."""
+
+import jax
+import pytest
+
+from rlax_llm.models.configs import MODEL_CONFIGS, count_params, get_config, memory_per_device
+from rlax_llm.sharding import make_mesh
+
+# Published sizes (model cards), in billions of parameters.
+PUBLISHED = {
+    'smollm2-135m': 0.1349, 'qwen3-0.6b': 0.596, 'qwen3-1.7b': 1.72, 'qwen3-8b': 8.19,
+    'qwen3-32b': 32.76, 'qwen2.5-7b': 7.62, 'llama-3.1-8b': 8.03, 'qwq-32b': 32.76,
+}
+
+
+@pytest.mark.parametrize('name', sorted(MODEL_CONFIGS))
+def test_parameter_counts_match_published(name):
+  assert count_params(get_config(name)) / 1e9 == pytest.approx(PUBLISHED[name], rel=0.01)
+
+
+def test_memory_per_device_shrinks_with_fsdp_and_tensor():
+  config = get_config('qwen3-8b')
+  one = memory_per_device(config, make_mesh({'data': 1}, jax.devices()[:1]))
+  eight = memory_per_device(config, make_mesh({'fsdp': 4, 'tensor': 2}))
+  n = one['num_params']
+  assert one['params_bytes'] == pytest.approx(4 * n)  # fp32 master weights, unsharded
+  assert one['optimizer_bytes'] == pytest.approx(8 * n)  # AdamW: two fp32 moments
+  assert eight['total_bytes'] == pytest.approx(one['total_bytes'] / 8, rel=0.01)
+  data_parallel = memory_per_device(config, make_mesh({'data': 8}))
+  assert data_parallel['total_bytes'] == pytest.approx(one['total_bytes'])  # replicated
+
+
+def test_get_config_overrides_and_errors():
+  assert get_config('qwen3-0.6b', remat='full').remat == 'full'
+  with pytest.raises(ValueError, match="Unknown model 'gpt5'.*qwen3-8b"):
+    get_config('gpt5')

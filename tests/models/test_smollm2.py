@@ -1,0 +1,63 @@
+"""The real SmolLM2-135M-Instruct (GGUF, Q4_1) against transformers loading the same file."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+os.environ.setdefault('HF_HUB_OFFLINE', '1')
+torch = pytest.importorskip('torch')
+transformers = pytest.importorskip('transformers')
+
+from rlax_llm.models import from_pretrained, smollm2_gguf_path  # noqa: E402
+from rlax_llm.models.model import split_module  # noqa: E402
+from rlax_llm.rollout.sampler import Sampler, SamplingConfig  # noqa: E402
+
+QUESTION = [{'role': 'user', 'content': 'What is the capital of France?'}]
+
+
+@pytest.fixture(scope='module')
+def ours():
+  return from_pretrained(smollm2_gguf_path())
+
+
+@pytest.fixture(scope='module')
+def reference():
+  path = smollm2_gguf_path()
+  kwargs = dict(gguf_file=path.name)
+  model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32,
+                                                            **kwargs).eval()
+  tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
+  return model, tokenizer
+
+
+def test_config_of_the_real_model(ours):
+  model, tokenizer = ours
+  c = model.config
+  assert (c.num_layers, c.embed_dim, c.num_heads, c.num_kv_heads, c.vocab_size) == (
+      30, 576, 9, 3, 49_152)
+  assert c.tie_embeddings and c.family == 'llama'
+  assert tokenizer.vocab_size == 49_152
+
+
+def test_logits_match_transformers_on_the_same_gguf(ours, reference):
+  model, tokenizer = ours
+  ref_model, _ = reference
+  ids = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True)
+  with torch.no_grad():
+    ref = ref_model(torch.tensor([ids])).logits.float().numpy()
+  got = np.asarray(model(jnp.asarray([ids], jnp.int32)))
+  assert np.abs(got - ref).max() < 1e-3
+
+
+def test_greedy_chat_completion_says_paris(ours):
+  model, tokenizer = ours
+  ids = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True)
+  functional, params = split_module(model)
+  sampler = Sampler(functional, SamplingConfig(max_new_tokens=12, eos_id=tokenizer.eos_id,
+                                               pad_id=tokenizer.pad_id, temperature=0.0))
+  samples = sampler(params, np.array([ids]), np.array([len(ids)]), jax.random.key(0), 0)
+  text = tokenizer.decode(np.asarray(samples.tokens[0]), skip_special_tokens=True)
+  assert 'Paris' in text, text
