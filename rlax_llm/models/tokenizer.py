@@ -11,9 +11,8 @@ rollout loop never care which one they hold:
   checkpoints, loaded from a Hugging Face directory (``tokenizer.json`` and friends) or from a
   GGUF file's metadata, with the checkpoint's chat template rendered the way ``transformers``
   renders it. It gives the same ids as ``transformers.AutoTokenizer`` on the same files and
-  ``save`` writes a directory ``AutoTokenizer.from_pretrained`` loads back. It imports
-  ``tokenizers``, ``jinja2`` and ``gguf`` only when used, so ``CharTokenizer`` users need none
-  of them.
+  ``save`` writes a directory ``AutoTokenizer.from_pretrained`` loads back. Chat templates
+  are rendered by ``rlax_llm.models.chat_template``.
 
 Conventions shared by both: ``encode`` adds bos / eos only when asked (``add_bos`` /
 ``add_eos``), never because the checkpoint's post-processor would; batches are right-padded
@@ -22,7 +21,6 @@ with ``pad_id``; ``decode(..., stop_at_eos=True)`` drops everything from the fir
 
 from __future__ import annotations
 
-import datetime
 import functools
 import json
 import os
@@ -32,8 +30,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from rlax_llm.models import chat_template as chat_template_lib
+
 if TYPE_CHECKING:
-  import jinja2
   import tokenizers
 
 
@@ -224,9 +223,6 @@ _GGUF_USER_DEFINED = 4
 _SPECIAL_TOKEN_NAMES = ('bos_token', 'eos_token', 'unk_token', 'pad_token')
 # transformers writes ``model_max_length = int(1e30)`` for "no limit".
 _NO_MAX_LENGTH = 10**29
-# Names a message's reasoning may come under; templates read ``reasoning_content`` (or
-# ``thinking``, gpt-oss), so transformers fills both from whichever is given.
-_REASONING_KEYS = ('reasoning_content', 'thinking', 'reasoning')
 
 
 @functools.cache
@@ -301,87 +297,6 @@ def _clean_up_tokenization(text: str) -> str:
                         (" 're", "'re")):
     text = text.replace(before, after)
   return text
-
-
-@functools.cache
-def _chat_environment() -> jinja2.Environment:
-  """The sandboxed jinja2 environment transformers renders chat templates in.
-
-  ``ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)`` with the
-  ``loopcontrols`` extension (``break`` / ``continue``), a ``{% generation %}`` block tag that
-  renders its body unchanged (transformers uses it to locate assistant tokens), a ``tojson``
-  filter that does not HTML-escape (``json.dumps`` with ``ensure_ascii=False`` by default), and
-  the ``raise_exception(message)`` and ``strftime_now(format)`` globals.
-  """
-  import jinja2
-  import jinja2.ext
-  import jinja2.nodes
-  from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-  class GenerationBlock(jinja2.ext.Extension):
-    """``{% generation %} body {% endgeneration %}`` renders as ``body``."""
-
-    tags: ClassVar[set[str]] = {'generation'}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
-      lineno = next(parser.stream).lineno
-      body = parser.parse_statements(('name:endgeneration',), drop_needle=True)
-      return jinja2.nodes.CallBlock(self.call_method('_render_body'), [], [],
-                                    body).set_lineno(lineno)
-
-    def _render_body(self, caller: Any) -> str:
-      return caller()
-
-  def raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-  def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-  def strftime_now(format_string: str) -> str:
-    return datetime.datetime.now().strftime(format_string)
-
-  environment = ImmutableSandboxedEnvironment(
-      trim_blocks=True, lstrip_blocks=True,
-      extensions=[GenerationBlock, jinja2.ext.loopcontrols])
-  environment.filters['tojson'] = tojson
-  environment.globals['raise_exception'] = raise_exception
-  environment.globals['strftime_now'] = strftime_now
-  return environment
-
-
-@functools.lru_cache(maxsize=32)
-def _compile_chat_template(template: str) -> jinja2.Template:
-  """``template`` compiled in ``_chat_environment()`` (cached: compiling is the slow part)."""
-  return _chat_environment().from_string(template)
-
-
-def _template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-  """Copies of ``messages`` as transformers hands them to a template.
-
-  Keys whose value is None are dropped (templates test for a key, not for None), and a
-  message's reasoning, given under any of ``_REASONING_KEYS``, is also put under ``thinking``
-  and ``reasoning_content``.
-  """
-  if isinstance(messages, (str, Mapping)) or not isinstance(messages, Sequence):
-    raise TypeError(f'messages must be a list of dicts such as [{{"role": "user", "content": '
-                    f'"hi"}}], got {type(messages).__name__}: {messages!r}.')
-  if not messages:
-    raise ValueError('messages is empty; a chat template needs at least one message, e.g. '
-                     '[{"role": "user", "content": "hi"}].')
-  plain = []
-  for index, message in enumerate(messages):
-    if not isinstance(message, Mapping):
-      raise TypeError(f'messages[{index}] is a {type(message).__name__} ({message!r}); every '
-                      'message must be a dict like {"role": "user", "content": "hi"}.')
-    message = {key: value for key, value in message.items() if value is not None}
-    reasoning = next((message[key] for key in _REASONING_KEYS if key in message), None)
-    if reasoning is not None:
-      message = {'thinking': reasoning, **message, 'reasoning_content': reasoning}
-    plain.append(message)
-  return plain
 
 
 def _gguf_field_getter(path_or_reader: str | os.PathLike | Any) -> tuple[Any, str]:
@@ -868,11 +783,11 @@ class HFTokenizer:
                           **kwargs: Any) -> str | list[int]:
     """Renders a conversation with the checkpoint's chat template, as transformers does.
 
-    The template sees ``messages`` (None-valued keys dropped, reasoning aliased as in
-    ``_template_messages``), ``add_generation_prompt``, ``tools=None``, ``documents=None``,
-    the special tokens that are set (``bos_token``, ``eos_token``, ``unk_token``,
-    ``pad_token``) and ``kwargs`` (which override all but ``messages`` and
-    ``add_generation_prompt``), in the environment of ``_chat_environment``.
+    The template sees ``messages`` (prepared by ``chat_template.template_messages``),
+    ``add_generation_prompt``, ``tools=None``, ``documents=None``, the special tokens that are
+    set (``bos_token``, ``eos_token``, ``unk_token``, ``pad_token``) and ``kwargs`` (which
+    override all but ``messages`` and ``add_generation_prompt``), rendered by
+    ``chat_template.render``.
 
     Args:
       messages: dicts such as ``{'role': 'user', 'content': 'hi'}``; at least one.
@@ -890,7 +805,7 @@ class HFTokenizer:
                  if token is not None}
     variables.update(tools=None, documents=None)
     variables.update(kwargs)
-    rendered = _compile_chat_template(self._chat_template).render(
-        **variables, messages=_template_messages(messages),
-        add_generation_prompt=add_generation_prompt)
+    rendered = chat_template_lib.render(self._chat_template, messages,
+                                        add_generation_prompt=add_generation_prompt,
+                                        **variables)
     return self.encode(rendered) if tokenize else rendered
