@@ -9,7 +9,8 @@
   ``m2po_mask``).
 
 All inputs are ``[B, T]`` (batch, tokens) with a ``loss_mask`` that is 1 on completion tokens
-that count; nothing outside the mask ever reaches a result.
+that count; nothing outside the mask ever reaches a result. Values are computed in at least
+float32 (``as_float``: bf16 inputs in float32, float64 inputs in float64).
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ _LOG_RATIO_CAP = 20.0
 
 AGGREGATIONS = ('token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum',
                 'seq-mean-token-sum-norm')
+
+
+def as_float(x: jax.Array) -> jax.Array:
+  """``x`` in at least float32: bf16/fp16/ints become float32, float64 stays float64."""
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 def masked_token_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -42,7 +48,7 @@ def aggregate(per_token: jax.Array, mask: jax.Array, mode: str,
     constant, so it does not depend on the lengths sampled.
   """
   mask = mask.astype(jnp.float32)
-  x = per_token.astype(jnp.float32) * mask
+  x = as_float(per_token) * mask
   if mode == 'token-mean':
     return jnp.sum(x) / jnp.maximum(jnp.sum(mask), 1.0)
   lengths = jnp.sum(mask, axis=-1)
@@ -59,8 +65,8 @@ def aggregate(per_token: jax.Array, mask: jax.Array, mode: str,
 
 
 def token_log_ratio(logp: jax.Array, old_logp: jax.Array) -> jax.Array:
-  """``log r = logp - sg[old_logp]`` per token, float32; gradient flows through ``logp``."""
-  return logp.astype(jnp.float32) - jax.lax.stop_gradient(old_logp).astype(jnp.float32)
+  """``log r = logp - sg[old_logp]`` per token (>= float32); gradient flows through ``logp``."""
+  return as_float(logp) - as_float(jax.lax.stop_gradient(old_logp))
 
 
 def sequence_log_ratio(log_ratio: jax.Array, mask: jax.Array) -> jax.Array:
@@ -159,8 +165,8 @@ def mismatch_weights(old_logp: jax.Array, rollout_logp: jax.Array, loss_mask: ja
   if threshold <= 0:
     raise ValueError(f'mismatch threshold must be > 0, got {threshold}.')
   mask = loss_mask.astype(jnp.float32)
-  token_log_w = (jax.lax.stop_gradient(old_logp).astype(jnp.float32)
-                 - jax.lax.stop_gradient(rollout_logp).astype(jnp.float32)) * mask
+  token_log_w = (as_float(jax.lax.stop_gradient(old_logp))
+                 - as_float(jax.lax.stop_gradient(rollout_logp))) * mask
   log_w = token_log_w
   if level == 'sequence':
     log_w = jnp.broadcast_to(jnp.sum(token_log_w, -1, keepdims=True), token_log_w.shape)

@@ -17,8 +17,9 @@ _K3_LINEAR_FROM = 20.0
 
 
 def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str = 'k3') -> jax.Array:
-  """Per-token KL(policy || ref) estimate. Inputs float ``[B, T]``; returns float32 ``[B, T]``."""
-  log_ratio = ref_logp.astype(jnp.float32) - logp.astype(jnp.float32)
+  """Per-token KL(policy || ref) estimate: float ``[B, T]`` -> ``[B, T]`` (>= float32)."""
+  log_ratio = (ref_logp.astype(jnp.promote_types(ref_logp.dtype, jnp.float32))
+               - logp.astype(jnp.promote_types(logp.dtype, jnp.float32)))
   if estimator == 'k1':
     return -log_ratio
   if estimator == 'k2':

@@ -1,7 +1,7 @@
 """Named policy losses, each a small composition of the parts in ``components``.
 
 ``policy_loss(name, logp, behaviour_logp, advantages, loss_mask, ...) -> (loss, diagnostics)``
-computes ``loss`` (float32 scalar, to *minimise*) for every algorithm in ``LOSSES``. The
+computes ``loss`` (scalar, to *minimise*; float32, or float64 for float64 inputs) for every algorithm in ``LOSSES``. The
 table of formulas, defaults and references is ``docs/losses.md``; in short, with
 ``r = exp(logp - sg[old])`` (``old`` = ``old_logp`` if given, else ``behaviour_logp``):
 
@@ -135,7 +135,8 @@ def policy_loss(name: str, logp: jax.Array, behaviour_logp: jax.Array, advantage
     m2po_tau, m2po_variant: M2PO threshold and variant (``M2PO_VARIANTS``, see docs).
     mismatch: optional ``MismatchConfig``; needs ``old_logp``.
   Returns:
-    ``(loss, diagnostics)``: float32 scalar and a dict of float32 scalars.
+    ``(loss, diagnostics)``: a scalar (float32; float64 for float64 inputs) and a dict of
+    scalars.
   """
   logp, behaviour_logp, advantages, loss_mask = map(
       jnp.asarray, (logp, behaviour_logp, advantages, loss_mask))
@@ -157,7 +158,7 @@ def policy_loss(name: str, logp: jax.Array, behaviour_logp: jax.Array, advantage
 
   mask = loss_mask.astype(jnp.float32)
   bmask = mask > 0
-  adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))
+  adv = jax.lax.stop_gradient(C.as_float(advantages))
   adv = jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, mask.shape)
   proximal = behaviour_logp if old_logp is None else old_logp
   log_r = C.token_log_ratio(logp, proximal)
@@ -190,7 +191,7 @@ def policy_loss(name: str, logp: jax.Array, behaviour_logp: jax.Array, advantage
       coeff = jnp.clip(coeff, 1.0 - eps_low, 1.0 + eps_high)
     else:
       clipped = jnp.zeros(mask.shape, bool)
-    objective = coeff * adv * logp.astype(jnp.float32)
+    objective = coeff * adv * C.as_float(logp)
   else:  # m2po
     objective, clipped, agg_mask, m2_diag = _m2po(log_r, adv, mask, m2po_tau, m2po_variant)
     diagnostics.update(m2_diag)

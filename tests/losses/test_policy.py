@@ -499,7 +499,7 @@ def test_ppo_family_analytic_gradient(key):
   np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-7)
 
 
-FD_STEP = 2.0 ** -10  # ~1e-3; exact in float32 for the |logp| < 4 used here
+FD_STEP = 2.0 ** -20  # ~1e-6; float64 evaluation
 
 
 def fd_inputs(tiny_rows):
@@ -547,9 +547,8 @@ def m2po_decisions_are_stable(x, h, tau=0.04):
 def test_grad_matches_central_finite_differences(x64, key):
   """jax.grad vs central differences, one token at a time (vmapped), with float64 inputs.
 
-  The library computes in float32 whatever the input dtype (``token_log_ratio`` and
-  ``aggregate`` cast; the loss is documented float32), so the step and tolerances are sized
-  for float32 evaluation: h = 2^-10 (exact on float32 inputs). The inputs keep every ratio
+  The library computes float64 inputs in float64 (``components.as_float``), so the check runs
+  at float64 precision: h = 2^-20, tolerances 1e-6. The inputs keep every ratio
   >= 0.04 (in log space) from a clip edge; rows are >= 6 tokens long, so one step moves a GSPO
   sequence log-ratio by <= 1.7e-4, less than its 2e-4 margin to the trust-region edge; M2PO
   decisions do not change under the step (checked). For the sg[c] A logp objectives (CISPO,
@@ -586,17 +585,22 @@ def test_grad_matches_central_finite_differences(x64, key):
     kept = ref.m2po_mask_loop(log_r, x['mask'] > 0, 0.04)
     sets_delta = np.unravel_index(np.argmax(np.where(kept, np.abs(log_r), -1.0)), (b, t))
     fd[sets_delta] = grad[sets_delta]
-  np.testing.assert_allclose(grad, fd, rtol=3e-3, atol=3e-4)
+  np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-8)
   assert np.abs(grad).max() > 1e-2
   np.testing.assert_array_equal(grad[x['mask'] == 0], 0.0)
 
 
-def test_float64_inputs_are_computed_in_float32(x64):
-  # Documented: the loss and diagnostics are float32 scalars whatever the input dtype.
-  x = {k: np.asarray(v, np.float64) for k, v in ref.make_inputs(17).items()}
+def test_float64_inputs_are_computed_in_float64(x64):
+  # Documented (components.as_float): values are computed in at least float32, so float64
+  # inputs give a float64 loss that agrees with the float32 computation to float32 accuracy.
+  x32 = ref.make_inputs(17)
+  x = {k: np.asarray(v, np.float64) for k, v in x32.items()}
   loss, diags = run('grpo', *args(x))
-  assert loss.dtype == jnp.float32
-  assert all(v.dtype == jnp.float32 for v in diags.values())
+  loss32, _ = run('grpo', *args({k: np.asarray(v, np.float32) for k, v in x32.items()}))
+  assert loss.dtype == jnp.float64
+  np.testing.assert_allclose(loss, loss32, rtol=1e-5, atol=1e-7)
+  assert all(jnp.issubdtype(v.dtype, jnp.floating) and v.dtype.itemsize >= 4
+             for v in diags.values())
 
 
 # ---------------------------------------------------------------------------------------------
