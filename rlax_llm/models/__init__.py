@@ -1,4 +1,10 @@
-"""Decoder models, KV cache and tokenizers."""
+"""Decoder models, KV cache, loaders, export and tokenizers (see docs/models.md).
+
+``from_pretrained(path, mesh=None, dtype=...) -> (model, tokenizer)`` for a Hugging Face
+directory or a ``.gguf`` file; ``save_pretrained(model, tokenizer, out_dir)``;
+``smollm2_gguf_path()``; ``get_config(name)`` / ``MODEL_CONFIGS``; ``memory_per_device``;
+``create_model`` / ``split_module`` for the functional ``(Model, params)`` form.
+"""
 
 from rlax_llm.models.configs import MODEL_CONFIGS, get_config, memory_per_device
 from rlax_llm.models.decoder import Decoder, DecoderConfig, KVCache, RopeScaling

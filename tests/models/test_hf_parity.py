@@ -217,3 +217,17 @@ def test_unused_tensor_is_an_error(tmp_path_factory, tmp_path):
 def test_missing_directory_files():
   with pytest.raises(FileNotFoundError, match='config.json'):
     from_pretrained('/nonexistent/dir')
+
+
+def test_bf16_compute_with_fp32_master_weights(tmp_path_factory):
+  _, directory = _reference('qwen3_qknorm', tmp_path_factory)
+  fp32, _ = from_pretrained(directory)
+  bf16, _ = from_pretrained(directory, dtype=jnp.bfloat16)
+  assert bf16.blocks[0].attn.wq[...].dtype == jnp.float32  # storage stays fp32
+  tokens = jnp.asarray(_tokens(5), jnp.int32)
+  low = np.asarray(bf16(tokens))
+  assert low.dtype == np.float32 and np.isfinite(low).all()
+  high = np.asarray(fp32(tokens))
+  assert 0 < np.abs(low - high).max() < 0.1  # bf16 rounding, not a different model
+  stored, _ = from_pretrained(directory, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
+  assert stored.blocks[0].attn.wq[...].dtype == jnp.bfloat16
