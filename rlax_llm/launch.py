@@ -69,7 +69,7 @@ def main(argv) -> None:
   prepare_workdir(workdir)
   (workdir / 'config.json').write_text(config.to_json_best_effort(indent=2, sort_keys=True))
 
-  # Heavy imports after validation, so a bad flag fails in well under a second.
+  # Model, trainer and data imports only after validation: a bad flag fails in seconds.
   from rlax_llm.build import build_run  # pylint: disable=import-outside-toplevel
 
   start = time.perf_counter()
