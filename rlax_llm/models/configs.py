@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from rlax_llm import sharding as sharding_lib
 from rlax_llm.models.decoder import DecoderConfig, RopeScaling
+from rlax_llm.models.model import abstract_model
 
 _QWEN3 = dict(vocab_size=151_936, head_dim=128, rope_theta=1_000_000.0, norm_eps=1e-6,
               qk_norm=True, family='qwen3', max_seq_len=40_960)
@@ -59,15 +60,10 @@ def get_config(name: str, **overrides: Any) -> DecoderConfig:
   return dataclasses.replace(MODEL_CONFIGS[name], **overrides)
 
 
-def abstract_params(config: DecoderConfig) -> Any:
-  """Params as ``jax.ShapeDtypeStruct`` leaves (no allocation)."""
-  from rlax_llm.models.pretrained import abstract_decoder  # pylint: disable=import-outside-toplevel
-  return abstract_decoder(config)[1]
-
-
 def count_params(config: DecoderConfig) -> int:
   """Number of parameters (tied embeddings counted once)."""
-  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(abstract_params(config))))
+  params = abstract_model(config).abstract_params()
+  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
 
 
 def memory_per_device(config: DecoderConfig, mesh: Mesh, *, optimizer_moments: int = 2,
@@ -85,11 +81,9 @@ def memory_per_device(config: DecoderConfig, mesh: Mesh, *, optimizer_moments: i
     ``{'params_bytes', 'optimizer_bytes', 'total_bytes', 'total_gib', 'num_params'}`` per
     device (the max over devices; shards are equal-sized under these rules).
   """
-  from rlax_llm.models.pretrained import abstract_decoder  # pylint: disable=import-outside-toplevel
-  from rlax_llm.models.model import Model  # pylint: disable=import-outside-toplevel
-  graphdef, abstract = abstract_decoder(config)
-  logical = Model(config=config, graphdef=graphdef).logical_axes()
-  shardings = sharding_lib.param_shardings(abstract, logical, mesh, rules)
+  model = abstract_model(config)
+  abstract = model.abstract_params()
+  shardings = sharding_lib.param_shardings(abstract, model.logical_axes(), mesh, rules)
   params_bytes = 0
   opt_bytes = 0
   opt_itemsize = jnp.dtype(optimizer_dtype).itemsize

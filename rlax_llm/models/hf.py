@@ -174,12 +174,8 @@ def _hf_shape(kind: str, ours: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _from_hf(kind: str, array: np.ndarray, ours: tuple[int, ...]) -> np.ndarray:
-  if kind in ('q', 'kv'):
+  if kind in ('q', 'kv', 'o', 'linear'):  # HF stores [out, in]; ours is [in, ...out dims]
     return array.T.reshape(ours)
-  if kind == 'o':
-    return array.T.reshape(ours)
-  if kind == 'linear':
-    return array.T
   return array.reshape(ours)
 
 
@@ -305,8 +301,12 @@ class SafetensorsCheckpoint:
       raise CheckpointError(f'tensor {name!r} has unsupported dtype {entry["dtype"]}.')
     start, end = entry['data_offsets']
     dtype = _ST_DTYPES[entry['dtype']]
-    return np.memmap(path, dtype=dtype, mode='r', offset=offset + start,
-                     shape=tuple(entry['shape']))
+    shape = tuple(entry['shape'])
+    if end - start != int(np.prod(shape)) * dtype.itemsize:
+      raise CheckpointError(f'tensor {name!r} in {path.name} spans {end - start} bytes but its '
+                            f'shape {shape} and dtype {entry["dtype"]} need '
+                            f'{int(np.prod(shape)) * dtype.itemsize}; the file is corrupt.')
+    return np.memmap(path, dtype=dtype, mode='r', offset=offset + start, shape=shape)
 
 
 def write_safetensors(path: str | pathlib.Path, tensors: Mapping[str, np.ndarray],

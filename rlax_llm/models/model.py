@@ -10,6 +10,7 @@ the parameter server validate and copy them, and ``NamedSharding`` trees mirror 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -67,16 +68,30 @@ class Model:
 
   def logical_axes(self) -> dict[str, Any]:
     """Logical axis names of every parameter, as a params-shaped tree of ``PartitionSpec``."""
-    abstract = nnx.eval_shape(lambda: Decoder(self.config, rngs=nnx.Rngs(0)))
-    state = nnx.state(abstract, nnx.Param)
-    specs = jax.tree.map(lambda v: PartitionSpec(*v.get_metadata()['logical_axes']), state,
-                         is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return nnx.to_pure_dict(specs)
+    return _abstract(self.config)[2]
 
   def abstract_params(self) -> Params:
     """Params as ``jax.ShapeDtypeStruct`` leaves, without allocating."""
-    abstract = nnx.eval_shape(lambda: Decoder(self.config, rngs=nnx.Rngs(0)))
-    return nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+    return _abstract(self.config)[1]
+
+
+@functools.cache
+def _abstract(config: DecoderConfig) -> tuple[Any, Params, dict[str, Any]]:
+  """``(graphdef, abstract params, logical axes)`` of a decoder via ``nnx.eval_shape``.
+
+  Cached per (frozen, hashable) config: tracing a 64-layer model's init is not free, and the
+  trainer, loaders and memory report all ask for it.
+  """
+  abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract, nnx.Param)
+  specs = jax.tree.map(lambda v: PartitionSpec(*v.get_metadata()['logical_axes']), state,
+                       is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(specs)
+
+
+def abstract_model(config: DecoderConfig) -> Model:
+  """A ``Model`` for ``config`` without allocating params (loaders fill them in)."""
+  return Model(config=config, graphdef=_abstract(config)[0])
 
 
 def create_model(config: DecoderConfig, seed: int = 0) -> tuple[Model, Params]:

@@ -29,16 +29,9 @@ from jax.sharding import Mesh
 from rlax_llm import sharding as sharding_lib
 from rlax_llm.models import gguf as gguf_lib
 from rlax_llm.models import hf
-from rlax_llm.models.decoder import Decoder, DecoderConfig
-from rlax_llm.models.model import Model
 from rlax_llm.models import tokenizer as tokenizer_lib
-
-
-def abstract_decoder(config: DecoderConfig):
-  """``(graphdef, abstract params)`` of a decoder, without allocating anything."""
-  abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
-  graphdef, state = nnx.split(abstract, nnx.Param)
-  return graphdef, nnx.to_pure_dict(state)
+from rlax_llm.models.decoder import Decoder, DecoderConfig
+from rlax_llm.models.model import abstract_model
 
 
 def from_pretrained(path: str | pathlib.Path, mesh: Mesh | None = None,
@@ -82,20 +75,20 @@ def from_pretrained(path: str | pathlib.Path, mesh: Mesh | None = None,
   config = hf.config_from_hf(hf_config, param_dtype=param_dtype, dtype=dtype,
                              max_seq_len=max_seq_len)
   config = dataclasses.replace(config, remat=remat)
-  graphdef, abstract = abstract_decoder(config)
+  model = abstract_model(config)
+  abstract = model.abstract_params()
 
   if mesh is None:
     place = lambda _, x: jnp.asarray(x)
   else:
-    logical = Model(config=config, graphdef=graphdef).logical_axes()
-    shardings = sharding_lib.param_shardings(abstract, logical, mesh, rules)
+    shardings = sharding_lib.param_shardings(abstract, model.logical_axes(), mesh, rules)
 
     def place(param_path, host):
       target = hf.get_path(shardings, param_path)
       return jax.make_array_from_callback(host.shape, target, lambda index: host[index])
 
   params = hf.params_from_hf(get_tensor, names, config, abstract, place)
-  return nnx.merge(graphdef, params), tokenizer
+  return nnx.merge(model.graphdef, params), tokenizer
 
 
 def save_pretrained(model: Decoder, tokenizer: Any, out_dir: str | pathlib.Path) -> None:
