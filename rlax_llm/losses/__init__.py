@@ -8,16 +8,34 @@ Public API:
 See ``docs/losses.md`` for the formulas, defaults and references.
 """
 
-from rlax_llm.losses.advantages import (ESTIMATORS, batch_normalize, group_advantages,
-                                        grpo_advantages)
-from rlax_llm.losses.components import (AGGREGATIONS, aggregate, m2po_mask,
-                                        m2po_trust_region_candidates, masked_token_mean,
-                                        mismatch_weights, ppo_clip_objective,
-                                        sequence_log_ratio, token_log_ratio)
+from rlax_llm.losses.advantages import (
+                                        ESTIMATORS,
+                                        batch_normalize,
+                                        group_advantages,
+                                        grpo_advantages,
+)
+from rlax_llm.losses.components import (
+                                        AGGREGATIONS,
+                                        aggregate,
+                                        m2po_mask,
+                                        m2po_trust_region_candidates,
+                                        masked_token_mean,
+                                        mismatch_weights,
+                                        ppo_clip_objective,
+                                        sequence_log_ratio,
+                                        token_log_ratio,
+)
 from rlax_llm.losses.diagnostics import mismatch_diagnostics, ratio_diagnostics
 from rlax_llm.losses.kl import KL_ESTIMATORS, kl_penalty
-from rlax_llm.losses.policy import (LOSSES, M2PO_VARIANTS, LossSpec, MismatchConfig,
-                                    grpo_loss, m2po_loss, policy_loss)
+from rlax_llm.losses.policy import (
+                                        LOSSES,
+                                        M2PO_VARIANTS,
+                                        LossSpec,
+                                        MismatchConfig,
+                                        grpo_loss,
+                                        m2po_loss,
+                                        policy_loss,
+)
 
 __all__ = [
     'AGGREGATIONS', 'ESTIMATORS', 'KL_ESTIMATORS', 'LOSSES', 'M2PO_VARIANTS', 'LossSpec',

@@ -12,14 +12,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rlax_llm.losses.components import as_float
+
 KL_ESTIMATORS = ('k1', 'k2', 'k3')
 _K3_LINEAR_FROM = 20.0
 
 
 def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str = 'k3') -> jax.Array:
   """Per-token KL(policy || ref) estimate: float ``[B, T]`` -> ``[B, T]`` (>= float32)."""
-  log_ratio = (ref_logp.astype(jnp.promote_types(ref_logp.dtype, jnp.float32))
-               - logp.astype(jnp.promote_types(logp.dtype, jnp.float32)))
+  log_ratio = as_float(ref_logp) - as_float(logp)
   if estimator == 'k1':
     return -log_ratio
   if estimator == 'k2':

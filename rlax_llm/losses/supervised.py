@@ -6,6 +6,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from rlax_llm.losses.components import masked_token_mean
+
 
 def token_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array):
   """Token-mean cross-entropy over masked positions.
@@ -21,10 +23,8 @@ def token_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array):
   chex.assert_equal_shape([targets, mask])
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-  mask = mask.astype(jnp.float32)
-  denom = jnp.maximum(mask.sum(), 1.0)
   correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
-  return jnp.sum(nll * mask) / denom, {'accuracy': jnp.sum(correct * mask) / denom}
+  return masked_token_mean(nll, mask), {'accuracy': masked_token_mean(correct, mask)}
 
 
 def entropy_from_logits(logits: jax.Array) -> jax.Array:
