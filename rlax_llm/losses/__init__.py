@@ -2,8 +2,8 @@
 
 Public API:
   ``group_advantages(rewards, group_ids, estimator='grpo')`` -> per-sample advantages;
-  ``policy_loss(name, logp, behaviour_logp, advantages, loss_mask, ...)`` ->
-  ``(loss, diagnostics)`` for every name in ``LOSSES``;
+  ``policy_loss(LossConfig(loss=name, ...), logp, behaviour_logp, advantages, loss_mask, ...)``
+  -> ``(loss, diagnostics)`` for every name in ``LOSSES``;
   ``m2po_mask(log_ratio, loss_mask, tau=0.04)`` -> bool kept mask.
 See ``docs/losses.md`` for the formulas, defaults and references.
 """
@@ -19,6 +19,7 @@ from rlax_llm.losses.components import (
                                         aggregate,
                                         m2po_mask,
                                         m2po_trust_region_candidates,
+                                        MismatchConfig,
                                         masked_token_mean,
                                         mismatch_weights,
                                         ppo_clip_objective,
@@ -30,16 +31,16 @@ from rlax_llm.losses.kl import KL_ESTIMATORS, kl_penalty
 from rlax_llm.losses.policy import (
                                         LOSSES,
                                         M2PO_VARIANTS,
+                                        LossConfig,
                                         LossSpec,
-                                        MismatchConfig,
                                         grpo_loss,
                                         m2po_loss,
                                         policy_loss,
 )
 
 __all__ = [
-    'AGGREGATIONS', 'ESTIMATORS', 'KL_ESTIMATORS', 'LOSSES', 'M2PO_VARIANTS', 'LossSpec',
-    'MismatchConfig', 'aggregate', 'batch_normalize', 'group_advantages', 'grpo_advantages',
+    'AGGREGATIONS', 'ESTIMATORS', 'KL_ESTIMATORS', 'LOSSES', 'M2PO_VARIANTS', 'LossConfig',
+    'LossSpec', 'MismatchConfig', 'aggregate', 'batch_normalize', 'group_advantages', 'grpo_advantages',
     'grpo_loss', 'kl_penalty', 'm2po_loss', 'm2po_mask', 'm2po_trust_region_candidates',
     'masked_token_mean', 'mismatch_diagnostics', 'mismatch_weights', 'policy_loss',
     'ppo_clip_objective', 'ratio_diagnostics', 'sequence_log_ratio', 'token_log_ratio',

@@ -15,6 +15,9 @@ float32 (``as_float``: bf16 inputs in float32, float64 inputs in float64).
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -141,16 +144,47 @@ MISMATCH_LEVELS = ('token', 'sequence')
 MISMATCH_MODES = ('truncate', 'mask')
 
 
-def mismatch_weights(old_logp: jax.Array, rollout_logp: jax.Array, loss_mask: jax.Array, *,
-                     level: str = 'token', mode: str = 'truncate', threshold: float = 2.0,
-                     veto_threshold: float | None = None) -> tuple[jax.Array, jax.Array]:
+@dataclasses.dataclass(frozen=True)
+class MismatchConfig:
+  """Train-inference mismatch correction (see ``mismatch_weights``), validated here.
+
+  level: ``MISMATCH_LEVELS``; mode: ``MISMATCH_MODES``; threshold: finite > 0;
+  veto_threshold: None or finite > 0.
+  """
+
+  level: str = 'token'
+  mode: str = 'truncate'
+  threshold: float = 2.0
+  veto_threshold: float | None = None
+
+  def __post_init__(self):
+    if self.level not in MISMATCH_LEVELS:
+      raise ValueError(f'mismatch.level={self.level!r} is not valid; choose one of '
+                       f'{MISMATCH_LEVELS}.')
+    if self.mode not in MISMATCH_MODES:
+      raise ValueError(f'mismatch.mode={self.mode!r} is not valid; choose one of '
+                       f'{MISMATCH_MODES}.')
+    if not _positive_finite(self.threshold):
+      raise ValueError(f'mismatch.threshold={self.threshold!r} must be > 0 and finite.')
+    if self.veto_threshold is not None and not _positive_finite(self.veto_threshold):
+      raise ValueError(f'mismatch.veto_threshold={self.veto_threshold!r} must be None or > 0 '
+                       'and finite.')
+
+
+def _positive_finite(value) -> bool:
+  return (not isinstance(value, bool) and isinstance(value, (int, float))
+          and math.isfinite(value) and value > 0)
+
+
+def mismatch_weights(old_logp: jax.Array, rollout_logp: jax.Array, loss_mask: jax.Array,
+                     config: MismatchConfig) -> tuple[jax.Array, jax.Array]:
   """Train-inference mismatch correction weights ``w = pi_train_old / pi_rollout``.
 
   Truncated / masked importance sampling over the rollout engine's distribution:
   Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"
   (TIS, 2025); Liu et al., "When Speed Kills Stability" (MIS, sequence-level, 2025).
 
-  ``level='token'``: ``w_t = exp(old_t - rollout_t)``; ``'sequence'``: one weight per
+  ``config.level='token'``: ``w_t = exp(old_t - rollout_t)``; ``'sequence'``: one weight per
   sequence, ``exp(sum_t (old_t - rollout_t))``, broadcast over its tokens.
   ``mode='truncate'`` (TIS): ``min(w, threshold)``; ``mode='mask'`` (MIS): ``w`` where
   ``w <= threshold`` else 0. ``veto_threshold``: a sequence containing any token with
@@ -158,12 +192,8 @@ def mismatch_weights(old_logp: jax.Array, rollout_logp: jax.Array, loss_mask: ja
 
   Returns ``(weights float32 [B, T] without gradient, kept bool [B, T])``.
   """
-  if level not in MISMATCH_LEVELS:
-    raise ValueError(f'mismatch level {level!r}; choose one of {MISMATCH_LEVELS}.')
-  if mode not in MISMATCH_MODES:
-    raise ValueError(f'mismatch mode {mode!r}; choose one of {MISMATCH_MODES}.')
-  if threshold <= 0:
-    raise ValueError(f'mismatch threshold must be > 0, got {threshold}.')
+  level, mode = config.level, config.mode
+  threshold, veto_threshold = config.threshold, config.veto_threshold
   mask = loss_mask.astype(jnp.float32)
   token_log_w = (as_float(jax.lax.stop_gradient(old_logp))
                  - as_float(jax.lax.stop_gradient(rollout_logp))) * mask

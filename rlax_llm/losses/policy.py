@@ -1,8 +1,9 @@
 """Named policy losses, each a small composition of the parts in ``components``.
 
-``policy_loss(name, logp, behaviour_logp, advantages, loss_mask, ...) -> (loss, diagnostics)``
-computes ``loss`` (scalar, to *minimise*; float32, or float64 for float64 inputs) for every algorithm in ``LOSSES``. The
-table of formulas, defaults and references is ``docs/losses.md``; in short, with
+``policy_loss(LossConfig(loss=name, ...), logp, behaviour_logp, advantages, loss_mask, ...)``
+returns ``(loss, diagnostics)``: ``loss`` is a scalar to *minimise* (float32; float64 for
+float64 inputs), for every algorithm in ``LOSSES``. ``LossConfig`` holds the loss's name and
+all its knobs and validates them once, when built. The table of formulas, defaults and references is ``docs/losses.md``; in short, with
 ``r = exp(logp - sg[old])`` (``old`` = ``old_logp`` if given, else ``behaviour_logp``):
 
 =============  ============================================  ====================  =========
@@ -31,11 +32,13 @@ stop-gradient inputs.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 
 from rlax_llm.losses import components as C
+from rlax_llm.losses.advantages import ESTIMATORS
 from rlax_llm.losses import diagnostics as D
 from rlax_llm.losses.kl import KL_ESTIMATORS, kl_penalty
 
@@ -79,21 +82,110 @@ LOSSES: dict[str, LossSpec] = {
 }
 
 M2PO_VARIANTS = ('paper', 'areal', 'adaptive_clip')
+OLD_LOGPROBS = ('behaviour', 'recompute')
 
 
 @dataclasses.dataclass(frozen=True)
-class MismatchConfig:
-  """Train-inference mismatch correction (see ``components.mismatch_weights``)."""
+class LossConfig:
+  """The policy loss and every knob of it: the one object that travels from ``config.rl`` to
+  ``policy_loss``, validated here (and nowhere else) when it is built.
 
-  level: str = 'token'
-  mode: str = 'truncate'
-  threshold: float = 2.0
-  veto_threshold: float | None = None
+  ``None`` fields take the named loss's defaults (``LOSSES[loss]``); ``resolve()`` fills them.
+
+  Attributes:
+    loss: a key of ``LOSSES``.
+    advantage_estimator: ``advantages.ESTIMATORS`` or None.
+    eps_low, eps_high: clip range of ``ppo_clip``/``cispo`` objectives (finite >= 0) or None.
+    aggregation: ``components.AGGREGATIONS`` or None.
+    kl_beta: KL penalty weight (finite >= 0); > 0 needs reference log-probs.
+    kl_estimator: ``KL_ESTIMATORS`` or None.
+    m2po_tau, m2po_variant: M2PO's second-moment threshold (finite > 0) and variant.
+    old_logprobs: the proximal policy of the ratio. ``'behaviour'``: the rollout engine's
+      log-probs of the tokens under the version that sampled them (RLAX; what stale data
+      needs). ``'recompute'``: the trainer's own log-probs of the batch under its params
+      before the update (decoupled PPO: Hilton et al., arXiv 2110.00641; AReaL,
+      arXiv 2505.24298). The ratio then measures only this update, and the gap to the
+      behaviour policy (staleness and train-inference numerics) goes to the ``mismatch``
+      weights. Refused with M2PO: its second moment would be identically 0 and it would
+      mask nothing.
+    mismatch: an optional ``MismatchConfig`` (TIS/MIS weights ``pi_old / pi_behaviour``);
+      needs ``old_logprobs='recompute'``.
+  """
+
+  loss: str = 'grpo'
+  advantage_estimator: str | None = None
+  eps_low: float | None = None
+  eps_high: float | None = None
+  aggregation: str | None = None
+  kl_beta: float = 0.0
+  kl_estimator: str | None = None
+  m2po_tau: float = 0.04
+  m2po_variant: str = 'paper'
+  old_logprobs: str = 'behaviour'
+  mismatch: C.MismatchConfig | None = None
+
+  def __post_init__(self):
+    _choice('loss', self.loss, sorted(LOSSES))
+    _choice('advantage_estimator', self.advantage_estimator, ESTIMATORS, optional=True)
+    _choice('aggregation', self.aggregation, C.AGGREGATIONS, optional=True)
+    _choice('kl_estimator', self.kl_estimator, KL_ESTIMATORS, optional=True)
+    _choice('m2po_variant', self.m2po_variant, M2PO_VARIANTS)
+    _choice('old_logprobs', self.old_logprobs, OLD_LOGPROBS)
+    for name in ('eps_low', 'eps_high'):
+      value = getattr(self, name)
+      if value is not None and not _finite_at_least(value, 0.0):
+        raise ValueError(f'{name}={value!r} must be a finite number >= 0 (or None for the '
+                         "loss's default).")
+    if not _finite_at_least(self.kl_beta, 0.0):
+      raise ValueError(f'kl_beta={self.kl_beta!r} must be a finite number >= 0.')
+    if not _finite_at_least(self.m2po_tau, 0.0) or self.m2po_tau == 0:
+      raise ValueError(f'm2po_tau={self.m2po_tau!r} must be a finite number > 0.')
+    if self.mismatch is not None and not isinstance(self.mismatch, C.MismatchConfig):
+      raise ValueError(f'mismatch={self.mismatch!r} must be a MismatchConfig or None.')
+    if self.mismatch is not None and self.old_logprobs != 'recompute':
+      raise ValueError("mismatch: the correction needs old_logprobs='recompute' (it compares "
+                       "the trainer's log-probs with the rollout engine's).")
+    if self.loss == 'm2po' and self.old_logprobs == 'recompute':
+      raise ValueError(
+          "old_logprobs='recompute' cannot be used with loss='m2po': M2PO bounds the second "
+          'moment of log(pi_theta / pi_behaviour) over stale rollouts (arXiv 2510.01161), but '
+          "the trainer's recomputed log-probs of its current params make that ratio exactly "
+          '1, so M2 would be identically 0 and M2PO would mask nothing. Use '
+          "old_logprobs='behaviour'.")
+
+  @property
+  def spec(self) -> LossSpec:
+    return LOSSES[self.loss]
+
+  def resolve(self) -> 'LossConfig':
+    """This config with every ``None`` replaced by the named loss's default."""
+    spec = self.spec
+    pick = lambda value, default: default if value is None else value
+    return dataclasses.replace(
+        self, advantage_estimator=pick(self.advantage_estimator, spec.advantage_estimator),
+        eps_low=pick(self.eps_low, spec.eps_low), eps_high=pick(self.eps_high, spec.eps_high),
+        aggregation=pick(self.aggregation, spec.aggregation),
+        kl_estimator=pick(self.kl_estimator, spec.kl_estimator))
+
+  @property
+  def estimator(self) -> str:
+    """The advantage estimator: the configured one, else the loss's default."""
+    return self.advantage_estimator or self.spec.advantage_estimator
 
 
-def _check(name, logp, behaviour_logp, advantages, loss_mask, old_logp, ref_logp):
-  if name not in LOSSES:
-    raise ValueError(f'Unknown policy loss {name!r}; choose one of {sorted(LOSSES)}.')
+def _choice(name, value, valid, optional=False):
+  if optional and value is None:
+    return
+  if value not in valid:
+    raise ValueError(f'{name}={value!r} is not valid; choose one of {list(valid)}.')
+
+
+def _finite_at_least(value, low) -> bool:
+  return (not isinstance(value, bool) and isinstance(value, (int, float))
+          and math.isfinite(value) and value >= low)
+
+
+def _check(logp, behaviour_logp, advantages, loss_mask, old_logp, ref_logp):
   if logp.ndim != 2:
     raise ValueError(f'logp must be [batch, tokens], got shape {logp.shape}.')
   for arg, value in (('behaviour_logp', behaviour_logp), ('loss_mask', loss_mask),
@@ -106,55 +198,48 @@ def _check(name, logp, behaviour_logp, advantages, loss_mask, old_logp, ref_logp
                      f'{logp.shape}, got {advantages.shape}.')
 
 
-def policy_loss(name: str, logp: jax.Array, behaviour_logp: jax.Array, advantages: jax.Array,
-                loss_mask: jax.Array, *, old_logp: jax.Array | None = None,
-                ref_logp: jax.Array | None = None, kl_beta: float = 0.0,
-                kl_estimator: str | None = None, eps_low: float | None = None,
-                eps_high: float | None = None, aggregation: str | None = None,
-                max_length: int | None = None, m2po_tau: float = 0.04,
-                m2po_variant: str = 'paper', mismatch: MismatchConfig | None = None
-                ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Computes the named policy loss and its diagnostics.
+def policy_loss(config: LossConfig, logp: jax.Array, behaviour_logp: jax.Array,
+                advantages: jax.Array, loss_mask: jax.Array, *,
+                old_logp: jax.Array | None = None, ref_logp: jax.Array | None = None,
+                max_length: int | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Computes the configured policy loss and its diagnostics.
 
   Args:
-    name: a key of ``LOSSES``.
+    config: a ``LossConfig`` (which loss, and its knobs).
     logp: float ``[B, T]`` log-probs of the taken tokens under the policy being trained.
     behaviour_logp: float ``[B, T]`` log-probs under the distribution that sampled them
       (from the rollout engine).
-    advantages: float ``[B]`` or ``[B, T]`` (compute with ``group_advantages`` and the
-      spec's ``advantage_estimator``).
+    advantages: float ``[B]`` or ``[B, T]`` (compute with ``group_advantages`` and
+      ``config.estimator``).
     loss_mask: ``[B, T]``, 1 on tokens that count.
-    old_logp: float ``[B, T]``, the trainer's recomputed log-probs under the sampling version
-      (the proximal policy). When given, ratios use it instead of ``behaviour_logp`` and the
-      mismatch correction/diagnostics compare it with ``behaviour_logp``.
+    old_logp: float ``[B, T]``, the trainer's recomputed proximal log-probs; given exactly
+      when ``config.old_logprobs == 'recompute'``. Ratios then use it instead of
+      ``behaviour_logp``, and the mismatch correction/diagnostics compare it with
+      ``behaviour_logp``.
     ref_logp: float ``[B, T]`` reference-policy log-probs; needed when ``kl_beta > 0``.
-    kl_beta, kl_estimator: KL penalty weight and estimator (default: the spec's).
-    eps_low, eps_high: clip range overrides (``ppo_clip`` and ``cispo`` objectives).
-    aggregation: override of the spec's aggregation (``components.AGGREGATIONS``).
     max_length: ``L_max`` for ``seq-mean-token-sum-norm`` (default ``T``).
-    m2po_tau, m2po_variant: M2PO threshold and variant (``M2PO_VARIANTS``, see docs).
-    mismatch: optional ``MismatchConfig``; needs ``old_logp``.
   Returns:
     ``(loss, diagnostics)``: a scalar (float32; float64 for float64 inputs) and a dict of
     scalars.
   """
+  if not isinstance(config, LossConfig):
+    raise TypeError(f'policy_loss takes a LossConfig first, got {config!r}; build one with '
+                    "LossConfig(loss='grpo', ...).")
   logp, behaviour_logp, advantages, loss_mask = map(
       jnp.asarray, (logp, behaviour_logp, advantages, loss_mask))
-  _check(name, logp, behaviour_logp, advantages, loss_mask, old_logp, ref_logp)
-  spec = LOSSES[name]
-  eps_low = spec.eps_low if eps_low is None else eps_low
-  eps_high = spec.eps_high if eps_high is None else eps_high
-  aggregation = spec.aggregation if aggregation is None else aggregation
-  kl_estimator = spec.kl_estimator if kl_estimator is None else kl_estimator
-  if kl_estimator not in KL_ESTIMATORS:
-    raise ValueError(f'Unknown KL estimator {kl_estimator!r}; choose one of {KL_ESTIMATORS}.')
-  if aggregation not in C.AGGREGATIONS:
-    raise ValueError(f'Unknown aggregation {aggregation!r}; choose one of {C.AGGREGATIONS}.')
+  _check(logp, behaviour_logp, advantages, loss_mask, old_logp, ref_logp)
+  resolved = config.resolve()
+  spec = resolved.spec
+  eps_low, eps_high = resolved.eps_low, resolved.eps_high
+  aggregation, kl_estimator = resolved.aggregation, resolved.kl_estimator
+  kl_beta, mismatch = resolved.kl_beta, resolved.mismatch
+  name = config.loss
   if kl_beta > 0 and ref_logp is None:
     raise ValueError(f'{name}: kl_beta={kl_beta} > 0 needs ref_logp (reference log-probs).')
-  if mismatch is not None and old_logp is None:
-    raise ValueError('a mismatch correction needs old_logp (the trainer\'s log-probs of the '
-                     'sampling version) to compare with behaviour_logp.')
+  if (old_logp is not None) != (config.old_logprobs == 'recompute'):
+    raise ValueError(f'old_logprobs={config.old_logprobs!r} but old_logp was '
+                     f'{"given" if old_logp is not None else "not given"}; pass old_logp (the '
+                     "trainer's recomputed log-probs) exactly when old_logprobs='recompute'.")
 
   mask = loss_mask.astype(jnp.float32)
   bmask = mask > 0
@@ -167,9 +252,7 @@ def policy_loss(name: str, logp: jax.Array, behaviour_logp: jax.Array, advantage
   # Train-inference mismatch correction: an extra detached per-token weight.
   weight = jnp.ones_like(mask)
   if mismatch is not None:
-    weight, kept = C.mismatch_weights(old_logp, behaviour_logp, mask, level=mismatch.level,
-                                      mode=mismatch.mode, threshold=mismatch.threshold,
-                                      veto_threshold=mismatch.veto_threshold)
+    weight, kept = C.mismatch_weights(old_logp, behaviour_logp, mask, mismatch)
     diagnostics['mismatch/weight_mean'] = C.masked_token_mean(weight, bmask)
     diagnostics['mismatch/kept_fraction'] = C.masked_token_mean(kept, bmask)
   trainer_side = jax.lax.stop_gradient(logp if old_logp is None else old_logp)
@@ -193,7 +276,8 @@ def policy_loss(name: str, logp: jax.Array, behaviour_logp: jax.Array, advantage
       clipped = jnp.zeros(mask.shape, bool)
     objective = coeff * adv * C.as_float(logp)
   else:  # m2po
-    objective, clipped, agg_mask, m2_diag = _m2po(log_r, adv, mask, m2po_tau, m2po_variant)
+    objective, clipped, agg_mask, m2_diag = _m2po(log_r, adv, mask, resolved.m2po_tau,
+                                                  resolved.m2po_variant)
     diagnostics.update(m2_diag)
 
   per_token = -objective * weight
@@ -213,10 +297,6 @@ def _m2po(log_r, adv, mask, tau, variant):
 
   Returns ``(objective, removed, aggregation mask, diagnostics)``.
   """
-  if variant not in M2PO_VARIANTS:
-    raise ValueError(f'Unknown m2po_variant {variant!r}; choose one of {M2PO_VARIANTS}.')
-  if tau <= 0:
-    raise ValueError(f'm2po_tau must be > 0, got {tau}.')
   bmask = mask > 0
   if variant == 'paper':
     candidates = C.m2po_trust_region_candidates(log_r, adv, bmask)
@@ -254,17 +334,20 @@ def _m2po(log_r, adv, mask, tau, variant):
 def grpo_loss(logp: jax.Array, behaviour_logp: jax.Array, advantages: jax.Array,
               loss_mask: jax.Array, *, clip_eps: float = 0.2, kl_beta: float = 0.0,
               ref_logp: jax.Array | None = None, kl_estimator: str = 'k3'):
-  """GRPO loss (DeepSeekMath, arXiv 2402.03300, eq. 3); ``policy_loss('grpo', ...)``.
+  """GRPO loss (DeepSeekMath, arXiv 2402.03300, eq. 3); ``policy_loss`` with ``loss='grpo'``.
 
   ``L = -1/G sum_i 1/|o_i| sum_t [min(r A, clip(r, 1-eps, 1+eps) A) - beta KL_it]``.
   """
-  return policy_loss('grpo', logp, behaviour_logp, advantages, loss_mask, ref_logp=ref_logp,
-                     kl_beta=kl_beta, kl_estimator=kl_estimator, eps_low=clip_eps,
-                     eps_high=clip_eps)
+  config = LossConfig(loss='grpo', eps_low=clip_eps, eps_high=clip_eps, kl_beta=kl_beta,
+                      kl_estimator=kl_estimator)
+  return policy_loss(config, logp, behaviour_logp, advantages, loss_mask, ref_logp=ref_logp)
 
 
 def m2po_loss(logp: jax.Array, behaviour_logp: jax.Array, advantages: jax.Array,
-              loss_mask: jax.Array, *, tau: float = 0.04, variant: str = 'paper', **kwargs):
-  """M2PO loss (arXiv 2510.01161); ``policy_loss('m2po', ...)``."""
-  return policy_loss('m2po', logp, behaviour_logp, advantages, loss_mask, m2po_tau=tau,
-                     m2po_variant=variant, **kwargs)
+              loss_mask: jax.Array, *, tau: float = 0.04, variant: str = 'paper'):
+  """M2PO loss (arXiv 2510.01161); ``policy_loss`` with ``loss='m2po'``.
+
+  ``L = -sum_it M_it r_it A_i / sum_i |o_i|``, ``M`` the second-moment mask (``m2po_mask``).
+  """
+  config = LossConfig(loss='m2po', m2po_tau=tau, m2po_variant=variant)
+  return policy_loss(config, logp, behaviour_logp, advantages, loss_mask)

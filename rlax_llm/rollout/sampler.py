@@ -1,15 +1,13 @@
-"""Autoregressive generation with the KV cache, recording behaviour log-probs and versions.
+"""Static-batch autoregressive generation with the KV cache (behaviour log-probs, versions).
 
 ``generate`` is one jitted program: a prefill of the right-padded prompts, then a
-``lax.scan`` of single-token decode steps. Each sampled token comes with its behaviour
-log-prob (``rlax_llm.rollout.sampling``) and the policy version of the params that produced
-it, so off-policy losses (M2PO, TIS) can be computed exactly later. The JetStream-API engine
-(prefill / insert / generate over slots) of a later issue drives the same decoder API.
+``lax.scan`` of single-token decode steps. Each token is drawn from the policy
+(``rlax_llm.policy``: the same transform the trainer's recompute uses) and comes with its
+behaviour log-prob and the version of the params that produced it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import chex
@@ -17,30 +15,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from rlax_llm.models.model import Model, Params
-from rlax_llm.rollout.sampling import sample_tokens
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-  """How to decode. ``temperature == 0`` is greedy."""
-
-  max_new_tokens: int
-  eos_id: int
-  pad_id: int
-  temperature: float = 1.0
-  top_k: int = 0
-  top_p: float = 1.0
-
-  def __post_init__(self):
-    if self.max_new_tokens <= 0:
-      raise ValueError(f'max_new_tokens must be positive, got {self.max_new_tokens}.')
-    if self.temperature < 0:
-      raise ValueError(f'temperature must be >= 0, got {self.temperature}.')
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f'top_p must be in (0, 1], got {self.top_p}.')
-    if self.top_k < 0:
-      raise ValueError(f'top_k must be >= 0 (0 disables it), got {self.top_k}.')
+from rlax_llm.models.model import Params
+from rlax_llm.policy import Policy
 
 
 @flax.struct.dataclass
@@ -55,41 +31,41 @@ class Samples:
   finished: jax.Array  # bool [B]; True when the row emitted eos (else it hit the length cap)
 
 
-def generate(model: Model, params: Params, prompt_tokens: jax.Array,
-             prompt_lengths: jax.Array, rng: jax.Array, version: jax.Array | int,
-             config: SamplingConfig) -> Samples:
-  """Samples completions for a batch of prompts.
+@functools.partial(jax.jit, static_argnames=('policy', 'max_new_tokens', 'eos_id', 'pad_id'))
+def generate(policy: Policy, params: Params, prompt_tokens: jax.Array,
+             prompt_lengths: jax.Array, rng: jax.Array, version: jax.Array | int, *,
+             max_new_tokens: int, eos_id: int, pad_id: int) -> Samples:
+  """Samples one completion per row.
 
   Args:
-    model: the decoder (static).
-    params: its params.
+    policy: model and sampling transform (static).
+    params: the model's params.
     prompt_tokens: int32 ``[B, P]``, right-padded.
     prompt_lengths: int32 ``[B]``, each in ``[1, P]``.
     rng: PRNG key; the same key, params and prompts give the same samples.
     version: int policy version of ``params``, stamped on every token.
-    config: decoding settings (static).
+    max_new_tokens, eos_id, pad_id: static decoding settings.
   Returns:
-    ``Samples`` with ``N = config.max_new_tokens``.
+    ``Samples`` with ``N = max_new_tokens``.
   """
   chex.assert_rank(prompt_tokens, 2)
   chex.assert_shape(prompt_lengths, (prompt_tokens.shape[0],))
+  model = policy.model
   batch, prompt_len = prompt_tokens.shape
-  n = config.max_new_tokens
-  cache = model.init_cache(batch, prompt_len + n)
+  cache = model.init_cache(batch, prompt_len + max_new_tokens)
   last, cache = model.prefill(params, prompt_tokens, prompt_lengths, cache)
 
   def step(carry, key):
     cache, last_logits, done = carry
-    token, logp = sample_tokens(last_logits, key, temperature=config.temperature,
-                                top_k=config.top_k, top_p=config.top_p)
+    token, logp = policy.sample(last_logits, key)
     live = ~done
-    token = jnp.where(live, token, config.pad_id)
+    token = jnp.where(live, token, pad_id)
     logp = jnp.where(live, logp, 0.0)
-    done = done | (token == config.eos_id)
+    done = done | (token == eos_id)
     next_logits, cache = model.decode_step(params, token, cache)
     return (cache, next_logits, done), (token, logp, live)
 
-  keys = jax.random.split(rng, n)
+  keys = jax.random.split(rng, max_new_tokens)
   done0 = jnp.zeros((batch,), bool)
   (_, _, done), (tokens, logps, live) = jax.lax.scan(step, (cache, last, done0), keys)
   tokens, logps, live = tokens.T, logps.T, live.T
@@ -97,17 +73,3 @@ def generate(model: Model, params: Params, prompt_tokens: jax.Array,
   return Samples(tokens=tokens, logprobs=logps, mask=live,
                  versions=jnp.where(live, version, -1),
                  lengths=live.sum(axis=1).astype(jnp.int32), finished=done)
-
-
-class Sampler:
-  """Holds one compiled ``generate`` per decoding config."""
-
-  def __init__(self, model: Model, config: SamplingConfig):
-    self.model = model
-    self.config = config
-    self._generate = jax.jit(functools.partial(generate, model, config=config))
-
-  def __call__(self, params: Params, prompt_tokens, prompt_lengths, rng,
-               version: int) -> Samples:
-    return self._generate(params, jnp.asarray(prompt_tokens, jnp.int32),
-                          jnp.asarray(prompt_lengths, jnp.int32), rng, version)

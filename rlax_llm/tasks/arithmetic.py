@@ -16,8 +16,7 @@ import re
 
 import numpy as np
 
-from rlax_llm.models.tokenizer import CharTokenizer
-from rlax_llm.tasks.base import Prompt
+from rlax_llm.tasks.base import PROMPT_FORMATS, Prompt, chat_messages
 
 ALPHABET = '0123456789+-*='
 SUPPORTED_OPERATIONS = '+-*'
@@ -26,6 +25,12 @@ SUPPORTED_OPERATIONS = '+-*'
 # operand range worth training on); the cap also keeps int() away from huge digit strings.
 _MAX_ANSWER_CHARS = 64
 _ANSWER_RE = re.compile(r'-?[0-9]+')
+# 'strict': just the number, or the expression then '=' and the number; optional final period.
+_STRICT_RE = re.compile(r'(?:([0-9]+)\s*([+\-*])\s*([0-9]+)\s*=\s*)?(-?[0-9]+)\.?')
+_INTEGER_RE = re.compile(r'-?[0-9]+')
+
+ANSWER_FORMATS = ('exact', 'strict', 'last_integer')
+DEFAULT_INSTRUCTION = 'What is {a} {op} {b}? Reply with just the number.'
 
 # Problem spaces up to this size are enumerated exactly (pool size checked, eval chosen as
 # the pool members with the smallest hashes); larger ones are sampled (see _sample_eval).
@@ -98,15 +103,36 @@ def _parse_prompt(text: str) -> tuple[int, str, int]:
   raise ValueError(f'not an arithmetic prompt: {text!r}')
 
 
-def extract_answer(completion: object) -> int | None:
-  """The integer a completion states, or None if it is not exactly one integer.
+def extract_answer(completion: object, answer_format: str = 'exact',
+                   problem: tuple[int, str, int] | None = None) -> int | None:
+  """The integer a completion states under ``answer_format``, or None. Never raises.
 
-  The completion, stripped of surrounding whitespace, must fullmatch ``-?[0-9]+`` (ASCII
-  digits only) and be at most 64 characters. Never raises: non-strings give None.
+  ASCII digits only; at most 64 characters of answer.
+
+  * ``'exact'``: the completion, stripped of surrounding whitespace, is exactly one integer
+    (``-?[0-9]+``).
+  * ``'strict'``: the stripped completion is the integer alone, or the expression followed by
+    ``=`` and the integer (``57 + 68 = 125``), with an optional final period. With
+    ``problem=(a, op, b)`` a stated expression must be that problem.
+  * ``'last_integer'``: the last integer anywhere in the completion (a lenient reading of
+    free-form replies).
   """
   if not isinstance(completion, str) or len(completion) > 4 * _MAX_ANSWER_CHARS:
     return None
   text = completion.strip()
+  if answer_format == 'last_integer':
+    found = _INTEGER_RE.findall(text)
+    text = found[-1] if found else ''
+  elif answer_format == 'strict':
+    match = _STRICT_RE.fullmatch(text)
+    if match is None:
+      return None
+    if match[1] is not None and problem is not None and (
+        (int(match[1]), match[2], int(match[3])) != tuple(problem)):
+      return None
+    text = match[4]
+  elif answer_format != 'exact':
+    return None
   if len(text) > _MAX_ANSWER_CHARS or _ANSWER_RE.fullmatch(text) is None:
     return None
   return int(text)
@@ -117,13 +143,17 @@ class ArithmeticTask:
 
   Implements the ``rlax_llm.tasks.Task`` protocol. Prompt text is exactly ``f'{a}{op}{b}='``
   and the answer ``str(a op b)`` (negative for some ``'-'`` problems). Train prompts have
-  ``prompt_id == index``; eval prompts have ``prompt_id == -1 - i``.
+  ``prompt_id == index``; eval prompts have ``prompt_id == -1 - i``. With ``format='chat'``
+  each prompt also carries ``messages``: the ``instruction`` as a user turn (after an optional
+  system prompt), for chat models.
   """
 
   name = 'arithmetic'
 
   def __init__(self, seed: int = 0, max_operand: int = 99, operations: str = '+',
-               num_eval: int = 200, demo_error_rate: float = 0.0):
+               num_eval: int = 200, demo_error_rate: float = 0.0, format: str = 'plain',
+               system_prompt: str | None = None, instruction: str = DEFAULT_INSTRUCTION,
+               answer_format: str = 'exact'):  # pylint: disable=redefined-builtin
     """Validates the arguments and builds the eval split.
 
     Args:
@@ -138,6 +168,12 @@ class ArithmeticTask:
         such imperfect demonstrations leaves a model that is right on carry-free problems and
         torn between two answers on the others: partial competence that RL with the exact
         verifier can repair. Needs ``operations`` without ``'*'`` when > 0.
+      format: ``'plain'`` (prompt = ``text``) or ``'chat'`` (prompt = ``messages``).
+      system_prompt: optional system turn of chat prompts.
+      instruction: the user turn of chat prompts, a ``str.format`` template over ``a``,
+        ``op``, ``b`` and ``text``.
+      answer_format: how a completion states its answer (``ANSWER_FORMATS``, see
+        ``extract_answer``).
     Raises ValueError when an argument is invalid or the problem space is too small to hold
     an eval pool of ``max(2 * num_eval, 5%)`` problems in at most half of it.
     """
@@ -152,7 +188,21 @@ class ArithmeticTask:
       raise ValueError("demo_error_rate > 0 (no-carry demonstrations) is defined for '+' and "
                        f"'-' only; got operations={self.operations!r}.")
     self.demo_error_rate = float(demo_error_rate)
-    self._tokenizer = CharTokenizer(ALPHABET)
+    if format not in PROMPT_FORMATS:
+      raise ValueError(f'format={format!r}; choose one of {PROMPT_FORMATS}.')
+    if answer_format not in ANSWER_FORMATS:
+      raise ValueError(f'answer_format={answer_format!r}; choose one of {ANSWER_FORMATS}.')
+    if system_prompt is not None and not isinstance(system_prompt, str):
+      raise ValueError(f'system_prompt must be a str or None, got {system_prompt!r}.')
+    try:
+      instruction.format(a=1, op='+', b=2, text='1+2=')
+    except (AttributeError, KeyError, IndexError, ValueError) as e:
+      raise ValueError(f'instruction={instruction!r} is not a str.format template over '
+                       f'{{a}}, {{op}}, {{b}}, {{text}}: {e!r}.') from None
+    self.format = format
+    self.system_prompt = system_prompt
+    self.instruction = instruction
+    self.answer_format = answer_format
 
     self.num_problems = (self.max_operand + 1) ** 2 * len(self.operations)
     # Expected held-out pool size; a problem is held out iff its split hash < threshold,
@@ -173,12 +223,13 @@ class ArithmeticTask:
   def __repr__(self) -> str:
     return (f'ArithmeticTask(seed={self.seed}, max_operand={self.max_operand}, '
             f'operations={self.operations!r}, num_eval={self.num_eval}, '
-            f'demo_error_rate={self.demo_error_rate})')
+            f'demo_error_rate={self.demo_error_rate}, format={self.format!r}, '
+            f'answer_format={self.answer_format!r})')
 
   @property
-  def tokenizer(self) -> CharTokenizer:
-    """Character tokenizer over ``'0123456789+-*='``."""
-    return self._tokenizer
+  def charset(self) -> str:
+    """``'0123456789+-*='``: every character of a prompt text or a demonstration."""
+    return ALPHABET
 
   def is_eval_problem(self, a: int, op: str, b: int) -> bool:
     """Whether problem ``a op b`` belongs to the held-out pool (a superset of eval_prompts)."""
@@ -196,15 +247,23 @@ class ArithmeticTask:
       # Held out with probability <= 1/2 (in expectation over the split), so < 2 draws on
       # average; `%` of a 64-bit hash is uniform up to a bias below n / 2**64.
       if not self.is_eval_problem(a, op, b):
-        return _make_prompt(index, a, op, b)
+        return self._make_prompt(index, a, op, b)
 
   def eval_prompts(self) -> list[Prompt]:
     """The ``num_eval`` held-out prompts, distinct and fixed for the seed, ids ``-1 - i``."""
-    return [_make_prompt(-1 - i, a, op, b) for i, (a, op, b) in enumerate(self._eval_problems)]
+    return [self._make_prompt(-1 - i, a, op, b)
+            for i, (a, op, b) in enumerate(self._eval_problems)]
 
   def score(self, prompt: Prompt, completion: str) -> float:
-    """1.0 iff ``extract_answer(completion)`` equals the prompt's answer, else 0.0; never raises."""
-    stated = extract_answer(completion)
+    """1.0 iff the answer the completion states (``extract_answer`` with the task's
+    ``answer_format``) equals the prompt's answer, else 0.0; never raises."""
+    problem = None
+    if self.answer_format == 'strict':
+      try:
+        problem = _parse_prompt(prompt.text)
+      except (AttributeError, TypeError, ValueError):
+        return 0.0
+    stated = extract_answer(completion, self.answer_format, problem)
     expected = extract_answer(getattr(prompt, 'answer', None))
     if stated is None or expected is None:
       return 0.0
@@ -278,9 +337,7 @@ class ArithmeticTask:
     return list(found)[:self.num_eval]
 
 
-def _make_prompt(prompt_id: int, a: int, op: str, b: int) -> Prompt:
-  """Prompt with text ``f'{a}{op}{b}='`` and the exact result as answer."""
-  return Prompt(prompt_id=prompt_id, text=f'{a}{op}{b}=', answer=str(_apply(a, op, b)))
+
 
 
 def _check_int(name: str, value: object, low: int, high: int | None) -> int:
@@ -308,3 +365,14 @@ def _check_operations(operations: object) -> str:
     raise ValueError(f'ArithmeticTask operations={operations!r} repeats a character; list each '
                      'operation once (they are drawn uniformly).')
   return operations
+
+  def _make_prompt(self, prompt_id: int, a: int, op: str, b: int) -> Prompt:
+    """Prompt with text ``f'{a}{op}{b}='``, the exact result as answer, and chat messages
+    when the format is ``'chat'``."""
+    text = f'{a}{op}{b}='
+    messages = None
+    if self.format == 'chat':
+      content = self.instruction.format(a=a, op=op, b=b, text=text)
+      messages = chat_messages(content, self.system_prompt)
+    return Prompt(prompt_id=prompt_id, text=text, answer=str(_apply(a, op, b)),
+                  messages=messages)

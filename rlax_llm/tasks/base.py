@@ -1,16 +1,20 @@
 """What every task provides: prompts (a train stream and a held-out eval split) and a verifier.
 
-A task is a pure, seeded description of a problem distribution. The train split is an
-infinite, random-access stream (``train_prompt(index)``), so a run resumes at any data
-position by remembering one integer; the eval split is a fixed list disjoint from it.
+A task is a pure, seeded description of a problem distribution. It speaks text only: prompts
+are plain text or chat messages, completions are verified as decoded text, and the model's
+tokenizer (``rlax_llm.tokenization``) turns them into ids. Nothing here imports model code.
+The train split is an infinite, random-access stream (``train_prompt(index)``), so a run
+resumes at any data position by remembering one integer; the eval split is a fixed list
+disjoint from it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
 
-from rlax_llm.models.tokenizer import CharTokenizer
+PROMPT_FORMATS = ('plain', 'chat')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,13 +23,22 @@ class Prompt:
 
   prompt_id: train prompts use their stream index (>= 0); eval prompts use ids that never
     collide with train ones (``ArithmeticTask`` uses ``-1 - i``).
-  text: what the policy is conditioned on.
+  text: the problem as plain text (what a plain-text model is conditioned on).
   answer: the reference answer, as text.
+  messages: for chat-format tasks, the conversation the model is prompted with (the
+    tokenizer renders it with the checkpoint's chat template); None for plain text.
   """
 
   prompt_id: int
   text: str
   answer: str
+  messages: tuple[Mapping[str, Any], ...] | None = None
+
+
+def chat_messages(content: str, system_prompt: str | None) -> tuple[dict[str, str], ...]:
+  """A one-turn conversation: an optional system message, then ``content`` from the user."""
+  system = ({'role': 'system', 'content': system_prompt},) if system_prompt else ()
+  return (*system, {'role': 'user', 'content': content})
 
 
 @runtime_checkable
@@ -35,8 +48,10 @@ class Task(Protocol):
   name: str
 
   @property
-  def tokenizer(self) -> CharTokenizer:
-    """The tokenizer whose alphabet covers every prompt and answer of the task."""
+  def charset(self) -> str | None:
+    """Every character a plain-text prompt or a demonstration can contain, in a fixed order,
+    or None. A character-level model built from scratch for the task uses it as its
+    alphabet; pretrained models ignore it."""
     ...
 
   def train_prompt(self, index: int) -> Prompt:

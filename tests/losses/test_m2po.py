@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import np_reference as ref
+from loss_api import call
 
-from rlax_llm.losses import m2po_mask, m2po_trust_region_candidates, policy_loss
+from rlax_llm.losses import m2po_mask, m2po_trust_region_candidates
 from rlax_llm.losses.policy import M2PO_VARIANTS
 
 jit_mask = jax.jit(m2po_mask)
@@ -27,7 +28,7 @@ jit_mask = jax.jit(m2po_mask)
 
 @functools.cache
 def jitted_m2po(variant, tau=0.04):
-  return jax.jit(functools.partial(policy_loss, 'm2po', m2po_variant=variant, m2po_tau=tau))
+  return jax.jit(functools.partial(call, 'm2po', m2po_variant=variant, m2po_tau=tau))
 
 
 

@@ -9,6 +9,7 @@ hand arithmetic in comments; the library is never used to compute them. M2PO-spe
 import dataclasses
 import functools
 import pathlib
+import re
 import sys
 
 import jax
@@ -20,22 +21,20 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import np_reference as ref
+from loss_api import call
 
 from rlax_llm.losses import components
 from rlax_llm.losses.kl import kl_penalty
-from rlax_llm.losses.policy import (
-  LOSSES,
-  M2PO_VARIANTS,
-  MismatchConfig,
-  grpo_loss,
-  m2po_loss,
-  policy_loss,
-)
+from rlax_llm.losses import LossConfig, MismatchConfig, policy_loss
+from rlax_llm.losses.policy import LOSSES, M2PO_VARIANTS, grpo_loss, m2po_loss
 
 # Every named loss, the three M2PO variants separately: key -> (name, static options).
 CONFIGS = {name: (name, ()) for name in LOSSES if name != 'm2po'}
 CONFIGS.update({f'm2po-{v}': ('m2po', (('m2po_variant', v),)) for v in M2PO_VARIANTS})
 ALL = sorted(CONFIGS)
+# LossConfig refuses old_logprobs='recompute' with M2PO (its M2 would be identically 0), so
+# the recomputed proximal policy (old_logp) and the mismatch correction apply to the others.
+RECOMPUTE = [key for key in ALL if CONFIGS[key][0] != 'm2po']
 PG_LIKE = ('cispo', 'reinforce', 'rloo')  # sg[coefficient] * A * logp objectives
 
 
@@ -49,7 +48,7 @@ def test_configs_cover_every_named_loss():
 @functools.cache
 def jitted(name, static):
   opts = dict(static)
-  return jax.jit(lambda logp, behaviour, adv, mask, **arrays: policy_loss(
+  return jax.jit(lambda logp, behaviour, adv, mask, **arrays: call(
       name, logp, behaviour, adv, mask, **arrays, **opts))
 
 
@@ -159,7 +158,7 @@ def test_cispo_hand_case_and_gradient():
   # is a constant, so the clipped token keeps its gradient (unlike PPO).
   logp = jnp.array([[-1.0, -2.0]])
   behaviour = logp - jnp.log(jnp.array([[1.5, 0.5]]))
-  fn = lambda lp: policy_loss('cispo', lp, behaviour, jnp.array([1.0]), jnp.ones((1, 2)))
+  fn = lambda lp: call('cispo', lp, behaviour, jnp.array([1.0]), jnp.ones((1, 2)))
   (loss, diags), grad = jax.jit(jax.value_and_grad(fn, has_aux=True))(logp)
   np.testing.assert_allclose(loss, 1.14, rtol=1e-6)
   np.testing.assert_allclose(grad, [[-0.64, -0.25]], rtol=1e-6)
@@ -289,7 +288,7 @@ def test_default_kl_estimator(key):
   np.testing.assert_allclose(loss, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize('key', ALL)
+@pytest.mark.parametrize('key', RECOMPUTE)
 def test_old_logp_replaces_behaviour_in_the_ratio(key):
   # old_logp is the proximal policy; behaviour_logp (far off here) only feeds the mismatch
   # diagnostics.
@@ -313,7 +312,8 @@ MISMATCHES = [
 
 # Every correction with GRPO; one correction each for the other losses.
 MISMATCH_CASES = [('grpo', m) for m in MISMATCHES] + [
-    (key, MISMATCHES[i % len(MISMATCHES)]) for i, key in enumerate(k for k in ALL if k != 'grpo')]
+    (key, MISMATCHES[i % len(MISMATCHES)])
+    for i, key in enumerate(k for k in RECOMPUTE if k != 'grpo')]
 
 
 @pytest.mark.parametrize('key,mismatch', MISMATCH_CASES, ids=str)
@@ -377,6 +377,14 @@ FULL_OPTIONS = (('kl_beta', 0.1), ('max_length', 16),
                 ('mismatch', MismatchConfig('sequence', 'mask', 2.0, veto_threshold=0.5)))
 
 
+def full_options(key, z):
+  """``(static, arrays)``: every option, with ``old_logp`` where the loss accepts a
+  recomputed proximal policy; M2PO gets the options without the mismatch correction."""
+  if key in RECOMPUTE:
+    return FULL_OPTIONS, {'ref_logp': z['ref'], 'old_logp': z['behaviour']}
+  return tuple(o for o in FULL_OPTIONS if o[0] != 'mismatch'), {'ref_logp': z['ref']}
+
+
 @pytest.mark.parametrize('key', ALL)
 def test_padding_invariance(key):
   """Masked-out columns with arbitrary values change neither the loss nor the diagnostics."""
@@ -388,9 +396,8 @@ def test_padding_invariance(key):
       [a, (30.0 * rng.normal(size=(b, extra))).astype(np.float32)], axis=1)
   padded = {k: pad(v) for k, v in x.items() if k != 'mask'}
   padded['mask'] = np.concatenate([x['mask'], np.zeros((b, extra), np.float32)], axis=1)
-  static = FULL_OPTIONS
-  outs = [run(key, z['logp'], z['rollout'], z['adv'], z['mask'], static=static,
-              ref_logp=z['ref'], old_logp=z['behaviour']) for z in (x, padded)]
+  outs = [run(key, z['logp'], z['rollout'], z['adv'], z['mask'], static=full_options(key, z)[0],
+              **full_options(key, z)[1]) for z in (x, padded)]
   (loss, diags), (loss_p, diags_p) = outs
   np.testing.assert_allclose(loss_p, loss, rtol=1e-6, atol=1e-7)
   assert set(diags) == set(diags_p)
@@ -416,10 +423,9 @@ def test_row_permutation_invariance(key):
   x = ref.make_inputs(12, zero_row=4, per_token_adv=True)
   perm = np.random.RandomState(13).permutation(x['mask'].shape[0])
   permuted = {k: v[perm] for k, v in x.items()}
-  static = FULL_OPTIONS
   (loss, diags), (loss_p, diags_p) = [
-      run(key, z['logp'], z['rollout'], z['adv'], z['mask'], static=static, ref_logp=z['ref'],
-          old_logp=z['behaviour']) for z in (x, permuted)]
+      run(key, z['logp'], z['rollout'], z['adv'], z['mask'], static=full_options(key, z)[0],
+          **full_options(key, z)[1]) for z in (x, permuted)]
   np.testing.assert_allclose(loss_p, loss, rtol=1e-5, atol=1e-7)
   for k in diags:
     np.testing.assert_allclose(diags_p[k], diags[k], rtol=1e-5, atol=1e-7, err_msg=k)
@@ -434,11 +440,13 @@ def test_no_gradient_through_stop_gradient_inputs(key):
   """behaviour_logp, old_logp, ref_logp and advantages are detached inputs."""
   x = ref.make_inputs(14, per_token_adv=True)
   name, base = CONFIGS[key]
-  opts = dict(base, kl_beta=0.1, mismatch=MismatchConfig('token', 'truncate', 1.5))
+  opts = dict(base, kl_beta=0.1)
+  if key in RECOMPUTE:
+    opts['mismatch'] = MismatchConfig('token', 'truncate', 1.5)
 
   def loss_fn(logp, behaviour, adv, old, ref_logp):
-    return policy_loss(name, logp, behaviour, adv, x['mask'], old_logp=old, ref_logp=ref_logp,
-                       **opts)[0]
+    return call(name, logp, behaviour, adv, x['mask'], ref_logp=ref_logp, **opts,
+                old_logp=old if key in RECOMPUTE else None)[0]
 
   grads = jax.jit(jax.grad(loss_fn, argnums=(0, 1, 2, 3, 4)))(
       x['logp'], x['rollout'], x['adv'], x['behaviour'], x['ref'])
@@ -455,7 +463,7 @@ def test_pg_gradient_is_detached_coefficient_times_advantage(key):
   # (token-mean: N loss tokens) and c = r for REINFORCE/RLOO (seq-mean-token-sum: G' rows).
   x = ref.make_inputs(15, zero_row=0)
   logp, behaviour, adv, mask = args(x)
-  grad = jax.jit(jax.grad(lambda lp: policy_loss(key, lp, behaviour, adv, mask)[0]))(logp)
+  grad = jax.jit(jax.grad(lambda lp: call(key, lp, behaviour, adv, mask)[0]))(logp)
   m = mask > 0
   if key == 'cispo':
     coeff = ref.cispo_coefficient(logp, behaviour)
@@ -478,7 +486,7 @@ def test_ppo_family_analytic_gradient(key):
   # with w the aggregation weight of the token; plus beta * w * (1 - e^(ref - logp)) for k3.
   x = ref.make_inputs(16, zero_row=2)
   logp, behaviour, adv, mask = args(x)
-  fn = lambda lp: policy_loss(key, lp, behaviour, adv, mask, kl_beta=0.1, ref_logp=x['ref'])[0]
+  fn = lambda lp: call(key, lp, behaviour, adv, mask, kl_beta=0.1, ref_logp=x['ref'])[0]
   grad = np.asarray(jax.jit(jax.grad(fn))(logp))
   m = mask > 0
   ratio = np.exp(ref.f64(logp) - behaviour)
@@ -566,7 +574,7 @@ def test_grad_matches_central_finite_differences(x64, key):
 
   def loss_fn(lp):
     behaviour = x['behaviour'] + (lp - logp0) if hold_ratio else x['behaviour']
-    return policy_loss(name, lp, behaviour, x['adv'], x['mask'], ref_logp=x['ref'], **opts)[0]
+    return call(name, lp, behaviour, x['adv'], x['mask'], ref_logp=x['ref'], **opts)[0]
 
   grad = np.asarray(jax.jit(jax.grad(loss_fn))(jnp.asarray(logp0)))
   assert grad.dtype == np.float64
@@ -628,9 +636,8 @@ def test_bf16_inputs_under_jit(key):
 def test_all_masked_batch_gives_zero_loss_and_finite_diagnostics(key):
   x = ref.make_inputs(19, per_token_adv=True)
   zero = np.zeros_like(x['mask'])
-  static = FULL_OPTIONS
-  loss, diags = run(key, x['logp'], x['rollout'], x['adv'], zero, static=static,
-                    ref_logp=x['ref'], old_logp=x['behaviour'])
+  static, arrays = full_options(key, x)
+  loss, diags = run(key, x['logp'], x['rollout'], x['adv'], zero, static=static, **arrays)
   assert float(loss) == 0.0
   for k, v in diags.items():
     assert np.isfinite(float(v)), k
@@ -655,54 +662,86 @@ def test_mismatched_shapes_raise_clear_errors():
   logp, behaviour, adv, mask = args(x)
   with pytest.raises(ValueError, match=r'behaviour_logp has shape \(6, 6\) but logp has shape '
                                        r'\(6, 7\)'):
-    policy_loss('grpo', logp, behaviour[:, :-1], adv, mask)
+    call('grpo', logp, behaviour[:, :-1], adv, mask)
   with pytest.raises(ValueError, match=r'loss_mask has shape \(5, 7\)'):
-    policy_loss('ppo', logp, behaviour, adv, mask[:-1])
+    call('ppo', logp, behaviour, adv, mask[:-1])
   with pytest.raises(ValueError, match=r'old_logp has shape \(6, 8\)'):
-    policy_loss('ppo', logp, behaviour, adv, mask, old_logp=np.zeros((6, 8), np.float32))
+    call('ppo', logp, behaviour, adv, mask, old_logp=np.zeros((6, 8), np.float32))
   with pytest.raises(ValueError, match=r'ref_logp has shape \(7,\)'):
-    policy_loss('ppo', logp, behaviour, adv, mask, kl_beta=0.1,
+    call('ppo', logp, behaviour, adv, mask, kl_beta=0.1,
                 ref_logp=np.zeros((7,), np.float32))
   with pytest.raises(ValueError, match=r'advantages must be \[batch\] = \(6,\) or '
                                        r'\[batch, tokens\] = \(6, 7\), got \(5,\)'):
-    policy_loss('grpo', logp, behaviour, adv[:-1], mask)
+    call('grpo', logp, behaviour, adv[:-1], mask)
   with pytest.raises(ValueError, match=r'logp must be \[batch, tokens\], got shape \(7,\)'):
-    policy_loss('grpo', logp[0], behaviour[0], adv[:1], mask[0])
+    call('grpo', logp[0], behaviour[0], adv[:1], mask[0])
 
 
-def test_unknown_names_raise_listing_the_valid_ones():
-  x = ref.make_inputs(21)
-  with pytest.raises(ValueError, match='nope') as e:
-    policy_loss('nope', *args(x))
-  assert all(repr(name) in str(e.value) for name in LOSSES)
-  with pytest.raises(ValueError, match="Unknown m2po_variant 'bogus'") as e:
-    policy_loss('m2po', *args(x), m2po_variant='bogus')
-  assert all(repr(v) in str(e.value) for v in M2PO_VARIANTS)
-  with pytest.raises(ValueError, match="Unknown aggregation 'sum'") as e:
-    policy_loss('ppo', *args(x), aggregation='sum')
-  assert all(repr(a) in str(e.value) for a in components.AGGREGATIONS)
+@pytest.mark.parametrize('knobs, message, valid', [
+    (dict(loss='nope'), "loss='nope' is not valid", sorted(LOSSES)),
+    (dict(loss='m2po', m2po_variant='bogus'), "m2po_variant='bogus' is not valid", M2PO_VARIANTS),
+    (dict(aggregation='sum'), "aggregation='sum' is not valid", components.AGGREGATIONS),
+    (dict(kl_estimator='k9'), "kl_estimator='k9' is not valid", ('k1', 'k2', 'k3')),
+    (dict(advantage_estimator='ppo'), "advantage_estimator='ppo' is not valid", ('grpo',)),
+    (dict(old_logprobs='fresh'), "old_logprobs='fresh' is not valid", ('behaviour', 'recompute')),
+])
+def test_loss_config_rejects_unknown_names_listing_the_valid_ones(knobs, message, valid):
+  with pytest.raises(ValueError, match=re.escape(message)) as e:
+    LossConfig(**knobs)
+  assert all(repr(v) in str(e.value) for v in valid)
+
+
+@pytest.mark.parametrize('knobs, message', [
+    (dict(eps_low=-0.1), 'eps_low=-0.1 must be a finite number >= 0'),
+    (dict(eps_high=float('nan')), 'eps_high=nan must be a finite number >= 0'),
+    (dict(kl_beta=float('inf')), 'kl_beta=inf must be a finite number >= 0'),
+    (dict(kl_beta=-1.0), 'kl_beta=-1.0'),
+    (dict(loss='m2po', m2po_tau=0.0), 'm2po_tau=0.0 must be a finite number > 0'),
+    (dict(mismatch=MismatchConfig()), "needs old_logprobs='recompute'"),
+    (dict(loss='m2po', old_logprobs='recompute'), 'M2 would be identically 0'),
+])
+def test_loss_config_rejects_bad_values_naming_the_field(knobs, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    LossConfig(**knobs)
+
+
+@pytest.mark.parametrize('knobs, message', [
+    (dict(level='row'), "mismatch.level='row' is not valid; choose one of ('token', 'sequence')"),
+    (dict(mode='clip'), "mismatch.mode='clip' is not valid; choose one of ('truncate', 'mask')"),
+    (dict(threshold=0), 'mismatch.threshold=0 must be > 0'),
+    (dict(veto_threshold=-1.0), 'mismatch.veto_threshold=-1.0'),
+])
+def test_mismatch_config_rejects_bad_values(knobs, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    MismatchConfig(**knobs)
+
+
+def test_loss_config_resolves_the_named_defaults():
+  resolved = LossConfig(loss='gspo').resolve()
+  assert (resolved.eps_low, resolved.eps_high) == (3e-4, 4e-4)
+  assert resolved.aggregation == 'seq-mean-token-mean' and resolved.kl_estimator == 'k3'
+  assert LossConfig(loss='drgrpo').estimator == 'drgrpo'
+  assert LossConfig(loss='drgrpo', advantage_estimator='rloo').estimator == 'rloo'
+  assert LossConfig(loss='dapo', eps_high=0.3).resolve().eps_high == 0.3
+  with pytest.raises(TypeError, match='takes a LossConfig first'):
+    policy_loss('grpo', *args(ref.make_inputs(21)))
+
+
+def test_aggregate_rejects_unknown_names():
   with pytest.raises(ValueError, match="Unknown aggregation 'sum'"):
     components.aggregate(jnp.ones((2, 2)), jnp.ones((2, 2)), 'sum')
-  with pytest.raises(ValueError, match=r"Unknown KL estimator 'k9'.*'k1', 'k2', 'k3'"):
-    policy_loss('ppo', *args(x), kl_beta=0.1, ref_logp=x['ref'], kl_estimator='k9')
-  with pytest.raises(ValueError, match=r"mismatch level 'row'.*'token', 'sequence'"):
-    policy_loss('ppo', *args(x), old_logp=x['behaviour'], mismatch=MismatchConfig(level='row'))
-  with pytest.raises(ValueError, match=r"mismatch mode 'clip'.*'truncate', 'mask'"):
-    policy_loss('ppo', *args(x), old_logp=x['behaviour'], mismatch=MismatchConfig(mode='clip'))
-  with pytest.raises(ValueError, match='threshold must be > 0'):
-    policy_loss('ppo', *args(x), old_logp=x['behaviour'], mismatch=MismatchConfig(threshold=0))
 
 
 def test_missing_inputs_raise():
   x = ref.make_inputs(22)
   with pytest.raises(ValueError, match='kl_beta=0.1 > 0 needs ref_logp'):
-    policy_loss('grpo', *args(x), kl_beta=0.1)
+    call('grpo', *args(x), kl_beta=0.1)
   with pytest.raises(ValueError, match='kl_beta.*needs ref_logp'):
     grpo_loss(*args(x), kl_beta=0.1)
-  with pytest.raises(ValueError, match='mismatch correction needs old_logp'):
-    policy_loss('dapo', *args(x), mismatch=MismatchConfig())
-  with pytest.raises(ValueError, match='m2po_tau must be > 0'):
-    policy_loss('m2po', *args(x), m2po_tau=0.0)
+  with pytest.raises(ValueError, match="old_logprobs='recompute' but old_logp was not given"):
+    policy_loss(LossConfig(loss='dapo', old_logprobs='recompute'), *args(x))
+  with pytest.raises(ValueError, match="old_logprobs='behaviour' but old_logp was given"):
+    policy_loss(LossConfig(loss='dapo'), *args(x), old_logp=x['behaviour'])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -116,11 +116,60 @@ def test_sft_example_matches_train_prompt(task):
     assert task.sft_example(i) == (prompt.text, prompt.answer)
 
 
-def test_tokenizer_covers_prompts_and_answers(task):
-  tok = task.tokenizer
-  for prompt in task.eval_prompts()[:20] + [task.train_prompt(i) for i in range(20)]:
-    ids = tok.encode(prompt.text + prompt.answer, add_bos=True, add_eos=True)
-    assert tok.decode(ids) == prompt.text + prompt.answer
+def test_charset_covers_prompts_and_answers(task):
+  for prompt in task.eval_prompts()[:50] + [task.train_prompt(i) for i in range(50)]:
+    assert set(prompt.text + prompt.answer) <= set(task.charset)
+  demo = ArithmeticTask(demo_error_rate=1.0)
+  assert all(set(''.join(demo.sft_example(i))) <= set(demo.charset) for i in range(50))
+
+
+def test_chat_format_carries_messages_with_the_instruction():
+  task = ArithmeticTask(format='chat', system_prompt='Be brief.',
+                        instruction='Compute {a}{op}{b}.')
+  prompt = task.train_prompt(3)
+  a, op, b = parse(prompt.text)
+  assert prompt.messages == ({'role': 'system', 'content': 'Be brief.'},
+                             {'role': 'user', 'content': f'Compute {a}{op}{b}.'})
+  assert ArithmeticTask(format='chat').train_prompt(3).messages[0]['role'] == 'user'
+  assert ArithmeticTask().train_prompt(3).messages is None
+
+
+@pytest.mark.parametrize('completion, reward', [
+    ('125', 1.0), (' 125.\n', 1.0), ('57+68=125', 1.0), ('57 + 68 = 125.', 1.0),
+    ('57+68 = 124', 0.0), ('12+68=125', 0.0), ('The answer is 125', 0.0), ('125 apples', 0.0),
+    ('125\n125', 0.0), ('=125', 0.0),
+])
+def test_strict_answer_format(completion, reward):
+  task = ArithmeticTask(answer_format='strict')
+  assert task.score(Prompt(prompt_id=0, text='57+68=', answer='125'), completion) == reward
+
+
+def test_last_integer_answer_format():
+  task = ArithmeticTask(answer_format='last_integer')
+  prompt = Prompt(prompt_id=0, text='57+68=', answer='125')
+  assert task.score(prompt, 'Adding 57 and 68 gives 125.') == 1.0
+  assert task.score(prompt, 'It is 125, or maybe 124') == 0.0
+  assert task.score(prompt, 'no digits') == 0.0
+
+
+@pytest.mark.parametrize('kwargs, message', [
+    (dict(format='markdown'), "format='markdown'"),
+    (dict(answer_format='fuzzy'), "answer_format='fuzzy'"),
+    (dict(instruction='{x}'), 'not a str.format template'),
+])
+def test_formatting_arguments_are_validated(kwargs, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    ArithmeticTask(**kwargs)
+
+
+def test_importing_tasks_loads_no_model_code():
+  """Tasks speak text: importing them must not load flax, jinja2 or rlax_llm.models."""
+  import subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
+  code = ('import sys, rlax_llm.tasks, rlax_llm.verifiers; '
+          'print(sorted(m for m in sys.modules if m.split(".")[0] in '
+          '("flax", "jinja2", "jax", "tokenizers", "gguf") or m.startswith("rlax_llm.models")))')
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == '[]', out.stdout
 
 
 def test_score_correct_and_wrong():

@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-from rlax_llm.models.configs import MODEL_CONFIGS, count_params, get_config, memory_per_device
+from rlax_llm.models.presets import PRESETS, count_params, get_preset, memory_per_device
 from rlax_llm.sharding import make_mesh
 
 # Published sizes (model cards), in billions of parameters.
@@ -13,13 +13,13 @@ PUBLISHED = {
 }
 
 
-@pytest.mark.parametrize('name', sorted(MODEL_CONFIGS))
+@pytest.mark.parametrize('name', sorted(PRESETS))
 def test_parameter_counts_match_published(name):
-  assert count_params(get_config(name)) / 1e9 == pytest.approx(PUBLISHED[name], rel=0.01)
+  assert count_params(get_preset(name)) / 1e9 == pytest.approx(PUBLISHED[name], rel=0.01)
 
 
 def test_memory_per_device_shrinks_with_fsdp_and_tensor():
-  config = get_config('qwen3-8b')
+  config = get_preset('qwen3-8b')
   one = memory_per_device(config, make_mesh({'data': 1}, jax.devices()[:1]))
   eight = memory_per_device(config, make_mesh({'fsdp': 4, 'tensor': 2}))
   n = one['num_params']
@@ -31,6 +31,6 @@ def test_memory_per_device_shrinks_with_fsdp_and_tensor():
 
 
 def test_get_config_overrides_and_errors():
-  assert get_config('qwen3-0.6b', remat='full').remat == 'full'
+  assert get_preset('qwen3-0.6b', remat='full').remat == 'full'
   with pytest.raises(ValueError, match="Unknown model 'gpt5'.*qwen3-8b"):
-    get_config('gpt5')
+    get_preset('gpt5')

@@ -1,4 +1,4 @@
-"""Named model configs for the real targets, and memory per device on a mesh.
+"""Named model presets (architectures of the real targets), and memory per device on a mesh.
 
 Sizes follow each model's published ``config.json``. ``memory_per_device`` uses
 ``jax.eval_shape`` (nothing is allocated) and the logical-axis sharding rules to report the
@@ -23,7 +23,7 @@ from rlax_llm.models.model import abstract_model
 _QWEN3 = dict(vocab_size=151_936, head_dim=128, rope_theta=1_000_000.0, norm_eps=1e-6,
               qk_norm=True, family='qwen3', max_seq_len=40_960)
 
-MODEL_CONFIGS: dict[str, DecoderConfig] = {
+PRESETS: dict[str, DecoderConfig] = {
     'smollm2-135m': DecoderConfig(
         vocab_size=49_152, num_layers=30, embed_dim=576, num_heads=9, num_kv_heads=3,
         head_dim=64, mlp_dim=1536, rope_theta=100_000.0, norm_eps=1e-5, tie_embeddings=True,
@@ -53,11 +53,11 @@ MODEL_CONFIGS: dict[str, DecoderConfig] = {
 }
 
 
-def get_config(name: str, **overrides: Any) -> DecoderConfig:
-  """A named config (``MODEL_CONFIGS``) with optional field overrides (e.g. ``dtype``)."""
-  if name not in MODEL_CONFIGS:
-    raise ValueError(f'Unknown model {name!r}; choose one of {sorted(MODEL_CONFIGS)}.')
-  return dataclasses.replace(MODEL_CONFIGS[name], **overrides)
+def get_preset(name: str, **overrides: Any) -> DecoderConfig:
+  """A named config (``PRESETS``) with optional field overrides (e.g. ``dtype``)."""
+  if name not in PRESETS:
+    raise ValueError(f'Unknown model {name!r}; choose one of {sorted(PRESETS)}.')
+  return dataclasses.replace(PRESETS[name], **overrides)
 
 
 def count_params(config: DecoderConfig) -> int:

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlax_llm.models.tokenizer import CharTokenizer
+from rlax_llm.tokenization import CharTokenizer
 
 ALPHABET = '0123456789+-*='
 alphabet_text = st.text(alphabet=ALPHABET, max_size=20)

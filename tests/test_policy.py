@@ -1,4 +1,7 @@
-"""Tests for rlax_llm.rollout.sampling (truncation and sampling with exact behaviour log-probs)."""
+"""Tests for rlax_llm.policy: the sampling transform, exact behaviour log-probs, and the
+trainer-side log-probs of the same policy."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +10,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from rlax_llm.rollout.sampling import sample_tokens, truncate_logits
+from rlax_llm import policy as policy_lib
+from rlax_llm.policy import SamplingSpec, sample, token_log_probs, transform_logits
 
 VOCAB = 10
 BATCH = 64
@@ -46,6 +50,15 @@ def np_top_p_keep(scaled, top_p):
 def np_truncated_logp(scaled, keep):
   """log-probs renormalised over the kept set (-inf elsewhere)."""
   return np_log_softmax(np.where(keep, scaled, -np.inf))
+
+
+def sample_tokens(logits, key, temperature=1.0, top_k=0, top_p=1.0):
+  return sample(logits, key, SamplingSpec(temperature=temperature, top_k=top_k, top_p=top_p))
+
+
+def kept_set(logits, top_k=0, top_p=1.0):
+  """bool [B, V]: the support of the policy (temperature 1)."""
+  return np.asarray(transform_logits(jnp.asarray(logits), SamplingSpec(1.0, top_k, top_p))[1])
 
 
 def random_logits(seed, batch=BATCH, vocab=VOCAB, scale=2.0):
@@ -116,14 +129,13 @@ def test_top_p_matches_numpy_nucleus(seed, top_p, temperature, top_k):
                                    temperature=temperature, top_k=top_k, top_p=top_p)
   check_samples(tokens, logprobs, keep, np_truncated_logp(scaled, keep))
   # truncate_logits keeps exactly that set.
-  truncated = np.asarray(truncate_logits(jnp.asarray(scaled, jnp.float32), top_k, top_p))
-  np.testing.assert_array_equal(truncated > -1e29, keep)
+  np.testing.assert_array_equal(kept_set(scaled.astype(np.float32), top_k, top_p), keep)
 
 
 def test_top_p_hand_case():
   # probs 0.5, 0.3, 0.15, 0.05 (already sorted). Mass before: 0, 0.5, 0.8, 0.95.
   logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
-  keep = lambda p: np.asarray(truncate_logits(logits, top_p=p)) > -1e29
+  keep = lambda p: kept_set(logits, top_p=p)
   np.testing.assert_array_equal(keep(0.3), [[True, False, False, False]])  # first always kept
   np.testing.assert_array_equal(keep(0.45), [[True, False, False, False]])
   np.testing.assert_array_equal(keep(0.6), [[True, True, False, False]])
@@ -139,7 +151,7 @@ def test_top_p_boundary_is_strict():
   probs = np.asarray(jax.nn.softmax(logits))
   if not np.array_equal(probs, [[0.5, 0.25, 0.125, 0.125]]):
     pytest.skip(f'softmax not exact on this backend: {probs}')
-  keep = lambda p: np.asarray(truncate_logits(logits, top_p=p)) > -1e29
+  keep = lambda p: kept_set(logits, top_p=p)
   np.testing.assert_array_equal(keep(0.5), [[True, False, False, False]])
   np.testing.assert_array_equal(keep(0.75), [[True, True, False, False]])
   # The two 1/8 tokens tie: at mass-before 0.75 < 0.8 the first is kept, and so is its tie.
@@ -194,8 +206,82 @@ def test_works_under_jit_with_bf16_logits():
   check_samples(tokens, logprobs, keep, np_truncated_logp(scaled, keep))
 
 
-@pytest.mark.parametrize('kwargs', [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=-0.5),
-                                    dict(top_p=1.01)])
-def test_invalid_arguments_raise(kwargs):
-  with pytest.raises(ValueError):
-    sample_tokens(jnp.zeros((2, 4)), jax.random.key(0), **kwargs)
+@pytest.mark.parametrize('kwargs, message', [
+    (dict(temperature=-0.1), 'temperature=-0.1'), (dict(temperature=float('nan')), 'temperature=nan'),
+    (dict(temperature=float('inf')), 'temperature=inf'), (dict(top_p=0.0), 'top_p=0.0'),
+    (dict(top_p=-0.5), 'top_p=-0.5'), (dict(top_p=1.01), 'top_p=1.01'),
+    (dict(top_k=-1), 'top_k=-1'), (dict(top_k=2.5), 'top_k=2.5'), (dict(temperature='1'), "temperature='1'"),
+])
+def test_invalid_sampling_spec_raises_naming_the_field(kwargs, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    SamplingSpec(**kwargs)
+
+
+def test_greedy_is_refused_for_rollouts_but_valid_for_evaluation():
+  with pytest.raises(ValueError, match='not valid for RL rollouts'):
+    SamplingSpec(temperature=0.0).check_for_rollouts()
+  assert SamplingSpec(temperature=0.7).check_for_rollouts().temperature == 0.7
+  tokens, logp = sample(jnp.asarray(random_logits(0)), jax.random.key(0), policy_lib.GREEDY)
+  np.testing.assert_array_equal(logp, 0.0)
+  with pytest.raises(ValueError, match='temperature > 0'):
+    token_log_probs(jnp.zeros((2, 4)), jnp.zeros((2,), jnp.int32), policy_lib.GREEDY)
+
+
+@pytest.mark.parametrize('temperature, top_k, top_p', [
+    (1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 3, 1.0), (0.7, 0, 0.8), (1.3, 4, 0.9)])
+def test_token_log_probs_equal_the_behaviour_log_probs(temperature, top_k, top_p):
+  """The trainer-side function scores a sampled token exactly as the sampler did."""
+  logits = jnp.asarray(random_logits(11, batch=256))
+  spec = SamplingSpec(temperature, top_k, top_p)
+  tokens, behaviour = sample(logits, jax.random.key(3), spec)
+  logp, in_support = token_log_probs(logits, tokens, spec)
+  np.testing.assert_array_equal(logp, behaviour)
+  assert np.all(np.asarray(in_support))
+
+
+@pytest.mark.parametrize('top_k, top_p', [(3, 1.0), (0, 0.7), (4, 0.8)])
+def test_naive_renormalisation_would_bias_the_ratio_by_log_kept_mass(top_k, top_p):
+  """A trainer using plain log_softmax(z / T) sees log r = log S (S = kept mass) on-policy."""
+  logits = jnp.asarray(random_logits(12, batch=128))
+  spec = SamplingSpec(0.9, top_k, top_p)
+  tokens, behaviour = sample(logits, jax.random.key(4), spec)
+  naive = np.take_along_axis(np_log_softmax(np.asarray(logits, np.float64) / 0.9),
+                             np.asarray(tokens)[:, None], axis=-1)[:, 0]
+  kept = np.asarray(transform_logits(logits, spec)[1])
+  log_kept_mass = np.log(np.sum(np.where(kept, np.exp(np_log_softmax(
+      np.asarray(logits, np.float64) / 0.9)), 0.0), axis=-1))
+  np.testing.assert_allclose(naive - np.asarray(behaviour), log_kept_mass, atol=1e-5)
+  assert np.all(log_kept_mass < -1e-3)  # a real bias on every row
+  ours, _ = token_log_probs(logits, tokens, spec)
+  np.testing.assert_array_equal(np.asarray(ours) - np.asarray(behaviour), 0.0)
+
+
+def test_tokens_outside_the_support_get_a_finite_continuous_score():
+  """Off-policy a token can fall outside the new support: finite, below every kept token,
+  equal to its logit minus the kept set's normaliser, with a finite gradient."""
+  logits = jnp.asarray([[3.0, 2.0, 1.0, -1.0, -4.0]])
+  spec = SamplingSpec(1.0, top_k=2)
+  logp, in_support = token_log_probs(jnp.broadcast_to(logits, (5, 5)), jnp.arange(5), spec)
+  np.testing.assert_array_equal(in_support, [True, True, False, False, False])
+  normaliser = np.log(np.exp(3.0) + np.exp(2.0))
+  np.testing.assert_allclose(logp, np.array([3.0, 2.0, 1.0, -1.0, -4.0]) - normaliser,
+                             rtol=1e-6)
+  grad = jax.grad(lambda z: token_log_probs(z, jnp.array([4]), spec)[0].sum())(logits)
+  assert np.all(np.isfinite(np.asarray(grad)))
+  # Continuity at the boundary: the 3rd token just outside top-2 scores as if it were kept
+  # with the same normaliser (no jump to -inf).
+  near = jnp.asarray([[3.0, 2.0, 2.0 - 1e-4]])
+  lp, sup = token_log_probs(near, jnp.array([2]), spec)
+  assert not bool(sup[0]) and abs(float(lp[0]) - float(token_log_probs(
+      near, jnp.array([1]), spec)[0][0])) < 1e-3
+
+
+def test_entropy_is_the_entropy_of_the_truncated_distribution():
+  logits = jnp.asarray(random_logits(13, batch=8))
+  spec = SamplingSpec(0.8, top_k=4)
+  scaled = np.asarray(logits, np.float64) / 0.8
+  keep = np_top_k_keep(scaled, 4)
+  logp = np_truncated_logp(scaled, keep)
+  safe = np.where(keep, logp, 0.0)  # -inf off the support
+  expected = -np.sum(np.where(keep, np.exp(safe) * safe, 0.0), axis=-1)
+  np.testing.assert_allclose(policy_lib.entropy(logits, spec), expected, rtol=1e-5)

@@ -1,0 +1,108 @@
+"""Data that flows between roles: requests -> rollouts -> train batches.
+
+The controller sends ``GenerationRequest``s to an inference worker, which returns one
+``Rollouts`` (struct-of-arrays, one row per sampled completion) holding everything the
+trainer needs later: tokens, behaviour log-probs under the exact sampling transform, the
+policy version of every token, finish reasons and timings. Verifiers fill in the rewards;
+``make_train_batch`` packs scored rollouts into the padded ``[B, T]`` ``TrainBatch`` the
+trainer consumes. ``WeightSnapshot`` lives with the parameter server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import numpy as np
+
+from rlax_llm.policy import SamplingSpec
+from rlax_llm.tasks.base import Prompt
+
+FINISH_REASONS = ('stop', 'length')  # 'stop': emitted eos; 'length': hit max_new_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+  """Sample ``num_samples`` completions of ``prompt`` (its text, or its chat messages
+  rendered by the model's chat template) with ``sampling``, each at most
+  ``max_new_tokens`` long. The samples share one group id."""
+
+  prompt: Prompt
+  num_samples: int
+  sampling: SamplingSpec
+  max_new_tokens: int
+
+  def __post_init__(self):
+    for name in ('num_samples', 'max_new_tokens'):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f'GenerationRequest.{name}={value!r} must be an int >= 1.')
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollouts:
+  """Sampled completions, host numpy arrays. ``B`` rows, ``P``/``N`` widths.
+
+  Rows of one request share a ``group_id`` and are contiguous. ``rewards`` is None until a
+  verifier has scored the rows (``rlax_llm.verifiers.score_rollouts``).
+  """
+
+  prompt_ids: np.ndarray  # int64 [B]
+  group_ids: np.ndarray  # int32 [B]
+  prompt_tokens: np.ndarray  # int32 [B, P], right-padded
+  prompt_lengths: np.ndarray  # int32 [B]
+  completion_tokens: np.ndarray  # int32 [B, N], pad after the end
+  completion_mask: np.ndarray  # bool [B, N]: generated tokens (eos included)
+  behaviour_logprobs: np.ndarray  # float32 [B, N]: log-prob under `sampling`, 0 off the mask
+  versions: np.ndarray  # int32 [B, N]: policy version per token, -1 off the mask
+  finish_reasons: np.ndarray  # str [B]: one of FINISH_REASONS
+  completions: list[str]  # decoded text, without eos
+  sampling: SamplingSpec  # the policy transform the behaviour log-probs were taken under
+  timings: dict[str, float]  # wall seconds of the worker's phases, e.g. 'generate_s'
+  rewards: np.ndarray | None = None  # float32 [B]
+  verifier_errors: int = 0
+
+  def __len__(self) -> int:
+    return len(self.prompt_ids)
+
+  @property
+  def finished(self) -> np.ndarray:
+    """bool [B]: True where the completion ended with eos."""
+    return self.finish_reasons == 'stop'
+
+
+@flax.struct.dataclass
+class TrainBatch:
+  """Padded training arrays; position ``t`` refers to token ``t`` (predicted from ``< t``)."""
+
+  tokens: jax.Array  # int32 [B, T]: prompt then completion, right-padded
+  loss_mask: jax.Array  # float32 [B, T]: 1 on completion tokens
+  behaviour_logprobs: jax.Array  # float32 [B, T]: 0 off the loss mask
+  advantages: jax.Array  # float32 [B]
+  versions: jax.Array  # int32 [B, T]: -1 off the loss mask
+  group_ids: jax.Array  # int32 [B]
+
+
+def make_train_batch(rollouts: Rollouts, advantages: np.ndarray) -> TrainBatch:
+  """Packs each prompt with its completion into a right-padded ``[B, P + N]`` row."""
+  b, p = rollouts.prompt_tokens.shape
+  n = rollouts.completion_tokens.shape[1]
+  if np.shape(advantages) != (b,):
+    raise ValueError(f'advantages must be [B] = ({b},), got shape {np.shape(advantages)}.')
+  length = p + n
+  tokens = np.zeros((b, length), np.int32)
+  loss_mask = np.zeros((b, length), np.float32)
+  logps = np.zeros((b, length), np.float32)
+  versions = np.full((b, length), -1, np.int32)
+  comp_len = rollouts.completion_mask.sum(axis=1)
+  for i in range(b):
+    lp, lc = int(rollouts.prompt_lengths[i]), int(comp_len[i])
+    tokens[i, :lp] = rollouts.prompt_tokens[i, :lp]
+    tokens[i, lp:lp + lc] = rollouts.completion_tokens[i, :lc]
+    loss_mask[i, lp:lp + lc] = 1.0
+    logps[i, lp:lp + lc] = rollouts.behaviour_logprobs[i, :lc]
+    versions[i, lp:lp + lc] = rollouts.versions[i, :lc]
+  return TrainBatch(tokens=tokens, loss_mask=loss_mask, behaviour_logprobs=logps,
+                    advantages=np.asarray(advantages, np.float32), versions=versions,
+                    group_ids=np.asarray(rollouts.group_ids, np.int32))

@@ -1,0 +1,218 @@
+"""The policy, defined once: model logits -> the distribution that samples and is trained.
+
+The sampling transform (temperature, then top-k, then top-p truncation) is part of the policy
+(DESIGN "One policy"). The inference worker samples from it and records each token's
+behaviour log-prob under it; the trainer recomputes log-probs of the same tokens through the
+very same functions here. On-policy (same params) the two agree to float rounding, so the
+importance ratio is 1 and off-policy corrections (PPO clip, M2PO, TIS/MIS) measure only real
+policy change.
+
+What truncation means for the trained policy
+--------------------------------------------
+With logits ``z``, temperature ``T``, and the kept set ``K(z)`` (the ``top_k`` largest scaled
+logits, then the smallest prefix of those, by probability, whose mass reaches ``top_p``), the
+policy is the truncated, renormalised distribution
+
+    pi(a) = exp(z_a / T) / sum_{b in K(z)} exp(z_b / T)   for a in K(z),  0 otherwise.
+
+* **Behaviour log-probs** are ``log pi(a)`` of the sampled token, under the params that
+  sampled it (``sample``).
+* **Trainer log-probs** are the same formula under the trainer's params
+  (``token_log_probs``). A trainer that used the plain ``log_softmax(z / T)`` instead would see
+  ``log r = log S`` on-policy, where ``S = sum_{b in K} softmax(z / T)_b < 1`` is the kept mass:
+  the known bias of naive renormalisation (TRL #6789), which biases every ratio-based loss.
+* **Tokens outside the support.** Off-policy, a token sampled under old params may fall
+  outside ``K(z)`` of the new params, where ``pi(a) = 0`` and ``log pi(a) = -inf``. We
+  score such a token with the same normaliser, ``z_a / T - log sum_{b in K(z)} exp(z_b / T)``:
+  equal to ``log pi(a)`` for every token in the support, finite and below every kept token's
+  log-prob outside it, and continuous at the support boundary (a token that crosses the top-p
+  threshold by a rounding error does not make the ratio jump to 0). Losses therefore never see
+  ``-inf``/NaN; the ratio of such a token is small, so clipping or M2PO masking handles it as
+  a far-off-policy token. ``token_log_probs`` also returns whether each token is in the
+  support; the trainer logs the fraction outside as ``policy/out_of_support_fraction``.
+* **Temperature 0** is greedy decoding, a point mass (behaviour log-prob exactly 0). It is
+  valid for evaluation and refused for rollouts (``SamplingSpec.check_for_rollouts``): every
+  sample of a group would be identical, every group advantage 0, and RL would learn nothing.
+
+References: Holtzman et al., "The Curious Case of Neural Text Degeneration" (top-p),
+arXiv 1904.09751; Fan et al., "Hierarchical Neural Story Generation" (top-k),
+arXiv 1805.04833.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from rlax_llm.models.model import Model, Params
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSpec:
+  """The sampling transform of the policy. ``temperature == 0`` is greedy (evaluation only).
+
+  Attributes:
+    temperature: finite, >= 0; logits are divided by it.
+    top_k: int >= 0; keep the ``top_k`` largest logits (0 keeps all).
+    top_p: in (0, 1]; keep the smallest set of most probable tokens whose mass reaches
+      ``top_p`` (the token that crosses it is kept; 1.0 keeps all).
+  """
+
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    t = self.temperature
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+      raise ValueError(f'temperature={t!r} must be a finite number >= 0 (0 is greedy).')
+    if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+      raise ValueError(f'top_k={self.top_k!r} must be an int >= 0 (0 disables it).')
+    p = self.top_p
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
+      raise ValueError(f'top_p={p!r} must be in (0, 1] (1.0 disables it).')
+    object.__setattr__(self, 'temperature', float(t))
+    object.__setattr__(self, 'top_p', float(p))
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0.0
+
+  def check_for_rollouts(self) -> 'SamplingSpec':
+    """Returns ``self``; raises ValueError for greedy decoding, which RL cannot learn from."""
+    if self.greedy:
+      raise ValueError(
+          'temperature=0 (greedy) is not valid for RL rollouts: every sample of a group would '
+          'be identical, every group-relative advantage 0, and RL would learn nothing. Use a '
+          'temperature > 0 for rollouts (greedy stays valid for evaluation).')
+    return self
+
+
+GREEDY = SamplingSpec(temperature=0.0)
+
+
+def transform_logits(logits: jax.Array, spec: SamplingSpec) -> tuple[jax.Array, jax.Array]:
+  """Temperature scaling and the kept set.
+
+  Args:
+    logits: float ``[..., V]`` raw model logits.
+    spec: a non-greedy ``SamplingSpec``.
+  Returns:
+    ``(scaled float32 [..., V], kept bool [..., V])``: ``logits / T`` and the support
+    ``K`` (top-k first, then top-p over the top-k-renormalised distribution; ties at a
+    threshold are kept).
+  """
+  if spec.greedy:
+    raise ValueError('transform_logits needs temperature > 0; greedy decoding has no '
+                     'log-probs to train on.')
+  scaled = logits.astype(jnp.float32) / spec.temperature
+  vocab = scaled.shape[-1]
+  kept = jnp.ones(scaled.shape, bool)
+  if spec.top_k and spec.top_k < vocab:
+    kth = jax.lax.top_k(scaled, spec.top_k)[0][..., -1:]
+    kept = scaled >= kth
+  if spec.top_p < 1.0:
+    masked = jnp.where(kept, scaled, -jnp.inf)
+    sorted_desc = -jnp.sort(-masked, axis=-1)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep_sorted = mass_before < spec.top_p  # always keeps the most probable token
+    threshold = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    kept = kept & (scaled >= threshold)
+  return scaled, kept
+
+
+def log_probs(logits: jax.Array, spec: SamplingSpec) -> tuple[jax.Array, jax.Array]:
+  """Log-probs of every token under the policy (see the module docstring).
+
+  Returns ``(logp float32 [..., V], kept bool [..., V])``; ``logp`` is the truncated
+  log-prob on ``kept`` and the same normaliser's finite extension elsewhere.
+  """
+  scaled, kept = transform_logits(logits, spec)
+  normaliser = jax.nn.logsumexp(jnp.where(kept, scaled, -jnp.inf), axis=-1, keepdims=True)
+  return scaled - normaliser, kept
+
+
+def token_log_probs(logits: jax.Array, tokens: jax.Array, spec: SamplingSpec
+                    ) -> tuple[jax.Array, jax.Array]:
+  """Log-prob of each given token under the policy.
+
+  Args:
+    logits: float ``[..., V]``; ``tokens``: int ``[...]`` (the tokens these logits predict).
+  Returns:
+    ``(logp float32 [...], in_support bool [...])``.
+  """
+  chex.assert_equal_shape_prefix([logits, tokens], tokens.ndim)
+  logp, kept = log_probs(logits, spec)
+  index = tokens[..., None].astype(jnp.int32)
+  return (jnp.take_along_axis(logp, index, axis=-1)[..., 0],
+          jnp.take_along_axis(kept, index, axis=-1)[..., 0])
+
+
+def sample(logits: jax.Array, rng: jax.Array, spec: SamplingSpec
+           ) -> tuple[jax.Array, jax.Array]:
+  """Draws one token per row and returns its behaviour log-prob.
+
+  Args:
+    logits: float ``[B, V]`` raw model logits.
+    rng: a PRNG key.
+    spec: the sampling transform; greedy takes the argmax with log-prob 0 (a point mass).
+  Returns:
+    ``(tokens int32 [B], logp float32 [B])``.
+  """
+  if spec.greedy:
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return tokens, jnp.zeros(tokens.shape, jnp.float32)
+  logp, kept = log_probs(logits, spec)
+  tokens = jax.random.categorical(rng, jnp.where(kept, logp, -jnp.inf), axis=-1)
+  tokens = tokens.astype(jnp.int32)
+  return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+def entropy(logits: jax.Array, spec: SamplingSpec) -> jax.Array:
+  """Entropy of the policy distribution per position: float ``[..., V]`` -> float32 ``[...]``."""
+  logp, kept = log_probs(logits, spec)
+  return -jnp.sum(jnp.where(kept, jnp.exp(logp) * logp, 0.0), axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceLogProbs:
+  """Per-position outputs of ``Policy.sequence_log_probs`` for ``tokens [B, T]``.
+
+  Position ``t`` scores token ``t + 1`` (predicted from tokens ``<= t``).
+  """
+
+  logp: jax.Array  # float32 [B, T - 1]
+  in_support: jax.Array  # bool [B, T - 1]
+  entropy: jax.Array  # float32 [B, T - 1], stop-gradient
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """A model plus its sampling transform: the one object sampler and trainer share.
+
+  Hashable (the model by identity, the spec by value), so it is a ``jax.jit`` static
+  argument and equal policies share one compilation.
+  """
+
+  model: Model
+  sampling: SamplingSpec
+
+  def with_sampling(self, sampling: SamplingSpec) -> 'Policy':
+    return Policy(self.model, sampling)
+
+  def sample(self, logits: jax.Array, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``sample(logits, rng, self.sampling)``."""
+    return sample(logits, rng, self.sampling)
+
+  def sequence_log_probs(self, params: Params, tokens: jax.Array) -> SequenceLogProbs:
+    """Log-probs of each next token of ``tokens`` (int32 ``[B, T]``) under ``params``."""
+    logits = self.model.apply(params, tokens)[:, :-1]
+    logp, in_support = token_log_probs(logits, tokens[:, 1:], self.sampling)
+    return SequenceLogProbs(logp=logp, in_support=in_support,
+                            entropy=jax.lax.stop_gradient(entropy(logits, self.sampling)))
+
