@@ -20,7 +20,8 @@ import numpy as np
 
 from rlax_llm.models.decoder import DecoderConfig
 from rlax_llm.models.model import create_model
-from rlax_llm.rollout.sampler import SamplingConfig, generate
+from rlax_llm.policy import GREEDY, Policy
+from rlax_llm.rollout.sampler import generate
 
 
 def full_recompute_greedy(model, params, prompt, prompt_len, new_tokens):
@@ -63,9 +64,8 @@ def main():
   prompt = jnp.asarray(rng.randint(3, 512, (args.batch, args.prompt_len)), jnp.int32)
   prompt_len = jnp.asarray(rng.randint(args.prompt_len // 2, args.prompt_len + 1, args.batch),
                            jnp.int32)
-  sampling = SamplingConfig(max_new_tokens=args.new_tokens, eos_id=-1, pad_id=0,
-                            temperature=0.0)
-  cached = jax.jit(functools.partial(generate, model, config=sampling))
+  cached = functools.partial(generate, Policy(model, GREEDY), max_new_tokens=args.new_tokens,
+                             eos_id=-1, pad_id=0)
   naive = jax.jit(functools.partial(full_recompute_greedy, model,
                                     new_tokens=args.new_tokens))
   run_cached = lambda: cached(params, prompt, prompt_len, jax.random.key(0), 0).tokens

@@ -23,7 +23,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from rlax_llm.models import from_pretrained, smollm2_gguf_path, split_module  # noqa: E402
-from rlax_llm.rollout.sampler import Sampler, SamplingConfig  # noqa: E402
+from rlax_llm.policy import GREEDY, Policy  # noqa: E402
+from rlax_llm.rollout.sampler import generate  # noqa: E402
 
 
 def timed(fn, repeats=3):
@@ -62,12 +63,11 @@ def main():
 
   new = 32
   prompts = np.array([ids] * 4)
-  sampler = Sampler(functional, SamplingConfig(max_new_tokens=new, eos_id=-1,
-                                               pad_id=tokenizer.pad_id, temperature=0.0))
-  ours_gen = timed(lambda: sampler(params, prompts, np.full(4, len(ids)), jax.random.key(0),
-                                   0).tokens.block_until_ready())
-  ours_tokens = np.asarray(sampler(params, prompts, np.full(4, len(ids)), jax.random.key(0),
-                                   0).tokens[0])
+  sampler = lambda: generate(Policy(functional, GREEDY), params, jnp.asarray(prompts, jnp.int32),
+                             jnp.full((4,), len(ids), jnp.int32), jax.random.key(0), 0,
+                             max_new_tokens=new, eos_id=-1, pad_id=tokenizer.pad_id)
+  ours_gen = timed(lambda: sampler().tokens.block_until_ready())
+  ours_tokens = np.asarray(sampler().tokens[0])
   with torch.no_grad():
     gen = lambda: ref.generate(torch.tensor(prompts), max_new_tokens=new, min_new_tokens=new,
                                do_sample=False)

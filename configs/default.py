@@ -16,14 +16,20 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c.seed = 0
   c.total_steps = 200  # RL updates
 
+  # name: 'tiny' (built from model.tiny with a character tokenizer over the task's charset)
+  # or a preset ('smollm2-135m', 'qwen3-0.6b', ...) loaded from model.path (an HF directory or
+  # .gguf file; SmolLM2's ships as a pip package) with the checkpoint's tokenizer.
   c.model = ml_collections.ConfigDict(dict(
-      name='tiny',  # a DecoderConfig built from the fields below
-      num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=256,
-      rope_theta=10_000.0, tie_embeddings=True, max_seq_len=16,
-      param_dtype='float32', dtype='float32',
+      name='tiny', path=placeholder(str),
+      tiny=ml_collections.ConfigDict(dict(
+          num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=256,
+          rope_theta=10_000.0, tie_embeddings=True)),
+      max_seq_len=16,  # None for a checkpoint: its own
+      param_dtype='float32', dtype='float32', remat='none',
   ))
   c.task = ml_collections.ConfigDict(dict(
       name='arithmetic', max_operand=99, operations='+', num_eval=200, demo_error_rate=0.6,
+      format='plain', answer_format='exact',
   ))
   # Supervised warm-up that produces the RL starting point (0 steps = start from init).
   c.warmup = ml_collections.ConfigDict(dict(
@@ -34,15 +40,17 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c.rl = ml_collections.ConfigDict(dict(
       loss='grpo', group_size=8, prompts_per_step=32, learning_rate=3e-4,
       max_grad_norm=1.0, weight_decay=0.0,
+      max_nonfinite_updates=3,  # consecutive skipped (NaN/Inf) updates before the run stops
       advantage_estimator=placeholder(str), eps_low=placeholder(float),
       eps_high=placeholder(float), aggregation=placeholder(str),
       kl_beta=0.0, kl_estimator=placeholder(str),
       m2po_tau=0.04, m2po_variant='paper',
-      old_logprobs='behaviour',  # or 'recompute' (on-policy only; enables mismatch)
+      old_logprobs='behaviour',  # or 'recompute' (decoupled PPO; enables mismatch; not m2po)
       mismatch=ml_collections.ConfigDict(dict(
           enabled=False, level='token', mode='truncate', threshold=2.0,
           veto_threshold=placeholder(float))),
   ))
+  # The policy's sampling transform (rollouts; evaluation is greedy) and lengths in tokens.
   c.sampling = ml_collections.ConfigDict(dict(
       temperature=1.0, top_k=0, top_p=1.0, max_prompt_len=8, max_new_tokens=5,
   ))

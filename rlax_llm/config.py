@@ -1,19 +1,29 @@
 """Config contract and validation (DESIGN.md "Config contract").
 
-``validate_config`` runs before any compute: it checks that every contract key exists and
-that every choice field holds a valid choice, and fails with a message naming the key, the
-value seen and the valid choices. ``check_override_keys`` catches misspelled
+``validate_config`` runs before any compute: it checks every field (contract keys, choices,
+numbers, the loss, the sampling transform, the task, the model's length, the meshes against
+the devices and batch sizes) and fails with a message naming the key, the value seen and the
+fix. Typed objects validate their own fields (``LossConfig``, ``SamplingSpec``, the task,
+``DecoderConfig``); this module builds them from the config (``loss_config``,
+``sampling_spec``) and says where in the config a bad value sits. ``check_override_keys`` catches misspelled
 ``--config.a.b=v`` flags before absl parses them, suggesting the closest valid keys.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import difflib
 import importlib.util
+import math
 import pathlib
 from collections.abc import Sequence
 
 import ml_collections
+
+from rlax_llm import losses
+from rlax_llm.models.decoder import REMAT_POLICIES, DecoderConfig
+from rlax_llm.policy import SamplingSpec
 
 DEFAULT_CONFIG_PATH = pathlib.Path(__file__).resolve().parent.parent / 'configs' / 'default.py'
 
@@ -24,34 +34,25 @@ REQUIRED_KEYS = (
     'eval.every_steps', 'mesh',
 )
 
-# Choice fields -> valid values (loss-related ones come from ``rlax_llm.losses``).
+# Choice fields -> valid values (the loss's, sampling's and task's come from their own types).
 CHOICES = {
     'backend': ('local',),
-    'model.name': ('tiny',),
-    'task.name': ('arithmetic',),
     'model.param_dtype': ('float32', 'bfloat16'),
     'model.dtype': ('float32', 'bfloat16'),
-    'rl.old_logprobs': ('behaviour', 'recompute'),
 }
 
-
-def choices() -> dict[str, tuple]:
-  """Every choice field and its valid values (``None`` = use the loss's default)."""
-  from rlax_llm import losses  # pylint: disable=import-outside-toplevel
-  return CHOICES | {
-      'rl.loss': tuple(sorted(losses.LOSSES)),
-      'rl.advantage_estimator': (None,) + losses.ESTIMATORS,
-      'rl.kl_estimator': (None,) + losses.KL_ESTIMATORS,
-      'rl.aggregation': (None,) + losses.AGGREGATIONS,
-      'rl.m2po_variant': losses.M2PO_VARIANTS,
-      'rl.mismatch.level': losses.components.MISMATCH_LEVELS,
-      'rl.mismatch.mode': losses.components.MISMATCH_MODES,
-  }
-
-POSITIVE_INTS = ('rl.group_size', 'rl.prompts_per_step', 'sampling.max_new_tokens',
-                 'sampling.max_prompt_len')
-NON_NEGATIVE_INTS = ('total_steps', 'warmup.steps', 'eval.every_steps',
-                     'checkpoint.every_steps')
+POSITIVE_INTS = ('rl.group_size', 'rl.prompts_per_step', 'rl.max_nonfinite_updates',
+                 'sampling.max_new_tokens', 'sampling.max_prompt_len', 'warmup.batch_size',
+                 'log.console_every')
+NON_NEGATIVE_INTS = ('seed', 'total_steps', 'warmup.steps', 'warmup.warmup_steps',
+                     'eval.every_steps', 'checkpoint.every_steps')
+# Floats: key -> (lowest valid value, whether the lowest value itself is valid).
+FLOATS = {
+    'rl.learning_rate': (0.0, False),
+    'rl.max_grad_norm': (0.0, True),
+    'rl.weight_decay': (0.0, True),
+    'warmup.learning_rate': (0.0, False),
+}
 
 
 class ConfigError(ValueError):
@@ -80,30 +81,144 @@ def _flat_keys(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]
   return keys
 
 
+@contextlib.contextmanager
+def _naming(prefix: str):
+  """Re-raises a ValueError from a typed object's validation as a ConfigError under
+  ``config.<prefix>``: the types validate their fields (once, in one place), messages start
+  with the field, and this adds where in the config it sits."""
+  try:
+    yield
+  except ConfigError:
+    raise
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f'config.{prefix}{e}') from None
+
+
+def loss_config(config: ml_collections.ConfigDict) -> losses.LossConfig:
+  """The ``LossConfig`` of ``config.rl`` (its fields by name; ``rl.mismatch`` when enabled)."""
+  rl = config.rl
+  fields = {f.name: rl[f.name] for f in dataclasses.fields(losses.LossConfig)
+            if f.name != 'mismatch' and f.name in rl}
+  mismatch = None
+  if 'mismatch' in rl and rl.mismatch.enabled:
+    with _naming('rl.'):
+      mismatch = losses.MismatchConfig(**{k: v for k, v in rl.mismatch.items()
+                                          if k != 'enabled'})
+  with _naming('rl.'):
+    return losses.LossConfig(**fields, mismatch=mismatch)
+
+
+def sampling_spec(config: ml_collections.ConfigDict) -> SamplingSpec:
+  """The rollout ``SamplingSpec`` of ``config.sampling`` (greedy is refused for rollouts)."""
+  s = config.sampling
+  with _naming('sampling.'):
+    return SamplingSpec(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p
+                        ).check_for_rollouts()
+
+
 def validate_config(config: ml_collections.ConfigDict) -> None:
-  """Raises ``ConfigError`` naming the first key that is missing or invalid."""
+  """Raises ``ConfigError`` naming the first key that is missing or invalid.
+
+  Checks everything that needs no model file: contract keys, choices, ints and floats, the
+  loss (``loss_config``), the sampling transform (``sampling_spec``), the task's own fields
+  (it is built), the tiny model's architecture and sequence length, staleness, and the
+  meshes against the devices and the batch sizes. What needs a checkpoint's config or
+  tokenizer (prompt lengths, memory) is checked by ``rlax_llm.roles`` before any compute.
+  """
   for key in REQUIRED_KEYS:
     _get(config, key)
-  for key, valid in choices().items():
-    try:
-      value = _get(config, key)
-    except ConfigError:
-      if key in REQUIRED_KEYS:
-        raise
-      continue
+  for key, valid in CHOICES.items():
+    value = _get(config, key)
     if value not in valid:
       raise ConfigError(f'config.{key}={value!r} is not valid; choose one of {list(valid)}.')
   for key in POSITIVE_INTS + NON_NEGATIVE_INTS:
-    try:
-      value = _get(config, key)
-    except ConfigError:
-      continue
+    value = _get(config, key)
     low = 1 if key in POSITIVE_INTS else 0
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
       raise ConfigError(f'config.{key}={value!r} must be an int >= {low}.')
-  if _get(config, 'staleness.j') < 1 or _get(config, 'staleness.k') < 1:
-    raise ConfigError('config.staleness.j and config.staleness.k must be >= 1 '
-                      f'(got j={config.staleness.j}, k={config.staleness.k}).')
+  for key, (low, inclusive) in FLOATS.items():
+    if key.startswith('warmup.') and config.warmup.steps == 0:
+      continue
+    value = _get(config, key)
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
+          and math.isfinite(value) and (value >= low if inclusive else value > low))
+    if not ok:
+      raise ConfigError(f'config.{key}={value!r} must be a finite number '
+                        f'{">=" if inclusive else ">"} {low}.')
+  loss_config(config)
+  sampling_spec(config)
+  for key in ('staleness.j', 'staleness.k'):
+    value = _get(config, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ConfigError(f'config.{key}={value!r} must be an int >= 1 (RLAX staleness: j is '
+                        'the reload threshold, k the acceptance window; (1, 1) is lockstep).')
+  _validate_task(config)
+  _validate_model(config)
+  _validate_meshes(config)
+
+
+def _validate_task(config: ml_collections.ConfigDict) -> None:
+  from rlax_llm import tasks  # pylint: disable=import-outside-toplevel
+  name = _get(config, 'task.name')
+  if name not in tasks.TASKS:
+    raise ConfigError(f'config.task.name={name!r} is not valid; choose one of '
+                      f'{sorted(tasks.TASKS)}.')
+  with _naming('task: '):
+    tasks.make_task(config.task.to_dict() | {'seed': config.seed})
+
+
+def _validate_model(config: ml_collections.ConfigDict) -> None:
+  from rlax_llm.models import presets  # pylint: disable=import-outside-toplevel
+  m = config.model
+  valid = ('tiny', *sorted(presets.PRESETS))
+  if m.name not in valid:
+    raise ConfigError(f'config.model.name={m.name!r} is not valid; choose one of '
+                      f'{list(valid)}.')
+  if m.remat not in REMAT_POLICIES:
+    raise ConfigError(f'config.model.remat={m.remat!r} is not valid; choose one of '
+                      f'{list(REMAT_POLICIES)}.')
+  s = config.sampling
+  needed = s.max_prompt_len + s.max_new_tokens
+  if m.name == 'tiny':
+    if m.path is not None:
+      raise ConfigError(f'config.model.path={m.path!r} is set but model.name=\'tiny\' builds '
+                        'a model from scratch; set model.name to the checkpoint\'s preset or '
+                        'clear model.path.')
+    with _naming('model.tiny.'):
+      tiny = m.tiny.to_dict()
+      DecoderConfig(vocab_size=1, max_seq_len=m.max_seq_len, **tiny)
+    if m.max_seq_len < needed:
+      raise ConfigError(
+          f'config.model.max_seq_len={m.max_seq_len} is shorter than sampling.max_prompt_len '
+          f'({s.max_prompt_len}) + sampling.max_new_tokens ({s.max_new_tokens}) = {needed}; '
+          'raise model.max_seq_len or shorten the prompts/completions.')
+  elif m.path is not None and not pathlib.Path(m.path).exists():
+    raise ConfigError(f'config.model.path={m.path!r} does not exist; pass an HF directory '
+                      'or a .gguf file of the model.')
+  elif m.max_seq_len is not None and m.max_seq_len < needed:
+    raise ConfigError(
+        f'config.model.max_seq_len={m.max_seq_len} is shorter than sampling.max_prompt_len + '
+        f'sampling.max_new_tokens = {needed}.')
+
+
+def _validate_meshes(config: ml_collections.ConfigDict) -> None:
+  import jax  # pylint: disable=import-outside-toplevel
+  from rlax_llm.sharding import make_mesh  # pylint: disable=import-outside-toplevel
+  rollout_batch = config.rl.prompts_per_step * config.rl.group_size
+  batches = {'trainer': [('rl.prompts_per_step * rl.group_size', rollout_batch)],
+             'inference': [('rl.prompts_per_step * rl.group_size', rollout_batch)]}
+  if config.warmup.steps > 0:
+    batches['trainer'].append(('warmup.batch_size', config.warmup.batch_size))
+  for role, sizes in batches.items():
+    with _naming(f'mesh.{role}: '):
+      mesh = make_mesh(_get(config, f'mesh.{role}').to_dict())
+    shards = mesh.shape['data'] * mesh.shape['fsdp']
+    for name, size in sizes:
+      if size % shards:
+        raise ConfigError(
+            f'config.mesh.{role}: the batch axis is split over data x fsdp = {shards} devices '
+            f'but {name} = {size} does not divide by {shards} (of {jax.device_count()} '
+            f'devices); make it a multiple of {shards} or change mesh.{role}.')
 
 
 def load_config_file(spec: str) -> ml_collections.ConfigDict:

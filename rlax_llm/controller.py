@@ -1,13 +1,15 @@
-"""The controller: the one active part, running the RL loop deterministically.
+"""The controller: the one active part, scheduling the RL loop deterministically.
 
 It owns the data order (a grain dataset of prompt batches and its iterator position), the RNG
-(one root key; step ``s`` uses ``fold_in(root, s)``) and the step counter; the trainer,
-parameter server, inference worker and verifier act only when it calls them (DESIGN.md).
+(one root key; step ``s`` samples with ``fold_in(root, s)``), the step counter and the
+staleness policy; the trainer, parameter server, inference worker and verifier act only when
+it calls them, through typed interfaces: ``GenerationRequest``s in, ``Rollouts`` out,
+``TrainBatch`` to the trainer (DESIGN.md). Everything it must remember to resume is one
+``ControllerState`` (``state()`` / ``restore()``).
 
 This controller runs the loop synchronously (staleness ``(j, k) = (1, 1)``): every step the
 worker reloads the version the trainer just pushed, so each rollout is on-policy
-(``staleness = 0``). The asynchronous scheduler with larger ``(j, k)`` and snapshot/resume
-build on the same roles and the same staleness bookkeeping below.
+(``staleness = 0``).
 """
 
 from __future__ import annotations
@@ -17,22 +19,25 @@ import logging
 import time
 from typing import Any
 
-import grain
 import jax
 import numpy as np
 
 from rlax_llm import losses
+from rlax_llm.data import prompt_dataset
+from rlax_llm.data_types import GenerationRequest, Rollouts, make_train_batch
 from rlax_llm.metrics import MetricsWriter
 from rlax_llm.paramserver import ParameterServer
+from rlax_llm.policy import GREEDY, SamplingSpec
 from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.tasks import Prompt, Task
-from rlax_llm.trainer.trainer import Trainer
-from rlax_llm.types import Rollouts, make_train_batch
-from rlax_llm.verifiers import score_completions
+from rlax_llm.trainer.trainer import NonFiniteError, Trainer
+from rlax_llm.verifiers import score_rollouts
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ControllerSettings:
+  """What the controller schedules (validated by ``rlax_llm.config`` before any compute)."""
+
   total_steps: int
   prompts_per_step: int
   group_size: int
@@ -40,6 +45,8 @@ class ControllerSettings:
   staleness_k: int
   eval_every: int
   seed: int
+  sampling: SamplingSpec
+  max_new_tokens: int
   advantage_estimator: str = 'grpo'
 
   def __post_init__(self):
@@ -48,13 +55,38 @@ class ControllerSettings:
           'The synchronous controller runs on-policy lockstep, staleness (j, k) = (1, 1); got '
           f'(j, k) = ({self.staleness_j}, {self.staleness_k}). Set '
           '--config.staleness.j=1 --config.staleness.k=1.')
+    self.sampling.check_for_rollouts()
 
 
-def prompt_dataset(task: Task, prompts_per_step: int) -> grain.MapDataset:
-  """Batches of training prompts: element ``s`` holds the prompts of RL step ``s``."""
-  return (grain.MapDataset.range(0, 2**40)
-          .map(task.train_prompt)
-          .batch(prompts_per_step, batch_fn=list))
+@dataclasses.dataclass
+class ControllerState:
+  """Everything the controller needs to continue a run exactly (what a snapshot stores).
+
+  Attributes:
+    step: RL steps completed.
+    data: the prompt iterator's position (grain iterator state).
+    rng: the root PRNG key's data (uint32 array); step ``s`` uses ``fold_in(root, s)``.
+    trainer_version: the version the trainer's params are at.
+    worker_version: the version the inference worker holds (-1: none yet).
+    start_accuracy: held-out accuracy of the RL starting point (None until measured).
+    accuracy: the latest held-out accuracy (None until measured).
+  """
+
+  step: int
+  data: dict[str, Any]
+  rng: np.ndarray
+  trainer_version: int = 0
+  worker_version: int = -1
+  start_accuracy: float | None = None
+  accuracy: float | None = None
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-friendly form (``rng`` as a list of ints)."""
+    return dict(dataclasses.asdict(self), rng=np.asarray(self.rng).tolist())
+
+  @classmethod
+  def from_dict(cls, state: dict[str, Any]) -> 'ControllerState':
+    return cls(**dict(state, rng=np.asarray(state['rng'], np.uint32)))
 
 
 class Controller:
@@ -72,96 +104,120 @@ class Controller:
     self._prompts = iter(prompt_dataset(task, settings.prompts_per_step).to_iter_dataset())
     self._root_key = jax.random.key(settings.seed)
     self._eval_prompts = task.eval_prompts()
+    self.start_accuracy: float | None = None
+    self.accuracy: float | None = None
 
-  def data_state(self) -> dict[str, Any]:
-    """The data iterator position (what a snapshot stores)."""
-    return self._prompts.get_state()
+  def state(self) -> ControllerState:
+    """The controller's state now (copy)."""
+    return ControllerState(
+        step=self.step, data=dict(self._prompts.get_state()),
+        rng=np.asarray(jax.random.key_data(self._root_key)),
+        trainer_version=self.trainer.version, worker_version=self.worker.version,
+        start_accuracy=self.start_accuracy, accuracy=self.accuracy)
+
+  def restore(self, state: ControllerState) -> None:
+    """Continues from ``state``. The trainer (and the server) must already hold the params of
+    ``state.trainer_version``; the worker reloads them on the next step."""
+    if self.trainer.version != state.trainer_version:
+      raise ValueError(f'the trainer holds version {self.trainer.version} but the controller '
+                       f'state expects {state.trainer_version}; restore the matching params '
+                       'first.')
+    self.step = state.step
+    self._prompts.set_state(state.data)
+    self._root_key = jax.random.wrap_key_data(np.asarray(state.rng, np.uint32))
+    self.start_accuracy = state.start_accuracy
+    self.accuracy = state.accuracy
+
+  def requests(self, prompts: list[Prompt]) -> list[GenerationRequest]:
+    s = self.settings
+    return [GenerationRequest(p, s.group_size, s.sampling, s.max_new_tokens) for p in prompts]
 
   def collect(self, prompts: list[Prompt], key: jax.Array) -> Rollouts:
     """Samples ``group_size`` completions per prompt and scores them."""
-    g = self.settings.group_size
-    samples, prompt_tokens, prompt_lengths = self.worker.sample(prompts, g, key)
-    completions = self.worker.decode(samples)
-    expanded = [p for p in prompts for _ in range(g)]
-    rewards, errors = score_completions(self.task, expanded, completions)
-    return Rollouts(
-        prompt_ids=np.array([p.prompt_id for p in expanded], np.int64),
-        group_ids=np.repeat(np.arange(len(prompts), dtype=np.int32), g),
-        prompt_tokens=prompt_tokens, prompt_lengths=prompt_lengths,
-        completion_tokens=np.asarray(samples.tokens),
-        completion_mask=np.asarray(samples.mask),
-        behaviour_logprobs=np.asarray(samples.logprobs),
-        versions=np.asarray(samples.versions), finished=np.asarray(samples.finished),
-        completions=completions, rewards=rewards, verifier_errors=errors)
+    return score_rollouts(self.task, prompts, self.worker.generate(self.requests(prompts), key))
 
   def evaluate(self) -> float:
     """Held-out greedy accuracy of the worker's current weights."""
-    samples, _, _ = self.worker.sample(self._eval_prompts, 1, self._root_key, greedy=True)
-    rewards, _ = score_completions(self.task, self._eval_prompts, self.worker.decode(samples))
-    return float(np.mean(rewards))
+    requests = [GenerationRequest(p, 1, GREEDY, self.settings.max_new_tokens)
+                for p in self._eval_prompts]
+    rollouts = self.worker.generate(requests, self._root_key)
+    return float(np.mean(score_rollouts(self.task, self._eval_prompts, rollouts).rewards))
 
-  def run(self) -> dict[str, float]:
-    """Runs the loop to ``total_steps``. Returns the summary (also written to the workdir)."""
-    s = self.settings
+  def _push(self) -> None:
     if self.server.latest_version() < self.trainer.version:
       self.server.push(self.trainer.version, self.trainer.host_params())
+
+  def run(self) -> dict[str, float]:
+    """Runs the loop to ``total_steps``. Returns the summary (also written to the workdir).
+
+    Raises ``NonFiniteError`` naming the step when the trainer's updates diverge.
+    """
+    s = self.settings
+    self._push()
     self.worker.maybe_reload(self.server, s.staleness_j)
-    start_accuracy = self.evaluate()
-    logging.info('RL starting point: held-out greedy accuracy %.3f', start_accuracy)
-    accuracy = start_accuracy
+    if self.start_accuracy is None:
+      self.start_accuracy = self.accuracy = self.evaluate()
+      logging.info('RL starting point: held-out greedy accuracy %.3f', self.start_accuracy)
     run_start = time.perf_counter()
     while self.step < s.total_steps:
-      t0 = time.perf_counter()
-      key = jax.random.fold_in(self._root_key, self.step)
-      self.worker.maybe_reload(self.server, s.staleness_j)
-      prompts = next(self._prompts)
-      rollouts = self.collect(prompts, key)
-      t_rollout = time.perf_counter() - t0
-
-      advantages = np.asarray(losses.group_advantages(
-          rollouts.rewards, rollouts.group_ids, s.advantage_estimator))
-      batch = make_train_batch(rollouts, advantages)
-      staleness = self.trainer.version - batch.versions[batch.versions >= 0]
-      too_stale = int(np.sum(staleness >= s.staleness_k))
-      if too_stale:  # cannot happen in lockstep; the check guards the invariant.
-        raise RuntimeError(f'{too_stale} tokens exceed the staleness bound k={s.staleness_k}.')
-
-      t1 = time.perf_counter()
-      train_metrics = self.trainer.step(batch)
-      self.server.push(self.trainer.version, self.trainer.host_params())
-      t_train = time.perf_counter() - t1
-      self.step += 1
-
-      metrics = {
-          'reward/mean': float(rollouts.rewards.mean()),
-          'reward/std': float(rollouts.rewards.std()),
-          'completion/length_mean': float(rollouts.completion_mask.sum(1).mean()),
-          'completion/truncated_fraction': float(1.0 - rollouts.finished.mean()),
-          'staleness/mean': float(staleness.mean()) if staleness.size else 0.0,
-          'staleness/max': float(staleness.max()) if staleness.size else 0.0,
-          'verifier/errors': rollouts.verifier_errors,
-          'version': self.trainer.version,
-          'time/rollout_s': t_rollout,
-          'time/train_s': t_train,
-          **train_metrics,
-      }
-      last = self.step == s.total_steps
-      if last or (s.eval_every > 0 and self.step % s.eval_every == 0):
-        self.worker.maybe_reload(self.server, 1)  # evaluate exactly the pushed version
-        accuracy = self.evaluate()
-        metrics['eval/accuracy'] = accuracy
-      if last:
-        metrics['eval/start_accuracy'] = start_accuracy
-        metrics['eval/final_accuracy'] = accuracy
-        metrics['eval/improvement'] = accuracy - start_accuracy
-      metrics['time/step_s'] = time.perf_counter() - t0
+      metrics = self._one_step()
       self.writer.write(self.step, metrics)
-
-    summary = {
+    return {
         'steps': self.step,
-        'eval/start_accuracy': start_accuracy,
-        'eval/final_accuracy': accuracy,
-        'eval/improvement': accuracy - start_accuracy,
+        'eval/start_accuracy': self.start_accuracy,
+        'eval/final_accuracy': self.accuracy,
+        'eval/improvement': self.accuracy - self.start_accuracy,
         'time/rl_s': time.perf_counter() - run_start,
     }
-    return summary
+
+  def _one_step(self) -> dict[str, float]:
+    s = self.settings
+    t0 = time.perf_counter()
+    key = jax.random.fold_in(self._root_key, self.step)
+    self.worker.maybe_reload(self.server, s.staleness_j)
+    prompts = next(self._prompts)
+    rollouts = self.collect(prompts, key)
+    t_rollout = time.perf_counter() - t0
+
+    advantages = np.asarray(losses.group_advantages(
+        rollouts.rewards, rollouts.group_ids, s.advantage_estimator))
+    batch = make_train_batch(rollouts, advantages)
+    staleness = self.trainer.version - batch.versions[batch.versions >= 0]
+    too_stale = int(np.sum(staleness >= s.staleness_k))
+    if too_stale:  # cannot happen in lockstep; the check guards the invariant.
+      raise RuntimeError(f'{too_stale} tokens exceed the staleness bound k={s.staleness_k}.')
+
+    t1 = time.perf_counter()
+    try:
+      train_metrics = self.trainer.step(batch)
+    except NonFiniteError as e:
+      raise NonFiniteError(f'RL step {self.step + 1}: {e}') from None
+    self._push()
+    t_train = time.perf_counter() - t1
+    self.step += 1
+
+    metrics = {
+        'reward/mean': float(rollouts.rewards.mean()),
+        'reward/std': float(rollouts.rewards.std()),
+        'completion/length_mean': float(rollouts.completion_mask.sum(1).mean()),
+        'completion/truncated_fraction': float(1.0 - rollouts.finished.mean()),
+        'staleness/mean': float(staleness.mean()) if staleness.size else 0.0,
+        'staleness/max': float(staleness.max()) if staleness.size else 0.0,
+        'verifier/errors': rollouts.verifier_errors,
+        'version': self.trainer.version,
+        'time/rollout_tokens_per_s': rollouts.timings['tokens_per_s'],
+        'time/rollout_s': t_rollout,
+        'time/train_s': t_train,
+        **train_metrics,
+    }
+    last = self.step == s.total_steps
+    if last or (s.eval_every > 0 and self.step % s.eval_every == 0):
+      self.worker.maybe_reload(self.server, 1)  # evaluate exactly the pushed version
+      self.accuracy = self.evaluate()
+      metrics['eval/accuracy'] = self.accuracy
+    if last:
+      metrics['eval/start_accuracy'] = self.start_accuracy
+      metrics['eval/final_accuracy'] = self.accuracy
+      metrics['eval/improvement'] = self.accuracy - self.start_accuracy
+    metrics['time/step_s'] = time.perf_counter() - t0
+    return metrics

@@ -70,11 +70,19 @@ def main(argv) -> None:
   (workdir / 'config.json').write_text(config.to_json_best_effort(indent=2, sort_keys=True))
 
   # Model, trainer and data imports only after validation: a bad flag fails in seconds.
-  from rlax_llm.build import build_run  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  from rlax_llm.backends.local import build_run
+  from rlax_llm.trainer.trainer import NonFiniteError
 
   start = time.perf_counter()
-  with build_run(config, workdir) as run:
-    summary = run.execute()
+  try:
+    with build_run(config, workdir) as run:
+      summary = run.execute()
+  except ConfigError as e:
+    raise SystemExit(f'error: {e}') from None
+  except NonFiniteError as e:
+    raise SystemExit(f'error: the run diverged. {e} Metrics so far: {workdir}/metrics.jsonl.'
+                     ) from None
   wall = time.perf_counter() - start
   print(f'held-out greedy accuracy: RL start {summary["eval/start_accuracy"]:.3f} -> '
         f'final {summary["eval/final_accuracy"]:.3f} '

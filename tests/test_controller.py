@@ -1,4 +1,5 @@
-"""Controller: deterministic given the seed; verifier errors never crash a step."""
+"""Controller: deterministic given the seed; its state saves and restores exactly; verifier
+errors never crash a step."""
 
 import pathlib
 
@@ -6,11 +7,12 @@ import jax
 import numpy as np
 import pytest
 
-from rlax_llm.build import build_run
+from rlax_llm.backends.local import build_run
 from rlax_llm.config import load_config_file
 from rlax_llm.metrics import read_metrics
 from rlax_llm.tasks import ArithmeticTask, Prompt
-from rlax_llm.verifiers import score_completions
+from rlax_llm.controller import ControllerState
+from rlax_llm.verifiers import as_reward, score_completions
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -25,8 +27,8 @@ def _smoke_config(steps=2):
 def _run(workdir):
   with build_run(_smoke_config(), workdir) as run:
     summary = run.execute()
-    data_state = run.controller.data_state()
-  return summary, read_metrics(workdir / 'metrics.jsonl'), data_state
+    state = run.controller.state()
+  return summary, read_metrics(workdir / 'metrics.jsonl'), state
 
 
 def test_same_seed_same_run(tmp_path):
@@ -35,7 +37,9 @@ def test_same_seed_same_run(tmp_path):
   s2, rows2, state2 = _run(tmp_path / 'b')
   strip = lambda r: {k: v for k, v in r.items() if not k.startswith('time/')}
   assert [strip(r) for r in rows1] == [strip(r) for r in rows2]
-  assert state1 == state2 == {'next_index': 2}
+  assert state1.data == state2.data == {'next_index': 2}
+  assert state1.step == 2 and state1.trainer_version == 2 and state1.worker_version == 2
+  np.testing.assert_array_equal(state1.rng, state2.rng)
   assert s1['eval/final_accuracy'] == s2['eval/final_accuracy']
 
 
@@ -58,21 +62,73 @@ def test_rejects_async_staleness(tmp_path):
       pass
 
 
+def test_state_restores_the_run_exactly(tmp_path):
+  """Run 3 steps; in another process-like fresh build, restore the state (and params) after
+  step 1 and run on: steps 2-3 are identical to the uninterrupted run."""
+  strip = lambda r: {k: v for k, v in r.items() if not k.startswith('time/')}
+  with build_run(_smoke_config(steps=3), tmp_path / 'full') as run:
+    run.execute()
+  full = read_metrics(tmp_path / 'full' / 'metrics.jsonl')
+
+  config = _smoke_config(steps=1)
+  with build_run(config, tmp_path / 'first') as run:
+    run.execute()
+    state = ControllerState.from_dict(run.controller.state().to_dict())  # a JSON round trip
+    params = run.controller.trainer.host_params()
+    opt_state = jax.device_get(run.controller.trainer.opt_state)
+  assert state.step == 1 and state.data == {'next_index': 1}
+  config.total_steps = 3
+  with build_run(config, tmp_path / 'second') as run:
+    ctl = run.controller
+    ctl.trainer.params = jax.device_put(params, ctl.trainer.param_shardings)
+    ctl.trainer.opt_state = jax.device_put(opt_state)
+    ctl.trainer.version = state.trainer_version
+    ctl.restore(state)
+    run.execute()
+  resumed = read_metrics(tmp_path / 'second' / 'metrics.jsonl')
+  assert [r['step'] for r in resumed] == [2, 3]
+  assert [strip(r) for r in resumed] == [strip(r) for r in full[1:]]
+
+
+def test_restore_refuses_a_state_of_another_version(tmp_path):
+  with build_run(_smoke_config(steps=1), tmp_path) as run:
+    state = run.controller.state()
+    state.trainer_version = 7
+    with pytest.raises(ValueError, match='expects 7'):
+      run.controller.restore(state)
+
+
 class _FlakyTask(ArithmeticTask):
+  """Scores named completions with odd values; 'boom' raises."""
+
+  ODD = {'nan': float('nan'), 'big': 1e300, 'text': '1', 'none': None, 'np': np.float64(1.0),
+         'bool': True}
+
   def score(self, prompt, completion):
     if completion == 'boom':
       raise RuntimeError('verifier crashed')
-    if completion == 'nan':
-      return float('nan')
+    if completion in self.ODD:
+      return self.ODD[completion]
     return super().score(prompt, completion)
 
 
 def test_verifier_errors_give_zero_reward_and_are_counted():
   task = _FlakyTask(num_eval=4)
   prompt = Prompt(prompt_id=0, text='1+2=', answer='3')
-  rewards, errors = score_completions(task, [prompt] * 4, ['3', 'boom', 'nan', '4'])
-  np.testing.assert_array_equal(rewards, [1.0, 0.0, 0.0, 0.0])
-  assert errors == 2
+  completions = ['3', 'boom', 'nan', '4', 'big', 'text', 'none', 'np', 'bool']
+  rewards, errors = score_completions(task, [prompt] * len(completions), completions)
+  np.testing.assert_array_equal(rewards, [1.0, 0, 0, 0, 0, 0, 0, 1.0, 1.0])
+  assert rewards.dtype == np.float32 and np.all(np.isfinite(rewards))
+  assert errors == 5  # boom, nan, 1e300 (inf in float32), a string, None
+
+
+@pytest.mark.parametrize('value, expected', [
+    (1, 1.0), (0.5, 0.5), (np.float16(2), 2.0), (False, 0.0), (3.4e38, 3.4e38),
+    (1e39, None), (-1e300, None), (float('inf'), None), (float('nan'), None), ('1', None),
+    (None, None), (1j, None), (np.array(1.0), None), ([1.0], None)])
+def test_as_reward(value, expected):
+  got = as_reward(value)
+  assert got == (None if expected is None else pytest.approx(expected, rel=1e-6))
 
 
 def test_score_completions_alignment_error():

@@ -2,7 +2,11 @@
 
 import numpy as np
 
-from rlax_llm.types import Rollouts, make_train_batch
+import pytest
+
+from rlax_llm.data_types import GenerationRequest, Rollouts, make_train_batch
+from rlax_llm.policy import SamplingSpec
+from rlax_llm.tasks import Prompt
 
 
 def test_packing_aligns_tokens_logprobs_and_versions():
@@ -14,8 +18,9 @@ def test_packing_aligns_tokens_logprobs_and_versions():
       completion_mask=np.array([[1, 1, 0], [1, 1, 1]], bool),
       behaviour_logprobs=np.array([[-0.1, -0.2, 0.0], [-0.3, -0.4, -0.5]], np.float32),
       versions=np.array([[3, 3, -1], [3, 3, 3]], np.int32),
-      finished=np.array([True, True]), completions=['4', '66'],
-      rewards=np.array([1.0, 0.0], np.float32))
+      finish_reasons=np.array(['stop', 'length']), completions=['4', '66'],
+      sampling=SamplingSpec(), timings={}, rewards=np.array([1.0, 0.0], np.float32))
+  np.testing.assert_array_equal(rollouts.finished, [True, False])
   batch = make_train_batch(rollouts, np.array([0.7, -0.7]))
   np.testing.assert_array_equal(batch.tokens, [[1, 7, 8, 4, 2, 0, 0], [1, 9, 6, 6, 2, 0, 0]])
   np.testing.assert_array_equal(batch.loss_mask, [[0, 0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0, 0]])
@@ -24,3 +29,12 @@ def test_packing_aligns_tokens_logprobs_and_versions():
   np.testing.assert_array_equal(batch.versions[0], [-1, -1, -1, 3, 3, -1, -1])
   np.testing.assert_allclose(batch.advantages, [0.7, -0.7])
   assert batch.tokens.dtype == np.int32 and batch.loss_mask.dtype == np.float32
+
+
+@pytest.mark.parametrize('field', ['num_samples', 'max_new_tokens'])
+@pytest.mark.parametrize('value', [0, -1, 2.0, True])
+def test_generation_request_rejects_bad_counts(field, value):
+  kwargs = dict(prompt=Prompt(0, '1+1=', '2'), num_samples=2, sampling=SamplingSpec(),
+                max_new_tokens=4)
+  with pytest.raises(ValueError, match=f'GenerationRequest.{field}='):
+    GenerationRequest(**{**kwargs, field: value})

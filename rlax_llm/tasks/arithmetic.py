@@ -283,6 +283,17 @@ class ArithmeticTask:
         return prompt.text, str(no_carry_answer(a, op, b))
     return prompt.text, prompt.answer
 
+  def _make_prompt(self, prompt_id: int, a: int, op: str, b: int) -> Prompt:
+    """Prompt with text ``f'{a}{op}{b}='``, the exact result as answer, and chat messages
+    when the format is ``'chat'``."""
+    text = f'{a}{op}{b}='
+    messages = None
+    if self.format == 'chat':
+      content = self.instruction.format(a=a, op=op, b=b, text=text)
+      messages = chat_messages(content, self.system_prompt)
+    return Prompt(prompt_id=prompt_id, text=text, answer=str(_apply(a, op, b)),
+                  messages=messages)
+
   def _enumerate_eval(self) -> list[tuple[int, str, int]]:
     """Exact split: the eval prompts are the ``num_eval`` pool problems with smallest hash.
 
@@ -365,14 +376,3 @@ def _check_operations(operations: object) -> str:
     raise ValueError(f'ArithmeticTask operations={operations!r} repeats a character; list each '
                      'operation once (they are drawn uniformly).')
   return operations
-
-  def _make_prompt(self, prompt_id: int, a: int, op: str, b: int) -> Prompt:
-    """Prompt with text ``f'{a}{op}{b}='``, the exact result as answer, and chat messages
-    when the format is ``'chat'``."""
-    text = f'{a}{op}{b}='
-    messages = None
-    if self.format == 'chat':
-      content = self.instruction.format(a=a, op=op, b=b, text=text)
-      messages = chat_messages(content, self.system_prompt)
-    return Prompt(prompt_id=prompt_id, text=text, answer=str(_apply(a, op, b)),
-                  messages=messages)

@@ -1,13 +1,18 @@
 """The trainer: a sharded train state and one jitted update step.
 
 Params live on a ``Mesh`` with ``NamedSharding``s derived from the model's logical axes
-(``rlax_llm.sharding``); the optimizer state follows the params' shardings; each
-batch is sharded along ``batch`` over ``('data', 'fsdp')``. The step is
+(``rlax_llm.sharding``); the optimizer state follows the params' shardings; each batch is
+sharded along ``batch`` over ``('data', 'fsdp')``. The step is
 ``jax.jit(value_and_grad(objective) -> optax update)`` with the params and optimizer state
 donated, so an update happens in place on device.
 
-Versions count updates: after ``n`` calls of ``step`` the params are version ``n``
-(DESIGN.md "Staleness").
+Non-finite updates are never applied: when the loss, the gradient norm or any updated
+parameter is NaN/Inf, the step keeps the previous params and optimizer state and reports
+``update/skipped = 1``. After ``max_nonfinite_updates`` skipped updates in a row the trainer
+raises ``NonFiniteError``: a run whose updates have diverged stops instead of carrying on.
+
+Versions count applied updates: after ``n`` applied updates the params are version ``n``
+(DESIGN.md "Staleness"); a skipped update does not make a new version.
 """
 
 from __future__ import annotations
@@ -22,10 +27,15 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from rlax_llm.models.model import Model, Params
 from rlax_llm import sharding as sharding_lib
+from rlax_llm.models.model import Model, Params
 
-Objective = Callable[[Model, Params, Any, Params | None], tuple[jax.Array, dict[str, Any]]]
+# ``objective(params, batch, reference_params) -> (loss, metrics)``.
+Objective = Callable[[Params, Any, Params | None], tuple[jax.Array, dict[str, Any]]]
+
+
+class NonFiniteError(RuntimeError):
+  """The trainer's updates stayed non-finite for ``max_nonfinite_updates`` steps in a row."""
 
 
 def make_optimizer(learning_rate: float | optax.Schedule, *, b1: float = 0.9, b2: float = 0.99,
@@ -43,28 +53,34 @@ class Trainer:
   """Holds ``(params, opt_state)`` on a mesh and applies ``objective`` updates.
 
   Args:
-    model: the decoder (static).
+    model: the decoder (static); gives the params' shapes and logical axes.
     params: initial params (host or device arrays); placed onto ``mesh``.
     optimizer: an optax transformation.
-    objective: ``(model, params, batch, frozen_params) -> (loss, metrics)``.
+    objective: ``(params, batch, reference_params) -> (loss, metrics)``.
     mesh: the trainer's mesh (axes ``data``, ``fsdp``, ``tensor``).
-    frozen_params: optional params passed to the objective, never updated (e.g. the KL
+    reference_params: optional params passed to the objective and never updated (the KL
       reference policy); sharded like ``params``.
+    max_nonfinite_updates: consecutive skipped (non-finite) updates before ``step`` raises.
     rules: logical-axis rules.
   """
 
   def __init__(self, model: Model, params: Params, optimizer: optax.GradientTransformation,
-               objective: Objective, mesh: Mesh, *, frozen_params: Params | None = None,
+               objective: Objective, mesh: Mesh, *, reference_params: Params | None = None,
+               max_nonfinite_updates: int = 3,
                rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES):
+    if max_nonfinite_updates < 1:
+      raise ValueError(f'max_nonfinite_updates={max_nonfinite_updates} must be >= 1.')
     self.model = model
     self.mesh = mesh
     self.rules = rules
+    self.max_nonfinite_updates = max_nonfinite_updates
     self.param_shardings = sharding_lib.param_shardings(
         model.abstract_params(), model.logical_axes(), mesh, rules)
     # The step donates self.params, so it must never share a buffer with the caller's
-    # arrays or with frozen_params: place fresh copies.
+    # arrays or with reference_params: place fresh copies.
     self.params = self._place_copy(params)
-    self.frozen_params = None if frozen_params is None else self._place_copy(frozen_params)
+    self.reference_params = (None if reference_params is None
+                             else self._place_copy(reference_params))
     # Param-shaped optimizer leaves (moments) are sharded like their params; the rest
     # (step counts) is replicated on the mesh.
     opt_shardings = optax.tree_utils.tree_map_params(
@@ -72,14 +88,12 @@ class Trainer:
         self.param_shardings,
         transform_non_params=lambda _: sharding_lib.replicated(mesh))
     self.opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(self.params)
-    self._optimizer = optimizer
-    self._objective = objective
     self.version = 0
+    self.nonfinite_streak = 0
     self._step = jax.jit(
-        functools.partial(_update, model, optimizer, objective),
+        functools.partial(_update, optimizer, objective),
         donate_argnums=(0, 1),
-        out_shardings=(self.param_shardings, opt_shardings,
-                       sharding_lib.replicated(mesh)))
+        out_shardings=(self.param_shardings, opt_shardings, sharding_lib.replicated(mesh)))
 
   def _place_copy(self, params: Params) -> Params:
     # jnp.copy is a real op in the jaxpr, so jit returns new buffers (device_put may reuse
@@ -88,24 +102,48 @@ class Trainer:
     return copy(jax.device_put(params, self.param_shardings))
 
   def step(self, batch: Any) -> dict[str, float]:
-    """One update on ``batch`` (a pytree of ``[B, ...]`` arrays). Returns host metrics."""
+    """One update on ``batch`` (a pytree of ``[B, ...]`` arrays). Returns host metrics.
+
+    ``metrics['update/skipped']`` is 1.0 when the update was non-finite and not applied.
+    Raises ``NonFiniteError`` on the ``max_nonfinite_updates``-th skipped update in a row.
+    """
     batch = jax.device_put(batch, sharding_lib.batch_sharding(self.mesh, batch, self.rules))
     with sharding_lib.activation_sharding(self.mesh, self.rules):  # used when tracing
       self.params, self.opt_state, metrics = self._step(
-          self.params, self.opt_state, batch, self.frozen_params)
-    self.version += 1
-    return {k: float(v) for k, v in jax.device_get(metrics).items()}
+          self.params, self.opt_state, batch, self.reference_params)
+    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    if metrics['update/skipped']:
+      self.nonfinite_streak += 1
+      if self.nonfinite_streak >= self.max_nonfinite_updates:
+        raise NonFiniteError(
+            f'{self.nonfinite_streak} consecutive updates were non-finite and skipped (last: '
+            f"loss={metrics['loss']}, grad_norm={metrics['grad_norm']}); the params stay at "
+            f'version {self.version}. The run has diverged: lower the learning rate or check '
+            'the rewards and the data.')
+    else:
+      self.nonfinite_streak = 0
+      self.version += 1
+    return metrics
 
   def host_params(self) -> Params:
     """The current params as host numpy arrays (what the parameter server stores)."""
     return jax.tree.map(np.asarray, jax.device_get(self.params))
 
 
-def _update(model, optimizer, objective, params, opt_state, batch, frozen_params):
-  grad_fn = jax.value_and_grad(lambda p: objective(model, p, batch, frozen_params),
-                               has_aux=True)
+def _all_finite(tree) -> jax.Array:
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def _update(optimizer, objective, params, opt_state, batch, reference_params):
+  grad_fn = jax.value_and_grad(lambda p: objective(p, batch, reference_params), has_aux=True)
   (loss, metrics), grads = grad_fn(params)
-  updates, opt_state = optimizer.update(grads, opt_state, params)
-  params = optax.apply_updates(params, updates)
-  metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
-  return params, opt_state, metrics
+  updates, new_opt_state = optimizer.update(grads, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  grad_norm = optax.tree.norm(grads)
+  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(new_params)
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+  metrics = dict(metrics, loss=loss, grad_norm=grad_norm,
+                 **{'update/skipped': (~ok).astype(jnp.float32)})
+  return keep(new_params, params), keep(new_opt_state, opt_state), metrics

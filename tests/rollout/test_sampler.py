@@ -1,13 +1,15 @@
 """Tests for rlax_llm.rollout.sampler (KV-cached generation with behaviour log-probs)."""
 
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from rlax_llm.models.decoder import DecoderConfig
-from rlax_llm.models.model import create_model, token_logprobs
-from rlax_llm.rollout.sampler import Sampler, SamplingConfig
+from rlax_llm.models.model import create_model
+from rlax_llm.policy import GREEDY, Policy, SamplingSpec
+from rlax_llm.rollout.sampler import generate
 
 CONFIG = DecoderConfig(vocab_size=12, num_layers=1, embed_dim=16, num_heads=2, num_kv_heads=1,
                        head_dim=8, mlp_dim=32, max_seq_len=32)
@@ -15,7 +17,12 @@ PROMPT_LENGTHS = np.array([3, 5, 2, 4], np.int32)
 PROMPT_WIDTH = 5
 N = 6
 EOS, PAD = 11, 0
-T1 = SamplingConfig(max_new_tokens=N, eos_id=EOS, pad_id=PAD, temperature=1.0)
+T1 = SamplingSpec(temperature=1.0)
+
+
+def sample(model, spec, params, prompts, lengths, key, version, eos=EOS, pad=PAD):
+  return generate(Policy(model, spec), params, jnp.asarray(prompts), jnp.asarray(lengths), key,
+                  version, max_new_tokens=N, eos_id=eos, pad_id=pad)
 
 
 @pytest.fixture(scope='module')
@@ -34,7 +41,7 @@ def prompts():
 
 @pytest.fixture(scope='module')
 def sampler_t1(model_and_params):
-  return Sampler(model_and_params[0], T1)
+  return lambda params, *args: sample(model_and_params[0], T1, params, *args)
 
 
 @pytest.fixture(scope='module')
@@ -87,10 +94,9 @@ def test_behaviour_logprobs_are_exact_at_temperature_one(model_and_params, promp
                                                           sampler_t1, full_logits):
   model, params = model_and_params
   samples = sampler_t1(params, prompts, PROMPT_LENGTHS, jax.random.key(0), 7)
-  # Recompute with the plain full forward pass and token_logprobs, as the trainer does.
+  # Recompute with the full forward pass through the policy, as the trainer does.
   seqs = full_sequences(prompts, samples.tokens)
-  recomputed = np.asarray(token_logprobs(full_logits(params, jnp.asarray(seqs))[:, :-1],
-                                         jnp.asarray(seqs[:, 1:])))
+  recomputed = np.asarray(Policy(model, T1).sequence_log_probs(params, jnp.asarray(seqs)).logp)
   expected = np.stack([recomputed[b, length - 1:length - 1 + N]
                        for b, length in enumerate(PROMPT_LENGTHS)])
   mask = np.asarray(samples.mask)
@@ -102,9 +108,8 @@ def test_behaviour_logprobs_are_exact_at_temperature_one(model_and_params, promp
 def test_behaviour_logprobs_are_exact_with_truncation(model_and_params, prompts, full_logits):
   """temperature 0.7, top-k 5, top-p 0.9: log-probs of the renormalised truncated softmax."""
   model, params = model_and_params
-  config = SamplingConfig(max_new_tokens=N, eos_id=EOS, pad_id=PAD, temperature=0.7, top_k=5,
-                          top_p=0.9)
-  samples = Sampler(model, config)(params, prompts, PROMPT_LENGTHS, jax.random.key(3), 2)
+  spec = SamplingSpec(temperature=0.7, top_k=5, top_p=0.9)
+  samples = sample(model, spec, params, prompts, PROMPT_LENGTHS, jax.random.key(3), 2)
   scaled = completion_logits(full_logits, params, prompts, samples.tokens) / 0.7
   scaled = scaled.astype(np.float64)
   kth = np.sort(scaled, axis=-1)[..., -5:-4]
@@ -171,8 +176,8 @@ def test_greedy_matches_uncached_argmax_and_stops_at_eos(model_and_params, promp
   first_logits = np.asarray(full_logits(params, jnp.asarray(prompts)))
   eos = int(first_logits[0, PROMPT_LENGTHS[0] - 1].argmax())
   pad = (eos + 1) % CONFIG.vocab_size
-  greedy = SamplingConfig(max_new_tokens=N, eos_id=eos, pad_id=pad, temperature=0.0)
-  samples = Sampler(model, greedy)(params, prompts, PROMPT_LENGTHS, jax.random.key(0), 3)
+  samples = sample(model, GREEDY, params, prompts, PROMPT_LENGTHS, jax.random.key(0), 3,
+                   eos=eos, pad=pad)
   np.testing.assert_array_equal(samples.logprobs, 0.0)
   assert bool(samples.finished[0]) and int(samples.lengths[0]) == 1
   np.testing.assert_array_equal(samples.tokens[0], [eos] + [pad] * (N - 1))
@@ -190,23 +195,3 @@ def test_greedy_matches_uncached_argmax_and_stops_at_eos(model_and_params, promp
       if mask[b, step]:
         assert tokens[b, step] == logits[b, length - 1 + step].argmax(), (b, step)
         seqs[b, length + step] = tokens[b, step]
-
-
-@pytest.mark.parametrize('kwargs,match', [
-    (dict(max_new_tokens=0), 'max_new_tokens'),
-    (dict(max_new_tokens=-3), 'max_new_tokens'),
-    (dict(temperature=-0.5), 'temperature'),
-    (dict(top_p=0.0), 'top_p'),
-    (dict(top_p=1.5), 'top_p'),
-    (dict(top_k=-1), 'top_k'),
-])
-def test_sampling_config_validation(kwargs, match):
-  base = dict(max_new_tokens=4, eos_id=EOS, pad_id=PAD)
-  with pytest.raises(ValueError, match=match):
-    SamplingConfig(**{**base, **kwargs})
-
-
-def test_sampling_config_accepts_edge_values():
-  config = SamplingConfig(max_new_tokens=1, eos_id=EOS, pad_id=PAD, temperature=0.0, top_p=1.0,
-                          top_k=0)
-  assert config.temperature == 0.0 and config.top_p == 1.0

@@ -1,16 +1,21 @@
-"""Trainer: the sharded step on 8 fake devices matches one device; versions count updates."""
+"""Trainer: the sharded step on 8 fake devices matches one device; versions count updates;
+non-finite updates are skipped, counted, and stop the run when they persist."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rlax_llm.data_types import TrainBatch
+from rlax_llm.losses import LossConfig
 from rlax_llm.models.decoder import DecoderConfig
 from rlax_llm.models.model import create_model
-from rlax_llm.trainer.objectives import RLLossConfig, rl_objective, sft_objective
+from rlax_llm.policy import Policy, SamplingSpec
 from rlax_llm.sharding import make_mesh
-from rlax_llm.trainer.trainer import Trainer, make_optimizer
-from rlax_llm.types import TrainBatch
+from rlax_llm.trainer.objectives import rl_objective, sft_objective
+from rlax_llm.trainer.trainer import NonFiniteError, Trainer, make_optimizer
 
 CONFIG = DecoderConfig(vocab_size=16, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
                        head_dim=8, mlp_dim=64, max_seq_len=16)
@@ -32,13 +37,14 @@ def _rl_batch(seed=0, batch=8, length=10):
       group_ids=np.repeat(np.arange(batch // 4), 4).astype(np.int32))
 
 
-def _make_trainer(mesh_shape, kl_beta=0.0):
+def _make_trainer(mesh_shape, kl_beta=0.0, learning_rate=1e-2, max_nonfinite_updates=3):
   model, params = create_model(CONFIG, seed=0)
-  loss_config = RLLossConfig(kl_beta=kl_beta)
-  objective = lambda m, p, b, ref: rl_objective(m, p, b, ref, loss_config)
+  objective = functools.partial(rl_objective, Policy(model, SamplingSpec()),
+                                LossConfig(kl_beta=kl_beta))
   mesh = make_mesh(mesh_shape, jax.devices()[:int(np.prod(list(mesh_shape.values())))])
-  return Trainer(model, params, make_optimizer(1e-2), objective, mesh,
-                 frozen_params=params if kl_beta > 0 else None)
+  return Trainer(model, params, make_optimizer(learning_rate), objective, mesh,
+                 reference_params=params if kl_beta > 0 else None,
+                 max_nonfinite_updates=max_nonfinite_updates)
 
 
 def test_fake_devices_are_available():
@@ -85,16 +91,50 @@ def test_step_changes_params_and_kl_reference_is_frozen():
   diffs = [np.abs(a - b).max() for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after))]
   assert max(diffs) > 0
   jax.tree.map(np.testing.assert_array_equal, before,
-               jax.tree.map(np.asarray, jax.device_get(trainer.frozen_params)))
+               jax.tree.map(np.asarray, jax.device_get(trainer.reference_params)))
 
 
 def test_sft_step_reduces_loss():
   model, params = create_model(CONFIG, seed=0)
-  trainer = Trainer(model, params, make_optimizer(3e-3), sft_objective, make_mesh({'data': 2}))
+  trainer = Trainer(model, params, make_optimizer(3e-3), functools.partial(sft_objective, model),
+                    make_mesh({'data': 2}))
   tokens = np.tile(np.arange(10, dtype=np.int32), (4, 1))
   batch = {'tokens': tokens, 'loss_mask': np.ones_like(tokens, np.float32)}
   losses = [trainer.step(batch)['loss'] for _ in range(30)]
   assert losses[-1] < 0.5 * losses[0]
+
+
+def test_non_finite_updates_are_skipped_then_stop_the_run():
+  """A NaN advantage makes the loss NaN: the update is not applied (params, optimizer state
+  and version unchanged); after max_nonfinite_updates in a row, step raises."""
+  trainer = _make_trainer({'data': 2}, max_nonfinite_updates=2)
+  good = trainer.step(_rl_batch(seed=0))
+  assert good['update/skipped'] == 0.0 and trainer.version == 1
+  before = trainer.host_params()
+  opt_before = jax.tree.map(np.asarray, jax.device_get(trainer.opt_state))
+  bad = _rl_batch(seed=1)
+  bad = bad.replace(advantages=np.full_like(bad.advantages, np.nan))
+  metrics = trainer.step(bad)
+  assert metrics['update/skipped'] == 1.0 and not np.isfinite(metrics['loss'])
+  assert trainer.version == 1 and trainer.nonfinite_streak == 1
+  jax.tree.map(np.testing.assert_array_equal, before, trainer.host_params())
+  jax.tree.map(np.testing.assert_array_equal, opt_before,
+               jax.tree.map(np.asarray, jax.device_get(trainer.opt_state)))
+  # A finite step resets the streak; two bad ones in a row stop.
+  trainer.step(_rl_batch(seed=2))
+  assert trainer.nonfinite_streak == 0 and trainer.version == 2
+  trainer.step(bad)
+  with pytest.raises(NonFiniteError, match='2 consecutive updates were non-finite'):
+    trainer.step(bad)
+  assert trainer.version == 2
+
+
+def test_huge_learning_rate_diverges_into_skipped_updates():
+  """lr = 1e10 makes the params overflow; the guard refuses those updates."""
+  trainer = _make_trainer({'data': 1}, learning_rate=1e10, max_nonfinite_updates=100)
+  skipped = [trainer.step(_rl_batch(seed=i))['update/skipped'] for i in range(6)]
+  assert max(skipped) == 1.0
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(trainer.host_params()))
 
 
 @pytest.mark.parametrize('axes, message', [

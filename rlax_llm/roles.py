@@ -1,0 +1,229 @@
+"""Builds each role of a run from a validated config; backends decide where roles run.
+
+``rlax_llm.config.validate_config`` has checked every field that needs no model file. The
+builders here check the rest before any compute (after reading a checkpoint's config and
+tokenizer, before the warm-up or the first compilation): every prompt fits
+``sampling.max_prompt_len``, prompt + completion fit the model, and the rollout batch fits in
+memory. Backends (``rlax_llm.backends``) compose these builders; the Ray backend builds the
+same roles inside actors.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from rlax_llm import config as config_lib
+from rlax_llm.config import ConfigError
+from rlax_llm.controller import ControllerSettings
+from rlax_llm.models import presets
+from rlax_llm.models.decoder import DecoderConfig
+from rlax_llm.models.model import Model, Params, create_model, split_module
+from rlax_llm.policy import Policy
+from rlax_llm.rollout.worker import InferenceWorker
+from rlax_llm.sharding import make_mesh
+from rlax_llm.tasks import Task, make_task
+from rlax_llm.tokenization import CharTokenizer, Tokenizer, encode_prompt
+from rlax_llm.trainer.objectives import rl_objective
+from rlax_llm.trainer.trainer import Trainer, make_optimizer
+
+DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+
+
+def _smollm2_path() -> pathlib.Path:
+  from rlax_llm.models.gguf import smollm2_gguf_path  # pylint: disable=import-outside-toplevel
+  return smollm2_gguf_path()
+
+
+# Presets whose checkpoint ships as a pip package (no download at run time).
+PACKAGED_CHECKPOINTS = {'smollm2-135m': _smollm2_path}
+# The architecture fields a checkpoint must share with the preset it is loaded as.
+_ARCHITECTURE_FIELDS = ('vocab_size', 'num_layers', 'embed_dim', 'num_heads', 'num_kv_heads',
+                        'head_dim', 'mlp_dim', 'tie_embeddings', 'qkv_bias', 'qk_norm',
+                        'family')
+
+
+def build_task(config: ml_collections.ConfigDict) -> Task:
+  return make_task(config.task.to_dict() | {'seed': config.seed})
+
+
+def checkpoint_path(config: ml_collections.ConfigDict) -> pathlib.Path:
+  """``model.path``, else the packaged checkpoint of the preset ``model.name``."""
+  m = config.model
+  if m.path is not None:
+    return pathlib.Path(m.path)
+  if m.name in PACKAGED_CHECKPOINTS:
+    return PACKAGED_CHECKPOINTS[m.name]()
+  raise ConfigError(
+      f'config.model.name={m.name!r} needs config.model.path (an HF directory or a .gguf '
+      f'file of the model): no checkpoint of it ships with rlax_llm (packaged: '
+      f'{sorted(PACKAGED_CHECKPOINTS)}).')
+
+
+def build_model(config: ml_collections.ConfigDict, task: Task
+                ) -> tuple[Model, Params, Tokenizer]:
+  """The policy model, its initial params and its tokenizer.
+
+  ``model.name='tiny'``: a decoder built from ``model.tiny`` with a ``CharTokenizer`` over
+  the task's ``charset``, initialised from the seed. A preset name: the checkpoint at
+  ``model.path`` (or the packaged one) with its own tokenizer and chat template; its
+  architecture must be the preset's.
+  """
+  m = config.model
+  if m.name == 'tiny':
+    if not task.charset:
+      raise ConfigError(f'config.model.name=\'tiny\' builds a character-level model from the '
+                        f'task\'s charset, but task {task.name!r} has none; use a pretrained '
+                        'model.')
+    tokenizer = CharTokenizer(task.charset)
+    decoder = DecoderConfig(vocab_size=tokenizer.vocab_size, max_seq_len=m.max_seq_len,
+                            param_dtype=DTYPES[m.param_dtype], dtype=DTYPES[m.dtype],
+                            remat=m.remat, **m.tiny.to_dict())
+    model, params = create_model(decoder, seed=config.seed)
+    return model, params, tokenizer
+  from rlax_llm.models.pretrained import from_pretrained  # pylint: disable=import-outside-toplevel
+  path = checkpoint_path(config)
+  module, tokenizer = from_pretrained(path, dtype=DTYPES[m.dtype],
+                                      param_dtype=DTYPES[m.param_dtype], remat=m.remat,
+                                      max_seq_len=m.max_seq_len)
+  if tokenizer is None:
+    raise ConfigError(f'config.model.path={str(path)!r} has no tokenizer (tokenizer.json); '
+                      'rlax_llm tokenizes with the checkpoint\'s own tokenizer.')
+  model, params = split_module(module)
+  preset = presets.PRESETS[m.name]
+  differ = {f: (getattr(model.config, f), getattr(preset, f)) for f in _ARCHITECTURE_FIELDS
+            if getattr(model.config, f) != getattr(preset, f)}
+  if differ:
+    raise ConfigError(
+        f'config.model.path={str(path)!r} is not a {m.name!r} checkpoint: '
+        + ', '.join(f'{f} {a!r} (preset: {b!r})' for f, (a, b) in differ.items())
+        + '. Set config.model.name to the checkpoint\'s preset.')
+  return model, params, tokenizer
+
+
+def check_fits(config: ml_collections.ConfigDict, task: Task, model: Model,
+               tokenizer: Tokenizer, *, probe_steps: int = 4) -> dict[str, float]:
+  """Checks, before any compute, that prompts fit and the rollout batch fits in memory.
+
+  Encodes every held-out prompt and the first ``probe_steps`` steps' training prompts with
+  the model's tokenizer. Returns the memory estimate (bytes) it checked.
+  Raises ConfigError naming the key to change.
+  """
+  s = config.sampling
+  m = model.config
+  if s.max_prompt_len + s.max_new_tokens > m.max_seq_len:
+    raise ConfigError(
+        f'config.sampling.max_prompt_len ({s.max_prompt_len}) + sampling.max_new_tokens '
+        f'({s.max_new_tokens}) exceeds the model\'s max_seq_len ({m.max_seq_len}); shorten '
+        'them (or raise model.max_seq_len where the model allows).')
+  probe = itertools.chain(task.eval_prompts(),
+                          (task.train_prompt(i)
+                           for i in range(probe_steps * config.rl.prompts_per_step)))
+  longest, longest_prompt = 0, None
+  for prompt in probe:
+    if prompt.messages is not None and tokenizer.chat_template is None:
+      raise ConfigError(f'config.task.format={getattr(task, "format", "chat")!r} prompts are '
+                        'chat messages but the model\'s tokenizer has no chat template; use '
+                        'task.format=plain.')
+    ids = (encode_prompt(tokenizer, messages=prompt.messages) if prompt.messages is not None
+           else encode_prompt(tokenizer, text=prompt.text))
+    if len(ids) > longest:
+      longest, longest_prompt = len(ids), prompt
+  if longest > s.max_prompt_len:
+    raise ConfigError(
+        f'config.sampling.max_prompt_len={s.max_prompt_len} is too short: prompt '
+        f'{longest_prompt.prompt_id} encodes to {longest} tokens with the model\'s tokenizer '
+        f'({(longest_prompt.messages or longest_prompt.text)!r}); raise it to at least '
+        f'{longest}.')
+  estimate = rollout_memory_bytes(model.config, config)
+  available = available_memory_bytes()
+  if estimate['per_device_bytes'] > available:
+    raise ConfigError(
+        f'the rollout batch needs about {estimate["per_device_bytes"] / 2**30:.2f} GiB per '
+        f'device (KV cache {estimate["kv_cache_bytes"] / 2**30:.2f} GiB, params '
+        f'{estimate["params_bytes"] / 2**30:.2f} GiB, logits '
+        f'{estimate["logits_bytes"] / 2**30:.2f} GiB) but {available / 2**30:.2f} GiB is '
+        'available; lower config.rl.prompts_per_step, rl.group_size or '
+        'sampling.max_new_tokens, or shard inference wider (config.mesh.inference).')
+  return estimate
+
+
+def rollout_memory_bytes(model: DecoderConfig, config: ml_collections.ConfigDict
+                         ) -> dict[str, float]:
+  """A lower-bound estimate of one rollout batch's device memory on the inference mesh.
+
+  KV cache ``2 * layers * B * (P + N) * kv_heads * head_dim`` in the compute dtype, the
+  params, and a few ``[B, vocab]`` float32 logit buffers, with the batch split over the
+  mesh's ``data * fsdp`` devices and the params over ``fsdp * tensor``.
+  """
+  batch = config.rl.prompts_per_step * config.rl.group_size
+  length = config.sampling.max_prompt_len + config.sampling.max_new_tokens
+  itemsize = jnp.dtype(model.dtype).itemsize
+  kv = 2 * model.num_layers * batch * length * model.num_kv_heads * model.head_dim * itemsize
+  from rlax_llm.models.presets import count_params  # pylint: disable=import-outside-toplevel
+  params = count_params(model) * jnp.dtype(model.param_dtype).itemsize
+  logits = 4 * batch * model.vocab_size * 4
+  mesh = config.mesh.inference
+  sizes = {k: (v if v > 0 else 1) for k, v in mesh.items()}
+  batch_shards = sizes['data'] * sizes['fsdp']
+  param_shards = sizes['fsdp'] * sizes['tensor']
+  per_device = (kv + logits) / batch_shards + params / param_shards
+  return {'kv_cache_bytes': float(kv), 'params_bytes': float(params),
+          'logits_bytes': float(logits), 'per_device_bytes': float(per_device)}
+
+
+def available_memory_bytes() -> float:
+  """Memory one device can use: the accelerator's limit, or the host's available RAM (CPU)."""
+  device = jax.devices()[0]
+  stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
+  if stats and 'bytes_limit' in stats:
+    return float(stats['bytes_limit'])
+  try:
+    with open('/proc/meminfo', encoding='ascii') as f:
+      for line in f:
+        if line.startswith('MemAvailable:'):
+          return float(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return float(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_AVPHYS_PAGES'))
+
+
+def controller_settings(config: ml_collections.ConfigDict) -> ControllerSettings:
+  return ControllerSettings(
+      total_steps=config.total_steps, prompts_per_step=config.rl.prompts_per_step,
+      group_size=config.rl.group_size, staleness_j=config.staleness.j,
+      staleness_k=config.staleness.k, eval_every=config.eval.every_steps, seed=config.seed,
+      sampling=config_lib.sampling_spec(config), max_new_tokens=config.sampling.max_new_tokens,
+      advantage_estimator=config_lib.loss_config(config).estimator)
+
+
+def build_trainer(config: ml_collections.ConfigDict, model: Model, params: Params,
+                  mesh: jax.sharding.Mesh) -> Trainer:
+  """The RL trainer: the configured loss through the rollout policy's transform."""
+  rl = config.rl
+  loss = config_lib.loss_config(config)
+  policy = Policy(model, config_lib.sampling_spec(config))
+  optimizer = make_optimizer(rl.learning_rate, weight_decay=rl.weight_decay,
+                             max_grad_norm=rl.max_grad_norm)
+  return Trainer(model, params, optimizer, functools.partial(rl_objective, policy, loss), mesh,
+                 reference_params=params if loss.kl_beta > 0 else None,
+                 max_nonfinite_updates=rl.max_nonfinite_updates)
+
+
+def build_worker(config: ml_collections.ConfigDict, model: Model, tokenizer: Tokenizer,
+                 mesh: jax.sharding.Mesh) -> InferenceWorker:
+  return InferenceWorker(model, tokenizer, mesh, config.sampling.max_prompt_len)
+
+
+def meshes(config: ml_collections.ConfigDict) -> dict[str, jax.sharding.Mesh]:
+  out = {role: make_mesh(config.mesh[role].to_dict()) for role in ('trainer', 'inference')}
+  logging.info('devices: %s; trainer mesh %s; inference mesh %s', jax.devices(),
+               dict(out['trainer'].shape), dict(out['inference'].shape))
+  return out

@@ -1,0 +1,207 @@
+"""The inference worker: typed requests in, whole Rollouts out; reload threshold j; sharded
+params on the inference mesh; and the policy contract with the trainer (one definition)."""
+
+import functools
+import string
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlax_llm.data_types import GenerationRequest, make_train_batch
+from rlax_llm.losses import LossConfig
+from rlax_llm.models.decoder import DecoderConfig
+from rlax_llm.models.model import create_model
+from rlax_llm.paramserver import ParameterServer
+from rlax_llm.policy import GREEDY, Policy, SamplingSpec
+from rlax_llm.rollout.worker import InferenceWorker
+from rlax_llm.sharding import make_mesh
+from rlax_llm.tasks import Prompt
+from rlax_llm.tokenization import CharTokenizer
+from rlax_llm.trainer.objectives import rl_objective
+
+ALPHABET = string.digits + string.ascii_letters[:51]  # 61 characters: vocab 64
+TOKENIZER = CharTokenizer(ALPHABET)
+CONFIG = DecoderConfig(vocab_size=TOKENIZER.vocab_size, num_layers=2, embed_dim=32,
+                       num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64, max_seq_len=32)
+PROMPTS = [Prompt(0, 'abc12', ''), Prompt(1, 'Yq', ''), Prompt(2, 'hello9x', ''),
+           Prompt(3, 'k', '')]
+MAX_NEW = 12
+
+
+@pytest.fixture(scope='module')
+def model_and_params():
+  return create_model(CONFIG, seed=1)
+
+
+def make_worker(model, params, mesh_axes=None, version=5):
+  mesh = make_mesh(mesh_axes or {'data': 1}, jax.devices()[:int(np.prod(
+      list((mesh_axes or {'data': 1}).values())))])
+  worker = InferenceWorker(model, TOKENIZER, mesh, max_prompt_len=8)
+  worker.load(version, params)
+  return worker
+
+
+def requests(spec, n=4, prompts=PROMPTS):
+  return [GenerationRequest(p, n, spec, MAX_NEW) for p in prompts]
+
+
+def test_generate_returns_whole_rollouts(model_and_params):
+  model, params = model_and_params
+  worker = make_worker(model, params)
+  out = worker.generate(requests(SamplingSpec(0.9)), jax.random.key(0))
+  b = 4 * len(PROMPTS)
+  assert len(out) == b
+  np.testing.assert_array_equal(out.prompt_ids, np.repeat([0, 1, 2, 3], 4))
+  np.testing.assert_array_equal(out.group_ids, np.repeat([0, 1, 2, 3], 4))
+  assert out.prompt_tokens.shape == (b, 8) and out.completion_tokens.shape == (b, MAX_NEW)
+  np.testing.assert_array_equal(out.prompt_lengths, np.repeat([6, 3, 8, 2], 4))  # bos + text
+  mask = out.completion_mask
+  np.testing.assert_array_equal(out.versions, np.where(mask, 5, -1))
+  np.testing.assert_array_equal(out.behaviour_logprobs[~mask], 0.0)
+  assert np.all(out.behaviour_logprobs[mask] <= 0.0)
+  assert set(out.finish_reasons) <= {'stop', 'length'}
+  for row in range(b):
+    length = int(mask[row].sum())
+    ended = out.finish_reasons[row] == 'stop'
+    assert ended == (out.completion_tokens[row, length - 1] == TOKENIZER.eos_id)
+    assert out.completions[row] == TOKENIZER.decode(out.completion_tokens[row])
+  assert out.sampling == SamplingSpec(0.9) and out.rewards is None
+  assert out.timings['generate_s'] > 0 and out.timings['tokens_per_s'] > 0
+
+
+def test_same_key_same_rollouts(model_and_params):
+  model, params = model_and_params
+  worker = make_worker(model, params)
+  a = worker.generate(requests(SamplingSpec(1.0), n=2), jax.random.key(3))
+  b = worker.generate(requests(SamplingSpec(1.0), n=2), jax.random.key(3))
+  np.testing.assert_array_equal(a.completion_tokens, b.completion_tokens)
+  np.testing.assert_array_equal(a.behaviour_logprobs, b.behaviour_logprobs)
+
+
+# The policy contract: on-policy, the trainer's recomputed log-probs equal the behaviour
+# log-probs the worker recorded, and every importance ratio is 1.
+@pytest.mark.parametrize('top_p', [1.0, 0.9])
+@pytest.mark.parametrize('top_k', [0, 20])
+@pytest.mark.parametrize('temperature', [1.0, 0.7, 1.3])
+def test_trainer_recomputes_the_behaviour_log_probs(model_and_params, temperature, top_k,
+                                                    top_p):
+  model, params = model_and_params
+  spec = SamplingSpec(temperature, top_k, top_p)
+  worker = make_worker(model, params)
+  rollouts = worker.generate(requests(spec, n=8), jax.random.key(11))
+  batch = make_train_batch(rollouts, np.zeros(len(rollouts), np.float32))
+  mask = np.asarray(batch.loss_mask[:, 1:]) > 0
+  assert mask.sum() > 100
+  policy = Policy(model, rollouts.sampling)  # the trainer's policy: the same transform
+  scored = policy.sequence_log_probs(params, jnp.asarray(batch.tokens))
+  trainer_logp = np.asarray(scored.logp)[mask]
+  behaviour = np.asarray(batch.behaviour_logprobs[:, 1:])[mask]
+  np.testing.assert_allclose(trainer_logp, behaviour, atol=1e-5, rtol=0)
+  np.testing.assert_allclose(np.exp(trainer_logp - behaviour), 1.0, atol=1e-5, rtol=0)
+  assert np.asarray(scored.in_support)[mask].all()
+  if top_k or top_p < 1:  # truncation is active: the naive softmax would be biased
+    naive = Policy(model, SamplingSpec(temperature)).sequence_log_probs(
+        params, jnp.asarray(batch.tokens)).logp
+    assert np.max(np.asarray(naive)[mask] - behaviour) < -1e-3
+  # The same through the trainer's objective: the loss's ratio diagnostics read exactly 1.
+  objective = functools.partial(rl_objective, policy, LossConfig(loss='grpo'))
+  _, diags = jax.jit(objective)(params, batch, None)
+  for key in ('is/ratio_max', 'is/ratio_min', 'is/ratio_mean'):
+    assert abs(float(diags[key]) - 1.0) < 1e-5, (key, float(diags[key]))
+  assert float(diags['mismatch/max_abs_dlogp']) < 1e-5
+  assert float(diags['policy/out_of_support_fraction']) == 0.0
+
+
+def test_recompute_path_gives_exact_ratios_and_measures_the_mismatch(model_and_params):
+  """old_logprobs='recompute': the proximal log-probs are the trainer's own, so the ratio is
+  exactly 1; the mismatch diagnostics compare them with the (here perturbed) behaviour."""
+  model, params = model_and_params
+  spec = SamplingSpec(1.0)
+  rollouts = make_worker(model, params).generate(requests(spec, n=4), jax.random.key(2))
+  batch = make_train_batch(rollouts, np.ones(len(rollouts), np.float32))
+  shift = 0.25 * np.asarray(batch.loss_mask)
+  batch = batch.replace(behaviour_logprobs=np.asarray(batch.behaviour_logprobs) - shift)
+  objective = functools.partial(rl_objective, Policy(model, spec),
+                                LossConfig(loss='grpo', old_logprobs='recompute'))
+  _, diags = jax.jit(objective)(params, batch, None)
+  assert float(diags['is/ratio_max']) == 1.0 and float(diags['is/ratio_min']) == 1.0
+  np.testing.assert_allclose(float(diags['mismatch/max_abs_dlogp']), 0.25, atol=1e-4)
+  # With 'behaviour' the same perturbation shows in the ratio: exp(0.25).
+  objective = functools.partial(rl_objective, Policy(model, spec), LossConfig(loss='grpo'))
+  _, diags = jax.jit(objective)(params, batch, None)
+  np.testing.assert_allclose(float(diags['is/ratio_mean']), np.exp(0.25), rtol=1e-4)
+
+
+def test_reload_threshold_j(model_and_params):
+  model, params = model_and_params
+  mesh = make_mesh({'data': 1}, jax.devices()[:1])
+  worker = InferenceWorker(model, TOKENIZER, mesh, max_prompt_len=8)
+  server = ParameterServer(keep=2)
+  with pytest.raises(LookupError, match='holds no weights'):
+    worker.maybe_reload(server, 1)
+  server.push(0, params)
+  assert worker.maybe_reload(server, 3) and worker.version == 0  # nothing held: always load
+  for version in (1, 2):
+    server.push(version, params)
+    assert not worker.maybe_reload(server, 3), version  # only 1, 2 versions ahead
+  assert worker.version == 0 and worker.reloads == 1
+  server.push(3, params)
+  assert worker.maybe_reload(server, 3) and worker.version == 3  # 3 ahead: reload
+  assert not worker.maybe_reload(server, 1) and worker.reloads == 2
+  server.push(4, params)
+  assert worker.maybe_reload(server, 1) and worker.version == 4
+  rollouts = worker.generate(requests(SamplingSpec(1.0), n=1), jax.random.key(0))
+  assert set(rollouts.versions[rollouts.completion_mask].tolist()) == {4}
+  for bad in (0, -1, 1.5):
+    with pytest.raises(ValueError, match='reload threshold j='):
+      worker.maybe_reload(server, bad)
+
+
+def test_params_are_sharded_on_the_inference_mesh(model_and_params):
+  """Inference follows the logical-axis rules too (no silent replication), with the same
+  output as one device."""
+  model, params = model_and_params
+  sharded = make_worker(model, params, {'fsdp': 2, 'tensor': 2})
+  wq = sharded.params['blocks'][0]['attn']['wq']  # ('embed', 'heads', 'head_dim')
+  assert wq.sharding.spec == jax.sharding.PartitionSpec('fsdp', 'tensor', None)
+  single = make_worker(model, params)
+  a = single.generate(requests(GREEDY, n=1), jax.random.key(0))
+  b = sharded.generate(requests(GREEDY, n=1), jax.random.key(0))
+  np.testing.assert_array_equal(a.completion_tokens, b.completion_tokens)
+
+
+def test_chat_prompts_use_the_chat_template(model_and_params):
+  model, params = model_and_params
+  worker = make_worker(model, params)
+  chat = Prompt(7, 'x', '', messages=({'role': 'user', 'content': 'x'},))
+  with pytest.raises(ValueError, match='has no chat template'):
+    worker.generate([GenerationRequest(chat, 1, GREEDY, 4)], jax.random.key(0))
+
+
+@pytest.mark.parametrize('prompt, message', [
+    (Prompt(9, 'abcdefghijk', ''), 'prompt 9 encodes to 12 tokens'),
+    (Prompt(9, '!', ''), "character '!'"),
+])
+def test_bad_prompts_raise_naming_the_prompt(model_and_params, prompt, message):
+  model, params = model_and_params
+  worker = make_worker(model, params)
+  with pytest.raises(ValueError, match=message):
+    worker.generate([GenerationRequest(prompt, 1, GREEDY, 4)], jax.random.key(0))
+
+
+def test_mixed_requests_and_missing_weights_raise(model_and_params):
+  model, params = model_and_params
+  worker = make_worker(model, params)
+  mixed = [GenerationRequest(PROMPTS[0], 1, GREEDY, 4),
+           GenerationRequest(PROMPTS[1], 1, SamplingSpec(1.0), 4)]
+  with pytest.raises(ValueError, match='must share sampling and max_new_tokens'):
+    worker.generate(mixed, jax.random.key(0))
+  with pytest.raises(ValueError, match='exceeds the model max_seq_len'):
+    worker.generate([GenerationRequest(PROMPTS[0], 1, GREEDY, 30)], jax.random.key(0))
+  with pytest.raises(ValueError, match='at least one request'):
+    worker.generate([], jax.random.key(0))
+  empty = InferenceWorker(model, TOKENIZER, make_mesh({'data': 1}, jax.devices()[:1]), 8)
+  with pytest.raises(RuntimeError, match='no weights'):
+    empty.generate(requests(GREEDY), jax.random.key(0))
