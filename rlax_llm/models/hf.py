@@ -15,6 +15,8 @@ RMSNorm).
 from __future__ import annotations
 
 import json
+import math
+import os
 import pathlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -34,7 +36,10 @@ _FAMILY_TO_ARCH = {v: k for k, v in ARCHITECTURES.items()}
 
 
 class CheckpointError(ValueError):
-  """A checkpoint that cannot be loaded as asked; the message names the tensor or field."""
+  """A checkpoint that cannot be loaded as asked: corrupt, truncated or unsupported.
+
+  The message names the file, tensor or field and says what is wrong with it.
+  """
 
 
 # ----------------------------------------------------------------------------- configs
@@ -263,24 +268,142 @@ _ST_DTYPES = {
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
-def read_safetensors_header(path: pathlib.Path) -> tuple[dict, int]:
-  """Returns ``(header, data offset)`` of a .safetensors file."""
+def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any]:
+  """The JSON object (``{...}``) stored in ``path`` (``config.json``, an index, ...).
+
+  Raises:
+    FileNotFoundError: there is no such file.
+    CheckpointError naming the file: it is empty, not JSON, or JSON other than an object.
+  """
+  path = pathlib.Path(path)
+  data = path.read_bytes()
+  if not data.strip():
+    raise CheckpointError(f'{path} is empty ({len(data)} bytes) where a JSON object belongs; the '
+                          'file is truncated or was never written: download or export it again.')
+  try:
+    value = json.loads(data)
+  except ValueError as error:  # json.JSONDecodeError, or UnicodeDecodeError for non-UTF-8 bytes.
+    raise CheckpointError(f'{path} is not valid JSON ({error}); the file is corrupt or '
+                          'truncated: download or export it again.') from error
+  if not isinstance(value, dict):
+    raise CheckpointError(f'{path} holds a JSON {_json_kind(value)}, not the JSON object '
+                          '({...}) expected; check that it is the Hugging Face file of that '
+                          'name.')
+  return value
+
+
+def _json_kind(value: Any) -> str:
+  """JSON's own name for the type of a decoded value ('array', not 'list')."""
+  if isinstance(value, bool):
+    return 'boolean'
+  if isinstance(value, (int, float)):
+    return 'number'
+  return {dict: 'object', list: 'array', str: 'string'}.get(type(value), 'null')
+
+
+def _is_int_list(value: Any) -> bool:
+  return isinstance(value, list) and all(
+      isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def _check_safetensors_entry(path: pathlib.Path, name: str, entry: Any, data_size: int) -> None:
+  """Raises CheckpointError unless ``entry`` is a well-formed tensor inside the data section."""
+  where = f'{path}: tensor {name!r}'
+  if not isinstance(entry, dict):
+    raise CheckpointError(f'{where} has the header entry {entry!r}; expected an object with '
+                          '"dtype", "shape" and "data_offsets". The header is corrupt.')
+  missing = [key for key in ('dtype', 'shape', 'data_offsets') if key not in entry]
+  if missing:
+    raise CheckpointError(f'{where} has no {", ".join(missing)} in its header entry {entry!r}; '
+                          'every safetensors tensor needs "dtype", "shape" and "data_offsets". '
+                          'The header is corrupt.')
+  dtype, shape, offsets = entry['dtype'], entry['shape'], entry['data_offsets']
+  if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
+    raise CheckpointError(f'{where} has dtype {dtype!r}, not one rlax_llm reads '
+                          f'({", ".join(_ST_DTYPES)}); the header is corrupt, or the checkpoint '
+                          'is stored in another type (e.g. FP8) and must be converted first.')
+  if not _is_int_list(shape) or any(d < 0 for d in shape):
+    raise CheckpointError(f'{where} has shape {shape!r}; expected a list of non-negative '
+                          'integers. The header is corrupt.')
+  if not (_is_int_list(offsets) and len(offsets) == 2 and 0 <= offsets[0] <= offsets[1]):
+    raise CheckpointError(f'{where} has data_offsets {offsets!r}; expected [begin, end] with '
+                          '0 <= begin <= end. The header is corrupt.')
+  begin, end = offsets
+  nbytes = math.prod(shape) * _ST_DTYPES[dtype].itemsize
+  if end - begin != nbytes:
+    raise CheckpointError(f'{where} spans {end - begin} bytes (data_offsets {offsets}) but its '
+                          f'shape {tuple(shape)} and dtype {dtype} need {nbytes}; the header is '
+                          'corrupt.')
+  if end > data_size:
+    raise CheckpointError(f'{path} is truncated: tensor {name!r} occupies bytes {begin}..{end} '
+                          f'of the data section, which holds only {data_size} bytes; download '
+                          'or export the file again.')
+
+
+def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, dict], int]:
+  """Returns ``(header, data offset)`` of a .safetensors file, checked against the file.
+
+  ``header`` maps each tensor name to its ``{'dtype', 'shape', 'data_offsets'}`` entry
+  (``__metadata__`` dropped); ``data_offsets`` count from the data offset. Every entry is
+  checked here, before any tensor is read: a readable dtype, a shape of non-negative ints,
+  ``data_offsets`` spanning exactly shape x itemsize bytes, and ending inside the file.
+
+  Raises:
+    FileNotFoundError: there is no such file.
+    CheckpointError naming the file (and tensor): the file is shorter than its declared
+      header, the header is not a JSON object, an entry is malformed, or a tensor's bytes run
+      past the end of the file (a truncated download).
+  """
+  path = pathlib.Path(path)
+  size = path.stat().st_size
+  if size < 8:
+    raise CheckpointError(f'{path} has {size} bytes, too few for a safetensors file (it starts '
+                          'with an 8-byte header length); the file is truncated or not a '
+                          'safetensors file.')
   with open(path, 'rb') as f:
-    size = int.from_bytes(f.read(8), 'little')
-    header = json.loads(f.read(size))
+    length = int.from_bytes(f.read(8), 'little')
+    if length > size - 8:
+      raise CheckpointError(f'{path} declares a {length}-byte JSON header but only {size - 8} '
+                            'bytes follow its 8-byte length prefix; the file is truncated or '
+                            'not a safetensors file.')
+    blob = f.read(length)
+  try:
+    header = json.loads(blob)
+  except ValueError as error:  # json.JSONDecodeError, or UnicodeDecodeError for non-UTF-8 bytes.
+    raise CheckpointError(f'{path}: the {length}-byte safetensors header is not valid JSON '
+                          f'({error}); the file is corrupt or not a safetensors file.') from error
+  if not isinstance(header, dict):
+    raise CheckpointError(f'{path}: the safetensors header is a JSON {_json_kind(header)}, not '
+                          'an object mapping tensor names to {dtype, shape, data_offsets}; the '
+                          'file is corrupt.')
   header.pop('__metadata__', None)
-  return header, 8 + size
+  for name, entry in header.items():
+    _check_safetensors_entry(path, name, entry, size - 8 - length)
+  return header, 8 + length
 
 
 class SafetensorsCheckpoint:
-  """Lazy reader over one or more .safetensors files (memory-mapped, bf16 via ml_dtypes)."""
+  """Lazy reader over one or more .safetensors files (memory-mapped, bf16 via ml_dtypes).
+
+  Every file's header is read and checked on construction (``read_safetensors_header``), so a
+  corrupt or truncated checkpoint fails here, naming the file, before any tensor is read.
+  """
 
   def __init__(self, directory: str | pathlib.Path):
     directory = pathlib.Path(directory)
     index = directory / 'model.safetensors.index.json'
     if index.exists():
-      weight_map = json.loads(index.read_text())['weight_map']
+      weight_map = read_json_object(index).get('weight_map')
+      if not isinstance(weight_map, dict) or not all(
+          isinstance(file, str) for file in weight_map.values()):
+        raise CheckpointError(f'{index} has "weight_map" = {str(weight_map)[:80]}; expected an '
+                              'object mapping tensor names to shard file names. The index is '
+                              'corrupt: download it again.')
       files = sorted(set(weight_map.values()))
+      absent = [file for file in files if not (directory / file).is_file()]
+      if absent:
+        raise FileNotFoundError(f'{index} lists shard(s) {absent} that are not in {directory}; '
+                                'the download is incomplete.')
     else:
       files = sorted(p.name for p in directory.glob('*.safetensors'))
       if not files:
@@ -296,17 +419,10 @@ class SafetensorsCheckpoint:
     return set(self._entries)
 
   def get(self, name: str) -> np.ndarray:
+    """The tensor ``name`` as a read-only memory map (its header entry was checked on open)."""
     path, entry, offset = self._entries[name]
-    if entry['dtype'] not in _ST_DTYPES:
-      raise CheckpointError(f'tensor {name!r} has unsupported dtype {entry["dtype"]}.')
-    start, end = entry['data_offsets']
-    dtype = _ST_DTYPES[entry['dtype']]
-    shape = tuple(entry['shape'])
-    if end - start != int(np.prod(shape)) * dtype.itemsize:
-      raise CheckpointError(f'tensor {name!r} in {path.name} spans {end - start} bytes but its '
-                            f'shape {shape} and dtype {entry["dtype"]} need '
-                            f'{int(np.prod(shape)) * dtype.itemsize}; the file is corrupt.')
-    return np.memmap(path, dtype=dtype, mode='r', offset=offset + start, shape=shape)
+    return np.memmap(path, dtype=_ST_DTYPES[entry['dtype']], mode='r',
+                     offset=offset + entry['data_offsets'][0], shape=tuple(entry['shape']))
 
 
 def write_safetensors(path: str | pathlib.Path, tensors: Mapping[str, np.ndarray],

@@ -52,8 +52,9 @@ def from_pretrained(path: str | pathlib.Path, mesh: Mesh | None = None,
   Returns:
     ``(model, tokenizer)``; tokenizer is None for a directory without ``tokenizer.json``.
   Raises:
-    FileNotFoundError for a missing file; ``hf.CheckpointError`` naming the tensor or
-    field for a missing tensor, a shape mismatch or an unsupported architecture.
+    FileNotFoundError for a missing file; ``hf.CheckpointError`` naming the file, tensor or
+    field for a corrupt or truncated file (GGUF, safetensors, ``config.json``,
+    ``tokenizer.json``), a missing tensor, a shape mismatch or an unsupported architecture.
   """
   path = pathlib.Path(path)
   if path.suffix == '.gguf':
@@ -67,7 +68,7 @@ def from_pretrained(path: str | pathlib.Path, mesh: Mesh | None = None,
     if not config_file.is_file():
       raise FileNotFoundError(f'{config_file} does not exist: not a Hugging Face model '
                               'directory (or pass a .gguf file).')
-    hf_config = json.loads(config_file.read_text())
+    hf_config = hf.read_json_object(config_file)
     checkpoint = hf.SafetensorsCheckpoint(path)
     get_tensor, names = checkpoint.get, checkpoint.names
     tokenizer = (tokenizer_lib.HFTokenizer.from_directory(path)

@@ -23,6 +23,9 @@ import numpy as np
 
 from rlax_llm import tokenization
 from rlax_llm.models import chat_template as chat_template_lib
+from rlax_llm.models import gguf as gguf_lib
+from rlax_llm.models import hf
+from rlax_llm.models.hf import CheckpointError
 
 if TYPE_CHECKING:
   import tokenizers
@@ -116,15 +119,27 @@ def _select_chat_template(value: Any, name: str, source: str) -> str | None:
 
 
 def _read_json_object(path: pathlib.Path) -> dict[str, Any]:
-  """The JSON object in ``path``, or ``{}`` if there is no such file."""
+  """The JSON object in ``path``, or ``{}`` if there is no such file.
+
+  Raises CheckpointError naming the file if it is empty, not JSON, or not a JSON object.
+  """
   if not path.is_file():
     return {}
-  with open(path, encoding='utf-8') as handle:
-    value = json.load(handle)
-  if not isinstance(value, dict):
-    raise TypeError(f'{path} holds a JSON {type(value).__name__}; expected a JSON object '
-                    '({...}). Check that it is the Hugging Face file of that name.')
-  return value
+  return hf.read_json_object(path)
+
+
+def _tokenizer_from_file(path: pathlib.Path) -> tokenizers.Tokenizer:
+  """``tokenizers.Tokenizer.from_file``; CheckpointError naming the file if it cannot load it."""
+  import tokenizers
+  try:
+    return tokenizers.Tokenizer.from_file(str(path))
+  except Exception as error:  # pylint: disable=broad-except
+    # tokenizers raises a bare Exception ('expected value at line 1 column 1', ...).
+    failure = error
+  hf.read_json_object(path)  # Says so when the file is not even a JSON object.
+  raise CheckpointError(f'{path} is JSON but not a tokenizer the `tokenizers` library can load '
+                        f'({failure}); check that it is a Hugging Face tokenizer.json.'
+                        ) from failure
 
 
 def _clean_up_tokenization(text: str) -> str:
@@ -151,8 +166,7 @@ def _gguf_field_getter(path_or_reader: str | os.PathLike | Any) -> tuple[Any, st
     if not path.is_file():
       raise FileNotFoundError(f'no GGUF file at {path}; pass the path of a .gguf file (or a '
                               'gguf.GGUFReader) to HFTokenizer.from_gguf.')
-    import gguf
-    reader = gguf.GGUFReader(path)
+    reader = gguf_lib.open_gguf(path)  # CheckpointError naming the file if it is corrupt.
     source = str(path)
   else:
     reader = path_or_reader
@@ -352,9 +366,10 @@ class HFTokenizer:
     config's template, as in transformers; a config holding a list of named templates gives the
     one called ``chat_template_name``.
 
-    Raises FileNotFoundError naming the path when there is no ``tokenizer.json``.
+    Raises FileNotFoundError naming the path when there is no ``tokenizer.json``, and
+    CheckpointError naming the file when one of these files is not valid JSON (or not an
+    object), or ``tokenizer.json`` is not a tokenizer ``tokenizers`` can load.
     """
-    import tokenizers
     directory = pathlib.Path(path)
     tokenizer_file = directory / 'tokenizer.json'
     if not tokenizer_file.is_file():
@@ -383,7 +398,7 @@ class HFTokenizer:
       max_length = int(max_length)
     if not isinstance(max_length, int) or not 0 < max_length < _NO_MAX_LENGTH:
       max_length = None
-    return cls(tokenizers.Tokenizer.from_file(str(tokenizer_file)), **special,
+    return cls(_tokenizer_from_file(tokenizer_file), **special,
                chat_template=chat_template, model_max_length=max_length,
                clean_up_tokenization_spaces=bool(config.get('clean_up_tokenization_spaces',
                                                             False)),
@@ -402,7 +417,8 @@ class HFTokenizer:
 
     Args:
       path_or_reader: path to a ``.gguf`` file, or a ``gguf.GGUFReader`` already open on one.
-    Raises ValueError naming the model for other ``tokenizer.ggml.model`` values.
+    Raises ValueError naming the model for other ``tokenizer.ggml.model`` values, and
+    CheckpointError naming the file when it is empty, not GGUF, truncated or corrupt.
     """
     get, source = _gguf_field_getter(path_or_reader)
     model = get('tokenizer.ggml.model')
