@@ -5,8 +5,11 @@ numbers, the loss, the sampling transform, the task, the model's length, the mes
 the devices and batch sizes) and fails with a message naming the key, the value seen and the
 fix. Typed objects validate their own fields (``LossConfig``, ``SamplingSpec``, the task,
 ``DecoderConfig``); this module builds them from the config (``loss_config``,
-``sampling_spec``) and says where in the config a bad value sits. ``check_override_keys`` catches misspelled
-``--config.a.b=v`` flags before absl parses them, suggesting the closest valid keys.
+``sampling_spec``) and says where in the config a bad value sits.
+
+Before absl parses flags, ``check_config_spec`` loads the ``--config`` file once (a missing
+file, a syntax error or an unknown variant fails with one line) and ``check_override_keys``
+catches misspelled ``--config.a.b=v`` flags, suggesting the closest valid keys.
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import importlib.machinery
 import importlib.util
 import math
+import os
 import pathlib
+import traceback
 from collections.abc import Sequence
 
 import ml_collections
@@ -221,32 +227,123 @@ def _validate_meshes(config: ml_collections.ConfigDict) -> None:
             f'devices); make it a multiple of {shards} or change mesh.{role}.')
 
 
+def _where(error: BaseException, path: str) -> str:
+  """' (configs/x.py, line 12)': the innermost frame of ``error`` in ``path`` (else anywhere)."""
+  frames = traceback.extract_tb(error.__traceback__)
+  ours = [f for f in frames if os.path.realpath(f.filename) == os.path.realpath(path)]
+  frame = (ours or frames or [None])[-1]
+  if frame is None:
+    return ''
+  name = path if ours else frame.filename
+  return f' ({name}, line {frame.lineno})'
+
+
+def _describe(error: BaseException) -> str:
+  """'ValueError: message' on one line."""
+  text = str(error).strip().replace('\n', ' ')
+  return f'{type(error).__name__}: {text}' if text else type(error).__name__
+
+
 def load_config_file(spec: str) -> ml_collections.ConfigDict:
-  """Loads ``path[:variant]`` the way ``config_flags`` does (``get_config(variant)``)."""
-  path, _, variant = spec.partition(':')
-  module_spec = importlib.util.spec_from_file_location('_rlax_llm_config', path)
-  if module_spec is None or not pathlib.Path(path).exists():
-    raise ConfigError(f'config file {path!r} does not exist.')
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(variant) if variant else module.get_config()
+  """Loads ``path[:variant]`` the way ``config_flags`` does (``get_config(variant)``).
+
+  Like ``config_flags``, everything after the first ``:`` is the variant, passed to
+  ``get_config`` (``path:`` passes ``''``); without a ``:`` it calls ``get_config()``.
+
+  Raises:
+    ConfigError: the file does not exist, does not import (the message names the file and
+      line), has no ``get_config``, ``get_config`` raises (for a variant: the file has no such
+      variant) or returns something other than a ``ConfigDict``.
+  """
+  path, sep, variant = spec.partition(':')
+  if not path:
+    raise ConfigError(f'config spec {spec!r} names no file; pass --config=PATH[:VARIANT], '
+                      'e.g. --config=configs/default.py:smoke.')
+  file = pathlib.Path(path)
+  if not file.exists():
+    raise ConfigError(f'config file {path!r} does not exist (relative paths are read from '
+                      f'{os.getcwd()}); pass --config=PATH[:VARIANT] naming an existing file.')
+  if not file.is_file():
+    raise ConfigError(f'config file {path!r} is not a file; pass --config=PATH[:VARIANT] '
+                      'naming a Python file that defines get_config.')
+  loader = importlib.machinery.SourceFileLoader('_rlax_llm_config', path)
+  module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+  try:
+    loader.exec_module(module)
+  except SyntaxError as e:
+    where = path if os.path.realpath(e.filename or path) == os.path.realpath(path) else e.filename
+    text = f' ({e.text.strip()!r})' if e.text and e.text.strip() else ''
+    raise ConfigError(f'config file {path} does not import: {type(e).__name__} at line '
+                      f'{e.lineno} of {where}: {e.msg}{text}. Fix that line.') from e
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    raise ConfigError(f'config file {path} does not import: {_describe(e)}'
+                      f'{_where(e, path)}.') from e
+  get_config = getattr(module, 'get_config', None)
+  if not callable(get_config):
+    raise ConfigError(f'config file {path} has no get_config(); a config file must define '
+                      'get_config(variant=None) returning an ml_collections.ConfigDict.')
+  call = f'get_config({variant!r})' if sep else 'get_config()'
+  try:
+    config = get_config(variant) if sep else get_config()
+  except (ValueError, KeyError, TypeError) as e:
+    if not sep:
+      raise ConfigError(f'{call} in {path} raised {_describe(e)}{_where(e, path)}.') from e
+    raise ConfigError(f'{path} has no variant {variant!r} ({_describe(e)})') from e
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    raise ConfigError(f'{call} in {path} raised {_describe(e)}{_where(e, path)}.') from e
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ConfigError(f'{call} in {path} returned {type(config).__name__}, not an '
+                      'ml_collections.ConfigDict; make it return the config.')
+  return config
 
 
-def check_override_keys(argv: Sequence[str]) -> None:
-  """Exits with a clear message if a ``--config.KEY=...`` flag names no config field."""
+def config_spec(argv: Sequence[str]) -> str:
+  """The ``--config`` value in ``argv`` (the last one, as absl takes), or the default file."""
   spec = str(DEFAULT_CONFIG_PATH)
   for i, arg in enumerate(argv):
-    if arg.startswith('--config='):
-      spec = arg.split('=', 1)[1]
-    elif arg == '--config' and i + 1 < len(argv):
-      spec = argv[i + 1]
+    if arg == '--':
+      break
+    flag, eq, value = arg.partition('=')
+    if flag in ('--config', '-config'):
+      if eq:
+        spec = value
+      elif i + 1 < len(argv):
+        spec = argv[i + 1]
+  return spec
+
+
+def check_config_spec(argv: Sequence[str]) -> ml_collections.ConfigDict:
+  """Loads the ``--config=path[:variant]`` file named in ``argv`` (or the default) once.
+
+  Runs before absl parses flags, so a bad config file fails with one line instead of
+  ``config_flags``' traceback or a misleading "'seed' is missing".
+
+  Returns:
+    The loaded config (pass it to ``check_override_keys``).
+
+  Raises:
+    SystemExit: ``'error: ...'`` when ``load_config_file`` fails (see there).
+  """
+  try:
+    return load_config_file(config_spec(argv))
+  except ConfigError as e:
+    raise SystemExit(f'error: {e}') from None
+
+
+def check_override_keys(argv: Sequence[str],
+                        config: ml_collections.ConfigDict | None = None) -> None:
+  """Exits with a clear message if a ``--config.KEY=...`` flag names no config field.
+
+  Args:
+    argv: the command line without the program name.
+    config: the ``--config`` file's config as ``check_config_spec(argv)`` returns it; loaded
+      (and checked) here when ``None`` and there are overrides.
+  """
   overrides = [a[len('--config.'):].split('=', 1) for a in argv if a.startswith('--config.')]
   if not overrides:
     return
-  try:
-    config = load_config_file(spec)
-  except ConfigError as e:
-    raise SystemExit(f'error: {e}') from None
+  if config is None:
+    config = check_config_spec(argv)
   valid = _flat_keys(config)
   for key, *value in overrides:
     if key in valid and value:

@@ -22,8 +22,8 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
-from rlax_llm.config import (DEFAULT_CONFIG_PATH, ConfigError, check_override_keys,
-                             validate_config)
+from rlax_llm.config import (DEFAULT_CONFIG_PATH, ConfigError, check_config_spec,
+                             check_override_keys, validate_config)
 
 _FLAGS: dict[str, flags.FlagHolder] = {}
 
@@ -92,7 +92,8 @@ def main(argv) -> None:
 
 def run_cli() -> None:
   logging.getLogger('absl').setLevel(logging.INFO)
-  check_override_keys(sys.argv[1:])
+  argv = sys.argv[1:]
+  check_override_keys(argv, check_config_spec(argv))
   define_flags()
   app.run(main)
 

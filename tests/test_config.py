@@ -1,12 +1,23 @@
 """Config contract: every config in configs/ has the keys users rely on and validates."""
 
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
-from rlax_llm.config import REQUIRED_KEYS, ConfigError, load_config_file, validate_config
+from rlax_llm.config import (REQUIRED_KEYS, ConfigError, check_config_spec, check_override_keys,
+                             load_config_file, validate_config)
 
-CONFIGS = sorted(pathlib.Path(__file__).resolve().parent.parent.glob('configs/*.py'))
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CONFIGS = sorted(ROOT.glob('configs/*.py'))
+
+
+@pytest.fixture(autouse=True)
+def _in_repo_root(monkeypatch):
+  """Config specs like 'configs/default.py' are relative to the repository root."""
+  monkeypatch.chdir(ROOT)
 
 
 @pytest.mark.parametrize('path', CONFIGS, ids=lambda p: p.name)
@@ -31,3 +42,89 @@ def test_bad_staleness():
   config.staleness.k = 0
   with pytest.raises(ConfigError, match='staleness'):
     validate_config(config)
+
+
+def _write(tmp_path, name, text):
+  path = tmp_path / name
+  path.write_text(text)
+  return str(path)
+
+
+def _config_error(argv) -> str:
+  with pytest.raises(SystemExit) as e:
+    check_config_spec(argv)
+  message = str(e.value.code)
+  assert message.startswith('error: ') and '\n' not in message, message
+  return message
+
+
+def test_check_config_spec_loads_the_file_once_named_or_default():
+  assert check_config_spec(['--config=configs/default.py:smoke']).name == 'default_smoke'
+  assert check_config_spec(['--config', 'configs/default.py', '--workdir=/x']).name == 'default'
+  assert check_config_spec(['--config.total_steps=3']).name == 'default'  # the default file
+  # The last --config wins, as in absl.
+  assert check_config_spec(['--config=nope.py', '--config=configs/default.py:smoke']).seed == 0
+
+
+def test_check_config_spec_missing_file():
+  message = _config_error(['--config=configs/nope.py'])
+  assert message.startswith("error: config file 'configs/nope.py' does not exist"), message
+  assert 'pass --config=PATH[:VARIANT]' in message
+  with pytest.raises(ConfigError, match="config file 'configs/nope.py' does not exist"):
+    load_config_file('configs/nope.py:smoke')
+
+
+def test_check_config_spec_unknown_variant():
+  assert _config_error(['--config=configs/default.py:bogus']) == (
+      "error: configs/default.py has no variant 'bogus' (ValueError: Unknown variant 'bogus' "
+      'of configs/default.py; valid: smoke.)')
+
+
+def test_check_config_spec_syntax_error_names_file_and_line(tmp_path):
+  path = _write(tmp_path, 'bad.py', 'import ml_collections\n\ndef get_config(:\n  pass\n')
+  message = _config_error([f'--config={path}'])
+  assert f'config file {path} does not import: SyntaxError at line 3 of {path}' in message
+  assert "'def get_config(:'" in message
+
+
+def test_check_config_spec_import_error_names_file_and_line(tmp_path):
+  path = _write(tmp_path, 'boom.py', 'x = 1\nraise RuntimeError("boom")\n')
+  assert _config_error([f'--config={path}']) == (
+      f'error: config file {path} does not import: RuntimeError: boom ({path}, line 2).')
+
+
+def test_check_config_spec_no_get_config(tmp_path):
+  path = _write(tmp_path, 'empty.py', 'x = 1\n')
+  assert f'config file {path} has no get_config()' in _config_error([f'--config={path}'])
+
+
+def test_check_config_spec_get_config_errors(tmp_path):
+  path = _write(tmp_path, 'c.py', 'def get_config():\n  return {}["key"]\n')
+  assert _config_error([f'--config={path}']) == (
+      f"error: get_config() in {path} raised KeyError: 'key' ({path}, line 2).")
+  path = _write(tmp_path, 'd.py', 'def get_config():\n  return {"a": 1}\n')
+  assert f'get_config() in {path} returned dict, not an ml_collections.ConfigDict' in (
+      _config_error([f'--config={path}']))
+  # A file without variants given one: get_config takes no argument.
+  assert f"{path} has no variant 'smoke' (TypeError: get_config() takes 0 positional" in (
+      _config_error([f'--config={path}:smoke']))
+
+
+def test_override_keys_checked_against_the_loaded_config():
+  config = check_config_spec(['--config=configs/default.py:smoke'])
+  check_override_keys(['--config.total_steps=4'], config)
+  with pytest.raises(SystemExit, match="unknown config key 'rl.los'. Did you mean rl.loss"):
+    check_override_keys(['--config.rl.los=grpo'], config)
+  with pytest.raises(SystemExit, match="config file 'configs/nope.py' does not exist"):
+    check_override_keys(['--config=configs/nope.py', '--config.seed=1'])
+
+
+def test_launch_with_missing_config_file_fails_cleanly():
+  env = dict(os.environ)
+  env['PYTHONPATH'] = str(ROOT) + os.pathsep + env.get('PYTHONPATH', '')
+  result = subprocess.run([sys.executable, '-m', 'rlax_llm.launch', '--config=configs/nope.py'],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+  assert result.returncode != 0
+  assert "error: config file 'configs/nope.py' does not exist" in result.stderr, result.stderr
+  assert 'Traceback' not in result.stderr
+  assert "'seed' is missing" not in result.stderr

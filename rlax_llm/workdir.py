@@ -1,0 +1,341 @@
+"""The run directory: unique default names, an exclusive claim for the life of a run, atomic writes.
+
+Two launches on the same ``--workdir`` must not interleave (merged ``metrics.jsonl``,
+overwritten ``config.json`` and TensorBoard files), so a run claims its workdir before writing
+anything::
+
+    workdir = pathlib.Path(flag) if flag else default_workdir(config.name)
+    with claim(workdir):
+      write_text_atomic(workdir / 'config.json', config.to_json_best_effort(indent=2))
+      ...  # the run
+
+* ``default_workdir(name)`` creates ``runs/<name>-<YYYYmmdd-HHMMSS>-<6 hex digits>`` with an
+  exclusive ``mkdir``, retrying with a new suffix on a collision, so two runs started in the
+  same second (in different processes, or on different hosts sharing ``runs/``) never get the
+  same directory.
+* ``claim(workdir)`` takes an exclusive, non-blocking ``flock`` on ``workdir/.lock`` that
+  lasts until the claim is closed or the process exits. A second claim while the first holds
+  it raises ``WorkdirInUse`` naming the holder (pid, host, start time). Because the OS drops
+  an ``flock`` when its holder dies, a run that crashed or was SIGKILLed never leaves its
+  workdir unusable; the stale ``.lock`` file left behind is harmless.
+* A workdir whose ``metrics.jsonl`` already holds step rows is refused with ``WorkdirHasRun``
+  (resume needs checkpoints, which are not written yet); ``existing_steps`` is the one place
+  that decides this. A workdir left by a run that died before its first step is claimable.
+* ``write_text_atomic`` writes a file so a reader (or a crash) never sees half of it.
+
+Limitation: ``flock`` excludes processes on one host. On a network filesystem shared between
+hosts (NFS, some FUSE mounts) it may not exclude a process on another host, so two hosts can
+still both claim one workdir there; give runs on different hosts different workdirs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import json
+import os
+import pathlib
+import secrets
+import socket
+import threading
+from typing import Any
+
+LOCK_FILENAME = '.lock'
+METRICS_FILENAME = 'metrics.jsonl'  # the same name as rlax_llm.metrics (no jax import here)
+_SUFFIX_BYTES = 3  # 6 hex digits after the timestamp of a default workdir
+_MAX_NAME_ATTEMPTS = 100
+
+# Workdirs claimed by this process, keyed by the directory's (st_dev, st_ino), so a second
+# claim in this process is refused even where flock is emulated per process (NFS on Linux).
+_CLAIMED: dict[tuple[int, int], WorkdirClaim] = {}
+_CLAIMED_LOCK = threading.Lock()
+
+
+class WorkdirError(RuntimeError):
+  """A workdir that this run cannot use; the message says why and what to do instead."""
+
+
+class WorkdirInUse(WorkdirError):
+  """Another live run (or this process) holds the workdir's lock."""
+
+
+class WorkdirHasRun(WorkdirError):
+  """The workdir already holds a run: ``metrics.jsonl`` has at least one step row."""
+
+
+def _new_suffix() -> str:
+  return secrets.token_hex(_SUFFIX_BYTES)
+
+
+def default_workdir(name: str, root: str | os.PathLike = 'runs') -> pathlib.Path:
+  """Creates and returns a new, empty run directory ``root/<name>-<YYYYmmdd-HHMMSS>-<hex>``.
+
+  The directory is created with an exclusive ``mkdir`` (it fails if the name exists), and a
+  collision is retried with a new random suffix, so the name is unique even for runs started
+  in the same second by different processes; uniqueness does not rely on the suffix being
+  random. ``root`` is created if needed.
+
+  Args:
+    name: the run's name (``config.name``); one path component, not empty.
+    root: the directory that holds runs.
+
+  Returns:
+    The created directory. Pass it to ``claim`` before writing into it.
+
+  Raises:
+    ValueError: ``name`` is empty or contains a path separator.
+    FileExistsError: no free name after many attempts (not expected in practice).
+  """
+  if not name or name in ('.', '..') or '/' in name or (os.altsep and os.altsep in name):
+    raise ValueError(f'run name {name!r} cannot be a directory name: it must be one '
+                     "non-empty path component without '/'; set config.name to e.g. 'default'.")
+  root = pathlib.Path(root)
+  root.mkdir(parents=True, exist_ok=True)
+  stamp = datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
+  for _ in range(_MAX_NAME_ATTEMPTS):
+    path = root / f'{name}-{stamp}-{_new_suffix()}'
+    try:
+      path.mkdir()
+    except FileExistsError:
+      continue
+    return path
+  raise FileExistsError(f'could not create a new run directory {name}-{stamp}-* under {root} '
+                        f'in {_MAX_NAME_ATTEMPTS} attempts; pass --workdir explicitly.')
+
+
+def existing_steps(workdir: str | os.PathLike) -> int:
+  """How many steps ``workdir/metrics.jsonl`` records: the number of distinct ``step`` values.
+
+  A row counts when it is a complete line (ends with a newline) holding a JSON object with a
+  ``step`` key. A torn last line (a crash mid-write) and lines that do not parse are skipped,
+  never raised. Steps replayed after a resume appear twice in the file and count once.
+
+  Returns:
+    0 when ``metrics.jsonl`` is absent or holds no complete step row.
+  """
+  path = pathlib.Path(workdir) / METRICS_FILENAME
+  steps = set()
+  try:
+    with open(path, 'rb') as f:
+      for line in f:
+        if not line.endswith(b'\n'):
+          break  # torn last line
+        try:
+          row = json.loads(line)
+        except ValueError:
+          continue
+        if isinstance(row, dict) and 'step' in row:
+          steps.add(json.dumps(row['step']))
+  except FileNotFoundError:
+    return 0
+  return len(steps)
+
+
+def _holder_text(info: dict[str, Any]) -> str:
+  """'pid 123 on host h, started 2025-01-01T12:00:00+00:00' from the lock file's details."""
+  if not info:
+    return 'a process that has not written its pid yet'
+  return (f"pid {info.get('pid', '?')} on host {info.get('host', '?')}, "
+          f"started {info.get('started', '?')}")
+
+
+def _read_holder(fd: int) -> dict[str, Any]:
+  """The holder details another claimer wrote into the lock file ({} if none yet)."""
+  try:
+    raw = os.pread(fd, 4096, 0)
+    info = json.loads(raw.decode('utf-8', 'replace')) if raw.strip() else {}
+  except (OSError, ValueError):
+    return {}
+  return info if isinstance(info, dict) else {}
+
+
+def _in_use_error(workdir: pathlib.Path, info: dict[str, Any], this_process: bool) -> WorkdirInUse:
+  """The error for a workdir whose lock is held, naming the holder."""
+  if this_process:
+    return WorkdirInUse(
+        f'workdir {workdir} is already claimed by this process ({_holder_text(info)}); close '
+        'that claim first, or pass another --workdir.')
+  return WorkdirInUse(
+      f'workdir {workdir} is in use by another run ({_holder_text(info)}); two runs in one '
+      'workdir would mix their metrics, config and TensorBoard files. Pass another --workdir, '
+      'or wait for that run to finish.')
+
+
+class WorkdirClaim:
+  """An exclusive claim on a run directory; create it with ``claim(workdir)``.
+
+  The claim is an ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``workdir/.lock``, held from ``claim``
+  until ``close()`` (or the end of a ``with`` block), and dropped by the OS if the process
+  dies, however it dies. The lock file holds the holder's pid, host and start time as JSON,
+  for the error a second claimer sees.
+
+  Caveats: ``flock`` is per host, so on a network filesystem shared between hosts it may not
+  exclude a run on another host. A child created by ``os.fork`` (without exec) inherits the
+  lock and keeps it while it lives. Never delete or atomically replace ``.lock`` while a run
+  holds it.
+
+  Attributes:
+    workdir: the claimed directory.
+    lock_path: ``workdir/.lock``.
+    holder: ``{'pid', 'host', 'started'}`` as written into the lock file.
+  """
+
+  def __init__(self, workdir: pathlib.Path, fd: int, key: tuple[int, int],
+               holder: dict[str, Any]):
+    """Internal: use ``claim(workdir)``, which takes the lock first."""
+    self.workdir = workdir
+    self.lock_path = workdir / LOCK_FILENAME
+    self.holder = holder
+    self._fd: int | None = fd
+    self._key = key
+
+  @property
+  def held(self) -> bool:
+    """Whether this claim still holds the lock (False after ``close``)."""
+    return self._fd is not None
+
+  def close(self) -> None:
+    """Releases the claim: clears the holder details, unlocks and closes. Idempotent."""
+    with _CLAIMED_LOCK:
+      fd, self._fd = self._fd, None
+      if fd is None:
+        return
+      if _CLAIMED.get(self._key) is self:
+        del _CLAIMED[self._key]
+      try:
+        os.ftruncate(fd, 0)  # still locked: no other claimer has written yet
+      except OSError:
+        pass
+      try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+      finally:
+        os.close(fd)
+
+  def __enter__(self) -> WorkdirClaim:
+    return self
+
+  def __exit__(self, *exc_info: Any) -> None:
+    self.close()
+
+  def __repr__(self) -> str:
+    return f'WorkdirClaim({str(self.workdir)!r}, held={self.held})'
+
+
+def _lock(workdir: pathlib.Path) -> int:
+  """Opens ``workdir/.lock`` and flocks it; returns the fd or raises ``WorkdirInUse``."""
+  lock_path = workdir / LOCK_FILENAME
+  for _ in range(10):
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      info = _read_holder(fd)
+      os.close(fd)
+      if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        raise _in_use_error(workdir, info, this_process=False) from None
+      raise WorkdirError(
+          f'could not lock {lock_path} ({e.strerror}, errno {e.errno}): the filesystem may not '
+          'support flock. Put the workdir on a local filesystem.') from e
+    # Someone may have deleted (or replaced) .lock between our open and flock: then our lock
+    # is on an orphaned inode that excludes nobody. Retry on the file that is there now.
+    try:
+      same = os.path.samestat(os.fstat(fd), os.stat(lock_path))
+    except FileNotFoundError:
+      same = False
+    if same:
+      return fd
+    os.close(fd)
+  raise WorkdirError(f'{lock_path} keeps being deleted or replaced while this run tries to '
+                     'lock it; make sure nothing else manages files in the workdir.')
+
+
+def claim(workdir: str | os.PathLike) -> WorkdirClaim:
+  """Claims ``workdir`` for one run, creating it if needed; release with ``close`` or ``with``.
+
+  Takes an exclusive, non-blocking ``fcntl.flock`` on ``workdir/.lock`` and writes the
+  holder's pid, host and start time into it. The OS releases the lock when the process exits
+  or is killed, so a crashed run's workdir can be claimed again. ``flock`` is per host: on a
+  network filesystem shared between hosts it may not exclude a run on another host.
+
+  Then decides whether the directory may be used: one whose ``metrics.jsonl`` holds step rows
+  (``existing_steps(workdir) > 0``) is refused. A directory left by a run that died before its
+  first step (``config.json``, an empty or absent ``metrics.jsonl``, a stale ``.lock``) is
+  claimable.
+
+  Args:
+    workdir: the run directory.
+
+  Returns:
+    A held ``WorkdirClaim`` (a context manager that releases it on exit).
+
+  Raises:
+    WorkdirInUse: another process, or this one, holds the claim; the message names the
+      holder's pid, host and start time.
+    WorkdirHasRun: ``metrics.jsonl`` already holds a run.
+    WorkdirError: the path exists but is not a directory, or cannot be locked.
+  """
+  workdir = pathlib.Path(workdir)
+  if workdir.exists() and not workdir.is_dir():
+    raise WorkdirError(f'workdir {workdir} exists but is not a directory; pass another '
+                       '--workdir.')
+  workdir.mkdir(parents=True, exist_ok=True)
+  stat = workdir.stat()
+  key = (stat.st_dev, stat.st_ino)
+  with _CLAIMED_LOCK:
+    held = _CLAIMED.get(key)
+    if held is not None:
+      raise _in_use_error(workdir, held.holder, this_process=True)
+    fd = _lock(workdir)
+    try:
+      steps = existing_steps(workdir)
+      if steps:
+        raise WorkdirHasRun(
+            f'workdir {workdir} already holds a run ({steps} step{"s" if steps != 1 else ""} '
+            f'in {METRICS_FILENAME}). Resuming a run needs checkpoints, which this version '
+            f'does not write yet; pass a new --workdir (or delete {workdir} to start over).')
+      holder = {
+          'pid': os.getpid(),
+          'host': socket.gethostname(),
+          'started': datetime.datetime.now().astimezone().isoformat(timespec='seconds'),
+      }
+      os.ftruncate(fd, 0)
+      os.pwrite(fd, (json.dumps(holder) + '\n').encode('utf-8'), 0)
+    except BaseException:
+      fcntl.flock(fd, fcntl.LOCK_UN)
+      os.close(fd)
+      raise
+    result = WorkdirClaim(workdir, fd, key, holder)
+    _CLAIMED[key] = result
+    return result
+
+
+def write_text_atomic(path: str | os.PathLike, text: str, encoding: str = 'utf-8') -> None:
+  """Writes ``text`` to ``path`` so readers see the old file or the new one, never a part.
+
+  Writes a temporary file in the same directory, fsyncs it, ``os.replace``s it onto ``path``
+  and fsyncs the directory (best effort). The file gets mode 0666 minus the umask, like
+  ``open(path, 'w')``. Not for ``.lock``: replacing the lock file would break the claim.
+  """
+  path = pathlib.Path(path)
+  tmp = path.with_name(f'.{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp')
+  fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+  try:
+    with os.fdopen(fd, 'w', encoding=encoding) as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    tmp.unlink(missing_ok=True)
+    raise
+  try:
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+  except OSError:
+    return
+  try:
+    os.fsync(dir_fd)
+  except OSError:
+    pass
+  finally:
+    os.close(dir_fd)
