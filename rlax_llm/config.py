@@ -122,6 +122,18 @@ def sampling_spec(config: ml_collections.ConfigDict) -> SamplingSpec:
                         ).check_for_rollouts()
 
 
+def controller_settings(config: ml_collections.ConfigDict):
+  """The controller's ``ControllerSettings`` (schedule, staleness, rollout sampling)."""
+  from rlax_llm.controller import ControllerSettings  # pylint: disable=import-outside-toplevel
+  with _naming('staleness: '):
+    return ControllerSettings(
+        total_steps=config.total_steps, prompts_per_step=config.rl.prompts_per_step,
+        group_size=config.rl.group_size, staleness_j=config.staleness.j,
+        staleness_k=config.staleness.k, eval_every=config.eval.every_steps, seed=config.seed,
+        sampling=sampling_spec(config), max_new_tokens=config.sampling.max_new_tokens,
+        advantage_estimator=loss_config(config).estimator)
+
+
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ``ConfigError`` naming the first key that is missing or invalid.
 
@@ -158,6 +170,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ConfigError(f'config.{key}={value!r} must be an int >= 1 (RLAX staleness: j is '
                         'the reload threshold, k the acceptance window; (1, 1) is lockstep).')
+  controller_settings(config)
   _validate_task(config)
   _validate_model(config)
   _validate_meshes(config)
@@ -198,6 +211,11 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
           f'config.model.max_seq_len={m.max_seq_len} is shorter than sampling.max_prompt_len '
           f'({s.max_prompt_len}) + sampling.max_new_tokens ({s.max_new_tokens}) = {needed}; '
           'raise model.max_seq_len or shorten the prompts/completions.')
+  elif m.path is None and m.name not in presets.PACKAGED_CHECKPOINTS:
+    raise ConfigError(
+        f'config.model.name={m.name!r} needs config.model.path (an HF directory or a .gguf file '
+        f'of the model): no checkpoint of it ships with rlax_llm (packaged: '
+        f'{sorted(presets.PACKAGED_CHECKPOINTS)}).')
   elif m.path is not None and not pathlib.Path(m.path).exists():
     raise ConfigError(f'config.model.path={m.path!r} does not exist; pass an HF directory '
                       'or a .gguf file of the model.')

@@ -52,8 +52,8 @@ class ControllerSettings:
   def __post_init__(self):
     if (self.staleness_j, self.staleness_k) != (1, 1):
       raise ValueError(
-          'The synchronous controller runs on-policy lockstep, staleness (j, k) = (1, 1); got '
-          f'(j, k) = ({self.staleness_j}, {self.staleness_k}). Set '
+          f'(j, k) = ({self.staleness_j}, {self.staleness_k}): this controller runs the '
+          'synchronous on-policy loop only, staleness (j, k) = (1, 1); set '
           '--config.staleness.j=1 --config.staleness.k=1.')
     self.sampling.check_for_rollouts()
 

@@ -12,7 +12,6 @@ is validated (``rlax_llm.config.validate_config``) before any compute.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import pathlib
@@ -22,6 +21,7 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
+from rlax_llm import workdir as workdir_lib
 from rlax_llm.config import (DEFAULT_CONFIG_PATH, ConfigError, check_config_spec,
                              check_override_keys, validate_config)
 
@@ -43,20 +43,6 @@ def define_flags() -> None:
       'workdir', None, 'Run directory (default ./runs/<config name>-<timestamp>).')
 
 
-def default_workdir(name: str) -> pathlib.Path:
-  stamp = datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
-  return pathlib.Path('runs') / f'{name}-{stamp}'
-
-
-def prepare_workdir(workdir: pathlib.Path) -> None:
-  """Creates the workdir; refuses one that already holds a run (resume is not built yet)."""
-  if (workdir / 'metrics.jsonl').exists():
-    raise SystemExit(
-        f'error: workdir {workdir} already holds a run (metrics.jsonl exists). Resuming a run '
-        'needs checkpoints, which this version does not write yet; pass a new --workdir.')
-  workdir.mkdir(parents=True, exist_ok=True)
-
-
 def main(argv) -> None:
   del argv
   config = _FLAGS['config'].value
@@ -65,9 +51,12 @@ def main(argv) -> None:
   except ConfigError as e:
     raise SystemExit(f'error: {e}') from None
   workdir_flag = _FLAGS['workdir'].value
-  workdir = pathlib.Path(workdir_flag) if workdir_flag else default_workdir(config.name)
-  prepare_workdir(workdir)
-  (workdir / 'config.json').write_text(config.to_json_best_effort(indent=2, sort_keys=True))
+  workdir = (pathlib.Path(workdir_flag) if workdir_flag
+             else workdir_lib.default_workdir(config.name))
+  try:
+    claim = workdir_lib.claim(workdir)
+  except workdir_lib.WorkdirError as e:
+    raise SystemExit(f'error: {e}') from None
 
   # Model, trainer and data imports only after validation: a bad flag fails in seconds.
   # pylint: disable=import-outside-toplevel
@@ -75,14 +64,17 @@ def main(argv) -> None:
   from rlax_llm.trainer.trainer import NonFiniteError
 
   start = time.perf_counter()
-  try:
-    with build_run(config, workdir) as run:
-      summary = run.execute()
-  except ConfigError as e:
-    raise SystemExit(f'error: {e}') from None
-  except NonFiniteError as e:
-    raise SystemExit(f'error: the run diverged. {e} Metrics so far: {workdir}/metrics.jsonl.'
-                     ) from None
+  with claim:
+    workdir_lib.write_text_atomic(workdir / 'config.json',
+                                  config.to_json_best_effort(indent=2, sort_keys=True))
+    try:
+      with build_run(config, workdir) as run:
+        summary = run.execute()
+    except ConfigError as e:
+      raise SystemExit(f'error: {e}') from None
+    except NonFiniteError as e:
+      raise SystemExit(f'error: the run diverged. {e} Metrics so far: '
+                       f'{workdir / "metrics.jsonl"}.') from None
   wall = time.perf_counter() - start
   print(f'held-out greedy accuracy: RL start {summary["eval/start_accuracy"]:.3f} -> '
         f'final {summary["eval/final_accuracy"]:.3f} '

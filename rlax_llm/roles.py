@@ -22,7 +22,6 @@ import ml_collections
 
 from rlax_llm import config as config_lib
 from rlax_llm.config import ConfigError
-from rlax_llm.controller import ControllerSettings
 from rlax_llm.models import presets
 from rlax_llm.models.decoder import DecoderConfig
 from rlax_llm.models.model import Model, Params, create_model, split_module
@@ -37,13 +36,6 @@ from rlax_llm.trainer.trainer import Trainer, make_optimizer
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
 
-def _smollm2_path() -> pathlib.Path:
-  from rlax_llm.models.gguf import smollm2_gguf_path  # pylint: disable=import-outside-toplevel
-  return smollm2_gguf_path()
-
-
-# Presets whose checkpoint ships as a pip package (no download at run time).
-PACKAGED_CHECKPOINTS = {'smollm2-135m': _smollm2_path}
 # The architecture fields a checkpoint must share with the preset it is loaded as.
 _ARCHITECTURE_FIELDS = ('vocab_size', 'num_layers', 'embed_dim', 'num_heads', 'num_kv_heads',
                         'head_dim', 'mlp_dim', 'tie_embeddings', 'qkv_bias', 'qk_norm',
@@ -59,12 +51,7 @@ def checkpoint_path(config: ml_collections.ConfigDict) -> pathlib.Path:
   m = config.model
   if m.path is not None:
     return pathlib.Path(m.path)
-  if m.name in PACKAGED_CHECKPOINTS:
-    return PACKAGED_CHECKPOINTS[m.name]()
-  raise ConfigError(
-      f'config.model.name={m.name!r} needs config.model.path (an HF directory or a .gguf '
-      f'file of the model): no checkpoint of it ships with rlax_llm (packaged: '
-      f'{sorted(PACKAGED_CHECKPOINTS)}).')
+  return presets.packaged_checkpoint(m.name)
 
 
 def build_model(config: ml_collections.ConfigDict, task: Task
@@ -109,11 +96,13 @@ def build_model(config: ml_collections.ConfigDict, task: Task
 
 
 def check_fits(config: ml_collections.ConfigDict, task: Task, model: Model,
-               tokenizer: Tokenizer, *, probe_steps: int = 4) -> dict[str, float]:
-  """Checks, before any compute, that prompts fit and the rollout batch fits in memory.
+               tokenizer: Tokenizer, *, probe_steps: int = 4, max_probe_prompts: int = 1024
+               ) -> dict[str, float]:
+  """Checks, before any compute, that the rollout batch fits in memory and prompts fit.
 
-  Encodes every held-out prompt and the first ``probe_steps`` steps' training prompts with
-  the model's tokenizer. Returns the memory estimate (bytes) it checked.
+  Encodes every held-out prompt and the first ``probe_steps`` steps' training prompts (at
+  most ``max_probe_prompts``) with the model's tokenizer. Returns the memory estimate
+  (bytes) it checked.
   Raises ConfigError naming the key to change.
   """
   s = config.sampling
@@ -123,9 +112,18 @@ def check_fits(config: ml_collections.ConfigDict, task: Task, model: Model,
         f'config.sampling.max_prompt_len ({s.max_prompt_len}) + sampling.max_new_tokens '
         f'({s.max_new_tokens}) exceeds the model\'s max_seq_len ({m.max_seq_len}); shorten '
         'them (or raise model.max_seq_len where the model allows).')
-  probe = itertools.chain(task.eval_prompts(),
-                          (task.train_prompt(i)
-                           for i in range(probe_steps * config.rl.prompts_per_step)))
+  estimate = rollout_memory_bytes(model.config, config)
+  available = available_memory_bytes()
+  if estimate['per_device_bytes'] > available:
+    raise ConfigError(
+        f'the rollout batch needs about {estimate["per_device_bytes"] / 2**30:.2f} GiB per '
+        f'device (KV cache {estimate["kv_cache_bytes"] / 2**30:.2f} GiB, params '
+        f'{estimate["params_bytes"] / 2**30:.2f} GiB, logits '
+        f'{estimate["logits_bytes"] / 2**30:.2f} GiB) but {available / 2**30:.2f} GiB is '
+        'available; lower config.rl.prompts_per_step, rl.group_size or '
+        'sampling.max_new_tokens, or shard inference wider (config.mesh.inference).')
+  probe = itertools.chain(task.eval_prompts(), (task.train_prompt(i) for i in range(
+      min(probe_steps * config.rl.prompts_per_step, max_probe_prompts))))
   longest, longest_prompt = 0, None
   for prompt in probe:
     if prompt.messages is not None and tokenizer.chat_template is None:
@@ -142,17 +140,17 @@ def check_fits(config: ml_collections.ConfigDict, task: Task, model: Model,
         f'{longest_prompt.prompt_id} encodes to {longest} tokens with the model\'s tokenizer '
         f'({(longest_prompt.messages or longest_prompt.text)!r}); raise it to at least '
         f'{longest}.')
-  estimate = rollout_memory_bytes(model.config, config)
-  available = available_memory_bytes()
-  if estimate['per_device_bytes'] > available:
-    raise ConfigError(
-        f'the rollout batch needs about {estimate["per_device_bytes"] / 2**30:.2f} GiB per '
-        f'device (KV cache {estimate["kv_cache_bytes"] / 2**30:.2f} GiB, params '
-        f'{estimate["params_bytes"] / 2**30:.2f} GiB, logits '
-        f'{estimate["logits_bytes"] / 2**30:.2f} GiB) but {available / 2**30:.2f} GiB is '
-        'available; lower config.rl.prompts_per_step, rl.group_size or '
-        'sampling.max_new_tokens, or shard inference wider (config.mesh.inference).')
   return estimate
+
+
+def prepare(config: ml_collections.ConfigDict
+            ) -> tuple[Task, Model, Params, Tokenizer]:
+  """Task, model, initial params and tokenizer, checked to fit (``check_fits``): everything
+  a run needs before its first compute. ``config`` must have passed ``validate_config``."""
+  task = build_task(config)
+  model, params, tokenizer = build_model(config, task)
+  check_fits(config, task, model, tokenizer)
+  return task, model, params, tokenizer
 
 
 def rollout_memory_bytes(model: DecoderConfig, config: ml_collections.ConfigDict
@@ -193,15 +191,6 @@ def available_memory_bytes() -> float:
   except OSError:
     pass
   return float(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_AVPHYS_PAGES'))
-
-
-def controller_settings(config: ml_collections.ConfigDict) -> ControllerSettings:
-  return ControllerSettings(
-      total_steps=config.total_steps, prompts_per_step=config.rl.prompts_per_step,
-      group_size=config.rl.group_size, staleness_j=config.staleness.j,
-      staleness_k=config.staleness.k, eval_every=config.eval.every_steps, seed=config.seed,
-      sampling=config_lib.sampling_spec(config), max_new_tokens=config.sampling.max_new_tokens,
-      advantage_estimator=config_lib.loss_config(config).estimator)
 
 
 def build_trainer(config: ml_collections.ConfigDict, model: Model, params: Params,

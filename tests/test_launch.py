@@ -5,6 +5,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -82,6 +83,48 @@ def test_bad_override_fails_before_compute(tmp_path, flag, message):
   assert message in result.stderr, result.stderr[-2000:]
   assert not (workdir / 'metrics.jsonl').exists()
   assert 'Traceback' not in result.stderr
+
+
+def test_diverging_run_exits_non_zero_naming_the_step(tmp_path):
+  """lr = 1e10 blows the params up; the guard skips the non-finite updates and stops."""
+  workdir = tmp_path / 'wd'
+  result = _launch('--config=configs/default.py:smoke', '--config.rl.learning_rate=1e10',
+                   '--config.total_steps=20', '--config.log.tensorboard=false',
+                   f'--workdir={workdir}', timeout=120)
+  assert result.returncode != 0
+  assert 'error: the run diverged. RL step ' in result.stderr, result.stderr[-2000:]
+  assert 'consecutive updates were non-finite' in result.stderr
+  assert 'Traceback' not in result.stderr
+  rows = read_metrics(workdir / 'metrics.jsonl')
+  assert rows and rows[-1]['step'] < 20 and any(r['update/skipped'] for r in rows)
+
+
+def test_a_second_launch_on_a_busy_workdir_is_refused(tmp_path):
+  """Two launches on one workdir: the second is refused while the first runs, and the first
+  run's files are its own."""
+  workdir = tmp_path / 'wd'
+  env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get('PYTHONPATH', ''))
+  first = subprocess.Popen(
+      [sys.executable, '-m', 'rlax_llm.launch', '--config=configs/default.py:smoke',
+       '--config.total_steps=40', '--config.eval.every_steps=0', '--config.seed=3',
+       f'--workdir={workdir}'], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.time() + 120
+    while not (workdir / 'metrics.jsonl').exists():  # the first run is training
+      assert first.poll() is None and time.time() < deadline, first.stderr.read()
+      time.sleep(0.2)
+    second = _launch('--config=configs/default.py:smoke', '--config.seed=4',
+                     f'--workdir={workdir}', timeout=60)
+    assert first.poll() is None, 'the first run finished before the second was tried'
+  finally:
+    out, err = first.communicate(timeout=300)
+  assert second.returncode != 0
+  assert f'is in use by another run (pid {first.pid}' in second.stderr, second.stderr[-2000:]
+  assert first.returncode == 0, err[-3000:]
+  assert json.loads((workdir / 'config.json').read_text())['seed'] == 3
+  assert [r['step'] for r in read_metrics(workdir / 'metrics.jsonl')] == list(range(1, 41))
+  assert len(list(workdir.glob('events.out.tfevents.*'))) == 1
 
 
 def test_unknown_variant_fails(tmp_path):

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import ml_collections
 
+from rlax_llm import config as config_lib
 from rlax_llm import roles
 from rlax_llm.controller import Controller
 from rlax_llm.metrics import MetricsWriter
@@ -41,10 +42,8 @@ class Run:
 @contextlib.contextmanager
 def build_run(config: ml_collections.ConfigDict, workdir) -> Iterator[Run]:
   """Builds task, model, warm-up, trainer, parameter server, worker and controller."""
-  settings = roles.controller_settings(config)
-  task = roles.build_task(config)
-  model, params, tokenizer = roles.build_model(config, task)
-  roles.check_fits(config, task, model, tokenizer)
+  settings = config_lib.controller_settings(config)
+  task, model, params, tokenizer = roles.prepare(config)
   mesh = roles.meshes(config)
 
   w = config.warmup

@@ -53,6 +53,28 @@ PRESETS: dict[str, DecoderConfig] = {
 }
 
 
+def _smollm2_path():
+  from rlax_llm.models.gguf import smollm2_gguf_path  # pylint: disable=import-outside-toplevel
+  return smollm2_gguf_path()
+
+
+# Presets whose checkpoint ships as a pip package (nothing is downloaded at run time).
+PACKAGED_CHECKPOINTS = {'smollm2-135m': _smollm2_path}
+
+
+def packaged_checkpoint(name: str):
+  """The local path of preset ``name``'s packaged checkpoint.
+
+  Raises ValueError when none ships with rlax_llm (pass the checkpoint's path instead), and
+  FileNotFoundError when its package is not installed.
+  """
+  if name not in PACKAGED_CHECKPOINTS:
+    raise ValueError(f'no checkpoint of {name!r} ships with rlax_llm (packaged: '
+                     f'{sorted(PACKAGED_CHECKPOINTS)}); pass the path of an HF directory or a '
+                     '.gguf file of the model.')
+  return PACKAGED_CHECKPOINTS[name]()
+
+
 def get_preset(name: str, **overrides: Any) -> DecoderConfig:
   """A named config (``PRESETS``) with optional field overrides (e.g. ``dtype``)."""
   if name not in PRESETS:

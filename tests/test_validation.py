@@ -1,0 +1,113 @@
+"""Every bad config value fails before any compute, in seconds, naming the key.
+
+``validate_config`` checks what needs no model file; ``roles.prepare`` checks what needs the
+model's config and tokenizer (prompt lengths, memory) before the warm-up or any compilation.
+"""
+
+import pathlib
+import time
+
+import pytest
+
+from rlax_llm import roles
+from rlax_llm.config import ConfigError, load_config_file, validate_config
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NAN, INF = float('nan'), float('inf')
+
+BAD = [
+    # key, value, message fragment
+    ('rl.learning_rate', 0.0, 'config.rl.learning_rate=0.0 must be a finite number > 0'),
+    ('rl.learning_rate', -1e-4, 'config.rl.learning_rate=-0.0001'),
+    ('rl.learning_rate', NAN, 'config.rl.learning_rate=nan'),
+    ('rl.learning_rate', INF, 'config.rl.learning_rate=inf'),
+    ('warmup.learning_rate', 0.0, 'config.warmup.learning_rate=0.0'),
+    ('rl.max_grad_norm', -1.0, 'config.rl.max_grad_norm=-1.0'),
+    ('rl.weight_decay', NAN, 'config.rl.weight_decay=nan'),
+    ('sampling.temperature', 0.0, 'config.sampling.temperature=0 (greedy) is not valid for RL'),
+    ('sampling.temperature', -0.5, 'config.sampling.temperature=-0.5'),
+    ('sampling.temperature', NAN, 'config.sampling.temperature=nan'),
+    ('sampling.top_k', -1, 'config.sampling.top_k=-1'),
+    ('sampling.top_p', 0.0, 'config.sampling.top_p=0.0'),
+    ('sampling.top_p', 1.5, 'config.sampling.top_p=1.5'),
+    ('sampling.max_new_tokens', 0, 'config.sampling.max_new_tokens=0 must be an int >= 1'),
+    ('sampling.max_new_tokens', 40, 'config.model.max_seq_len=16 is shorter than'),
+    ('sampling.max_prompt_len', 3, 'config.sampling.max_prompt_len=3 is too short'),
+    ('model.max_seq_len', 8, 'config.model.max_seq_len=8 is shorter than'),
+    ('model.tiny.num_heads', 3, 'config.model.tiny.num_heads (3) must be a multiple'),
+    ('model.name', 'gpt5', "config.model.name='gpt5' is not valid"),
+    ('model.name', 'qwen3-0.6b', "config.model.name='qwen3-0.6b' needs config.model.path"),
+    ('model.dtype', 'float16', "config.model.dtype='float16' is not valid"),
+    ('model.remat', 'some', "config.model.remat='some' is not valid"),
+    ('rl.loss', 'trpo', "config.rl.loss='trpo' is not valid"),
+    ('rl.eps_low', -0.1, 'config.rl.eps_low=-0.1 must be a finite number >= 0'),
+    ('rl.kl_beta', NAN, 'config.rl.kl_beta=nan'),
+    ('rl.m2po_tau', 0.0, 'config.rl.m2po_tau=0.0'),
+    ('rl.group_size', 0, 'config.rl.group_size=0 must be an int >= 1'),
+    ('rl.prompts_per_step', 3, "config.mesh.trainer: the batch axis is split over data x fsdp"),
+    ('rl.prompts_per_step', 2**22, 'the rollout batch needs about'),
+    ('rl.max_nonfinite_updates', 0, 'config.rl.max_nonfinite_updates=0'),
+    ('mesh.trainer.fsdp', 16, 'config.mesh.trainer: 8 devices do not divide'),
+    ('mesh.trainer.data', 16, 'config.mesh.trainer: Mesh'),
+    ('mesh.inference.data', 3, 'config.mesh.inference: the batch axis is split over'),
+    ('task.max_operand', -1, 'config.task: ArithmeticTask max_operand must be >= 0, got -1'),
+    ('task.format', 'chat', 'config.task.format=\'chat\' prompts are chat messages'),
+    ('task.answer_format', 'fuzzy', "config.task: answer_format='fuzzy'"),
+    ('staleness.k', 0, 'config.staleness.k=0 must be an int >= 1'),
+    ('staleness.k', 4, 'config.staleness: (j, k) = (1, 4)'),
+    ('backend', 'ray', "config.backend='ray' is not valid"),
+    ('total_steps', -1, 'config.total_steps=-1 must be an int >= 0'),
+    ('eval.every_steps', -2, 'config.eval.every_steps=-2'),
+]
+
+
+def _smoke():
+  return load_config_file(str(ROOT / 'configs/default.py') + ':smoke')
+
+
+def _set(config, dotted, value):
+  *parents, leaf = dotted.split('.')
+  node = config
+  for part in parents:
+    node = node[part]
+  node[leaf] = value
+
+
+def test_the_smoke_config_passes_every_check():
+  config = _smoke()
+  validate_config(config)
+  roles.prepare(config)
+
+
+@pytest.mark.parametrize('key, value, message', BAD, ids=lambda x: str(x))
+def test_bad_value_fails_fast_naming_the_key(key, value, message):
+  config = _smoke()
+  config.unlock()
+  _set(config, key, value)
+  start = time.perf_counter()
+  with pytest.raises(ConfigError) as error:
+    validate_config(config)
+    roles.prepare(config)
+  assert time.perf_counter() - start < 10
+  assert message in str(error.value), str(error.value)
+
+
+def test_m2po_with_recompute_is_refused():
+  config = _smoke()
+  config.rl.loss = 'm2po'
+  config.rl.old_logprobs = 'recompute'
+  with pytest.raises(ConfigError, match=r"config.rl.old_logprobs='recompute' cannot be used "
+                                        r"with loss='m2po'.*identically 0"):
+    validate_config(config)
+
+
+def test_mismatch_needs_recompute():
+  config = _smoke()
+  config.rl.mismatch.enabled = True
+  with pytest.raises(ConfigError, match=r"config.rl.mismatch: the correction needs "
+                                        r"old_logprobs='recompute'"):
+    validate_config(config)
+  config.rl.old_logprobs = 'recompute'
+  config.rl.mismatch.level = 'row'
+  with pytest.raises(ConfigError, match=r"config.rl.mismatch.level='row' is not valid"):
+    validate_config(config)
