@@ -1,4 +1,4 @@
-"""Config contract and validation (DESIGN.md "Config contract").
+"""Config contract and validation (docs/architecture.md "Configuration").
 
 ``validate_config`` runs before any compute: it checks every field (contract keys, choices,
 numbers, the loss, the sampling transform, the task, the model's length, the meshes against

@@ -4,7 +4,7 @@ It owns the data order (a grain dataset of prompt batches and its iterator posit
 (one root key; step ``s`` samples with ``fold_in(root, s)``), the step counter and the
 staleness policy; the trainer, parameter server, inference worker and verifier act only when
 it calls them, through typed interfaces: ``GenerationRequest``s in, ``Rollouts`` out,
-``TrainBatch`` to the trainer (DESIGN.md). Everything it must remember to resume is one
+``TrainBatch`` to the trainer (docs/architecture.md). Everything it must remember to resume is one
 ``ControllerState`` (``state()`` / ``restore()``).
 
 This controller runs the loop synchronously (staleness ``(j, k) = (1, 1)``): every step the

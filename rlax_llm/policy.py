@@ -1,7 +1,7 @@
 """The policy, defined once: model logits -> the distribution that samples and is trained.
 
 The sampling transform (temperature, then top-k, then top-p truncation) is part of the policy
-(DESIGN "One policy"). The inference worker samples from it and records each token's
+(docs/architecture.md "One policy"). The inference worker samples from it and records each token's
 behaviour log-prob under it; the trainer recomputes log-probs of the same tokens through the
 very same functions here. On-policy (same params) the two agree to float rounding, so the
 importance ratio is 1 and off-policy corrections (PPO clip, M2PO, TIS/MIS) measure only real

@@ -1,7 +1,7 @@
 """Tokenization: the ``Tokenizer`` protocol every role codes against, and ``CharTokenizer``.
 
 A leaf module (numpy only): tasks produce text or chat messages and verify text; the model
-owns the tokenizer that turns them into ids (DESIGN "Tokenization belongs to the model").
+owns the tokenizer that turns them into ids (docs/architecture.md "Tokenization belongs to the model").
 Two implementations share one surface:
 
 * ``CharTokenizer`` (here): a character-level tokenizer for tiny models trained from scratch

@@ -2,7 +2,7 @@
 
 A verifier that raises, returns something that is not a real number, or returns a value that
 is not finite once converted to float32 (``1e300`` overflows to inf) gives reward 0 and a
-counted error (DESIGN.md "Verifiers"); the controller logs the count as ``verifier/errors``.
+counted error (docs/architecture.md "Roles"); the controller logs the count as ``verifier/errors``.
 So a reward that reaches the advantages is always a finite float32. Sandboxed code
 execution with time and memory limits arrives with the code task.
 """

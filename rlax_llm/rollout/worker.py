@@ -6,7 +6,7 @@ The worker is passive (the controller calls it) and speaks typed requests and re
 (``rlax_llm.policy``) and returns each completion whole: tokens, behaviour log-probs, the
 version of every token, finish reason, decoded text and timings.
 
-Reload staleness ``j`` (RLAX, DESIGN "Staleness"): ``maybe_reload`` pulls new weights when the
+Reload staleness ``j`` (RLAX, docs/architecture.md): ``maybe_reload`` pulls new weights when the
 server is at least ``j`` versions ahead of the weights held. Params live on the worker's own
 ``inference`` mesh with the shardings the logical-axis rules give there (the same rules as
 the trainer's), and prompts are sharded along ``batch``.

@@ -12,7 +12,7 @@ parameter is NaN/Inf, the step keeps the previous params and optimizer state and
 raises ``NonFiniteError``: a run whose updates have diverged stops instead of carrying on.
 
 Versions count applied updates: after ``n`` applied updates the params are version ``n``
-(DESIGN.md "Staleness"); a skipped update does not make a new version.
+(docs/architecture.md "Versions and staleness"); a skipped update does not make a new version.
 """
 
 from __future__ import annotations

