@@ -9,6 +9,8 @@ held-out greedy accuracy. Variants (``--config=configs/default.py:VARIANT``):
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+VARIANTS = ('smoke',)
+
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
@@ -76,5 +78,6 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.task.num_eval = 16
     c.eval.every_steps = 2
   elif variant is not None:
-    raise ValueError(f'Unknown variant {variant!r} of configs/default.py; valid: smoke.')
+    raise ValueError(f'Unknown variant {variant!r} of configs/default.py; valid: '
+                     f'{", ".join(VARIANTS)}.')
   return c

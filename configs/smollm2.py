@@ -10,6 +10,8 @@ Variants (``--config=configs/smollm2.py:VARIANT``):
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+VARIANTS = ('smoke',)
+
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
@@ -62,5 +64,6 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.sampling.max_new_tokens = 12
     c.eval.every_steps = 0
   elif variant is not None:
-    raise ValueError(f'Unknown variant {variant!r} of configs/smollm2.py; valid: smoke.')
+    raise ValueError(f'Unknown variant {variant!r} of configs/smollm2.py; valid: '
+                     f'{", ".join(VARIANTS)}.')
   return c

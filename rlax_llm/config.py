@@ -45,6 +45,7 @@ CHOICES = {
     'backend': ('local',),
     'model.param_dtype': ('float32', 'bfloat16'),
     'model.dtype': ('float32', 'bfloat16'),
+    'model.remat': REMAT_POLICIES,
 }
 
 POSITIVE_INTS = ('rl.group_size', 'rl.prompts_per_step', 'rl.max_nonfinite_updates',
@@ -193,9 +194,6 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
   if m.name not in valid:
     raise ConfigError(f'config.model.name={m.name!r} is not valid; choose one of '
                       f'{list(valid)}.')
-  if m.remat not in REMAT_POLICIES:
-    raise ConfigError(f'config.model.remat={m.remat!r} is not valid; choose one of '
-                      f'{list(REMAT_POLICIES)}.')
   s = config.sampling
   needed = s.max_prompt_len + s.max_new_tokens
   if m.name == 'tiny':
@@ -260,6 +258,14 @@ def _describe(error: BaseException) -> str:
   """'ValueError: message' on one line."""
   text = str(error).strip().replace('\n', ' ')
   return f'{type(error).__name__}: {text}' if text else type(error).__name__
+
+
+def config_variants(path: str | os.PathLike) -> tuple[str, ...]:
+  """The named variants a config file declares in its module-level ``VARIANTS`` tuple."""
+  module_spec = importlib.util.spec_from_file_location('_rlax_llm_config_variants', path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return tuple(getattr(module, 'VARIANTS', ()))
 
 
 def load_config_file(spec: str) -> ml_collections.ConfigDict:

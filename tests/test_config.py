@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from rlax_llm.config import (REQUIRED_KEYS, ConfigError, check_config_spec, check_override_keys,
-                             load_config_file, validate_config)
+                             config_variants, load_config_file, validate_config)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = sorted(ROOT.glob('configs/*.py'))
@@ -20,14 +20,22 @@ def _in_repo_root(monkeypatch):
   monkeypatch.chdir(ROOT)
 
 
-@pytest.mark.parametrize('path', CONFIGS, ids=lambda p: p.name)
-def test_configs_validate(path):
-  config = load_config_file(str(path))
+CASES = [(path, variant) for path in CONFIGS for variant in (None, *config_variants(path))]
+
+
+@pytest.mark.parametrize('path, variant', CASES,
+                         ids=lambda x: x.name if isinstance(x, pathlib.Path) else str(x))
+def test_every_config_and_variant_validates_and_prepares(path, variant):
+  """Every shipped config passes every check a launch makes before compute, model files and
+  tokenizer included (roles.prepare)."""
+  from rlax_llm import roles  # pylint: disable=import-outside-toplevel
+  config = load_config_file(f'{path}:{variant}' if variant else str(path))
   validate_config(config)
   for key in REQUIRED_KEYS:
     node = config
     for part in key.split('.'):
       node = node[part]
+  roles.prepare(config)
 
 
 def test_missing_key_names_it():

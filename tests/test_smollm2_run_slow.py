@@ -1,0 +1,28 @@
+"""The real-model path end to end: GRPO on SmolLM2-135M-Instruct (configs/smollm2.py:smoke).
+
+Slow (about 90 s here: the 30-layer model's compilation dominates), so it runs with the
+benchmarks (``pytest -m slow``), not in the default test command.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_smollm2_smoke_run(tmp_path):
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  result = subprocess.run(
+      [sys.executable, '-m', 'rlax_llm.launch', '--config=configs/smollm2.py:smoke',
+       f'--workdir={tmp_path / "wd"}'], cwd=ROOT, env=env, capture_output=True, text=True,
+      timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  summary = json.loads((tmp_path / 'wd' / 'summary.json').read_text())
+  assert summary['steps'] == 2
+  assert 0.0 <= summary['eval/final_accuracy'] <= 1.0
