@@ -45,6 +45,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c.sampling = ml_collections.ConfigDict(dict(
       temperature=1.0, top_k=0, top_p=1.0, max_prompt_len=64, max_new_tokens=24,
   ))
+  # The inference engine: KV-cache slots (concurrent sequences) and what a weight swap does
+  # to sequences in flight ('continue', PipelineRL; 'discard' and regenerate, RLAX).
+  c.rollout = ml_collections.ConfigDict(dict(slots=32, on_swap='continue'))
   c.staleness = ml_collections.ConfigDict(dict(j=1, k=1))
   c.backend = 'local'
   c.checkpoint = ml_collections.ConfigDict(dict(every_steps=0))

@@ -46,9 +46,11 @@ CHOICES = {
     'model.param_dtype': ('float32', 'bfloat16'),
     'model.dtype': ('float32', 'bfloat16'),
     'model.remat': REMAT_POLICIES,
+    'rollout.on_swap': ('continue', 'discard'),
 }
 
 POSITIVE_INTS = ('rl.group_size', 'rl.prompts_per_step', 'rl.max_nonfinite_updates',
+                 'rollout.slots',
                  'sampling.max_new_tokens', 'sampling.max_prompt_len', 'warmup.batch_size',
                  'log.console_every')
 NON_NEGATIVE_INTS = ('seed', 'total_steps', 'warmup.steps', 'warmup.warmup_steps',
@@ -228,7 +230,7 @@ def _validate_meshes(config: ml_collections.ConfigDict) -> None:
   from rlax_llm.sharding import make_mesh  # pylint: disable=import-outside-toplevel
   rollout_batch = config.rl.prompts_per_step * config.rl.group_size
   batches = {'trainer': [('rl.prompts_per_step * rl.group_size', rollout_batch)],
-             'inference': [('rl.prompts_per_step * rl.group_size', rollout_batch)]}
+             'inference': [('rollout.slots', config.rollout.slots)]}
   if config.warmup.steps > 0:
     batches['trainer'].append(('warmup.batch_size', config.warmup.batch_size))
   for role, sizes in batches.items():

@@ -26,12 +26,14 @@ FINISH_REASONS = ('stop', 'length')  # 'stop': emitted eos; 'length': hit max_ne
 class GenerationRequest:
   """Sample ``num_samples`` completions of ``prompt`` (its text, or its chat messages
   rendered by the model's chat template) with ``sampling``, each at most
-  ``max_new_tokens`` long. The samples share one group id."""
+  ``max_new_tokens`` long, ending early at the tokenizer's eos or any of
+  ``stop_token_ids`` (kept in the output). The samples share one group id and one prefill."""
 
   prompt: Prompt
   num_samples: int
   sampling: SamplingSpec
   max_new_tokens: int
+  stop_token_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
     for name in ('num_samples', 'max_new_tokens'):
@@ -55,13 +57,17 @@ class Rollouts:
   completion_tokens: np.ndarray  # int32 [B, N], pad after the end
   completion_mask: np.ndarray  # bool [B, N]: generated tokens (eos included)
   behaviour_logprobs: np.ndarray  # float32 [B, N]: log-prob under `sampling`, 0 off the mask
+  support_sizes: np.ndarray  # int32 [B, N]: tokens the draw could pick (top-k/top-p support)
   versions: np.ndarray  # int32 [B, N]: policy version per token, -1 off the mask
   finish_reasons: np.ndarray  # str [B]: one of FINISH_REASONS
   completions: list[str]  # decoded text, without eos
-  sampling: SamplingSpec  # the policy transform the behaviour log-probs were taken under
-  timings: dict[str, float]  # wall seconds of the worker's phases, e.g. 'generate_s'
+  sampling: SamplingSpec | None  # the policy transform of the behaviour log-probs (None:
+  #   the requests mixed several specs)
+  timings: dict[str, float]  # the worker's figures, e.g. 'generate_s', 'tokens_per_s'
   rewards: np.ndarray | None = None  # float32 [B]
   verifier_errors: int = 0
+  restarts: np.ndarray | None = None  # int32 [B]: times a sample was discarded and redone
+  on_swap: str = 'continue'  # what a weight swap did to samples in flight
 
   def __len__(self) -> int:
     return len(self.prompt_ids)
@@ -79,6 +85,7 @@ class TrainBatch:
   tokens: jax.Array  # int32 [B, T]: prompt then completion, right-padded
   loss_mask: jax.Array  # float32 [B, T]: 1 on completion tokens
   behaviour_logprobs: jax.Array  # float32 [B, T]: 0 off the loss mask
+  support_sizes: jax.Array  # int32 [B, T]: the sampler's support size per token, 0 off the mask
   advantages: jax.Array  # float32 [B]
   versions: jax.Array  # int32 [B, T]: -1 off the loss mask
   group_ids: jax.Array  # int32 [B]
@@ -94,6 +101,7 @@ def make_train_batch(rollouts: Rollouts, advantages: np.ndarray) -> TrainBatch:
   tokens = np.zeros((b, length), np.int32)
   loss_mask = np.zeros((b, length), np.float32)
   logps = np.zeros((b, length), np.float32)
+  supports = np.zeros((b, length), np.int32)
   versions = np.full((b, length), -1, np.int32)
   comp_len = rollouts.completion_mask.sum(axis=1)
   for i in range(b):
@@ -102,7 +110,8 @@ def make_train_batch(rollouts: Rollouts, advantages: np.ndarray) -> TrainBatch:
     tokens[i, lp:lp + lc] = rollouts.completion_tokens[i, :lc]
     loss_mask[i, lp:lp + lc] = 1.0
     logps[i, lp:lp + lc] = rollouts.behaviour_logprobs[i, :lc]
+    supports[i, lp:lp + lc] = rollouts.support_sizes[i, :lc]
     versions[i, lp:lp + lc] = rollouts.versions[i, :lc]
   return TrainBatch(tokens=tokens, loss_mask=loss_mask, behaviour_logprobs=logps,
-                    advantages=np.asarray(advantages, np.float32), versions=versions,
+                    support_sizes=supports, advantages=np.asarray(advantages, np.float32), versions=versions,
                     group_ids=np.asarray(rollouts.group_ids, np.int32))

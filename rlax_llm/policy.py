@@ -21,6 +21,15 @@ policy is the truncated, renormalised distribution
   (``token_log_probs``). A trainer that used the plain ``log_softmax(z / T)`` instead would see
   ``log r = log S`` on-policy, where ``S = sum_{b in K} softmax(z / T)_b < 1`` is the kept mass:
   the known bias of naive renormalisation (TRL #6789), which biases every ratio-based loss.
+* **The support travels with the rollout.** The sampler records the size ``|K|`` of the
+  support each token was drawn from; the trainer takes ``K`` = the ``|K|`` largest logits
+  under its params. Recomputing the top-p decision instead is fragile: the trainer's logits
+  differ from the sampler's by float rounding (another program computes them), and a token
+  whose cumulative mass sits at the top-p threshold then falls on the other side, changing
+  the normaliser of its position by that token's mass (a 0.9% ratio error on a random model
+  at temperature 1.3 and top-p 0.9 in our tests). The log-sum-exp over the ``|K|`` largest
+  logits is continuous in the logits, so on-policy the ratio is 1 up to rounding. Off-policy
+  the current policy is evaluated with the support size the behaviour policy used.
 * **Tokens outside the support.** Off-policy, a token sampled under old params may fall
   outside ``K(z)`` of the new params, where ``pi(a) = 0`` and ``log pi(a) = -inf``. We
   score such a token with the same normaliser, ``z_a / T - log sum_{b in K(z)} exp(z_b / T)``:
@@ -45,6 +54,7 @@ import dataclasses
 import math
 
 import chex
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -82,6 +92,11 @@ class SamplingSpec:
   def greedy(self) -> bool:
     return self.temperature == 0.0
 
+  @property
+  def truncates(self) -> bool:
+    """Whether top-k or top-p removes tokens from the support."""
+    return self.top_k > 0 or self.top_p < 1.0
+
   def check_for_rollouts(self) -> 'SamplingSpec':
     """Returns ``self``; raises ValueError for greedy decoding, which RL cannot learn from."""
     if self.greedy:
@@ -95,12 +110,16 @@ class SamplingSpec:
 GREEDY = SamplingSpec(temperature=0.0)
 
 
-def transform_logits(logits: jax.Array, spec: SamplingSpec) -> tuple[jax.Array, jax.Array]:
+def transform_logits(logits: jax.Array, spec: SamplingSpec,
+                     support_size: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Temperature scaling and the kept set.
 
   Args:
     logits: float ``[..., V]`` raw model logits.
     spec: a non-greedy ``SamplingSpec``.
+    support_size: optional int ``[...]``: keep exactly the ``support_size`` largest scaled
+      logits (ties kept) instead of deciding top-k/top-p from these logits (see
+      ``token_log_probs``). Ignored when ``spec`` does not truncate.
   Returns:
     ``(scaled float32 [..., V], kept bool [..., V])``: ``logits / T`` and the support
     ``K`` (top-k first, then top-p over the top-k-renormalised distribution; ties at a
@@ -111,6 +130,15 @@ def transform_logits(logits: jax.Array, spec: SamplingSpec) -> tuple[jax.Array, 
                      'log-probs to train on.')
   scaled = logits.astype(jnp.float32) / spec.temperature
   vocab = scaled.shape[-1]
+  if support_size is not None and spec.truncates:
+    size = jnp.clip(support_size, 1, vocab).astype(jnp.int32)[..., None]
+    if spec.top_p < 1.0 or spec.top_k >= vocab:
+      largest = -jnp.sort(-scaled, axis=-1)
+    else:
+      largest = jax.lax.top_k(scaled, spec.top_k)[0]
+      size = jnp.minimum(size, spec.top_k)
+    kth = jnp.take_along_axis(largest, size - 1, axis=-1)
+    return scaled, scaled >= kth
   kept = jnp.ones(scaled.shape, bool)
   if spec.top_k and spec.top_k < vocab:
     kth = jax.lax.top_k(scaled, spec.top_k)[0][..., -1:]
@@ -126,60 +154,87 @@ def transform_logits(logits: jax.Array, spec: SamplingSpec) -> tuple[jax.Array, 
   return scaled, kept
 
 
-def log_probs(logits: jax.Array, spec: SamplingSpec) -> tuple[jax.Array, jax.Array]:
+def log_probs(logits: jax.Array, spec: SamplingSpec, support_size: jax.Array | None = None
+              ) -> tuple[jax.Array, jax.Array]:
   """Log-probs of every token under the policy (see the module docstring).
 
   Returns ``(logp float32 [..., V], kept bool [..., V])``; ``logp`` is the truncated
   log-prob on ``kept`` and the same normaliser's finite extension elsewhere.
   """
-  scaled, kept = transform_logits(logits, spec)
+  scaled, kept = transform_logits(logits, spec, support_size)
   normaliser = jax.nn.logsumexp(jnp.where(kept, scaled, -jnp.inf), axis=-1, keepdims=True)
   return scaled - normaliser, kept
 
 
-def token_log_probs(logits: jax.Array, tokens: jax.Array, spec: SamplingSpec
-                    ) -> tuple[jax.Array, jax.Array]:
+def token_log_probs(logits: jax.Array, tokens: jax.Array, spec: SamplingSpec,
+                    support_size: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Log-prob of each given token under the policy.
 
   Args:
     logits: float ``[..., V]``; ``tokens``: int ``[...]`` (the tokens these logits predict).
+    spec: the policy's sampling transform.
+    support_size: optional int ``[...]``, the support size the sampler recorded for each
+      token. With it the support is the ``support_size`` largest logits, whose normaliser
+      is continuous in the logits; without it top-k/top-p are decided from these logits,
+      and a rounding difference that moves a token across the top-p threshold shifts every
+      log-prob of the position (see the module docstring).
   Returns:
     ``(logp float32 [...], in_support bool [...])``.
   """
   chex.assert_equal_shape_prefix([logits, tokens], tokens.ndim)
-  logp, kept = log_probs(logits, spec)
+  logp, kept = log_probs(logits, spec, support_size)
   index = tokens[..., None].astype(jnp.int32)
   return (jnp.take_along_axis(logp, index, axis=-1)[..., 0],
           jnp.take_along_axis(kept, index, axis=-1)[..., 0])
 
 
 def sample(logits: jax.Array, rng: jax.Array, spec: SamplingSpec
-           ) -> tuple[jax.Array, jax.Array]:
-  """Draws one token per row and returns its behaviour log-prob.
+           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Draws one token per row and returns its behaviour log-prob and support size.
 
   Args:
     logits: float ``[B, V]`` raw model logits.
     rng: a PRNG key.
     spec: the sampling transform; greedy takes the argmax with log-prob 0 (a point mass).
   Returns:
-    ``(tokens int32 [B], logp float32 [B])``.
+    ``(tokens int32 [B], logp float32 [B], support_size int32 [B])``: the support size is
+    how many tokens the draw could have picked (what the trainer's ``token_log_probs``
+    takes to reproduce this distribution; 1 for greedy).
   """
   if spec.greedy:
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return tokens, jnp.zeros(tokens.shape, jnp.float32)
+    return tokens, jnp.zeros(tokens.shape, jnp.float32), jnp.ones(tokens.shape, jnp.int32)
   logp, kept = log_probs(logits, spec)
   tokens = jax.random.categorical(rng, jnp.where(kept, logp, -jnp.inf), axis=-1)
   tokens = tokens.astype(jnp.int32)
-  return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+  return (tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0],
+          kept.sum(-1).astype(jnp.int32))
 
 
-def entropy(logits: jax.Array, spec: SamplingSpec) -> jax.Array:
+def sample_rows(logits: jax.Array, keys: jax.Array, spec: SamplingSpec
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``sample`` with one PRNG key per row: row ``b`` draws with ``keys[b]`` alone, so its
+  token does not depend on which other rows share the batch (continuous batching).
+
+  Args:
+    logits: float ``[B, V]``; keys: ``[B]`` PRNG keys.
+  Returns:
+    ``(tokens int32 [B], logp float32 [B], support_size int32 [B])``.
+  """
+  if spec.greedy:
+    return sample(logits, keys[0], spec)
+  return jax.vmap(lambda row, key: tuple(x[0] for x in sample(row[None], key, spec)))(
+      logits, keys)
+
+
+def entropy(logits: jax.Array, spec: SamplingSpec, support_size: jax.Array | None = None
+            ) -> jax.Array:
   """Entropy of the policy distribution per position: float ``[..., V]`` -> float32 ``[...]``."""
-  logp, kept = log_probs(logits, spec)
+  logp, kept = log_probs(logits, spec, support_size)
   return -jnp.sum(jnp.where(kept, jnp.exp(logp) * logp, 0.0), axis=-1)
 
 
-@dataclasses.dataclass(frozen=True)
+@flax.struct.dataclass
 class SequenceLogProbs:
   """Per-position outputs of ``Policy.sequence_log_probs`` for ``tokens [B, T]``.
 
@@ -205,14 +260,17 @@ class Policy:
   def with_sampling(self, sampling: SamplingSpec) -> 'Policy':
     return Policy(self.model, sampling)
 
-  def sample(self, logits: jax.Array, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``sample(logits, rng, self.sampling)``."""
-    return sample(logits, rng, self.sampling)
+  def sequence_log_probs(self, params: Params, tokens: jax.Array,
+                         support_sizes: jax.Array | None = None) -> SequenceLogProbs:
+    """Log-probs of each next token of ``tokens`` (int32 ``[B, T]``) under ``params``.
 
-  def sequence_log_probs(self, params: Params, tokens: jax.Array) -> SequenceLogProbs:
-    """Log-probs of each next token of ``tokens`` (int32 ``[B, T]``) under ``params``."""
+    ``support_sizes``: optional int ``[B, T]`` aligned with ``tokens`` (the support size the
+    sampler recorded when it drew token ``t``; see ``token_log_probs``).
+    """
     logits = self.model.apply(params, tokens)[:, :-1]
-    logp, in_support = token_log_probs(logits, tokens[:, 1:], self.sampling)
-    return SequenceLogProbs(logp=logp, in_support=in_support,
-                            entropy=jax.lax.stop_gradient(entropy(logits, self.sampling)))
+    sizes = None if support_sizes is None else support_sizes[:, 1:]
+    logp, in_support = token_log_probs(logits, tokens[:, 1:], self.sampling, sizes)
+    return SequenceLogProbs(
+        logp=logp, in_support=in_support,
+        entropy=jax.lax.stop_gradient(entropy(logits, self.sampling, sizes)))
 

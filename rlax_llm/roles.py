@@ -208,7 +208,9 @@ def build_trainer(config: ml_collections.ConfigDict, model: Model, params: Param
 
 def build_worker(config: ml_collections.ConfigDict, model: Model, tokenizer: Tokenizer,
                  mesh: jax.sharding.Mesh) -> InferenceWorker:
-  return InferenceWorker(model, tokenizer, mesh, config.sampling.max_prompt_len)
+  return InferenceWorker(model, tokenizer, mesh, max_prompt_len=config.sampling.max_prompt_len,
+                         max_new_tokens=config.sampling.max_new_tokens,
+                         slots=config.rollout.slots, on_swap=config.rollout.on_swap)
 
 
 def meshes(config: ml_collections.ConfigDict) -> dict[str, jax.sharding.Mesh]:

@@ -17,6 +17,7 @@ def test_packing_aligns_tokens_logprobs_and_versions():
       completion_tokens=np.array([[4, 2, 0], [6, 6, 2]], np.int32),
       completion_mask=np.array([[1, 1, 0], [1, 1, 1]], bool),
       behaviour_logprobs=np.array([[-0.1, -0.2, 0.0], [-0.3, -0.4, -0.5]], np.float32),
+      support_sizes=np.array([[5, 6, 0], [7, 8, 9]], np.int32),
       versions=np.array([[3, 3, -1], [3, 3, 3]], np.int32),
       finish_reasons=np.array(['stop', 'length']), completions=['4', '66'],
       sampling=SamplingSpec(), timings={}, rewards=np.array([1.0, 0.0], np.float32))
@@ -27,6 +28,7 @@ def test_packing_aligns_tokens_logprobs_and_versions():
   np.testing.assert_allclose(batch.behaviour_logprobs[0], [0, 0, 0, -0.1, -0.2, 0, 0])
   np.testing.assert_allclose(batch.behaviour_logprobs[1], [0, 0, -0.3, -0.4, -0.5, 0, 0])
   np.testing.assert_array_equal(batch.versions[0], [-1, -1, -1, 3, 3, -1, -1])
+  np.testing.assert_array_equal(batch.support_sizes[1], [0, 0, 7, 8, 9, 0, 0])
   np.testing.assert_allclose(batch.advantages, [0.7, -0.7])
   assert batch.tokens.dtype == np.int32 and batch.loss_mask.dtype == np.float32
 

@@ -2,14 +2,15 @@
 
 The worker is passive (the controller calls it) and speaks typed requests and results only:
 ``generate(requests, rng) -> Rollouts``. It tokenizes prompts with the model's tokenizer
-(chat messages through the checkpoint's chat template), samples from the policy
-(``rlax_llm.policy``) and returns each completion whole: tokens, behaviour log-probs, the
-version of every token, finish reason, decoded text and timings.
+(chat messages through the checkpoint's chat template), runs them through the
+continuous-batching driver (``rlax_llm.rollout.driver``) over the JetStream-API engine
+(``rlax_llm.rollout.engine``), and returns each completion whole: tokens, behaviour
+log-probs, the version of every token, finish reason, restarts, decoded text and timings.
 
-Reload staleness ``j`` (RLAX, docs/architecture.md): ``maybe_reload`` pulls new weights when the
-server is at least ``j`` versions ahead of the weights held. Params live on the worker's own
-``inference`` mesh with the shardings the logical-axis rules give there (the same rules as
-the trainer's), and prompts are sharded along ``batch``.
+Reload staleness ``j`` (RLAX, docs/architecture.md): ``maybe_reload`` pulls new weights when
+the server is at least ``j`` versions ahead of the weights held. ``load`` swaps the weights
+the driver reads before every decode step. Params live on the worker's own ``inference``
+mesh with the shardings the logical-axis rules give there (the same rules as the trainer's).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from rlax_llm import sharding as sharding_lib
 from rlax_llm.data_types import GenerationRequest, Rollouts
 from rlax_llm.models.model import Model
 from rlax_llm.paramserver import ParameterServer
-from rlax_llm.policy import Policy, SamplingSpec
-from rlax_llm.rollout.sampler import generate
+from rlax_llm.rollout.driver import Driver, Job, VersionedParams
+from rlax_llm.rollout.engine import Engine
 from rlax_llm.tokenization import Tokenizer, encode_prompt
 
 
@@ -38,28 +39,43 @@ class InferenceWorker:
     model: the decoder.
     tokenizer: the model's tokenizer (encodes prompts, decodes completions).
     mesh: the inference mesh.
-    max_prompt_len: prompts are right-padded to this many tokens (bos or chat template
-      included), so every batch has one shape and generation compiles once per sampling
-      spec and length.
+    max_prompt_len: the longest prompt in tokens (bos or chat template included); the
+      engine's largest prefill bucket.
+    max_new_tokens: the most tokens a request may generate.
+    slots: concurrent sequences of the engine (``max_concurrent_decodes``).
+    on_swap: what a weight swap does to sequences in flight (``'continue'``/``'discard'``).
+    prefill_buckets: prompt length buckets (default: powers of two up to max_prompt_len).
     rules: logical-axis rules placing the params on ``mesh``.
   """
 
-  def __init__(self, model: Model, tokenizer: Tokenizer, mesh: Mesh, max_prompt_len: int, *,
+  def __init__(self, model: Model, tokenizer: Tokenizer, mesh: Mesh, *, max_prompt_len: int,
+               max_new_tokens: int, slots: int = 32, on_swap: str = 'continue',
+               prefill_buckets: Sequence[int] | None = None,
                rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES):
     self.model = model
     self.tokenizer = tokenizer
     self.mesh = mesh
     self.max_prompt_len = max_prompt_len
-    self.param_shardings = sharding_lib.param_shardings(
-        model.abstract_params(), model.logical_axes(), mesh, rules)
-    self.version = -1
-    self.params = None
+    self.engine = Engine(model, mesh, slots=slots, max_prefill_length=max_prompt_len,
+                         max_decode_length=max_new_tokens, pad_id=tokenizer.pad_id,
+                         prefill_buckets=prefill_buckets, rules=rules)
+    self.holder = VersionedParams()
+    self.driver = Driver(self.engine, self.holder, on_swap=on_swap)
     self.reloads = 0
 
+  @property
+  def version(self) -> int:
+    """The version of the weights held (-1: none)."""
+    return self.holder.version
+
+  @property
+  def params(self):
+    return None if self.holder.version < 0 else self.holder.get()[1]
+
   def load(self, version: int, params) -> None:
-    """Installs weights (host or device arrays) of ``version``, sharded on the mesh."""
-    self.params = jax.device_put(params, self.param_shardings)
-    self.version = int(version)
+    """Installs weights (host or device arrays) of ``version``, sharded on the mesh; the
+    driver uses them from its next decode step on."""
+    self.holder.set(version, self.engine.place_params(params))
     self.reloads += 1
 
   def maybe_reload(self, server: ParameterServer, j: int) -> bool:
@@ -72,77 +88,93 @@ class InferenceWorker:
     latest = server.latest_version()
     if latest < 0:
       raise LookupError('the parameter server holds no weights yet; push version 0 first.')
-    if self.params is None or latest - self.version >= j:
+    if self.version < 0 or latest - self.version >= j:
       snapshot = server.pull(min_version=latest)
       self.load(snapshot.version, snapshot.params)
       return True
     return False
 
-  def encode(self, requests: Sequence[GenerationRequest]) -> tuple[np.ndarray, np.ndarray]:
-    """Prompt ids of each request, right-padded: ``(int32 [R, max_prompt_len], int32 [R])``.
-
-    Raises ValueError naming the prompt when one is empty or longer than ``max_prompt_len``.
-    """
-    tokens = np.full((len(requests), self.max_prompt_len), self.tokenizer.pad_id, np.int32)
-    lengths = np.zeros(len(requests), np.int32)
-    for row, request in enumerate(requests):
-      prompt = request.prompt
-      ids = encode_prompt(self.tokenizer, messages=prompt.messages) if prompt.messages else (
-          encode_prompt(self.tokenizer, text=prompt.text))
-      if not ids or len(ids) > self.max_prompt_len:
-        raise ValueError(
-            f'prompt {prompt.prompt_id} encodes to {len(ids)} tokens; it must have between 1 '
-            f'and max_prompt_len={self.max_prompt_len} (raise sampling.max_prompt_len): '
-            f'{(prompt.messages or prompt.text)!r}')
-      tokens[row, :len(ids)] = ids
-      lengths[row] = len(ids)
-    return tokens, lengths
+  def encode(self, request: GenerationRequest) -> list[int]:
+    """The prompt's ids; raises ValueError naming the prompt when it is empty or longer than
+    ``max_prompt_len``."""
+    prompt = request.prompt
+    ids = (encode_prompt(self.tokenizer, messages=prompt.messages) if prompt.messages
+           else encode_prompt(self.tokenizer, text=prompt.text))
+    if not ids or len(ids) > self.max_prompt_len:
+      raise ValueError(
+          f'prompt {prompt.prompt_id} encodes to {len(ids)} tokens; it must have between 1 '
+          f'and max_prompt_len={self.max_prompt_len} (raise sampling.max_prompt_len): '
+          f'{(prompt.messages or prompt.text)!r}')
+    return ids
 
   def generate(self, requests: Sequence[GenerationRequest], rng: jax.Array) -> Rollouts:
     """Samples every request; rows of request ``i`` are contiguous with group id ``i``.
 
-    All requests of one call must share ``sampling`` and ``max_new_tokens`` (one static
-    batch). The same weights, requests and ``rng`` give the same rollouts.
+    Sample ``s`` of request ``i`` draws with the key ``fold_in(fold_in(rng, i), s)``, so the
+    same weights, requests and ``rng`` give the same rollouts however the driver batches
+    them. Requests with different sampling specs run one spec after the other.
     """
-    if self.params is None:
+    if self.version < 0:
       raise RuntimeError('InferenceWorker has no weights; call load() or maybe_reload() first.')
     if not requests:
       raise ValueError('generate needs at least one request.')
-    sampling: SamplingSpec = requests[0].sampling
-    max_new = requests[0].max_new_tokens
-    for request in requests:
-      if (request.sampling, request.max_new_tokens) != (sampling, max_new):
-        raise ValueError(
-            'all requests of one generate call must share sampling and max_new_tokens; got '
-            f'{request.sampling}/{request.max_new_tokens} and {sampling}/{max_new}.')
-    if self.max_prompt_len + max_new > self.model.config.max_seq_len:
-      raise ValueError(
-          f'max_prompt_len ({self.max_prompt_len}) + max_new_tokens ({max_new}) exceeds the '
-          f'model max_seq_len ({self.model.config.max_seq_len}).')
     start = time.perf_counter()
-    tokens, lengths = self.encode(requests)
-    counts = np.asarray([r.num_samples for r in requests])
-    tokens = np.repeat(tokens, counts, axis=0)
-    lengths = np.repeat(lengths, counts, axis=0)
-    shardings = sharding_lib.batch_sharding(self.mesh, {'t': tokens, 'l': lengths})
-    samples = generate(Policy(self.model, sampling), self.params,
-                       jax.device_put(tokens, shardings['t']),
-                       jax.device_put(lengths, shardings['l']), rng, self.version,
-                       max_new_tokens=max_new, eos_id=self.tokenizer.eos_id,
-                       pad_id=self.tokenizer.pad_id)
-    samples = jax.device_get(samples)
-    generate_s = time.perf_counter() - start
-    completion_tokens = np.asarray(samples.tokens)
+    prompts = [self.encode(r) for r in requests]
+    stop = (self.tokenizer.eos_id,)
+    jobs = []
+    for i, (request, ids) in enumerate(zip(requests, prompts)):
+      request_key = jax.random.fold_in(rng, i)
+      keys = np.stack([np.asarray(jax.random.key_data(jax.random.fold_in(request_key, s)))
+                       for s in range(request.num_samples)])
+      jobs.append(Job(prompt_ids=tuple(ids), num_samples=request.num_samples,
+                      sampling=request.sampling, max_new_tokens=request.max_new_tokens,
+                      stop_ids=tuple(dict.fromkeys(stop + tuple(request.stop_token_ids))),
+                      keys=keys))
+    results = self.driver.run(jobs)
+    return self._rollouts(requests, prompts, results, time.perf_counter() - start)
+
+  def _rollouts(self, requests, prompts, results, generate_s) -> Rollouts:
+    counts = [r.num_samples for r in requests]
+    b = sum(counts)
+    width = max(r.max_new_tokens for r in requests)
+    pad = self.tokenizer.pad_id
+    prompt_tokens = np.full((b, self.max_prompt_len), pad, np.int32)
+    prompt_lengths = np.zeros(b, np.int32)
+    tokens = np.full((b, width), pad, np.int32)
+    mask = np.zeros((b, width), bool)
+    logprobs = np.zeros((b, width), np.float32)
+    supports = np.zeros((b, width), np.int32)
+    versions = np.full((b, width), -1, np.int32)
+    finish, restarts = [], np.zeros(b, np.int32)
+    row = 0
+    for ids, samples in zip(prompts, results):
+      for sample in samples:
+        n = len(sample.tokens)
+        prompt_tokens[row, :len(ids)] = ids
+        prompt_lengths[row] = len(ids)
+        tokens[row, :n] = sample.tokens
+        mask[row, :n] = True
+        logprobs[row, :n] = sample.logprobs
+        supports[row, :n] = sample.supports
+        versions[row, :n] = sample.versions
+        finish.append(sample.finish_reason)
+        restarts[row] = sample.restarts
+        row += 1
+    stats = self.driver.stats
+    generated = int(mask.sum())
+    specs = {r.sampling for r in requests}
     return Rollouts(
         prompt_ids=np.repeat([r.prompt.prompt_id for r in requests], counts).astype(np.int64),
         group_ids=np.repeat(np.arange(len(requests), dtype=np.int32), counts),
-        prompt_tokens=tokens, prompt_lengths=lengths,
-        completion_tokens=completion_tokens,
-        completion_mask=np.asarray(samples.mask),
-        behaviour_logprobs=np.asarray(samples.logprobs),
-        versions=np.asarray(samples.versions),
-        finish_reasons=np.where(np.asarray(samples.finished), 'stop', 'length'),
-        completions=self.tokenizer.decode_batch(completion_tokens),
-        sampling=sampling,
-        timings={'generate_s': generate_s,
-                 'tokens_per_s': float(np.asarray(samples.lengths).sum()) / generate_s})
+        prompt_tokens=prompt_tokens, prompt_lengths=prompt_lengths,
+        completion_tokens=tokens, completion_mask=mask, behaviour_logprobs=logprobs,
+        support_sizes=supports, versions=versions, finish_reasons=np.asarray(finish),
+        completions=self.tokenizer.decode_batch(tokens),
+        sampling=specs.pop() if len(specs) == 1 else None,
+        timings={'generate_s': generate_s, 'tokens_per_s': generated / generate_s,
+                 'prefill_s': stats.get('prefill_s', 0.0),
+                 'decode_s': stats.get('decode_s', 0.0),
+                 'decode_steps': stats.get('steps', 0.0),
+                 'slot_occupancy': stats.get('slot_steps', 0.0) / max(
+                     1.0, stats.get('steps', 0.0) * self.engine.slots)},
+        restarts=restarts, on_swap=self.driver.on_swap)

@@ -24,7 +24,8 @@ from rlax_llm.policy import Policy
 def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
                  batch: TrainBatch, reference_params: Params | None
                  ) -> tuple[jax.Array, dict[str, Any]]:
-  """Recomputes the log-probs of the batch's tokens under ``policy`` and applies the loss.
+  """Recomputes the log-probs of the batch's tokens under ``policy`` (with the support sizes
+  the sampler recorded) and applies the loss.
 
   With ``loss_config.old_logprobs == 'recompute'`` the proximal log-probs are these same
   log-probs, detached (the params before the update); with ``kl_beta > 0`` the reference
@@ -32,14 +33,14 @@ def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
   Metrics add ``entropy`` (of the policy distribution) and
   ``policy/out_of_support_fraction`` (loss tokens outside the policy's top-k/top-p support).
   """
-  scored = policy.sequence_log_probs(params, batch.tokens)
+  scored = policy.sequence_log_probs(params, batch.tokens, batch.support_sizes)
   mask = batch.loss_mask[:, 1:]
   ref_logp = None
   if loss_config.kl_beta > 0:
     if reference_params is None:
       raise ValueError('rl.kl_beta > 0 needs reference params; the trainer was built without.')
     ref_logp = policy.sequence_log_probs(jax.lax.stop_gradient(reference_params),
-                                         batch.tokens).logp
+                                         batch.tokens, batch.support_sizes).logp
   old_logp = (jax.lax.stop_gradient(scored.logp) if loss_config.old_logprobs == 'recompute'
               else None)
   loss, diagnostics = losses.policy_loss(

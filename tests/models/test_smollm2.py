@@ -2,7 +2,6 @@
 
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,8 +12,8 @@ transformers = pytest.importorskip('transformers')
 
 from rlax_llm.models import from_pretrained, smollm2_gguf_path  # noqa: E402
 from rlax_llm.models.model import split_module  # noqa: E402
-from rlax_llm.policy import GREEDY, Policy  # noqa: E402
-from rlax_llm.rollout.sampler import generate  # noqa: E402
+from rlax_llm.policy import GREEDY  # noqa: E402
+from rlax_llm.rollout.driver import generate  # noqa: E402
 
 QUESTION = [{'role': 'user', 'content': 'What is the capital of France?'}]
 
@@ -57,8 +56,7 @@ def test_greedy_chat_completion_says_paris(ours):
   model, tokenizer = ours
   ids = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True)
   functional, params = split_module(model)
-  samples = generate(Policy(functional, GREEDY), params, jnp.asarray([ids], jnp.int32),
-                     jnp.asarray([len(ids)], jnp.int32), jax.random.key(0), 0,
-                     max_new_tokens=12, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
-  text = tokenizer.decode(np.asarray(samples.tokens[0]), skip_special_tokens=True)
+  sample, = generate(functional, params, [ids], GREEDY, max_new_tokens=12,
+                     stop_ids=(tokenizer.eos_id,))
+  text = tokenizer.decode(sample.tokens, skip_special_tokens=True)
   assert 'Paris' in text, text

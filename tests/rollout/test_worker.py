@@ -38,7 +38,8 @@ def model_and_params():
 def make_worker(model, params, mesh_axes=None, version=5):
   mesh = make_mesh(mesh_axes or {'data': 1}, jax.devices()[:int(np.prod(
       list((mesh_axes or {'data': 1}).values())))])
-  worker = InferenceWorker(model, TOKENIZER, mesh, max_prompt_len=8)
+  worker = InferenceWorker(model, TOKENIZER, mesh, max_prompt_len=8, max_new_tokens=MAX_NEW,
+                           slots=16)
   worker.load(version, params)
   return worker
 
@@ -95,7 +96,8 @@ def test_trainer_recomputes_the_behaviour_log_probs(model_and_params, temperatur
   mask = np.asarray(batch.loss_mask[:, 1:]) > 0
   assert mask.sum() > 100
   policy = Policy(model, rollouts.sampling)  # the trainer's policy: the same transform
-  scored = policy.sequence_log_probs(params, jnp.asarray(batch.tokens))
+  scored = policy.sequence_log_probs(params, jnp.asarray(batch.tokens),
+                                     jnp.asarray(batch.support_sizes))
   trainer_logp = np.asarray(scored.logp)[mask]
   behaviour = np.asarray(batch.behaviour_logprobs[:, 1:])[mask]
   np.testing.assert_allclose(trainer_logp, behaviour, atol=1e-5, rtol=0)
@@ -137,7 +139,7 @@ def test_recompute_path_gives_exact_ratios_and_measures_the_mismatch(model_and_p
 def test_reload_threshold_j(model_and_params):
   model, params = model_and_params
   mesh = make_mesh({'data': 1}, jax.devices()[:1])
-  worker = InferenceWorker(model, TOKENIZER, mesh, max_prompt_len=8)
+  worker = InferenceWorker(model, TOKENIZER, mesh, max_prompt_len=8, max_new_tokens=MAX_NEW)
   server = ParameterServer(keep=2)
   with pytest.raises(LookupError, match='holds no weights'):
     worker.maybe_reload(server, 1)
@@ -191,17 +193,22 @@ def test_bad_prompts_raise_naming_the_prompt(model_and_params, prompt, message):
     worker.generate([GenerationRequest(prompt, 1, GREEDY, 4)], jax.random.key(0))
 
 
-def test_mixed_requests_and_missing_weights_raise(model_and_params):
+def test_mixed_specs_run_in_phases_and_bad_lengths_raise(model_and_params):
   model, params = model_and_params
   worker = make_worker(model, params)
-  mixed = [GenerationRequest(PROMPTS[0], 1, GREEDY, 4),
-           GenerationRequest(PROMPTS[1], 1, SamplingSpec(1.0), 4)]
-  with pytest.raises(ValueError, match='must share sampling and max_new_tokens'):
-    worker.generate(mixed, jax.random.key(0))
-  with pytest.raises(ValueError, match='exceeds the model max_seq_len'):
+  mixed = [GenerationRequest(PROMPTS[0], 2, GREEDY, 4),
+           GenerationRequest(PROMPTS[1], 3, SamplingSpec(1.0), 6)]
+  out = worker.generate(mixed, jax.random.key(0))
+  assert out.sampling is None and len(out) == 5
+  np.testing.assert_array_equal(out.behaviour_logprobs[:2], 0.0)  # greedy: point masses
+  np.testing.assert_array_equal(out.completion_tokens[0], out.completion_tokens[1])
+  assert (out.completion_mask[:2].sum(1) <= 4).all() and (out.completion_mask[2:].sum(1) <= 6).all()
+  assert np.all(out.behaviour_logprobs[2:][out.completion_mask[2:]] < 0)
+  with pytest.raises(ValueError, match=r'max_new_tokens=30 is not in \[1, max_decode_length=12\]'):
     worker.generate([GenerationRequest(PROMPTS[0], 1, GREEDY, 30)], jax.random.key(0))
   with pytest.raises(ValueError, match='at least one request'):
     worker.generate([], jax.random.key(0))
-  empty = InferenceWorker(model, TOKENIZER, make_mesh({'data': 1}, jax.devices()[:1]), 8)
+  empty = InferenceWorker(model, TOKENIZER, make_mesh({'data': 1}, jax.devices()[:1]),
+                          max_prompt_len=8, max_new_tokens=MAX_NEW)
   with pytest.raises(RuntimeError, match='no weights'):
     empty.generate(requests(GREEDY), jax.random.key(0))

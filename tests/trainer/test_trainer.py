@@ -32,6 +32,7 @@ def _rl_batch(seed=0, batch=8, length=10):
       tokens=tokens, loss_mask=mask,
       behaviour_logprobs=(np.log(rng.uniform(0.05, 0.5, (batch, length))) * mask).astype(
           np.float32),
+      support_sizes=np.where(mask > 0, 16, 0).astype(np.int32),
       advantages=rng.randn(batch).astype(np.float32),
       versions=np.where(mask > 0, 0, -1).astype(np.int32),
       group_ids=np.repeat(np.arange(batch // 4), 4).astype(np.int32))

@@ -1,0 +1,278 @@
+"""Continuous batching over the engine, with the weights read from a versioned holder.
+
+``Driver.run(jobs)`` generates every sample of every job: samples fill free KV-cache slots
+as earlier ones finish (each job's prompt is prefilled once and shared by its samples), and
+every token is recorded with its behaviour log-prob and the version of the params that
+produced it. Before every decode step the driver reads ``(version, params)`` from a
+``VersionedParams`` holder, so a new version enters between two steps (no recompilation: the
+params are an argument of the step). What happens to sequences in flight when the version
+changes is a policy (``on_swap``):
+
+* ``'continue'`` (PipelineRL): they go on with the new params on top of the keys/values the
+  old ones wrote; their tokens carry the version that sampled each of them.
+* ``'discard'`` (RLAX): they are dropped and regenerated from scratch with the new params;
+  each sample counts its ``restarts``.
+
+Either way a sample started after a swap is prefilled with the new params, and one decode
+step never mixes versions. The driver is single-threaded and deterministic: given the jobs,
+their keys and the versions it reads at each step, the output is fixed; each sample's
+randomness depends only on its own key (see ``rlax_llm.rollout.engine``).
+
+Jobs that use different sampling specs run one spec after the other (a phase per spec, in
+order of first appearance), because the spec is part of the compiled step.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from rlax_llm.policy import SamplingSpec
+from rlax_llm.rollout.engine import Engine, Insert
+
+ON_SWAP = ('continue', 'discard')
+
+
+class VersionedParams:
+  """The weights generation reads at every step: ``(version, params)``, swapped atomically."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._entry: tuple[int, Any] | None = None
+
+  def set(self, version: int, params: Any) -> None:
+    with self._lock:
+      self._entry = (int(version), params)
+
+  def get(self) -> tuple[int, Any]:
+    with self._lock:
+      if self._entry is None:
+        raise RuntimeError('no weights loaded yet; set a version first.')
+      return self._entry
+
+  @property
+  def version(self) -> int:
+    """The held version, -1 when empty."""
+    with self._lock:
+      return -1 if self._entry is None else self._entry[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+  """``num_samples`` completions of ``prompt_ids`` (token ids, non-empty).
+
+  ``keys``: uint32 ``[num_samples, key_size]`` key data, one PRNG key per sample (the
+  ``t``-th token of sample ``i`` is drawn with ``fold_in(keys[i], t)``).
+  ``stop_ids``: token ids that end a sample (the stop token is kept in the output).
+  """
+
+  prompt_ids: tuple[int, ...]
+  num_samples: int
+  sampling: SamplingSpec
+  max_new_tokens: int
+  stop_ids: tuple[int, ...]
+  keys: np.ndarray
+
+
+@dataclasses.dataclass
+class Sample:
+  """One generated completion."""
+
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  supports: list[int] = dataclasses.field(default_factory=list)
+  versions: list[int] = dataclasses.field(default_factory=list)
+  finish_reason: str | None = None  # 'stop' | 'length'
+  restarts: int = 0
+
+  def append(self, token: int, logprob: float, support: int, version: int) -> None:
+    self.tokens.append(int(token))
+    self.logprobs.append(float(logprob))
+    self.supports.append(int(support))
+    self.versions.append(int(version))
+
+  def restart(self) -> None:
+    self.tokens, self.logprobs, self.supports, self.versions = [], [], [], []
+    self.finish_reason = None
+    self.restarts += 1
+
+
+class Driver:
+  """Continuous batching of ``Job``s on ``engine`` with weights from ``holder``.
+
+  Args:
+    engine: the ``Engine``.
+    holder: where the current ``(version, params)`` is read before every step.
+    on_swap: ``'continue'`` or ``'discard'`` (see the module docstring).
+    before_step: optional ``callback(step)`` called before each decode step's params are
+      read (``step`` counts this driver's decode steps); tests use it to swap weights at an
+      exact step.
+  """
+
+  def __init__(self, engine: Engine, holder: VersionedParams, *, on_swap: str = 'continue',
+               before_step: Callable[[int], None] | None = None):
+    if on_swap not in ON_SWAP:
+      raise ValueError(f'on_swap={on_swap!r} is not valid; choose one of {list(ON_SWAP)}.')
+    self.engine = engine
+    self.holder = holder
+    self.on_swap = on_swap
+    self.before_step = before_step
+    self.state = engine.init_decode_state()
+    self.steps = 0
+    self.stats: dict[str, float] = {}
+
+  def check(self, jobs: Sequence[Job]) -> None:
+    """Raises ValueError for a job the engine cannot run (before any compute)."""
+    e = self.engine
+    for i, job in enumerate(jobs):
+      if not job.prompt_ids:
+        raise ValueError(f'job {i}: the prompt is empty.')
+      if len(job.prompt_ids) > e.max_prefill_length:
+        raise ValueError(f'job {i}: the prompt has {len(job.prompt_ids)} tokens, more than '
+                         f'max_prefill_length={e.max_prefill_length}.')
+      if not 1 <= job.max_new_tokens <= e.max_decode_length:
+        raise ValueError(f'job {i}: max_new_tokens={job.max_new_tokens} is not in [1, '
+                         f'max_decode_length={e.max_decode_length}].')
+      if job.num_samples < 1 or np.shape(job.keys)[0] != job.num_samples:
+        raise ValueError(f'job {i}: num_samples={job.num_samples} needs that many keys, got '
+                         f'{np.shape(job.keys)[0]}.')
+
+  def run(self, jobs: Sequence[Job]) -> list[list[Sample]]:
+    """Generates every sample of every job; ``result[j][i]`` is sample ``i`` of job ``j``."""
+    self.check(jobs)
+    start = time.perf_counter()
+    self.stats = collections.defaultdict(float)
+    results = [[Sample() for _ in range(job.num_samples)] for job in jobs]
+    specs = list(dict.fromkeys(job.sampling for job in jobs))
+    for spec in specs:
+      self._phase(spec, [j for j, job in enumerate(jobs) if job.sampling == spec], jobs,
+                  results)
+    self.stats['wall_s'] = time.perf_counter() - start
+    self.stats = dict(self.stats)
+    return results
+
+  def _phase(self, spec: SamplingSpec, job_ids: list[int], jobs: Sequence[Job],
+             results: list[list[Sample]]) -> None:
+    e = self.engine
+    pending = collections.deque((j, i) for j in job_ids for i in range(jobs[j].num_samples))
+    to_insert = {j: jobs[j].num_samples for j in job_ids}
+    prefixes: dict[int, tuple[int, Any, int]] = {}  # job -> (version, Prefix, row)
+    slots: list[tuple[int, int] | None] = [None] * e.slots
+    self.state = e.release_all(self.state)
+    version = None
+    while pending or any(s is not None for s in slots):
+      if self.before_step is not None:
+        self.before_step(self.steps)
+      current, params = self.holder.get()
+      if current != version:
+        if version is not None:
+          self.stats['swaps'] += 1
+          prefixes.clear()  # samples started from now on are prefilled with the new params
+          if self.on_swap == 'discard':
+            dropped = [occupant for occupant in slots if occupant is not None]
+            for j, i in dropped:
+              results[j][i].restart()
+              to_insert[j] += 1
+            pending.extendleft(reversed(dropped))
+            slots = [None] * e.slots
+            self.state = e.release_all(self.state)
+            self.stats['discarded_samples'] += len(dropped)
+        version = current
+      self._fill(slots, pending, prefixes, to_insert, jobs, results, params, version, spec)
+      if all(s is None for s in slots):
+        continue
+      t0 = time.perf_counter()
+      self.state, step = e.generate(params, self.state, spec)
+      tokens, logprobs, supports, valid, done = jax.device_get(
+          (step.tokens, step.logprobs, step.supports, step.valid, step.done))
+      self.stats['decode_s'] += time.perf_counter() - t0
+      self.stats['steps'] += 1
+      self.steps += 1
+      for slot, occupant in enumerate(slots):
+        if occupant is None:
+          continue
+        j, i = occupant
+        if not valid[slot]:
+          raise RuntimeError(f'slot {slot} holds job {j} sample {i} but the engine reports it '
+                             'inactive; host and device bookkeeping disagree.')
+        self.stats['slot_steps'] += 1
+        sample = results[j][i]
+        sample.append(tokens[slot], logprobs[slot], supports[slot], version)
+        if done[slot]:
+          sample.finish_reason = 'stop' if int(tokens[slot]) in jobs[j].stop_ids else 'length'
+          slots[slot] = None
+
+  def _fill(self, slots, pending, prefixes, to_insert, jobs, results, params, version,
+            spec) -> None:
+    """Inserts pending samples into the free slots, prefilling the prompts of jobs without a
+    current prefix in one batch, and inserting from each prefix batch in one call."""
+    e = self.engine
+    free = [slot for slot, occupant in enumerate(slots) if occupant is None]
+    take = [pending.popleft() for _ in range(min(len(free), len(pending)))]
+    if not take:
+      return
+    need = [j for j in dict.fromkeys(j for j, _ in take) if j not in prefixes]
+    if need:
+      t0 = time.perf_counter()
+      prefix = e.prefill(params, [jobs[j].prompt_ids for j in need])
+      self.stats['prefill_s'] += time.perf_counter() - t0
+      self.stats['prefills'] += len(need)
+      for row, j in enumerate(need):
+        prefixes[j] = (version, prefix, row)
+    groups: dict[int, tuple[Any, int, list]] = {}
+    for slot, (j, i) in zip(free, take):
+      prefix_version, prefix, row = prefixes[j]
+      groups.setdefault(id(prefix), (prefix, prefix_version, []))[2].append((slot, j, i, row))
+      to_insert[j] -= 1
+    for j in {j for j, _ in take}:
+      if to_insert[j] == 0:
+        del prefixes[j]
+    for prefix, prefix_version, entries in groups.values():
+      inserts = [Insert(row=row, slot=slot, key=jobs[j].keys[i],
+                        max_new_tokens=jobs[j].max_new_tokens, stop_ids=jobs[j].stop_ids)
+                 for slot, j, i, row in entries]
+      self.state, first = e.insert(prefix, self.state, inserts, spec)
+      tokens, logprobs, supports, done = jax.device_get(
+          (first.tokens, first.logprobs, first.supports, first.done))
+      self.stats['inserts'] += len(inserts)
+      for k, (slot, j, i, _) in enumerate(entries):
+        token = int(tokens[k])
+        results[j][i].append(token, logprobs[k], supports[k], prefix_version)
+        if done[k]:
+          results[j][i].finish_reason = 'stop' if token in jobs[j].stop_ids else 'length'
+        else:
+          slots[slot] = (j, i)
+
+
+def generate(model, params, prompts: Sequence[Sequence[int]], spec: SamplingSpec, *,
+             max_new_tokens: int, stop_ids: Sequence[int] = (), seed: int = 0,
+             slots: int | None = None, mesh=None, engine: Engine | None = None
+             ) -> list[Sample]:
+  """One sample per prompt (token ids), through an engine and driver built for the call.
+
+  A convenience for scripts and tests; the RL path uses ``InferenceWorker``. Sample ``i``
+  draws with ``fold_in(key(seed), i)``. ``engine`` reuses a built engine (and its
+  compilations); otherwise one with ``slots`` (default: one per prompt) is built on ``mesh``
+  (default: the first device).
+  """
+  if engine is None:
+    # pylint: disable=import-outside-toplevel
+    from rlax_llm.sharding import make_mesh
+    mesh = mesh or make_mesh({'data': 1}, jax.devices()[:1])
+    longest = max(len(p) for p in prompts)
+    engine = Engine(model, mesh, slots=slots or len(prompts), max_prefill_length=longest,
+                    max_decode_length=max_new_tokens, pad_id=0)
+  holder = VersionedParams()
+  holder.set(0, engine.place_params(params))
+  root = jax.random.key(seed)
+  jobs = [Job(tuple(int(t) for t in p), 1, spec, max_new_tokens, tuple(stop_ids),
+              np.asarray(jax.random.key_data(jax.random.fold_in(root, i)))[None])
+          for i, p in enumerate(prompts)]
+  return [samples[0] for samples in Driver(engine, holder).run(jobs)]

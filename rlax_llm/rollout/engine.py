@@ -1,0 +1,329 @@
+"""The generation engine: our decoder behind JetStream's Engine semantics.
+
+JetStream (``jetstream/engine/engine_api.py``) splits serving into three device programs over
+a fixed set of KV-cache *slots*; rlax_llm's engine keeps that shape:
+
+* ``prefill(params, prompts) -> Prefix``: the prompts' keys/values and the logits of each
+  one's last token, for a batch of prompts at once. Prompts are right-padded to a length
+  *bucket* (``prefill_buckets``, the largest being ``max_prefill_length``) and the batch to a
+  power of two, so each (batch, length) bucket compiles once.
+* ``insert(prefix, state, inserts, spec) -> (state, StepResult)``: copies prefix rows into
+  slots and samples each new slot's first token from its prefix row's logits. Several slots
+  may take the same row (``n`` samples share one prefill); one call inserts up to ``slots``
+  samples.
+* ``generate(params, state, spec) -> (state, StepResult)``: one decode step for every slot:
+  feed each slot's last token, sample the next from the policy, write its key/value.
+
+JetStream's own signatures (one prompt per prefill, one slot per insert) are the batch-1
+case; ``rlax_llm.rollout.jetstream_adapter`` wraps them for JetStream's orchestrator.
+
+The decode state is donated to ``insert`` and ``generate``, so the cache is updated in place.
+``params`` is an argument of every call (never captured), so a new weight version enters
+between two steps without recompiling; ``compilations()`` counts what was compiled.
+
+Randomness is per sample, not per slot or step: the ``t``-th token of a sample is drawn with
+``fold_in(sample_key, t)``, so a sample's tokens do not depend on which slot it runs in, on
+what else is batched with it, or on when it was scheduled.
+
+A slot is *active* while ``remaining > 0``: tokens it may still sample. A step samples a
+token for every active slot; sampling a stop token or reaching ``max_new_tokens`` sets
+``remaining`` to 0. Inactive slots run through the step too (fixed shapes) but neither
+advance nor produce tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rlax_llm import sharding as sharding_lib
+from rlax_llm.models.decoder import KVCache
+from rlax_llm.models.model import Model, Params
+from rlax_llm.policy import SamplingSpec, sample_rows
+
+MAX_STOP_IDS = 8  # stop tokens per request (eos included)
+
+
+@flax.struct.dataclass
+class Prefix:
+  """``K`` prefilled prompts (rows): keys/values ``[K, bucket, kv_heads, head_dim]`` per
+  layer, true lengths and the float32 logits ``[K, V]`` of each prompt's last token."""
+
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
+  lengths: jax.Array  # int32 [K]
+  logits: jax.Array  # float32 [K, V]
+
+
+@dataclasses.dataclass(frozen=True)
+class Insert:
+  """Put prefix row ``row`` into ``slot``: a sample with its own key, length cap and stops."""
+
+  row: int
+  slot: int
+  key: np.ndarray  # uint32 [key_size] key data
+  max_new_tokens: int
+  stop_ids: tuple[int, ...]
+
+
+@flax.struct.dataclass
+class DecodeState:
+  """What ``generate`` transforms; ``S`` slots, cache length ``L``."""
+
+  cache: KVCache  # k/v [S, L, kv_heads, head_dim] per layer; lengths int32 [S]
+  tokens: jax.Array  # int32 [S]: the token each slot feeds next
+  keys: jax.Array  # uint32 [S, key_size]: each slot's sample key data
+  positions: jax.Array  # int32 [S]: tokens the slot's sample has drawn so far
+  remaining: jax.Array  # int32 [S]: tokens it may still draw; 0 = inactive
+  stop_ids: jax.Array  # int32 [S, MAX_STOP_IDS]: -1 padded
+
+
+@flax.struct.dataclass
+class StepResult:
+  """One step's output per slot (``JetStream``'s ``ResultTokens``, with log-probs)."""
+
+  tokens: jax.Array  # int32 [S]: the sampled token (pad where not valid)
+  logprobs: jax.Array  # float32 [S]: its behaviour log-prob (0 where not valid)
+  supports: jax.Array  # int32 [S]: the size of the support it was drawn from
+  valid: jax.Array  # bool [S]: the slot was active and sampled a token
+  done: jax.Array  # bool [S]: the slot finished at this step
+
+
+def default_buckets(max_prefill_length: int, smallest: int = 16) -> tuple[int, ...]:
+  """Powers of two from ``smallest`` below ``max_prefill_length``, then it."""
+  if max_prefill_length < 1:
+    raise ValueError(f'max_prefill_length={max_prefill_length} must be >= 1.')
+  buckets, size = [], min(smallest, max_prefill_length)
+  while size < max_prefill_length:
+    buckets.append(size)
+    size *= 2
+  return (*buckets, max_prefill_length)
+
+
+class Engine:
+  """Prefill / insert / generate over ``slots`` KV-cache slots on the inference ``mesh``.
+
+  Args:
+    model: the decoder.
+    mesh: the inference mesh; params take the logical-axis shardings on it, slots are split
+      over ``data`` x ``fsdp`` and KV heads over ``tensor``.
+    slots: concurrent sequences (JetStream's ``max_concurrent_decodes``).
+    max_prefill_length: the longest prompt, in tokens (the largest bucket).
+    max_decode_length: the most tokens a sample may generate.
+    pad_id: the token a step reports for inactive slots.
+    prefill_buckets: sorted prompt length buckets ending at ``max_prefill_length`` (default:
+      powers of two from 16).
+  """
+
+  def __init__(self, model: Model, mesh: Mesh, *, slots: int, max_prefill_length: int,
+               max_decode_length: int, pad_id: int,
+               prefill_buckets: Sequence[int] | None = None,
+               rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES):
+    if slots < 1 or max_decode_length < 1:
+      raise ValueError(f'slots ({slots}) and max_decode_length ({max_decode_length}) must be '
+                       '>= 1.')
+    buckets = tuple(prefill_buckets or default_buckets(max_prefill_length))
+    if list(buckets) != sorted(set(buckets)) or buckets[-1] != max_prefill_length or (
+        buckets[0] < 1):
+      raise ValueError(f'prefill_buckets {buckets} must be increasing positive lengths ending '
+                       f'at max_prefill_length={max_prefill_length}.')
+    self.cache_length = max_prefill_length + max_decode_length
+    if self.cache_length > model.config.max_seq_len:
+      raise ValueError(
+          f'max_prefill_length ({max_prefill_length}) + max_decode_length '
+          f'({max_decode_length}) = {self.cache_length} exceeds the model max_seq_len '
+          f'({model.config.max_seq_len}).')
+    self.model = model
+    self.mesh = mesh
+    self.slots = slots
+    self.max_prefill_length = max_prefill_length
+    self.max_decode_length = max_decode_length
+    self.prefill_buckets = buckets
+    self.pad_id = int(pad_id)
+    self.param_shardings = sharding_lib.param_shardings(
+        model.abstract_params(), model.logical_axes(), mesh, rules)
+    self._key_size = int(jax.random.key_data(jax.random.key(0)).shape[-1])
+    self.state_shardings = self._state_shardings(rules)
+    self._prefill = jax.jit(self._prefill_impl)
+    self._insert = jax.jit(self._insert_impl, static_argnames=('spec',), donate_argnums=(1,),
+                           out_shardings=(self.state_shardings, None))
+    self._generate = jax.jit(self._generate_impl, static_argnames=('spec',),
+                             donate_argnums=(1,),
+                             out_shardings=(self.state_shardings, None))
+    self._release_all = jax.jit(
+        lambda state: state.replace(remaining=jnp.zeros_like(state.remaining)),
+        donate_argnums=(0,), out_shardings=self.state_shardings)
+
+  # ----------------------------------------------------------------------- JetStream API
+
+  @property
+  def max_concurrent_decodes(self) -> int:
+    return self.slots
+
+  @property
+  def samples_per_slot(self) -> int:
+    return 1
+
+  def init_decode_state(self) -> DecodeState:
+    """Every slot empty (inactive)."""
+    c = self.model.config
+    s = self.slots
+    state = DecodeState(
+        cache=KVCache.init(c, s, self.cache_length),
+        tokens=jnp.full((s,), self.pad_id, jnp.int32),
+        keys=jnp.zeros((s, self._key_size), jnp.uint32),
+        positions=jnp.zeros((s,), jnp.int32), remaining=jnp.zeros((s,), jnp.int32),
+        stop_ids=jnp.full((s, MAX_STOP_IDS), -1, jnp.int32))
+    return jax.device_put(state, self.state_shardings)
+
+  def place_params(self, params: Params) -> Params:
+    """``params`` (host or device) sharded on the inference mesh."""
+    return jax.device_put(params, self.param_shardings)
+
+  def bucket(self, length: int) -> int:
+    """The smallest prefill bucket holding ``length`` tokens."""
+    for size in self.prefill_buckets:
+      if length <= size:
+        return size
+    raise ValueError(f'a prompt of {length} tokens is longer than max_prefill_length='
+                     f'{self.max_prefill_length}.')
+
+  def prefill(self, params: Params, prompts: Sequence[Sequence[int]]) -> Prefix:
+    """Prefills a batch of prompts (non-empty id sequences) in one call.
+
+    The batch is padded to a power of two (at most ``slots``) with one-token dummy rows and
+    the prompts to the bucket of the longest; row ``i`` of the result is ``prompts[i]``.
+    """
+    if not prompts or len(prompts) > self.slots:
+      raise ValueError(f'prefill takes 1 to slots={self.slots} prompts, got {len(prompts)}.')
+    lengths = [len(p) for p in prompts]
+    if min(lengths) == 0:
+      raise ValueError('cannot prefill an empty prompt.')
+    rows = 1 << (len(prompts) - 1).bit_length()
+    padded = np.full((rows, self.bucket(max(lengths))), self.pad_id, np.int32)
+    true_lengths = np.ones(rows, np.int32)
+    for i, prompt in enumerate(prompts):
+      padded[i, :len(prompt)] = prompt
+      true_lengths[i] = len(prompt)
+    return self._prefill(params, jnp.asarray(padded), jnp.asarray(true_lengths))
+
+  def insert(self, prefix: Prefix, state: DecodeState, inserts: Sequence[Insert],
+             spec: SamplingSpec) -> tuple[DecodeState, StepResult]:
+    """Copies prefix rows into slots and samples each one's first token
+    (``fold_in(key, 0)``) from its row's logits, all in one call.
+
+    Returns ``(state, StepResult)`` whose entry ``i`` belongs to ``inserts[i]`` (the rest is
+    padding; ``done`` marks samples that ended at their first token). A slot becomes active unless its first token is a
+    stop token or its ``max_new_tokens`` is 1.
+    """
+    s = self.slots
+    if not 1 <= len(inserts) <= s:
+      raise ValueError(f'insert takes 1 to slots={s} inserts, got {len(inserts)}.')
+    if len({i.slot for i in inserts}) != len(inserts):
+      raise ValueError('two inserts target the same slot.')
+    rows = np.zeros(s, np.int32)
+    slots = np.full(s, s, np.int32)  # slot == S: out of range, dropped
+    keys = np.zeros((s, self._key_size), np.uint32)
+    max_new = np.ones(s, np.int32)
+    stops = np.full((s, MAX_STOP_IDS), -1, np.int32)
+    for i, ins in enumerate(inserts):
+      if not 0 <= ins.slot < s or not 0 <= ins.row < prefix.lengths.shape[0]:
+        raise ValueError(f'insert {i}: slot {ins.slot} or row {ins.row} out of range.')
+      if not 1 <= ins.max_new_tokens <= self.max_decode_length:
+        raise ValueError(f'max_new_tokens={ins.max_new_tokens} must be in [1, '
+                         f'max_decode_length={self.max_decode_length}].')
+      if len(ins.stop_ids) > MAX_STOP_IDS:
+        raise ValueError(f'{len(ins.stop_ids)} stop ids; at most {MAX_STOP_IDS} are supported.')
+      rows[i], slots[i], keys[i], max_new[i] = ins.row, ins.slot, ins.key, ins.max_new_tokens
+      stops[i, :len(ins.stop_ids)] = ins.stop_ids
+    return self._insert(prefix, state, jnp.asarray(rows), jnp.asarray(slots),
+                        jnp.asarray(keys), jnp.asarray(max_new), jnp.asarray(stops), spec=spec)
+
+  def generate(self, params: Params, state: DecodeState, spec: SamplingSpec
+               ) -> tuple[DecodeState, StepResult]:
+    """One decode step over all slots with ``params``."""
+    return self._generate(params, state, spec=spec)
+
+  def release_all(self, state: DecodeState) -> DecodeState:
+    """Every slot inactive (what the slots held is overwritten by the next inserts)."""
+    return self._release_all(state)
+
+  def compilations(self) -> int:
+    """How many programs the engine's jitted functions have compiled so far."""
+    jitted = (self._prefill, self._insert, self._generate, self._release_all)
+    return sum(f._cache_size() for f in jitted)  # pylint: disable=protected-access
+
+  # ----------------------------------------------------------------------- device code
+
+  def _state_shardings(self, rules) -> DecodeState:
+    c = self.model.config
+    mesh = self.mesh
+
+    def named(logical, shape):
+      return NamedSharding(mesh, sharding_lib.logical_to_spec(PartitionSpec(*logical), shape,
+                                                              mesh, rules))
+    kv_shape = (self.slots, self.cache_length, c.num_kv_heads, c.head_dim)
+    kv = named(('batch', 'length', 'kv_heads', 'head_dim'), kv_shape)
+    per_slot = named(('batch',), (self.slots,))
+    per_slot_2d = lambda width: named(('batch', None), (self.slots, width))
+    return DecodeState(
+        cache=KVCache(k=(kv,) * c.num_layers, v=(kv,) * c.num_layers, lengths=per_slot),
+        tokens=per_slot, keys=per_slot_2d(self._key_size), positions=per_slot,
+        remaining=per_slot, stop_ids=per_slot_2d(MAX_STOP_IDS))
+
+  def _prefill_impl(self, params, tokens, lengths):
+    cache = KVCache.init(self.model.config, tokens.shape[0], tokens.shape[1])
+    logits, cache = self.model.apply(params, tokens, cache=cache, num_valid=lengths)
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    return Prefix(k=cache.k, v=cache.v, lengths=lengths, logits=last)
+
+  def _insert_impl(self, prefix, state, rows, slots, keys, max_new, stop_ids, *, spec):
+    # Entries with slot == S are padding: scatters drop them (mode='drop').
+    bucket = prefix.k[0].shape[1]
+
+    def put(buffer, source):
+      update = source[rows].astype(buffer.dtype)  # [S, bucket, ...]
+      return buffer.at[slots, :bucket].set(update, mode='drop')
+    first_keys = jax.vmap(lambda data: jax.random.fold_in(jax.random.wrap_key_data(data), 0))(
+        keys)
+    token, logp, support = sample_rows(prefix.logits[rows], first_keys, spec)
+    stopped = jnp.any(token[:, None] == stop_ids, axis=1)
+    remaining = jnp.where(stopped | (max_new <= 1), 0, max_new - 1)
+    set_rows = lambda buffer, values: buffer.at[slots].set(values, mode='drop')
+    cache = KVCache(k=tuple(put(ck, pk) for ck, pk in zip(state.cache.k, prefix.k)),
+                    v=tuple(put(cv, pv) for cv, pv in zip(state.cache.v, prefix.v)),
+                    lengths=set_rows(state.cache.lengths, prefix.lengths[rows]))
+    state = DecodeState(
+        cache=cache, tokens=set_rows(state.tokens, token), keys=set_rows(state.keys, keys),
+        positions=set_rows(state.positions, jnp.ones_like(slots)),
+        remaining=set_rows(state.remaining, remaining),
+        stop_ids=set_rows(state.stop_ids, stop_ids))
+    valid = slots < state.tokens.shape[0]
+    return state, StepResult(tokens=token, logprobs=logp, supports=support, valid=valid,
+                             done=valid & (remaining == 0))
+
+  def _generate_impl(self, params, state, *, spec):
+    active = state.remaining > 0
+    logits, cache = self.model.apply(params, state.tokens[:, None], cache=state.cache,
+                                     num_valid=active.astype(jnp.int32))
+    keys = jax.vmap(lambda data, position: jax.random.fold_in(
+        jax.random.wrap_key_data(data), position))(state.keys, state.positions)
+    token, logp, support = sample_rows(logits[:, 0], keys, spec)
+    token = jnp.where(active, token, self.pad_id)
+    logp = jnp.where(active, logp, 0.0)
+    support = jnp.where(active, support, 0)
+    stopped = jnp.any(token[:, None] == state.stop_ids, axis=1)
+    remaining = jnp.where(active & ~stopped, state.remaining - 1, 0)
+    state = DecodeState(cache=cache, tokens=jnp.where(active, token, state.tokens),
+                        keys=state.keys, positions=state.positions + active,
+                        remaining=remaining, stop_ids=state.stop_ids)
+    return state, StepResult(tokens=token, logprobs=logp, supports=support, valid=active,
+                             done=active & (remaining == 0))
+

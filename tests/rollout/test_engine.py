@@ -1,0 +1,267 @@
+"""The JetStream-API engine and the continuous-batching driver (tiny random model).
+
+Greedy output equals naive decoding; behaviour log-probs equal the trainer's recompute;
+samples do not depend on slots or batching; weights swap between steps without
+recompiling, with every token tagged with the version that produced it; a randomized
+submit/finish/swap workload answers every sample once and leaks no slot.
+"""
+
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlax_llm.models.decoder import DecoderConfig
+from rlax_llm.models.model import create_model
+from rlax_llm.policy import GREEDY, Policy, SamplingSpec
+from rlax_llm.rollout.driver import Driver, Job, VersionedParams
+from rlax_llm.rollout.engine import Engine, default_buckets
+from rlax_llm.sharding import make_mesh
+
+CONFIG = DecoderConfig(vocab_size=48, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
+                       head_dim=8, mlp_dim=64, max_seq_len=64)
+PAD, EOS = 0, 1
+MESH = make_mesh({'data': 1}, jax.devices()[:1])
+PROMPTS = [(5, 9, 13), (7, 3, 22, 30, 31, 2), (11,), (40, 41, 42, 43, 44, 45, 46, 47, 10, 12)]
+
+
+@pytest.fixture(scope='module')
+def models():
+  model, params = create_model(CONFIG, seed=0)
+  _, other = create_model(CONFIG, seed=1)
+  return model, params, other
+
+
+def keys_for(seed, n):
+  return np.stack([np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(seed), i)))
+                   for i in range(n)])
+
+
+def jobs_for(spec, n=3, max_new=10, stops=(EOS,), prompts=PROMPTS):
+  return [Job(prompt_ids=p, num_samples=n, sampling=spec, max_new_tokens=max_new,
+              stop_ids=stops, keys=keys_for(i, n)) for i, p in enumerate(prompts)]
+
+
+def make_driver(model, params, slots=4, version=0, **kwargs):
+  engine = Engine(model, MESH, slots=slots, max_prefill_length=16, max_decode_length=12,
+                  pad_id=PAD)
+  holder = VersionedParams()
+  holder.set(version, engine.place_params(params))
+  return Driver(engine, holder, **kwargs)
+
+
+def test_default_buckets():
+  assert default_buckets(64) == (16, 32, 64)
+  assert default_buckets(100) == (16, 32, 64, 100)
+  assert default_buckets(8) == (8,)
+  engine = Engine(create_model(CONFIG)[0], MESH, slots=2, max_prefill_length=16,
+                  max_decode_length=4, pad_id=PAD, prefill_buckets=(4, 16))
+  assert engine.bucket(3) == 4 and engine.bucket(5) == 16
+  with pytest.raises(ValueError, match='longer than max_prefill_length=16'):
+    engine.bucket(17)
+
+
+def test_greedy_equals_naive_decoding(models):
+  """Independent reference: one full forward pass per new token, argmax."""
+  model, params, _ = models
+  results = make_driver(model, params).run(jobs_for(GREEDY, n=1, stops=()))
+  forward = jax.jit(model.apply)
+  for prompt, (sample,) in zip(PROMPTS, results):
+    seq = list(prompt)
+    for step in range(10):
+      padded = np.full((1, 32), PAD, np.int32)  # causal: right padding changes nothing before
+      padded[0, :len(seq)] = seq
+      logits = np.asarray(forward(params, jnp.asarray(padded)))[0, len(seq) - 1]
+      assert sample.tokens[step] == int(logits.argmax()), (prompt, step)
+      seq.append(sample.tokens[step])
+    assert sample.finish_reason == 'length' and sample.logprobs == [0.0] * 10
+
+
+@pytest.mark.parametrize('spec', [SamplingSpec(1.0), SamplingSpec(0.7, top_k=5, top_p=0.9)])
+def test_behaviour_logprobs_equal_the_trainer_recompute(models, spec):
+  model, params, _ = models
+  results = make_driver(model, params).run(jobs_for(spec, n=4, stops=()))
+  score = jax.jit(Policy(model, spec).sequence_log_probs)
+  for prompt, samples in zip(PROMPTS, results):
+    for sample in samples:
+      seq = np.full((1, 32), PAD, np.int32)
+      sizes = np.zeros((1, 32), np.int32)
+      n = len(prompt) + len(sample.tokens)
+      seq[0, :n] = list(prompt) + sample.tokens
+      sizes[0, len(prompt):n] = sample.supports
+      trainer = np.asarray(score(params, seq, sizes).logp)[0, len(prompt) - 1:n - 1]
+      np.testing.assert_allclose(trainer, sample.logprobs, atol=1e-5, rtol=0)
+
+
+def test_samples_do_not_depend_on_slots_or_batching(models):
+  """A sample's tokens depend on its own key only: 1 slot, 3 slots and 16 slots agree."""
+  model, params, _ = models
+  spec = SamplingSpec(1.0)
+  outs = [make_driver(model, params, slots=slots).run(jobs_for(spec, n=3))
+          for slots in (1, 3, 16)]
+  for other in outs[1:]:
+    for a_job, b_job in zip(outs[0], other):
+      for a, b in zip(a_job, b_job):
+        assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_same_keys_same_samples_other_keys_other_samples(models):
+  model, params, _ = models
+  driver = make_driver(model, params)
+  a = driver.run(jobs_for(SamplingSpec(1.0)))
+  b = driver.run(jobs_for(SamplingSpec(1.0)))
+  assert [[s.tokens for s in job] for job in a] == [[s.tokens for s in job] for job in b]
+  other = [Job(j.prompt_ids, j.num_samples, j.sampling, j.max_new_tokens, j.stop_ids,
+               keys_for(100 + i, j.num_samples)) for i, j in enumerate(jobs_for(
+                   SamplingSpec(1.0)))]
+  c = driver.run(other)
+  assert [[s.tokens for s in job] for job in a] != [[s.tokens for s in job] for job in c]
+
+
+def test_prefill_bucket_and_its_padding_do_not_matter(models):
+  """The same prompt prefilled into a 4-token or a 16-token bucket (padding junk past its
+  true length, and other prompts in the batch) gives the same samples."""
+  model, params, _ = models
+  spec = SamplingSpec(1.0)
+  job = Job((5, 9, 13), 2, spec, 8, (), keys_for(7, 2))
+  small = Engine(model, MESH, slots=4, max_prefill_length=16, max_decode_length=12,
+                 pad_id=PAD, prefill_buckets=(4, 16))
+  outs = []
+  for engine, others in ((small, []), (small, [Job(tuple(range(2, 14)), 1, spec, 8, (),
+                                                    keys_for(8, 1))])):
+    holder = VersionedParams()
+    holder.set(0, engine.place_params(params))
+    outs.append(Driver(engine, holder).run([job] + others)[0])
+  big = make_driver(model, params)  # default buckets (16): another padded width
+  outs.append(big.run([job])[0])
+  for other in outs[1:]:
+    assert [s.tokens for s in other] == [s.tokens for s in outs[0]]
+    np.testing.assert_allclose([s.logprobs for s in other], [s.logprobs for s in outs[0]],
+                               atol=1e-5)
+
+
+def test_stop_tokens_end_a_sample_and_are_kept(models):
+  model, params, _ = models
+  greedy = make_driver(model, params).run(jobs_for(GREEDY, n=1, stops=()))
+  stop = greedy[0][0].tokens[3]  # the 4th greedy token of the first prompt
+  out = make_driver(model, params).run(jobs_for(GREEDY, n=1, stops=(EOS, stop)))
+  first = out[0][0]
+  cut = first.tokens.index(stop)
+  assert cut <= 3 and first.finish_reason == 'stop' and first.tokens == greedy[0][0].tokens[
+      :cut + 1]
+
+
+@pytest.mark.parametrize('on_swap', ['continue', 'discard'])
+def test_weights_swap_between_steps_without_recompiling(models, on_swap):
+  """Version 1 (other weights) arrives before decode step 3: every token records the
+  version that produced it, no step mixes versions, nothing is recompiled."""
+  model, params, other = models
+  spec = SamplingSpec(1.0)
+  jobs = jobs_for(spec, n=2, max_new=10, stops=())
+  driver = make_driver(model, params, slots=8, on_swap=on_swap)
+  driver.run(jobs)  # compile everything once
+  compiled = driver.engine.compilations()
+  new_params = driver.engine.place_params(other)
+  start = driver.steps
+
+  def swap(step):
+    if step == start + 3:
+      driver.holder.set(1, new_params)
+  driver.before_step = swap
+  results = driver.run(jobs)
+  assert driver.engine.compilations() == compiled, 'a weight swap recompiled'
+  assert driver.stats['swaps'] == 1
+  reference_v0 = make_driver(model, params, slots=8).run(jobs)
+  reference_v1 = make_driver(model, other, slots=8).run(jobs)
+  for job, ref0, ref1 in zip(results, reference_v0, reference_v1):
+    for sample, r0, r1 in zip(job, ref0, ref1):
+      assert len(sample.tokens) == 10
+      if on_swap == 'continue':
+        # The first token (insert) and 3 decode steps used version 0, the rest version 1.
+        assert sample.versions == [0] * 4 + [1] * 6 and sample.restarts == 0
+        assert sample.tokens[:4] == r0.tokens[:4]
+        np.testing.assert_allclose(sample.logprobs[:4], r0.logprobs[:4], atol=1e-6)
+      else:
+        # Discarded at the swap and regenerated from scratch with version 1.
+        assert sample.versions == [1] * 10 and sample.restarts == 1
+        assert sample.tokens == r1.tokens
+        np.testing.assert_allclose(sample.logprobs, r1.logprobs, atol=1e-6)
+  assert driver.stats.get('discarded_samples', 0) == (8 if on_swap == 'discard' else 0)
+
+
+def test_randomized_submit_finish_swap(models):
+  """Random jobs (samples, lengths, stop tokens, prompts) through 3 slots with random swaps:
+  every sample is answered exactly once, within its limits; no slot leaks."""
+  model, params, other = models
+  rng = random.Random(0)
+  placed = None
+  for trial in range(6):
+    on_swap = ('continue', 'discard')[trial % 2]
+    driver = make_driver(model, params, slots=3, on_swap=on_swap)
+    placed = placed or [driver.engine.place_params(p) for p in (params, other)]
+    swaps = set(rng.sample(range(40), 4))
+    version = [0]
+
+    def maybe_swap(step, swaps=swaps, driver=driver, version=version):
+      if step in swaps:
+        version[0] += 1
+        driver.holder.set(version[0], placed[version[0] % 2])
+    driver.before_step = maybe_swap
+    jobs = []
+    for i in range(rng.randint(1, 7)):
+      n = rng.randint(1, 5)
+      prompt = tuple(rng.randrange(2, 48) for _ in range(rng.randint(1, 16)))
+      stops = tuple(rng.sample(range(2, 48), rng.randint(0, 3)))
+      jobs.append(Job(prompt, n, SamplingSpec(1.0), rng.randint(1, 12), stops,
+                      keys_for(trial * 100 + i, n)))
+    results = driver.run(jobs)
+    assert [len(r) for r in results] == [j.num_samples for j in jobs]
+    for job, samples in zip(jobs, results):
+      for s in samples:
+        assert 1 <= len(s.tokens) <= job.max_new_tokens
+        assert len(s.logprobs) == len(s.versions) == len(s.supports) == len(s.tokens)
+        assert s.finish_reason in ('stop', 'length')
+        stops_at = [k for k, t in enumerate(s.tokens) if t in job.stop_ids]
+        if s.finish_reason == 'stop':
+          assert stops_at == [len(s.tokens) - 1]
+        else:
+          assert not stops_at and len(s.tokens) == job.max_new_tokens
+        assert s.versions == sorted(s.versions)  # versions never go backwards
+        if on_swap == 'discard':
+          assert len(set(s.versions)) == 1
+    remaining = np.asarray(driver.state.remaining)
+    assert driver.stats['inserts'] >= sum(j.num_samples for j in jobs)
+    # Every slot the driver used is free on the device too (or released at the next run).
+    assert (remaining == 0).all(), remaining
+
+
+@pytest.mark.parametrize('job, message', [
+    (Job((), 1, GREEDY, 4, (), keys_for(0, 1)), 'the prompt is empty'),
+    (Job(tuple(range(2, 19)), 1, GREEDY, 4, (), keys_for(0, 1)),
+     'the prompt has 17 tokens, more than max_prefill_length=16'),
+    (Job((3,), 1, GREEDY, 13, (), keys_for(0, 1)), 'max_new_tokens=13 is not in [1'),
+    (Job((3,), 1, GREEDY, 0, (), keys_for(0, 1)), 'max_new_tokens=0 is not in [1'),
+    (Job((3,), 2, GREEDY, 4, (), keys_for(0, 1)), 'num_samples=2 needs that many keys'),
+])
+def test_bad_jobs_are_refused_before_any_compute(models, job, message):
+  model, params, _ = models
+  driver = make_driver(model, params)
+  with pytest.raises(ValueError, match=message.replace('[', r'\[')):
+    driver.run([jobs_for(GREEDY)[0], job])
+  assert driver.steps == 0
+
+
+def test_engine_and_holder_errors(models):
+  model, params, _ = models
+  with pytest.raises(ValueError, match='exceeds the model max_seq_len'):
+    Engine(model, MESH, slots=2, max_prefill_length=60, max_decode_length=8, pad_id=PAD)
+  with pytest.raises(ValueError, match='must be increasing'):
+    Engine(model, MESH, slots=2, max_prefill_length=16, max_decode_length=8, pad_id=PAD,
+           prefill_buckets=(16, 8))
+  with pytest.raises(RuntimeError, match='no weights loaded'):
+    VersionedParams().get()
+  with pytest.raises(ValueError, match="on_swap='later'"):
+    make_driver(model, params, on_swap='later')
