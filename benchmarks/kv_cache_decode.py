@@ -1,4 +1,5 @@
-"""Benchmark: KV-cache decoding vs recomputing the full forward pass per token.
+"""Benchmark: KV-cache decoding (the engine and driver) vs recomputing the full forward pass
+per token.
 
 Both decode the same greedy continuation of the same prompts with the same model (checked
 token for token); the reference (full recompute, O(T^2) work per sequence) is timed in the
@@ -20,8 +21,10 @@ import numpy as np
 
 from rlax_llm.models.decoder import DecoderConfig
 from rlax_llm.models.model import create_model
-from rlax_llm.policy import GREEDY, Policy
-from rlax_llm.rollout.sampler import generate
+from rlax_llm.policy import GREEDY
+from rlax_llm.rollout.driver import generate
+from rlax_llm.rollout.engine import Engine
+from rlax_llm.sharding import make_mesh
 
 
 def full_recompute_greedy(model, params, prompt, prompt_len, new_tokens):
@@ -64,11 +67,15 @@ def main():
   prompt = jnp.asarray(rng.randint(3, 512, (args.batch, args.prompt_len)), jnp.int32)
   prompt_len = jnp.asarray(rng.randint(args.prompt_len // 2, args.prompt_len + 1, args.batch),
                            jnp.int32)
-  cached = functools.partial(generate, Policy(model, GREEDY), max_new_tokens=args.new_tokens,
-                             eos_id=-1, pad_id=0)
+  engine = Engine(model, make_mesh({'data': 1}, jax.devices()[:1]), slots=args.batch,
+                  max_prefill_length=args.prompt_len, max_decode_length=args.new_tokens,
+                  pad_id=0)
+  prompts = [np.asarray(prompt)[i, :int(prompt_len[i])].tolist() for i in range(args.batch)]
   naive = jax.jit(functools.partial(full_recompute_greedy, model,
                                     new_tokens=args.new_tokens))
-  run_cached = lambda: cached(params, prompt, prompt_len, jax.random.key(0), 0).tokens
+  run_cached = lambda: np.asarray([
+      s.tokens for s in generate(model, params, prompts, GREEDY,
+                                 max_new_tokens=args.new_tokens, engine=engine)])
   run_naive = lambda: naive(params, prompt, prompt_len)
   same = bool(np.array_equal(np.asarray(run_cached()), np.asarray(run_naive())))
   t_cached = timeit(run_cached, args.repeats)

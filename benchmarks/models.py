@@ -23,8 +23,10 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from rlax_llm.models import from_pretrained, smollm2_gguf_path, split_module  # noqa: E402
-from rlax_llm.policy import GREEDY, Policy  # noqa: E402
-from rlax_llm.rollout.sampler import generate  # noqa: E402
+from rlax_llm.policy import GREEDY  # noqa: E402
+from rlax_llm.rollout.driver import generate  # noqa: E402
+from rlax_llm.rollout.engine import Engine  # noqa: E402
+from rlax_llm.sharding import make_mesh  # noqa: E402
 
 
 def timed(fn, repeats=3):
@@ -63,11 +65,12 @@ def main():
 
   new = 32
   prompts = np.array([ids] * 4)
-  sampler = lambda: generate(Policy(functional, GREEDY), params, jnp.asarray(prompts, jnp.int32),
-                             jnp.full((4,), len(ids), jnp.int32), jax.random.key(0), 0,
-                             max_new_tokens=new, eos_id=-1, pad_id=tokenizer.pad_id)
-  ours_gen = timed(lambda: sampler().tokens.block_until_ready())
-  ours_tokens = np.asarray(sampler().tokens[0])
+  engine = Engine(functional, make_mesh({'data': 1}, jax.devices()[:1]), slots=4,
+                  max_prefill_length=len(ids), max_decode_length=new, pad_id=tokenizer.pad_id)
+  sampler = lambda: generate(functional, params, prompts.tolist(), GREEDY,
+                             max_new_tokens=new, engine=engine)
+  ours_gen = timed(sampler)
+  ours_tokens = np.asarray(sampler()[0].tokens)
   with torch.no_grad():
     gen = lambda: ref.generate(torch.tensor(prompts), max_new_tokens=new, min_new_tokens=new,
                                do_sample=False)

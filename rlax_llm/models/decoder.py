@@ -16,8 +16,9 @@ References:
   arXiv 2505.09388.
 
 KV cache contract (``KVCache``): ``k[i]`` and ``v[i]`` for layer ``i`` are
-``[batch, max_len, kv_heads, head_dim]``; ``lengths`` is ``int32 [batch]``, the number of
-valid positions of each slot. A call with ``cache`` writes the ``T`` new keys/values of row
+``[batch, kv_heads, max_len, head_dim]`` (heads before positions: the layout decoding reads
+without transposing); ``lengths`` is ``int32 [batch]``, the number of valid positions of
+each slot. A call with ``cache`` writes the ``T`` new keys/values of row
 ``b`` at positions ``lengths[b] .. lengths[b] + T - 1`` and advances ``lengths[b]`` by
 ``num_valid[b]`` (default ``T``). Query ``t`` of row ``b`` sits at position
 ``lengths[b] + t`` and attends to every cached position ``<=`` its own. Rows may be
@@ -102,14 +103,14 @@ class DecoderConfig:
 class KVCache:
   """Fixed-size per-layer key/value cache (see module docstring for the contract)."""
 
-  k: tuple[Array, ...]  # per layer: [batch, max_len, kv_heads, head_dim]
+  k: tuple[Array, ...]  # per layer: [batch, kv_heads, max_len, head_dim]
   v: tuple[Array, ...]
   lengths: Array  # int32 [batch]
 
   @classmethod
   def init(cls, config: DecoderConfig, batch: int, max_len: int | None = None) -> 'KVCache':
     max_len = max_len or config.max_seq_len
-    shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+    shape = (batch, config.num_kv_heads, max_len, config.head_dim)
     zeros = lambda: jnp.zeros(shape, config.dtype)
     return cls(k=tuple(zeros() for _ in range(config.num_layers)),
                v=tuple(zeros() for _ in range(config.num_layers)),
@@ -117,7 +118,7 @@ class KVCache:
 
   @property
   def max_len(self) -> int:
-    return self.k[0].shape[1]
+    return self.k[0].shape[2]
 
 
 def _param(rngs: nnx.Rngs, shape, axes, dtype, scale: float | None = None) -> nnx.Param:
@@ -172,6 +173,21 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
   return inv_freq.astype(np.float32)
 
 
+def rope_tables(positions: Array, inv_freq: np.ndarray) -> tuple[Array, Array]:
+  """``(cos, sin)`` float32 ``[batch, length, 1, head_dim // 2]`` of ``positions * inv_freq``
+  (computed once per forward pass and shared by every layer)."""
+  angles = positions[..., None].astype(jnp.float32) * np.asarray(inv_freq, np.float32)
+  return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+  """Rotary embedding, Hugging Face "rotate half" layout: ``x`` ``[B, T, heads, head_dim]``
+  rotated by the ``rope_tables``; same shape and dtype."""
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
 def rope(x: Array, positions: Array, theta: float | np.ndarray) -> Array:
   """Rotary embedding, Hugging Face "rotate half" layout.
 
@@ -185,19 +201,15 @@ def rope(x: Array, positions: Array, theta: float | np.ndarray) -> Array:
   """
   inv_freq = (rope_inv_freq(x.shape[-1], theta) if np.ndim(theta) == 0
               else np.asarray(theta, np.float32))
-  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, half]
-  sin = jnp.sin(angles)[:, :, None, :]
-  cos = jnp.cos(angles)[:, :, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
+  return apply_rope(x, *rope_tables(positions, inv_freq))
 
 
-def _write_rows(buffer: Array, update: Array, starts: Array) -> Array:
-  """Writes ``update[b]`` ([T, ...]) into ``buffer[b]`` ([S, ...]) at row offset ``starts[b]``."""
+def _write_positions(buffer: Array, update: Array, starts: Array) -> Array:
+  """Writes ``update[b]`` ``[kv, T, d]`` into ``buffer[b]`` ``[kv, S, d]`` at position
+  ``starts[b]``."""
   def one(buf, upd, start):
-    index = (start,) + (0,) * (buf.ndim - 1)
-    return jax.lax.dynamic_update_slice(buf, upd.astype(buf.dtype), index)
+    zero = jnp.zeros((), start.dtype)
+    return jax.lax.dynamic_update_slice(buf, upd.astype(buf.dtype), (zero, start, zero))
   return jax.vmap(one)(buffer, update, starts)
 
 
@@ -227,9 +239,15 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(c.head_dim, c.norm_eps, c.param_dtype, rngs=rngs, axis='head_dim')
     self.config = c
 
-  def __call__(self, x: Array, positions: Array, mask: Array,
+  def __call__(self, x: Array, rope_cs: tuple[Array, Array], mask: Array,
                kv: tuple[Array, Array] | None, starts: Array | None):
-    """x: [B, T, E]; positions: [B, T]; mask: bool [B, T, S]; kv: cached (k, v) or None."""
+    """x: [B, T, E]; rope_cs: (cos, sin) tables; mask: bool [B, T, S]; kv: cached (k, v)
+    ``[B, kv, S, d]`` or None.
+
+    Keys and values are kept as ``[B, kv_heads, positions, head_dim]`` and the queries of a
+    kv head's group as ``[B, kv_heads, groups * T, head_dim]``, so both attention matmuls
+    contract the cache in its stored layout (no per-step transposes of the cache).
+    """
     c = self.config
     dt = c.dtype
     q = jnp.einsum('bte,ehd->bthd', x, self.wq[...].astype(dt))
@@ -243,26 +261,29 @@ class Attention(nnx.Module):
       q = self.q_norm(q)
       k = self.k_norm(k)
     q = constrain(q, ('batch', 'length', 'heads', 'head_dim'))
-    inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)  # static, numpy
-    q = rope(q, positions, inv_freq)
-    k = rope(k, positions, inv_freq)
+    q = apply_rope(q, *rope_cs)
+    k = apply_rope(k, *rope_cs).transpose(0, 2, 1, 3)  # [B, kv, T, d]
+    v = v.transpose(0, 2, 1, 3)
     if kv is not None:
-      k = _write_rows(kv[0], k, starts)
-      v = _write_rows(kv[1], v, starts)
-      new_kv = (k, v)
+      new_kv = (_write_positions(kv[0], k, starts), _write_positions(kv[1], v, starts))
+      k, v = new_kv[0][:, :, :mask.shape[-1]], new_kv[1][:, :, :mask.shape[-1]]
     else:
       new_kv = None
     batch, length = q.shape[:2]
     groups = c.num_heads // c.num_kv_heads
-    q = q.reshape(batch, length, c.num_kv_heads, groups, c.head_dim)
-    scores = jnp.einsum('btkgd,bskd->bkgts', q, k).astype(jnp.float32)
+    q = q.reshape(batch, length, c.num_kv_heads, groups, c.head_dim).transpose(0, 2, 3, 1, 4)
+    q = q.reshape(batch, c.num_kv_heads, groups * length, c.head_dim)
+    scores = jnp.einsum('bkqd,bksd->bkqs', q, k).astype(jnp.float32)
     scores = scores * (c.head_dim ** -0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    query_mask = jnp.broadcast_to(mask[:, None, None], (batch, 1, groups) + mask.shape[1:])
+    query_mask = query_mask.reshape(batch, 1, groups * length, mask.shape[-1])
+    scores = jnp.where(query_mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum('bkgts,bskd->btkgd', probs, v)
-    out = out.reshape(batch, length, c.num_heads, c.head_dim)
-    out = jnp.einsum('bthd,hde->bte', out, self.wo[...].astype(dt))
-    return constrain(out, ('batch', 'length', 'embed')), new_kv
+    out = jnp.einsum('bkqs,bksd->bkqd', probs, v)  # [B, kv, groups * T, d]
+    out = out.reshape(batch, c.num_kv_heads, groups, length, c.head_dim)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(batch, length, c.num_heads * c.head_dim)
+    wo = self.wo[...].astype(dt).reshape(c.num_heads * c.head_dim, c.embed_dim)
+    return constrain(out @ wo, ('batch', 'length', 'embed')), new_kv
 
 
 class MLP(nnx.Module):
@@ -294,8 +315,8 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(config.embed_dim, config.norm_eps, config.param_dtype, rngs=rngs)
     self.mlp = MLP(config, rngs=rngs)
 
-  def __call__(self, x, positions, mask, kv, starts):
-    h, new_kv = self.attn(self.attn_norm(x), positions, mask, kv, starts)
+  def __call__(self, x, rope_cs, mask, kv, starts):
+    h, new_kv = self.attn(self.attn_norm(x), rope_cs, mask, kv, starts)
     x = x + h
     return x + self.mlp(self.mlp_norm(x)), new_kv
 
@@ -331,7 +352,11 @@ class Decoder(nnx.Module):
                             c.param_dtype, c.embed_dim ** -0.5)
 
   def __call__(self, tokens: Array, *, cache: KVCache | None = None,
-               num_valid: Array | None = None):
+               num_valid: Array | None = None, attend: int | None = None):
+    """``attend`` (static, with a cache): attention reads only the first ``attend`` cache
+    positions; every row's ``lengths + T`` must be ``<= attend``. Decoding passes the
+    smallest bucket that holds its longest row, so short sequences do not pay for the whole
+    cache."""
     c = self.config
     chex.assert_rank(tokens, 2)
     batch, length = tokens.shape
@@ -345,13 +370,15 @@ class Decoder(nnx.Module):
     else:
       starts = cache.lengths
       positions = starts[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
-      key_pos = jnp.arange(cache.max_len, dtype=jnp.int32)
+      attend = cache.max_len if attend is None else attend
+      key_pos = jnp.arange(attend, dtype=jnp.int32)
       mask = key_pos[None, None, :] <= positions[:, :, None]
+    rope_cs = rope_tables(positions, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
     new_k, new_v = [], []
     call = _REMAT_CALL[c.remat]
     for i, block in enumerate(self.blocks):
       kv = None if cache is None else (cache.k[i], cache.v[i])
-      x, layer_kv = call(block, x, positions, mask, kv, starts)
+      x, layer_kv = call(block, x, rope_cs, mask, kv, starts)
       if layer_kv is not None:
         new_k.append(layer_kv[0])
         new_v.append(layer_kv[1])

@@ -31,17 +31,18 @@ class Model:
   graphdef: Any
 
   def apply(self, params: Params, tokens: jax.Array, *, cache: KVCache | None = None,
-            num_valid: jax.Array | None = None):
+            num_valid: jax.Array | None = None, attend: int | None = None):
     """Runs the decoder. tokens: int32 ``[batch, length]``.
 
     Returns float32 logits ``[batch, length, vocab]``, or ``(logits, new_cache)`` when a
-    ``cache`` is given (see ``rlax_llm.models.decoder`` for the cache contract).
+    ``cache`` is given (see ``rlax_llm.models.decoder`` for the cache contract and
+    ``attend``).
     """
     module = nnx.merge(self.graphdef, params)
-    return module(tokens, cache=cache, num_valid=num_valid)
+    return module(tokens, cache=cache, num_valid=num_valid, attend=attend)
 
   def init_cache(self, batch: int, max_len: int | None = None) -> KVCache:
-    """An empty cache: ``k``/``v`` per layer ``[batch, max_len, kv_heads, head_dim]``."""
+    """An empty cache: ``k``/``v`` per layer ``[batch, kv_heads, max_len, head_dim]``."""
     return KVCache.init(self.config, batch, max_len)
 
   def prefill(self, params: Params, tokens: jax.Array, lengths: jax.Array, cache: KVCache

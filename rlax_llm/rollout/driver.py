@@ -114,16 +114,20 @@ class Driver:
     before_step: optional ``callback(step)`` called before each decode step's params are
       read (``step`` counts this driver's decode steps); tests use it to swap weights at an
       exact step.
+    continuous: True (continuous batching): a free slot takes the next sample at once.
+      False (static batching, the baseline it is measured against): new samples enter only
+      when every slot is free, so each batch runs as long as its longest sample.
   """
 
   def __init__(self, engine: Engine, holder: VersionedParams, *, on_swap: str = 'continue',
-               before_step: Callable[[int], None] | None = None):
+               before_step: Callable[[int], None] | None = None, continuous: bool = True):
     if on_swap not in ON_SWAP:
       raise ValueError(f'on_swap={on_swap!r} is not valid; choose one of {list(ON_SWAP)}.')
     self.engine = engine
     self.holder = holder
     self.on_swap = on_swap
     self.before_step = before_step
+    self.continuous = continuous
     self.state = engine.init_decode_state()
     self.steps = 0
     self.stats: dict[str, float] = {}
@@ -160,6 +164,13 @@ class Driver:
 
   def _phase(self, spec: SamplingSpec, job_ids: list[int], jobs: Sequence[Job],
              results: list[list[Sample]]) -> None:
+    """Runs the jobs of one sampling spec to completion.
+
+    Steps are pipelined one deep: step ``t + 1`` is dispatched before the host reads step
+    ``t``'s tokens, so the host's bookkeeping overlaps the device's compute. A sample that
+    finished at step ``t`` is inactive on the device at ``t + 1`` (the engine tracks its
+    remaining budget), and its slot is refilled before step ``t + 2``.
+    """
     e = self.engine
     pending = collections.deque((j, i) for j in job_ids for i in range(jobs[j].num_samples))
     to_insert = {j: jobs[j].num_samples for j in job_ids}
@@ -167,7 +178,8 @@ class Driver:
     slots: list[tuple[int, int] | None] = [None] * e.slots
     self.state = e.release_all(self.state)
     version = None
-    while pending or any(s is not None for s in slots):
+    in_flight = None  # (StepResult, version, the slots' occupants at its dispatch)
+    while pending or in_flight or any(s is not None for s in slots):
       if self.before_step is not None:
         self.before_step(self.steps)
       current, params = self.holder.get()
@@ -176,6 +188,9 @@ class Driver:
           self.stats['swaps'] += 1
           prefixes.clear()  # samples started from now on are prefilled with the new params
           if self.on_swap == 'discard':
+            if in_flight is not None:  # its tokens are final before anything is dropped
+              self._collect(in_flight, slots, jobs, results)
+              in_flight = None
             dropped = [occupant for occupant in slots if occupant is not None]
             for j, i in dropped:
               results[j][i].restart()
@@ -186,28 +201,38 @@ class Driver:
             self.stats['discarded_samples'] += len(dropped)
         version = current
       self._fill(slots, pending, prefixes, to_insert, jobs, results, params, version, spec)
-      if all(s is None for s in slots):
-        continue
-      t0 = time.perf_counter()
-      self.state, step = e.generate(params, self.state, spec)
-      tokens, logprobs, supports, valid, done = jax.device_get(
-          (step.tokens, step.logprobs, step.supports, step.valid, step.done))
-      self.stats['decode_s'] += time.perf_counter() - t0
-      self.stats['steps'] += 1
-      self.steps += 1
-      for slot, occupant in enumerate(slots):
-        if occupant is None:
-          continue
-        j, i = occupant
-        if not valid[slot]:
-          raise RuntimeError(f'slot {slot} holds job {j} sample {i} but the engine reports it '
-                             'inactive; host and device bookkeeping disagree.')
-        self.stats['slot_steps'] += 1
-        sample = results[j][i]
-        sample.append(tokens[slot], logprobs[slot], supports[slot], version)
-        if done[slot]:
-          sample.finish_reason = 'stop' if int(tokens[slot]) in jobs[j].stop_ids else 'length'
-          slots[slot] = None
+      dispatched = None
+      if any(s is not None for s in slots):
+        longest = max(len(jobs[j].prompt_ids) + len(results[j][i].tokens)
+                      for j, i in filter(None, slots)) + (in_flight is not None)
+        self.state, step = e.generate(params, self.state, spec, longest)
+        dispatched = (step, version, tuple(slots))
+        self.stats['steps'] += 1
+        self.steps += 1
+      if in_flight is not None:
+        self._collect(in_flight, slots, jobs, results)
+      in_flight = dispatched
+
+  def _collect(self, in_flight, slots, jobs, results) -> None:
+    """Appends a dispatched step's tokens to the samples it advanced; frees finished slots."""
+    step, version, occupants = in_flight
+    t0 = time.perf_counter()
+    host = step.to_host()
+    self.stats['decode_s'] += time.perf_counter() - t0
+    for slot, occupant in enumerate(occupants):
+      if occupant is None or slots[slot] != occupant:
+        continue  # free at dispatch, or its sample finished at the step before
+      j, i = occupant
+      if not host.valid[slot]:
+        raise RuntimeError(f'slot {slot} holds job {j} sample {i} but the engine reports it '
+                           'inactive; host and device bookkeeping disagree.')
+      self.stats['slot_steps'] += 1
+      sample = results[j][i]
+      token = int(host.tokens[slot])
+      sample.append(token, host.logprobs[slot], host.supports[slot], version)
+      if host.done[slot]:
+        sample.finish_reason = 'stop' if token in jobs[j].stop_ids else 'length'
+        slots[slot] = None
 
   def _fill(self, slots, pending, prefixes, to_insert, jobs, results, params, version,
             spec) -> None:
@@ -215,6 +240,8 @@ class Driver:
     current prefix in one batch, and inserting from each prefix batch in one call."""
     e = self.engine
     free = [slot for slot, occupant in enumerate(slots) if occupant is None]
+    if not self.continuous and len(free) < e.slots:
+      return
     take = [pending.popleft() for _ in range(min(len(free), len(pending)))]
     if not take:
       return
@@ -239,13 +266,12 @@ class Driver:
                         max_new_tokens=jobs[j].max_new_tokens, stop_ids=jobs[j].stop_ids)
                  for slot, j, i, row in entries]
       self.state, first = e.insert(prefix, self.state, inserts, spec)
-      tokens, logprobs, supports, done = jax.device_get(
-          (first.tokens, first.logprobs, first.supports, first.done))
+      first = first.to_host()
       self.stats['inserts'] += len(inserts)
       for k, (slot, j, i, _) in enumerate(entries):
-        token = int(tokens[k])
-        results[j][i].append(token, logprobs[k], supports[k], prefix_version)
-        if done[k]:
+        token = int(first.tokens[k])
+        results[j][i].append(token, first.logprobs[k], first.supports[k], prefix_version)
+        if first.done[k]:
           results[j][i].finish_reason = 'stop' if token in jobs[j].stop_ids else 'length'
         else:
           slots[slot] = (j, i)

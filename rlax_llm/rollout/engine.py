@@ -53,7 +53,7 @@ MAX_STOP_IDS = 8  # stop tokens per request (eos included)
 
 @flax.struct.dataclass
 class Prefix:
-  """``K`` prefilled prompts (rows): keys/values ``[K, bucket, kv_heads, head_dim]`` per
+  """``K`` prefilled prompts (rows): keys/values ``[K, kv_heads, bucket, head_dim]`` per
   layer, true lengths and the float32 logits ``[K, V]`` of each prompt's last token."""
 
   k: tuple[jax.Array, ...]
@@ -77,7 +77,7 @@ class Insert:
 class DecodeState:
   """What ``generate`` transforms; ``S`` slots, cache length ``L``."""
 
-  cache: KVCache  # k/v [S, L, kv_heads, head_dim] per layer; lengths int32 [S]
+  cache: KVCache  # k/v [S, kv_heads, L, head_dim] per layer; lengths int32 [S]
   tokens: jax.Array  # int32 [S]: the token each slot feeds next
   keys: jax.Array  # uint32 [S, key_size]: each slot's sample key data
   positions: jax.Array  # int32 [S]: tokens the slot's sample has drawn so far
@@ -87,23 +87,48 @@ class DecodeState:
 
 @flax.struct.dataclass
 class StepResult:
-  """One step's output per slot (``JetStream``'s ``ResultTokens``, with log-probs)."""
+  """One step's output per slot (JetStream's ``ResultTokens``, with log-probs), packed in one
+  int32 ``[S, 5]`` array so that a single device-to-host copy brings it back: columns
+  token (pad where not valid), behaviour log-prob (float32 bits; 0 where not valid), support
+  size, valid (the slot was active and sampled a token), done (it finished at this step)."""
 
-  tokens: jax.Array  # int32 [S]: the sampled token (pad where not valid)
-  logprobs: jax.Array  # float32 [S]: its behaviour log-prob (0 where not valid)
-  supports: jax.Array  # int32 [S]: the size of the support it was drawn from
-  valid: jax.Array  # bool [S]: the slot was active and sampled a token
-  done: jax.Array  # bool [S]: the slot finished at this step
+  data: jax.Array
+
+  @classmethod
+  def pack(cls, tokens, logprobs, supports, valid, done) -> 'StepResult':
+    bits = jax.lax.bitcast_convert_type(logprobs.astype(jnp.float32), jnp.int32)
+    return cls(jnp.stack([tokens.astype(jnp.int32), bits, supports.astype(jnp.int32),
+                          valid.astype(jnp.int32), done.astype(jnp.int32)], axis=1))
+
+  def to_host(self) -> 'HostStep':
+    data = np.asarray(jax.device_get(self.data))
+    return HostStep(tokens=data[:, 0], logprobs=data[:, 1].view(np.float32),
+                    supports=data[:, 2], valid=data[:, 3].astype(bool),
+                    done=data[:, 4].astype(bool))
 
 
-def default_buckets(max_prefill_length: int, smallest: int = 16) -> tuple[int, ...]:
-  """Powers of two from ``smallest`` below ``max_prefill_length``, then it."""
+@dataclasses.dataclass(frozen=True)
+class HostStep:
+  """``StepResult`` on the host: numpy ``[S]`` arrays."""
+
+  tokens: np.ndarray
+  logprobs: np.ndarray
+  supports: np.ndarray
+  valid: np.ndarray
+  done: np.ndarray
+
+
+def default_buckets(max_prefill_length: int) -> tuple[int, ...]:
+  """Prompt length buckets: multiples of 8 up to 32, then four per octave (40, 48, 56, 64,
+  80, 96, 112, 128, 160, ...), then ``max_prefill_length``: a prompt is padded by at most a
+  quarter past 32 tokens, and the number of compiled prefill programs grows with the log of
+  the longest prompt."""
   if max_prefill_length < 1:
     raise ValueError(f'max_prefill_length={max_prefill_length} must be >= 1.')
-  buckets, size = [], min(smallest, max_prefill_length)
+  buckets, size = [], 8
   while size < max_prefill_length:
     buckets.append(size)
-    size *= 2
+    size += max(8, 1 << (size.bit_length() - 3))
   return (*buckets, max_prefill_length)
 
 
@@ -119,16 +144,19 @@ class Engine:
     max_decode_length: the most tokens a sample may generate.
     pad_id: the token a step reports for inactive slots.
     prefill_buckets: sorted prompt length buckets ending at ``max_prefill_length`` (default:
-      powers of two from 16).
+      ``default_buckets``).
+    attend_buckets: how many cache-length buckets a decode step may attend to (the
+      smallest holding every active sequence is used; each compiles once): 4 splits the
+      cache in quarters, 1 always attends to the whole cache.
   """
 
   def __init__(self, model: Model, mesh: Mesh, *, slots: int, max_prefill_length: int,
                max_decode_length: int, pad_id: int,
-               prefill_buckets: Sequence[int] | None = None,
+               prefill_buckets: Sequence[int] | None = None, attend_buckets: int = 4,
                rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES):
-    if slots < 1 or max_decode_length < 1:
-      raise ValueError(f'slots ({slots}) and max_decode_length ({max_decode_length}) must be '
-                       '>= 1.')
+    if slots < 1 or max_decode_length < 1 or attend_buckets < 1:
+      raise ValueError(f'slots ({slots}), max_decode_length ({max_decode_length}) and '
+                       f'attend_buckets ({attend_buckets}) must be >= 1.')
     buckets = tuple(prefill_buckets or default_buckets(max_prefill_length))
     if list(buckets) != sorted(set(buckets)) or buckets[-1] != max_prefill_length or (
         buckets[0] < 1):
@@ -146,6 +174,9 @@ class Engine:
     self.max_prefill_length = max_prefill_length
     self.max_decode_length = max_decode_length
     self.prefill_buckets = buckets
+    n = self.cache_length
+    self.attend_buckets = tuple(sorted({-(-n * (i + 1) // attend_buckets)
+                                        for i in range(attend_buckets)}))
     self.pad_id = int(pad_id)
     self.param_shardings = sharding_lib.param_shardings(
         model.abstract_params(), model.logical_axes(), mesh, rules)
@@ -154,7 +185,7 @@ class Engine:
     self._prefill = jax.jit(self._prefill_impl)
     self._insert = jax.jit(self._insert_impl, static_argnames=('spec',), donate_argnums=(1,),
                            out_shardings=(self.state_shardings, None))
-    self._generate = jax.jit(self._generate_impl, static_argnames=('spec',),
+    self._generate = jax.jit(self._generate_impl, static_argnames=('spec', 'attend'),
                              donate_argnums=(1,),
                              out_shardings=(self.state_shardings, None))
     self._release_all = jax.jit(
@@ -246,10 +277,18 @@ class Engine:
     return self._insert(prefix, state, jnp.asarray(rows), jnp.asarray(slots),
                         jnp.asarray(keys), jnp.asarray(max_new), jnp.asarray(stops), spec=spec)
 
-  def generate(self, params: Params, state: DecodeState, spec: SamplingSpec
-               ) -> tuple[DecodeState, StepResult]:
-    """One decode step over all slots with ``params``."""
-    return self._generate(params, state, spec=spec)
+  def generate(self, params: Params, state: DecodeState, spec: SamplingSpec,
+               longest: int | None = None) -> tuple[DecodeState, StepResult]:
+    """One decode step over all slots with ``params``.
+
+    ``longest``: the most cache positions any active slot holds after this step (its
+    prompt plus the tokens fed so far, this one included); attention then reads only the
+    smallest ``attend_buckets`` entry holding it. ``None`` reads the whole cache.
+    """
+    attend = self.cache_length
+    if longest is not None:
+      attend = next((b for b in self.attend_buckets if longest <= b), self.cache_length)
+    return self._generate(params, state, spec=spec, attend=attend)
 
   def release_all(self, state: DecodeState) -> DecodeState:
     """Every slot inactive (what the slots held is overwritten by the next inserts)."""
@@ -269,8 +308,8 @@ class Engine:
     def named(logical, shape):
       return NamedSharding(mesh, sharding_lib.logical_to_spec(PartitionSpec(*logical), shape,
                                                               mesh, rules))
-    kv_shape = (self.slots, self.cache_length, c.num_kv_heads, c.head_dim)
-    kv = named(('batch', 'length', 'kv_heads', 'head_dim'), kv_shape)
+    kv_shape = (self.slots, c.num_kv_heads, self.cache_length, c.head_dim)
+    kv = named(('batch', 'kv_heads', 'length', 'head_dim'), kv_shape)
     per_slot = named(('batch',), (self.slots,))
     per_slot_2d = lambda width: named(('batch', None), (self.slots, width))
     return DecodeState(
@@ -286,11 +325,11 @@ class Engine:
 
   def _insert_impl(self, prefix, state, rows, slots, keys, max_new, stop_ids, *, spec):
     # Entries with slot == S are padding: scatters drop them (mode='drop').
-    bucket = prefix.k[0].shape[1]
+    bucket = prefix.k[0].shape[2]
 
     def put(buffer, source):
-      update = source[rows].astype(buffer.dtype)  # [S, bucket, ...]
-      return buffer.at[slots, :bucket].set(update, mode='drop')
+      update = source[rows].astype(buffer.dtype)  # [S, kv, bucket, d]
+      return buffer.at[slots, :, :bucket].set(update, mode='drop')
     first_keys = jax.vmap(lambda data: jax.random.fold_in(jax.random.wrap_key_data(data), 0))(
         keys)
     token, logp, support = sample_rows(prefix.logits[rows], first_keys, spec)
@@ -306,13 +345,12 @@ class Engine:
         remaining=set_rows(state.remaining, remaining),
         stop_ids=set_rows(state.stop_ids, stop_ids))
     valid = slots < state.tokens.shape[0]
-    return state, StepResult(tokens=token, logprobs=logp, supports=support, valid=valid,
-                             done=valid & (remaining == 0))
+    return state, StepResult.pack(token, logp, support, valid, valid & (remaining == 0))
 
-  def _generate_impl(self, params, state, *, spec):
+  def _generate_impl(self, params, state, *, spec, attend):
     active = state.remaining > 0
     logits, cache = self.model.apply(params, state.tokens[:, None], cache=state.cache,
-                                     num_valid=active.astype(jnp.int32))
+                                     num_valid=active.astype(jnp.int32), attend=attend)
     keys = jax.vmap(lambda data, position: jax.random.fold_in(
         jax.random.wrap_key_data(data), position))(state.keys, state.positions)
     token, logp, support = sample_rows(logits[:, 0], keys, spec)
@@ -324,6 +362,5 @@ class Engine:
     state = DecodeState(cache=cache, tokens=jnp.where(active, token, state.tokens),
                         keys=state.keys, positions=state.positions + active,
                         remaining=remaining, stop_ids=state.stop_ids)
-    return state, StepResult(tokens=token, logprobs=logp, supports=support, valid=active,
-                             done=active & (remaining == 0))
+    return state, StepResult.pack(token, logp, support, active, active & (remaining == 0))
 

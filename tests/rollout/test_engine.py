@@ -53,9 +53,12 @@ def make_driver(model, params, slots=4, version=0, **kwargs):
 
 
 def test_default_buckets():
-  assert default_buckets(64) == (16, 32, 64)
-  assert default_buckets(100) == (16, 32, 64, 100)
-  assert default_buckets(8) == (8,)
+  assert default_buckets(64) == (8, 16, 24, 32, 40, 48, 56, 64)
+  assert default_buckets(100) == (8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 100)
+  assert default_buckets(8) == (8,) and default_buckets(5) == (5,)
+  for longest in (33, 77, 300, 1000):  # padding past 32 tokens is at most a quarter
+    bucket = next(b for b in default_buckets(2048) if b >= longest)
+    assert bucket <= 1.25 * longest
   engine = Engine(create_model(CONFIG)[0], MESH, slots=2, max_prefill_length=16,
                   max_decode_length=4, pad_id=PAD, prefill_buckets=(4, 16))
   assert engine.bucket(3) == 4 and engine.bucket(5) == 16

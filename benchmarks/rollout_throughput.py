@@ -1,0 +1,191 @@
+"""Benchmark: rollout generation throughput, rlax_llm's engine vs transformers.generate.
+
+SmolLM2-135M-Instruct (the packaged GGUF), fp32, greedy, 128 new tokens per row, the same
+weights loaded by both in the same process. For each batch size the two are run alternately
+``--repeats`` times (the machine is shared and noisy: each ratio compares neighbouring runs)
+and the medians are reported; compilation is excluded (a warm-up run first). Every row
+generates exactly ``--new_tokens`` tokens (no early stop on either side), and the first
+row's tokens are compared.
+
+Also measured in the same process:
+* a variable-length workload: ``--requests`` requests whose completion lengths are drawn from
+  a heavy-tailed (Pareto) distribution, through ``--slots`` slots, continuous batching vs
+  static batching (a new batch only when every slot is free), same tokens either way;
+* the fp32 matmul peak of this machine (a 2048^3 ``jnp.dot``), and the fraction of it our
+  decoding reaches (``2 * matmul params * tokens/s``).
+
+Prints one JSON object:
+
+    {"batches": {"1": {"ours_tok_s", "transformers_tok_s", "ratio", ...}, "8": ..., "32": ...,
+                 "64": ...},
+     "variable_length": {"continuous_tok_s", "static_tok_s", "ratio", ...},
+     "matmul_peak_gflops": ..., ...}
+
+    .venv/bin/python benchmarks/rollout_throughput.py [--batches=1,8,32,64] [--repeats=3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault('HF_HUB_OFFLINE', '1')
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from rlax_llm.models import from_pretrained, smollm2_gguf_path  # noqa: E402
+from rlax_llm.models.model import split_module  # noqa: E402
+from rlax_llm.models.presets import count_params  # noqa: E402
+from rlax_llm.policy import GREEDY  # noqa: E402
+from rlax_llm.rollout.driver import Driver, Job, VersionedParams  # noqa: E402
+from rlax_llm.rollout.engine import Engine  # noqa: E402
+from rlax_llm.sharding import make_mesh  # noqa: E402
+
+QUESTIONS = ['Tell me a story about a cat.', 'Explain how rain forms.',
+             'Write a poem about the sea.', 'Describe a busy market.']
+
+
+def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
+  a = jnp.ones((n, n), jnp.float32)
+  dot = jax.jit(lambda a, b: a @ b)
+  dot(a, a).block_until_ready()
+  start = time.perf_counter()
+  for _ in range(repeats):
+    out = dot(a, a)
+  out.block_until_ready()
+  return 2 * n ** 3 * repeats / (time.perf_counter() - start) / 1e9
+
+
+def prompts_for(tokenizer, batch: int) -> list[list[int]]:
+  """``batch`` chat prompts, cut to the length of the shortest so that every row has the same
+  length (transformers then needs no padding)."""
+  rows = [tokenizer.apply_chat_template([{'role': 'user', 'content': QUESTIONS[i % 4]}],
+                                        add_generation_prompt=True, tokenize=True)
+          for i in range(batch)]
+  shortest = min(len(r) for r in rows)
+  return [r[len(r) - shortest:] for r in rows]  # keep the assistant header at the end
+
+
+def driver_for(model, params, slots: int, max_prefill: int, max_new: int, continuous=True):
+  engine = Engine(model, make_mesh({'data': 1}, jax.devices()[:1]), slots=slots,
+                  max_prefill_length=max_prefill, max_decode_length=max_new, pad_id=0)
+  holder = VersionedParams()
+  holder.set(0, engine.place_params(params))
+  return Driver(engine, holder, continuous=continuous)
+
+
+def jobs_for(prompts, lengths) -> list[Job]:
+  keys = np.zeros((1, 2), np.uint32)
+  return [Job(tuple(p), 1, GREEDY, n, (), keys) for p, n in zip(prompts, lengths)]
+
+
+def timed(fn) -> tuple[float, object]:
+  start = time.perf_counter()
+  out = fn()
+  return time.perf_counter() - start, out
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument('--batches', default='1,8,32,64')
+  parser.add_argument('--new_tokens', type=int, default=128)
+  parser.add_argument('--repeats', type=int, default=3)
+  parser.add_argument('--requests', type=int, default=96)
+  parser.add_argument('--slots', type=int, default=32)
+  parser.add_argument('--torch_threads', type=int, default=0, help='0: torch default')
+  args = parser.parse_args()
+
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  if args.torch_threads:
+    torch.set_num_threads(args.torch_threads)
+  path = smollm2_gguf_path()
+  module, tokenizer = from_pretrained(path)
+  model, params = split_module(module)
+  reference = transformers.AutoModelForCausalLM.from_pretrained(
+      str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+  reference.generation_config.eos_token_id = None  # exactly new_tokens tokens, as ours
+  reference.generation_config.pad_token_id = tokenizer.pad_id
+  n = args.new_tokens
+  flops_per_token = 2 * count_params(model.config)
+  peak = matmul_peak_gflops()
+
+  batches = {}
+  for batch in [int(b) for b in args.batches.split(',')]:
+    prompts = prompts_for(tokenizer, batch)
+    driver = driver_for(model, params, batch, len(prompts[0]), n)
+    jobs = jobs_for(prompts, [n] * batch)
+    inputs = torch.tensor(prompts)
+
+    def theirs():
+      with torch.no_grad():
+        return reference.generate(inputs, attention_mask=torch.ones_like(inputs),
+                                  max_new_tokens=n, do_sample=False)
+    ours = lambda: driver.run(jobs)
+    ours()  # compile
+    theirs()
+    pairs = []
+    for _ in range(args.repeats):
+      t_ours, out = timed(ours)
+      t_theirs, ref = timed(theirs)
+      pairs.append((t_ours, t_theirs))
+    ours_tok_s = statistics.median(batch * n / a for a, _ in pairs)
+    theirs_tok_s = statistics.median(batch * n / b for _, b in pairs)
+    ref_tokens = ref[0, len(prompts[0]):].tolist()
+    same = next((i for i, (a, b) in enumerate(zip(out[0][0].tokens, ref_tokens)) if a != b),
+                len(ref_tokens))
+    batches[str(batch)] = {
+        'ours_tok_s': ours_tok_s, 'transformers_tok_s': theirs_tok_s,
+        'ratio': statistics.median(b / a for a, b in pairs),
+        'ratios': [b / a for a, b in pairs],
+        'prompt_tokens': len(prompts[0]),
+        'first_row_tokens_equal': same,
+        'ours_matmul_gflops': ours_tok_s * flops_per_token / 1e9,
+        'ours_fraction_of_matmul_peak': ours_tok_s * flops_per_token / 1e9 / peak,
+    }
+    print(json.dumps({batch: batches[str(batch)]}), flush=True)
+
+  # Variable-length workload: heavy-tailed completion lengths, continuous vs static batching.
+  rng = np.random.RandomState(0)
+  lengths = np.clip((8 * (1 + rng.pareto(1.2, args.requests))).astype(int), 4, 256).tolist()
+  prompts = prompts_for(tokenizer, args.requests)
+  jobs = jobs_for(prompts, lengths)
+  drivers = {mode: driver_for(model, params, args.slots, len(prompts[0]), max(lengths),
+                              continuous=mode == 'continuous')
+             for mode in ('continuous', 'static')}
+  for d in drivers.values():
+    d.run(jobs)  # compile
+  times = {mode: [] for mode in drivers}
+  steps = {}
+  for _ in range(args.repeats):
+    for mode, d in drivers.items():
+      elapsed, _ = timed(lambda d=d: d.run(jobs))
+      times[mode].append(elapsed)
+      steps[mode] = d.stats['steps']
+  total = sum(lengths)
+  variable = {
+      'requests': args.requests, 'slots': args.slots, 'total_tokens': total,
+      'length_mean': float(np.mean(lengths)), 'length_max': int(max(lengths)),
+      'length_p50': float(np.median(lengths)),
+      'continuous_tok_s': total / statistics.median(times['continuous']),
+      'static_tok_s': total / statistics.median(times['static']),
+      'ratio': statistics.median(s / c for c, s in zip(times['continuous'], times['static'])),
+      'continuous_steps': steps['continuous'], 'static_steps': steps['static'],
+  }
+  print(json.dumps({
+      'benchmark': 'rollout_throughput', 'model': path.name, 'dtype': 'float32',
+      'new_tokens': n, 'repeats': args.repeats, 'torch_threads': torch.get_num_threads(),
+      'devices': str(jax.devices()), 'matmul_peak_gflops': peak,
+      'batches': batches, 'variable_length': variable,
+      'goals': {'ratio_at_32': '>= 2.0', 'ratio_at_1': '>= 1.7',
+                'continuous_over_static': '>= 2.0'},
+  }, indent=2))
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,120 @@
+"""The optional JetStream serving adapter: our engine behind JetStream's orchestrator and gRPC
+server, in its own process on loopback; JetStream's own client stub gets the same tokens as
+rlax_llm's driver."""
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from flax import nnx
+
+pytest.importorskip('jetstream', reason='optional: pip install --no-deps google-jetstream')
+grpc = pytest.importorskip('grpc')
+
+from rlax_llm.models import from_pretrained, save_pretrained, smollm2_gguf_path  # noqa: E402
+from rlax_llm.models.decoder import Decoder, DecoderConfig  # noqa: E402
+from rlax_llm.models.model import split_module  # noqa: E402
+from rlax_llm.models.tokenizer import HFTokenizer  # noqa: E402
+from rlax_llm.policy import GREEDY  # noqa: E402
+from rlax_llm.rollout import jetstream_adapter  # noqa: E402
+from rlax_llm.rollout.driver import generate  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+NEW = 12
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope='module')
+def checkpoint(tmp_path_factory):
+  """A tiny random Llama with SmolLM2's tokenizer (and chat template), as an HF directory."""
+  try:
+    tokenizer = HFTokenizer.from_gguf(smollm2_gguf_path())
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+  config = DecoderConfig(vocab_size=tokenizer.vocab_size, num_layers=2, embed_dim=64,
+                         num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
+                         max_seq_len=256)
+  out = tmp_path_factory.mktemp('ckpt')
+  save_pretrained(Decoder(config, rngs=nnx.Rngs(3)), tokenizer, out)
+  return out
+
+
+@pytest.fixture(scope='module')
+def server(checkpoint):
+  port = _free_port()
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu', XLA_FLAGS='')
+  proc = subprocess.Popen(
+      [sys.executable, '-m', 'rlax_llm.rollout.jetstream_adapter', f'--checkpoint={checkpoint}',
+       f'--port={port}', '--slots=4', '--max_prefill_length=64', f'--max_decode_length={NEW}'],
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  js = jetstream_adapter.import_jetstream()
+  channel = grpc.insecure_channel(f'localhost:{port}')
+  stub = js.jetstream_pb2_grpc.OrchestratorStub(channel)
+  deadline = time.time() + 120
+  while True:
+    assert proc.poll() is None, proc.stdout.read()[-3000:]
+    try:
+      if stub.HealthCheck(js.jetstream_pb2.HealthCheckRequest(), timeout=2).is_live:
+        break
+    except grpc.RpcError:
+      pass
+    assert time.time() < deadline, 'the JetStream server did not come up'
+    time.sleep(0.5)
+  yield js, stub, port
+  proc.terminate()
+  proc.wait(timeout=30)
+  channel.close()
+
+
+def test_server_binds_loopback_only(server):
+  _, _, port = server
+  out = subprocess.run(['cat', '/proc/net/tcp', '/proc/net/tcp6'], capture_output=True,
+                       text=True).stdout
+  listening = [line.split() for line in out.splitlines()[1:]
+               if line.split()[3:4] == ['0A'] and int(line.split()[1].split(':')[1], 16) == port]
+  assert listening, f'nothing listens on port {port}'
+  for fields in listening:
+    address = fields[1].split(':')[0]
+    # 127.0.0.1, ::ffff:127.0.0.1 or ::1 (/proc/net shows 32-bit words little-endian).
+    assert address in ('0100007F', '0000000000000000FFFF00000100007F',
+                       '00000000000000000000000001000000'), address
+
+
+def test_jetstream_client_gets_the_drivers_tokens(server, checkpoint):
+  js, stub, _ = server
+  module, tokenizer = from_pretrained(checkpoint)
+  model, params = split_module(module)
+  questions = ['What is 2 + 3?', 'Name a color.', 'Say hello.']
+  prompts = [tokenizer.apply_chat_template([{'role': 'user', 'content': q}],
+                                           add_generation_prompt=True, tokenize=True)
+             for q in questions]
+  ours = generate(model, params, prompts, GREEDY, max_new_tokens=NEW,
+                  stop_ids=(tokenizer.eos_id,))
+  for prompt, sample in zip(prompts, ours):
+    request = js.jetstream_pb2.DecodeRequest(
+        token_content=js.jetstream_pb2.DecodeRequest.TokenContent(token_ids=prompt),
+        max_tokens=NEW)
+    served = [t for response in stub.Decode(request, timeout=60)
+              for s in response.stream_content.samples for t in s.token_ids]
+    expected = [t for t in sample.tokens if t != tokenizer.eos_id]  # JetStream drops the stop
+    assert served == expected, (served, sample.tokens)
+    assert len(expected) >= 1
+
+
+def test_shims_leave_the_root_logger_alone():
+  import logging  # pylint: disable=import-outside-toplevel
+  root = logging.getLogger()
+  before = (root.level, list(root.handlers))
+  jetstream_adapter.import_jetstream()
+  assert (root.level, list(root.handlers)) == before
+  np.testing.assert_equal(sys.modules['jax'].tree_map is not None, True)
