@@ -95,7 +95,7 @@ def main() -> None:
   parser.add_argument('--batches', default='1,8,32,64')
   parser.add_argument('--new_tokens', type=int, default=128)
   parser.add_argument('--repeats', type=int, default=3)
-  parser.add_argument('--requests', type=int, default=96)
+  parser.add_argument('--requests', type=int, default=192)
   parser.add_argument('--slots', type=int, default=32)
   parser.add_argument('--torch_threads', type=int, default=0, help='0: torch default')
   args = parser.parse_args()
@@ -152,7 +152,7 @@ def main() -> None:
 
   # Variable-length workload: heavy-tailed completion lengths, continuous vs static batching.
   rng = np.random.RandomState(0)
-  lengths = np.clip((8 * (1 + rng.pareto(1.2, args.requests))).astype(int), 4, 256).tolist()
+  lengths = np.clip((8 * (1 + rng.pareto(1.2, args.requests))).astype(int), 4, 128).tolist()
   prompts = prompts_for(tokenizer, args.requests)
   jobs = jobs_for(prompts, lengths)
   drivers = {mode: driver_for(model, params, args.slots, len(prompts[0]), max(lengths),

@@ -53,7 +53,7 @@ def np_truncated_logp(scaled, keep):
 
 
 def sample_tokens(logits, key, temperature=1.0, top_k=0, top_p=1.0):
-  return sample(logits, key, SamplingSpec(temperature=temperature, top_k=top_k, top_p=top_p))
+  return sample(logits, key, SamplingSpec(temperature=temperature, top_k=top_k, top_p=top_p))[:2]
 
 
 def kept_set(logits, top_k=0, top_p=1.0):
@@ -221,7 +221,9 @@ def test_greedy_is_refused_for_rollouts_but_valid_for_evaluation():
   with pytest.raises(ValueError, match='not valid for RL rollouts'):
     SamplingSpec(temperature=0.0).check_for_rollouts()
   assert SamplingSpec(temperature=0.7).check_for_rollouts().temperature == 0.7
-  tokens, logp = sample(jnp.asarray(random_logits(0)), jax.random.key(0), policy_lib.GREEDY)
+  tokens, logp, support = sample(jnp.asarray(random_logits(0)), jax.random.key(0),
+                                 policy_lib.GREEDY)
+  np.testing.assert_array_equal(support, 1)
   np.testing.assert_array_equal(logp, 0.0)
   with pytest.raises(ValueError, match='temperature > 0'):
     token_log_probs(jnp.zeros((2, 4)), jnp.zeros((2,), jnp.int32), policy_lib.GREEDY)
@@ -233,10 +235,15 @@ def test_token_log_probs_equal_the_behaviour_log_probs(temperature, top_k, top_p
   """The trainer-side function scores a sampled token exactly as the sampler did."""
   logits = jnp.asarray(random_logits(11, batch=256))
   spec = SamplingSpec(temperature, top_k, top_p)
-  tokens, behaviour = sample(logits, jax.random.key(3), spec)
+  tokens, behaviour, support = sample(logits, jax.random.key(3), spec)
   logp, in_support = token_log_probs(logits, tokens, spec)
   np.testing.assert_array_equal(logp, behaviour)
   assert np.all(np.asarray(in_support))
+  # With the recorded support size the trainer reproduces the same distribution.
+  np.testing.assert_allclose(token_log_probs(logits, tokens, spec, support)[0], behaviour,
+                             atol=1e-6)
+  kept = np.asarray(transform_logits(logits, spec)[1])
+  np.testing.assert_array_equal(support, kept.sum(-1))
 
 
 @pytest.mark.parametrize('top_k, top_p', [(3, 1.0), (0, 0.7), (4, 0.8)])
@@ -244,7 +251,7 @@ def test_naive_renormalisation_would_bias_the_ratio_by_log_kept_mass(top_k, top_
   """A trainer using plain log_softmax(z / T) sees log r = log S (S = kept mass) on-policy."""
   logits = jnp.asarray(random_logits(12, batch=128))
   spec = SamplingSpec(0.9, top_k, top_p)
-  tokens, behaviour = sample(logits, jax.random.key(4), spec)
+  tokens, behaviour, _ = sample(logits, jax.random.key(4), spec)
   naive = np.take_along_axis(np_log_softmax(np.asarray(logits, np.float64) / 0.9),
                              np.asarray(tokens)[:, None], axis=-1)[:, 0]
   kept = np.asarray(transform_logits(logits, spec)[1])
@@ -274,6 +281,26 @@ def test_tokens_outside_the_support_get_a_finite_continuous_score():
   lp, sup = token_log_probs(near, jnp.array([2]), spec)
   assert not bool(sup[0]) and abs(float(lp[0]) - float(token_log_probs(
       near, jnp.array([1]), spec)[0][0])) < 1e-3
+
+
+def test_recorded_support_size_is_robust_to_rounding_at_the_top_p_threshold():
+  """Nudging the logits by float-rounding-sized amounts can move a token across the top-p
+  threshold and change the recomputed kept set; the recorded support size keeps the
+  normaliser continuous."""
+  # probs 0.5, 0.3, 0.15, 0.05: with top_p = 0.8 the third token sits exactly on the edge.
+  base = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float64))
+  spec = SamplingSpec(1.0, top_p=0.8)
+  kept_sets = set()
+  for eps in (-1e-6, 0.0, 1e-6):
+    nudged = jnp.asarray(base + np.array([[0.0, eps, -eps, 0.0]]), jnp.float32)
+    kept_sets.add(tuple(np.asarray(transform_logits(nudged, spec)[1])[0]))
+  assert len(kept_sets) > 1, 'the threshold decision should flip under the nudge'
+  logps = []
+  for eps in (-1e-6, 0.0, 1e-6):
+    nudged = jnp.asarray(base + np.array([[0.0, eps, -eps, 0.0]]), jnp.float32)
+    logps.append(float(token_log_probs(nudged, jnp.array([0]), spec,
+                                       jnp.array([2]))[0][0]))
+  assert max(logps) - min(logps) < 1e-5, logps
 
 
 def test_entropy_is_the_entropy_of_the_truncated_distribution():
