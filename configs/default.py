@@ -56,18 +56,32 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c.sampling = ml_collections.ConfigDict(dict(
       temperature=1.0, top_k=0, top_p=1.0, max_prompt_len=8, max_new_tokens=5,
   ))
-  # The inference engine: KV-cache slots (concurrent sequences) and what a weight swap does
-  # to sequences in flight ('continue', PipelineRL; 'discard' and regenerate, RLAX).
-  c.rollout = ml_collections.ConfigDict(dict(slots=256, on_swap='continue'))
+  # Inference: workers, KV-cache slots each (concurrent sequences), what a weight swap does to
+  # sequences in flight ('continue', PipelineRL; 'discard' and regenerate, RLAX); dynamic
+  # sampling (oversample > 0: ask for that many more prompts, drop groups with equal rewards,
+  # recycle the surplus); how long a silent worker is waited for before its requests go to
+  # another; fault: a test knob making worker `worker` 'die' or 'hang' at its `call`-th call.
+  c.rollout = ml_collections.ConfigDict(dict(
+      workers=1, slots=256, on_swap='continue', oversample=0.0, worker_timeout_s=600.0,
+      fault=ml_collections.ConfigDict(dict(worker=-1, call=0, kind='none'))))
   # RLAX staleness: j = inference reload threshold, k = trainer acceptance window.
   c.staleness = ml_collections.ConfigDict(dict(j=1, k=1))
+  # Where roles run: 'local' (this process; local.concurrent: each role on its own thread,
+  # False runs every call inline, the synchronous reference) or 'ray' (one actor per role).
   c.backend = 'local'
+  c.local = ml_collections.ConfigDict(dict(concurrent=True))
+  # ray: 'local' starts a private cluster on loopback; else the address of a running one.
+  # Resources each actor asks for, e.g. {'TPU': 4} to put roles on separate TPU hosts.
+  c.ray = ml_collections.ConfigDict(dict(
+      address='local', num_cpus=0, trainer_resources=ml_collections.ConfigDict(),
+      worker_resources=ml_collections.ConfigDict()))
   c.checkpoint = ml_collections.ConfigDict(dict(every_steps=0))  # 0: no checkpoints yet
   c.eval = ml_collections.ConfigDict(dict(every_steps=50))
   # Axis sizes per role; -1 takes the remaining devices.
   c.mesh = ml_collections.ConfigDict(dict(
       trainer=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)),
       inference=ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)),
+      disjoint=False,  # True: the trainer takes the first devices, each worker the next ones
   ))
   c.log = ml_collections.ConfigDict(dict(console_every=1, tensorboard=True))
 

@@ -42,15 +42,16 @@ REQUIRED_KEYS = (
 
 # Choice fields -> valid values (the loss's, sampling's and task's come from their own types).
 CHOICES = {
-    'backend': ('local',),
+    'backend': ('local', 'ray'),
     'model.param_dtype': ('float32', 'bfloat16'),
     'model.dtype': ('float32', 'bfloat16'),
     'model.remat': REMAT_POLICIES,
     'rollout.on_swap': ('continue', 'discard'),
+    'rollout.fault.kind': ('none', 'die', 'hang'),
 }
 
 POSITIVE_INTS = ('rl.group_size', 'rl.prompts_per_step', 'rl.max_nonfinite_updates',
-                 'rollout.slots',
+                 'rollout.slots', 'rollout.workers',
                  'sampling.max_new_tokens', 'sampling.max_prompt_len', 'warmup.batch_size',
                  'log.console_every')
 NON_NEGATIVE_INTS = ('seed', 'total_steps', 'warmup.steps', 'warmup.warmup_steps',
@@ -128,13 +129,15 @@ def sampling_spec(config: ml_collections.ConfigDict) -> SamplingSpec:
 def controller_settings(config: ml_collections.ConfigDict):
   """The controller's ``ControllerSettings`` (schedule, staleness, rollout sampling)."""
   from rlax_llm.controller import ControllerSettings  # pylint: disable=import-outside-toplevel
-  with _naming('staleness: '):
+  with _naming(''):
     return ControllerSettings(
         total_steps=config.total_steps, prompts_per_step=config.rl.prompts_per_step,
         group_size=config.rl.group_size, staleness_j=config.staleness.j,
         staleness_k=config.staleness.k, eval_every=config.eval.every_steps, seed=config.seed,
         sampling=sampling_spec(config), max_new_tokens=config.sampling.max_new_tokens,
-        advantage_estimator=loss_config(config).estimator)
+        advantage_estimator=loss_config(config).estimator,
+        oversample=config.rollout.oversample,
+        worker_timeout_s=config.rollout.worker_timeout_s)
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -227,22 +230,24 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
 
 def _validate_meshes(config: ml_collections.ConfigDict) -> None:
   import jax  # pylint: disable=import-outside-toplevel
-  from rlax_llm.sharding import make_mesh  # pylint: disable=import-outside-toplevel
+  from rlax_llm.sharding import role_meshes  # pylint: disable=import-outside-toplevel
+  with _naming('mesh.'):
+    meshes = role_meshes(_get(config, 'mesh.trainer').to_dict(),
+                         _get(config, 'mesh.inference').to_dict(),
+                         workers=config.rollout.workers, disjoint=config.mesh.disjoint)
   rollout_batch = config.rl.prompts_per_step * config.rl.group_size
-  batches = {'trainer': [('rl.prompts_per_step * rl.group_size', rollout_batch)],
-             'inference': [('rollout.slots', config.rollout.slots)]}
+  checks = [('trainer', meshes['trainer'], 'rl.prompts_per_step * rl.group_size',
+             rollout_batch)]
   if config.warmup.steps > 0:
-    batches['trainer'].append(('warmup.batch_size', config.warmup.batch_size))
-  for role, sizes in batches.items():
-    with _naming(f'mesh.{role}: '):
-      mesh = make_mesh(_get(config, f'mesh.{role}').to_dict())
+    checks.append(('trainer', meshes['trainer'], 'warmup.batch_size', config.warmup.batch_size))
+  checks.append(('inference', meshes['inference'][0], 'rollout.slots', config.rollout.slots))
+  for role, mesh, name, size in checks:
     shards = mesh.shape['data'] * mesh.shape['fsdp']
-    for name, size in sizes:
-      if size % shards:
-        raise ConfigError(
-            f'config.mesh.{role}: the batch axis is split over data x fsdp = {shards} devices '
-            f'but {name} = {size} does not divide by {shards} (of {jax.device_count()} '
-            f'devices); make it a multiple of {shards} or change mesh.{role}.')
+    if size % shards:
+      raise ConfigError(
+          f'config.mesh.{role}: the batch axis is split over data x fsdp = {shards} devices '
+          f'but {name} = {size} does not divide by {shards} (of {jax.device_count()} '
+          f'devices); make it a multiple of {shards} or change mesh.{role}.')
 
 
 def _where(error: BaseException, path: str) -> str:

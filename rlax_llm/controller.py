@@ -1,23 +1,57 @@
 """The controller: the one active part, scheduling the RL loop deterministically.
 
 It owns the data order (a grain dataset of prompt batches and its iterator position), the RNG
-(one root key; step ``s`` samples with ``fold_in(root, s)``), the step counter and the
-staleness policy; the trainer, parameter server, inference worker and verifier act only when
-it calls them, through typed interfaces: ``GenerationRequest``s in, ``Rollouts`` out,
-``TrainBatch`` to the trainer (docs/architecture.md). Everything it must remember to resume is one
-``ControllerState`` (``state()`` / ``restore()``).
+(one root key; batch ``i`` samples with ``fold_in(root, i)``), the step counter, the staleness
+schedule and the parameter server; the trainer and the inference workers act only when it
+calls them, through typed interfaces (``GenerationRequest``s in, ``Rollouts`` out,
+``TrainBatch`` to the trainer) and through *handles* whose calls return futures, so the same
+code drives roles in this process (``rlax_llm.backends.local``) or in Ray actors
+(``rlax_llm.backends.ray``). Everything it must remember to resume is one
+``ControllerState``.
 
-This controller runs the loop synchronously (staleness ``(j, k) = (1, 1)``): every step the
-worker reloads the version the trainer just pushed, so each rollout is on-policy
-(``staleness = 0``).
+Staleness (RLAX's ``(j, k)``, docs/architecture.md): batch ``i`` (trained at step ``i``) is
+sampled with the params after step ``v_i = max(0, j * floor((i - (k - j)) / j))``
+(``sampling_version``), so its staleness ``i - v_i`` stays in ``[k - j, k - 1]`` once the
+pipeline is full (below before). Versions count *applied* updates; when a step applies none
+(every group filtered, or a non-finite update skipped) the params after it keep the previous
+version, so staleness in versions is at most staleness in steps;
+the worker's weights change in steps of ``j`` versions, and a rollout is trained only if
+``i - v < k``. ``(1, 1)`` gives ``v_i = i``: the synchronous, on-policy lockstep. Generation of
+batch ``i`` starts as soon as version ``v_i`` exists, so with ``k > 1`` it overlaps the
+training of earlier batches (up to ``k`` batches are in flight: the queue is bounded by the
+schedule).
+
+Deterministic asynchrony: every decision (which version samples which batch, which prompts,
+which keys, when a worker's weights change, what is trained) is a function of the schedule
+and of results the controller waits for in a fixed order, never of which thread finishes
+first. An asynchronous run therefore gives the same metrics and params whatever the timing,
+on every backend; only ``time/...`` metrics differ.
+
+Also scheduled here, deterministically:
+* several inference workers: a batch's requests are split into contiguous chunks, one per
+  worker; a sample's tokens depend only on its own key, so which worker runs it changes
+  nothing;
+* worker failures: a worker whose call raises, or returns nothing within
+  ``worker_timeout_s``, is retired and its requests re-issued to a live one (same keys, same
+  version: the same rollouts); the run goes on and reports the loss;
+* dynamic sampling (DAPO, arXiv 2503.14476): with ``oversample > 0`` each batch asks for
+  ``ceil(prompts_per_step * (1 + oversample))`` prompts; groups whose rewards are all equal
+  (no learning signal) are dropped and counted; the first ``prompts_per_step`` remaining
+  groups are trained; the surplus is recycled into the next batch if it is still fresh
+  enough (``t - v < k``), else dropped and counted (after APRIL's over-provisioning,
+  arXiv 2509.18521, at the granularity of finished groups).
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import logging
+import math
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -28,10 +62,40 @@ from rlax_llm.data_types import GenerationRequest, Rollouts, make_train_batch
 from rlax_llm.metrics import MetricsWriter
 from rlax_llm.paramserver import ParameterServer
 from rlax_llm.policy import GREEDY, SamplingSpec
-from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.tasks import Prompt, Task
-from rlax_llm.trainer.trainer import NonFiniteError, Trainer
+from rlax_llm.trainer.trainer import NonFiniteError
 from rlax_llm.verifiers import score_rollouts
+
+
+def sampling_version(i: int, j: int, k: int) -> int:
+  """The policy version that samples batch ``i`` under RLAX staleness ``(j, k)``."""
+  return max(0, j * math.floor((i - (k - j)) / j))
+
+
+class Future(Protocol):
+  def result(self, timeout: float | None = None) -> Any:
+    ...
+
+
+class TrainerHandle(Protocol):
+  """The trainer role as the controller sees it (calls return futures, run in order)."""
+
+  def step(self, batch) -> Future:  # -> metrics dict
+    ...
+
+  def host_params(self) -> Future:  # -> params pytree of host arrays
+    ...
+
+
+class WorkerHandle(Protocol):
+  """An inference worker as the controller sees it (calls return futures, run in order)."""
+
+  def generate(self, requests: Sequence[GenerationRequest], rng_data: np.ndarray,
+               update=None) -> Future:  # -> Rollouts
+    ...
+
+  def retire(self) -> None:
+    ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,13 +112,25 @@ class ControllerSettings:
   sampling: SamplingSpec
   max_new_tokens: int
   advantage_estimator: str = 'grpo'
+  oversample: float = 0.0
+  worker_timeout_s: float = 600.0
+  keep_versions: int = 0  # 0: what the schedule needs (k + 1)
 
   def __post_init__(self):
-    if (self.staleness_j, self.staleness_k) != (1, 1):
-      raise ValueError(
-          f'(j, k) = ({self.staleness_j}, {self.staleness_k}): this controller runs the '
-          'synchronous on-policy loop only, staleness (j, k) = (1, 1); set '
-          '--config.staleness.j=1 --config.staleness.k=1.')
+    """Messages name the config keys (``staleness.j``, ``rollout.oversample``, ...)."""
+    j, k = self.staleness_j, self.staleness_k
+    for name, value in (('j', j), ('k', k)):
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f'staleness.{name}={value!r} must be an int >= 1.')
+    if j > k:
+      raise ValueError(f'staleness (j, k) = ({j}, {k}): j must be <= k (a worker that reloads '
+                       'every j versions samples data up to j - 1 versions old, which k must '
+                       'accept).')
+    if (isinstance(self.oversample, bool) or not isinstance(self.oversample, (int, float))
+        or not 0.0 <= self.oversample <= 4.0):
+      raise ValueError(f'rollout.oversample={self.oversample!r} must be in [0, 4].')
+    if not self.worker_timeout_s > 0:
+      raise ValueError(f'rollout.worker_timeout_s={self.worker_timeout_s!r} must be > 0.')
     self.sampling.check_for_rollouts()
 
 
@@ -63,13 +139,14 @@ class ControllerState:
   """Everything the controller needs to continue a run exactly (what a snapshot stores).
 
   Attributes:
-    step: RL steps completed.
+    step: RL steps completed (updates attempted).
     data: the prompt iterator's position (grain iterator state).
-    rng: the root PRNG key's data (uint32 array); step ``s`` uses ``fold_in(root, s)``.
+    rng: the root PRNG key's data (uint32 array); batch ``i`` uses ``fold_in(root, i)``.
     trainer_version: the version the trainer's params are at.
-    worker_version: the version the inference worker holds (-1: none yet).
+    worker_version: the version the first inference worker holds (-1: none yet).
     start_accuracy: held-out accuracy of the RL starting point (None until measured).
     accuracy: the latest held-out accuracy (None until measured).
+    step_versions: the version after each step so far (``[s]``: after ``s`` steps).
   """
 
   step: int
@@ -79,6 +156,7 @@ class ControllerState:
   worker_version: int = -1
   start_accuracy: float | None = None
   accuracy: float | None = None
+  step_versions: list[int] = dataclasses.field(default_factory=lambda: [0])
 
   def to_dict(self) -> dict[str, Any]:
     """JSON-friendly form (``rng`` as a list of ints)."""
@@ -89,35 +167,73 @@ class ControllerState:
     return cls(**dict(state, rng=np.asarray(state['rng'], np.uint32)))
 
 
-class Controller:
-  """Runs ``total_steps`` synchronous RL steps; see the module docstring."""
+@dataclasses.dataclass
+class _Batch:
+  """A batch in flight: its prompts, the version sampling it and the futures of its chunks."""
 
-  def __init__(self, settings: ControllerSettings, task: Task, trainer: Trainer,
-               server: ParameterServer, worker: InferenceWorker, writer: MetricsWriter):
+  index: int
+  version: int
+  prompts: list[Prompt]
+  chunks: list[tuple[int, list[GenerationRequest], Any]]  # (worker, requests, future)
+
+
+class Controller:
+  """Runs ``total_steps`` RL updates under the ``(j, k)`` schedule; see the module docstring.
+
+  Args:
+    settings: the schedule.
+    task: prompts and verifier.
+    trainer: a ``TrainerHandle`` whose ``version`` counts its applied updates.
+    workers: ``WorkerHandle``s (at least one).
+    server: the parameter server (in the controller's process).
+    writer: metrics.
+  """
+
+  def __init__(self, settings: ControllerSettings, task: Task, trainer, workers: Sequence,
+               server: ParameterServer, writer: MetricsWriter):
+    if not workers:
+      raise ValueError('the controller needs at least one inference worker.')
     self.settings = settings
     self.task = task
     self.trainer = trainer
+    self.workers = list(workers)
+    self.alive = [True] * len(self.workers)
     self.server = server
-    self.worker = worker
     self.writer = writer
     self.step = 0
-    self._prompts = iter(prompt_dataset(task, settings.prompts_per_step).to_iter_dataset())
+    self._prompts = iter(prompt_dataset(task, 1).to_iter_dataset())
     self._root_key = jax.random.key(settings.seed)
     self._eval_prompts = task.eval_prompts()
     self.start_accuracy: float | None = None
     self.accuracy: float | None = None
+    # The version each worker will hold once its queued calls have run (the controller knows
+    # it: it sends every weight update itself).
+    self._worker_versions = [-1] * len(self.workers)
+    self._recycled: list[tuple[int, Rollouts]] = []  # (sampling version, one group)
+    self.events: list[str] = []
+    self.counters = collections.Counter()
+    self._busy_s = 0.0
+    self._run_start = None
+    self.step_versions = [trainer.version]  # [s]: the version after s steps
+
+  # ----------------------------------------------------------------------------- state
+
+  @property
+  def trainer_version(self) -> int:
+    return self.trainer.version
 
   def state(self) -> ControllerState:
     """The controller's state now (copy)."""
     return ControllerState(
         step=self.step, data=dict(self._prompts.get_state()),
         rng=np.asarray(jax.random.key_data(self._root_key)),
-        trainer_version=self.trainer.version, worker_version=self.worker.version,
-        start_accuracy=self.start_accuracy, accuracy=self.accuracy)
+        trainer_version=self.trainer.version, worker_version=self._worker_versions[0],
+        start_accuracy=self.start_accuracy, accuracy=self.accuracy,
+        step_versions=list(self.step_versions))
 
   def restore(self, state: ControllerState) -> None:
     """Continues from ``state``. The trainer (and the server) must already hold the params of
-    ``state.trainer_version``; the worker reloads them on the next step."""
+    ``state.trainer_version``; workers are reloaded as the schedule needs."""
     if self.trainer.version != state.trainer_version:
       raise ValueError(f'the trainer holds version {self.trainer.version} but the controller '
                        f'state expects {state.trainer_version}; restore the matching params '
@@ -127,25 +243,99 @@ class Controller:
     self._root_key = jax.random.wrap_key_data(np.asarray(state.rng, np.uint32))
     self.start_accuracy = state.start_accuracy
     self.accuracy = state.accuracy
+    self.step_versions = list(state.step_versions)
 
-  def requests(self, prompts: list[Prompt]) -> list[GenerationRequest]:
-    s = self.settings
-    return [GenerationRequest(p, s.group_size, s.sampling, s.max_new_tokens) for p in prompts]
-
-  def collect(self, prompts: list[Prompt], key: jax.Array) -> Rollouts:
-    """Samples ``group_size`` completions per prompt and scores them."""
-    return score_rollouts(self.task, prompts, self.worker.generate(self.requests(prompts), key))
-
-  def evaluate(self) -> float:
-    """Held-out greedy accuracy of the worker's current weights."""
-    requests = [GenerationRequest(p, 1, GREEDY, self.settings.max_new_tokens)
-                for p in self._eval_prompts]
-    rollouts = self.worker.generate(requests, self._root_key)
-    return float(np.mean(score_rollouts(self.task, self._eval_prompts, rollouts).rewards))
+  # ------------------------------------------------------------------------ scheduling
 
   def _push(self) -> None:
-    if self.server.latest_version() < self.trainer.version:
-      self.server.push(self.trainer.version, self.trainer.host_params())
+    version = self.trainer.version
+    if self.server.latest_version() < version:
+      self.server.push(version, self.trainer.host_params().result())
+
+  def _live_workers(self) -> list[int]:
+    live = [w for w, ok in enumerate(self.alive) if ok]
+    if not live:
+      raise RuntimeError('every inference worker has been lost: ' + '; '.join(self.events))
+    return live
+
+  def _submit(self, worker: int, requests: list[GenerationRequest], key: jax.Array,
+              version: int):
+    """Queues ``requests`` on ``worker`` with weights ``version`` (sending the update it
+    needs from the version it will hold by then)."""
+    update = None
+    if self._worker_versions[worker] != version:
+      t0 = time.perf_counter()
+      update = self.server.update(version, base_version=self._worker_versions[worker])
+      self.counters['sync/updates'] += 1
+      self.counters['sync/bytes'] += update.nbytes
+      self.counters['sync/full_bytes'] += sum(
+          u.full.nbytes if u.full is not None else 0 for b in update.buckets for u in b)
+      self.counters['sync/changed'] += update.changed
+      self.counters['sync/elements'] += update.total
+      self.counters['time/sync_encode_s'] += time.perf_counter() - t0
+      self._worker_versions[worker] = version
+    return self.workers[worker].generate(requests, np.asarray(jax.random.key_data(key)),
+                                         update)
+
+  def _launch(self, index: int, prompts: list[Prompt], version: int,
+              sampling: SamplingSpec, group_size: int, key: jax.Array) -> _Batch:
+    """Splits the batch's requests into contiguous chunks, one per live worker."""
+    requests = [GenerationRequest(p, group_size, sampling, self.settings.max_new_tokens)
+                for p in prompts]
+    live = self._live_workers()
+    chunks = []
+    per = -(-len(requests) // len(live))
+    for n, worker in enumerate(live):
+      part = requests[n * per:(n + 1) * per]
+      if part:
+        # Chunk c draws with fold_in(key, c): independent of which worker runs it.
+        chunks.append((worker, part, self._submit(worker, part, jax.random.fold_in(key, n),
+                                                  version)))
+    return _Batch(index=index, version=version, prompts=prompts, chunks=chunks)
+
+  def _gather(self, batch: _Batch, key: jax.Array) -> list[Rollouts]:
+    """The chunks' rollouts in order; a failed or silent worker is retired and its chunk
+    re-issued to a live one (same key, same version: the same rollouts)."""
+    out = []
+    for n, (worker, requests, future) in enumerate(batch.chunks):
+      while True:
+        try:
+          out.append(future.result(timeout=self.settings.worker_timeout_s))
+          break
+        except Exception as e:  # pylint: disable=broad-except
+          if self.alive[worker]:  # the first failure seen from this worker: retire it
+            reason = ('no answer within worker_timeout_s='
+                      f'{self.settings.worker_timeout_s} s'
+                      if isinstance(e, concurrent.futures.TimeoutError | TimeoutError)
+                      else f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}')
+            message = (f'inference worker {worker} was lost during batch {batch.index} '
+                       f'({reason}); its requests were re-issued to the other workers')
+            logging.error(message)
+            self.events.append(message)
+            self.counters['workers/lost'] += 1
+            self.alive[worker] = False
+            self.workers[worker].retire()
+          self.counters['workers/reissued_chunks'] += 1
+          live = self._live_workers()
+          worker = live[n % len(live)]
+          future = self._submit(worker, requests, jax.random.fold_in(key, n), batch.version)
+    return out
+
+  # --------------------------------------------------------------------------- evaluate
+
+  def evaluate(self) -> float:
+    """Held-out greedy accuracy of the trainer's current version (on a live worker)."""
+    self._push()
+    worker = self._live_workers()[0]
+    requests = [GenerationRequest(p, 1, GREEDY, self.settings.max_new_tokens)
+                for p in self._eval_prompts]
+    batch = _Batch(index=-1, version=self.trainer.version, prompts=self._eval_prompts,
+                   chunks=[(worker, requests, self._submit(worker, requests, self._root_key,
+                                                           self.trainer.version))])
+    rollouts = self._gather(batch, self._root_key)[0]
+    return float(np.mean(score_rollouts(self.task, self._eval_prompts, rollouts).rewards))
+
+  # -------------------------------------------------------------------------------- run
 
   def run(self) -> dict[str, float]:
     """Runs the loop to ``total_steps``. Returns the summary (also written to the workdir).
@@ -154,70 +344,133 @@ class Controller:
     """
     s = self.settings
     self._push()
-    self.worker.maybe_reload(self.server, s.staleness_j)
     if self.start_accuracy is None:
       self.start_accuracy = self.accuracy = self.evaluate()
       logging.info('RL starting point: held-out greedy accuracy %.3f', self.start_accuracy)
-    run_start = time.perf_counter()
+    self._run_start = time.perf_counter()
+    in_flight: collections.deque[_Batch] = collections.deque()
+    next_batch = self.step
     while self.step < s.total_steps:
-      metrics = self._one_step()
+      # Launch every batch whose sampling params exist (at most k ahead: the schedule).
+      while next_batch < s.total_steps and (
+          sampling_version(next_batch, s.staleness_j, s.staleness_k) <= self.step):
+        in_flight.append(self._launch_step(next_batch))
+        next_batch += 1
+      metrics = self._train_step(in_flight.popleft(), queued=len(in_flight))
       self.writer.write(self.step, metrics)
+    if self.events:
+      logging.warning('the run finished despite: %s', '; '.join(self.events))
     return {
         'steps': self.step,
         'eval/start_accuracy': self.start_accuracy,
         'eval/final_accuracy': self.accuracy,
         'eval/improvement': self.accuracy - self.start_accuracy,
-        'time/rl_s': time.perf_counter() - run_start,
+        'time/rl_s': time.perf_counter() - self._run_start,
+        'workers/lost': self.counters['workers/lost'],
+        'events': list(self.events),
     }
 
-  def _one_step(self) -> dict[str, float]:
+  def _launch_step(self, index: int) -> _Batch:
+    s = self.settings
+    count = s.prompts_per_step if s.oversample == 0 else math.ceil(
+        s.prompts_per_step * (1 + s.oversample))
+    prompts = [next(self._prompts)[0] for _ in range(count)]
+    version = self.step_versions[sampling_version(index, s.staleness_j, s.staleness_k)]
+    return self._launch(index, prompts, version, s.sampling, s.group_size,
+                        jax.random.fold_in(self._root_key, index))
+
+  def _select(self, batch: _Batch, rollouts: Rollouts) -> tuple[Rollouts, dict[str, float]]:
+    """Dynamic sampling and recycling (see the module docstring); returns the groups to
+    train on, recycled groups from earlier batches first."""
+    s = self.settings
+    stats = {'rollout/filtered_groups': 0, 'rollout/recycled_groups': 0,
+             'rollout/dropped_stale_groups': 0, 'rollout/trained_groups': len(batch.prompts)}
+    if s.oversample == 0:
+      return rollouts, stats
+    groups = [(batch.version, rollouts.select(rollouts.group_ids == g))
+              for g in range(len(batch.prompts))]
+    fresh = []
+    for version, group in self._recycled:
+      if self.trainer.version - version < s.staleness_k:
+        fresh.append((version, group))
+      else:
+        stats['rollout/dropped_stale_groups'] += 1
+    for version, group in groups:
+      if np.all(group.rewards == group.rewards[0]):
+        stats['rollout/filtered_groups'] += 1
+      else:
+        fresh.append((version, group))
+    keep, self._recycled = fresh[:s.prompts_per_step], fresh[s.prompts_per_step:]
+    stats['rollout/recycled_groups'] = len(self._recycled)
+    stats['rollout/trained_groups'] = len(keep)
+    if not keep:
+      return None, stats
+    return Rollouts.concatenate([g for _, g in keep]), stats
+
+  def _train_step(self, batch: _Batch, queued: int) -> dict[str, float]:
     s = self.settings
     t0 = time.perf_counter()
-    key = jax.random.fold_in(self._root_key, self.step)
-    self.worker.maybe_reload(self.server, s.staleness_j)
-    prompts = next(self._prompts)
-    rollouts = self.collect(prompts, key)
+    key = jax.random.fold_in(self._root_key, batch.index)
+    parts = self._gather(batch, key)
+    rollouts = score_rollouts(self.task, batch.prompts, Rollouts.concatenate(parts))
     t_rollout = time.perf_counter() - t0
-
-    advantages = np.asarray(losses.group_advantages(
-        rollouts.rewards, rollouts.group_ids, s.advantage_estimator))
-    batch = make_train_batch(rollouts, advantages)
-    staleness = self.trainer.version - batch.versions[batch.versions >= 0]
-    too_stale = int(np.sum(staleness >= s.staleness_k))
-    if too_stale:  # cannot happen in lockstep; the check guards the invariant.
-      raise RuntimeError(f'{too_stale} tokens exceed the staleness bound k={s.staleness_k}.')
-
-    t1 = time.perf_counter()
-    try:
-      train_metrics = self.trainer.step(batch)
-    except NonFiniteError as e:
-      raise NonFiniteError(f'RL step {self.step + 1}: {e}') from None
-    self._push()
-    t_train = time.perf_counter() - t1
-    self.step += 1
-
+    trained, selection = self._select(batch, rollouts)
     metrics = {
         'reward/mean': float(rollouts.rewards.mean()),
         'reward/std': float(rollouts.rewards.std()),
         'completion/length_mean': float(rollouts.completion_mask.sum(1).mean()),
         'completion/truncated_fraction': float(1.0 - rollouts.finished.mean()),
-        'staleness/mean': float(staleness.mean()) if staleness.size else 0.0,
-        'staleness/max': float(staleness.max()) if staleness.size else 0.0,
         'verifier/errors': rollouts.verifier_errors,
-        'version': self.trainer.version,
-        'time/rollout_tokens_per_s': rollouts.timings['tokens_per_s'],
-        'time/rollout_s': t_rollout,
-        'time/train_s': t_train,
-        **train_metrics,
+        'sampling_version': batch.version,
+        **selection,
     }
+    t1 = time.perf_counter()
+    if trained is not None:
+      advantages = np.asarray(losses.group_advantages(
+          trained.rewards, trained.group_ids, s.advantage_estimator))
+      train_batch = make_train_batch(trained, advantages)
+      versions = train_batch.versions[train_batch.versions >= 0]
+      staleness = self.trainer.version - versions
+      too_stale = int(np.sum(staleness >= s.staleness_k))
+      if too_stale:  # the schedule makes this impossible; the check guards the invariant.
+        raise RuntimeError(f'{too_stale} tokens exceed the staleness bound k={s.staleness_k}.')
+      try:
+        train_metrics = self.trainer.step(train_batch).result()
+      except NonFiniteError as e:
+        raise NonFiniteError(f'RL step {self.step + 1}: {e}') from None
+      self._push()
+      metrics.update({
+          'staleness/mean': float(staleness.mean()) if staleness.size else 0.0,
+          'staleness/max': float(staleness.max()) if staleness.size else 0.0,
+          **{f'staleness/frac_{d}': float(np.mean(staleness == d))
+             for d in range(s.staleness_k)},
+          **train_metrics,
+      })
+    else:
+      metrics.update({'staleness/mean': 0.0, 'staleness/max': 0.0, 'update/skipped': 1.0})
+    t_train = time.perf_counter() - t1
+    self._busy_s += t_train
+    self.step += 1
+    self.step_versions.append(self.trainer.version)
+    metrics['version'] = self.trainer.version
     last = self.step == s.total_steps
     if last or (s.eval_every > 0 and self.step % s.eval_every == 0):
-      self.worker.maybe_reload(self.server, 1)  # evaluate exactly the pushed version
       self.accuracy = self.evaluate()
       metrics['eval/accuracy'] = self.accuracy
     if last:
       metrics['eval/start_accuracy'] = self.start_accuracy
       metrics['eval/final_accuracy'] = self.accuracy
       metrics['eval/improvement'] = self.accuracy - self.start_accuracy
-    metrics['time/step_s'] = time.perf_counter() - t0
+    metrics.update({
+        'sync/updates': self.counters['sync/updates'],
+        'sync/bytes': float(self.counters['sync/bytes']),
+        'sync/full_bytes': float(self.counters['sync/full_bytes']),
+        'sync/density': self.counters['sync/changed'] / max(1, self.counters['sync/elements']),
+        'workers/lost': self.counters['workers/lost'],
+        'time/rollout_s': t_rollout, 'time/train_s': t_train,
+        'time/queued_batches': queued,
+        'time/trainer_busy_fraction': self._busy_s / (time.perf_counter() - self._run_start),
+        'time/step_s': time.perf_counter() - t0,
+        'time/rollout_tokens_per_s': rollouts.timings.get('tokens_per_s', 0.0),
+    })
     return metrics

@@ -77,6 +77,60 @@ class Rollouts:
     """bool [B]: True where the completion ended with eos."""
     return self.finish_reasons == 'stop'
 
+  def select(self, rows: np.ndarray) -> 'Rollouts':
+    """The rows where the bool mask ``rows`` is True (group ids kept)."""
+    index = np.flatnonzero(rows)
+    take = lambda a: None if a is None else a[index]
+    return dataclasses.replace(
+        self, prompt_ids=self.prompt_ids[index], group_ids=self.group_ids[index],
+        prompt_tokens=self.prompt_tokens[index], prompt_lengths=self.prompt_lengths[index],
+        completion_tokens=self.completion_tokens[index],
+        completion_mask=self.completion_mask[index],
+        behaviour_logprobs=self.behaviour_logprobs[index],
+        support_sizes=self.support_sizes[index], versions=self.versions[index],
+        finish_reasons=self.finish_reasons[index],
+        completions=[self.completions[i] for i in index], rewards=take(self.rewards),
+        restarts=take(self.restarts))
+
+  @classmethod
+  def concatenate(cls, parts: 'list[Rollouts]') -> 'Rollouts':
+    """Rows of ``parts`` in order; group ids renumbered 0, 1, ... by first appearance (each
+    part's groups are contiguous), 2-D arrays right-padded to the widest part."""
+    if len(parts) == 1:
+      return parts[0]
+    first = parts[0]
+
+    def cat(name, pad):
+      arrays = [getattr(p, name) for p in parts]
+      if arrays[0] is None:
+        return None
+      if arrays[0].ndim == 2:
+        width = max(a.shape[1] for a in arrays)
+        arrays = [np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=pad)
+                  for a in arrays]
+      return np.concatenate(arrays)
+    groups, offset = [], 0
+    for part in parts:
+      ids = part.group_ids
+      starts = np.r_[len(ids) > 0, ids[1:] != ids[:-1]] if len(ids) else np.zeros(0, bool)
+      groups.append(np.cumsum(starts) - 1 + offset)
+      offset += int(starts.sum())
+    generate_s = max(p.timings.get('generate_s', 0.0) for p in parts)
+    tokens = sum(int(p.completion_mask.sum()) for p in parts)
+    return cls(
+        prompt_ids=cat('prompt_ids', 0), group_ids=np.concatenate(groups).astype(np.int32),
+        prompt_tokens=cat('prompt_tokens', 0), prompt_lengths=cat('prompt_lengths', 0),
+        completion_tokens=cat('completion_tokens', 0),
+        completion_mask=cat('completion_mask', False),
+        behaviour_logprobs=cat('behaviour_logprobs', 0.0),
+        support_sizes=cat('support_sizes', 0), versions=cat('versions', -1),
+        finish_reasons=cat('finish_reasons', ''),
+        completions=[c for p in parts for c in p.completions],
+        sampling=first.sampling if all(p.sampling == first.sampling for p in parts) else None,
+        timings={'generate_s': generate_s, 'tokens_per_s': tokens / max(generate_s, 1e-9)},
+        rewards=cat('rewards', 0.0), verifier_errors=sum(p.verifier_errors for p in parts),
+        restarts=cat('restarts', 0), on_swap=first.on_swap)
+
 
 @flax.struct.dataclass
 class TrainBatch:

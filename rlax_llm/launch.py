@@ -60,7 +60,7 @@ def main(argv) -> None:
 
   # Model, trainer and data imports only after validation: a bad flag fails in seconds.
   # pylint: disable=import-outside-toplevel
-  from rlax_llm.backends.local import build_run
+  from rlax_llm.backends import build_run
   from rlax_llm.trainer.trainer import NonFiniteError
 
   start = time.perf_counter()

@@ -15,6 +15,7 @@ import itertools
 import logging
 import os
 import pathlib
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,7 @@ from rlax_llm.models.decoder import DecoderConfig
 from rlax_llm.models.model import Model, Params, create_model, split_module
 from rlax_llm.policy import Policy
 from rlax_llm.rollout.worker import InferenceWorker
-from rlax_llm.sharding import make_mesh
+from rlax_llm.sharding import role_meshes
 from rlax_llm.tasks import Task, make_task
 from rlax_llm.tokenization import CharTokenizer, Tokenizer, encode_prompt
 from rlax_llm.trainer.objectives import rl_objective
@@ -213,8 +214,15 @@ def build_worker(config: ml_collections.ConfigDict, model: Model, tokenizer: Tok
                          slots=config.rollout.slots, on_swap=config.rollout.on_swap)
 
 
-def meshes(config: ml_collections.ConfigDict) -> dict[str, jax.sharding.Mesh]:
-  out = {role: make_mesh(config.mesh[role].to_dict()) for role in ('trainer', 'inference')}
-  logging.info('devices: %s; trainer mesh %s; inference mesh %s', jax.devices(),
-               dict(out['trainer'].shape), dict(out['inference'].shape))
+def meshes(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """``{'trainer': Mesh, 'inference': [Mesh per worker]}``.
+
+  With ``mesh.disjoint`` the trainer takes the first devices and each worker the next ones;
+  otherwise every mesh starts at device 0 (roles share the devices).
+  """
+  out = role_meshes(config.mesh.trainer.to_dict(), config.mesh.inference.to_dict(),
+                    workers=config.rollout.workers, disjoint=config.mesh.disjoint)
+  logging.info('%d devices; trainer mesh %s; %d inference mesh(es) %s', jax.device_count(),
+               dict(out['trainer'].shape), len(out['inference']),
+               dict(out['inference'][0].shape))
   return out

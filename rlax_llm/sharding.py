@@ -64,6 +64,37 @@ def make_mesh(axis_sizes: Mapping[str, int], devices: Sequence[jax.Device] | Non
   return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def role_meshes(trainer_axes: Mapping[str, int], inference_axes: Mapping[str, int], *,
+                workers: int = 1, disjoint: bool = False,
+                devices: Sequence[jax.Device] | None = None) -> dict[str, Any]:
+  """``{'trainer': Mesh, 'inference': [Mesh per worker]}`` for the run's roles.
+
+  With ``disjoint`` the trainer takes the first devices and each worker the next ones (8
+  devices, trainer ``data=4``, one worker ``data=4``: devices 0-3 and 4-7); otherwise every
+  mesh starts at device 0 and the roles share devices. Raises ValueError when the devices
+  do not suffice.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  try:
+    trainer = make_mesh(trainer_axes, devices)
+  except ValueError as e:
+    raise ValueError(f'trainer: {e}') from None
+  offset = trainer.devices.size if disjoint else 0
+  inference = []
+  for worker in range(workers):
+    if disjoint and offset >= len(devices):
+      raise ValueError(f'inference: worker {worker} gets no device: the trainer and the '
+                       f'{worker} worker(s) before it use all {len(devices)} devices.')
+    try:
+      mesh = make_mesh(inference_axes, devices[offset:])
+    except ValueError as e:
+      raise ValueError(f'inference: worker {worker}: {e}') from None
+    inference.append(mesh)
+    if disjoint:
+      offset += mesh.devices.size
+  return {'trainer': trainer, 'inference': inference}
+
+
 def _mesh_axes_for(name: str | None, rules: Mapping[str, Any]):
   if name is None:
     return None

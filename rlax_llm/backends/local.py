@@ -1,19 +1,30 @@
-"""The local backend: every role in this process, each on its own mesh.
+"""The local backend: every role in this process, each on its own devices.
 
 ``build_run(config, workdir)`` builds the roles (``rlax_llm.roles``), checks that the run fits
 (prompt lengths, memory) before any compute, runs the supervised warm-up when configured, and
-yields a ``Run`` whose ``execute()`` runs the controller. The Ray backend (a later issue)
-places the same roles on actors.
+yields a ``Run`` whose ``execute()`` runs the controller.
+
+Each role's calls run in order on the role's own thread (``local.concurrent=True``, the
+default), so inference for later batches overlaps training (JAX releases the GIL while XLA
+runs); with ``False`` every call runs inline, one after the other, which is the synchronous
+reference the asynchronous runs are checked against. With ``mesh.disjoint`` the trainer takes
+the first devices and each inference worker the next ones (e.g. 8 devices: trainer 4,
+inference 4); otherwise every role's mesh starts at device 0.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
+import jax
 import ml_collections
+import numpy as np
 
 from rlax_llm import config as config_lib
 from rlax_llm import roles
@@ -23,13 +34,104 @@ from rlax_llm.paramserver import ParameterServer
 from rlax_llm.trainer.warmup import supervised_warmup
 
 
+class Serial:
+  """Runs a role's calls in submission order, on a dedicated thread or inline."""
+
+  def __init__(self, name: str, threaded: bool):
+    self._pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+                  if threaded else None)
+
+  def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
+    if self._pool is not None:
+      return self._pool.submit(fn, *args)
+    future = concurrent.futures.Future()
+    try:
+      future.set_result(fn(*args))
+    except BaseException as e:  # pylint: disable=broad-except
+      future.set_exception(e)
+    return future
+
+  def shutdown(self) -> None:
+    if self._pool is not None:
+      self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class LocalTrainer:
+  """``TrainerHandle`` over an in-process ``Trainer``."""
+
+  def __init__(self, trainer, threaded: bool):
+    self.trainer = trainer
+    self._serial = Serial('trainer', threaded)
+
+  @property
+  def version(self) -> int:
+    return self.trainer.version
+
+  def step(self, batch):
+    return self._serial.submit(self.trainer.step, batch)
+
+  def host_params(self):
+    return self._serial.submit(self.trainer.host_params)
+
+  def close(self) -> None:
+    self._serial.shutdown()
+
+
+class InjectedFault(RuntimeError):
+  """A failure injected by ``rollout.fault`` (tests of failure handling)."""
+
+
+@dataclasses.dataclass
+class Fault:
+  """Makes a worker fail at its ``call``-th generate call: ``die`` (raise from then on) or
+  ``hang`` (block until retired)."""
+
+  call: int
+  kind: str
+
+
+class LocalWorker:
+  """``WorkerHandle`` over an in-process ``InferenceWorker``."""
+
+  def __init__(self, worker, threaded: bool, fault: Fault | None = None):
+    self.worker = worker
+    self._serial = Serial('inference', threaded)
+    self._fault = fault
+    self._calls = 0
+    self._retired = threading.Event()
+
+  def generate(self, requests, rng_data: np.ndarray, update=None):
+    return self._serial.submit(self._generate, requests, rng_data, update)
+
+  def _generate(self, requests, rng_data, update):
+    self._calls += 1
+    if self._fault is not None and self._calls >= self._fault.call:
+      if self._fault.kind == 'hang':
+        self._retired.wait()
+      raise InjectedFault(f'injected fault: worker {self._fault.kind} at call {self._calls}')
+    if update is not None:
+      self.worker.apply_update(update)
+    return self.worker.generate(requests, jax.random.wrap_key_data(rng_data))
+
+  def retire(self) -> None:
+    self._retired.set()
+    self._serial.shutdown()
+
+
+def parse_fault(config: ml_collections.ConfigDict, worker: int) -> Fault | None:
+  f = config.rollout.fault
+  if f.worker != worker or f.kind == 'none':
+    return None
+  return Fault(call=f.call, kind=f.kind)
+
+
 @dataclasses.dataclass
 class Run:
   controller: Controller
   writer: MetricsWriter
   warmup_metrics: dict[str, float]
 
-  def execute(self) -> dict[str, float]:
+  def execute(self) -> dict[str, Any]:
     """Runs the controller; writes and returns the summary (warm-up and final figures)."""
     start = time.perf_counter()
     summary = {**self.warmup_metrics, **self.controller.run()}
@@ -41,21 +143,30 @@ class Run:
 
 @contextlib.contextmanager
 def build_run(config: ml_collections.ConfigDict, workdir) -> Iterator[Run]:
-  """Builds task, model, warm-up, trainer, parameter server, worker and controller."""
+  """Builds task, model, warm-up, trainer, parameter server, workers and controller."""
   settings = config_lib.controller_settings(config)
   task, model, params, tokenizer = roles.prepare(config)
-  mesh = roles.meshes(config)
+  meshes = roles.meshes(config)
+  threaded = config.local.concurrent
 
   w = config.warmup
   params, warmup_metrics = supervised_warmup(
-      model, params, task, tokenizer, mesh['trainer'], steps=w.steps,
+      model, params, task, tokenizer, meshes['trainer'], steps=w.steps,
       batch_size=w.batch_size, learning_rate=w.learning_rate, warmup_steps=w.warmup_steps,
       max_nonfinite_updates=config.rl.max_nonfinite_updates)
 
-  trainer = roles.build_trainer(config, model, params, mesh['trainer'])
-  worker = roles.build_worker(config, model, tokenizer, mesh['inference'])
-  server = ParameterServer(keep=2)
-  with MetricsWriter(workdir, tensorboard=config.log.tensorboard,
-                     console_every=config.log.console_every) as writer:
-    yield Run(Controller(settings, task, trainer, server, worker, writer), writer,
-              warmup_metrics)
+  trainer = LocalTrainer(roles.build_trainer(config, model, params, meshes['trainer']),
+                         threaded)
+  workers = [LocalWorker(roles.build_worker(config, model, tokenizer, mesh), threaded,
+                         parse_fault(config, n))
+             for n, mesh in enumerate(meshes['inference'])]
+  server = ParameterServer(keep=config.staleness.k + 2)
+  try:
+    with MetricsWriter(workdir, tensorboard=config.log.tensorboard,
+                       console_every=config.log.console_every) as writer:
+      yield Run(Controller(settings, task, trainer, workers, server, writer), writer,
+                warmup_metrics)
+  finally:
+    trainer.close()
+    for worker in workers:
+      worker.retire()

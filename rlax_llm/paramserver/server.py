@@ -15,6 +15,11 @@ Guarantees:
 * A rejected push leaves the server exactly as it was.
 * Non-finite values are stored as they are; the server never scans values.
 
+Transfers. ``update(version, base_version)`` returns a version as a lossless sparse delta from
+the version a puller holds (``rlax_llm.paramserver.delta``: per leaf, the changed elements'
+indices and values, or the whole leaf when that is smaller), so a worker pulls only what
+changed.
+
 Seam for transports. ``push`` does two things: (1) ``_to_host_leaves`` brings the leaves to
 host memory as private read-only copies; (2) ``_commit`` checks them against the version order
 and the template and stores them atomically. Transports (sparse deltas as in SparseRL-Sync:
@@ -32,6 +37,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from rlax_llm.paramserver import delta as delta_lib
 
 # A leaf's static description: (shape, dtype name), e.g. ((2, 3), 'float32').
 LeafSpec = tuple[tuple[int, ...], str]
@@ -271,6 +278,37 @@ class ParameterServer:
           f'{list(self._store)} (keep={self._keep}).'
         )
       return self._snapshot(version)
+
+  def update(self, version: int, base_version: int = -1, *,
+             bucket_bytes: int = delta_lib.DEFAULT_BUCKET_BYTES) -> delta_lib.Delta:
+    """Version ``version`` as an update from ``base_version`` (what a puller holds).
+
+    Every leaf comes as the indices and values of its changed elements or whole, whichever
+    is smaller (``rlax_llm.paramserver.delta``); with ``base_version`` -1 or no longer held,
+    every leaf comes whole. ``delta.apply(base_leaves, update)`` rebuilds the version's
+    leaves bit for bit (tree order of the template).
+
+    Raises KeyError when ``version`` is not held.
+    """
+    with self._cond:
+      target = self._store.get(version)
+      base = self._store.get(base_version) if base_version >= 0 else None
+    if target is None:
+      self.get(version)  # raises KeyError listing the held versions
+    new = target[1]
+    if base is None:
+      updates = tuple((delta_lib.LeafUpdate(i, full=leaf),) for i, leaf in enumerate(new))
+      total = sum(leaf.size for leaf in new)
+      return delta_lib.Delta(base_version=-1, version=version, buckets=updates,
+                             num_leaves=len(new), changed=total, total=total)
+    return delta_lib.encode(base[1], new, base_version=base_version, version=version,
+                            bucket_bytes=bucket_bytes)
+
+  @property
+  def treedef(self) -> Any:
+    """The tree structure of every version (None until the first push)."""
+    with self._cond:
+      return None if self._template is None else self._template[0]
 
   def latest_version(self) -> int:
     """The newest pushed version, or -1 when nothing has been pushed."""

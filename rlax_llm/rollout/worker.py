@@ -27,6 +27,7 @@ from rlax_llm import sharding as sharding_lib
 from rlax_llm.data_types import GenerationRequest, Rollouts
 from rlax_llm.models.model import Model
 from rlax_llm.paramserver import ParameterServer
+from rlax_llm.paramserver import delta as delta_lib
 from rlax_llm.rollout.driver import Driver, Job, VersionedParams
 from rlax_llm.rollout.engine import Engine
 from rlax_llm.tokenization import Tokenizer, encode_prompt
@@ -62,6 +63,8 @@ class InferenceWorker:
     self.holder = VersionedParams()
     self.driver = Driver(self.engine, self.holder, on_swap=on_swap)
     self.reloads = 0
+    self._host_leaves: list[np.ndarray] | None = None  # the held version, for deltas
+    self._treedef = jax.tree_util.tree_structure(model.abstract_params())
 
   @property
   def version(self) -> int:
@@ -75,8 +78,18 @@ class InferenceWorker:
   def load(self, version: int, params) -> None:
     """Installs weights (host or device arrays) of ``version``, sharded on the mesh; the
     driver uses them from its next decode step on."""
+    self._host_leaves = [np.asarray(leaf) for leaf in jax.tree.leaves(params)]
     self.holder.set(version, self.engine.place_params(params))
     self.reloads += 1
+
+  def apply_update(self, update: delta_lib.Delta) -> None:
+    """Installs ``update`` (``ParameterServer.update``): a delta from the version held, or
+    whole leaves. Raises ValueError if it was computed from another base version."""
+    if update.base_version >= 0 and update.base_version != self.version:
+      raise ValueError(f'the update is a delta from version {update.base_version} but this '
+                       f'worker holds version {self.version}; ask for one from that version.')
+    leaves = delta_lib.apply(self._host_leaves or [None] * update.num_leaves, update)
+    self.load(update.version, jax.tree_util.tree_unflatten(self._treedef, leaves))
 
   def maybe_reload(self, server: ParameterServer, j: int) -> bool:
     """Pulls the latest weights if the server is ``>= j`` versions ahead (or none are held).
@@ -89,8 +102,7 @@ class InferenceWorker:
     if latest < 0:
       raise LookupError('the parameter server holds no weights yet; push version 0 first.')
     if self.version < 0 or latest - self.version >= j:
-      snapshot = server.pull(min_version=latest)
-      self.load(snapshot.version, snapshot.params)
+      self.apply_update(server.update(latest, base_version=self.version))
       return True
     return False
 

@@ -19,7 +19,7 @@ from rlax_llm.models.model import Model, Params
 from rlax_llm.tasks import Task
 from rlax_llm.tokenization import Tokenizer
 from rlax_llm.trainer.objectives import sft_objective
-from rlax_llm.trainer.trainer import Trainer, make_optimizer
+from rlax_llm.trainer.trainer import NonFiniteError, Trainer, make_optimizer
 
 
 def supervised_warmup(model: Model, params: Params, task: Task, tokenizer: Tokenizer,
@@ -37,7 +37,10 @@ def supervised_warmup(model: Model, params: Params, task: Task, tokenizer: Token
   start = time.perf_counter()
   metrics: dict[str, float] = {}
   for step in range(steps):
-    metrics = trainer.step(sft_batch(task, tokenizer, step * batch_size, batch_size))
+    try:
+      metrics = trainer.step(sft_batch(task, tokenizer, step * batch_size, batch_size))
+    except NonFiniteError as e:
+      raise NonFiniteError(f'warm-up step {step + 1}: {e}') from None
     if (step + 1) % log_every == 0 or step + 1 == steps:
       logging.info('warmup step %d/%d | loss %.4f | token accuracy %.3f', step + 1, steps,
                    metrics['loss'], metrics['accuracy'])
