@@ -1,0 +1,186 @@
+"""Benchmark: trainer busy fraction and wall time, synchronous vs asynchronous (j, k).
+
+Two settings, both through the real controller (``rlax_llm.controller``):
+
+* **sleeps**: the trainer and the inference worker are replaced by calibrated sleeps
+  (``--train_s`` per update, ``rollout_s`` per batch), so what is measured is the
+  scheduler's overlap, apart from this machine's 2 cores. Runs for several rollout/train
+  ratios and (j, k).
+* **real**: the default config's tiny model, trainer and worker sharing this machine's CPU.
+
+A small capacity model predicts the sleeps setting: per step, synchronous
+``T_roll + T_train + c``; asynchronous (k > 1, generation of later batches overlapping
+training) ``max(T_train + c_t, T_roll + c_r)``, with the per-step overheads ``c`` measured in
+the same run with zero sleeps; busy fraction ``T_train / step``. The benchmark prints the
+predictions next to the measurements (goal: within 20%) and projects a TPU pod with the
+model (assumptions printed with it).
+
+    .venv/bin/python benchmarks/async_goodput.py [--steps=30] [--train_s=0.2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import pathlib
+import tempfile
+import time
+
+import numpy as np
+
+from rlax_llm.controller import Controller, ControllerSettings
+from rlax_llm.data_types import Rollouts
+from rlax_llm.metrics import MetricsWriter, read_metrics
+from rlax_llm.paramserver import ParameterServer
+from rlax_llm.policy import SamplingSpec
+from rlax_llm.tasks import ArithmeticTask
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCHEDULES = [(1, 1), (1, 2), (2, 4), (4, 8)]
+
+
+class SleepTrainer:
+  """A trainer that takes ``seconds`` per update."""
+
+  def __init__(self, seconds: float):
+    self.seconds = seconds
+    self.version = 0
+    self.busy_s = 0.0
+    self._pool = concurrent.futures.ThreadPoolExecutor(1)
+
+  def _step(self, batch):
+    del batch
+    start = time.perf_counter()
+    time.sleep(self.seconds)
+    self.version += 1
+    self.busy_s += time.perf_counter() - start
+    return {'loss': 0.0, 'grad_norm': 0.0, 'update/skipped': 0.0}
+
+  def step(self, batch):
+    return self._pool.submit(self._step, batch)
+
+  def host_params(self):
+    return self._pool.submit(lambda: {'w': np.full((4,), float(self.version), np.float32)})
+
+
+class SleepWorker:
+  """An inference worker that takes ``seconds`` per batch and returns empty completions."""
+
+  def __init__(self, seconds: float, width: int = 4):
+    self.seconds = seconds
+    self.width = width
+    self._pool = concurrent.futures.ThreadPoolExecutor(1)
+
+  def _generate(self, requests, rng_data, update):
+    del rng_data, update
+    time.sleep(self.seconds)
+    counts = [r.num_samples for r in requests]
+    b, w = sum(counts), self.width
+    return Rollouts(
+        prompt_ids=np.repeat([r.prompt.prompt_id for r in requests], counts),
+        group_ids=np.repeat(np.arange(len(requests), dtype=np.int32), counts),
+        prompt_tokens=np.ones((b, 2), np.int32), prompt_lengths=np.full(b, 2, np.int32),
+        completion_tokens=np.ones((b, w), np.int32), completion_mask=np.ones((b, w), bool),
+        behaviour_logprobs=np.zeros((b, w), np.float32),
+        support_sizes=np.ones((b, w), np.int32), versions=np.zeros((b, w), np.int32),
+        finish_reasons=np.full(b, 'stop'), completions=[''] * b,
+        sampling=requests[0].sampling, timings={'generate_s': self.seconds})
+
+  def generate(self, requests, rng_data, update=None):
+    return self._pool.submit(self._generate, requests, rng_data, update)
+
+  def retire(self) -> None:
+    self._pool.shutdown(wait=False)
+
+
+def run_sleeps(train_s: float, rollout_s: float, j: int, k: int, steps: int) -> dict:
+  task = ArithmeticTask(num_eval=4)
+  settings = ControllerSettings(total_steps=steps, prompts_per_step=4, group_size=2,
+                                staleness_j=j, staleness_k=k, eval_every=0, seed=0,
+                                sampling=SamplingSpec(), max_new_tokens=4)
+  trainer = SleepTrainer(train_s)
+  with tempfile.TemporaryDirectory() as workdir, MetricsWriter(
+      pathlib.Path(workdir), tensorboard=False, console_every=0) as writer:
+    controller = Controller(settings, task, trainer, [SleepWorker(rollout_s)],
+                            ParameterServer(keep=k + 2), writer)
+    controller.start_accuracy = controller.accuracy = 0.0  # no evaluation in this setting
+    controller.evaluate = lambda: 0.0
+    start = time.perf_counter()
+    controller.run()
+    wall = time.perf_counter() - start
+  return {'wall_s': wall, 'step_s': wall / steps, 'busy_fraction': trainer.busy_s / wall}
+
+
+def predict(train_s: float, rollout_s: float, k: int, steps: int, overhead: dict) -> dict:
+  """The capacity model (see the module docstring)."""
+  if k == 1:
+    step = rollout_s + train_s + overhead['sync']
+  else:
+    step = max(train_s + overhead['async'], rollout_s + overhead['async'])
+  wall = steps * step + (rollout_s if k > 1 else 0.0)
+  return {'step_s': step, 'wall_s': wall, 'busy_fraction': steps * train_s / wall}
+
+
+def run_real(j: int, k: int, steps: int) -> dict:
+  from rlax_llm.backends import local  # pylint: disable=import-outside-toplevel
+  from rlax_llm.config import load_config_file  # pylint: disable=import-outside-toplevel
+  config = load_config_file(str(ROOT / 'configs/default.py'))
+  config.total_steps = steps
+  config.warmup.steps = 300
+  config.eval.every_steps = 0
+  config.log.tensorboard = False
+  config.log.console_every = 0
+  config.staleness.j, config.staleness.k = j, k
+  with tempfile.TemporaryDirectory() as workdir:
+    with local.build_run(config, pathlib.Path(workdir)) as run:
+      start = time.perf_counter()
+      run.controller.run()
+      wall = time.perf_counter() - start
+    rows = read_metrics(pathlib.Path(workdir) / 'metrics.jsonl')
+  train_s = sum(r['time/train_s'] for r in rows)
+  return {'wall_s': wall, 'step_s': wall / steps, 'busy_fraction': train_s / wall,
+          'final_reward': rows[-1]['reward/mean']}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument('--steps', type=int, default=30)
+  parser.add_argument('--train_s', type=float, default=0.2)
+  parser.add_argument('--ratios', default='0.5,1.0,2.0', help='rollout time / train time')
+  parser.add_argument('--real_steps', type=int, default=40)
+  args = parser.parse_args()
+
+  zero = {f'{j},{k}': run_sleeps(0.0, 0.0, j, k, args.steps) for j, k in ((1, 1), (1, 2))}
+  overhead = {'sync': zero['1,1']['step_s'], 'async': zero['1,2']['step_s']}
+  sleeps, errors = [], []
+  for ratio in [float(r) for r in args.ratios.split(',')]:
+    rollout_s = ratio * args.train_s
+    for j, k in SCHEDULES:
+      measured = run_sleeps(args.train_s, rollout_s, j, k, args.steps)
+      model = predict(args.train_s, rollout_s, k, args.steps, overhead)
+      error = abs(model['wall_s'] - measured['wall_s']) / measured['wall_s']
+      errors.append(error)
+      sleeps.append({'rollout_over_train': ratio, 'j': j, 'k': k, 'measured': measured,
+                     'model': model, 'model_error': error})
+      print(json.dumps(sleeps[-1]), flush=True)
+  real = {f'{j},{k}': run_real(j, k, args.real_steps) for j, k in ((1, 1), (2, 4), (4, 8))}
+  # A TPU pod projection with the same model (assumptions, not measurements): a 32B model,
+  # a 1024-chip slice split between training and inference, 45 s per update and 60 s per
+  # rollout batch, weight sync 3 s (RLAX's QwQ-32B setting has a 45 s async step).
+  pod = {f'{j},{k}': predict(45.0, 60.0, k, 100, {'sync': 3.0, 'async': 3.0})
+         for j, k in ((1, 1), (16, 16), (16, 32))}
+  async_ok = [s['measured']['busy_fraction'] for s in sleeps
+              if s['k'] > 1 and s['rollout_over_train'] <= 1.0]
+  print(json.dumps({
+      'benchmark': 'async_goodput', 'steps': args.steps, 'train_s': args.train_s,
+      'overhead_s': overhead, 'sleeps': sleeps, 'max_model_error': max(errors),
+      'min_async_busy_fraction_when_rollout_le_train': min(async_ok),
+      'real': real, 'pod_projection': pod,
+      'goals': {'busy_fraction': '>= 0.9 (sleeps, k > 1, rollout <= train)',
+                'model_error': '<= 0.2'},
+  }, indent=2))
+
+
+if __name__ == '__main__':
+  main()
