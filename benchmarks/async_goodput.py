@@ -101,7 +101,7 @@ def run_sleeps(train_s: float, rollout_s: float, j: int, k: int, steps: int) -> 
                                 sampling=SamplingSpec(), max_new_tokens=4)
   trainer = SleepTrainer(train_s)
   with tempfile.TemporaryDirectory() as workdir, MetricsWriter(
-      pathlib.Path(workdir), tensorboard=False, console_every=0) as writer:
+      pathlib.Path(workdir), tensorboard=False, console=False) as writer:
     controller = Controller(settings, task, trainer, [SleepWorker(rollout_s)],
                             ParameterServer(keep=k + 2), writer)
     controller.start_accuracy = controller.accuracy = 0.0  # no evaluation in this setting
@@ -130,7 +130,7 @@ def run_real(j: int, k: int, steps: int) -> dict:
   config.warmup.steps = 300
   config.eval.every_steps = 0
   config.log.tensorboard = False
-  config.log.console_every = 0
+  config.log.console_every = 1000
   config.staleness.j, config.staleness.k = j, k
   with tempfile.TemporaryDirectory() as workdir:
     with local.build_run(config, pathlib.Path(workdir)) as run:

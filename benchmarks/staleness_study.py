@@ -41,7 +41,7 @@ def run(loss: str, staleness: int, seed: int, args, workdir: pathlib.Path) -> di
   flags = [f'--config.seed={seed}', f'--config.total_steps={args.steps}',
            f'--config.rl.learning_rate={args.lr}', f'--config.eval.every_steps={args.eval_every}',
            '--config.staleness.j=1', f'--config.staleness.k={staleness + 1}',
-           '--config.log.tensorboard=false', '--config.log.console_every=0', *LOSSES[loss]]
+           '--config.log.tensorboard=false', '--config.log.console_every=1000', *LOSSES[loss]]
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   result = subprocess.run(
       [sys.executable, '-m', 'rlax_llm.launch', '--config=configs/default.py', *flags,

@@ -43,6 +43,8 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       loss='grpo', group_size=8, prompts_per_step=32, learning_rate=3e-4,
       max_grad_norm=1.0, weight_decay=0.0,
       max_nonfinite_updates=3,  # consecutive skipped (NaN/Inf) updates before the run stops
+      micro_batches=1,  # gradient accumulation: activation memory of batch / micro_batches rows
+      logprob_chunk=0,  # > 0: lm head + log-probs this many positions at a time (no [B,T,V])
       advantage_estimator=placeholder(str), eps_low=placeholder(float),
       eps_high=placeholder(float), aggregation=placeholder(str),
       kl_beta=0.0, kl_estimator=placeholder(str),

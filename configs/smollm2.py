@@ -34,6 +34,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c.rl = ml_collections.ConfigDict(dict(
       loss='grpo', group_size=8, prompts_per_step=4, learning_rate=5e-6,
       max_grad_norm=1.0, weight_decay=0.0, max_nonfinite_updates=3,
+      micro_batches=1, logprob_chunk=0,
       advantage_estimator=placeholder(str), eps_low=placeholder(float),
       eps_high=placeholder(float), aggregation=placeholder(str),
       kl_beta=0.0, kl_estimator=placeholder(str),

@@ -51,10 +51,11 @@ CHOICES = {
 }
 
 POSITIVE_INTS = ('rl.group_size', 'rl.prompts_per_step', 'rl.max_nonfinite_updates',
+                 'rl.micro_batches',
                  'rollout.slots', 'rollout.workers',
                  'sampling.max_new_tokens', 'sampling.max_prompt_len', 'warmup.batch_size',
                  'log.console_every')
-NON_NEGATIVE_INTS = ('seed', 'total_steps', 'warmup.steps', 'warmup.warmup_steps',
+NON_NEGATIVE_INTS = ('seed', 'total_steps', 'rl.logprob_chunk', 'warmup.steps', 'warmup.warmup_steps',
                      'eval.every_steps', 'checkpoint.every_steps')
 # Floats: key -> (lowest valid value, whether the lowest value itself is valid).
 FLOATS = {
@@ -177,9 +178,23 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       raise ConfigError(f'config.{key}={value!r} must be an int >= 1 (RLAX staleness: j is '
                         'the reload threshold, k the acceptance window; (1, 1) is lockstep).')
   controller_settings(config)
+  _validate_micro_batches(config)
   _validate_task(config)
   _validate_model(config)
   _validate_meshes(config)
+
+
+def _validate_micro_batches(config: ml_collections.ConfigDict) -> None:
+  micro, rl = config.rl.micro_batches, config.rl
+  rows = rl.prompts_per_step * rl.group_size
+  if rows % micro:
+    raise ConfigError(f'config.rl.micro_batches={micro} does not divide the batch of '
+                      f'rl.prompts_per_step * rl.group_size = {rows} rows; choose a divisor.')
+  if micro > 1 and loss_config(config).spec.objective == 'm2po':
+    raise ConfigError(f'config.rl.micro_batches={micro} with rl.loss={rl.loss!r}: M2PO masks '
+                      'tokens by a statistic of the whole batch, so it is not computed one '
+                      'micro-batch at a time; set rl.micro_batches=1 (rl.logprob_chunk also '
+                      'saves memory and works with M2PO).')
 
 
 def _validate_task(config: ml_collections.ConfigDict) -> None:

@@ -58,6 +58,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from rlax_llm.models.decoder import head_logits
 from rlax_llm.models.model import Model, Params
 
 
@@ -261,16 +262,45 @@ class Policy:
     return Policy(self.model, sampling)
 
   def sequence_log_probs(self, params: Params, tokens: jax.Array,
-                         support_sizes: jax.Array | None = None) -> SequenceLogProbs:
+                         support_sizes: jax.Array | None = None, *, chunk: int = 0
+                         ) -> SequenceLogProbs:
     """Log-probs of each next token of ``tokens`` (int32 ``[B, T]``) under ``params``.
 
     ``support_sizes``: optional int ``[B, T]`` aligned with ``tokens`` (the support size the
     sampler recorded when it drew token ``t``; see ``token_log_probs``).
+    ``chunk`` > 0: the ``[B, T, V]`` logits are never materialised: hidden states go through
+    the lm head ``chunk`` positions at a time, each chunk's logits rematerialised in the
+    backward pass, so the log-prob computation's memory is ``B * chunk * V``, not
+    ``B * T * V``. The results equal the unchunked ones to float rounding.
     """
-    logits = self.model.apply(params, tokens)[:, :-1]
     sizes = None if support_sizes is None else support_sizes[:, 1:]
-    logp, in_support = token_log_probs(logits, tokens[:, 1:], self.sampling, sizes)
-    return SequenceLogProbs(
-        logp=logp, in_support=in_support,
-        entropy=jax.lax.stop_gradient(entropy(logits, self.sampling, sizes)))
+    targets = tokens[:, 1:]
+
+    def score(logits, targets, sizes):
+      logp, in_support = token_log_probs(logits, targets, self.sampling, sizes)
+      return logp, in_support, jax.lax.stop_gradient(entropy(logits, self.sampling, sizes))
+
+    if chunk <= 0:
+      return SequenceLogProbs(*score(self.model.apply(params, tokens)[:, :-1], targets, sizes))
+    hidden = self.model.apply(params, tokens, features=True)[:, :-1]
+    weight = self.model.head_weight(params)
+    batch, n = targets.shape
+    size = min(chunk, n)
+    count = -(-n // size)
+    pad = count * size - n
+
+    def split(x):  # [B, n, ...] -> [count, B, size, ...]
+      x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+      return jnp.moveaxis(x.reshape((batch, count, size) + x.shape[2:]), 1, 0)
+
+    @jax.checkpoint
+    def one(parts):
+      h, t, z = parts
+      logits = head_logits(h, weight, self.model.config.tie_embeddings, self.model.config.dtype)
+      return score(logits, t, z)
+
+    outs = jax.lax.map(one, (split(hidden), split(targets),
+                             None if sizes is None else split(sizes)))
+    join = lambda x: jnp.moveaxis(x, 0, 1).reshape(batch, count * size)[:, :n]
+    return SequenceLogProbs(*map(join, outs))
 

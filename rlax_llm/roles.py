@@ -31,7 +31,7 @@ from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.sharding import role_meshes
 from rlax_llm.tasks import Task, make_task
 from rlax_llm.tokenization import CharTokenizer, Tokenizer, encode_prompt
-from rlax_llm.trainer.objectives import rl_objective
+from rlax_llm.trainer.objectives import loss_totals, rl_objective
 from rlax_llm.trainer.trainer import Trainer, make_optimizer
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
@@ -202,9 +202,11 @@ def build_trainer(config: ml_collections.ConfigDict, model: Model, params: Param
   policy = Policy(model, config_lib.sampling_spec(config))
   optimizer = make_optimizer(rl.learning_rate, weight_decay=rl.weight_decay,
                              max_grad_norm=rl.max_grad_norm)
-  return Trainer(model, params, optimizer, functools.partial(rl_objective, policy, loss), mesh,
+  objective = functools.partial(rl_objective, policy, loss, logprob_chunk=rl.logprob_chunk)
+  return Trainer(model, params, optimizer, objective, mesh,
                  reference_params=params if loss.kl_beta > 0 else None,
-                 max_nonfinite_updates=rl.max_nonfinite_updates)
+                 max_nonfinite_updates=rl.max_nonfinite_updates,
+                 micro_batches=rl.micro_batches, totals_fn=loss_totals)
 
 
 def build_worker(config: ml_collections.ConfigDict, model: Model, tokenizer: Tokenizer,

@@ -20,6 +20,8 @@ from rlax_llm.losses.components import (
                                         m2po_mask,
                                         m2po_trust_region_candidates,
                                         MismatchConfig,
+                                        Totals,
+                                        batch_totals,
                                         masked_token_mean,
                                         mismatch_weights,
                                         ppo_clip_objective,
@@ -40,8 +42,8 @@ from rlax_llm.losses.policy import (
 
 __all__ = [
     'AGGREGATIONS', 'ESTIMATORS', 'KL_ESTIMATORS', 'LOSSES', 'M2PO_VARIANTS', 'LossConfig',
-    'LossSpec', 'MismatchConfig', 'aggregate', 'batch_normalize', 'group_advantages', 'grpo_advantages',
-    'grpo_loss', 'kl_penalty', 'm2po_loss', 'm2po_mask', 'm2po_trust_region_candidates',
+    'LossSpec', 'MismatchConfig', 'Totals', 'aggregate', 'batch_normalize', 'batch_totals',
+    'group_advantages', 'grpo_advantages', 'grpo_loss', 'kl_penalty', 'm2po_loss', 'm2po_mask', 'm2po_trust_region_candidates',
     'masked_token_mean', 'mismatch_diagnostics', 'mismatch_weights', 'policy_loss',
     'ppo_clip_objective', 'ratio_diagnostics', 'sequence_log_ratio', 'token_log_ratio',
 ]

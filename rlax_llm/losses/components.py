@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +39,27 @@ def masked_token_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
   return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
+class Totals(NamedTuple):
+  """Whole-batch normalisers, for losses computed one micro-batch at a time: with them each
+  micro-batch's ``aggregate`` is its exact share of the whole batch's (the shares sum to it).
+
+  tokens: loss tokens; sequences: rows with at least one loss token; rows: all rows.
+  """
+
+  tokens: jax.Array
+  sequences: jax.Array
+  rows: jax.Array
+
+
+def batch_totals(loss_mask: jax.Array) -> Totals:
+  """``Totals`` of a ``[B, T]`` loss mask."""
+  mask = loss_mask.astype(jnp.float32)
+  return Totals(tokens=jnp.sum(mask), sequences=jnp.sum(jnp.sum(mask, -1) > 0).astype(
+      jnp.float32), rows=jnp.asarray(mask.shape[0], jnp.float32))
+
+
 def aggregate(per_token: jax.Array, mask: jax.Array, mode: str,
-              max_length: int | None = None) -> jax.Array:
+              max_length: int | None = None, totals: Totals | None = None) -> jax.Array:
   """Reduces per-token terms ``[B, T]`` to a scalar.
 
   ``token-mean``: ``sum_it x / sum_i |o_i|`` (DAPO, arXiv 2503.14476).
@@ -49,21 +69,25 @@ def aggregate(per_token: jax.Array, mask: jax.Array, mode: str,
   ``seq-mean-token-sum-norm``: ``1/(G * L_max) sum_it x`` (Dr. GRPO, arXiv 2503.20783), with
     ``G`` the batch size and ``L_max = max_length`` (default: the padded width ``T``); a
     constant, so it does not depend on the lengths sampled.
+
+  ``totals`` (``batch_totals`` of the whole batch) replaces the denominators computed from
+  this ``mask``: for a micro-batch, the result is its share of the whole batch's value.
   """
   mask = mask.astype(jnp.float32)
   x = as_float(per_token) * mask
+  if totals is None:
+    totals = batch_totals(mask)
   if mode == 'token-mean':
-    return jnp.sum(x) / jnp.maximum(jnp.sum(mask), 1.0)
+    return jnp.sum(x) / jnp.maximum(totals.tokens, 1.0)
   lengths = jnp.sum(mask, axis=-1)
-  has_tokens = (lengths > 0).astype(jnp.float32)
-  num_seqs = jnp.maximum(jnp.sum(has_tokens), 1.0)
+  num_seqs = jnp.maximum(totals.sequences, 1.0)
   if mode == 'seq-mean-token-mean':
     return jnp.sum(jnp.sum(x, -1) / jnp.maximum(lengths, 1.0)) / num_seqs
   if mode == 'seq-mean-token-sum':
     return jnp.sum(x) / num_seqs
   if mode == 'seq-mean-token-sum-norm':
     length = per_token.shape[-1] if max_length is None else max_length
-    return jnp.sum(x) / (per_token.shape[0] * length)
+    return jnp.sum(x) / (totals.rows * length)
   raise ValueError(f'Unknown aggregation {mode!r}; choose one of {AGGREGATIONS}.')
 
 

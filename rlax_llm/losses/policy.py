@@ -201,7 +201,8 @@ def _check(logp, behaviour_logp, advantages, loss_mask, old_logp, ref_logp):
 def policy_loss(config: LossConfig, logp: jax.Array, behaviour_logp: jax.Array,
                 advantages: jax.Array, loss_mask: jax.Array, *,
                 old_logp: jax.Array | None = None, ref_logp: jax.Array | None = None,
-                max_length: int | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                max_length: int | None = None, totals: C.Totals | None = None
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Computes the configured policy loss and its diagnostics.
 
   Args:
@@ -218,6 +219,9 @@ def policy_loss(config: LossConfig, logp: jax.Array, behaviour_logp: jax.Array,
       ``behaviour_logp``.
     ref_logp: float ``[B, T]`` reference-policy log-probs; needed when ``kl_beta > 0``.
     max_length: ``L_max`` for ``seq-mean-token-sum-norm`` (default ``T``).
+    totals: whole-batch normalisers (``components.batch_totals``) when these inputs are one
+      micro-batch: the loss is then this micro-batch's exact share of the whole batch's.
+      Not with M2PO, whose mask is a statistic of the whole batch.
   Returns:
     ``(loss, diagnostics)``: a scalar (float32; float64 for float64 inputs) and a dict of
     scalars.
@@ -236,6 +240,9 @@ def policy_loss(config: LossConfig, logp: jax.Array, behaviour_logp: jax.Array,
   name = config.loss
   if kl_beta > 0 and ref_logp is None:
     raise ValueError(f'{name}: kl_beta={kl_beta} > 0 needs ref_logp (reference log-probs).')
+  if totals is not None and spec.objective == 'm2po':
+    raise ValueError('M2PO masks tokens by a statistic of the whole batch (its second moment); '
+                     'it cannot be computed one micro-batch at a time. Use micro_batches=1.')
   if (old_logp is not None) != (config.old_logprobs == 'recompute'):
     raise ValueError(f'old_logprobs={config.old_logprobs!r} but old_logp was '
                      f'{"given" if old_logp is not None else "not given"}; pass old_logp (the '
@@ -281,10 +288,10 @@ def policy_loss(config: LossConfig, logp: jax.Array, behaviour_logp: jax.Array,
     diagnostics.update(m2_diag)
 
   per_token = -objective * weight
-  loss = C.aggregate(per_token, agg_mask, aggregation, max_length)
+  loss = C.aggregate(per_token, agg_mask, aggregation, max_length, totals)
   if kl_beta > 0:
     kl = kl_penalty(logp, jax.lax.stop_gradient(ref_logp), kl_estimator)
-    kl_term = C.aggregate(kl, mask, aggregation, max_length)
+    kl_term = C.aggregate(kl, mask, aggregation, max_length, totals)
     loss = loss + kl_beta * kl_term
     diagnostics['kl'] = C.masked_token_mean(jax.lax.stop_gradient(kl), bmask)
   diagnostics['clip_fraction'] = C.masked_token_mean(clipped, bmask)

@@ -332,12 +332,29 @@ _REMAT_CALL = {
 }
 
 
+def head_logits(x: Array, weight: Array, tied: bool, dtype) -> Array:
+  """float32 logits of hidden states ``x`` ``[..., E]``: ``x @ weight`` (``weight`` is the
+  ``[E, V]`` lm head) or, tied, ``x @ weight.T`` (``weight`` is the ``[V, E]`` embedding)."""
+  if tied:
+    logits = jnp.einsum('...e,ve->...v', x, weight.astype(dtype))
+  else:
+    logits = x @ weight.astype(dtype)
+  return logits.astype(jnp.float32)
+
+
 class Decoder(nnx.Module):
   """Decoder-only language model.
 
   ``model(tokens)`` -> logits ``float32 [batch, length, vocab]`` (causal, positions 0..T-1).
   ``model(tokens, cache=cache, num_valid=n)`` -> ``(logits, new_cache)`` (see module doc).
   """
+
+  def head(self, x: Array) -> Array:
+    """float32 logits ``[..., V]`` of final-normed hidden states ``x`` ``[..., E]``."""
+    c = self.config
+    weight = self.embed[...] if c.tie_embeddings else self.lm_head[...]
+    logits = head_logits(x, weight, c.tie_embeddings, c.dtype)
+    return constrain(logits, ('batch', 'length', 'vocab')) if logits.ndim == 3 else logits
 
   def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
     c = config
@@ -352,11 +369,13 @@ class Decoder(nnx.Module):
                             c.param_dtype, c.embed_dim ** -0.5)
 
   def __call__(self, tokens: Array, *, cache: KVCache | None = None,
-               num_valid: Array | None = None, attend: int | None = None):
+               num_valid: Array | None = None, attend: int | None = None,
+               features: bool = False):
     """``attend`` (static, with a cache): attention reads only the first ``attend`` cache
     positions; every row's ``lengths + T`` must be ``<= attend``. Decoding passes the
     smallest bucket that holds its longest row, so short sequences do not pay for the whole
-    cache."""
+    cache. ``features`` (no cache): return the final-normed hidden states ``[B, T, E]``
+    instead of logits (``head`` turns them into logits, in chunks if wanted)."""
     c = self.config
     chex.assert_rank(tokens, 2)
     batch, length = tokens.shape
@@ -383,11 +402,9 @@ class Decoder(nnx.Module):
         new_k.append(layer_kv[0])
         new_v.append(layer_kv[1])
     x = self.final_norm(x)
-    if c.tie_embeddings:
-      logits = jnp.einsum('bte,ve->btv', x, self.embed[...].astype(c.dtype))
-    else:
-      logits = x @ self.lm_head[...].astype(c.dtype)
-    logits = constrain(logits.astype(jnp.float32), ('batch', 'length', 'vocab'))
+    if features and cache is None:
+      return x
+    logits = self.head(x)
     if cache is None:
       return logits
     if num_valid is None:

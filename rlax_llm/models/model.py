@@ -31,15 +31,22 @@ class Model:
   graphdef: Any
 
   def apply(self, params: Params, tokens: jax.Array, *, cache: KVCache | None = None,
-            num_valid: jax.Array | None = None, attend: int | None = None):
+            num_valid: jax.Array | None = None, attend: int | None = None,
+            features: bool = False):
     """Runs the decoder. tokens: int32 ``[batch, length]``.
 
     Returns float32 logits ``[batch, length, vocab]``, or ``(logits, new_cache)`` when a
     ``cache`` is given (see ``rlax_llm.models.decoder`` for the cache contract and
-    ``attend``).
+    ``attend``), or with ``features`` the final-normed hidden states ``[batch, length,
+    embed]`` (``head_logits`` of ``head_weight`` makes them logits).
     """
     module = nnx.merge(self.graphdef, params)
-    return module(tokens, cache=cache, num_valid=num_valid, attend=attend)
+    return module(tokens, cache=cache, num_valid=num_valid, attend=attend, features=features)
+
+  def head_weight(self, params: Params) -> jax.Array:
+    """The matrix that turns hidden states into logits: the embedding ``[V, E]`` when tied
+    (``head_logits(..., tied=True)``), else the lm head ``[E, V]``."""
+    return params['embed'] if self.config.tie_embeddings else params['lm_head']
 
   def init_cache(self, batch: int, max_len: int | None = None) -> KVCache:
     """An empty cache: ``k``/``v`` per layer ``[batch, kv_heads, max_len, head_dim]``."""

@@ -30,8 +30,9 @@ from jax.sharding import Mesh
 from rlax_llm import sharding as sharding_lib
 from rlax_llm.models.model import Model, Params
 
-# ``objective(params, batch, reference_params) -> (loss, metrics)``.
-Objective = Callable[[Params, Any, Params | None], tuple[jax.Array, dict[str, Any]]]
+# ``objective(params, batch, reference_params, totals=None) -> (loss, metrics)``; ``totals``
+# (whole-batch normalisers, ``rlax_llm.losses.Totals``) is passed only with micro-batches.
+Objective = Callable[..., tuple[jax.Array, dict[str, Any]]]
 
 
 class NonFiniteError(RuntimeError):
@@ -61,15 +62,31 @@ class Trainer:
     reference_params: optional params passed to the objective and never updated (the KL
       reference policy); sharded like ``params``.
     max_nonfinite_updates: consecutive skipped (non-finite) updates before ``step`` raises.
+    micro_batches: split each batch into this many micro-batches and accumulate their
+      gradients (one optimizer update per batch): the activation memory of one step is that
+      of ``B / micro_batches`` rows. The loss and gradient equal the whole batch's to float
+      rounding, because each micro-batch's loss is normalised by ``totals_fn(batch)`` (the
+      whole batch's token/sequence counts) and the shares are summed; other metrics are the
+      mean over micro-batches. Rows are dealt out strided (row ``r`` goes to micro-batch
+      ``r % micro_batches``), so every micro-batch stays spread over the data-parallel devices.
+    totals_fn: ``batch -> losses.Totals``; needed when ``micro_batches > 1``.
     rules: logical-axis rules.
   """
 
   def __init__(self, model: Model, params: Params, optimizer: optax.GradientTransformation,
                objective: Objective, mesh: Mesh, *, reference_params: Params | None = None,
-               max_nonfinite_updates: int = 3,
+               max_nonfinite_updates: int = 3, micro_batches: int = 1,
+               totals_fn: Callable[[Any], Any] | None = None,
                rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES):
     if max_nonfinite_updates < 1:
       raise ValueError(f'max_nonfinite_updates={max_nonfinite_updates} must be >= 1.')
+    if micro_batches < 1:
+      raise ValueError(f'micro_batches={micro_batches} must be >= 1.')
+    if micro_batches > 1 and totals_fn is None:
+      raise ValueError(f'micro_batches={micro_batches} needs totals_fn (the whole batch\'s '
+                       'loss normalisers, e.g. objectives.loss_totals); without it each '
+                       'micro-batch would be normalised by its own counts.')
+    self.micro_batches = micro_batches
     self.model = model
     self.mesh = mesh
     self.rules = rules
@@ -91,7 +108,7 @@ class Trainer:
     self.version = 0
     self.nonfinite_streak = 0
     self._step = jax.jit(
-        functools.partial(_update, optimizer, objective),
+        functools.partial(_update, optimizer, objective, micro_batches, totals_fn),
         donate_argnums=(0, 1),
         out_shardings=(self.param_shardings, opt_shardings, sharding_lib.replicated(mesh)))
 
@@ -107,6 +124,10 @@ class Trainer:
     ``metrics['update/skipped']`` is 1.0 when the update was non-finite and not applied.
     Raises ``NonFiniteError`` on the ``max_nonfinite_updates``-th skipped update in a row.
     """
+    rows = {x.shape[0] for x in jax.tree.leaves(batch)}
+    if any(r % self.micro_batches for r in rows):
+      raise ValueError(f'batch rows {sorted(rows)} are not divisible by micro_batches='
+                       f'{self.micro_batches}; choose a micro_batches that divides the batch.')
     batch = jax.device_put(batch, sharding_lib.batch_sharding(self.mesh, batch, self.rules))
     with sharding_lib.activation_sharding(self.mesh, self.rules):  # used when tracing
       self.params, self.opt_state, metrics = self._step(
@@ -136,9 +157,38 @@ def _all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
-def _update(optimizer, objective, params, opt_state, batch, reference_params):
-  grad_fn = jax.value_and_grad(lambda p: objective(p, batch, reference_params), has_aux=True)
-  (loss, metrics), grads = grad_fn(params)
+def _strided(batch, parts: int):
+  """``[B, ...]`` leaves -> ``[parts, B / parts, ...]``; part ``i`` holds rows ``i::parts``."""
+  return jax.tree.map(
+      lambda x: jnp.swapaxes(x.reshape((x.shape[0] // parts, parts) + x.shape[1:]), 0, 1),
+      batch)
+
+
+def _loss_and_grads(objective, micro_batches, totals_fn, params, batch, reference_params):
+  if micro_batches == 1:
+    grad_fn = jax.value_and_grad(lambda p: objective(p, batch, reference_params), has_aux=True)
+    return grad_fn(params)
+  totals = totals_fn(batch)
+  grad_fn = jax.value_and_grad(
+      lambda p, micro: objective(p, micro, reference_params, totals=totals), has_aux=True)
+
+  def accumulate(carry, micro):
+    (loss, metrics), grads = grad_fn(params, micro)
+    return jax.tree.map(jnp.add, carry, ((loss, metrics), grads)), None
+
+  parts = _strided(batch, micro_batches)
+  first = jax.tree.map(lambda x: x[0], parts)
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                       jax.eval_shape(grad_fn, params, first))
+  ((loss, metrics), grads), _ = jax.lax.scan(accumulate, zeros, parts)
+  # Loss and gradients are shares of the whole batch's (they sum); metrics are averaged.
+  return (loss, jax.tree.map(lambda m: m / micro_batches, metrics)), grads
+
+
+def _update(optimizer, objective, micro_batches, totals_fn, params, opt_state, batch,
+            reference_params):
+  (loss, metrics), grads = _loss_and_grads(objective, micro_batches, totals_fn, params, batch,
+                                           reference_params)
   updates, new_opt_state = optimizer.update(grads, opt_state, params)
   new_params = optax.apply_updates(params, updates)
   grad_norm = optax.tree.norm(grads)
