@@ -77,7 +77,16 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c.ray = ml_collections.ConfigDict(dict(
       address='local', num_cpus=0, trainer_resources=ml_collections.ConfigDict(),
       worker_resources=ml_collections.ConfigDict()))
-  c.checkpoint = ml_collections.ConfigDict(dict(every_steps=0))  # 0: no checkpoints yet
+  # Orbax checkpoints in workdir/checkpoints (0 and 0: none): after steps that are multiples
+  # of every_steps, and when every_seconds have passed; the newest `keep` are kept. SIGTERM or
+  # SIGINT saves one and exits 0; relaunching with the same --workdir resumes.
+  c.checkpoint = ml_collections.ConfigDict(dict(
+      every_steps=50, every_seconds=600.0, keep=3, async_save=True))
+  # Multi-host JAX (TPU pods): jax.distributed.initialize before anything else. On Cloud TPU
+  # the arguments are discovered; elsewhere give coordinator_address, num_processes, process_id.
+  c.distributed = ml_collections.ConfigDict(dict(
+      initialize=False, coordinator_address=placeholder(str), num_processes=placeholder(int),
+      process_id=placeholder(int)))
   c.eval = ml_collections.ConfigDict(dict(every_steps=50))
   # Axis sizes per role; -1 takes the remaining devices.
   c.mesh = ml_collections.ConfigDict(dict(

@@ -64,7 +64,11 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c.ray = ml_collections.ConfigDict(dict(
       address='local', num_cpus=0, trainer_resources=ml_collections.ConfigDict(),
       worker_resources=ml_collections.ConfigDict()))
-  c.checkpoint = ml_collections.ConfigDict(dict(every_steps=0))
+  c.checkpoint = ml_collections.ConfigDict(dict(
+      every_steps=25, every_seconds=600.0, keep=2, async_save=True))
+  c.distributed = ml_collections.ConfigDict(dict(
+      initialize=False, coordinator_address=placeholder(str), num_processes=placeholder(int),
+      process_id=placeholder(int)))
   c.eval = ml_collections.ConfigDict(dict(every_steps=10))
   c.mesh = ml_collections.ConfigDict(dict(
       trainer=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)),

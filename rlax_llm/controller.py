@@ -49,6 +49,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import math
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -84,6 +85,9 @@ class TrainerHandle(Protocol):
     ...
 
   def host_params(self) -> Future:  # -> params pytree of host arrays
+    ...
+
+  def state(self) -> Future:  # -> (params, opt_state, {'version', 'nonfinite_streak'})
     ...
 
 
@@ -147,6 +151,12 @@ class ControllerState:
     start_accuracy: held-out accuracy of the RL starting point (None until measured).
     accuracy: the latest held-out accuracy (None until measured).
     step_versions: the version after each step so far (``[s]``: after ``s`` steps).
+    counters: the run's running counts (``workers/lost``, ``sync/...``).
+    events: what went wrong and was survived (lost workers), in order.
+    inflight: batches generated ahead of the trainer: ``{'index', 'version', 'prompts',
+      'rollouts'}`` (prompts as dicts, the rollouts' JSON part; their arrays are stored
+      apart, under ``inflight_<n>``).
+    recycled: recycled groups: ``{'version', 'rollouts'}`` (arrays under ``recycled_<n>``).
   """
 
   step: int
@@ -157,6 +167,10 @@ class ControllerState:
   start_accuracy: float | None = None
   accuracy: float | None = None
   step_versions: list[int] = dataclasses.field(default_factory=lambda: [0])
+  counters: dict[str, float] = dataclasses.field(default_factory=dict)
+  events: list[str] = dataclasses.field(default_factory=list)
+  inflight: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  recycled: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
   def to_dict(self) -> dict[str, Any]:
     """JSON-friendly form (``rng`` as a list of ints)."""
@@ -177,6 +191,12 @@ class _Batch:
   chunks: list[tuple[int, list[GenerationRequest], Any]]  # (worker, requests, future)
 
 
+def _done(value) -> concurrent.futures.Future:
+  future = concurrent.futures.Future()
+  future.set_result(value)
+  return future
+
+
 class Controller:
   """Runs ``total_steps`` RL updates under the ``(j, k)`` schedule; see the module docstring.
 
@@ -186,11 +206,18 @@ class Controller:
     trainer: a ``TrainerHandle`` whose ``version`` counts its applied updates.
     workers: ``WorkerHandle``s (at least one).
     server: the parameter server (in the controller's process).
-    writer: metrics.
+    writer: metrics (and the ledger).
+    checkpointer: a ``rlax_llm.checkpoint.Checkpointer``, or None for no checkpoints; the
+      controller saves the run's state after steps it says are due, after the last step, and
+      when ``stop`` is set.
+    stop: an event (set by ``checkpoint.PreemptionGuard`` on SIGTERM/SIGINT): after the
+      current step the controller saves a checkpoint and returns, ``summary['preempted']``
+      True.
   """
 
   def __init__(self, settings: ControllerSettings, task: Task, trainer, workers: Sequence,
-               server: ParameterServer, writer: MetricsWriter):
+               server: ParameterServer, writer: MetricsWriter, checkpointer=None,
+               stop: threading.Event | None = None):
     if not workers:
       raise ValueError('the controller needs at least one inference worker.')
     self.settings = settings
@@ -215,6 +242,9 @@ class Controller:
     self._busy_s = 0.0
     self._run_start = None
     self.step_versions = [trainer.version]  # [s]: the version after s steps
+    self.checkpointer = checkpointer
+    self.stop = stop
+    self._restored_inflight: list[_Batch] = []
 
   # ----------------------------------------------------------------------------- state
 
@@ -229,10 +259,34 @@ class Controller:
         rng=np.asarray(jax.random.key_data(self._root_key)),
         trainer_version=self.trainer.version, worker_version=self._worker_versions[0],
         start_accuracy=self.start_accuracy, accuracy=self.accuracy,
-        step_versions=list(self.step_versions))
+        step_versions=list(self.step_versions), counters=dict(self.counters),
+        events=list(self.events))
 
-  def restore(self, state: ControllerState) -> None:
-    """Continues from ``state``. The trainer (and the server) must already hold the params of
+  def snapshot(self, in_flight: Sequence[_Batch]
+               ) -> tuple[ControllerState, dict[str, dict[str, np.ndarray]]]:
+    """The state to checkpoint, waiting for the batches in flight (their rollouts are stored,
+    and ``in_flight`` is switched to the stored results, so nothing is generated twice).
+    Returns ``(state, arrays)``: the rollouts' arrays by name (``inflight_<n>``,
+    ``recycled_<n>``)."""
+    state = self.state()
+    arrays = {}
+    for n, batch in enumerate(in_flight):
+      key = jax.random.fold_in(self._root_key, batch.index)
+      rollouts = Rollouts.concatenate(self._gather(batch, key))
+      batch.chunks = [(batch.chunks[0][0], [], _done(rollouts))]
+      arrays[f'inflight_{n}'], meta = rollouts.to_state()
+      state.inflight.append({'index': batch.index, 'version': batch.version,
+                             'prompts': [p.to_dict() for p in batch.prompts],
+                             'rollouts': meta})
+    for n, (version, group) in enumerate(self._recycled):
+      arrays[f'recycled_{n}'], meta = group.to_state()
+      state.recycled.append({'version': version, 'rollouts': meta})
+    return state, arrays
+
+  def restore(self, state: ControllerState,
+              arrays: dict[str, dict[str, np.ndarray]] | None = None) -> None:
+    """Continues from ``state`` (with the in-flight and recycled rollouts' ``arrays``, as
+    ``snapshot`` returned them). The trainer must already hold the params of
     ``state.trainer_version``; workers are reloaded as the schedule needs."""
     if self.trainer.version != state.trainer_version:
       raise ValueError(f'the trainer holds version {self.trainer.version} but the controller '
@@ -244,6 +298,19 @@ class Controller:
     self.start_accuracy = state.start_accuracy
     self.accuracy = state.accuracy
     self.step_versions = list(state.step_versions)
+    self.counters = collections.Counter(state.counters)
+    self.events = list(state.events)
+    arrays = arrays or {}
+    self._restored_inflight = []
+    for n, batch in enumerate(state.inflight):
+      rollouts = Rollouts.from_state(arrays[f'inflight_{n}'], batch['rollouts'])
+      self._restored_inflight.append(_Batch(
+          index=batch['index'], version=batch['version'],
+          prompts=[Prompt.from_dict(p) for p in batch['prompts']],
+          chunks=[(0, [], _done(rollouts))]))
+    self._recycled = [(group['version'],
+                       Rollouts.from_state(arrays[f'recycled_{n}'], group['rollouts']))
+                      for n, group in enumerate(state.recycled)]
 
   # ------------------------------------------------------------------------ scheduling
 
@@ -348,8 +415,10 @@ class Controller:
       self.start_accuracy = self.accuracy = self.evaluate()
       logging.info('RL starting point: held-out greedy accuracy %.3f', self.start_accuracy)
     self._run_start = time.perf_counter()
-    in_flight: collections.deque[_Batch] = collections.deque()
-    next_batch = self.step
+    in_flight: collections.deque[_Batch] = collections.deque(self._restored_inflight)
+    self._restored_inflight = []
+    next_batch = self.step + len(in_flight)
+    preempted = False
     while self.step < s.total_steps:
       # Launch every batch whose sampling params exist (at most k ahead: the schedule).
       while next_batch < s.total_steps and (
@@ -358,9 +427,19 @@ class Controller:
         next_batch += 1
       metrics = self._train_step(in_flight.popleft(), queued=len(in_flight))
       self.writer.write(self.step, metrics)
+      preempted = self.stop is not None and self.stop.is_set()
+      if self.checkpointer is not None and (
+          preempted or self.step == s.total_steps or self.checkpointer.due(self.step)):
+        self.save(in_flight)
+      if preempted:
+        logging.warning('preempted: stopped after step %d of %d%s.', self.step,
+                        s.total_steps, '; the checkpoint is saved, relaunch with the same '
+                        '--workdir to resume' if self.checkpointer is not None else '')
+        break
     if self.events:
       logging.warning('the run finished despite: %s', '; '.join(self.events))
     return {
+        'preempted': preempted,
         'steps': self.step,
         'eval/start_accuracy': self.start_accuracy,
         'eval/final_accuracy': self.accuracy,
@@ -369,6 +448,14 @@ class Controller:
         'workers/lost': self.counters['workers/lost'],
         'events': list(self.events),
     }
+
+  def save(self, in_flight: Sequence[_Batch]) -> None:
+    """Checkpoints the run after ``self.step``: trainer state, controller state and the
+    rollouts in flight, as one step (``rlax_llm.checkpoint``)."""
+    state, arrays = self.snapshot(in_flight)
+    params, opt_state, trainer_state = self.trainer.state().result()
+    self.checkpointer.save(self.step, params=params, opt_state=opt_state,
+                           trainer=trainer_state, controller=state.to_dict(), rollouts=arrays)
 
   def _launch_step(self, index: int) -> _Batch:
     s = self.settings
@@ -453,6 +540,14 @@ class Controller:
     self.step += 1
     self.step_versions.append(self.trainer.version)
     metrics['version'] = self.trainer.version
+    self.writer.ledger(self.step, {
+        'batch': batch.index, 'sampling_version': batch.version,
+        'prompt_ids': [p.prompt_id for p in batch.prompts],
+        'trained_prompt_ids': ([] if trained is None else
+                               [int(i) for i in dict.fromkeys(trained.prompt_ids.tolist())]),
+        'trained_versions': ([] if trained is None else
+                             sorted({int(v) for v in np.unique(trained.versions) if v >= 0})),
+        'version': self.trainer.version})
     last = self.step == s.total_steps
     if last or (s.eval_every > 0 and self.step % s.eval_every == 0):
       self.accuracy = self.evaluate()

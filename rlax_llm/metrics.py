@@ -3,15 +3,18 @@
 ``MetricsWriter.write(step, metrics)`` records one step's scalars in three places:
 
 * ``workdir/metrics.jsonl``: one JSON object ``{"step": step, **metrics}`` per call, flushed
-  after every line so a crash loses nothing already written. The file is opened for appending,
-  so a resumed run continues it; steps replayed after a resume appear again, and a reader that
-  wants one row per step keeps the last. Non-finite floats (NaN, +-inf) are written as JSON
+  after every line so a crash loses nothing already written. A resumed run passes
+  ``resume_step`` (the restored checkpoint's step): rows after it are cut first (and
+  TensorBoard purges them), so no step appears twice. Non-finite floats (NaN, +-inf) are written as JSON
   ``null``, because strict JSON has no literal for them; TensorBoard and the console get the
   actual value.
 * TensorBoard event files in ``workdir`` (``tensorboardX``), one scalar per key, tag = key.
 * stdout: ``step 12 | reward/mean 0.41 | loss -0.013 | time/step_s 0.21`` for the
   ``console_keys`` present, in that order, with 4 significant digits.
 
+``ledger(step, row)`` appends to ``workdir/ledger.jsonl`` (per step: the prompt ids consumed
+and the policy versions trained, so anyone can check nothing was skipped or repeated).
+Only JAX process 0 writes (``enabled=None`` decides so); the others' writers do nothing.
 ``write_summary`` writes ``workdir/summary.json`` (the final figures of a run), and
 ``read_metrics`` reads a ``metrics.jsonl`` back.
 """
@@ -29,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tensorboardX
+
+from rlax_llm import workdir as workdir_lib
 
 METRICS_FILENAME = 'metrics.jsonl'
 SUMMARY_FILENAME = 'summary.json'
@@ -110,6 +115,8 @@ class MetricsWriter:
     console: bool = True,
     console_every: int = 1,
     console_keys: Sequence[str] = DEFAULT_CONSOLE_KEYS,
+    resume_step: int | None = None,
+    enabled: bool | None = None,
   ):
     """Opens the writers, creating ``workdir`` if it is missing.
 
@@ -120,6 +127,9 @@ class MetricsWriter:
         console: also print a progress line to stdout.
         console_every: print the progress line for steps that are multiples of this (>= 1).
         console_keys: metric keys shown on the progress line, in this order, when present.
+        resume_step: a resumed run's restored step: rows of later steps are removed from
+            ``metrics.jsonl`` and ``ledger.jsonl`` and purged from TensorBoard.
+        enabled: write anything at all (default: only on JAX process 0).
     """
     if isinstance(console_every, bool) or not isinstance(console_every, int) or (console_every < 1):
       raise ValueError(
@@ -132,13 +142,23 @@ class MetricsWriter:
         f'write ({console_keys!r},) for a single key.'
       )
     self._workdir = pathlib.Path(workdir)
-    self._workdir.mkdir(parents=True, exist_ok=True)
+    self._enabled = jax.process_index() == 0 if enabled is None else enabled
     self._console = console
     self._console_every = console_every
     self._console_keys = tuple(console_keys)
+    self._closed = not self._enabled  # a disabled writer is born closed and writes nothing
+    self._jsonl = self._ledger = self._tb = None
+    if not self._enabled:
+      return
+    self._workdir.mkdir(parents=True, exist_ok=True)
+    if resume_step is not None:
+      for name in (METRICS_FILENAME, workdir_lib.LEDGER_FILENAME):
+        workdir_lib.truncate_rows(self._workdir / name, resume_step)
     self._jsonl = open(self._workdir / METRICS_FILENAME, 'a', encoding='utf-8')
-    self._tb = tensorboardX.SummaryWriter(logdir=str(self._workdir)) if tensorboard else None
-    self._closed = False
+    self._ledger = open(self._workdir / workdir_lib.LEDGER_FILENAME, 'a', encoding='utf-8')
+    self._tb = (tensorboardX.SummaryWriter(
+        logdir=str(self._workdir),
+        purge_step=None if resume_step is None else resume_step + 1) if tensorboard else None)
 
   @property
   def workdir(self) -> pathlib.Path:
@@ -163,6 +183,8 @@ class MetricsWriter:
             ``"step"``, or a value is not a real numeric scalar. Nothing is written then.
         RuntimeError: the writer is closed.
     """
+    if not self._enabled:
+      return
     if self._closed:
       raise RuntimeError(
         f'MetricsWriter for {str(self._workdir)!r} is closed; create a new one to write.'
@@ -190,6 +212,15 @@ class MetricsWriter:
       ]
       print(' | '.join(parts), flush=True)
 
+  def ledger(self, step: int, row: Mapping[str, Any]) -> None:
+    """Appends ``{"step": step, **row}`` (JSON-safe values) to ``ledger.jsonl``, flushed."""
+    if not self._enabled:
+      return
+    if self._closed:
+      raise RuntimeError(f'MetricsWriter for {str(self._workdir)!r} is closed.')
+    self._ledger.write(json.dumps({'step': int(step), **row}) + '\n')
+    self._ledger.flush()
+
   def write_summary(self, metrics: Mapping[str, Any]) -> pathlib.Path:
     """Writes ``workdir/summary.json`` (pretty JSON), replacing any earlier summary.
 
@@ -204,6 +235,8 @@ class MetricsWriter:
       raise ValueError(f'summary must be a mapping of key -> value, got {type(metrics).__name__}.')
     content = _summary_value('summary', metrics)
     path = self._workdir / SUMMARY_FILENAME
+    if not self._enabled:
+      return path
     tmp = path.with_name(path.name + '.tmp')
     tmp.write_text(json.dumps(content, indent=2, allow_nan=False) + '\n', encoding='utf-8')
     os.replace(tmp, path)  # atomic: a reader never sees a half-written summary
@@ -223,6 +256,7 @@ class MetricsWriter:
       return
     self._closed = True
     self._jsonl.close()
+    self._ledger.close()
     if self._tb is not None:
       self._tb.close()
 
