@@ -163,6 +163,20 @@ def _note(what, error):
 
 def harness():
   """Runs the payload's code and tests; reports ``nonce passed total`` on the result fd."""
+  if os.getpid() == 1:
+    # First process of a new PID namespace: the kernel drops signals init has no handler for
+    # (so a program could not even kill itself), and when init exits every other process of
+    # the namespace is killed. So init only reaps; the program runs in its child.
+    child = os.fork()
+    if child:
+      while True:
+        try:
+          pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+          os._exit(1)
+        if pid == child:
+          code = os.waitstatus_to_exitcode(status)
+          os._exit(code if code >= 0 else 128 - code)
   payload = json.loads(sys.stdin.buffer.read().decode('utf-8', 'surrogatepass'))
   sys.stdin.close()
   nonce, result_fd = payload.pop('nonce'), payload['result_fd']
