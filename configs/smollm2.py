@@ -64,7 +64,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       address='local', num_cpus=0, trainer_resources=ml_collections.ConfigDict(),
       worker_resources=ml_collections.ConfigDict()))
   c.checkpoint = ml_collections.ConfigDict(dict(every_steps=0))
-  c.eval = ml_collections.ConfigDict(dict(every_steps=10))
+  c.eval = ml_collections.ConfigDict(dict(every_steps=10, samples=0))  # samples: pass@k draws
   c.mesh = ml_collections.ConfigDict(dict(
       trainer=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)),
       inference=ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)),
