@@ -133,8 +133,9 @@ def evaluate_policy(task: Task, prompts: Sequence[Prompt], generate: Generate, *
     raise ValueError(f'eval.samples={samples!r} must be an int >= 0 (0: greedy only).')
   prompts = list(prompts)
   if not prompts:
-    raise ValueError(f'task {getattr(task, "name", task)!r} has no held-out prompts; set '
-                     'task.num_eval > 0.')
+    logging.warning('task %r has no held-out prompts (task.num_eval=0): eval metrics are NaN.',
+                    getattr(task, 'name', task))
+    return {'eval/accuracy': float('nan'), 'eval/verifier_errors': 0.0}
   greedy = score_rollouts(task, prompts, generate(
       [GenerationRequest(p, 1, GREEDY, max_new_tokens) for p in prompts], key))
   metrics = {'eval/accuracy': float(np.mean(greedy.rewards)),

@@ -217,3 +217,10 @@ def test_reward_config_is_validated_before_compute(group, message):
   config.reward = ml_collections.ConfigDict(group)
   with pytest.raises(ConfigError, match=message):
     validate_config(config)
+
+
+def test_no_held_out_prompts_gives_nan_not_a_crash():
+  metrics = evaluate_policy(ArithmeticTask(num_eval=0), [], _fake_policy(0.5),
+                            sampling=SamplingSpec(), samples=2, max_new_tokens=4,
+                            key=jax.random.key(0))
+  assert math.isnan(metrics['eval/accuracy']) and metrics['eval/verifier_errors'] == 0
