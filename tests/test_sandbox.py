@@ -320,16 +320,23 @@ def test_forked_and_setsid_children_are_gone_after_scoring(namespaces):
           '      if os.fork() != 0:\n'
           '        os._exit(0)\n'
           '    report()\n'
+          '    open(f"reported_{os.getpid()}", "w").close()\n'
           '    time.sleep(60)\n'
           '    os._exit(0)\n'
-          'time.sleep(0.3)\n')
+          # Wait (not a fixed sleep: CI machines are loaded) until both children reported.
+          'deadline = time.monotonic() + 4\n'
+          'while len([f for f in os.listdir() if f.startswith("reported_")]) < 2 \\\n'
+          '    and time.monotonic() < deadline:\n'
+          '  time.sleep(0.02)\n')
   config = SandboxConfig(wall_s=5.0, namespaces=namespaces)
   result = run(code, ['assert True'], config=config)
   pids = [int(p) for p in result.stdout.split()]
   assert result.reported and result.passed == 1 and len(pids) == 2, result
   assert wait_gone(pids) == []
   if namespaces == 'off':
-    assert result.leftovers_killed >= 2
+    # The setsid child escaped the session kill, so only the tag scan can have found it (the
+    # other child dies with the session, or is caught by the scan while it dies: timing).
+    assert result.leftovers_killed >= 1
 
 
 @pytest.mark.parametrize('namespaces', NAMESPACE_MODES)
