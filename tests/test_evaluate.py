@@ -184,6 +184,8 @@ def test_run_writes_periodic_eval_and_each_reward_component(tmp_path):
   config.log.tensorboard = False
   config.eval.every_steps = 1
   config.eval.samples = 2
+  config.task.num_eval = 8
+  config.warmup.steps = 0  # no SFT step to compile: the test is about what gets logged
   config.reward = ml_collections.ConfigDict(dict(
       task=dict(weight=1.0), format=dict(weight=0.5), overlong=dict(weight=2.0, cache=2)))
   validate_config(config)
