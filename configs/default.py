@@ -87,7 +87,16 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c.distributed = ml_collections.ConfigDict(dict(
       initialize=False, coordinator_address=placeholder(str), num_processes=placeholder(int),
       process_id=placeholder(int)))
-  c.eval = ml_collections.ConfigDict(dict(every_steps=50))
+  # Held-out evaluation every `every_steps` RL steps and at the end: greedy accuracy, and with
+  # samples = n > 0 also mean@n and unbiased pass@k (k = 1, 2, 4, ..., n) of n draws per prompt
+  # with the rollout sampling transform (rlax_llm/evaluate.py).
+  c.eval = ml_collections.ConfigDict(dict(every_steps=50, samples=0))
+  # Reward shaping (rlax_llm/rewards.py, docs/tasks.md): named components {weight, kind
+  # (default: the name), parameters}; the weighted sum is trained on and each component is
+  # logged as reward/<name>. Kinds: task (the verifier), format (the task's format_ok, or
+  # pattern=REGEX), overlong (DAPO's soft overlong penalty over the last `cache` tokens).
+  c.reward = ml_collections.ConfigDict(dict(
+      task=ml_collections.ConfigDict(dict(weight=1.0))))
   # Axis sizes per role; -1 takes the remaining devices.
   c.mesh = ml_collections.ConfigDict(dict(
       trainer=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)),

@@ -69,7 +69,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c.distributed = ml_collections.ConfigDict(dict(
       initialize=False, coordinator_address=placeholder(str), num_processes=placeholder(int),
       process_id=placeholder(int)))
-  c.eval = ml_collections.ConfigDict(dict(every_steps=10))
+  c.eval = ml_collections.ConfigDict(dict(every_steps=10, samples=0))  # samples: pass@k draws
   c.mesh = ml_collections.ConfigDict(dict(
       trainer=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)),
       inference=ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)),

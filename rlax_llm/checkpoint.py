@@ -268,6 +268,34 @@ class Checkpointer:
     return out['params'], dict(out['metrics'])
 
 
+def read_params(path: str | pathlib.Path, template: Any) -> Any:
+  """The params of a checkpoint, restored onto ``template``'s shapes, dtypes and shardings.
+
+  ``path``: a run's workdir (its latest step), ``<workdir>/checkpoints``, a step directory
+  (``checkpoints/steps/<s>``) or the warm-up's (``checkpoints/warmup``). What
+  ``python -m rlax_llm.evaluate --checkpoint`` reads. Raises CheckpointError when there is
+  no checkpoint at ``path`` or its params do not fit ``template``.
+  """
+  path = pathlib.Path(path).absolute()
+  if (path / workdir_lib.CHECKPOINT_DIRNAME).is_dir():
+    path = path / workdir_lib.CHECKPOINT_DIRNAME
+  if (path / STEPS_DIRNAME).is_dir():
+    path = path / STEPS_DIRNAME
+  if path.name in (STEPS_DIRNAME, WARMUP_DIRNAME):
+    steps = sorted((int(p.name) for p in path.iterdir() if p.name.isdigit()), reverse=True)
+    if not steps:
+      raise CheckpointError(f'{path} holds no finished checkpoint.')
+    path = path / str(steps[0])
+  item = path / 'params'
+  if not item.is_dir():
+    raise CheckpointError(f'no checkpoint at {path}: pass a run\'s workdir or a '
+                          'checkpoints/steps/<step> directory.')
+  target = abstract_like(template)
+  checkpointer = ocp.StandardCheckpointer()
+  _check_matches('params', checkpointer.metadata(item).item_metadata, target, path)
+  return checkpointer.restore(item, target)
+
+
 class PreemptionGuard:
   """While active, SIGTERM and SIGINT set ``requested`` instead of killing the process.
 

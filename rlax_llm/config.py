@@ -146,7 +146,9 @@ def controller_settings(config: ml_collections.ConfigDict):
         sampling=sampling_spec(config), max_new_tokens=config.sampling.max_new_tokens,
         advantage_estimator=loss_config(config).estimator,
         oversample=config.rollout.oversample,
-        worker_timeout_s=config.rollout.worker_timeout_s)
+        worker_timeout_s=config.rollout.worker_timeout_s,
+        eval_samples=config.eval.get('samples', 0),
+        reward=config.reward.to_dict() if config.get('reward') else None)
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -185,10 +187,14 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ConfigError(f'config.{key}={value!r} must be an int >= 1 (RLAX staleness: j is '
                         'the reload threshold, k the acceptance window; (1, 1) is lockstep).')
-  controller_settings(config)
+  settings = controller_settings(config)
   _validate_micro_batches(config)
   _validate_checkpoint(config)
-  _validate_task(config)
+  task = _validate_task(config)
+  if settings.reward:
+    from rlax_llm import rewards  # pylint: disable=import-outside-toplevel
+    with _naming(''):
+      rewards.make_components(settings.reward, task, settings.max_new_tokens)
   _validate_model(config)
   _validate_meshes(config)
 
@@ -246,14 +252,15 @@ def check_resume_config(saved: dict, config: ml_collections.ConfigDict) -> None:
         'overwritten.')
 
 
-def _validate_task(config: ml_collections.ConfigDict) -> None:
+def _validate_task(config: ml_collections.ConfigDict):
+  """The task ``config.task`` builds; ConfigError naming the field when it cannot."""
   from rlax_llm import tasks  # pylint: disable=import-outside-toplevel
   name = _get(config, 'task.name')
   if name not in tasks.TASKS:
     raise ConfigError(f'config.task.name={name!r} is not valid; choose one of '
                       f'{sorted(tasks.TASKS)}.')
   with _naming('task: '):
-    tasks.make_task(config.task.to_dict() | {'seed': config.seed})
+    return tasks.make_task(config.task.to_dict() | {'seed': config.seed})
 
 
 def _validate_model(config: ml_collections.ConfigDict) -> None:

@@ -57,12 +57,13 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from rlax_llm import losses
+from rlax_llm import losses, rewards
 from rlax_llm.data import prompt_dataset
 from rlax_llm.data_types import GenerationRequest, Rollouts, make_train_batch
+from rlax_llm.evaluate import evaluate_policy
 from rlax_llm.metrics import MetricsWriter
 from rlax_llm.paramserver import ParameterServer
-from rlax_llm.policy import GREEDY, SamplingSpec
+from rlax_llm.policy import SamplingSpec
 from rlax_llm.tasks import Prompt, Task
 from rlax_llm.trainer.trainer import NonFiniteError
 from rlax_llm.verifiers import score_rollouts
@@ -119,6 +120,8 @@ class ControllerSettings:
   oversample: float = 0.0
   worker_timeout_s: float = 600.0
   keep_versions: int = 0  # 0: what the schedule needs (k + 1)
+  eval_samples: int = 0  # sampled draws per held-out prompt for mean@k / pass@k (0: none)
+  reward: dict[str, Any] | None = None  # the reward config group (rlax_llm.rewards); None: task
 
   def __post_init__(self):
     """Messages name the config keys (``staleness.j``, ``rollout.oversample``, ...)."""
@@ -135,6 +138,10 @@ class ControllerSettings:
       raise ValueError(f'rollout.oversample={self.oversample!r} must be in [0, 4].')
     if not self.worker_timeout_s > 0:
       raise ValueError(f'rollout.worker_timeout_s={self.worker_timeout_s!r} must be > 0.')
+    if (isinstance(self.eval_samples, bool) or not isinstance(self.eval_samples, int)
+        or self.eval_samples < 0):
+      raise ValueError(f'eval.samples={self.eval_samples!r} must be an int >= 0 (draws per '
+                       'held-out prompt for mean@k and pass@k; 0: greedy accuracy only).')
     self.sampling.check_for_rollouts()
 
 
@@ -231,7 +238,12 @@ class Controller:
     self._prompts = iter(prompt_dataset(task, 1).to_iter_dataset())
     self._root_key = jax.random.key(settings.seed)
     self._eval_prompts = task.eval_prompts()
+    # Reward shaping (rlax_llm.rewards): None trains on the verifier's reward as it is.
+    self._reward_components = (rewards.make_components(settings.reward, task,
+                                                       settings.max_new_tokens)
+                               if settings.reward else None)
     self.start_accuracy: float | None = None
+    self._start_eval: dict[str, float] = {}
     self.accuracy: float | None = None
     # The version each worker will hold once its queued calls have run (the controller knows
     # it: it sends every weight update itself).
@@ -390,17 +402,21 @@ class Controller:
 
   # --------------------------------------------------------------------------- evaluate
 
-  def evaluate(self) -> float:
-    """Held-out greedy accuracy of the trainer's current version (on a live worker)."""
+  def evaluate(self) -> dict[str, float]:
+    """Held-out metrics of the trainer's current version (``rlax_llm.evaluate``: greedy
+    ``eval/accuracy``; with ``eval_samples`` mean@k and pass@k), generated on a live worker."""
     self._push()
-    worker = self._live_workers()[0]
-    requests = [GenerationRequest(p, 1, GREEDY, self.settings.max_new_tokens)
-                for p in self._eval_prompts]
-    batch = _Batch(index=-1, version=self.trainer.version, prompts=self._eval_prompts,
-                   chunks=[(worker, requests, self._submit(worker, requests, self._root_key,
-                                                           self.trainer.version))])
-    rollouts = self._gather(batch, self._root_key)[0]
-    return float(np.mean(score_rollouts(self.task, self._eval_prompts, rollouts).rewards))
+    version = self.trainer.version
+
+    def generate(requests, key):
+      worker = self._live_workers()[0]
+      batch = _Batch(index=-1, version=version, prompts=[r.prompt for r in requests],
+                     chunks=[(worker, requests, self._submit(worker, requests, key, version))])
+      return self._gather(batch, key)[0]
+
+    return evaluate_policy(self.task, self._eval_prompts, generate,
+                           sampling=self.settings.sampling, samples=self.settings.eval_samples,
+                           max_new_tokens=self.settings.max_new_tokens, key=self._root_key)
 
   # -------------------------------------------------------------------------------- run
 
@@ -412,8 +428,11 @@ class Controller:
     s = self.settings
     self._push()
     if self.start_accuracy is None:
-      self.start_accuracy = self.accuracy = self.evaluate()
-      logging.info('RL starting point: held-out greedy accuracy %.3f', self.start_accuracy)
+      start = self.evaluate()
+      self.start_accuracy = self.accuracy = start['eval/accuracy']
+      logging.info('RL starting point: %s', start)
+      # Logged with the first step's metrics as eval/start_accuracy, eval/start_pass@k, ...
+      self._start_eval = {k.replace('eval/', 'eval/start_', 1): v for k, v in start.items()}
     self._run_start = time.perf_counter()
     in_flight: collections.deque[_Batch] = collections.deque(self._restored_inflight)
     self._restored_inflight = []
@@ -500,17 +519,24 @@ class Controller:
     key = jax.random.fold_in(self._root_key, batch.index)
     parts = self._gather(batch, key)
     rollouts = score_rollouts(self.task, batch.prompts, Rollouts.concatenate(parts))
+    reward_parts = {}
+    if self._reward_components is not None:  # train on the shaped reward, log each part
+      total, reward_parts = rewards.shape_rewards(rollouts, self._reward_components)
+      rollouts = dataclasses.replace(rollouts, rewards=total)
     t_rollout = time.perf_counter() - t0
     trained, selection = self._select(batch, rollouts)
     metrics = {
         'reward/mean': float(rollouts.rewards.mean()),
         'reward/std': float(rollouts.rewards.std()),
+        **{f'reward/{name}': float(part.mean()) for name, part in reward_parts.items()},
         'completion/length_mean': float(rollouts.completion_mask.sum(1).mean()),
         'completion/truncated_fraction': float(1.0 - rollouts.finished.mean()),
         'verifier/errors': rollouts.verifier_errors,
         'sampling_version': batch.version,
         **selection,
+        **self._start_eval,
     }
+    self._start_eval = {}
     t1 = time.perf_counter()
     if trained is not None:
       advantages = np.asarray(losses.group_advantages(
@@ -550,8 +576,9 @@ class Controller:
         'version': self.trainer.version})
     last = self.step == s.total_steps
     if last or (s.eval_every > 0 and self.step % s.eval_every == 0):
-      self.accuracy = self.evaluate()
-      metrics['eval/accuracy'] = self.accuracy
+      evaluation = self.evaluate()
+      self.accuracy = evaluation['eval/accuracy']
+      metrics.update(evaluation)
     if last:
       metrics['eval/start_accuracy'] = self.start_accuracy
       metrics['eval/final_accuracy'] = self.accuracy
