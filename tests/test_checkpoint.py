@@ -137,3 +137,19 @@ def test_preemption_guard_turns_sigterm_into_a_flag():
     os.kill(os.getpid(), signal.SIGTERM)
     assert guard.requested.wait(5) and guard.signal_name == 'SIGTERM'
   assert signal.getsignal(signal.SIGTERM) == previous
+
+
+def test_global_batch_builds_each_device_shard_from_the_host_copy(monkeypatch):
+  """The multi-host path (every process holds the whole batch and builds its own devices'
+  shards) gives the same global array as device_put; exercised here as one process."""
+  from rlax_llm import sharding  # pylint: disable=import-outside-toplevel
+  mesh = make_mesh({'data': 4, 'fsdp': 2, 'tensor': 1}, jax.devices()[:8])
+  batch = {'tokens': np.arange(16 * 6, dtype=np.int32).reshape(16, 6),
+           'adv': np.linspace(-1, 1, 16).astype(np.float32)}
+  single = sharding.global_batch(batch, mesh)
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)  # take the multi-process branch
+  multi = sharding.global_batch(batch, mesh)
+  for name in batch:
+    np.testing.assert_array_equal(np.asarray(multi[name]), batch[name])
+    assert multi[name].sharding == single[name].sharding
+    assert len(multi[name].addressable_shards) == 8
