@@ -67,7 +67,8 @@ def run_ours(args) -> dict:
   out = {}
   for chunk in sorted({0, args.logprob_chunk}):
     objective = functools.partial(objectives.rl_objective, policy, loss, logprob_chunk=chunk)
-    trainer = Trainer(model, params, make_optimizer(1e-6), objective, mesh)
+    trainer = Trainer(model, params, make_optimizer(1e-6), objective, mesh,
+                      micro_batches=args.micro_batches, totals_fn=objectives.loss_totals)
     lowered = trainer._step.lower(trainer.params, trainer.opt_state, batch, None)  # pylint: disable=protected-access
     memory = lowered.compile().memory_analysis()
     out[f'ours_temp_bytes_chunk{chunk}'] = int(memory.temp_size_in_bytes)
@@ -133,6 +134,7 @@ def main() -> None:
   parser.add_argument('--steps', type=int, default=2)
   parser.add_argument('--logprob_chunk', type=int, default=64)
   parser.add_argument('--remat', default='none')
+  parser.add_argument('--micro_batches', type=int, default=1)
   parser.add_argument('--only', choices=('ours', 'torch'))
   args = parser.parse_args()
   if args.only:
@@ -142,12 +144,14 @@ def main() -> None:
     print(json.dumps(result))
     return
   result = {'batch': args.batch, 'length': args.length, 'dtype': 'float32',
-            'logprob_chunk': args.logprob_chunk, 'remat': args.remat}
+            'logprob_chunk': args.logprob_chunk, 'remat': args.remat,
+            'micro_batches': args.micro_batches}
   for which in ('ours', 'torch'):
     out = subprocess.run(
         [sys.executable, __file__, f'--only={which}', f'--batch={args.batch}',
          f'--length={args.length}', f'--steps={args.steps}',
-         f'--logprob_chunk={args.logprob_chunk}', f'--remat={args.remat}'],
+         f'--logprob_chunk={args.logprob_chunk}', f'--remat={args.remat}',
+         f'--micro_batches={args.micro_batches}'],
         check=True, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS='cpu'))
     result.update(json.loads(out.stdout.strip().splitlines()[-1]))
   result['ratio'] = result['ours_tok_s'] / result['torch_tok_s']
