@@ -3,11 +3,15 @@ r"""Command-line entry point: ``python -m rlax_llm.launch``.
     python -m rlax_llm.launch                                  # configs/default.py
     python -m rlax_llm.launch --config=configs/default.py:smoke --config.total_steps=10 \
         --workdir=/tmp/run1
+    python -m rlax_llm.launch --help                           # configs, variants, flags
+    python -m rlax_llm.launch --config=configs/smollm2.py --print_config  # resolved config
 
 ``--config`` takes a config file (``path[:variant]``), ``--config.a.b=value`` overrides a
 field, ``--workdir`` is where the run writes ``config.json``, ``metrics.jsonl``,
 ``summary.json`` and TensorBoard events (default ``./runs/<name>-<timestamp>``). The config
-is validated (``rlax_llm.config.validate_config``) before any compute.
+is validated (``rlax_llm.config.validate_config``) before any compute. ``--print_config``
+prints the resolved, validated config as JSON and exits; ``--help`` lists the configs in
+``configs/`` with their variants (``rlax_llm.launch_help``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
+from rlax_llm import launch_help
 from rlax_llm import workdir as workdir_lib
 from rlax_llm.config import (DEFAULT_CONFIG_PATH, ConfigError, check_config_spec,
                              check_override_keys, validate_config)
@@ -29,7 +34,7 @@ _FLAGS: dict[str, flags.FlagHolder] = {}
 
 
 def define_flags() -> None:
-  """Defines ``--config`` (with its overrides) and ``--workdir``.
+  """Defines ``--config`` (with its overrides), ``--workdir`` and ``--print_config``.
 
   ``config_flags`` reads ``sys.argv`` when the flag is defined, so this runs after
   ``check_override_keys`` has vetted the overrides.
@@ -41,6 +46,8 @@ def define_flags() -> None:
       lock_config=True)
   _FLAGS['workdir'] = flags.DEFINE_string(
       'workdir', None, 'Run directory (default ./runs/<config name>-<timestamp>).')
+  _FLAGS['print_config'] = flags.DEFINE_bool(
+      'print_config', False, 'Print the resolved, validated config as JSON and exit.')
 
 
 def main(argv) -> None:
@@ -82,12 +89,25 @@ def main(argv) -> None:
         f'workdir {workdir}')
 
 
+def _main_or_print_config(argv) -> None:
+  """``--print_config`` prints the resolved config and returns; otherwise ``main`` runs."""
+  if _FLAGS['print_config'].value:
+    for name in ('absl', 'jax'):  # stdout is the config; stderr stays quiet unless it fails
+      logging.getLogger(name).setLevel(logging.WARNING)
+    launch_help.print_config(_FLAGS['config'].value)
+    return
+  main(argv)
+
+
 def run_cli() -> None:
-  logging.getLogger('absl').setLevel(logging.INFO)
   argv = sys.argv[1:]
+  if launch_help.wants_help(argv):  # before the config loads: help works with a broken one
+    sys.stdout.write(launch_help.help_text())
+    raise SystemExit(0)
+  logging.getLogger('absl').setLevel(logging.INFO)
   check_override_keys(argv, check_config_spec(argv))
   define_flags()
-  app.run(main)
+  app.run(_main_or_print_config)
 
 
 if __name__ == '__main__':
