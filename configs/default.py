@@ -85,6 +85,10 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       inference=ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)),
       disjoint=False,  # True: the trainer takes the first devices, each worker the next ones
   ))
+  # Multi-host (one process per host, the same command on each; launch/multihost fills
+  # these in): num_processes=1 is a single process and initialises nothing.
+  c.distributed = ml_collections.ConfigDict(dict(
+      coordinator_address='', num_processes=1, process_id=0))
   c.log = ml_collections.ConfigDict(dict(console_every=1, tensorboard=True))
 
   if variant == 'smoke':

@@ -25,7 +25,7 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
-from rlax_llm import launch_help
+from rlax_llm import distributed, launch_help
 from rlax_llm import workdir as workdir_lib
 from rlax_llm.config import (DEFAULT_CONFIG_PATH, ConfigError, check_config_spec,
                              check_override_keys, validate_config)
@@ -53,6 +53,12 @@ def define_flags() -> None:
 def main(argv) -> None:
   del argv
   config = _FLAGS['config'].value
+  try:
+    # Multi-host: join the other hosts before JAX sees a device, so validation and the
+    # meshes count every host's chips (rlax_llm/distributed.py; launch/multihost).
+    distributed.initialize(config)
+  except ValueError as e:
+    raise SystemExit(f'error: {e}') from None
   try:
     validate_config(config)
   except ConfigError as e:
