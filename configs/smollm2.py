@@ -75,7 +75,8 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # these in): num_processes=1 is a single process and initialises nothing.
   c.distributed = ml_collections.ConfigDict(dict(
       coordinator_address='', num_processes=1, process_id=0))
-  c.log = ml_collections.ConfigDict(dict(console_every=1, tensorboard=True))
+  # text_every: sampled completions as TensorBoard text (tag 'samples') every N steps; 0 = off.
+  c.log = ml_collections.ConfigDict(dict(console_every=1, tensorboard=True, text_every=10))
 
   if variant == 'smoke':
     c.name = 'smollm2_smoke'

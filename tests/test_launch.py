@@ -56,7 +56,7 @@ def test_run_writes_config_metrics_and_events(smoke_run):
 
 def test_run_prints_progress_and_final_accuracy(smoke_run):
   _, result = smoke_run
-  assert 'step 4 |' in result.stdout
+  assert 'step 4/4 (100%) |' in result.stdout
   assert 'held-out greedy accuracy: RL start' in result.stdout
 
 

@@ -162,8 +162,7 @@ def build_run(config: ml_collections.ConfigDict, workdir) -> Iterator[Run]:
              for n, mesh in enumerate(meshes['inference'])]
   server = ParameterServer(keep=config.staleness.k + 2)
   try:
-    with MetricsWriter(workdir, tensorboard=config.log.tensorboard,
-                       console_every=config.log.console_every) as writer:
+    with MetricsWriter.from_config(workdir, config) as writer:
       yield Run(Controller(settings, task, trainer, workers, server, writer), writer,
                 warmup_metrics)
   finally:
