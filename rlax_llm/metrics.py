@@ -15,6 +15,9 @@
   has written); on a terminal it rewrites itself in place (``\r``), elsewhere (a log file,
   a notebook, CI) it is one plain line per printed step.
 
+Keys ``hist/NAME`` are vector metrics of bin fractions over ``HISTOGRAM_BIN_EDGES[key]``
+(the trainer's ``hist/log_ratio``, per-token log pi_theta - log pi_behaviour): TensorBoard
+histogram ``NAME``; they are not written to ``metrics.jsonl`` or the console.
 ``write_rollouts`` adds what scalars cannot show, to TensorBoard: histograms of the
 rewards, the advantages and the per-token staleness of a step's rollouts, and every
 ``text_every`` steps a markdown table of sampled prompts and completions (tag ``samples``).
@@ -40,12 +43,17 @@ import jax.numpy as jnp
 import numpy as np
 import tensorboardX
 
+from rlax_llm.losses.diagnostics import LOG_RATIO_BIN_EDGES
+
 METRICS_FILENAME = 'metrics.jsonl'
 SUMMARY_FILENAME = 'summary.json'
 DEFAULT_CONSOLE_KEYS = ('reward/mean', 'loss', 'eval/accuracy', 'time/step_s')
 # Rows of the final summary table (when the run wrote them), in this order.
 SUMMARY_TABLE_KEYS = ('reward/mean', 'loss', 'entropy', 'grad_norm', 'staleness/mean',
                       'eval/accuracy', 'time/step_s', 'time/rollout_tokens_per_s')
+# Vector metrics: key -> bin edges. ``write`` draws each as a TensorBoard histogram (tag: the
+# key without 'hist/'), from bin fractions computed where the data lives (the trainer's step).
+HISTOGRAM_BIN_EDGES = {'hist/log_ratio': LOG_RATIO_BIN_EDGES}
 TEXT_SAMPLES = 4  # prompts shown per ``samples`` text entry (the first row of each group)
 
 Scalar = int | float
@@ -224,12 +232,16 @@ class MetricsWriter:
       raise ValueError(f'step must be an int, got {step!r} of type {type(step).__name__}.')
     step = int(step)
     values: dict[str, Scalar] = {}
+    binned: dict[str, np.ndarray] = {}
     for key, value in metrics.items():
       if not isinstance(key, str) or not key:
         raise ValueError(f'metric keys must be non-empty strings, got {key!r}.')
       if key == 'step':
         raise ValueError("metric key 'step' is reserved for the step argument; rename the metric.")
-      values[key] = _to_scalar(key, value)
+      if key.startswith('hist/'):
+        binned[key] = self._check_bins(key, value)
+      else:
+        values[key] = _to_scalar(key, value)
 
     record = {'step': step, **{k: _json_safe(v) for k, v in values.items()}}
     self._jsonl.write(json.dumps(record, allow_nan=False) + '\n')
@@ -237,6 +249,8 @@ class MetricsWriter:
     if self._tb is not None:
       for key, value in values.items():
         self._tb.add_scalar(key, value, step)
+      for key, fractions in binned.items():
+        self._write_binned(step, key, fractions)
     for key, value in values.items():
       if isinstance(value, float) and not math.isfinite(value):
         continue
@@ -273,6 +287,32 @@ class MetricsWriter:
     if self._line_open:
       print(flush=True)
       self._line_open = False
+
+  @staticmethod
+  def _check_bins(key: str, value: Any) -> np.ndarray:
+    if key not in HISTOGRAM_BIN_EDGES:
+      raise ValueError(f'metric {key!r}: keys starting with hist/ are binned histograms, and '
+                       f'only {sorted(HISTOGRAM_BIN_EDGES)} have bin edges; add its edges to '
+                       'rlax_llm.metrics.HISTOGRAM_BIN_EDGES or rename the metric.')
+    arr = np.asarray(jax.device_get(value), dtype=np.float64)
+    bins = len(HISTOGRAM_BIN_EDGES[key]) - 1
+    if arr.shape != (bins,):
+      raise ValueError(f'metric {key!r} has shape {arr.shape}; its edges make {bins} bins, so '
+                       f'it must be a vector of {bins} bin fractions.')
+    return arr
+
+  def _write_binned(self, step: int, key: str, fractions: np.ndarray) -> None:
+    """A TensorBoard histogram from bin fractions (moments from the bin centres)."""
+    edges = np.asarray(HISTOGRAM_BIN_EDGES[key])
+    used = np.flatnonzero(fractions > 0)
+    if not used.size or not np.all(np.isfinite(fractions)):
+      return
+    centres = (edges[:-1] + edges[1:]) / 2
+    self._tb.add_histogram_raw(
+        key.removeprefix('hist/'), min=float(edges[used[0]]), max=float(edges[used[-1] + 1]),
+        num=float(fractions.sum()), sum=float(fractions @ centres),
+        sum_squares=float(fractions @ centres**2), bucket_limits=edges[1:].tolist(),
+        bucket_counts=fractions.tolist(), global_step=int(step))
 
   def write_histogram(self, step: int, key: str, values: Any) -> None:
     """A TensorBoard histogram of ``values`` (any shape, flattened; non-finite dropped).

@@ -263,3 +263,26 @@ def test_histograms_drop_non_finite_values_and_text_is_stored(tmp_path):
 def test_total_steps_and_text_every_are_validated(tmp_path, name, value):
   with pytest.raises(ValueError, match=f'{name} must be an int >= 0'):
     MetricsWriter(tmp_path, tensorboard=False, **{name: value})
+
+
+def test_hist_keys_become_tensorboard_histograms_not_scalars(tmp_path):
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+  from rlax_llm.metrics import HISTOGRAM_BIN_EDGES
+  fractions = np.zeros(len(HISTOGRAM_BIN_EDGES['hist/log_ratio']) - 1)
+  fractions[[0, 21]] = [0.25, 0.75]  # bins [-1, -0.95) and [0.05, 0.1)
+  with MetricsWriter(tmp_path, console=False) as writer:
+    writer.write(4, {'loss': 1.0, 'hist/log_ratio': fractions})
+    with pytest.raises(ValueError, match=r"metric 'hist/log_ratio' has shape \(3,\); its "
+                       'edges make 40 bins'):
+      writer.write(5, {'hist/log_ratio': np.ones(3)})
+    with pytest.raises(ValueError, match="metric 'hist/other': keys starting with hist/"):
+      writer.write(5, {'hist/other': np.ones(3)})
+  assert read_metrics(tmp_path) == [{'step': 4, 'loss': 1.0}]
+  events = EventAccumulator(str(tmp_path), size_guidance={'histograms': 0})
+  events.Reload()
+  assert events.Tags()['scalars'] == ['loss']
+  (hist,) = events.Histograms('log_ratio')
+  h = hist.histogram_value
+  assert (hist.step, h.num, h.min, h.max) == (4, 1.0, -1.0, pytest.approx(0.1))
+  assert h.sum == pytest.approx(0.25 * -0.975 + 0.75 * 0.075)
+  assert list(h.bucket)[0] == 0.25 and list(h.bucket)[21] == 0.75

@@ -41,12 +41,17 @@ def test_events_hold_the_scalars_histograms_and_samples(short_run):
   missing = [t for t in SCALARS if t not in tags['scalars']]
   assert not missing, (missing, sorted(tags['scalars']))
   assert [e.step for e in events.Scalars('reward/mean')] == [1, 2]
-  for tag in ('advantages', 'staleness', 'reward', 'completion/length'):
+  for tag in ('advantages', 'staleness', 'reward', 'completion/length', 'log_ratio'):
     assert tag in tags['histograms'], sorted(tags['histograms'])
   (advantages, _) = events.Histograms('advantages')
   # smoke: 4 prompts x 4 samples; group-normalised advantages sum to ~0.
   assert advantages.step == 1 and advantages.histogram_value.num == 16
   assert abs(advantages.histogram_value.sum) < 1e-4
+  # On-policy (k=1) with the sampler's own policy: log pi_theta - log pi_behaviour ~ 0, so
+  # every token lands in the two bins around 0 (edges -0.05, 0, 0.05).
+  log_ratio = events.Histograms('log_ratio')[0].histogram_value
+  assert log_ratio.num == pytest.approx(1.0)
+  assert (log_ratio.min, log_ratio.max) == (pytest.approx(-0.05), pytest.approx(0.05))
   (text,) = events.Tensors('samples/text_summary')  # text_every=2: step 2 only
   assert text.step == 2
   table = text.tensor_proto.string_val[0].decode()
