@@ -1,7 +1,8 @@
 """colabs/: every notebook runs top to bottom (nbclient) with RLAX_LLM_COLAB_SMALL=1.
 
 Each runs in a fresh kernel in a temporary directory (its runs/ lands there) with this
-checkout importable, so the install cell is skipped as it is in a checkout.
+checkout importable, so the install cell is skipped as it is in a checkout, and with one CPU
+device as on a Colab CPU runtime.
 """
 
 import os
@@ -17,8 +18,10 @@ NOTEBOOKS = ('quickstart', 'losses', 'staleness', 'smollm2_grpo')
 
 def _execute(name: str, tmp_path: pathlib.Path, timeout: int) -> nbformat.NotebookNode:
   notebook = nbformat.read(ROOT / 'colabs' / f'{name}.ipynb', as_version=4)
-  old = {k: os.environ.get(k) for k in ('RLAX_LLM_COLAB_SMALL', 'PYTHONPATH', 'MPLBACKEND')}
+  old = {k: os.environ.get(k)
+         for k in ('RLAX_LLM_COLAB_SMALL', 'PYTHONPATH', 'MPLBACKEND', 'XLA_FLAGS')}
   os.environ.pop('MPLBACKEND', None)  # the kernel's inline backend: figures become outputs
+  os.environ.pop('XLA_FLAGS', None)  # one CPU device, as on Colab (not conftest's 8)
   os.environ.update(RLAX_LLM_COLAB_SMALL='1',
                     PYTHONPATH=str(ROOT) + os.pathsep + (old['PYTHONPATH'] or ''))
   try:
