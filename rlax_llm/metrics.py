@@ -265,7 +265,7 @@ class MetricsWriter:
   def _print_progress(self, step: int, values: Mapping[str, Scalar], now: float) -> None:
     head = f'step {step}'
     if self._total_steps:
-      head += f'/{self._total_steps} ({100 * step / self._total_steps:.0f}%)'
+      head += f'/{self._total_steps} ({100 * step // self._total_steps}%)'  # 100% only at the end
     parts = [head] + [
       f'{k} {_format_console(values[k])}' for k in self._console_keys if k in values
     ]

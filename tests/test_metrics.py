@@ -213,7 +213,7 @@ def test_progress_line_has_an_eta_from_the_rate_of_written_steps(tmp_path, capsy
       writer.write(step, {'loss': 1.0})
   assert capsys.readouterr().out.splitlines() == [
     'step 10/70 (14%) | loss 1',
-    'step 11/70 (16%) | loss 1 | ETA 1m58s',  # 2 s/step x 59 steps
+    'step 11/70 (15%) | loss 1 | ETA 1m58s',  # 2 s/step x 59 steps
     'step 12/70 (17%) | loss 1 | ETA 1m56s',
   ]
 
