@@ -4,7 +4,7 @@
     python scripts/plot_run.py runs/default-... --output docs/results_default.png
 
 Three panels against the RL step: the mean reward of the training samples; the held-out
-greedy accuracy at each evaluation (a dashed line at the RL starting point); the mean
+greedy accuracy at each evaluation (step 0 and a dashed line: the RL starting point); the mean
 staleness of the trained tokens. The title names the config (``config.json``) and the
 before -> after accuracy (``summary.json``) when the workdir has them. Rows of a step that
 appears twice (a resumed run) count once: the last one.
@@ -51,9 +51,11 @@ def plot(workdir: pathlib.Path, output: pathlib.Path) -> None:
   axes[0].plot(steps, [r.get('reward/mean') for r in rows])
   axes[0].set(xlabel='RL step', ylabel='mean reward (training samples)', ylim=(-0.02, 1.02))
   evals = [(r['step'], r['eval/accuracy']) for r in rows if r.get('eval/accuracy') is not None]
+  start = summary.get('eval/start_accuracy')
+  if start is not None:
+    evals.insert(0, (0, start))  # the RL starting point, before the first update
   if evals:
     axes[1].plot(*zip(*evals), marker='o', label='held-out greedy accuracy')
-  start = summary.get('eval/start_accuracy')
   if start is not None:
     axes[1].axhline(start, color='gray', ls='--', label='RL starting point')
   axes[1].set(xlabel='RL step', ylabel='accuracy', ylim=(-0.02, 1.02))
