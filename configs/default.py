@@ -77,18 +77,32 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c.ray = ml_collections.ConfigDict(dict(
       address='local', num_cpus=0, trainer_resources=ml_collections.ConfigDict(),
       worker_resources=ml_collections.ConfigDict()))
-  c.checkpoint = ml_collections.ConfigDict(dict(every_steps=0))  # 0: no checkpoints yet
-  c.eval = ml_collections.ConfigDict(dict(every_steps=50))
+  # Orbax checkpoints in workdir/checkpoints (0 and 0: none): after steps that are multiples
+  # of every_steps, and when every_seconds have passed; the newest `keep` are kept. SIGTERM or
+  # SIGINT saves one and exits 0; relaunching with the same --workdir resumes.
+  c.checkpoint = ml_collections.ConfigDict(dict(
+      every_steps=50, every_seconds=600.0, keep=3, async_save=True))
+  # Multi-host JAX (TPU pods): jax.distributed.initialize before anything else. On Cloud TPU
+  # the arguments are discovered; elsewhere give coordinator_address, num_processes, process_id.
+  c.distributed = ml_collections.ConfigDict(dict(
+      initialize=False, coordinator_address=placeholder(str), num_processes=placeholder(int),
+      process_id=placeholder(int)))
+  # Held-out evaluation every `every_steps` RL steps and at the end: greedy accuracy, and with
+  # samples = n > 0 also mean@n and unbiased pass@k (k = 1, 2, 4, ..., n) of n draws per prompt
+  # with the rollout sampling transform (rlax_llm/evaluate.py).
+  c.eval = ml_collections.ConfigDict(dict(every_steps=50, samples=0))
+  # Reward shaping (rlax_llm/rewards.py, docs/tasks.md): named components {weight, kind
+  # (default: the name), parameters}; the weighted sum is trained on and each component is
+  # logged as reward/<name>. Kinds: task (the verifier), format (the task's format_ok, or
+  # pattern=REGEX), overlong (DAPO's soft overlong penalty over the last `cache` tokens).
+  c.reward = ml_collections.ConfigDict(dict(
+      task=ml_collections.ConfigDict(dict(weight=1.0))))
   # Axis sizes per role; -1 takes the remaining devices.
   c.mesh = ml_collections.ConfigDict(dict(
       trainer=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)),
       inference=ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)),
       disjoint=False,  # True: the trainer takes the first devices, each worker the next ones
   ))
-  # Multi-host (one process per host, the same command on each; launch/multihost fills
-  # these in): num_processes=1 is a single process and initialises nothing.
-  c.distributed = ml_collections.ConfigDict(dict(
-      coordinator_address='', num_processes=1, process_id=0))
   # text_every: sampled completions as TensorBoard text (tag 'samples') every N steps; 0 = off.
   c.log = ml_collections.ConfigDict(dict(console_every=1, tensorboard=True, text_every=10))
 

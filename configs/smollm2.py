@@ -64,17 +64,17 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c.ray = ml_collections.ConfigDict(dict(
       address='local', num_cpus=0, trainer_resources=ml_collections.ConfigDict(),
       worker_resources=ml_collections.ConfigDict()))
-  c.checkpoint = ml_collections.ConfigDict(dict(every_steps=0))
-  c.eval = ml_collections.ConfigDict(dict(every_steps=10))
+  c.checkpoint = ml_collections.ConfigDict(dict(
+      every_steps=25, every_seconds=600.0, keep=2, async_save=True))
+  c.distributed = ml_collections.ConfigDict(dict(
+      initialize=False, coordinator_address=placeholder(str), num_processes=placeholder(int),
+      process_id=placeholder(int)))
+  c.eval = ml_collections.ConfigDict(dict(every_steps=10, samples=0))  # samples: pass@k draws
   c.mesh = ml_collections.ConfigDict(dict(
       trainer=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)),
       inference=ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)),
       disjoint=False,  # True: the trainer takes the first devices, each worker the next ones
   ))
-  # Multi-host (one process per host, the same command on each; launch/multihost fills
-  # these in): num_processes=1 is a single process and initialises nothing.
-  c.distributed = ml_collections.ConfigDict(dict(
-      coordinator_address='', num_processes=1, process_id=0))
   # text_every: sampled completions as TensorBoard text (tag 'samples') every N steps; 0 = off.
   c.log = ml_collections.ConfigDict(dict(console_every=1, tensorboard=True, text_every=10))
 

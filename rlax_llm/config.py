@@ -51,7 +51,7 @@ CHOICES = {
 }
 
 POSITIVE_INTS = ('rl.group_size', 'rl.prompts_per_step', 'rl.max_nonfinite_updates',
-                 'rl.micro_batches',
+                 'rl.micro_batches', 'checkpoint.keep',
                  'rollout.slots', 'rollout.workers',
                  'sampling.max_new_tokens', 'sampling.max_prompt_len', 'warmup.batch_size',
                  'log.console_every')
@@ -63,7 +63,15 @@ FLOATS = {
     'rl.max_grad_norm': (0.0, True),
     'rl.weight_decay': (0.0, True),
     'warmup.learning_rate': (0.0, False),
+    'checkpoint.every_seconds': (0.0, True),
 }
+
+# Keys a resumed run may change (``check_resume_config``): how long it runs, how it is watched,
+# checkpointed and placed (the mesh: checkpoints reshard on restore), and fault knobs. Every
+# other key decides what the run computes and must equal the checkpointed run's.
+RESUMABLE_CHANGES = ('total_steps', 'checkpoint.', 'log.', 'eval.every_steps', 'mesh.',
+                     'local.', 'rollout.worker_timeout_s', 'rollout.fault.', 'distributed.',
+                     'name')
 
 
 class ConfigError(ValueError):
@@ -138,7 +146,9 @@ def controller_settings(config: ml_collections.ConfigDict):
         sampling=sampling_spec(config), max_new_tokens=config.sampling.max_new_tokens,
         advantage_estimator=loss_config(config).estimator,
         oversample=config.rollout.oversample,
-        worker_timeout_s=config.rollout.worker_timeout_s)
+        worker_timeout_s=config.rollout.worker_timeout_s,
+        eval_samples=config.eval.get('samples', 0),
+        reward=config.reward.to_dict() if config.get('reward') else None)
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -177,9 +187,14 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ConfigError(f'config.{key}={value!r} must be an int >= 1 (RLAX staleness: j is '
                         'the reload threshold, k the acceptance window; (1, 1) is lockstep).')
-  controller_settings(config)
+  settings = controller_settings(config)
   _validate_micro_batches(config)
-  _validate_task(config)
+  _validate_checkpoint(config)
+  task = _validate_task(config)
+  if settings.reward:
+    from rlax_llm import rewards  # pylint: disable=import-outside-toplevel
+    with _naming(''):
+      rewards.make_components(settings.reward, task, settings.max_new_tokens)
   _validate_model(config)
   _validate_meshes(config)
 
@@ -197,14 +212,55 @@ def _validate_micro_batches(config: ml_collections.ConfigDict) -> None:
                       'saves memory and works with M2PO).')
 
 
-def _validate_task(config: ml_collections.ConfigDict) -> None:
+def _validate_checkpoint(config: ml_collections.ConfigDict) -> None:
+  c = config.checkpoint
+  if not isinstance(c.async_save, bool):
+    raise ConfigError(f'config.checkpoint.async_save={c.async_save!r} must be True or False.')
+  if config.backend == 'ray' and (c.every_steps or c.every_seconds):
+    raise ConfigError('config.backend=\'ray\' does not write checkpoints yet; set '
+                      'checkpoint.every_steps=0 and checkpoint.every_seconds=0, or use '
+                      'backend=\'local\' (which checkpoints and resumes).')
+
+
+def _flatten(tree, prefix=''):
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flatten(value, f'{prefix}{key}.'))
+    else:
+      out[f'{prefix}{key}'] = value
+  return out
+
+
+def check_resume_config(saved: dict, config: ml_collections.ConfigDict) -> None:
+  """Raises ``ConfigError`` when ``config`` may not resume a run checkpointed with ``saved``
+  (its ``config.json``): every key outside ``RESUMABLE_CHANGES`` must be equal."""
+  import json  # pylint: disable=import-outside-toplevel
+  now = _flatten(json.loads(config.to_json_best_effort()))
+  before = _flatten(saved)
+  differ = [key for key in sorted(set(now) | set(before))
+            if not any(key == p or (p.endswith('.') and key.startswith(p))
+                       for p in RESUMABLE_CHANGES)
+            and now.get(key, '<absent>') != before.get(key, '<absent>')]
+  if differ:
+    shown = ', '.join(f'{k}: {before.get(k, "<absent>")!r} -> {now.get(k, "<absent>")!r}'
+                      for k in differ[:5])
+    raise ConfigError(
+        f'this workdir holds a checkpointed run whose config differs in what it computes '
+        f'({shown}{", ..." if len(differ) > 5 else ""}). Resume with the same config (only '
+        f'{", ".join(RESUMABLE_CHANGES)} may change), or pass a new --workdir. Nothing was '
+        'overwritten.')
+
+
+def _validate_task(config: ml_collections.ConfigDict):
+  """The task ``config.task`` builds; ConfigError naming the field when it cannot."""
   from rlax_llm import tasks  # pylint: disable=import-outside-toplevel
   name = _get(config, 'task.name')
   if name not in tasks.TASKS:
     raise ConfigError(f'config.task.name={name!r} is not valid; choose one of '
                       f'{sorted(tasks.TASKS)}.')
   with _naming('task: '):
-    tasks.make_task(config.task.to_dict() | {'seed': config.seed})
+    return tasks.make_task(config.task.to_dict() | {'seed': config.seed})
 
 
 def _validate_model(config: ml_collections.ConfigDict) -> None:

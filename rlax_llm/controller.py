@@ -49,6 +49,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import math
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -56,12 +57,13 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from rlax_llm import losses
+from rlax_llm import losses, rewards
 from rlax_llm.data import prompt_dataset
 from rlax_llm.data_types import GenerationRequest, Rollouts, make_train_batch
+from rlax_llm.evaluate import evaluate_policy
 from rlax_llm.metrics import MetricsWriter
 from rlax_llm.paramserver import ParameterServer
-from rlax_llm.policy import GREEDY, SamplingSpec
+from rlax_llm.policy import SamplingSpec
 from rlax_llm.tasks import Prompt, Task
 from rlax_llm.trainer.trainer import NonFiniteError
 from rlax_llm.verifiers import score_rollouts
@@ -84,6 +86,9 @@ class TrainerHandle(Protocol):
     ...
 
   def host_params(self) -> Future:  # -> params pytree of host arrays
+    ...
+
+  def state(self) -> Future:  # -> (params, opt_state, {'version', 'nonfinite_streak'})
     ...
 
 
@@ -115,6 +120,8 @@ class ControllerSettings:
   oversample: float = 0.0
   worker_timeout_s: float = 600.0
   keep_versions: int = 0  # 0: what the schedule needs (k + 1)
+  eval_samples: int = 0  # sampled draws per held-out prompt for mean@k / pass@k (0: none)
+  reward: dict[str, Any] | None = None  # the reward config group (rlax_llm.rewards); None: task
 
   def __post_init__(self):
     """Messages name the config keys (``staleness.j``, ``rollout.oversample``, ...)."""
@@ -131,6 +138,10 @@ class ControllerSettings:
       raise ValueError(f'rollout.oversample={self.oversample!r} must be in [0, 4].')
     if not self.worker_timeout_s > 0:
       raise ValueError(f'rollout.worker_timeout_s={self.worker_timeout_s!r} must be > 0.')
+    if (isinstance(self.eval_samples, bool) or not isinstance(self.eval_samples, int)
+        or self.eval_samples < 0):
+      raise ValueError(f'eval.samples={self.eval_samples!r} must be an int >= 0 (draws per '
+                       'held-out prompt for mean@k and pass@k; 0: greedy accuracy only).')
     self.sampling.check_for_rollouts()
 
 
@@ -147,6 +158,12 @@ class ControllerState:
     start_accuracy: held-out accuracy of the RL starting point (None until measured).
     accuracy: the latest held-out accuracy (None until measured).
     step_versions: the version after each step so far (``[s]``: after ``s`` steps).
+    counters: the run's running counts (``workers/lost``, ``sync/...``).
+    events: what went wrong and was survived (lost workers), in order.
+    inflight: batches generated ahead of the trainer: ``{'index', 'version', 'prompts',
+      'rollouts'}`` (prompts as dicts, the rollouts' JSON part; their arrays are stored
+      apart, under ``inflight_<n>``).
+    recycled: recycled groups: ``{'version', 'rollouts'}`` (arrays under ``recycled_<n>``).
   """
 
   step: int
@@ -157,6 +174,10 @@ class ControllerState:
   start_accuracy: float | None = None
   accuracy: float | None = None
   step_versions: list[int] = dataclasses.field(default_factory=lambda: [0])
+  counters: dict[str, float] = dataclasses.field(default_factory=dict)
+  events: list[str] = dataclasses.field(default_factory=list)
+  inflight: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  recycled: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
   def to_dict(self) -> dict[str, Any]:
     """JSON-friendly form (``rng`` as a list of ints)."""
@@ -177,6 +198,12 @@ class _Batch:
   chunks: list[tuple[int, list[GenerationRequest], Any]]  # (worker, requests, future)
 
 
+def _done(value) -> concurrent.futures.Future:
+  future = concurrent.futures.Future()
+  future.set_result(value)
+  return future
+
+
 class Controller:
   """Runs ``total_steps`` RL updates under the ``(j, k)`` schedule; see the module docstring.
 
@@ -186,11 +213,18 @@ class Controller:
     trainer: a ``TrainerHandle`` whose ``version`` counts its applied updates.
     workers: ``WorkerHandle``s (at least one).
     server: the parameter server (in the controller's process).
-    writer: metrics.
+    writer: metrics (and the ledger).
+    checkpointer: a ``rlax_llm.checkpoint.Checkpointer``, or None for no checkpoints; the
+      controller saves the run's state after steps it says are due, after the last step, and
+      when ``stop`` is set.
+    stop: an event (set by ``checkpoint.PreemptionGuard`` on SIGTERM/SIGINT): after the
+      current step the controller saves a checkpoint and returns, ``summary['preempted']``
+      True.
   """
 
   def __init__(self, settings: ControllerSettings, task: Task, trainer, workers: Sequence,
-               server: ParameterServer, writer: MetricsWriter):
+               server: ParameterServer, writer: MetricsWriter, checkpointer=None,
+               stop: threading.Event | None = None):
     if not workers:
       raise ValueError('the controller needs at least one inference worker.')
     self.settings = settings
@@ -204,7 +238,12 @@ class Controller:
     self._prompts = iter(prompt_dataset(task, 1).to_iter_dataset())
     self._root_key = jax.random.key(settings.seed)
     self._eval_prompts = task.eval_prompts()
+    # Reward shaping (rlax_llm.rewards): None trains on the verifier's reward as it is.
+    self._reward_components = (rewards.make_components(settings.reward, task,
+                                                       settings.max_new_tokens)
+                               if settings.reward else None)
     self.start_accuracy: float | None = None
+    self._start_eval: dict[str, float] = {}
     self.accuracy: float | None = None
     # The version each worker will hold once its queued calls have run (the controller knows
     # it: it sends every weight update itself).
@@ -215,6 +254,9 @@ class Controller:
     self._busy_s = 0.0
     self._run_start = None
     self.step_versions = [trainer.version]  # [s]: the version after s steps
+    self.checkpointer = checkpointer
+    self.stop = stop
+    self._restored_inflight: list[_Batch] = []
 
   # ----------------------------------------------------------------------------- state
 
@@ -229,10 +271,34 @@ class Controller:
         rng=np.asarray(jax.random.key_data(self._root_key)),
         trainer_version=self.trainer.version, worker_version=self._worker_versions[0],
         start_accuracy=self.start_accuracy, accuracy=self.accuracy,
-        step_versions=list(self.step_versions))
+        step_versions=list(self.step_versions), counters=dict(self.counters),
+        events=list(self.events))
 
-  def restore(self, state: ControllerState) -> None:
-    """Continues from ``state``. The trainer (and the server) must already hold the params of
+  def snapshot(self, in_flight: Sequence[_Batch]
+               ) -> tuple[ControllerState, dict[str, dict[str, np.ndarray]]]:
+    """The state to checkpoint, waiting for the batches in flight (their rollouts are stored,
+    and ``in_flight`` is switched to the stored results, so nothing is generated twice).
+    Returns ``(state, arrays)``: the rollouts' arrays by name (``inflight_<n>``,
+    ``recycled_<n>``)."""
+    state = self.state()
+    arrays = {}
+    for n, batch in enumerate(in_flight):
+      key = jax.random.fold_in(self._root_key, batch.index)
+      rollouts = Rollouts.concatenate(self._gather(batch, key))
+      batch.chunks = [(batch.chunks[0][0], [], _done(rollouts))]
+      arrays[f'inflight_{n}'], meta = rollouts.to_state()
+      state.inflight.append({'index': batch.index, 'version': batch.version,
+                             'prompts': [p.to_dict() for p in batch.prompts],
+                             'rollouts': meta})
+    for n, (version, group) in enumerate(self._recycled):
+      arrays[f'recycled_{n}'], meta = group.to_state()
+      state.recycled.append({'version': version, 'rollouts': meta})
+    return state, arrays
+
+  def restore(self, state: ControllerState,
+              arrays: dict[str, dict[str, np.ndarray]] | None = None) -> None:
+    """Continues from ``state`` (with the in-flight and recycled rollouts' ``arrays``, as
+    ``snapshot`` returned them). The trainer must already hold the params of
     ``state.trainer_version``; workers are reloaded as the schedule needs."""
     if self.trainer.version != state.trainer_version:
       raise ValueError(f'the trainer holds version {self.trainer.version} but the controller '
@@ -244,6 +310,19 @@ class Controller:
     self.start_accuracy = state.start_accuracy
     self.accuracy = state.accuracy
     self.step_versions = list(state.step_versions)
+    self.counters = collections.Counter(state.counters)
+    self.events = list(state.events)
+    arrays = arrays or {}
+    self._restored_inflight = []
+    for n, batch in enumerate(state.inflight):
+      rollouts = Rollouts.from_state(arrays[f'inflight_{n}'], batch['rollouts'])
+      self._restored_inflight.append(_Batch(
+          index=batch['index'], version=batch['version'],
+          prompts=[Prompt.from_dict(p) for p in batch['prompts']],
+          chunks=[(0, [], _done(rollouts))]))
+    self._recycled = [(group['version'],
+                       Rollouts.from_state(arrays[f'recycled_{n}'], group['rollouts']))
+                      for n, group in enumerate(state.recycled)]
 
   # ------------------------------------------------------------------------ scheduling
 
@@ -323,17 +402,21 @@ class Controller:
 
   # --------------------------------------------------------------------------- evaluate
 
-  def evaluate(self) -> float:
-    """Held-out greedy accuracy of the trainer's current version (on a live worker)."""
+  def evaluate(self) -> dict[str, float]:
+    """Held-out metrics of the trainer's current version (``rlax_llm.evaluate``: greedy
+    ``eval/accuracy``; with ``eval_samples`` mean@k and pass@k), generated on a live worker."""
     self._push()
-    worker = self._live_workers()[0]
-    requests = [GenerationRequest(p, 1, GREEDY, self.settings.max_new_tokens)
-                for p in self._eval_prompts]
-    batch = _Batch(index=-1, version=self.trainer.version, prompts=self._eval_prompts,
-                   chunks=[(worker, requests, self._submit(worker, requests, self._root_key,
-                                                           self.trainer.version))])
-    rollouts = self._gather(batch, self._root_key)[0]
-    return float(np.mean(score_rollouts(self.task, self._eval_prompts, rollouts).rewards))
+    version = self.trainer.version
+
+    def generate(requests, key):
+      worker = self._live_workers()[0]
+      batch = _Batch(index=-1, version=version, prompts=[r.prompt for r in requests],
+                     chunks=[(worker, requests, self._submit(worker, requests, key, version))])
+      return self._gather(batch, key)[0]
+
+    return evaluate_policy(self.task, self._eval_prompts, generate,
+                           sampling=self.settings.sampling, samples=self.settings.eval_samples,
+                           max_new_tokens=self.settings.max_new_tokens, key=self._root_key)
 
   # -------------------------------------------------------------------------------- run
 
@@ -345,11 +428,16 @@ class Controller:
     s = self.settings
     self._push()
     if self.start_accuracy is None:
-      self.start_accuracy = self.accuracy = self.evaluate()
-      logging.info('RL starting point: held-out greedy accuracy %.3f', self.start_accuracy)
+      start = self.evaluate()
+      self.start_accuracy = self.accuracy = start['eval/accuracy']
+      logging.info('RL starting point: %s', start)
+      # Logged with the first step's metrics as eval/start_accuracy, eval/start_pass@k, ...
+      self._start_eval = {k.replace('eval/', 'eval/start_', 1): v for k, v in start.items()}
     self._run_start = time.perf_counter()
-    in_flight: collections.deque[_Batch] = collections.deque()
-    next_batch = self.step
+    in_flight: collections.deque[_Batch] = collections.deque(self._restored_inflight)
+    self._restored_inflight = []
+    next_batch = self.step + len(in_flight)
+    preempted = False
     while self.step < s.total_steps:
       # Launch every batch whose sampling params exist (at most k ahead: the schedule).
       while next_batch < s.total_steps and (
@@ -358,9 +446,19 @@ class Controller:
         next_batch += 1
       metrics = self._train_step(in_flight.popleft(), queued=len(in_flight))
       self.writer.write(self.step, metrics)
+      preempted = self.stop is not None and self.stop.is_set()
+      if self.checkpointer is not None and (
+          preempted or self.step == s.total_steps or self.checkpointer.due(self.step)):
+        self.save(in_flight)
+      if preempted:
+        logging.warning('preempted: stopped after step %d of %d%s.', self.step,
+                        s.total_steps, '; the checkpoint is saved, relaunch with the same '
+                        '--workdir to resume' if self.checkpointer is not None else '')
+        break
     if self.events:
       logging.warning('the run finished despite: %s', '; '.join(self.events))
     return {
+        'preempted': preempted,
         'steps': self.step,
         'eval/start_accuracy': self.start_accuracy,
         'eval/final_accuracy': self.accuracy,
@@ -369,6 +467,14 @@ class Controller:
         'workers/lost': self.counters['workers/lost'],
         'events': list(self.events),
     }
+
+  def save(self, in_flight: Sequence[_Batch]) -> None:
+    """Checkpoints the run after ``self.step``: trainer state, controller state and the
+    rollouts in flight, as one step (``rlax_llm.checkpoint``)."""
+    state, arrays = self.snapshot(in_flight)
+    params, opt_state, trainer_state = self.trainer.state().result()
+    self.checkpointer.save(self.step, params=params, opt_state=opt_state,
+                           trainer=trainer_state, controller=state.to_dict(), rollouts=arrays)
 
   def _launch_step(self, index: int) -> _Batch:
     s = self.settings
@@ -413,17 +519,24 @@ class Controller:
     key = jax.random.fold_in(self._root_key, batch.index)
     parts = self._gather(batch, key)
     rollouts = score_rollouts(self.task, batch.prompts, Rollouts.concatenate(parts))
+    reward_parts = {}
+    if self._reward_components is not None:  # train on the shaped reward, log each part
+      total, reward_parts = rewards.shape_rewards(rollouts, self._reward_components)
+      rollouts = dataclasses.replace(rollouts, rewards=total)
     t_rollout = time.perf_counter() - t0
     trained, selection = self._select(batch, rollouts)
     metrics = {
         'reward/mean': float(rollouts.rewards.mean()),
         'reward/std': float(rollouts.rewards.std()),
+        **{f'reward/{name}': float(part.mean()) for name, part in reward_parts.items()},
         'completion/length_mean': float(rollouts.completion_mask.sum(1).mean()),
         'completion/truncated_fraction': float(1.0 - rollouts.finished.mean()),
         'verifier/errors': rollouts.verifier_errors,
         'sampling_version': batch.version,
         **selection,
+        **self._start_eval,
     }
+    self._start_eval = {}
     t1 = time.perf_counter()
     advantages = staleness = None  # for writer.write_rollouts (stay None without an update)
     if trained is not None:
@@ -455,10 +568,19 @@ class Controller:
     self.step_versions.append(self.trainer.version)
     self.writer.write_rollouts(self.step, batch.prompts, rollouts, advantages, staleness)
     metrics['version'] = self.trainer.version
+    self.writer.ledger(self.step, {
+        'batch': batch.index, 'sampling_version': batch.version,
+        'prompt_ids': [p.prompt_id for p in batch.prompts],
+        'trained_prompt_ids': ([] if trained is None else
+                               [int(i) for i in dict.fromkeys(trained.prompt_ids.tolist())]),
+        'trained_versions': ([] if trained is None else
+                             sorted({int(v) for v in np.unique(trained.versions) if v >= 0})),
+        'version': self.trainer.version})
     last = self.step == s.total_steps
     if last or (s.eval_every > 0 and self.step % s.eval_every == 0):
-      self.accuracy = self.evaluate()
-      metrics['eval/accuracy'] = self.accuracy
+      evaluation = self.evaluate()
+      self.accuracy = evaluation['eval/accuracy']
+      metrics.update(evaluation)
     if last:
       metrics['eval/start_accuracy'] = self.start_accuracy
       metrics['eval/final_accuracy'] = self.accuracy

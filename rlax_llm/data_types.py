@@ -92,6 +92,38 @@ class Rollouts:
         completions=[self.completions[i] for i in index], rewards=take(self.rewards),
         restarts=take(self.restarts))
 
+  # The arrays that ``to_state`` stores as arrays (the rest goes into its JSON part).
+  _ARRAYS = ('prompt_ids', 'group_ids', 'prompt_tokens', 'prompt_lengths', 'completion_tokens',
+             'completion_mask', 'behaviour_logprobs', 'support_sizes', 'versions', 'rewards',
+             'restarts')
+
+  def to_state(self) -> tuple[dict[str, np.ndarray], dict]:
+    """``(arrays, meta)``: numeric arrays (finish reasons as indices into
+    ``FINISH_REASONS``) and a JSON-safe dict of the rest; ``from_state`` inverts it exactly.
+    What a checkpoint stores for in-flight rollouts (``rlax_llm.checkpoint``)."""
+    arrays = {name: np.asarray(getattr(self, name)) for name in self._ARRAYS
+              if getattr(self, name) is not None}
+    arrays['finish_reasons'] = np.array([FINISH_REASONS.index(r) for r in self.finish_reasons],
+                                        np.int8)
+    meta = {'completions': list(self.completions),
+            'sampling': None if self.sampling is None else dataclasses.asdict(self.sampling),
+            'timings': {k: float(v) for k, v in self.timings.items()},
+            'verifier_errors': int(self.verifier_errors), 'on_swap': self.on_swap}
+    return arrays, meta
+
+  @classmethod
+  def from_state(cls, arrays: dict[str, np.ndarray], meta: dict) -> 'Rollouts':
+    """The ``Rollouts`` that ``to_state`` was given."""
+    fields = {name: np.asarray(arrays[name]) if name in arrays else None
+              for name in cls._ARRAYS}
+    return cls(**fields,
+               finish_reasons=np.array(FINISH_REASONS)[np.asarray(arrays['finish_reasons'],
+                                                                  np.int64)],
+               completions=list(meta['completions']),
+               sampling=None if meta['sampling'] is None else SamplingSpec(**meta['sampling']),
+               timings=dict(meta['timings']), verifier_errors=meta['verifier_errors'],
+               on_swap=meta['on_swap'])
+
   @classmethod
   def concatenate(cls, parts: 'list[Rollouts]') -> 'Rollouts':
     """Rows of ``parts`` in order; group ids renumbered 0, 1, ... by first appearance (each

@@ -8,14 +8,21 @@ r"""Command-line entry point: ``python -m rlax_llm.launch``.
 
 ``--config`` takes a config file (``path[:variant]``), ``--config.a.b=value`` overrides a
 field, ``--workdir`` is where the run writes ``config.json``, ``metrics.jsonl``,
-``summary.json`` and TensorBoard events (default ``./runs/<name>-<timestamp>``). The config
-is validated (``rlax_llm.config.validate_config``) before any compute. ``--print_config``
-prints the resolved, validated config as JSON and exits; ``--help`` lists the configs in
-``configs/`` with their variants (``rlax_llm.launch_help``).
+``summary.json``, ``ledger.jsonl``, TensorBoard events and ``checkpoints/`` (default
+``./runs/<name>-<timestamp>``). The config is validated (``rlax_llm.config.validate_config``)
+before any compute. ``--print_config`` prints the resolved, validated config as JSON and
+exits; ``--help`` lists the configs in ``configs/`` with their variants
+(``rlax_llm.launch_help``).
+
+Preemption and resume: SIGTERM or SIGINT makes the run save a checkpoint after the current
+step and exit 0; launching again with the same ``--workdir`` (and the same config; only the
+keys in ``config.RESUMABLE_CHANGES`` may differ) resumes from the latest checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import pathlib
@@ -28,7 +35,7 @@ from ml_collections import config_flags
 from rlax_llm import distributed, launch_help
 from rlax_llm import workdir as workdir_lib
 from rlax_llm.config import (DEFAULT_CONFIG_PATH, ConfigError, check_config_spec,
-                             check_override_keys, validate_config)
+                             check_override_keys, check_resume_config, validate_config)
 
 _FLAGS: dict[str, flags.FlagHolder] = {}
 
@@ -54,8 +61,8 @@ def main(argv) -> None:
   del argv
   config = _FLAGS['config'].value
   try:
-    # Multi-host: join the other hosts before JAX sees a device, so validation and the
-    # meshes count every host's chips (rlax_llm/distributed.py; launch/multihost).
+    # Multi-host: join the other hosts before JAX sees a device (validation builds meshes
+    # over jax.devices(), after which jax.distributed.initialize refuses to run).
     distributed.initialize(config)
   except ValueError as e:
     raise SystemExit(f'error: {e}') from None
@@ -74,21 +81,41 @@ def main(argv) -> None:
   # Model, trainer and data imports only after validation: a bad flag fails in seconds.
   # pylint: disable=import-outside-toplevel
   from rlax_llm.backends import build_run
+  from rlax_llm.checkpoint import CheckpointError, Preempted, PreemptionGuard
   from rlax_llm.trainer.trainer import NonFiniteError
 
   start = time.perf_counter()
   with claim:
+    resuming = workdir_lib.has_checkpoint(workdir)
+    if resuming:
+      try:
+        check_resume_config(json.loads((workdir / 'config.json').read_text()), config)
+      except ConfigError as e:
+        raise SystemExit(f'error: {e}') from None
+      except (OSError, ValueError) as e:
+        raise SystemExit(f'error: workdir {workdir} holds checkpoints but its config.json '
+                         f'cannot be read ({e}); pass a new --workdir.') from None
+      logging.info('resuming the run in %s', workdir)
     workdir_lib.write_text_atomic(workdir / 'config.json',
                                   config.to_json_best_effort(indent=2, sort_keys=True))
+    checkpointing = bool(config.checkpoint.every_steps or config.checkpoint.every_seconds)
     try:
-      with build_run(config, workdir) as run:
-        summary = run.execute()
-    except ConfigError as e:
+      with PreemptionGuard() if checkpointing else contextlib.nullcontext() as guard:
+        with build_run(config, workdir, stop=guard.requested if guard else None) as run:
+          summary = run.execute()
+    except Preempted as e:
+      print(f'{e} Relaunch with --workdir={workdir} to continue.')
+      return
+    except (ConfigError, CheckpointError) as e:
       raise SystemExit(f'error: {e}') from None
     except NonFiniteError as e:
       raise SystemExit(f'error: the run diverged. {e} Metrics so far: '
                        f'{workdir / "metrics.jsonl"}.') from None
   wall = time.perf_counter() - start
+  if summary.get('preempted'):
+    print(f'preempted after step {summary["steps"]}; checkpoint saved. Relaunch with '
+          f'--workdir={workdir} to resume.')
+    return
   print(f'held-out greedy accuracy: RL start {summary["eval/start_accuracy"]:.3f} -> '
         f'final {summary["eval/final_accuracy"]:.3f} '
         f'({100 * summary["eval/improvement"]:+.1f} points) in {wall:.0f}s wall; '

@@ -3,9 +3,9 @@
 ``MetricsWriter.write(step, metrics)`` records one step's scalars in three places:
 
 * ``workdir/metrics.jsonl``: one JSON object ``{"step": step, **metrics}`` per call, flushed
-  after every line so a crash loses nothing already written. The file is opened for appending,
-  so a resumed run continues it; steps replayed after a resume appear again, and a reader that
-  wants one row per step keeps the last. Non-finite floats (NaN, +-inf) are written as JSON
+  after every line so a crash loses nothing already written. A resumed run passes
+  ``resume_step`` (the restored checkpoint's step): rows after it are cut first (and
+  TensorBoard purges them), so no step appears twice. Non-finite floats (NaN, +-inf) are written as JSON
   ``null``, because strict JSON has no literal for them; TensorBoard and the console get the
   actual value.
 * TensorBoard event files in ``workdir`` (``tensorboardX``), one scalar per key, tag = key.
@@ -15,6 +15,9 @@
   has written); on a terminal it rewrites itself in place (``\r``), elsewhere (a log file,
   a notebook, CI) it is one plain line per printed step.
 
+``ledger(step, row)`` appends to ``workdir/ledger.jsonl`` (per step: the prompt ids consumed
+and the policy versions trained, so anyone can check nothing was skipped or repeated).
+Only JAX process 0 writes (``enabled=None`` decides so); the others' writers do nothing.
 Keys ``hist/NAME`` are vector metrics of bin fractions over ``HISTOGRAM_BIN_EDGES[key]``
 (the trainer's ``hist/log_ratio``, per-token log pi_theta - log pi_behaviour): TensorBoard
 histogram ``NAME``; they are not written to ``metrics.jsonl`` or the console.
@@ -43,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 import tensorboardX
 
+from rlax_llm import workdir as workdir_lib
 from rlax_llm.losses.diagnostics import LOG_RATIO_BIN_EDGES
 
 METRICS_FILENAME = 'metrics.jsonl'
@@ -149,6 +153,8 @@ class MetricsWriter:
     total_steps: int | None = None,
     text_every: int = 0,
     tty: bool | None = None,
+    resume_step: int | None = None,
+    enabled: bool | None = None,
   ):
     """Opens the writers, creating ``workdir`` if it is missing.
 
@@ -163,6 +169,9 @@ class MetricsWriter:
         text_every: ``write_rollouts`` writes sampled completions as text at steps that are
             multiples of this (0: never).
         tty: whether stdout is a terminal (progress rewritten in place); None: ask stdout.
+        resume_step: a resumed run's restored step: rows of later steps are removed from
+            ``metrics.jsonl`` and ``ledger.jsonl`` and purged from TensorBoard.
+        enabled: write anything at all (default: only on JAX process 0).
     """
     if isinstance(console_every, bool) or not isinstance(console_every, int) or (console_every < 1):
       raise ValueError(
@@ -185,21 +194,33 @@ class MetricsWriter:
     self._line_open = False  # a progress line without its newline is on the terminal
     self._seen: dict[str, list[Scalar]] = {}  # key -> [first, last, min, max]
     self._workdir = pathlib.Path(workdir)
-    self._workdir.mkdir(parents=True, exist_ok=True)
+    self._enabled = jax.process_index() == 0 if enabled is None else enabled
     self._console = console
     self._console_every = console_every
     self._console_keys = tuple(console_keys)
+    self._closed = not self._enabled  # a disabled writer is born closed and writes nothing
+    self._jsonl = self._ledger = self._tb = None
+    if not self._enabled:
+      return
+    self._workdir.mkdir(parents=True, exist_ok=True)
+    if resume_step is not None:
+      for name in (METRICS_FILENAME, workdir_lib.LEDGER_FILENAME):
+        workdir_lib.truncate_rows(self._workdir / name, resume_step)
     self._jsonl = open(self._workdir / METRICS_FILENAME, 'a', encoding='utf-8')
-    self._tb = tensorboardX.SummaryWriter(logdir=str(self._workdir)) if tensorboard else None
-    self._closed = False
+    self._ledger = open(self._workdir / workdir_lib.LEDGER_FILENAME, 'a', encoding='utf-8')
+    self._tb = (tensorboardX.SummaryWriter(
+        logdir=str(self._workdir),
+        purge_step=None if resume_step is None else resume_step + 1) if tensorboard else None)
 
   @classmethod
-  def from_config(cls, workdir: str | os.PathLike, config: Any) -> MetricsWriter:
+  def from_config(cls, workdir: str | os.PathLike, config: Any, **kwargs: Any
+                  ) -> MetricsWriter:
     """The run's writer: ``config.log`` (``tensorboard``, ``console_every``, ``text_every``)
-    and ``config.total_steps`` (for the ETA)."""
+    and ``config.total_steps`` (for the ETA); ``kwargs`` (e.g. ``resume_step``) go to the
+    constructor."""
     log = config.log
     return cls(workdir, tensorboard=log.tensorboard, console_every=log.console_every,
-               total_steps=config.total_steps, text_every=log.get('text_every', 0))
+               total_steps=config.total_steps, text_every=log.get('text_every', 0), **kwargs)
 
   @property
   def workdir(self) -> pathlib.Path:
@@ -224,6 +245,8 @@ class MetricsWriter:
             ``"step"``, or a value is not a real numeric scalar. Nothing is written then.
         RuntimeError: the writer is closed.
     """
+    if not self._enabled:
+      return
     if self._closed:
       raise RuntimeError(
         f'MetricsWriter for {str(self._workdir)!r} is closed; create a new one to write.'
@@ -368,6 +391,15 @@ class MetricsWriter:
                     f'{_markdown_cell(rollouts.completions[i])} | {reward} | {version} |')
       self.write_text(step, 'samples', '\n'.join(rows))
 
+  def ledger(self, step: int, row: Mapping[str, Any]) -> None:
+    """Appends ``{"step": step, **row}`` (JSON-safe values) to ``ledger.jsonl``, flushed."""
+    if not self._enabled:
+      return
+    if self._closed:
+      raise RuntimeError(f'MetricsWriter for {str(self._workdir)!r} is closed.')
+    self._ledger.write(json.dumps({'step': int(step), **row}) + '\n')
+    self._ledger.flush()
+
   def write_summary(self, metrics: Mapping[str, Any]) -> pathlib.Path:
     """Writes ``workdir/summary.json`` (pretty JSON), replacing any earlier summary.
 
@@ -382,6 +414,8 @@ class MetricsWriter:
       raise ValueError(f'summary must be a mapping of key -> value, got {type(metrics).__name__}.')
     content = _summary_value('summary', metrics)
     path = self._workdir / SUMMARY_FILENAME
+    if not self._enabled:
+      return path
     tmp = path.with_name(path.name + '.tmp')
     tmp.write_text(json.dumps(content, indent=2, allow_nan=False) + '\n', encoding='utf-8')
     os.replace(tmp, path)  # atomic: a reader never sees a half-written summary
@@ -424,6 +458,7 @@ class MetricsWriter:
     self._closed = True
     self._end_line()
     self._jsonl.close()
+    self._ledger.close()
     if self._tb is not None:
       self._tb.close()
 

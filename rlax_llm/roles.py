@@ -209,6 +209,17 @@ def build_trainer(config: ml_collections.ConfigDict, model: Model, params: Param
                  micro_batches=rl.micro_batches, totals_fn=loss_totals)
 
 
+def build_checkpointer(config: ml_collections.ConfigDict, workdir):
+  """The run's ``Checkpointer``, or None when ``checkpoint.every_steps`` and
+  ``checkpoint.every_seconds`` are both 0 (no checkpoints)."""
+  c = config.checkpoint
+  if not c.every_steps and not c.every_seconds:
+    return None
+  from rlax_llm.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  return Checkpointer(workdir, keep=c.keep, every_steps=c.every_steps,
+                      every_seconds=c.every_seconds, async_save=c.async_save)
+
+
 def build_worker(config: ml_collections.ConfigDict, model: Model, tokenizer: Tokenizer,
                  mesh: jax.sharding.Mesh) -> InferenceWorker:
   return InferenceWorker(model, tokenizer, mesh, max_prompt_len=config.sampling.max_prompt_len,

@@ -145,6 +145,23 @@ def batch_sharding(mesh: Mesh, batch: Any,
   return jax.tree.map(one, batch)
 
 
+def global_batch(batch: Any, mesh: Mesh,
+                 rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> Any:
+  """Places a host batch (the whole batch, which every process holds: the controller is
+  replicated across hosts and deterministic) as global arrays sharded by ``batch_sharding``.
+
+  One process: ``jax.device_put``. Several (multi-host, after ``jax.distributed.initialize``):
+  each process builds only the shards of its own devices from its copy
+  (``jax.make_array_from_callback``), so no host ever sends rows to another.
+  """
+  shardings = batch_sharding(mesh, batch, rules)
+  if jax.process_count() == 1:
+    return jax.device_put(batch, shardings)
+  return jax.tree.map(
+      lambda x, s: jax.make_array_from_callback(np.shape(x), s, lambda i: np.asarray(x)[i]),
+      batch, shardings)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 

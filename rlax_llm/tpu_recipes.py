@@ -834,10 +834,11 @@ def _distributed(config: ml_collections.ConfigDict, slice_: SliceType, opts, *,
   """
   if not slice_.multi_host or opts.no_distributed_flags:
     return [], []
-  flags_ = [Raw(f'--config.distributed.coordinator_address={coordinator}'),
+  flags_ = ['--config.distributed.initialize=true',
+            Raw(f'--config.distributed.coordinator_address={coordinator}'),
             f'--config.distributed.num_processes={slice_.hosts}',
             Raw(f'--config.distributed.process_id={process_id}')]
-  keys = ('coordinator_address', 'num_processes', 'process_id')
+  keys = ('initialize', 'coordinator_address', 'num_processes', 'process_id')
   group = config.get('distributed')
   missing = [k for k in keys if not isinstance(group, ml_collections.ConfigDict) or k not in group]
   if missing:
@@ -882,7 +883,8 @@ def build_parser() -> argparse.ArgumentParser:
     if recipe == 'multihost':
       p.add_argument('--coordinator-port', type=int, default=COORDINATOR_PORT)
       p.add_argument('--no-distributed-flags', action='store_true',
-                     help='leave out --config.distributed.* (JAX auto-detects Cloud TPU)')
+                     help='leave out --config.distributed.* (a config without that group; '
+                     'the launch then does not call jax.distributed.initialize)')
   p = sub.add_parser('ray', help='trainer and inference workers on separate slices (Ray)',
                      allow_abbrev=False)
   _common(p)
@@ -898,7 +900,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--image', required=True,
                  help='container image with this checkout at /app/rlax_llm (launch/gke/Dockerfile)')
   p.add_argument('--coordinator-port', type=int, default=COORDINATOR_PORT)
-  p.add_argument('--no-distributed-flags', action='store_true')
+  p.add_argument('--no-distributed-flags', action='store_true',
+                 help='leave out --config.distributed.* (see the multihost recipe)')
   p.add_argument('--max-restarts', type=int, default=3)
   p.add_argument('--grace-period-s', type=int, default=600,
                  help='terminationGracePeriodSeconds: time to checkpoint after SIGTERM')

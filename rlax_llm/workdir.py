@@ -18,9 +18,12 @@ anything::
   it raises ``WorkdirInUse`` naming the holder (pid, host, start time). Because the OS drops
   an ``flock`` when its holder dies, a run that crashed or was SIGKILLed never leaves its
   workdir unusable; the stale ``.lock`` file left behind is harmless.
-* A workdir whose ``metrics.jsonl`` already holds step rows is refused with ``WorkdirHasRun``
-  (resume needs checkpoints, which are not written yet); ``existing_steps`` is the one place
-  that decides this. A workdir left by a run that died before its first step is claimable.
+* A workdir whose ``metrics.jsonl`` already holds step rows is a run to *resume* when it
+  holds a checkpoint (``has_checkpoint``; ``rlax_llm.checkpoint`` restores it) and is refused
+  with ``WorkdirHasRun`` otherwise; ``existing_steps`` and ``has_checkpoint`` decide this. A
+  workdir left by a run that died before its first step is claimable.
+* ``truncate_rows`` cuts ``metrics.jsonl``/``ledger.jsonl`` back to the restored step, so
+  after a resume no step appears twice.
 * ``write_text_atomic`` writes a file so a reader (or a crash) never sees half of it.
 
 Limitation: ``flock`` excludes processes on one host. On a network filesystem shared between
@@ -43,6 +46,8 @@ from typing import Any
 
 LOCK_FILENAME = '.lock'
 METRICS_FILENAME = 'metrics.jsonl'  # the same name as rlax_llm.metrics (no jax import here)
+LEDGER_FILENAME = 'ledger.jsonl'  # per step: prompt ids consumed and policy versions
+CHECKPOINT_DIRNAME = 'checkpoints'  # rlax_llm.checkpoint writes here
 _SUFFIX_BYTES = 3  # 6 hex digits after the timestamp of a default workdir
 _MAX_NAME_ATTEMPTS = 100
 
@@ -130,6 +135,43 @@ def existing_steps(workdir: str | os.PathLike) -> int:
   except FileNotFoundError:
     return 0
   return len(steps)
+
+
+def has_checkpoint(workdir: str | os.PathLike) -> bool:
+  """Whether ``workdir`` holds a complete checkpoint to resume from: a finished step
+  (``checkpoints/steps/<int>/``) or the warm-up's result (``checkpoints/warmup/0/``).
+  Orbax writes into temporary directories and renames them when complete, so a save that was
+  interrupted does not count."""
+  root = pathlib.Path(workdir) / CHECKPOINT_DIRNAME
+  steps = root / 'steps'
+  if steps.is_dir() and any(p.name.isdigit() and p.is_dir() for p in steps.iterdir()):
+    return True
+  return (root / 'warmup' / '0').is_dir()
+
+
+def truncate_rows(path: str | os.PathLike, last_step: int) -> int:
+  """Rewrites the JSON-lines file ``path`` keeping rows whose ``step`` is at most
+  ``last_step`` (and rows without a step), dropping a torn last line; atomic. Returns how many
+  rows were dropped (0 when the file is absent)."""
+  path = pathlib.Path(path)
+  try:
+    lines = path.read_bytes().splitlines(keepends=True)
+  except FileNotFoundError:
+    return 0
+  kept = []
+  for line in lines:
+    if not line.endswith(b'\n'):
+      continue
+    try:
+      row = json.loads(line)
+    except ValueError:
+      continue
+    if isinstance(row, dict) and isinstance(row.get('step'), int) and row['step'] > last_step:
+      continue
+    kept.append(line)
+  if len(kept) != len(lines):
+    write_text_atomic(path, b''.join(kept).decode('utf-8'))
+  return len(lines) - len(kept)
 
 
 def _holder_text(info: dict[str, Any]) -> str:
@@ -259,7 +301,8 @@ def claim(workdir: str | os.PathLike) -> WorkdirClaim:
   network filesystem shared between hosts it may not exclude a run on another host.
 
   Then decides whether the directory may be used: one whose ``metrics.jsonl`` holds step rows
-  (``existing_steps(workdir) > 0``) is refused. A directory left by a run that died before its
+  (``existing_steps(workdir) > 0``) is refused unless it holds a checkpoint to resume from
+  (``has_checkpoint``). A directory left by a run that died before its
   first step (``config.json``, an empty or absent ``metrics.jsonl``, a stale ``.lock``) is
   claimable.
 
@@ -289,11 +332,12 @@ def claim(workdir: str | os.PathLike) -> WorkdirClaim:
     fd = _lock(workdir)
     try:
       steps = existing_steps(workdir)
-      if steps:
+      if steps and not has_checkpoint(workdir):
         raise WorkdirHasRun(
             f'workdir {workdir} already holds a run ({steps} step{"s" if steps != 1 else ""} '
-            f'in {METRICS_FILENAME}). Resuming a run needs checkpoints, which this version '
-            f'does not write yet; pass a new --workdir (or delete {workdir} to start over).')
+            f'in {METRICS_FILENAME}) but no checkpoint to resume it from (it ran with '
+            'checkpoint.every_steps=0 and checkpoint.every_seconds=0); pass a new --workdir '
+            f'(or delete {workdir} to start over).')
       holder = {
           'pid': os.getpid(),
           'host': socket.gethostname(),

@@ -8,6 +8,12 @@ import os
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                            ' --xla_force_host_platform_device_count=8').strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# Many tests build the same small programs (each run jits its roles afresh): XLA's persistent
+# compilation cache, shared with the subprocesses tests launch, compiles each once per session.
+os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.join(
+    os.environ.get('TMPDIR', '/tmp'), f'rlax_llm_test_jax_cache_{os.getuid()}'))
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1')
 
 
 def pytest_sessionfinish(session, exitstatus):

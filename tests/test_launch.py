@@ -60,11 +60,23 @@ def test_run_prints_progress_and_final_accuracy(smoke_run):
   assert 'held-out greedy accuracy: RL start' in result.stdout
 
 
-def test_existing_workdir_is_refused(smoke_run):
+def test_relaunch_of_a_finished_run_resumes_and_repeats_nothing(smoke_run):
   workdir, _ = smoke_run
+  before = (workdir / 'metrics.jsonl').read_text()
   result = _launch('--config=configs/default.py:smoke', f'--workdir={workdir}')
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert 'resuming the run' in result.stderr
+  assert (workdir / 'metrics.jsonl').read_text() == before  # no step twice, none lost
+
+
+def test_relaunch_with_another_config_is_refused_and_overwrites_nothing(smoke_run):
+  workdir, _ = smoke_run
+  config_before = (workdir / 'config.json').read_text()
+  result = _launch('--config=configs/default.py:smoke', f'--workdir={workdir}',
+                   '--config.rl.learning_rate=0.1')
   assert result.returncode != 0
-  assert 'already holds a run' in result.stderr
+  assert "differs in what it computes (rl.learning_rate: 0.0003 -> 0.1)" in result.stderr
+  assert (workdir / 'config.json').read_text() == config_before
 
 
 @pytest.mark.parametrize('flag, message', [

@@ -251,7 +251,8 @@ def test_multihost_dry_run_runs_one_command_on_every_host_with_jax_distributed(t
   remote = _remote(run)
   args = shlex.split(remote.rpartition(' && ')[2])
   assert args[:4] == ['.venv/bin/python', '-m', 'rlax_llm.launch', '--config=configs/smollm2.py']
-  assert args[-4:] == ['--config.distributed.coordinator_address=$COORDINATOR:8476',
+  assert args[-5:] == ['--config.distributed.initialize=true',
+                       '--config.distributed.coordinator_address=$COORDINATOR:8476',
                        '--config.distributed.num_processes=4',
                        '--config.distributed.process_id=$PROCESS_ID', '--workdir=gs://b/runs/mh']
   assert 'PROCESS_ID=$(curl -sf -H Metadata-Flavor:Google "$MD/agent-worker-number")' in remote
@@ -259,7 +260,7 @@ def test_multihost_dry_run_runs_one_command_on_every_host_with_jax_distributed(t
           'cut -d, -f1 | rev | cut -d: -f1 | rev)') in remote
   _check_shell(out, tmp_path)
   _check_shell(f'#!/usr/bin/env bash\n{remote}\n', tmp_path, 'remote.sh')
-  assert 'no distributed.coordinator_address' not in out  # configs/smollm2.py has the group
+  assert 'no distributed.' not in out  # configs/smollm2.py has the group
 
 
 def test_ray_dry_run_puts_roles_on_their_slices(tmp_path):
@@ -318,6 +319,7 @@ def test_gke_dry_run_prints_a_jobset_that_parses(tmp_path, tpu_type, hosts):
     assert not distributed
   else:
     assert distributed == [
+        '--config.distributed.initialize=true',
         '--config.distributed.coordinator_address='
         'rlax-default-smoke-slice-0-0.rlax-default-smoke:8476',
         '--config.distributed.num_processes=4',
@@ -419,13 +421,14 @@ def test_a_config_without_a_distributed_group_is_refused_unless_flags_are_left_o
   opts = tpu_recipes.build_parser().parse_args(
       ['multihost', '--tpu-type=v5p-16', '--zone=z', '--workdir=gs://b/r'])
   kwargs = dict(coordinator='"$COORDINATOR:8476"', process_id='"$PROCESS_ID"')
-  with pytest.raises(SliceError, match=r'the config has no distributed.coordinator_address, '
-                     r'distributed.num_processes, distributed.process_id.*pass '
+  with pytest.raises(SliceError, match=r'the config has no distributed.initialize, '
+                     r'distributed.coordinator_address, distributed.num_processes, '
+                     r'distributed.process_id.*pass '
                      r'--no-distributed-flags to leave them out'):
     tpu_recipes._distributed(config, get_slice('v5p-16'), opts, strict=True, **kwargs)
   flags_, notes = tpu_recipes._distributed(config, get_slice('v5p-16'), opts, strict=False,
                                            **kwargs)
-  assert len(flags_) == 3 and 'no distributed.coordinator_address' in notes[0]
+  assert len(flags_) == 4 and 'no distributed.initialize' in notes[0]
   opts.no_distributed_flags = True
   assert tpu_recipes._distributed(config, get_slice('v5p-16'), opts, strict=True,
                                   **kwargs) == ([], [])

@@ -51,6 +51,8 @@ BAD = [
     ('mesh.trainer.data', 16, 'config.mesh.trainer: Mesh'),
     ('mesh.inference.data', 3, 'config.mesh.inference: the batch axis is split over'),
     ('mesh.disjoint', True, 'config.mesh.inference: worker 0 gets no device'),
+    ('task.name', 'gsm8k', "config.task.name='gsm8k' is not valid; choose one of "
+     "['arithmetic', 'countdown', 'math', 'python']"),
     ('task.max_operand', -1, 'config.task: ArithmeticTask max_operand must be >= 0, got -1'),
     ('task.format', 'chat', 'config.task.format=\'chat\' prompts are chat messages'),
     ('task.answer_format', 'fuzzy', "config.task: answer_format='fuzzy'"),

@@ -14,6 +14,7 @@ import pytest
 
 from rlax_llm import workdir as workdir_lib
 from rlax_llm.workdir import (WorkdirHasRun, WorkdirInUse, claim, default_workdir,
+                              truncate_rows,
                               existing_steps, write_text_atomic)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -149,8 +150,22 @@ def test_workdir_with_rows_is_refused(tmp_path):
   with claim(tmp_path / 'sub'):  # the refusal released the lock and registered nothing
     pass
   (tmp_path / 'metrics.jsonl').write_text('{"step": 1}\n')
-  with pytest.raises(WorkdirHasRun, match=r'\(1 step in metrics.jsonl\)'):
+  with pytest.raises(WorkdirHasRun, match=r'\(1 step in metrics.jsonl\) but no checkpoint'):
     claim(tmp_path)
+  (tmp_path / 'checkpoints' / 'steps' / '1.orbax-checkpoint-tmp-5').mkdir(parents=True)
+  with pytest.raises(WorkdirHasRun):  # an unfinished save is no checkpoint
+    claim(tmp_path)
+  (tmp_path / 'checkpoints' / 'steps' / '1').mkdir()
+  with claim(tmp_path):  # a finished one is resumed
+    pass
+
+
+def test_truncate_rows_keeps_steps_up_to_the_restored_one(tmp_path):
+  path = tmp_path / 'metrics.jsonl'
+  path.write_text('{"step": 1}\n{"step": 2}\nnot json\n{"step": 3}\n{"note": 1}\n{"step": 4')
+  assert truncate_rows(path, 2) == 3  # step 3, the unparsable line and the torn last line
+  assert path.read_text() == '{"step": 1}\n{"step": 2}\n{"note": 1}\n'
+  assert truncate_rows(tmp_path / 'absent.jsonl', 2) == 0
 
 
 def test_claim_refuses_a_file(tmp_path):

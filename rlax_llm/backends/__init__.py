@@ -11,8 +11,8 @@ import importlib
 
 
 @contextlib.contextmanager
-def build_run(config, workdir):
-  """``config.backend``'s ``build_run``."""
+def build_run(config, workdir, stop=None):
+  """``config.backend``'s ``build_run``; ``stop`` is the preemption event (or None)."""
   module = importlib.import_module(f'rlax_llm.backends.{config.backend}')
-  with module.build_run(config, workdir) as run:
+  with module.build_run(config, workdir, stop=stop) as run:
     yield run

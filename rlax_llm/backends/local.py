@@ -1,8 +1,9 @@
 """The local backend: every role in this process, each on its own devices.
 
-``build_run(config, workdir)`` builds the roles (``rlax_llm.roles``), checks that the run fits
-(prompt lengths, memory) before any compute, runs the supervised warm-up when configured, and
-yields a ``Run`` whose ``execute()`` runs the controller.
+``build_run(config, workdir, stop)`` builds the roles (``rlax_llm.roles``), checks that the run
+fits (prompt lengths, memory) before any compute, runs the supervised warm-up when configured
+(or restores its checkpointed result), restores the latest checkpoint when the workdir holds
+one (``rlax_llm.checkpoint``), and yields a ``Run`` whose ``execute()`` runs the controller.
 
 Each role's calls run in order on the role's own thread (``local.concurrent=True``, the
 default), so inference for later batches overlaps training (JAX releases the GIL while XLA
@@ -17,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +30,7 @@ import numpy as np
 
 from rlax_llm import config as config_lib
 from rlax_llm import roles
-from rlax_llm.controller import Controller
+from rlax_llm.controller import Controller, ControllerState
 from rlax_llm.metrics import MetricsWriter
 from rlax_llm.paramserver import ParameterServer
 from rlax_llm.trainer.warmup import supervised_warmup
@@ -72,6 +74,10 @@ class LocalTrainer:
 
   def host_params(self):
     return self._serial.submit(self.trainer.host_params)
+
+  def state(self):
+    return self._serial.submit(
+        lambda: (self.trainer.params, self.trainer.opt_state, self.trainer.counters()))
 
   def close(self) -> None:
     self._serial.shutdown()
@@ -142,30 +148,52 @@ class Run:
 
 
 @contextlib.contextmanager
-def build_run(config: ml_collections.ConfigDict, workdir) -> Iterator[Run]:
-  """Builds task, model, warm-up, trainer, parameter server, workers and controller."""
+def build_run(config: ml_collections.ConfigDict, workdir, stop=None) -> Iterator[Run]:
+  """Builds task, model, warm-up, trainer, parameter server, workers and controller;
+  resumes from ``workdir``'s checkpoint when it has one. ``stop``: the preemption event."""
   settings = config_lib.controller_settings(config)
   task, model, params, tokenizer = roles.prepare(config)
   meshes = roles.meshes(config)
   threaded = config.local.concurrent
+  checkpointer = roles.build_checkpointer(config, workdir)
 
   w = config.warmup
-  params, warmup_metrics = supervised_warmup(
-      model, params, task, tokenizer, meshes['trainer'], steps=w.steps,
-      batch_size=w.batch_size, learning_rate=w.learning_rate, warmup_steps=w.warmup_steps,
-      max_nonfinite_updates=config.rl.max_nonfinite_updates)
+  restored_warmup = (checkpointer.restore_warmup(params)
+                     if checkpointer is not None and w.steps > 0 else None)
+  if restored_warmup is not None:
+    params, warmup_metrics = restored_warmup
+    logging.info('warm-up restored from its checkpoint')
+  else:
+    params, warmup_metrics = supervised_warmup(
+        model, params, task, tokenizer, meshes['trainer'], steps=w.steps,
+        batch_size=w.batch_size, learning_rate=w.learning_rate, warmup_steps=w.warmup_steps,
+        max_nonfinite_updates=config.rl.max_nonfinite_updates, stop=stop)
+    if checkpointer is not None and w.steps > 0:
+      checkpointer.save_warmup(params, warmup_metrics)
 
   trainer = LocalTrainer(roles.build_trainer(config, model, params, meshes['trainer']),
                          threaded)
+  restored = None
+  if checkpointer is not None:
+    restored = checkpointer.restore(trainer.trainer.params, trainer.trainer.opt_state)
+    if restored is not None:
+      trainer.trainer.load(restored.params, restored.opt_state, restored.trainer)
   workers = [LocalWorker(roles.build_worker(config, model, tokenizer, mesh), threaded,
                          parse_fault(config, n))
              for n, mesh in enumerate(meshes['inference'])]
   server = ParameterServer(keep=config.staleness.k + 2)
   try:
-    with MetricsWriter.from_config(workdir, config) as writer:
-      yield Run(Controller(settings, task, trainer, workers, server, writer), writer,
-                warmup_metrics)
+    with MetricsWriter.from_config(
+        workdir, config, resume_step=(restored.step if restored is not None else
+                                      0 if checkpointer is not None else None)) as writer:
+      controller = Controller(settings, task, trainer, workers, server, writer,
+                              checkpointer=checkpointer, stop=stop)
+      if restored is not None:
+        controller.restore(ControllerState.from_dict(restored.controller), restored.rollouts)
+      yield Run(controller, writer, warmup_metrics)
   finally:
+    if checkpointer is not None:
+      checkpointer.close()
     trainer.close()
     for worker in workers:
       worker.retire()

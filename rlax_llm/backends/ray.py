@@ -169,8 +169,9 @@ def init_ray(config: ml_collections.ConfigDict) -> bool:
 
 
 @contextlib.contextmanager
-def build_run(config: ml_collections.ConfigDict, workdir) -> Iterator[Run]:
-  """Builds the roles as Ray actors and the controller in this process."""
+def build_run(config: ml_collections.ConfigDict, workdir, stop=None) -> Iterator[Run]:
+  """Builds the roles as Ray actors and the controller in this process. (No checkpoints
+  yet on this backend: ``rlax_llm.config`` refuses ``checkpoint.*`` with ``backend='ray'``.)"""
   ray = _ray()
   settings = config_lib.controller_settings(config)
   task = roles.build_task(config)
@@ -186,8 +187,8 @@ def build_run(config: ml_collections.ConfigDict, workdir) -> Iterator[Run]:
     workers = [RayWorker(actor) for actor in worker_actors]
     server = ParameterServer(keep=config.staleness.k + 2)
     with MetricsWriter.from_config(workdir, config) as writer:
-      yield Run(Controller(settings, task, RayTrainer(trainer_actor), workers, server, writer),
-                writer, warmup_metrics)
+      yield Run(Controller(settings, task, RayTrainer(trainer_actor), workers, server, writer,
+                           stop=stop), writer, warmup_metrics)
   finally:
     for actor in [trainer_actor, *worker_actors]:
       with contextlib.suppress(Exception):

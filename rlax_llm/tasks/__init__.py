@@ -8,10 +8,19 @@ from typing import Any
 
 from rlax_llm.tasks.arithmetic import ArithmeticTask
 from rlax_llm.tasks.base import Prompt, Task
+from rlax_llm.tasks.countdown import CountdownTask
+from rlax_llm.tasks.math_task import MathTask
+from rlax_llm.tasks.python_task import PythonTask
 
-TASKS: dict[str, type] = {'arithmetic': ArithmeticTask}
+TASKS: dict[str, type] = {
+    'arithmetic': ArithmeticTask,
+    'countdown': CountdownTask,
+    'math': MathTask,
+    'python': PythonTask,
+}
 
-__all__ = ['ArithmeticTask', 'Prompt', 'TASKS', 'Task', 'make_task']
+__all__ = ['ArithmeticTask', 'CountdownTask', 'MathTask', 'Prompt', 'PythonTask', 'TASKS',
+           'Task', 'make_task']
 
 
 def make_task(config: Any) -> Task:

@@ -269,6 +269,11 @@ class ArithmeticTask:
       return 0.0
     return 1.0 if stated == expected else 0.0
 
+  def format_ok(self, completion: object) -> bool:
+    """Whether the completion states an integer the way ``answer_format`` asks (right or
+    wrong; with ``'strict'`` an expression stated must have the ``a op b = n`` form)."""
+    return extract_answer(completion, self.answer_format) is not None
+
   def sft_example(self, index: int) -> tuple[str, str]:
     """(prompt text, demonstrated answer) of ``train_prompt(index)``.
 

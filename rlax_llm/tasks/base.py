@@ -34,6 +34,17 @@ class Prompt:
   answer: str
   messages: tuple[Mapping[str, Any], ...] | None = None
 
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-safe form (what a checkpoint stores for prompts in flight)."""
+    return {'prompt_id': self.prompt_id, 'text': self.text, 'answer': self.answer,
+            'messages': None if self.messages is None else [dict(m) for m in self.messages]}
+
+  @classmethod
+  def from_dict(cls, data: Mapping[str, Any]) -> 'Prompt':
+    messages = data.get('messages')
+    return cls(prompt_id=data['prompt_id'], text=data['text'], answer=data['answer'],
+               messages=None if messages is None else tuple(dict(m) for m in messages))
+
 
 def chat_messages(content: str, system_prompt: str | None) -> tuple[dict[str, str], ...]:
   """A one-turn conversation: an optional system message, then ``content`` from the user."""

@@ -128,7 +128,7 @@ class Trainer:
     if any(r % self.micro_batches for r in rows):
       raise ValueError(f'batch rows {sorted(rows)} are not divisible by micro_batches='
                        f'{self.micro_batches}; choose a micro_batches that divides the batch.')
-    batch = jax.device_put(batch, sharding_lib.batch_sharding(self.mesh, batch, self.rules))
+    batch = sharding_lib.global_batch(batch, self.mesh, self.rules)
     with sharding_lib.activation_sharding(self.mesh, self.rules):  # used when tracing
       self.params, self.opt_state, metrics = self._step(
           self.params, self.opt_state, batch, self.reference_params)
@@ -151,6 +151,23 @@ class Trainer:
   def host_params(self) -> Params:
     """The current params as host numpy arrays (what the parameter server stores)."""
     return jax.tree.map(np.asarray, jax.device_get(self.params))
+
+  def counters(self) -> dict[str, int]:
+    """The trainer's scalar state besides the arrays (what a checkpoint stores)."""
+    return {'version': self.version, 'nonfinite_streak': self.nonfinite_streak}
+
+  def load(self, params: Params, opt_state: Any, counters: dict[str, int]) -> None:
+    """Continues from a checkpoint: ``params`` and ``opt_state`` must already be placed like
+    ``self.params``/``self.opt_state`` (``rlax_llm.checkpoint`` restores onto their
+    shardings); ``counters`` as ``counters()`` returned them."""
+    want = jax.tree.structure(self.opt_state)
+    if jax.tree.structure(opt_state) != want:
+      raise ValueError(f'the restored optimizer state has structure '
+                       f'{jax.tree.structure(opt_state)}, this trainer\'s is {want}.')
+    self.params = params
+    self.opt_state = opt_state
+    self.version = int(counters['version'])
+    self.nonfinite_streak = int(counters['nonfinite_streak'])
 
 
 def _all_finite(tree) -> jax.Array:

@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from rlax_llm.data import sft_batch
 from rlax_llm.models.model import Model, Params
 from rlax_llm.tasks import Task
+from rlax_llm.checkpoint import Preempted
 from rlax_llm.tokenization import Tokenizer
 from rlax_llm.trainer.objectives import sft_objective
 from rlax_llm.trainer.trainer import NonFiniteError, Trainer, make_optimizer
@@ -25,8 +26,14 @@ from rlax_llm.trainer.trainer import NonFiniteError, Trainer, make_optimizer
 def supervised_warmup(model: Model, params: Params, task: Task, tokenizer: Tokenizer,
                       mesh: Mesh, *, steps: int, batch_size: int, learning_rate: float,
                       warmup_steps: int = 0, log_every: int = 50,
-                      max_nonfinite_updates: int = 3) -> tuple[Params, dict[str, float]]:
-  """Runs ``steps`` SFT updates (cosine-decayed AdamW). Returns ``(host params, metrics)``."""
+                      max_nonfinite_updates: int = 3, stop=None
+                      ) -> tuple[Params, dict[str, float]]:
+  """Runs ``steps`` SFT updates (cosine-decayed AdamW). Returns ``(host params, metrics)``.
+
+  ``stop``: an event checked after every step; when set, raises ``checkpoint.Preempted`` (the
+  warm-up is deterministic, so a preempted one is simply run again on relaunch; its result is
+  checkpointed once it ends).
+  """
   if steps <= 0:
     return params, {}
   schedule = optax.warmup_cosine_decay_schedule(
@@ -41,6 +48,9 @@ def supervised_warmup(model: Model, params: Params, task: Task, tokenizer: Token
       metrics = trainer.step(sft_batch(task, tokenizer, step * batch_size, batch_size))
     except NonFiniteError as e:
       raise NonFiniteError(f'warm-up step {step + 1}: {e}') from None
+    if stop is not None and stop.is_set():
+      raise Preempted(f'preempted during the warm-up (step {step + 1} of {steps}); it runs '
+                      'again on relaunch.')
     if (step + 1) % log_every == 0 or step + 1 == steps:
       logging.info('warmup step %d/%d | loss %.4f | token accuracy %.3f', step + 1, steps,
                    metrics['loss'], metrics['accuracy'])

@@ -23,6 +23,7 @@ def smoke(backend, steps=6, **overrides):
   config.staleness.j, config.staleness.k = 4, 8
   config.log.tensorboard = False
   config.eval.every_steps = 3
+  config.checkpoint.every_steps, config.checkpoint.every_seconds = 0, 0.0  # none on Ray yet
   for dotted, value in overrides.items():
     *parents, leaf = dotted.split('__')
     node = config

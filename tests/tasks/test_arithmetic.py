@@ -252,11 +252,12 @@ def test_make_task_builds_from_config_dict():
   assert isinstance(task, ArithmeticTask)
   assert (task.seed, task.max_operand, task.operations, task.num_eval) == (4, 20, '*', 10)
   assert task.eval_prompts() == ArithmeticTask(4, 20, '*', 10).eval_prompts()
-  assert set(TASKS) == {'arithmetic'}
+  assert set(TASKS) == {'arithmetic', 'countdown', 'math', 'python'}
 
 
 def test_make_task_unknown_name_lists_valid_names():
-  with pytest.raises(ValueError, match=r"unknown task name 'gsm9k'; valid names: \['arithmetic'\]"):
+  with pytest.raises(ValueError, match=r"unknown task name 'gsm9k'; valid names: "
+                     r"\['arithmetic', 'countdown', 'math', 'python'\]"):
     make_task(ml_collections.ConfigDict(dict(name='gsm9k')))
 
 

@@ -1,0 +1,333 @@
+"""Preemption-safe checkpoints: Orbax saves of the whole run state, and resume.
+
+A run's state at the end of step ``s`` is saved together, as one Orbax step, so a restore
+never pairs weights with the wrong data position::
+
+    workdir/checkpoints/
+      warmup/            the supervised warm-up's result (the RL starting point; kept forever)
+      steps/<s>/
+        params/          the trainer's params (sharded arrays; Orbax/TensorStore)
+        opt_state/       the optimizer state
+        trainer/         JSON: policy version, non-finite streak
+        controller/      JSON: ``ControllerState`` (step, grain iterator state, RNG, versions,
+                         counters, the prompts and metadata of in-flight and recycled groups)
+        rollouts/        the in-flight and recycled rollouts' arrays (absent when none)
+
+* Saves are asynchronous (``CheckpointManager`` with async checkpointing): ``save`` returns
+  once the arrays are copied off the devices, so the trainer may donate its buffers in the
+  next step while the files are written in the background; a step is visible only when it is
+  complete (Orbax writes into a temporary directory and renames it, then
+  ``commit_success.txt``), so a crash mid-save leaves the previous checkpoint the latest.
+* ``restore`` reads the latest step; if it is unreadable (truncated, corrupt, a file
+  missing) it moves that step aside to ``steps/<s>.corrupt-<time>`` (nothing is deleted),
+  logs a warning naming the error, and falls back to the previous one.
+* Restores take the target's shardings (``jax.ShapeDtypeStruct`` with ``sharding``), so a
+  checkpoint written on one mesh restores onto another (resharding on restore). Shapes and
+  dtypes are compared with the checkpoint's metadata first: a checkpoint of another model or
+  optimizer raises ``CheckpointError`` before anything is read or overwritten.
+* ``PreemptionGuard`` turns SIGTERM/SIGINT into a flag the run checks after each step: the
+  run saves a checkpoint and exits 0 (Cloud TPU gives about 30 s notice); relaunching with
+  the same ``--workdir`` resumes.
+
+In-flight rollouts: under staleness ``(j, k)`` up to ``k - 1`` batches are generated ahead of
+the trainer, some with params older than the saved ones. The save waits for them and stores
+them (they are needed anyway); a resume trains exactly them, so an interrupted run equals an
+uninterrupted one bit for bit (``tests/test_resume.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+import signal
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from rlax_llm import workdir as workdir_lib
+
+WARMUP_DIRNAME = 'warmup'
+STEPS_DIRNAME = 'steps'
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint that cannot be used for this run; the message says why and what to do."""
+
+
+class Preempted(Exception):
+  """Raised where a run stops for a preemption signal before it has anything to save."""
+
+
+@dataclasses.dataclass
+class Restored:
+  """One step's state, as read back."""
+
+  step: int
+  params: Any
+  opt_state: Any
+  trainer: dict[str, Any]
+  controller: dict[str, Any]
+  rollouts: dict[str, dict[str, np.ndarray]]
+
+
+def abstract_like(tree: Any) -> Any:
+  """Restore targets: ``ShapeDtypeStruct`` with each array's sharding (restores reshard)."""
+  return jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, 'sharding', None)),
+      tree)
+
+
+def _leaf_specs(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  # Simple keys ('blocks/0/attn/wq'): Orbax's metadata keeps lists as dicts with string keys.
+  return {jax.tree_util.keystr(path, simple=True, separator='/'):
+          (tuple(leaf.shape), str(np.dtype(leaf.dtype))) for path, leaf in flat}
+
+
+def _check_matches(item: str, metadata: Any, target: Any, directory: pathlib.Path) -> None:
+  """Raises CheckpointError when the saved leaves' paths, shapes or dtypes differ."""
+  tree = getattr(metadata, 'tree', metadata)
+  saved, want = _leaf_specs(tree), _leaf_specs(target)
+  if saved == want:
+    return
+  missing = sorted(set(want) - set(saved))[:3]
+  extra = sorted(set(saved) - set(want))[:3]
+  changed = [f'{k}: saved {saved[k][0]} {saved[k][1]}, this run {want[k][0]} {want[k][1]}'
+             for k in sorted(set(saved) & set(want)) if saved[k] != want[k]][:3]
+  details = '; '.join(
+      ([f'missing in the checkpoint: {", ".join(missing)}'] if missing else [])
+      + ([f'not in this run: {", ".join(extra)}'] if extra else []) + changed)
+  raise CheckpointError(
+      f'the checkpoint in {directory} does not fit this run\'s {item} ({details}). It was '
+      'written by a run with another model or optimizer; resume with that run\'s config, or '
+      'pass a new --workdir. Nothing was overwritten.')
+
+
+class _QuietOrbax(logging.Filter):
+  """Drops Orbax's INFO/DEBUG records (dozens per save) from the ``absl`` logger; warnings and
+  errors pass."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or '/orbax/' not in record.pathname
+
+
+_QUIET = _QuietOrbax()
+logging.getLogger('absl').addFilter(_QUIET)
+
+
+def _handlers(*arrays: str, json: tuple[str, ...] = ()) -> dict[str, Any]:
+  """Orbax handlers by item name (so metadata can be read before a restore)."""
+  return ({name: ocp.StandardCheckpointHandler() for name in arrays}
+          | {name: ocp.JsonCheckpointHandler() for name in json})
+
+
+class Checkpointer:
+  """Saves and restores a run's steps under ``workdir/checkpoints`` (module docstring).
+
+  Args:
+    workdir: the run directory.
+    keep: how many step checkpoints to keep (the newest; the warm-up's is kept apart).
+    every_steps: save after steps that are multiples of this (0: never by count).
+    every_seconds: also save when this long has passed since the last save (0: never by
+      time).
+    async_save: write in the background (``False``: ``save`` returns when the files exist).
+  """
+
+  def __init__(self, workdir: str | pathlib.Path, *, keep: int = 3, every_steps: int = 0,
+               every_seconds: float = 0.0, async_save: bool = True):
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+      raise ValueError(f'checkpoint.keep={keep!r} must be an int >= 1.')
+    self.directory = pathlib.Path(workdir) / workdir_lib.CHECKPOINT_DIRNAME
+    self.every_steps = every_steps
+    self.every_seconds = every_seconds
+    self._manager = ocp.CheckpointManager(
+        (self.directory / STEPS_DIRNAME).absolute(),
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=async_save, create=True),
+        item_handlers=_handlers('params', 'opt_state', 'rollouts', json=('trainer',
+                                                                          'controller')))
+    self._last_save = time.monotonic()
+    self.blocked_s = 0.0  # time save() kept the caller waiting, summed
+    self.saves = 0
+
+  # ---------------------------------------------------------------------------- steps
+
+  def due(self, step: int) -> bool:
+    """Whether the schedule asks for a save after ``step``."""
+    if self.every_steps and step % self.every_steps == 0:
+      return True
+    return bool(self.every_seconds) and time.monotonic() - self._last_save >= self.every_seconds
+
+  def save(self, step: int, *, params: Any, opt_state: Any, trainer: dict[str, Any],
+           controller: dict[str, Any], rollouts: dict[str, dict[str, np.ndarray]]) -> None:
+    """Saves step ``step`` (asynchronously unless ``async_save=False``); a step already saved
+    is left as it is."""
+    if step in self._manager.all_steps():
+      return
+    start = time.perf_counter()
+    items = dict(params=ocp.args.StandardSave(params),
+                 opt_state=ocp.args.StandardSave(opt_state),
+                 trainer=ocp.args.JsonSave(trainer), controller=ocp.args.JsonSave(controller))
+    if rollouts:
+      items['rollouts'] = ocp.args.StandardSave(rollouts)
+    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+    self.blocked_s += time.perf_counter() - start
+    self._last_save = time.monotonic()
+    self.saves += 1
+
+  def steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
+
+  def restore(self, params: Any, opt_state: Any) -> Restored | None:
+    """The latest readable step, restored onto the shardings of the targets ``params`` and
+    ``opt_state`` (arrays or ``ShapeDtypeStruct``s); None when there is none.
+
+    An unreadable latest step is moved aside with a warning and the previous one is tried.
+    Raises CheckpointError when a step does not fit the targets (another model/optimizer).
+    """
+    targets = {'params': abstract_like(params), 'opt_state': abstract_like(opt_state)}
+    for step in sorted(self._manager.all_steps(), reverse=True):
+      path = self.directory / STEPS_DIRNAME / str(step)
+      try:
+        metadata = self._manager.item_metadata(step)
+        for item, target in targets.items():
+          _check_matches(item, metadata[item], target, path)
+      except CheckpointError:
+        raise
+      except Exception as e:  # pylint: disable=broad-except
+        self._set_aside(step, path, e)
+        continue
+      items = dict(params=ocp.args.StandardRestore(targets['params']),
+                   opt_state=ocp.args.StandardRestore(targets['opt_state']),
+                   trainer=ocp.args.JsonRestore(), controller=ocp.args.JsonRestore())
+      if (path / 'rollouts').exists():
+        items['rollouts'] = ocp.args.StandardRestore()
+      try:
+        out = self._manager.restore(step, args=ocp.args.Composite(**items))
+        rollouts = out['rollouts'] if 'rollouts' in items else {}
+        rollouts = jax.tree.map(np.asarray, dict(rollouts or {}))
+        restored = Restored(step=step, params=out['params'], opt_state=out['opt_state'],
+                            trainer=dict(out['trainer']), controller=dict(out['controller']),
+                            rollouts=rollouts)
+      except Exception as e:  # pylint: disable=broad-except
+        self._set_aside(step, path, e)
+        continue
+      logging.info('restored checkpoint step %d from %s', step, path)
+      return restored
+    return None
+
+  def _set_aside(self, step: int, path: pathlib.Path, error: Exception) -> None:
+    aside = path.with_name(f'{step}.corrupt-{time.strftime("%Y%m%d-%H%M%S")}')
+    logging.warning('checkpoint step %d in %s is unreadable (%s: %s); moved it to %s and '
+                    'falling back to the previous checkpoint.', step, path,
+                    type(error).__name__, str(error).splitlines()[0][:300] if str(error)
+                    else '', aside)
+    path.rename(aside)
+    self._manager.reload()
+
+  def wait(self) -> None:
+    """Blocks until every started save is on disk."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+  # --------------------------------------------------------------------------- warm-up
+
+  def save_warmup(self, params: Any, metrics: dict[str, float]) -> None:
+    """Saves the warm-up's result (synchronously: it is needed before RL starts)."""
+    path = (self.directory / WARMUP_DIRNAME).absolute()
+    if path.exists():
+      return
+    with ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
+        enable_async_checkpointing=False, create=True),
+                               item_handlers=_handlers('params', json=('metrics',))) as manager:
+      manager.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                              metrics=ocp.args.JsonSave(metrics)))
+
+  def restore_warmup(self, params: Any) -> tuple[Any, dict[str, float]] | None:
+    """The warm-up's params (onto ``params``' shardings) and metrics; None if not saved."""
+    path = (self.directory / WARMUP_DIRNAME).absolute()
+    if not path.exists():
+      return None
+    with ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
+        enable_async_checkpointing=False, create=False),
+                               item_handlers=_handlers('params', json=('metrics',))) as manager:
+      if manager.latest_step() is None:
+        return None
+      target = abstract_like(params)
+      _check_matches('params', manager.item_metadata(0)['params'], target, path)
+      out = manager.restore(0, args=ocp.args.Composite(
+          params=ocp.args.StandardRestore(target), metrics=ocp.args.JsonRestore()))
+    return out['params'], dict(out['metrics'])
+
+
+def read_params(path: str | pathlib.Path, template: Any) -> Any:
+  """The params of a checkpoint, restored onto ``template``'s shapes, dtypes and shardings.
+
+  ``path``: a run's workdir (its latest step), ``<workdir>/checkpoints``, a step directory
+  (``checkpoints/steps/<s>``) or the warm-up's (``checkpoints/warmup``). What
+  ``python -m rlax_llm.evaluate --checkpoint`` reads. Raises CheckpointError when there is
+  no checkpoint at ``path`` or its params do not fit ``template``.
+  """
+  path = pathlib.Path(path).absolute()
+  if (path / workdir_lib.CHECKPOINT_DIRNAME).is_dir():
+    path = path / workdir_lib.CHECKPOINT_DIRNAME
+  if (path / STEPS_DIRNAME).is_dir():
+    path = path / STEPS_DIRNAME
+  if path.name in (STEPS_DIRNAME, WARMUP_DIRNAME):
+    steps = sorted((int(p.name) for p in path.iterdir() if p.name.isdigit()), reverse=True)
+    if not steps:
+      raise CheckpointError(f'{path} holds no finished checkpoint.')
+    path = path / str(steps[0])
+  item = path / 'params'
+  if not item.is_dir():
+    raise CheckpointError(f'no checkpoint at {path}: pass a run\'s workdir or a '
+                          'checkpoints/steps/<step> directory.')
+  target = abstract_like(template)
+  checkpointer = ocp.StandardCheckpointer()
+  _check_matches('params', checkpointer.metadata(item).item_metadata, target, path)
+  return checkpointer.restore(item, target)
+
+
+class PreemptionGuard:
+  """While active, SIGTERM and SIGINT set ``requested`` instead of killing the process.
+
+  The run checks ``requested`` after each step, saves a checkpoint and exits 0. A second
+  SIGINT (Ctrl-C twice) raises ``KeyboardInterrupt`` at once. Only the main thread can install
+  handlers; elsewhere the guard is inert (``installed`` is False).
+  """
+
+  def __init__(self):
+    self.requested = threading.Event()
+    self.signal_name: str | None = None
+    self._previous: dict[int, Any] = {}
+    self.installed = False
+
+  def _handle(self, signum, frame):
+    del frame
+    if self.requested.is_set() and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    self.signal_name = signal.Signals(signum).name
+    logging.warning('%s received: saving a checkpoint after the current step, then exiting.',
+                    self.signal_name)
+    self.requested.set()
+
+  def __enter__(self) -> PreemptionGuard:
+    if threading.current_thread() is threading.main_thread():
+      for signum in (signal.SIGTERM, signal.SIGINT):
+        self._previous[signum] = signal.signal(signum, self._handle)
+      self.installed = True
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    for signum, handler in self._previous.items():
+      signal.signal(signum, handler)
+    self._previous.clear()
+    self.installed = False

@@ -1,0 +1,268 @@
+"""File-backed problem sets: one loader (JSONL and Parquet) and one split, shared by the math
+and python tasks.
+
+``load_records(paths, required)`` reads records (dicts) from ``.jsonl``/``.json`` files (one
+JSON object per line; ``.gz`` allowed) and ``.parquet`` files (through ``pyarrow``, imported
+only for Parquet, with an error saying how to install it when it is missing). ``paths`` may be
+one path, a glob, or a list of them; the schema of each task is in docs/tasks.md.
+
+``FileSplit`` holds a seeded train / eval split of the records: the eval split is either a
+separate file set or the ``num_eval`` records with the smallest seeded hash of their key (the
+question text), so it is independent of file order; every train record whose key is an eval
+key is dropped (duplicates never leak). Train position ``index`` maps to epoch
+``index // n`` and a seeded permutation of the ``n`` train records per epoch, computed once per
+epoch: ``train_record(index)`` is O(1) amortised and random access.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+import pathlib
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rlax_llm.tasks._util import check_format, check_int, stable_hash
+from rlax_llm.tasks.base import Prompt, chat_messages
+
+DATA_DIR = pathlib.Path(__file__).with_name('data')
+JSONL_SUFFIXES = ('.jsonl', '.json', '.jsonl.gz', '.json.gz')
+PARQUET_SUFFIXES = ('.parquet', '.pq')
+
+
+def resolve_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[pathlib.Path]:
+  """Files named by ``paths`` (a path, a glob, or a list of them), in the order given (globs
+  sorted). A bare file name that does not exist is looked up in the bundled data directory.
+  Raises ValueError when something matches no file."""
+  if isinstance(paths, (str, os.PathLike)):
+    paths = [paths]
+  if not isinstance(paths, Sequence) or not paths:
+    raise ValueError(f'data path must be a path, a glob or a non-empty list of them, got '
+                     f'{paths!r}.')
+  found: list[pathlib.Path] = []
+  for entry in paths:
+    if not isinstance(entry, (str, os.PathLike)):
+      raise ValueError(f'data path entries must be str, got {type(entry).__name__}: {entry!r}.')
+    text = os.path.expanduser(os.fspath(entry))
+    if any(c in text for c in '*?['):
+      matches = sorted(glob.glob(text, recursive=True))
+      if not matches:
+        raise ValueError(f'data path glob {text!r} matches no file.')
+      found.extend(pathlib.Path(m) for m in matches)
+    elif os.path.isfile(text):
+      found.append(pathlib.Path(text))
+    elif os.sep not in text and (DATA_DIR / text).is_file():
+      found.append(DATA_DIR / text)
+    else:
+      raise ValueError(f'data file {text!r} does not exist (bundled files: '
+                       f'{sorted(p.name for p in DATA_DIR.glob("*.jsonl"))}).')
+  return found
+
+
+def load_records(paths: str | os.PathLike | Sequence[str | os.PathLike],
+                 required: Sequence[str] = ()) -> list[dict[str, Any]]:
+  """All records of ``paths`` in order; each must be a JSON object / table row holding the
+  ``required`` fields. Raises ValueError naming the file (and line) of a bad record, and
+  ImportError with the install command when Parquet needs ``pyarrow`` and it is missing."""
+  records: list[dict[str, Any]] = []
+  for path in resolve_paths(paths):
+    name = path.name.lower()
+    if name.endswith(PARQUET_SUFFIXES):
+      rows = _read_parquet(path)
+    elif name.endswith(JSONL_SUFFIXES):
+      rows = _read_jsonl(path)
+    else:
+      raise ValueError(f'{path}: unknown data file type; use one of '
+                       f'{JSONL_SUFFIXES + PARQUET_SUFFIXES}.')
+    for where, row in rows:
+      missing = [f for f in required if f not in row]
+      if missing:
+        raise ValueError(f'{path}{where}: record lacks field(s) {missing}; it has '
+                         f'{sorted(row)}. Set the task\'s *_field options to the names your '
+                         'data uses.')
+      records.append(row)
+  if not records:
+    raise ValueError(f'no records in {paths!r}.')
+  return records
+
+
+def _read_jsonl(path: pathlib.Path):
+  opener = gzip.open if path.name.lower().endswith('.gz') else open
+  with opener(path, 'rt', encoding='utf-8') as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f'{path}:{number}: not valid JSON ({e.msg} at column {e.colno}); '
+                         'each line must be one JSON object.') from None
+      if not isinstance(row, dict):
+        raise ValueError(f'{path}:{number}: a line must be a JSON object, got '
+                         f'{type(row).__name__}.')
+      yield f':{number}', row
+
+
+def _read_parquet(path: pathlib.Path):
+  try:
+    import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise ImportError(f'{path}: reading Parquet needs pyarrow, which is not installed; run '
+                      "`pip install pyarrow` (or install rlax_llm with the 'data' extra), or "
+                      'convert the file to JSONL.') from None
+  for number, row in enumerate(pq.read_table(path).to_pylist()):
+    yield f' row {number}', row
+
+
+class FileSplit:
+  """A seeded train / eval split of file records (see the module docstring)."""
+
+  def __init__(self, records: Sequence[Mapping[str, Any]], key: Callable[[Mapping], str],
+               seed: int, num_eval: int, eval_records: Sequence[Mapping] | None = None,
+               owner: str = 'task'):
+    self.seed = seed
+    keys = [key(r) for r in records]
+    if eval_records is not None:
+      if num_eval > len(eval_records):
+        raise ValueError(f'{owner}: num_eval={num_eval} but the eval files hold only '
+                         f'{len(eval_records)} records; lower num_eval.')
+      eval_order = sorted(range(len(eval_records)),
+                          key=lambda i: stable_hash('eval', seed, key(eval_records[i])))
+      self.eval = [eval_records[i] for i in eval_order[:num_eval]]
+      eval_keys = {key(r) for r in self.eval}
+      self.train = [r for r, k in zip(records, keys) if k not in eval_keys]
+    else:
+      order = sorted(range(len(records)), key=lambda i: (stable_hash('split', seed, keys[i]), i))
+      eval_keys: set[str] = set()
+      self.eval = []
+      for i in order:
+        if len(self.eval) >= num_eval:
+          break
+        if keys[i] not in eval_keys:
+          eval_keys.add(keys[i])
+          self.eval.append(records[i])
+      self.train = [r for r, k in zip(records, keys) if k not in eval_keys]
+      if len(self.eval) < num_eval:
+        raise ValueError(f'{owner}: num_eval={num_eval} but the data holds only '
+                         f'{len(self.eval)} distinct problems; lower num_eval.')
+    if not self.train:
+      raise ValueError(f'{owner}: no train records left after holding out {len(self.eval)} '
+                       f'for eval ({len(records)} records); lower num_eval or add data.')
+    self._lock = threading.Lock()
+    self._permutations: dict[int, np.ndarray] = {}
+
+  def train_record(self, index: int) -> Mapping[str, Any]:
+    """The train record at stream position ``index`` (each epoch a seeded permutation)."""
+    epoch, position = divmod(index, len(self.train))
+    with self._lock:
+      permutation = self._permutations.get(epoch)
+      if permutation is None:
+        rng = np.random.default_rng([stable_hash('epoch', self.seed, epoch)])
+        permutation = rng.permutation(len(self.train))
+        if len(self._permutations) >= 4:
+          self._permutations.pop(next(iter(self._permutations)))
+        self._permutations[epoch] = permutation
+    return self.train[int(permutation[position])]
+
+
+class FileTask:
+  """Base of the file-backed tasks: loading, the split, prompts; subclasses define the
+  record's answer, its demonstration and ``score``.
+
+  Subclasses set ``name``, ``DEFAULT_PATH``, ``DEFAULT_TEMPLATE`` (plain text) and
+  ``DEFAULT_INSTRUCTION`` (chat), and implement ``_required_fields``, ``_fields(record)`` (the
+  template fields), ``_answer(record)`` and ``_demonstration(record)``.
+  """
+
+  name = 'file'
+  DEFAULT_PATH: str = ''
+  DEFAULT_TEMPLATE: str = '{question}'
+  DEFAULT_INSTRUCTION: str = '{question}'
+  TEMPLATE_FIELDS: tuple[str, ...] = ('question',)
+
+  def _setup(self, seed: int, path, eval_path, num_eval: int, format: str,  # pylint: disable=redefined-builtin
+             system_prompt: str | None, instruction: str | None,
+             text_template: str | None) -> None:
+    owner = type(self).__name__
+    self.seed = check_int(owner, 'seed', seed, 0, (1 << 64) - 1)
+    self.num_eval = check_int(owner, 'num_eval', num_eval, 0)
+    instruction = self.DEFAULT_INSTRUCTION if instruction is None else instruction
+    text_template = self.DEFAULT_TEMPLATE if text_template is None else text_template
+    example = {f: 'x' for f in self.TEMPLATE_FIELDS}
+    check_format(owner, format, system_prompt, instruction, **example, text='x')
+    try:
+      text_template.format(**example)
+    except (AttributeError, KeyError, IndexError, ValueError) as e:
+      raise ValueError(f'{owner} text_template={text_template!r} is not a str.format template '
+                       f'over {{{"}, {".join(self.TEMPLATE_FIELDS)}}}: {e!r}.') from None
+    self.format, self.system_prompt = format, system_prompt
+    self.instruction, self.text_template = instruction, text_template
+    self.path = self.DEFAULT_PATH if path is None else path
+    self.eval_path = eval_path
+    required = self._required_fields()
+    records = load_records(self.path, required)
+    eval_records = None if eval_path is None else load_records(eval_path, required)
+    for where, rows in (('path', records), ('eval_path', eval_records or [])):
+      for i, row in enumerate(rows):
+        try:
+          self._check_record(row)
+        except ValueError as e:
+          raise ValueError(f'{owner}: record {i} of {where}={getattr(self, where)!r}: {e}') \
+              from None
+    self.split = FileSplit(records, self._key, self.seed, self.num_eval, eval_records, owner)
+
+  def __repr__(self) -> str:
+    return (f'{type(self).__name__}(seed={self.seed}, path={self.path!r}, '
+            f'eval_path={self.eval_path!r}, num_eval={self.num_eval}, format={self.format!r})')
+
+  @property
+  def charset(self) -> None:
+    """None: file-backed text needs a pretrained model's tokenizer."""
+    return None
+
+  def train_prompt(self, index: int) -> Prompt:
+    """The train prompt at stream position ``index >= 0`` (a pure function of seed, index)."""
+    index = check_int(type(self).__name__, 'index', index, 0, (1 << 64) - 1)
+    return self._make_prompt(index, self.split.train_record(index))
+
+  def eval_prompts(self) -> list[Prompt]:
+    """The held-out prompts (ids ``-1 - i``), fixed for the seed and the files."""
+    return [self._make_prompt(-1 - i, r) for i, r in enumerate(self.split.eval)]
+
+  def sft_example(self, index: int) -> tuple[str, str]:
+    """(prompt text, the record's reference solution) of train position ``index``."""
+    return self.train_prompt(index).text, self._demonstration(
+        self.split.train_record(index))
+
+  def _make_prompt(self, prompt_id: int, record: Mapping[str, Any]) -> Prompt:
+    fields = self._fields(record)
+    text = self.text_template.format(**fields)
+    messages = None
+    if self.format == 'chat':
+      messages = chat_messages(self.instruction.format(**fields, text=text), self.system_prompt)
+    return Prompt(prompt_id=prompt_id, text=text, answer=self._answer(record),
+                  messages=messages)
+
+  # Subclass hooks.
+  def _required_fields(self) -> tuple[str, ...]:
+    raise NotImplementedError
+
+  def _check_record(self, record: Mapping[str, Any]) -> None:
+    """Raises ValueError for a record the task cannot use."""
+
+  def _key(self, record: Mapping[str, Any]) -> str:
+    raise NotImplementedError
+
+  def _fields(self, record: Mapping[str, Any]) -> dict[str, str]:
+    raise NotImplementedError
+
+  def _answer(self, record: Mapping[str, Any]) -> str:
+    raise NotImplementedError
+
+  def _demonstration(self, record: Mapping[str, Any]) -> str:
+    raise NotImplementedError

@@ -1,0 +1,112 @@
+"""Math word problems from files, checked on the final answer with ``score_math``.
+
+Records are JSON objects (JSONL or Parquet, docs/tasks.md) with a question and an answer
+field. The answer may be a bare final answer (``72``, ``\\frac{5}{6}``) or a worked solution
+whose final answer follows ``####`` (GSM8K, Cobbe et al., 2021) or sits in the last
+``\\boxed{}`` (MATH, Hendrycks et al., 2021); ``Prompt.answer`` is that final answer. A
+completion scores 1.0 when its own final answer (after ``####``, the last ``\\boxed{}``, else
+the last number) is equivalent to it, numerically or symbolically (``math-verify``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rlax_llm import verifiers
+from rlax_llm.tasks._util import check_positive_float
+from rlax_llm.tasks.base import Prompt
+from rlax_llm.tasks.files import FileTask
+
+DEFAULT_INSTRUCTION = ('{question}\nPlease reason step by step, and put your final answer '
+                       'within \\boxed{{}}.')
+DEFAULT_TEMPLATE = 'Question: {question}\nAnswer:'
+
+
+class MathTask(FileTask):
+  """Final-answer math problems from JSONL/Parquet files (see the module docstring).
+
+  Train prompts have ``prompt_id == index``; eval prompts ``-1 - i``. With
+  ``format='chat'`` the user turn is ``instruction`` over ``{question}`` and ``{text}``.
+  """
+
+  name = 'math'
+  DEFAULT_PATH = 'math_sample.jsonl'
+  DEFAULT_TEMPLATE = DEFAULT_TEMPLATE
+  DEFAULT_INSTRUCTION = DEFAULT_INSTRUCTION
+  TEMPLATE_FIELDS = ('question',)
+
+  def __init__(self, seed: int = 0, path: str | Sequence[str] | None = None,
+               eval_path: str | Sequence[str] | None = None, num_eval: int = 4,
+               question_field: str = 'question', answer_field: str = 'answer',
+               format: str = 'plain', system_prompt: str | None = None,  # pylint: disable=redefined-builtin
+               instruction: str | None = None, text_template: str | None = None,
+               math_timeout_s: float = verifiers.DEFAULT_MATH_TIMEOUT_S):
+    """Loads the files and builds the split.
+
+    Args:
+      seed: int in ``[0, 2**64)``: fixes the split and the train order.
+      path: JSONL/Parquet file(s) or glob(s); None for the bundled sample
+        (``rlax_llm/tasks/data/math_sample.jsonl``, 14 problems).
+      eval_path: separate held-out file(s) (e.g. GSM8K's test split); None holds out
+        ``num_eval`` records of ``path`` chosen by a seeded hash of the question.
+      num_eval: held-out prompts (``eval_path`` given: the first ``num_eval`` by hash).
+      question_field, answer_field: record field names (GSM8K: question/answer; MATH:
+        problem/solution).
+      format, system_prompt, instruction: as ``ArithmeticTask``; ``instruction`` is a template
+        over ``{question}`` and ``{text}`` (default asks for ``\\boxed{}``).
+      text_template: the plain-text prompt, a template over ``{question}``.
+      math_timeout_s: limit of one math-verify comparison.
+    Raises ValueError for an invalid argument, a missing file or field, or a record without
+    a final answer.
+    """
+    self.question_field, self.answer_field = question_field, answer_field
+    self.math_timeout_s = check_positive_float('MathTask', 'math_timeout_s', math_timeout_s)
+    self.verifier_timeout_s = self.math_timeout_s + 25.0  # + a worker's start (sympy import)
+    self._setup(seed, path, eval_path, num_eval, format, system_prompt, instruction,
+                text_template)
+
+  def score(self, prompt: Prompt, completion: str) -> float:
+    """1.0 iff the completion's final answer is equivalent to ``prompt.answer``; never
+    raises."""
+    return verifiers.score_math(completion, getattr(prompt, 'answer', None),
+                                self.math_timeout_s)
+
+  def format_ok(self, completion: object) -> bool:
+    """Whether the completion marks its final answer (``####`` or a closed ``\\boxed{}``)."""
+    text = verifiers.clean_text(completion)
+    if text is None:
+      return False
+    text = text[-verifiers.MAX_SCAN_CHARS:]
+    if '####' not in text and '\\boxed' not in text and '\\fbox' not in text:
+      return False
+    return verifiers.extract_final_answer(text) is not None
+
+  def _required_fields(self) -> tuple[str, ...]:
+    return (self.question_field, self.answer_field)
+
+  def _check_record(self, record: Mapping[str, Any]) -> None:
+    question, answer = record[self.question_field], record[self.answer_field]
+    if not isinstance(question, str) or not question.strip():
+      raise ValueError(f'field {self.question_field!r} must be a non-empty str, got '
+                       f'{question!r:.80}.')
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+      return
+    if not isinstance(answer, str) or verifiers.reference_answer(answer) is None:
+      raise ValueError(f'field {self.answer_field!r} has no final answer (a bare answer, '
+                       f'"#### answer" or \\boxed{{answer}}): {answer!r:.120}.')
+
+  def _key(self, record: Mapping[str, Any]) -> str:
+    return record[self.question_field]
+
+  def _fields(self, record: Mapping[str, Any]) -> dict[str, str]:
+    return {'question': record[self.question_field].strip()}
+
+  def _answer(self, record: Mapping[str, Any]) -> str:
+    return verifiers.reference_answer(str(record[self.answer_field]))
+
+  def _demonstration(self, record: Mapping[str, Any]) -> str:
+    answer = str(record[self.answer_field]).strip()
+    if '####' in answer or '\\boxed' in answer or '\\fbox' in answer:
+      return answer
+    return f'\\boxed{{{answer}}}'
