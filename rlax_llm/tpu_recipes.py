@@ -51,6 +51,10 @@ RAY_PORT = 6379
 # Chips a Ray TPU actor can be given on one host (ray._private.accelerators.tpu).
 RAY_TPU_CHIP_OPTIONS = (1, 2, 4, 8)
 MESH_AXES = ('data', 'fsdp', 'tensor')  # rlax_llm.sharding.MESH_AXES (no jax import here)
+# What the ray recipe sets: the backend, and no checkpoints (the ray backend writes none yet,
+# and rlax_llm.config refuses checkpoint.* with it).
+RAY_OVERRIDES = ('--config.checkpoint.every_steps=0', '--config.checkpoint.every_seconds=0',
+                 '--config.backend=ray')
 
 
 class SliceError(ValueError):
@@ -540,9 +544,9 @@ def launch_args(spec: str, overrides: Sequence[str], workdir: str) -> list[str]:
 
 def _preemption_footer(relaunch: str) -> list[str]:
   return [
-      'Preemption (spot/preemptible): the launch gets SIGTERM. With checkpointing (config',
-      'checkpoint.*, being added by another change) it saves, exits 0, and a relaunch with',
-      f'the same --workdir resumes: {relaunch}',
+      'Preemption (spot/preemptible): the launch gets SIGTERM, saves a checkpoint',
+      '(config.checkpoint.*) and exits 0; a relaunch with the same --workdir resumes:',
+      relaunch,
   ]
 
 
@@ -595,7 +599,7 @@ def render_ray(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceType
   res = plan.resources
   json_res = lambda d: '{' + ', '.join(f'"{k}": {v}' for k, v in d.items()) + '}'  # noqa: E731
   driver = launch_args(spec, [
-      *overrides, '--config.backend=ray', Raw(f'--config.ray.address=${{HEAD_IP}}:{RAY_PORT}'),
+      *overrides, *RAY_OVERRIDES, Raw(f'--config.ray.address=${{HEAD_IP}}:{RAY_PORT}'),
       f'--config.ray.trainer_resources={json_res(res["trainer"])}',
       f'--config.ray.worker_resources={json_res(res["worker"])}'], opts.workdir)
   # The driver validates the config with as many (CPU) devices as the trainer actor has TPU
@@ -638,8 +642,11 @@ def render_ray(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceType
       ('Run the driver (controller, parameter server, metrics) on the head.',
        [shell_join(head_ssh) + ' --command=' + double_quote(driver_cmd, ['HEAD_IP'])]),
   ]
-  footer = _preemption_footer('recreate the preempted slice, rejoin it to Ray (step 4) and '
-                              'rerun step 5.')
+  footer = [
+      'Preemption: the ray backend writes no checkpoints yet (checkpoint.* are set to 0).',
+      'A preempted inference slice loses its workers and the run goes on with the others;',
+      'a preempted trainer slice ends the run: recreate it, rejoin it to Ray (step 4) and',
+      'rerun step 5 with a new --workdir.']
   footer.append('When done: ' + '; '.join(
       [shell_join(['gcloud', 'compute', 'tpus', 'tpu-vm', 'delete', n, *gflags, '--quiet'])
        for n in [t_name, *i_names]]
@@ -809,8 +816,8 @@ def _workdir_notes(workdir: str) -> list[str]:
   from rlax_llm import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
   if workdir.startswith('gs://') and 'gs://' not in inspect.getsource(workdir_lib):
     return [f'--workdir={workdir}: this checkout\'s rlax_llm/workdir.py writes through the '
-            'local filesystem, so gs:// needs the gs:// support that comes with checkpointing '
-            '(in progress); until then mount the bucket (gcsfuse) and pass the mount path.']
+            'local filesystem and does not write gs:// paths; mount the bucket (gcsfuse) on '
+            'every host and pass the mount path.']
   if not workdir.startswith(('gs://', '/')):
     return [f'--workdir={workdir} is relative: it lands in ~/{REMOTE_DIR}/{workdir} on each '
             'host and is lost with the VM; use gs://BUCKET/... or a mounted bucket.']
@@ -932,7 +939,7 @@ def run(argv: Sequence[str]) -> int:
   spec, notes = _remote_spec(opts.config, getattr(opts, 'ref', None), strict)
   recipe_overrides: list[str] = []
   if opts.recipe == 'ray':
-    recipe_overrides = ['--config.backend=ray']
+    recipe_overrides = list(RAY_OVERRIDES)
   config = _load(opts.config, [*overrides, *recipe_overrides])
   opts.name = opts.name or _default_name(config)
   if not _NAME.fullmatch(opts.name):

@@ -287,6 +287,8 @@ def test_ray_dry_run_puts_roles_on_their_slices(tmp_path):
   driver = _remote(commands[-1])  # still holds ${HEAD_IP} for the local shell
   args = shlex.split(driver.partition(' && ')[2])
   assert args[0] == 'XLA_FLAGS=--xla_force_host_platform_device_count=4'
+  assert args[-7:-4] == ['--config.checkpoint.every_steps=0',
+                         '--config.checkpoint.every_seconds=0', '--config.backend=ray']
   assert args[-5:] == ['--config.backend=ray', '--config.ray.address=${HEAD_IP}:6379',
                        '--config.ray.trainer_resources={"TPU": 4, "rlax_trainer": 4}',
                        '--config.ray.worker_resources={"TPU": 4, "rlax_inference": 4}',
