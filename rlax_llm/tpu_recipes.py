@@ -581,7 +581,8 @@ def render_tpu_vm(config: ml_collections.ConfigDict, plan: Plan, slice_: SliceTy
        [_tpu_ssh(name, opts, shlex.quote(remote))]),
   ]
   footer = _preemption_footer('recreate the TPU VM (same name) and rerun steps 2-3.')
-  footer.append(f'When done: {shell_join(["gcloud", "compute", "tpus", "tpu-vm", "delete", name, *_gcloud_flags(opts), "--quiet"])}')  # pylint: disable=line-too-long
+  delete = ['gcloud', 'compute', 'tpus', 'tpu-vm', 'delete', name, *_gcloud_flags(opts), '--quiet']
+  footer.append(f'When done: {shell_join(delete)}')
   return Recipe(title, _header(config, plan, spec, overrides), steps, footer)
 
 
@@ -953,9 +954,10 @@ def run(argv: Sequence[str]) -> int:
   else:
     slice_ = get_slice(opts.tpu_type)
     if opts.recipe == 'tpu-vm' and slice_.multi_host:
+      singles = ', '.join(s.name for s in SLICES.values() if not s.multi_host)
       raise SliceError(f'--tpu-type={slice_.name} has {slice_.hosts} hosts; the tpu-vm recipe '
                        'is for one host: use the multihost recipe (launch/multihost) or a '
-                       f'single-host type ({", ".join(s.name for s in SLICES.values() if not s.multi_host)}).')  # pylint: disable=line-too-long
+                       f'single-host type ({singles}).')
     if opts.recipe == 'multihost' and not slice_.multi_host:
       raise SliceError(f'--tpu-type={slice_.name} is a single host; use the tpu-vm recipe '
                        '(launch/tpu_vm) for it.')
