@@ -1,7 +1,7 @@
 r"""Cloud TPU launch recipes: the slice table, a config checked against a slice, the commands.
 
 The recipes in ``launch/`` (one TPU VM, a multi-host slice, trainer and inference on separate
-slices with Ray, GKE) are thin wrappers around this module::
+slices with Ray, a GKE JobSet, a GKE KubeRay RayJob) are thin wrappers around this module::
 
     python -m rlax_llm.tpu_recipes tpu-vm --tpu-type=v5e-8 --zone=us-west4-a \
         --workdir=gs://BUCKET/runs/smoke --config=configs/smollm2.py:smoke --dry-run
@@ -14,7 +14,8 @@ Each recipe
    (``check_local``, ``check_ray``), then ``rlax_llm.config.validate_config`` with as many
    devices as the launch will see (CPU stand-ins, so it works offline), then a lower bound of
    the memory per chip against the chip's HBM (named presets only);
-3. renders the exact commands (``gcloud``, ``ray``, ``kubectl`` and a JobSet manifest).
+3. renders the exact commands (``gcloud``, ``ray``, ``kubectl``) or the manifest (a JobSet,
+   a KubeRay RayJob).
 
 ``--dry-run`` prints them as a bash script (or the manifest) and runs nothing; without it the
 script runs under ``bash``, which needs ``gcloud`` (or ``kubectl``) with credentials. Nothing
@@ -47,6 +48,7 @@ from rlax_llm.config import (DEFAULT_CONFIG_PATH, ConfigError, check_config_spec
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 REMOTE_DIR = 'rlax_llm'  # where the checkout lands in each host's home directory
 COORDINATOR_PORT = 8476
+RAY_REQUIREMENT = 'ray[default]==2.60.0'  # launch/host_setup.sh installs the same
 RAY_PORT = 6379
 # Chips a Ray TPU actor can be given on one host (ray._private.accelerators.tpu).
 RAY_TPU_CHIP_OPTIONS = (1, 2, 4, 8)
@@ -230,8 +232,8 @@ def check_local(config: ml_collections.ConfigDict, slice_: SliceType, recipe: st
   every chip (an idle chip on a multi-host slice is a host without work).
   """
   if config.backend != 'local':
-    what = ('renders a JobSet for backend \'local\' (KubeRay manifests for backend \'ray\' '
-            'are not rendered yet)' if recipe == 'gke' else
+    what = ('renders a JobSet for backend \'local\' (gke-ray renders a KubeRay RayJob for '
+            'backend \'ray\')' if recipe == 'gke' else
             "runs every role in one process per host (backend 'local')")
     raise SliceError(f'config.backend={config.backend!r}: the {recipe} recipe {what}; use the '
                      "ray recipe (launch/ray) for backend 'ray', or pass "
@@ -758,6 +760,70 @@ def render_jobset(config: ml_collections.ConfigDict, plan: Plan, slice_: SliceTy
   return ''.join(f'# {h}\n' for h in header) + to_yaml(manifest)
 
 
+def render_rayjob(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceType,
+                  inference: SliceType, opts: argparse.Namespace, spec: str,
+                  overrides: Sequence[str]) -> str:
+  """A KubeRay RayJob: a CPU head (the driver: controller, parameter server, metrics), a
+  trainer worker group on one TPU node pool and an inference group on another."""
+  res = plan.resources
+  json_res = lambda d: '{' + ', '.join(f'"{k}": {v}' for k, v in d.items()) + '}'  # noqa: E731
+  driver = [str(a) for a in launch_args(spec, [
+      *overrides, *RAY_OVERRIDES, '--config.ray.address=auto',
+      f'--config.ray.trainer_resources={json_res(res["trainer"])}',
+      f'--config.ray.worker_resources={json_res(res["worker"])}'], opts.workdir)]
+  # The driver validates with as many (CPU) devices as the trainer actor has TPU chips.
+  entrypoint = (f'cd /app/{REMOTE_DIR} && XLA_FLAGS=--xla_force_host_platform_device_count='
+                f'{plan.devices} {shell_join(driver)}')
+  image = opts.image
+
+  def group(name: str, slice_: SliceType, replicas: int, role: str) -> dict:
+    chips = slice_.chips_per_host
+    # KubeRay passes this to ray start --resources; Ray sees the TPU chips itself.
+    resources = '"' + json_res({role: chips}).replace('"', '\\"') + '"'
+    return {
+        'groupName': name, 'replicas': replicas, 'minReplicas': replicas,
+        'maxReplicas': replicas, 'numOfHosts': slice_.hosts,
+        'rayStartParams': {'resources': resources},
+        'template': {'spec': {
+            'nodeSelector': {'cloud.google.com/gke-tpu-accelerator': slice_.gke_accelerator,
+                             'cloud.google.com/gke-tpu-topology': slice_.gke_topology},
+            'containers': [{'name': 'ray-worker', 'image': image,
+                            'resources': {'requests': {'google.com/tpu': chips},
+                                          'limits': {'google.com/tpu': chips}}}],
+        }},
+    }
+
+  manifest = {
+      'apiVersion': 'ray.io/v1',
+      'kind': 'RayJob',
+      'metadata': {'name': opts.name, 'labels': {'app': 'rlax-llm'}},
+      'spec': {
+          'entrypoint': entrypoint,
+          'shutdownAfterJobFinishes': True,
+          'rayClusterSpec': {
+              'rayVersion': opts.ray_version,
+              'headGroupSpec': {
+                  'rayStartParams': {'dashboard-host': '0.0.0.0'},
+                  'template': {'spec': {'containers': [{
+                      'name': 'ray-head', 'image': image,
+                      'resources': {'requests': {'cpu': opts.head_cpu,
+                                                 'memory': opts.head_memory}}}]}},
+              },
+              'workerGroupSpecs': [
+                  group('trainer', trainer, 1, 'rlax_trainer'),
+                  group('inference', inference, opts.inference_slices, 'rlax_inference')],
+          },
+      },
+  }
+  header = [f'rlax_llm gke-ray recipe: {spec}; trainer on {trainer.describe()}, workers on '
+            f'{opts.inference_slices} x {inference.describe()}; apply with: kubectl apply -f '
+            'FILE (KubeRay must be installed in the cluster)']
+  header += _header(config, plan, spec, overrides)
+  header += ['Preemption: the ray backend writes no checkpoints yet (checkpoint.* are set to 0);',
+             'a lost inference pod costs its workers, a lost trainer pod ends the job.']
+  return ''.join(f'# {h}\n' for h in header) + to_yaml(manifest)
+
+
 # --------------------------------------------------------------------------- the CLI
 
 
@@ -914,6 +980,21 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--grace-period-s', type=int, default=600,
                  help='terminationGracePeriodSeconds: time to checkpoint after SIGTERM')
   p.add_argument('--output', help='also write the manifest to this file')
+  p = sub.add_parser('gke-ray', help='a KubeRay RayJob: trainer and inference workers on '
+                     'separate GKE TPU node pools', allow_abbrev=False)
+  _common(p, gcloud=False)
+  p.add_argument('--trainer-tpu-type', required=True, help='single-host slice, e.g. v5p-8')
+  p.add_argument('--inference-tpu-type', required=True, help='slice, e.g. v5e-8')
+  p.add_argument('--inference-slices', type=int, default=1)
+  p.add_argument('--image', required=True,
+                 help='container image with this checkout at /app/rlax_llm and Ray '
+                 '(launch/gke/Dockerfile with SETUP_FLAGS="--tpu --ray")')
+  p.add_argument('--ray-version', default=RAY_REQUIREMENT.partition('==')[2],
+                 help='rayClusterSpec.rayVersion: the image\'s Ray version')
+  p.add_argument('--head-cpu', default='8', help='the head pod\'s CPU request (the driver)')
+  p.add_argument('--head-memory', default='32Gi',
+                 help='the head pod\'s memory request (host copies of weight versions)')
+  p.add_argument('--output', help='also write the manifest to this file')
   return parser
 
 
@@ -939,7 +1020,7 @@ def run(argv: Sequence[str]) -> int:
   strict = not opts.dry_run
   spec, notes = _remote_spec(opts.config, getattr(opts, 'ref', None), strict)
   recipe_overrides: list[str] = []
-  if opts.recipe == 'ray':
+  if opts.recipe in ('ray', 'gke-ray'):
     recipe_overrides = list(RAY_OVERRIDES)
   config = _load(opts.config, [*overrides, *recipe_overrides])
   opts.name = opts.name or _default_name(config)
@@ -947,7 +1028,7 @@ def run(argv: Sequence[str]) -> int:
     raise SliceError(f'--name={opts.name!r}: use 1-40 lowercase letters, digits and hyphens, '
                      'starting with a letter (a TPU VM / JobSet name).')
   notes += _workdir_notes(opts.workdir)
-  if opts.recipe == 'ray':
+  if opts.recipe in ('ray', 'gke-ray'):
     trainer, inference = get_slice(opts.trainer_tpu_type), get_slice(opts.inference_tpu_type)
     plan = check_ray(config, trainer, inference, opts.inference_slices)
     shared, hbm = False, (trainer.hbm_gib, inference.hbm_gib)
@@ -975,12 +1056,15 @@ def run(argv: Sequence[str]) -> int:
     plan.notes.append(f'memory per chip not estimated: model {config.model.name!r} is not a '
                       'named preset (rlax_llm.models.presets.PRESETS).')
 
-  if opts.recipe == 'gke':
-    distributed, more = _distributed(
-        config, slice_, opts, strict=strict, process_id='$(JOB_COMPLETION_INDEX)',
-        coordinator=f'{opts.name}-slice-0-0.{opts.name}:{opts.coordinator_port}')
-    plan.notes += more
-    manifest = render_jobset(config, plan, slice_, opts, spec, overrides, distributed)
+  if opts.recipe in ('gke', 'gke-ray'):
+    if opts.recipe == 'gke':
+      distributed, more = _distributed(
+          config, slice_, opts, strict=strict, process_id='$(JOB_COMPLETION_INDEX)',
+          coordinator=f'{opts.name}-slice-0-0.{opts.name}:{opts.coordinator_port}')
+      plan.notes += more
+      manifest = render_jobset(config, plan, slice_, opts, spec, overrides, distributed)
+    else:
+      manifest = render_rayjob(config, plan, trainer, inference, opts, spec, overrides)
     if opts.output:
       pathlib.Path(opts.output).write_text(manifest, encoding='utf-8')
     if opts.dry_run:

@@ -330,6 +330,44 @@ def test_gke_dry_run_prints_a_jobset_that_parses(tmp_path, tpu_type, hosts):
     assert container['env'][0]['name'] == 'JOB_COMPLETION_INDEX'
 
 
+def test_gke_ray_dry_run_prints_a_rayjob_with_a_node_pool_per_role(tmp_path):
+  output = tmp_path / 'rayjob.yaml'
+  result = _recipes('gke-ray', '--trainer-tpu-type=v5p-8', '--inference-tpu-type=v5e-8',
+                    '--inference-slices=2', '--image=us-docker.pkg.dev/p/r/rlax:1',
+                    '--workdir=/mnt/runs/r', '--config=configs/default.py:smoke',
+                    '--config.rollout.workers=4', '--config.mesh.inference.data=4',
+                    f'--output={output}', '--dry-run')
+  assert result.returncode == 0, result.stderr[-3000:]
+  manifest = yaml.safe_load(result.stdout)
+  assert yaml.safe_load(output.read_text()) == manifest
+  assert manifest['kind'] == 'RayJob' and manifest['apiVersion'] == 'ray.io/v1'
+  cluster = manifest['spec']['rayClusterSpec']
+  trainer, inference = cluster['workerGroupSpecs']
+  for group, slice_name, replicas, role in ((trainer, 'v5p-8', 1, 'rlax_trainer'),
+                                            (inference, 'v5e-8', 2, 'rlax_inference')):
+    slice_ = get_slice(slice_name)
+    assert group['replicas'] == group['maxReplicas'] == replicas
+    pod = group['template']['spec']
+    assert pod['nodeSelector']['cloud.google.com/gke-tpu-accelerator'] == slice_.gke_accelerator
+    assert pod['containers'][0]['resources']['limits'] == {'google.com/tpu': slice_.chips}
+    # KubeRay hands this string to ray start --resources, which reads JSON.
+    assert json.loads(group['rayStartParams']['resources'].strip('"').replace('\\"', '"')) == {
+        role: slice_.chips}
+  entry = shlex.split(manifest['spec']['entrypoint'].partition(' && ')[2])
+  assert entry[0] == 'XLA_FLAGS=--xla_force_host_platform_device_count=4'
+  assert entry[-7:] == ['--config.checkpoint.every_steps=0',
+                        '--config.checkpoint.every_seconds=0', '--config.backend=ray',
+                        '--config.ray.address=auto',
+                        '--config.ray.trainer_resources={"TPU": 4, "rlax_trainer": 4}',
+                        '--config.ray.worker_resources={"TPU": 4, "rlax_inference": 4}',
+                        '--workdir=/mnt/runs/r']
+  result = _recipes('gke-ray', '--trainer-tpu-type=v5p-8', '--inference-tpu-type=v5e-8',
+                    '--image=i', '--workdir=/w', '--config=configs/default.py:smoke',
+                    '--config.rollout.workers=3', '--config.mesh.inference.data=4', '--dry-run')
+  assert result.returncode == 1
+  assert 'error: config.rollout.workers=3 needs 3 x 4 chips' in result.stderr
+
+
 @pytest.mark.parametrize('args, message', [
     (('tpu-vm', '--tpu-type=v5p-32'), 'error: --tpu-type=v5p-32 has 4 hosts; the tpu-vm recipe '
      'is for one host: use the multihost recipe (launch/multihost)'),
@@ -471,6 +509,9 @@ def test_wrappers_pass_their_arguments_to_the_recipes(tmp_path):
   result = subprocess.run([sys.executable, str(ROOT / 'launch/gke/render.py'), '--help'],
                           cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
   assert result.returncode == 0 and '--image' in result.stdout
+  result = subprocess.run([sys.executable, str(ROOT / 'launch/gke/render_ray.py'), '--help'],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+  assert result.returncode == 0 and '--trainer-tpu-type' in result.stdout
 
 
 def test_host_setup_installs_what_its_flags_ask_for_once(tmp_path):
