@@ -103,7 +103,8 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       inference=ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)),
       disjoint=False,  # True: the trainer takes the first devices, each worker the next ones
   ))
-  c.log = ml_collections.ConfigDict(dict(console_every=1, tensorboard=True))
+  # text_every: sampled completions as TensorBoard text (tag 'samples') every N steps; 0 = off.
+  c.log = ml_collections.ConfigDict(dict(console_every=1, tensorboard=True, text_every=10))
 
   if variant == 'smoke':
     c.name = 'default_smoke'

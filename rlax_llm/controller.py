@@ -538,6 +538,7 @@ class Controller:
     }
     self._start_eval = {}
     t1 = time.perf_counter()
+    advantages = staleness = None  # for writer.write_rollouts (stay None without an update)
     if trained is not None:
       advantages = np.asarray(losses.group_advantages(
           trained.rewards, trained.group_ids, s.advantage_estimator))
@@ -565,6 +566,7 @@ class Controller:
     self._busy_s += t_train
     self.step += 1
     self.step_versions.append(self.trainer.version)
+    self.writer.write_rollouts(self.step, batch.prompts, rollouts, advantages, staleness)
     metrics['version'] = self.trainer.version
     self.writer.ledger(self.step, {
         'batch': batch.index, 'sampling_version': batch.version,

@@ -3,12 +3,16 @@ r"""Command-line entry point: ``python -m rlax_llm.launch``.
     python -m rlax_llm.launch                                  # configs/default.py
     python -m rlax_llm.launch --config=configs/default.py:smoke --config.total_steps=10 \
         --workdir=/tmp/run1
+    python -m rlax_llm.launch --help                           # configs, variants, flags
+    python -m rlax_llm.launch --config=configs/smollm2.py --print_config  # resolved config
 
 ``--config`` takes a config file (``path[:variant]``), ``--config.a.b=value`` overrides a
 field, ``--workdir`` is where the run writes ``config.json``, ``metrics.jsonl``,
 ``summary.json``, ``ledger.jsonl``, TensorBoard events and ``checkpoints/`` (default
 ``./runs/<name>-<timestamp>``). The config is validated (``rlax_llm.config.validate_config``)
-before any compute.
+before any compute. ``--print_config`` prints the resolved, validated config as JSON and
+exits; ``--help`` lists the configs in ``configs/`` with their variants
+(``rlax_llm.launch_help``).
 
 Preemption and resume: SIGTERM or SIGINT makes the run save a checkpoint after the current
 step and exit 0; launching again with the same ``--workdir`` (and the same config; only the
@@ -28,6 +32,7 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
+from rlax_llm import distributed, launch_help
 from rlax_llm import workdir as workdir_lib
 from rlax_llm.config import (DEFAULT_CONFIG_PATH, ConfigError, check_config_spec,
                              check_override_keys, check_resume_config, validate_config)
@@ -36,7 +41,7 @@ _FLAGS: dict[str, flags.FlagHolder] = {}
 
 
 def define_flags() -> None:
-  """Defines ``--config`` (with its overrides) and ``--workdir``.
+  """Defines ``--config`` (with its overrides), ``--workdir`` and ``--print_config``.
 
   ``config_flags`` reads ``sys.argv`` when the flag is defined, so this runs after
   ``check_override_keys`` has vetted the overrides.
@@ -48,26 +53,19 @@ def define_flags() -> None:
       lock_config=True)
   _FLAGS['workdir'] = flags.DEFINE_string(
       'workdir', None, 'Run directory (default ./runs/<config name>-<timestamp>).')
-
-
-def initialize_distributed(config) -> None:
-  """``jax.distributed.initialize`` when ``config.distributed.initialize`` (multi-host: every
-  host runs the same command; on Cloud TPU the arguments are discovered)."""
-  d = config.distributed
-  if not d.initialize:
-    return
-  import jax  # pylint: disable=import-outside-toplevel
-  kwargs = {k: d[k] for k in ('coordinator_address', 'num_processes', 'process_id')
-            if d[k] is not None}
-  jax.distributed.initialize(**kwargs)
-  logging.info('jax.distributed: process %d of %d, %d local / %d global devices',
-               jax.process_index(), jax.process_count(), jax.local_device_count(),
-               jax.device_count())
+  _FLAGS['print_config'] = flags.DEFINE_bool(
+      'print_config', False, 'Print the resolved, validated config as JSON and exit.')
 
 
 def main(argv) -> None:
   del argv
   config = _FLAGS['config'].value
+  try:
+    # Multi-host: join the other hosts before JAX sees a device (validation builds meshes
+    # over jax.devices(), after which jax.distributed.initialize refuses to run).
+    distributed.initialize(config)
+  except ValueError as e:
+    raise SystemExit(f'error: {e}') from None
   try:
     validate_config(config)
   except ConfigError as e:
@@ -98,7 +96,6 @@ def main(argv) -> None:
         raise SystemExit(f'error: workdir {workdir} holds checkpoints but its config.json '
                          f'cannot be read ({e}); pass a new --workdir.') from None
       logging.info('resuming the run in %s', workdir)
-    initialize_distributed(config)
     workdir_lib.write_text_atomic(workdir / 'config.json',
                                   config.to_json_best_effort(indent=2, sort_keys=True))
     checkpointing = bool(config.checkpoint.every_steps or config.checkpoint.every_seconds)
@@ -125,12 +122,25 @@ def main(argv) -> None:
         f'workdir {workdir}')
 
 
+def _main_or_print_config(argv) -> None:
+  """``--print_config`` prints the resolved config and returns; otherwise ``main`` runs."""
+  if _FLAGS['print_config'].value:
+    for name in ('absl', 'jax'):  # stdout is the config; stderr stays quiet unless it fails
+      logging.getLogger(name).setLevel(logging.WARNING)
+    launch_help.print_config(_FLAGS['config'].value)
+    return
+  main(argv)
+
+
 def run_cli() -> None:
-  logging.getLogger('absl').setLevel(logging.INFO)
   argv = sys.argv[1:]
+  if launch_help.wants_help(argv):  # before the config loads: help works with a broken one
+    sys.stdout.write(launch_help.help_text())
+    raise SystemExit(0)
+  logging.getLogger('absl').setLevel(logging.INFO)
   check_override_keys(argv, check_config_spec(argv))
   define_flags()
-  app.run(main)
+  app.run(_main_or_print_config)
 
 
 if __name__ == '__main__':

@@ -10,13 +10,24 @@
   actual value.
 * TensorBoard event files in ``workdir`` (``tensorboardX``), one scalar per key, tag = key.
 * stdout: ``step 12 | reward/mean 0.41 | loss -0.013 | time/step_s 0.21`` for the
-  ``console_keys`` present, in that order, with 4 significant digits.
+  ``console_keys`` present, in that order, with 4 significant digits. Given ``total_steps``
+  the line reads ``step 12/200 (6%) | ... | ETA 41s`` (the rate of the steps this process
+  has written); on a terminal it rewrites itself in place (``\r``), elsewhere (a log file,
+  a notebook, CI) it is one plain line per printed step.
 
 ``ledger(step, row)`` appends to ``workdir/ledger.jsonl`` (per step: the prompt ids consumed
 and the policy versions trained, so anyone can check nothing was skipped or repeated).
 Only JAX process 0 writes (``enabled=None`` decides so); the others' writers do nothing.
-``write_summary`` writes ``workdir/summary.json`` (the final figures of a run), and
-``read_metrics`` reads a ``metrics.jsonl`` back.
+Keys ``hist/NAME`` are vector metrics of bin fractions over ``HISTOGRAM_BIN_EDGES[key]``
+(the trainer's ``hist/log_ratio``, per-token log pi_theta - log pi_behaviour): TensorBoard
+histogram ``NAME``; they are not written to ``metrics.jsonl`` or the console.
+``write_rollouts`` adds what scalars cannot show, to TensorBoard: histograms of the
+rewards, the advantages and the per-token staleness of a step's rollouts, and every
+``text_every`` steps a markdown table of sampled prompts and completions (tag ``samples``).
+``write_summary`` writes ``workdir/summary.json`` (the final figures of a run) and prints a
+summary table (first, last, min and max of the key metrics over the run, then the summary's
+own figures); ``read_metrics`` reads a ``metrics.jsonl`` back. ``MetricsWriter.from_config``
+builds a writer from the run config's ``log`` group.
 """
 
 from __future__ import annotations
@@ -25,6 +36,8 @@ import json
 import math
 import os
 import pathlib
+import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,10 +47,18 @@ import numpy as np
 import tensorboardX
 
 from rlax_llm import workdir as workdir_lib
+from rlax_llm.losses.diagnostics import LOG_RATIO_BIN_EDGES
 
 METRICS_FILENAME = 'metrics.jsonl'
 SUMMARY_FILENAME = 'summary.json'
 DEFAULT_CONSOLE_KEYS = ('reward/mean', 'loss', 'eval/accuracy', 'time/step_s')
+# Rows of the final summary table (when the run wrote them), in this order.
+SUMMARY_TABLE_KEYS = ('reward/mean', 'loss', 'entropy', 'grad_norm', 'staleness/mean',
+                      'eval/accuracy', 'time/step_s', 'time/rollout_tokens_per_s')
+# Vector metrics: key -> bin edges. ``write`` draws each as a TensorBoard histogram (tag: the
+# key without 'hist/'), from bin fractions computed where the data lives (the trainer's step).
+HISTOGRAM_BIN_EDGES = {'hist/log_ratio': LOG_RATIO_BIN_EDGES}
+TEXT_SAMPLES = 4  # prompts shown per ``samples`` text entry (the first row of each group)
 
 Scalar = int | float
 
@@ -97,6 +118,20 @@ def _format_console(value: Scalar) -> str:
   return str(value) if isinstance(value, int) else f'{value:.4g}'
 
 
+def _format_duration(seconds: float) -> str:
+  """``41s``, ``3m05s``, ``2h07m``."""
+  seconds = max(0, int(round(seconds)))
+  if seconds < 60:
+    return f'{seconds}s'
+  if seconds < 3600:
+    return f'{seconds // 60}m{seconds % 60:02d}s'
+  return f'{seconds // 3600}h{seconds % 3600 // 60:02d}m'
+
+
+def _markdown_cell(text: str) -> str:
+  return str(text).replace('|', '\\|').replace('\n', '<br>')
+
+
 class MetricsWriter:
   """Writes per-step scalar metrics to ``metrics.jsonl``, TensorBoard and the console.
 
@@ -115,6 +150,9 @@ class MetricsWriter:
     console: bool = True,
     console_every: int = 1,
     console_keys: Sequence[str] = DEFAULT_CONSOLE_KEYS,
+    total_steps: int | None = None,
+    text_every: int = 0,
+    tty: bool | None = None,
     resume_step: int | None = None,
     enabled: bool | None = None,
   ):
@@ -127,6 +165,10 @@ class MetricsWriter:
         console: also print a progress line to stdout.
         console_every: print the progress line for steps that are multiples of this (>= 1).
         console_keys: metric keys shown on the progress line, in this order, when present.
+        total_steps: the run's last step; adds progress and an ETA to the console line.
+        text_every: ``write_rollouts`` writes sampled completions as text at steps that are
+            multiples of this (0: never).
+        tty: whether stdout is a terminal (progress rewritten in place); None: ask stdout.
         resume_step: a resumed run's restored step: rows of later steps are removed from
             ``metrics.jsonl`` and ``ledger.jsonl`` and purged from TensorBoard.
         enabled: write anything at all (default: only on JAX process 0).
@@ -141,6 +183,16 @@ class MetricsWriter:
         f'console_keys must be a sequence of keys, got the string {console_keys!r}; '
         f'write ({console_keys!r},) for a single key.'
       )
+    for name, value in (('total_steps', total_steps), ('text_every', text_every)):
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                or value < 0):
+        raise ValueError(f'{name} must be an int >= 0, got {value!r}.')
+    self._total_steps = total_steps
+    self._text_every = text_every
+    self._tty = sys.stdout.isatty() if tty is None else tty
+    self._progress_start: tuple[int, float] | None = None  # (first step, its time)
+    self._line_open = False  # a progress line without its newline is on the terminal
+    self._seen: dict[str, list[Scalar]] = {}  # key -> [first, last, min, max]
     self._workdir = pathlib.Path(workdir)
     self._enabled = jax.process_index() == 0 if enabled is None else enabled
     self._console = console
@@ -159,6 +211,16 @@ class MetricsWriter:
     self._tb = (tensorboardX.SummaryWriter(
         logdir=str(self._workdir),
         purge_step=None if resume_step is None else resume_step + 1) if tensorboard else None)
+
+  @classmethod
+  def from_config(cls, workdir: str | os.PathLike, config: Any, **kwargs: Any
+                  ) -> MetricsWriter:
+    """The run's writer: ``config.log`` (``tensorboard``, ``console_every``, ``text_every``)
+    and ``config.total_steps`` (for the ETA); ``kwargs`` (e.g. ``resume_step``) go to the
+    constructor."""
+    log = config.log
+    return cls(workdir, tensorboard=log.tensorboard, console_every=log.console_every,
+               total_steps=config.total_steps, text_every=log.get('text_every', 0), **kwargs)
 
   @property
   def workdir(self) -> pathlib.Path:
@@ -193,12 +255,16 @@ class MetricsWriter:
       raise ValueError(f'step must be an int, got {step!r} of type {type(step).__name__}.')
     step = int(step)
     values: dict[str, Scalar] = {}
+    binned: dict[str, np.ndarray] = {}
     for key, value in metrics.items():
       if not isinstance(key, str) or not key:
         raise ValueError(f'metric keys must be non-empty strings, got {key!r}.')
       if key == 'step':
         raise ValueError("metric key 'step' is reserved for the step argument; rename the metric.")
-      values[key] = _to_scalar(key, value)
+      if key.startswith('hist/'):
+        binned[key] = self._check_bins(key, value)
+      else:
+        values[key] = _to_scalar(key, value)
 
     record = {'step': step, **{k: _json_safe(v) for k, v in values.items()}}
     self._jsonl.write(json.dumps(record, allow_nan=False) + '\n')
@@ -206,11 +272,124 @@ class MetricsWriter:
     if self._tb is not None:
       for key, value in values.items():
         self._tb.add_scalar(key, value, step)
+      for key, fractions in binned.items():
+        self._write_binned(step, key, fractions)
+    for key, value in values.items():
+      if isinstance(value, float) and not math.isfinite(value):
+        continue
+      seen = self._seen.setdefault(key, [value, value, value, value])
+      seen[1], seen[2], seen[3] = value, min(seen[2], value), max(seen[3], value)
+    now = time.perf_counter()
+    if self._progress_start is None:
+      self._progress_start = (step, now)
     if self._console and step % self._console_every == 0:
-      parts = [f'step {step}'] + [
-        f'{k} {_format_console(values[k])}' for k in self._console_keys if k in values
-      ]
-      print(' | '.join(parts), flush=True)
+      self._print_progress(step, values, now)
+
+  def _print_progress(self, step: int, values: Mapping[str, Scalar], now: float) -> None:
+    head = f'step {step}'
+    if self._total_steps:
+      head += f'/{self._total_steps} ({100 * step // self._total_steps}%)'  # 100% only at the end
+    parts = [head] + [
+      f'{k} {_format_console(values[k])}' for k in self._console_keys if k in values
+    ]
+    if self._total_steps:
+      first_step, first_time = self._progress_start
+      remaining = self._total_steps - step
+      if step > first_step and remaining > 0:
+        eta = (now - first_time) / (step - first_step) * remaining
+        parts.append(f'ETA {_format_duration(eta)}')
+    line = ' | '.join(parts)
+    if self._tty:
+      done = self._total_steps is None or step >= self._total_steps
+      print('\r\033[K' + line, end='\n' if done else '', flush=True)
+      self._line_open = not done
+    else:
+      print(line, flush=True)
+
+  def _end_line(self) -> None:
+    if self._line_open:
+      print(flush=True)
+      self._line_open = False
+
+  @staticmethod
+  def _check_bins(key: str, value: Any) -> np.ndarray:
+    if key not in HISTOGRAM_BIN_EDGES:
+      raise ValueError(f'metric {key!r}: keys starting with hist/ are binned histograms, and '
+                       f'only {sorted(HISTOGRAM_BIN_EDGES)} have bin edges; add its edges to '
+                       'rlax_llm.metrics.HISTOGRAM_BIN_EDGES or rename the metric.')
+    arr = np.asarray(jax.device_get(value), dtype=np.float64)
+    bins = len(HISTOGRAM_BIN_EDGES[key]) - 1
+    if arr.shape != (bins,):
+      raise ValueError(f'metric {key!r} has shape {arr.shape}; its edges make {bins} bins, so '
+                       f'it must be a vector of {bins} bin fractions.')
+    return arr
+
+  def _write_binned(self, step: int, key: str, fractions: np.ndarray) -> None:
+    """A TensorBoard histogram from bin fractions (moments from the bin centres)."""
+    edges = np.asarray(HISTOGRAM_BIN_EDGES[key])
+    used = np.flatnonzero(fractions > 0)
+    if not used.size or not np.all(np.isfinite(fractions)):
+      return
+    centres = (edges[:-1] + edges[1:]) / 2
+    self._tb.add_histogram_raw(
+        key.removeprefix('hist/'), min=float(edges[used[0]]), max=float(edges[used[-1] + 1]),
+        num=float(fractions.sum()), sum=float(fractions @ centres),
+        sum_squares=float(fractions @ centres**2), bucket_limits=edges[1:].tolist(),
+        bucket_counts=fractions.tolist(), global_step=int(step))
+
+  def write_histogram(self, step: int, key: str, values: Any) -> None:
+    """A TensorBoard histogram of ``values`` (any shape, flattened; non-finite dropped).
+
+    No-op without TensorBoard or when no finite value is left.
+    """
+    if self._tb is None:
+      return
+    arr = np.asarray(jax.device_get(values), dtype=np.float64).ravel()
+    arr = arr[np.isfinite(arr)]
+    if arr.size:
+      self._tb.add_histogram(key, arr, int(step))
+
+  def write_text(self, step: int, key: str, text: str) -> None:
+    """A TensorBoard text entry (markdown). No-op without TensorBoard."""
+    if self._tb is not None:
+      self._tb.add_text(key, text, int(step))
+
+  def write_rollouts(self, step: int, prompts: Sequence[Any], rollouts: Any,
+                     advantages: Any = None, staleness: Any = None) -> None:
+    """Histograms of one step's rollouts and, every ``text_every`` steps, samples as text.
+
+    Args:
+      step: the step (as in ``write``).
+      prompts: the batch's prompts (``rlax_llm.tasks.base.Prompt``); row ``i`` of
+        ``rollouts`` answers ``prompts[rollouts.group_ids[i]]``.
+      rollouts: the scored ``rlax_llm.data_types.Rollouts`` (``rewards`` filled in).
+      advantages: float [B'] of the rows trained on, or None (no update this step).
+      staleness: int [tokens] of the trained tokens (``trainer version - sampling
+        version``), or None.
+
+    Histogram tags: ``reward``, ``advantages``, ``staleness``, ``completion/length``.
+    Text tag: ``samples`` (prompt, completion, reward, sampling version of the first row of
+    the first ``TEXT_SAMPLES`` groups).
+    """
+    if self._tb is None:
+      return
+    self.write_histogram(step, 'reward', rollouts.rewards)
+    self.write_histogram(step, 'completion/length', np.sum(rollouts.completion_mask, 1))
+    if advantages is not None:
+      self.write_histogram(step, 'advantages', advantages)
+    if staleness is not None:
+      self.write_histogram(step, 'staleness', staleness)
+    if self._text_every and step % self._text_every == 0:
+      rows = ['| prompt | completion | reward | version |', '| --- | --- | --- | --- |']
+      group_ids = np.asarray(rollouts.group_ids)
+      for group in sorted(set(group_ids.tolist()))[:TEXT_SAMPLES]:
+        i = int(np.flatnonzero(group_ids == group)[0])
+        versions = np.asarray(rollouts.versions[i])
+        version = int(versions.max()) if versions.size else -1
+        reward = 'n/a' if rollouts.rewards is None else f'{float(rollouts.rewards[i]):.3g}'
+        rows.append(f'| {_markdown_cell(prompts[group].text)} | '
+                    f'{_markdown_cell(rollouts.completions[i])} | {reward} | {version} |')
+      self.write_text(step, 'samples', '\n'.join(rows))
 
   def ledger(self, step: int, row: Mapping[str, Any]) -> None:
     """Appends ``{"step": step, **row}`` (JSON-safe values) to ``ledger.jsonl``, flushed."""
@@ -240,7 +419,29 @@ class MetricsWriter:
     tmp = path.with_name(path.name + '.tmp')
     tmp.write_text(json.dumps(content, indent=2, allow_nan=False) + '\n', encoding='utf-8')
     os.replace(tmp, path)  # atomic: a reader never sees a half-written summary
+    if self._console:
+      self._end_line()
+      print(self.summary_table(content), flush=True)
     return path
+
+  def summary_table(self, summary: Mapping[str, Any] | None = None) -> str:
+    """The final table: first / last / min / max of ``SUMMARY_TABLE_KEYS`` as written by
+    this writer, then the scalar figures of ``summary``."""
+    lines = ['run summary']
+    rows = [(k, self._seen[k]) for k in SUMMARY_TABLE_KEYS if k in self._seen]
+    if rows:
+      width = max(len(k) for k, _ in rows)
+      lines.append(f'  {"metric".ljust(width)}  {"first":>10} {"last":>10} {"min":>10} '
+                   f'{"max":>10}')
+      for key, values in rows:
+        lines.append(f'  {key.ljust(width)}  ' + ' '.join(
+            f'{_format_console(v):>10}' for v in values))
+    scalars = [(k, v) for k, v in (summary or {}).items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if scalars:
+      width = max(len(k) for k, _ in scalars)
+      lines += [f'  {k.ljust(width)}  {_format_console(v):>10}' for k, v in scalars]
+    return '\n'.join(lines)
 
   def flush(self) -> None:
     """Flushes ``metrics.jsonl`` and the TensorBoard events to disk."""
@@ -255,6 +456,7 @@ class MetricsWriter:
     if self._closed:
       return
     self._closed = True
+    self._end_line()
     self._jsonl.close()
     self._ledger.close()
     if self._tb is not None:

@@ -56,7 +56,7 @@ def test_run_writes_config_metrics_and_events(smoke_run):
 
 def test_run_prints_progress_and_final_accuracy(smoke_run):
   _, result = smoke_run
-  assert 'step 4 |' in result.stdout
+  assert 'step 4/4 (100%) |' in result.stdout
   assert 'held-out greedy accuracy: RL start' in result.stdout
 
 
@@ -142,3 +142,47 @@ def test_unknown_variant_fails(tmp_path):
   result = _launch('--config=configs/default.py:bogus', f'--workdir={tmp_path}/wd', timeout=60)
   assert result.returncode != 0
   assert "Unknown variant 'bogus'" in result.stderr
+
+
+def test_help_lists_every_config_with_its_variants_and_the_flags():
+  from rlax_llm.config import config_variants  # pylint: disable=import-outside-toplevel
+  result = _launch('--help', timeout=60)
+  assert result.returncode == 0, result.stderr[-2000:]
+  out = result.stdout
+  assert out.startswith('usage: python -m rlax_llm.launch')
+  for path in sorted((ROOT / 'configs').glob('*.py')):
+    variants = ', '.join(config_variants(path)) or '(none)'
+    assert f'configs/{path.name}' in out and f'variants: {variants}' in out, out
+  assert 'configs/default.py (the default)  variants: smoke' in out
+  for flag in ('--config=PATH[:VARIANT]', '--config.KEY=VALUE', '--workdir=DIR',
+               '--print_config', '--helpfull', 'launch/README.md'):
+    assert flag in out, flag
+
+
+def test_help_works_even_when_the_config_is_broken():
+  result = _launch('--config=configs/no_such_file.py', '-h', timeout=60)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert 'variants: smoke' in result.stdout
+
+
+def test_print_config_prints_the_resolved_config_and_runs_nothing(tmp_path):
+  workdir = tmp_path / 'wd'
+  result = _launch('--config=configs/default.py:smoke', '--config.rl.loss=dapo',
+                   '--config.total_steps=7', "--config.ray.trainer_resources={'TPU': 4}",
+                   '--print_config', f'--workdir={workdir}', timeout=60)
+  assert result.returncode == 0, result.stderr[-2000:]
+  config = json.loads(result.stdout)
+  assert config['name'] == 'default_smoke' and config['rl']['loss'] == 'dapo'
+  assert config['total_steps'] == 7 and config['ray']['trainer_resources'] == {'TPU': 4}
+  assert not workdir.exists() and result.stderr == ''
+
+
+@pytest.mark.parametrize('flag, message', [
+    ('--config.rl.group_size=0', 'error: config.rl.group_size=0 must be an int >= 1.'),
+    ('--config.mesh.trainer.fsdp=3', 'error: config.mesh.trainer:'),
+    ('--config.rl.los=grpo', "unknown config key 'rl.los'"),
+])
+def test_print_config_of_an_invalid_config_fails_with_the_key(flag, message):
+  result = _launch('--config=configs/default.py:smoke', flag, '--print_config', timeout=60)
+  assert result.returncode != 0 and result.stdout == ''
+  assert message in result.stderr and 'Traceback' not in result.stderr, result.stderr[-2000:]

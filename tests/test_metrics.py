@@ -203,3 +203,86 @@ def test_read_metrics_errors(tmp_path):
   (tmp_path / 'metrics.jsonl').write_text('{"step": 0}\n\n{"step": 1\n')
   with pytest.raises(ValueError, match=r'metrics.jsonl:3 is not valid JSON'):
     read_metrics(tmp_path)
+
+
+def test_progress_line_has_an_eta_from_the_rate_of_written_steps(tmp_path, capsys, monkeypatch):
+  clock = iter([100.0, 102.0, 104.0, 106.0])
+  monkeypatch.setattr('rlax_llm.metrics.time.perf_counter', lambda: next(clock))
+  with MetricsWriter(tmp_path, tensorboard=False, total_steps=70, tty=False) as writer:
+    for step in (10, 11, 12):  # a resumed run: the rate counts this process's steps
+      writer.write(step, {'loss': 1.0})
+  assert capsys.readouterr().out.splitlines() == [
+    'step 10/70 (14%) | loss 1',
+    'step 11/70 (15%) | loss 1 | ETA 1m58s',  # 2 s/step x 59 steps
+    'step 12/70 (17%) | loss 1 | ETA 1m56s',
+  ]
+
+
+def test_on_a_terminal_the_progress_line_is_rewritten_in_place(tmp_path, capsys):
+  with MetricsWriter(tmp_path, tensorboard=False, total_steps=2, tty=True) as writer:
+    writer.write(1, {'loss': 1.0})
+    assert capsys.readouterr().out == '\r\033[Kstep 1/2 (50%) | loss 1'  # no newline yet
+    writer.write(2, {'loss': 0.5})
+  assert capsys.readouterr().out == '\r\033[Kstep 2/2 (100%) | loss 0.5\n'  # done: newline
+  with MetricsWriter(tmp_path, tensorboard=False, total_steps=5, tty=True) as writer:
+    writer.write(1, {'loss': 1.0})
+  assert capsys.readouterr().out.endswith('loss 1\n')  # close ends an open line
+
+
+def test_summary_table_shows_first_last_min_max_and_the_summary(tmp_path, capsys):
+  with MetricsWriter(tmp_path, tensorboard=False, tty=False) as writer:
+    for step, reward in enumerate([0.5, 0.25, 0.75, 0.5], 1):
+      writer.write(step, {'reward/mean': reward, 'other': 1.0})
+    capsys.readouterr()
+    writer.write_summary({'eval/improvement': 0.125, 'events': []})
+  assert capsys.readouterr().out.splitlines() == [
+    'run summary',
+    '  metric            first       last        min        max',
+    '  reward/mean         0.5        0.5       0.25       0.75',
+    '  eval/improvement       0.125',
+  ]
+
+
+def test_histograms_drop_non_finite_values_and_text_is_stored(tmp_path):
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+  with MetricsWriter(tmp_path, console=False) as writer:
+    writer.write_histogram(3, 'advantages', np.array([[1.0, -1.0], [np.nan, 0.5]]))
+    writer.write_histogram(3, 'empty', np.array([np.inf]))
+    writer.write_text(3, 'samples', '| a | b |')
+  events = EventAccumulator(str(tmp_path), size_guidance={'histograms': 0, 'tensors': 0})
+  events.Reload()
+  assert events.Tags()['histograms'] == ['advantages']
+  (hist,) = events.Histograms('advantages')
+  assert (hist.step, hist.histogram_value.num, hist.histogram_value.sum) == (3, 3, 0.5)
+  (text,) = events.Tensors('samples/text_summary')
+  assert text.tensor_proto.string_val[0].decode() == '| a | b |'
+
+
+@pytest.mark.parametrize('name, value', [('total_steps', -1), ('text_every', 1.5),
+                                         ('text_every', True)])
+def test_total_steps_and_text_every_are_validated(tmp_path, name, value):
+  with pytest.raises(ValueError, match=f'{name} must be an int >= 0'):
+    MetricsWriter(tmp_path, tensorboard=False, **{name: value})
+
+
+def test_hist_keys_become_tensorboard_histograms_not_scalars(tmp_path):
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+  from rlax_llm.metrics import HISTOGRAM_BIN_EDGES
+  fractions = np.zeros(len(HISTOGRAM_BIN_EDGES['hist/log_ratio']) - 1)
+  fractions[[0, 21]] = [0.25, 0.75]  # bins [-1, -0.95) and [0.05, 0.1)
+  with MetricsWriter(tmp_path, console=False) as writer:
+    writer.write(4, {'loss': 1.0, 'hist/log_ratio': fractions})
+    with pytest.raises(ValueError, match=r"metric 'hist/log_ratio' has shape \(3,\); its "
+                       'edges make 40 bins'):
+      writer.write(5, {'hist/log_ratio': np.ones(3)})
+    with pytest.raises(ValueError, match="metric 'hist/other': keys starting with hist/"):
+      writer.write(5, {'hist/other': np.ones(3)})
+  assert read_metrics(tmp_path) == [{'step': 4, 'loss': 1.0}]
+  events = EventAccumulator(str(tmp_path), size_guidance={'histograms': 0})
+  events.Reload()
+  assert events.Tags()['scalars'] == ['loss']
+  (hist,) = events.Histograms('log_ratio')
+  h = hist.histogram_value
+  assert (hist.step, h.num, h.min, h.max) == (4, 1.0, -1.0, pytest.approx(0.1))
+  assert h.sum == pytest.approx(0.25 * -0.975 + 0.75 * 0.075)
+  assert list(h.bucket)[0] == 0.25 and list(h.bucket)[21] == 0.75

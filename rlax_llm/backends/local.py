@@ -183,10 +183,9 @@ def build_run(config: ml_collections.ConfigDict, workdir, stop=None) -> Iterator
              for n, mesh in enumerate(meshes['inference'])]
   server = ParameterServer(keep=config.staleness.k + 2)
   try:
-    with MetricsWriter(workdir, tensorboard=config.log.tensorboard,
-                       console_every=config.log.console_every,
-                       resume_step=(restored.step if restored is not None else
-                                    0 if checkpointer is not None else None)) as writer:
+    with MetricsWriter.from_config(
+        workdir, config, resume_step=(restored.step if restored is not None else
+                                      0 if checkpointer is not None else None)) as writer:
       controller = Controller(settings, task, trainer, workers, server, writer,
                               checkpointer=checkpointer, stop=stop)
       if restored is not None:

@@ -186,8 +186,7 @@ def build_run(config: ml_collections.ConfigDict, workdir, stop=None) -> Iterator
     warmup_metrics = ray.get(trainer_actor.warmup.remote())
     workers = [RayWorker(actor) for actor in worker_actors]
     server = ParameterServer(keep=config.staleness.k + 2)
-    with MetricsWriter(workdir, tensorboard=config.log.tensorboard,
-                       console_every=config.log.console_every) as writer:
+    with MetricsWriter.from_config(workdir, config) as writer:
       yield Run(Controller(settings, task, RayTrainer(trainer_actor), workers, server, writer,
                            stop=stop), writer, warmup_metrics)
   finally:

@@ -28,7 +28,8 @@ from rlax_llm.losses.components import (
                                         sequence_log_ratio,
                                         token_log_ratio,
 )
-from rlax_llm.losses.diagnostics import mismatch_diagnostics, ratio_diagnostics
+from rlax_llm.losses.diagnostics import (LOG_RATIO_BIN_EDGES, log_ratio_histogram,
+                                         mismatch_diagnostics, ratio_diagnostics)
 from rlax_llm.losses.kl import KL_ESTIMATORS, kl_penalty
 from rlax_llm.losses.policy import (
                                         LOSSES,
@@ -44,6 +45,7 @@ __all__ = [
     'AGGREGATIONS', 'ESTIMATORS', 'KL_ESTIMATORS', 'LOSSES', 'M2PO_VARIANTS', 'LossConfig',
     'LossSpec', 'MismatchConfig', 'Totals', 'aggregate', 'batch_normalize', 'batch_totals',
     'group_advantages', 'grpo_advantages', 'grpo_loss', 'kl_penalty', 'm2po_loss', 'm2po_mask', 'm2po_trust_region_candidates',
+    'LOG_RATIO_BIN_EDGES', 'log_ratio_histogram',
     'masked_token_mean', 'mismatch_diagnostics', 'mismatch_weights', 'policy_loss',
     'ppo_clip_objective', 'ratio_diagnostics', 'sequence_log_ratio', 'token_log_ratio',
 ]

@@ -1,16 +1,42 @@
 """Masked statistics the losses report: importance weights, second moments, mismatch.
 
-Every function reads only tokens where ``mask`` is set, returns float32 scalars and carries
-no gradient. With no masked token a statistic is 0 (never NaN).
+Every function reads only tokens where ``mask`` is set, returns float32 scalars (except
+``log_ratio_histogram``: a fixed-size vector) and carries no gradient. With no masked token a
+statistic is 0 (never NaN).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rlax_llm.losses.components import masked_token_mean, safe_exp
 from rlax_llm.losses.kl import kl_penalty
+
+
+# Bins of the per-token log-ratio histogram (log pi_theta - log pi_behaviour): 40 bins of
+# 0.05 over [-1, 1]; values beyond land in the end bins. rlax_llm.metrics draws the
+# trainer's 'hist/log_ratio' with these edges.
+LOG_RATIO_BIN_EDGES = tuple(float(x) for x in np.linspace(-1.0, 1.0, 41))
+
+
+def log_ratio_histogram(log_ratio: jax.Array, mask: jax.Array) -> jax.Array:
+  """Fraction of the masked tokens in each ``LOG_RATIO_BIN_EDGES`` bin.
+
+  Args:
+    log_ratio: float [B, T], e.g. ``log pi_theta - log pi_behaviour``.
+    mask: [B, T], tokens to count.
+
+  Returns:
+    float32 [len(LOG_RATIO_BIN_EDGES) - 1], summing to 1 (0 everywhere with no masked token).
+    A fixed shape, so it survives ``jit`` and micro-batch averaging like a scalar metric.
+  """
+  edges = jnp.asarray(LOG_RATIO_BIN_EDGES, jnp.float32)
+  x = jnp.clip(jax.lax.stop_gradient(log_ratio).astype(jnp.float32), edges[0], edges[-1])
+  w = mask.astype(jnp.float32)
+  counts, _ = jnp.histogram(x, bins=edges, weights=w)
+  return counts / jnp.maximum(jnp.sum(w), 1.0)
 
 
 def masked_max(x: jax.Array, mask: jax.Array) -> jax.Array:

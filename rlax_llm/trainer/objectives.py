@@ -41,8 +41,9 @@ def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
   With ``loss_config.old_logprobs == 'recompute'`` the proximal log-probs are these same
   log-probs, detached (the params before the update); with ``kl_beta > 0`` the reference
   log-probs come from ``reference_params`` through the same policy transform.
-  Metrics add ``entropy`` (of the policy distribution) and
-  ``policy/out_of_support_fraction`` (loss tokens outside the policy's top-k/top-p support).
+  Metrics add ``entropy`` (of the policy distribution),
+  ``policy/out_of_support_fraction`` (loss tokens outside the policy's top-k/top-p support) and
+  ``hist/log_ratio`` (``losses.log_ratio_histogram`` of log pi_theta - log pi_behaviour).
   ``logprob_chunk`` > 0 computes the log-probs ``logprob_chunk`` positions at a time, never
   materialising ``[B, T, V]`` logits (``Policy.sequence_log_probs``).
   """
@@ -65,6 +66,9 @@ def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
   diagnostics['entropy'] = losses.masked_token_mean(scored.entropy, mask)
   diagnostics['policy/out_of_support_fraction'] = losses.masked_token_mean(
       ~scored.in_support, mask)
+  # A vector metric: rlax_llm.metrics draws it as the TensorBoard histogram 'log_ratio'.
+  diagnostics['hist/log_ratio'] = losses.log_ratio_histogram(
+      scored.logp - batch.behaviour_logprobs[:, 1:], mask)
   return loss, diagnostics
 
 

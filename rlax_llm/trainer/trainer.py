@@ -132,7 +132,9 @@ class Trainer:
     with sharding_lib.activation_sharding(self.mesh, self.rules):  # used when tracing
       self.params, self.opt_state, metrics = self._step(
           self.params, self.opt_state, batch, self.reference_params)
-    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    # Scalars as floats; vector metrics ('hist/...': histogram bins) as numpy arrays.
+    metrics = {k: float(v) if np.ndim(v) == 0 else np.asarray(v)
+               for k, v in jax.device_get(metrics).items()}
     if metrics['update/skipped']:
       self.nonfinite_streak += 1
       if self.nonfinite_streak >= self.max_nonfinite_updates:

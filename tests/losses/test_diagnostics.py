@@ -206,3 +206,20 @@ def test_ratio_and_mismatch_diagnostics_functions():
   for v in {**mismatch_diagnostics(x['logp'], x['rollout'], np.zeros_like(m)),
             **ratio_diagnostics(jnp.asarray(log_r), np.zeros_like(m))}.values():
     assert float(v) == 0.0
+
+
+def test_log_ratio_histogram_matches_numpy_and_clips_into_the_end_bins():
+  rng = np.random.default_rng(0)
+  log_ratio = rng.normal(0.0, 0.6, size=(4, 32)).astype(np.float32)
+  log_ratio[0, :3] = [-5.0, 7.0, 1.0]  # beyond the range, and the top edge itself
+  mask = rng.random((4, 32)) < 0.7
+  mask[0, :3] = True
+  got = np.asarray(D.log_ratio_histogram(jnp.asarray(log_ratio), jnp.asarray(mask)))
+  edges = np.asarray(D.LOG_RATIO_BIN_EDGES)
+  counts, _ = np.histogram(np.clip(log_ratio[mask], edges[0], edges[-1]), bins=edges)
+  np.testing.assert_allclose(got, counts / mask.sum(), rtol=1e-6)
+  assert got.shape == (40,) and got.sum() == pytest.approx(1.0)
+  n = mask.sum()
+  assert got[0] * n >= 1 and got[-1] * n >= 2  # -5 in the first bin; 7 and 1 in the last
+  empty = D.log_ratio_histogram(jnp.asarray(log_ratio), jnp.zeros((4, 32), bool))
+  assert not np.any(np.asarray(empty))

