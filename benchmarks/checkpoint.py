@@ -48,6 +48,7 @@ def main() -> None:
   parser.add_argument('--batch', type=int, default=8)
   parser.add_argument('--length', type=int, default=128)
   parser.add_argument('--steps', type=int, default=3)
+  parser.add_argument('--micro_batches', type=int, default=1)
   args = parser.parse_args()
 
   config = dataclasses.replace(presets.PRESETS['smollm2-135m'], max_seq_len=args.length)
@@ -67,7 +68,8 @@ def main() -> None:
   objective = functools.partial(objectives.rl_objective, Policy(model, SamplingSpec()),
                                 losses.LossConfig(loss='grpo').resolve(), logprob_chunk=64)
   mesh = make_mesh({'data': 1, 'fsdp': 1, 'tensor': 1}, jax.devices()[:1])
-  trainer = Trainer(model, params, make_optimizer(1e-6), objective, mesh)
+  trainer = Trainer(model, params, make_optimizer(1e-6), objective, mesh,
+                    micro_batches=args.micro_batches, totals_fn=objectives.loss_totals)
   state_bytes = sum(x.nbytes for x in jax.tree.leaves((trainer.params, trainer.opt_state)))
 
   def step() -> float:
@@ -112,6 +114,7 @@ def main() -> None:
   blocked_s = float(np.median(blocked))
   print(json.dumps({
       'state_bytes': state_bytes, 'batch': args.batch, 'length': args.length,
+      'micro_batches': args.micro_batches,
       'step_s': step_s, 'blocked_s': blocked_s, 'blocked_fraction': blocked_s / step_s,
       'step_s_during_save': float(np.median(during)),
       'step_slowdown_during_save': float(np.median(during)) / step_s,

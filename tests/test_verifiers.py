@@ -114,9 +114,15 @@ def test_score_math_slow_expression_is_cut_at_its_timeout():
 
 
 def test_math_verify_is_not_imported_in_this_process():
-  score_math('\\boxed{\\frac{1}{2}}', '0.5')
+  """Checked in a fresh interpreter (other tests import torch, which imports sympy)."""
+  import subprocess  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
-  assert 'math_verify' not in sys.modules and 'sympy' not in sys.modules
+  code = ('import sys; from rlax_llm.verifiers import score_math; '
+          "r = score_math('\\\\boxed{\\\\frac{1}{2}}', '0.5'); "
+          "print(r, 'math_verify' in sys.modules, 'sympy' in sys.modules)")
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                       check=True, timeout=60).stdout.split()
+  assert out == ['1.0', 'False', 'False'], out
 
 
 # ----------------------------------------------------------------------- score_python
