@@ -70,10 +70,13 @@ class SleepWorker:
   def __init__(self, seconds: float, width: int = 4):
     self.seconds = seconds
     self.width = width
+    self.version = -1
     self._pool = concurrent.futures.ThreadPoolExecutor(1)
 
   def _generate(self, requests, rng_data, update):
-    del rng_data, update
+    del rng_data
+    if update is not None:
+      self.version = update.version  # the weights it samples with (recorded per token)
     time.sleep(self.seconds)
     counts = [r.num_samples for r in requests]
     b, w = sum(counts), self.width
@@ -83,7 +86,8 @@ class SleepWorker:
         prompt_tokens=np.ones((b, 2), np.int32), prompt_lengths=np.full(b, 2, np.int32),
         completion_tokens=np.ones((b, w), np.int32), completion_mask=np.ones((b, w), bool),
         behaviour_logprobs=np.zeros((b, w), np.float32),
-        support_sizes=np.ones((b, w), np.int32), versions=np.zeros((b, w), np.int32),
+        support_sizes=np.ones((b, w), np.int32),
+        versions=np.full((b, w), self.version, np.int32),
         finish_reasons=np.full(b, 'stop'), completions=[''] * b,
         sampling=requests[0].sampling, timings={'generate_s': self.seconds})
 
@@ -105,7 +109,7 @@ def run_sleeps(train_s: float, rollout_s: float, j: int, k: int, steps: int) -> 
     controller = Controller(settings, task, trainer, [SleepWorker(rollout_s)],
                             ParameterServer(keep=k + 2), writer)
     controller.start_accuracy = controller.accuracy = 0.0  # no evaluation in this setting
-    controller.evaluate = lambda: 0.0
+    controller.evaluate = lambda: {'eval/accuracy': 0.0}
     start = time.perf_counter()
     controller.run()
     wall = time.perf_counter() - start
