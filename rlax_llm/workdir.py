@@ -119,22 +119,28 @@ def existing_steps(workdir: str | os.PathLike) -> int:
   Returns:
     0 when ``metrics.jsonl`` is absent or holds no complete step row.
   """
-  path = pathlib.Path(workdir) / METRICS_FILENAME
-  steps = set()
   try:
-    with open(path, 'rb') as f:
-      for line in f:
-        if not line.endswith(b'\n'):
-          break  # torn last line
-        try:
-          row = json.loads(line)
-        except ValueError:
-          continue
-        if isinstance(row, dict) and 'step' in row:
-          steps.add(json.dumps(row['step']))
+    data = (pathlib.Path(workdir) / METRICS_FILENAME).read_bytes()
   except FileNotFoundError:
     return 0
-  return len(steps)
+  rows, _ = _json_lines(data)
+  return len({json.dumps(row['step']) for _, row in rows
+              if isinstance(row, dict) and 'step' in row})
+
+
+def _json_lines(data: bytes) -> tuple[list[tuple[bytes, Any]], bytes]:
+  """The complete lines of JSON-lines ``data`` (each with its newline) with their parsed value
+  (None where the line does not parse), and the torn last line (``b''`` when ``data`` ends
+  with a newline): how ``metrics.jsonl`` and ``ledger.jsonl`` are read after a crash."""
+  *lines, torn = data.split(b'\n')
+  rows = []
+  for line in lines:
+    try:
+      row = json.loads(line)
+    except ValueError:
+      row = None
+    rows.append((line + b'\n', row))
+  return rows, torn
 
 
 def has_checkpoint(workdir: str | os.PathLike) -> bool:
@@ -155,23 +161,15 @@ def truncate_rows(path: str | os.PathLike, last_step: int) -> int:
   rows were dropped (0 when the file is absent)."""
   path = pathlib.Path(path)
   try:
-    lines = path.read_bytes().splitlines(keepends=True)
+    rows, torn = _json_lines(path.read_bytes())
   except FileNotFoundError:
     return 0
-  kept = []
-  for line in lines:
-    if not line.endswith(b'\n'):
-      continue
-    try:
-      row = json.loads(line)
-    except ValueError:
-      continue
-    if isinstance(row, dict) and isinstance(row.get('step'), int) and row['step'] > last_step:
-      continue
-    kept.append(line)
-  if len(kept) != len(lines):
+  kept = [line for line, row in rows if row is not None and not (
+      isinstance(row, dict) and isinstance(row.get('step'), int) and row['step'] > last_step)]
+  dropped = len(rows) - len(kept) + bool(torn)
+  if dropped:
     write_text_atomic(path, b''.join(kept).decode('utf-8'))
-  return len(lines) - len(kept)
+  return dropped
 
 
 def _holder_text(info: dict[str, Any]) -> str:
