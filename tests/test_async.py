@@ -2,7 +2,6 @@
 workers on their own devices, worker failures, dynamic sampling and recycling."""
 
 import json
-import pathlib
 import random
 import threading
 import time
@@ -12,26 +11,15 @@ import numpy as np
 import pytest
 
 from rlax_llm.backends import local as local_backend
-from rlax_llm.config import load_config_file
 from rlax_llm.controller import sampling_version
 from rlax_llm.metrics import read_metrics
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from smoke_config import smoke_config  # tests/smoke_config.py
 
 
 def smoke(steps=6, j=1, k=1, **overrides):
-  config = load_config_file(str(ROOT / 'configs/default.py') + ':smoke')
-  config.total_steps = steps
-  config.staleness.j, config.staleness.k = j, k
-  config.log.tensorboard = False
-  config.eval.every_steps = 3
-  for dotted, value in overrides.items():
-    *parents, leaf = dotted.split('__')
-    node = config
-    for part in parents:
-      node = node[part]
-    node[leaf] = value
-  return config
+  return smoke_config(total_steps=steps, staleness__j=j, staleness__k=k,
+                      log__tensorboard=False, eval__every_steps=3, **overrides)
 
 
 def strip(rows):

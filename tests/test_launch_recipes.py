@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from rlax_llm import tpu_recipes
-from rlax_llm.config import load_config_file
+from smoke_config import smoke_config  # tests/smoke_config.py
 from rlax_llm.sharding import make_mesh
 from rlax_llm.tpu_recipes import (SLICES, SliceError, check_local, check_ray, get_slice,
                                   resolve_mesh)
@@ -33,15 +33,7 @@ SHELLCHECK = (shutil.which('shellcheck', path=str(pathlib.Path(sys.executable).p
 
 def _config(**fields) -> ml_collections.ConfigDict:
   """configs/default.py:smoke with ``fields`` set (``mesh__trainer__data=4``: a dotted key)."""
-  config = load_config_file(f'{ROOT / "configs/default.py"}:smoke')
-  for dotted, value in fields.items():
-    *parents, last = dotted.split('__')
-    node = config
-    for part in parents:
-      node = node[part]
-    node[last] = value
-  return config
-
+  return smoke_config(**fields)
 
 def _recipes(*args: str, env: dict | None = None, timeout: int = 120
              ) -> subprocess.CompletedProcess:

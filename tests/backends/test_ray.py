@@ -2,35 +2,23 @@
 The same seed gives the same metrics as the local backend; a worker process that dies is
 replaced and the run completes."""
 
-import pathlib
-
 import pytest
 
 ray = pytest.importorskip('ray')
 
 from rlax_llm.backends import build_run  # noqa: E402
 from rlax_llm.backends.ray import init_ray  # noqa: E402
-from rlax_llm.config import load_config_file  # noqa: E402
 from rlax_llm.metrics import read_metrics  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from smoke_config import smoke_config  # noqa: E402  (tests/smoke_config.py)
 
 
 def smoke(backend, steps=6, **overrides):
-  config = load_config_file(str(ROOT / 'configs/default.py') + ':smoke')
-  config.backend = backend
-  config.total_steps = steps
-  config.staleness.j, config.staleness.k = 4, 8
-  config.log.tensorboard = False
-  config.eval.every_steps = 3
-  config.checkpoint.every_steps, config.checkpoint.every_seconds = 0, 0.0  # none on Ray yet
-  for dotted, value in overrides.items():
-    *parents, leaf = dotted.split('__')
-    node = config
-    for part in parents:
-      node = node[part]
-    node[leaf] = value
-  return config
+  return smoke_config(
+      backend=backend, total_steps=steps, staleness__j=4, staleness__k=8,
+      log__tensorboard=False, eval__every_steps=3,
+      checkpoint__every_steps=0, checkpoint__every_seconds=0.0,  # none on Ray yet
+      **overrides)
 
 
 def strip(rows):
