@@ -180,15 +180,36 @@ def evaluate_config(config, checkpoint: str | None = None) -> dict[str, float]:
       key=jax.random.key(config.seed))
 
 
+_USAGE = """\
+usage: python -m rlax_llm.evaluate [--config=PATH[:VARIANT]] [--config.KEY=VALUE ...]
+                                   [--checkpoint=PATH] [--output=FILE.jsonl]
+
+Evaluates a policy on the config's held-out split without training and prints the metrics
+as one JSON line: eval/accuracy (greedy), and with --config.eval.samples=N mean@N and
+pass@k.
+
+flags:
+  --config=PATH[:VARIANT]  config file and optional variant (default: configs/default.py)
+  --config.KEY=VALUE       override one field, e.g. --config.task.num_eval=200
+  --checkpoint=PATH        a run's workdir (its latest checkpoint) or a checkpoint directory;
+                           default: the params the config loads (model.path or seeded init)
+  --output=FILE.jsonl      also append the metrics line to this file
+  -h, --help               this text"""
+
+
 def main(argv: Sequence[str]) -> None:
   """``python -m rlax_llm.evaluate --config=PATH[:VARIANT] [--config.a.b=v] [--checkpoint=PATH]
   [--output=FILE.jsonl]``: prints the metrics as JSON (and appends them to ``--output``)."""
   # pylint: disable=import-outside-toplevel
   from absl import flags
   from ml_collections import config_flags
+  from rlax_llm import launch_help
   from rlax_llm.checkpoint import CheckpointError
   from rlax_llm.config import (DEFAULT_CONFIG_PATH, ConfigError, check_config_spec,
                                check_override_keys)
+  if launch_help.wants_help(argv[1:]):  # before any flag parsing: absl does not know --help
+    sys.stdout.write(f'{_USAGE}\n\n{launch_help.config_listing()}\n')
+    return
   check_override_keys(argv[1:], check_config_spec(argv[1:]))
   holder = config_flags.DEFINE_config_file('config', str(DEFAULT_CONFIG_PATH),
                                            'Config file, optionally with :variant.')

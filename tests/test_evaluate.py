@@ -178,6 +178,15 @@ def test_cli_rejects_a_bad_config_value_in_seconds():
   assert 'config.eval.samples=-2 must be an int >= 0' in result.stderr
 
 
+def test_cli_help_prints_usage_and_configs_without_a_traceback():
+  result = subprocess.run([sys.executable, '-m', 'rlax_llm.evaluate', '--help'], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, check=False)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.startswith('usage: python -m rlax_llm.evaluate')
+  assert '--checkpoint=PATH' in result.stdout and 'configs/smollm2.py' in result.stdout
+  assert 'Traceback' not in result.stderr
+
+
 def test_run_writes_periodic_eval_and_each_reward_component(tmp_path):
   """A 2-step smoke run with eval every step, 2 draws per held-out prompt and a shaped reward:
   metrics.jsonl holds pass@k / mean@k at the start, every step and the end, and each reward
