@@ -39,7 +39,12 @@ Also scheduled here, deterministically:
   (no learning signal) are dropped and counted; the first ``prompts_per_step`` remaining
   groups are trained; the surplus is recycled into the next batch if it is still fresh
   enough (``t - v < k``), else dropped and counted (after APRIL's over-provisioning,
-  arXiv 2509.18521, at the granularity of finished groups).
+  arXiv 2509.18521, at the granularity of finished groups). A batch with fewer than
+  ``prompts_per_step`` informative groups is topped up with its filtered ones
+  (``rollout/padding_groups``; zero advantage under a group-mean baseline) so that every
+  update has one shape and the trainer never recompiles; a batch with none skips the update.
+  Every generated group is counted once: trained, padding, filtered, dropped as stale, or
+  still recycled.
 """
 
 from __future__ import annotations
@@ -490,12 +495,13 @@ class Controller:
     train on, recycled groups from earlier batches first."""
     s = self.settings
     stats = {'rollout/filtered_groups': 0, 'rollout/recycled_groups': 0,
-             'rollout/dropped_stale_groups': 0, 'rollout/trained_groups': len(batch.prompts)}
+             'rollout/dropped_stale_groups': 0, 'rollout/padding_groups': 0,
+             'rollout/trained_groups': len(batch.prompts)}
     if s.oversample == 0:
       return rollouts, stats
     groups = [(batch.version, rollouts.select(rollouts.group_ids == g))
               for g in range(len(batch.prompts))]
-    fresh = []
+    fresh, filtered = [], []
     for version, group in self._recycled:
       if self.trainer.version - version < s.staleness_k:
         fresh.append((version, group))
@@ -503,15 +509,22 @@ class Controller:
         stats['rollout/dropped_stale_groups'] += 1
     for version, group in groups:
       if np.all(group.rewards == group.rewards[0]):
-        stats['rollout/filtered_groups'] += 1
+        filtered.append(group)
       else:
         fresh.append((version, group))
     keep, self._recycled = fresh[:s.prompts_per_step], fresh[s.prompts_per_step:]
     stats['rollout/recycled_groups'] = len(self._recycled)
     stats['rollout/trained_groups'] = len(keep)
     if not keep:
+      stats['rollout/filtered_groups'] = len(filtered)
       return None, stats
-    return Rollouts.concatenate([g for _, g in keep]), stats
+    # A short batch is topped up with filtered groups of this batch (there are always enough:
+    # it holds >= prompts_per_step groups), so every update has the same shape and the
+    # trainer compiles once. Under a group-mean baseline their advantages are 0.
+    padding = filtered[:s.prompts_per_step - len(keep)]
+    stats['rollout/padding_groups'] = len(padding)
+    stats['rollout/filtered_groups'] = len(filtered) - len(padding)
+    return Rollouts.concatenate([g for _, g in keep] + padding), stats
 
   def _train_step(self, batch: _Batch, queued: int) -> dict[str, float]:
     s = self.settings

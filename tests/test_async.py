@@ -115,9 +115,10 @@ def test_rollouts_are_trained_filtered_or_recycled(tmp_path):
   generated = per_batch * len(rows)
   trained = sum(r.get('rollout/trained_groups', 0) for r in rows)
   filtered = sum(r['rollout/filtered_groups'] for r in rows)
+  padding = sum(r['rollout/padding_groups'] for r in rows)
   stale = sum(r['rollout/dropped_stale_groups'] for r in rows)
   recycled_at_end = rows[-1]['rollout/recycled_groups']
-  assert trained + filtered + stale + recycled_at_end == generated
+  assert trained + padding + filtered + stale + recycled_at_end == generated
   assert filtered > 0
   assert max(r['staleness/max'] for r in rows) <= 2
   again = run(smoke(steps=6, j=2, k=3, rollout__oversample=0.5), tmp_path / 'again')

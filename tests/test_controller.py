@@ -112,6 +112,31 @@ def test_a_diverging_rl_run_stops_naming_the_step(tmp_path):
   assert any(r['update/skipped'] for r in rows) and len(rows) < 20
 
 
+class _SparseTask(ArithmeticTask):
+  """Only prompts with id divisible by 3 can give a group unequal rewards."""
+
+  def score(self, prompt, completion):
+    return float(len(completion) % 2) if prompt.prompt_id % 3 == 0 else 0.0
+
+
+def test_dynamic_sampling_pads_short_batches_to_one_shape(tmp_path):
+  """With few informative groups, updates are topped up with filtered groups: every update
+  has prompts_per_step groups (one compiled shape), and every group is counted once."""
+  config = _smoke_config(steps=6)
+  config.rollout.oversample = 0.5  # 6 prompts per batch for 4 trained groups
+  with build_run(config, tmp_path) as run:
+    run.controller.task = _SparseTask(num_eval=16)
+    run.execute()
+  rows = read_metrics(tmp_path / 'metrics.jsonl')
+  updates = [r for r in rows if r['rollout/trained_groups']]
+  assert updates and sum(r['rollout/padding_groups'] for r in rows) > 0
+  assert all(r['rollout/trained_groups'] + r['rollout/padding_groups'] == 4 for r in updates)
+  assert all(r['rollout/padding_groups'] == 0 for r in rows if not r['rollout/trained_groups'])
+  counted = sum(r['rollout/trained_groups'] + r['rollout/padding_groups']
+                + r['rollout/filtered_groups'] + r['rollout/dropped_stale_groups'] for r in rows)
+  assert counted + rows[-1]['rollout/recycled_groups'] == 6 * len(rows)
+
+
 def test_restore_refuses_a_state_of_another_version(tmp_path):
   with build_run(_smoke_config(steps=1), tmp_path) as run:
     state = run.controller.state()
