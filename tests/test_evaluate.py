@@ -1,7 +1,6 @@
 """Evaluation: unbiased pass@k against brute force and its closed form, mean@k, the harness
 (deterministic with a seed), the checkpoint reader, and the CLI."""
 
-import dataclasses
 import itertools
 import math
 import pathlib
@@ -20,6 +19,7 @@ from rlax_llm.evaluate import (
 from rlax_llm.checkpoint import Checkpointer, CheckpointError
 from rlax_llm.policy import SamplingSpec
 from rlax_llm.tasks import ArithmeticTask
+from scored_rows import Rows  # tests/scored_rows.py
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -87,17 +87,6 @@ def test_sampled_metrics_mean_and_pass_at_k():
     sampled_metrics(rewards[:-1], groups[:-1], 4)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Rows:
-  """The fields of data_types.Rollouts that score_rollouts reads."""
-
-  prompt_ids: np.ndarray
-  group_ids: np.ndarray
-  completions: list
-  rewards: np.ndarray | None = None
-  verifier_errors: int = 0
-
-
 def _fake_policy(accuracy):
   """Answers right with probability ``accuracy`` per draw, from the request key; greedy
   answers right iff the first operand is even."""
@@ -114,7 +103,7 @@ def _fake_policy(accuracy):
         ids.append(request.prompt.prompt_id)
         groups.append(i)
         texts.append(right if ok else right + '1')
-    return _Rows(np.array(ids), np.array(groups, np.int32), texts)
+    return Rows(np.array(ids), np.array(groups, np.int32), texts)
   return generate
 
 

@@ -16,6 +16,7 @@ from rlax_llm.tasks import ArithmeticTask, Prompt
 from rlax_llm.verifiers import (
     extract_code, extract_final_answer, reference_answer, run_with_timeouts, score_completions,
     score_math, score_python, score_rollouts)
+from scored_rows import Rows  # tests/scored_rows.py
 
 SURROGATE = '\ud800'
 
@@ -228,21 +229,10 @@ def test_run_with_timeouts_order_and_outcomes():
     run_with_timeouts(fn, 1, timeout_s=0)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Rows:
-  """The fields of data_types.Rollouts that score_rollouts reads (no jax import here)."""
-
-  prompt_ids: np.ndarray
-  group_ids: np.ndarray
-  completions: list
-  rewards: np.ndarray | None = None
-  verifier_errors: int = 0
-
-
 def test_score_rollouts_fills_rewards_and_errors():
   task = _SlowTask(num_eval=4)
   prompts = [Prompt(0, '1+2=', '3'), Prompt(1, '2+2=', '4')]
-  rows = _Rows(np.array([0, 0, 1, 1]), np.array([0, 0, 1, 1]), ['3', 'boom', '4', 'hang'])
+  rows = Rows(np.array([0, 0, 1, 1]), np.array([0, 0, 1, 1]), ['3', 'boom', '4', 'hang'])
   scored = score_rollouts(task, prompts, rows)
   np.testing.assert_array_equal(scored.rewards, [1, 0, 1, 0])
   assert scored.verifier_errors == 2
