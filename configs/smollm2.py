@@ -106,8 +106,8 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
                      'the expression inside <answer></answer> tags, for example '
                      '<answer>(1 + 2) * 3</answer>.'),
         answer_format='tag'))
-    c.total_steps = 50
-    c.eval.every_steps = 25
+    c.total_steps = 20
+    c.eval.every_steps = 10
     c.sampling.max_prompt_len = 104
     c.sampling.max_new_tokens = 32
     # A small format reward (a parsable expression in the tags) gives a signal before any
