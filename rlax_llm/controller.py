@@ -513,17 +513,17 @@ class Controller:
       else:
         fresh.append((version, group))
     keep, self._recycled = fresh[:s.prompts_per_step], fresh[s.prompts_per_step:]
-    stats['rollout/recycled_groups'] = len(self._recycled)
-    stats['rollout/trained_groups'] = len(keep)
-    if not keep:
-      stats['rollout/filtered_groups'] = len(filtered)
-      return None, stats
     # A short batch is topped up with filtered groups of this batch (there are always enough:
     # it holds >= prompts_per_step groups), so every update has the same shape and the
-    # trainer compiles once. Under a group-mean baseline their advantages are 0.
-    padding = filtered[:s.prompts_per_step - len(keep)]
-    stats['rollout/padding_groups'] = len(padding)
-    stats['rollout/filtered_groups'] = len(filtered) - len(padding)
+    # trainer compiles once. Under a group-mean baseline their advantages are 0. A batch
+    # with no informative group skips the update (no padding).
+    padding = filtered[:s.prompts_per_step - len(keep)] if keep else []
+    stats.update({'rollout/recycled_groups': len(self._recycled),
+                  'rollout/trained_groups': len(keep),
+                  'rollout/padding_groups': len(padding),
+                  'rollout/filtered_groups': len(filtered) - len(padding)})
+    if not keep:
+      return None, stats
     return Rollouts.concatenate([g for _, g in keep] + padding), stats
 
   def _train_step(self, batch: _Batch, queued: int) -> dict[str, float]:
