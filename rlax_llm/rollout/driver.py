@@ -20,6 +20,15 @@ randomness depends only on its own key (see ``rlax_llm.rollout.engine``).
 
 Jobs that use different sampling specs run one spec after the other (a phase per spec, in
 order of first appearance), because the spec is part of the compiled step.
+
+Partial rollouts (APRIL, Zhou et al., arXiv 2509.18521): ``run(jobs, stop_after=n)`` stops
+as soon as ``n`` jobs have all their samples finished; the other samples come back
+unfinished (``finish_reason`` None) with the tokens drawn so far. A later ``run`` continues
+them: a ``Job`` with ``resume`` (its samples so far) keeps the finished ones, prefills each
+unfinished one's prompt plus drawn tokens and goes on drawing with the same per-sample keys
+(the ``t``-th token still uses ``fold_in(key, t)``), so with unchanged weights a continued
+sample is the sample it would have been uninterrupted (up to the float rounding of a
+prefill vs a decode step).
 """
 
 from __future__ import annotations
@@ -71,6 +80,8 @@ class Job:
   ``keys``: uint32 ``[num_samples, key_size]`` key data, one PRNG key per sample (the
   ``t``-th token of sample ``i`` is drawn with ``fold_in(keys[i], t)``).
   ``stop_ids``: token ids that end a sample (the stop token is kept in the output).
+  ``resume``: the samples so far of a job an earlier ``run`` stopped (one ``Sample`` each:
+  finished ones are kept, unfinished ones continued from their tokens); None: a new job.
   """
 
   prompt_ids: tuple[int, ...]
@@ -79,6 +90,7 @@ class Job:
   max_new_tokens: int
   stop_ids: tuple[int, ...]
   keys: np.ndarray
+  resume: tuple['Sample', ...] | None = None
 
 
 @dataclasses.dataclass
@@ -89,7 +101,7 @@ class Sample:
   logprobs: list[float] = dataclasses.field(default_factory=list)
   supports: list[int] = dataclasses.field(default_factory=list)
   versions: list[int] = dataclasses.field(default_factory=list)
-  finish_reason: str | None = None  # 'stop' | 'length'
+  finish_reason: str | None = None  # 'stop' | 'length'; None: unfinished
   restarts: int = 0
 
   def append(self, token: int, logprob: float, support: int, version: int) -> None:
@@ -147,24 +159,54 @@ class Driver:
       if job.num_samples < 1 or np.shape(job.keys)[0] != job.num_samples:
         raise ValueError(f'job {i}: num_samples={job.num_samples} needs that many keys, got '
                          f'{np.shape(job.keys)[0]}.')
+      if job.resume is not None:
+        if len(job.resume) != job.num_samples:
+          raise ValueError(f'job {i}: resume holds {len(job.resume)} samples for '
+                           f'num_samples={job.num_samples}.')
+        for n, sample in enumerate(job.resume):
+          if sample.finish_reason is None and len(sample.tokens) >= job.max_new_tokens:
+            raise ValueError(f'job {i} sample {n}: unfinished with {len(sample.tokens)} '
+                             f'tokens, but max_new_tokens={job.max_new_tokens}.')
 
-  def run(self, jobs: Sequence[Job]) -> list[list[Sample]]:
-    """Generates every sample of every job; ``result[j][i]`` is sample ``i`` of job ``j``."""
+  def run(self, jobs: Sequence[Job], stop_after: int | None = None) -> list[list[Sample]]:
+    """Generates the samples of every job; ``result[j][i]`` is sample ``i`` of job ``j``.
+
+    ``stop_after``: stop once that many jobs are complete (every sample finished); the
+    samples of the others may come back unfinished (``finish_reason`` None; pass them as
+    ``Job.resume`` to continue). None: run every job to the end.
+    """
     self.check(jobs)
+    if stop_after is not None and not 1 <= stop_after <= len(jobs):
+      raise ValueError(f'stop_after={stop_after} must be in [1, {len(jobs)}] (the jobs) or '
+                       'None.')
     start = time.perf_counter()
     self.stats = collections.defaultdict(float)
-    results = [[Sample() for _ in range(job.num_samples)] for job in jobs]
+    results = [[dataclasses.replace(job.resume[i], tokens=list(job.resume[i].tokens),
+                                    logprobs=list(job.resume[i].logprobs),
+                                    supports=list(job.resume[i].supports),
+                                    versions=list(job.resume[i].versions))
+                if job.resume is not None else Sample() for i in range(job.num_samples)]
+               for job in jobs]
+    self.stats['continued_samples'] = sum(
+        1 for samples in results for sample in samples
+        if sample.tokens and sample.finish_reason is None)
+    done = (lambda: sum(all(x.finish_reason for x in samples) for samples in results)
+            >= stop_after) if stop_after is not None else None
     specs = list(dict.fromkeys(job.sampling for job in jobs))
     for spec in specs:
+      if done is not None and done():
+        break
       self._phase(spec, [j for j, job in enumerate(jobs) if job.sampling == spec], jobs,
-                  results)
+                  results, done)
+    self.stats['unfinished_samples'] = sum(
+        1 for samples in results for sample in samples if sample.finish_reason is None)
     self.stats['wall_s'] = time.perf_counter() - start
     self.stats = dict(self.stats)
     return results
 
   def _phase(self, spec: SamplingSpec, job_ids: list[int], jobs: Sequence[Job],
-             results: list[list[Sample]]) -> None:
-    """Runs the jobs of one sampling spec to completion.
+             results: list[list[Sample]], done: Callable[[], bool] | None = None) -> None:
+    """Runs the jobs of one sampling spec to completion (or until ``done()``).
 
     Steps are pipelined one deep: step ``t + 1`` is dispatched before the host reads step
     ``t``'s tokens, so the host's bookkeeping overlaps the device's compute. A sample that
@@ -172,14 +214,22 @@ class Driver:
     remaining budget), and its slot is refilled before step ``t + 2``.
     """
     e = self.engine
-    pending = collections.deque((j, i) for j in job_ids for i in range(jobs[j].num_samples))
-    to_insert = {j: jobs[j].num_samples for j in job_ids}
-    prefixes: dict[int, tuple[int, Any, int]] = {}  # job -> (version, Prefix, row)
+    pending = collections.deque((j, i) for j in job_ids for i in range(jobs[j].num_samples)
+                                if results[j][i].finish_reason is None)
+    # New samples of a job share its prompt's prefill; continued ones have their own.
+    to_insert = collections.Counter(j for j, i in pending if not results[j][i].tokens)
+    prefixes: dict[Any, tuple[int, Any, int]] = {}  # job or (job, i) -> (version, Prefix, row)
     slots: list[tuple[int, int] | None] = [None] * e.slots
     self.state = e.release_all(self.state)
     version = None
     in_flight = None  # (StepResult, version, the slots' occupants at its dispatch)
     while pending or in_flight or any(s is not None for s in slots):
+      if done is not None and done():
+        if in_flight is not None:  # its tokens are final: keep them
+          self._collect(in_flight, slots, jobs, results)
+        self.state = e.release_all(self.state)
+        self.stats['stopped_early'] += 1
+        return
       if self.before_step is not None:
         self.before_step(self.steps)
       current, params = self.holder.get()
@@ -245,30 +295,41 @@ class Driver:
     take = [pending.popleft() for _ in range(min(len(free), len(pending)))]
     if not take:
       return
-    need = [j for j in dict.fromkeys(j for j, _ in take) if j not in prefixes]
+    # A prefill unit: a job (its new samples share the prompt's prefill) or, for a sample
+    # continued from drawn tokens, (job, sample) (prompt + its tokens).
+    unit = lambda j, i: (j, i) if results[j][i].tokens else j
+    need = [u for u in dict.fromkeys(unit(j, i) for j, i in take) if u not in prefixes]
     if need:
       t0 = time.perf_counter()
-      prefix = e.prefill(params, [jobs[j].prompt_ids for j in need])
+      sequences = [jobs[u].prompt_ids if isinstance(u, int) else
+                   jobs[u[0]].prompt_ids + tuple(results[u[0]][u[1]].tokens) for u in need]
+      prefix = e.prefill(params, sequences,
+                         continuation=any(not isinstance(u, int) for u in need))
       self.stats['prefill_s'] += time.perf_counter() - t0
       self.stats['prefills'] += len(need)
-      for row, j in enumerate(need):
-        prefixes[j] = (version, prefix, row)
+      for row, u in enumerate(need):
+        prefixes[u] = (version, prefix, row)
     groups: dict[int, tuple[Any, int, list]] = {}
     for slot, (j, i) in zip(free, take):
-      prefix_version, prefix, row = prefixes[j]
-      groups.setdefault(id(prefix), (prefix, prefix_version, []))[2].append((slot, j, i, row))
-      to_insert[j] -= 1
-    for j in {j for j, _ in take}:
-      if to_insert[j] == 0:
-        del prefixes[j]
+      u = unit(j, i)
+      prefix_version, prefix, row = prefixes[u]
+      groups.setdefault(id(prefix), (prefix, prefix_version, []))[2].append(
+          (slot, j, i, row, len(results[j][i].tokens)))
+      if isinstance(u, int):
+        to_insert[j] -= 1
+        if to_insert[j] == 0:
+          del prefixes[u]
+      else:
+        del prefixes[u]
     for prefix, prefix_version, entries in groups.values():
       inserts = [Insert(row=row, slot=slot, key=jobs[j].keys[i],
-                        max_new_tokens=jobs[j].max_new_tokens, stop_ids=jobs[j].stop_ids)
-                 for slot, j, i, row in entries]
+                        max_new_tokens=jobs[j].max_new_tokens, stop_ids=jobs[j].stop_ids,
+                        offset=offset)
+                 for slot, j, i, row, offset in entries]
       self.state, first = e.insert(prefix, self.state, inserts, spec)
       first = first.to_host()
       self.stats['inserts'] += len(inserts)
-      for k, (slot, j, i, _) in enumerate(entries):
+      for k, (slot, j, i, _, _) in enumerate(entries):
         token = int(first.tokens[k])
         results[j][i].append(token, first.logprobs[k], first.supports[k], prefix_version)
         if first.done[k]:

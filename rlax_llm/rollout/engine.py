@@ -11,6 +11,11 @@ a fixed set of KV-cache *slots*; rlax_llm's engine keeps that shape:
   slots and samples each new slot's first token from its prefix row's logits. Several slots
   may take the same row (``n`` samples share one prefill); one call inserts up to ``slots``
   samples.
+* Continuation (APRIL's partial rollouts, rlax_llm.rollout.driver): a sample cut short after
+  drawing ``t`` tokens is resumed by prefilling its prompt *and* those tokens
+  (``prefill(..., continuation=True)``, longer length buckets up to the cache length) and
+  inserting it with ``Insert.offset = t``: its next token is drawn with ``fold_in(key, t)``,
+  exactly the key it would have used uninterrupted, and its budget is what is left.
 * ``generate(params, state, spec) -> (state, StepResult)``: one decode step for every slot:
   feed each slot's last token, sample the next from the policy, write its key/value.
 
@@ -71,6 +76,7 @@ class Insert:
   key: np.ndarray  # uint32 [key_size] key data
   max_new_tokens: int
   stop_ids: tuple[int, ...]
+  offset: int = 0  # tokens the sample drew before (a continuation; the row holds them)
 
 
 @flax.struct.dataclass
@@ -174,6 +180,9 @@ class Engine:
     self.max_prefill_length = max_prefill_length
     self.max_decode_length = max_decode_length
     self.prefill_buckets = buckets
+    # Continuations prefill a prompt plus the tokens drawn so far (< cache_length).
+    self.continuation_buckets = tuple(
+        b for b in default_buckets(self.cache_length) if b > max_prefill_length)
     n = self.cache_length
     self.attend_buckets = tuple(sorted({-(-n * (i + 1) // attend_buckets)
                                         for i in range(attend_buckets)}))
@@ -218,19 +227,27 @@ class Engine:
     """``params`` (host or device) sharded on the inference mesh."""
     return jax.device_put(params, self.param_shardings)
 
-  def bucket(self, length: int) -> int:
-    """The smallest prefill bucket holding ``length`` tokens."""
-    for size in self.prefill_buckets:
-      if length <= size:
+  def bucket(self, length: int, continuation: bool = False) -> int:
+    """The smallest prefill bucket holding ``length`` tokens (``continuation``: a prompt
+    plus drawn tokens, which may be up to ``cache_length - 1`` long)."""
+    sizes = self.prefill_buckets + (self.continuation_buckets if continuation else ())
+    for size in sizes:
+      if length <= size and (not continuation or length < self.cache_length):
         return size
+    if continuation:
+      raise ValueError(f'a continuation of {length} tokens leaves no room in the cache of '
+                       f'{self.cache_length} (max_prefill_length + max_decode_length).')
     raise ValueError(f'a prompt of {length} tokens is longer than max_prefill_length='
                      f'{self.max_prefill_length}.')
 
-  def prefill(self, params: Params, prompts: Sequence[Sequence[int]]) -> Prefix:
+  def prefill(self, params: Params, prompts: Sequence[Sequence[int]], *,
+              continuation: bool = False) -> Prefix:
     """Prefills a batch of prompts (non-empty id sequences) in one call.
 
     The batch is padded to a power of two (at most ``slots``) with one-token dummy rows and
     the prompts to the bucket of the longest; row ``i`` of the result is ``prompts[i]``.
+    ``continuation``: the sequences are prompts followed by tokens a sample already drew
+    (insert them with ``Insert.offset``), up to ``cache_length - 1`` tokens long.
     """
     if not prompts or len(prompts) > self.slots:
       raise ValueError(f'prefill takes 1 to slots={self.slots} prompts, got {len(prompts)}.')
@@ -238,7 +255,7 @@ class Engine:
     if min(lengths) == 0:
       raise ValueError('cannot prefill an empty prompt.')
     rows = 1 << (len(prompts) - 1).bit_length()
-    padded = np.full((rows, self.bucket(max(lengths))), self.pad_id, np.int32)
+    padded = np.full((rows, self.bucket(max(lengths), continuation)), self.pad_id, np.int32)
     true_lengths = np.ones(rows, np.int32)
     for i, prompt in enumerate(prompts):
       padded[i, :len(prompt)] = prompt
@@ -248,7 +265,8 @@ class Engine:
   def insert(self, prefix: Prefix, state: DecodeState, inserts: Sequence[Insert],
              spec: SamplingSpec) -> tuple[DecodeState, StepResult]:
     """Copies prefix rows into slots and samples each one's first token
-    (``fold_in(key, 0)``) from its row's logits, all in one call.
+    (``fold_in(key, offset)``: ``offset`` 0 for a new sample) from its row's logits, all in
+    one call.
 
     Returns ``(state, StepResult)`` whose entry ``i`` belongs to ``inserts[i]`` (the rest is
     padding; ``done`` marks samples that ended at their first token). A slot becomes active unless its first token is a
@@ -263,6 +281,7 @@ class Engine:
     slots = np.full(s, s, np.int32)  # slot == S: out of range, dropped
     keys = np.zeros((s, self._key_size), np.uint32)
     max_new = np.ones(s, np.int32)
+    offsets = np.zeros(s, np.int32)
     stops = np.full((s, MAX_STOP_IDS), -1, np.int32)
     for i, ins in enumerate(inserts):
       if not 0 <= ins.slot < s or not 0 <= ins.row < prefix.lengths.shape[0]:
@@ -270,12 +289,17 @@ class Engine:
       if not 1 <= ins.max_new_tokens <= self.max_decode_length:
         raise ValueError(f'max_new_tokens={ins.max_new_tokens} must be in [1, '
                          f'max_decode_length={self.max_decode_length}].')
+      if not 0 <= ins.offset < ins.max_new_tokens:
+        raise ValueError(f'insert {i}: offset={ins.offset} (tokens already drawn) must be in '
+                         f'[0, max_new_tokens={ins.max_new_tokens}).')
       if len(ins.stop_ids) > MAX_STOP_IDS:
         raise ValueError(f'{len(ins.stop_ids)} stop ids; at most {MAX_STOP_IDS} are supported.')
       rows[i], slots[i], keys[i], max_new[i] = ins.row, ins.slot, ins.key, ins.max_new_tokens
+      offsets[i] = ins.offset
       stops[i, :len(ins.stop_ids)] = ins.stop_ids
     return self._insert(prefix, state, jnp.asarray(rows), jnp.asarray(slots),
-                        jnp.asarray(keys), jnp.asarray(max_new), jnp.asarray(stops), spec=spec)
+                        jnp.asarray(keys), jnp.asarray(max_new), jnp.asarray(offsets),
+                        jnp.asarray(stops), spec=spec)
 
   def generate(self, params: Params, state: DecodeState, spec: SamplingSpec,
                longest: int | None = None) -> tuple[DecodeState, StepResult]:
@@ -323,25 +347,27 @@ class Engine:
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     return Prefix(k=cache.k, v=cache.v, lengths=lengths, logits=last)
 
-  def _insert_impl(self, prefix, state, rows, slots, keys, max_new, stop_ids, *, spec):
+  def _insert_impl(self, prefix, state, rows, slots, keys, max_new, offsets, stop_ids, *,
+                   spec):
     # Entries with slot == S are padding: scatters drop them (mode='drop').
     bucket = prefix.k[0].shape[2]
 
     def put(buffer, source):
       update = source[rows].astype(buffer.dtype)  # [S, kv, bucket, d]
       return buffer.at[slots, :, :bucket].set(update, mode='drop')
-    first_keys = jax.vmap(lambda data: jax.random.fold_in(jax.random.wrap_key_data(data), 0))(
-        keys)
+    first_keys = jax.vmap(lambda data, offset: jax.random.fold_in(
+        jax.random.wrap_key_data(data), offset))(keys, offsets)
     token, logp, support = sample_rows(prefix.logits[rows], first_keys, spec)
     stopped = jnp.any(token[:, None] == stop_ids, axis=1)
-    remaining = jnp.where(stopped | (max_new <= 1), 0, max_new - 1)
+    left = max_new - offsets - 1  # tokens it may draw after this one
+    remaining = jnp.where(stopped | (left <= 0), 0, left)
     set_rows = lambda buffer, values: buffer.at[slots].set(values, mode='drop')
     cache = KVCache(k=tuple(put(ck, pk) for ck, pk in zip(state.cache.k, prefix.k)),
                     v=tuple(put(cv, pv) for cv, pv in zip(state.cache.v, prefix.v)),
                     lengths=set_rows(state.cache.lengths, prefix.lengths[rows]))
     state = DecodeState(
         cache=cache, tokens=set_rows(state.tokens, token), keys=set_rows(state.keys, keys),
-        positions=set_rows(state.positions, jnp.ones_like(slots)),
+        positions=set_rows(state.positions, offsets + 1),
         remaining=set_rows(state.remaining, remaining),
         stop_ids=set_rows(state.stop_ids, stop_ids))
     valid = slots < state.tokens.shape[0]

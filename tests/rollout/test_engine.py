@@ -6,6 +6,7 @@ recompiling, with every token tagged with the version that produced it; a random
 submit/finish/swap workload answers every sample once and leaks no slot.
 """
 
+import dataclasses
 import random
 
 import jax
@@ -16,8 +17,8 @@ import pytest
 from rlax_llm.models.decoder import DecoderConfig
 from rlax_llm.models.model import create_model
 from rlax_llm.policy import GREEDY, Policy, SamplingSpec
-from rlax_llm.rollout.driver import Driver, Job, VersionedParams
-from rlax_llm.rollout.engine import Engine, default_buckets
+from rlax_llm.rollout.driver import Driver, Job, Sample, VersionedParams
+from rlax_llm.rollout.engine import Engine, Insert, default_buckets
 from rlax_llm.sharding import make_mesh
 
 CONFIG = DecoderConfig(vocab_size=48, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
@@ -268,3 +269,92 @@ def test_engine_and_holder_errors(models):
     VersionedParams().get()
   with pytest.raises(ValueError, match="on_swap='later'"):
     make_driver(model, params, on_swap='later')
+
+
+def _uneven(jobs):
+  """Job 0 ends first (4 tokens), while the first sample of job 1 is part-way."""
+  return [dataclasses.replace(job, max_new_tokens=n) for job, n in zip(jobs, (4, 10, 7, 10))]
+
+
+def _resumed(jobs, results):
+  return [dataclasses.replace(job, resume=tuple(samples)) for job, samples in zip(jobs, results)]
+
+
+@pytest.mark.parametrize('spec', [SamplingSpec(1.0), SamplingSpec(0.7, top_k=5, top_p=0.9)])
+def test_partial_rollouts_continue_as_if_uninterrupted(models, spec):
+  """APRIL: a run stopped after one complete job, then continued (twice, on another slot
+  count), gives the samples of an uninterrupted run: same tokens and finish reasons,
+  log-probs within prefill-vs-decode rounding."""
+  model, params, _ = models
+  jobs = _uneven(jobs_for(spec, n=3, max_new=10, stops=()))
+  full = make_driver(model, params).run(jobs)
+  driver = make_driver(model, params)
+  first = driver.run(jobs, stop_after=1)
+  assert sum(all(s.finish_reason for s in samples) for samples in first) >= 1
+  partial = [s for samples in first for s in samples if s.finish_reason is None and s.tokens]
+  assert partial, 'the stop left no sample part-way'
+  assert driver.stats['stopped_early'] == 1
+  assert driver.stats['unfinished_samples'] >= len(partial)
+  second = make_driver(model, params, slots=3).run(_resumed(jobs, first), stop_after=3)
+  third = make_driver(model, params, slots=16).run(_resumed(jobs, second))
+  assert all(s.finish_reason for samples in third for s in samples)
+  for a_job, b_job in zip(full, third):
+    for a, b in zip(a_job, b_job):
+      assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+      assert a.supports == b.supports and b.versions == [0] * len(b.tokens)
+      np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+def test_continued_samples_keep_old_versions_and_discard_restarts_them(models):
+  """Tokens drawn before the stop keep version 0; the continuation draws with version 1.
+  Under 'discard' a continued sample that sees a swap is regenerated from scratch."""
+  model, params, other = models
+  jobs = _uneven(jobs_for(SamplingSpec(1.0), n=3, max_new=10, stops=()))
+  first = make_driver(model, params).run(jobs, stop_after=1)
+  drawn = [[len(s.tokens) for s in samples] for samples in first]
+  driver = make_driver(model, other, version=1)
+  second = driver.run(_resumed(jobs, first))
+  assert driver.stats['continued_samples'] == sum(
+      1 for samples in first for s in samples if s.finish_reason is None and s.tokens)
+  for samples, before, counts in zip(second, first, drawn):
+    for s, b, n in zip(samples, before, counts):
+      assert s.tokens[:n] == b.tokens and s.versions[:n] == [0] * n
+      assert s.versions[n:] == [1] * (len(s.tokens) - n)
+  # 'discard': a swap after the resumed samples entered restarts them from scratch.
+  holder_swaps = {2: 2}
+
+  def swap(step):
+    if step in holder_swaps:
+      driver.holder.set(holder_swaps[step], driver.engine.place_params(params))
+  driver = make_driver(model, other, version=1, on_swap='discard', before_step=swap)
+  third = driver.run(_resumed(jobs, first))
+  for samples, before in zip(third, first):
+    for s, b in zip(samples, before):
+      if b.finish_reason:  # finished before the stop: kept as it was
+        assert s.tokens == b.tokens and s.restarts == 0
+      elif s.restarts:
+        assert set(s.versions) == {2}  # wholly regenerated with the new weights
+  assert driver.stats['discarded_samples'] > 0
+
+
+def test_partial_rollout_errors(models):
+  model, params, _ = models
+  driver = make_driver(model, params)
+  jobs = jobs_for(GREEDY, n=2, max_new=4)
+  with pytest.raises(ValueError, match=r'stop_after=5 must be in \[1, 4\]'):
+    driver.run(jobs, stop_after=5)
+  with pytest.raises(ValueError, match='resume holds 1 samples for num_samples=2'):
+    driver.run([dataclasses.replace(jobs[0], resume=(Sample(),))])
+  long = Sample(tokens=[3] * 4, logprobs=[0.0] * 4, supports=[1] * 4, versions=[0] * 4)
+  with pytest.raises(ValueError, match='unfinished with 4 tokens, but max_new_tokens=4'):
+    driver.run([dataclasses.replace(jobs[0], resume=(long, Sample()))])
+  engine = driver.engine  # cache 16 + 12 = 28 tokens; continuations use longer buckets
+  assert engine.bucket(20, continuation=True) == 24 and engine.bucket(27, continuation=True) == 28
+  with pytest.raises(ValueError, match='longer than max_prefill_length=16'):
+    engine.bucket(20)
+  with pytest.raises(ValueError, match='a continuation of 28 tokens leaves no room'):
+    engine.bucket(28, continuation=True)
+  prefix = engine.prefill(driver.holder.get()[1], [(3, 4)])
+  with pytest.raises(ValueError, match=r'offset=4 \(tokens already drawn\) must be in \[0, '):
+    engine.insert(prefix, driver.state, [Insert(0, 0, keys_for(0, 1)[0], 4, (), offset=4)],
+                  GREEDY)
