@@ -19,7 +19,9 @@ import numpy as np
 from rlax_llm.policy import SamplingSpec
 from rlax_llm.tasks.base import Prompt
 
-FINISH_REASONS = ('stop', 'length')  # 'stop': emitted eos; 'length': hit max_new_tokens
+# 'stop': emitted eos; 'length': hit max_new_tokens; 'unfinished': generation of its batch
+# stopped first (APRIL partial rollouts): continued by a later request, never scored or trained.
+FINISH_REASONS = ('stop', 'length', 'unfinished')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,19 +29,34 @@ class GenerationRequest:
   """Sample ``num_samples`` completions of ``prompt`` (its text, or its chat messages
   rendered by the model's chat template) with ``sampling``, each at most
   ``max_new_tokens`` long, ending early at the tokenizer's eos or any of
-  ``stop_token_ids`` (kept in the output). The samples share one group id and one prefill."""
+  ``stop_token_ids`` (kept in the output). The samples share one group id and one prefill.
+
+  ``resume``: continue a group that an earlier call left unfinished (APRIL): its
+  ``num_samples`` rows from that call, with their ``sample_keys``; finished rows come back as
+  they were, ``'unfinished'`` ones are continued from their tokens with their own keys.
+  """
 
   prompt: Prompt
   num_samples: int
   sampling: SamplingSpec
   max_new_tokens: int
   stop_token_ids: tuple[int, ...] = ()
+  resume: 'Rollouts | None' = dataclasses.field(default=None, compare=False)
 
   def __post_init__(self):
     for name in ('num_samples', 'max_new_tokens'):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f'GenerationRequest.{name}={value!r} must be an int >= 1.')
+    if self.resume is not None:
+      r = self.resume
+      if len(r) != self.num_samples or r.sample_keys is None:
+        raise ValueError(f'GenerationRequest.resume must hold num_samples={self.num_samples} '
+                         f'rows with sample_keys; got {len(r)} rows, sample_keys '
+                         f'{"missing" if r.sample_keys is None else "present"}.')
+      if np.any(r.prompt_ids != self.prompt.prompt_id):
+        raise ValueError(f'GenerationRequest.resume rows answer prompts '
+                         f'{sorted(set(r.prompt_ids.tolist()))}, not {self.prompt.prompt_id}.')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +85,7 @@ class Rollouts:
   verifier_errors: int = 0
   restarts: np.ndarray | None = None  # int32 [B]: times a sample was discarded and redone
   on_swap: str = 'continue'  # what a weight swap did to samples in flight
+  sample_keys: np.ndarray | None = None  # uint32 [B, key_size]: each sample's PRNG key data
 
   def __len__(self) -> int:
     return len(self.prompt_ids)
@@ -76,6 +94,11 @@ class Rollouts:
   def finished(self) -> np.ndarray:
     """bool [B]: True where the completion ended with eos."""
     return self.finish_reasons == 'stop'
+
+  @property
+  def unfinished_groups(self) -> np.ndarray:
+    """The group ids (sorted) with an ``'unfinished'`` row."""
+    return np.unique(self.group_ids[self.finish_reasons == 'unfinished'])
 
   def select(self, rows: np.ndarray) -> 'Rollouts':
     """The rows where the bool mask ``rows`` is True (group ids kept)."""
@@ -90,12 +113,12 @@ class Rollouts:
         support_sizes=self.support_sizes[index], versions=self.versions[index],
         finish_reasons=self.finish_reasons[index],
         completions=[self.completions[i] for i in index], rewards=take(self.rewards),
-        restarts=take(self.restarts))
+        restarts=take(self.restarts), sample_keys=take(self.sample_keys))
 
   # The arrays that ``to_state`` stores as arrays (the rest goes into its JSON part).
   _ARRAYS = ('prompt_ids', 'group_ids', 'prompt_tokens', 'prompt_lengths', 'completion_tokens',
              'completion_mask', 'behaviour_logprobs', 'support_sizes', 'versions', 'rewards',
-             'restarts')
+             'restarts', 'sample_keys')
 
   def to_state(self) -> tuple[dict[str, np.ndarray], dict]:
     """``(arrays, meta)``: numeric arrays (finish reasons as indices into
@@ -134,7 +157,7 @@ class Rollouts:
 
     def cat(name, pad):
       arrays = [getattr(p, name) for p in parts]
-      if arrays[0] is None:
+      if any(a is None for a in arrays):
         return None
       if arrays[0].ndim == 2:
         width = max(a.shape[1] for a in arrays)
@@ -161,7 +184,8 @@ class Rollouts:
         sampling=first.sampling if all(p.sampling == first.sampling for p in parts) else None,
         timings={'generate_s': generate_s, 'tokens_per_s': tokens / max(generate_s, 1e-9)},
         rewards=cat('rewards', 0.0), verifier_errors=sum(p.verifier_errors for p in parts),
-        restarts=cat('restarts', 0), on_swap=first.on_swap)
+        restarts=cat('restarts', 0), on_swap=first.on_swap,
+        sample_keys=cat('sample_keys', 0))
 
 
 @flax.struct.dataclass
@@ -181,6 +205,10 @@ def make_train_batch(rollouts: Rollouts, advantages: np.ndarray) -> TrainBatch:
   """Packs each prompt with its completion into a right-padded ``[B, P + N]`` row."""
   b, p = rollouts.prompt_tokens.shape
   n = rollouts.completion_tokens.shape[1]
+  if np.any(rollouts.finish_reasons == 'unfinished'):
+    raise ValueError(f'rows {np.flatnonzero(rollouts.finish_reasons == "unfinished").tolist()} '
+                     'are unfinished (a stopped partial rollout); continue them before '
+                     'training.')
   if np.shape(advantages) != (b,):
     raise ValueError(f'advantages must be [B] = ({b},), got shape {np.shape(advantages)}.')
   length = p + n

@@ -28,7 +28,7 @@ from rlax_llm.data_types import GenerationRequest, Rollouts
 from rlax_llm.models.model import Model
 from rlax_llm.paramserver import ParameterServer
 from rlax_llm.paramserver import delta as delta_lib
-from rlax_llm.rollout.driver import Driver, Job, VersionedParams
+from rlax_llm.rollout.driver import Driver, Job, Sample, VersionedParams
 from rlax_llm.rollout.engine import Engine
 from rlax_llm.tokenization import Tokenizer, encode_prompt
 
@@ -119,33 +119,60 @@ class InferenceWorker:
           f'{(prompt.messages or prompt.text)!r}')
     return ids
 
-  def generate(self, requests: Sequence[GenerationRequest], rng: jax.Array) -> Rollouts:
+  def generate(self, requests: Sequence[GenerationRequest], rng: jax.Array,
+               stop_after: int | None = None) -> Rollouts:
     """Samples every request; rows of request ``i`` are contiguous with group id ``i``.
 
     Sample ``s`` of request ``i`` draws with the key ``fold_in(fold_in(rng, i), s)``, so the
     same weights, requests and ``rng`` give the same rollouts however the driver batches
     them. Requests with different sampling specs run one spec after the other.
+
+    ``stop_after`` (APRIL partial rollouts): stop once that many requests have every sample
+    finished; the rows of the others may come back ``'unfinished'`` (pass them as a
+    request's ``resume`` to continue them with their own keys). A ``resume`` request keeps
+    its rows' keys and prompt tokens.
     """
     if self.version < 0:
       raise RuntimeError('InferenceWorker has no weights; call load() or maybe_reload() first.')
     if not requests:
       raise ValueError('generate needs at least one request.')
     start = time.perf_counter()
-    prompts = [self.encode(r) for r in requests]
     stop = (self.tokenizer.eos_id,)
-    jobs = []
-    for i, (request, ids) in enumerate(zip(requests, prompts)):
-      request_key = jax.random.fold_in(rng, i)
-      keys = np.stack([np.asarray(jax.random.key_data(jax.random.fold_in(request_key, s)))
-                       for s in range(request.num_samples)])
+    jobs, prompts = [], []
+    for i, request in enumerate(requests):
+      resume = request.resume
+      if resume is None:
+        ids = self.encode(request)
+        request_key = jax.random.fold_in(rng, i)
+        keys = np.stack([np.asarray(jax.random.key_data(jax.random.fold_in(request_key, s)))
+                         for s in range(request.num_samples)])
+        samples = None
+      else:
+        ids = resume.prompt_tokens[0, :resume.prompt_lengths[0]].tolist()
+        keys = np.asarray(resume.sample_keys, np.uint32)
+        samples = tuple(self._sample(resume, row) for row in range(len(resume)))
+      prompts.append(ids)
       jobs.append(Job(prompt_ids=tuple(ids), num_samples=request.num_samples,
                       sampling=request.sampling, max_new_tokens=request.max_new_tokens,
                       stop_ids=tuple(dict.fromkeys(stop + tuple(request.stop_token_ids))),
-                      keys=keys))
-    results = self.driver.run(jobs)
-    return self._rollouts(requests, prompts, results, time.perf_counter() - start)
+                      keys=keys, resume=samples))
+    results = self.driver.run(jobs, stop_after)
+    return self._rollouts(requests, prompts, results, [job.keys for job in jobs],
+                          time.perf_counter() - start)
 
-  def _rollouts(self, requests, prompts, results, generate_s) -> Rollouts:
+  @staticmethod
+  def _sample(rows: Rollouts, row: int) -> Sample:
+    """Row ``row`` of ``rows`` as the driver's ``Sample`` (to be kept or continued)."""
+    n = int(rows.completion_mask[row].sum())
+    reason = str(rows.finish_reasons[row])
+    return Sample(tokens=rows.completion_tokens[row, :n].tolist(),
+                  logprobs=rows.behaviour_logprobs[row, :n].tolist(),
+                  supports=rows.support_sizes[row, :n].tolist(),
+                  versions=rows.versions[row, :n].tolist(),
+                  finish_reason=None if reason == 'unfinished' else reason,
+                  restarts=0 if rows.restarts is None else int(rows.restarts[row]))
+
+  def _rollouts(self, requests, prompts, results, keys, generate_s) -> Rollouts:
     counts = [r.num_samples for r in requests]
     b = sum(counts)
     width = max(r.max_new_tokens for r in requests)
@@ -169,11 +196,12 @@ class InferenceWorker:
         logprobs[row, :n] = sample.logprobs
         supports[row, :n] = sample.supports
         versions[row, :n] = sample.versions
-        finish.append(sample.finish_reason)
+        finish.append(sample.finish_reason or 'unfinished')
         restarts[row] = sample.restarts
         row += 1
     stats = self.driver.stats
-    generated = int(mask.sum())
+    carried = sum(int(r.resume.completion_mask.sum()) for r in requests if r.resume is not None)
+    generated = int(mask.sum()) - carried  # by this call
     specs = {r.sampling for r in requests}
     return Rollouts(
         prompt_ids=np.repeat([r.prompt.prompt_id for r in requests], counts).astype(np.int64),
@@ -189,4 +217,5 @@ class InferenceWorker:
                  'decode_steps': stats.get('steps', 0.0),
                  'slot_occupancy': stats.get('slot_steps', 0.0) / max(
                      1.0, stats.get('steps', 0.0) * self.engine.slots)},
-        restarts=restarts, on_swap=self.driver.on_swap)
+        restarts=restarts, on_swap=self.driver.on_swap,
+        sample_keys=np.concatenate(keys).astype(np.uint32))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlax_llm.data_types import GenerationRequest, make_train_batch
+from rlax_llm.data_types import GenerationRequest, Rollouts, make_train_batch
 from rlax_llm.losses import LossConfig
 from rlax_llm.models.decoder import DecoderConfig
 from rlax_llm.models.model import create_model
@@ -212,3 +212,41 @@ def test_mixed_specs_run_in_phases_and_bad_lengths_raise(model_and_params):
                           max_prompt_len=8, max_new_tokens=MAX_NEW)
   with pytest.raises(RuntimeError, match='no weights'):
     empty.generate(requests(GREEDY), jax.random.key(0))
+
+
+def test_partial_rollouts_resume_through_requests(model_and_params):
+  """APRIL through the typed interface: a call stopped after one finished request returns
+  'unfinished' rows with their keys; requests resuming them (after a to_state round trip,
+  as a checkpoint stores them) give the rows of an uninterrupted call."""
+  model, params = model_and_params
+  worker = make_worker(model, params)
+  reqs = requests(SamplingSpec(0.9), n=6)
+  full = worker.generate(reqs, jax.random.key(3))
+  part = worker.generate(reqs, jax.random.key(3), stop_after=1)
+  unfinished = part.unfinished_groups
+  assert 1 <= unfinished.size <= 3 and set(part.finish_reasons) >= {'unfinished'}
+  cut = part.finish_reasons == 'unfinished'
+  assert (part.completion_mask[cut].sum(1) > 0).any()  # some were cut part-way
+  assert part.sample_keys.shape == (24, 2) and part.sample_keys.dtype == np.uint32
+  with pytest.raises(ValueError, match='are unfinished'):
+    make_train_batch(part, np.zeros(24, np.float32))
+  state = Rollouts.from_state(*part.to_state())
+  resumed = [GenerationRequest(r.prompt, 6, r.sampling, MAX_NEW,
+                               resume=state.select(state.group_ids == g))
+             if g in unfinished else r for g, r in enumerate(reqs)]
+  out = worker.generate(resumed, jax.random.key(99))  # the resumed rows keep their keys
+  for g in range(4):
+    rows = out.group_ids == g
+    if g not in unfinished:  # a new request: drawn with the new key
+      continue
+    np.testing.assert_array_equal(out.completion_tokens[rows], full.completion_tokens[rows])
+    np.testing.assert_array_equal(out.finish_reasons[rows], full.finish_reasons[rows])
+    np.testing.assert_allclose(out.behaviour_logprobs[rows], full.behaviour_logprobs[rows],
+                               atol=1e-5)
+    np.testing.assert_array_equal(out.sample_keys[rows], full.sample_keys[rows])
+  with pytest.raises(ValueError, match='must hold num_samples=4 rows with sample_keys'):
+    GenerationRequest(PROMPTS[0], 4, SamplingSpec(0.9), MAX_NEW,
+                      resume=state.select(state.group_ids == 0))
+  with pytest.raises(ValueError, match=r'rows answer prompts \[1\], not 0'):
+    GenerationRequest(PROMPTS[0], 6, SamplingSpec(0.9), MAX_NEW,
+                      resume=state.select(state.group_ids == 1))
