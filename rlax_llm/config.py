@@ -55,8 +55,9 @@ POSITIVE_INTS = ('rl.group_size', 'rl.prompts_per_step', 'rl.max_nonfinite_updat
                  'rollout.slots', 'rollout.workers',
                  'sampling.max_new_tokens', 'sampling.max_prompt_len', 'warmup.batch_size',
                  'log.console_every')
-NON_NEGATIVE_INTS = ('seed', 'total_steps', 'rl.logprob_chunk', 'warmup.steps', 'warmup.warmup_steps',
-                     'eval.every_steps', 'checkpoint.every_steps', 'log.text_every')
+NON_NEGATIVE_INTS = ('seed', 'total_steps', 'rl.logprob_chunk', 'rollout.stop_after_groups',
+                     'warmup.steps', 'warmup.warmup_steps', 'eval.every_steps',
+                     'checkpoint.every_steps', 'log.text_every')
 # Floats: key -> (lowest valid value, whether the lowest value itself is valid).
 FLOATS = {
     'rl.learning_rate': (0.0, False),
@@ -147,6 +148,7 @@ def controller_settings(config: ml_collections.ConfigDict):
         advantage_estimator=loss_config(config).estimator,
         oversample=config.rollout.oversample,
         worker_timeout_s=config.rollout.worker_timeout_s,
+        stop_after_groups=config.rollout.get('stop_after_groups', 0),
         eval_samples=config.eval.get('samples', 0),
         reward=config.reward.to_dict() if config.get('reward') else None)
 

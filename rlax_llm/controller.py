@@ -44,7 +44,17 @@ Also scheduled here, deterministically:
   (``rollout/padding_groups``; zero advantage under a group-mean baseline) so that every
   update has one shape and the trainer never recompiles; a batch with none skips the update.
   Every generated group is counted once: trained, padding, filtered, dropped as stale, or
-  still recycled.
+  still recycled (or still unfinished, below).
+* partial rollouts (APRIL, arXiv 2509.18521): with ``stop_after_groups = n > 0`` a batch's
+  generation stops as soon as ``n`` of its groups have every sample finished (each worker
+  stops at its share of its chunk); the unfinished groups, with the tokens drawn so far and
+  their keys, are carried into the next batch launched after this one is gathered, ahead of
+  new prompts, and continued there (``rollout/carried_groups``). Their tokens keep the
+  versions that drew them, so a continued group may mix versions; a carried group that could
+  be too stale when trained (the trainer's version may be at most one higher per step) is
+  regenerated from scratch instead (``rollout/restarted_groups``): on-policy (``k = 1``)
+  that is every carried group that saw an update, so continuation pays off with ``k >= 2``.
+  ``rollout/unfinished_groups`` counts the groups waiting to be continued.
 """
 
 from __future__ import annotations
@@ -127,6 +137,13 @@ class ControllerSettings:
   keep_versions: int = 0  # 0: what the schedule needs (k + 1)
   eval_samples: int = 0  # sampled draws per held-out prompt for mean@k / pass@k (0: none)
   reward: dict[str, Any] | None = None  # the reward config group (rlax_llm.rewards); None: task
+  stop_after_groups: int = 0  # APRIL: stop a batch once this many groups finished (0: never)
+
+  @property
+  def requested_groups(self) -> int:
+    """Groups each batch asks for: ``prompts_per_step``, over-provisioned by ``oversample``."""
+    return self.prompts_per_step if self.oversample == 0 else math.ceil(
+        self.prompts_per_step * (1 + self.oversample))
 
   def __post_init__(self):
     """Messages name the config keys (``staleness.j``, ``rollout.oversample``, ...)."""
@@ -147,6 +164,13 @@ class ControllerSettings:
         or self.eval_samples < 0):
       raise ValueError(f'eval.samples={self.eval_samples!r} must be an int >= 0 (draws per '
                        'held-out prompt for mean@k and pass@k; 0: greedy accuracy only).')
+    n = self.stop_after_groups
+    if isinstance(n, bool) or not isinstance(n, int) or (
+        n != 0 and not self.prompts_per_step <= n <= self.requested_groups):
+      raise ValueError(
+          f'rollout.stop_after_groups={n!r} must be 0 (off) or an int in [rl.prompts_per_step'
+          f', groups requested per batch] = [{self.prompts_per_step}, '
+          f'{self.requested_groups}]; raise rollout.oversample to request more groups.')
     self.sampling.check_for_rollouts()
 
 
@@ -169,6 +193,8 @@ class ControllerState:
       'rollouts'}`` (prompts as dicts, the rollouts' JSON part; their arrays are stored
       apart, under ``inflight_<n>``).
     recycled: recycled groups: ``{'version', 'rollouts'}`` (arrays under ``recycled_<n>``).
+    unfinished: partial groups to continue: ``{'prompt', 'rollouts'}`` (arrays under
+      ``unfinished_<n>``).
   """
 
   step: int
@@ -183,6 +209,7 @@ class ControllerState:
   events: list[str] = dataclasses.field(default_factory=list)
   inflight: list[dict[str, Any]] = dataclasses.field(default_factory=list)
   recycled: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  unfinished: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
   def to_dict(self) -> dict[str, Any]:
     """JSON-friendly form (``rng`` as a list of ints)."""
@@ -201,6 +228,9 @@ class _Batch:
   version: int
   prompts: list[Prompt]
   chunks: list[tuple[int, list[GenerationRequest], Any]]  # (worker, requests, future)
+  stop_after: int = 0  # APRIL: the batch stops when this many groups finished (0: never)
+  carried: int = 0  # groups carried in from earlier batches (the first ones)
+  restarted: int = 0  # of those, regenerated from scratch (too stale to continue)
 
 
 def _done(value) -> concurrent.futures.Future:
@@ -253,7 +283,8 @@ class Controller:
     # The version each worker will hold once its queued calls have run (the controller knows
     # it: it sends every weight update itself).
     self._worker_versions = [-1] * len(self.workers)
-    self._recycled: list[tuple[int, Rollouts]] = []  # (sampling version, one group)
+    self._recycled: list[tuple[int, Rollouts]] = []  # (oldest token version, one group)
+    self._unfinished: list[tuple[Prompt, Rollouts]] = []  # partial groups to continue
     self.events: list[str] = []
     self.counters = collections.Counter()
     self._busy_s = 0.0
@@ -294,10 +325,14 @@ class Controller:
       arrays[f'inflight_{n}'], meta = rollouts.to_state()
       state.inflight.append({'index': batch.index, 'version': batch.version,
                              'prompts': [p.to_dict() for p in batch.prompts],
-                             'rollouts': meta})
+                             'rollouts': meta, 'stop_after': batch.stop_after,
+                             'carried': batch.carried, 'restarted': batch.restarted})
     for n, (version, group) in enumerate(self._recycled):
       arrays[f'recycled_{n}'], meta = group.to_state()
       state.recycled.append({'version': version, 'rollouts': meta})
+    for n, (prompt, group) in enumerate(self._unfinished):
+      arrays[f'unfinished_{n}'], meta = group.to_state()
+      state.unfinished.append({'prompt': prompt.to_dict(), 'rollouts': meta})
     return state, arrays
 
   def restore(self, state: ControllerState,
@@ -324,10 +359,14 @@ class Controller:
       self._restored_inflight.append(_Batch(
           index=batch['index'], version=batch['version'],
           prompts=[Prompt.from_dict(p) for p in batch['prompts']],
-          chunks=[(0, [], _done(rollouts))]))
+          chunks=[(0, [], _done(rollouts))], stop_after=batch.get('stop_after', 0),
+          carried=batch.get('carried', 0), restarted=batch.get('restarted', 0)))
     self._recycled = [(group['version'],
                        Rollouts.from_state(arrays[f'recycled_{n}'], group['rollouts']))
                       for n, group in enumerate(state.recycled)]
+    self._unfinished = [(Prompt.from_dict(group['prompt']),
+                         Rollouts.from_state(arrays[f'unfinished_{n}'], group['rollouts']))
+                        for n, group in enumerate(state.unfinished)]
 
   # ------------------------------------------------------------------------ scheduling
 
@@ -343,9 +382,10 @@ class Controller:
     return live
 
   def _submit(self, worker: int, requests: list[GenerationRequest], key: jax.Array,
-              version: int):
+              version: int, stop_after: int | None = None):
     """Queues ``requests`` on ``worker`` with weights ``version`` (sending the update it
-    needs from the version it will hold by then)."""
+    needs from the version it will hold by then); ``stop_after``: APRIL's stop (see
+    ``InferenceWorker.generate``)."""
     update = None
     if self._worker_versions[worker] != version:
       t0 = time.perf_counter()
@@ -358,24 +398,39 @@ class Controller:
       self.counters['sync/elements'] += update.total
       self.counters['time/sync_encode_s'] += time.perf_counter() - t0
       self._worker_versions[worker] = version
-    return self.workers[worker].generate(requests, np.asarray(jax.random.key_data(key)),
-                                         update)
+    rng_data = np.asarray(jax.random.key_data(key))
+    if stop_after is None:
+      return self.workers[worker].generate(requests, rng_data, update)
+    return self.workers[worker].generate(requests, rng_data, update, stop_after)
 
   def _launch(self, index: int, prompts: list[Prompt], version: int,
-              sampling: SamplingSpec, group_size: int, key: jax.Array) -> _Batch:
-    """Splits the batch's requests into contiguous chunks, one per live worker."""
-    requests = [GenerationRequest(p, group_size, sampling, self.settings.max_new_tokens)
-                for p in prompts]
+              sampling: SamplingSpec, group_size: int, key: jax.Array,
+              resumes: Sequence[Rollouts | None] = (), stop_after: int = 0) -> _Batch:
+    """Splits the batch's requests into contiguous chunks, one per live worker.
+
+    ``resumes[g]``: the rows so far of group ``g`` when it continues a partial group.
+    """
+    resumes = list(resumes) + [None] * (len(prompts) - len(resumes))
+    requests = [GenerationRequest(p, group_size, sampling, self.settings.max_new_tokens,
+                                  resume=r) for p, r in zip(prompts, resumes)]
+    batch = _Batch(index=index, version=version, prompts=prompts, chunks=[],
+                   stop_after=stop_after)
     live = self._live_workers()
-    chunks = []
     per = -(-len(requests) // len(live))
     for n, worker in enumerate(live):
       part = requests[n * per:(n + 1) * per]
       if part:
         # Chunk c draws with fold_in(key, c): independent of which worker runs it.
-        chunks.append((worker, part, self._submit(worker, part, jax.random.fold_in(key, n),
-                                                  version)))
-    return _Batch(index=index, version=version, prompts=prompts, chunks=chunks)
+        batch.chunks.append((worker, part, self._submit(
+            worker, part, jax.random.fold_in(key, n), version, self._chunk_stop(batch, part))))
+    return batch
+
+  @staticmethod
+  def _chunk_stop(batch: _Batch, part: Sequence[GenerationRequest]) -> int | None:
+    """A chunk's share of the batch's APRIL stop (None: run it to the end)."""
+    if not batch.stop_after:
+      return None
+    return min(len(part), math.ceil(batch.stop_after * len(part) / len(batch.prompts)))
 
   def _gather(self, batch: _Batch, key: jax.Array) -> list[Rollouts]:
     """The chunks' rollouts in order; a failed or silent worker is retired and its chunk
@@ -402,7 +457,8 @@ class Controller:
           self.counters['workers/reissued_chunks'] += 1
           live = self._live_workers()
           worker = live[n % len(live)]
-          future = self._submit(worker, requests, jax.random.fold_in(key, n), batch.version)
+          future = self._submit(worker, requests, jax.random.fold_in(key, n), batch.version,
+                                self._chunk_stop(batch, requests))
     return out
 
   # --------------------------------------------------------------------------- evaluate
@@ -482,13 +538,29 @@ class Controller:
                            trainer=trainer_state, controller=state.to_dict(), rollouts=arrays)
 
   def _launch_step(self, index: int) -> _Batch:
+    """Launches batch ``index``: partial groups carried from earlier batches first (continued,
+    or restarted when they could be too stale at step ``index``), then new prompts."""
     s = self.settings
-    count = s.prompts_per_step if s.oversample == 0 else math.ceil(
-        s.prompts_per_step * (1 + s.oversample))
-    prompts = [next(self._prompts)[0] for _ in range(count)]
+    count = s.requested_groups
+    carried, self._unfinished = self._unfinished[:count], self._unfinished[count:]
+    # At step ``index`` the trainer's version is at most one per step above today's.
+    version_bound = self.trainer.version + (index - self.step)
+    prompts, resumes, restarted = [], [], 0
+    for prompt, group in carried:
+      drawn = group.versions[group.versions >= 0]
+      if drawn.size and version_bound - int(drawn.min()) >= s.staleness_k:
+        resumes.append(None)  # too stale to continue: regenerate it with this batch's keys
+        restarted += 1
+      else:
+        resumes.append(group)
+      prompts.append(prompt)
+    prompts += [next(self._prompts)[0] for _ in range(count - len(carried))]
     version = self.step_versions[sampling_version(index, s.staleness_j, s.staleness_k)]
-    return self._launch(index, prompts, version, s.sampling, s.group_size,
-                        jax.random.fold_in(self._root_key, index))
+    batch = self._launch(index, prompts, version, s.sampling, s.group_size,
+                         jax.random.fold_in(self._root_key, index), resumes,
+                         s.stop_after_groups)
+    batch.carried, batch.restarted = len(carried), restarted
+    return batch
 
   def _select(self, batch: _Batch, rollouts: Rollouts) -> tuple[Rollouts, dict[str, float]]:
     """Dynamic sampling and recycling (see the module docstring); returns the groups to
@@ -496,11 +568,14 @@ class Controller:
     s = self.settings
     stats = {'rollout/filtered_groups': 0, 'rollout/recycled_groups': 0,
              'rollout/dropped_stale_groups': 0, 'rollout/padding_groups': 0,
-             'rollout/trained_groups': len(batch.prompts)}
+             'rollout/trained_groups': len(np.unique(rollouts.group_ids))}
     if s.oversample == 0:
       return rollouts, stats
-    groups = [(batch.version, rollouts.select(rollouts.group_ids == g))
-              for g in range(len(batch.prompts))]
+    groups = []
+    for g in np.unique(rollouts.group_ids):
+      group = rollouts.select(rollouts.group_ids == g)
+      drawn = group.versions[group.versions >= 0]  # a continued group holds older tokens
+      groups.append((int(drawn.min()) if drawn.size else batch.version, group))
     fresh, filtered = [], []
     for version, group in self._recycled:
       if self.trainer.version - version < s.staleness_k:
@@ -530,8 +605,13 @@ class Controller:
     s = self.settings
     t0 = time.perf_counter()
     key = jax.random.fold_in(self._root_key, batch.index)
-    parts = self._gather(batch, key)
-    rollouts = score_rollouts(self.task, batch.prompts, Rollouts.concatenate(parts))
+    rollouts = Rollouts.concatenate(self._gather(batch, key))
+    unfinished = rollouts.unfinished_groups
+    for g in unfinished:  # APRIL: continued in the next batch launched
+      self._unfinished.append((batch.prompts[g], rollouts.select(rollouts.group_ids == g)))
+    if unfinished.size:
+      rollouts = rollouts.select(~np.isin(rollouts.group_ids, unfinished))
+    rollouts = score_rollouts(self.task, batch.prompts, rollouts)
     reward_parts = {}
     if self._reward_components is not None:  # train on the shaped reward, log each part
       total, reward_parts = rewards.shape_rewards(rollouts, self._reward_components)
@@ -547,6 +627,10 @@ class Controller:
         'verifier/errors': rollouts.verifier_errors,
         'sampling_version': batch.version,
         **selection,
+        **({'rollout/carried_groups': batch.carried,
+            'rollout/restarted_groups': batch.restarted,
+            'rollout/unfinished_groups': len(self._unfinished)}
+           if s.stop_after_groups else {}),
         **self._start_eval,
     }
     self._start_eval = {}
@@ -583,7 +667,10 @@ class Controller:
     metrics['version'] = self.trainer.version
     self.writer.ledger(self.step, {
         'batch': batch.index, 'sampling_version': batch.version,
-        'prompt_ids': [p.prompt_id for p in batch.prompts],
+        # New prompts from the stream; APRIL's carried groups (continued or restarted) apart.
+        'prompt_ids': [p.prompt_id for p in batch.prompts[batch.carried:]],
+        **({'carried_prompt_ids': [p.prompt_id for p in batch.prompts[:batch.carried]]}
+           if batch.carried else {}),
         'trained_prompt_ids': ([] if trained is None else
                                [int(i) for i in dict.fromkeys(trained.prompt_ids.tolist())]),
         'trained_versions': ([] if trained is None else

@@ -125,6 +125,50 @@ def test_rollouts_are_trained_filtered_or_recycled(tmp_path):
   assert strip(again[1]) == strip(rows)
 
 
+def accounted(rows, per_batch):
+  """New groups (requested minus carried in) == every way a group leaves the pipeline."""
+  new = sum(per_batch - r.get('rollout/carried_groups', 0) for r in rows)
+  out = sum(r.get('rollout/trained_groups', 0) + r['rollout/filtered_groups']
+            + r['rollout/padding_groups'] + r['rollout/dropped_stale_groups'] for r in rows)
+  waiting = rows[-1]['rollout/recycled_groups'] + rows[-1].get('rollout/unfinished_groups', 0)
+  return new, out + waiting
+
+
+def april(**overrides):
+  """8 groups of 4 per batch on 6 slots (groups straddle waves), stopped after 4; a task and
+  warm-up giving mixed rewards, so that updates happen."""
+  return smoke(steps=8, rollout__oversample=1.0, rollout__stop_after_groups=4,
+               rollout__slots=6, warmup__steps=80, task__max_operand=9, task__num_eval=4,
+               **overrides)
+
+
+def test_partial_rollouts_are_continued_deterministically(tmp_path):
+  """APRIL: each batch stops once 4 of its 8 groups finished; the unfinished groups are
+  continued in a later batch (or restarted when too stale), every group is accounted for,
+  no trained token is k or more versions old, and random timings change nothing."""
+  summary, rows, params = run(april(j=2, k=3), tmp_path, wrap=delays(3, 0.02))
+  new, accounted_for = accounted(rows, per_batch=8)
+  assert new == accounted_for
+  carried = sum(r['rollout/carried_groups'] for r in rows)
+  restarted = sum(r['rollout/restarted_groups'] for r in rows)
+  assert carried - restarted > 0, 'no partial group was continued'
+  assert max(r['staleness/max'] for r in rows) <= 2
+  inline = run(april(j=2, k=3, local__concurrent=False), tmp_path / 'inline')
+  assert strip(inline[1]) == strip(rows)
+  jax.tree.map(np.testing.assert_array_equal, inline[2], params)
+
+
+def test_partial_rollouts_on_policy_restart_what_saw_an_update(tmp_path):
+  """k = 1: a carried group that saw an update cannot be trained with its old tokens, so it
+  is regenerated from scratch; the run stays on-policy."""
+  _, rows, _ = run(april(), tmp_path)
+  new, accounted_for = accounted(rows, per_batch=8)
+  assert new == accounted_for
+  assert sum(r.get('rollout/trained_groups', 0) for r in rows) > 0
+  assert sum(r['rollout/restarted_groups'] for r in rows) > 0
+  assert all(r['staleness/max'] == 0 for r in rows)
+
+
 def test_two_workers_on_disjoint_devices_match_one(reference_1_1, tmp_path):
   """8 devices: trainer on 4, two workers on 2 each; a sample's tokens depend only on its
   key, so the run equals the single-worker reference."""

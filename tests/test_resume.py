@@ -112,6 +112,30 @@ def test_three_preemptions_resume_exactly(reference, tmp_path, j, k, seed):
   jax.tree.map(np.testing.assert_array_equal, params, ref_params)
 
 
+def test_partial_rollouts_resume_exactly(tmp_path):
+  """APRIL (unfinished groups carried between batches, j = 2, k = 3): preempted twice, the
+  resumed run equals the uninterrupted one, and the unfinished groups crossed a checkpoint."""
+  def config():
+    c = smoke(steps=6, j=2, k=3)
+    c.rollout.oversample, c.rollout.stop_after_groups, c.rollout.slots = 1.0, 4, 6
+    c.task.max_operand, c.task.num_eval = 9, 4
+    return c
+  ref_summary, ref_params = run_once(config(), tmp_path / 'ref', None)
+  ref_metrics, ref_ledger = read(tmp_path / 'ref')
+  assert any(row['rollout/unfinished_groups'] for row in ref_metrics[1::2])  # at checkpoints
+  assert sum(row['rollout/carried_groups'] for row in ref_metrics) > 0
+  preempted = []
+  for at in (WARMUP + 3, 2, None):
+    summary, params = run_once(config(), tmp_path / 'run', Preempt(at))
+    preempted.append((summary['steps'], summary['preempted']))
+  assert preempted == [(3, True), (5, True), (6, False)]
+  metrics, ledger = read(tmp_path / 'run')
+  assert metrics == ref_metrics and ledger == ref_ledger
+  jax.tree.map(np.testing.assert_array_equal, params, ref_params)
+  consumed = [i for row in ledger for i in row['prompt_ids']]
+  assert consumed == list(range(len(consumed)))  # carried groups consume no new prompt
+
+
 def test_ledger_accounts_for_every_prompt(reference):
   """Each batch consumes the next prompts of the stream; every prompt is trained once."""
   for (j, k), (_, _, ledger) in reference.items():

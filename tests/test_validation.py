@@ -60,6 +60,9 @@ BAD = [
     ('staleness.j', 4, 'config.staleness (j, k) = (4, 1): j must be <= k'),
     ('rollout.oversample', 5.0, 'config.rollout.oversample=5.0 must be in [0, 4]'),
     ('rollout.worker_timeout_s', 0.0, 'config.rollout.worker_timeout_s=0.0 must be > 0'),
+    ('rollout.stop_after_groups', 3, 'config.rollout.stop_after_groups=3 must be 0 (off) or an '
+     'int in [rl.prompts_per_step, groups requested per batch] = [4, 4]'),
+    ('rollout.stop_after_groups', -1, 'config.rollout.stop_after_groups=-1 must be an int >= 0'),
     ('rollout.workers', 0, 'config.rollout.workers=0 must be an int >= 1'),
     ('rollout.fault.kind', 'explode', "config.rollout.fault.kind='explode' is not valid"),
     ('rollout.on_swap', 'later', "config.rollout.on_swap='later' is not valid"),
