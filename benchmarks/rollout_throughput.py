@@ -84,6 +84,12 @@ def jobs_for(prompts, lengths) -> list[Job]:
   return [Job(tuple(p), 1, GREEDY, n, (), keys) for p, n in zip(prompts, lengths)]
 
 
+def heavy_tailed_lengths(rng: np.random.RandomState, n: int, longest: int = 128) -> list[int]:
+  """``n`` completion lengths from a Pareto tail (shape 1.2, scale 8), clipped to
+  ``[4, longest]``: most are short, a few run to the cap."""
+  return np.clip((8 * (1 + rng.pareto(1.2, n))).astype(int), 4, longest).tolist()
+
+
 def timed(fn) -> tuple[float, object]:
   start = time.perf_counter()
   out = fn()
@@ -152,7 +158,7 @@ def main() -> None:
 
   # Variable-length workload: heavy-tailed completion lengths, continuous vs static batching.
   rng = np.random.RandomState(0)
-  lengths = np.clip((8 * (1 + rng.pareto(1.2, args.requests))).astype(int), 4, 128).tolist()
+  lengths = heavy_tailed_lengths(rng, args.requests)
   prompts = prompts_for(tokenizer, args.requests)
   jobs = jobs_for(prompts, lengths)
   drivers = {mode: driver_for(model, params, args.slots, len(prompts[0]), max(lengths),
