@@ -51,13 +51,15 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # Inference: workers, KV-cache slots each (concurrent sequences), what a weight swap does to
   # sequences in flight ('continue', PipelineRL; 'discard' and regenerate, RLAX); dynamic
   # sampling (oversample > 0: ask for that many more prompts, drop groups with equal rewards,
-  # recycle the surplus); stop_after_groups (APRIL, > 0: stop a batch's generation once that
-  # many groups finished, continue the unfinished ones in the next batch; 0: off); how long a
-  # silent worker is waited for before its requests go to another; fault: a test knob making
-  # worker `worker` 'die' or 'hang' at its `call`-th call.
+  # recycle the surplus; short_batches: a batch left with fewer informative groups than
+  # prompts_per_step is topped up with filtered ones, 'pad', or skips its update and keeps
+  # them for the next batch, 'wait'); stop_after_groups (APRIL, > 0: stop a batch's
+  # generation once that many groups finished, continue the unfinished ones in the next
+  # batch; 0: off); how long a silent worker is waited for before its requests go to
+  # another; fault: a test knob making worker `worker` 'die' or 'hang' at its `call`-th call.
   c.rollout = ml_collections.ConfigDict(dict(
       workers=1, slots=32, on_swap='continue', oversample=1.0,
-      stop_after_groups=0, worker_timeout_s=600.0,
+      short_batches='pad', stop_after_groups=0, worker_timeout_s=600.0,
       fault=ml_collections.ConfigDict(dict(worker=-1, call=0, kind='none'))))
   c.staleness = ml_collections.ConfigDict(dict(j=1, k=1))
   # Where roles run: 'local' (this process; local.concurrent: each role on its own thread,

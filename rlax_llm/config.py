@@ -47,6 +47,7 @@ CHOICES = {
     'model.dtype': ('float32', 'bfloat16'),
     'model.remat': REMAT_POLICIES,
     'rollout.on_swap': ('continue', 'discard'),
+    'rollout.short_batches': ('pad', 'wait'),
     'rollout.fault.kind': ('none', 'die', 'hang'),
 }
 
@@ -149,6 +150,7 @@ def controller_settings(config: ml_collections.ConfigDict):
         oversample=config.rollout.oversample,
         worker_timeout_s=config.rollout.worker_timeout_s,
         stop_after_groups=config.rollout.get('stop_after_groups', 0),
+        short_batches=config.rollout.get('short_batches', 'pad'),
         eval_samples=config.eval.get('samples', 0),
         reward=config.reward.to_dict() if config.get('reward') else None)
 

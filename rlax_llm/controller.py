@@ -40,9 +40,13 @@ Also scheduled here, deterministically:
   groups are trained; the surplus is recycled into the next batch if it is still fresh
   enough (``t - v < k``), else dropped and counted (after APRIL's over-provisioning,
   arXiv 2509.18521, at the granularity of finished groups). A batch with fewer than
-  ``prompts_per_step`` informative groups is topped up with its filtered ones
-  (``rollout/padding_groups``; zero advantage under a group-mean baseline) so that every
-  update has one shape and the trainer never recompiles; a batch with none skips the update.
+  ``prompts_per_step`` informative groups is handled by ``short_batches``: ``'pad'`` tops
+  it up with its filtered ones (``rollout/padding_groups``; zero advantage under a
+  group-mean baseline) so that every update has one shape and the trainer never recompiles
+  (a batch with none skips the update); ``'wait'`` (DAPO's "keep sampling until the batch
+  is full") skips the update and keeps the informative groups for the next batch, so every
+  update trains ``prompts_per_step`` informative groups and no compute goes to padding
+  (a skipped update leaves the version unchanged, so the kept groups stay fresh).
   Every generated group is counted once: trained, padding, filtered, dropped as stale, or
   still recycled (or still unfinished, below).
 * partial rollouts (APRIL, arXiv 2509.18521): with ``stop_after_groups = n > 0`` a batch's
@@ -138,6 +142,7 @@ class ControllerSettings:
   eval_samples: int = 0  # sampled draws per held-out prompt for mean@k / pass@k (0: none)
   reward: dict[str, Any] | None = None  # the reward config group (rlax_llm.rewards); None: task
   stop_after_groups: int = 0  # APRIL: stop a batch once this many groups finished (0: never)
+  short_batches: str = 'pad'  # fewer informative groups than prompts_per_step: 'pad' | 'wait'
 
   @property
   def requested_groups(self) -> int:
@@ -164,6 +169,9 @@ class ControllerSettings:
         or self.eval_samples < 0):
       raise ValueError(f'eval.samples={self.eval_samples!r} must be an int >= 0 (draws per '
                        'held-out prompt for mean@k and pass@k; 0: greedy accuracy only).')
+    if self.short_batches not in ('pad', 'wait'):
+      raise ValueError(f"rollout.short_batches={self.short_batches!r} is not valid; choose "
+                       "'pad' or 'wait'.")
     n = self.stop_after_groups
     if isinstance(n, bool) or not isinstance(n, int) or (
         n != 0 and not self.prompts_per_step <= n <= self.requested_groups):
@@ -588,6 +596,12 @@ class Controller:
       else:
         fresh.append((version, group))
     keep, self._recycled = fresh[:s.prompts_per_step], fresh[s.prompts_per_step:]
+    if s.short_batches == 'wait' and len(keep) < s.prompts_per_step:
+      # No update: the informative groups wait for the next batch (versions unchanged).
+      self._recycled = keep + self._recycled
+      stats.update({'rollout/recycled_groups': len(self._recycled),
+                    'rollout/trained_groups': 0, 'rollout/filtered_groups': len(filtered)})
+      return None, stats
     # A short batch is topped up with filtered groups of this batch (there are always enough:
     # it holds >= prompts_per_step groups), so every update has the same shape and the
     # trainer compiles once. Under a group-mean baseline their advantages are 0. A batch

@@ -137,9 +137,9 @@ def accounted(rows, per_batch):
 def april(**overrides):
   """8 groups of 4 per batch on 6 slots (groups straddle waves), stopped after 4; a task and
   warm-up giving mixed rewards, so that updates happen."""
-  return smoke(steps=8, rollout__oversample=1.0, rollout__stop_after_groups=4,
-               rollout__slots=6, warmup__steps=80, task__max_operand=9, task__num_eval=4,
-               **overrides)
+  fields = dict(steps=8, rollout__oversample=1.0, rollout__stop_after_groups=4,
+                rollout__slots=6, warmup__steps=80, task__max_operand=9, task__num_eval=4)
+  return smoke(**(fields | overrides))
 
 
 def test_partial_rollouts_are_continued_deterministically(tmp_path):
@@ -166,6 +166,21 @@ def test_partial_rollouts_on_policy_restart_what_saw_an_update(tmp_path):
   assert new == accounted_for
   assert sum(r.get('rollout/trained_groups', 0) for r in rows) > 0
   assert sum(r['rollout/restarted_groups'] for r in rows) > 0
+  assert all(r['staleness/max'] == 0 for r in rows)
+
+
+def test_short_batches_wait_trains_only_full_informative_batches(tmp_path):
+  """short_batches='wait': a batch with fewer than 4 informative groups skips its update and
+  keeps them (still fresh on-policy: the version did not move); every update trains 4
+  informative groups, none padding, and every group is accounted for."""
+  _, rows, _ = run(april(rollout__stop_after_groups=0, rollout__short_batches='wait'),
+                   tmp_path)
+  new, accounted_for = accounted(rows, per_batch=8)
+  assert new == accounted_for
+  assert all(r['rollout/padding_groups'] == 0 for r in rows)
+  assert {r['rollout/trained_groups'] for r in rows} == {0, 4}
+  waited = [r for r in rows if r['rollout/trained_groups'] == 0]
+  assert waited and all(r.get('update/skipped') == 1.0 for r in waited)
   assert all(r['staleness/max'] == 0 for r in rows)
 
 

@@ -66,6 +66,7 @@ BAD = [
     ('rollout.workers', 0, 'config.rollout.workers=0 must be an int >= 1'),
     ('rollout.fault.kind', 'explode', "config.rollout.fault.kind='explode' is not valid"),
     ('rollout.on_swap', 'later', "config.rollout.on_swap='later' is not valid"),
+    ('rollout.short_batches', 'drop', "config.rollout.short_batches='drop' is not valid"),
     ('backend', 'slurm', "config.backend='slurm' is not valid"),
     ('total_steps', -1, 'config.total_steps=-1 must be an int >= 0'),
     ('eval.every_steps', -2, 'config.eval.every_steps=-2'),
