@@ -91,7 +91,8 @@ class SleepWorker:
         finish_reasons=np.full(b, 'stop'), completions=[''] * b,
         sampling=requests[0].sampling, timings={'generate_s': self.seconds})
 
-  def generate(self, requests, rng_data, update=None):
+  def generate(self, requests, rng_data, update=None, stop_after=None):
+    del stop_after  # every request finishes within its sleep
     return self._pool.submit(self._generate, requests, rng_data, update)
 
   def retire(self) -> None:

@@ -115,8 +115,8 @@ class WorkerHandle(Protocol):
   """An inference worker as the controller sees it (calls return futures, run in order)."""
 
   def generate(self, requests: Sequence[GenerationRequest], rng_data: np.ndarray,
-               update=None) -> Future:  # -> Rollouts
-    ...
+               update=None, stop_after: int | None = None) -> Future:  # -> Rollouts
+    """``InferenceWorker.generate`` after installing ``update`` (if any)."""
 
   def retire(self) -> None:
     ...
@@ -406,10 +406,8 @@ class Controller:
       self.counters['sync/elements'] += update.total
       self.counters['time/sync_encode_s'] += time.perf_counter() - t0
       self._worker_versions[worker] = version
-    rng_data = np.asarray(jax.random.key_data(key))
-    if stop_after is None:
-      return self.workers[worker].generate(requests, rng_data, update)
-    return self.workers[worker].generate(requests, rng_data, update, stop_after)
+    return self.workers[worker].generate(requests, np.asarray(jax.random.key_data(key)),
+                                         update, stop_after)
 
   def _launch(self, index: int, prompts: list[Prompt], version: int,
               sampling: SamplingSpec, group_size: int, key: jax.Array,
