@@ -14,11 +14,10 @@ from smoke_config import smoke_config  # noqa: E402  (tests/smoke_config.py)
 
 
 def smoke(backend, steps=6, **overrides):
-  return smoke_config(
-      backend=backend, total_steps=steps, staleness__j=4, staleness__k=8,
-      log__tensorboard=False, eval__every_steps=3,
-      checkpoint__every_steps=0, checkpoint__every_seconds=0.0,  # none on Ray yet
-      **overrides)
+  fields = dict(backend=backend, total_steps=steps, staleness__j=4, staleness__k=8,
+                log__tensorboard=False, eval__every_steps=3,
+                checkpoint__every_steps=0, checkpoint__every_seconds=0.0)  # none on Ray yet
+  return smoke_config(**(fields | overrides))
 
 
 def strip(rows):
@@ -51,3 +50,14 @@ def test_a_dead_worker_process_is_replaced(cluster, tmp_path):
                                 rollout__fault__call=2, rollout__fault__kind='die'), tmp_path)
   assert summary['workers/lost'] == 1 and len(rows) == 6
   assert 'inference worker 1 was lost' in summary['events'][0]
+
+
+def test_partial_rollouts_on_ray_equal_local(cluster, tmp_path):
+  """APRIL's unfinished groups travel to the worker actors inside requests (with their
+  keys and tokens) and come back continued: the same run as the local backend."""
+  april = dict(rollout__oversample=1.0, rollout__stop_after_groups=4, rollout__slots=6,
+               task__max_operand=9, task__num_eval=4, staleness__j=2, staleness__k=3)
+  _, ray_rows = execute(smoke('ray', **april), tmp_path / 'ray')
+  _, local_rows = execute(smoke('local', **april), tmp_path / 'local')
+  assert strip(ray_rows) == strip(local_rows)
+  assert sum(r['rollout/carried_groups'] for r in ray_rows) > 0
