@@ -110,6 +110,11 @@ class Sample:
     self.supports.append(int(support))
     self.versions.append(int(version))
 
+  def copy(self) -> 'Sample':
+    """A copy whose token lists can grow without touching this one."""
+    return dataclasses.replace(self, tokens=list(self.tokens), logprobs=list(self.logprobs),
+                               supports=list(self.supports), versions=list(self.versions))
+
   def restart(self) -> None:
     self.tokens, self.logprobs, self.supports, self.versions = [], [], [], []
     self.finish_reason = None
@@ -181,12 +186,8 @@ class Driver:
                        'None.')
     start = time.perf_counter()
     self.stats = collections.defaultdict(float)
-    results = [[dataclasses.replace(job.resume[i], tokens=list(job.resume[i].tokens),
-                                    logprobs=list(job.resume[i].logprobs),
-                                    supports=list(job.resume[i].supports),
-                                    versions=list(job.resume[i].versions))
-                if job.resume is not None else Sample() for i in range(job.num_samples)]
-               for job in jobs]
+    results = [[job.resume[i].copy() if job.resume is not None else Sample()
+                for i in range(job.num_samples)] for job in jobs]
     self.stats['continued_samples'] = sum(
         1 for samples in results for sample in samples
         if sample.tokens and sample.finish_reason is None)
