@@ -553,8 +553,8 @@ class Controller:
     version_bound = self.trainer.version + (index - self.step)
     prompts, resumes, restarted = [], [], 0
     for prompt, group in carried:
-      drawn = group.versions[group.versions >= 0]
-      if drawn.size and version_bound - int(drawn.min()) >= s.staleness_k:
+      oldest = group.oldest_version
+      if oldest is not None and version_bound - oldest >= s.staleness_k:
         resumes.append(None)  # too stale to continue: regenerate it with this batch's keys
         restarted += 1
       else:
@@ -580,8 +580,8 @@ class Controller:
     groups = []
     for g in np.unique(rollouts.group_ids):
       group = rollouts.select(rollouts.group_ids == g)
-      drawn = group.versions[group.versions >= 0]  # a continued group holds older tokens
-      groups.append((int(drawn.min()) if drawn.size else batch.version, group))
+      oldest = group.oldest_version  # a continued group holds tokens older than the batch
+      groups.append((batch.version if oldest is None else oldest, group))
     fresh, filtered = [], []
     for version, group in self._recycled:
       if self.trainer.version - version < s.staleness_k:

@@ -96,6 +96,12 @@ class Rollouts:
     return self.finish_reasons == 'stop'
 
   @property
+  def oldest_version(self) -> int | None:
+    """The oldest policy version of any generated token (None: no tokens yet)."""
+    drawn = self.versions[self.versions >= 0]
+    return int(drawn.min()) if drawn.size else None
+
+  @property
   def unfinished_groups(self) -> np.ndarray:
     """The group ids (sorted) with an ``'unfinished'`` row."""
     return np.unique(self.group_ids[self.finish_reasons == 'unfinished'])
