@@ -156,14 +156,16 @@ class Rollouts:
   @classmethod
   def concatenate(cls, parts: 'list[Rollouts]') -> 'Rollouts':
     """Rows of ``parts`` in order; group ids renumbered 0, 1, ... by first appearance (each
-    part's groups are contiguous), 2-D arrays right-padded to the widest part."""
+    part's groups are contiguous), 2-D arrays right-padded to the widest part.
+    ``sample_keys`` is kept only when every part has it (rollouts restored from a checkpoint
+    written before keys were recorded have none)."""
     if len(parts) == 1:
       return parts[0]
     first = parts[0]
 
     def cat(name, pad):
       arrays = [getattr(p, name) for p in parts]
-      if any(a is None for a in arrays):
+      if arrays[0] is None:
         return None
       if arrays[0].ndim == 2:
         width = max(a.shape[1] for a in arrays)
@@ -191,7 +193,8 @@ class Rollouts:
         timings={'generate_s': generate_s, 'tokens_per_s': tokens / max(generate_s, 1e-9)},
         rewards=cat('rewards', 0.0), verifier_errors=sum(p.verifier_errors for p in parts),
         restarts=cat('restarts', 0), on_swap=first.on_swap,
-        sample_keys=cat('sample_keys', 0))
+        sample_keys=(None if any(p.sample_keys is None for p in parts)
+                     else cat('sample_keys', 0)))
 
 
 @flax.struct.dataclass
