@@ -45,6 +45,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       max_nonfinite_updates=3,  # consecutive skipped (NaN/Inf) updates before the run stops
       micro_batches=1,  # gradient accumulation: activation memory of batch / micro_batches rows
       logprob_chunk=0,  # > 0: lm head + log-probs this many positions at a time (no [B,T,V])
+      shared_prefix=False,  # True: score completions only; each group's prompt runs once
       advantage_estimator=placeholder(str), eps_low=placeholder(float),
       eps_high=placeholder(float), aggregation=placeholder(str),
       kl_beta=0.0, kl_estimator=placeholder(str),

@@ -374,8 +374,9 @@ class Decoder(nnx.Module):
     """``attend`` (static, with a cache): attention reads only the first ``attend`` cache
     positions; every row's ``lengths + T`` must be ``<= attend``. Decoding passes the
     smallest bucket that holds its longest row, so short sequences do not pay for the whole
-    cache. ``features`` (no cache): return the final-normed hidden states ``[B, T, E]``
-    instead of logits (``head`` turns them into logits, in chunks if wanted)."""
+    cache. ``features``: return the final-normed hidden states ``[B, T, E]`` instead of
+    logits (``head`` turns them into logits, in chunks if wanted); with a cache, as
+    ``(hidden, new_cache)``."""
     c = self.config
     chex.assert_rank(tokens, 2)
     batch, length = tokens.shape
@@ -402,13 +403,11 @@ class Decoder(nnx.Module):
         new_k.append(layer_kv[0])
         new_v.append(layer_kv[1])
     x = self.final_norm(x)
-    if features and cache is None:
-      return x
-    logits = self.head(x)
+    out = x if features else self.head(x)
     if cache is None:
-      return logits
+      return out
     if num_valid is None:
       num_valid = jnp.full((batch,), length, jnp.int32)
     new_cache = KVCache(k=tuple(new_k), v=tuple(new_v),
                         lengths=cache.lengths + num_valid.astype(jnp.int32))
-    return logits, new_cache
+    return out, new_cache

@@ -37,8 +37,8 @@ class Model:
 
     Returns float32 logits ``[batch, length, vocab]``, or ``(logits, new_cache)`` when a
     ``cache`` is given (see ``rlax_llm.models.decoder`` for the cache contract and
-    ``attend``), or with ``features`` the final-normed hidden states ``[batch, length,
-    embed]`` (``head_logits`` of ``head_weight`` makes them logits).
+    ``attend``). With ``features`` the final-normed hidden states ``[batch, length, embed]``
+    take the logits' place (``head_logits`` of ``head_weight`` makes them logits).
     """
     module = nnx.merge(self.graphdef, params)
     return module(tokens, cache=cache, num_valid=num_valid, attend=attend, features=features)

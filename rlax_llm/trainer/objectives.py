@@ -16,6 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from rlax_llm import losses
 from rlax_llm.data_types import TrainBatch
@@ -33,8 +35,8 @@ def loss_totals(batch: TrainBatch | dict[str, jax.Array]) -> losses.Totals:
 
 def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
                  batch: TrainBatch, reference_params: Params | None,
-                 totals: losses.Totals | None = None, *, logprob_chunk: int = 0
-                 ) -> tuple[jax.Array, dict[str, Any]]:
+                 totals: losses.Totals | None = None, *, logprob_chunk: int = 0,
+                 window: int = 0, share: int = 1) -> tuple[jax.Array, dict[str, Any]]:
   """Recomputes the log-probs of the batch's tokens under ``policy`` (with the support sizes
   the sampler recorded) and applies the loss.
 
@@ -46,30 +48,84 @@ def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
   ``hist/log_ratio`` (``losses.log_ratio_histogram`` of log pi_theta - log pi_behaviour).
   ``logprob_chunk`` > 0 computes the log-probs ``logprob_chunk`` positions at a time, never
   materialising ``[B, T, V]`` logits (``Policy.sequence_log_probs``).
+
+  ``window`` > 0 scores only the ``window`` positions from each row's first loss token on
+  (``Policy.window_log_probs``): the prompt is context, run once per block of ``share``
+  consecutive rows with equal prompts (the samples of a group). Every loss token must lie in
+  its row's window and blocks must share their prompts; ``check_windows`` checks a batch on
+  the host. The loss and gradients equal the unwindowed ones to float rounding (the
+  Dr. GRPO length constant stays the padded width ``T - 1``).
   """
-  scored = policy.sequence_log_probs(params, batch.tokens, batch.support_sizes,
-                                     chunk=logprob_chunk)
-  mask = batch.loss_mask[:, 1:]
+  length = batch.tokens.shape[1]
+  if window:
+    starts = jnp.argmax(batch.loss_mask > 0, axis=1).astype(jnp.int32)
+    offsets = starts[:, None] + jnp.arange(window, dtype=jnp.int32)
+    index = jnp.minimum(offsets, length - 1)
+    pick = lambda x: jnp.take_along_axis(x, index, axis=1)
+    mask = jnp.where(offsets < length, pick(batch.loss_mask), 0.0)
+    behaviour = pick(batch.behaviour_logprobs)
+    score = lambda p: policy.window_log_probs(p, batch.tokens, batch.support_sizes, starts,
+                                              width=window, share=share, chunk=logprob_chunk)
+  else:
+    mask = batch.loss_mask[:, 1:]
+    behaviour = batch.behaviour_logprobs[:, 1:]
+    score = lambda p: policy.sequence_log_probs(p, batch.tokens, batch.support_sizes,
+                                                chunk=logprob_chunk)
+  scored = score(params)
   ref_logp = None
   if loss_config.kl_beta > 0:
     if reference_params is None:
       raise ValueError('rl.kl_beta > 0 needs reference params; the trainer was built without.')
-    ref_logp = policy.sequence_log_probs(jax.lax.stop_gradient(reference_params),
-                                         batch.tokens, batch.support_sizes,
-                                         chunk=logprob_chunk).logp
+    ref_logp = score(jax.lax.stop_gradient(reference_params)).logp
   old_logp = (jax.lax.stop_gradient(scored.logp) if loss_config.old_logprobs == 'recompute'
               else None)
   loss, diagnostics = losses.policy_loss(
-      loss_config, scored.logp, batch.behaviour_logprobs[:, 1:], batch.advantages, mask,
-      old_logp=old_logp, ref_logp=ref_logp, totals=totals)
+      loss_config, scored.logp, behaviour, batch.advantages, mask, old_logp=old_logp,
+      ref_logp=ref_logp, max_length=length - 1, totals=totals)
   diagnostics = dict(diagnostics)
   diagnostics['entropy'] = losses.masked_token_mean(scored.entropy, mask)
   diagnostics['policy/out_of_support_fraction'] = losses.masked_token_mean(
       ~scored.in_support, mask)
   # A vector metric: rlax_llm.metrics draws it as the TensorBoard histogram 'log_ratio'.
-  diagnostics['hist/log_ratio'] = losses.log_ratio_histogram(
-      scored.logp - batch.behaviour_logprobs[:, 1:], mask)
+  diagnostics['hist/log_ratio'] = losses.log_ratio_histogram(scored.logp - behaviour, mask)
   return loss, diagnostics
+
+
+def check_windows(batch: TrainBatch, window: int, share: int = 1) -> None:
+  """Raises ValueError unless ``rl_objective(window=window)`` can score ``batch`` exactly:
+  every row's loss tokens lie within ``window`` positions of its first one, which is at most
+  ``T - window``, and consecutive blocks of ``share`` rows have equal prompts (the tokens
+  before their first loss token; a row without loss tokens only has to carry its block's
+  prompt). Host-side (numpy), before the batch reaches the device.
+  """
+  mask = np.asarray(batch.loss_mask) > 0
+  rows, length = mask.shape
+  starts = mask.argmax(axis=1)
+  last = length - 1 - mask[:, ::-1].argmax(axis=1)
+  bad = np.flatnonzero(mask.any(axis=1) & ((last - starts >= window) |
+                                           (starts > length - window)))
+  if bad.size:
+    b = int(bad[0])
+    raise ValueError(
+        f'rows {bad.tolist()} have loss tokens outside a window of {window} positions (row '
+        f'{b}: loss tokens {int(starts[b])}..{int(last[b])} of {length}); rl.shared_prefix '
+        f'scores at most sampling.max_new_tokens = {window} completion tokens after the '
+        'prompt. Set rl.shared_prefix=False for other layouts.')
+  if share > 1:
+    if rows % share:
+      raise ValueError(f'{rows} rows are not blocks of {share} (rl.group_size).')
+    # A row without loss tokens (start 0) only has to carry its block's prompt.
+    block_starts = np.repeat(starts.reshape(-1, share).max(axis=1), share)
+    tokens = np.asarray(batch.tokens)
+    prompts = np.where(np.arange(length) < block_starts[:, None], tokens, -1)
+    blocks = prompts.reshape(rows // share, share, length)
+    moved = (mask.any(axis=1) & (starts != block_starts)).reshape(-1, share).any(axis=1)
+    differ = np.flatnonzero(np.any(blocks != blocks[:, :1], axis=(1, 2)) | moved)
+    if differ.size:
+      raise ValueError(
+          f'row blocks {differ.tolist()} (of {share} rows each) do not share one prompt; '
+          'rl.shared_prefix needs the samples of each group in consecutive rows. Set '
+          'rl.shared_prefix=False for other batches.')
 
 
 def sft_objective(model: Model, params: Params, batch: dict[str, jax.Array],

@@ -70,6 +70,8 @@ class Trainer:
       mean over micro-batches. Rows are dealt out strided (row ``r`` goes to micro-batch
       ``r % micro_batches``), so every micro-batch stays spread over the data-parallel devices.
     totals_fn: ``batch -> losses.Totals``; needed when ``micro_batches > 1``.
+    check_batch: optional host-side ``batch -> None`` that raises on a batch the objective
+      cannot score (e.g. ``objectives.check_windows``), before any compute.
     rules: logical-axis rules.
   """
 
@@ -77,6 +79,7 @@ class Trainer:
                objective: Objective, mesh: Mesh, *, reference_params: Params | None = None,
                max_nonfinite_updates: int = 3, micro_batches: int = 1,
                totals_fn: Callable[[Any], Any] | None = None,
+               check_batch: Callable[[Any], None] | None = None,
                rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES):
     if max_nonfinite_updates < 1:
       raise ValueError(f'max_nonfinite_updates={max_nonfinite_updates} must be >= 1.')
@@ -87,6 +90,8 @@ class Trainer:
                        'loss normalisers, e.g. objectives.loss_totals); without it each '
                        'micro-batch would be normalised by its own counts.')
     self.micro_batches = micro_batches
+    self.objective = objective
+    self.check_batch = check_batch
     self.model = model
     self.mesh = mesh
     self.rules = rules
@@ -128,6 +133,8 @@ class Trainer:
     if any(r % self.micro_batches for r in rows):
       raise ValueError(f'batch rows {sorted(rows)} are not divisible by micro_batches='
                        f'{self.micro_batches}; choose a micro_batches that divides the batch.')
+    if self.check_batch is not None:
+      self.check_batch(batch)
     batch = sharding_lib.global_batch(batch, self.mesh, self.rules)
     with sharding_lib.activation_sharding(self.mesh, self.rules):  # used when tracing
       self.params, self.opt_state, metrics = self._step(
