@@ -11,7 +11,6 @@ import numpy as np
 import optax
 import pytest
 
-from rlax_llm.data_types import TrainBatch
 from rlax_llm.losses import LossConfig
 from rlax_llm.models.decoder import DecoderConfig
 from rlax_llm.models.model import create_model
@@ -19,6 +18,7 @@ from rlax_llm.policy import Policy, SamplingSpec
 from rlax_llm.sharding import make_mesh
 from rlax_llm.trainer import objectives
 from rlax_llm.trainer.trainer import Trainer
+from train_batches import random_train_batch  # tests/train_batches.py
 
 VOCAB = 64
 CONFIG = DecoderConfig(vocab_size=VOCAB, num_layers=2, embed_dim=32, num_heads=4,
@@ -34,16 +34,7 @@ def _batch(seed=0, batch=8, length=20, vocab=VOCAB, support=None):
       continue
     start = rng.randint(2, 6)
     mask[b, start:start + rng.randint(1, length - start)] = 1.0
-  sizes = (np.full((batch, length), vocab, np.int32) if support is None
-           else rng.randint(1, support + 1, (batch, length)).astype(np.int32))
-  return TrainBatch(
-      tokens=tokens, loss_mask=mask,
-      behaviour_logprobs=(np.log(rng.uniform(0.01, 0.3, (batch, length))) * mask).astype(
-          np.float32),
-      support_sizes=np.where(mask > 0, sizes, 0).astype(np.int32),
-      advantages=rng.randn(batch).astype(np.float32),
-      versions=np.where(mask > 0, 0, -1).astype(np.int32),
-      group_ids=np.repeat(np.arange(batch // 4), 4).astype(np.int32))
+  return random_train_batch(rng, tokens, mask, vocab, support)
 
 
 @pytest.mark.parametrize('spec,chunk', [

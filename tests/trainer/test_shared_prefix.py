@@ -14,7 +14,6 @@ import pytest
 
 from rlax_llm import config as config_lib
 from rlax_llm import roles
-from rlax_llm.data_types import TrainBatch
 from rlax_llm.losses import LOSSES, LossConfig
 from rlax_llm.models.decoder import DecoderConfig
 from rlax_llm.models.model import create_model
@@ -22,6 +21,7 @@ from rlax_llm.policy import Policy, SamplingSpec
 from rlax_llm.sharding import make_mesh
 from rlax_llm.trainer import objectives
 from rlax_llm.trainer.trainer import Trainer
+from train_batches import random_train_batch  # tests/train_batches.py
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VOCAB = 64
@@ -48,16 +48,7 @@ def _batch(seed=0, groups=2, group=GROUP, support=None, vocab=VOCAB):
       tokens[b, size:size + n] = rng.randint(1, vocab, n)
       if b != (groups - 1) * group:
         mask[b, size:size + n] = 1.0
-  sizes = (np.full((rows, length), vocab, np.int32) if support is None
-           else rng.randint(1, support + 1, (rows, length)).astype(np.int32))
-  return TrainBatch(
-      tokens=tokens, loss_mask=mask,
-      behaviour_logprobs=(np.log(rng.uniform(0.01, 0.3, (rows, length))) * mask).astype(
-          np.float32),
-      support_sizes=np.where(mask > 0, sizes, 0).astype(np.int32),
-      advantages=rng.randn(rows).astype(np.float32),
-      versions=np.where(mask > 0, 0, -1).astype(np.int32),
-      group_ids=np.repeat(np.arange(groups), group).astype(np.int32))
+  return random_train_batch(rng, tokens, mask, vocab, support, group)
 
 
 def _starts(batch):
