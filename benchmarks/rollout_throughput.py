@@ -12,14 +12,20 @@ Also measured in the same process:
   a heavy-tailed (Pareto) distribution, through ``--slots`` slots, continuous batching vs
   static batching (a new batch only when every slot is free), same tokens either way;
 * the fp32 matmul peak of this machine (a 2048^3 ``jnp.dot``), and the fraction of it our
-  decoding reaches (``2 * matmul params * tokens/s``).
+  decoding reaches (``2 * matmul params * tokens/s``);
+* this machine's memory read bandwidth (the best of a jitted sum and two matmuls over 512 MiB
+  of fp32, ``memory_bandwidth_gbs``); the rate at which our decoding streams the weights
+  (every decode step reads all of them once: ``param bytes * steps/s``) and its fraction of
+  that bandwidth; and the tokens/s of a decoder that did nothing but read its weights once
+  per step (``bandwidth_bound_tok_s``: an upper bound for any fp32 implementation at that
+  batch size, since the weights are far larger than the caches).
 
 Prints one JSON object:
 
     {"batches": {"1": {"ours_tok_s", "transformers_tok_s", "ratio", ...}, "8": ..., "32": ...,
                  "64": ...},
      "variable_length": {"continuous_tok_s", "static_tok_s", "ratio", ...},
-     "matmul_peak_gflops": ..., ...}
+     "matmul_peak_gflops": ..., "memory_bandwidth_gbs": ..., ...}
 
     .venv/bin/python benchmarks/rollout_throughput.py [--batches=1,8,32,64] [--repeats=3]
 """
@@ -96,6 +102,27 @@ def timed(fn) -> tuple[float, object]:
   return time.perf_counter() - start, out
 
 
+def memory_bandwidth_gbs(gib: float = 0.5, repeats: int = 5) -> dict[str, float]:
+  """Read rates (GB/s) of ``gib`` GiB of fp32 through three jitted programs: a sum, and a
+  matmul of 1 and of 32 rows by a ``[4096, n]`` matrix (how decoding reads its weights).
+  ``best`` is the largest: the bandwidth this machine showed."""
+  n = int(gib * 2 ** 30) // 4 // 4096
+  w = jnp.ones((4096, n), jnp.float32)
+  programs = {'sum': (jax.jit(jnp.sum), ()),
+              'matmul_1_row': (jax.jit(lambda x, w: x @ w), (jnp.ones((1, 4096)),)),
+              'matmul_32_rows': (jax.jit(lambda x, w: x @ w), (jnp.ones((32, 4096)),))}
+  rates = {}
+  for name, (fn, args) in programs.items():
+    fn(*args, w).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(repeats):
+      out = fn(*args, w)
+    out.block_until_ready()
+    rates[name] = w.nbytes * repeats / (time.perf_counter() - start) / 1e9
+  rates['best'] = max(rates.values())
+  return rates
+
+
 def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument('--batches', default='1,8,32,64')
@@ -120,6 +147,9 @@ def main() -> None:
   n = args.new_tokens
   flops_per_token = 2 * count_params(model.config)
   peak = matmul_peak_gflops()
+  bandwidths = memory_bandwidth_gbs()
+  bandwidth = bandwidths['best']
+  param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
 
   batches = {}
   for batch in [int(b) for b in args.batches.split(',')]:
@@ -153,6 +183,9 @@ def main() -> None:
         'first_row_tokens_equal': same,
         'ours_matmul_gflops': ours_tok_s * flops_per_token / 1e9,
         'ours_fraction_of_matmul_peak': ours_tok_s * flops_per_token / 1e9 / peak,
+        'ours_weight_stream_gbs': param_bytes * ours_tok_s / batch / 1e9,
+        'ours_fraction_of_memory_bandwidth': param_bytes * ours_tok_s / batch / 1e9 / bandwidth,
+        'bandwidth_bound_tok_s': batch * bandwidth * 1e9 / param_bytes,
     }
     print(json.dumps({batch: batches[str(batch)]}), flush=True)
 
@@ -187,6 +220,7 @@ def main() -> None:
       'benchmark': 'rollout_throughput', 'model': path.name, 'dtype': 'float32',
       'new_tokens': n, 'repeats': args.repeats, 'torch_threads': torch.get_num_threads(),
       'devices': str(jax.devices()), 'matmul_peak_gflops': peak,
+      'memory_bandwidth_gbs': bandwidths, 'param_bytes': param_bytes,
       'batches': batches, 'variable_length': variable,
       'goals': {'ratio_at_32': '>= 2.0', 'ratio_at_1': '>= 1.7',
                 'continuous_over_static': '>= 2.0'},
