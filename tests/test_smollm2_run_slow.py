@@ -18,6 +18,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_smollm2_smoke_run(tmp_path):
   env = dict(os.environ, PYTHONPATH=str(ROOT))
+  # One CPU device, as a user runs it: the suite's 8 fake devices would make the trainer
+  # mesh data=8 and replicate the 135M params and their Adam moments 8 times (over 24 GB).
+  env['XLA_FLAGS'] = ' '.join(flag for flag in env.get('XLA_FLAGS', '').split()
+                              if not flag.startswith('--xla_force_host_platform_device_count'))
   result = subprocess.run(
       [sys.executable, '-m', 'rlax_llm.launch', '--config=configs/smollm2.py:smoke',
        f'--workdir={tmp_path / "wd"}'], cwd=ROOT, env=env, capture_output=True, text=True,
