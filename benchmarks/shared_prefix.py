@@ -82,12 +82,10 @@ def run_shape(shape: dict, steps: int) -> dict:
   policy = Policy(model, SamplingSpec(temperature=0.7))
   micro = shape['micro_batches']
   trainers, first = {}, {}
-  for name, window, share in (('unshared', 0, 1),
-                              ('shared', shape['new'], shape['group_size'] // micro)):
-    objective = functools.partial(objectives.rl_objective, policy, loss, window=window,
-                                  share=share)
-    check = (functools.partial(objectives.check_windows, window=window,
-                               share=shape['group_size']) if window else None)
+  for name, (scoring, check) in (
+      ('unshared', ({}, None)),
+      ('shared', objectives.shared_prefix_scoring(shape['new'], shape['group_size'], micro))):
+    objective = functools.partial(objectives.rl_objective, policy, loss, **scoring)
     trainers[name] = Trainer(model, params, make_optimizer(1e-6), objective, mesh,
                              micro_batches=micro, totals_fn=objectives.loss_totals,
                              check_batch=check)

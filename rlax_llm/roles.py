@@ -31,7 +31,7 @@ from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.sharding import role_meshes
 from rlax_llm.tasks import Task, make_task
 from rlax_llm.tokenization import CharTokenizer, Tokenizer, encode_prompt
-from rlax_llm.trainer.objectives import check_windows, loss_totals, rl_objective
+from rlax_llm.trainer.objectives import loss_totals, rl_objective, shared_prefix_scoring
 from rlax_llm.trainer.trainer import Trainer, make_optimizer
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
@@ -202,18 +202,12 @@ def build_trainer(config: ml_collections.ConfigDict, model: Model, params: Param
   policy = Policy(model, config_lib.sampling_spec(config))
   optimizer = make_optimizer(rl.learning_rate, weight_decay=rl.weight_decay,
                              max_grad_norm=rl.max_grad_norm)
-  window, share, check = 0, 1, None
-  if rl.shared_prefix:
-    # Score only the completions; each group's prompt runs once per micro-batch. Micro-
-    # batches deal rows out strided, so a group's samples stay consecutive within each
-    # micro-batch exactly when micro_batches divides group_size.
-    window = config.sampling.max_new_tokens
-    share = (rl.group_size // rl.micro_batches if rl.group_size % rl.micro_batches == 0
-             else 1)
-    check = functools.partial(check_windows, window=window,
-                              share=rl.group_size if share > 1 else 1)
+  scoring, check = {}, None
+  if rl.shared_prefix:  # score only the completions; each group's prompt runs once
+    scoring, check = shared_prefix_scoring(config.sampling.max_new_tokens, rl.group_size,
+                                           rl.micro_batches)
   objective = functools.partial(rl_objective, policy, loss, logprob_chunk=rl.logprob_chunk,
-                                window=window, share=share)
+                                **scoring)
   return Trainer(model, params, optimizer, objective, mesh,
                  reference_params=params if loss.kl_beta > 0 else None,
                  max_nonfinite_updates=rl.max_nonfinite_updates,

@@ -13,7 +13,8 @@ micro-batch at a time: the loss is then that micro-batch's share of the whole ba
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -126,6 +127,22 @@ def check_windows(batch: TrainBatch, window: int, share: int = 1) -> None:
           f'row blocks {differ.tolist()} (of {share} rows each) do not share one prompt; '
           'rl.shared_prefix needs the samples of each group in consecutive rows. Set '
           'rl.shared_prefix=False for other batches.')
+
+
+def shared_prefix_scoring(window: int, group_size: int, micro_batches: int
+                          ) -> tuple[dict[str, int], Callable[[TrainBatch], None]]:
+  """``rl_objective`` keywords (``window``, ``share``) and the ``Trainer`` batch check for
+  shared-prefix scoring of batches made of groups of ``group_size`` consecutive rows.
+
+  The trainer deals rows out to ``micro_batches`` strided, so a group's samples stay
+  consecutive within each micro-batch, ``group_size / micro_batches`` of them, exactly when
+  ``micro_batches`` divides ``group_size``; otherwise only the completions are scored
+  (``share`` 1).
+  """
+  share = group_size // micro_batches if group_size % micro_batches == 0 else 1
+  check = functools.partial(check_windows, window=window,
+                            share=group_size if share > 1 else 1)
+  return {'window': window, 'share': share}, check
 
 
 def sft_objective(model: Model, params: Params, batch: dict[str, jax.Array],
