@@ -9,7 +9,9 @@ See ``docs/losses.md`` for the formulas, defaults and references.
 """
 
 from rlax_llm.losses.advantages import (
+                                        BASELINE_FREE,
                                         ESTIMATORS,
+                                        POSITIVE_WEIGHT,
                                         batch_normalize,
                                         group_advantages,
                                         grpo_advantages,
@@ -42,7 +44,7 @@ from rlax_llm.losses.policy import (
 )
 
 __all__ = [
-    'AGGREGATIONS', 'ESTIMATORS', 'KL_ESTIMATORS', 'LOSSES', 'M2PO_VARIANTS', 'LossConfig',
+    'AGGREGATIONS', 'BASELINE_FREE', 'ESTIMATORS', 'KL_ESTIMATORS', 'LOSSES', 'M2PO_VARIANTS', 'LossConfig',
     'LossSpec', 'MismatchConfig', 'Totals', 'aggregate', 'batch_normalize', 'batch_totals',
     'group_advantages', 'grpo_advantages', 'grpo_loss', 'kl_penalty', 'm2po_loss', 'm2po_mask', 'm2po_trust_region_candidates',
     'LOG_RATIO_BIN_EDGES', 'log_ratio_histogram',

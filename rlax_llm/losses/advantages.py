@@ -21,6 +21,12 @@ Estimators (``ESTIMATORS``), for a sample ``i`` in group ``g`` with ``n_g`` vali
 ``reinforce`` ``r_i`` (no baseline). Williams, 1992.
 ``reinforce_pp`` ``r_i - mean_g`` then normalised over the batch (REINFORCE++-baseline).
              Hu, REINFORCE++, arXiv 2501.03262.
+``w_reinforce`` ``positive_weight * r_i - (1 - r_i)`` for rewards in [0, 1]: a right answer
+             is reinforced by ``positive_weight`` (0.1), a wrong one pushed down by 1, with no
+             group baseline, so a group that is all wrong still trains (it moves mass off
+             the wrong answer) and the policy's entropy is kept. Zhu et al., "The
+             Surprising Effectiveness of Negative Reinforcement in LLM Reasoning"
+             (W-REINFORCE), arXiv 2506.01347.
 ===========  ==============================================================================
 
 Edge cases (documented and tested, never NaN): a group with one valid member has no baseline,
@@ -36,7 +42,12 @@ import jax
 import jax.numpy as jnp
 
 _CONSTANT_RTOL = 1e-5
-ESTIMATORS = ('grpo', 'drgrpo', 'rloo', 'median', 'gdpo', 'reinforce', 'reinforce_pp')
+ESTIMATORS = ('grpo', 'drgrpo', 'rloo', 'median', 'gdpo', 'reinforce', 'reinforce_pp',
+              'w_reinforce')
+POSITIVE_WEIGHT = 0.1  # w_reinforce's lambda (Zhu et al. 2025)
+# Estimators without a group baseline: a group whose rewards are all equal still gets
+# non-zero advantages (dynamic sampling must not drop it).
+BASELINE_FREE = ('reinforce', 'w_reinforce')
 
 
 def _dense_ids(group_ids: jax.Array) -> jax.Array:
@@ -118,7 +129,8 @@ def _check_inputs(rewards, group_ids, valid, estimator):
 
 def group_advantages(rewards: jax.Array, group_ids: jax.Array, estimator: str = 'grpo', *,
                      valid: jax.Array | None = None, eps: float = 1e-6,
-                     reward_weights: jax.Array | None = None) -> jax.Array:
+                     reward_weights: jax.Array | None = None,
+                     positive_weight: float = POSITIVE_WEIGHT) -> jax.Array:
   """Per-sample advantages from rewards and group ids (see the module table).
 
   Args:
@@ -128,6 +140,7 @@ def group_advantages(rewards: jax.Array, group_ids: jax.Array, estimator: str = 
     valid: optional bool ``[B]``; False rows are ignored and get 0.
     eps: added to standard deviations.
     reward_weights: ``gdpo`` only, float ``[R]`` (default all ones).
+    positive_weight: ``w_reinforce`` only, the weight of right answers (lambda).
   Returns:
     float32 ``[B]``.
   """
@@ -140,6 +153,8 @@ def group_advantages(rewards: jax.Array, group_ids: jax.Array, estimator: str = 
 
   if estimator == 'reinforce':
     return jnp.where(valid, rewards, 0.0)
+  if estimator == 'w_reinforce':
+    return jnp.where(valid, positive_weight * rewards - (1.0 - rewards), 0.0)
   if estimator == 'gdpo':
     weights = (jnp.ones(rewards.shape[1]) if reward_weights is None
                else jnp.asarray(reward_weights, jnp.float32))

@@ -384,6 +384,13 @@ def reinforce_advantages(rewards, group_ids, valid=None):
   return np.where(valid, rewards, 0.0)
 
 
+def w_reinforce_advantages(rewards, group_ids, valid=None, positive_weight=0.1):
+  """W-REINFORCE: ``positive_weight * r - (1 - r)`` (0 on invalid rows), no baseline."""
+  rewards = f64(rewards)
+  valid = np.ones(len(rewards), bool) if valid is None else np.asarray(valid, bool)
+  return np.where(valid, positive_weight * rewards - (1.0 - rewards), 0.0)
+
+
 def reinforce_pp_advantages(rewards, group_ids, valid=None, eps=1e-6):
   """REINFORCE++-baseline: ``r - mean_g`` (0 for a group of one), then batch-normalised."""
   return batch_normalize(drgrpo_advantages(rewards, group_ids, valid), valid, eps)
@@ -397,6 +404,7 @@ ESTIMATORS = {
     'gdpo': gdpo_advantages,
     'reinforce': reinforce_advantages,
     'reinforce_pp': reinforce_pp_advantages,
+    'w_reinforce': w_reinforce_advantages,
 }
 
 

@@ -15,6 +15,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import np_reference as ref
 
 from rlax_llm.losses.advantages import (
+  BASELINE_FREE,
   ESTIMATORS,
   batch_normalize,
   group_advantages,
@@ -40,7 +41,7 @@ def advantages(rewards, group_ids, estimator, **kwargs):
 
 def expected(rewards, group_ids, estimator, valid=None, eps=1e-6, reward_weights=None):
   fn = ref.ESTIMATORS[estimator]
-  if estimator in ('drgrpo', 'rloo', 'reinforce'):
+  if estimator in ('drgrpo', 'rloo', 'reinforce', 'w_reinforce'):
     return fn(rewards, group_ids, valid)
   if estimator == 'gdpo':
     return fn(rewards, group_ids, reward_weights, valid, eps)
@@ -68,6 +69,8 @@ HAND_EXPECTED = {
     'median': [0.0, -2 / _S3, -1 / _S7, 0.0, 2 / _S3, 4 / _S7],
     'reinforce': [1.0, 0.0, 0.0, 2.0, 4.0, 5.0],
     'reinforce_pp': [-1 / _SB, -2 / _SB, -2 / _SB, 0.0, 2 / _SB, 3 / _SB],
+    # 0.1 r - (1 - r) = 1.1 r - 1.
+    'w_reinforce': [0.1, -1.0, -1.0, 1.2, 3.4, 4.5],
 }
 
 
@@ -290,6 +293,21 @@ def test_invalid_rows_are_ignored_and_get_zero():
     assert adv[2] == 0.0, estimator
     np.testing.assert_allclose(adv[valid], expected(r_valid, [0, 0, 1, 1], estimator),
                                rtol=1e-5, atol=1e-6, err_msg=estimator)
+
+
+def test_w_reinforce_trains_groups_whose_rewards_are_all_equal():
+  # An all-wrong group is pushed down by 1 per sample, an all-right one up by lambda: unlike
+  # every group-relative estimator, neither is zero (so dynamic sampling must keep them).
+  rewards = np.array([0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0], np.float32)
+  ids = [0, 0, 0, 1, 1, 1, 2, 2]
+  np.testing.assert_allclose(advantages(rewards, ids, 'w_reinforce'),
+                             [-1, -1, -1, 0.1, 0.1, 0.1, 0.1, -1], rtol=1e-6)
+  np.testing.assert_allclose(advantages(rewards, ids, 'w_reinforce', positive_weight=0.5),
+                             [-1, -1, -1, 0.5, 0.5, 0.5, 0.5, -1], rtol=1e-6)
+  for estimator in GROUP_RELATIVE:
+    if estimator != 'gdpo':
+      assert np.all(advantages(rewards[:6], ids[:6], estimator) == 0.0), estimator
+  assert set(BASELINE_FREE) == set(ESTIMATORS) - set(GROUP_RELATIVE)
 
 
 def test_batch_normalize():
