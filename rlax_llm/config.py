@@ -151,6 +151,7 @@ def controller_settings(config: ml_collections.ConfigDict):
         worker_timeout_s=config.rollout.worker_timeout_s,
         stop_after_groups=config.rollout.get('stop_after_groups', 0),
         short_batches=config.rollout.get('short_batches', 'pad'),
+        replay=config.rollout.get('replay', 0.0),
         eval_samples=config.eval.get('samples', 0),
         reward=config.reward.to_dict() if config.get('reward') else None)
 

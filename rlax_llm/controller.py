@@ -49,6 +49,13 @@ Also scheduled here, deterministically:
   (a skipped update leaves the version unchanged, so the kept groups stay fresh).
   Every generated group is counted once: trained, padding, filtered, dropped as stale, or
   still recycled (or still unfinished, below).
+* prompt replay (``replay > 0``): a prompt whose group had unequal rewards (a learning
+  signal under the current policy) joins a FIFO pool of ``4 * requested_groups``; each batch
+  re-asks ``floor(replay * new prompts)`` of them, oldest first, with fresh samples, ahead of
+  the stream's prompts (``rollout/replayed_groups``; the ledger lists them apart). When most
+  groups have equal rewards (an easy task, a sharp policy) this raises the share of
+  informative groups per generated group; it re-visits training prompts only, never the
+  held-out split. The pool is part of the controller's state.
 * partial rollouts (APRIL, arXiv 2509.18521): with ``stop_after_groups = n > 0`` a batch's
   generation stops as soon as ``n`` of its groups have every sample finished (each worker
   stops at its share of its chunk); the unfinished groups, with the tokens drawn so far and
@@ -143,6 +150,12 @@ class ControllerSettings:
   reward: dict[str, Any] | None = None  # the reward config group (rlax_llm.rewards); None: task
   stop_after_groups: int = 0  # APRIL: stop a batch once this many groups finished (0: never)
   short_batches: str = 'pad'  # fewer informative groups than prompts_per_step: 'pad' | 'wait'
+  replay: float = 0.0  # fraction of a batch's new prompts re-asked from the replay pool
+
+  @property
+  def replay_capacity(self) -> int:
+    """Prompts the replay pool holds (the oldest leave first): four batches' worth."""
+    return 4 * self.requested_groups
 
   @property
   def requested_groups(self) -> int:
@@ -163,8 +176,18 @@ class ControllerSettings:
     if (isinstance(self.oversample, bool) or not isinstance(self.oversample, (int, float))
         or not 0.0 <= self.oversample <= 4.0):
       raise ValueError(f'rollout.oversample={self.oversample!r} must be in [0, 4].')
+    if self.oversample and self.advantage_estimator in losses.BASELINE_FREE:
+      raise ValueError(
+          f'rollout.oversample={self.oversample!r} drops groups whose rewards are all equal, '
+          f'but under the {self.advantage_estimator!r} advantage estimator (no group '
+          'baseline) those groups train too (an all-wrong group is pushed down); set '
+          'rollout.oversample=0 or use a group-relative estimator.')
     if not self.worker_timeout_s > 0:
       raise ValueError(f'rollout.worker_timeout_s={self.worker_timeout_s!r} must be > 0.')
+    if (isinstance(self.replay, bool) or not isinstance(self.replay, (int, float))
+        or not 0.0 <= self.replay < 1.0):
+      raise ValueError(f'rollout.replay={self.replay!r} must be in [0, 1) (the fraction of '
+                       "each batch's new prompts re-asked from the replay pool; 0: off).")
     if (isinstance(self.eval_samples, bool) or not isinstance(self.eval_samples, int)
         or self.eval_samples < 0):
       raise ValueError(f'eval.samples={self.eval_samples!r} must be an int >= 0 (draws per '
@@ -203,6 +226,7 @@ class ControllerState:
     recycled: recycled groups: ``{'version', 'rollouts'}`` (arrays under ``recycled_<n>``).
     unfinished: partial groups to continue: ``{'prompt', 'rollouts'}`` (arrays under
       ``unfinished_<n>``).
+    replay: the replay pool's prompts (as dicts), oldest first.
   """
 
   step: int
@@ -218,6 +242,7 @@ class ControllerState:
   inflight: list[dict[str, Any]] = dataclasses.field(default_factory=list)
   recycled: list[dict[str, Any]] = dataclasses.field(default_factory=list)
   unfinished: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  replay: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
   def to_dict(self) -> dict[str, Any]:
     """JSON-friendly form (``rng`` as a list of ints)."""
@@ -239,6 +264,7 @@ class _Batch:
   stop_after: int = 0  # APRIL: the batch stops when this many groups finished (0: never)
   carried: int = 0  # groups carried in from earlier batches (the first ones)
   restarted: int = 0  # of those, regenerated from scratch (too stale to continue)
+  replayed: int = 0  # prompts re-asked from the replay pool (after the carried ones)
 
 
 def _done(value) -> concurrent.futures.Future:
@@ -293,6 +319,9 @@ class Controller:
     self._worker_versions = [-1] * len(self.workers)
     self._recycled: list[tuple[int, Rollouts]] = []  # (oldest token version, one group)
     self._unfinished: list[tuple[Prompt, Rollouts]] = []  # partial groups to continue
+    # Prompts whose last group had unequal rewards, re-asked by later batches (oldest first).
+    self._replay: collections.deque[Prompt] = collections.deque(
+        maxlen=settings.replay_capacity)
     self.events: list[str] = []
     self.counters = collections.Counter()
     self._busy_s = 0.0
@@ -316,7 +345,7 @@ class Controller:
         trainer_version=self.trainer.version, worker_version=self._worker_versions[0],
         start_accuracy=self.start_accuracy, accuracy=self.accuracy,
         step_versions=list(self.step_versions), counters=dict(self.counters),
-        events=list(self.events))
+        events=list(self.events), replay=[p.to_dict() for p in self._replay])
 
   def snapshot(self, in_flight: Sequence[_Batch]
                ) -> tuple[ControllerState, dict[str, dict[str, np.ndarray]]]:
@@ -334,7 +363,8 @@ class Controller:
       state.inflight.append({'index': batch.index, 'version': batch.version,
                              'prompts': [p.to_dict() for p in batch.prompts],
                              'rollouts': meta, 'stop_after': batch.stop_after,
-                             'carried': batch.carried, 'restarted': batch.restarted})
+                             'carried': batch.carried, 'restarted': batch.restarted,
+                             'replayed': batch.replayed})
     for n, (version, group) in enumerate(self._recycled):
       arrays[f'recycled_{n}'], meta = group.to_state()
       state.recycled.append({'version': version, 'rollouts': meta})
@@ -368,13 +398,16 @@ class Controller:
           index=batch['index'], version=batch['version'],
           prompts=[Prompt.from_dict(p) for p in batch['prompts']],
           chunks=[(0, [], _done(rollouts))], stop_after=batch.get('stop_after', 0),
-          carried=batch.get('carried', 0), restarted=batch.get('restarted', 0)))
+          carried=batch.get('carried', 0), restarted=batch.get('restarted', 0),
+          replayed=batch.get('replayed', 0)))
     self._recycled = [(group['version'],
                        Rollouts.from_state(arrays[f'recycled_{n}'], group['rollouts']))
                       for n, group in enumerate(state.recycled)]
     self._unfinished = [(Prompt.from_dict(group['prompt']),
                          Rollouts.from_state(arrays[f'unfinished_{n}'], group['rollouts']))
                         for n, group in enumerate(state.unfinished)]
+    self._replay = collections.deque((Prompt.from_dict(p) for p in state.replay),
+                                     maxlen=self.settings.replay_capacity)
 
   # ------------------------------------------------------------------------ scheduling
 
@@ -545,7 +578,8 @@ class Controller:
 
   def _launch_step(self, index: int) -> _Batch:
     """Launches batch ``index``: partial groups carried from earlier batches first (continued,
-    or restarted when they could be too stale at step ``index``), then new prompts."""
+    or restarted when they could be too stale at step ``index``), then prompts re-asked from
+    the replay pool (``replay``), then new prompts from the stream."""
     s = self.settings
     count = s.requested_groups
     carried, self._unfinished = self._unfinished[:count], self._unfinished[count:]
@@ -560,12 +594,14 @@ class Controller:
       else:
         resumes.append(group)
       prompts.append(prompt)
-    prompts += [next(self._prompts)[0] for _ in range(count - len(carried))]
+    replayed = min(len(self._replay), int(s.replay * (count - len(carried))))
+    prompts += [self._replay.popleft() for _ in range(replayed)]
+    prompts += [next(self._prompts)[0] for _ in range(count - len(prompts))]
     version = self.step_versions[sampling_version(index, s.staleness_j, s.staleness_k)]
     batch = self._launch(index, prompts, version, s.sampling, s.group_size,
                          jax.random.fold_in(self._root_key, index), resumes,
                          s.stop_after_groups)
-    batch.carried, batch.restarted = len(carried), restarted
+    batch.carried, batch.restarted, batch.replayed = len(carried), restarted, replayed
     return batch
 
   def _select(self, batch: _Batch, rollouts: Rollouts) -> tuple[Rollouts, dict[str, float]]:
@@ -629,6 +665,11 @@ class Controller:
       total, reward_parts = rewards.shape_rewards(rollouts, self._reward_components)
       rollouts = dataclasses.replace(rollouts, rewards=total)
     t_rollout = time.perf_counter() - t0
+    if s.replay:  # prompts with a learning signal now are asked again by a later batch
+      for g in np.unique(rollouts.group_ids):
+        rewards_g = rollouts.rewards[rollouts.group_ids == g]
+        if np.any(rewards_g != rewards_g[0]):
+          self._replay.append(batch.prompts[g])
     trained, selection = self._select(batch, rollouts)
     metrics = {
         'reward/mean': float(rollouts.rewards.mean()),
@@ -643,6 +684,8 @@ class Controller:
             'rollout/restarted_groups': batch.restarted,
             'rollout/unfinished_groups': len(self._unfinished)}
            if s.stop_after_groups else {}),
+        **({'rollout/replayed_groups': batch.replayed, 'rollout/replay_pool': len(self._replay)}
+           if s.replay else {}),
         **self._start_eval,
     }
     self._start_eval = {}
@@ -679,10 +722,14 @@ class Controller:
     metrics['version'] = self.trainer.version
     self.writer.ledger(self.step, {
         'batch': batch.index, 'sampling_version': batch.version,
-        # New prompts from the stream; APRIL's carried groups (continued or restarted) apart.
-        'prompt_ids': [p.prompt_id for p in batch.prompts[batch.carried:]],
+        # New prompts from the stream; APRIL's carried groups (continued or restarted) and
+        # prompts re-asked from the replay pool apart.
+        'prompt_ids': [p.prompt_id for p in batch.prompts[batch.carried + batch.replayed:]],
         **({'carried_prompt_ids': [p.prompt_id for p in batch.prompts[:batch.carried]]}
            if batch.carried else {}),
+        **({'replayed_prompt_ids': [p.prompt_id for p in
+                                    batch.prompts[batch.carried:batch.carried + batch.replayed]]}
+           if batch.replayed else {}),
         'trained_prompt_ids': ([] if trained is None else
                                [int(i) for i in dict.fromkeys(trained.prompt_ids.tolist())]),
         'trained_versions': ([] if trained is None else

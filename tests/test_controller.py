@@ -1,6 +1,7 @@
 """Controller: deterministic given the seed; its state saves and restores exactly; verifier
 errors never crash a step."""
 
+import json
 import pathlib
 
 import jax
@@ -64,25 +65,40 @@ def test_rejects_j_above_k(tmp_path):
       pass
 
 
-def test_state_restores_the_run_exactly(tmp_path):
+@pytest.mark.parametrize('replay', [0.0, 0.5])
+def test_state_restores_the_run_exactly(tmp_path, replay):
   """Run 3 steps; in another process-like fresh build, restore the state (and params) after
   step 1 and run on: steps 2-3 are identical to the uninterrupted run (timings aside, and the
-  weight-transport figures: a fresh worker receives the whole model, not a delta)."""
+  weight-transport figures: a fresh worker receives the whole model, not a delta). With
+  ``rollout.replay`` the replay pool is part of the state (rewards by _CoinTask, so that
+  groups have unequal rewards and the pool fills)."""
   strip = lambda r: {k: v for k, v in r.items() if not k.startswith(('time/', 'sync/'))}
-  with build_run(_smoke_config(steps=3), tmp_path / 'full') as run:
+  full_config = _smoke_config(steps=3)
+  full_config.rollout.replay = replay
+  with build_run(full_config, tmp_path / 'full') as run:
+    if replay:
+      run.controller.task = _CoinTask(num_eval=16)
     run.execute()
   full = read_metrics(tmp_path / 'full' / 'metrics.jsonl')
 
   config = _smoke_config(steps=1)
+  config.rollout.replay = replay
   with build_run(config, tmp_path / 'first') as run:
+    if replay:
+      run.controller.task = _CoinTask(num_eval=16)
     run.execute()
     state = ControllerState.from_dict(run.controller.state().to_dict())  # a JSON round trip
     params = run.controller.trainer.host_params().result()
     opt_state = jax.device_get(run.controller.trainer.trainer.opt_state)
   assert state.step == 1 and state.data == {'next_index': 4}
+  assert bool(state.replay) == bool(replay)  # the pool is saved (and used: see below)
+  if replay:
+    assert sum(r['rollout/replayed_groups'] for r in full[1:]) > 0
   config.total_steps = 3
   with build_run(config, tmp_path / 'second') as run:
     ctl = run.controller
+    if replay:
+      ctl.task = _CoinTask(num_eval=16)
     trainer = ctl.trainer.trainer
     trainer.params = jax.device_put(params, trainer.param_shardings)
     trainer.opt_state = jax.device_put(opt_state)
@@ -136,6 +152,32 @@ def test_dynamic_sampling_pads_short_batches_to_one_shape(tmp_path):
   counted = sum(r['rollout/trained_groups'] + r['rollout/padding_groups']
                 + r['rollout/filtered_groups'] + r['rollout/dropped_stale_groups'] for r in rows)
   assert counted + rows[-1]['rollout/recycled_groups'] == 6 * len(rows)
+
+
+def test_replay_reasks_prompts_whose_groups_had_unequal_rewards(tmp_path):
+  """``rollout.replay``: a share of each batch re-asks prompts whose last group had unequal
+  rewards (only ids divisible by 3 can, under _SparseTask), ahead of new stream prompts; the
+  ledger keeps them apart, so the stream's prompts stay consecutive."""
+  config = _smoke_config(steps=6)
+  config.rollout.replay = 0.5  # at most 2 of the 4 prompts per batch
+  with build_run(config, tmp_path) as run:
+    run.controller.task = _SparseTask(num_eval=16)
+    run.execute()
+    pool = list(run.controller._replay)  # pylint: disable=protected-access
+  rows = read_metrics(tmp_path / 'metrics.jsonl')
+  ledger = [json.loads(line) for line in (tmp_path / 'ledger.jsonl').read_text().splitlines()]
+  seen, stream = set(), []
+  for row, entry in zip(rows, ledger):
+    replayed = entry.get('replayed_prompt_ids', [])
+    assert row['rollout/replayed_groups'] == len(replayed) <= 2
+    assert all(i % 3 == 0 and i in seen for i in replayed), (replayed, seen)
+    assert len(replayed) + len(entry['prompt_ids']) == 4
+    seen.update(entry['prompt_ids'] + replayed)
+    stream += entry['prompt_ids']
+  assert sum(row['rollout/replayed_groups'] for row in rows) > 0
+  assert stream == sorted(stream) and len(set(stream)) == len(stream)
+  assert all(p.prompt_id % 3 == 0 for p in pool)
+  assert rows[-1]['rollout/replay_pool'] == len(pool)
 
 
 def test_restore_refuses_a_state_of_another_version(tmp_path):

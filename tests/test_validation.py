@@ -59,6 +59,7 @@ BAD = [
     ('staleness.k', 0, 'config.staleness.k=0 must be an int >= 1'),
     ('staleness.j', 4, 'config.staleness (j, k) = (4, 1): j must be <= k'),
     ('rollout.oversample', 5.0, 'config.rollout.oversample=5.0 must be in [0, 4]'),
+    ('rollout.replay', 1.0, 'config.rollout.replay=1.0 must be in [0, 1)'),
     ('rollout.worker_timeout_s', 0.0, 'config.rollout.worker_timeout_s=0.0 must be > 0'),
     ('rollout.stop_after_groups', 3, 'config.rollout.stop_after_groups=3 must be 0 (off) or an '
      'int in [rl.prompts_per_step, groups requested per batch] = [4, 4]'),
@@ -110,6 +111,18 @@ def test_m2po_with_recompute_is_refused():
   config.rl.old_logprobs = 'recompute'
   with pytest.raises(ConfigError, match=r"config.rl.old_logprobs='recompute' cannot be used "
                                         r"with loss='m2po'.*identically 0"):
+    validate_config(config)
+
+
+@pytest.mark.parametrize('estimator', ['reinforce', 'w_reinforce'])
+def test_dynamic_sampling_with_a_baseline_free_estimator_is_refused(estimator):
+  # Without a group baseline an equal-reward group still trains; dropping it would be silent.
+  config = _smoke()
+  config.rl.advantage_estimator = estimator
+  validate_config(config)  # oversample 0: accepted
+  config.rollout.oversample = 1.0
+  with pytest.raises(ConfigError, match=rf"config.rollout.oversample=1.0 drops groups whose "
+                                        rf"rewards are all equal, but under the '{estimator}'"):
     validate_config(config)
 
 
