@@ -39,6 +39,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   ))
   c.rl = ml_collections.ConfigDict(dict(
       loss='grpo', group_size=8, prompts_per_step=4, learning_rate=1e-5,
+      lr_decay_steps=0,
       max_grad_norm=1.0, weight_decay=0.0, max_nonfinite_updates=3,
       micro_batches=1, logprob_chunk=0, shared_prefix=True,
       advantage_estimator=placeholder(str), eps_low=placeholder(float),

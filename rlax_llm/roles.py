@@ -32,7 +32,7 @@ from rlax_llm.sharding import role_meshes
 from rlax_llm.tasks import Task, make_task
 from rlax_llm.tokenization import CharTokenizer, Tokenizer, encode_prompt
 from rlax_llm.trainer.objectives import loss_totals, rl_objective, shared_prefix_scoring
-from rlax_llm.trainer.trainer import Trainer, make_optimizer
+from rlax_llm.trainer.trainer import Trainer, learning_rate_schedule, make_optimizer
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
@@ -200,8 +200,8 @@ def build_trainer(config: ml_collections.ConfigDict, model: Model, params: Param
   rl = config.rl
   loss = config_lib.loss_config(config)
   policy = Policy(model, config_lib.sampling_spec(config))
-  optimizer = make_optimizer(rl.learning_rate, weight_decay=rl.weight_decay,
-                             max_grad_norm=rl.max_grad_norm)
+  optimizer = make_optimizer(learning_rate_schedule(rl.learning_rate, rl.lr_decay_steps),
+                             weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm)
   scoring, check = {}, None
   if rl.shared_prefix:  # score only the completions; each group's prompt runs once
     scoring, check = shared_prefix_scoring(config.sampling.max_new_tokens, rl.group_size,

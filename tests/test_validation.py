@@ -22,6 +22,7 @@ BAD = [
     ('rl.learning_rate', NAN, 'config.rl.learning_rate=nan'),
     ('rl.learning_rate', INF, 'config.rl.learning_rate=inf'),
     ('warmup.learning_rate', 0.0, 'config.warmup.learning_rate=0.0'),
+    ('rl.lr_decay_steps', -5, 'config.rl.lr_decay_steps=-5 must be an int >= 0'),
     ('rl.max_grad_norm', -1.0, 'config.rl.max_grad_norm=-1.0'),
     ('rl.weight_decay', NAN, 'config.rl.weight_decay=nan'),
     ('sampling.temperature', 0.0, 'config.sampling.temperature=0 (greedy) is not valid for RL'),

@@ -39,6 +39,16 @@ class NonFiniteError(RuntimeError):
   """The trainer's updates stayed non-finite for ``max_nonfinite_updates`` steps in a row."""
 
 
+def learning_rate_schedule(learning_rate: float, decay_steps: int = 0
+                           ) -> float | optax.Schedule:
+  """The RL learning rate: constant for ``decay_steps == 0``, else a cosine decay from
+  ``learning_rate`` to a tenth of it over ``decay_steps`` optimizer updates, then flat (an
+  update skipped for non-finite gradients or an empty batch does not advance it)."""
+  if decay_steps == 0:
+    return learning_rate
+  return optax.cosine_decay_schedule(learning_rate, decay_steps, alpha=0.1)
+
+
 def make_optimizer(learning_rate: float | optax.Schedule, *, b1: float = 0.9, b2: float = 0.99,
                    weight_decay: float = 0.0, max_grad_norm: float = 1.0
                    ) -> optax.GradientTransformation:

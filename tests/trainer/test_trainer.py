@@ -2,12 +2,15 @@
 non-finite updates are skipped, counted, and stop the run when they persist."""
 
 import functools
+import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rlax_llm import roles
+from rlax_llm.config import load_config_file
 from rlax_llm.data_types import TrainBatch
 from rlax_llm.losses import LossConfig
 from rlax_llm.models.decoder import DecoderConfig
@@ -15,8 +18,10 @@ from rlax_llm.models.model import create_model
 from rlax_llm.policy import Policy, SamplingSpec
 from rlax_llm.sharding import make_mesh
 from rlax_llm.trainer.objectives import rl_objective, sft_objective
-from rlax_llm.trainer.trainer import NonFiniteError, Trainer, make_optimizer
+from rlax_llm.trainer.trainer import (NonFiniteError, Trainer, learning_rate_schedule,
+                                     make_optimizer)
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = DecoderConfig(vocab_size=16, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
                        head_dim=8, mlp_dim=64, max_seq_len=16)
 
@@ -147,3 +152,34 @@ def test_huge_learning_rate_diverges_into_skipped_updates():
 def test_make_mesh_errors(axes, message):
   with pytest.raises(ValueError, match=message):
     make_mesh(axes)
+
+
+def test_learning_rate_schedule_values():
+  assert learning_rate_schedule(1e-3, 0) == 1e-3  # constant
+  schedule = learning_rate_schedule(1e-3, 10)
+  values = np.array([float(schedule(i)) for i in range(13)])
+  np.testing.assert_allclose(values[[0, 5, 10, 12]], [1e-3, 0.55e-3, 1e-4, 1e-4], rtol=1e-5)
+  assert np.all(np.diff(values) <= 0)
+
+
+@pytest.mark.parametrize('decay_steps, ratio', [(0, 1.0), (1, 0.1)])
+def test_lr_decay_steps_config_key_scales_the_second_update(decay_steps, ratio):
+  # Two AdamW steps on the same batch: the first update is identical; the second is
+  # lr(1) / lr(0) times the constant-lr one (weight decay 0, so exactly that ratio).
+  config = load_config_file(str(ROOT / 'configs' / 'default.py'))
+  config.rl.weight_decay = 0.0
+  deltas = {}
+  for steps in (0, decay_steps):
+    config.rl.lr_decay_steps = steps
+    model, params = create_model(CONFIG, seed=0)
+    trainer = roles.build_trainer(config, model, params, make_mesh({'data': 1},
+                                                                   jax.devices()[:1]))
+    trainer.step(_rl_batch())
+    before = jax.device_get(trainer.params)
+    trainer.step(_rl_batch())
+    deltas[steps] = jax.tree.leaves(jax.tree.map(np.subtract, jax.device_get(trainer.params),
+                                                 before))
+  assert max(np.abs(d).max() for d in deltas[0]) > 1e-4  # the update is not negligible
+  for decayed, constant in zip(deltas[decay_steps], deltas[0]):
+    # atol: one float32 ulp of a param near 1 (the norm scales), lost in the subtraction.
+    np.testing.assert_allclose(decayed, ratio * constant, rtol=1e-3, atol=1.2e-7)
