@@ -9,8 +9,10 @@ Variants (``--config=configs/smollm2.py:VARIANT``):
   countdown: reach a target from three numbers with + - * / (answer in <answer> tags).
 The recipe: 4 prompts x 8 samples per update, 16 prompts asked per batch (groups with equal
 rewards are filtered; an update waits for 4 informative groups), each group's prompt run
-once in the update (rl.shared_prefix). add3 and countdown keep the earlier recipe their
-figures in benchmarks/RESULTS.md were measured with.
+once in the update (rl.shared_prefix), the 128 samples of a batch decoded at once (128
+KV-cache slots), the learning rate decayed (cosine, to a tenth) over 176 updates, about the
+updates the 240 steps make. add3 and countdown keep the earlier recipe their figures in
+benchmarks/RESULTS.md were measured with.
 """
 
 import ml_collections
@@ -23,7 +25,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.name = 'smollm2'
   c.seed = 0
-  c.total_steps = 200
+  c.total_steps = 240
 
   c.model = ml_collections.ConfigDict(dict(
       name='smollm2-135m', path=placeholder(str), max_seq_len=placeholder(int),
@@ -39,7 +41,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   ))
   c.rl = ml_collections.ConfigDict(dict(
       loss='grpo', group_size=8, prompts_per_step=4, learning_rate=1e-5,
-      lr_decay_steps=0,
+      lr_decay_steps=176,
       max_grad_norm=1.0, weight_decay=0.0, max_nonfinite_updates=3,
       micro_batches=1, logprob_chunk=0, shared_prefix=True,
       advantage_estimator=placeholder(str), eps_low=placeholder(float),
@@ -65,7 +67,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # worker is waited for before its requests go to another; fault: a test knob making
   # worker `worker` 'die' or 'hang' at its `call`-th call.
   c.rollout = ml_collections.ConfigDict(dict(
-      workers=1, slots=32, on_swap='continue', oversample=3.0,
+      workers=1, slots=128, on_swap='continue', oversample=3.0,
       short_batches='wait', stop_after_groups=0, replay=0.0,
       worker_timeout_s=600.0,
       fault=ml_collections.ConfigDict(dict(worker=-1, call=0, kind='none'))))
@@ -142,5 +144,7 @@ def _measured_recipe(c: ml_collections.ConfigDict) -> None:
   (before shared-prefix scoring and filling short batches), kept so they reproduce."""
   c.rl.micro_batches = 4
   c.rl.shared_prefix = False
+  c.rl.lr_decay_steps = 0
+  c.rollout.slots = 32
   c.rollout.oversample = 1.0
   c.rollout.short_batches = 'pad'
