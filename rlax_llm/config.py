@@ -57,8 +57,8 @@ POSITIVE_INTS = ('rl.group_size', 'rl.prompts_per_step', 'rl.max_nonfinite_updat
                  'sampling.max_new_tokens', 'sampling.max_prompt_len', 'warmup.batch_size',
                  'log.console_every')
 NON_NEGATIVE_INTS = ('seed', 'total_steps', 'rl.logprob_chunk', 'rl.lr_decay_steps',
-                     'rollout.stop_after_groups', 'warmup.steps', 'warmup.warmup_steps', 'eval.every_steps',
-                     'checkpoint.every_steps', 'log.text_every')
+                     'rollout.stop_after_groups', 'warmup.steps', 'warmup.warmup_steps',
+                     'eval.every_steps', 'checkpoint.every_steps', 'log.text_every')
 # Floats: key -> (lowest valid value, whether the lowest value itself is valid).
 FLOATS = {
     'rl.learning_rate': (0.0, False),

@@ -613,22 +613,23 @@ class Controller:
              'rollout/trained_groups': len(np.unique(rollouts.group_ids))}
     if s.oversample == 0:
       return rollouts, stats
+    informative = set(rollouts.informative_groups.tolist())
     groups = []
     for g in np.unique(rollouts.group_ids):
       group = rollouts.select(rollouts.group_ids == g)
       oldest = group.oldest_version  # a continued group holds tokens older than the batch
-      groups.append((batch.version if oldest is None else oldest, group))
+      groups.append((batch.version if oldest is None else oldest, group, g in informative))
     fresh, filtered = [], []
     for version, group in self._recycled:
       if self.trainer.version - version < s.staleness_k:
         fresh.append((version, group))
       else:
         stats['rollout/dropped_stale_groups'] += 1
-    for version, group in groups:
-      if np.all(group.rewards == group.rewards[0]):
-        filtered.append(group)
-      else:
+    for version, group, has_signal in groups:
+      if has_signal:
         fresh.append((version, group))
+      else:
+        filtered.append(group)
     keep, self._recycled = fresh[:s.prompts_per_step], fresh[s.prompts_per_step:]
     if s.short_batches == 'wait' and len(keep) < s.prompts_per_step:
       # No update: the informative groups wait for the next batch (versions unchanged).
@@ -666,10 +667,7 @@ class Controller:
       rollouts = dataclasses.replace(rollouts, rewards=total)
     t_rollout = time.perf_counter() - t0
     if s.replay:  # prompts with a learning signal now are asked again by a later batch
-      for g in np.unique(rollouts.group_ids):
-        rewards_g = rollouts.rewards[rollouts.group_ids == g]
-        if np.any(rewards_g != rewards_g[0]):
-          self._replay.append(batch.prompts[g])
+      self._replay.extend(batch.prompts[g] for g in rollouts.informative_groups)
     trained, selection = self._select(batch, rollouts)
     metrics = {
         'reward/mean': float(rollouts.rewards.mean()),

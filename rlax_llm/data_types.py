@@ -106,6 +106,19 @@ class Rollouts:
     """The group ids (sorted) with an ``'unfinished'`` row."""
     return np.unique(self.group_ids[self.finish_reasons == 'unfinished'])
 
+  @property
+  def informative_groups(self) -> np.ndarray:
+    """The group ids (sorted) whose rewards are not all equal: a learning signal under a
+    group baseline (dynamic sampling keeps them, prompt replay re-asks their prompts)."""
+    if self.rewards is None:
+      raise ValueError('informative_groups needs rewards; score the rollouts first.')
+    ids, inverse = np.unique(self.group_ids, return_inverse=True)
+    low = np.full(len(ids), np.inf)
+    high = np.full(len(ids), -np.inf)
+    np.minimum.at(low, inverse, self.rewards)
+    np.maximum.at(high, inverse, self.rewards)
+    return ids[low != high]
+
   def select(self, rows: np.ndarray) -> 'Rollouts':
     """The rows where the bool mask ``rows`` is True (group ids kept)."""
     index = np.flatnonzero(rows)

@@ -1,5 +1,7 @@
 """make_train_batch packs prompt + completion rows and aligns the per-token arrays."""
 
+import dataclasses
+
 import numpy as np
 
 import pytest
@@ -31,6 +33,23 @@ def test_packing_aligns_tokens_logprobs_and_versions():
   np.testing.assert_array_equal(batch.support_sizes[1], [0, 0, 7, 8, 9, 0, 0])
   np.testing.assert_allclose(batch.advantages, [0.7, -0.7])
   assert batch.tokens.dtype == np.int32 and batch.loss_mask.dtype == np.float32
+
+
+def test_informative_groups_are_those_with_unequal_rewards():
+  # Groups 7 (rewards 1, 0), 3 (0.5, 0.5) and 9 (0, 0, 1), ids unordered and interleaved.
+  b = 7
+  ids = np.array([7, 3, 9, 7, 9, 3, 9], np.int32)
+  rollouts = Rollouts(
+      prompt_ids=ids.astype(np.int64), group_ids=ids,
+      prompt_tokens=np.ones((b, 2), np.int32), prompt_lengths=np.full(b, 2, np.int32),
+      completion_tokens=np.ones((b, 1), np.int32), completion_mask=np.ones((b, 1), bool),
+      behaviour_logprobs=np.zeros((b, 1), np.float32), support_sizes=np.ones((b, 1), np.int32),
+      versions=np.zeros((b, 1), np.int32), finish_reasons=np.array(['stop'] * b),
+      completions=['1'] * b, sampling=SamplingSpec(), timings={},
+      rewards=np.array([1.0, 0.5, 0.0, 0.0, 0.0, 0.5, 1.0], np.float32))
+  np.testing.assert_array_equal(rollouts.informative_groups, [7, 9])
+  with pytest.raises(ValueError, match='needs rewards'):
+    _ = dataclasses.replace(rollouts, rewards=None).informative_groups
 
 
 @pytest.mark.parametrize('field', ['num_samples', 'max_new_tokens'])

@@ -44,8 +44,8 @@ from rlax_llm.losses.policy import (
 )
 
 __all__ = [
-    'AGGREGATIONS', 'BASELINE_FREE', 'ESTIMATORS', 'KL_ESTIMATORS', 'LOSSES', 'M2PO_VARIANTS', 'LossConfig',
-    'LossSpec', 'MismatchConfig', 'Totals', 'aggregate', 'batch_normalize', 'batch_totals',
+    'AGGREGATIONS', 'BASELINE_FREE', 'ESTIMATORS', 'KL_ESTIMATORS', 'LOSSES', 'M2PO_VARIANTS',
+    'LossConfig', 'LossSpec', 'MismatchConfig', 'POSITIVE_WEIGHT', 'Totals', 'aggregate', 'batch_normalize', 'batch_totals',
     'group_advantages', 'grpo_advantages', 'grpo_loss', 'kl_penalty', 'm2po_loss', 'm2po_mask', 'm2po_trust_region_candidates',
     'LOG_RATIO_BIN_EDGES', 'log_ratio_histogram',
     'masked_token_mean', 'mismatch_diagnostics', 'mismatch_weights', 'policy_loss',
