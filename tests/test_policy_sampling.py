@@ -312,3 +312,38 @@ def test_entropy_is_the_entropy_of_the_truncated_distribution():
   safe = np.where(keep, logp, 0.0)  # -inf off the support
   expected = -np.sum(np.where(keep, np.exp(safe) * safe, 0.0), axis=-1)
   np.testing.assert_allclose(policy_lib.entropy(logits, spec), expected, rtol=1e-5)
+
+
+@settings(deadline=None, max_examples=60)
+@given(seed=st.integers(0, 2**16), vocab=st.integers(1, 40), ties=st.booleans(),
+       specials=st.sampled_from(['none', 'nan', 'inf', '-inf', 'all-inf']))
+def test_argmax_equals_jnp_argmax_with_ties_and_non_finite_values(seed, vocab, ties,
+                                                                  specials):
+  """policy.argmax replaces jnp.argmax on the decode path, so it must agree everywhere: the
+  first of tied maxima, a NaN counting as the largest, infinities, a row of -inf."""
+  rng = np.random.RandomState(seed)
+  x = rng.randn(6, vocab).astype(np.float32)
+  if ties:
+    x = np.round(x)  # many equal entries, often several maxima per row
+  where = rng.rand(6, vocab) < 0.3
+  if specials == 'all-inf':
+    x[2] = -np.inf
+  elif specials != 'none':
+    x[where] = float(specials)
+  got = jax.jit(policy_lib.argmax)(jnp.asarray(x))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(jnp.asarray(x), -1)))
+  assert got.dtype == jnp.int32
+
+
+@pytest.mark.parametrize('spec', [SamplingSpec(temperature=1.0),
+                                  SamplingSpec(temperature=0.7, top_k=5, top_p=0.9)])
+def test_sampled_tokens_equal_jax_random_categorical(spec):
+  """sample draws by Gumbel-max with policy.argmax: the same tokens as
+  jax.random.categorical on the truncated log-probs, for the same key."""
+  logits = jax.random.normal(jax.random.key(3), (BATCH, 300)) * 3
+  for seed in range(5):
+    key = jax.random.key(seed)
+    tokens, _, _ = sample(logits, key, spec)
+    logp, kept = policy_lib.log_probs(logits, spec)
+    expected = jax.random.categorical(key, jnp.where(kept, logp, -jnp.inf), axis=-1)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(expected))
