@@ -54,12 +54,17 @@ from rlax_llm.models.model import Model, Params
 from rlax_llm.policy import SamplingSpec, sample_rows
 
 MAX_STOP_IDS = 8  # stop tokens per request (eos included)
+# KV-cache blocks hold a multiple of this many positions: XLA:CPU's batched attention
+# matmuls read the cache at memory bandwidth when the positions dimension is a multiple of
+# 32, and at about half of it otherwise (benchmarks/RESULTS.md, engine section).
+BLOCK_ALIGN = 32
 
 
 @flax.struct.dataclass
 class Prefix:
-  """``K`` prefilled prompts (rows): keys/values ``[K, kv_heads, bucket, head_dim]`` per
-  layer, true lengths and the float32 logits ``[K, V]`` of each prompt's last token."""
+  """``K`` prefilled prompts (rows): per layer keys ``[K, kv_heads, head_dim, bucket]`` and
+  values ``[K, kv_heads, bucket, head_dim]`` (the ``KVCache`` layouts), true lengths and
+  the float32 logits ``[K, V]`` of each prompt's last token."""
 
   k: tuple[jax.Array, ...]
   v: tuple[jax.Array, ...]
@@ -83,7 +88,7 @@ class Insert:
 class DecodeState:
   """What ``generate`` transforms; ``S`` slots, cache length ``L``."""
 
-  cache: KVCache  # k/v [S, kv_heads, L, head_dim] per layer; lengths int32 [S]
+  cache: KVCache  # per layer, per block: k [S, kv, d, block], v [S, kv, block, d]
   tokens: jax.Array  # int32 [S]: the token each slot feeds next
   keys: jax.Array  # uint32 [S, key_size]: each slot's sample key data
   positions: jax.Array  # int32 [S]: tokens the slot's sample has drawn so far
@@ -151,18 +156,23 @@ class Engine:
     pad_id: the token a step reports for inactive slots.
     prefill_buckets: sorted prompt length buckets ending at ``max_prefill_length`` (default:
       ``default_buckets``).
-    attend_buckets: how many cache-length buckets a decode step may attend to (the
-      smallest holding every active sequence is used; each compiles once): 4 splits the
-      cache in quarters, 1 always attends to the whole cache.
+    attend_buckets: at most how many blocks the KV cache is kept in (each a multiple of
+      ``block_align`` positions); a decode step attends to the fewest leading blocks that
+      hold every active sequence (each count compiles once). 1 always attends to the whole
+      cache.
+    block_align: block lengths are multiples of it (``BLOCK_ALIGN``, 32, suits XLA:CPU;
+      TPUs may prefer 128).
   """
 
   def __init__(self, model: Model, mesh: Mesh, *, slots: int, max_prefill_length: int,
                max_decode_length: int, pad_id: int,
                prefill_buckets: Sequence[int] | None = None, attend_buckets: int = 4,
+               block_align: int = BLOCK_ALIGN,
                rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES):
-    if slots < 1 or max_decode_length < 1 or attend_buckets < 1:
-      raise ValueError(f'slots ({slots}), max_decode_length ({max_decode_length}) and '
-                       f'attend_buckets ({attend_buckets}) must be >= 1.')
+    if min(slots, max_decode_length, attend_buckets, block_align) < 1:
+      raise ValueError(f'slots ({slots}), max_decode_length ({max_decode_length}), '
+                       f'attend_buckets ({attend_buckets}) and block_align ({block_align}) '
+                       'must be >= 1.')
     buckets = tuple(prefill_buckets or default_buckets(max_prefill_length))
     if list(buckets) != sorted(set(buckets)) or buckets[-1] != max_prefill_length or (
         buckets[0] < 1):
@@ -183,9 +193,13 @@ class Engine:
     # Continuations prefill a prompt plus the tokens drawn so far (< cache_length).
     self.continuation_buckets = tuple(
         b for b in default_buckets(self.cache_length) if b > max_prefill_length)
-    n = self.cache_length
-    self.attend_buckets = tuple(sorted({-(-n * (i + 1) // attend_buckets)
-                                        for i in range(attend_buckets)}))
+    # The cache is kept in at most attend_buckets blocks of a multiple of block_align
+    # positions; a step reads the first few whole blocks.
+    size = -(-self.cache_length // attend_buckets)
+    self.block_length = -(-size // block_align) * block_align
+    self.attend_buckets = tuple(
+        self.block_length * (i + 1)
+        for i in range(-(-self.cache_length // self.block_length)))
     self.pad_id = int(pad_id)
     self.param_shardings = sharding_lib.param_shardings(
         model.abstract_params(), model.logical_axes(), mesh, rules)
@@ -216,7 +230,7 @@ class Engine:
     c = self.model.config
     s = self.slots
     state = DecodeState(
-        cache=KVCache.init(c, s, self.cache_length),
+        cache=KVCache.init(c, s, self.cache_length, self.block_length),
         tokens=jnp.full((s,), self.pad_id, jnp.int32),
         keys=jnp.zeros((s, self._key_size), jnp.uint32),
         positions=jnp.zeros((s,), jnp.int32), remaining=jnp.zeros((s,), jnp.int32),
@@ -309,9 +323,9 @@ class Engine:
     prompt plus the tokens fed so far, this one included); attention then reads only the
     smallest ``attend_buckets`` entry holding it. ``None`` reads the whole cache.
     """
-    attend = self.cache_length
+    attend = self.attend_buckets[-1]
     if longest is not None:
-      attend = next((b for b in self.attend_buckets if longest <= b), self.cache_length)
+      attend = next((b for b in self.attend_buckets if longest <= b), attend)
     return self._generate(params, state, spec=spec, attend=attend)
 
   def release_all(self, state: DecodeState) -> DecodeState:
@@ -332,29 +346,41 @@ class Engine:
     def named(logical, shape):
       return NamedSharding(mesh, sharding_lib.logical_to_spec(PartitionSpec(*logical), shape,
                                                               mesh, rules))
-    kv_shape = (self.slots, c.num_kv_heads, self.cache_length, c.head_dim)
-    kv = named(('batch', 'kv_heads', 'length', 'head_dim'), kv_shape)
+    blocks = len(self.attend_buckets)
+    k = (named(('batch', 'kv_heads', 'head_dim', 'length'),
+               (self.slots, c.num_kv_heads, c.head_dim, self.block_length)),) * blocks
+    v = (named(('batch', 'kv_heads', 'length', 'head_dim'),
+               (self.slots, c.num_kv_heads, self.block_length, c.head_dim)),) * blocks
     per_slot = named(('batch',), (self.slots,))
     per_slot_2d = lambda width: named(('batch', None), (self.slots, width))
     return DecodeState(
-        cache=KVCache(k=(kv,) * c.num_layers, v=(kv,) * c.num_layers, lengths=per_slot),
+        cache=KVCache(k=(k,) * c.num_layers, v=(v,) * c.num_layers, lengths=per_slot),
         tokens=per_slot, keys=per_slot_2d(self._key_size), positions=per_slot,
         remaining=per_slot, stop_ids=per_slot_2d(MAX_STOP_IDS))
 
   def _prefill_impl(self, params, tokens, lengths):
     cache = KVCache.init(self.model.config, tokens.shape[0], tokens.shape[1])
-    logits, cache = self.model.apply(params, tokens, cache=cache, num_valid=lengths)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    return Prefix(k=cache.k, v=cache.v, lengths=lengths, logits=last)
+    last, cache = self.model.prefill(params, tokens, lengths, cache)
+    return Prefix(k=tuple(k for (k,) in cache.k), v=tuple(v for (v,) in cache.v),
+                  lengths=lengths, logits=last)
 
   def _insert_impl(self, prefix, state, rows, slots, keys, max_new, offsets, stop_ids, *,
                    spec):
     # Entries with slot == S are padding: scatters drop them (mode='drop').
-    bucket = prefix.k[0].shape[2]
+    bucket = prefix.v[0].shape[2]
 
-    def put(buffer, source):
-      update = source[rows].astype(buffer.dtype)  # [S, kv, bucket, d]
-      return buffer.at[slots, :, :bucket].set(update, mode='drop')
+    def put(blocks, source, axis):  # positions along axis 2 (values) or 3 (keys)
+      update = source[rows]  # [S, kv, bucket, d] or [S, kv, d, bucket]
+      written = []
+      for j, buffer in enumerate(blocks):  # the part of the prompt each block holds
+        lo, size = j * self.block_length, min(self.block_length, bucket - j * self.block_length)
+        if size <= 0:
+          written.append(buffer)
+          continue
+        into = (slots, slice(None)) + (slice(None),) * (axis - 2) + (slice(0, size),)
+        part = jax.lax.slice_in_dim(update, lo, lo + size, axis=axis)
+        written.append(buffer.at[into].set(part.astype(buffer.dtype), mode='drop'))
+      return tuple(written)
     first_keys = jax.vmap(lambda data, offset: jax.random.fold_in(
         jax.random.wrap_key_data(data), offset))(keys, offsets)
     token, logp, support = sample_rows(prefix.logits[rows], first_keys, spec)
@@ -362,8 +388,8 @@ class Engine:
     left = max_new - offsets - 1  # tokens it may draw after this one
     remaining = jnp.where(stopped | (left <= 0), 0, left)
     set_rows = lambda buffer, values: buffer.at[slots].set(values, mode='drop')
-    cache = KVCache(k=tuple(put(ck, pk) for ck, pk in zip(state.cache.k, prefix.k)),
-                    v=tuple(put(cv, pv) for cv, pv in zip(state.cache.v, prefix.v)),
+    cache = KVCache(k=tuple(put(ck, pk, 3) for ck, pk in zip(state.cache.k, prefix.k)),
+                    v=tuple(put(cv, pv, 2) for cv, pv in zip(state.cache.v, prefix.v)),
                     lengths=set_rows(state.cache.lengths, prefix.lengths[rows]))
     state = DecodeState(
         cache=cache, tokens=set_rows(state.tokens, token), keys=set_rows(state.keys, keys),

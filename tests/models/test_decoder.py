@@ -51,6 +51,38 @@ def test_prefill_then_decode_equals_full_forward(model_and_params):
   np.testing.assert_array_equal(cache.lengths, prompt_lengths + total - width)
 
 
+@pytest.mark.parametrize('block_length', [3, 4, 14])
+def test_cache_in_blocks_equals_full_forward(model_and_params, block_length):
+  """A cache kept in blocks: a padded prefill whose rows span several blocks, then decoding
+  one token at a time reading only the leading blocks (``attend``), gives the full
+  forward's logits; the blocks past ``attend`` are left untouched."""
+  model, params = model_and_params
+  rng = np.random.RandomState(4)
+  batch, total, width = 3, 14, 7
+  tokens = jnp.asarray(rng.randint(0, 19, (batch, total)), jnp.int32)
+  full = np.asarray(model.apply(params, tokens))
+  lengths = jnp.array([4, 7, 5], jnp.int32)
+  cache = model.init_cache(batch, max_len=total, block_length=block_length)
+  assert cache.block_length == block_length and cache.max_len >= total
+  assert cache.num_blocks == -(-total // block_length)
+  last, cache = model.prefill(params, tokens[:, :width], lengths, cache)
+  np.testing.assert_allclose(last, full[np.arange(batch), lengths - 1], atol=1e-5)
+  rows = np.arange(batch)
+  step = jax.jit(lambda p, t, c, attend: model.apply(p, t, cache=c, attend=attend),
+                 static_argnums=3)
+  for _ in range(total - width):
+    pos = np.asarray(cache.lengths)
+    attend = int(pos.max()) + 1  # rounded up to whole blocks by the decoder
+    before = cache
+    logits, cache = step(params, tokens[rows, pos][:, None], cache, attend)
+    np.testing.assert_allclose(logits[:, 0], full[rows, pos], atol=1e-5)
+    used = -(-attend // block_length)
+    for layer in range(len(cache.k)):
+      for j in range(used, cache.num_blocks):  # not read, not written
+        assert cache.k[layer][j] is before.k[layer][j] or np.array_equal(
+            cache.k[layer][j], before.k[layer][j])
+
+
 def test_jitted_decode_step_matches(model_and_params):
   model, params = model_and_params
   tokens = jnp.asarray(np.random.RandomState(2).randint(0, 19, (2, 6)), jnp.int32)

@@ -45,9 +45,14 @@ def jobs_for(spec, n=3, max_new=10, stops=(EOS,), prompts=PROMPTS):
               stop_ids=stops, keys=keys_for(i, n)) for i, p in enumerate(prompts)]
 
 
-def make_driver(model, params, slots=4, version=0, **kwargs):
+# KV-cache layouts: one block, and several (cache of 28 positions: blocks of 8 and of 10).
+CACHES = {'one block': {}, 'blocks of 8': dict(block_align=4),
+          'blocks of 10': dict(attend_buckets=3, block_align=1)}
+
+
+def make_driver(model, params, slots=4, version=0, engine_kwargs=None, **kwargs):
   engine = Engine(model, MESH, slots=slots, max_prefill_length=16, max_decode_length=12,
-                  pad_id=PAD)
+                  pad_id=PAD, **(engine_kwargs or {}))
   holder = VersionedParams()
   holder.set(version, engine.place_params(params))
   return Driver(engine, holder, **kwargs)
@@ -67,10 +72,31 @@ def test_default_buckets():
     engine.bucket(17)
 
 
-def test_greedy_equals_naive_decoding(models):
+def test_cache_blocks_and_attend_buckets():
+  """The cache is kept in at most attend_buckets blocks of a multiple of block_align
+  positions; the attend buckets are the block boundaries and cover the cache."""
+  model = create_model(CONFIG)[0]
+  make = lambda **kw: Engine(model, MESH, slots=2, max_prefill_length=16, max_decode_length=12,
+                             pad_id=PAD, **kw)
+  assert make().attend_buckets == (32,)  # 28 positions: one block of 32
+  engine = make(block_align=4)
+  assert engine.block_length == 8 and engine.attend_buckets == (8, 16, 24, 32)
+  state = engine.init_decode_state()
+  assert len(state.cache.k[0]) == 4
+  assert state.cache.k[0][0].shape == (2, CONFIG.num_kv_heads, CONFIG.head_dim, 8)
+  assert state.cache.v[0][0].shape == (2, CONFIG.num_kv_heads, 8, CONFIG.head_dim)
+  assert make(attend_buckets=3, block_align=1).attend_buckets == (10, 20, 30)
+  assert make(attend_buckets=1, block_align=1).attend_buckets == (28,)
+  with pytest.raises(ValueError, match='block_align'):
+    make(block_align=0)
+
+
+@pytest.mark.parametrize('cache', CACHES)
+def test_greedy_equals_naive_decoding(models, cache):
   """Independent reference: one full forward pass per new token, argmax."""
   model, params, _ = models
-  results = make_driver(model, params).run(jobs_for(GREEDY, n=1, stops=()))
+  results = make_driver(model, params, engine_kwargs=CACHES[cache]).run(
+      jobs_for(GREEDY, n=1, stops=()))
   forward = jax.jit(model.apply)
   for prompt, (sample,) in zip(PROMPTS, results):
     seq = list(prompt)
@@ -83,10 +109,12 @@ def test_greedy_equals_naive_decoding(models):
     assert sample.finish_reason == 'length' and sample.logprobs == [0.0] * 10
 
 
+@pytest.mark.parametrize('cache', CACHES)
 @pytest.mark.parametrize('spec', [SamplingSpec(1.0), SamplingSpec(0.7, top_k=5, top_p=0.9)])
-def test_behaviour_logprobs_equal_the_trainer_recompute(models, spec):
+def test_behaviour_logprobs_equal_the_trainer_recompute(models, spec, cache):
   model, params, _ = models
-  results = make_driver(model, params).run(jobs_for(spec, n=4, stops=()))
+  results = make_driver(model, params, engine_kwargs=CACHES[cache]).run(
+      jobs_for(spec, n=4, stops=()))
   score = jax.jit(Policy(model, spec).sequence_log_probs)
   for prompt, samples in zip(PROMPTS, results):
     for sample in samples:
@@ -204,7 +232,8 @@ def test_randomized_submit_finish_swap(models):
   placed = None
   for trial in range(6):
     on_swap = ('continue', 'discard')[trial % 2]
-    driver = make_driver(model, params, slots=3, on_swap=on_swap)
+    cache = list(CACHES.values())[trial % len(CACHES)]
+    driver = make_driver(model, params, slots=3, on_swap=on_swap, engine_kwargs=cache)
     placed = placed or [driver.engine.place_params(p) for p in (params, other)]
     swaps = set(rng.sample(range(40), 4))
     version = [0]
@@ -283,8 +312,9 @@ def _resumed(jobs, results):
 @pytest.mark.parametrize('spec', [SamplingSpec(1.0), SamplingSpec(0.7, top_k=5, top_p=0.9)])
 def test_partial_rollouts_continue_as_if_uninterrupted(models, spec):
   """APRIL: a run stopped after one complete job, then continued (twice, on another slot
-  count), gives the samples of an uninterrupted run: same tokens and finish reasons,
-  log-probs within prefill-vs-decode rounding."""
+  count and another cache layout: continuation prefixes then span several blocks), gives
+  the samples of an uninterrupted run: same tokens and finish reasons, log-probs within
+  prefill-vs-decode rounding."""
   model, params, _ = models
   jobs = _uneven(jobs_for(spec, n=3, max_new=10, stops=()))
   full = make_driver(model, params).run(jobs)
@@ -295,7 +325,8 @@ def test_partial_rollouts_continue_as_if_uninterrupted(models, spec):
   assert partial, 'the stop left no sample part-way'
   assert driver.stats['stopped_early'] == 1
   assert driver.stats['unfinished_samples'] >= len(partial)
-  second = make_driver(model, params, slots=3).run(_resumed(jobs, first), stop_after=3)
+  second = make_driver(model, params, slots=3, engine_kwargs=CACHES['blocks of 8']).run(
+      _resumed(jobs, first), stop_after=3)
   third = make_driver(model, params, slots=16).run(_resumed(jobs, second))
   assert all(s.finish_reason for samples in third for s in samples)
   for a_job, b_job in zip(full, third):
