@@ -25,9 +25,10 @@ matmul over the same bytes). ``max_len`` is ``num_blocks * block_length``. One b
 default) is the plain contiguous cache. Several blocks let a decode step that attends to the
 first ``attend`` positions read whole blocks (separate buffers) instead of slicing a prefix
 out of one buffer, which XLA materialises as a copy of that prefix in every layer and step.
-``lengths`` is ``int32 [batch]``, the number of valid positions of each slot. A call with ``cache`` writes the ``T`` new keys/values of row
-``b`` at positions ``lengths[b] .. lengths[b] + T - 1`` and advances ``lengths[b]`` by
-``num_valid[b]`` (default ``T``). Query ``t`` of row ``b`` sits at position
+``lengths`` is ``int32 [batch]``, the number of valid positions of each slot. A call with
+``cache`` writes the ``T`` new keys/values of row ``b`` at positions
+``lengths[b] .. lengths[b] + T - 1`` and advances ``lengths[b]`` by ``num_valid[b]``
+(default ``T``). Query ``t`` of row ``b`` sits at position
 ``lengths[b] + t`` and attends to every cached position ``<=`` its own. Rows may be
 right-padded: positions past ``num_valid`` hold junk that later writes overwrite before any
 query can see it.
@@ -283,7 +284,8 @@ class Attention(nnx.Module):
     self.config = c
 
   def __call__(self, x: Array, rope_cs: tuple[Array, Array], mask: Array,
-               kv: tuple[Array, Array] | None, starts: Array | None):
+               kv: tuple[tuple[Array, ...], tuple[Array, ...]] | None,
+               starts: Array | None):
     """x: [B, T, E]; rope_cs: (cos, sin) tables; mask: bool [B, T, S]; kv: one layer's
     cache blocks (keys, values) in the ``KVCache`` layouts, or None.
 

@@ -283,8 +283,8 @@ class Engine:
     one call.
 
     Returns ``(state, StepResult)`` whose entry ``i`` belongs to ``inserts[i]`` (the rest is
-    padding; ``done`` marks samples that ended at their first token). A slot becomes active unless its first token is a
-    stop token or its ``max_new_tokens`` is 1.
+    padding; ``done`` marks samples that ended at their first token). A slot becomes active
+    unless its first token is a stop token or its ``max_new_tokens`` is 1.
     """
     s = self.slots
     if not 1 <= len(inserts) <= s:
