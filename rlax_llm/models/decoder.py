@@ -107,6 +107,11 @@ class DecoderConfig:
       raise ValueError(f'head_dim must be even for RoPE, got {self.head_dim}.')
 
 
+# The position axis of a cache block (keys ``[B, kv, d, S]``, values ``[B, kv, S, d]``).
+KEY_POSITION_AXIS = 3
+VALUE_POSITION_AXIS = 2
+
+
 @flax.struct.dataclass
 class KVCache:
   """Fixed-size per-layer key/value cache in blocks (see the module docstring)."""
@@ -133,7 +138,7 @@ class KVCache:
 
   @property
   def block_length(self) -> int:
-    return self.v[0][0].shape[2]
+    return self.v[0][0].shape[VALUE_POSITION_AXIS]
 
   @property
   def num_blocks(self) -> int:
@@ -311,14 +316,16 @@ class Attention(nnx.Module):
     if kv is not None:  # keys as [B, kv, d, positions] (the cache layout)
       attend = mask.shape[-1]
       if len(kv[0]) == 1:
-        new_kv = ((_write_positions(kv[0][0], k.transpose(0, 2, 3, 1), starts, 3),),
-                  (_write_positions(kv[1][0], v.transpose(0, 2, 1, 3), starts, 2),))
+        new_kv = ((_write_positions(kv[0][0], k.transpose(0, 2, 3, 1), starts,
+                                    KEY_POSITION_AXIS),),
+                  (_write_positions(kv[1][0], v.transpose(0, 2, 1, 3), starts,
+                                    VALUE_POSITION_AXIS),))
         ks, vs = (new_kv[0][0][..., :attend],), (new_kv[1][0][:, :, :attend],)
       else:  # whole blocks (the decoder rounds attend up to a multiple of the block); the
         # new positions lie below attend, so the blocks past it are neither read nor written
-        used = attend // kv[1][0].shape[2]
-        ks = _write_blocks(kv[0][:used], k, starts, 3)
-        vs = _write_blocks(kv[1][:used], v, starts, 2)
+        used = attend // kv[1][0].shape[VALUE_POSITION_AXIS]
+        ks = _write_blocks(kv[0][:used], k, starts, KEY_POSITION_AXIS)
+        vs = _write_blocks(kv[1][:used], v, starts, VALUE_POSITION_AXIS)
         new_kv = (ks + kv[0][used:], vs + kv[1][used:])
       score = 'bkqd,bkds->bkqs'
     else:  # keys as [B, kv, T, d]

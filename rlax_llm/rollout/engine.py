@@ -49,7 +49,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlax_llm import sharding as sharding_lib
-from rlax_llm.models.decoder import KVCache
+from rlax_llm.models.decoder import KEY_POSITION_AXIS, VALUE_POSITION_AXIS, KVCache
 from rlax_llm.models.model import Model, Params
 from rlax_llm.policy import SamplingSpec, sample_rows
 
@@ -367,9 +367,9 @@ class Engine:
   def _insert_impl(self, prefix, state, rows, slots, keys, max_new, offsets, stop_ids, *,
                    spec):
     # Entries with slot == S are padding: scatters drop them (mode='drop').
-    bucket = prefix.v[0].shape[2]
+    bucket = prefix.v[0].shape[VALUE_POSITION_AXIS]
 
-    def put(blocks, source, axis):  # positions along axis 2 (values) or 3 (keys)
+    def put(blocks, source, axis):  # axis: the blocks' position axis
       update = source[rows]  # [S, kv, bucket, d] or [S, kv, d, bucket]
       written = []
       for j, buffer in enumerate(blocks):  # the part of the prompt each block holds
@@ -388,9 +388,10 @@ class Engine:
     left = max_new - offsets - 1  # tokens it may draw after this one
     remaining = jnp.where(stopped | (left <= 0), 0, left)
     set_rows = lambda buffer, values: buffer.at[slots].set(values, mode='drop')
-    cache = KVCache(k=tuple(put(ck, pk, 3) for ck, pk in zip(state.cache.k, prefix.k)),
-                    v=tuple(put(cv, pv, 2) for cv, pv in zip(state.cache.v, prefix.v)),
-                    lengths=set_rows(state.cache.lengths, prefix.lengths[rows]))
+    cache = KVCache(
+        k=tuple(put(ck, pk, KEY_POSITION_AXIS) for ck, pk in zip(state.cache.k, prefix.k)),
+        v=tuple(put(cv, pv, VALUE_POSITION_AXIS) for cv, pv in zip(state.cache.v, prefix.v)),
+        lengths=set_rows(state.cache.lengths, prefix.lengths[rows]))
     state = DecodeState(
         cache=cache, tokens=set_rows(state.tokens, token), keys=set_rows(state.keys, keys),
         positions=set_rows(state.positions, offsets + 1),
