@@ -58,7 +58,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from rlax_llm.models.decoder import head_logits
+from rlax_llm.models.decoder import invariant_max, invariant_sum
 from rlax_llm.models.model import Model, Params
 
 
@@ -155,20 +155,31 @@ def transform_logits(logits: jax.Array, spec: SamplingSpec,
   return scaled, kept
 
 
-def log_probs(logits: jax.Array, spec: SamplingSpec, support_size: jax.Array | None = None
-              ) -> tuple[jax.Array, jax.Array]:
+def log_probs(logits: jax.Array, spec: SamplingSpec, support_size: jax.Array | None = None,
+              *, invariant: bool = False) -> tuple[jax.Array, jax.Array]:
   """Log-probs of every token under the policy (see the module docstring).
+
+  ``invariant``: the normaliser sums a materialised array (behind an optimization barrier)
+  instead of fusing the sum into the ``exp``: XLA fused it one way into a decode step and
+  another into a trainer batch, and the two round differently (the model's
+  ``batch_invariant`` numerics).
 
   Returns ``(logp float32 [..., V], kept bool [..., V])``; ``logp`` is the truncated
   log-prob on ``kept`` and the same normaliser's finite extension elsewhere.
   """
   scaled, kept = transform_logits(logits, spec, support_size)
-  normaliser = jax.nn.logsumexp(jnp.where(kept, scaled, -jnp.inf), axis=-1, keepdims=True)
+  masked = jnp.where(kept, scaled, -jnp.inf)
+  if invariant:
+    largest = jax.lax.stop_gradient(invariant_max(masked))
+    normaliser = largest + jnp.log(invariant_sum(jnp.exp(masked - largest)))
+  else:
+    normaliser = jax.nn.logsumexp(masked, axis=-1, keepdims=True)
   return scaled - normaliser, kept
 
 
 def token_log_probs(logits: jax.Array, tokens: jax.Array, spec: SamplingSpec,
-                    support_size: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                    support_size: jax.Array | None = None, *, invariant: bool = False
+                    ) -> tuple[jax.Array, jax.Array]:
   """Log-prob of each given token under the policy.
 
   Args:
@@ -179,11 +190,12 @@ def token_log_probs(logits: jax.Array, tokens: jax.Array, spec: SamplingSpec,
       is continuous in the logits; without it top-k/top-p are decided from these logits,
       and a rounding difference that moves a token across the top-p threshold shifts every
       log-prob of the position (see the module docstring).
+    invariant: batch-invariant normaliser (``log_probs``).
   Returns:
     ``(logp float32 [...], in_support bool [...])``.
   """
   chex.assert_equal_shape_prefix([logits, tokens], tokens.ndim)
-  logp, kept = log_probs(logits, spec, support_size)
+  logp, kept = log_probs(logits, spec, support_size, invariant=invariant)
   index = tokens[..., None].astype(jnp.int32)
   return (jnp.take_along_axis(logp, index, axis=-1)[..., 0],
           jnp.take_along_axis(kept, index, axis=-1)[..., 0])
@@ -204,7 +216,7 @@ def argmax(x: jax.Array) -> jax.Array:
   return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
 
 
-def sample(logits: jax.Array, rng: jax.Array, spec: SamplingSpec
+def sample(logits: jax.Array, rng: jax.Array, spec: SamplingSpec, *, invariant: bool = False
            ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Draws one token per row and returns its behaviour log-prob and support size.
 
@@ -212,6 +224,7 @@ def sample(logits: jax.Array, rng: jax.Array, spec: SamplingSpec
     logits: float ``[B, V]`` raw model logits.
     rng: a PRNG key.
     spec: the sampling transform; greedy takes the argmax with log-prob 0 (a point mass).
+    invariant: batch-invariant normaliser (``log_probs``).
   Returns:
     ``(tokens int32 [B], logp float32 [B], support_size int32 [B])``: the support size is
     how many tokens the draw could have picked (what the trainer's ``token_log_probs``
@@ -220,7 +233,7 @@ def sample(logits: jax.Array, rng: jax.Array, spec: SamplingSpec
   if spec.greedy:
     tokens = argmax(logits)
     return tokens, jnp.zeros(tokens.shape, jnp.float32), jnp.ones(tokens.shape, jnp.int32)
-  logp, kept = log_probs(logits, spec)
+  logp, kept = log_probs(logits, spec, invariant=invariant)
   # jax.random.categorical's Gumbel-max draw (the same tokens for the same key), with the
   # faster argmax.
   masked = jnp.where(kept, logp, -jnp.inf)
@@ -229,20 +242,20 @@ def sample(logits: jax.Array, rng: jax.Array, spec: SamplingSpec
           kept.sum(-1).astype(jnp.int32))
 
 
-def sample_rows(logits: jax.Array, keys: jax.Array, spec: SamplingSpec
-                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def sample_rows(logits: jax.Array, keys: jax.Array, spec: SamplingSpec, *,
+                invariant: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``sample`` with one PRNG key per row: row ``b`` draws with ``keys[b]`` alone, so its
   token does not depend on which other rows share the batch (continuous batching).
 
   Args:
-    logits: float ``[B, V]``; keys: ``[B]`` PRNG keys.
+    logits: float ``[B, V]``; keys: ``[B]`` PRNG keys; invariant: as in ``sample``.
   Returns:
     ``(tokens int32 [B], logp float32 [B], support_size int32 [B])``.
   """
   if spec.greedy:
     return sample(logits, keys[0], spec)
-  return jax.vmap(lambda row, key: tuple(x[0] for x in sample(row[None], key, spec)))(
-      logits, keys)
+  return jax.vmap(lambda row, key: tuple(
+      x[0] for x in sample(row[None], key, spec, invariant=invariant)))(logits, keys)
 
 
 def entropy(logits: jax.Array, spec: SamplingSpec, support_size: jax.Array | None = None
@@ -309,8 +322,9 @@ class Policy:
     it (Prefix Grouper: Liu et al., "Prefix Grouper: Efficient GRPO Training through
     Shared-Prefix Forward", arXiv 2506.05433). Forward and backward then cost
     ``(T - width) / share + width`` positions per row instead of ``T``, and the lm head and
-    log-softmax run on ``width`` positions instead of ``T``. The results equal ``sequence_log_probs`` at the same
-    positions to float rounding (another program computes them), gradients included.
+    log-softmax run on ``width`` positions instead of ``T``. The results equal
+    ``sequence_log_probs`` at the same positions to float rounding (another program computes
+    them; bit for bit with the model's ``batch_invariant`` numerics), gradients included.
 
     Args:
       params: the model's params.
@@ -351,20 +365,19 @@ class Policy:
     sizes = (None if support_sizes is None
              else jnp.take_along_axis(support_sizes, index, axis=1))
     if chunk <= 0:
-      logits = head_logits(hidden, self.model.head_weight(params),
-                           self.model.config.tie_embeddings, self.model.config.dtype)
+      logits = self.model.logits(params, hidden)
       return self._score(logits, window, sizes)
     return self._score_hidden(params, hidden, window, sizes, chunk)
 
   def _score(self, logits, targets, sizes) -> SequenceLogProbs:
-    logp, in_support = token_log_probs(logits, targets, self.sampling, sizes)
+    logp, in_support = token_log_probs(logits, targets, self.sampling, sizes,
+                                       invariant=self.model.config.batch_invariant)
     return SequenceLogProbs(logp, in_support,
                             jax.lax.stop_gradient(entropy(logits, self.sampling, sizes)))
 
   def _score_hidden(self, params, hidden, targets, sizes, chunk) -> SequenceLogProbs:
     """``_score`` of hidden states ``[B, n, E]``, ``chunk`` positions at a time, each chunk's
     logits rematerialised in the backward pass."""
-    weight = self.model.head_weight(params)
     batch, n = targets.shape
     size = min(chunk, n)
     count = -(-n // size)
@@ -377,7 +390,7 @@ class Policy:
     @jax.checkpoint
     def one(parts):
       h, t, z = parts
-      logits = head_logits(h, weight, self.model.config.tie_embeddings, self.model.config.dtype)
+      logits = self.model.logits(params, h)
       scored = self._score(logits, t, z)
       return scored.logp, scored.in_support, scored.entropy
 

@@ -32,11 +32,30 @@ out of one buffer, which XLA materialises as a copy of that prefix in every laye
 ``lengths[b] + t`` and attends to every cached position ``<=`` its own. Rows may be
 right-padded: positions past ``num_valid`` hold junk that later writes overwrite before any
 query can see it.
+
+Batch-invariant numerics (``DecoderConfig.batch_invariant``): XLA:CPU picks a float32
+matmul's kernel from its shapes and fuses reductions, products and transcendentals
+differently in different programs, so one row's result depends on how many rows come with
+it. The same token scored by the trainer (a ``[B, T]`` forward) and by a decode step (one
+query per slot over a KV cache) then differs by rounding, which 30 layers grow to ~5e-5 in
+a log-prob. With ``batch_invariant`` every such computation runs in a form whose rounding
+cannot depend on the batch: weight matmuls in chunks of exactly ``INVARIANT_ROWS`` rows
+(``invariant_matmul``); attention in chunks of ``INVARIANT_ROWS`` queries over pieces of
+``INVARIANT_ROWS`` key positions summed in position order (``_invariant_attention``);
+sums and maxima as fixed trees of elementwise ops (``invariant_sum``, ``invariant_max``;
+RMSNorm and the log-softmax use them too); RoPE's cos/sin looked up in a host-computed
+table. A row's logits are then bitwise the same whatever shares its batch, its padding or
+the cache layout, so sampler and trainer log-probs agree exactly (He et al., "Defeating
+Nondeterminism in LLM Inference", Thinking Machines Lab 2025, argue the same for GPU
+kernels). Verified on XLA:CPU by ``tests/models/test_batch_invariant.py``; the cost is in
+benchmarks/RESULTS.md. It holds on data-parallel meshes; FSDP and tensor parallelism split
+contractions across devices (the config refuses them with it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -88,6 +107,7 @@ class DecoderConfig:
   remat: str = 'none'
   param_dtype: Any = jnp.float32
   dtype: Any = jnp.float32  # compute dtype
+  batch_invariant: bool = False  # see the module docstring
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -110,6 +130,131 @@ class DecoderConfig:
 # The position axis of a cache block (keys ``[B, kv, d, S]``, values ``[B, kv, S, d]``).
 KEY_POSITION_AXIS = 3
 VALUE_POSITION_AXIS = 2
+
+# Batch-invariant numerics: the rows of each weight matmul, the queries of each attention
+# chunk and the key positions of each attention piece (cache blocks must be a multiple).
+INVARIANT_ROWS = 32
+
+
+def invariant_matmul(x: Array, w: Array, spec: str = 'ck,kn->cn') -> Array:
+  """``x [..., K]`` times the 2-D weight ``w`` (``spec`` contracts a chunk ``c`` of rows
+  with it, e.g. ``'ck,nk->cn'`` for a ``[N, K]`` weight) -> ``[..., N]``, each row's result
+  independent of the other rows.
+
+  The rows are zero-padded to a multiple of ``INVARIANT_ROWS`` and multiplied one chunk at
+  a time (``lax.map``), so every matmul XLA runs has one shape. ``w`` passes an
+  optimization barrier: without it XLA folded the tied head's transpose into the matmul when
+  the loop had one iteration (a decode step) but not when it had several (a trainer batch),
+  and the two kernels round differently.
+  """
+  lead = x.shape[:-1]
+  rows = x.reshape(-1, x.shape[-1])
+  count = rows.shape[0]
+  rows = jnp.pad(rows, ((0, -count % INVARIANT_ROWS), (0, 0)))
+  w = jax.lax.optimization_barrier(w)
+  out = jax.lax.map(lambda chunk: jnp.einsum(spec, chunk, w),
+                    rows.reshape(-1, INVARIANT_ROWS, rows.shape[-1]))
+  return out.reshape(-1, out.shape[-1])[:count].reshape(lead + out.shape[-1:])
+
+
+def _halving(x: Array, op, fill) -> Array:
+  """``op`` over the last axis (keeping it, length 1) by halving: the axis, padded with
+  ``fill`` to a power of two, is combined with itself folded in half until one entry is
+  left."""
+  size = 1 << max(x.shape[-1] - 1, 0).bit_length()
+  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])], constant_values=fill)
+  while x.shape[-1] > 1:
+    half = x.shape[-1] // 2
+    x = op(x[..., :half], x[..., half:])
+  return x
+
+
+def invariant_sum(x: Array) -> Array:
+  """``x.sum(-1, keepdims=True)`` as a fixed tree of elementwise adds (pairwise
+  summation), which XLA does not reorder: a row's sum does not depend on the other rows or
+  on the fusion around it, where a fused ``jnp.sum`` rounded differently for one row than
+  for many."""
+  return _halving(x, jnp.add, 0)
+
+
+def invariant_max(x: Array) -> Array:
+  """``x.max(-1, keepdims=True)`` as a tree of elementwise maxima. The max is exact either
+  way; a reduction, though, lets XLA:CPU fuse the ``exp`` that follows it into a YNNPACK
+  kernel in some programs and not in others, and the two evaluate ``exp`` differently."""
+  return _halving(x, jnp.maximum, -jnp.inf)
+
+
+def linear(x: Array, w: Array, invariant: bool) -> Array:
+  """``x [..., K] @ w [K, N]``, batch-invariant (``invariant_matmul``) if asked."""
+  return invariant_matmul(x, w) if invariant else x @ w
+
+
+def _pieces(blocks: tuple[Array, ...], axis: int) -> list[Array]:
+  """The position axis ``axis`` of consecutive blocks cut into pieces of
+  ``INVARIANT_ROWS`` positions, the last zero-padded."""
+  pieces = []
+  for block in blocks:
+    pad = [(0, 0)] * block.ndim
+    pad[axis] = (0, -block.shape[axis] % INVARIANT_ROWS)
+    block = jnp.pad(block, pad)
+    pieces += [jax.lax.slice_in_dim(block, i, i + INVARIANT_ROWS, axis=axis)
+               for i in range(0, block.shape[axis], INVARIANT_ROWS)]
+  return pieces
+
+
+def _invariant_attention(q: Array, ks: tuple[Array, ...], vs: tuple[Array, ...],
+                         keys_transposed: bool, query_mask: Array) -> Array:
+  """Softmax attention whose result for a query does not depend on how many queries,
+  cache slots or masked key positions come with it.
+
+  Args:
+    q: ``[B, kv, M, d]``; ks, vs: consecutive key/value blocks (keys
+      ``[B, kv, d, S]`` if ``keys_transposed`` else ``[B, kv, S, d]``; values
+      ``[B, kv, S, d]``); query_mask: bool ``[B, 1, M, S]`` over the blocks' positions.
+  Returns:
+    ``[B, kv, M, d]`` float32.
+
+  Queries go in chunks of ``INVARIANT_ROWS`` rows (``lax.map``; a decode step's few rows
+  padded to one chunk), keys and values in pieces of ``INVARIANT_ROWS`` positions from
+  position 0, so every matmul has one shape and a query meets the same pieces whatever the
+  total length; a piece past the query is all masked and adds exact zeros. The softmax's
+  max and normaliser are ``invariant_max`` and ``invariant_sum``. Scores contract ``[S, d]``
+  keys: the cache's transposed keys are copied (behind an optimization barrier, else XLA
+  folds the transpose into the product, whose kernel then rounds differently per row
+  count).
+  """
+  batch, kv, rows, dim = q.shape
+  chunks = -(-rows // INVARIANT_ROWS)
+  key_pieces = _pieces(ks, KEY_POSITION_AXIS if keys_transposed else VALUE_POSITION_AXIS)
+  if keys_transposed:
+    key_pieces = [jnp.swapaxes(k, 2, 3) for k in key_pieces]
+  key_pieces, value_pieces = jax.lax.optimization_barrier(
+      (key_pieces, _pieces(vs, VALUE_POSITION_AXIS)))
+  pad = chunks * INVARIANT_ROWS - rows
+  width = len(key_pieces) * INVARIANT_ROWS
+  q = jnp.pad(q, ((0, 0), (0, 0), (0, pad), (0, 0)))
+  query_mask = jnp.pad(query_mask,
+                       ((0, 0), (0, 0), (0, pad), (0, width - query_mask.shape[-1])))
+  split = lambda x: jnp.moveaxis(
+      x.reshape(x.shape[:2] + (chunks, INVARIANT_ROWS) + x.shape[3:]), 2, 0)
+
+  def attend(args):  # [B, kv, INVARIANT_ROWS, d] queries, [B, 1, INVARIANT_ROWS, S] mask
+    q, query_mask = args
+    scores = []
+    for i, k in enumerate(key_pieces):
+      score = jnp.einsum('bkqd,bksd->bkqs', q, k).astype(jnp.float32) * dim ** -0.5
+      piece_mask = query_mask[..., i * INVARIANT_ROWS:(i + 1) * INVARIANT_ROWS]
+      scores.append(jnp.where(piece_mask, score, jnp.finfo(jnp.float32).min))
+    largest = functools.reduce(jnp.maximum, [invariant_max(s) for s in scores])
+    out = total = 0.0
+    for score, v in zip(scores, value_pieces):
+      weight = jnp.exp(score - largest)
+      out = out + jnp.einsum('bkqs,bksd->bkqd', weight.astype(v.dtype), v).astype(jnp.float32)
+      total = total + invariant_sum(weight)
+    return out / total
+
+  out = jax.lax.map(attend, (split(q), split(query_mask)))
+  return jnp.moveaxis(out, 0, 2).reshape(batch, kv, chunks * INVARIANT_ROWS, dim)[:, :, :rows]
 
 
 @flax.struct.dataclass
@@ -167,13 +312,16 @@ class RMSNorm(nnx.Module):
   """Root-mean-square layer norm (Zhang & Sennrich, arXiv 1910.07467), fp32 statistics."""
 
   def __init__(self, dim: int, eps: float, param_dtype, *, rngs: nnx.Rngs,
-               axis: str = 'embed'):
+               axis: str = 'embed', invariant: bool = False):
     self.scale = _param(rngs, (dim,), (axis,), param_dtype)
     self.eps = eps
+    self.invariant = invariant  # batch-invariant mean (``invariant_sum``)
 
   def __call__(self, x: Array) -> Array:
     x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    mean = (invariant_sum(x32 * x32) / x.shape[-1] if self.invariant
+            else jnp.mean(x32 * x32, axis=-1, keepdims=True))
+    normed = x32 * jax.lax.rsqrt(mean + self.eps)
     return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
@@ -201,10 +349,23 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
   return inv_freq.astype(np.float32)
 
 
-def rope_tables(positions: Array, inv_freq: np.ndarray) -> tuple[Array, Array]:
+def rope_tables(positions: Array, inv_freq: np.ndarray, max_len: int | None = None
+                ) -> tuple[Array, Array]:
   """``(cos, sin)`` float32 ``[batch, length, 1, head_dim // 2]`` of ``positions * inv_freq``
-  (computed once per forward pass and shared by every layer)."""
-  angles = positions[..., None].astype(jnp.float32) * np.asarray(inv_freq, np.float32)
+  (computed once per forward pass and shared by every layer).
+
+  ``max_len``: look the values up in a table of positions ``0 .. max_len - 1`` computed on
+  the host (positions past it are clipped) instead of evaluating cos and sin in the program,
+  where XLA:CPU evaluated them differently in different fusions (batch-invariant numerics).
+  """
+  inv_freq = np.asarray(inv_freq, np.float32)
+  if max_len is not None:
+    angles = np.arange(max_len, dtype=np.float32)[:, None] * inv_freq
+    index = jnp.clip(positions, 0, max_len - 1)
+    look_up = lambda table: jnp.take(jnp.asarray(table, jnp.float32), index, axis=0)
+    return (look_up(np.cos(angles.astype(np.float64)))[:, :, None, :],
+            look_up(np.sin(angles.astype(np.float64)))[:, :, None, :])
+  angles = positions[..., None].astype(jnp.float32) * inv_freq
   return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
 
 
@@ -284,8 +445,10 @@ class Attention(nnx.Module):
       self.bv = _zeros(rngs, (c.num_kv_heads, c.head_dim), ('kv_heads', 'head_dim'),
                        c.param_dtype)
     if c.qk_norm:
-      self.q_norm = RMSNorm(c.head_dim, c.norm_eps, c.param_dtype, rngs=rngs, axis='head_dim')
-      self.k_norm = RMSNorm(c.head_dim, c.norm_eps, c.param_dtype, rngs=rngs, axis='head_dim')
+      self.q_norm = RMSNorm(c.head_dim, c.norm_eps, c.param_dtype, rngs=rngs, axis='head_dim',
+                            invariant=c.batch_invariant)
+      self.k_norm = RMSNorm(c.head_dim, c.norm_eps, c.param_dtype, rngs=rngs, axis='head_dim',
+                            invariant=c.batch_invariant)
     self.config = c
 
   def __call__(self, x: Array, rope_cs: tuple[Array, Array], mask: Array,
@@ -300,9 +463,7 @@ class Attention(nnx.Module):
     """
     c = self.config
     dt = c.dtype
-    q = jnp.einsum('bte,ehd->bthd', x, self.wq[...].astype(dt))
-    k = jnp.einsum('bte,ehd->bthd', x, self.wk[...].astype(dt))
-    v = jnp.einsum('bte,ehd->bthd', x, self.wv[...].astype(dt))
+    q, k, v = (self._project(x, w[...].astype(dt)) for w in (self.wq, self.wk, self.wv))
     if c.qkv_bias:
       q = q + self.bq[...].astype(dt)
       k = k + self.bk[...].astype(dt)
@@ -336,11 +497,21 @@ class Attention(nnx.Module):
     groups = c.num_heads // c.num_kv_heads
     q = q.reshape(batch, length, c.num_kv_heads, groups, c.head_dim).transpose(0, 2, 3, 1, 4)
     q = q.reshape(batch, c.num_kv_heads, groups * length, c.head_dim)
+    query_mask = jnp.broadcast_to(mask[:, None, None], (batch, 1, groups) + mask.shape[1:])
+    query_mask = query_mask.reshape(batch, 1, groups * length, mask.shape[-1])
+    wo = self.wo[...].astype(dt).reshape(c.num_heads * c.head_dim, c.embed_dim)
+    if c.batch_invariant:
+      if len(ks) > 1 and ks[0].shape[KEY_POSITION_AXIS] % INVARIANT_ROWS:
+        raise ValueError(f'batch_invariant attention needs cache blocks of a multiple of '
+                         f'{INVARIANT_ROWS} positions, got {ks[0].shape[KEY_POSITION_AXIS]}; '
+                         'the engine\'s block_align keeps them so.')
+      out = _invariant_attention(q, ks, vs, kv is not None, query_mask).astype(dt)
+      out = out.reshape(batch, c.num_kv_heads, groups, length, c.head_dim)
+      out = out.transpose(0, 3, 1, 2, 4).reshape(batch, length, c.num_heads * c.head_dim)
+      return constrain(invariant_matmul(out, wo), ('batch', 'length', 'embed')), new_kv
     scores = [jnp.einsum(score, q, kb) for kb in ks]
     scores = (scores[0] if len(scores) == 1 else jnp.concatenate(scores, -1)).astype(jnp.float32)
     scores = scores * (c.head_dim ** -0.5)
-    query_mask = jnp.broadcast_to(mask[:, None, None], (batch, 1, groups) + mask.shape[1:])
-    query_mask = query_mask.reshape(batch, 1, groups * length, mask.shape[-1])
     scores = jnp.where(query_mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     out, lo = None, 0  # [B, kv, groups * T, d], summed over the blocks in order
@@ -349,8 +520,13 @@ class Attention(nnx.Module):
       out, lo = (part if out is None else out + part), lo + vb.shape[2]
     out = out.reshape(batch, c.num_kv_heads, groups, length, c.head_dim)
     out = out.transpose(0, 3, 1, 2, 4).reshape(batch, length, c.num_heads * c.head_dim)
-    wo = self.wo[...].astype(dt).reshape(c.num_heads * c.head_dim, c.embed_dim)
     return constrain(out @ wo, ('batch', 'length', 'embed')), new_kv
+
+  def _project(self, x: Array, w: Array) -> Array:
+    """``x [B, T, E]`` times a ``[E, heads, head_dim]`` weight: ``[B, T, heads, head_dim]``."""
+    if self.config.batch_invariant:
+      return invariant_matmul(x, w.reshape(w.shape[0], -1)).reshape(x.shape[:-1] + w.shape[1:])
+    return jnp.einsum('bte,ehd->bthd', x, w)
 
 
 class MLP(nnx.Module):
@@ -365,21 +541,26 @@ class MLP(nnx.Module):
     self.w_down = _param(rngs, (c.mlp_dim, c.embed_dim), ('mlp', 'embed'), c.param_dtype,
                          c.mlp_dim ** -0.5)
     self.dtype = c.dtype
+    self.invariant = c.batch_invariant
 
   def __call__(self, x: Array) -> Array:
-    dt = self.dtype
-    gate = jax.nn.silu(x @ self.w_gate[...].astype(dt))
-    hidden = constrain(gate * (x @ self.w_up[...].astype(dt)), ('batch', 'length', 'mlp'))
-    return constrain(hidden @ self.w_down[...].astype(dt), ('batch', 'length', 'embed'))
+    dt, inv = self.dtype, self.invariant
+    gate = jax.nn.silu(linear(x, self.w_gate[...].astype(dt), inv))
+    hidden = constrain(gate * linear(x, self.w_up[...].astype(dt), inv),
+                       ('batch', 'length', 'mlp'))
+    return constrain(linear(hidden, self.w_down[...].astype(dt), inv),
+                     ('batch', 'length', 'embed'))
 
 
 class Block(nnx.Module):
   """Pre-norm transformer block."""
 
   def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
-    self.attn_norm = RMSNorm(config.embed_dim, config.norm_eps, config.param_dtype, rngs=rngs)
+    norm = lambda: RMSNorm(config.embed_dim, config.norm_eps, config.param_dtype, rngs=rngs,
+                           invariant=config.batch_invariant)
+    self.attn_norm = norm()
     self.attn = Attention(config, rngs=rngs)
-    self.mlp_norm = RMSNorm(config.embed_dim, config.norm_eps, config.param_dtype, rngs=rngs)
+    self.mlp_norm = norm()
     self.mlp = MLP(config, rngs=rngs)
 
   def __call__(self, x, rope_cs, mask, kv, starts):
@@ -399,10 +580,14 @@ _REMAT_CALL = {
 }
 
 
-def head_logits(x: Array, weight: Array, tied: bool, dtype) -> Array:
+def head_logits(x: Array, weight: Array, tied: bool, dtype, invariant: bool = False
+                ) -> Array:
   """float32 logits of hidden states ``x`` ``[..., E]``: ``x @ weight`` (``weight`` is the
-  ``[E, V]`` lm head) or, tied, ``x @ weight.T`` (``weight`` is the ``[V, E]`` embedding)."""
-  if tied:
+  ``[E, V]`` lm head) or, tied, ``x @ weight.T`` (``weight`` is the ``[V, E]`` embedding);
+  batch-invariant (``invariant_matmul``) if asked."""
+  if invariant:
+    logits = invariant_matmul(x, weight.astype(dtype), 'ce,ve->cv' if tied else 'ce,ev->cv')
+  elif tied:
     logits = jnp.einsum('...e,ve->...v', x, weight.astype(dtype))
   else:
     logits = x @ weight.astype(dtype)
@@ -420,7 +605,7 @@ class Decoder(nnx.Module):
     """float32 logits ``[..., V]`` of final-normed hidden states ``x`` ``[..., E]``."""
     c = self.config
     weight = self.embed[...] if c.tie_embeddings else self.lm_head[...]
-    logits = head_logits(x, weight, c.tie_embeddings, c.dtype)
+    logits = head_logits(x, weight, c.tie_embeddings, c.dtype, c.batch_invariant)
     return constrain(logits, ('batch', 'length', 'vocab')) if logits.ndim == 3 else logits
 
   def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
@@ -430,7 +615,8 @@ class Decoder(nnx.Module):
     self.embed = _param(rngs, (c.vocab_size, c.embed_dim), ('vocab', 'embed'), c.param_dtype,
                         c.embed_dim ** -0.5)
     self.blocks = nnx.List([Block(c, rngs=rngs) for _ in range(c.num_layers)])
-    self.final_norm = RMSNorm(c.embed_dim, c.norm_eps, c.param_dtype, rngs=rngs)
+    self.final_norm = RMSNorm(c.embed_dim, c.norm_eps, c.param_dtype, rngs=rngs,
+                              invariant=c.batch_invariant)
     if not c.tie_embeddings:
       self.lm_head = _param(rngs, (c.embed_dim, c.vocab_size), ('embed', 'vocab'),
                             c.param_dtype, c.embed_dim ** -0.5)
@@ -462,7 +648,8 @@ class Decoder(nnx.Module):
         attend = min(-(-attend // cache.block_length) * cache.block_length, cache.max_len)
       key_pos = jnp.arange(attend, dtype=jnp.int32)
       mask = key_pos[None, None, :] <= positions[:, :, None]
-    rope_cs = rope_tables(positions, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
+    rope_cs = rope_tables(positions, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
+                          c.max_seq_len if c.batch_invariant else None)
     new_k, new_v = [], []
     call = _REMAT_CALL[c.remat]
     for i, block in enumerate(self.blocks):

@@ -38,15 +38,17 @@ class Model:
     Returns float32 logits ``[batch, length, vocab]``, or ``(logits, new_cache)`` when a
     ``cache`` is given (see ``rlax_llm.models.decoder`` for the cache contract and
     ``attend``). With ``features`` the final-normed hidden states ``[batch, length, embed]``
-    take the logits' place (``head_logits`` of ``head_weight`` makes them logits).
+    take the logits' place (``logits`` makes them logits).
     """
     module = nnx.merge(self.graphdef, params)
     return module(tokens, cache=cache, num_valid=num_valid, attend=attend, features=features)
 
-  def head_weight(self, params: Params) -> jax.Array:
-    """The matrix that turns hidden states into logits: the embedding ``[V, E]`` when tied
-    (``head_logits(..., tied=True)``), else the lm head ``[E, V]``."""
-    return params['embed'] if self.config.tie_embeddings else params['lm_head']
+  def logits(self, params: Params, hidden: jax.Array) -> jax.Array:
+    """float32 logits ``[..., vocab]`` of final-normed hidden states ``[..., embed]`` (what
+    ``apply(..., features=True)`` returns), by the tied embedding or the lm head."""
+    c = self.config
+    weight = params['embed'] if c.tie_embeddings else params['lm_head']
+    return head_logits(hidden, weight, c.tie_embeddings, c.dtype, c.batch_invariant)
 
   def init_cache(self, batch: int, max_len: int | None = None,
                  block_length: int | None = None) -> KVCache:
@@ -69,8 +71,7 @@ class Model:
     """
     hidden, cache = self.apply(params, tokens, cache=cache, num_valid=lengths, features=True)
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    return head_logits(last, self.head_weight(params), self.config.tie_embeddings,
-                       self.config.dtype), cache
+    return self.logits(params, last), cache
 
   def decode_step(self, params: Params, tokens: jax.Array, cache: KVCache
                   ) -> tuple[jax.Array, KVCache]:

@@ -49,7 +49,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlax_llm import sharding as sharding_lib
-from rlax_llm.models.decoder import KEY_POSITION_AXIS, VALUE_POSITION_AXIS, KVCache
+from rlax_llm.models.decoder import (INVARIANT_ROWS, KEY_POSITION_AXIS, VALUE_POSITION_AXIS,
+                                     KVCache)
 from rlax_llm.models.model import Model, Params
 from rlax_llm.policy import SamplingSpec, sample_rows
 
@@ -200,6 +201,12 @@ class Engine:
     self.attend_buckets = tuple(
         self.block_length * (i + 1)
         for i in range(-(-self.cache_length // self.block_length)))
+    if (model.config.batch_invariant and len(self.attend_buckets) > 1
+        and self.block_length % INVARIANT_ROWS):
+      raise ValueError(
+          f'A batch_invariant model reads its cache in pieces of {INVARIANT_ROWS} positions, '
+          f'but block_align={block_align} gives cache blocks of {self.block_length}; use a '
+          f'multiple of {INVARIANT_ROWS} (or attend_buckets=1).')
     self.pad_id = int(pad_id)
     self.param_shardings = sharding_lib.param_shardings(
         model.abstract_params(), model.logical_axes(), mesh, rules)
@@ -383,7 +390,8 @@ class Engine:
       return tuple(written)
     first_keys = jax.vmap(lambda data, offset: jax.random.fold_in(
         jax.random.wrap_key_data(data), offset))(keys, offsets)
-    token, logp, support = sample_rows(prefix.logits[rows], first_keys, spec)
+    token, logp, support = sample_rows(prefix.logits[rows], first_keys, spec,
+                                       invariant=self.model.config.batch_invariant)
     stopped = jnp.any(token[:, None] == stop_ids, axis=1)
     left = max_new - offsets - 1  # tokens it may draw after this one
     remaining = jnp.where(stopped | (left <= 0), 0, left)
@@ -406,7 +414,8 @@ class Engine:
                                      num_valid=active.astype(jnp.int32), attend=attend)
     keys = jax.vmap(lambda data, position: jax.random.fold_in(
         jax.random.wrap_key_data(data), position))(state.keys, state.positions)
-    token, logp, support = sample_rows(logits[:, 0], keys, spec)
+    token, logp, support = sample_rows(logits[:, 0], keys, spec,
+                                       invariant=self.model.config.batch_invariant)
     token = jnp.where(active, token, self.pad_id)
     logp = jnp.where(active, logp, 0.0)
     support = jnp.where(active, support, 0)
