@@ -28,6 +28,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
           rope_theta=10_000.0, tie_embeddings=True)),
       max_seq_len=16,  # None for a checkpoint: its own
       param_dtype='float32', dtype='float32', remat='none',
+      batch_invariant=False,  # True: sampler and trainer log-probs bitwise equal (docs/models.md)
   ))
   c.task = ml_collections.ConfigDict(dict(
       name='arithmetic', max_operand=99, operations='+', num_eval=200, demo_error_rate=0.6,

@@ -275,6 +275,14 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
   if m.name not in valid:
     raise ConfigError(f'config.model.name={m.name!r} is not valid; choose one of '
                       f'{list(valid)}.')
+  split = {f'mesh.{role}.{axis}': config.mesh[role][axis]
+           for role in ('trainer', 'inference') for axis in ('fsdp', 'tensor')}
+  if m.batch_invariant and any(size != 1 for size in split.values()):
+    raise ConfigError(
+        'config.model.batch_invariant=True makes sampler and trainer log-probs equal only when '
+        'no role splits a matmul\'s contraction across devices (fsdp and tensor both do), but '
+        + ', '.join(f'{k}={v}' for k, v in split.items() if v != 1)
+        + '; shard with the data axis only or turn batch_invariant off.')
   s = config.sampling
   needed = s.max_prompt_len + s.max_new_tokens
   if m.name == 'tiny':

@@ -106,6 +106,18 @@ def test_bad_value_fails_fast_naming_the_key(key, value, message):
   assert message in str(error.value), str(error.value)
 
 
+@pytest.mark.parametrize('axis', ['mesh.trainer.fsdp', 'mesh.inference.tensor'])
+def test_batch_invariant_with_a_split_contraction_is_refused(axis):
+  config = _smoke()
+  config.model.batch_invariant = True
+  validate_config(config)
+  _set(config, axis, 2)
+  with pytest.raises(ConfigError, match=r'batch_invariant=True makes sampler and trainer '
+                                        rf'log-probs equal only when.*{axis}=2; shard with '
+                                        r'the data axis only'):
+    validate_config(config)
+
+
 def test_m2po_with_recompute_is_refused():
   config = _smoke()
   config.rl.loss = 'm2po'
