@@ -109,6 +109,17 @@ def test_greedy_equals_naive_decoding(models, cache):
     assert sample.finish_reason == 'length' and sample.logprobs == [0.0] * 10
 
 
+def trainer_logprobs(score, params, prompt, sample: Sample, width: int) -> np.ndarray:
+  """The trainer's recompute (``score``, a jitted ``sequence_log_probs``) of ``sample``'s
+  log-probs, the sequence padded to ``width``."""
+  seq = np.full((1, width), PAD, np.int32)
+  sizes = np.zeros((1, width), np.int32)
+  n = len(prompt) + len(sample.tokens)
+  seq[0, :n] = list(prompt) + sample.tokens
+  sizes[0, len(prompt):n] = sample.supports
+  return np.asarray(score(params, seq, sizes).logp)[0, len(prompt) - 1:n - 1]
+
+
 @pytest.mark.parametrize('cache', CACHES)
 @pytest.mark.parametrize('spec', [SamplingSpec(1.0), SamplingSpec(0.7, top_k=5, top_p=0.9)])
 def test_behaviour_logprobs_equal_the_trainer_recompute(models, spec, cache):
@@ -118,13 +129,27 @@ def test_behaviour_logprobs_equal_the_trainer_recompute(models, spec, cache):
   score = jax.jit(Policy(model, spec).sequence_log_probs)
   for prompt, samples in zip(PROMPTS, results):
     for sample in samples:
-      seq = np.full((1, 32), PAD, np.int32)
-      sizes = np.zeros((1, 32), np.int32)
-      n = len(prompt) + len(sample.tokens)
-      seq[0, :n] = list(prompt) + sample.tokens
-      sizes[0, len(prompt):n] = sample.supports
-      trainer = np.asarray(score(params, seq, sizes).logp)[0, len(prompt) - 1:n - 1]
-      np.testing.assert_allclose(trainer, sample.logprobs, atol=1e-5, rtol=0)
+      np.testing.assert_allclose(trainer_logprobs(score, params, prompt, sample, 32),
+                                 sample.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize('attend_buckets', [1, 2], ids=['one block', 'blocks of 32'])
+def test_batch_invariant_logprobs_equal_the_trainer_bitwise(attend_buckets):
+  """A ``batch_invariant`` model: behaviour log-probs are the trainer's recompute bit for
+  bit, with requests queueing for slots and sequences crossing cache blocks."""
+  model, params = create_model(dataclasses.replace(CONFIG, batch_invariant=True,
+                                                   max_seq_len=64), seed=0)
+  engine = Engine(model, MESH, slots=4, max_prefill_length=16, max_decode_length=48,
+                  pad_id=PAD, attend_buckets=attend_buckets)
+  holder = VersionedParams()
+  holder.set(0, engine.place_params(params))
+  spec = SamplingSpec(0.7, top_k=5, top_p=0.9)
+  results = Driver(engine, holder).run(jobs_for(spec, n=3, max_new=40, stops=()))
+  score = jax.jit(Policy(model, spec).sequence_log_probs)
+  for prompt, samples in zip(PROMPTS, results):
+    for sample in samples:
+      np.testing.assert_array_equal(trainer_logprobs(score, params, prompt, sample, 64),
+                                    np.asarray(sample.logprobs, np.float32))
 
 
 def test_samples_do_not_depend_on_slots_or_batching(models):

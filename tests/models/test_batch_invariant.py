@@ -1,0 +1,163 @@
+"""Batch-invariant numerics (``DecoderConfig.batch_invariant``): a position's logits are
+bitwise the same in a full forward of any width and batch, in a prefill and in decode steps
+over any cache layout; every scoring path of the trainer agrees bitwise; gradients are the
+default numerics' up to rounding. The control: with the default numerics the same
+comparisons differ (so these tests can fail)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from rlax_llm.models.decoder import INVARIANT_ROWS, DecoderConfig
+from rlax_llm.models.model import create_model
+from rlax_llm.policy import Policy, SamplingSpec
+from rlax_llm.rollout.engine import Engine
+from rlax_llm.sharding import activation_sharding, make_mesh, param_shardings
+
+# SmolLM2-135M's layer shapes (GQA, 3 query heads per kv head), two layers.
+GQA = DecoderConfig(vocab_size=1000, num_layers=2, embed_dim=576, num_heads=9, num_kv_heads=3,
+                    head_dim=64, mlp_dim=1536, max_seq_len=160, batch_invariant=True)
+# Multi-head (one query row per kv head in a decode step), Qwen3's q/k norms, an untied lm
+# head and a head_dim whose attention scale is not a power of two.
+MHA = DecoderConfig(vocab_size=300, num_layers=2, embed_dim=96, num_heads=4, num_kv_heads=4,
+                    head_dim=24, mlp_dim=200, max_seq_len=160, qk_norm=True,
+                    tie_embeddings=False, family='qwen3', batch_invariant=True)
+# Qwen2's q/k/v biases.
+BIAS = dataclasses.replace(MHA, num_kv_heads=2, qk_norm=False, qkv_bias=True,
+                           tie_embeddings=True, family='qwen2')
+LENGTH = 70  # tokens of the sequence under test; its prompt is the first PROMPT
+PROMPT = 27
+
+
+def _sequence(config, seed=0):
+  return np.random.RandomState(seed).randint(0, config.vocab_size, LENGTH).astype(np.int32)
+
+
+def _full(model, params, seq, width, batch, row):
+  """Logits of ``seq`` as row ``row`` of a ``[batch, width]`` forward, other rows random."""
+  tokens = np.random.RandomState(1).randint(0, model.config.vocab_size, (batch, width))
+  tokens[row] = 0
+  tokens[row, :len(seq)] = seq
+  return np.asarray(jax.jit(model.apply)(params, jnp.asarray(tokens, jnp.int32)))[row, :len(seq)]
+
+
+def _cached(model, params, seq, *, slots, max_len, block_length, bucket=32, row=1):
+  """Logits of ``seq``: its prompt prefilled (padded to ``bucket``) into slot ``row`` of a
+  cache of ``slots`` slots, then one decode step per token; other slots hold other tokens.
+  Row ``t`` of the result predicts token ``t + 1`` (rows before the prompt's last: NaN)."""
+  cache = model.init_cache(slots, max_len, block_length)
+  rng = np.random.RandomState(2)
+  prompts = rng.randint(0, model.config.vocab_size, (slots, bucket)).astype(np.int32)
+  lengths = np.full((slots,), 5, np.int32)
+  prompts[row, :PROMPT], lengths[row] = seq[:PROMPT], PROMPT
+  last, cache = jax.jit(model.prefill)(params, jnp.asarray(prompts), jnp.asarray(lengths), cache)
+  out = np.full((len(seq), model.config.vocab_size), np.nan, np.float32)
+  out[PROMPT - 1] = np.asarray(last)[row]
+  step = jax.jit(lambda p, t, c, attend: model.apply(p, t[:, None], cache=c, attend=attend),
+                 static_argnums=3)
+  for t in range(PROMPT, len(seq)):
+    tokens = rng.randint(0, model.config.vocab_size, (slots,)).astype(np.int32)
+    tokens[row] = seq[t]
+    attend = -(-(t + 1) // block_length) * block_length if block_length else None
+    logits, cache = step(params, jnp.asarray(tokens), cache, attend)
+    out[t] = np.asarray(logits)[row, 0]
+  return out
+
+
+def _comparisons(config):
+  """The largest difference of each way of computing the sequence's logits from a batch-1
+  forward of width 80."""
+  model, params = create_model(config, seed=0)
+  seq = _sequence(config)
+  reference = _full(model, params, seq, 80, 1, 0)
+  scored = slice(PROMPT - 1, None)
+  gaps = {'width 160, batch 3': _full(model, params, seq, 160, 3, 2)[scored]}
+  for name, kwargs in {'one block': dict(max_len=150, block_length=None),
+                       'blocks of 32': dict(max_len=160, block_length=32),
+                       'blocks of 64': dict(max_len=128, block_length=64)}.items():
+    for slots in (1, 8):
+      gaps[f'{name}, {slots} slots'] = _cached(model, params, seq, slots=slots, row=slots - 1,
+                                               **kwargs)[scored]
+  return {k: float(np.abs(v - reference[scored]).max()) for k, v in gaps.items()}
+
+
+@pytest.mark.parametrize('config', [GQA, MHA, BIAS], ids=['gqa', 'mha_qk_norm_untied', 'bias'])
+def test_logits_are_bitwise_equal_across_batches_padding_and_caches(config):
+  gaps = _comparisons(config)
+  assert all(g == 0.0 for g in gaps.values()), str(gaps)
+
+
+def test_the_default_numerics_differ_on_the_same_comparisons():
+  gaps = _comparisons(dataclasses.replace(GQA, batch_invariant=False))
+  assert max(gaps.values()) > 0.0, gaps
+
+
+def test_trainer_scoring_paths_agree_bitwise():
+  """Full sequence, lm head in chunks, and the shared-prefix window all give the same bits."""
+  model, params = create_model(GQA, seed=0)
+  policy = Policy(model, SamplingSpec(0.8))
+  rng = np.random.RandomState(3)
+  prompt = rng.randint(0, GQA.vocab_size, 20)
+  tokens = np.stack([np.concatenate([prompt, rng.randint(0, GQA.vocab_size, 44)])
+                     for _ in range(4)]).astype(np.int32)
+  tokens = jnp.asarray(tokens)
+  full = np.asarray(jax.jit(policy.sequence_log_probs)(params, tokens).logp)
+  chunked = np.asarray(jax.jit(lambda p, t: policy.sequence_log_probs(p, t, chunk=16))(
+      params, tokens).logp)
+  window = np.asarray(jax.jit(lambda p, t: policy.window_log_probs(
+      p, t, None, jnp.full((4,), 20), width=40, share=2))(params, tokens).logp)
+  np.testing.assert_array_equal(chunked, full)
+  np.testing.assert_array_equal(window, full[:, 19:59])
+
+
+def test_a_data_parallel_mesh_keeps_the_bits():
+  model, params = create_model(dataclasses.replace(MHA, num_layers=1), seed=0)
+  tokens = jnp.asarray(np.random.RandomState(5).randint(0, MHA.vocab_size, (8, 48)), jnp.int32)
+  single = np.asarray(jax.jit(model.apply)(params, tokens))
+  mesh = make_mesh({'data': 8})
+  placed = jax.device_put(params, param_shardings(model.abstract_params(),
+                                                  model.logical_axes(), mesh))
+
+  def forward(p, t):
+    with activation_sharding(mesh):
+      return model.apply(p, t)
+
+  sharded = jax.jit(forward)(placed, jax.device_put(tokens, NamedSharding(mesh, P('data'))))
+  np.testing.assert_array_equal(np.asarray(sharded), single)
+
+
+def test_gradients_equal_the_default_numerics_to_rounding():
+  fast = dataclasses.replace(MHA, batch_invariant=False)
+  model, params = create_model(MHA, seed=0)
+  fast_model, _ = create_model(fast, seed=0)
+  tokens = jnp.asarray(np.random.RandomState(4).randint(0, MHA.vocab_size, (3, 40)), jnp.int32)
+
+  def loss(m):
+    return lambda p: Policy(m, SamplingSpec(1.0)).sequence_log_probs(p, tokens).logp.mean()
+
+  value, grads = jax.jit(jax.value_and_grad(loss(model)))(params)
+  fast_value, fast_grads = jax.jit(jax.value_and_grad(loss(fast_model)))(params)
+  np.testing.assert_allclose(value, fast_value, rtol=1e-5)
+  for path, g in jax.tree_util.tree_leaves_with_path(grads):
+    f = fast_grads
+    for key in path:
+      f = f[key.key]
+    np.testing.assert_allclose(g, f, rtol=1e-3, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_cache_blocks_must_be_whole_pieces():
+  small = dataclasses.replace(MHA, num_layers=1)
+  model, params = create_model(small, seed=0)
+  with pytest.raises(ValueError, match=f'multiple of {INVARIANT_ROWS} positions, got 16'):
+    model.apply(params, jnp.zeros((1, 4), jnp.int32), cache=model.init_cache(1, 64, 16))
+  mesh = make_mesh({'data': 1}, jax.devices()[:1])
+  with pytest.raises(ValueError, match=r'block_align=8 gives cache blocks of 40; use a '
+                                       f'multiple of {INVARIANT_ROWS}'):
+    Engine(model, mesh, slots=2, max_prefill_length=64, max_decode_length=96, pad_id=0,
+           block_align=8)
+  Engine(model, mesh, slots=2, max_prefill_length=64, max_decode_length=96, pad_id=0)
