@@ -28,6 +28,7 @@ Prints one JSON object:
      "matmul_peak_gflops": ..., "memory_bandwidth_gbs": ..., ...}
 
     .venv/bin/python benchmarks/rollout_throughput.py [--batches=1,8,32,64] [--repeats=3]
+        [--batch_invariant] [--requests=0]
 """
 
 from __future__ import annotations
@@ -123,14 +124,47 @@ def memory_bandwidth_gbs(gib: float = 0.5, repeats: int = 5) -> dict[str, float]
   return rates
 
 
+def variable_length(model, params, tokenizer, args) -> dict:
+  """Heavy-tailed completion lengths through ``args.slots`` slots: continuous vs static
+  batching, the same tokens either way."""
+  rng = np.random.RandomState(0)
+  lengths = heavy_tailed_lengths(rng, args.requests)
+  prompts = prompts_for(tokenizer, args.requests)
+  jobs = jobs_for(prompts, lengths)
+  drivers = {mode: driver_for(model, params, args.slots, len(prompts[0]), max(lengths),
+                              continuous=mode == 'continuous')
+             for mode in ('continuous', 'static')}
+  for d in drivers.values():
+    d.run(jobs)  # compile
+  times = {mode: [] for mode in drivers}
+  steps = {}
+  for _ in range(args.repeats):
+    for mode, d in drivers.items():
+      elapsed, _ = timed(lambda d=d: d.run(jobs))
+      times[mode].append(elapsed)
+      steps[mode] = d.stats['steps']
+  total = sum(lengths)
+  return {
+      'requests': args.requests, 'slots': args.slots, 'total_tokens': total,
+      'length_mean': float(np.mean(lengths)), 'length_max': int(max(lengths)),
+      'length_p50': float(np.median(lengths)),
+      'continuous_tok_s': total / statistics.median(times['continuous']),
+      'static_tok_s': total / statistics.median(times['static']),
+      'ratio': statistics.median(s / c for c, s in zip(times['continuous'], times['static'])),
+      'continuous_steps': steps['continuous'], 'static_steps': steps['static'],
+  }
+
+
 def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument('--batches', default='1,8,32,64')
   parser.add_argument('--new_tokens', type=int, default=128)
   parser.add_argument('--repeats', type=int, default=3)
-  parser.add_argument('--requests', type=int, default=192)
+  parser.add_argument('--requests', type=int, default=192, help='0: skip the workload')
   parser.add_argument('--slots', type=int, default=32)
   parser.add_argument('--torch_threads', type=int, default=0, help='0: torch default')
+  parser.add_argument('--batch_invariant', action='store_true',
+                      help='our model with batch-invariant numerics (docs/models.md)')
   args = parser.parse_args()
 
   import torch  # pylint: disable=import-outside-toplevel
@@ -138,7 +172,7 @@ def main() -> None:
   if args.torch_threads:
     torch.set_num_threads(args.torch_threads)
   path = smollm2_gguf_path()
-  module, tokenizer = from_pretrained(path)
+  module, tokenizer = from_pretrained(path, batch_invariant=args.batch_invariant)
   model, params = split_module(module)
   reference = transformers.AutoModelForCausalLM.from_pretrained(
       str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
@@ -189,36 +223,11 @@ def main() -> None:
     }
     print(json.dumps({batch: batches[str(batch)]}), flush=True)
 
-  # Variable-length workload: heavy-tailed completion lengths, continuous vs static batching.
-  rng = np.random.RandomState(0)
-  lengths = heavy_tailed_lengths(rng, args.requests)
-  prompts = prompts_for(tokenizer, args.requests)
-  jobs = jobs_for(prompts, lengths)
-  drivers = {mode: driver_for(model, params, args.slots, len(prompts[0]), max(lengths),
-                              continuous=mode == 'continuous')
-             for mode in ('continuous', 'static')}
-  for d in drivers.values():
-    d.run(jobs)  # compile
-  times = {mode: [] for mode in drivers}
-  steps = {}
-  for _ in range(args.repeats):
-    for mode, d in drivers.items():
-      elapsed, _ = timed(lambda d=d: d.run(jobs))
-      times[mode].append(elapsed)
-      steps[mode] = d.stats['steps']
-  total = sum(lengths)
-  variable = {
-      'requests': args.requests, 'slots': args.slots, 'total_tokens': total,
-      'length_mean': float(np.mean(lengths)), 'length_max': int(max(lengths)),
-      'length_p50': float(np.median(lengths)),
-      'continuous_tok_s': total / statistics.median(times['continuous']),
-      'static_tok_s': total / statistics.median(times['static']),
-      'ratio': statistics.median(s / c for c, s in zip(times['continuous'], times['static'])),
-      'continuous_steps': steps['continuous'], 'static_steps': steps['static'],
-  }
+  variable = variable_length(model, params, tokenizer, args) if args.requests else None
   print(json.dumps({
       'benchmark': 'rollout_throughput', 'model': path.name, 'dtype': 'float32',
       'new_tokens': n, 'repeats': args.repeats, 'torch_threads': torch.get_num_threads(),
+      'batch_invariant': args.batch_invariant,
       'devices': str(jax.devices()), 'matmul_peak_gflops': peak,
       'memory_bandwidth_gbs': bandwidths, 'param_bytes': param_bytes,
       'batches': batches, 'variable_length': variable,
