@@ -354,8 +354,14 @@ class _MathWorker:
                          "install it with `pip install math-verify`.")
 
   def ask(self, gold: str, pred: str, timeout_s: float) -> bool | None:
-    """math-verify's verdict, or None if it is late or the worker died."""
-    request = json.dumps({'gold': gold, 'pred': pred, 'timeout': timeout_s}) + '\n'
+    """math-verify's verdict, or None if it is late or the worker died.
+
+    The worker's own limit (math-verify's parse and verify timeouts, which answer False) is
+    a backstop one second past this deadline: with equal limits the two raced, and under
+    load the worker's "False" could arrive first, a timeout that was neither counted nor
+    followed by the kill.
+    """
+    request = json.dumps({'gold': gold, 'pred': pred, 'timeout': timeout_s + 1.0}) + '\n'
     try:
       self.proc.stdin.write(request.encode('utf-8', 'surrogatepass'))
       self.proc.stdin.flush()
