@@ -21,6 +21,8 @@ from rlax_llm.rollout.driver import Driver, Job, Sample, VersionedParams
 from rlax_llm.rollout.engine import Engine, Insert, default_buckets
 from rlax_llm.sharding import make_mesh
 
+from parity import trainer_logprobs  # tests/parity.py
+
 CONFIG = DecoderConfig(vocab_size=48, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
                        head_dim=8, mlp_dim=64, max_seq_len=64)
 PAD, EOS = 0, 1
@@ -107,17 +109,6 @@ def test_greedy_equals_naive_decoding(models, cache):
       assert sample.tokens[step] == int(logits.argmax()), (prompt, step)
       seq.append(sample.tokens[step])
     assert sample.finish_reason == 'length' and sample.logprobs == [0.0] * 10
-
-
-def trainer_logprobs(score, params, prompt, sample: Sample, width: int) -> np.ndarray:
-  """The trainer's recompute (``score``, a jitted ``sequence_log_probs``) of ``sample``'s
-  log-probs, the sequence padded to ``width``."""
-  seq = np.full((1, width), PAD, np.int32)
-  sizes = np.zeros((1, width), np.int32)
-  n = len(prompt) + len(sample.tokens)
-  seq[0, :n] = list(prompt) + sample.tokens
-  sizes[0, len(prompt):n] = sample.supports
-  return np.asarray(score(params, seq, sizes).logp)[0, len(prompt) - 1:n - 1]
 
 
 @pytest.mark.parametrize('cache', CACHES)

@@ -9,7 +9,6 @@
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -23,6 +22,8 @@ from rlax_llm.policy import GREEDY, Policy, SamplingSpec  # noqa: E402
 from rlax_llm.rollout.driver import Driver, Job, VersionedParams  # noqa: E402
 from rlax_llm.rollout.engine import Engine  # noqa: E402
 from rlax_llm.sharding import make_mesh  # noqa: E402
+
+from parity import trainer_logprobs  # noqa: E402  (tests/parity.py)
 
 QUESTIONS = ['What is the capital of France?', 'What is 57 + 68?', 'Name three colors.',
              'Write a haiku about rain.', 'Who wrote Hamlet?', 'What is photosynthesis?',
@@ -64,17 +65,6 @@ def run(driver, prompts, spec, seed, stops=()):
           for i in range(len(prompts))]
   jobs = [Job(tuple(p), 1, spec, NEW, tuple(stops), k) for p, k in zip(prompts, keys)]
   return [samples[0] for samples in driver.run(jobs)]
-
-
-def trainer_logprobs(score, params, prompt, sample, width):
-  """The trainer's recompute of ``sample``'s log-probs, the sequence padded to ``width``."""
-  n = len(prompt) + len(sample.tokens)
-  tokens = np.zeros((1, width), np.int32)
-  sizes = np.zeros((1, width), np.int32)
-  tokens[0, :n] = prompt + sample.tokens
-  sizes[0, len(prompt):n] = sample.supports
-  return np.asarray(score(params, jnp.asarray(tokens), jnp.asarray(sizes)).logp)[
-      0, len(prompt) - 1:n - 1]
 
 
 def test_greedy_equals_transformers_up_to_float_ties(smollm2, record_property):
