@@ -159,10 +159,10 @@ def log_probs(logits: jax.Array, spec: SamplingSpec, support_size: jax.Array | N
               *, invariant: bool = False) -> tuple[jax.Array, jax.Array]:
   """Log-probs of every token under the policy (see the module docstring).
 
-  ``invariant``: the normaliser sums a materialised array (behind an optimization barrier)
-  instead of fusing the sum into the ``exp``: XLA fused it one way into a decode step and
-  another into a trainer batch, and the two round differently (the model's
-  ``batch_invariant`` numerics).
+  ``invariant``: the normaliser's max and sum over the vocabulary are ``invariant_max`` and
+  ``invariant_sum`` (fixed trees of elementwise ops) instead of reductions, which XLA fused
+  one way into a decode step and another into a trainer batch, rounding differently (the
+  model's ``batch_invariant`` numerics).
 
   Returns ``(logp float32 [..., V], kept bool [..., V])``; ``logp`` is the truncated
   log-prob on ``kept`` and the same normaliser's finite extension elsewhere.

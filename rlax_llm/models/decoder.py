@@ -580,17 +580,18 @@ _REMAT_CALL = {
 }
 
 
-def head_logits(x: Array, weight: Array, tied: bool, dtype, invariant: bool = False
-                ) -> Array:
+def head_logits(x: Array, weight: Array, config: DecoderConfig) -> Array:
   """float32 logits of hidden states ``x`` ``[..., E]``: ``x @ weight`` (``weight`` is the
-  ``[E, V]`` lm head) or, tied, ``x @ weight.T`` (``weight`` is the ``[V, E]`` embedding);
-  batch-invariant (``invariant_matmul``) if asked."""
-  if invariant:
-    logits = invariant_matmul(x, weight.astype(dtype), 'ce,ve->cv' if tied else 'ce,ev->cv')
+  ``[E, V]`` lm head) or, with ``config.tie_embeddings``, ``x @ weight.T`` (``weight`` is
+  the ``[V, E]`` embedding); in ``config.dtype``, batch-invariant (``invariant_matmul``)
+  with ``config.batch_invariant``."""
+  tied, weight = config.tie_embeddings, weight.astype(config.dtype)
+  if config.batch_invariant:
+    logits = invariant_matmul(x, weight, 'ce,ve->cv' if tied else 'ce,ev->cv')
   elif tied:
-    logits = jnp.einsum('...e,ve->...v', x, weight.astype(dtype))
+    logits = jnp.einsum('...e,ve->...v', x, weight)
   else:
-    logits = x @ weight.astype(dtype)
+    logits = x @ weight
   return logits.astype(jnp.float32)
 
 
@@ -605,7 +606,7 @@ class Decoder(nnx.Module):
     """float32 logits ``[..., V]`` of final-normed hidden states ``x`` ``[..., E]``."""
     c = self.config
     weight = self.embed[...] if c.tie_embeddings else self.lm_head[...]
-    logits = head_logits(x, weight, c.tie_embeddings, c.dtype, c.batch_invariant)
+    logits = head_logits(x, weight, c)
     return constrain(logits, ('batch', 'length', 'vocab')) if logits.ndim == 3 else logits
 
   def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):

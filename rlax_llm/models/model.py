@@ -46,9 +46,8 @@ class Model:
   def logits(self, params: Params, hidden: jax.Array) -> jax.Array:
     """float32 logits ``[..., vocab]`` of final-normed hidden states ``[..., embed]`` (what
     ``apply(..., features=True)`` returns), by the tied embedding or the lm head."""
-    c = self.config
-    weight = params['embed'] if c.tie_embeddings else params['lm_head']
-    return head_logits(hidden, weight, c.tie_embeddings, c.dtype, c.batch_invariant)
+    weight = params['embed'] if self.config.tie_embeddings else params['lm_head']
+    return head_logits(hidden, weight, self.config)
 
   def init_cache(self, batch: int, max_len: int | None = None,
                  block_length: int | None = None) -> KVCache:
