@@ -127,8 +127,7 @@ class DecoderConfig:
       raise ValueError(f'head_dim must be even for RoPE, got {self.head_dim}.')
 
 
-# The position axis of a cache block (keys ``[B, kv, d, S]``, values ``[B, kv, S, d]``).
-KEY_POSITION_AXIS = 3
+# The position axis of a value cache block ``[B, kv, S, d]`` (keys: ``key_position_axis``).
 VALUE_POSITION_AXIS = 2
 
 # Batch-invariant numerics: the rows of each weight matmul, the queries of each attention
@@ -203,58 +202,55 @@ def _pieces(blocks: tuple[Array, ...], axis: int) -> list[Array]:
 
 
 def _invariant_attention(q: Array, ks: tuple[Array, ...], vs: tuple[Array, ...],
-                         keys_transposed: bool, query_mask: Array) -> Array:
+                         query_mask: Array) -> Array:
   """Softmax attention whose result for a query does not depend on how many queries,
   cache slots or masked key positions come with it.
 
   Args:
-    q: ``[B, kv, M, d]``; ks, vs: consecutive key/value blocks (keys
-      ``[B, kv, d, S]`` if ``keys_transposed`` else ``[B, kv, S, d]``; values
-      ``[B, kv, S, d]``); query_mask: bool ``[B, 1, M, S]`` over the blocks' positions.
+    q: ``[B, kv, M, d]``; ks, vs: consecutive key/value blocks, both ``[B, kv, S, d]``
+      (the batch-invariant cache layout); query_mask: bool ``[B, 1, M, S]`` over the
+      blocks' positions.
   Returns:
     ``[B, kv, M, d]`` float32.
 
-  Queries go in chunks of ``INVARIANT_ROWS`` rows (``lax.map``; a decode step's few rows
-  padded to one chunk), keys and values in pieces of ``INVARIANT_ROWS`` positions from
-  position 0, so every matmul has one shape and a query meets the same pieces whatever the
-  total length; a piece past the query is all masked and adds exact zeros. The softmax's
-  max and normaliser are ``invariant_max`` and ``invariant_sum``. Scores contract ``[S, d]``
-  keys: the cache's transposed keys are copied (behind an optimization barrier, else XLA
-  folds the transpose into the product, whose kernel then rounds differently per row
-  count).
+  Keys and values go in pieces of ``INVARIANT_ROWS`` positions from position 0, so a query
+  meets the same pieces whatever the total length, and a piece past the query is all masked
+  and adds exact zeros. A score matmul's rounding depends on its key count but not on its
+  query count once that is at least 2 (one query is a matrix-vector product, another
+  kernel: a lone query is padded to 2); the value matmul's depends on neither. The
+  softmax's max and normaliser are ``invariant_max`` and ``invariant_sum``.
   """
-  batch, kv, rows, dim = q.shape
-  chunks = -(-rows // INVARIANT_ROWS)
-  key_pieces = _pieces(ks, KEY_POSITION_AXIS if keys_transposed else VALUE_POSITION_AXIS)
-  if keys_transposed:
-    key_pieces = [jnp.swapaxes(k, 2, 3) for k in key_pieces]
-  key_pieces, value_pieces = jax.lax.optimization_barrier(
-      (key_pieces, _pieces(vs, VALUE_POSITION_AXIS)))
-  pad = chunks * INVARIANT_ROWS - rows
+  rows, dim = q.shape[2:]
+  pad = max(2 - rows, 0)
+  key_pieces, value_pieces = _pieces(ks, VALUE_POSITION_AXIS), _pieces(vs, VALUE_POSITION_AXIS)
   width = len(key_pieces) * INVARIANT_ROWS
-  q = jnp.pad(q, ((0, 0), (0, 0), (0, pad), (0, 0)))
+  # The scale goes on the queries: on the scores, XLA moved it into whichever matmul operand
+  # was smaller, which differs between programs (it is exact only for powers of two).
+  q = jnp.pad(q, ((0, 0), (0, 0), (0, pad), (0, 0))) * dim ** -0.5
   query_mask = jnp.pad(query_mask,
                        ((0, 0), (0, 0), (0, pad), (0, width - query_mask.shape[-1])))
-  split = lambda x: jnp.moveaxis(
-      x.reshape(x.shape[:2] + (chunks, INVARIANT_ROWS) + x.shape[3:]), 2, 0)
+  scores = []
+  for i, k in enumerate(key_pieces):
+    score = jnp.einsum('bkqd,bksd->bkqs', q, k).astype(jnp.float32)
+    piece_mask = query_mask[..., i * INVARIANT_ROWS:(i + 1) * INVARIANT_ROWS]
+    scores.append(jnp.where(piece_mask, score, jnp.finfo(jnp.float32).min))
+  largest = functools.reduce(jnp.maximum, [invariant_max(s) for s in scores])
+  out = total = 0.0
+  for score, v in zip(scores, value_pieces):
+    weight = jnp.exp(score - largest)
+    # Values times weights as [d, M] (behind a barrier, else XLA turns it back): as [M, d]
+    # the kernel's rounding depended on M for head dims other than 64 and 128.
+    part = jax.lax.optimization_barrier(
+        jnp.einsum('bksd,bkqs->bkdq', v, weight.astype(v.dtype)))
+    out = out + jnp.swapaxes(part, 2, 3).astype(jnp.float32)
+    total = total + invariant_sum(weight)
+  return (out / total)[:, :, :rows]
 
-  def attend(args):  # [B, kv, INVARIANT_ROWS, d] queries, [B, 1, INVARIANT_ROWS, S] mask
-    q, query_mask = args
-    scores = []
-    for i, k in enumerate(key_pieces):
-      score = jnp.einsum('bkqd,bksd->bkqs', q, k).astype(jnp.float32) * dim ** -0.5
-      piece_mask = query_mask[..., i * INVARIANT_ROWS:(i + 1) * INVARIANT_ROWS]
-      scores.append(jnp.where(piece_mask, score, jnp.finfo(jnp.float32).min))
-    largest = functools.reduce(jnp.maximum, [invariant_max(s) for s in scores])
-    out = total = 0.0
-    for score, v in zip(scores, value_pieces):
-      weight = jnp.exp(score - largest)
-      out = out + jnp.einsum('bkqs,bksd->bkqd', weight.astype(v.dtype), v).astype(jnp.float32)
-      total = total + invariant_sum(weight)
-    return out / total
 
-  out = jax.lax.map(attend, (split(q), split(query_mask)))
-  return jnp.moveaxis(out, 0, 2).reshape(batch, kv, chunks * INVARIANT_ROWS, dim)[:, :, :rows]
+def key_position_axis(config: DecoderConfig) -> int:
+  """The position axis of a key cache block: 3 (keys transposed, ``[B, kv, d, S]``) by
+  default, 2 (``[B, kv, S, d]``, like values) with ``config.batch_invariant``."""
+  return VALUE_POSITION_AXIS if config.batch_invariant else 3
 
 
 @flax.struct.dataclass
@@ -277,7 +273,8 @@ class KVCache:
     kv, d = config.num_kv_heads, config.head_dim
     layer = lambda shape: tuple(jnp.zeros(shape, config.dtype)
                                 for _ in range(-(-max_len // block)))
-    return cls(k=tuple(layer((batch, kv, d, block)) for _ in range(config.num_layers)),
+    key_shape = (batch, kv, block, d) if config.batch_invariant else (batch, kv, d, block)
+    return cls(k=tuple(layer(key_shape) for _ in range(config.num_layers)),
                v=tuple(layer((batch, kv, block, d)) for _ in range(config.num_layers)),
                lengths=jnp.zeros((batch,), jnp.int32))
 
@@ -474,18 +471,20 @@ class Attention(nnx.Module):
     q = constrain(q, ('batch', 'length', 'heads', 'head_dim'))
     q = apply_rope(q, *rope_cs)
     k = apply_rope(k, *rope_cs)
-    if kv is not None:  # keys as [B, kv, d, positions] (the cache layout)
+    if kv is not None:  # keys in the cache layout (see key_position_axis)
       attend = mask.shape[-1]
+      key_axis = key_position_axis(c)
+      cache_k = k.transpose(0, 2, 3, 1) if key_axis == 3 else k.transpose(0, 2, 1, 3)
       if len(kv[0]) == 1:
-        new_kv = ((_write_positions(kv[0][0], k.transpose(0, 2, 3, 1), starts,
-                                    KEY_POSITION_AXIS),),
+        new_kv = ((_write_positions(kv[0][0], cache_k, starts, key_axis),),
                   (_write_positions(kv[1][0], v.transpose(0, 2, 1, 3), starts,
                                     VALUE_POSITION_AXIS),))
-        ks, vs = (new_kv[0][0][..., :attend],), (new_kv[1][0][:, :, :attend],)
+        ks = (jax.lax.slice_in_dim(new_kv[0][0], 0, attend, axis=key_axis),)
+        vs = (new_kv[1][0][:, :, :attend],)
       else:  # whole blocks (the decoder rounds attend up to a multiple of the block); the
         # new positions lie below attend, so the blocks past it are neither read nor written
         used = attend // kv[1][0].shape[VALUE_POSITION_AXIS]
-        ks = _write_blocks(kv[0][:used], k, starts, KEY_POSITION_AXIS)
+        ks = _write_blocks(kv[0][:used], k, starts, key_axis)
         vs = _write_blocks(kv[1][:used], v, starts, VALUE_POSITION_AXIS)
         new_kv = (ks + kv[0][used:], vs + kv[1][used:])
       score = 'bkqd,bkds->bkqs'
@@ -501,11 +500,11 @@ class Attention(nnx.Module):
     query_mask = query_mask.reshape(batch, 1, groups * length, mask.shape[-1])
     wo = self.wo[...].astype(dt).reshape(c.num_heads * c.head_dim, c.embed_dim)
     if c.batch_invariant:
-      if len(ks) > 1 and ks[0].shape[KEY_POSITION_AXIS] % INVARIANT_ROWS:
+      if len(ks) > 1 and ks[0].shape[VALUE_POSITION_AXIS] % INVARIANT_ROWS:
         raise ValueError(f'batch_invariant attention needs cache blocks of a multiple of '
-                         f'{INVARIANT_ROWS} positions, got {ks[0].shape[KEY_POSITION_AXIS]}; '
+                         f'{INVARIANT_ROWS} positions, got {ks[0].shape[VALUE_POSITION_AXIS]}; '
                          'the engine\'s block_align keeps them so.')
-      out = _invariant_attention(q, ks, vs, kv is not None, query_mask).astype(dt)
+      out = _invariant_attention(q, ks, vs, query_mask).astype(dt)
       out = out.reshape(batch, c.num_kv_heads, groups, length, c.head_dim)
       out = out.transpose(0, 3, 1, 2, 4).reshape(batch, length, c.num_heads * c.head_dim)
       return constrain(invariant_matmul(out, wo), ('batch', 'length', 'embed')), new_kv

@@ -49,7 +49,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlax_llm import sharding as sharding_lib
-from rlax_llm.models.decoder import (INVARIANT_ROWS, KEY_POSITION_AXIS, VALUE_POSITION_AXIS,
+from rlax_llm.models.decoder import (INVARIANT_ROWS, VALUE_POSITION_AXIS, key_position_axis,
                                      KVCache)
 from rlax_llm.models.model import Model, Params
 from rlax_llm.policy import SamplingSpec, sample_rows
@@ -194,19 +194,16 @@ class Engine:
     # Continuations prefill a prompt plus the tokens drawn so far (< cache_length).
     self.continuation_buckets = tuple(
         b for b in default_buckets(self.cache_length) if b > max_prefill_length)
-    # The cache is kept in at most attend_buckets blocks of a multiple of block_align
-    # positions; a step reads the first few whole blocks.
+    # A decode step attends to the first of at most attend_buckets multiples of block_align
+    # positions; the cache is kept in blocks of that step, read whole. A batch-invariant
+    # model reads its cache in pieces of INVARIANT_ROWS positions: its blocks are exactly
+    # those pieces, which it then reads without copying them out.
     size = -(-self.cache_length // attend_buckets)
-    self.block_length = -(-size // block_align) * block_align
+    step = -(-size // block_align) * block_align
     self.attend_buckets = tuple(
-        self.block_length * (i + 1)
-        for i in range(-(-self.cache_length // self.block_length)))
-    if (model.config.batch_invariant and len(self.attend_buckets) > 1
-        and self.block_length % INVARIANT_ROWS):
-      raise ValueError(
-          f'A batch_invariant model reads its cache in pieces of {INVARIANT_ROWS} positions, '
-          f'but block_align={block_align} gives cache blocks of {self.block_length}; use a '
-          f'multiple of {INVARIANT_ROWS} (or attend_buckets=1).')
+        step * (i + 1) for i in range(-(-self.cache_length // step)))
+    self.block_length = INVARIANT_ROWS if model.config.batch_invariant else step
+    self.num_blocks = -(-self.cache_length // self.block_length)
     self.pad_id = int(pad_id)
     self.param_shardings = sharding_lib.param_shardings(
         model.abstract_params(), model.logical_axes(), mesh, rules)
@@ -353,8 +350,11 @@ class Engine:
     def named(logical, shape):
       return NamedSharding(mesh, sharding_lib.logical_to_spec(PartitionSpec(*logical), shape,
                                                               mesh, rules))
-    blocks = len(self.attend_buckets)
-    k = (named(('batch', 'kv_heads', 'head_dim', 'length'),
+    blocks = self.num_blocks
+    k = (named(('batch', 'kv_heads', 'length', 'head_dim'),
+               (self.slots, c.num_kv_heads, self.block_length, c.head_dim))
+         if key_position_axis(c) == VALUE_POSITION_AXIS else
+         named(('batch', 'kv_heads', 'head_dim', 'length'),
                (self.slots, c.num_kv_heads, c.head_dim, self.block_length)),) * blocks
     v = (named(('batch', 'kv_heads', 'length', 'head_dim'),
                (self.slots, c.num_kv_heads, self.block_length, c.head_dim)),) * blocks
@@ -397,7 +397,8 @@ class Engine:
     remaining = jnp.where(stopped | (left <= 0), 0, left)
     set_rows = lambda buffer, values: buffer.at[slots].set(values, mode='drop')
     cache = KVCache(
-        k=tuple(put(ck, pk, KEY_POSITION_AXIS) for ck, pk in zip(state.cache.k, prefix.k)),
+        k=tuple(put(ck, pk, key_position_axis(self.model.config))
+                for ck, pk in zip(state.cache.k, prefix.k)),
         v=tuple(put(cv, pv, VALUE_POSITION_AXIS) for cv, pv in zip(state.cache.v, prefix.v)),
         lengths=set_rows(state.cache.lengths, prefix.lengths[rows]))
     state = DecodeState(

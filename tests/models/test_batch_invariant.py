@@ -150,14 +150,17 @@ def test_gradients_equal_the_default_numerics_to_rounding():
     np.testing.assert_allclose(g, f, rtol=1e-3, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
-def test_cache_blocks_must_be_whole_pieces():
+def test_cache_blocks_must_be_whole_pieces_and_the_engine_keeps_them_so():
   small = dataclasses.replace(MHA, num_layers=1)
   model, params = create_model(small, seed=0)
   with pytest.raises(ValueError, match=f'multiple of {INVARIANT_ROWS} positions, got 16'):
     model.apply(params, jnp.zeros((1, 4), jnp.int32), cache=model.init_cache(1, 64, 16))
   mesh = make_mesh({'data': 1}, jax.devices()[:1])
-  with pytest.raises(ValueError, match=r'block_align=8 gives cache blocks of 40; use a '
-                                       f'multiple of {INVARIANT_ROWS}'):
-    Engine(model, mesh, slots=2, max_prefill_length=64, max_decode_length=96, pad_id=0,
-           block_align=8)
-  Engine(model, mesh, slots=2, max_prefill_length=64, max_decode_length=96, pad_id=0)
+  # Attend buckets of 40 positions; the cache is still kept in blocks of exactly one piece.
+  engine = Engine(model, mesh, slots=2, max_prefill_length=64, max_decode_length=96, pad_id=0,
+                  block_align=8)
+  assert engine.attend_buckets == (40, 80, 120, 160)
+  assert engine.block_length == INVARIANT_ROWS and engine.num_blocks == 5
+  state = engine.init_decode_state()
+  assert [k.shape for k in state.cache.k[0]] == [(2, small.num_kv_heads, INVARIANT_ROWS,
+                                                  small.head_dim)] * 5
