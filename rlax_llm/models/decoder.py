@@ -25,6 +25,8 @@ matmul over the same bytes). ``max_len`` is ``num_blocks * block_length``. One b
 default) is the plain contiguous cache. Several blocks let a decode step that attends to the
 first ``attend`` positions read whole blocks (separate buffers) instead of slicing a prefix
 out of one buffer, which XLA materialises as a copy of that prefix in every layer and step.
+With ``batch_invariant`` keys are stored like values (``key_position_axis``) and blocks
+must be a multiple of ``INVARIANT_KEYS`` positions.
 ``lengths`` is ``int32 [batch]``, the number of valid positions of each slot. A call with
 ``cache`` writes the ``T`` new keys/values of row ``b`` at positions
 ``lengths[b] .. lengths[b] + T - 1`` and advances ``lengths[b]`` by ``num_valid[b]``
@@ -40,9 +42,9 @@ it. The same token scored by the trainer (a ``[B, T]`` forward) and by a decode 
 query per slot over a KV cache) then differs by rounding, which 30 layers grow to ~5e-5 in
 a log-prob. With ``batch_invariant`` every such computation runs in a form whose rounding
 cannot depend on the batch: weight matmuls in chunks of exactly ``INVARIANT_ROWS`` rows
-(``invariant_matmul``); attention in chunks of ``INVARIANT_ROWS`` queries over pieces of
-``INVARIANT_ROWS`` key positions summed in position order (``_invariant_attention``);
-sums and maxima as fixed trees of elementwise ops (``invariant_sum``, ``invariant_max``;
+(``invariant_matmul``); attention over pieces of ``INVARIANT_KEYS`` key positions, the
+value products summed in position order, the scale applied to the queries
+(``_invariant_attention``); sums and maxima as fixed trees of elementwise ops (``invariant_sum``, ``invariant_max``;
 RMSNorm and the log-softmax use them too); RoPE's cos/sin looked up in a host-computed
 table. A row's logits are then bitwise the same whatever shares its batch, its padding or
 the cache layout, so sampler and trainer log-probs agree exactly (He et al., "Defeating
@@ -130,9 +132,10 @@ class DecoderConfig:
 # The position axis of a value cache block ``[B, kv, S, d]`` (keys: ``key_position_axis``).
 VALUE_POSITION_AXIS = 2
 
-# Batch-invariant numerics: the rows of each weight matmul, the queries of each attention
-# chunk and the key positions of each attention piece (cache blocks must be a multiple).
+# Batch-invariant numerics: the rows of each weight matmul chunk, and the key positions of
+# each attention piece (cache blocks must be a multiple of it).
 INVARIANT_ROWS = 32
+INVARIANT_KEYS = 64
 
 
 def invariant_matmul(x: Array, w: Array, spec: str = 'ck,kn->cn') -> Array:
@@ -141,18 +144,23 @@ def invariant_matmul(x: Array, w: Array, spec: str = 'ck,kn->cn') -> Array:
   independent of the other rows.
 
   The rows are zero-padded to a multiple of ``INVARIANT_ROWS`` and multiplied one chunk at
-  a time (``lax.map``), so every matmul XLA runs has one shape. ``w`` passes an
-  optimization barrier: without it XLA folded the tied head's transpose into the matmul when
-  the loop had one iteration (a decode step) but not when it had several (a trainer batch),
-  and the two kernels round differently.
+  a time (``lax.map``), so every matmul XLA runs has one shape: XLA:CPU picks the kernel
+  from the row count and rounds a row differently for up to 32 rows than for more (from 33
+  to 51 rows on, depending on the weight's shape). A single chunk (a decode step) skips the
+  loop. ``w``, and a single chunk, pass an optimization barrier: without it XLA folded the
+  tied head's transpose into the matmul in some programs and not in others, and the two
+  kernels round differently.
   """
   lead = x.shape[:-1]
   rows = x.reshape(-1, x.shape[-1])
   count = rows.shape[0]
   rows = jnp.pad(rows, ((0, -count % INVARIANT_ROWS), (0, 0)))
   w = jax.lax.optimization_barrier(w)
-  out = jax.lax.map(lambda chunk: jnp.einsum(spec, chunk, w),
-                    rows.reshape(-1, INVARIANT_ROWS, rows.shape[-1]))
+  chunks = rows.reshape(-1, INVARIANT_ROWS, rows.shape[-1])
+  if chunks.shape[0] == 1:  # a decode step: the same product without the loop around it
+    out = jnp.einsum(spec, jax.lax.optimization_barrier(chunks[0]), w)[None]
+  else:
+    out = jax.lax.map(lambda chunk: jnp.einsum(spec, chunk, w), chunks)
   return out.reshape(-1, out.shape[-1])[:count].reshape(lead + out.shape[-1:])
 
 
@@ -190,14 +198,14 @@ def linear(x: Array, w: Array, invariant: bool) -> Array:
 
 def _pieces(blocks: tuple[Array, ...], axis: int) -> list[Array]:
   """The position axis ``axis`` of consecutive blocks cut into pieces of
-  ``INVARIANT_ROWS`` positions, the last zero-padded."""
+  ``INVARIANT_KEYS`` positions, the last zero-padded."""
   pieces = []
   for block in blocks:
     pad = [(0, 0)] * block.ndim
-    pad[axis] = (0, -block.shape[axis] % INVARIANT_ROWS)
+    pad[axis] = (0, -block.shape[axis] % INVARIANT_KEYS)
     block = jnp.pad(block, pad)
-    pieces += [jax.lax.slice_in_dim(block, i, i + INVARIANT_ROWS, axis=axis)
-               for i in range(0, block.shape[axis], INVARIANT_ROWS)]
+    pieces += [jax.lax.slice_in_dim(block, i, i + INVARIANT_KEYS, axis=axis)
+               for i in range(0, block.shape[axis], INVARIANT_KEYS)]
   return pieces
 
 
@@ -213,37 +221,42 @@ def _invariant_attention(q: Array, ks: tuple[Array, ...], vs: tuple[Array, ...],
   Returns:
     ``[B, kv, M, d]`` float32.
 
-  Keys and values go in pieces of ``INVARIANT_ROWS`` positions from position 0, so a query
-  meets the same pieces whatever the total length, and a piece past the query is all masked
-  and adds exact zeros. A score matmul's rounding depends on its key count but not on its
-  query count once that is at least 2 (one query is a matrix-vector product, another
-  kernel: a lone query is padded to 2); the value matmul's depends on neither. The
-  softmax's max and normaliser are ``invariant_max`` and ``invariant_sum``.
+  Measured on XLA:CPU: a score matmul rounds the same for any query count from 2 (one
+  query is a matrix-vector product, another kernel: a lone query is padded to 2) and any
+  key count that is a multiple of 64, ``INVARIANT_KEYS``; a value matmul's sum over
+  positions is grouped by its key count. So keys and values go in pieces of
+  ``INVARIANT_KEYS`` positions from position 0 (whole cache blocks in the engine, so nothing
+  is copied out of the cache), and a query meets the same pieces whatever the total length:
+  a piece past it is all masked and adds exact zeros. The scores of all pieces share one
+  softmax, whose max and normaliser are ``invariant_max`` and ``invariant_sum`` (halving
+  trees over the row padded to a power of two, so masked positions past the query add exact
+  zeros wherever the row ends).
   """
   rows, dim = q.shape[2:]
   pad = max(2 - rows, 0)
   key_pieces, value_pieces = _pieces(ks, VALUE_POSITION_AXIS), _pieces(vs, VALUE_POSITION_AXIS)
-  width = len(key_pieces) * INVARIANT_ROWS
+  width = len(key_pieces) * INVARIANT_KEYS
   # The scale goes on the queries: on the scores, XLA moved it into whichever matmul operand
   # was smaller, which differs between programs (it is exact only for powers of two).
   q = jnp.pad(q, ((0, 0), (0, 0), (0, pad), (0, 0))) * dim ** -0.5
   query_mask = jnp.pad(query_mask,
                        ((0, 0), (0, 0), (0, pad), (0, width - query_mask.shape[-1])))
-  scores = []
-  for i, k in enumerate(key_pieces):
-    score = jnp.einsum('bkqd,bksd->bkqs', q, k).astype(jnp.float32)
-    piece_mask = query_mask[..., i * INVARIANT_ROWS:(i + 1) * INVARIANT_ROWS]
-    scores.append(jnp.where(piece_mask, score, jnp.finfo(jnp.float32).min))
-  largest = functools.reduce(jnp.maximum, [invariant_max(s) for s in scores])
-  out = total = 0.0
-  for score, v in zip(scores, value_pieces):
-    weight = jnp.exp(score - largest)
-    # Values times weights as [d, M] (behind a barrier, else XLA turns it back): as [M, d]
-    # the kernel's rounding depended on M for head dims other than 64 and 128.
-    part = jax.lax.optimization_barrier(
-        jnp.einsum('bksd,bkqs->bkdq', v, weight.astype(v.dtype)))
-    out = out + jnp.swapaxes(part, 2, 3).astype(jnp.float32)
-    total = total + invariant_sum(weight)
+  scores = [jnp.einsum('bkqd,bksd->bkqs', q, k) for k in key_pieces]
+  scores = (scores[0] if len(scores) == 1 else jnp.concatenate(scores, -1)).astype(jnp.float32)
+  scores = jnp.where(query_mask, scores, jnp.finfo(jnp.float32).min)
+  weights = jnp.exp(scores - invariant_max(scores))
+  out = 0.0
+  for i, v in enumerate(value_pieces):
+    weight = weights[..., i * INVARIANT_KEYS:(i + 1) * INVARIANT_KEYS].astype(v.dtype)
+    if dim % 64:  # as [M, d], the product's rounding depended on M for these head dims
+      # (measured: 24, 32, 48, 80, 96); as [d, M] behind a barrier (else XLA turns it back)
+      # it does not, but runs about 4x slower.
+      part = jnp.swapaxes(jax.lax.optimization_barrier(
+          jnp.einsum('bksd,bkqs->bkdq', v, weight)), 2, 3)
+    else:
+      part = jnp.einsum('bkqs,bksd->bkqd', weight, v)
+    out = out + part.astype(jnp.float32)
+  total = invariant_sum(weights)
   return (out / total)[:, :, :rows]
 
 
@@ -392,7 +405,7 @@ def rope(x: Array, positions: Array, theta: float | np.ndarray) -> Array:
 
 def _write_positions(buffer: Array, update: Array, starts: Array, axis: int) -> Array:
   """Writes ``update[b]`` into ``buffer[b]`` (a one-block cache) at position ``starts[b]``
-  along ``axis`` (2 for values ``[B, kv, S, d]``, 3 for keys ``[B, kv, d, S]``);
+  along ``axis`` (2 for values ``[B, kv, S, d]``, ``key_position_axis`` for keys);
   ``update`` is laid out like ``buffer`` with ``T`` positions."""
   def one(buf, upd, start):
     index = [jnp.zeros((), start.dtype)] * (buf.ndim)
@@ -404,7 +417,8 @@ def _write_positions(buffer: Array, update: Array, starts: Array, axis: int) -> 
 def _write_blocks(blocks: tuple[Array, ...], values: Array, starts: Array, axis: int
                   ) -> tuple[Array, ...]:
   """Writes ``values[b, t]`` ``[kv, d]`` at position ``starts[b] + t`` (along ``axis`` of
-  each ``[B, ...]`` block, 2 for values, 3 for keys) of the leading cache blocks ``blocks``;
+  each ``[B, ...]`` block, 2 for values, ``key_position_axis`` for keys) of the leading
+  cache blocks ``blocks``;
   positions past them are dropped."""
   batch, length = values.shape[:2]
   block = blocks[0].shape[axis]
@@ -500,9 +514,9 @@ class Attention(nnx.Module):
     query_mask = query_mask.reshape(batch, 1, groups * length, mask.shape[-1])
     wo = self.wo[...].astype(dt).reshape(c.num_heads * c.head_dim, c.embed_dim)
     if c.batch_invariant:
-      if len(ks) > 1 and ks[0].shape[VALUE_POSITION_AXIS] % INVARIANT_ROWS:
+      if len(ks) > 1 and ks[0].shape[VALUE_POSITION_AXIS] % INVARIANT_KEYS:
         raise ValueError(f'batch_invariant attention needs cache blocks of a multiple of '
-                         f'{INVARIANT_ROWS} positions, got {ks[0].shape[VALUE_POSITION_AXIS]}; '
+                         f'{INVARIANT_KEYS} positions, got {ks[0].shape[VALUE_POSITION_AXIS]}; '
                          'the engine\'s block_align keeps them so.')
       out = _invariant_attention(q, ks, vs, query_mask).astype(dt)
       out = out.reshape(batch, c.num_kv_heads, groups, length, c.head_dim)

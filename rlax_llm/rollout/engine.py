@@ -49,7 +49,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlax_llm import sharding as sharding_lib
-from rlax_llm.models.decoder import (INVARIANT_ROWS, VALUE_POSITION_AXIS, key_position_axis,
+from rlax_llm.models.decoder import (INVARIANT_KEYS, VALUE_POSITION_AXIS, key_position_axis,
                                      KVCache)
 from rlax_llm.models.model import Model, Params
 from rlax_llm.policy import SamplingSpec, sample_rows
@@ -63,8 +63,9 @@ BLOCK_ALIGN = 32
 
 @flax.struct.dataclass
 class Prefix:
-  """``K`` prefilled prompts (rows): per layer keys ``[K, kv_heads, head_dim, bucket]`` and
-  values ``[K, kv_heads, bucket, head_dim]`` (the ``KVCache`` layouts), true lengths and
+  """``K`` prefilled prompts (rows): per layer keys ``[K, kv_heads, head_dim, bucket]``
+  (``[K, kv_heads, bucket, head_dim]`` if ``batch_invariant``) and values
+  ``[K, kv_heads, bucket, head_dim]`` (the ``KVCache`` layouts), true lengths and
   the float32 logits ``[K, V]`` of each prompt's last token."""
 
   k: tuple[jax.Array, ...]
@@ -89,7 +90,8 @@ class Insert:
 class DecodeState:
   """What ``generate`` transforms; ``S`` slots, cache length ``L``."""
 
-  cache: KVCache  # per layer, per block: k [S, kv, d, block], v [S, kv, block, d]
+  cache: KVCache  # per layer, per block: k [S, kv, d, block] ([S, kv, block, d] if
+  # batch_invariant), v [S, kv, block, d]
   tokens: jax.Array  # int32 [S]: the token each slot feeds next
   keys: jax.Array  # uint32 [S, key_size]: each slot's sample key data
   positions: jax.Array  # int32 [S]: tokens the slot's sample has drawn so far
@@ -160,7 +162,8 @@ class Engine:
     attend_buckets: at most how many blocks the KV cache is kept in (each a multiple of
       ``block_align`` positions); a decode step attends to the fewest leading blocks that
       hold every active sequence (each count compiles once). 1 always attends to the whole
-      cache.
+      cache. A ``batch_invariant`` model keeps its cache in blocks of ``INVARIANT_KEYS``
+      positions whatever this is; a step still attends to one of these buckets.
     block_align: block lengths are multiples of it (``BLOCK_ALIGN``, 32, suits XLA:CPU;
       TPUs may prefer 128).
   """
@@ -196,13 +199,13 @@ class Engine:
         b for b in default_buckets(self.cache_length) if b > max_prefill_length)
     # A decode step attends to the first of at most attend_buckets multiples of block_align
     # positions; the cache is kept in blocks of that step, read whole. A batch-invariant
-    # model reads its cache in pieces of INVARIANT_ROWS positions: its blocks are exactly
+    # model reads its cache in pieces of INVARIANT_KEYS positions: its blocks are exactly
     # those pieces, which it then reads without copying them out.
     size = -(-self.cache_length // attend_buckets)
     step = -(-size // block_align) * block_align
     self.attend_buckets = tuple(
         step * (i + 1) for i in range(-(-self.cache_length // step)))
-    self.block_length = INVARIANT_ROWS if model.config.batch_invariant else step
+    self.block_length = INVARIANT_KEYS if model.config.batch_invariant else step
     self.num_blocks = -(-self.cache_length // self.block_length)
     self.pad_id = int(pad_id)
     self.param_shardings = sharding_lib.param_shardings(

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rlax_llm.models.decoder import INVARIANT_ROWS, DecoderConfig
+from rlax_llm.models.decoder import INVARIANT_KEYS, DecoderConfig
 from rlax_llm.models.model import create_model
 from rlax_llm.policy import Policy, SamplingSpec
 from rlax_llm.rollout.engine import Engine
@@ -78,8 +78,8 @@ def _comparisons(config):
   scored = slice(PROMPT - 1, None)
   gaps = {'width 160, batch 3': _full(model, params, seq, 160, 3, 2)[scored]}
   for name, kwargs in {'one block': dict(max_len=150, block_length=None),
-                       'blocks of 32': dict(max_len=160, block_length=32),
-                       'blocks of 64': dict(max_len=128, block_length=64)}.items():
+                       'blocks of 64': dict(max_len=160, block_length=64),
+                       'blocks of 128': dict(max_len=256, block_length=128)}.items():
     for slots in (1, 8):
       gaps[f'{name}, {slots} slots'] = _cached(model, params, seq, slots=slots, row=slots - 1,
                                                **kwargs)[scored]
@@ -153,14 +153,14 @@ def test_gradients_equal_the_default_numerics_to_rounding():
 def test_cache_blocks_must_be_whole_pieces_and_the_engine_keeps_them_so():
   small = dataclasses.replace(MHA, num_layers=1)
   model, params = create_model(small, seed=0)
-  with pytest.raises(ValueError, match=f'multiple of {INVARIANT_ROWS} positions, got 16'):
-    model.apply(params, jnp.zeros((1, 4), jnp.int32), cache=model.init_cache(1, 64, 16))
+  with pytest.raises(ValueError, match=f'multiple of {INVARIANT_KEYS} positions, got 32'):
+    model.apply(params, jnp.zeros((1, 4), jnp.int32), cache=model.init_cache(1, 64, 32))
   mesh = make_mesh({'data': 1}, jax.devices()[:1])
   # Attend buckets of 40 positions; the cache is still kept in blocks of exactly one piece.
   engine = Engine(model, mesh, slots=2, max_prefill_length=64, max_decode_length=96, pad_id=0,
                   block_align=8)
   assert engine.attend_buckets == (40, 80, 120, 160)
-  assert engine.block_length == INVARIANT_ROWS and engine.num_blocks == 5
+  assert engine.block_length == INVARIANT_KEYS and engine.num_blocks == 3
   state = engine.init_decode_state()
-  assert [k.shape for k in state.cache.k[0]] == [(2, small.num_kv_heads, INVARIANT_ROWS,
-                                                  small.head_dim)] * 5
+  assert [k.shape for k in state.cache.k[0]] == [(2, small.num_kv_heads, INVARIANT_KEYS,
+                                                  small.head_dim)] * 3

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlax_llm.models.decoder import DecoderConfig
+from rlax_llm.models.decoder import INVARIANT_KEYS, DecoderConfig
 from rlax_llm.models.model import create_model
 from rlax_llm.policy import GREEDY, Policy, SamplingSpec
 from rlax_llm.rollout.driver import Driver, Job, Sample, VersionedParams
@@ -124,22 +124,25 @@ def test_behaviour_logprobs_equal_the_trainer_recompute(models, spec, cache):
                                  sample.logprobs, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize('attend_buckets', [1, 2], ids=['one block', 'blocks of 32'])
+@pytest.mark.parametrize('attend_buckets', [1, 4], ids=['whole cache', 'attend buckets'])
 def test_batch_invariant_logprobs_equal_the_trainer_bitwise(attend_buckets):
   """A ``batch_invariant`` model: behaviour log-probs are the trainer's recompute bit for
-  bit, with requests queueing for slots and sequences crossing cache blocks."""
+  bit, with requests queueing for slots and sequences crossing cache blocks (two blocks of
+  ``INVARIANT_KEYS``; steps attend to the whole cache or to buckets of 32 positions)."""
   model, params = create_model(dataclasses.replace(CONFIG, batch_invariant=True,
-                                                   max_seq_len=64), seed=0)
-  engine = Engine(model, MESH, slots=4, max_prefill_length=16, max_decode_length=48,
+                                                   max_seq_len=160), seed=0)
+  engine = Engine(model, MESH, slots=4, max_prefill_length=16, max_decode_length=112,
                   pad_id=PAD, attend_buckets=attend_buckets)
+  assert engine.num_blocks == 2 and engine.block_length == INVARIANT_KEYS
   holder = VersionedParams()
   holder.set(0, engine.place_params(params))
   spec = SamplingSpec(0.7, top_k=5, top_p=0.9)
-  results = Driver(engine, holder).run(jobs_for(spec, n=3, max_new=40, stops=()))
+  results = Driver(engine, holder).run(jobs_for(spec, n=3, max_new=70, stops=()))
   score = jax.jit(Policy(model, spec).sequence_log_probs)
   for prompt, samples in zip(PROMPTS, results):
     for sample in samples:
-      np.testing.assert_array_equal(trainer_logprobs(score, params, prompt, sample, 64),
+      assert len(prompt) + len(sample.tokens) > INVARIANT_KEYS  # into the second block
+      np.testing.assert_array_equal(trainer_logprobs(score, params, prompt, sample, 128),
                                     np.asarray(sample.logprobs, np.float32))
 
 
