@@ -10,6 +10,9 @@ SmolLM2-135M-Instruct (the packaged GGUF), fp32, loaded twice: default numerics 
   many of the log-probs are bitwise equal;
 * rollout throughput: greedy, ``--new_tokens`` new tokens, ``--batch`` rows, invariant over
   default tokens/s (runs alternate, ``--repeats`` each, median of the ratios);
+* the rollout's phases apart, the same way: one prefill of the batch's prompts, and a
+  decode step over all ``--batch`` slots attending to the whole cache (default over
+  invariant speed, as for rollouts);
 * trainer step: the gradient of the mean log-prob of a ``[--train_rows, 128]`` batch,
   invariant over default seconds (alternating, median).
 
@@ -18,6 +21,8 @@ Prints one JSON object:
     {"parity": {"default": {"max_abs_dlogp", "mean_abs_dlogp", "bitwise_equal_fraction"},
                 "batch_invariant": {...}},
      "rollout": {"default_tok_s", "batch_invariant_tok_s", "ratio", "ratios"},
+     "prefill": {"default_s", "batch_invariant_s", "ratio", "ratios"},
+     "decode_step": {...},
      "train_step": {"default_s", "batch_invariant_s", "ratio", "ratios"}}
 
     .venv/bin/python benchmarks/batch_invariant.py [--batch=32] [--repeats=3]
@@ -41,6 +46,7 @@ from rlax_llm.rollout.driver import Driver, Job, VersionedParams
 from rlax_llm.rollout.engine import Engine
 from rlax_llm.sharding import make_mesh
 
+DECODE_STEPS = 16
 QUESTIONS = ['What is the capital of France?', 'What is 57 + 68?', 'Name three colors.',
              'Write a haiku about rain.', 'Who wrote Hamlet?', 'What is photosynthesis?',
              'Translate "good morning" to French.', 'Give me a synonym for happy.']
@@ -134,6 +140,31 @@ def main() -> None:
                        'ratio': statistics.median(ratios), 'ratios': ratios,
                        'batch': args.batch, 'new_tokens': args.new_tokens}
   print(json.dumps({'rollout': result['rollout']}), flush=True)
+
+  # The rollout's two phases apart: one prefill of the batch's prompts, and decode steps
+  # over all slots attending to the whole cache (prompt + new_tokens positions).
+  prefills, steps = {}, {}
+  for name, (model, params) in models.items():
+    batch = prompts[:args.batch]
+    engine = driver_for(model, params, args.batch, max(map(len, batch)), args.new_tokens).engine
+    placed = engine.place_params(params)
+    prefills[name] = lambda engine=engine, placed=placed, batch=batch: jax.block_until_ready(
+        engine.prefill(placed, batch))
+    state = [engine.init_decode_state()]
+
+    def decode(engine=engine, placed=placed, state=state):
+      for _ in range(DECODE_STEPS):
+        state[0], _ = engine.generate(placed, state[0], GREEDY)
+      jax.block_until_ready(state[0])
+    steps[name] = decode
+  for phase, fns in (('prefill', prefills), ('decode_step', steps)):
+    times = alternate(fns, args.repeats)
+    ratios = [d / i for d, i in zip(times['default'], times['batch_invariant'])]
+    per = 1 if phase == 'prefill' else DECODE_STEPS
+    result[phase] = {'default_s': statistics.median(times['default']) / per,
+                     'batch_invariant_s': statistics.median(times['batch_invariant']) / per,
+                     'ratio': statistics.median(ratios), 'ratios': ratios}
+  print(json.dumps({k: result[k] for k in ('prefill', 'decode_step')}), flush=True)
 
   tokens = jnp.asarray(np.random.RandomState(0).randint(
       0, models['default'][0].config.vocab_size, (args.train_rows, 128)), jnp.int32)
