@@ -44,12 +44,12 @@ a log-prob. With ``batch_invariant`` every such computation runs in a form whose
 cannot depend on the batch: weight matmuls in chunks of exactly ``INVARIANT_ROWS`` rows
 (``invariant_matmul``); attention over pieces of ``INVARIANT_KEYS`` key positions, the
 value products summed in position order, the scale applied to the queries
-(``_invariant_attention``); sums and maxima as fixed trees of elementwise ops (``invariant_sum``, ``invariant_max``;
-RMSNorm and the log-softmax use them too); RoPE's cos/sin looked up in a host-computed
-table. A row's logits are then bitwise the same whatever shares its batch, its padding or
-the cache layout, so sampler and trainer log-probs agree exactly (He et al., "Defeating
-Nondeterminism in LLM Inference", Thinking Machines Lab 2025, argue the same for GPU
-kernels). Verified on XLA:CPU by ``tests/models/test_batch_invariant.py``; the cost is in
+(``_invariant_attention``); sums and maxima as fixed trees of elementwise ops
+(``invariant_sum``, ``invariant_max``; RMSNorm and the log-softmax use them too); RoPE's
+cos/sin looked up in a host-computed table. A row's logits are then bitwise the same
+whatever shares its batch, its padding or the cache layout, so sampler and trainer
+log-probs agree exactly (He et al., "Defeating Nondeterminism in LLM Inference", Thinking
+Machines Lab 2025, argue the same for GPU kernels). Verified on XLA:CPU by ``tests/models/test_batch_invariant.py``; the cost is in
 benchmarks/RESULTS.md. It holds on data-parallel meshes; FSDP and tensor parallelism split
 contractions across devices (the config refuses them with it).
 """
@@ -57,7 +57,6 @@ contractions across devices (the config refuses them with it).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
