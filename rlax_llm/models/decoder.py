@@ -49,9 +49,10 @@ value products summed in position order, the scale applied to the queries
 cos/sin looked up in a host-computed table. A row's logits are then bitwise the same
 whatever shares its batch, its padding or the cache layout, so sampler and trainer
 log-probs agree exactly (He et al., "Defeating Nondeterminism in LLM Inference", Thinking
-Machines Lab 2025, argue the same for GPU kernels). Verified on XLA:CPU by ``tests/models/test_batch_invariant.py``; the cost is in
-benchmarks/RESULTS.md. It holds on data-parallel meshes; FSDP and tensor parallelism split
-contractions across devices (the config refuses them with it).
+Machines Lab 2025, argue the same for GPU kernels). Verified on XLA:CPU by
+``tests/models/test_batch_invariant.py``; the cost is in benchmarks/RESULTS.md. It holds on
+data-parallel meshes; FSDP and tensor parallelism split contractions across devices (the
+config refuses them with it).
 """
 
 from __future__ import annotations
