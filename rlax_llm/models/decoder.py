@@ -129,8 +129,12 @@ class DecoderConfig:
       raise ValueError(f'head_dim must be even for RoPE, got {self.head_dim}.')
 
 
-# The position axis of a value cache block ``[B, kv, S, d]`` (keys: ``key_position_axis``).
-VALUE_POSITION_AXIS = 2
+# The logical axes of a value cache block, ``[B, kv, S, d]``, and its position axis (keys:
+# ``key_block_axes``).
+VALUE_BLOCK_AXES = ('batch', 'kv_heads', 'length', 'head_dim')
+VALUE_POSITION_AXIS = VALUE_BLOCK_AXES.index('length')
+# The axes of the keys and values the attention projections produce, ``[B, T, kv, d]``.
+_PROJECTED_AXES = ('batch', 'length', 'kv_heads', 'head_dim')
 
 # Batch-invariant numerics: the rows of each weight matmul chunk, and the key positions of
 # each attention piece (cache blocks must be a multiple of it).
@@ -260,10 +264,30 @@ def _invariant_attention(q: Array, ks: tuple[Array, ...], vs: tuple[Array, ...],
   return (out / total)[:, :, :rows]
 
 
+def key_block_axes(config: DecoderConfig) -> tuple[str, ...]:
+  """The logical axes of a key cache block: transposed, ``[B, kv, d, S]``, by default (see
+  the module docstring); like values, ``[B, kv, S, d]``, with ``config.batch_invariant``."""
+  return (VALUE_BLOCK_AXES if config.batch_invariant
+          else ('batch', 'kv_heads', 'head_dim', 'length'))
+
+
 def key_position_axis(config: DecoderConfig) -> int:
-  """The position axis of a key cache block: 3 (keys transposed, ``[B, kv, d, S]``) by
-  default, 2 (``[B, kv, S, d]``, like values) with ``config.batch_invariant``."""
-  return VALUE_POSITION_AXIS if config.batch_invariant else 3
+  """The position axis of a key cache block (``key_block_axes``)."""
+  return key_block_axes(config).index('length')
+
+
+def cache_block_shape(axes: tuple[str, ...], config: DecoderConfig, batch: int,
+                      block_length: int) -> tuple[int, ...]:
+  """The shape of a cache block with logical ``axes`` (``VALUE_BLOCK_AXES`` or
+  ``key_block_axes``) for ``batch`` slots of ``block_length`` positions."""
+  sizes = {'batch': batch, 'kv_heads': config.num_kv_heads, 'head_dim': config.head_dim,
+           'length': block_length}
+  return tuple(sizes[axis] for axis in axes)
+
+
+def _to_block(x: Array, axes: tuple[str, ...]) -> Array:
+  """Projected keys or values ``[B, T, kv, d]`` laid out as a cache block with ``axes``."""
+  return x.transpose(tuple(_PROJECTED_AXES.index(axis) for axis in axes))
 
 
 @flax.struct.dataclass
@@ -283,12 +307,10 @@ class KVCache:
     block = max_len if block_length is None else block_length
     if block < 1:
       raise ValueError(f'block_length must be >= 1, got {block_length}.')
-    kv, d = config.num_kv_heads, config.head_dim
-    layer = lambda shape: tuple(jnp.zeros(shape, config.dtype)
-                                for _ in range(-(-max_len // block)))
-    key_shape = (batch, kv, block, d) if config.batch_invariant else (batch, kv, d, block)
-    return cls(k=tuple(layer(key_shape) for _ in range(config.num_layers)),
-               v=tuple(layer((batch, kv, block, d)) for _ in range(config.num_layers)),
+    layer = lambda axes: tuple(jnp.zeros(cache_block_shape(axes, config, batch, block),
+                                         config.dtype) for _ in range(-(-max_len // block)))
+    return cls(k=tuple(layer(key_block_axes(config)) for _ in range(config.num_layers)),
+               v=tuple(layer(VALUE_BLOCK_AXES) for _ in range(config.num_layers)),
                lengths=jnp.zeros((batch,), jnp.int32))
 
   @property
@@ -488,10 +510,10 @@ class Attention(nnx.Module):
     if kv is not None:  # keys in the cache layout (see key_position_axis)
       attend = mask.shape[-1]
       key_axis = key_position_axis(c)
-      cache_k = k.transpose(0, 2, 3, 1) if key_axis == 3 else k.transpose(0, 2, 1, 3)
       if len(kv[0]) == 1:
-        new_kv = ((_write_positions(kv[0][0], cache_k, starts, key_axis),),
-                  (_write_positions(kv[1][0], v.transpose(0, 2, 1, 3), starts,
+        new_kv = ((_write_positions(kv[0][0], _to_block(k, key_block_axes(c)), starts,
+                                    key_axis),),
+                  (_write_positions(kv[1][0], _to_block(v, VALUE_BLOCK_AXES), starts,
                                     VALUE_POSITION_AXIS),))
         ks = (jax.lax.slice_in_dim(new_kv[0][0], 0, attend, axis=key_axis),)
         vs = (new_kv[1][0][:, :, :attend],)
@@ -504,7 +526,7 @@ class Attention(nnx.Module):
       score = 'bkqd,bkds->bkqs'
     else:  # keys as [B, kv, T, d]
       new_kv = None
-      ks, vs = (k.transpose(0, 2, 1, 3),), (v.transpose(0, 2, 1, 3),)
+      ks, vs = (_to_block(k, VALUE_BLOCK_AXES),), (_to_block(v, VALUE_BLOCK_AXES),)
       score = 'bkqd,bksd->bkqs'
     batch, length = q.shape[:2]
     groups = c.num_heads // c.num_kv_heads
@@ -517,7 +539,7 @@ class Attention(nnx.Module):
       if len(ks) > 1 and ks[0].shape[VALUE_POSITION_AXIS] % INVARIANT_KEYS:
         raise ValueError(f'batch_invariant attention needs cache blocks of a multiple of '
                          f'{INVARIANT_KEYS} positions, got {ks[0].shape[VALUE_POSITION_AXIS]}; '
-                         'the engine\'s block_align keeps them so.')
+                         'the engine keeps them so.')
       out = _invariant_attention(q, ks, vs, query_mask).astype(dt)
       out = out.reshape(batch, c.num_kv_heads, groups, length, c.head_dim)
       out = out.transpose(0, 3, 1, 2, 4).reshape(batch, length, c.num_heads * c.head_dim)

@@ -49,8 +49,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlax_llm import sharding as sharding_lib
-from rlax_llm.models.decoder import (INVARIANT_KEYS, VALUE_POSITION_AXIS, key_position_axis,
-                                     KVCache)
+from rlax_llm.models.decoder import (INVARIANT_KEYS, VALUE_BLOCK_AXES, VALUE_POSITION_AXIS,
+                                     KVCache, cache_block_shape, key_block_axes,
+                                     key_position_axis)
 from rlax_llm.models.model import Model, Params
 from rlax_llm.policy import SamplingSpec, sample_rows
 
@@ -353,14 +354,9 @@ class Engine:
     def named(logical, shape):
       return NamedSharding(mesh, sharding_lib.logical_to_spec(PartitionSpec(*logical), shape,
                                                               mesh, rules))
-    blocks = self.num_blocks
-    k = (named(('batch', 'kv_heads', 'length', 'head_dim'),
-               (self.slots, c.num_kv_heads, self.block_length, c.head_dim))
-         if key_position_axis(c) == VALUE_POSITION_AXIS else
-         named(('batch', 'kv_heads', 'head_dim', 'length'),
-               (self.slots, c.num_kv_heads, c.head_dim, self.block_length)),) * blocks
-    v = (named(('batch', 'kv_heads', 'length', 'head_dim'),
-               (self.slots, c.num_kv_heads, self.block_length, c.head_dim)),) * blocks
+    block = lambda axes: (named(axes, cache_block_shape(axes, c, self.slots,
+                                                        self.block_length)),) * self.num_blocks
+    k, v = block(key_block_axes(c)), block(VALUE_BLOCK_AXES)
     per_slot = named(('batch',), (self.slots,))
     per_slot_2d = lambda width: named(('batch', None), (self.slots, width))
     return DecodeState(
