@@ -42,22 +42,13 @@ import numpy as np
 from rlax_llm.models import from_pretrained, smollm2_gguf_path
 from rlax_llm.models.model import split_module
 from rlax_llm.policy import GREEDY, Policy, SamplingSpec
-from rlax_llm.rollout.driver import Driver, Job, VersionedParams
-from rlax_llm.rollout.engine import Engine
-from rlax_llm.sharding import make_mesh
+from rlax_llm.rollout.driver import Job
+from rollout_throughput import driver_for
 
 DECODE_STEPS = 16
 QUESTIONS = ['What is the capital of France?', 'What is 57 + 68?', 'Name three colors.',
              'Write a haiku about rain.', 'Who wrote Hamlet?', 'What is photosynthesis?',
              'Translate "good morning" to French.', 'Give me a synonym for happy.']
-
-
-def driver_for(model, params, slots: int, max_prefill: int, max_new: int) -> Driver:
-  engine = Engine(model, make_mesh({'data': 1}, jax.devices()[:1]), slots=slots,
-                  max_prefill_length=max_prefill, max_decode_length=max_new, pad_id=0)
-  holder = VersionedParams()
-  holder.set(0, engine.place_params(params))
-  return Driver(engine, holder)
 
 
 def keys(n: int, seed: int = 1) -> list[np.ndarray]:
