@@ -25,8 +25,7 @@ matmul over the same bytes). ``max_len`` is ``num_blocks * block_length``. One b
 default) is the plain contiguous cache. Several blocks let a decode step that attends to the
 first ``attend`` positions read whole blocks (separate buffers) instead of slicing a prefix
 out of one buffer, which XLA materialises as a copy of that prefix in every layer and step.
-With ``batch_invariant`` keys are stored like values (``key_position_axis``) and blocks
-must be a multiple of ``INVARIANT_KEYS`` positions.
+With ``batch_invariant`` blocks must be a multiple of ``INVARIANT_KEYS`` positions.
 ``lengths`` is ``int32 [batch]``, the number of valid positions of each slot. A call with
 ``cache`` writes the ``T`` new keys/values of row ``b`` at positions
 ``lengths[b] .. lengths[b] + T - 1`` and advances ``lengths[b]`` by ``num_valid[b]``
@@ -129,10 +128,12 @@ class DecoderConfig:
       raise ValueError(f'head_dim must be even for RoPE, got {self.head_dim}.')
 
 
-# The logical axes of a value cache block, ``[B, kv, S, d]``, and its position axis (keys:
-# ``key_block_axes``).
+# The logical axes of the cache blocks, values ``[B, kv, S, d]`` and keys transposed
+# ``[B, kv, d, S]`` (see the module docstring), and their position axes.
 VALUE_BLOCK_AXES = ('batch', 'kv_heads', 'length', 'head_dim')
 VALUE_POSITION_AXIS = VALUE_BLOCK_AXES.index('length')
+KEY_BLOCK_AXES = ('batch', 'kv_heads', 'head_dim', 'length')
+KEY_POSITION_AXIS = KEY_BLOCK_AXES.index('length')
 # The axes of the keys and values the attention projections produce, ``[B, T, kv, d]``.
 _PROJECTED_AXES = ('batch', 'length', 'kv_heads', 'head_dim')
 
@@ -219,8 +220,8 @@ def _invariant_attention(q: Array, ks: tuple[Array, ...], vs: tuple[Array, ...],
   cache slots or masked key positions come with it.
 
   Args:
-    q: ``[B, kv, M, d]``; ks, vs: consecutive key/value blocks, both ``[B, kv, S, d]``
-      (the batch-invariant cache layout); query_mask: bool ``[B, 1, M, S]`` over the
+    q: ``[B, kv, M, d]``; ks, vs: consecutive key and value blocks in the cache layouts,
+      ``[B, kv, d, S]`` and ``[B, kv, S, d]``; query_mask: bool ``[B, 1, M, S]`` over the
       blocks' positions.
   Returns:
     ``[B, kv, M, d]`` float32.
@@ -238,14 +239,14 @@ def _invariant_attention(q: Array, ks: tuple[Array, ...], vs: tuple[Array, ...],
   """
   rows, dim = q.shape[2:]
   pad = max(2 - rows, 0)
-  key_pieces, value_pieces = _pieces(ks, VALUE_POSITION_AXIS), _pieces(vs, VALUE_POSITION_AXIS)
+  key_pieces, value_pieces = _pieces(ks, KEY_POSITION_AXIS), _pieces(vs, VALUE_POSITION_AXIS)
   width = len(key_pieces) * INVARIANT_KEYS
   # The scale goes on the queries: on the scores, XLA moved it into whichever matmul operand
   # was smaller, which differs between programs (it is exact only for powers of two).
   q = jnp.pad(q, ((0, 0), (0, 0), (0, pad), (0, 0))) * dim ** -0.5
   query_mask = jnp.pad(query_mask,
                        ((0, 0), (0, 0), (0, pad), (0, width - query_mask.shape[-1])))
-  scores = [jnp.einsum('bkqd,bksd->bkqs', q, k) for k in key_pieces]
+  scores = [jnp.einsum('bkqd,bkds->bkqs', q, k) for k in key_pieces]
   scores = (scores[0] if len(scores) == 1 else jnp.concatenate(scores, -1)).astype(jnp.float32)
   scores = jnp.where(query_mask, scores, jnp.finfo(jnp.float32).min)
   weights = jnp.exp(scores - invariant_max(scores))
@@ -264,22 +265,10 @@ def _invariant_attention(q: Array, ks: tuple[Array, ...], vs: tuple[Array, ...],
   return (out / total)[:, :, :rows]
 
 
-def key_block_axes(config: DecoderConfig) -> tuple[str, ...]:
-  """The logical axes of a key cache block: transposed, ``[B, kv, d, S]``, by default (see
-  the module docstring); like values, ``[B, kv, S, d]``, with ``config.batch_invariant``."""
-  return (VALUE_BLOCK_AXES if config.batch_invariant
-          else ('batch', 'kv_heads', 'head_dim', 'length'))
-
-
-def key_position_axis(config: DecoderConfig) -> int:
-  """The position axis of a key cache block (``key_block_axes``)."""
-  return key_block_axes(config).index('length')
-
-
 def cache_block_shape(axes: tuple[str, ...], config: DecoderConfig, batch: int,
                       block_length: int) -> tuple[int, ...]:
   """The shape of a cache block with logical ``axes`` (``VALUE_BLOCK_AXES`` or
-  ``key_block_axes``) for ``batch`` slots of ``block_length`` positions."""
+  ``KEY_BLOCK_AXES``) for ``batch`` slots of ``block_length`` positions."""
   sizes = {'batch': batch, 'kv_heads': config.num_kv_heads, 'head_dim': config.head_dim,
            'length': block_length}
   return tuple(sizes[axis] for axis in axes)
@@ -309,7 +298,7 @@ class KVCache:
       raise ValueError(f'block_length must be >= 1, got {block_length}.')
     layer = lambda axes: tuple(jnp.zeros(cache_block_shape(axes, config, batch, block),
                                          config.dtype) for _ in range(-(-max_len // block)))
-    return cls(k=tuple(layer(key_block_axes(config)) for _ in range(config.num_layers)),
+    return cls(k=tuple(layer(KEY_BLOCK_AXES) for _ in range(config.num_layers)),
                v=tuple(layer(VALUE_BLOCK_AXES) for _ in range(config.num_layers)),
                lengths=jnp.zeros((batch,), jnp.int32))
 
@@ -427,7 +416,7 @@ def rope(x: Array, positions: Array, theta: float | np.ndarray) -> Array:
 
 def _write_positions(buffer: Array, update: Array, starts: Array, axis: int) -> Array:
   """Writes ``update[b]`` into ``buffer[b]`` (a one-block cache) at position ``starts[b]``
-  along ``axis`` (2 for values ``[B, kv, S, d]``, ``key_position_axis`` for keys);
+  along ``axis`` (2 for values ``[B, kv, S, d]``, ``KEY_POSITION_AXIS`` for keys);
   ``update`` is laid out like ``buffer`` with ``T`` positions."""
   def one(buf, upd, start):
     index = [jnp.zeros((), start.dtype)] * (buf.ndim)
@@ -439,7 +428,7 @@ def _write_positions(buffer: Array, update: Array, starts: Array, axis: int) -> 
 def _write_blocks(blocks: tuple[Array, ...], values: Array, starts: Array, axis: int
                   ) -> tuple[Array, ...]:
   """Writes ``values[b, t]`` ``[kv, d]`` at position ``starts[b] + t`` (along ``axis`` of
-  each ``[B, ...]`` block, 2 for values, ``key_position_axis`` for keys) of the leading
+  each ``[B, ...]`` block, 2 for values, ``KEY_POSITION_AXIS`` for keys) of the leading
   cache blocks ``blocks``;
   positions past them are dropped."""
   batch, length = values.shape[:2]
@@ -507,11 +496,11 @@ class Attention(nnx.Module):
     q = constrain(q, ('batch', 'length', 'heads', 'head_dim'))
     q = apply_rope(q, *rope_cs)
     k = apply_rope(k, *rope_cs)
-    if kv is not None:  # keys in the cache layout (see key_position_axis)
+    if kv is not None:  # keys in the cache layout, KEY_BLOCK_AXES
       attend = mask.shape[-1]
-      key_axis = key_position_axis(c)
+      key_axis = KEY_POSITION_AXIS
       if len(kv[0]) == 1:
-        new_kv = ((_write_positions(kv[0][0], _to_block(k, key_block_axes(c)), starts,
+        new_kv = ((_write_positions(kv[0][0], _to_block(k, KEY_BLOCK_AXES), starts,
                                     key_axis),),
                   (_write_positions(kv[1][0], _to_block(v, VALUE_BLOCK_AXES), starts,
                                     VALUE_POSITION_AXIS),))
@@ -524,9 +513,10 @@ class Attention(nnx.Module):
         vs = _write_blocks(kv[1][:used], v, starts, VALUE_POSITION_AXIS)
         new_kv = (ks + kv[0][used:], vs + kv[1][used:])
       score = 'bkqd,bkds->bkqs'
-    else:  # keys as [B, kv, T, d]
+    else:  # keys as [B, kv, T, d]; batch-invariant attention takes them as cached
       new_kv = None
-      ks, vs = (_to_block(k, VALUE_BLOCK_AXES),), (_to_block(v, VALUE_BLOCK_AXES),)
+      ks = (_to_block(k, KEY_BLOCK_AXES if c.batch_invariant else VALUE_BLOCK_AXES),)
+      vs = (_to_block(v, VALUE_BLOCK_AXES),)
       score = 'bkqd,bksd->bkqs'
     batch, length = q.shape[:2]
     groups = c.num_heads // c.num_kv_heads
@@ -536,9 +526,9 @@ class Attention(nnx.Module):
     query_mask = query_mask.reshape(batch, 1, groups * length, mask.shape[-1])
     wo = self.wo[...].astype(dt).reshape(c.num_heads * c.head_dim, c.embed_dim)
     if c.batch_invariant:
-      if len(ks) > 1 and ks[0].shape[VALUE_POSITION_AXIS] % INVARIANT_KEYS:
+      if len(vs) > 1 and vs[0].shape[VALUE_POSITION_AXIS] % INVARIANT_KEYS:
         raise ValueError(f'batch_invariant attention needs cache blocks of a multiple of '
-                         f'{INVARIANT_KEYS} positions, got {ks[0].shape[VALUE_POSITION_AXIS]}; '
+                         f'{INVARIANT_KEYS} positions, got {vs[0].shape[VALUE_POSITION_AXIS]}; '
                          'the engine keeps them so.')
       out = _invariant_attention(q, ks, vs, query_mask).astype(dt)
       out = out.reshape(batch, c.num_kv_heads, groups, length, c.head_dim)

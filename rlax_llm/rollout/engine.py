@@ -49,9 +49,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlax_llm import sharding as sharding_lib
-from rlax_llm.models.decoder import (INVARIANT_KEYS, VALUE_BLOCK_AXES, VALUE_POSITION_AXIS,
-                                     KVCache, cache_block_shape, key_block_axes,
-                                     key_position_axis)
+from rlax_llm.models.decoder import (INVARIANT_KEYS, KEY_BLOCK_AXES, KEY_POSITION_AXIS,
+                                     VALUE_BLOCK_AXES, VALUE_POSITION_AXIS, KVCache,
+                                     cache_block_shape)
 from rlax_llm.models.model import Model, Params
 from rlax_llm.policy import SamplingSpec, sample_rows
 
@@ -356,7 +356,7 @@ class Engine:
                                                               mesh, rules))
     block = lambda axes: (named(axes, cache_block_shape(axes, c, self.slots,
                                                         self.block_length)),) * self.num_blocks
-    k, v = block(key_block_axes(c)), block(VALUE_BLOCK_AXES)
+    k, v = block(KEY_BLOCK_AXES), block(VALUE_BLOCK_AXES)
     per_slot = named(('batch',), (self.slots,))
     per_slot_2d = lambda width: named(('batch', None), (self.slots, width))
     return DecodeState(
@@ -396,7 +396,7 @@ class Engine:
     remaining = jnp.where(stopped | (left <= 0), 0, left)
     set_rows = lambda buffer, values: buffer.at[slots].set(values, mode='drop')
     cache = KVCache(
-        k=tuple(put(ck, pk, key_position_axis(self.model.config))
+        k=tuple(put(ck, pk, KEY_POSITION_AXIS)
                 for ck, pk in zip(state.cache.k, prefix.k)),
         v=tuple(put(cv, pv, VALUE_POSITION_AXIS) for cv, pv in zip(state.cache.v, prefix.v)),
         lengths=set_rows(state.cache.lengths, prefix.lengths[rows]))
