@@ -57,6 +57,7 @@ config refuses them with it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -143,6 +144,7 @@ INVARIANT_ROWS = 32
 INVARIANT_KEYS = 64
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def invariant_matmul(x: Array, w: Array, spec: str = 'ck,kn->cn') -> Array:
   """``x [..., K]`` times the 2-D weight ``w`` (``spec`` contracts a chunk ``c`` of rows
   with it, e.g. ``'ck,nk->cn'`` for a ``[N, K]`` weight) -> ``[..., N]``, each row's result
@@ -155,6 +157,10 @@ def invariant_matmul(x: Array, w: Array, spec: str = 'ck,kn->cn') -> Array:
   loop. ``w``, and a single chunk, pass an optimization barrier: without it XLA folded the
   tied head's transpose into the matmul in some programs and not in others, and the two
   kernels round differently.
+
+  Only the values need the fixed rounding (they are the log-probs sampler and trainer
+  compare); the gradient is the plain matmul's (``_plain_matmul_bwd``), whole-batch GEMMs
+  instead of a loop of 32-row products and rank-32 weight updates.
   """
   lead = x.shape[:-1]
   rows = x.reshape(-1, x.shape[-1])
@@ -167,6 +173,23 @@ def invariant_matmul(x: Array, w: Array, spec: str = 'ck,kn->cn') -> Array:
   else:
     out = jax.lax.map(lambda chunk: jnp.einsum(spec, chunk, w), chunks)
   return out.reshape(-1, out.shape[-1])[:count].reshape(lead + out.shape[-1:])
+
+
+def _plain_matmul(spec: str, x: Array, w: Array) -> Array:
+  """``invariant_matmul``'s product in XLA's own way (any kernel, no chunks)."""
+  return jnp.einsum(spec, x.reshape(-1, x.shape[-1]), w).reshape(x.shape[:-1] + (-1,))
+
+
+def _invariant_matmul_fwd(x, w, spec):
+  return invariant_matmul(x, w, spec), (x, w)
+
+
+def _plain_matmul_bwd(spec, residuals, g):
+  x, w = residuals
+  return jax.vjp(functools.partial(_plain_matmul, spec), x, w)[1](g)
+
+
+invariant_matmul.defvjp(_invariant_matmul_fwd, _plain_matmul_bwd)
 
 
 def _halving(x: Array, op, fill) -> Array:

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rlax_llm.models.decoder import INVARIANT_KEYS, DecoderConfig
+from rlax_llm.models.decoder import INVARIANT_KEYS, DecoderConfig, invariant_matmul
 from rlax_llm.models.model import create_model
 from rlax_llm.policy import Policy, SamplingSpec
 from rlax_llm.rollout.engine import Engine
@@ -148,6 +148,23 @@ def test_gradients_equal_the_default_numerics_to_rounding():
     for key in path:
       f = f[key.key]
     np.testing.assert_allclose(g, f, rtol=1e-3, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize('spec,w_shape', [('ck,kn->cn', (24, 40)), ('ce,ve->cv', (40, 24))])
+def test_invariant_matmul_gradient_is_the_plain_matmuls_without_the_chunk_loop(spec, w_shape):
+  rng = np.random.RandomState(0)
+  x = jnp.asarray(rng.randn(3, 50, 24), jnp.float32)  # 150 rows: 5 chunks, the last padded
+  w = jnp.asarray(rng.randn(*w_shape), jnp.float32)
+  g = jnp.asarray(rng.randn(3, 50, 40), jnp.float32)
+  plain = lambda x, w: jnp.einsum(spec.replace('c', '...'), x, w)
+  inv = lambda x, w: invariant_matmul(x, w, spec)
+  loss = lambda f: jax.jit(jax.grad(lambda x, w: (f(x, w) * g).sum(), argnums=(0, 1)))
+  for got, want in zip(loss(inv)(x, w), loss(plain)(x, w)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  # This gradient needs no forward product, so the program is the backward alone: two
+  # whole-batch matmuls, no chunk loop.
+  program = jax.jit(jax.grad(lambda x, w: (inv(x, w) * g).sum(), (0, 1))).lower(x, w).as_text()
+  assert program.count('stablehlo.while') == 0 and program.count('stablehlo.dot_general') == 2
 
 
 def test_cache_blocks_must_be_whole_pieces_and_the_engine_keeps_them_so():
