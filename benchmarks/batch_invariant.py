@@ -26,6 +26,7 @@ Prints one JSON object:
      "train_step": {"default_s", "batch_invariant_s", "ratio", "ratios"}}
 
     .venv/bin/python benchmarks/batch_invariant.py [--batch=32] [--repeats=3]
+        [--invariant_rows=chunks|floor]
 """
 
 from __future__ import annotations
@@ -100,18 +101,22 @@ def main() -> None:
   parser.add_argument('--new_tokens', type=int, default=64)
   parser.add_argument('--train_rows', type=int, default=8)
   parser.add_argument('--repeats', type=int, default=3)
+  parser.add_argument('--invariant_rows', default='chunks', choices=('chunks', 'floor'),
+                      help='DecoderConfig.invariant_rows of the batch-invariant model')
   args = parser.parse_args()
 
   path = smollm2_gguf_path()
   models = {}
   for name, invariant in (('default', False), ('batch_invariant', True)):
-    module, tokenizer = from_pretrained(path, batch_invariant=invariant)
+    module, tokenizer = from_pretrained(path, batch_invariant=invariant,
+                                        invariant_rows=args.invariant_rows)
     models[name] = split_module(module)
   prompts = [tokenizer.apply_chat_template([{'role': 'user', 'content': q}],
                                            add_generation_prompt=True, tokenize=True)
              for q in QUESTIONS]
   prompts = [prompts[i % len(prompts)] for i in range(max(args.prompts, args.batch))]
-  result = {'parity': {name: parity(model, params, prompts[:args.prompts], args.sample_tokens)
+  result = {'invariant_rows': args.invariant_rows,
+            'parity': {name: parity(model, params, prompts[:args.prompts], args.sample_tokens)
                        for name, (model, params) in models.items()}}
   print(json.dumps({'parity': result['parity']}), flush=True)
 

@@ -28,7 +28,7 @@ Prints one JSON object:
      "matmul_peak_gflops": ..., "memory_bandwidth_gbs": ..., ...}
 
     .venv/bin/python benchmarks/rollout_throughput.py [--batches=1,8,32,64] [--repeats=3]
-        [--batch_invariant] [--requests=0]
+        [--batch_invariant [--invariant_rows=floor]] [--requests=0]
 """
 
 from __future__ import annotations
@@ -165,6 +165,8 @@ def main() -> None:
   parser.add_argument('--torch_threads', type=int, default=0, help='0: torch default')
   parser.add_argument('--batch_invariant', action='store_true',
                       help='our model with batch-invariant numerics (docs/models.md)')
+  parser.add_argument('--invariant_rows', default='chunks', choices=('chunks', 'floor'),
+                      help='with --batch_invariant: DecoderConfig.invariant_rows')
   args = parser.parse_args()
 
   import torch  # pylint: disable=import-outside-toplevel
@@ -172,7 +174,8 @@ def main() -> None:
   if args.torch_threads:
     torch.set_num_threads(args.torch_threads)
   path = smollm2_gguf_path()
-  module, tokenizer = from_pretrained(path, batch_invariant=args.batch_invariant)
+  module, tokenizer = from_pretrained(path, batch_invariant=args.batch_invariant,
+                                      invariant_rows=args.invariant_rows)
   model, params = split_module(module)
   reference = transformers.AutoModelForCausalLM.from_pretrained(
       str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
@@ -227,7 +230,7 @@ def main() -> None:
   print(json.dumps({
       'benchmark': 'rollout_throughput', 'model': path.name, 'dtype': 'float32',
       'new_tokens': n, 'repeats': args.repeats, 'torch_threads': torch.get_num_threads(),
-      'batch_invariant': args.batch_invariant,
+      'batch_invariant': args.batch_invariant, 'invariant_rows': args.invariant_rows,
       'devices': str(jax.devices()), 'matmul_peak_gflops': peak,
       'memory_bandwidth_gbs': bandwidths, 'param_bytes': param_bytes,
       'batches': batches, 'variable_length': variable,

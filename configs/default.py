@@ -29,6 +29,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       max_seq_len=16,  # None for a checkpoint: its own
       param_dtype='float32', dtype='float32', remat='none',
       batch_invariant=False,  # True: sampler and trainer log-probs bitwise equal (docs/models.md)
+      # With batch_invariant: 'chunks' (fastest for engines of up to 32 slots) or 'floor'
+      # (no slower than the default numerics for 64 slots or more; needs mesh.*.data == 1).
+      invariant_rows='chunks',
   ))
   c.task = ml_collections.ConfigDict(dict(
       name='arithmetic', max_operand=99, operations='+', num_eval=200, demo_error_rate=0.6,

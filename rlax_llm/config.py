@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import ml_collections
 
 from rlax_llm import losses
-from rlax_llm.models.decoder import REMAT_POLICIES, DecoderConfig
+from rlax_llm.models.decoder import INVARIANT_ROWS_MODES, REMAT_POLICIES, DecoderConfig
 from rlax_llm.policy import SamplingSpec
 
 DEFAULT_CONFIG_PATH = pathlib.Path(__file__).resolve().parent.parent / 'configs' / 'default.py'
@@ -283,6 +283,9 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
         'no role splits a matmul\'s contraction across devices (fsdp and tensor both do), but '
         + ', '.join(f'{k}={v}' for k, v in split.items() if v != 1)
         + '; shard with the data axis only or turn batch_invariant off.')
+  if m.invariant_rows not in INVARIANT_ROWS_MODES:
+    raise ConfigError(f'config.model.invariant_rows={m.invariant_rows!r}; choose one of '
+                      f'{list(INVARIANT_ROWS_MODES)}.')
   s = config.sampling
   needed = s.max_prompt_len + s.max_new_tokens
   if m.name == 'tiny':
@@ -319,6 +322,16 @@ def _validate_meshes(config: ml_collections.ConfigDict) -> None:
     meshes = role_meshes(_get(config, 'mesh.trainer').to_dict(),
                          _get(config, 'mesh.inference').to_dict(),
                          workers=config.rollout.workers, disjoint=config.mesh.disjoint)
+  m = config.model
+  data = {f'mesh.{role}.data': (meshes['trainer'] if role == 'trainer'
+                                else meshes['inference'][0]).shape['data']
+          for role in ('trainer', 'inference')}
+  if m.batch_invariant and m.invariant_rows == 'floor' and any(v > 1 for v in data.values()):
+    raise ConfigError(
+        'config.model.invariant_rows=\'floor\' pads each weight matmul to 64 rows, but a '
+        'data-parallel mesh gives each device a slice of them, which may be fewer: '
+        + ', '.join(f'{k} resolves to {v}' for k, v in data.items() if v > 1)
+        + '; use invariant_rows=\'chunks\' or one data shard per role.')
   rollout_batch = config.rl.prompts_per_step * config.rl.group_size
   checks = [('trainer', meshes['trainer'], 'rl.prompts_per_step * rl.group_size',
              rollout_batch)]

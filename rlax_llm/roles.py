@@ -74,7 +74,7 @@ def build_model(config: ml_collections.ConfigDict, task: Task
     decoder = DecoderConfig(vocab_size=tokenizer.vocab_size, max_seq_len=m.max_seq_len,
                             param_dtype=DTYPES[m.param_dtype], dtype=DTYPES[m.dtype],
                             remat=m.remat, batch_invariant=m.batch_invariant,
-                            **m.tiny.to_dict())
+                            invariant_rows=m.invariant_rows, **m.tiny.to_dict())
     model, params = create_model(decoder, seed=config.seed)
     return model, params, tokenizer
   from rlax_llm.models.pretrained import from_pretrained  # pylint: disable=import-outside-toplevel
@@ -82,6 +82,7 @@ def build_model(config: ml_collections.ConfigDict, task: Task
   module, tokenizer = from_pretrained(path, dtype=DTYPES[m.dtype],
                                       param_dtype=DTYPES[m.param_dtype], remat=m.remat,
                                       batch_invariant=m.batch_invariant,
+                                      invariant_rows=m.invariant_rows,
                                       max_seq_len=m.max_seq_len)
   if tokenizer is None:
     raise ConfigError(f'config.model.path={str(path)!r} has no tokenizer (tokenizer.json); '

@@ -46,13 +46,17 @@ def test_same_seed_same_run(tmp_path):
   assert s1['eval/final_accuracy'] == s2['eval/final_accuracy']
 
 
-@pytest.mark.parametrize('invariant', [True, False])
-def test_batch_invariant_run_trains_exactly_on_policy(tmp_path, invariant):
-  """With model.batch_invariant the trainer's log-probs of a synchronous run's rollouts
-  equal the workers' bit for bit: every importance ratio is exactly 1. The default numerics
-  (the control) differ by rounding."""
+@pytest.mark.parametrize('invariant,rows', [(True, 'chunks'), (True, 'floor'),
+                                             (False, 'chunks')])
+def test_batch_invariant_run_trains_exactly_on_policy(tmp_path, invariant, rows):
+  """With model.batch_invariant (either invariant_rows) the trainer's log-probs of a
+  synchronous run's rollouts equal the workers' bit for bit: every importance ratio is
+  exactly 1. The default numerics (the control) differ by rounding."""
   config = _smoke_config(steps=3)
   config.model.batch_invariant = invariant
+  config.model.invariant_rows = rows
+  if rows == 'floor':
+    config.mesh.trainer.data = 1  # it needs every row of a matmul on one device
   with build_run(config, tmp_path) as run:
     run.execute()
   rows = read_metrics(tmp_path / 'metrics.jsonl')

@@ -118,6 +118,22 @@ def test_batch_invariant_with_a_split_contraction_is_refused(axis):
     validate_config(config)
 
 
+def test_invariant_rows_floor_with_data_parallelism_is_refused():
+  config = _smoke()
+  config.model.batch_invariant = True
+  config.model.invariant_rows = 'floor'
+  config.mesh.trainer.data = 1
+  validate_config(config)  # one data shard per role
+  config.mesh.inference.data = 2
+  config.mesh.disjoint = False
+  with pytest.raises(ConfigError, match=r"invariant_rows='floor' pads each weight matmul to "
+                                        r'64 rows.*mesh.inference.data resolves to 2'):
+    validate_config(config)
+  config.model.invariant_rows = 'rows'
+  with pytest.raises(ConfigError, match=r"invariant_rows='rows'; choose one of"):
+    validate_config(config)
+
+
 def test_m2po_with_recompute_is_refused():
   config = _smoke()
   config.rl.loss = 'm2po'

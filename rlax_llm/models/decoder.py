@@ -40,8 +40,9 @@ differently in different programs, so one row's result depends on how many rows 
 it. The same token scored by the trainer (a ``[B, T]`` forward) and by a decode step (one
 query per slot over a KV cache) then differs by rounding, which 30 layers grow to ~5e-5 in
 a log-prob. With ``batch_invariant`` every such computation runs in a form whose rounding
-cannot depend on the batch: weight matmuls in chunks of exactly ``INVARIANT_ROWS`` rows
-(``invariant_matmul``); attention over pieces of ``INVARIANT_KEYS`` key positions, the
+cannot depend on the batch: weight matmuls in chunks of exactly ``INVARIANT_ROWS`` rows, or
+of at least ``INVARIANT_MIN_ROWS`` (``DecoderConfig.invariant_rows``, ``invariant_matmul``);
+attention over pieces of ``INVARIANT_KEYS`` key positions, the
 value products summed in position order, the scale applied to the queries
 (``_invariant_attention``); sums and maxima as fixed trees of elementwise ops
 (``invariant_sum``, ``invariant_max``; RMSNorm and the log-softmax use them too); RoPE's
@@ -85,6 +86,8 @@ class RopeScaling:
 
 REMAT_POLICIES = ('none', 'full', 'dots')
 FAMILIES = ('llama', 'qwen2', 'qwen3')
+# DecoderConfig.invariant_rows (see invariant_matmul).
+INVARIANT_ROWS_MODES = ('chunks', 'floor')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,12 +113,17 @@ class DecoderConfig:
   param_dtype: Any = jnp.float32
   dtype: Any = jnp.float32  # compute dtype
   batch_invariant: bool = False  # see the module docstring
+  # How batch-invariant weight matmuls fix their kernel (INVARIANT_ROWS_MODES, module doc).
+  invariant_rows: str = 'chunks'
 
   def __post_init__(self):
     if self.family not in FAMILIES:
       raise ValueError(f'DecoderConfig.family={self.family!r}; choose one of {FAMILIES}.')
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f'DecoderConfig.remat={self.remat!r}; choose one of {REMAT_POLICIES}.')
+    if self.invariant_rows not in INVARIANT_ROWS_MODES:
+      raise ValueError(f'DecoderConfig.invariant_rows={self.invariant_rows!r}; choose one of '
+                       f'{INVARIANT_ROWS_MODES}.')
     for name in ('vocab_size', 'num_layers', 'embed_dim', 'num_heads', 'num_kv_heads',
                  'head_dim', 'mlp_dim', 'max_seq_len'):
       value = getattr(self, name)
@@ -142,32 +150,49 @@ _PROJECTED_AXES = ('batch', 'length', 'kv_heads', 'head_dim')
 # each attention piece (cache blocks must be a multiple of it).
 INVARIANT_ROWS = 32
 INVARIANT_KEYS = 64
+# invariant_rows='floor': at least this many rows per weight matmul.
+INVARIANT_MIN_ROWS = 64
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def invariant_matmul(x: Array, w: Array, spec: str = 'ck,kn->cn') -> Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def invariant_matmul(x: Array, w: Array, spec: str = 'ck,kn->cn',
+                     rows: str = 'chunks') -> Array:
   """``x [..., K]`` times the 2-D weight ``w`` (``spec`` contracts a chunk ``c`` of rows
   with it, e.g. ``'ck,nk->cn'`` for a ``[N, K]`` weight) -> ``[..., N]``, each row's result
   independent of the other rows.
 
-  The rows are zero-padded to a multiple of ``INVARIANT_ROWS`` and multiplied one chunk at
-  a time (``lax.map``), so every matmul XLA runs has one shape: XLA:CPU picks the kernel
-  from the row count and rounds a row differently for up to 32 rows than for more (from 33
-  to 51 rows on, depending on the weight's shape). A single chunk (a decode step) skips the
-  loop. ``w``, and a single chunk, pass an optimization barrier: without it XLA folded the
-  tied head's transpose into the matmul in some programs and not in others, and the two
-  kernels round differently.
+  XLA:CPU picks a matmul's kernel from its row count: one for up to 32 rows, another for
+  more (from 33 to 51 rows on, depending on the weight's shape), and the two round a row
+  differently; each rounds a row the same for any row count in its range, wherever the row
+  sits (measured). ``rows`` (``DecoderConfig.invariant_rows``) keeps every row in one range:
+
+  * ``'chunks'``: the rows are zero-padded to a multiple of ``INVARIANT_ROWS`` (32) and
+    multiplied one chunk at a time (``lax.map``), all with the small-row kernel. A single
+    chunk (a decode step of up to 32 slots) skips the loop.
+  * ``'floor'``: the rows are zero-padded to at least ``INVARIANT_MIN_ROWS`` (64) and
+    multiplied at once, with the large-row kernel: no loop, so the prefill and the trainer
+    run at the default numerics' speed, and so do decode steps of 64 slots or more; a decode
+    step with fewer slots pays for 64 rows. Each device must see at least 64 rows, so a
+    data-parallel mesh would need that many per device (``config.py`` refuses the pair).
+
+  ``w``, and a single chunk, pass an optimization barrier: without it XLA folded the tied
+  head's transpose into the matmul in some programs and not in others, and the two kernels
+  round differently.
 
   Only the values need the fixed rounding (they are the log-probs sampler and trainer
   compare); the gradient is the plain matmul's (``_plain_matmul_bwd``), whole-batch GEMMs
   instead of a loop of 32-row products and rank-32 weight updates.
   """
   lead = x.shape[:-1]
-  rows = x.reshape(-1, x.shape[-1])
-  count = rows.shape[0]
-  rows = jnp.pad(rows, ((0, -count % INVARIANT_ROWS), (0, 0)))
+  flat = x.reshape(-1, x.shape[-1])
+  count = flat.shape[0]
   w = jax.lax.optimization_barrier(w)
-  chunks = rows.reshape(-1, INVARIANT_ROWS, rows.shape[-1])
+  if rows == 'floor':
+    flat = jnp.pad(flat, ((0, max(INVARIANT_MIN_ROWS - count, 0)), (0, 0)))
+    out = jnp.einsum(spec, jax.lax.optimization_barrier(flat), w)
+    return out[:count].reshape(lead + out.shape[-1:])
+  flat = jnp.pad(flat, ((0, -count % INVARIANT_ROWS), (0, 0)))
+  chunks = flat.reshape(-1, INVARIANT_ROWS, flat.shape[-1])
   if chunks.shape[0] == 1:  # a decode step: the same product without the loop around it
     out = jnp.einsum(spec, jax.lax.optimization_barrier(chunks[0]), w)[None]
   else:
@@ -180,11 +205,12 @@ def _plain_matmul(spec: str, x: Array, w: Array) -> Array:
   return jnp.einsum(spec, x.reshape(-1, x.shape[-1]), w).reshape(x.shape[:-1] + (-1,))
 
 
-def _invariant_matmul_fwd(x, w, spec):
-  return invariant_matmul(x, w, spec), (x, w)
+def _invariant_matmul_fwd(x, w, spec, rows):
+  return invariant_matmul(x, w, spec, rows), (x, w)
 
 
-def _plain_matmul_bwd(spec, residuals, g):
+def _plain_matmul_bwd(spec, rows, residuals, g):
+  del rows
   x, w = residuals
   return jax.vjp(functools.partial(_plain_matmul, spec), x, w)[1](g)
 
@@ -219,9 +245,12 @@ def invariant_max(x: Array) -> Array:
   return _halving(x, jnp.maximum, -jnp.inf)
 
 
-def linear(x: Array, w: Array, invariant: bool) -> Array:
-  """``x [..., K] @ w [K, N]``, batch-invariant (``invariant_matmul``) if asked."""
-  return invariant_matmul(x, w) if invariant else x @ w
+def linear(x: Array, w: Array, config: DecoderConfig) -> Array:
+  """``x [..., K] @ w [K, N]``, batch-invariant (``invariant_matmul``) with
+  ``config.batch_invariant``."""
+  if config.batch_invariant:
+    return invariant_matmul(x, w, 'ck,kn->cn', config.invariant_rows)
+  return x @ w
 
 
 def _pieces(blocks: tuple[Array, ...], axis: int) -> list[Array]:
@@ -556,7 +585,7 @@ class Attention(nnx.Module):
       out = _invariant_attention(q, ks, vs, query_mask).astype(dt)
       out = out.reshape(batch, c.num_kv_heads, groups, length, c.head_dim)
       out = out.transpose(0, 3, 1, 2, 4).reshape(batch, length, c.num_heads * c.head_dim)
-      return constrain(invariant_matmul(out, wo), ('batch', 'length', 'embed')), new_kv
+      return constrain(linear(out, wo, c), ('batch', 'length', 'embed')), new_kv
     scores = [jnp.einsum(score, q, kb) for kb in ks]
     scores = (scores[0] if len(scores) == 1 else jnp.concatenate(scores, -1)).astype(jnp.float32)
     scores = scores * (c.head_dim ** -0.5)
@@ -573,7 +602,8 @@ class Attention(nnx.Module):
   def _project(self, x: Array, w: Array) -> Array:
     """``x [B, T, E]`` times a ``[E, heads, head_dim]`` weight: ``[B, T, heads, head_dim]``."""
     if self.config.batch_invariant:
-      return invariant_matmul(x, w.reshape(w.shape[0], -1)).reshape(x.shape[:-1] + w.shape[1:])
+      out = linear(x, w.reshape(w.shape[0], -1), self.config)
+      return out.reshape(x.shape[:-1] + w.shape[1:])
     return jnp.einsum('bte,ehd->bthd', x, w)
 
 
@@ -588,15 +618,15 @@ class MLP(nnx.Module):
                        c.embed_dim ** -0.5)
     self.w_down = _param(rngs, (c.mlp_dim, c.embed_dim), ('mlp', 'embed'), c.param_dtype,
                          c.mlp_dim ** -0.5)
-    self.dtype = c.dtype
-    self.invariant = c.batch_invariant
+    self.config = c
 
   def __call__(self, x: Array) -> Array:
-    dt, inv = self.dtype, self.invariant
-    gate = jax.nn.silu(linear(x, self.w_gate[...].astype(dt), inv))
-    hidden = constrain(gate * linear(x, self.w_up[...].astype(dt), inv),
+    c = self.config
+    dt = c.dtype
+    gate = jax.nn.silu(linear(x, self.w_gate[...].astype(dt), c))
+    hidden = constrain(gate * linear(x, self.w_up[...].astype(dt), c),
                        ('batch', 'length', 'mlp'))
-    return constrain(linear(hidden, self.w_down[...].astype(dt), inv),
+    return constrain(linear(hidden, self.w_down[...].astype(dt), c),
                      ('batch', 'length', 'embed'))
 
 
@@ -635,7 +665,8 @@ def head_logits(x: Array, weight: Array, config: DecoderConfig) -> Array:
   with ``config.batch_invariant``."""
   tied, weight = config.tie_embeddings, weight.astype(config.dtype)
   if config.batch_invariant:
-    logits = invariant_matmul(x, weight, 'ce,ve->cv' if tied else 'ce,ev->cv')
+    logits = invariant_matmul(x, weight, 'ce,ve->cv' if tied else 'ce,ev->cv',
+                              config.invariant_rows)
   elif tied:
     logits = jnp.einsum('...e,ve->...v', x, weight)
   else:

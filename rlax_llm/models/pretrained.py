@@ -37,7 +37,7 @@ from rlax_llm.models.model import abstract_model
 def from_pretrained(path: str | pathlib.Path, mesh: Mesh | None = None,
                     dtype: Any = jnp.float32, *, param_dtype: Any = jnp.float32,
                     remat: str = 'none', batch_invariant: bool = False,
-                    max_seq_len: int | None = None,
+                    invariant_rows: str = 'chunks', max_seq_len: int | None = None,
                     rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES
                     ) -> tuple[Decoder, Any]:
   """Loads a Hugging Face directory or a ``.gguf`` file.
@@ -49,7 +49,8 @@ def from_pretrained(path: str | pathlib.Path, mesh: Mesh | None = None,
       give on this mesh; else on the default device.
     dtype: compute dtype; ``param_dtype``: storage dtype of the params.
     remat: rematerialisation policy of the blocks ('none' | 'full' | 'dots').
-    batch_invariant: batch-invariant numerics (``DecoderConfig.batch_invariant``).
+    batch_invariant: batch-invariant numerics (``DecoderConfig.batch_invariant``);
+      ``invariant_rows``: how they fix the matmul kernel (``DecoderConfig.invariant_rows``).
     max_seq_len: override of the config's maximum sequence length.
   Returns:
     ``(model, tokenizer)``; tokenizer is None for a directory without ``tokenizer.json``.
@@ -77,7 +78,8 @@ def from_pretrained(path: str | pathlib.Path, mesh: Mesh | None = None,
                  if (path / 'tokenizer.json').exists() else None)
   config = hf.config_from_hf(hf_config, param_dtype=param_dtype, dtype=dtype,
                              max_seq_len=max_seq_len)
-  config = dataclasses.replace(config, remat=remat, batch_invariant=batch_invariant)
+  config = dataclasses.replace(config, remat=remat, batch_invariant=batch_invariant,
+                               invariant_rows=invariant_rows)
   model = abstract_model(config)
   abstract = model.abstract_params()
 

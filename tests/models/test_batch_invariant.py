@@ -86,7 +86,12 @@ def _comparisons(config):
   return {k: float(np.abs(v - reference[scored]).max()) for k, v in gaps.items()}
 
 
-@pytest.mark.parametrize('config', [GQA, MHA, BIAS], ids=['gqa', 'mha_qk_norm_untied', 'bias'])
+FLOOR = dict(invariant_rows='floor')  # weight matmuls of at least 64 rows instead of chunks
+
+
+@pytest.mark.parametrize('config', [GQA, MHA, BIAS, dataclasses.replace(GQA, **FLOOR),
+                                    dataclasses.replace(MHA, **FLOOR)],
+                         ids=['gqa', 'mha_qk_norm_untied', 'bias', 'gqa_floor', 'mha_floor'])
 def test_logits_are_bitwise_equal_across_batches_padding_and_caches(config):
   gaps = _comparisons(config)
   assert all(g == 0.0 for g in gaps.values()), str(gaps)
@@ -150,14 +155,16 @@ def test_gradients_equal_the_default_numerics_to_rounding():
     np.testing.assert_allclose(g, f, rtol=1e-3, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.parametrize('rows', ['chunks', 'floor'])
 @pytest.mark.parametrize('spec,w_shape', [('ck,kn->cn', (24, 40)), ('ce,ve->cv', (40, 24))])
-def test_invariant_matmul_gradient_is_the_plain_matmuls_without_the_chunk_loop(spec, w_shape):
+def test_invariant_matmul_gradient_is_the_plain_matmuls_without_the_chunk_loop(spec, w_shape,
+                                                                                 rows):
   rng = np.random.RandomState(0)
   x = jnp.asarray(rng.randn(3, 50, 24), jnp.float32)  # 150 rows: 5 chunks, the last padded
   w = jnp.asarray(rng.randn(*w_shape), jnp.float32)
   g = jnp.asarray(rng.randn(3, 50, 40), jnp.float32)
   plain = lambda x, w: jnp.einsum(spec.replace('c', '...'), x, w)
-  inv = lambda x, w: invariant_matmul(x, w, spec)
+  inv = lambda x, w: invariant_matmul(x, w, spec, rows)
   loss = lambda f: jax.jit(jax.grad(lambda x, w: (f(x, w) * g).sum(), argnums=(0, 1)))
   for got, want in zip(loss(inv)(x, w), loss(plain)(x, w)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -165,6 +172,11 @@ def test_invariant_matmul_gradient_is_the_plain_matmuls_without_the_chunk_loop(s
   # whole-batch matmuls, no chunk loop.
   program = jax.jit(jax.grad(lambda x, w: (inv(x, w) * g).sum(), (0, 1))).lower(x, w).as_text()
   assert program.count('stablehlo.while') == 0 and program.count('stablehlo.dot_general') == 2
+
+
+def test_an_unknown_invariant_rows_mode_is_refused():
+  with pytest.raises(ValueError, match=r"invariant_rows='rows'; choose one of \('chunks', "):
+    dataclasses.replace(GQA, invariant_rows='rows')
 
 
 def test_cache_blocks_must_be_whole_pieces_and_the_engine_keeps_them_so():

@@ -124,13 +124,16 @@ def test_behaviour_logprobs_equal_the_trainer_recompute(models, spec, cache):
                                  sample.logprobs, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize('attend_buckets', [1, 4], ids=['whole cache', 'attend buckets'])
-def test_batch_invariant_logprobs_equal_the_trainer_bitwise(attend_buckets):
+@pytest.mark.parametrize('attend_buckets,rows', [(1, 'chunks'), (4, 'chunks'), (4, 'floor')],
+                         ids=['whole cache', 'attend buckets', 'attend buckets, floor'])
+def test_batch_invariant_logprobs_equal_the_trainer_bitwise(attend_buckets, rows):
   """A ``batch_invariant`` model: behaviour log-probs are the trainer's recompute bit for
   bit, with requests queueing for slots and sequences crossing cache blocks (two blocks of
-  ``INVARIANT_KEYS``; steps attend to the whole cache or to buckets of 32 positions)."""
+  ``INVARIANT_KEYS``; steps attend to the whole cache or to buckets of 32 positions), with
+  either ``invariant_rows``."""
   model, params = create_model(dataclasses.replace(CONFIG, batch_invariant=True,
-                                                   max_seq_len=160), seed=0)
+                                                   invariant_rows=rows, max_seq_len=160),
+                               seed=0)
   engine = Engine(model, MESH, slots=4, max_prefill_length=16, max_decode_length=112,
                   pad_id=PAD, attend_buckets=attend_buckets)
   assert engine.num_blocks == 2 and engine.block_length == INVARIANT_KEYS

@@ -123,12 +123,15 @@ def test_behaviour_logprobs_equal_the_trainer_recompute(smollm2, record_property
   assert worst <= 3 * self_worst, (worst, self_worst)
 
 
-def test_batch_invariant_behaviour_logprobs_equal_the_trainer_bitwise(smollm2, record_property):
-  """With ``batch_invariant`` numerics (the model's config) the worker's behaviour log-probs
-  are the trainer's recompute bit for bit (the trainer's padding: 96 for one sampling
-  transform, 128 for the other): the 1e-5 goal, met with a difference of exactly zero."""
+@pytest.mark.parametrize('rows', ['chunks', 'floor'])
+def test_batch_invariant_behaviour_logprobs_equal_the_trainer_bitwise(smollm2, record_property,
+                                                                      rows):
+  """With ``batch_invariant`` numerics (the model's config, either ``invariant_rows``) the
+  worker's behaviour log-probs are the trainer's recompute bit for bit (the trainer's
+  padding: 96 for one sampling transform, 128 for the other): the 1e-5 goal, met with a
+  difference of exactly zero."""
   path, _, _, tokenizer, prompts, _ = smollm2
-  module, _ = from_pretrained(path, batch_invariant=True)
+  module, _ = from_pretrained(path, batch_invariant=True, invariant_rows=rows)
   model, params, driver = _driver(module, tokenizer, prompts)
   compared = 0
   for spec, width in ((SamplingSpec(1.0), 96), (SamplingSpec(0.7, top_k=20, top_p=0.9), 128)):
