@@ -46,6 +46,7 @@ CHOICES = {
     'model.param_dtype': ('float32', 'bfloat16'),
     'model.dtype': ('float32', 'bfloat16'),
     'model.remat': REMAT_POLICIES,
+    'model.invariant_rows': INVARIANT_ROWS_MODES,
     'rollout.on_swap': ('continue', 'discard'),
     'rollout.short_batches': ('pad', 'wait'),
     'rollout.fault.kind': ('none', 'die', 'hang'),
@@ -283,9 +284,6 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
         'no role splits a matmul\'s contraction across devices (fsdp and tensor both do), but '
         + ', '.join(f'{k}={v}' for k, v in split.items() if v != 1)
         + '; shard with the data axis only or turn batch_invariant off.')
-  if m.invariant_rows not in INVARIANT_ROWS_MODES:
-    raise ConfigError(f'config.model.invariant_rows={m.invariant_rows!r}; choose one of '
-                      f'{list(INVARIANT_ROWS_MODES)}.')
   s = config.sampling
   needed = s.max_prompt_len + s.max_new_tokens
   if m.name == 'tiny':
@@ -323,9 +321,8 @@ def _validate_meshes(config: ml_collections.ConfigDict) -> None:
                          _get(config, 'mesh.inference').to_dict(),
                          workers=config.rollout.workers, disjoint=config.mesh.disjoint)
   m = config.model
-  data = {f'mesh.{role}.data': (meshes['trainer'] if role == 'trainer'
-                                else meshes['inference'][0]).shape['data']
-          for role in ('trainer', 'inference')}
+  data = {'mesh.trainer.data': meshes['trainer'].shape['data'],
+          'mesh.inference.data': meshes['inference'][0].shape['data']}
   if m.batch_invariant and m.invariant_rows == 'floor' and any(v > 1 for v in data.values()):
     raise ConfigError(
         'config.model.invariant_rows=\'floor\' pads each weight matmul to 64 rows, but a '

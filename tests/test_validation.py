@@ -130,7 +130,7 @@ def test_invariant_rows_floor_with_data_parallelism_is_refused():
                                         r'64 rows.*mesh.inference.data resolves to 2'):
     validate_config(config)
   config.model.invariant_rows = 'rows'
-  with pytest.raises(ConfigError, match=r"invariant_rows='rows'; choose one of"):
+  with pytest.raises(ConfigError, match=r"invariant_rows='rows' is not valid; choose one of"):
     validate_config(config)
 
 

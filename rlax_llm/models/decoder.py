@@ -186,18 +186,18 @@ def invariant_matmul(x: Array, w: Array, spec: str = 'ck,kn->cn',
   lead = x.shape[:-1]
   flat = x.reshape(-1, x.shape[-1])
   count = flat.shape[0]
+  padded = (max(count, INVARIANT_MIN_ROWS) if rows == 'floor'
+            else -(-count // INVARIANT_ROWS) * INVARIANT_ROWS)
+  flat = jnp.pad(flat, ((0, padded - count), (0, 0)))
   w = jax.lax.optimization_barrier(w)
-  if rows == 'floor':
-    flat = jnp.pad(flat, ((0, max(INVARIANT_MIN_ROWS - count, 0)), (0, 0)))
+  if rows == 'floor' or padded == INVARIANT_ROWS:  # one product (a 'chunks' decode step:
+    # the same product without the loop around it)
     out = jnp.einsum(spec, jax.lax.optimization_barrier(flat), w)
-    return out[:count].reshape(lead + out.shape[-1:])
-  flat = jnp.pad(flat, ((0, -count % INVARIANT_ROWS), (0, 0)))
-  chunks = flat.reshape(-1, INVARIANT_ROWS, flat.shape[-1])
-  if chunks.shape[0] == 1:  # a decode step: the same product without the loop around it
-    out = jnp.einsum(spec, jax.lax.optimization_barrier(chunks[0]), w)[None]
   else:
+    chunks = flat.reshape(-1, INVARIANT_ROWS, flat.shape[-1])
     out = jax.lax.map(lambda chunk: jnp.einsum(spec, chunk, w), chunks)
-  return out.reshape(-1, out.shape[-1])[:count].reshape(lead + out.shape[-1:])
+    out = out.reshape(-1, out.shape[-1])
+  return out[:count].reshape(lead + out.shape[-1:])
 
 
 def _plain_matmul(spec: str, x: Array, w: Array) -> Array:
