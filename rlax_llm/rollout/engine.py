@@ -64,9 +64,8 @@ BLOCK_ALIGN = 32
 
 @flax.struct.dataclass
 class Prefix:
-  """``K`` prefilled prompts (rows): per layer keys ``[K, kv_heads, head_dim, bucket]``
-  (``[K, kv_heads, bucket, head_dim]`` if ``batch_invariant``) and values
-  ``[K, kv_heads, bucket, head_dim]`` (the ``KVCache`` layouts), true lengths and
+  """``K`` prefilled prompts (rows): per layer keys ``[K, kv_heads, head_dim, bucket]`` and
+  values ``[K, kv_heads, bucket, head_dim]`` (the ``KVCache`` layouts), true lengths and
   the float32 logits ``[K, V]`` of each prompt's last token."""
 
   k: tuple[jax.Array, ...]

@@ -140,6 +140,7 @@ class _State:
   pending: np.ndarray  # int32 [S]
   pending_valid: np.ndarray  # bool [S]
   lengths: np.ndarray  # int32 [S]: tokens reported so far
+  prompt_lengths: np.ndarray  # int32 [S]: the prompt each slot was inserted with
 
 
 def make_engine(js: types.SimpleNamespace, engine: Engine, tokenizer, holder: VersionedParams,
@@ -184,6 +185,7 @@ def make_engine(js: types.SimpleNamespace, engine: Engine, tokenizer, holder: Ve
       decode_state.pending[slot] = first.tokens[0]
       decode_state.pending_valid[slot] = True
       decode_state.lengths[slot] = 0
+      decode_state.prompt_lengths[slot] = int(prefix.lengths[0])
       return decode_state
 
     def generate(self, params: VersionedParams, decode_state: _State):
@@ -191,7 +193,11 @@ def make_engine(js: types.SimpleNamespace, engine: Engine, tokenizer, holder: Ve
       valid = decode_state.pending_valid.copy()
       decode_state.lengths += valid
       lengths = decode_state.lengths.copy()
-      state, step = self.engine.generate(params.get()[1], decode_state.engine_state, sampling)
+      # Every token reported now is the one this step feeds, so a slot holds its prompt
+      # plus `lengths` positions after it; attention reads the bucket holding the longest.
+      longest = int(np.max(np.where(valid, decode_state.prompt_lengths + lengths, 1)))
+      state, step = self.engine.generate(params.get()[1], decode_state.engine_state, sampling,
+                                         longest)
       step = step.to_host()
       decode_state.engine_state = state
       decode_state.pending = np.where(step.valid, step.tokens, decode_state.pending)
@@ -206,7 +212,7 @@ def make_engine(js: types.SimpleNamespace, engine: Engine, tokenizer, holder: Ve
       s = self.engine.slots
       return _State(engine_state=self.engine.init_decode_state(),
                     pending=np.zeros(s, np.int32), pending_valid=np.zeros(s, bool),
-                    lengths=np.zeros(s, np.int32))
+                    lengths=np.zeros(s, np.int32), prompt_lengths=np.zeros(s, np.int32))
 
     def get_prefix_destination_sharding(self) -> Any:
       return None
@@ -259,8 +265,7 @@ def serve(checkpoint: str, port: int, *, host: str = 'localhost', slots: int = 8
   devices = jax.devices()[:1]
   engine = Engine(model, make_mesh({'data': 1}, devices), slots=slots,
                   max_prefill_length=max_prefill_length,
-                  max_decode_length=max_decode_length, pad_id=tokenizer.pad_id,
-                  attend_buckets=1)
+                  max_decode_length=max_decode_length, pad_id=tokenizer.pad_id)
   holder = VersionedParams()
   holder.set(0, engine.place_params(params))
   jengine = make_engine(js, engine, tokenizer, holder, sampling=sampling, seed=seed)

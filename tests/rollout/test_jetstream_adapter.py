@@ -111,6 +111,51 @@ def test_jetstream_client_gets_the_drivers_tokens(server, checkpoint):
     assert len(expected) >= 1
 
 
+def test_adapter_steps_attend_to_the_bucket_of_the_longest_slot():
+  """In-process (no server): each generate step passes the engine the positions its longest
+  slot holds (prompt plus tokens fed), so attention reads the smallest cache bucket that
+  holds it; the tokens are the driver's, which reads the same buckets."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
+  from rlax_llm.rollout.driver import VersionedParams  # pylint: disable=import-outside-toplevel
+  from rlax_llm.rollout.engine import Engine  # pylint: disable=import-outside-toplevel
+  from rlax_llm.sharding import make_mesh  # pylint: disable=import-outside-toplevel
+  js = jetstream_adapter.import_jetstream()
+  config = DecoderConfig(vocab_size=48, num_layers=2, embed_dim=32, num_heads=4,
+                         num_kv_heads=2, head_dim=8, mlp_dim=64, max_seq_len=128)
+  model, params = split_module(Decoder(config, rngs=nnx.Rngs(0)))
+  engine = Engine(model, make_mesh({'data': 1}, jax.devices()[:1]), slots=2,
+                  max_prefill_length=64, max_decode_length=40, pad_id=0)
+  assert len(engine.attend_buckets) > 1, engine.attend_buckets
+  holder = VersionedParams()
+  holder.set(0, engine.place_params(params))
+  tokenizer = SimpleNamespace(add_bos_token=False, bos_id=1, eos_id=-1, pad_id=0)
+  served = jetstream_adapter.make_engine(js, engine, tokenizer, holder)
+  seen = []
+  real = engine.generate
+  engine.generate = lambda *a: (seen.append(a[3]), real(*a))[1]
+  prompts = [[5, 6, 7], [9] * 30]
+  state = served.init_decode_state()
+  tokens = [[], []]
+  for slot, prompt in enumerate(prompts):
+    padded = np.zeros(64, np.int32)
+    padded[:len(prompt)] = prompt
+    prefix = served.prefill(params=holder, padded_tokens=padded, true_length=len(prompt))
+    state = served.insert(prefix, state, slot)
+  for _ in range(engine.max_decode_length):
+    state, result = served.generate(holder, state)
+    for slot in range(2):
+      token, valid, _ = result.data[slot]
+      if valid:
+        tokens[slot].append(int(token))
+  # The step that reports the last token feeds nothing: its bound is one too many (safe).
+  assert seen == [30 + n for n in range(1, engine.max_decode_length + 1)]
+  assert min(seen) < engine.attend_buckets[0] < max(seen)  # more than one bucket was read
+  ours = generate(model, params, prompts, GREEDY, max_new_tokens=engine.max_decode_length)
+  assert tokens == [s.tokens for s in ours]
+  assert [len(t) for t in tokens] == [engine.max_decode_length] * 2
+
+
 def test_shims_leave_the_root_logger_alone():
   import logging  # pylint: disable=import-outside-toplevel
   root = logging.getLogger()
