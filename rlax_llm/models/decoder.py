@@ -152,6 +152,9 @@ INVARIANT_ROWS = 32
 INVARIANT_KEYS = 64
 # invariant_rows='floor': at least this many rows per weight matmul.
 INVARIANT_MIN_ROWS = 64
+# invariant_rows='chunks': a product of at most INVARIANT_ROWS rows has at least this many
+# (one row takes a matrix-vector path that rounds differently from the small-row kernel).
+INVARIANT_MIN_CHUNK_ROWS = 2
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -167,8 +170,10 @@ def invariant_matmul(x: Array, w: Array, spec: str = 'ck,kn->cn',
   sits (measured). ``rows`` (``DecoderConfig.invariant_rows``) keeps every row in one range:
 
   * ``'chunks'``: the rows are zero-padded to a multiple of ``INVARIANT_ROWS`` (32) and
-    multiplied one chunk at a time (``lax.map``), all with the small-row kernel. A single
-    chunk (a decode step of up to 32 slots) skips the loop.
+    multiplied one chunk at a time (``lax.map``), all with the small-row kernel. Up to 32
+    rows (a decode step of up to 32 slots) are one product without the loop, padded only
+    to ``INVARIANT_MIN_CHUNK_ROWS`` (2): the small-row kernel rounds a row the same for any
+    count from 2 to 32, and a single row takes a matrix-vector path that does not.
   * ``'floor'``: the rows are zero-padded to at least ``INVARIANT_MIN_ROWS`` (64) and
     multiplied at once, with the large-row kernel: no loop, so the prefill and the trainer
     run at the default numerics' speed, and so do decode steps of 64 slots or more; a decode
@@ -186,12 +191,15 @@ def invariant_matmul(x: Array, w: Array, spec: str = 'ck,kn->cn',
   lead = x.shape[:-1]
   flat = x.reshape(-1, x.shape[-1])
   count = flat.shape[0]
-  padded = (max(count, INVARIANT_MIN_ROWS) if rows == 'floor'
-            else -(-count // INVARIANT_ROWS) * INVARIANT_ROWS)
+  if rows == 'floor':
+    padded = max(count, INVARIANT_MIN_ROWS)
+  elif count <= INVARIANT_ROWS:  # one chunk's product, without the loop around it
+    padded = max(count, INVARIANT_MIN_CHUNK_ROWS)
+  else:
+    padded = -(-count // INVARIANT_ROWS) * INVARIANT_ROWS
   flat = jnp.pad(flat, ((0, padded - count), (0, 0)))
   w = jax.lax.optimization_barrier(w)
-  if rows == 'floor' or padded == INVARIANT_ROWS:  # one product (a 'chunks' decode step:
-    # the same product without the loop around it)
+  if rows == 'floor' or count <= INVARIANT_ROWS:
     out = jnp.einsum(spec, jax.lax.optimization_barrier(flat), w)
   else:
     chunks = flat.reshape(-1, INVARIANT_ROWS, flat.shape[-1])

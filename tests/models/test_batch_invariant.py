@@ -174,6 +174,31 @@ def test_invariant_matmul_gradient_is_the_plain_matmuls_without_the_chunk_loop(s
   assert program.count('stablehlo.while') == 0 and program.count('stablehlo.dot_general') == 2
 
 
+@pytest.mark.parametrize('rows,count,product', [
+    ('chunks', 1, 2), ('chunks', 8, 8), ('chunks', 32, 32), ('chunks', 33, 32),
+    ('floor', 8, 64), ('floor', 100, 100)])
+def test_invariant_matmul_product_sizes(rows, count, product):
+  """'chunks': one row is padded to two (a single row would take the matrix-vector path),
+  up to 32 rows are one product, more run as 32-row chunks; 'floor': at least 64 rows."""
+  x = jnp.zeros((count, 64), jnp.float32)
+  w = jnp.zeros((64, 96), jnp.float32)
+  program = jax.jit(lambda x, w: invariant_matmul(x, w, 'ck,kn->cn', rows)).lower(x, w)
+  assert f'(tensor<{product}x64xf32>, tensor<64x96xf32>)' in program.as_text()
+
+
+def test_chunks_round_a_row_the_same_for_every_row_count():
+  """The small-row kernel's property 'chunks' relies on (and the reason for padding one row
+  to two): row r of a product of 1 to 40 rows has the bits it has in a 32-row chunk."""
+  rng = np.random.RandomState(0)
+  x = jnp.asarray(rng.randn(40, 64), jnp.float32)
+  w = jnp.asarray(rng.randn(64, 96), jnp.float32)
+  product = jax.jit(lambda x: invariant_matmul(x, w, 'ck,kn->cn', 'chunks'))
+  chunk = np.asarray(product(x[:32]))
+  for count in (1, 2, 5, 8, 31, 32, 33, 40):
+    got = np.asarray(product(x[:count]))
+    np.testing.assert_array_equal(got[:32], chunk[:count], err_msg=f'{count} rows')
+
+
 def test_an_unknown_invariant_rows_mode_is_refused():
   with pytest.raises(ValueError, match=r"invariant_rows='rows'; choose one of \('chunks', "):
     dataclasses.replace(GQA, invariant_rows='rows')
