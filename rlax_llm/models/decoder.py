@@ -170,18 +170,18 @@ def invariant_matmul(x: Array, w: Array, spec: str = 'ck,kn->cn',
   differently; each rounds a row the same for any row count in its range, wherever the row
   sits (measured). ``rows`` (``DecoderConfig.invariant_rows``) keeps every row in one range:
 
-  * ``'chunks'``: the rows are zero-padded to a multiple of ``INVARIANT_ROWS`` (32) and
-    multiplied one chunk at a time (``lax.map``), all with the small-row kernel. Up to 32
-    rows (a decode step of up to 32 slots) are one product without the loop, padded only
-    to ``INVARIANT_MIN_CHUNK_ROWS`` (2): the small-row kernel rounds a row the same for any
-    count from 2 to 32, and a single row takes a matrix-vector path that does not.
+  * ``'chunks'``: the rows are multiplied ``INVARIANT_ROWS`` (32) at a time (``lax.map``),
+    all with the small-row kernel; the rows past the last whole chunk (all of them, up to
+    32: a decode step of up to 32 slots) are one product of their own count, zero-padded
+    only to ``INVARIANT_MIN_CHUNK_ROWS`` (2). The small-row kernel rounds a row the same for
+    any count from 2 to 32, and a single row takes a matrix-vector path that does not.
   * ``'floor'``: the rows are zero-padded to at least ``INVARIANT_MIN_ROWS`` (64) and
     multiplied at once, with the large-row kernel: no loop, so the prefill and the trainer
     run at the default numerics' speed, and so do decode steps of 64 slots or more; a decode
     step with fewer slots pays for 64 rows. Each device must see at least 64 rows, so a
     data-parallel mesh would need that many per device (``config.py`` refuses the pair).
 
-  ``w``, and a single chunk, pass an optimization barrier: without it XLA folded the tied
+  ``w``, and a product outside the loop, pass an optimization barrier: without it XLA folded the tied
   head's transpose into the matmul in some programs and not in others, and the two kernels
   round differently.
 
@@ -192,21 +192,25 @@ def invariant_matmul(x: Array, w: Array, spec: str = 'ck,kn->cn',
   lead = x.shape[:-1]
   flat = x.reshape(-1, x.shape[-1])
   count = flat.shape[0]
-  if rows == 'floor':
-    padded = max(count, INVARIANT_MIN_ROWS)
-  elif count <= INVARIANT_ROWS:  # one chunk's product, without the loop around it
-    padded = max(count, INVARIANT_MIN_CHUNK_ROWS)
-  else:
-    padded = -(-count // INVARIANT_ROWS) * INVARIANT_ROWS
-  flat = jnp.pad(flat, ((0, padded - count), (0, 0)))
   w = jax.lax.optimization_barrier(w)
-  if rows == 'floor' or count <= INVARIANT_ROWS:
-    out = jnp.einsum(spec, jax.lax.optimization_barrier(flat), w)
+
+  def product(rows_in: Array, least: int) -> Array:  # one product of >= least rows
+    padded = jnp.pad(rows_in, ((0, max(least - rows_in.shape[0], 0)), (0, 0)))
+    return jnp.einsum(spec, jax.lax.optimization_barrier(padded), w)[:rows_in.shape[0]]
+
+  if rows == 'floor':
+    out = product(flat, INVARIANT_MIN_ROWS)
   else:
-    chunks = flat.reshape(-1, INVARIANT_ROWS, flat.shape[-1])
-    out = jax.lax.map(lambda chunk: jnp.einsum(spec, chunk, w), chunks)
-    out = out.reshape(-1, out.shape[-1])
-  return out[:count].reshape(lead + out.shape[-1:])
+    whole = count // INVARIANT_ROWS * INVARIANT_ROWS
+    parts = []
+    if whole:
+      chunks = flat[:whole].reshape(-1, INVARIANT_ROWS, flat.shape[-1])
+      parts.append(jax.lax.map(lambda chunk: jnp.einsum(spec, chunk, w), chunks)
+                   .reshape(whole, -1) if whole > INVARIANT_ROWS else product(flat[:whole], 0))
+    if count > whole:  # the rest: one product of its own row count (at least 2)
+      parts.append(product(flat[whole:], INVARIANT_MIN_CHUNK_ROWS))
+    out = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+  return out.reshape(lead + out.shape[-1:])
 
 
 def _plain_matmul(spec: str, x: Array, w: Array) -> Array:
