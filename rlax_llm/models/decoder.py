@@ -40,8 +40,8 @@ differently in different programs, so one row's result depends on how many rows 
 it. The same token scored by the trainer (a ``[B, T]`` forward) and by a decode step (one
 query per slot over a KV cache) then differs by rounding, which 30 layers grow to ~5e-5 in
 a log-prob. With ``batch_invariant`` every such computation runs in a form whose rounding
-cannot depend on the batch: weight matmuls in chunks of exactly ``INVARIANT_ROWS`` rows (up
-to that many in one product of at least two), or of at least ``INVARIANT_MIN_ROWS``
+cannot depend on the batch: weight matmuls in chunks of exactly ``INVARIANT_ROWS`` rows (the
+rest in one product of at least two), or of at least ``INVARIANT_MIN_ROWS``
 (``DecoderConfig.invariant_rows``, ``invariant_matmul``);
 attention over pieces of ``INVARIANT_KEYS`` key positions, the
 value products summed in position order, the scale applied to the queries
