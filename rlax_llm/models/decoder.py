@@ -181,9 +181,9 @@ def invariant_matmul(x: Array, w: Array, spec: str = 'ck,kn->cn',
     step with fewer slots pays for 64 rows. Each device must see at least 64 rows, so a
     data-parallel mesh would need that many per device (``config.py`` refuses the pair).
 
-  ``w``, and a product outside the loop, pass an optimization barrier: without it XLA folded the tied
-  head's transpose into the matmul in some programs and not in others, and the two kernels
-  round differently.
+  ``w``, and a product outside the loop, pass an optimization barrier: without it XLA folded
+  the tied head's transpose into the matmul in some programs and not in others, and the two
+  kernels round differently.
 
   Only the values need the fixed rounding (they are the log-probs sampler and trainer
   compare); the gradient is the plain matmul's (``_plain_matmul_bwd``), whole-batch GEMMs
@@ -203,10 +203,12 @@ def invariant_matmul(x: Array, w: Array, spec: str = 'ck,kn->cn',
   else:
     whole = count // INVARIANT_ROWS * INVARIANT_ROWS
     parts = []
-    if whole:
+    if whole > INVARIANT_ROWS:  # the whole chunks, in a loop
       chunks = flat[:whole].reshape(-1, INVARIANT_ROWS, flat.shape[-1])
-      parts.append(jax.lax.map(lambda chunk: jnp.einsum(spec, chunk, w), chunks)
-                   .reshape(whole, -1) if whole > INVARIANT_ROWS else product(flat[:whole], 0))
+      out = jax.lax.map(lambda chunk: jnp.einsum(spec, chunk, w), chunks)
+      parts.append(out.reshape(whole, -1))
+    elif whole:  # one chunk: the same product without the loop around it
+      parts.append(product(flat[:whole], INVARIANT_ROWS))
     if count > whole:  # the rest: one product of its own row count (at least 2)
       parts.append(product(flat[whole:], INVARIANT_MIN_CHUNK_ROWS))
     out = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
