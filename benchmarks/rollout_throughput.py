@@ -18,7 +18,14 @@ Also measured in the same process:
   (every decode step reads all of them once: ``param bytes * steps/s``) and its fraction of
   that bandwidth; and the tokens/s of a decoder that did nothing but read its weights once
   per step (``bandwidth_bound_tok_s``: an upper bound for any fp32 implementation at that
-  batch size, since the weights are far larger than the caches).
+  batch size, since the weights are far larger than the caches);
+* the tokens/s of a decoder that did nothing but its weight matmuls (``gemm_bound_tok_s``):
+  one decode step's GEMMs at the batch's row count (every layer's q, k, v, o, gate, up and
+  down projections and the lm head, through the model's own ``linear`` and ``head_logits``,
+  so the batch-invariant mode's products too), jitted alone and timed; and
+  ``gemm_bound_ratio``, that rate over transformers' from the same run: the best ratio any
+  decoding on this backend could reach if attention, sampling, the prefill and the driver
+  took no time.
 
 Prints one JSON object:
 
@@ -46,6 +53,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from rlax_llm.models import from_pretrained, smollm2_gguf_path  # noqa: E402
+from rlax_llm.models.decoder import DecoderConfig, head_logits, linear  # noqa: E402
 from rlax_llm.models.model import split_module  # noqa: E402
 from rlax_llm.models.presets import count_params  # noqa: E402
 from rlax_llm.policy import GREEDY  # noqa: E402
@@ -122,6 +130,45 @@ def memory_bandwidth_gbs(gib: float = 0.5, repeats: int = 5) -> dict[str, float]
     rates[name] = w.nbytes * repeats / (time.perf_counter() - start) / 1e9
   rates['best'] = max(rates.values())
   return rates
+
+
+def gemm_step_seconds(config: DecoderConfig, rows: int, steps: int = 5,
+                      repeats: int = 5) -> float:
+  """Seconds of one decode step's weight matmuls alone at ``rows`` rows: every layer's
+  q, k, v, o, gate, up and down projections and the lm head, with random weights of the
+  model's shapes and layout. The projections depend on each other as in the model (q, k, v
+  from the same input, o after them, gate and up, then down); the median over ``repeats``
+  calls of ``steps`` chained steps."""
+  c = config
+  e, q, kv = c.embed_dim, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+  shapes = [(e, q), (e, kv), (e, kv), (q, e), (e, c.mlp_dim), (e, c.mlp_dim), (c.mlp_dim, e)]
+  keys = iter(jax.random.split(jax.random.key(0), len(shapes) * c.num_layers + 2))
+  normal = lambda shape: 0.02 * jax.random.normal(next(keys), shape, c.dtype)
+  layers = [[normal(s) for s in shapes] for _ in range(c.num_layers)]
+  head = normal((c.vocab_size, e) if c.tie_embeddings else (e, c.vocab_size))
+
+  @jax.jit
+  def run(x, layers, head):
+    total = jnp.zeros((), jnp.float32)
+    for _ in range(steps):
+      h = x
+      for wq, wk, wv, wo, wg, wu, wd in layers:
+        a = linear(h, wq, c)
+        # k and v feed attention (omitted); their sums keep them in the program
+        h = h + linear(a, wo, c) + 1e-3 * (linear(h, wk, c).sum() + linear(h, wv, c).sum())
+        h = h + linear(jax.nn.silu(linear(h, wg, c)) * linear(h, wu, c), wd, c)
+      logits = head_logits(h, head, c)
+      total, x = total + logits.max(), x + 1e-3 * logits[:, :1]
+    return total
+
+  x = normal((rows, e))
+  run(x, layers, head).block_until_ready()  # compile
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    run(x, layers, head).block_until_ready()
+    times.append((time.perf_counter() - start) / steps)
+  return statistics.median(times)
 
 
 def variable_length(model, params, tokenizer, args) -> dict:
@@ -224,6 +271,9 @@ def main() -> None:
         'ours_fraction_of_memory_bandwidth': param_bytes * ours_tok_s / batch / 1e9 / bandwidth,
         'bandwidth_bound_tok_s': batch * bandwidth * 1e9 / param_bytes,
     }
+    gemm_tok_s = batch / gemm_step_seconds(model.config, batch)
+    batches[str(batch)].update(gemm_bound_tok_s=gemm_tok_s,
+                               gemm_bound_ratio=gemm_tok_s / theirs_tok_s)
     print(json.dumps({batch: batches[str(batch)]}), flush=True)
 
   variable = variable_length(model, params, tokenizer, args) if args.requests else None
