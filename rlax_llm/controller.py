@@ -539,12 +539,13 @@ class Controller:
     next_batch = self.step + len(in_flight)
     preempted = False
     while self.step < s.total_steps:
+      started = time.perf_counter()
       # Launch every batch whose sampling params exist (at most k ahead: the schedule).
       while next_batch < s.total_steps and (
           sampling_version(next_batch, s.staleness_j, s.staleness_k) <= self.step):
         in_flight.append(self._launch_step(next_batch))
         next_batch += 1
-      metrics = self._train_step(in_flight.popleft(), queued=len(in_flight))
+      metrics = self._train_step(in_flight.popleft(), queued=len(in_flight), started=started)
       self.writer.write(self.step, metrics)
       preempted = self.stop is not None and self.stop.is_set()
       if self.checkpointer is not None and (
@@ -650,9 +651,13 @@ class Controller:
       return None, stats
     return Rollouts.concatenate([g for _, g in keep] + padding), stats
 
-  def _train_step(self, batch: _Batch, queued: int) -> dict[str, float]:
+  def _train_step(self, batch: _Batch, queued: int, started: float) -> dict[str, float]:
+    """Trains on ``batch``; ``started``: when this step's launches began. Its ``time/``
+    metrics are wall seconds of this loop iteration: ``rollout_s`` from ``started`` until
+    the batch's rollouts are scored (launching, which in the inline local backend is the
+    generation itself, then waiting), ``train_s`` the update and its push, ``step_s`` the
+    whole iteration (evaluation included)."""
     s = self.settings
-    t0 = time.perf_counter()
     key = jax.random.fold_in(self._root_key, batch.index)
     rollouts = Rollouts.concatenate(self._gather(batch, key))
     unfinished = rollouts.unfinished_groups
@@ -665,7 +670,7 @@ class Controller:
     if self._reward_components is not None:  # train on the shaped reward, log each part
       total, reward_parts = rewards.shape_rewards(rollouts, self._reward_components)
       rollouts = dataclasses.replace(rollouts, rewards=total)
-    t_rollout = time.perf_counter() - t0
+    t_rollout = time.perf_counter() - started
     if s.replay:  # prompts with a learning signal now are asked again by a later batch
       self._replay.extend(batch.prompts[g] for g in rollouts.informative_groups)
     trained, selection = self._select(batch, rollouts)
@@ -751,7 +756,7 @@ class Controller:
         'time/rollout_s': t_rollout, 'time/train_s': t_train,
         'time/queued_batches': queued,
         'time/trainer_busy_fraction': self._busy_s / (time.perf_counter() - self._run_start),
-        'time/step_s': time.perf_counter() - t0,
+        'time/step_s': time.perf_counter() - started,
         'time/rollout_tokens_per_s': rollouts.timings.get('tokens_per_s', 0.0),
     })
     return metrics

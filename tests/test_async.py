@@ -88,6 +88,38 @@ def test_lockstep_on_threads_reproduces_the_synchronous_run(reference_1_1, tmp_p
   assert all(r['staleness/max'] == 0 for r in rows)
 
 
+class Slow:
+  """A worker handle whose ``generate`` sleeps ``seconds`` in the caller's thread first."""
+
+  def __init__(self, handle, seconds):
+    self._handle, self._seconds = handle, seconds
+
+  def __getattr__(self, name):
+    attr = getattr(self._handle, name)
+    if name != 'generate':
+      return attr
+
+    def call(*args, **kwargs):
+      time.sleep(self._seconds)
+      return attr(*args, **kwargs)
+    return call
+
+
+@pytest.mark.parametrize('concurrent', [False, True])
+def test_step_times_count_the_generation(tmp_path, concurrent):
+  """``time/rollout_s`` and ``time/step_s`` include generating the batch: inline, the
+  worker generates inside the launch, before the step trains (it used to read ~0 there)."""
+  delay = 0.3
+
+  def wrap(controller):
+    controller.workers = [Slow(w, delay) for w in controller.workers]
+  _, rows, _ = run(smoke(steps=2, local__concurrent=concurrent), tmp_path, wrap=wrap)
+  assert len(rows) == 2
+  for row in rows:
+    assert row['time/rollout_s'] >= delay, row
+    assert row['time/step_s'] >= row['time/rollout_s'] + row['time/train_s'], row
+
+
 def test_async_run_is_deterministic_under_random_timings(tmp_path):
   """(4, 8): the same metrics and params whatever the role timings, and no trained token is
   k or more versions old."""
