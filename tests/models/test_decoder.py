@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlax_llm.models.decoder import DecoderConfig, rope
+from rlax_llm.models.decoder import (FLIPPED_HEAD_MAX_ROWS, DecoderConfig, head_logits,
+                                     rope)
 from rlax_llm.models.model import create_model
 
 CONFIG = DecoderConfig(vocab_size=19, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
@@ -103,6 +104,27 @@ def test_untied_embeddings_and_bf16_compute():
   assert params['embed'].dtype == jnp.float32  # param dtype stays fp32 (master weights)
   logits = model.apply(params, jnp.zeros((1, 4), jnp.int32))
   assert logits.dtype == jnp.float32 and np.isfinite(np.asarray(logits)).all()
+
+
+@pytest.mark.parametrize('shape', [(1, 1), (2,), (3, 1), (8, 1), (FLIPPED_HEAD_MAX_ROWS,),
+                                   (FLIPPED_HEAD_MAX_ROWS + 1,), (4, 20)])
+def test_head_logits_flipped_for_few_rows_matches_the_plain_product(shape):
+  """A tied head of 2 to FLIPPED_HEAD_MAX_ROWS rows runs as ``embed @ x.T`` on XLA:CPU (its
+  transposes kept apart from the dot by barriers); the logits are the same products."""
+  rng = np.random.RandomState(0)
+  x = jnp.asarray(rng.randn(*shape, 32), jnp.float32)
+  embed = jnp.asarray(rng.randn(50, 32), jnp.float32)
+  logits = head_logits(x, embed, CONFIG)
+  assert logits.shape == shape + (50,) and logits.dtype == jnp.float32
+  np.testing.assert_allclose(logits, np.asarray(x) @ np.asarray(embed).T, rtol=1e-5,
+                             atol=1e-5)
+  rows = int(np.prod(shape))
+  flipped = 'optimization_barrier' in str(jax.make_jaxpr(head_logits, static_argnums=2)(
+      x, embed, CONFIG))
+  assert flipped == (jax.default_backend() == 'cpu' and 1 < rows <= FLIPPED_HEAD_MAX_ROWS)
+  grad = jax.grad(lambda x: head_logits(x, embed, CONFIG).sum())(x)  # differentiable
+  np.testing.assert_allclose(grad, np.broadcast_to(np.asarray(embed).sum(0), grad.shape),
+                             rtol=1e-4, atol=1e-4)
 
 
 def test_rope_matches_numpy_reference():
