@@ -50,18 +50,18 @@ def test_schedule_keeps_staleness_in_bounds(j, k):
 
 
 class Delayed:
-  """A role handle whose calls sleep a random time first (a different timing every run)."""
+  """A role handle whose ``names`` calls sleep ``seconds()`` in the caller's thread first."""
 
-  def __init__(self, handle, rng, max_s):
-    self._handle, self._rng, self._max_s = handle, rng, max_s
+  def __init__(self, handle, seconds, names=('generate', 'step')):
+    self._handle, self._seconds, self._names = handle, seconds, names
 
   def __getattr__(self, name):
     attr = getattr(self._handle, name)
-    if name not in ('generate', 'step'):
+    if name not in self._names:
       return attr
 
     def call(*args, **kwargs):
-      time.sleep(self._rng.uniform(0, self._max_s))
+      time.sleep(self._seconds())
       return attr(*args, **kwargs)
     return call
 
@@ -69,8 +69,9 @@ class Delayed:
 def delays(seed, max_s=0.05):
   def wrap(controller):
     rng = random.Random(seed)
-    controller.workers = [Delayed(w, rng, max_s) for w in controller.workers]
-    controller.trainer = Delayed(controller.trainer, rng, max_s)
+    seconds = lambda: rng.uniform(0, max_s)  # a different timing every run
+    controller.workers = [Delayed(w, seconds) for w in controller.workers]
+    controller.trainer = Delayed(controller.trainer, seconds)
   return wrap
 
 
@@ -88,23 +89,6 @@ def test_lockstep_on_threads_reproduces_the_synchronous_run(reference_1_1, tmp_p
   assert all(r['staleness/max'] == 0 for r in rows)
 
 
-class Slow:
-  """A worker handle whose ``generate`` sleeps ``seconds`` in the caller's thread first."""
-
-  def __init__(self, handle, seconds):
-    self._handle, self._seconds = handle, seconds
-
-  def __getattr__(self, name):
-    attr = getattr(self._handle, name)
-    if name != 'generate':
-      return attr
-
-    def call(*args, **kwargs):
-      time.sleep(self._seconds)
-      return attr(*args, **kwargs)
-    return call
-
-
 @pytest.mark.parametrize('concurrent', [False, True])
 def test_step_times_count_the_generation(tmp_path, concurrent):
   """``time/rollout_s`` and ``time/step_s`` include generating the batch: inline, the
@@ -112,7 +96,8 @@ def test_step_times_count_the_generation(tmp_path, concurrent):
   delay = 0.3
 
   def wrap(controller):
-    controller.workers = [Slow(w, delay) for w in controller.workers]
+    controller.workers = [Delayed(w, lambda: delay, ('generate',))
+                          for w in controller.workers]
   _, rows, _ = run(smoke(steps=2, local__concurrent=concurrent), tmp_path, wrap=wrap)
   assert len(rows) == 2
   for row in rows:
