@@ -150,14 +150,14 @@ _PROJECTED_AXES = ('batch', 'length', 'kv_heads', 'head_dim')
 # Batch-invariant numerics: the rows of each weight matmul chunk, and the key positions of
 # each attention piece (cache blocks must be a multiple of it).
 INVARIANT_ROWS = 32
-# head_logits: up to this many rows, the tied head runs as ``embed @ x.T`` on XLA:CPU.
-FLIPPED_HEAD_MAX_ROWS = 64
 INVARIANT_KEYS = 64
 # invariant_rows='floor': at least this many rows per weight matmul.
 INVARIANT_MIN_ROWS = 64
 # invariant_rows='chunks': a product of at most INVARIANT_ROWS rows has at least this many
 # (one row takes a matrix-vector path that rounds differently from the small-row kernel).
 INVARIANT_MIN_CHUNK_ROWS = 2
+# head_logits: up to this many rows, the tied head runs as ``embed @ x.T`` on XLA:CPU.
+FLIPPED_HEAD_MAX_ROWS = 64
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
