@@ -136,7 +136,7 @@ def gemm_step_seconds(config: DecoderConfig, rows: int, steps: int = 5,
                       repeats: int = 5) -> float:
   """Seconds of one decode step's weight matmuls alone at ``rows`` rows: every layer's
   q, k, v, o, gate, up and down projections and the lm head, with random weights of the
-  model's shapes and layout. The projections depend on each other as in the model (q, k, v
+  shapes and weight layout of ``config`` (the engine's model). The projections depend on each other as in the model (q, k, v
   from the same input, o after them, gate and up, then down); the median over ``repeats``
   calls of ``steps`` chained steps."""
   c = config
@@ -144,8 +144,10 @@ def gemm_step_seconds(config: DecoderConfig, rows: int, steps: int = 5,
   shapes = [(e, q), (e, kv), (e, kv), (q, e), (e, c.mlp_dim), (e, c.mlp_dim), (c.mlp_dim, e)]
   keys = iter(jax.random.split(jax.random.key(0), len(shapes) * c.num_layers + 2))
   normal = lambda shape: 0.02 * jax.random.normal(next(keys), shape, c.dtype)
-  layers = [[normal(s) for s in shapes] for _ in range(c.num_layers)]
-  head = normal((c.vocab_size, e) if c.tie_embeddings else (e, c.vocab_size))
+  out_in = c.weight_layout == 'out_in'
+  layers = [[normal(s[::-1] if out_in else s) for s in shapes] for _ in range(c.num_layers)]
+  vocab_first = c.tie_embeddings or out_in
+  head = normal((c.vocab_size, e) if vocab_first else (e, c.vocab_size))
 
   @jax.jit
   def run(x, layers, head):
@@ -271,7 +273,7 @@ def main() -> None:
         'ours_fraction_of_memory_bandwidth': param_bytes * ours_tok_s / batch / 1e9 / bandwidth,
         'bandwidth_bound_tok_s': batch * bandwidth * 1e9 / param_bytes,
     }
-    gemm_tok_s = batch / gemm_step_seconds(model.config, batch)
+    gemm_tok_s = batch / gemm_step_seconds(driver.engine.model.config, batch)
     batches[str(batch)].update(gemm_bound_tok_s=gemm_tok_s,
                                gemm_bound_ratio=gemm_tok_s / theirs_tok_s)
     print(json.dumps({batch: batches[str(batch)]}), flush=True)

@@ -89,6 +89,8 @@ REMAT_POLICIES = ('none', 'full', 'dots')
 FAMILIES = ('llama', 'qwen2', 'qwen3')
 # DecoderConfig.invariant_rows (see invariant_matmul).
 INVARIANT_ROWS_MODES = ('chunks', 'floor')
+# DecoderConfig.weight_layout (see linear).
+WEIGHT_LAYOUTS = ('in_out', 'out_in')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +118,10 @@ class DecoderConfig:
   batch_invariant: bool = False  # see the module docstring
   # How batch-invariant weight matmuls fix their kernel (INVARIANT_ROWS_MODES, module doc).
   invariant_rows: str = 'chunks'
+  # How weight matrices store their sides (WEIGHT_LAYOUTS, ``linear``): 'in_out' (inputs
+  # first, ``x @ w``) everywhere params are trained, saved or loaded; an inference engine on
+  # XLA:CPU converts its copy to 'out_in' (``rlax_llm.models.model.with_weight_layout``).
+  weight_layout: str = 'in_out'
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -125,6 +131,9 @@ class DecoderConfig:
     if self.invariant_rows not in INVARIANT_ROWS_MODES:
       raise ValueError(f'DecoderConfig.invariant_rows={self.invariant_rows!r}; choose one of '
                        f'{INVARIANT_ROWS_MODES}.')
+    if self.weight_layout not in WEIGHT_LAYOUTS:
+      raise ValueError(f'DecoderConfig.weight_layout={self.weight_layout!r}; choose one of '
+                       f'{WEIGHT_LAYOUTS}.')
     for name in ('vocab_size', 'num_layers', 'embed_dim', 'num_heads', 'num_kv_heads',
                  'head_dim', 'mlp_dim', 'max_seq_len'):
       value = getattr(self, name)
@@ -156,8 +165,9 @@ INVARIANT_MIN_ROWS = 64
 # invariant_rows='chunks': a product of at most INVARIANT_ROWS rows has at least this many
 # (one row takes a matrix-vector path that rounds differently from the small-row kernel).
 INVARIANT_MIN_CHUNK_ROWS = 2
-# head_logits: up to this many rows, the tied head runs as ``embed @ x.T`` on XLA:CPU.
-FLIPPED_HEAD_MAX_ROWS = 64
+# Up to this many rows, a weight stored [N, K] multiplies on XLA:CPU as ``w @ x.T``
+# (``flipped_product``).
+FLIPPED_MAX_ROWS = 64
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -262,12 +272,44 @@ def invariant_max(x: Array) -> Array:
   return _halving(x, jnp.maximum, -jnp.inf)
 
 
+def flipped_product(x: Array, w: Array) -> Array:
+  """``x [..., K] @ w.T`` for a weight stored ``[N, K]``, computed as ``(w @ x.T).T``.
+
+  On XLA:CPU, for up to ``FLIPPED_MAX_ROWS`` rows, ``[N, K] @ [K, rows]`` on a materialised
+  transpose of ``x`` runs 1.2-2x faster than either ``x @ w.T`` or ``x @ [K, N]`` (the wide
+  side of the product is then its rows, which the kernel splits over cores; measured in
+  benchmarks/RESULTS.md). The barriers stop XLA from folding the transposes back into the
+  dot, which picks the slower kernel again. Same products as ``x @ w.T``, its own rounding.
+  """
+  rows = math.prod(x.shape[:-1])
+  flat = jax.lax.optimization_barrier(x.reshape(rows, x.shape[-1]).T)
+  return jax.lax.optimization_barrier(w @ flat).T.reshape(x.shape[:-1] + (w.shape[0],))
+
+
+def _flips(rows: int) -> bool:
+  """Whether a product of ``rows`` rows with an ``[N, K]`` weight takes ``flipped_product``."""
+  return rows <= FLIPPED_MAX_ROWS and jax.default_backend() == 'cpu'
+
+
 def linear(x: Array, w: Array, config: DecoderConfig) -> Array:
-  """``x [..., K] @ w [K, N]``, batch-invariant (``invariant_matmul``) with
-  ``config.batch_invariant``."""
+  """``x [..., K]`` times a weight of ``K`` inputs -> ``[..., N]`` (its outputs flattened).
+
+  ``w`` is stored in ``config.weight_layout`` order: ``[K..., N...]`` (``'in_out'``,
+  ``x @ w``) or ``[N..., K...]`` (``'out_in'``: ``flipped_product`` for a decode step's few
+  rows on XLA:CPU, else ``x @ w.T``); batch-invariant (``invariant_matmul``) with
+  ``config.batch_invariant``.
+  """
+  k = x.shape[-1]
+  out_in = config.weight_layout == 'out_in'
+  w = w.reshape(-1, k) if out_in else w.reshape(k, -1)
   if config.batch_invariant:
-    return invariant_matmul(x, w, 'ck,kn->cn', config.invariant_rows)
-  return x @ w
+    return invariant_matmul(x, w, 'ck,nk->cn' if out_in else 'ck,kn->cn',
+                            config.invariant_rows)
+  if not out_in:
+    return x @ w
+  if _flips(math.prod(x.shape[:-1])):
+    return flipped_product(x, w)
+  return jnp.einsum('...k,nk->...n', x, w)
 
 
 def _pieces(blocks: tuple[Array, ...], axis: int) -> list[Array]:
@@ -391,6 +433,19 @@ def _param(rngs: nnx.Rngs, shape, axes, dtype, scale: float | None = None) -> nn
   else:
     value = scale * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, dtype)
   return nnx.Param(value, logical_axes=axes)
+
+
+def _kernel(rngs: nnx.Rngs, config: DecoderConfig, inputs: tuple[tuple[int, str], ...],
+            outputs: tuple[tuple[int, str], ...], scale: float) -> nnx.Param:
+  """A weight from ``inputs`` to ``outputs`` (``(size, logical axis)`` pairs), stored in
+  ``config.weight_layout`` order. Drawn in the ``in_out`` order either way: one seed gives
+  the same weights in both layouts."""
+  sizes, axes = zip(*(inputs + outputs))
+  param = _param(rngs, sizes, axes, config.param_dtype, scale)
+  if config.weight_layout == 'in_out':
+    return param
+  order = tuple(range(len(inputs), len(sizes))) + tuple(range(len(inputs)))
+  return nnx.Param(param[...].transpose(order), logical_axes=tuple(axes[i] for i in order))
 
 
 def _zeros(rngs: nnx.Rngs, shape, axes, dtype) -> nnx.Param:
@@ -521,14 +576,13 @@ class Attention(nnx.Module):
     c = config
     s_in = c.embed_dim ** -0.5
     s_out = (c.num_heads * c.head_dim) ** -0.5
-    self.wq = _param(rngs, (c.embed_dim, c.num_heads, c.head_dim),
-                     ('embed', 'heads', 'head_dim'), c.param_dtype, s_in)
-    self.wk = _param(rngs, (c.embed_dim, c.num_kv_heads, c.head_dim),
-                     ('embed', 'kv_heads', 'head_dim'), c.param_dtype, s_in)
-    self.wv = _param(rngs, (c.embed_dim, c.num_kv_heads, c.head_dim),
-                     ('embed', 'kv_heads', 'head_dim'), c.param_dtype, s_in)
-    self.wo = _param(rngs, (c.num_heads, c.head_dim, c.embed_dim),
-                     ('heads', 'head_dim', 'embed'), c.param_dtype, s_out)
+    embed = ((c.embed_dim, 'embed'),)
+    heads = ((c.num_heads, 'heads'), (c.head_dim, 'head_dim'))
+    kv_heads = ((c.num_kv_heads, 'kv_heads'), (c.head_dim, 'head_dim'))
+    self.wq = _kernel(rngs, c, embed, heads, s_in)
+    self.wk = _kernel(rngs, c, embed, kv_heads, s_in)
+    self.wv = _kernel(rngs, c, embed, kv_heads, s_in)
+    self.wo = _kernel(rngs, c, heads, embed, s_out)
     if c.qkv_bias:
       self.bq = _zeros(rngs, (c.num_heads, c.head_dim), ('heads', 'head_dim'), c.param_dtype)
       self.bk = _zeros(rngs, (c.num_kv_heads, c.head_dim), ('kv_heads', 'head_dim'),
@@ -554,7 +608,8 @@ class Attention(nnx.Module):
     """
     c = self.config
     dt = c.dtype
-    q, k, v = (self._project(x, w[...].astype(dt)) for w in (self.wq, self.wk, self.wv))
+    q, k, v = (linear(x, w[...].astype(dt), c).reshape(x.shape[:-1] + (-1, c.head_dim))
+               for w in (self.wq, self.wk, self.wv))
     if c.qkv_bias:
       q = q + self.bq[...].astype(dt)
       k = k + self.bk[...].astype(dt)
@@ -593,7 +648,7 @@ class Attention(nnx.Module):
     q = q.reshape(batch, c.num_kv_heads, groups * length, c.head_dim)
     query_mask = jnp.broadcast_to(mask[:, None, None], (batch, 1, groups) + mask.shape[1:])
     query_mask = query_mask.reshape(batch, 1, groups * length, mask.shape[-1])
-    wo = self.wo[...].astype(dt).reshape(c.num_heads * c.head_dim, c.embed_dim)
+    wo = self.wo[...].astype(dt)
     if c.batch_invariant:
       if len(vs) > 1 and vs[0].shape[VALUE_POSITION_AXIS] % INVARIANT_KEYS:
         raise ValueError(f'batch_invariant attention needs cache blocks of a multiple of '
@@ -614,14 +669,7 @@ class Attention(nnx.Module):
       out, lo = (part if out is None else out + part), lo + vb.shape[2]
     out = out.reshape(batch, c.num_kv_heads, groups, length, c.head_dim)
     out = out.transpose(0, 3, 1, 2, 4).reshape(batch, length, c.num_heads * c.head_dim)
-    return constrain(out @ wo, ('batch', 'length', 'embed')), new_kv
-
-  def _project(self, x: Array, w: Array) -> Array:
-    """``x [B, T, E]`` times a ``[E, heads, head_dim]`` weight: ``[B, T, heads, head_dim]``."""
-    if self.config.batch_invariant:
-      out = linear(x, w.reshape(w.shape[0], -1), self.config)
-      return out.reshape(x.shape[:-1] + w.shape[1:])
-    return jnp.einsum('bte,ehd->bthd', x, w)
+    return constrain(linear(out, wo, c), ('batch', 'length', 'embed')), new_kv
 
 
 class MLP(nnx.Module):
@@ -629,12 +677,10 @@ class MLP(nnx.Module):
 
   def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
     c = config
-    self.w_gate = _param(rngs, (c.embed_dim, c.mlp_dim), ('embed', 'mlp'), c.param_dtype,
-                         c.embed_dim ** -0.5)
-    self.w_up = _param(rngs, (c.embed_dim, c.mlp_dim), ('embed', 'mlp'), c.param_dtype,
-                       c.embed_dim ** -0.5)
-    self.w_down = _param(rngs, (c.mlp_dim, c.embed_dim), ('mlp', 'embed'), c.param_dtype,
-                         c.mlp_dim ** -0.5)
+    embed, mlp = ((c.embed_dim, 'embed'),), ((c.mlp_dim, 'mlp'),)
+    self.w_gate = _kernel(rngs, c, embed, mlp, c.embed_dim ** -0.5)
+    self.w_up = _kernel(rngs, c, embed, mlp, c.embed_dim ** -0.5)
+    self.w_down = _kernel(rngs, c, mlp, embed, c.mlp_dim ** -0.5)
     self.config = c
 
   def __call__(self, x: Array) -> Array:
@@ -677,22 +723,20 @@ _REMAT_CALL = {
 
 def head_logits(x: Array, weight: Array, config: DecoderConfig) -> Array:
   """float32 logits of hidden states ``x`` ``[..., E]``: ``x @ weight`` (``weight`` is the
-  ``[E, V]`` lm head) or, with ``config.tie_embeddings``, ``x @ weight.T`` (``weight`` is
-  the ``[V, E]`` embedding); in ``config.dtype``, batch-invariant (``invariant_matmul``)
-  with ``config.batch_invariant``. On XLA:CPU a tied head of 2 to ``FLIPPED_HEAD_MAX_ROWS``
-  rows runs as ``weight @ x.T`` (the same products, a faster kernel, its own rounding)."""
-  tied, weight = config.tie_embeddings, weight.astype(config.dtype)
+  lm head, ``[E, V]``) or ``x @ weight.T`` (``weight`` is the ``[V, E]`` embedding, with
+  ``config.tie_embeddings``, or the lm head in the ``'out_in'`` layout); in
+  ``config.dtype``, batch-invariant (``invariant_matmul``) with ``config.batch_invariant``.
+  On XLA:CPU a ``[V, E]`` head of 2 to ``FLIPPED_MAX_ROWS`` rows (a decode step's) runs as
+  ``flipped_product``."""
+  vocab_first = config.tie_embeddings or config.weight_layout == 'out_in'
+  weight = weight.astype(config.dtype)
   rows = math.prod(x.shape[:-1])
   if config.batch_invariant:
-    logits = invariant_matmul(x, weight, 'ce,ve->cv' if tied else 'ce,ev->cv',
+    logits = invariant_matmul(x, weight, 'ce,ve->cv' if vocab_first else 'ce,ev->cv',
                               config.invariant_rows)
-  elif tied and 1 < rows <= FLIPPED_HEAD_MAX_ROWS and jax.default_backend() == 'cpu':
-    # XLA:CPU: ``[V, E] @ [E, rows]`` on a materialised transpose runs 1.3-1.6x faster than
-    # ``x @ weight.T`` for 2 to 64 rows (a decode step's head); the barriers stop XLA from
-    # folding the transposes back into the dot, which picks the slower kernel again.
-    flat = jax.lax.optimization_barrier(x.reshape(rows, x.shape[-1]).T)
-    logits = jax.lax.optimization_barrier(weight @ flat).T.reshape(x.shape[:-1] + (-1,))
-  elif tied:
+  elif vocab_first and rows > 1 and _flips(rows):
+    logits = flipped_product(x, weight)
+  elif vocab_first:
     logits = jnp.einsum('...e,ve->...v', x, weight)
   else:
     logits = x @ weight
@@ -723,8 +767,8 @@ class Decoder(nnx.Module):
     self.final_norm = RMSNorm(c.embed_dim, c.norm_eps, c.param_dtype, rngs=rngs,
                               invariant=c.batch_invariant)
     if not c.tie_embeddings:
-      self.lm_head = _param(rngs, (c.embed_dim, c.vocab_size), ('embed', 'vocab'),
-                            c.param_dtype, c.embed_dim ** -0.5)
+      self.lm_head = _kernel(rngs, c, ((c.embed_dim, 'embed'),), ((c.vocab_size, 'vocab'),),
+                             c.embed_dim ** -0.5)
 
   def __call__(self, tokens: Array, *, cache: KVCache | None = None,
                num_valid: Array | None = None, attend: int | None = None,

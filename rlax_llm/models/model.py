@@ -107,6 +107,34 @@ def abstract_model(config: DecoderConfig) -> Model:
   return Model(config=config, graphdef=_abstract(config)[0])
 
 
+def with_weight_layout(model: Model, layout: str) -> Model:
+  """``model`` with its weights stored in ``layout`` (``DecoderConfig.weight_layout``)."""
+  if layout == model.config.weight_layout:
+    return model
+  return abstract_model(dataclasses.replace(model.config, weight_layout=layout))
+
+
+def to_weight_layout(params: Params, source: Model, target: Model) -> Params:
+  """``source``'s params in ``target``'s weight layout (the models otherwise equal).
+
+  Each weight is transposed so that its logical axes (``Model.logical_axes``, which record
+  the layout) come in ``target``'s order; every other param is passed through. One
+  definition for both directions: the engine converts the trainer's params with it, and a
+  round trip is the identity (tested).
+  """
+  if dataclasses.replace(source.config, weight_layout=target.config.weight_layout) != (
+      target.config):
+    raise ValueError('to_weight_layout converts between models that differ only in '
+                     f'weight_layout; got {source.config} and {target.config}.')
+
+  def move(value, axes_from: PartitionSpec, axes_to: PartitionSpec):
+    axes_from, axes_to = tuple(axes_from), tuple(axes_to)
+    if axes_from == axes_to:
+      return value
+    return jnp.transpose(value, [axes_from.index(axis) for axis in axes_to])
+  return jax.tree.map(move, params, source.logical_axes(), target.logical_axes())
+
+
 def create_model(config: DecoderConfig, seed: int = 0) -> tuple[Model, Params]:
   """Initialises a decoder. Returns ``(model, params)``; params are fp32 unless configured."""
   module = Decoder(config, rngs=nnx.Rngs(params=seed))

@@ -39,6 +39,7 @@ advance nor produce tokens.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,7 +53,7 @@ from rlax_llm import sharding as sharding_lib
 from rlax_llm.models.decoder import (INVARIANT_KEYS, KEY_BLOCK_AXES, KEY_POSITION_AXIS,
                                      VALUE_BLOCK_AXES, VALUE_POSITION_AXIS, KVCache,
                                      cache_block_shape)
-from rlax_llm.models.model import Model, Params
+from rlax_llm.models.model import Model, Params, to_weight_layout, with_weight_layout
 from rlax_llm.policy import SamplingSpec, sample_rows
 
 MAX_STOP_IDS = 8  # stop tokens per request (eos included)
@@ -166,13 +167,19 @@ class Engine:
       positions whatever this is; a step still attends to one of these buckets.
     block_align: block lengths are multiples of it (``BLOCK_ALIGN``, 32, suits XLA:CPU;
       TPUs may prefer 128).
+    weight_layout: the layout the engine keeps its params in (``DecoderConfig.weight_layout``;
+      ``place_params`` converts to it). Default: ``'out_in'`` on XLA:CPU, where a decode
+      step's weight products run faster that way (``decoder.flipped_product``), unless the
+      model is ``batch_invariant`` (its log-probs must match the trainer's bit for bit,
+      and the trainer's params are ``'in_out'``); else the model's own.
   """
 
   def __init__(self, model: Model, mesh: Mesh, *, slots: int, max_prefill_length: int,
                max_decode_length: int, pad_id: int,
                prefill_buckets: Sequence[int] | None = None, attend_buckets: int = 4,
                block_align: int = BLOCK_ALIGN,
-               rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES):
+               rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES,
+               weight_layout: str | None = None):
     if min(slots, max_decode_length, attend_buckets, block_align) < 1:
       raise ValueError(f'slots ({slots}), max_decode_length ({max_decode_length}), '
                        f'attend_buckets ({attend_buckets}) and block_align ({block_align}) '
@@ -188,7 +195,11 @@ class Engine:
           f'max_prefill_length ({max_prefill_length}) + max_decode_length '
           f'({max_decode_length}) = {self.cache_length} exceeds the model max_seq_len '
           f'({model.config.max_seq_len}).')
-    self.model = model
+    if weight_layout is None:
+      cpu_decode = jax.default_backend() == 'cpu' and not model.config.batch_invariant
+      weight_layout = 'out_in' if cpu_decode else model.config.weight_layout
+    self.source_model = model  # the layout of the params place_params takes
+    self.model = with_weight_layout(model, weight_layout)
     self.mesh = mesh
     self.slots = slots
     self.max_prefill_length = max_prefill_length
@@ -209,7 +220,10 @@ class Engine:
     self.num_blocks = -(-self.cache_length // self.block_length)
     self.pad_id = int(pad_id)
     self.param_shardings = sharding_lib.param_shardings(
-        model.abstract_params(), model.logical_axes(), mesh, rules)
+        self.model.abstract_params(), self.model.logical_axes(), mesh, rules)
+    self._convert = jax.jit(
+        functools.partial(to_weight_layout, source=model, target=self.model),
+        out_shardings=self.param_shardings)
     self._key_size = int(jax.random.key_data(jax.random.key(0)).shape[-1])
     self.state_shardings = self._state_shardings(rules)
     self._prefill = jax.jit(self._prefill_impl)
@@ -245,8 +259,11 @@ class Engine:
     return jax.device_put(state, self.state_shardings)
 
   def place_params(self, params: Params) -> Params:
-    """``params`` (host or device) sharded on the inference mesh."""
-    return jax.device_put(params, self.param_shardings)
+    """``params`` of the model the engine was given (host or device), in the engine's
+    weight layout, sharded on the inference mesh."""
+    if self.model is self.source_model:
+      return jax.device_put(params, self.param_shardings)
+    return self._convert(params)
 
   def bucket(self, length: int, continuation: bool = False) -> int:
     """The smallest prefill bucket holding ``length`` tokens (``continuation``: a prompt

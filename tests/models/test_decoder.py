@@ -1,13 +1,15 @@
 """Decoder: cached decoding equals the full forward pass; config validation."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlax_llm.models.decoder import (FLIPPED_HEAD_MAX_ROWS, DecoderConfig, head_logits,
+from rlax_llm.models.decoder import (FLIPPED_MAX_ROWS, DecoderConfig, head_logits, linear,
                                      rope)
-from rlax_llm.models.model import create_model
+from rlax_llm.models.model import create_model, to_weight_layout, with_weight_layout
 
 CONFIG = DecoderConfig(vocab_size=19, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
                        head_dim=8, mlp_dim=64, max_seq_len=24)
@@ -106,10 +108,10 @@ def test_untied_embeddings_and_bf16_compute():
   assert logits.dtype == jnp.float32 and np.isfinite(np.asarray(logits)).all()
 
 
-@pytest.mark.parametrize('shape', [(1, 1), (2,), (3, 1), (8, 1), (FLIPPED_HEAD_MAX_ROWS,),
-                                   (FLIPPED_HEAD_MAX_ROWS + 1,), (4, 20)])
+@pytest.mark.parametrize('shape', [(1, 1), (2,), (3, 1), (8, 1), (FLIPPED_MAX_ROWS,),
+                                   (FLIPPED_MAX_ROWS + 1,), (4, 20)])
 def test_head_logits_flipped_for_few_rows_matches_the_plain_product(shape):
-  """A tied head of 2 to FLIPPED_HEAD_MAX_ROWS rows runs as ``embed @ x.T`` on XLA:CPU (its
+  """A tied head of 2 to FLIPPED_MAX_ROWS rows runs as ``embed @ x.T`` on XLA:CPU (its
   transposes kept apart from the dot by barriers); the logits are the same products."""
   rng = np.random.RandomState(0)
   x = jnp.asarray(rng.randn(*shape, 32), jnp.float32)
@@ -121,10 +123,58 @@ def test_head_logits_flipped_for_few_rows_matches_the_plain_product(shape):
   rows = int(np.prod(shape))
   flipped = 'optimization_barrier' in str(jax.make_jaxpr(head_logits, static_argnums=2)(
       x, embed, CONFIG))
-  assert flipped == (jax.default_backend() == 'cpu' and 1 < rows <= FLIPPED_HEAD_MAX_ROWS)
+  assert flipped == (jax.default_backend() == 'cpu' and 1 < rows <= FLIPPED_MAX_ROWS)
   grad = jax.grad(lambda x: head_logits(x, embed, CONFIG).sum())(x)  # differentiable
   np.testing.assert_allclose(grad, np.broadcast_to(np.asarray(embed).sum(0), grad.shape),
                              rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize('shape', [(1, 1), (8, 1), (FLIPPED_MAX_ROWS,), (FLIPPED_MAX_ROWS + 1,),
+                                   (4, 20)])
+def test_linear_out_in_is_the_same_product(shape):
+  """A weight in the ``'out_in'`` layout (``[N..., K]``) gives ``linear`` the product of its
+  ``'in_out'`` transpose; up to FLIPPED_MAX_ROWS rows it runs as ``w @ x.T`` on XLA:CPU."""
+  out_in = dataclasses.replace(CONFIG, weight_layout='out_in')
+  rng = np.random.RandomState(1)
+  x = jnp.asarray(rng.randn(*shape, 32), jnp.float32)
+  w = jnp.asarray(rng.randn(32, 4, 8), jnp.float32)  # [K, heads, head_dim]
+  w_out_in = w.transpose(1, 2, 0)
+  expected = np.asarray(x).reshape(-1, 32) @ np.asarray(w).reshape(32, -1)
+  for config, weight in ((CONFIG, w), (out_in, w_out_in)):
+    out = linear(x, weight, config)
+    assert out.shape == shape + (32,)
+    np.testing.assert_allclose(out.reshape(-1, 32), expected, rtol=1e-5, atol=1e-5)
+  flipped = 'optimization_barrier' in str(jax.make_jaxpr(linear, static_argnums=2)(
+      x, w_out_in, out_in))
+  assert flipped == (jax.default_backend() == 'cpu' and np.prod(shape) <= FLIPPED_MAX_ROWS)
+  grads = [jax.grad(lambda w, c=c: linear(x, w, c).sum())(weight)
+           for c, weight in ((CONFIG, w), (out_in, w_out_in))]
+  np.testing.assert_allclose(grads[1], grads[0].transpose(1, 2, 0), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize('tie', [True, False], ids=['tied', 'lm head'])
+def test_weight_layouts_are_one_model(tie):
+  """``to_weight_layout`` turns params into the other layout's: exactly what that layout
+  initialises from the same seed, back again unchanged, and the same logits (one row per
+  sequence takes the flipped products, more rows the transposed ones)."""
+  config = dataclasses.replace(CONFIG, tie_embeddings=tie)
+  model, params = create_model(config, seed=4)
+  flipped = with_weight_layout(model, 'out_in')
+  assert with_weight_layout(model, 'in_out') is model
+  converted = to_weight_layout(params, model, flipped)
+  assert converted['blocks'][0]['attn']['wq'].shape == (4, 8, 32)
+  assert converted['blocks'][0]['mlp']['w_down'].shape == (32, 64)
+  jax.tree.map(np.testing.assert_array_equal, converted,
+               create_model(flipped.config, seed=4)[1])
+  jax.tree.map(np.testing.assert_array_equal, to_weight_layout(converted, flipped, model),
+               params)
+  for shape in ((1, 1), (3, 9), (70, 1)):
+    tokens = jnp.asarray(np.random.RandomState(2).randint(0, 19, shape), jnp.int32)
+    np.testing.assert_allclose(flipped.apply(converted, tokens), model.apply(params, tokens),
+                               atol=2e-5, rtol=0)
+  other = create_model(dataclasses.replace(config, num_layers=1))[0]
+  with pytest.raises(ValueError, match='differ only in weight_layout'):
+    to_weight_layout(params, model, with_weight_layout(other, 'out_in'))
 
 
 def test_rope_matches_numpy_reference():
@@ -158,6 +208,7 @@ def test_logical_axes_cover_every_param(model_and_params):
     (dict(num_heads=3, num_kv_heads=2), 'multiple of num_kv_heads'),
     (dict(head_dim=7), 'even'),
     (dict(num_layers=0), 'num_layers'),
+    (dict(weight_layout='k_n'), "weight_layout='k_n'"),
 ])
 def test_config_validation(kwargs, message):
   base = dict(vocab_size=10, num_layers=1, embed_dim=16, num_heads=2, num_kv_heads=1,
@@ -168,7 +219,6 @@ def test_config_validation(kwargs, message):
 
 @pytest.mark.parametrize('policy', ['full', 'dots'])
 def test_remat_gives_same_loss_and_gradients(policy):
-  import dataclasses
   base, params = create_model(CONFIG, seed=5)
   remat, _ = create_model(dataclasses.replace(CONFIG, remat=policy), seed=5)
   tokens = jnp.asarray(np.random.RandomState(7).randint(0, 19, (2, 8)), jnp.int32)

@@ -124,6 +124,29 @@ def test_behaviour_logprobs_equal_the_trainer_recompute(models, spec, cache):
                                  sample.logprobs, atol=1e-5, rtol=0)
 
 
+def test_engine_keeps_params_in_its_weight_layout(models):
+  """On XLA:CPU the engine keeps its params ``'out_in'`` (faster decode-step products)
+  unless the model is batch-invariant; ``place_params`` converts the trainer's ``'in_out'``
+  params, and the samples match an engine kept ``'in_out'``."""
+  model, params, _ = models
+  cpu = jax.default_backend() == 'cpu'
+  default = make_driver(model, params)
+  plain = make_driver(model, params, engine_kwargs=dict(weight_layout='in_out'))
+  assert default.engine.model.config.weight_layout == ('out_in' if cpu else 'in_out')
+  assert plain.engine.model is model
+  wq = default.holder.get()[1]['blocks'][0]['attn']['wq']
+  assert wq.shape == ((4, 8, 32) if cpu else (32, 4, 8))
+  jobs = jobs_for(SamplingSpec(1.0), n=2, stops=())
+  for ours, theirs in zip(default.run(jobs), plain.run(jobs)):
+    for a, b in zip(ours, theirs):
+      assert a.tokens == b.tokens
+      np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+  invariant = create_model(dataclasses.replace(CONFIG, batch_invariant=True))[0]
+  engine = Engine(invariant, MESH, slots=2, max_prefill_length=16, max_decode_length=4,
+                  pad_id=PAD)
+  assert engine.model is invariant
+
+
 @pytest.mark.parametrize('attend_buckets,rows', [(1, 'chunks'), (4, 'chunks'), (4, 'floor')],
                          ids=['whole cache', 'attend buckets', 'attend buckets, floor'])
 def test_batch_invariant_logprobs_equal_the_trainer_bitwise(attend_buckets, rows):

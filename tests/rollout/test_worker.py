@@ -166,8 +166,11 @@ def test_params_are_sharded_on_the_inference_mesh(model_and_params):
   output as one device."""
   model, params = model_and_params
   sharded = make_worker(model, params, {'fsdp': 2, 'tensor': 2})
-  wq = sharded.params['blocks'][0]['attn']['wq']  # ('embed', 'heads', 'head_dim')
-  assert wq.sharding.spec == jax.sharding.PartitionSpec('fsdp', 'tensor', None)
+  wq = sharded.params['blocks'][0]['attn']['wq']
+  axes = tuple(sharded.engine.model.logical_axes()['blocks'][0]['attn']['wq'])
+  expected = {('embed', 'heads', 'head_dim'): ('fsdp', 'tensor', None),  # 'in_out'
+              ('heads', 'head_dim', 'embed'): ('tensor', None, 'fsdp')}  # 'out_in' (CPU)
+  assert wq.sharding.spec == jax.sharding.PartitionSpec(*expected[axes])
   single = make_worker(model, params)
   a = single.generate(requests(GREEDY, n=1), jax.random.key(0))
   b = sharded.generate(requests(GREEDY, n=1), jax.random.key(0))
