@@ -86,9 +86,11 @@ def prompts_for(tokenizer, batch: int) -> list[list[int]]:
   return [r[len(r) - shortest:] for r in rows]  # keep the assistant header at the end
 
 
-def driver_for(model, params, slots: int, max_prefill: int, max_new: int, continuous=True):
+def driver_for(model, params, slots: int, max_prefill: int, max_new: int, continuous=True,
+               **engine_kwargs):
   engine = Engine(model, make_mesh({'data': 1}, jax.devices()[:1]), slots=slots,
-                  max_prefill_length=max_prefill, max_decode_length=max_new, pad_id=0)
+                  max_prefill_length=max_prefill, max_decode_length=max_new, pad_id=0,
+                  **engine_kwargs)
   holder = VersionedParams()
   holder.set(0, engine.place_params(params))
   return Driver(engine, holder, continuous=continuous)
