@@ -39,7 +39,6 @@ advance nor produce tokens.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -221,9 +220,6 @@ class Engine:
     self.pad_id = int(pad_id)
     self.param_shardings = sharding_lib.param_shardings(
         self.model.abstract_params(), self.model.logical_axes(), mesh, rules)
-    self._convert = jax.jit(
-        functools.partial(to_weight_layout, source=model, target=self.model),
-        out_shardings=self.param_shardings)
     self._key_size = int(jax.random.key_data(jax.random.key(0)).shape[-1])
     self.state_shardings = self._state_shardings(rules)
     self._prefill = jax.jit(self._prefill_impl)
@@ -261,9 +257,9 @@ class Engine:
   def place_params(self, params: Params) -> Params:
     """``params`` of the model the engine was given (host or device), in the engine's
     weight layout, sharded on the inference mesh."""
-    if self.model is self.source_model:
-      return jax.device_put(params, self.param_shardings)
-    return self._convert(params)
+    if self.model is not self.source_model:  # eager: op by op, compiled once per shape
+      params = to_weight_layout(params, self.source_model, self.model)
+    return jax.device_put(params, self.param_shardings)
 
   def bucket(self, length: int, continuation: bool = False) -> int:
     """The smallest prefill bucket holding ``length`` tokens (``continuation``: a prompt
