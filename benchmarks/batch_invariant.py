@@ -93,6 +93,17 @@ def alternate(fns: dict, repeats: int) -> dict[str, list[float]]:
   return times
 
 
+def decode_steps(engine, placed):
+  """A function running ``DECODE_STEPS`` decode steps over all of ``engine``'s slots."""
+  state = [engine.init_decode_state()]
+
+  def decode():
+    for _ in range(DECODE_STEPS):
+      state[0], _ = engine.generate(placed, state[0], GREEDY)
+    jax.block_until_ready(state[0])
+  return decode
+
+
 def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument('--prompts', type=int, default=8)
@@ -146,13 +157,7 @@ def main() -> None:
     placed = engine.place_params(params)
     prefills[name] = lambda engine=engine, placed=placed, batch=batch: jax.block_until_ready(
         engine.prefill(placed, batch))
-    state = [engine.init_decode_state()]
-
-    def decode(engine=engine, placed=placed, state=state):
-      for _ in range(DECODE_STEPS):
-        state[0], _ = engine.generate(placed, state[0], GREEDY)
-      jax.block_until_ready(state[0])
-    steps[name] = decode
+    steps[name] = decode_steps(engine, placed)
   for phase, fns in (('prefill', prefills), ('decode_step', steps)):
     times = alternate(fns, args.repeats)
     ratios = [d / i for d, i in zip(times['default'], times['batch_invariant'])]

@@ -30,10 +30,9 @@ import statistics
 import jax
 import numpy as np
 
-from batch_invariant import DECODE_STEPS, alternate
+from batch_invariant import DECODE_STEPS, alternate, decode_steps
 from rlax_llm.models import from_pretrained, smollm2_gguf_path
 from rlax_llm.models.model import split_module
-from rlax_llm.policy import GREEDY
 from rollout_throughput import driver_for, jobs_for, prompts_for
 
 LAYOUTS = ('in_out', 'out_in')
@@ -61,13 +60,7 @@ def main() -> None:
     for layout, driver in drivers.items():
       engine = driver.engine
       placed = engine.place_params(params)
-      state = [engine.init_decode_state()]
-
-      def decode(engine=engine, placed=placed, state=state):
-        for _ in range(DECODE_STEPS):
-          state[0], _ = engine.generate(placed, state[0], GREEDY)
-        jax.block_until_ready(state[0])
-      steps[layout] = decode
+      steps[layout] = decode_steps(engine, placed)
       prefills[layout] = lambda engine=engine, placed=placed: jax.block_until_ready(
           engine.prefill(placed, prompts))
     entry = {'greedy_tokens_equal': equal}
