@@ -54,7 +54,7 @@ import numpy as np  # noqa: E402
 
 from rlax_llm.models import from_pretrained, smollm2_gguf_path  # noqa: E402
 from rlax_llm.models.decoder import DecoderConfig, head_logits, linear  # noqa: E402
-from rlax_llm.models.model import split_module  # noqa: E402
+from rlax_llm.models.model import abstract_model, split_module  # noqa: E402
 from rlax_llm.models.presets import count_params  # noqa: E402
 from rlax_llm.policy import GREEDY  # noqa: E402
 from rlax_llm.rollout.driver import Driver, Job, VersionedParams  # noqa: E402
@@ -138,18 +138,19 @@ def gemm_step_seconds(config: DecoderConfig, rows: int, steps: int = 5,
                       repeats: int = 5) -> float:
   """Seconds of one decode step's weight matmuls alone at ``rows`` rows: every layer's
   q, k, v, o, gate, up and down projections and the lm head, with random weights of the
-  shapes and weight layout of ``config`` (the engine's model). The projections depend on each other as in the model (q, k, v
-  from the same input, o after them, gate and up, then down); the median over ``repeats``
-  calls of ``steps`` chained steps."""
+  shapes (and so the weight layout) of ``config``'s params; pass the engine's model's. The
+  projections depend on each other as in the model (q, k, v from the same input, o after
+  them, gate and up, then down); the median over ``repeats`` calls of ``steps`` chained
+  steps."""
   c = config
-  e, q, kv = c.embed_dim, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-  shapes = [(e, q), (e, kv), (e, kv), (q, e), (e, c.mlp_dim), (e, c.mlp_dim), (c.mlp_dim, e)]
-  keys = iter(jax.random.split(jax.random.key(0), len(shapes) * c.num_layers + 2))
+  abstract = abstract_model(c).abstract_params()
+  names = [('attn', 'wq'), ('attn', 'wk'), ('attn', 'wv'), ('attn', 'wo'), ('mlp', 'w_gate'),
+           ('mlp', 'w_up'), ('mlp', 'w_down')]
+  keys = iter(jax.random.split(jax.random.key(0), len(names) * c.num_layers + 2))
   normal = lambda shape: 0.02 * jax.random.normal(next(keys), shape, c.dtype)
-  out_in = c.weight_layout == 'out_in'
-  layers = [[normal(s[::-1] if out_in else s) for s in shapes] for _ in range(c.num_layers)]
-  vocab_first = c.tie_embeddings or out_in
-  head = normal((c.vocab_size, e) if vocab_first else (e, c.vocab_size))
+  layers = [[normal(abstract['blocks'][i][block][name].shape) for block, name in names]
+            for i in range(c.num_layers)]
+  head = normal(abstract['embed' if c.tie_embeddings else 'lm_head'].shape)
 
   @jax.jit
   def run(x, layers, head):
@@ -165,7 +166,7 @@ def gemm_step_seconds(config: DecoderConfig, rows: int, steps: int = 5,
       total, x = total + logits.max(), x + 1e-3 * logits[:, :1]
     return total
 
-  x = normal((rows, e))
+  x = normal((rows, c.embed_dim))
   run(x, layers, head).block_until_ready()  # compile
   times = []
   for _ in range(repeats):
