@@ -133,11 +133,11 @@ def transform_logits(logits: jax.Array, spec: SamplingSpec,
   vocab = scaled.shape[-1]
   if support_size is not None and spec.truncates:
     size = jnp.clip(support_size, 1, vocab).astype(jnp.int32)[..., None]
-    if spec.top_p < 1.0 or spec.top_k >= vocab:
-      largest = -jnp.sort(-scaled, axis=-1)
-    else:
+    if 0 < spec.top_k < vocab:  # top-p keeps a prefix of the top k: no full sort needed
       largest = jax.lax.top_k(scaled, spec.top_k)[0]
       size = jnp.minimum(size, spec.top_k)
+    else:
+      largest = -jnp.sort(-scaled, axis=-1)
     kth = jnp.take_along_axis(largest, size - 1, axis=-1)
     return scaled, scaled >= kth
   kept = jnp.ones(scaled.shape, bool)

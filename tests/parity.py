@@ -3,13 +3,40 @@
 import numpy as np
 
 
-def trainer_logprobs(score, params, prompt, sample, width: int) -> np.ndarray:
-  """The trainer's recompute of ``sample``'s log-probs: ``score`` (a jitted
-  ``Policy.sequence_log_probs``) of the prompt plus the sample's tokens, right-padded with
-  zeros to ``width``, with the sample's support sizes. Returns float32 ``[len(tokens)]``."""
-  n = len(prompt) + len(sample.tokens)
-  tokens = np.zeros((1, width), np.int32)
-  sizes = np.zeros((1, width), np.int32)
-  tokens[0, :n] = list(prompt) + list(sample.tokens)
-  sizes[0, len(prompt):n] = sample.supports
-  return np.asarray(score(params, tokens, sizes).logp)[0, len(prompt) - 1:n - 1]
+def trainer_logprobs(score, params, pairs, width: int) -> list[np.ndarray]:
+  """The trainer's recompute of each ``(prompt, sample)`` pair's log-probs, in one batch:
+  ``score`` (a jitted ``Policy.sequence_log_probs``) of each prompt plus its sample's tokens,
+  right-padded with zeros to ``width``, with the sample's support sizes. Returns one float32
+  ``[len(sample.tokens)]`` array per pair (the trainer scores batches, not single rows)."""
+  pairs = list(pairs)
+  tokens = np.zeros((len(pairs), width), np.int32)
+  sizes = np.zeros((len(pairs), width), np.int32)
+  for row, (prompt, sample) in enumerate(pairs):
+    n = len(prompt) + len(sample.tokens)
+    tokens[row, :n] = list(prompt) + list(sample.tokens)
+    sizes[row, len(prompt):n] = sample.supports
+  logp = np.asarray(score(params, tokens, sizes).logp)
+  return [logp[row, len(prompt) - 1:len(prompt) + len(sample.tokens) - 1]
+          for row, (prompt, sample) in enumerate(pairs)]
+
+
+def transformers_twin(model, params):
+  """The transformers implementation of ``model``'s architecture (fp32, eval mode) holding
+  ``params``: built from ``hf.config_to_hf`` and ``hf.params_to_hf``, the export path
+  ``save_pretrained`` writes and ``test_hf_parity`` checks, without a trip through disk. For
+  SmolLM2 its logits equal transformers' own GGUF load exactly (``test_smollm2`` compares our
+  loader with that one), at a third of the load time."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  from rlax_llm.models import hf  # pylint: disable=import-outside-toplevel
+  config = transformers.AutoConfig.for_model(**hf.config_to_hf(model.config))
+  twin = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+  state = {name: torch.tensor(array) for name, array in hf.params_to_hf(
+      jax.tree.map(np.asarray, params), model.config).items()}
+  missing, unexpected = twin.load_state_dict(state, strict=False)
+  tied = {'lm_head.weight'} if model.config.tie_embeddings else set()
+  assert set(missing) == tied and not unexpected, (missing, unexpected)
+  if tied:
+    assert twin.lm_head.weight.data_ptr() == twin.model.embed_tokens.weight.data_ptr()
+  return twin

@@ -244,6 +244,9 @@ def test_token_log_probs_equal_the_behaviour_log_probs(temperature, top_k, top_p
                              atol=1e-6)
   kept = np.asarray(transform_logits(logits, spec)[1])
   np.testing.assert_array_equal(support, kept.sum(-1))
+  # On the same logits the recorded size gives back exactly the set the sampler kept (with
+  # top_k the trainer ranks only the top k, without it the whole vocabulary).
+  np.testing.assert_array_equal(transform_logits(logits, spec, support)[1], kept)
 
 
 @pytest.mark.parametrize('top_k, top_p', [(3, 1.0), (0, 0.7), (4, 0.8)])

@@ -126,12 +126,14 @@ def smollm2_gguf_path() -> pathlib.Path:
 
 
 def read_gguf(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str], *, reader: Any = None,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, Any]]:
   """Reads a llama / qwen2 / qwen3 GGUF checkpoint as a Hugging Face config and state dict.
 
   Args:
     path: a ``.gguf`` file.
+    reader: ``open_gguf(path)``, when the caller has it already (``from_pretrained`` shares one
+      with the tokenizer: parsing SmolLM2's 49k-token vocabulary takes seconds).
 
   Returns:
     ``(hf_config, state_dict, metadata)``:
@@ -156,7 +158,7 @@ def read_gguf(
       or shaped differently from what the config implies.
   """
   gguf = _import_gguf()
-  reader = open_gguf(path)
+  reader = open_gguf(path) if reader is None else reader
   metadata = {key: field.contents() for key, field in reader.fields.items()}
   # Numpy-order shapes: ggml lists dimensions fastest-first.
   shapes = {t.name: tuple(int(n) for n in reversed(t.shape.tolist())) for t in reader.tensors}

@@ -63,9 +63,10 @@ def from_pretrained(path: str | pathlib.Path, mesh: Mesh | None = None,
   if path.suffix == '.gguf':
     if not path.is_file():
       raise FileNotFoundError(f'GGUF file {path} does not exist.')
-    hf_config, state, _ = gguf_lib.read_gguf(path)
+    reader = gguf_lib.open_gguf(path)  # parsed once for weights and tokenizer
+    hf_config, state, _ = gguf_lib.read_gguf(path, reader=reader)
     get_tensor, names = state.__getitem__, set(state)
-    tokenizer = tokenizer_lib.HFTokenizer.from_gguf(path)
+    tokenizer = tokenizer_lib.HFTokenizer.from_gguf(reader)
   else:
     config_file = path / 'config.json'
     if not config_file.is_file():

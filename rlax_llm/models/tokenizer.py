@@ -170,7 +170,8 @@ def _gguf_field_getter(path_or_reader: str | os.PathLike | Any) -> tuple[Any, st
     source = str(path)
   else:
     reader = path_or_reader
-    source = f'{type(reader).__name__} object'
+    filename = getattr(getattr(reader, 'data', None), 'filename', None)  # GGUFReader's memmap
+    source = str(filename) if filename else f'{type(reader).__name__} object'
   fields = getattr(reader, 'fields', None)
   if not isinstance(fields, Mapping):
     raise TypeError(f'from_gguf expects a .gguf path or a gguf.GGUFReader, got '

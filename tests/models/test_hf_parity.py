@@ -82,6 +82,20 @@ def test_prefill_logits_match_transformers(reference):
   np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
 
 
+def test_loader_options_reach_the_config(reference):
+  """``from_pretrained``'s numerics options land in the model's config (the SmolLM2 engine
+  tests build their batch-invariant models from that config) and keep the weights."""
+  _, model, directory = reference
+  ours, _ = from_pretrained(directory, batch_invariant=True, invariant_rows='floor',
+                            remat='full', max_seq_len=96)
+  config = ours.config
+  assert (config.batch_invariant, config.invariant_rows, config.remat, config.max_seq_len) == (
+      True, 'floor', 'full', 96)
+  tokens = _tokens(3)
+  np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens, jnp.int32))),
+                             _torch_logits(model, tokens), atol=1e-4, rtol=0)
+
+
 def test_cached_decoding_equals_full_forward(reference):
   _, _, directory = reference
   ours, _ = from_pretrained(directory)

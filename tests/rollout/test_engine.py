@@ -118,10 +118,9 @@ def test_behaviour_logprobs_equal_the_trainer_recompute(models, spec, cache):
   results = make_driver(model, params, engine_kwargs=CACHES[cache]).run(
       jobs_for(spec, n=4, stops=()))
   score = jax.jit(Policy(model, spec).sequence_log_probs)
-  for prompt, samples in zip(PROMPTS, results):
-    for sample in samples:
-      np.testing.assert_allclose(trainer_logprobs(score, params, prompt, sample, 32),
-                                 sample.logprobs, atol=1e-5, rtol=0)
+  pairs = [(prompt, sample) for prompt, samples in zip(PROMPTS, results) for sample in samples]
+  for (_, sample), trainer in zip(pairs, trainer_logprobs(score, params, pairs, 32)):
+    np.testing.assert_allclose(trainer, sample.logprobs, atol=1e-5, rtol=0)
 
 
 def test_engine_keeps_params_in_its_weight_layout(models):
@@ -165,11 +164,10 @@ def test_batch_invariant_logprobs_equal_the_trainer_bitwise(attend_buckets, rows
   spec = SamplingSpec(0.7, top_k=5, top_p=0.9)
   results = Driver(engine, holder).run(jobs_for(spec, n=3, max_new=70, stops=()))
   score = jax.jit(Policy(model, spec).sequence_log_probs)
-  for prompt, samples in zip(PROMPTS, results):
-    for sample in samples:
-      assert len(prompt) + len(sample.tokens) > INVARIANT_KEYS  # into the second block
-      np.testing.assert_array_equal(trainer_logprobs(score, params, prompt, sample, 128),
-                                    np.asarray(sample.logprobs, np.float32))
+  pairs = [(prompt, sample) for prompt, samples in zip(PROMPTS, results) for sample in samples]
+  for (prompt, sample), trainer in zip(pairs, trainer_logprobs(score, params, pairs, 128)):
+    assert len(prompt) + len(sample.tokens) > INVARIANT_KEYS  # into the second block
+    np.testing.assert_array_equal(trainer, np.asarray(sample.logprobs, np.float32))
 
 
 def test_samples_do_not_depend_on_slots_or_batching(models):
