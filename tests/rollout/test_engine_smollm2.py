@@ -70,19 +70,26 @@ def run(driver, prompts, spec, seed, stops=()):
 
 
 def test_greedy_equals_transformers_up_to_float_ties(smollm2, record_property):
+  """One batched ``generate`` over the 8 prompts, left-padded (transformers' batching), stopping
+  at eos as the engine does."""
   _, model, params, tokenizer, prompts, driver = smollm2
   ours = run(driver, prompts, GREEDY, seed=0, stops=(tokenizer.eos_id,))
   reference = transformers_twin(model, params)
+  width = max(len(p) for p in prompts)
+  inputs = torch.tensor([[tokenizer.pad_id] * (width - len(p)) + list(p) for p in prompts])
+  mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+  with torch.no_grad():
+    out = reference.generate(inputs, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=tokenizer.pad_id, eos_token_id=tokenizer.eos_id)
   ties, compared = [], 0
-  for prompt, sample in zip(prompts, ours):
-    with torch.no_grad():
-      out = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False,
-                               output_logits=True, return_dict_in_generate=True,
-                               pad_token_id=tokenizer.pad_id)
-    ref_tokens = out.sequences[0, len(prompt):].tolist()
+  for row, (prompt, sample) in enumerate(zip(prompts, ours)):
+    ref_tokens = out.sequences[row, width:].tolist()
+    if tokenizer.eos_id in ref_tokens:  # rows that finish early are padded after their eos
+      ref_tokens = ref_tokens[:ref_tokens.index(tokenizer.eos_id) + 1]
     for t, (a, b) in enumerate(zip(sample.tokens, ref_tokens)):
       if a != b:
-        top2 = torch.topk(out.logits[t][0].float(), 2).values
+        top2 = torch.topk(out.logits[t][row].float(), 2).values
         gap = float(top2[0] - top2[1])
         assert gap < TIE, (f'prompt {prompt[-12:]}: token {t} differs ({a} vs {b}) although the '
                            f'reference prefers its token by {gap:.2e} > {TIE}')
