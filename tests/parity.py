@@ -24,8 +24,8 @@ def transformers_twin(model, params):
   """The transformers implementation of ``model``'s architecture (fp32, eval mode) holding
   ``params``: built from ``hf.config_to_hf`` and ``hf.params_to_hf``, the export path
   ``save_pretrained`` writes and ``test_hf_parity`` checks, without a trip through disk. For
-  SmolLM2 its logits equal transformers' own GGUF load exactly (``test_smollm2`` compares our
-  loader with that one), at a third of the load time."""
+  SmolLM2 it holds exactly what transformers' own GGUF loader reads (``test_gguf`` compares the
+  two state dicts tensor by tensor), at a third of that loader's time."""
   import jax  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel

@@ -1,4 +1,5 @@
-"""The real SmolLM2-135M-Instruct (GGUF, Q4_1) against transformers loading the same file."""
+"""The real SmolLM2-135M-Instruct (GGUF, Q4_1) against transformers holding the same weights
+(``test_gguf.py`` checks our GGUF reader against transformers' own, tensor by tensor)."""
 
 import os
 
@@ -15,6 +16,8 @@ from rlax_llm.models.model import split_module  # noqa: E402
 from rlax_llm.policy import GREEDY  # noqa: E402
 from rlax_llm.rollout.driver import generate  # noqa: E402
 
+from parity import transformers_twin  # noqa: E402  (tests/parity.py)
+
 QUESTION = [{'role': 'user', 'content': 'What is the capital of France?'}]
 
 
@@ -24,13 +27,10 @@ def ours():
 
 
 @pytest.fixture(scope='module')
-def reference():
-  path = smollm2_gguf_path()
-  kwargs = dict(gguf_file=path.name)
-  model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32,
-                                                            **kwargs).eval()
-  tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
-  return model, tokenizer
+def reference(ours):
+  """transformers' Llama holding the weights we loaded: ``test_gguf`` checks that they equal,
+  bit for bit, the state dict transformers' own GGUF loader reads from the same file."""
+  return transformers_twin(*split_module(ours[0]))
 
 
 def test_config_of_the_real_model(ours):
@@ -44,7 +44,7 @@ def test_config_of_the_real_model(ours):
 
 def test_logits_match_transformers_on_the_same_gguf(ours, reference):
   model, tokenizer = ours
-  ref_model, _ = reference
+  ref_model = reference
   ids = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True)
   with torch.no_grad():
     ref = ref_model(torch.tensor([ids])).logits.float().numpy()

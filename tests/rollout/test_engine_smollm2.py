@@ -3,7 +3,7 @@
 * Greedy tokens equal ``transformers.generate`` on 8 chat prompts, up to the first position
   where the reference's top two logits are within 1e-4 (a float tie, reported, not hidden).
   The reference is transformers' Llama holding the loaded weights (``parity.transformers_twin``;
-  ``tests/models/test_smollm2.py`` checks our GGUF loader against transformers' own).
+  ``tests/models/test_gguf.py`` checks our GGUF reader against transformers' own).
 * Behaviour log-probs equal the trainer's recompute (same weights, same policy transform).
 * A seed reproduces sampled output.
 """
