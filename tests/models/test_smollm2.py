@@ -12,6 +12,7 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from rlax_llm.models import from_pretrained, smollm2_gguf_path  # noqa: E402
+from rlax_llm.models import gguf as gguf_lib  # noqa: E402
 from rlax_llm.models.model import split_module  # noqa: E402
 from rlax_llm.policy import GREEDY  # noqa: E402
 from rlax_llm.rollout.driver import generate  # noqa: E402
@@ -21,9 +22,22 @@ from parity import transformers_twin  # noqa: E402  (tests/parity.py)
 QUESTION = [{'role': 'user', 'content': 'What is the capital of France?'}]
 
 
+OPENED = []  # the files from_pretrained opened while the `ours` fixture loaded the model
+
+
 @pytest.fixture(scope='module')
 def ours():
-  return from_pretrained(smollm2_gguf_path())
+  real_open = gguf_lib.open_gguf
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(gguf_lib, 'open_gguf', lambda path: OPENED.append(path) or real_open(path))
+    return from_pretrained(smollm2_gguf_path())
+
+
+def test_the_file_is_parsed_once_for_weights_and_tokenizer(ours):
+  """Parsing the GGUF's metadata (a 49k-token vocabulary) takes seconds: from_pretrained
+  shares one reader between the weights and the tokenizer."""
+  del ours  # loaded: its tokenizer is checked by test_config_of_the_real_model
+  assert OPENED == [smollm2_gguf_path()], OPENED
 
 
 @pytest.fixture(scope='module')
