@@ -58,8 +58,7 @@ def main() -> None:
                   len(x[0].tokens)) for x, y in zip(outputs['in_out'], outputs['out_in'])]
     steps, prefills = {}, {}
     for layout, driver in drivers.items():
-      engine = driver.engine
-      placed = engine.place_params(params)
+      engine, placed = driver.engine, driver.holder.get()[1]  # placed by driver_for
       steps[layout] = decode_steps(engine, placed)
       prefills[layout] = lambda engine=engine, placed=placed: jax.block_until_ready(
           engine.prefill(placed, prompts))

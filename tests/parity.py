@@ -26,14 +26,13 @@ def transformers_twin(model, params):
   ``save_pretrained`` writes and ``test_hf_parity`` checks, without a trip through disk. For
   SmolLM2 it holds exactly what transformers' own GGUF loader reads (``test_gguf`` compares the
   two state dicts tensor by tensor), at a third of that loader's time."""
-  import jax  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
   from rlax_llm.models import hf  # pylint: disable=import-outside-toplevel
   config = transformers.AutoConfig.for_model(**hf.config_to_hf(model.config))
   twin = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-  state = {name: torch.tensor(array) for name, array in hf.params_to_hf(
-      jax.tree.map(np.asarray, params), model.config).items()}
+  state = {name: torch.tensor(array)
+           for name, array in hf.params_to_hf(params, model.config).items()}
   missing, unexpected = twin.load_state_dict(state, strict=False)
   tied = {'lm_head.weight'} if model.config.tie_embeddings else set()
   assert set(missing) == tied and not unexpected, (missing, unexpected)

@@ -59,7 +59,7 @@ def smollm2():
   module, tokenizer = from_pretrained(path)
   prompts = _prompts(tokenizer)
   model, params = split_module(module)
-  return path, model, params, tokenizer, prompts, _driver(model, params, tokenizer, prompts)
+  return model, params, tokenizer, prompts, _driver(model, params, tokenizer, prompts)
 
 
 def run(driver, prompts, spec, seed, stops=()):
@@ -72,7 +72,7 @@ def run(driver, prompts, spec, seed, stops=()):
 def test_greedy_equals_transformers_up_to_float_ties(smollm2, record_property):
   """One batched ``generate`` over the 8 prompts, left-padded (transformers' batching), stopping
   at eos as the engine does."""
-  _, model, params, tokenizer, prompts, driver = smollm2
+  model, params, tokenizer, prompts, driver = smollm2
   ours = run(driver, prompts, GREEDY, seed=0, stops=(tokenizer.eos_id,))
   reference = transformers_twin(model, params)
   width = max(len(p) for p in prompts)
@@ -112,7 +112,7 @@ def test_behaviour_logprobs_equal_the_trainer_recompute(smollm2, record_property
   further from the trainer than three times that (a real mismatch, e.g. a wrong position or
   normaliser, is orders of magnitude larger). Measured: 5.4e-5 with the cache in blocks
   (attention sums one partial product per block), 3.5e-5 with one block."""
-  _, model, params, _, prompts, driver = smollm2
+  model, params, _, prompts, driver = smollm2
   worst, self_worst, diffs = 0.0, 0.0, []
   for spec in (SamplingSpec(1.0), SamplingSpec(0.7, top_k=20, top_p=0.9)):
     pairs = list(zip(prompts, run(driver, prompts, spec, seed=1)))
@@ -144,7 +144,7 @@ def test_batch_invariant_behaviour_logprobs_equal_the_trainer_bitwise(smollm2, r
   model). The weights are the other tests'; the config is the one ``from_pretrained(path,
   batch_invariant=True, invariant_rows=rows)`` gives (``test_hf_parity`` checks that the
   loader sets those fields)."""
-  _, model, params, tokenizer, prompts, _ = smollm2
+  model, params, tokenizer, prompts, _ = smollm2
   model = abstract_model(dataclasses.replace(model.config, batch_invariant=True,
                                              invariant_rows=rows))
   driver = _driver(model, params, tokenizer, prompts)
@@ -160,7 +160,7 @@ def test_batch_invariant_behaviour_logprobs_equal_the_trainer_bitwise(smollm2, r
 
 
 def test_a_seed_reproduces_sampled_output(smollm2):
-  _, _, _, _, prompts, driver = smollm2
+  _, _, _, prompts, driver = smollm2
   spec = SamplingSpec(1.0)
   a = run(driver, prompts[:4], spec, seed=5)
   b = run(driver, prompts[:4], spec, seed=5)
