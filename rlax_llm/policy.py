@@ -111,8 +111,83 @@ class SamplingSpec:
 GREEDY = SamplingSpec(temperature=0.0)
 
 
+# Prefix lengths of the sorted logits tried, in order, before a sort of the whole vocabulary,
+# when the kept set needs the largest logits in order (top-p, or a recorded support size
+# without top-k). ``lax.top_k`` of 256 / 1024 / 4096 of SmolLM2's 49k logits at 32 rows
+# takes 8 / 18 / 56 ms on XLA:CPU, a full sort 360 ms. SmolLM2's top-p 0.95 nucleus at
+# temperature 1.0 has a median of 25 tokens, more than 256 for 14% of them and more than
+# 1024 for 1% (at 0.7: at most 181); benchmarks/RESULTS.md, "The sampler's cut".
+SORTED_PREFIXES = (256, 1024, 4096)
+
+
+def _prefix_lengths(vocab: int, top_k: int) -> list[int]:
+  """The ascending prefix lengths ``_in_sorted_prefixes`` tries: ``top_k`` (if it truncates),
+  the ``SORTED_PREFIXES`` above it, then the whole vocabulary."""
+  first = [top_k] if 0 < top_k < vocab else []
+  return first + [n for n in SORTED_PREFIXES if max(first, default=0) < n < vocab] + [vocab]
+
+
+def _largest(x: jax.Array, n: int) -> jax.Array:
+  """The ``n`` largest entries of each row of ``x [..., V]``, in descending order."""
+  return -jnp.sort(-x, axis=-1) if n == x.shape[-1] else jax.lax.top_k(x, n)[0]
+
+
+def _in_sorted_prefixes(solve, lengths: list[int]):
+  """``solve(n)`` -> ``(result, decided bool [...])`` from the ``n`` largest logits of each
+  row; returns the result of the first of ``lengths`` that decides every row (the last,
+  the whole vocabulary, always does). ``lax.cond`` runs only that one, so a batch whose
+  rows are decided by a short prefix never sorts the vocabulary. Called on a whole batch,
+  not under ``vmap`` (where ``cond`` runs every branch)."""
+  result, decided = solve(lengths[0])
+  if len(lengths) == 1:
+    return result
+  return jax.lax.cond(jnp.all(decided), lambda: result,
+                      lambda: _in_sorted_prefixes(solve, lengths[1:]))
+
+
+def _nucleus(mass_before: jax.Array, top_p: float) -> jax.Array:
+  """bool ``[..., n]``: the positions (in descending order) before the first whose mass
+  before reaches ``top_p``. A prefix even where rounding makes the running mass dip by an
+  ulp after that position, so a longer prefix of the sorted logits never keeps more."""
+  return jnp.cumsum(mass_before >= top_p, axis=-1) == 0
+
+
+def _top_p_threshold(masked: jax.Array, top_p: float, lengths: list[int],
+                     invariant: bool, active: jax.Array | None) -> jax.Array:
+  """The smallest scaled logit the top-p cut keeps, ``[..., 1]``.
+
+  ``masked``: float32 ``[..., V]`` scaled logits, ``-inf`` outside the top-k set. In
+  descending order, a token is kept while the mass before it is ``< top_p``. The mass
+  before each position is summed prefix by prefix (``lengths``' boundaries), so a position
+  gets the same float value from every prefix that holds it, and a row's kept set does not
+  depend on which prefix length its batch needed. Rows where ``active`` (bool ``[...]``)
+  is False never make the batch take a longer prefix (their threshold is then any value).
+  """
+  top = invariant_max(masked) if invariant else jnp.max(masked, axis=-1, keepdims=True)
+  exps = jnp.exp(masked - top)
+  total = invariant_sum(exps) if invariant else jnp.sum(exps, axis=-1, keepdims=True)
+  finite = jnp.sum(masked > -jnp.inf, axis=-1)
+
+  def solve(n):
+    values = _largest(masked, n)
+    probs = jnp.exp(values - top) / total
+    parts, carry, lo = [], jnp.zeros_like(total), 0
+    for hi in [b for b in lengths if b <= n]:
+      chunk = probs[..., lo:hi]
+      running = jnp.cumsum(chunk, axis=-1)
+      parts.append(carry + (running - chunk))
+      carry, lo = carry + running[..., -1:], hi
+    keep = _nucleus(jnp.concatenate(parts, axis=-1), top_p)
+    threshold = jnp.min(jnp.where(keep, values, jnp.inf), axis=-1, keepdims=True)
+    decided = ~keep[..., -1] | (finite <= n)
+    return threshold, decided if active is None else decided | ~active
+
+  return _in_sorted_prefixes(solve, lengths)
+
+
 def transform_logits(logits: jax.Array, spec: SamplingSpec,
-                     support_size: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                     support_size: jax.Array | None = None, *, invariant: bool = False,
+                     active: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Temperature scaling and the kept set.
 
   Args:
@@ -121,53 +196,62 @@ def transform_logits(logits: jax.Array, spec: SamplingSpec,
     support_size: optional int ``[...]``: keep exactly the ``support_size`` largest scaled
       logits (ties kept) instead of deciding top-k/top-p from these logits (see
       ``token_log_probs``). Ignored when ``spec`` does not truncate.
+    invariant: the top-p cut's max and sum over the vocabulary are ``invariant_max`` and
+      ``invariant_sum`` (``log_probs``).
+    active: optional bool ``[...]``, the rows whose kept set matters (an engine's busy
+      slots): the others get one too, which may be wider than their top-p cut, but never
+      make the batch sort a longer prefix of the logits (below). None: every row.
   Returns:
     ``(scaled float32 [..., V], kept bool [..., V])``: ``logits / T`` and the support
     ``K`` (top-k first, then top-p over the top-k-renormalised distribution; ties at a
     threshold are kept).
+
+  Neither sorts the vocabulary when a prefix of the sorted logits decides every row
+  (``SORTED_PREFIXES``): top-k alone takes the k-th largest; top-p (and a recorded support
+  size without top-k) looks at the 256, 1024, then 4096 largest logits first. Call it on a
+  whole batch rather than under ``vmap``, which would run every prefix and the sort.
   """
   if spec.greedy:
     raise ValueError('transform_logits needs temperature > 0; greedy decoding has no '
                      'log-probs to train on.')
   scaled = logits.astype(jnp.float32) / spec.temperature
   vocab = scaled.shape[-1]
+  lengths = _prefix_lengths(vocab, spec.top_k)
   if support_size is not None and spec.truncates:
     size = jnp.clip(support_size, 1, vocab).astype(jnp.int32)[..., None]
-    if 0 < spec.top_k < vocab:  # top-p keeps a prefix of the top k: no full sort needed
-      largest = jax.lax.top_k(scaled, spec.top_k)[0]
+    if 0 < spec.top_k < vocab:  # top-p keeps a prefix of the top k (ties at the k-th kept)
       size = jnp.minimum(size, spec.top_k)
-    else:
-      largest = -jnp.sort(-scaled, axis=-1)
-    kth = jnp.take_along_axis(largest, size - 1, axis=-1)
+    kth = _in_sorted_prefixes(
+        lambda n: (jnp.take_along_axis(_largest(scaled, n), jnp.minimum(size, n) - 1, axis=-1),
+                   size[..., 0] <= n), lengths)
     return scaled, scaled >= kth
   kept = jnp.ones(scaled.shape, bool)
-  if spec.top_k and spec.top_k < vocab:
-    kth = jax.lax.top_k(scaled, spec.top_k)[0][..., -1:]
-    kept = scaled >= kth
+  if 0 < spec.top_k < vocab:
+    # The k-th largest as the min of the top k: XLA:CPU rewrites a slice of top_k's values
+    # into a slice of a full sort (320 ms instead of 3 ms at [32, 49152]).
+    kept = scaled >= jnp.min(jax.lax.top_k(scaled, spec.top_k)[0], axis=-1, keepdims=True)
   if spec.top_p < 1.0:
     masked = jnp.where(kept, scaled, -jnp.inf)
-    sorted_desc = -jnp.sort(-masked, axis=-1)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep_sorted = mass_before < spec.top_p  # always keeps the most probable token
-    threshold = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    threshold = _top_p_threshold(masked, spec.top_p, lengths, invariant, active)
     kept = kept & (scaled >= threshold)
   return scaled, kept
 
 
 def log_probs(logits: jax.Array, spec: SamplingSpec, support_size: jax.Array | None = None,
-              *, invariant: bool = False) -> tuple[jax.Array, jax.Array]:
+              *, invariant: bool = False, active: jax.Array | None = None
+              ) -> tuple[jax.Array, jax.Array]:
   """Log-probs of every token under the policy (see the module docstring).
 
   ``invariant``: the normaliser's max and sum over the vocabulary are ``invariant_max`` and
   ``invariant_sum`` (fixed trees of elementwise ops) instead of reductions, which XLA fused
   one way into a decode step and another into a trainer batch, rounding differently (the
-  model's ``batch_invariant`` numerics).
+  model's ``batch_invariant`` numerics). ``active``: as in ``transform_logits``.
 
   Returns ``(logp float32 [..., V], kept bool [..., V])``; ``logp`` is the truncated
   log-prob on ``kept`` and the same normaliser's finite extension elsewhere.
   """
-  scaled, kept = transform_logits(logits, spec, support_size)
+  scaled, kept = transform_logits(logits, spec, support_size, invariant=invariant,
+                                  active=active)
   masked = jnp.where(kept, scaled, -jnp.inf)
   if invariant:
     largest = jax.lax.stop_gradient(invariant_max(masked))
@@ -234,28 +318,40 @@ def sample(logits: jax.Array, rng: jax.Array, spec: SamplingSpec, *, invariant: 
     tokens = argmax(logits)
     return tokens, jnp.zeros(tokens.shape, jnp.float32), jnp.ones(tokens.shape, jnp.int32)
   logp, kept = log_probs(logits, spec, invariant=invariant)
-  # jax.random.categorical's Gumbel-max draw (the same tokens for the same key), with the
-  # faster argmax.
+  return _draw(logp, kept, lambda masked: jax.random.gumbel(rng, masked.shape, masked.dtype))
+
+
+def _draw(logp: jax.Array, kept: jax.Array, gumbel) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """jax.random.categorical's Gumbel-max draw from ``logp [B, V]`` restricted to ``kept``
+  (the same tokens for the same noise), with the faster ``argmax``. ``gumbel(masked)`` ->
+  the noise, shaped like ``masked``."""
   masked = jnp.where(kept, logp, -jnp.inf)
-  tokens = argmax(jax.random.gumbel(rng, masked.shape, masked.dtype) + masked)
+  tokens = argmax(gumbel(masked) + masked)
   return (tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0],
           kept.sum(-1).astype(jnp.int32))
 
 
 def sample_rows(logits: jax.Array, keys: jax.Array, spec: SamplingSpec, *,
-                invariant: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                invariant: bool = False, active: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``sample`` with one PRNG key per row: row ``b`` draws with ``keys[b]`` alone, so its
   token does not depend on which other rows share the batch (continuous batching).
 
+  The transform runs on the whole batch (``transform_logits``: its sorted-prefix fallback is
+  a ``lax.cond`` per batch, which ``vmap`` would turn into running every branch); only the
+  noise is drawn row by row, ``[1, V]`` per key as ``sample(logits[b:b + 1], keys[b])``.
+
   Args:
     logits: float ``[B, V]``; keys: ``[B]`` PRNG keys; invariant: as in ``sample``.
+    active: optional bool ``[B]``, the rows whose draw is used (``transform_logits``).
   Returns:
     ``(tokens int32 [B], logp float32 [B], support_size int32 [B])``.
   """
   if spec.greedy:
     return sample(logits, keys[0], spec)
-  return jax.vmap(lambda row, key: tuple(
-      x[0] for x in sample(row[None], key, spec, invariant=invariant)))(logits, keys)
+  logp, kept = log_probs(logits, spec, invariant=invariant, active=active)
+  return _draw(logp, kept, lambda masked: jax.vmap(
+      lambda key: jax.random.gumbel(key, (1,) + masked.shape[1:], masked.dtype)[0])(keys))
 
 
 def entropy(logits: jax.Array, spec: SamplingSpec, support_size: jax.Array | None = None

@@ -2,6 +2,7 @@
 trainer-side log-probs of the same policy."""
 
 import re
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -350,3 +351,110 @@ def test_sampled_tokens_equal_jax_random_categorical(spec):
     logp, kept = policy_lib.log_probs(logits, spec)
     expected = jax.random.categorical(key, jnp.where(kept, logp, -jnp.inf), axis=-1)
     np.testing.assert_array_equal(np.asarray(tokens), np.asarray(expected))
+
+
+def mixed_spread_logits(seed, batch=16, vocab=VOCAB):
+  """Rows from nearly flat to peaked: under small ``SORTED_PREFIXES`` some rows' top-p cut
+  is decided by the shortest prefix and others need the sort of the whole row."""
+  return random_logits(seed, batch, vocab) * np.linspace(0.1, 5.0, batch, dtype=np.float32)[
+      :, None]
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), top_p=st.floats(0.05, 0.99),
+       top_k=st.sampled_from([0, 2, 4]),
+       prefixes=st.sampled_from([(), (1,), (2, 5), (1, 3, 6), (3, 20)]))
+def test_sorted_prefixes_keep_the_numpy_nucleus(seed, top_p, top_k, prefixes):
+  """Whichever prefix lengths of the sorted logits are tried before the full sort, the kept
+  set is the nucleus (top-k first), and the recorded support size gives it back."""
+  logits = mixed_spread_logits(seed)
+  keep = np_top_k_keep(logits, top_k) if top_k else np.ones(logits.shape, bool)
+  keep_p, margin = np_top_p_keep(np.where(keep, logits, -np.inf), top_p)
+  assume(margin > 1e-4)
+  spec = SamplingSpec(1.0, top_k, top_p)
+  with mock.patch.object(policy_lib, 'SORTED_PREFIXES', prefixes):
+    kept = np.asarray(transform_logits(jnp.asarray(logits), spec)[1])
+    np.testing.assert_array_equal(kept, keep & keep_p)
+    again = transform_logits(jnp.asarray(logits), spec, jnp.asarray(kept.sum(-1)))[1]
+    np.testing.assert_array_equal(np.asarray(again), kept)
+
+
+@pytest.mark.parametrize('spec', [SamplingSpec(1.0, top_p=0.9), SamplingSpec(1.0, 4, 0.8),
+                                  SamplingSpec(0.8, top_k=3)])
+def test_a_rows_draw_does_not_depend_on_the_batch(monkeypatch, spec):
+  """sample_rows decides the top-p cut on the whole batch (one sort for all rows when one
+  row needs it); each row's kept set, log-prob and token still equal its own draw alone."""
+  monkeypatch.setattr(policy_lib, 'SORTED_PREFIXES', (2, 5))
+  logits = jnp.asarray(mixed_spread_logits(5, batch=12))
+  keys = jax.random.split(jax.random.key(7), 12)
+  tokens, logp, support = policy_lib.sample_rows(logits, keys, spec)
+  kept = np.asarray(transform_logits(logits, spec)[1])
+  for b in range(12):
+    alone = sample(logits[b:b + 1], keys[b], spec)
+    np.testing.assert_array_equal([int(tokens[b]), int(support[b])],
+                                  [int(alone[0][0]), int(alone[2][0])])
+    np.testing.assert_array_equal(float(logp[b]), float(alone[1][0]))
+    np.testing.assert_array_equal(kept[b], np.asarray(transform_logits(logits[b:b + 1],
+                                                                       spec)[1])[0])
+  if spec.top_p < 1 and not spec.top_k:  # the batch has rows decided by each prefix length
+    assert int(support.min()) <= 2 and int(support.max()) > 5, support
+
+
+def test_the_sort_runs_only_when_a_shorter_prefix_leaves_a_row_undecided():
+  """_in_sorted_prefixes evaluates prefixes in order and stops at the first that decides
+  every row (lax.cond: the longer prefixes are not run)."""
+  def run(undecided_at):
+    calls = []
+
+    def solve(n):
+      jax.debug.callback(lambda: calls.append(n))
+      return jnp.full((3,), n, jnp.int32), jnp.full((3,), n > undecided_at).at[0].set(True)
+
+    result = jax.jit(lambda: policy_lib._in_sorted_prefixes(solve, [2, 5, 10]))()
+    jax.effects_barrier()
+    return int(result[0]), calls
+
+  assert run(undecided_at=0) == (2, [2])
+  assert run(undecided_at=2) == (5, [2, 5])
+  assert run(undecided_at=7) == (10, [2, 5, 10])
+
+
+def test_the_nucleus_ends_at_the_first_position_that_reaches_top_p():
+  """A running mass that dips by an ulp after reaching top_p (float rounding) does not keep
+  the positions after the dip."""
+  dip = np.nextafter(np.float32(0.8), np.float32(0))
+  before = jnp.asarray([[0.0, 0.5, 0.8, dip, 0.9], [0.0, 0.3, 0.6, 0.7, 0.75]], jnp.float32)
+  np.testing.assert_array_equal(policy_lib._nucleus(before, 0.8),
+                                [[True, True, False, False, False], [True] * 5])
+
+
+def test_rows_not_active_never_make_the_batch_sort_a_longer_prefix(monkeypatch):
+  """An engine's free slots (``active=False``) do not send the top-p cut past the shortest
+  prefix; the active rows still draw as they would alone."""
+  monkeypatch.setattr(policy_lib, 'SORTED_PREFIXES', (3, 6))
+  largest = policy_lib._largest
+  sorted_lengths = []
+
+  def recorded(x, n):
+    jax.debug.callback(lambda: sorted_lengths.append(n))
+    return largest(x, n)
+
+  monkeypatch.setattr(policy_lib, '_largest', recorded)
+  spec = SamplingSpec(1.0, top_p=0.9)
+  logits = jnp.asarray(mixed_spread_logits(5, batch=12))
+  keys = jax.random.split(jax.random.key(7), 12)
+  alone = [sample(logits[b:b + 1], keys[b], spec) for b in range(12)]
+  active = np.array([int(a[2][0]) < 3 for a in alone])  # decided by the 3 largest
+  assert 0 < active.sum() < 12
+  draw = jax.jit(lambda active: policy_lib.sample_rows(logits, keys, spec, active=active))
+  sorted_lengths.clear()
+  tokens, logp, support = draw(jnp.asarray(active))
+  jax.effects_barrier()
+  assert sorted_lengths == [3]
+  for b in np.flatnonzero(active):
+    assert (int(tokens[b]), float(logp[b]), int(support[b])) == tuple(
+        float(x[0]) if i == 1 else int(x[0]) for i, x in enumerate(alone[b]))
+  sorted_lengths.clear()
+  draw(jnp.ones(12, bool))
+  jax.effects_barrier()
+  assert sorted_lengths == [3, 6, VOCAB]

@@ -427,7 +427,8 @@ class Engine:
     keys = jax.vmap(lambda data, position: jax.random.fold_in(
         jax.random.wrap_key_data(data), position))(state.keys, state.positions)
     token, logp, support = sample_rows(logits[:, 0], keys, spec,
-                                       invariant=self.model.config.batch_invariant)
+                                       invariant=self.model.config.batch_invariant,
+                                       active=active)
     token = jnp.where(active, token, self.pad_id)
     logp = jnp.where(active, logp, 0.0)
     support = jnp.where(active, support, 0)
