@@ -153,7 +153,8 @@ def _nucleus(mass_before: jax.Array, top_p: float) -> jax.Array:
 
 
 def _top_p_threshold(masked: jax.Array, top_p: float, lengths: list[int],
-                     invariant: bool, active: jax.Array | None) -> jax.Array:
+                     invariant: bool, active: jax.Array | None,
+                     top_k_values: jax.Array | None = None) -> jax.Array:
   """The smallest scaled logit the top-p cut keeps, ``[..., 1]``.
 
   ``masked``: float32 ``[..., V]`` scaled logits, ``-inf`` outside the top-k set. In
@@ -162,6 +163,8 @@ def _top_p_threshold(masked: jax.Array, top_p: float, lengths: list[int],
   gets the same float value from every prefix that holds it, and a row's kept set does not
   depend on which prefix length its batch needed. Rows where ``active`` (bool ``[...]``)
   is False never make the batch take a longer prefix (their threshold is then any value).
+  ``top_k_values``: the top-k cut's ``lax.top_k`` values, the first prefix (not ranked
+  again).
   """
   top = invariant_max(masked) if invariant else jnp.max(masked, axis=-1, keepdims=True)
   exps = jnp.exp(masked - top)
@@ -169,7 +172,8 @@ def _top_p_threshold(masked: jax.Array, top_p: float, lengths: list[int],
   finite = jnp.sum(masked > -jnp.inf, axis=-1)
 
   def solve(n):
-    values = _largest(masked, n)
+    given = top_k_values is not None and top_k_values.shape[-1] == n
+    values = top_k_values if given else _largest(masked, n)
     probs = jnp.exp(values - top) / total
     parts, carry, lo = [], jnp.zeros_like(total), 0
     for hi in [b for b in lengths if b <= n]:
@@ -225,14 +229,16 @@ def transform_logits(logits: jax.Array, spec: SamplingSpec,
         lambda n: (jnp.take_along_axis(_largest(scaled, n), jnp.minimum(size, n) - 1, axis=-1),
                    size[..., 0] <= n), lengths)
     return scaled, scaled >= kth
-  kept = jnp.ones(scaled.shape, bool)
+  kept, top_k_values = jnp.ones(scaled.shape, bool), None
   if 0 < spec.top_k < vocab:
     # The k-th largest as the min of the top k: XLA:CPU rewrites a slice of top_k's values
     # into a slice of a full sort (320 ms instead of 3 ms at [32, 49152]).
-    kept = scaled >= jnp.min(jax.lax.top_k(scaled, spec.top_k)[0], axis=-1, keepdims=True)
+    top_k_values = jax.lax.top_k(scaled, spec.top_k)[0]
+    kept = scaled >= jnp.min(top_k_values, axis=-1, keepdims=True)
   if spec.top_p < 1.0:
     masked = jnp.where(kept, scaled, -jnp.inf)
-    threshold = _top_p_threshold(masked, spec.top_p, lengths, invariant, active)
+    threshold = _top_p_threshold(masked, spec.top_p, lengths, invariant, active,
+                                 top_k_values)
     kept = kept & (scaled >= threshold)
   return scaled, kept
 
