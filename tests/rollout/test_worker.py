@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rlax_llm import policy as policy_lib
 from rlax_llm.data_types import GenerationRequest, Rollouts, make_train_batch
 from rlax_llm.losses import LossConfig
 from rlax_llm.models.decoder import DecoderConfig
@@ -161,9 +162,12 @@ def test_reload_threshold_j(model_and_params):
       worker.maybe_reload(server, bad)
 
 
-def test_params_are_sharded_on_the_inference_mesh(model_and_params):
+def test_params_are_sharded_on_the_inference_mesh(model_and_params, monkeypatch):
   """Inference follows the logical-axis rules too (no silent replication), with the same
-  output as one device."""
+  output as one device: greedy, and sampled with a top-p cut (supports of 1-7 tokens) whose
+  sorted prefixes (``policy.SORTED_PREFIXES``, shortened to this vocabulary) are chosen
+  over sharded rows."""
+  monkeypatch.setattr(policy_lib, 'SORTED_PREFIXES', (2, 5))
   model, params = model_and_params
   sharded = make_worker(model, params, {'fsdp': 2, 'tensor': 2})
   wq = sharded.params['blocks'][0]['attn']['wq']
@@ -172,9 +176,12 @@ def test_params_are_sharded_on_the_inference_mesh(model_and_params):
               ('heads', 'head_dim', 'embed'): ('tensor', None, 'fsdp')}  # 'out_in' (CPU)
   assert wq.sharding.spec == jax.sharding.PartitionSpec(*expected[axes])
   single = make_worker(model, params)
-  a = single.generate(requests(GREEDY, n=1), jax.random.key(0))
-  b = sharded.generate(requests(GREEDY, n=1), jax.random.key(0))
-  np.testing.assert_array_equal(a.completion_tokens, b.completion_tokens)
+  for spec in (GREEDY, SamplingSpec(0.2, top_p=0.9)):
+    a = single.generate(requests(spec, n=2), jax.random.key(0))
+    b = sharded.generate(requests(spec, n=2), jax.random.key(0))
+    np.testing.assert_array_equal(a.completion_tokens, b.completion_tokens)
+    np.testing.assert_allclose(a.behaviour_logprobs, b.behaviour_logprobs, atol=1e-5)
+    np.testing.assert_array_equal(a.support_sizes, b.support_sizes)
 
 
 def test_chat_prompts_use_the_chat_template(model_and_params):
