@@ -324,15 +324,15 @@ def sample(logits: jax.Array, rng: jax.Array, spec: SamplingSpec, *, invariant: 
     tokens = argmax(logits)
     return tokens, jnp.zeros(tokens.shape, jnp.float32), jnp.ones(tokens.shape, jnp.int32)
   logp, kept = log_probs(logits, spec, invariant=invariant)
-  return _draw(logp, kept, lambda masked: jax.random.gumbel(rng, masked.shape, masked.dtype))
+  return _draw(logp, kept, jax.random.gumbel(rng, logp.shape, logp.dtype))
 
 
-def _draw(logp: jax.Array, kept: jax.Array, gumbel) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _draw(logp: jax.Array, kept: jax.Array, noise: jax.Array
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """jax.random.categorical's Gumbel-max draw from ``logp [B, V]`` restricted to ``kept``
-  (the same tokens for the same noise), with the faster ``argmax``. ``gumbel(masked)`` ->
-  the noise, shaped like ``masked``."""
+  (the same tokens for the same Gumbel ``noise [B, V]``), with the faster ``argmax``."""
   masked = jnp.where(kept, logp, -jnp.inf)
-  tokens = argmax(gumbel(masked) + masked)
+  tokens = argmax(noise + masked)
   return (tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0],
           kept.sum(-1).astype(jnp.int32))
 
@@ -356,8 +356,8 @@ def sample_rows(logits: jax.Array, keys: jax.Array, spec: SamplingSpec, *,
   if spec.greedy:
     return sample(logits, keys[0], spec)
   logp, kept = log_probs(logits, spec, invariant=invariant, active=active)
-  return _draw(logp, kept, lambda masked: jax.vmap(
-      lambda key: jax.random.gumbel(key, (1,) + masked.shape[1:], masked.dtype)[0])(keys))
+  return _draw(logp, kept, jax.vmap(
+      lambda key: jax.random.gumbel(key, (1,) + logp.shape[1:], logp.dtype)[0])(keys))
 
 
 def entropy(logits: jax.Array, spec: SamplingSpec, support_size: jax.Array | None = None
