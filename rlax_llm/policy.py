@@ -111,38 +111,77 @@ class SamplingSpec:
 GREEDY = SamplingSpec(temperature=0.0)
 
 
-# Prefix lengths of the sorted logits tried, in order, before a sort of the whole vocabulary,
-# when the kept set needs the largest logits in order (top-p, or a recorded support size
-# without top-k). ``lax.top_k`` of 256 / 1024 / 4096 of SmolLM2's 49k logits at 32 rows
-# takes 8 / 18 / 56 ms on XLA:CPU, a full sort 360 ms. SmolLM2's top-p 0.95 nucleus at
-# temperature 1.0 has a median of 25 tokens, more than 256 for 14% of them and more than
-# 1024 for 1% (at 0.7: at most 181); benchmarks/RESULTS.md, "The sampler's cut".
-SORTED_PREFIXES = (256, 1024, 4096)
+# Prefix lengths of the sorted logits tried, in order, when the kept set needs the largest
+# logits in order (top-p, or a recorded support size without top-k); a row that no prefix
+# decides gets its threshold from ``_bisect`` instead of a sort of the vocabulary. On
+# XLA:CPU at SmolLM2's 49k logits and 32 rows, ``lax.top_k`` of 256 / 1024 / 4096 takes
+# 7 / 15 / 45 ms, the bisection 14 ms and a full sort 310 ms. SmolLM2's top-p 0.95 nucleus
+# at temperature 1.0 has a median of 25 tokens, more than 256 for 14% of them (at 0.7: at
+# most 181); benchmarks/RESULTS.md, "The sampler's cut".
+SORTED_PREFIXES = (256,)
+BISECTION_STEPS = 32  # one per bit of a float32: the search always ends on a logit
 
 
 def _prefix_lengths(vocab: int, top_k: int) -> list[int]:
   """The ascending prefix lengths ``_in_sorted_prefixes`` tries: ``top_k`` (if it truncates),
-  the ``SORTED_PREFIXES`` above it, then the whole vocabulary."""
+  then the ``SORTED_PREFIXES`` above it and below ``vocab``."""
   first = [top_k] if 0 < top_k < vocab else []
-  return first + [n for n in SORTED_PREFIXES if max(first, default=0) < n < vocab] + [vocab]
+  return first + [n for n in SORTED_PREFIXES if max(first, default=0) < n < vocab]
 
 
 def _largest(x: jax.Array, n: int) -> jax.Array:
   """The ``n`` largest entries of each row of ``x [..., V]``, in descending order."""
-  return -jnp.sort(-x, axis=-1) if n == x.shape[-1] else jax.lax.top_k(x, n)[0]
+  return jax.lax.top_k(x, n)[0]
 
 
-def _in_sorted_prefixes(solve, lengths: list[int]):
-  """``solve(n)`` -> ``(result, decided bool [...])`` from the ``n`` largest logits of each
-  row; returns the result of the first of ``lengths`` that decides every row (the last,
-  the whole vocabulary, always does). ``lax.cond`` runs only that one, so a batch whose
-  rows are decided by a short prefix never sorts the vocabulary. Called on a whole batch,
-  not under ``vmap`` (where ``cond`` runs every branch)."""
-  result, decided = solve(lengths[0])
-  if len(lengths) == 1:
-    return result
-  return jax.lax.cond(jnp.all(decided), lambda: result,
-                      lambda: _in_sorted_prefixes(solve, lengths[1:]))
+def _in_sorted_prefixes(solve, lengths: list[int], search):
+  """The kept set's threshold ``[..., 1]`` from the shortest prefix that decides every row.
+
+  ``solve(n)`` -> ``(threshold, decided bool [...])`` from the ``n`` largest logits of each
+  row; ``search()`` -> the threshold of every row without ordering its logits
+  (``_bisect``). Tries ``lengths`` in order and stops at the first that decides every row;
+  rows the last prefix leaves undecided take ``search()``'s threshold, the others keep the
+  prefix's. A row decided by a prefix gets the same threshold from any longer one, so a
+  row's threshold never depends on the rows beside it. ``lax.cond`` runs only the branch
+  taken; called on a whole batch, not under ``vmap`` (where ``cond`` runs every branch).
+  """
+  if not lengths:
+    return search()
+  threshold, decided = solve(lengths[0])
+  rest = (lambda: _in_sorted_prefixes(solve, lengths[1:], search)) if len(lengths) > 1 else (
+      lambda: jnp.where(decided[..., None], threshold, search()))
+  return jax.lax.cond(jnp.all(decided), lambda: threshold, rest)
+
+
+def _order_keys(x: jax.Array) -> jax.Array:
+  """uint32 keys that order like the float32 values ``x`` (``-0.0`` just below ``0.0``)."""
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _bisect(x: jax.Array, holds) -> jax.Array:
+  """The largest entry ``t`` of each row of ``x`` (float32 ``[..., V]``) such that
+  ``holds(x >= t)`` (bool ``[..., V]`` -> bool ``[...]``), as ``[..., 1]``; ``holds`` must
+  be monotone (true for a set, true for every larger one) and true for the whole row.
+
+  A bisection over the float32 order (``_order_keys``), ``BISECTION_STEPS`` passes over the
+  row, each an elementwise compare and a sum: no sort. Rows are independent.
+  """
+  keys = _order_keys(x)
+  lo = jnp.min(keys, axis=-1, keepdims=True)
+  hi = jnp.max(keys, axis=-1, keepdims=True)
+
+  def step(_, bounds):
+    lo, hi = bounds
+    half = hi - lo
+    mid = lo + (half >> 1) + (half & 1)  # above lo while lo < hi
+    ok = holds(keys >= mid)[..., None]
+    searching = lo < hi
+    return (jnp.where(searching & ok, mid, lo),
+            jnp.where(searching & ~ok, mid - jnp.uint32(1), hi))
+
+  lo, _ = jax.lax.fori_loop(0, BISECTION_STEPS, step, (lo, hi))
+  return jnp.min(jnp.where(keys >= lo, x, jnp.inf), axis=-1, keepdims=True)
 
 
 def _nucleus(mass_before: jax.Array, top_p: float) -> jax.Array:
@@ -164,7 +203,8 @@ def _top_p_threshold(masked: jax.Array, top_p: float, lengths: list[int],
   depend on which prefix length its batch needed. Rows where ``active`` (bool ``[...]``)
   is False never make the batch take a longer prefix (their threshold is then any value).
   ``top_k_values``: the top-k cut's ``lax.top_k`` values, the first prefix (not ranked
-  again).
+  again). A row no prefix decides keeps its smallest superlevel set of mass ``>= top_p``
+  (``_bisect``): the same set, up to the rounding of the mass at the boundary.
   """
   top = invariant_max(masked) if invariant else jnp.max(masked, axis=-1, keepdims=True)
   exps = jnp.exp(masked - top)
@@ -186,7 +226,13 @@ def _top_p_threshold(masked: jax.Array, top_p: float, lengths: list[int],
     decided = ~keep[..., -1] | (finite <= n)
     return threshold, decided if active is None else decided | ~active
 
-  return _in_sorted_prefixes(solve, lengths)
+  def search():
+    mass = lambda kept: sum_(jnp.where(kept, probs_all, 0.0))[..., 0] >= top_p
+    return _bisect(masked, mass)
+
+  sum_ = invariant_sum if invariant else (lambda x: jnp.sum(x, axis=-1, keepdims=True))
+  probs_all = exps / total
+  return _in_sorted_prefixes(solve, lengths, search)
 
 
 def transform_logits(logits: jax.Array, spec: SamplingSpec,
@@ -204,16 +250,17 @@ def transform_logits(logits: jax.Array, spec: SamplingSpec,
       ``invariant_sum`` (``log_probs``).
     active: optional bool ``[...]``, the rows whose kept set matters (an engine's busy
       slots): the others get one too, which may be wider than their top-p cut, but never
-      make the batch sort a longer prefix of the logits (below). None: every row.
+      make the batch look past the shortest prefix of its logits (below). None: every row.
   Returns:
     ``(scaled float32 [..., V], kept bool [..., V])``: ``logits / T`` and the support
     ``K`` (top-k first, then top-p over the top-k-renormalised distribution; ties at a
     threshold are kept).
 
-  Neither sorts the vocabulary when a prefix of the sorted logits decides every row
-  (``SORTED_PREFIXES``): top-k alone takes the k-th largest; top-p (and a recorded support
-  size without top-k) looks at the 256, 1024, then 4096 largest logits first. Call it on a
-  whole batch rather than under ``vmap``, which would run every prefix and the sort.
+  Neither sorts the vocabulary: top-k alone takes the k-th largest; top-p (and a recorded
+  support size without top-k) looks at the 256 largest logits of the batch's rows
+  (``SORTED_PREFIXES``), and bisects over the logits' values only when some row needs more
+  (``_bisect``). Call it on a whole batch rather than under ``vmap``, which would run the
+  prefix and the bisection for every row.
   """
   if spec.greedy:
     raise ValueError('transform_logits needs temperature > 0; greedy decoding has no '
@@ -227,7 +274,8 @@ def transform_logits(logits: jax.Array, spec: SamplingSpec,
       size = jnp.minimum(size, spec.top_k)
     kth = _in_sorted_prefixes(
         lambda n: (jnp.take_along_axis(_largest(scaled, n), jnp.minimum(size, n) - 1, axis=-1),
-                   size[..., 0] <= n), lengths)
+                   size[..., 0] <= n), lengths,
+        lambda: _bisect(scaled, lambda kept: jnp.sum(kept, axis=-1) >= size[..., 0]))
     return scaled, scaled >= kth
   kept, top_k_values = jnp.ones(scaled.shape, bool), None
   if 0 < spec.top_k < vocab:

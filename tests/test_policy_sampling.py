@@ -355,7 +355,7 @@ def test_sampled_tokens_equal_jax_random_categorical(spec):
 
 def mixed_spread_logits(seed, batch=16, vocab=VOCAB):
   """Rows from nearly flat to peaked: under small ``SORTED_PREFIXES`` some rows' top-p cut
-  is decided by the shortest prefix and others need the sort of the whole row."""
+  is decided by the shortest prefix and others need the search over the whole row."""
   return random_logits(seed, batch, vocab) * np.linspace(0.1, 5.0, batch, dtype=np.float32)[
       :, None]
 
@@ -365,7 +365,7 @@ def mixed_spread_logits(seed, batch=16, vocab=VOCAB):
        top_k=st.sampled_from([0, 2, 4]),
        prefixes=st.sampled_from([(), (1,), (2, 5), (1, 3, 6), (3, 20)]))
 def test_sorted_prefixes_keep_the_numpy_nucleus(seed, top_p, top_k, prefixes):
-  """Whichever prefix lengths of the sorted logits are tried before the full sort, the kept
+  """Whichever prefix lengths of the sorted logits are tried before the search, the kept
   set is the nucleus (top-k first), and the recorded support size gives it back."""
   logits = mixed_spread_logits(seed)
   keep = np_top_k_keep(logits, top_k) if top_k else np.ones(logits.shape, bool)
@@ -382,7 +382,7 @@ def test_sorted_prefixes_keep_the_numpy_nucleus(seed, top_p, top_k, prefixes):
 @pytest.mark.parametrize('spec', [SamplingSpec(1.0, top_p=0.9), SamplingSpec(1.0, 4, 0.8),
                                   SamplingSpec(0.8, top_k=3)])
 def test_a_rows_draw_does_not_depend_on_the_batch(monkeypatch, spec):
-  """sample_rows decides the top-p cut on the whole batch (one sort for all rows when one
+  """sample_rows decides the top-p cut on the whole batch (one search for all rows when one
   row needs it); each row's kept set, log-prob and token still equal its own draw alone."""
   monkeypatch.setattr(policy_lib, 'SORTED_PREFIXES', (2, 5))
   logits = jnp.asarray(mixed_spread_logits(5, batch=12))
@@ -400,23 +400,66 @@ def test_a_rows_draw_does_not_depend_on_the_batch(monkeypatch, spec):
     assert int(support.min()) <= 2 and int(support.max()) > 5, support
 
 
-def test_the_sort_runs_only_when_a_shorter_prefix_leaves_a_row_undecided():
+def test_the_search_runs_only_when_the_prefixes_leave_a_row_undecided():
   """_in_sorted_prefixes evaluates prefixes in order and stops at the first that decides
-  every row (lax.cond: the longer prefixes are not run)."""
+  every row (lax.cond: the longer prefixes and the search are not run); after the last
+  prefix only the rows it left undecided take the search's threshold."""
   def run(undecided_at):
     calls = []
 
     def solve(n):
       jax.debug.callback(lambda: calls.append(n))
-      return jnp.full((3,), n, jnp.int32), jnp.full((3,), n > undecided_at).at[0].set(True)
+      decided = jnp.full((3,), n > undecided_at).at[0].set(True)
+      return jnp.full((3, 1), n, jnp.int32), decided
 
-    result = jax.jit(lambda: policy_lib._in_sorted_prefixes(solve, [2, 5, 10]))()
+    def search():
+      jax.debug.callback(lambda: calls.append('search'))
+      return jnp.full((3, 1), -1, jnp.int32)
+
+    result = jax.jit(lambda: policy_lib._in_sorted_prefixes(solve, [2, 5], search))()
     jax.effects_barrier()
-    return int(result[0]), calls
+    return np.asarray(result)[:, 0].tolist(), calls
 
-  assert run(undecided_at=0) == (2, [2])
-  assert run(undecided_at=2) == (5, [2, 5])
-  assert run(undecided_at=7) == (10, [2, 5, 10])
+  assert run(undecided_at=0) == ([2, 2, 2], [2])
+  assert run(undecided_at=2) == ([5, 5, 5], [2, 5])
+  assert run(undecided_at=7) == ([5, -1, -1], [2, 5, 'search'])
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), vocab=st.sampled_from([1, 2, 7, 64]),
+       ties=st.booleans(), specials=st.booleans())
+def test_bisect_finds_the_kth_largest_like_a_sort(seed, vocab, ties, specials):
+  """With a count as the predicate, _bisect returns each row's k-th largest entry: negative
+  and positive values, ties, signed zeros and infinities included."""
+  rng = np.random.RandomState(seed)
+  x = (rng.normal(size=(6, vocab)) * rng.choice([1e-3, 1.0, 1e3])).astype(np.float32)
+  if ties:
+    x = np.round(x)
+  if specials:
+    flat = x.reshape(-1)
+    picks = rng.choice(flat.size, size=min(4, flat.size), replace=False)
+    flat[picks] = rng.choice(np.array([0.0, -0.0, np.inf, -np.inf], np.float32), len(picks))
+  k = rng.randint(1, vocab + 1, size=6)
+  got = policy_lib._bisect(jnp.asarray(x), lambda kept: kept.sum(-1) >= jnp.asarray(k))
+  kth = -np.sort(-x, axis=-1)[np.arange(6), k - 1]
+  np.testing.assert_array_equal(np.asarray(got)[:, 0] == kth, True)
+  # A predicate that only the whole row meets gives the smallest entry.
+  whole = policy_lib._bisect(jnp.asarray(x), lambda kept: kept.all(-1))
+  np.testing.assert_array_equal(np.asarray(whole)[:, 0] == x.min(-1), True)
+
+
+def test_bisect_tells_adjacent_floats_apart():
+  one, above = np.float32(1.0), np.nextafter(np.float32(1.0), np.float32(2.0))
+  x = jnp.asarray([[one, above], [-above, -one]])
+  got = policy_lib._bisect(x, lambda kept: kept.sum(-1) >= 1)
+  np.testing.assert_array_equal(np.asarray(got)[:, 0], np.asarray(x).max(-1))
+
+
+def test_order_keys_order_like_the_floats():
+  values = np.array([-np.inf, -3e38, -1.5, -1e-45, -0.0, 0.0, 1e-45, 1.0, 2.5, 3e38, np.inf],
+                    np.float32)
+  keys = np.asarray(policy_lib._order_keys(jnp.asarray(values)))
+  assert np.all(np.diff(keys.astype(np.int64)) > 0), keys
 
 
 def test_the_nucleus_ends_at_the_first_position_that_reaches_top_p():
@@ -430,7 +473,8 @@ def test_the_nucleus_ends_at_the_first_position_that_reaches_top_p():
 
 def test_rows_not_active_never_make_the_batch_sort_a_longer_prefix(monkeypatch):
   """An engine's free slots (``active=False``) do not send the top-p cut past the shortest
-  prefix; the active rows still draw as they would alone."""
+  prefix (to a longer one or to the search); the active rows still draw as they would
+  alone."""
   monkeypatch.setattr(policy_lib, 'SORTED_PREFIXES', (3, 6))
   largest = policy_lib._largest
   sorted_lengths = []
@@ -440,6 +484,13 @@ def test_rows_not_active_never_make_the_batch_sort_a_longer_prefix(monkeypatch):
     return largest(x, n)
 
   monkeypatch.setattr(policy_lib, '_largest', recorded)
+  bisect = policy_lib._bisect
+
+  def recorded_bisect(x, holds):
+    jax.debug.callback(lambda: sorted_lengths.append('search'))
+    return bisect(x, holds)
+
+  monkeypatch.setattr(policy_lib, '_bisect', recorded_bisect)
   spec = SamplingSpec(1.0, top_p=0.9)
   logits = jnp.asarray(mixed_spread_logits(5, batch=12))
   keys = jax.random.split(jax.random.key(7), 12)
@@ -457,4 +508,4 @@ def test_rows_not_active_never_make_the_batch_sort_a_longer_prefix(monkeypatch):
   sorted_lengths.clear()
   draw(jnp.ones(12, bool))
   jax.effects_barrier()
-  assert sorted_lengths == [3, 6, VOCAB]
+  assert sorted_lengths == [3, 6, 'search']
