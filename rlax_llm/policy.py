@@ -113,12 +113,14 @@ GREEDY = SamplingSpec(temperature=0.0)
 
 # Prefix lengths of the sorted logits tried, in order, when the kept set needs the largest
 # logits in order (top-p, or a recorded support size without top-k); a row that no prefix
-# decides gets its threshold from ``_bisect`` instead of a sort of the vocabulary. On
-# XLA:CPU at SmolLM2's 49k logits and 32 rows, ``lax.top_k`` of 256 / 1024 / 4096 takes
-# 7 / 15 / 45 ms, the bisection 14 ms and a full sort 310 ms. SmolLM2's top-p 0.95 nucleus
-# at temperature 1.0 has a median of 25 tokens, more than 256 for 14% of them (at 0.7: at
-# most 181); benchmarks/RESULTS.md, "The sampler's cut".
-SORTED_PREFIXES = (256,)
+# decides gets its threshold from ``_bisect`` instead of a sort of the vocabulary. None by
+# default. SmolLM2 (49k logits), 32 slots, sampled rollouts against the earlier ladder
+# (256, 1024, 4096, then a sort): at temperature 1.0 and top-p 0.95 bisecting every step
+# ran at 1.11x its rate and the 256-prefix first at 0.97x (the nucleus is longer than 256
+# tokens at 14% of positions, so at 32 rows almost every step needs more); at temperature
+# 0.7 and top-p 0.9 (every nucleus seen <= 181 tokens), 0.92x and 0.98x. A top-k cut's
+# values are always the first prefix. benchmarks/RESULTS.md, "The sampler's cut".
+SORTED_PREFIXES: tuple[int, ...] = ()
 BISECTION_STEPS = 32  # one per bit of a float32: the search always ends on a logit
 
 
@@ -161,8 +163,9 @@ def _order_keys(x: jax.Array) -> jax.Array:
 
 def _bisect(x: jax.Array, holds) -> jax.Array:
   """The largest entry ``t`` of each row of ``x`` (float32 ``[..., V]``) such that
-  ``holds(x >= t)`` (bool ``[..., V]`` -> bool ``[...]``), as ``[..., 1]``; ``holds`` must
-  be monotone (true for a set, true for every larger one) and true for the whole row.
+  ``holds(x >= t)`` (bool ``[..., V]`` -> bool ``[...]``), as ``[..., 1]``; the smallest
+  entry if ``holds`` is false even for the whole row. ``holds`` must be monotone (true for a
+  set, true for every larger one).
 
   A bisection over the float32 order (``_order_keys``), ``BISECTION_STEPS`` passes over the
   row, each an elementwise compare and a sum: no sort. Rows are independent.
@@ -227,11 +230,10 @@ def _top_p_threshold(masked: jax.Array, top_p: float, lengths: list[int],
     return threshold, decided if active is None else decided | ~active
 
   def search():
-    mass = lambda kept: sum_(jnp.where(kept, probs_all, 0.0))[..., 0] >= top_p
-    return _bisect(masked, mass)
+    row_sum = invariant_sum if invariant else (lambda x: jnp.sum(x, axis=-1, keepdims=True))
+    probs = exps / total
+    return _bisect(masked, lambda kept: row_sum(jnp.where(kept, probs, 0.0))[..., 0] >= top_p)
 
-  sum_ = invariant_sum if invariant else (lambda x: jnp.sum(x, axis=-1, keepdims=True))
-  probs_all = exps / total
   return _in_sorted_prefixes(solve, lengths, search)
 
 
@@ -256,11 +258,11 @@ def transform_logits(logits: jax.Array, spec: SamplingSpec,
     ``K`` (top-k first, then top-p over the top-k-renormalised distribution; ties at a
     threshold are kept).
 
-  Neither sorts the vocabulary: top-k alone takes the k-th largest; top-p (and a recorded
-  support size without top-k) looks at the 256 largest logits of the batch's rows
-  (``SORTED_PREFIXES``), and bisects over the logits' values only when some row needs more
-  (``_bisect``). Call it on a whole batch rather than under ``vmap``, which would run the
-  prefix and the bisection for every row.
+  Neither sorts the vocabulary: top-k alone takes the k-th largest; top-p within a top-k
+  set cuts the top-k values in order; top-p without top-k (and a recorded support size)
+  bisects over the logits' float order (``_bisect``), after the ``SORTED_PREFIXES`` (none
+  by default) when some row needs more. Call it on a whole batch rather than under
+  ``vmap``, which would run every prefix and the bisection for every row.
   """
   if spec.greedy:
     raise ValueError('transform_logits needs temperature > 0; greedy decoding has no '
