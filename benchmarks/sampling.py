@@ -5,9 +5,9 @@ each against a reference in the same process (alternating, ``--repeats`` each, m
 
 * ``rollouts``: tokens/s of the engine sampling ``--slots`` completions of ``--new_tokens``
   tokens for each sampling spec, with ``policy.transform_logits`` (top-k by ``lax.top_k``;
-  top-p from the 256, 1024, then 4096 largest logits, sorting the vocabulary only when a
-  row needs more) against the same engine whose sampler cuts with ``reference_kept`` below,
-  as the sampler did before. ``ratio`` is ours over the reference's tokens/s.
+  top-p from the 256 largest logits, bisecting over the logits' values only when a row's
+  nucleus is longer) against the same engine whose sampler cuts with ``reference_kept``
+  below, as the sampler once did. ``ratio`` is ours over the reference's tokens/s.
 * ``transform``: ``policy.transform_logits`` jitted on batches of ``--slots`` rows of
   SmolLM2's real next-token logits (the positions of the completions just sampled; the first
   ``--timed_batches`` timed, all compared) against
@@ -15,15 +15,19 @@ each against a reference in the same process (alternating, ``--repeats`` each, m
   cumulative sum over the sorted row). ``ratio`` is the reference's time over ours, and
   ``rows_differing`` counts rows whose kept sets differ (float rounding at the top-p
   threshold is the only expected cause). ``support_p50`` / ``support_max``: kept-set sizes.
+  ``recorded_ms`` / ``recorded_reference_ms``: the trainer's side, the kept set from the
+  recorded support sizes (``transform_logits(x, spec, sizes)``) against the reference's
+  sort of each row (equal kept sets checked).
 
 Prints one JSON object:
 
     {"rollouts": {"<spec>": {"ours_tok_s", "reference_tok_s", "ratio", "ratios"}, ...},
      "transform": {"<spec>": {"ours_ms", "reference_ms", "ratio", "rows",
-                              "rows_differing", "support_p50", "support_max"}, ...}}
+                              "rows_differing", "support_p50", "support_max",
+                              "recorded_ms", "recorded_reference_ms"}, ...}}
 
     .venv/bin/python benchmarks/sampling.py [--slots=32] [--new_tokens=32] [--repeats=3]
-        [--timed_batches=8]
+        [--timed_batches=8] [--specs=0,1,2,3]
 """
 
 from __future__ import annotations
@@ -46,7 +50,9 @@ from rollout_throughput import driver_for, prompts_for
 
 SPECS = {'T1.0 top_p 0.95': SamplingSpec(1.0, top_p=0.95),
          'T0.7 top_k 20 top_p 0.9': SamplingSpec(0.7, top_k=20, top_p=0.9),
-         'T1.0 top_k 50': SamplingSpec(1.0, top_k=50)}
+         'T1.0 top_k 50': SamplingSpec(1.0, top_k=50),
+         # wide nuclei: thousands of tokens, where the sorted prefixes cannot decide
+         'T1.0 top_p 0.99': SamplingSpec(1.0, top_p=0.99)}
 
 
 def reference_kept(logits: jax.Array, spec: SamplingSpec) -> jax.Array:
@@ -63,6 +69,13 @@ def reference_kept(logits: jax.Array, spec: SamplingSpec) -> jax.Array:
     keep = jnp.cumsum(probs, axis=-1) - probs < spec.top_p
     kept &= scaled >= jnp.min(jnp.where(keep, masked, jnp.inf), axis=-1, keepdims=True)
   return kept
+
+
+def reference_recorded(logits: jax.Array, spec: SamplingSpec, sizes: jax.Array) -> jax.Array:
+  """bool ``[B, V]``: the ``sizes`` largest scaled logits of each row (ties kept), by a sort."""
+  scaled = logits.astype(jnp.float32) / spec.temperature
+  kth = jnp.take_along_axis(-jnp.sort(-scaled, axis=-1), sizes[:, None] - 1, axis=-1)
+  return scaled >= kth
 
 
 def reference_transform(logits, spec, support_size=None, **unused):
@@ -93,7 +106,11 @@ def main() -> None:
   parser.add_argument('--repeats', type=int, default=3)
   parser.add_argument('--timed_batches', type=int, default=8,
                       help='transform: batches timed (every batch is compared)')
+  parser.add_argument('--specs', default=','.join(str(i) for i in range(len(SPECS))),
+                      help='indices into SPECS: ' + ', '.join(SPECS))
   args = parser.parse_args()
+  labels = [list(SPECS)[int(i)] for i in args.specs.split(',')]
+  specs = {label: SPECS[label] for label in labels}
 
   module, tokenizer = from_pretrained(smollm2_gguf_path())
   model, params = split_module(module)
@@ -103,13 +120,13 @@ def main() -> None:
   for name, transform in (('ours', shipped), ('reference', reference_transform)):
     policy.transform_logits = transform  # looked up when the engine's programs are traced
     drivers[name] = driver_for(model, params, args.slots, len(prompts[0]), args.new_tokens)
-    for spec in SPECS.values():
+    for spec in specs.values():
       drivers[name].run(jobs(prompts, spec, args.new_tokens))  # compile
   policy.transform_logits = shipped
 
   result = {'rollouts': {}, 'transform': {}}
   completions = {}
-  for label, spec in SPECS.items():
+  for label, spec in specs.items():
     times = {name: [] for name in drivers}
     for _ in range(args.repeats):
       for name, driver in drivers.items():
@@ -126,26 +143,35 @@ def main() -> None:
     print(json.dumps({label: result['rollouts'][label]}), flush=True)
 
   forward = jax.jit(lambda tokens: model.apply(params, tokens))
-  for label, spec in SPECS.items():
+  for label, spec in specs.items():
     rows = np.concatenate([np.asarray(forward(jnp.asarray([seq]))[0, len(prompts[0]) - 1:-1])
                            for seq in completions[label]])
     rows = rows[:len(rows) // args.slots * args.slots].reshape(-1, args.slots, rows.shape[-1])
     ours = jax.jit(lambda x, spec=spec: policy.transform_logits(x, spec)[1])
     theirs = jax.jit(lambda x, spec=spec: reference_kept(x, spec))
-    ours_ms, ref_ms, differing, sizes = [], [], 0, []
+    recorded = jax.jit(lambda x, n, spec=spec: policy.transform_logits(x, spec, n)[1])
+    recorded_theirs = jax.jit(lambda x, n, spec=spec: reference_recorded(x, spec, n))
+    ours_ms, ref_ms, rec_ms, rec_ref_ms, differing, sizes = [], [], [], [], 0, []
     for i, batch in enumerate(rows):
       batch = jnp.asarray(batch)
+      a, b = np.asarray(ours(batch)), np.asarray(theirs(batch))
+      n = jnp.asarray(a.sum(-1), jnp.int32)
       if i < args.timed_batches:
         ours_ms.append(median_ms(ours, batch, args.repeats))
         ref_ms.append(median_ms(theirs, batch, args.repeats))
-      a, b = np.asarray(ours(batch)), np.asarray(theirs(batch))
+        rec_ms.append(median_ms(lambda x: recorded(x, n), batch, args.repeats))
+        rec_ref_ms.append(median_ms(lambda x: recorded_theirs(x, n), batch, args.repeats))
+      assert np.array_equal(np.asarray(recorded(batch, n)), a), 'recorded sizes lost the set'
+      assert np.array_equal(np.asarray(recorded_theirs(batch, n)), a), 'reference disagrees'
       differing += int(np.sum(np.any(a != b, axis=-1)))
       sizes.extend(a.sum(-1).tolist())
     result['transform'][label] = {
         'ours_ms': statistics.median(ours_ms), 'reference_ms': statistics.median(ref_ms),
         'ratio': statistics.median(r / o for o, r in zip(ours_ms, ref_ms)),
         'rows': len(sizes), 'rows_differing': differing,
-        'support_p50': float(np.median(sizes)), 'support_max': int(max(sizes))}
+        'support_p50': float(np.median(sizes)), 'support_max': int(max(sizes)),
+        'recorded_ms': statistics.median(rec_ms),
+        'recorded_reference_ms': statistics.median(rec_ref_ms)}
     print(json.dumps({label: result['transform'][label]}), flush=True)
   print(json.dumps(result, indent=2))
 
