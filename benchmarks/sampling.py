@@ -5,9 +5,9 @@ each against a reference in the same process (alternating, ``--repeats`` each, m
 
 * ``rollouts``: tokens/s of the engine sampling ``--slots`` completions of ``--new_tokens``
   tokens for each sampling spec, with ``policy.transform_logits`` (top-k by ``lax.top_k``;
-  top-p from the 256 largest logits, bisecting over the logits' values only when a row's
-  nucleus is longer) against the same engine whose sampler cuts with ``reference_kept``
-  below, as the sampler once did. ``ratio`` is ours over the reference's tokens/s.
+  top-p without top-k by bisection over the logits' float order) against the same engine
+  whose sampler cuts with ``reference_kept`` below, as the sampler once did. ``ratio`` is
+  ours over the reference's tokens/s.
 * ``transform``: ``policy.transform_logits`` jitted on batches of ``--slots`` rows of
   SmolLM2's real next-token logits (the positions of the completions just sampled; the first
   ``--timed_batches`` timed, all compared) against
