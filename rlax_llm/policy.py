@@ -393,8 +393,8 @@ def sample_rows(logits: jax.Array, keys: jax.Array, spec: SamplingSpec, *,
   """``sample`` with one PRNG key per row: row ``b`` draws with ``keys[b]`` alone, so its
   token does not depend on which other rows share the batch (continuous batching).
 
-  The transform runs on the whole batch (``transform_logits``: its sorted-prefix fallback is
-  a ``lax.cond`` per batch, which ``vmap`` would turn into running every branch); only the
+  The transform runs on the whole batch (``transform_logits``: its prefix ladder is a
+  ``lax.cond`` per batch, which ``vmap`` would turn into running every branch); only the
   noise is drawn row by row, ``[1, V]`` per key as ``sample(logits[b:b + 1], keys[b])``.
 
   Args:

@@ -166,7 +166,7 @@ def test_params_are_sharded_on_the_inference_mesh(model_and_params, monkeypatch)
   """Inference follows the logical-axis rules too (no silent replication), with the same
   output as one device: greedy, and sampled with a top-p cut (supports of 1-7 tokens) whose
   sorted prefixes (``policy.SORTED_PREFIXES``, shortened to this vocabulary) are chosen
-  over sharded rows."""
+  over sharded rows, and the bisection takes the rows they leave undecided."""
   monkeypatch.setattr(policy_lib, 'SORTED_PREFIXES', (2, 5))
   model, params = model_and_params
   sharded = make_worker(model, params, {'fsdp': 2, 'tensor': 2})
