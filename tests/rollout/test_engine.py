@@ -112,13 +112,19 @@ def test_greedy_equals_naive_decoding(models, cache):
 
 
 @pytest.mark.parametrize('cache', CACHES)
-@pytest.mark.parametrize('spec', [SamplingSpec(1.0), SamplingSpec(0.7, top_k=5, top_p=0.9)])
+@pytest.mark.parametrize('spec', [SamplingSpec(1.0), SamplingSpec(0.7, top_k=5, top_p=0.9),
+                                  SamplingSpec(1.0, top_p=0.8)])
 def test_behaviour_logprobs_equal_the_trainer_recompute(models, spec, cache):
+  """The trainer's recompute with the recorded support sizes gives the behaviour log-probs;
+  top-p without top-k is cut by the sampler's mass bisection and by the trainer's count."""
   model, params, _ = models
   results = make_driver(model, params, engine_kwargs=CACHES[cache]).run(
       jobs_for(spec, n=4, stops=()))
   score = jax.jit(Policy(model, spec).sequence_log_probs)
   pairs = [(prompt, sample) for prompt, samples in zip(PROMPTS, results) for sample in samples]
+  if spec.top_p < 1 and not spec.top_k:  # the cut kept neither one token nor every one
+    supports = [n for _, sample in pairs for n in sample.supports]
+    assert 1 < max(supports) < model.config.vocab_size, supports
   for (_, sample), trainer in zip(pairs, trainer_logprobs(score, params, pairs, 32)):
     np.testing.assert_allclose(trainer, sample.logprobs, atol=1e-5, rtol=0)
 
