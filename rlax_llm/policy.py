@@ -209,9 +209,10 @@ def _top_p_threshold(masked: jax.Array, top_p: float, lengths: list[int],
   again). A row no prefix decides keeps its smallest superlevel set of mass ``>= top_p``
   (``_bisect``): the same set, up to the rounding of the mass at the boundary.
   """
+  row_sum = invariant_sum if invariant else (lambda x: jnp.sum(x, axis=-1, keepdims=True))
   top = invariant_max(masked) if invariant else jnp.max(masked, axis=-1, keepdims=True)
   exps = jnp.exp(masked - top)
-  total = invariant_sum(exps) if invariant else jnp.sum(exps, axis=-1, keepdims=True)
+  total = row_sum(exps)
   finite = jnp.sum(masked > -jnp.inf, axis=-1)
 
   def solve(n):
@@ -230,7 +231,6 @@ def _top_p_threshold(masked: jax.Array, top_p: float, lengths: list[int],
     return threshold, decided if active is None else decided | ~active
 
   def search():
-    row_sum = invariant_sum if invariant else (lambda x: jnp.sum(x, axis=-1, keepdims=True))
     probs = exps / total
     return _bisect(masked, lambda kept: row_sum(jnp.where(kept, probs, 0.0))[..., 0] >= top_p)
 
