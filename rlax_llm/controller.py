@@ -122,7 +122,8 @@ class WorkerHandle(Protocol):
   """An inference worker as the controller sees it (calls return futures, run in order)."""
 
   def generate(self, requests: Sequence[GenerationRequest], rng_data: np.ndarray,
-               update=None, stop_after: int | None = None) -> Future:  # -> Rollouts
+               update=None, stop_after: int | None = None, first: int = 0
+               ) -> Future:  # -> Rollouts
     """``InferenceWorker.generate`` after installing ``update`` (if any)."""
 
   def retire(self) -> None:
@@ -356,8 +357,7 @@ class Controller:
     state = self.state()
     arrays = {}
     for n, batch in enumerate(in_flight):
-      key = jax.random.fold_in(self._root_key, batch.index)
-      rollouts = Rollouts.concatenate(self._gather(batch, key))
+      rollouts = Rollouts.concatenate(self._gather(batch, self._sampling_root(batch.index)))
       batch.chunks = [(batch.chunks[0][0], [], _done(rollouts))]
       arrays[f'inflight_{n}'], meta = rollouts.to_state()
       state.inflight.append({'index': batch.index, 'version': batch.version,
@@ -422,10 +422,11 @@ class Controller:
       raise RuntimeError('every inference worker has been lost: ' + '; '.join(self.events))
     return live
 
-  def _submit(self, worker: int, requests: list[GenerationRequest], key: jax.Array,
-              version: int, stop_after: int | None = None):
+  def _submit(self, worker: int, requests: list[GenerationRequest], root: jax.Array,
+              version: int, stop_after: int | None = None, first: int = 0):
     """Queues ``requests`` on ``worker`` with weights ``version`` (sending the update it
-    needs from the version it will hold by then); ``stop_after``: APRIL's stop (see
+    needs from the version it will hold by then); ``root``, ``first``, ``stop_after``: the
+    batch's sampling key, the index of ``requests[0]`` in the batch and APRIL's stop (see
     ``InferenceWorker.generate``)."""
     update = None
     if self._worker_versions[worker] != version:
@@ -439,13 +440,21 @@ class Controller:
       self.counters['sync/elements'] += update.total
       self.counters['time/sync_encode_s'] += time.perf_counter() - t0
       self._worker_versions[worker] = version
-    return self.workers[worker].generate(requests, np.asarray(jax.random.key_data(key)),
-                                         update, stop_after)
+    return self.workers[worker].generate(requests, np.asarray(jax.random.key_data(root)),
+                                         update, stop_after, first)
+
+  def _sampling_root(self, index: int) -> jax.Array:
+    """The key batch ``index`` samples with: request ``i`` of the batch draws from
+    ``fold_in(root, i)`` whichever worker runs it, so a run's rollouts do not depend on how
+    many workers it has or which of them is lost. (``fold_in(..., 0)``: the key a batch's
+    first chunk had when each chunk folded its own; single-worker runs kept their keys.)"""
+    return jax.random.fold_in(jax.random.fold_in(self._root_key, index), 0)
 
   def _launch(self, index: int, prompts: list[Prompt], version: int,
-              sampling: SamplingSpec, group_size: int, key: jax.Array,
+              sampling: SamplingSpec, group_size: int, root: jax.Array,
               resumes: Sequence[Rollouts | None] = (), stop_after: int = 0) -> _Batch:
-    """Splits the batch's requests into contiguous chunks, one per live worker.
+    """Splits the batch's requests into contiguous chunks, one per live worker; ``root``:
+    the batch's sampling key (``_sampling_root``).
 
     ``resumes[g]``: the rows so far of group ``g`` when it continues a partial group.
     """
@@ -459,9 +468,8 @@ class Controller:
     for n, worker in enumerate(live):
       part = requests[n * per:(n + 1) * per]
       if part:
-        # Chunk c draws with fold_in(key, c): independent of which worker runs it.
         batch.chunks.append((worker, part, self._submit(
-            worker, part, jax.random.fold_in(key, n), version, self._chunk_stop(batch, part))))
+            worker, part, root, version, self._chunk_stop(batch, part), first=n * per)))
     return batch
 
   @staticmethod
@@ -471,9 +479,10 @@ class Controller:
       return None
     return min(len(part), math.ceil(batch.stop_after * len(part) / len(batch.prompts)))
 
-  def _gather(self, batch: _Batch, key: jax.Array) -> list[Rollouts]:
+  def _gather(self, batch: _Batch, root: jax.Array) -> list[Rollouts]:
     """The chunks' rollouts in order; a failed or silent worker is retired and its chunk
-    re-issued to a live one (same key, same version: the same rollouts)."""
+    re-issued to a live one (same keys, same version: the same rollouts). ``root``: the
+    key the batch was launched with."""
     out = []
     for n, (worker, requests, future) in enumerate(batch.chunks):
       while True:
@@ -496,8 +505,9 @@ class Controller:
           self.counters['workers/reissued_chunks'] += 1
           live = self._live_workers()
           worker = live[n % len(live)]
-          future = self._submit(worker, requests, jax.random.fold_in(key, n), batch.version,
-                                self._chunk_stop(batch, requests))
+          first = sum(len(part) for _, part, _ in batch.chunks[:n])
+          future = self._submit(worker, requests, root, batch.version,
+                                self._chunk_stop(batch, requests), first)
     return out
 
   # --------------------------------------------------------------------------- evaluate
@@ -600,7 +610,7 @@ class Controller:
     prompts += [next(self._prompts)[0] for _ in range(count - len(prompts))]
     version = self.step_versions[sampling_version(index, s.staleness_j, s.staleness_k)]
     batch = self._launch(index, prompts, version, s.sampling, s.group_size,
-                         jax.random.fold_in(self._root_key, index), resumes,
+                         self._sampling_root(index), resumes,
                          s.stop_after_groups)
     batch.carried, batch.restarted, batch.replayed = len(carried), restarted, replayed
     return batch
@@ -658,8 +668,7 @@ class Controller:
     generation itself, then waiting), ``train_s`` the update and its push, ``step_s`` the
     whole iteration (evaluation included)."""
     s = self.settings
-    key = jax.random.fold_in(self._root_key, batch.index)
-    rollouts = Rollouts.concatenate(self._gather(batch, key))
+    rollouts = Rollouts.concatenate(self._gather(batch, self._sampling_root(batch.index)))
     unfinished = rollouts.unfinished_groups
     for g in unfinished:  # APRIL: continued in the next batch launched
       self._unfinished.append((batch.prompts[g], rollouts.select(rollouts.group_ids == g)))

@@ -106,10 +106,10 @@ class LocalWorker:
     self._calls = 0
     self._retired = threading.Event()
 
-  def generate(self, requests, rng_data: np.ndarray, update=None, stop_after=None):
-    return self._serial.submit(self._generate, requests, rng_data, update, stop_after)
+  def generate(self, requests, rng_data: np.ndarray, update=None, stop_after=None, first=0):
+    return self._serial.submit(self._generate, requests, rng_data, update, stop_after, first)
 
-  def _generate(self, requests, rng_data, update, stop_after):
+  def _generate(self, requests, rng_data, update, stop_after, first):
     self._calls += 1
     if self._fault is not None and self._calls >= self._fault.call:
       if self._fault.kind == 'hang':
@@ -117,7 +117,8 @@ class LocalWorker:
       raise InjectedFault(f'injected fault: worker {self._fault.kind} at call {self._calls}')
     if update is not None:
       self.worker.apply_update(update)
-    return self.worker.generate(requests, jax.random.wrap_key_data(rng_data), stop_after)
+    return self.worker.generate(requests, jax.random.wrap_key_data(rng_data), stop_after,
+                                first)
 
   def retire(self) -> None:
     self._retired.set()

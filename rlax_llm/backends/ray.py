@@ -90,7 +90,7 @@ class WorkerRole:
     self.fault = parse_fault(config, index)
     self.calls = 0
 
-  def generate(self, requests, rng_data: np.ndarray, update=None, stop_after=None):
+  def generate(self, requests, rng_data: np.ndarray, update=None, stop_after=None, first=0):
     import jax  # pylint: disable=import-outside-toplevel
     self.calls += 1
     if self.fault is not None and self.calls >= self.fault.call:
@@ -99,7 +99,8 @@ class WorkerRole:
       os._exit(1)  # a real process death
     if update is not None:
       self.worker.apply_update(update)
-    return self.worker.generate(requests, jax.random.wrap_key_data(rng_data), stop_after)
+    return self.worker.generate(requests, jax.random.wrap_key_data(rng_data), stop_after,
+                                first)
 
 
 class RayFuture:
@@ -141,8 +142,8 @@ class RayWorker:
   def __init__(self, actor):
     self.actor = actor
 
-  def generate(self, requests, rng_data, update=None, stop_after=None) -> RayFuture:
-    return RayFuture(self.actor.generate.remote(requests, rng_data, update, stop_after))
+  def generate(self, requests, rng_data, update=None, stop_after=None, first=0) -> RayFuture:
+    return RayFuture(self.actor.generate.remote(requests, rng_data, update, stop_after, first))
 
   def retire(self) -> None:
     with contextlib.suppress(Exception):

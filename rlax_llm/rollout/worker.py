@@ -45,7 +45,7 @@ class InferenceWorker:
     max_new_tokens: the most tokens a request may generate.
     slots: concurrent sequences of the engine (``max_concurrent_decodes``).
     on_swap: what a weight swap does to sequences in flight (``'continue'``/``'discard'``).
-    prefill_buckets: prompt length buckets (default: powers of two up to max_prompt_len).
+    prefill_buckets: prompt length buckets (default: ``engine.default_buckets``).
     rules: logical-axis rules placing the params on ``mesh``.
   """
 
@@ -77,9 +77,11 @@ class InferenceWorker:
 
   def load(self, version: int, params) -> None:
     """Installs weights (host or device arrays) of ``version``, sharded on the mesh; the
-    driver uses them from its next decode step on."""
+    driver uses them from its next decode step on. Params that are not the model's raise
+    ValueError and leave the held version (and the base of the next delta) as it was."""
+    placed = self.engine.place_params(params)
     self._host_leaves = [np.asarray(leaf) for leaf in jax.tree.leaves(params)]
-    self.holder.set(version, self.engine.place_params(params))
+    self.holder.set(version, placed)
     self.reloads += 1
 
   def apply_update(self, update: delta_lib.Delta) -> None:
@@ -120,12 +122,14 @@ class InferenceWorker:
     return ids
 
   def generate(self, requests: Sequence[GenerationRequest], rng: jax.Array,
-               stop_after: int | None = None) -> Rollouts:
+               stop_after: int | None = None, first: int = 0) -> Rollouts:
     """Samples every request; rows of request ``i`` are contiguous with group id ``i``.
 
-    Sample ``s`` of request ``i`` draws with the key ``fold_in(fold_in(rng, i), s)``, so the
+    Sample ``s`` of request ``i`` draws with the key ``fold_in(fold_in(rng, first + i), s)``
+    (``first``: the index of ``requests[0]`` in a batch split over several workers), so the
     same weights, requests and ``rng`` give the same rollouts however the driver batches
-    them. Requests with different sampling specs run one spec after the other.
+    them and however a batch is split between workers. Requests with different sampling
+    specs run one spec after the other.
 
     ``stop_after`` (APRIL partial rollouts): stop once that many requests have every sample
     finished; the rows of the others may come back ``'unfinished'`` (pass them as a
@@ -136,6 +140,9 @@ class InferenceWorker:
       raise RuntimeError('InferenceWorker has no weights; call load() or maybe_reload() first.')
     if not requests:
       raise ValueError('generate needs at least one request.')
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+      raise ValueError(f'first={first!r} must be an int >= 0 (the index of requests[0] in its '
+                       'batch).')
     start = time.perf_counter()
     stop = (self.tokenizer.eos_id,)
     jobs, prompts = [], []
@@ -143,7 +150,7 @@ class InferenceWorker:
       resume = request.resume
       if resume is None:
         ids = self.encode(request)
-        request_key = jax.random.fold_in(rng, i)
+        request_key = jax.random.fold_in(rng, first + i)
         keys = np.stack([np.asarray(jax.random.key_data(jax.random.fold_in(request_key, s)))
                          for s in range(request.num_samples)])
         samples = None

@@ -82,6 +82,26 @@ def test_same_key_same_rollouts(model_and_params):
   np.testing.assert_array_equal(a.behaviour_logprobs, b.behaviour_logprobs)
 
 
+
+def test_a_batch_split_between_workers_draws_the_same_tokens(model_and_params):
+  """``first``: a request's keys come from its index in the batch, so the batch's two halves
+  generated apart (as two workers would, ``first`` 0 and 2) are the whole batch's rows."""
+  model, params = model_and_params
+  worker = make_worker(model, params)
+  whole = worker.generate(requests(SamplingSpec(1.0), n=3), jax.random.key(4))
+  halves = [worker.generate(requests(SamplingSpec(1.0), n=3, prompts=PROMPTS[lo:lo + 2]),
+                            jax.random.key(4), first=lo) for lo in (0, 2)]
+  np.testing.assert_array_equal(np.concatenate([h.sample_keys for h in halves]),
+                                whole.sample_keys)
+  np.testing.assert_array_equal(
+      np.concatenate([h.completion_tokens for h in halves]), whole.completion_tokens)
+  # Without the offset the second half would draw the first half's keys.
+  shifted = worker.generate(requests(SamplingSpec(1.0), n=3, prompts=PROMPTS[2:]),
+                            jax.random.key(4))
+  assert not np.array_equal(shifted.sample_keys, whole.sample_keys[6:])
+  with pytest.raises(ValueError, match='first=-1 must be an int >= 0'):
+    worker.generate(requests(SamplingSpec(1.0)), jax.random.key(4), first=-1)
+
 # The policy contract: on-policy, the trainer's recomputed log-probs equal the behaviour
 # log-probs the worker recorded, and every importance ratio is 1.
 @pytest.mark.parametrize('top_p', [1.0, 0.9])
@@ -135,6 +155,27 @@ def test_recompute_path_gives_exact_ratios_and_measures_the_mismatch(model_and_p
   objective = functools.partial(rl_objective, Policy(model, spec), LossConfig(loss='grpo'))
   _, diags = jax.jit(objective)(params, batch, None)
   np.testing.assert_allclose(float(diags['is/ratio_mean']), np.exp(0.25), rtol=1e-4)
+
+
+def test_a_failed_load_keeps_the_held_version(model_and_params):
+  """Params that are not the model's raise and change nothing: the version held, its
+  device params and the base the next delta applies to stay the last good version's."""
+  model, params = model_and_params
+  worker = make_worker(model, params, version=5)
+  held = worker.params
+  bad = jax.tree.map(lambda x: x[..., :1], params)
+  with pytest.raises(ValueError, match='this engine needs'):
+    worker.load(6, bad)
+  assert worker.version == 5 and worker.params is held
+  server = ParameterServer(keep=2)
+  server.push(5, params)
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  changed = jax.tree_util.tree_unflatten(treedef, [leaves[0] + 1.0] + leaves[1:])
+  server.push(6, changed)  # one leaf changed: the others come from the worker's base
+  worker.apply_update(server.update(6, base_version=5))
+  assert worker.version == 6
+  jax.tree.map(np.testing.assert_array_equal,
+               jax.tree_util.tree_unflatten(worker._treedef, worker._host_leaves), changed)
 
 
 def test_reload_threshold_j(model_and_params):
