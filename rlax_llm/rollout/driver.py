@@ -11,7 +11,8 @@ changes is a policy (``on_swap``):
 * ``'continue'`` (PipelineRL): they go on with the new params on top of the keys/values the
   old ones wrote; their tokens carry the version that sampled each of them.
 * ``'discard'`` (RLAX): they are dropped and regenerated from scratch with the new params;
-  each sample counts its ``restarts``.
+  each sample counts its ``restarts``. So are samples a ``Job.resume`` continues whose last
+  token another version drew: no sample mixes versions.
 
 Either way a sample started after a swap is prefilled with the new params, and one decode
 step never mixes versions. The driver is single-threaded and deterministic: given the jobs,
@@ -44,7 +45,7 @@ import jax
 import numpy as np
 
 from rlax_llm.policy import SamplingSpec
-from rlax_llm.rollout.engine import Engine, Insert
+from rlax_llm.rollout.engine import MAX_STOP_IDS, Engine, Insert
 
 ON_SWAP = ('continue', 'discard')
 
@@ -82,6 +83,10 @@ class Job:
   ``stop_ids``: token ids that end a sample (the stop token is kept in the output).
   ``resume``: the samples so far of a job an earlier ``run`` stopped (one ``Sample`` each:
   finished ones are kept, unfinished ones continued from their tokens); None: a new job.
+
+  Token ids may be any integer sequence (stored as tuples of ints) and ``keys`` key data or
+  typed PRNG keys; anything else (floats, strings, a wrong key shape) raises ValueError
+  here. ``Driver.check`` checks what depends on the engine (ids in its vocabulary, lengths).
   """
 
   prompt_ids: tuple[int, ...]
@@ -91,6 +96,36 @@ class Job:
   stop_ids: tuple[int, ...]
   keys: np.ndarray
   resume: tuple['Sample', ...] | None = None
+
+  def __post_init__(self):
+    for name in ('num_samples', 'max_new_tokens'):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f'Job.{name}={value!r} must be an int >= 1.')
+      object.__setattr__(self, name, int(value))
+    object.__setattr__(self, 'prompt_ids', token_ids('Job.prompt_ids', self.prompt_ids))
+    object.__setattr__(self, 'stop_ids', token_ids('Job.stop_ids', self.stop_ids))
+    keys = self.keys
+    if jax.dtypes.issubdtype(getattr(keys, 'dtype', np.float32), jax.dtypes.prng_key):
+      keys = jax.random.key_data(keys)
+    keys = np.asarray(keys)
+    if keys.ndim != 2 or keys.shape[0] != self.num_samples or keys.dtype.kind not in 'iu':
+      raise ValueError(f'Job.keys must be integer key data [num_samples={self.num_samples}, '
+                       f'key size] (jax.random.key_data of one key per sample); got '
+                       f'{keys.dtype.name}{list(keys.shape)}.')
+    object.__setattr__(self, 'keys', keys.astype(np.uint32))
+
+
+def token_ids(name: str, ids) -> tuple[int, ...]:
+  """``ids`` (a sequence or 1-D array of integers) as a tuple of ints; ValueError naming
+  ``name`` for anything else (floats, strings, nested sequences)."""
+  array = np.asarray(ids)
+  if array.size == 0:
+    return ()
+  if array.ndim != 1 or array.dtype.kind not in 'iu':
+    raise ValueError(f'{name} must be a 1-D sequence of integer token ids; got '
+                     f'{array.dtype.name}{list(array.shape)}: {ids!r:.80}.')
+  return tuple(int(t) for t in array)
 
 
 @dataclasses.dataclass
@@ -150,25 +185,41 @@ class Driver:
     self.stats: dict[str, float] = {}
 
   def check(self, jobs: Sequence[Job]) -> None:
-    """Raises ValueError for a job the engine cannot run (before any compute)."""
+    """Raises ValueError for a job the engine cannot run (before any compute): an empty or
+    too long prompt, a token or stop id outside the vocabulary, more than ``MAX_STOP_IDS``
+    stop ids, keys of another size, a ``resume`` that does not fit."""
     e = self.engine
+    vocab = e.model.config.vocab_size
+
+    def in_vocab(what, ids):
+      bad = [t for t in ids if not 0 <= t < vocab]
+      if bad:
+        raise ValueError(f'{what} holds ids outside the vocabulary [0, {vocab}): '
+                         f'{bad[:5]}.')
+
     for i, job in enumerate(jobs):
       if not job.prompt_ids:
         raise ValueError(f'job {i}: the prompt is empty.')
       if len(job.prompt_ids) > e.max_prefill_length:
         raise ValueError(f'job {i}: the prompt has {len(job.prompt_ids)} tokens, more than '
                          f'max_prefill_length={e.max_prefill_length}.')
+      in_vocab(f'job {i}: the prompt', job.prompt_ids)
+      in_vocab(f'job {i}: stop_ids', job.stop_ids)
+      if len(job.stop_ids) > MAX_STOP_IDS:
+        raise ValueError(f'job {i}: {len(job.stop_ids)} stop ids {job.stop_ids}; at most '
+                         f'MAX_STOP_IDS={MAX_STOP_IDS} are supported (eos included).')
       if not 1 <= job.max_new_tokens <= e.max_decode_length:
         raise ValueError(f'job {i}: max_new_tokens={job.max_new_tokens} is not in [1, '
                          f'max_decode_length={e.max_decode_length}].')
-      if job.num_samples < 1 or np.shape(job.keys)[0] != job.num_samples:
-        raise ValueError(f'job {i}: num_samples={job.num_samples} needs that many keys, got '
-                         f'{np.shape(job.keys)[0]}.')
+      if job.keys.shape[1] != e.key_size:
+        raise ValueError(f'job {i}: keys of {job.keys.shape[1]} words; this JAX PRNG '
+                         f'implementation\'s keys have {e.key_size}.')
       if job.resume is not None:
         if len(job.resume) != job.num_samples:
           raise ValueError(f'job {i}: resume holds {len(job.resume)} samples for '
                            f'num_samples={job.num_samples}.')
         for n, sample in enumerate(job.resume):
+          in_vocab(f'job {i} sample {n}: resume tokens', sample.tokens)
           if sample.finish_reason is None and len(sample.tokens) >= job.max_new_tokens:
             raise ValueError(f'job {i} sample {n}: unfinished with {len(sample.tokens)} '
                              f'tokens, but max_new_tokens={job.max_new_tokens}.')
@@ -235,6 +286,14 @@ class Driver:
         self.before_step(self.steps)
       current, params = self.holder.get()
       if current != version:
+        e.check_params(params)
+        if self.on_swap == 'discard':  # continued samples another version drew start over
+          stale = [(j, i) for j, i in pending
+                   if results[j][i].tokens and results[j][i].versions[-1] != current]
+          for j, i in stale:
+            results[j][i].restart()
+            to_insert[j] += 1
+          self.stats['discarded_samples'] += len(stale)
         if version is not None:
           self.stats['swaps'] += 1
           prefixes.clear()  # samples started from now on are prefilled with the new params
@@ -350,6 +409,8 @@ def generate(model, params, prompts: Sequence[Sequence[int]], spec: SamplingSpec
   compilations); otherwise one with ``slots`` (default: one per prompt) is built on ``mesh``
   (default: the first device).
   """
+  if not prompts:
+    raise ValueError('generate needs at least one prompt.')
   if engine is None:
     # pylint: disable=import-outside-toplevel
     from rlax_llm.sharding import make_mesh
@@ -360,7 +421,7 @@ def generate(model, params, prompts: Sequence[Sequence[int]], spec: SamplingSpec
   holder = VersionedParams()
   holder.set(0, engine.place_params(params))
   root = jax.random.key(seed)
-  jobs = [Job(tuple(int(t) for t in p), 1, spec, max_new_tokens, tuple(stop_ids),
+  jobs = [Job(p, 1, spec, max_new_tokens, stop_ids,
               np.asarray(jax.random.key_data(jax.random.fold_in(root, i)))[None])
           for i, p in enumerate(prompts)]
   return [samples[0] for samples in Driver(engine, holder).run(jobs)]

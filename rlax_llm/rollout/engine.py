@@ -220,7 +220,7 @@ class Engine:
     self.pad_id = int(pad_id)
     self.param_shardings = sharding_lib.param_shardings(
         self.model.abstract_params(), self.model.logical_axes(), mesh, rules)
-    self._key_size = int(jax.random.key_data(jax.random.key(0)).shape[-1])
+    self.key_size = int(jax.random.key_data(jax.random.key(0)).shape[-1])  # uint32 words
     self.state_shardings = self._state_shardings(rules)
     self._prefill = jax.jit(self._prefill_impl)
     self._insert = jax.jit(self._insert_impl, static_argnames=('spec',), donate_argnums=(1,),
@@ -249,14 +249,39 @@ class Engine:
     state = DecodeState(
         cache=KVCache.init(c, s, self.cache_length, self.block_length),
         tokens=jnp.full((s,), self.pad_id, jnp.int32),
-        keys=jnp.zeros((s, self._key_size), jnp.uint32),
+        keys=jnp.zeros((s, self.key_size), jnp.uint32),
         positions=jnp.zeros((s,), jnp.int32), remaining=jnp.zeros((s,), jnp.int32),
         stop_ids=jnp.full((s, MAX_STOP_IDS), -1, jnp.int32))
     return jax.device_put(state, self.state_shardings)
 
+  def check_params(self, params: Params, *, placed: bool = True) -> None:
+    """Raises ValueError naming the first leaf that differs when ``params`` are not this
+    engine's: its model's tree, shapes and dtypes, in the engine's weight layout
+    (``placed``, what ``place_params`` returns) or the given model's (``placed=False``).
+    Checked before any compute, so a wrong tree, another model's weights or a dtype that
+    would recompile every step fail here instead of running."""
+    model = self.model if placed else self.source_model
+    flat = lambda tree: {jax.tree_util.keystr(path): leaf for path, leaf
+                         in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    want, got = flat(model.abstract_params()), flat(params)
+    where = ('the engine\'s layout (pass them through place_params first)' if placed
+             else 'the model\'s layout')
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing or extra:
+      raise ValueError(f'params do not have the model\'s tree: missing {missing[:3]}, '
+                       f'unexpected {extra[:3]} (expected {len(want)} leaves in {where}).')
+    for path, spec in want.items():
+      leaf = got[path]
+      shape, dtype = tuple(np.shape(leaf)), np.dtype(getattr(leaf, 'dtype', None) or
+                                                   np.asarray(leaf).dtype)
+      if shape != tuple(spec.shape) or dtype != spec.dtype:
+        raise ValueError(f'params{path} is {dtype.name}{list(shape)}; this engine needs '
+                         f'{np.dtype(spec.dtype).name}{list(spec.shape)} in {where}.')
+
   def place_params(self, params: Params) -> Params:
     """``params`` of the model the engine was given (host or device), in the engine's
-    weight layout, sharded on the inference mesh."""
+    weight layout, sharded on the inference mesh (checked first: ``check_params``)."""
+    self.check_params(params, placed=False)
     if self.model is not self.source_model:  # eager: op by op, compiled once per shape
       params = to_weight_layout(params, self.source_model, self.model)
     return jax.device_put(params, self.param_shardings)
@@ -313,7 +338,7 @@ class Engine:
       raise ValueError('two inserts target the same slot.')
     rows = np.zeros(s, np.int32)
     slots = np.full(s, s, np.int32)  # slot == S: out of range, dropped
-    keys = np.zeros((s, self._key_size), np.uint32)
+    keys = np.zeros((s, self.key_size), np.uint32)
     max_new = np.ones(s, np.int32)
     offsets = np.zeros(s, np.int32)
     stops = np.full((s, MAX_STOP_IDS), -1, np.int32)
@@ -373,7 +398,7 @@ class Engine:
     per_slot_2d = lambda width: named(('batch', None), (self.slots, width))
     return DecodeState(
         cache=KVCache(k=(k,) * c.num_layers, v=(v,) * c.num_layers, lengths=per_slot),
-        tokens=per_slot, keys=per_slot_2d(self._key_size), positions=per_slot,
+        tokens=per_slot, keys=per_slot_2d(self.key_size), positions=per_slot,
         remaining=per_slot, stop_ids=per_slot_2d(MAX_STOP_IDS))
 
   def _prefill_impl(self, params, tokens, lengths):

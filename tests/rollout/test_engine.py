@@ -8,6 +8,7 @@ submit/finish/swap workload answers every sample once and leaks no slot.
 
 import dataclasses
 import random
+import re
 
 import jax
 import jax.numpy as jnp
@@ -320,20 +321,95 @@ def test_randomized_submit_finish_swap(models):
     assert (remaining == 0).all(), remaining
 
 
-@pytest.mark.parametrize('job, message', [
-    (Job((), 1, GREEDY, 4, (), keys_for(0, 1)), 'the prompt is empty'),
-    (Job(tuple(range(2, 19)), 1, GREEDY, 4, (), keys_for(0, 1)),
+def a_job(**fields):
+  return Job(**(dict(prompt_ids=(3,), num_samples=1, sampling=GREEDY, max_new_tokens=4,
+                     stop_ids=(EOS,), keys=keys_for(0, 1)) | fields))
+
+
+@pytest.mark.parametrize('fields, message', [
+    (dict(prompt_ids=()), 'job 1: the prompt is empty'),
+    (dict(prompt_ids=tuple(range(2, 19))),
      'the prompt has 17 tokens, more than max_prefill_length=16'),
-    (Job((3,), 1, GREEDY, 13, (), keys_for(0, 1)), 'max_new_tokens=13 is not in [1'),
-    (Job((3,), 1, GREEDY, 0, (), keys_for(0, 1)), 'max_new_tokens=0 is not in [1'),
-    (Job((3,), 2, GREEDY, 4, (), keys_for(0, 1)), 'num_samples=2 needs that many keys'),
+    (dict(max_new_tokens=13), 'max_new_tokens=13 is not in [1'),
+    (dict(prompt_ids=(3, 48, 50)), 'job 1: the prompt holds ids outside the vocabulary '
+                                   '[0, 48): [48, 50]'),
+    (dict(prompt_ids=(3, -1)), 'the prompt holds ids outside the vocabulary [0, 48): [-1]'),
+    (dict(stop_ids=(EOS, 2**40)), 'stop_ids holds ids outside the vocabulary'),
+    (dict(stop_ids=tuple(range(1, 10))), '9 stop ids (1, 2, 3, 4, 5, 6, 7, 8, 9); at most '
+                                         'MAX_STOP_IDS=8'),
+    (dict(keys=np.zeros((1, 3), np.uint32)), 'keys of 3 words'),
+    (dict(resume=(Sample(tokens=[3, 60]),)), 'job 1 sample 0: resume tokens holds ids '
+                                             'outside the vocabulary [0, 48): [60]'),
 ])
-def test_bad_jobs_are_refused_before_any_compute(models, job, message):
+def test_bad_jobs_are_refused_before_any_compute(models, fields, message):
   model, params, _ = models
   driver = make_driver(model, params)
-  with pytest.raises(ValueError, match=message.replace('[', r'\[')):
-    driver.run([jobs_for(GREEDY)[0], job])
+  with pytest.raises(ValueError, match=re.escape(message)):
+    driver.run([jobs_for(GREEDY)[0], a_job(**fields)])
   assert driver.steps == 0
+
+
+@pytest.mark.parametrize('fields, message', [
+    (dict(max_new_tokens=0), 'Job.max_new_tokens=0 must be an int >= 1'),
+    (dict(num_samples=0), 'Job.num_samples=0 must be an int >= 1'),
+    (dict(num_samples=2), 'Job.keys must be integer key data [num_samples=2, key size]'),
+    (dict(keys=np.zeros((2,), np.uint32)), 'Job.keys must be integer key data'),
+    (dict(keys=np.zeros((1, 2), np.float32)), 'got float32[1, 2]'),
+    (dict(prompt_ids=(5.7, 9)), 'Job.prompt_ids must be a 1-D sequence of integer token ids; '
+                                'got float64[2]'),
+    (dict(prompt_ids=('5', 9)), 'Job.prompt_ids must be a 1-D sequence of integer'),
+    (dict(stop_ids=((1, 2),)), 'Job.stop_ids must be a 1-D sequence of integer'),
+])
+def test_jobs_refuse_values_of_the_wrong_type(fields, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    a_job(**fields)
+
+
+def test_jobs_take_arrays_and_typed_keys(models):
+  """Prompts as numpy arrays or lists and typed PRNG keys are the same job as tuples and
+  key data."""
+  model, params, _ = models
+  typed = jax.random.split(jax.random.key(5), 2)
+  plain = a_job(prompt_ids=(3, 9, 4), num_samples=2, keys=jax.random.key_data(typed))
+  for job in (a_job(prompt_ids=np.array([3, 9, 4]), num_samples=2, keys=typed),
+              a_job(prompt_ids=[3, 9, 4], num_samples=2, keys=np.asarray(
+                  jax.random.key_data(typed)).astype(np.int64))):
+    assert job.prompt_ids == (3, 9, 4) and isinstance(job.prompt_ids[0], int)
+    np.testing.assert_array_equal(job.keys, plain.keys)
+    assert job.keys.dtype == np.uint32
+  got = make_driver(model, params).run([a_job(prompt_ids=[3, 9, 4], num_samples=2,
+                                              keys=typed)])
+  want = make_driver(model, params).run([plain])
+  assert [s.tokens for s in got[0]] == [s.tokens for s in want[0]]
+
+
+def test_params_that_are_not_the_engines_are_refused(models):
+  """Another model's weights, another dtype, params not placed in the engine's layout or
+  another tree raise naming the leaf, before any compute: in ``place_params`` and when the
+  driver reads a new version (they used to run, reshaped, or recompile every step)."""
+  model, params, _ = models
+  driver = make_driver(model, params)
+  engine = driver.engine
+  _, wider = create_model(dataclasses.replace(CONFIG, mlp_dim=2 * CONFIG.mlp_dim), seed=0)
+  with pytest.raises(ValueError, match=r"params\[.*\] is float32\[.*128.*\]; this engine "
+                                       r"needs float32\[.*64.*\] in the model's layout"):
+    engine.place_params(wider)
+  with pytest.raises(ValueError, match="params do not have the model's tree"):
+    engine.place_params({'embed': params['embed']})
+  placed = engine.place_params(params)
+  cases = [(jax.tree.map(lambda x: x.astype(jnp.bfloat16), placed),
+            r'is bfloat16\[.*\]; this engine needs float32'),
+           (wider, 'this engine needs')]
+  if engine.model is not engine.source_model:  # XLA:CPU keeps the params as 'out_in'
+    cases.append((params, 'in the engine\'s layout \\(pass them through place_params'))
+  for version, (bad, message) in enumerate(cases, start=1):
+    driver.holder.set(version, bad)
+    steps = driver.steps
+    with pytest.raises(ValueError, match=message):
+      driver.run(jobs_for(GREEDY))
+    assert driver.steps == steps
+  driver.holder.set(9, placed)  # the right params run again
+  assert len(driver.run(jobs_for(GREEDY))) == len(jobs_for(GREEDY))
 
 
 def test_engine_and_holder_errors(models):
@@ -387,7 +463,8 @@ def test_partial_rollouts_continue_as_if_uninterrupted(models, spec):
 
 def test_continued_samples_keep_old_versions_and_discard_restarts_them(models):
   """Tokens drawn before the stop keep version 0; the continuation draws with version 1.
-  Under 'discard' a continued sample that sees a swap is regenerated from scratch."""
+  Under 'discard' no sample mixes versions: a resumed sample whose tokens version 0 drew
+  starts over under version 1, and again at the swap to version 2 if still in flight."""
   model, params, other = models
   jobs = _uneven(jobs_for(SamplingSpec(1.0), n=3, max_new=10, stops=()))
   first = make_driver(model, params).run(jobs, stop_after=1)
@@ -400,7 +477,8 @@ def test_continued_samples_keep_old_versions_and_discard_restarts_them(models):
     for s, b, n in zip(samples, before, counts):
       assert s.tokens[:n] == b.tokens and s.versions[:n] == [0] * n
       assert s.versions[n:] == [1] * (len(s.tokens) - n)
-  # 'discard': a swap after the resumed samples entered restarts them from scratch.
+  # 'discard': the resumed samples restart at once (their tokens are version 0's), and a
+  # swap after they entered restarts them again.
   holder_swaps = {2: 2}
 
   def swap(step):
@@ -408,13 +486,23 @@ def test_continued_samples_keep_old_versions_and_discard_restarts_them(models):
       driver.holder.set(holder_swaps[step], driver.engine.place_params(params))
   driver = make_driver(model, other, version=1, on_swap='discard', before_step=swap)
   third = driver.run(_resumed(jobs, first))
+  unfinished = 0
   for samples, before in zip(third, first):
     for s, b in zip(samples, before):
       if b.finish_reason:  # finished before the stop: kept as it was
         assert s.tokens == b.tokens and s.restarts == 0
-      elif s.restarts:
-        assert set(s.versions) == {2}  # wholly regenerated with the new weights
-  assert driver.stats['discarded_samples'] > 0
+      else:  # a continued one restarts; one not yet started just starts
+        unfinished += bool(b.tokens)
+        assert s.restarts >= bool(b.tokens) and len(set(s.versions)) == 1, s
+  assert unfinished and driver.stats['discarded_samples'] >= unfinished
+  # Without a swap during the run: each continued sample starts over once, under version 1.
+  driver = make_driver(model, other, version=1, on_swap='discard')
+  fourth = driver.run(_resumed(jobs, first))
+  for samples, before in zip(fourth, first):
+    for s, b in zip(samples, before):
+      if not b.finish_reason:
+        assert s.restarts == bool(b.tokens) and set(s.versions) == {1}, s
+  assert driver.stats['discarded_samples'] == unfinished
 
 
 def test_partial_rollout_errors(models):
