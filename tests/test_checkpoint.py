@@ -8,6 +8,7 @@ import os
 import signal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -98,8 +99,10 @@ def test_warmup_checkpoint_round_trip(tmp_path):
   checkpointer = Checkpointer(tmp_path, every_steps=1)
   assert checkpointer.restore_warmup(trainer.params) is None
   checkpointer.save_warmup(trainer.params, {'warmup/loss': 1.5})
-  params, metrics = checkpointer.restore_warmup(trainer.params)
+  # Restored onto a template of zeros: the values come from the checkpoint, not the template.
+  params, metrics = checkpointer.restore_warmup(jax.tree.map(jnp.zeros_like, trainer.params))
   assert metrics == {'warmup/loss': 1.5}
+  assert any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(trainer.params))
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                params, trainer.params)
 

@@ -1,4 +1,5 @@
-"""colabs/: every notebook runs top to bottom (nbclient) with RLAX_LLM_COLAB_SMALL=1.
+"""colabs/: every notebook runs top to bottom (nbclient) with RLAX_LLM_COLAB_SMALL=1;
+``smollm2_grpo`` (SmolLM2's 30 layers compile for minutes) only with ``-m slow``.
 
 Each runs in a fresh kernel in a temporary directory (its runs/ lands there) with this
 checkout importable, so the install cell is skipped as it is in a checkout, and with one CPU

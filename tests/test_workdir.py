@@ -1,5 +1,6 @@
 """The run directory: unique default names, an exclusive claim per run, atomic writes."""
 
+import datetime
 import json
 import math
 import os
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import pytest
 
@@ -71,12 +73,13 @@ def test_default_workdir_same_second_in_four_processes_is_unique(tmp_path):
 def test_default_workdir_retries_a_taken_name(tmp_path, monkeypatch):
   suffixes = iter(['aaaaaa', 'aaaaaa', 'bbbbbb'])
   monkeypatch.setattr(workdir_lib, '_new_suffix', lambda: next(suffixes))
+  now = datetime.datetime(2026, 1, 2, 3, 4, 5)  # both in the same second: the names collide
+  monkeypatch.setattr(workdir_lib, 'datetime', types.SimpleNamespace(
+      datetime=types.SimpleNamespace(now=lambda: now)))
   first = default_workdir('run', root=tmp_path)
-  second = default_workdir('run', root=tmp_path)  # same second (very likely) -> collides
-  assert first != second and first.is_dir() and second.is_dir()
-  assert first.name.endswith('-aaaaaa')
-  if first.name[:-7] == second.name[:-7]:
-    assert second.name.endswith('-bbbbbb')
+  second = default_workdir('run', root=tmp_path)
+  assert first.is_dir() and second.is_dir()
+  assert (first.name, second.name) == ('run-20260102-030405-aaaaaa', 'run-20260102-030405-bbbbbb')
   with pytest.raises(ValueError, match="run name 'a/b' cannot be a directory name"):
     default_workdir('a/b', root=tmp_path)
 

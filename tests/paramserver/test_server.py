@@ -270,8 +270,10 @@ def test_latest_version_is_monotone_and_equals_max_accepted(versions):
     try:
       server.push(v, params)
       accepted.append(v)
+      ok = True
     except ValueError:
-      pass
+      ok = False
+    assert ok == (v >= 0 and v > previous), (v, previous)  # every newer version is taken
     latest = server.latest_version()
     assert latest >= previous
     previous = latest

@@ -266,6 +266,8 @@ def test_weights_swap_between_steps_without_recompiling(models, on_swap):
         assert sample.versions == [0] * 4 + [1] * 6 and sample.restarts == 0
         assert sample.tokens[:4] == r0.tokens[:4]
         np.testing.assert_allclose(sample.logprobs[:4], r0.logprobs[:4], atol=1e-6)
+        # The steps after the swap really ran version 1: version 0 would give r0's draws.
+        assert not np.allclose(sample.logprobs[4:], r0.logprobs[4:], atol=1e-3)
       else:
         # Discarded at the swap and regenerated from scratch with version 1.
         assert sample.versions == [1] * 10 and sample.restarts == 1
