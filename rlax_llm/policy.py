@@ -52,11 +52,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rlax_llm.models.decoder import invariant_max, invariant_sum
 from rlax_llm.models.model import Model, Params
@@ -78,15 +80,19 @@ class SamplingSpec:
   top_p: float = 1.0
 
   def __post_init__(self):
+    # Python or numpy numbers (np.float32(0.7) is a number too); never bools.
+    real = lambda x: isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
     t = self.temperature
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+    if not real(t) or not math.isfinite(t) or t < 0:
       raise ValueError(f'temperature={t!r} must be a finite number >= 0 (0 is greedy).')
-    if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-      raise ValueError(f'top_k={self.top_k!r} must be an int >= 0 (0 disables it).')
+    k = self.top_k
+    if not real(k) or not isinstance(k, numbers.Integral) or k < 0:
+      raise ValueError(f'top_k={k!r} must be an int >= 0 (0 disables it).')
     p = self.top_p
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
+    if not real(p) or not 0.0 < p <= 1.0:
       raise ValueError(f'top_p={p!r} must be in (0, 1] (1.0 disables it).')
     object.__setattr__(self, 'temperature', float(t))
+    object.__setattr__(self, 'top_k', int(k))
     object.__setattr__(self, 'top_p', float(p))
 
   @property

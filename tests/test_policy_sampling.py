@@ -212,10 +212,20 @@ def test_works_under_jit_with_bf16_logits():
     (dict(temperature=float('inf')), 'temperature=inf'), (dict(top_p=0.0), 'top_p=0.0'),
     (dict(top_p=-0.5), 'top_p=-0.5'), (dict(top_p=1.01), 'top_p=1.01'),
     (dict(top_k=-1), 'top_k=-1'), (dict(top_k=2.5), 'top_k=2.5'), (dict(temperature='1'), "temperature='1'"),
+    (dict(temperature=True), 'temperature=True'), (dict(top_k=np.bool_(True)), 'top_k=np.True_'),
+    (dict(top_k=np.float32(3.0)), 'top_k=np.float32(3.0)'),
 ])
 def test_invalid_sampling_spec_raises_naming_the_field(kwargs, message):
   with pytest.raises(ValueError, match=re.escape(message)):
     SamplingSpec(**kwargs)
+
+
+def test_sampling_spec_takes_numpy_numbers():
+  """Values read from numpy arrays (a config sweep, a dataset) are numbers too; the spec
+  stores them as Python types, so it equals and hashes like one built from them."""
+  spec = SamplingSpec(np.float64(0.7), top_k=np.int64(5), top_p=np.float32(0.5))
+  assert spec == SamplingSpec(0.7, top_k=5, top_p=0.5)
+  assert type(spec.temperature) is float and type(spec.top_k) is int
 
 
 def test_greedy_is_refused_for_rollouts_but_valid_for_evaluation():
