@@ -9,7 +9,7 @@ r"""Command-line entry point: ``python -m rlax_llm.launch``.
 ``--config`` takes a config file (``path[:variant]``), ``--config.a.b=value`` overrides a
 field, ``--workdir`` is where the run writes ``config.json``, ``metrics.jsonl``,
 ``summary.json``, ``ledger.jsonl``, TensorBoard events and ``checkpoints/`` (default
-``./runs/<name>-<timestamp>``). The config is validated (``rlax_llm.config.validate_config``)
+``./runs/<name>-<timestamp>-<hex>``). The config is validated (``rlax_llm.config.validate_config``)
 before any compute. ``--print_config`` prints the resolved, validated config as JSON and
 exits; ``--help`` lists the configs in ``configs/`` with their variants
 (``rlax_llm.launch_help``).
@@ -52,7 +52,7 @@ def define_flags() -> None:
       'config', str(DEFAULT_CONFIG_PATH), 'Config file, optionally with :variant.',
       lock_config=True)
   _FLAGS['workdir'] = flags.DEFINE_string(
-      'workdir', None, 'Run directory (default ./runs/<config name>-<timestamp>).')
+      'workdir', None, 'Run directory (default ./runs/<config name>-<timestamp>-<hex>).')
   _FLAGS['print_config'] = flags.DEFINE_bool(
       'print_config', False, 'Print the resolved, validated config as JSON and exit.')
 
