@@ -91,6 +91,12 @@ def import_jetstream() -> types.SimpleNamespace:
       token_utils=token_utils)
 
 
+def _jetstream_bos(tokenizer) -> int:
+  """The id JetStream prepends to every new prompt: the tokenizer's bos, or its pad when it
+  has none (JetStream needs some id there)."""
+  return tokenizer.pad_id if tokenizer.bos_id is None else tokenizer.bos_id
+
+
 def _tokenizer_class(js: types.SimpleNamespace):
 
   class Tokenizer(js.tokenizer_api.Tokenizer):
@@ -120,8 +126,7 @@ def _tokenizer_class(js: types.SimpleNamespace):
 
     @property
     def bos_id(self) -> int:
-      bos = self.tokenizer.bos_id
-      return self.tokenizer.pad_id if bos is None else bos
+      return _jetstream_bos(self.tokenizer)
 
     @property
     def stop_tokens(self) -> set[int]:
@@ -169,8 +174,8 @@ def make_engine(js: types.SimpleNamespace, engine: Engine, tokenizer, holder: Ve
       if existing_prefix is not None:
         raise ValueError('prefix caching (existing_prefix) is not supported.')
       ids = np.asarray(padded_tokens)[:int(true_length)].tolist()
-      if not add_bos and ids and ids[0] == tokenizer.bos_id:
-        ids = ids[1:]  # JetStream prepends a bos the checkpoint does not use
+      if not add_bos and len(ids) > 1 and ids[0] == _jetstream_bos(tokenizer):
+        ids = ids[1:]  # JetStream prepends a bos (or pad) the checkpoint does not use
       return self.engine.prefill(params.get()[1], [ids])
 
     def insert(self, prefix, decode_state: _State, slot: int) -> _State:

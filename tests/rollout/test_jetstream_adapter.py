@@ -111,6 +111,35 @@ def test_jetstream_client_gets_the_drivers_tokens(server, checkpoint):
     assert len(expected) >= 1
 
 
+@pytest.mark.parametrize('bos_id', [1, None])
+def test_prefill_drops_the_id_jetstream_prepends(bos_id):
+  """JetStream prepends its tokenizer's bos_id, the pad id when the checkpoint has no bos;
+  a checkpoint that does not add a bos gets its own prompt back, either way (with no bos
+  the pad used to stay in front of every prompt)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
+  from rlax_llm.rollout.driver import VersionedParams  # pylint: disable=import-outside-toplevel
+  from rlax_llm.rollout.engine import Engine  # pylint: disable=import-outside-toplevel
+  from rlax_llm.sharding import make_mesh  # pylint: disable=import-outside-toplevel
+  js = jetstream_adapter.import_jetstream()
+  config = DecoderConfig(vocab_size=48, num_layers=1, embed_dim=16, num_heads=2,
+                         num_kv_heads=1, head_dim=8, mlp_dim=32, max_seq_len=64)
+  model, params = split_module(Decoder(config, rngs=nnx.Rngs(0)))
+  engine = Engine(model, make_mesh({'data': 1}, jax.devices()[:1]), slots=2,
+                  max_prefill_length=16, max_decode_length=4, pad_id=0)
+  holder = VersionedParams()
+  holder.set(0, engine.place_params(params))
+  tokenizer = SimpleNamespace(add_bos_token=False, bos_id=bos_id, eos_id=2, pad_id=0,
+                              encode=lambda text: [5, 9, 13])
+  served = jetstream_adapter.make_engine(js, engine, tokenizer, holder)
+  padded, true_length = served.build_tokenizer(None).encode('abc', max_prefill_length=16)
+  assert list(np.asarray(padded)[:true_length]) == [1 if bos_id else 0, 5, 9, 13]
+  prefix = served.prefill(params=holder, padded_tokens=padded, true_length=true_length)
+  want = engine.prefill(holder.get()[1], [[5, 9, 13]])
+  assert int(prefix.lengths[0]) == 3
+  np.testing.assert_array_equal(np.asarray(prefix.logits[0]), np.asarray(want.logits[0]))
+
+
 def test_adapter_steps_attend_to_the_bucket_of_the_longest_slot():
   """In-process (no server): each generate step passes the engine the positions its longest
   slot holds (prompt plus tokens fed), so attention reads the smallest cache bucket that
