@@ -366,7 +366,10 @@ class Engine:
 
     ``longest``: the most cache positions any active slot holds after this step (its
     prompt plus the tokens fed so far, this one included); attention then reads only the
-    smallest ``attend_buckets`` entry holding it. ``None`` reads the whole cache.
+    smallest ``attend_buckets`` entry holding it. ``None`` reads the whole cache. It must
+    not understate: the device does not check it (that would cost a host sync a step), and
+    a slot longer than the bucket would neither see nor write its positions past it. The
+    driver and the JetStream adapter compute it from their host-side bookkeeping.
     """
     attend = self.attend_buckets[-1]
     if longest is not None:
