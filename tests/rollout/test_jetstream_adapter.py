@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -111,27 +112,34 @@ def test_jetstream_client_gets_the_drivers_tokens(server, checkpoint):
     assert len(expected) >= 1
 
 
+def _in_process(tokenizer, max_prefill_length, max_decode_length):
+  """``(model, params, engine, holder, served)``: a random 2-layer model's engine behind the
+  adapter, in this process (no server), with a stand-in ``tokenizer``."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from rlax_llm.rollout.driver import VersionedParams  # pylint: disable=import-outside-toplevel
+  from rlax_llm.rollout.engine import Engine  # pylint: disable=import-outside-toplevel
+  from rlax_llm.sharding import make_mesh  # pylint: disable=import-outside-toplevel
+  config = DecoderConfig(vocab_size=48, num_layers=2, embed_dim=32, num_heads=4,
+                         num_kv_heads=2, head_dim=8, mlp_dim=64, max_seq_len=128)
+  model, params = split_module(Decoder(config, rngs=nnx.Rngs(0)))
+  engine = Engine(model, make_mesh({'data': 1}, jax.devices()[:1]), slots=2,
+                  max_prefill_length=max_prefill_length, max_decode_length=max_decode_length,
+                  pad_id=0)
+  holder = VersionedParams()
+  holder.set(0, engine.place_params(params))
+  served = jetstream_adapter.make_engine(jetstream_adapter.import_jetstream(), engine,
+                                         tokenizer, holder)
+  return model, params, engine, holder, served
+
+
 @pytest.mark.parametrize('bos_id', [1, None])
 def test_prefill_drops_the_id_jetstream_prepends(bos_id):
   """JetStream prepends its tokenizer's bos_id, the pad id when the checkpoint has no bos;
   a checkpoint that does not add a bos gets its own prompt back, either way (with no bos
   the pad used to stay in front of every prompt)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
-  from rlax_llm.rollout.driver import VersionedParams  # pylint: disable=import-outside-toplevel
-  from rlax_llm.rollout.engine import Engine  # pylint: disable=import-outside-toplevel
-  from rlax_llm.sharding import make_mesh  # pylint: disable=import-outside-toplevel
-  js = jetstream_adapter.import_jetstream()
-  config = DecoderConfig(vocab_size=48, num_layers=1, embed_dim=16, num_heads=2,
-                         num_kv_heads=1, head_dim=8, mlp_dim=32, max_seq_len=64)
-  model, params = split_module(Decoder(config, rngs=nnx.Rngs(0)))
-  engine = Engine(model, make_mesh({'data': 1}, jax.devices()[:1]), slots=2,
-                  max_prefill_length=16, max_decode_length=4, pad_id=0)
-  holder = VersionedParams()
-  holder.set(0, engine.place_params(params))
-  tokenizer = SimpleNamespace(add_bos_token=False, bos_id=bos_id, eos_id=2, pad_id=0,
-                              encode=lambda text: [5, 9, 13])
-  served = jetstream_adapter.make_engine(js, engine, tokenizer, holder)
+  tokenizer = types.SimpleNamespace(add_bos_token=False, bos_id=bos_id, eos_id=2, pad_id=0,
+                                    encode=lambda text: [5, 9, 13])
+  _, _, engine, holder, served = _in_process(tokenizer, 16, 4)
   padded, true_length = served.build_tokenizer(None).encode('abc', max_prefill_length=16)
   assert list(np.asarray(padded)[:true_length]) == [1 if bos_id else 0, 5, 9, 13]
   prefix = served.prefill(params=holder, padded_tokens=padded, true_length=true_length)
@@ -144,22 +152,9 @@ def test_adapter_steps_attend_to_the_bucket_of_the_longest_slot():
   """In-process (no server): each generate step passes the engine the positions its longest
   slot holds (prompt plus tokens fed), so attention reads the smallest cache bucket that
   holds it; the tokens are the driver's, which reads the same buckets."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
-  from rlax_llm.rollout.driver import VersionedParams  # pylint: disable=import-outside-toplevel
-  from rlax_llm.rollout.engine import Engine  # pylint: disable=import-outside-toplevel
-  from rlax_llm.sharding import make_mesh  # pylint: disable=import-outside-toplevel
-  js = jetstream_adapter.import_jetstream()
-  config = DecoderConfig(vocab_size=48, num_layers=2, embed_dim=32, num_heads=4,
-                         num_kv_heads=2, head_dim=8, mlp_dim=64, max_seq_len=128)
-  model, params = split_module(Decoder(config, rngs=nnx.Rngs(0)))
-  engine = Engine(model, make_mesh({'data': 1}, jax.devices()[:1]), slots=2,
-                  max_prefill_length=64, max_decode_length=40, pad_id=0)
+  tokenizer = types.SimpleNamespace(add_bos_token=False, bos_id=1, eos_id=-1, pad_id=0)
+  model, params, engine, holder, served = _in_process(tokenizer, 64, 40)
   assert len(engine.attend_buckets) > 1, engine.attend_buckets
-  holder = VersionedParams()
-  holder.set(0, engine.place_params(params))
-  tokenizer = SimpleNamespace(add_bos_token=False, bos_id=1, eos_id=-1, pad_id=0)
-  served = jetstream_adapter.make_engine(js, engine, tokenizer, holder)
   seen = []
   real = engine.generate
   engine.generate = lambda *a: (seen.append(a[3]), real(*a))[1]
