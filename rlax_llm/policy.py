@@ -69,7 +69,8 @@ class SamplingSpec:
   """The sampling transform of the policy. ``temperature == 0`` is greedy (evaluation only).
 
   Attributes:
-    temperature: finite, >= 0; logits are divided by it.
+    temperature: finite, 0 (greedy) or at least float32's smallest normal; logits are divided
+      by it (``transform_logits``).
     top_k: int >= 0; keep the ``top_k`` largest logits (0 keeps all).
     top_p: in (0, 1]; keep the smallest set of most probable tokens whose mass reaches
       ``top_p`` (the token that crosses it is kept; 1.0 keeps all).
@@ -85,6 +86,9 @@ class SamplingSpec:
     t = self.temperature
     if not real(t) or not math.isfinite(t) or t < 0:
       raise ValueError(f'temperature={t!r} must be a finite number >= 0 (0 is greedy).')
+    if 0 < t < np.finfo(np.float32).tiny:
+      raise ValueError(f'temperature={t!r} is below float32\'s smallest normal number '
+                       f'({np.finfo(np.float32).tiny:.3g}); use 0 (greedy).')
     k = self.top_k
     if not real(k) or not isinstance(k, numbers.Integral) or k < 0:
       raise ValueError(f'top_k={k!r} must be an int >= 0 (0 disables it).')
@@ -260,7 +264,11 @@ def transform_logits(logits: jax.Array, spec: SamplingSpec,
       slots): the others get one too, which may be wider than their top-p cut, but never
       make the batch look past the shortest prefix of its logits (below). None: every row.
   Returns:
-    ``(scaled float32 [..., V], kept bool [..., V])``: ``logits / T`` and the support
+    ``(scaled float32 [..., V], kept bool [..., V])``: ``logits / T`` (for ``T < 1``,
+    ``(logits - max) / T``: dividing by ``T < 1`` magnifies the logits and their rounding,
+    which gave log-probs of +0.1 at ``T = 1e-6``; shifted, each row's largest is exactly 0
+    and no log-prob is positive. ``T >= 1`` magnifies nothing and keeps the plain
+    division, so runs at ``T = 1`` round as they always did) and the support
     ``K`` (top-k first, then top-p over the top-k-renormalised distribution; ties at a
     threshold are kept).
 
@@ -273,7 +281,11 @@ def transform_logits(logits: jax.Array, spec: SamplingSpec,
   if spec.greedy:
     raise ValueError('transform_logits needs temperature > 0; greedy decoding has no '
                      'log-probs to train on.')
-  scaled = logits.astype(jnp.float32) / spec.temperature
+  scaled = logits.astype(jnp.float32)
+  if spec.temperature < 1.0:
+    largest = invariant_max(scaled) if invariant else jnp.max(scaled, axis=-1, keepdims=True)
+    scaled = scaled - jax.lax.stop_gradient(largest)
+  scaled = scaled / spec.temperature
   vocab = scaled.shape[-1]
   lengths = _prefix_lengths(vocab, spec.top_k)
   if support_size is not None and spec.truncates:

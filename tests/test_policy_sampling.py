@@ -220,6 +220,28 @@ def test_invalid_sampling_spec_raises_naming_the_field(kwargs, message):
     SamplingSpec(**kwargs)
 
 
+@pytest.mark.parametrize('spec_kwargs', [{}, dict(top_k=5), dict(top_p=0.9)])
+def test_tiny_temperatures_give_no_positive_log_probs(spec_kwargs):
+  """Dividing by a small T magnified the logits' rounding: jitted, log-probs of logits
+  around 20 reached +0.8 at T = 1e-6 and inf at 1e-30 (XLA rounds the two uses of
+  ``logits / T`` differently). Shifted by the row max first, the largest logit's log-prob is
+  exactly 0, none is positive, and the draw is the argmax once T is tiny."""
+  logits = 3.0 * jax.random.normal(jax.random.key(0), (8, 64)) + 20.0  # LLM-like logits
+  keys = jax.random.split(jax.random.key(1), 8)
+  for temperature in (1e-2, 1e-4, 1e-6, 1e-30):
+    spec = SamplingSpec(temperature, **spec_kwargs)
+    logp, kept = jax.jit(lambda x, spec=spec: policy_lib.log_probs(x, spec))(logits)
+    logp = np.asarray(logp)[np.asarray(kept)]
+    assert not np.isnan(logp).any() and logp.max() == 0.0, (temperature, logp.max())
+    tokens, token_logp, _ = jax.jit(
+        lambda x, k, spec=spec: policy_lib.sample_rows(x, k, spec))(logits, keys)
+    assert np.all(np.asarray(token_logp) <= 0.0)
+    if temperature <= 1e-6:
+      np.testing.assert_array_equal(tokens, np.argmax(logits, axis=-1))
+  with pytest.raises(ValueError, match="below float32's smallest normal number"):
+    SamplingSpec(1e-40)
+
+
 def test_sampling_spec_takes_numpy_numbers():
   """Values read from numpy arrays (a config sweep, a dataset) are numbers too; the spec
   stores them as Python types, so it equals and hashes like one built from them."""
