@@ -103,8 +103,8 @@ class Job:
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f'Job.{name}={value!r} must be an int >= 1.')
       object.__setattr__(self, name, int(value))
-    object.__setattr__(self, 'prompt_ids', token_ids('Job.prompt_ids', self.prompt_ids))
-    object.__setattr__(self, 'stop_ids', token_ids('Job.stop_ids', self.stop_ids))
+    object.__setattr__(self, 'prompt_ids', _token_ids('Job.prompt_ids', self.prompt_ids))
+    object.__setattr__(self, 'stop_ids', _token_ids('Job.stop_ids', self.stop_ids))
     keys = self.keys
     if jax.dtypes.issubdtype(getattr(keys, 'dtype', np.float32), jax.dtypes.prng_key):
       keys = jax.random.key_data(keys)
@@ -116,7 +116,7 @@ class Job:
     object.__setattr__(self, 'keys', keys.astype(np.uint32))
 
 
-def token_ids(name: str, ids) -> tuple[int, ...]:
+def _token_ids(name: str, ids) -> tuple[int, ...]:
   """``ids`` (a sequence or 1-D array of integers) as a tuple of ints; ValueError naming
   ``name`` for anything else (floats, strings, nested sequences)."""
   array = np.asarray(ids)
