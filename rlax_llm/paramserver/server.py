@@ -60,8 +60,14 @@ class WeightSnapshot:
   @property
   def metadata(self) -> dict[str, LeafSpec]:
     """Leaf path (``jax.tree_util.keystr``) -> ``(shape, dtype name)``, in tree order."""
-    leaves_with_path, _ = jax.tree_util.tree_flatten_with_path(self.params)
-    return {jax.tree_util.keystr(path): _leaf_spec(leaf) for path, leaf in leaves_with_path}
+    return leaf_specs(self.params)
+
+
+def leaf_specs(tree: Any) -> dict[str, LeafSpec]:
+  """Leaf path (``jax.tree_util.keystr``) -> ``(shape, dtype name)`` of every leaf of
+  ``tree`` (arrays, ``jax.ShapeDtypeStruct``s or Python scalars), in tree order."""
+  leaves_with_path, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {jax.tree_util.keystr(path): _leaf_spec(leaf) for path, leaf in leaves_with_path}
 
 
 def _leaf_spec(leaf: Any) -> LeafSpec:

@@ -53,6 +53,7 @@ from rlax_llm.models.decoder import (INVARIANT_KEYS, KEY_BLOCK_AXES, KEY_POSITIO
                                      VALUE_BLOCK_AXES, VALUE_POSITION_AXIS, KVCache,
                                      cache_block_shape)
 from rlax_llm.models.model import Model, Params, to_weight_layout, with_weight_layout
+from rlax_llm.paramserver.server import leaf_specs
 from rlax_llm.policy import SamplingSpec, sample_rows
 
 MAX_STOP_IDS = 8  # stop tokens per request (eos included)
@@ -261,22 +262,18 @@ class Engine:
     Checked before any compute, so a wrong tree, another model's weights or a dtype that
     would recompile every step fail here instead of running."""
     model = self.model if placed else self.source_model
-    flat = lambda tree: {jax.tree_util.keystr(path): leaf for path, leaf
-                         in jax.tree_util.tree_flatten_with_path(tree)[0]}
-    want, got = flat(model.abstract_params()), flat(params)
+    want, got = leaf_specs(model.abstract_params()), leaf_specs(params)
     where = ('the engine\'s layout (pass them through place_params first)' if placed
              else 'the model\'s layout')
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     if missing or extra:
       raise ValueError(f'params do not have the model\'s tree: missing {missing[:3]}, '
                        f'unexpected {extra[:3]} (expected {len(want)} leaves in {where}).')
-    for path, spec in want.items():
-      leaf = got[path]
-      shape, dtype = tuple(np.shape(leaf)), np.dtype(getattr(leaf, 'dtype', None) or
-                                                   np.asarray(leaf).dtype)
-      if shape != tuple(spec.shape) or dtype != spec.dtype:
-        raise ValueError(f'params{path} is {dtype.name}{list(shape)}; this engine needs '
-                         f'{np.dtype(spec.dtype).name}{list(spec.shape)} in {where}.')
+    for path, (shape, dtype) in want.items():
+      if got[path] != (shape, dtype):
+        seen_shape, seen_dtype = got[path]
+        raise ValueError(f'params{path} is {seen_dtype}{list(seen_shape)}; this engine needs '
+                         f'{dtype}{list(shape)} in {where}.')
 
   def place_params(self, params: Params) -> Params:
     """``params`` of the model the engine was given (host or device), in the engine's
