@@ -350,13 +350,16 @@ def test_entropy_is_the_entropy_of_the_truncated_distribution():
   np.testing.assert_allclose(policy_lib.entropy(logits, spec), expected, rtol=1e-5)
 
 
-@settings(deadline=None, max_examples=60)
+@settings(deadline=None, max_examples=80)
 @given(seed=st.integers(0, 2**16), vocab=st.integers(1, 40), ties=st.booleans(),
-       specials=st.sampled_from(['none', 'nan', 'inf', '-inf', 'all-inf']))
+       specials=st.sampled_from(['none', 'nan', 'inf', '-inf', 'all-inf']),
+       block=st.sampled_from([2, 3, 4, 7, policy_lib.ARGMAX_BLOCK]))
 def test_argmax_equals_jnp_argmax_with_ties_and_non_finite_values(seed, vocab, ties,
-                                                                  specials):
+                                                                  specials, block):
   """policy.argmax replaces jnp.argmax on the decode path, so it must agree everywhere: the
-  first of tied maxima, a NaN counting as the largest, infinities, a row of -inf."""
+  first of tied maxima, a NaN counting as the largest, infinities, a row of -inf; in blocks
+  (small ``block``: several blocks, a padded last one) or whole (a vocabulary of at most
+  two blocks)."""
   rng = np.random.RandomState(seed)
   x = rng.randn(6, vocab).astype(np.float32)
   if ties:
@@ -366,9 +369,48 @@ def test_argmax_equals_jnp_argmax_with_ties_and_non_finite_values(seed, vocab, t
     x[2] = -np.inf
   elif specials != 'none':
     x[where] = float(specials)
-  got = jax.jit(policy_lib.argmax)(jnp.asarray(x))
+  got = jax.jit(lambda x: policy_lib.argmax(x, block=block))(jnp.asarray(x))
   np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(jnp.asarray(x), -1)))
   assert got.dtype == jnp.int32
+
+
+def test_argmax_in_blocks_over_a_real_vocabulary():
+  """At SmolLM2's 49,152 tokens (192 blocks) and an odd 50,001 (a padded last block): tied
+  maxima in different blocks, a NaN, a row of -inf, a maximum in the padded block."""
+  for vocab in (49_152, 50_001):
+    x = np.random.RandomState(vocab).randn(5, vocab).astype(np.float32)
+    x[0, [70_00, 30_000, 49_000]] = 9.0  # ties across blocks: the first wins
+    x[1, 40_000] = np.nan
+    x[1, 45_000] = np.inf
+    x[2] = -np.inf
+    x[3, vocab - 1] = 10.0  # the last entry (in the padded block when vocab is odd)
+    x[4, :4] = 50.0
+    got = jax.jit(policy_lib.argmax)(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(got), np.argmax(x, axis=-1))
+    np.testing.assert_array_equal(np.asarray(got)[:4], [7_000, 40_000, 0, vocab - 1])
+
+
+@pytest.mark.parametrize('spec', [SamplingSpec(temperature=1.0),
+                                  SamplingSpec(temperature=0.7, top_k=40)])
+def test_rows_drawn_over_argmax_blocks_equal_each_rows_own_draw(spec):
+  """sample_rows over a vocabulary of several argmax blocks (the last one padded): each
+  row's token, log-prob and support equal ``sample`` of that row alone with its key, which
+  is jax.random.categorical's draw."""
+  rows = 19
+  logits = jax.random.normal(jax.random.key(11), (rows, 1000)) * 3
+  keys = jax.random.split(jax.random.key(12), rows)
+  tokens, logp, support = jax.jit(
+      lambda x, k: policy_lib.sample_rows(x, k, spec))(logits, keys)
+  batch_logp = np.asarray(jax.jit(lambda x: policy_lib.log_probs(x, spec)[0])(logits))
+  for b in range(rows):
+    alone = sample(logits[b:b + 1], keys[b], spec)
+    np.testing.assert_array_equal([int(tokens[b]), int(support[b])],
+                                  [int(alone[0][0]), int(alone[2][0])])
+    # The log-prob is the batch transform's (a row alone may round its normaliser
+    # differently with default numerics, ~1e-7).
+    np.testing.assert_array_equal(float(logp[b]), batch_logp[b, int(tokens[b])])
+    np.testing.assert_allclose(float(logp[b]), float(alone[1][0]), atol=1e-6)
+  assert len(set(np.asarray(tokens).tolist())) > rows // 2, tokens  # real draws, not a constant
 
 
 @pytest.mark.parametrize('spec', [SamplingSpec(temperature=1.0),
