@@ -240,17 +240,36 @@ def _flatten(tree, prefix=''):
 
 def check_resume_config(saved: dict, config: ml_collections.ConfigDict) -> None:
   """Raises ``ConfigError`` when ``config`` may not resume a run checkpointed with ``saved``
-  (its ``config.json``): every key outside ``RESUMABLE_CHANGES`` must be equal."""
+  (its ``config.json``): every key outside ``RESUMABLE_CHANGES`` must be equal.
+
+  A key the saved config lacks was added to rlax_llm after the run was saved; it passes at
+  the embedded default config's value (``configs/default.py``: a new key's default keeps
+  what the code did before it existed) and is refused at any other, naming that value."""
   import json  # pylint: disable=import-outside-toplevel
   now = _flatten(json.loads(config.to_json_best_effort()))
   before = _flatten(saved)
-  differ = [key for key in sorted(set(now) | set(before))
-            if not any(key == p or (p.endswith('.') and key.startswith(p))
-                       for p in RESUMABLE_CHANGES)
-            and now.get(key, '<absent>') != before.get(key, '<absent>')]
+  defaults = None
+
+  def resumable(key):
+    nonlocal defaults
+    if any(key == p or (p.endswith('.') and key.startswith(p)) for p in RESUMABLE_CHANGES):
+      return True
+    if key in before or key not in now:
+      return now.get(key, '<absent>') == before.get(key, '<absent>')
+    if defaults is None:
+      defaults = _flatten(json.loads(
+          load_config_file(str(DEFAULT_CONFIG_PATH)).to_json_best_effort()))
+    return key in defaults and now[key] == defaults[key]
+
+  differ = [key for key in sorted(set(now) | set(before)) if not resumable(key)]
   if differ:
-    shown = ', '.join(f'{k}: {before.get(k, "<absent>")!r} -> {now.get(k, "<absent>")!r}'
-                      for k in differ[:5])
+    def change(key):
+      if key in before or key not in now:
+        return f'{key}: {before.get(key, "<absent>")!r} -> {now.get(key, "<absent>")!r}'
+      default = (f'its default {defaults[key]!r} resumes' if key in defaults
+                 else 'not in the default config')
+      return f'{key}: added since the run was saved, {now[key]!r} ({default})'
+    shown = ', '.join(change(key) for key in differ[:5])
     raise ConfigError(
         f'this workdir holds a checkpointed run whose config differs in what it computes '
         f'({shown}{", ..." if len(differ) > 5 else ""}). Resume with the same config (only '

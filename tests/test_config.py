@@ -2,13 +2,15 @@
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
 
-from rlax_llm.config import (REQUIRED_KEYS, ConfigError, check_config_spec, check_override_keys,
-                             config_variants, load_config_file, validate_config)
+from rlax_llm.config import (DEFAULT_CONFIG_PATH, REQUIRED_KEYS, ConfigError, check_config_spec,
+                             check_override_keys, check_resume_config, config_variants,
+                             load_config_file, validate_config)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = sorted(ROOT.glob('configs/*.py'))
@@ -136,3 +138,46 @@ def test_launch_with_missing_config_file_fails_cleanly():
   assert "error: config file 'configs/nope.py' does not exist" in result.stderr, result.stderr
   assert 'Traceback' not in result.stderr
   assert "'seed' is missing" not in result.stderr
+
+
+def _saved_without(config, dotted):
+  """``config``'s ``config.json`` as a run saved before ``dotted`` existed."""
+  import json  # pylint: disable=import-outside-toplevel
+  saved = json.loads(config.to_json_best_effort())
+  *parents, leaf = dotted.split('.')
+  node = saved
+  for name in parents:
+    node = node[name]
+  del node[leaf]
+  return saved
+
+
+def test_resume_accepts_a_key_added_since_the_run_at_its_default():
+  """A run saved before a config key existed resumes when the key keeps its default (which
+  reproduces what the code did before), and is refused, naming the key, its value and the
+  default that would resume, when it does not."""
+  config = load_config_file(f'{DEFAULT_CONFIG_PATH}:smoke')
+  saved = _saved_without(config, 'model.invariant_rows')
+  check_resume_config(saved, config)  # the default value: resumes
+  config.model.invariant_rows = 'floor'
+  with pytest.raises(ConfigError, match=re.escape(
+      "model.invariant_rows: added since the run was saved, 'floor' (its default 'chunks' "
+      'resumes)')):
+    check_resume_config(saved, config)
+
+
+def test_resume_refuses_changed_and_removed_keys():
+  config = load_config_file(f'{DEFAULT_CONFIG_PATH}:smoke')
+  import json  # pylint: disable=import-outside-toplevel
+  saved = json.loads(config.to_json_best_effort())
+  check_resume_config(saved, config)  # the same config resumes
+  config.total_steps = config.total_steps + 5  # RESUMABLE_CHANGES
+  check_resume_config(saved, config)
+  saved['rl']['learning_rate'] = 0.5
+  with pytest.raises(ConfigError, match=re.escape(
+      f'rl.learning_rate: 0.5 -> {config.rl.learning_rate!r}')):
+    check_resume_config(saved, config)
+  saved = json.loads(config.to_json_best_effort())
+  saved['rl']['retired_option'] = 3  # a key this version no longer has
+  with pytest.raises(ConfigError, match=re.escape("rl.retired_option: 3 -> '<absent>'")):
+    check_resume_config(saved, config)
