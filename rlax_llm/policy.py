@@ -418,19 +418,15 @@ def sample(logits: jax.Array, rng: jax.Array, spec: SamplingSpec, *, invariant: 
     tokens = argmax(logits)
     return tokens, jnp.zeros(tokens.shape, jnp.float32), jnp.ones(tokens.shape, jnp.int32)
   logp, kept = log_probs(logits, spec, invariant=invariant)
-  noise = jax.random.gumbel(rng, logp.shape, logp.dtype)
-  return _drawn(logp, kept, _gumbel_max(logp, kept, noise))
+  return _draw(logp, kept, jax.random.gumbel(rng, logp.shape, logp.dtype))
 
 
-def _gumbel_max(logp: jax.Array, kept: jax.Array, noise: jax.Array) -> jax.Array:
-  """jax.random.categorical's Gumbel-max draw from ``logp [..., V]`` restricted to ``kept``
-  (the same tokens for the same Gumbel ``noise``), with the faster ``argmax``: int32 ``[...]``."""
-  return argmax(noise + jnp.where(kept, logp, -jnp.inf))
-
-
-def _drawn(logp: jax.Array, kept: jax.Array, tokens: jax.Array
-           ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``(tokens, their log-probs, support sizes)`` of draws ``tokens [B]`` from ``logp [B, V]``."""
+def _draw(logp: jax.Array, kept: jax.Array, noise: jax.Array
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """jax.random.categorical's Gumbel-max draw from ``logp [B, V]`` restricted to ``kept``
+  (the same tokens for the same Gumbel ``noise [B, V]``), with the faster ``argmax``."""
+  masked = jnp.where(kept, logp, -jnp.inf)
+  tokens = argmax(noise + masked)
   return (tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0],
           kept.sum(-1).astype(jnp.int32))
 
@@ -455,9 +451,8 @@ def sample_rows(logits: jax.Array, keys: jax.Array, spec: SamplingSpec, *,
   if spec.greedy:
     return sample(logits, keys[0], spec)
   logp, kept = log_probs(logits, spec, invariant=invariant, active=active)
-  noise = jax.vmap(lambda key: jax.random.gumbel(key, (1,) + logp.shape[1:], logp.dtype)[0])(
-      keys)
-  return _drawn(logp, kept, _gumbel_max(logp, kept, noise))
+  return _draw(logp, kept, jax.vmap(
+      lambda key: jax.random.gumbel(key, (1,) + logp.shape[1:], logp.dtype)[0])(keys))
 
 
 def entropy(logits: jax.Array, spec: SamplingSpec, support_size: jax.Array | None = None
