@@ -248,23 +248,17 @@ def check_resume_config(saved: dict, config: ml_collections.ConfigDict) -> None:
   import json  # pylint: disable=import-outside-toplevel
   now = _flatten(json.loads(config.to_json_best_effort()))
   before = _flatten(saved)
-  defaults = None
-
-  def resumable(key):
-    nonlocal defaults
-    if any(key == p or (p.endswith('.') and key.startswith(p)) for p in RESUMABLE_CHANGES):
-      return True
-    if key in before or key not in now:
-      return now.get(key, '<absent>') == before.get(key, '<absent>')
-    if defaults is None:
-      defaults = _flatten(json.loads(
-          load_config_file(str(DEFAULT_CONFIG_PATH)).to_json_best_effort()))
-    return key in defaults and now[key] == defaults[key]
-
-  differ = [key for key in sorted(set(now) | set(before)) if not resumable(key)]
+  fixed = lambda key: not any(key == p or (p.endswith('.') and key.startswith(p))
+                              for p in RESUMABLE_CHANGES)
+  added = {key for key in now.keys() - before.keys() if fixed(key)}
+  defaults = _flatten(json.loads(load_config_file(str(DEFAULT_CONFIG_PATH))
+                                 .to_json_best_effort())) if added else {}
+  expected = before | {key: defaults.get(key, '<absent>') for key in added}
+  differ = [key for key in sorted(now.keys() | before.keys())
+            if fixed(key) and now.get(key, '<absent>') != expected.get(key, '<absent>')]
   if differ:
     def change(key):
-      if key in before or key not in now:
+      if key not in added:
         return f'{key}: {before.get(key, "<absent>")!r} -> {now.get(key, "<absent>")!r}'
       default = (f'its default {defaults[key]!r} resumes' if key in defaults
                  else 'not in the default config')
