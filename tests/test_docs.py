@@ -1,5 +1,6 @@
 """Docs that must follow the code: every config key is in docs/config.md."""
 
+import ast
 import pathlib
 import re
 
@@ -56,3 +57,15 @@ def test_relative_links_resolve(doc):
   for target in re.findall(r'\]\(([^)#]+)', path.read_text()):
     if not target.startswith('http'):
       assert (path.parent / target).exists(), f'{doc} links to {target}, which does not exist'
+
+
+def test_the_longest_files_scheduled_first_exist():
+  """tests/conftest.py's LONGEST_FILES names test files: a renamed one would silently lose
+  its place at the front of the test run."""
+  tree = ast.parse((ROOT / 'tests/conftest.py').read_text())
+  names, = [ast.literal_eval(node.value) for node in tree.body
+            if isinstance(node, ast.Assign)
+            and getattr(node.targets[0], 'id', None) == 'LONGEST_FILES']
+  assert len(set(names)) == len(names), names
+  missing = [name for name in names if not (ROOT / name).is_file()]
+  assert not missing, f'LONGEST_FILES names files that do not exist: {missing}'
