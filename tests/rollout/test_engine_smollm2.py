@@ -102,7 +102,9 @@ def test_greedy_equals_transformers_up_to_float_ties(smollm2, record_property):
   assert compared >= 8 * NEW // 2, (compared, ties)  # most tokens are compared, not tied away
 
 
-def test_behaviour_logprobs_equal_the_trainer_recompute(smollm2, record_property):
+@pytest.mark.parametrize('spec', [SamplingSpec(1.0), SamplingSpec(0.7, top_k=20, top_p=0.9)],
+                         ids=['T=1', 'T=0.7,top_k=20,top_p=0.9'])
+def test_behaviour_logprobs_equal_the_trainer_recompute(smollm2, record_property, spec):
   """The engine decodes one query over a KV cache, the trainer runs a full forward pass; in
   fp32 the two accumulate their matmuls in different orders (XLA:CPU's kernels depend on the
   shapes), so they agree to rounding, not bit for bit: max 1e-4, mean 1e-5.
@@ -114,15 +116,14 @@ def test_behaviour_logprobs_equal_the_trainer_recompute(smollm2, record_property
   (attention sums one partial product per block), 3.5e-5 with one block."""
   model, params, _, prompts, driver = smollm2
   worst, self_worst, diffs = 0.0, 0.0, []
-  for spec in (SamplingSpec(1.0), SamplingSpec(0.7, top_k=20, top_p=0.9)):
-    pairs = list(zip(prompts, run(driver, prompts, spec, seed=1)))
-    score = jax.jit(Policy(model, spec).sequence_log_probs)
-    trainer = {w: trainer_logprobs(score, params, pairs, w) for w in (96, 128)}
-    for (_, sample), at_96, at_128 in zip(pairs, trainer[96], trainer[128]):
-      diff = np.abs(at_96 - np.asarray(sample.logprobs))
-      diffs.append(diff)
-      worst = max(worst, float(diff.max()))
-      self_worst = max(self_worst, float(np.abs(at_96 - at_128).max()))
+  pairs = list(zip(prompts, run(driver, prompts, spec, seed=1)))
+  score = jax.jit(Policy(model, spec).sequence_log_probs)
+  trainer = {w: trainer_logprobs(score, params, pairs, w) for w in (96, 128)}
+  for (_, sample), at_96, at_128 in zip(pairs, trainer[96], trainer[128]):
+    diff = np.abs(at_96 - np.asarray(sample.logprobs))
+    diffs.append(diff)
+    worst = max(worst, float(diff.max()))
+    self_worst = max(self_worst, float(np.abs(at_96 - at_128).max()))
   diffs = np.concatenate(diffs)
   record_property('max_abs_dlogp', worst)
   record_property('mean_abs_dlogp', float(diffs.mean()))
