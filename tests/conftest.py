@@ -33,13 +33,13 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 # The test files that take longest in total, longest first (tests' durations summed per file,
-# `bash scripts/test.sh --durations=0`, on the 2-core machine: 291 s down to 45 s of one
-# process, about half of the 3,300 s the two spend). scripts/test.sh hands whole
-# files to its two pytest-xdist processes in collection order (`--dist loadfile
-# --no-loadscope-reorder`), so these start first and the many short files fill in behind
-# them: otherwise xdist orders files by their number of tests, and the few-test, long files
-# (the SmolLM2 engine, resume) start last and one process runs them alone at the end. The
-# order only balances the two processes: a file missing here runs after these, in its place.
+# `bash scripts/test.sh --durations=0`, on a 2-core machine: 291 s down to 45 s each, about
+# 2,900 of the 3,300 s the two processes spend). scripts/test.sh hands whole files to its two
+# pytest-xdist processes in collection order (`--dist loadfile --no-loadscope-reorder`), so
+# these start first and the many short files fill in behind them: otherwise xdist orders
+# files by their number of tests, the few-test, long files (the SmolLM2 engine, resume, ray)
+# start last, and one process can be left running one of them alone at the end. The order
+# only balances the two processes: a file missing here runs after these, in its place.
 LONGEST_FILES = (
     'tests/test_controller.py',
     'tests/rollout/test_engine.py',

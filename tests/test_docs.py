@@ -1,6 +1,5 @@
 """Docs that must follow the code: every config key is in docs/config.md."""
 
-import ast
 import pathlib
 import re
 
@@ -62,10 +61,7 @@ def test_relative_links_resolve(doc):
 def test_the_longest_files_scheduled_first_exist():
   """tests/conftest.py's LONGEST_FILES names test files: a renamed one would silently lose
   its place at the front of the test run."""
-  tree = ast.parse((ROOT / 'tests/conftest.py').read_text())
-  names, = [ast.literal_eval(node.value) for node in tree.body
-            if isinstance(node, ast.Assign)
-            and getattr(node.targets[0], 'id', None) == 'LONGEST_FILES']
+  from conftest import LONGEST_FILES as names  # pylint: disable=import-outside-toplevel
   assert len(set(names)) == len(names), names
   missing = [name for name in names if not (ROOT / name).is_file()]
   assert not missing, f'LONGEST_FILES names files that do not exist: {missing}'
