@@ -569,6 +569,43 @@ def _write_blocks(blocks: tuple[Array, ...], values: Array, starts: Array, axis:
   return tuple(written)
 
 
+def _write_after(out: Array, kv, used: int, k: Array, v: Array, starts: Array):
+  """The layer's new cache blocks: ``k``, ``v`` ``[B, T, kv, d]`` written into the first
+  ``used`` blocks of ``kv`` (keys, values) once attention's output ``out`` ``[B, ...]``
+  exists.
+
+  XLA:CPU updates a donated block in place only if the update depends by data on every
+  other read of that block; otherwise it copies the block twice first. So the written values
+  are ``k - 0 * |out[b, first]|``: bitwise ``k`` (``x - 0`` is ``x``, signed zeros included)
+  while ``out`` is finite, and a non-finite ``out`` has already made its row's logits NaN.
+  """
+  zero = 0 * jnp.abs(out.reshape(out.shape[0], -1)[:, :1])  # [B, 1]: data, not a constant
+  zero = zero.astype(k.dtype)[:, :, None, None]
+  return (_write_blocks(kv[0][:used], k - zero, starts, KEY_POSITION_AXIS) + kv[0][used:],
+          _write_blocks(kv[1][:used], v - zero, starts, VALUE_POSITION_AXIS) + kv[1][used:])
+
+
+def _blocks_with(blocks: tuple[Array, ...], values: Array, starts: Array, axis: int
+                 ) -> tuple[Array, ...]:
+  """The blocks ``_write_blocks(blocks, values, starts, axis)`` returns, bitwise, as a select
+  between the old blocks and ``values`` (gathered to their positions) that reads neither the
+  written blocks nor anything that aliases them."""
+  batch, length = values.shape[:2]
+  block = blocks[0].shape[axis]
+  axes = KEY_BLOCK_AXES if axis == KEY_POSITION_AXIS else VALUE_BLOCK_AXES
+  new = _to_block(values, axes).astype(blocks[0].dtype)  # T positions along ``axis``
+  along = lambda x: x.reshape((batch,) + tuple(-1 if a == axis else 1  # [B, S] -> ``axis``
+                                               for a in range(1, len(axes))))
+  out = []
+  for j, buf in enumerate(blocks):
+    local = j * block + jnp.arange(block, dtype=starts.dtype) - starts[:, None]  # [B, S]
+    hit = along((local >= 0) & (local < length))
+    source = new if length == 1 else jnp.take_along_axis(
+        new, along(jnp.clip(local, 0, length - 1)), axis=axis)
+    out.append(jnp.where(hit, source, buf))
+  return tuple(out)
+
+
 class Attention(nnx.Module):
   """Grouped-query self-attention with RoPE and an optional KV cache."""
 
@@ -620,6 +657,7 @@ class Attention(nnx.Module):
     q = constrain(q, ('batch', 'length', 'heads', 'head_dim'))
     q = apply_rope(q, *rope_cs)
     k = apply_rope(k, *rope_cs)
+    write = None  # with several cache blocks: the writes, given attention's output
     if kv is not None:  # keys in the cache layout, KEY_BLOCK_AXES
       attend = mask.shape[-1]
       key_axis = KEY_POSITION_AXIS
@@ -633,9 +671,20 @@ class Attention(nnx.Module):
       else:  # whole blocks (the decoder rounds attend up to a multiple of the block); the
         # new positions lie below attend, so the blocks past it are neither read nor written
         used = attend // kv[1][0].shape[VALUE_POSITION_AXIS]
-        ks = _write_blocks(kv[0][:used], k, starts, key_axis)
-        vs = _write_blocks(kv[1][:used], v, starts, VALUE_POSITION_AXIS)
-        new_kv = (ks + kv[0][used:], vs + kv[1][used:])
+        if x.shape[0] == 1:
+          # One row: XLA:CPU makes the write a dynamic-update-slice, duplicates it into
+          # attention's fusion when attention reads the written block, and copies every
+          # written block four times a step. So attention reads the blocks as written,
+          # computed from the old blocks and the new values (``_blocks_with``), and the
+          # writes follow it in place (``_write_after``). With more rows the write stays a
+          # scatter that attention reads in place, and the select would cost more.
+          ks = _blocks_with(kv[0][:used], k, starts, key_axis)
+          vs = _blocks_with(kv[1][:used], v, starts, VALUE_POSITION_AXIS)
+          write = lambda out: _write_after(out, kv, used, k, v, starts)
+        else:
+          ks = _write_blocks(kv[0][:used], k, starts, key_axis)
+          vs = _write_blocks(kv[1][:used], v, starts, VALUE_POSITION_AXIS)
+          new_kv = (ks + kv[0][used:], vs + kv[1][used:])
       score = 'bkqd,bkds->bkqs'
     else:  # keys as [B, kv, T, d]; batch-invariant attention takes them as cached
       new_kv = None
@@ -655,18 +704,18 @@ class Attention(nnx.Module):
                          f'{INVARIANT_KEYS} positions, got {vs[0].shape[VALUE_POSITION_AXIS]}; '
                          'the engine keeps them so.')
       out = _invariant_attention(q, ks, vs, query_mask).astype(dt)
-      out = out.reshape(batch, c.num_kv_heads, groups, length, c.head_dim)
-      out = out.transpose(0, 3, 1, 2, 4).reshape(batch, length, c.num_heads * c.head_dim)
-      return constrain(linear(out, wo, c), ('batch', 'length', 'embed')), new_kv
-    scores = [jnp.einsum(score, q, kb) for kb in ks]
-    scores = (scores[0] if len(scores) == 1 else jnp.concatenate(scores, -1)).astype(jnp.float32)
-    scores = scores * (c.head_dim ** -0.5)
-    scores = jnp.where(query_mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out, lo = None, 0  # [B, kv, groups * T, d], summed over the blocks in order
-    for vb in vs:
-      part = jnp.einsum('bkqs,bksd->bkqd', probs[..., lo:lo + vb.shape[2]], vb)
-      out, lo = (part if out is None else out + part), lo + vb.shape[2]
+    else:
+      scores = [jnp.einsum(score, q, kb) for kb in ks]
+      scores = scores[0] if len(scores) == 1 else jnp.concatenate(scores, -1)
+      scores = scores.astype(jnp.float32) * (c.head_dim ** -0.5)
+      scores = jnp.where(query_mask, scores, jnp.finfo(jnp.float32).min)
+      probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+      out, lo = None, 0  # [B, kv, groups * T, d], summed over the blocks in order
+      for vb in vs:
+        part = jnp.einsum('bkqs,bksd->bkqd', probs[..., lo:lo + vb.shape[2]], vb)
+        out, lo = (part if out is None else out + part), lo + vb.shape[2]
+    if write is not None:
+      new_kv = write(out)
     out = out.reshape(batch, c.num_kv_heads, groups, length, c.head_dim)
     out = out.transpose(0, 3, 1, 2, 4).reshape(batch, length, c.num_heads * c.head_dim)
     return constrain(linear(out, wo, c), ('batch', 'length', 'embed')), new_kv

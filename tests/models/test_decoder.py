@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlax_llm.models.decoder import (FLIPPED_MAX_ROWS, DecoderConfig, head_logits, linear,
-                                     rope)
+from rlax_llm.models.decoder import (FLIPPED_MAX_ROWS, KEY_POSITION_AXIS, VALUE_POSITION_AXIS,
+                                     DecoderConfig, _blocks_with, _write_after, _write_blocks,
+                                     head_logits, linear, rope)
 from rlax_llm.models.model import create_model, to_weight_layout, with_weight_layout
 
 CONFIG = DecoderConfig(vocab_size=19, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
@@ -54,17 +55,18 @@ def test_prefill_then_decode_equals_full_forward(model_and_params):
   np.testing.assert_array_equal(cache.lengths, prompt_lengths + total - width)
 
 
-@pytest.mark.parametrize('block_length', [3, 4, 14])
-def test_cache_in_blocks_equals_full_forward(model_and_params, block_length):
+@pytest.mark.parametrize('block_length,batch', [(3, 3), (4, 3), (14, 3), (3, 1), (4, 1)])
+def test_cache_in_blocks_equals_full_forward(model_and_params, block_length, batch):
   """A cache kept in blocks: a padded prefill whose rows span several blocks, then decoding
   one token at a time reading only the leading blocks (``attend``), gives the full
-  forward's logits; the blocks past ``attend`` are left untouched."""
+  forward's logits; the blocks past ``attend`` are left untouched. One row takes its own
+  path (attention before the writes, ``_blocks_with``)."""
   model, params = model_and_params
   rng = np.random.RandomState(4)
-  batch, total, width = 3, 14, 7
-  tokens = jnp.asarray(rng.randint(0, 19, (batch, total)), jnp.int32)
+  total, width = 14, 7
+  tokens = jnp.asarray(rng.randint(0, 19, (3, total)), jnp.int32)[:batch]
   full = np.asarray(model.apply(params, tokens))
-  lengths = jnp.array([4, 7, 5], jnp.int32)
+  lengths = jnp.array([4, 7, 5], jnp.int32)[:batch]
   cache = model.init_cache(batch, max_len=total, block_length=block_length)
   assert cache.block_length == block_length and cache.max_len >= total
   assert cache.num_blocks == -(-total // block_length)
@@ -84,6 +86,46 @@ def test_cache_in_blocks_equals_full_forward(model_and_params, block_length):
       for j in range(used, cache.num_blocks):  # not read, not written
         assert cache.k[layer][j] is before.k[layer][j] or np.array_equal(
             cache.k[layer][j], before.k[layer][j])
+
+
+@pytest.mark.parametrize('length', [1, 3])
+def test_blocks_with_and_write_after_equal_the_written_blocks(length):
+  """What one-row decoding attends to (``_blocks_with``) and what it writes after attention
+  (``_write_after``) are bitwise the blocks ``_write_blocks`` writes: new values land at
+  ``starts[b] + t``, positions past the blocks are dropped, signed zeros are kept."""
+  rng = np.random.RandomState(length)
+  batch, kv, d, block, used = 4, 2, 3, 4, 2
+  new = lambda *shape: jnp.asarray(rng.randn(*shape), jnp.float32)
+  key_blocks = tuple(new(batch, kv, d, block) for _ in range(3))
+  value_blocks = tuple(new(batch, kv, block, d) for _ in range(3))
+  keys, values = (rng.randn(batch, length, kv, d).astype(np.float32) for _ in range(2))
+  keys[0, 0, 0, 0] = values[0, 0, 0, 0] = -0.0
+  keys, values = jnp.asarray(keys), jnp.asarray(values)
+  starts = jnp.array([0, 3, 6, 7], jnp.int32)  # the last rows' later positions: dropped
+  bits = lambda blocks: [np.asarray(b).view(np.int32) for b in blocks]
+  out = new(batch, kv, 2, d)  # attention's output
+  after = _write_after(out, (key_blocks, value_blocks), used, keys, values, starts)
+  for blocks, update, axis, written in ((key_blocks, keys, KEY_POSITION_AXIS, after[0]),
+                                        (value_blocks, values, VALUE_POSITION_AXIS, after[1])):
+    expected = _write_blocks(blocks, update, starts, axis)
+    np.testing.assert_array_equal(bits(_blocks_with(blocks, update, starts, axis)),
+                                  bits(expected))
+    np.testing.assert_array_equal(bits(written), bits(expected[:used] + blocks[used:]))
+    assert not np.array_equal(bits(expected), bits(blocks))  # the writes did land
+
+
+def test_one_row_decode_step_updates_the_cache_in_place(model_and_params):
+  """A one-row decode step with the cache donated copies no cache block (XLA:CPU copied
+  every written block four times when attention read the written blocks)."""
+  model, params = model_and_params
+  cache = model.init_cache(1, max_len=12, block_length=4)
+  step = jax.jit(lambda p, t, c: model.apply(p, t, cache=c, attend=8), donate_argnums=2)
+  hlo = step.lower(params, jnp.zeros((1, 1), jnp.int32), cache).compile().as_text()
+  entry = hlo[hlo.index('\nENTRY'):]
+  block_shapes = {f'f32[{",".join(map(str, b.shape))}]' for b in cache.k[0] + cache.v[0]}
+  copies = [line for line in entry.splitlines()
+            if ' copy(' in line and any(f'= {s}' in line for s in block_shapes)]
+  assert not copies, copies[:4]
 
 
 def test_jitted_decode_step_matches(model_and_params):
