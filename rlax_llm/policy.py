@@ -361,16 +361,18 @@ def token_log_probs(logits: jax.Array, tokens: jax.Array, spec: SamplingSpec,
           jnp.take_along_axis(kept, index, axis=-1)[..., 0])
 
 
-def _first_max(x: jax.Array) -> jax.Array:
-  """The first index of the largest entry of the last axis (a NaN counts as the largest),
-  as a max and a min: two reductions XLA vectorises."""
-  largest = jnp.max(x, axis=-1, keepdims=True)
+def _first_max(x: jax.Array, axis: int = -1) -> jax.Array:
+  """The first index of the largest entry along ``axis`` (a NaN counts as the largest), as
+  a max and a min: two reductions XLA vectorises."""
+  axis = axis % x.ndim
+  largest = jnp.max(x, axis=axis, keepdims=True)
   hit = (x == largest) | jnp.isnan(x)
-  index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-  return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
+  index = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
+  return jnp.min(jnp.where(hit, index, x.shape[axis]), axis=axis)
 
 
-def argmax(x: jax.Array, *, block: int = ARGMAX_BLOCK) -> jax.Array:
+def argmax(x: jax.Array, *, block: int = ARGMAX_BLOCK, vocab_major: bool = False
+           ) -> jax.Array:
   """``jnp.argmax(x, axis=-1)``, equal in every case (the first index of the largest entry;
   a NaN counts as the largest): float ``[..., V]`` -> int32 ``[...]``.
 
@@ -382,26 +384,41 @@ def argmax(x: jax.Array, *, block: int = ARGMAX_BLOCK) -> jax.Array:
   the batch-32 rollout benchmark's workload ran 1.03x faster (benchmarks/RESULTS.md,
   engine section). ``jnp.argmax`` (one variadic reduction, element by element on XLA:CPU)
   is slower than both.
+
+  ``vocab_major`` (``x`` ``[B, V]`` only): ``x`` is the transpose of a ``[V, B]`` array, as
+  the logits of ``head_logits`` are when ``head_is_vocab_major`` (a decode step's head on
+  XLA:CPU). The blocks are then taken along the vocabulary axis of ``x.T``, which reads the
+  array as the product wrote it; the row-wise blocks would first copy it to ``[B, V]``.
+  Same result either way; only the speed differs (benchmarks/RESULTS.md, engine section).
   """
   if block < 1:
     raise ValueError(f'argmax block must be a positive number of entries, got {block}.')
-  vocab = x.shape[-1]
+  if vocab_major and x.ndim != 2:
+    raise ValueError(f'argmax(vocab_major=True) takes [B, V] logits, got shape {x.shape}.')
+  axis = 0 if vocab_major else x.ndim - 1  # the vocabulary axis of y
+  y = x.T if vocab_major else x
+  vocab = y.shape[axis]
   if vocab <= 2 * block:
-    return _first_max(x)
+    return _first_max(y, axis)
   blocks = -(-vocab // block)
   if blocks * block != vocab:
-    pad = [(0, 0)] * (x.ndim - 1) + [(0, blocks * block - vocab)]
-    x = jnp.pad(x, pad, constant_values=-jnp.inf)
-  x = x.reshape(x.shape[:-1] + (blocks, block))
+    pad = [(0, 0)] * y.ndim
+    pad[axis] = (0, blocks * block - vocab)
+    y = jnp.pad(y, pad, constant_values=-jnp.inf)
+  y = y.reshape(y.shape[:axis] + (blocks, block) + y.shape[axis + 1:])
   # XLA:CPU's max does not always propagate a NaN, so a block holding one scores NaN here.
-  scores = jnp.where(jnp.any(jnp.isnan(x), axis=-1), jnp.nan, jnp.max(x, axis=-1))
-  first = _first_max(scores)
-  piece = jnp.take_along_axis(x, first[..., None, None], axis=-2)[..., 0, :]
-  return first * block + _first_max(piece)
+  scores = jnp.where(jnp.any(jnp.isnan(y), axis=axis + 1), jnp.nan,
+                     jnp.max(y, axis=axis + 1))  # [..., blocks] or [blocks, B]
+  first = _first_max(scores, axis)
+  if vocab_major:
+    piece = jnp.take_along_axis(y, first[None, None, :], axis=0)[0]  # [block, B]
+  else:
+    piece = jnp.take_along_axis(y, first[..., None, None], axis=-2)[..., 0, :]
+  return first * block + _first_max(piece, axis)
 
 
-def sample(logits: jax.Array, rng: jax.Array, spec: SamplingSpec, *, invariant: bool = False
-           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def sample(logits: jax.Array, rng: jax.Array, spec: SamplingSpec, *, invariant: bool = False,
+           vocab_major: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Draws one token per row and returns its behaviour log-prob and support size.
 
   Args:
@@ -409,13 +426,14 @@ def sample(logits: jax.Array, rng: jax.Array, spec: SamplingSpec, *, invariant: 
     rng: a PRNG key.
     spec: the sampling transform; greedy takes the argmax with log-prob 0 (a point mass).
     invariant: batch-invariant normaliser (``log_probs``).
+    vocab_major: the logits' layout, for greedy's ``argmax`` (the same tokens either way).
   Returns:
     ``(tokens int32 [B], logp float32 [B], support_size int32 [B])``: the support size is
     how many tokens the draw could have picked (what the trainer's ``token_log_probs``
     takes to reproduce this distribution; 1 for greedy).
   """
   if spec.greedy:
-    tokens = argmax(logits)
+    tokens = argmax(logits, vocab_major=vocab_major)
     return tokens, jnp.zeros(tokens.shape, jnp.float32), jnp.ones(tokens.shape, jnp.int32)
   logp, kept = log_probs(logits, spec, invariant=invariant)
   return _draw(logp, kept, jax.random.gumbel(rng, logp.shape, logp.dtype))
@@ -432,8 +450,8 @@ def _draw(logp: jax.Array, kept: jax.Array, noise: jax.Array
 
 
 def sample_rows(logits: jax.Array, keys: jax.Array, spec: SamplingSpec, *,
-                invariant: bool = False, active: jax.Array | None = None
-                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                invariant: bool = False, active: jax.Array | None = None,
+                vocab_major: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``sample`` with one PRNG key per row: row ``b`` draws with ``keys[b]`` alone, so its
   token does not depend on which other rows share the batch (continuous batching).
 
@@ -445,11 +463,12 @@ def sample_rows(logits: jax.Array, keys: jax.Array, spec: SamplingSpec, *,
   Args:
     logits: float ``[B, V]``; keys: ``[B]`` PRNG keys; invariant: as in ``sample``.
     active: optional bool ``[B]``, the rows whose draw is used (``transform_logits``).
+    vocab_major: as in ``sample`` (greedy only).
   Returns:
     ``(tokens int32 [B], logp float32 [B], support_size int32 [B])``.
   """
   if spec.greedy:
-    return sample(logits, keys[0], spec)
+    return sample(logits, keys[0], spec, vocab_major=vocab_major)
   logp, kept = log_probs(logits, spec, invariant=invariant, active=active)
   return _draw(logp, kept, jax.vmap(
       lambda key: jax.random.gumbel(key, (1,) + logp.shape[1:], logp.dtype)[0])(keys))

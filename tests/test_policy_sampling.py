@@ -353,13 +353,14 @@ def test_entropy_is_the_entropy_of_the_truncated_distribution():
 @settings(deadline=None, max_examples=80)
 @given(seed=st.integers(0, 2**16), vocab=st.integers(1, 40), ties=st.booleans(),
        specials=st.sampled_from(['none', 'nan', 'inf', '-inf', 'all-inf']),
-       block=st.sampled_from([2, 3, 4, 7, policy_lib.ARGMAX_BLOCK]))
+       block=st.sampled_from([2, 3, 4, 7, policy_lib.ARGMAX_BLOCK]),
+       vocab_major=st.booleans())
 def test_argmax_equals_jnp_argmax_with_ties_and_non_finite_values(seed, vocab, ties,
-                                                                  specials, block):
+                                                                  specials, block, vocab_major):
   """policy.argmax replaces jnp.argmax on the decode path, so it must agree everywhere: the
   first of tied maxima, a NaN counting as the largest, infinities, a row of -inf; in blocks
   (small ``block``: several blocks, a padded last one) or whole (a vocabulary of at most
-  two blocks)."""
+  two blocks); read row-wise or, ``vocab_major``, along the columns of ``x.T``."""
   rng = np.random.RandomState(seed)
   x = rng.randn(6, vocab).astype(np.float32)
   if ties:
@@ -369,7 +370,8 @@ def test_argmax_equals_jnp_argmax_with_ties_and_non_finite_values(seed, vocab, t
     x[2] = -np.inf
   elif specials != 'none':
     x[where] = float(specials)
-  got = jax.jit(lambda x: policy_lib.argmax(x, block=block))(jnp.asarray(x))
+  got = jax.jit(lambda x: policy_lib.argmax(x, block=block, vocab_major=vocab_major))(
+      jnp.asarray(x))
   np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(jnp.asarray(x), -1)))
   assert got.dtype == jnp.int32
 
@@ -385,9 +387,16 @@ def test_argmax_in_blocks_over_a_real_vocabulary():
     x[2] = -np.inf
     x[3, vocab - 1] = 10.0  # the last entry (in the padded block when vocab is odd)
     x[4, :4] = 50.0
-    got = jax.jit(policy_lib.argmax)(jnp.asarray(x))
-    np.testing.assert_array_equal(np.asarray(got), np.argmax(x, axis=-1))
-    np.testing.assert_array_equal(np.asarray(got)[:4], [7_000, 40_000, 0, vocab - 1])
+    for vocab_major in (False, True):
+      got = jax.jit(lambda x: policy_lib.argmax(x, vocab_major=vocab_major))(jnp.asarray(x))
+      np.testing.assert_array_equal(np.asarray(got), np.argmax(x, axis=-1))
+      np.testing.assert_array_equal(np.asarray(got)[:4], [7_000, 40_000, 0, vocab - 1])
+
+
+def test_argmax_vocab_major_takes_two_dimensional_logits():
+  with pytest.raises(ValueError, match=r'vocab_major=True\) takes \[B, V\] logits, got '
+                     r'shape \(2, 1, 5\)'):
+    policy_lib.argmax(jnp.zeros((2, 1, 5)), vocab_major=True)
 
 
 @pytest.mark.parametrize('spec', [SamplingSpec(temperature=1.0),

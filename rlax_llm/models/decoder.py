@@ -168,6 +168,10 @@ INVARIANT_MIN_CHUNK_ROWS = 2
 # Up to this many rows, a weight stored [N, K] multiplies on XLA:CPU as ``w @ x.T``
 # (``flipped_product``).
 FLIPPED_MAX_ROWS = 64
+# RoPE cos/sin come from a host table of every position (``rope_tables(max_len=...)``) when
+# it has at most this many entries (max_seq_len * head_dim / 2; 8 MiB of float32 each, about
+# 0.5 s more compile per program at this size); larger ones are evaluated in the program.
+ROPE_TABLE_MAX_ENTRIES = 2 ** 21
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -500,8 +504,12 @@ def rope_tables(positions: Array, inv_freq: np.ndarray, max_len: int | None = No
   (computed once per forward pass and shared by every layer).
 
   ``max_len``: look the values up in a table of positions ``0 .. max_len - 1`` computed on
-  the host (positions past it are clipped) instead of evaluating cos and sin in the program,
-  where XLA:CPU evaluated them differently in different fusions (batch-invariant numerics).
+  the host (float64, rounded once; positions past it are clipped) instead of evaluating cos
+  and sin in the program. XLA:CPU fuses the in-program cos and sin into every consumer: each
+  layer's rope of q and k evaluated them again for every head (the q rope of a 32-row
+  SmolLM2 decode step took 3.5 ms of one thread per step against 1.0 ms from the table; the
+  batch-32 rollout 1.045x faster, benchmarks/RESULTS.md), and in different fusions it
+  evaluated them differently (which batch-invariant numerics cannot have).
   """
   inv_freq = np.asarray(inv_freq, np.float32)
   if max_len is not None:
@@ -512,6 +520,15 @@ def rope_tables(positions: Array, inv_freq: np.ndarray, max_len: int | None = No
             look_up(np.sin(angles.astype(np.float64)))[:, :, None, :])
   angles = positions[..., None].astype(jnp.float32) * inv_freq
   return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def rope_table_length(config: DecoderConfig) -> int | None:
+  """The positions of the host cos/sin table the decoder reads (``rope_tables``'s
+  ``max_len``): all ``max_seq_len`` of them when the table has at most
+  ``ROPE_TABLE_MAX_ENTRIES`` entries, and always with batch-invariant numerics; else
+  ``None`` (cos and sin evaluated in the program)."""
+  small = config.max_seq_len * (config.head_dim // 2) <= ROPE_TABLE_MAX_ENTRIES
+  return config.max_seq_len if small or config.batch_invariant else None
 
 
 def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
@@ -771,6 +788,15 @@ _REMAT_CALL = {
 }
 
 
+def head_is_vocab_major(config: DecoderConfig, rows: int) -> bool:
+  """Whether ``head_logits`` of ``rows`` hidden states computes ``[V, rows]`` and returns
+  its transpose (``flipped_product``): a ``[V, E]`` head (tied, or ``'out_in'``) of 2 to
+  ``FLIPPED_MAX_ROWS`` rows on XLA:CPU, without batch-invariant numerics. The sampler's
+  ``argmax(vocab_major=...)`` reads such logits in place."""
+  vocab_first = config.tie_embeddings or config.weight_layout == 'out_in'
+  return vocab_first and not config.batch_invariant and rows > 1 and _flips(rows)
+
+
 def head_logits(x: Array, weight: Array, config: DecoderConfig) -> Array:
   """float32 logits of hidden states ``x`` ``[..., E]``: ``x @ weight`` (``weight`` is the
   lm head, ``[E, V]``) or ``x @ weight.T`` (``weight`` is the ``[V, E]`` embedding, with
@@ -784,7 +810,7 @@ def head_logits(x: Array, weight: Array, config: DecoderConfig) -> Array:
   if config.batch_invariant:
     logits = invariant_matmul(x, weight, 'ce,ve->cv' if vocab_first else 'ce,ev->cv',
                               config.invariant_rows)
-  elif vocab_first and rows > 1 and _flips(rows):
+  elif head_is_vocab_major(config, rows):
     logits = flipped_product(x, weight)
   elif vocab_first:
     logits = jnp.einsum('...e,ve->...v', x, weight)
@@ -848,7 +874,7 @@ class Decoder(nnx.Module):
       key_pos = jnp.arange(attend, dtype=jnp.int32)
       mask = key_pos[None, None, :] <= positions[:, :, None]
     rope_cs = rope_tables(positions, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
-                          c.max_seq_len if c.batch_invariant else None)
+                          rope_table_length(c))
     new_k, new_v = [], []
     call = _REMAT_CALL[c.remat]
     for i, block in enumerate(self.blocks):

@@ -51,7 +51,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rlax_llm import sharding as sharding_lib
 from rlax_llm.models.decoder import (INVARIANT_KEYS, KEY_BLOCK_AXES, KEY_POSITION_AXIS,
                                      VALUE_BLOCK_AXES, VALUE_POSITION_AXIS, KVCache,
-                                     cache_block_shape)
+                                     cache_block_shape, head_is_vocab_major)
 from rlax_llm.models.model import Model, Params, to_weight_layout, with_weight_layout
 from rlax_llm.paramserver.server import leaf_specs
 from rlax_llm.policy import SamplingSpec, sample_rows
@@ -451,9 +451,9 @@ class Engine:
                                      num_valid=active.astype(jnp.int32), attend=attend)
     keys = jax.vmap(lambda data, position: jax.random.fold_in(
         jax.random.wrap_key_data(data), position))(state.keys, state.positions)
-    token, logp, support = sample_rows(logits[:, 0], keys, spec,
-                                       invariant=self.model.config.batch_invariant,
-                                       active=active)
+    token, logp, support = sample_rows(
+        logits[:, 0], keys, spec, invariant=self.model.config.batch_invariant, active=active,
+        vocab_major=head_is_vocab_major(self.model.config, state.tokens.shape[0]))
     token = jnp.where(active, token, self.pad_id)
     logp = jnp.where(active, logp, 0.0)
     support = jnp.where(active, support, 0)

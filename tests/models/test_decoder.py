@@ -7,9 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlax_llm.models.decoder import (FLIPPED_MAX_ROWS, KEY_POSITION_AXIS, VALUE_POSITION_AXIS,
-                                     DecoderConfig, _blocks_with, _write_after, _write_blocks,
-                                     head_logits, linear, rope)
+from rlax_llm.models.decoder import (FLIPPED_MAX_ROWS, KEY_POSITION_AXIS,
+                                     ROPE_TABLE_MAX_ENTRIES, VALUE_POSITION_AXIS, DecoderConfig,
+                                     _blocks_with, _write_after, _write_blocks, head_is_vocab_major,
+                                     head_logits,
+                                     linear, rope, rope_inv_freq, rope_table_length,
+                                     rope_tables)
 from rlax_llm.models.model import create_model, to_weight_layout, with_weight_layout
 
 CONFIG = DecoderConfig(vocab_size=19, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
@@ -171,6 +174,34 @@ def test_head_logits_flipped_for_few_rows_matches_the_plain_product(shape):
                              rtol=1e-4, atol=1e-4)
 
 
+def test_vocab_major_argmax_reads_the_flipped_head_in_place():
+  """Where ``head_is_vocab_major``, the head's logits are the transpose of a ``[V, rows]``
+  product and ``argmax(vocab_major=True)`` reads them without copying them to
+  ``[rows, V]`` (the row-wise blocks copy them: the check can fail); same tokens."""
+  from rlax_llm import policy  # pylint: disable=import-outside-toplevel
+  config = dataclasses.replace(CONFIG, vocab_size=1024, tie_embeddings=True)
+  rows = 8
+  assert head_is_vocab_major(config, rows) == (jax.default_backend() == 'cpu')
+  assert not head_is_vocab_major(config, 1)
+  assert not head_is_vocab_major(dataclasses.replace(config, batch_invariant=True), rows)
+  assert not head_is_vocab_major(dataclasses.replace(config, tie_embeddings=False), rows)
+  x = jnp.asarray(np.random.RandomState(0).randn(rows, config.embed_dim), jnp.float32)
+  w = jnp.asarray(np.random.RandomState(1).randn(1024, config.embed_dim), jnp.float32)
+  blocked = f'f32[{rows},{1024 // policy.ARGMAX_BLOCK},{policy.ARGMAX_BLOCK}]'
+
+  def compiled(vocab_major):
+    fn = jax.jit(lambda x, w: policy.argmax(head_logits(x, w, config), vocab_major=vocab_major))
+    entry = fn.lower(x, w).compile().as_text()
+    return fn(x, w), entry[entry.index('\nENTRY'):]
+  in_place, entry = compiled(head_is_vocab_major(config, rows))
+  row_wise, row_entry = compiled(False)
+  np.testing.assert_array_equal(in_place, row_wise)
+  np.testing.assert_array_equal(in_place, jnp.argmax(head_logits(x, w, config), -1))
+  if jax.default_backend() == 'cpu':
+    assert f'= {blocked}' in row_entry
+    assert f'= {blocked}' not in entry, [l for l in entry.splitlines() if blocked in l]
+
+
 @pytest.mark.parametrize('shape', [(1, 1), (8, 1), (FLIPPED_MAX_ROWS,), (FLIPPED_MAX_ROWS + 1,),
                                    (4, 20)])
 def test_linear_out_in_is_the_same_product(shape):
@@ -232,6 +263,31 @@ def test_rope_matches_numpy_reference():
   ref = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
   np.testing.assert_allclose(out, ref, atol=1e-5)
   np.testing.assert_allclose(out[:, 0], x[:, 0], atol=1e-6)  # position 0 is the identity
+
+
+def test_rope_table_equals_the_in_program_values():
+  inv = rope_inv_freq(8, 10_000.0)
+  pos = jnp.asarray([[0, 1, 7, 23]])
+  for table, computed in zip(rope_tables(pos, inv, 24), rope_tables(pos, inv)):
+    np.testing.assert_allclose(table, computed, atol=2e-6, rtol=0)
+
+
+def test_decoder_reads_rope_from_the_host_table_when_it_is_small(model_and_params):
+  """A decode step evaluates no cos or sin when the table is small (XLA:CPU evaluated them
+  again inside every layer's rope, for every head); past ROPE_TABLE_MAX_ENTRIES it does."""
+  model, params = model_and_params
+  assert rope_table_length(CONFIG) == CONFIG.max_seq_len
+  long = dataclasses.replace(CONFIG, max_seq_len=ROPE_TABLE_MAX_ENTRIES // 4 + 1)
+  assert rope_table_length(long) is None
+  assert rope_table_length(dataclasses.replace(long, batch_invariant=True)) == long.max_seq_len
+
+  def step_hlo(model):
+    cache = model.init_cache(2, max_len=12)
+    step = jax.jit(lambda p, t, c: model.apply(p, t, cache=c))
+    return step.lower(params, jnp.zeros((2, 1), jnp.int32), cache).compile().as_text()
+  assert ' cosine(' not in step_hlo(model) and ' sine(' not in step_hlo(model)
+  long_model = create_model(long, seed=3)[0]
+  assert ' cosine(' in step_hlo(long_model)
 
 
 def test_logical_axes_cover_every_param(model_and_params):

@@ -528,3 +528,32 @@ def test_partial_rollout_errors(models):
   with pytest.raises(ValueError, match=r'offset=4 \(tokens already drawn\) must be in \[0, '):
     engine.insert(prefix, driver.state, [Insert(0, 0, keys_for(0, 1)[0], 4, (), offset=4)],
                   GREEDY)
+
+
+def test_greedy_decode_step_reads_the_flipped_heads_logits_in_place():
+  """The engine's greedy decode step passes the head's layout to argmax (``Engine`` and
+  ``head_logits`` agree through ``head_is_vocab_major``): on XLA:CPU the step copies no
+  logits into row-wise argmax blocks, and its tokens are the full forward pass's argmax."""
+  from rlax_llm.policy import ARGMAX_BLOCK  # pylint: disable=import-outside-toplevel
+  config = dataclasses.replace(CONFIG, vocab_size=4 * ARGMAX_BLOCK, tie_embeddings=True)
+  model, params = create_model(config, seed=0)
+  slots = 4
+  engine = Engine(model, MESH, slots=slots, max_prefill_length=16, max_decode_length=12,
+                  pad_id=PAD)
+  placed = engine.place_params(params)
+  state = engine.init_decode_state()
+  entry = engine._generate.lower(placed, state, spec=GREEDY,  # pylint: disable=protected-access
+                                 attend=engine.attend_buckets[0]).compile().as_text()
+  entry = entry[entry.index('\nENTRY'):]
+  if jax.default_backend() == 'cpu':
+    blocked = f'f32[{slots},4,{ARGMAX_BLOCK}]'
+    assert f'= {blocked}' not in entry, [line for line in entry.splitlines() if blocked in line]
+  prompts = [(5, 9, 13), (7, 3, 22, 30)]
+  driver = Driver(engine, VersionedParams())
+  driver.holder.set(0, placed)
+  jobs = [Job(p, 1, GREEDY, 6, (), np.zeros((1, 2), np.uint32)) for p in prompts]
+  for prompt, (sample,) in zip(prompts, driver.run(jobs)):
+    tokens = list(prompt)
+    for _ in range(6):
+      tokens.append(int(jnp.argmax(model.apply(params, jnp.asarray([tokens]))[0, -1])))
+    assert sample.tokens == tokens[len(prompt):]
