@@ -410,10 +410,8 @@ def argmax(x: jax.Array, *, block: int = ARGMAX_BLOCK, vocab_major: bool = False
   scores = jnp.where(jnp.any(jnp.isnan(y), axis=axis + 1), jnp.nan,
                      jnp.max(y, axis=axis + 1))  # [..., blocks] or [blocks, B]
   first = _first_max(scores, axis)
-  if vocab_major:
-    piece = jnp.take_along_axis(y, first[None, None, :], axis=0)[0]  # [block, B]
-  else:
-    piece = jnp.take_along_axis(y, first[..., None, None], axis=-2)[..., 0, :]
+  piece = jnp.take_along_axis(y, jnp.expand_dims(first, (axis, axis + 1)), axis=axis)
+  piece = jnp.squeeze(piece, axis)  # the first top block: [..., block] or [block, B]
   return first * block + _first_max(piece, axis)
 
 

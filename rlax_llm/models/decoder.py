@@ -508,7 +508,7 @@ def rope_tables(positions: Array, inv_freq: np.ndarray, max_len: int | None = No
   and sin in the program. XLA:CPU fuses the in-program cos and sin into every consumer: each
   layer's rope of q and k evaluated them again for every head (the q rope of a 32-row
   SmolLM2 decode step took 3.5 ms of one thread per step against 1.0 ms from the table; the
-  batch-32 rollout 1.045x faster, benchmarks/RESULTS.md), and in different fusions it
+  batch-32 rollout 1.056x faster, benchmarks/RESULTS.md), and in different fusions it
   evaluated them differently (which batch-invariant numerics cannot have).
   """
   inv_freq = np.asarray(inv_freq, np.float32)

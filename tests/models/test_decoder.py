@@ -9,10 +9,9 @@ import pytest
 
 from rlax_llm.models.decoder import (FLIPPED_MAX_ROWS, KEY_POSITION_AXIS,
                                      ROPE_TABLE_MAX_ENTRIES, VALUE_POSITION_AXIS, DecoderConfig,
-                                     _blocks_with, _write_after, _write_blocks, head_is_vocab_major,
-                                     head_logits,
-                                     linear, rope, rope_inv_freq, rope_table_length,
-                                     rope_tables)
+                                     _blocks_with, _write_after, _write_blocks,
+                                     head_is_vocab_major, head_logits, linear, rope,
+                                     rope_inv_freq, rope_table_length, rope_tables)
 from rlax_llm.models.model import create_model, to_weight_layout, with_weight_layout
 
 CONFIG = DecoderConfig(vocab_size=19, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
