@@ -366,10 +366,15 @@ class Engine:
     smallest ``attend_buckets`` entry holding it. ``None`` reads the whole cache. It must
     not understate: the device does not check it (that would cost a host sync a step), and
     a slot longer than the bucket would neither see nor write its positions past it. The
-    driver and the JetStream adapter compute it from their host-side bookkeeping.
+    driver and the JetStream adapter compute it from their host-side bookkeeping. A value
+    no slot can hold (below 1, or past ``cache_length``) is refused (``ValueError``).
     """
     attend = self.attend_buckets[-1]
     if longest is not None:
+      if not 1 <= longest <= self.cache_length:
+        raise ValueError(f'longest={longest}: a slot holds 1 to cache_length='
+                         f'{self.cache_length} positions after a step; pass what the '
+                         'longest active slot holds, or None to read the whole cache.')
       attend = next((b for b in self.attend_buckets if longest <= b), attend)
     return self._generate(params, state, spec=spec, attend=attend)
 

@@ -425,6 +425,14 @@ def test_engine_and_holder_errors(models):
     VersionedParams().get()
   with pytest.raises(ValueError, match="on_swap='later'"):
     make_driver(model, params, on_swap='later')
+  driver = make_driver(model, params)
+  engine, (_, placed) = driver.engine, driver.holder.get()
+  state = engine.init_decode_state()
+  for longest in (0, engine.cache_length + 1):  # no slot can hold that many positions
+    with pytest.raises(ValueError, match=f'longest={longest}: a slot holds 1 to cache_length'):
+      engine.generate(placed, state, GREEDY, longest)
+  state, step = engine.generate(placed, state, GREEDY, engine.cache_length)  # the largest
+  assert not step.to_host().valid.any()  # nothing inserted: every slot inactive
 
 
 def _uneven(jobs):
