@@ -428,7 +428,7 @@ def test_engine_and_holder_errors(models):
   driver = make_driver(model, params)
   engine, (_, placed) = driver.engine, driver.holder.get()
   state = engine.init_decode_state()
-  for longest in (0, engine.cache_length + 1):  # no slot can hold that many positions
+  for longest in (0, engine.cache_length + 1):  # no slot holds 0, or more than the cache
     with pytest.raises(ValueError, match=f'longest={longest}: a slot holds 1 to cache_length'):
       engine.generate(placed, state, GREEDY, longest)
   state, step = engine.generate(placed, state, GREEDY, engine.cache_length)  # the largest
