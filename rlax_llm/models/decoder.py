@@ -70,6 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rlax_llm.models import cpu_attention
 from rlax_llm.sharding import constrain
 
 Array = jax.Array
@@ -91,6 +92,8 @@ FAMILIES = ('llama', 'qwen2', 'qwen3')
 INVARIANT_ROWS_MODES = ('chunks', 'floor')
 # DecoderConfig.weight_layout (see linear).
 WEIGHT_LAYOUTS = ('in_out', 'out_in')
+# DecoderConfig.decode_attention (see Attention).
+DECODE_ATTENTIONS = ('xla', 'cpu_kernel')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +125,11 @@ class DecoderConfig:
   # first, ``x @ w``) everywhere params are trained, saved or loaded; an inference engine on
   # XLA:CPU converts its copy to 'out_in' (``rlax_llm.models.model.with_weight_layout``).
   weight_layout: str = 'in_out'
+  # How a decode step (one new token per row, two or more rows, with a cache) attends
+  # (DECODE_ATTENTIONS): 'xla' (jnp products), or 'cpu_kernel' (``cpu_attention``, XLA:CPU
+  # only, float32, one device; the inference engine picks it where it applies). The
+  # trainer, the prefill and one-row steps always use 'xla'.
+  decode_attention: str = 'xla'
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -134,6 +142,12 @@ class DecoderConfig:
     if self.weight_layout not in WEIGHT_LAYOUTS:
       raise ValueError(f'DecoderConfig.weight_layout={self.weight_layout!r}; choose one of '
                        f'{WEIGHT_LAYOUTS}.')
+    if self.decode_attention not in DECODE_ATTENTIONS:
+      raise ValueError(f'DecoderConfig.decode_attention={self.decode_attention!r}; choose one '
+                       f'of {DECODE_ATTENTIONS}.')
+    if self.batch_invariant and self.decode_attention != 'xla':
+      raise ValueError('batch_invariant decoding needs decode_attention=\'xla\' (its '
+                       f'attention is fixed piece by piece), got {self.decode_attention!r}.')
     for name in ('vocab_size', 'num_layers', 'embed_dim', 'num_heads', 'num_kv_heads',
                  'head_dim', 'mlp_dim', 'max_seq_len'):
       value = getattr(self, name)
@@ -675,6 +689,10 @@ class Attention(nnx.Module):
     q = apply_rope(q, *rope_cs)
     k = apply_rope(k, *rope_cs)
     write = None  # with several cache blocks: the writes, given attention's output
+    # The compiled kernel takes decode steps of two or more rows (one row keeps the
+    # dynamic-update-slice path below, which XLA handles best).
+    kernel = (c.decode_attention == 'cpu_kernel' and kv is not None and x.shape[1] == 1
+              and x.shape[0] > 1)
     if kv is not None:  # keys in the cache layout, KEY_BLOCK_AXES
       attend = mask.shape[-1]
       key_axis = KEY_POSITION_AXIS
@@ -683,8 +701,11 @@ class Attention(nnx.Module):
                                     key_axis),),
                   (_write_positions(kv[1][0], _to_block(v, VALUE_BLOCK_AXES), starts,
                                     VALUE_POSITION_AXIS),))
-        ks = (jax.lax.slice_in_dim(new_kv[0][0], 0, attend, axis=key_axis),)
-        vs = (new_kv[1][0][:, :, :attend],)
+        if kernel:  # reads each slot's positions itself: no slice (a copy) of the buffer
+          ks, vs = new_kv
+        else:
+          ks = (jax.lax.slice_in_dim(new_kv[0][0], 0, attend, axis=key_axis),)
+          vs = (new_kv[1][0][:, :, :attend],)
       else:  # whole blocks (the decoder rounds attend up to a multiple of the block); the
         # new positions lie below attend, so the blocks past it are neither read nor written
         used = attend // kv[1][0].shape[VALUE_POSITION_AXIS]
@@ -722,6 +743,9 @@ class Attention(nnx.Module):
                          f'{INVARIANT_KEYS} positions, got {vs[0].shape[VALUE_POSITION_AXIS]}; '
                          'the engine keeps them so.')
       out = _invariant_attention(q, ks, vs, query_mask).astype(dt)
+    elif kernel:  # positions <= the row's own (the mask's), within the blocks read
+      out = cpu_attention.decode_attention(
+          q, ks, vs, jnp.minimum(starts + 1, sum(b.shape[VALUE_POSITION_AXIS] for b in vs)))
     else:
       scores = [jnp.einsum(score, q, kb) for kb in ks]
       scores = scores[0] if len(scores) == 1 else jnp.concatenate(scores, -1)

@@ -107,23 +107,29 @@ def abstract_model(config: DecoderConfig) -> Model:
   return Model(config=config, graphdef=_abstract(config)[0])
 
 
-def with_weight_layout(model: Model, layout: str) -> Model:
-  """``model`` with its weights stored in ``layout`` (``DecoderConfig.weight_layout``)."""
-  if layout == model.config.weight_layout:
+def with_weight_layout(model: Model, layout: str, decode_attention: str | None = None
+                       ) -> Model:
+  """``model`` with its weights stored in ``layout`` (``DecoderConfig.weight_layout``) and,
+  if given, decoding with ``decode_attention`` (``DecoderConfig.decode_attention``): how
+  the same params run, not what they are."""
+  attention = model.config.decode_attention if decode_attention is None else decode_attention
+  if (layout, attention) == (model.config.weight_layout, model.config.decode_attention):
     return model
-  return abstract_model(dataclasses.replace(model.config, weight_layout=layout))
+  return abstract_model(dataclasses.replace(model.config, weight_layout=layout,
+                                            decode_attention=attention))
 
 
 def to_weight_layout(params: Params, source: Model, target: Model) -> Params:
-  """``source``'s params in ``target``'s weight layout (the models otherwise equal).
+  """``source``'s params in ``target``'s weight layout (the models otherwise equal, but for
+  ``decode_attention``, which does not touch the params).
 
   Each weight is transposed so that its logical axes (``Model.logical_axes``, which record
   the layout) come in ``target``'s order; every other param is passed through. One
   definition for both directions: the engine converts the trainer's params with it, and a
   round trip is the identity (tested).
   """
-  if dataclasses.replace(source.config, weight_layout=target.config.weight_layout) != (
-      target.config):
+  if dataclasses.replace(source.config, weight_layout=target.config.weight_layout,
+                         decode_attention=target.config.decode_attention) != target.config:
     raise ValueError('to_weight_layout converts between models that differ only in '
                      f'weight_layout; got {source.config} and {target.config}.')
 

@@ -49,6 +49,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlax_llm import sharding as sharding_lib
+from rlax_llm.models import cpu_attention
 from rlax_llm.models.decoder import (INVARIANT_KEYS, KEY_BLOCK_AXES, KEY_POSITION_AXIS,
                                      VALUE_BLOCK_AXES, VALUE_POSITION_AXIS, KVCache,
                                      cache_block_shape, head_is_vocab_major)
@@ -172,6 +173,11 @@ class Engine:
       step's weight products run faster that way (``decoder.flipped_product``), unless the
       model is ``batch_invariant`` (its log-probs must match the trainer's bit for bit,
       and the trainer's params are ``'in_out'``); else the model's own.
+    decode_attention: how decode steps of two or more slots attend
+      (``DecoderConfig.decode_attention``). Default: ``'cpu_kernel'`` (the compiled kernel of
+      ``rlax_llm.models.cpu_attention``) on XLA:CPU with a one-device mesh, float32 and a
+      shape it supports, when it builds here; else the model's own. ``unavailable_reason``
+      there says why it did not. ``decode_attention_note`` records the choice.
   """
 
   def __init__(self, model: Model, mesh: Mesh, *, slots: int, max_prefill_length: int,
@@ -179,7 +185,7 @@ class Engine:
                prefill_buckets: Sequence[int] | None = None, attend_buckets: int = 4,
                block_align: int = BLOCK_ALIGN,
                rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES,
-               weight_layout: str | None = None):
+               weight_layout: str | None = None, decode_attention: str | None = None):
     if min(slots, max_decode_length, attend_buckets, block_align) < 1:
       raise ValueError(f'slots ({slots}), max_decode_length ({max_decode_length}), '
                        f'attend_buckets ({attend_buckets}) and block_align ({block_align}) '
@@ -198,8 +204,6 @@ class Engine:
     if weight_layout is None:
       cpu_decode = jax.default_backend() == 'cpu' and not model.config.batch_invariant
       weight_layout = 'out_in' if cpu_decode else model.config.weight_layout
-    self.source_model = model  # the layout of the params place_params takes
-    self.model = with_weight_layout(model, weight_layout)
     self.mesh = mesh
     self.slots = slots
     self.max_prefill_length = max_prefill_length
@@ -218,6 +222,10 @@ class Engine:
         step * (i + 1) for i in range(-(-self.cache_length // step)))
     self.block_length = INVARIANT_KEYS if model.config.batch_invariant else step
     self.num_blocks = -(-self.cache_length // self.block_length)
+    decode_attention, self.decode_attention_note = self._decode_attention(
+        model, mesh, decode_attention)
+    self.source_model = model  # the layout of the params place_params takes
+    self.model = with_weight_layout(model, weight_layout, decode_attention)
     self.pad_id = int(pad_id)
     self.param_shardings = sharding_lib.param_shardings(
         self.model.abstract_params(), self.model.logical_axes(), mesh, rules)
@@ -232,6 +240,27 @@ class Engine:
     self._release_all = jax.jit(
         lambda state: state.replace(remaining=jnp.zeros_like(state.remaining)),
         donate_argnums=(0,), out_shardings=self.state_shardings)
+
+  def _decode_attention(self, model: Model, mesh: Mesh, wanted: str | None
+                        ) -> tuple[str, str]:
+    """``(decode_attention, why)``; refuses a ``'cpu_kernel'`` that cannot run here."""
+    c = model.config
+    if wanted not in (None, 'cpu_kernel'):
+      return wanted, f'{wanted!r}: asked for'
+    problem = (
+        ('the model is batch_invariant' if c.batch_invariant else None)
+        or (f'the mesh has {mesh.size} devices (XLA cannot split a custom call)'
+            if mesh.size != 1 else None)
+        or cpu_attention.supports(head_dim=c.head_dim, groups=c.num_heads // c.num_kv_heads,
+                                  block_length=self.block_length, dtype=c.dtype)
+        or cpu_attention.unavailable_reason() or None)
+    if not problem:
+      return 'cpu_kernel', "'cpu_kernel': XLA:CPU, one device, float32, a supported shape"
+    if wanted is None:
+      return c.decode_attention, (f'{c.decode_attention!r}: the CPU kernel does not apply '
+                                  f'({problem})')
+    raise ValueError(f'decode_attention=\'cpu_kernel\' cannot run here: {problem}. Pass '
+                     'decode_attention=\'xla\' (or leave it unset to choose).')
 
   # ----------------------------------------------------------------------- JetStream API
 

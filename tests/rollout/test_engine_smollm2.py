@@ -19,7 +19,7 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
-from rlax_llm.models import from_pretrained, smollm2_gguf_path  # noqa: E402
+from rlax_llm.models import cpu_attention, from_pretrained, smollm2_gguf_path  # noqa: E402
 from rlax_llm.models.model import abstract_model, split_module  # noqa: E402
 from rlax_llm.policy import GREEDY, Policy, SamplingSpec  # noqa: E402
 from rlax_llm.rollout.driver import Driver, Job, VersionedParams  # noqa: E402
@@ -59,7 +59,12 @@ def smollm2():
   module, tokenizer = from_pretrained(path)
   prompts = _prompts(tokenizer)
   model, params = split_module(module)
-  return model, params, tokenizer, prompts, _driver(model, params, tokenizer, prompts)
+  driver = _driver(model, params, tokenizer, prompts)
+  # Where it builds, decode steps use the compiled CPU attention kernel: these are its
+  # parity tests on the real model (tests/models/test_cpu_attention.py has the rest).
+  assert driver.engine.model.config.decode_attention == (
+      'cpu_kernel' if cpu_attention.available() else 'xla'), driver.engine.decode_attention_note
+  return model, params, tokenizer, prompts, driver
 
 
 def run(driver, prompts, spec, seed, stops=()):
