@@ -184,7 +184,8 @@ def variable_length(model, params, tokenizer, args) -> dict:
   prompts = prompts_for(tokenizer, args.requests)
   jobs = jobs_for(prompts, lengths)
   drivers = {mode: driver_for(model, params, args.slots, len(prompts[0]), max(lengths),
-                              continuous=mode == 'continuous')
+                              continuous=mode == 'continuous',
+                              decode_attention=args.decode_attention)
              for mode in ('continuous', 'static')}
   for d in drivers.values():
     d.run(jobs)  # compile
@@ -217,6 +218,8 @@ def main() -> None:
   parser.add_argument('--torch_threads', type=int, default=0, help='0: torch default')
   parser.add_argument('--batch_invariant', action='store_true',
                       help='our model with batch-invariant numerics (docs/models.md)')
+  parser.add_argument('--decode_attention', default=None, choices=('xla', 'cpu_kernel'),
+                      help="Engine(decode_attention=...); default: the engine's choice")
   parser.add_argument('--invariant_rows', default='chunks', choices=('chunks', 'floor'),
                       help='with --batch_invariant: DecoderConfig.invariant_rows')
   args = parser.parse_args()
@@ -243,7 +246,8 @@ def main() -> None:
   batches = {}
   for batch in [int(b) for b in args.batches.split(',')]:
     prompts = prompts_for(tokenizer, batch)
-    driver = driver_for(model, params, batch, len(prompts[0]), n)
+    driver = driver_for(model, params, batch, len(prompts[0]), n,
+                        decode_attention=args.decode_attention)
     jobs = jobs_for(prompts, [n] * batch)
     inputs = torch.tensor(prompts)
 
@@ -269,6 +273,7 @@ def main() -> None:
         'ratio': statistics.median(b / a for a, b in pairs),
         'ratios': [b / a for a, b in pairs],
         'prompt_tokens': len(prompts[0]),
+        'decode_attention': driver.engine.decode_attention_note,
         'first_row_tokens_equal': same,
         'ours_matmul_gflops': ours_tok_s * flops_per_token / 1e9,
         'ours_fraction_of_matmul_peak': ours_tok_s * flops_per_token / 1e9 / peak,
