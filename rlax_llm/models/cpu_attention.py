@@ -99,9 +99,12 @@ def _build() -> tuple[pathlib.Path | None, str]:
   path = cache_dir() / f'decode_attention-{key[:20]}.so'
   if path.exists():
     return path, ''
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(suffix='.so', dir=path.parent)
-  os.close(fd)
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix='.so', dir=path.parent)
+    os.close(fd)
+  except OSError as e:
+    return None, f'cannot write the kernel cache {path.parent} ({e}); set RLAX_LLM_KERNEL_CACHE'
   try:
     done = subprocess.run([compiler, *_flags(), str(SOURCE), '-o', tmp], capture_output=True,
                           text=True, timeout=300)

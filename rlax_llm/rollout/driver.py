@@ -169,12 +169,25 @@ class Driver:
     continuous: True (continuous batching): a free slot takes the next sample at once.
       False (static batching, the baseline it is measured against): new samples enter only
       when every slot is free, so each batch runs as long as its longest sample.
+    prefill_batch: how many prompts a prefill call is filled up to (default: the engine's
+      slots). When free slots need prompts prefilled (a call always takes those), the
+      prompts of the next pending jobs join that call up to this many, and later free slots take those prefixes without another
+      call: one prefill of many prompts costs far less per prompt than many of a few
+      (benchmarks/RESULTS.md). 1 prefills only what the free slots need. Prefixes from
+      before a weight swap are dropped at the swap, so samples started after it are
+      prefilled with the new params either way.
   """
 
   def __init__(self, engine: Engine, holder: VersionedParams, *, on_swap: str = 'continue',
-               before_step: Callable[[int], None] | None = None, continuous: bool = True):
+               before_step: Callable[[int], None] | None = None, continuous: bool = True,
+               prefill_batch: int | None = None):
     if on_swap not in ON_SWAP:
       raise ValueError(f'on_swap={on_swap!r} is not valid; choose one of {list(ON_SWAP)}.')
+    prefill_batch = engine.slots if prefill_batch is None else prefill_batch
+    if not 1 <= prefill_batch <= engine.slots:
+      raise ValueError(f'prefill_batch={prefill_batch} must be in [1, slots={engine.slots}] '
+                       '(one prefill call takes at most as many prompts as there are slots).')
+    self.prefill_batch = prefill_batch
     self.engine = engine
     self.holder = holder
     self.on_swap = on_swap
@@ -359,7 +372,14 @@ class Driver:
     # continued from drawn tokens, (job, sample) (prompt + its tokens).
     unit = lambda j, i: (j, i) if results[j][i].tokens else j
     need = [u for u in dict.fromkeys(unit(j, i) for j, i in take) if u not in prefixes]
-    if need:
+    if need:  # and, up to prefill_batch, the prompts of the next pending new samples
+      ahead = set(need)
+      for j, i in pending:
+        if len(need) >= self.prefill_batch:
+          break
+        if not results[j][i].tokens and j not in prefixes and j not in ahead:
+          need.append(j)
+          ahead.add(j)
       t0 = time.perf_counter()
       sequences = [jobs[u].prompt_ids if isinstance(u, int) else
                    jobs[u[0]].prompt_ids + tuple(results[u[0]][u[1]].tokens) for u in need]
@@ -367,6 +387,7 @@ class Driver:
                          continuation=any(not isinstance(u, int) for u in need))
       self.stats['prefill_s'] += time.perf_counter() - t0
       self.stats['prefills'] += len(need)
+      self.stats['prefill_calls'] += 1
       for row, u in enumerate(need):
         prefixes[u] = (version, prefix, row)
     groups: dict[int, tuple[Any, int, list]] = {}

@@ -175,8 +175,8 @@ class Engine:
       and the trainer's params are ``'in_out'``); else the model's own.
     decode_attention: how decode steps of two or more slots attend
       (``DecoderConfig.decode_attention``). Default: ``'cpu_kernel'`` (the compiled kernel of
-      ``rlax_llm.models.cpu_attention``) on XLA:CPU with a one-device mesh, float32 and a
-      shape it supports, when it builds here; else the model's own. ``unavailable_reason``
+      ``rlax_llm.models.cpu_attention``) on XLA:CPU with a one-device mesh, two or more
+      slots, float32 and a shape it supports, when it builds here; else the model's own. ``unavailable_reason``
       there says why it did not. ``decode_attention_note`` records the choice.
   """
 
@@ -248,7 +248,8 @@ class Engine:
     if wanted not in (None, 'cpu_kernel'):
       return wanted, f'{wanted!r}: asked for'
     problem = (
-        ('the model is batch_invariant' if c.batch_invariant else None)
+        ('one slot (one-row steps keep XLA\'s attention)' if self.slots == 1 else None)
+        or ('the model is batch_invariant' if c.batch_invariant else None)
         or (f'the mesh has {mesh.size} devices (XLA cannot split a custom call)'
             if mesh.size != 1 else None)
         or cpu_attention.supports(head_dim=c.head_dim, groups=c.num_heads // c.num_kv_heads,

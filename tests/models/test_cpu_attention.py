@@ -138,6 +138,8 @@ def test_engine_chooses_xla_where_the_kernel_does_not_apply_and_refuses_to_force
   with pytest.raises(ValueError, match="decode_attention='cpu_kernel' cannot run here: "
                                        'head_dim=8'):
     engine_for(small, decode_attention='cpu_kernel')
+  one = Engine(model, MESH, slots=1, max_prefill_length=16, max_decode_length=32, pad_id=0)
+  assert one.model.config.decode_attention == 'xla' and 'one slot' in one.decode_attention_note
   two = make_mesh({'data': 2}, jax.devices()[:2])
   with pytest.raises(ValueError, match='the mesh has 2 devices'):
     Engine(model, two, slots=4, max_prefill_length=16, max_decode_length=32, pad_id=0,
@@ -172,3 +174,29 @@ def test_without_a_compiler_the_engine_keeps_xla_and_says_why(monkeypatch):
   finally:
     monkeypatch.undo()
     cpu_attention._register.cache_clear()  # the real build again, for the tests after this
+
+
+def test_the_build_is_cached_by_key_and_an_unwritable_cache_is_reported(tmp_path, monkeypatch):
+  """A fresh cache directory gets one library named by the key, built from the shipped
+  source and reused by the next call; a cache that cannot be written makes the kernel
+  unavailable with that reason (not an exception in the engine)."""
+  if cpu_attention._compiler() is None:
+    pytest.skip('no C++ compiler here')
+  monkeypatch.setenv('RLAX_LLM_KERNEL_CACHE', str(tmp_path / 'kernels'))
+  cpu_attention._build.cache_clear()
+  try:
+    path, why = cpu_attention._build()
+    assert why == '' and path.parent == tmp_path / 'kernels' and path.exists()
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left
+    built = path.stat().st_mtime_ns
+    cpu_attention._build.cache_clear()
+    assert cpu_attention._build() == (path, '') and path.stat().st_mtime_ns == built
+    blocked = tmp_path / 'file'
+    blocked.write_text('')
+    monkeypatch.setenv('RLAX_LLM_KERNEL_CACHE', str(blocked / 'kernels'))
+    cpu_attention._build.cache_clear()
+    path, why = cpu_attention._build()
+    assert path is None and 'cannot write the kernel cache' in why
+  finally:
+    monkeypatch.undo()
+    cpu_attention._build.cache_clear()

@@ -276,6 +276,49 @@ def test_weights_swap_between_steps_without_recompiling(models, on_swap):
   assert driver.stats.get('discarded_samples', 0) == (8 if on_swap == 'discard' else 0)
 
 
+def _staggered_jobs(spec):
+  """One sample per prompt, of 3, 9, 5 and 7 tokens: through 2 slots they finish apart."""
+  return [Job(prompt_ids=p, num_samples=1, sampling=spec, max_new_tokens=n, stop_ids=(),
+              keys=keys_for(i, 1)) for i, (p, n) in enumerate(zip(PROMPTS, (3, 9, 5, 7)))]
+
+
+def test_prefill_ahead_takes_fewer_calls_and_changes_no_sample(models):
+  """2 slots, 4 jobs: when the first slot frees, its prefill call also takes the last
+  pending prompt (prefill_batch = slots by default), which the next freed slot then uses
+  (two calls); prefill_batch=1 prefills only what the free slots need (three calls). The
+  samples are the same either way."""
+  model, params, _ = models
+  spec = SamplingSpec(1.0)
+  ahead = make_driver(model, params, slots=2)
+  exact = make_driver(model, params, slots=2, prefill_batch=1)
+  got, want = ahead.run(_staggered_jobs(spec)), exact.run(_staggered_jobs(spec))
+  assert ahead.prefill_batch == 2 and ahead.stats['prefill_calls'] == 2
+  assert exact.stats['prefill_calls'] == 3 and exact.stats['prefills'] == 4
+  for (a,), (b,), n in zip(got, want, (3, 9, 5, 7)):
+    assert a.tokens == b.tokens and len(a.tokens) == n
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6, rtol=0)
+  with pytest.raises(ValueError, match=r'prefill_batch=3 must be in \[1, slots=2\]'):
+    make_driver(model, params, slots=2, prefill_batch=3)
+
+
+def test_prefixes_computed_ahead_are_dropped_at_a_swap(models):
+  """Job 3's prompt is prefilled ahead with version 0 (with job 2's, when job 0 ends) but
+  its slot frees only after version 1 arrives: it is prefilled again, and every token of it
+  is version 1 and equals version 1's own run."""
+  model, params, other = models
+  spec = SamplingSpec(1.0)
+  driver = make_driver(model, params, slots=2)
+  new_params = driver.engine.place_params(other)
+  driver.before_step = lambda step: step == 5 and driver.holder.set(1, new_params)
+  results = driver.run(_staggered_jobs(spec))
+  assert driver.stats['prefill_calls'] == 3 and driver.stats['swaps'] == 1
+  (early,), (late,) = results[2], results[3]
+  assert early.versions[0] == 0 and early.versions[-1] == 1  # in flight at the swap
+  (ref,) = make_driver(model, other, slots=2).run(_staggered_jobs(spec))[3]
+  assert late.versions == [1] * 7 and late.tokens == ref.tokens
+  np.testing.assert_allclose(late.logprobs, ref.logprobs, atol=1e-6, rtol=0)
+
+
 def test_randomized_submit_finish_swap(models):
   """Random jobs (samples, lengths, stop tokens, prompts) through 3 slots with random swaps:
   every sample is answered exactly once, within its limits; no slot leaks."""
