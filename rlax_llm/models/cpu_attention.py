@@ -67,14 +67,15 @@ def _cpu_signature() -> str:
 
 def _compiler() -> str | None:
   for name in (os.environ.get('CXX'), 'g++', 'c++', 'clang++'):
-    if name and shutil.which(name):
-      return shutil.which(name)
+    path = shutil.which(name) if name else None
+    if path:
+      return path
   return None
 
 
-def _flags() -> list[str]:
-  return ['-O3', '-march=native', '-std=c++17', '-shared', '-fPIC',
-          f'-I{jax.ffi.include_dir()}']
+# The compile flags (with ``-I`` jax's FFI headers, which the jax version in the key
+# identifies: one build serves every environment of that version).
+FLAGS = ('-O3', '-march=native', '-std=c++17', '-shared', '-fPIC')
 
 
 def cache_dir() -> pathlib.Path:
@@ -94,7 +95,7 @@ def _build() -> tuple[pathlib.Path | None, str]:
                              timeout=60).stdout
   except (OSError, subprocess.SubprocessError) as e:
     return None, f'{compiler} --version failed: {e}'
-  key = hashlib.sha256('\0'.join([SOURCE.read_text(), ' '.join(_flags()), version,
+  key = hashlib.sha256('\0'.join([SOURCE.read_text(), ' '.join(FLAGS), version,
                                   jax.__version__, _cpu_signature()]).encode()).hexdigest()
   path = cache_dir() / f'decode_attention-{key[:20]}.so'
   if path.exists():
@@ -106,8 +107,8 @@ def _build() -> tuple[pathlib.Path | None, str]:
   except OSError as e:
     return None, f'cannot write the kernel cache {path.parent} ({e}); set RLAX_LLM_KERNEL_CACHE'
   try:
-    done = subprocess.run([compiler, *_flags(), str(SOURCE), '-o', tmp], capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run([compiler, *FLAGS, f'-I{jax.ffi.include_dir()}', str(SOURCE), '-o',
+                           tmp], capture_output=True, text=True, timeout=300)
     if done.returncode:
       return None, f'{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}'
     os.replace(tmp, path)

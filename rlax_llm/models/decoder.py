@@ -744,8 +744,7 @@ class Attention(nnx.Module):
                          'the engine keeps them so.')
       out = _invariant_attention(q, ks, vs, query_mask).astype(dt)
     elif kernel:  # positions <= the row's own (the mask's), within the blocks read
-      out = cpu_attention.decode_attention(
-          q, ks, vs, jnp.minimum(starts + 1, attend))
+      out = cpu_attention.decode_attention(q, ks, vs, jnp.minimum(starts + 1, attend))
     else:
       scores = [jnp.einsum(score, q, kb) for kb in ks]
       scores = scores[0] if len(scores) == 1 else jnp.concatenate(scores, -1)

@@ -171,11 +171,11 @@ class Driver:
       when every slot is free, so each batch runs as long as its longest sample.
     prefill_batch: how many prompts a prefill call is filled up to (default: the engine's
       slots). When free slots need prompts prefilled (a call always takes those), the
-      prompts of the next pending jobs join that call up to this many, and later free slots take those prefixes without another
-      call: one prefill of many prompts costs far less per prompt than many of a few
-      (benchmarks/RESULTS.md). 1 prefills only what the free slots need. Prefixes from
-      before a weight swap are dropped at the swap, so samples started after it are
-      prefilled with the new params either way.
+      prompts of the next pending jobs join that call up to this many, and later free
+      slots take those prefixes without another call: one prefill of many prompts costs
+      far less per prompt than many of a few (benchmarks/RESULTS.md). 1 prefills only
+      what the free slots need. Prefixes from before a weight swap are dropped at the
+      swap, so samples started after it are prefilled with the new params either way.
   """
 
   def __init__(self, engine: Engine, holder: VersionedParams, *, on_swap: str = 'continue',

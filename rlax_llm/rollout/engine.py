@@ -176,8 +176,8 @@ class Engine:
     decode_attention: how decode steps of two or more slots attend
       (``DecoderConfig.decode_attention``). Default: ``'cpu_kernel'`` (the compiled kernel of
       ``rlax_llm.models.cpu_attention``) on XLA:CPU with a one-device mesh, two or more
-      slots, float32 and a shape it supports, when it builds here; else the model's own. ``unavailable_reason``
-      there says why it did not. ``decode_attention_note`` records the choice.
+      slots, float32 and a shape it supports, when it builds here; else the model's own.
+      ``decode_attention_note`` records the choice and, if not the kernel, why.
   """
 
   def __init__(self, model: Model, mesh: Mesh, *, slots: int, max_prefill_length: int,
