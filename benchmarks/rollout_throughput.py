@@ -44,6 +44,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
@@ -284,7 +285,7 @@ def main() -> None:
     gemm_tok_s = batch / gemm_step_seconds(driver.engine.model.config, batch)
     batches[str(batch)].update(gemm_bound_tok_s=gemm_tok_s,
                                gemm_bound_ratio=gemm_tok_s / theirs_tok_s)
-    print(json.dumps({batch: batches[str(batch)]}), flush=True)
+    print(json.dumps({batch: batches[str(batch)]}), file=sys.stderr, flush=True)  # progress
 
   variable = variable_length(model, params, tokenizer, args) if args.requests else None
   print(json.dumps({
