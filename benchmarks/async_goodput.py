@@ -33,7 +33,7 @@ from rlax_llm.controller import Controller, ControllerSettings
 from rlax_llm.data_types import Rollouts
 from rlax_llm.metrics import MetricsWriter, read_metrics
 from rlax_llm.paramserver import ParameterServer
-from rlax_llm.policy import SamplingSpec
+from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.tasks import ArithmeticTask
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -42,7 +42,8 @@ import numpy as np
 
 from rlax_llm.models import from_pretrained, smollm2_gguf_path
 from rlax_llm.models.model import split_module
-from rlax_llm.policy import GREEDY, Policy, SamplingSpec
+from rlax_llm.sampling_spec import GREEDY, SamplingSpec
+from rlax_llm.trainer.scoring import Policy
 from rlax_llm.rollout.driver import Job
 from rollout_throughput import driver_for
 

@@ -37,7 +37,8 @@ from rlax_llm.checkpoint import Checkpointer
 from rlax_llm.data_types import TrainBatch
 from rlax_llm.models import presets
 from rlax_llm.models.model import create_model
-from rlax_llm.policy import Policy, SamplingSpec
+from rlax_llm.sampling_spec import SamplingSpec
+from rlax_llm.trainer.scoring import Policy
 from rlax_llm.sharding import make_mesh
 from rlax_llm.trainer import objectives
 from rlax_llm.trainer.trainer import Trainer, make_optimizer

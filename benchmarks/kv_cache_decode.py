@@ -21,7 +21,7 @@ import numpy as np
 
 from rlax_llm.models.decoder import DecoderConfig
 from rlax_llm.models.model import create_model
-from rlax_llm.policy import GREEDY
+from rlax_llm.sampling_spec import GREEDY
 from rlax_llm.rollout.driver import generate
 from rlax_llm.rollout.engine import Engine
 from rlax_llm.sharding import make_mesh

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from rlax_llm.models import from_pretrained, smollm2_gguf_path, split_module  # noqa: E402
-from rlax_llm.policy import GREEDY  # noqa: E402
+from rlax_llm.sampling_spec import GREEDY  # noqa: E402
 from rlax_llm.rollout.driver import generate  # noqa: E402
 from rlax_llm.rollout.engine import Engine  # noqa: E402
 from rlax_llm.sharding import make_mesh  # noqa: E402

@@ -57,7 +57,7 @@ from rlax_llm.models import from_pretrained, smollm2_gguf_path  # noqa: E402
 from rlax_llm.models.decoder import DecoderConfig, head_logits, linear  # noqa: E402
 from rlax_llm.models.model import abstract_model, split_module  # noqa: E402
 from rlax_llm.models.presets import count_params  # noqa: E402
-from rlax_llm.policy import GREEDY  # noqa: E402
+from rlax_llm.sampling_spec import GREEDY  # noqa: E402
 from rlax_llm.rollout.driver import Driver, Job, VersionedParams  # noqa: E402
 from rlax_llm.rollout.engine import Engine  # noqa: E402
 from rlax_llm.sharding import make_mesh  # noqa: E402

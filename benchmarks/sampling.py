@@ -44,7 +44,7 @@ import numpy as np
 from rlax_llm import policy
 from rlax_llm.models import from_pretrained, smollm2_gguf_path
 from rlax_llm.models.model import split_module
-from rlax_llm.policy import SamplingSpec
+from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.rollout.driver import Job
 from rollout_throughput import driver_for, prompts_for
 

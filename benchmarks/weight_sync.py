@@ -30,7 +30,8 @@ from rlax_llm.losses import LossConfig, group_advantages
 from rlax_llm.models import from_pretrained, smollm2_gguf_path
 from rlax_llm.models.model import split_module
 from rlax_llm.paramserver import delta as delta_lib
-from rlax_llm.policy import Policy, SamplingSpec
+from rlax_llm.sampling_spec import SamplingSpec
+from rlax_llm.trainer.scoring import Policy
 from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.sharding import make_mesh
 from rlax_llm.tasks import ArithmeticTask

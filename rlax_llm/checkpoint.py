@@ -49,18 +49,11 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from rlax_llm.errors import CheckpointError
 from rlax_llm import workdir as workdir_lib
 
 WARMUP_DIRNAME = 'warmup'
 STEPS_DIRNAME = 'steps'
-
-
-class CheckpointError(RuntimeError):
-  """A checkpoint that cannot be used for this run; the message says why and what to do."""
-
-
-class Preempted(Exception):
-  """Raised where a run stops for a preemption signal before it has anything to save."""
 
 
 @dataclasses.dataclass

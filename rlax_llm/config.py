@@ -27,9 +27,10 @@ from collections.abc import Sequence
 
 import ml_collections
 
+from rlax_llm.errors import ConfigError
 from rlax_llm import losses
 from rlax_llm.models.decoder import INVARIANT_ROWS_MODES, REMAT_POLICIES, DecoderConfig
-from rlax_llm.policy import SamplingSpec
+from rlax_llm.sampling_spec import SamplingSpec
 
 DEFAULT_CONFIG_PATH = pathlib.Path(__file__).resolve().parent.parent / 'configs' / 'default.py'
 
@@ -75,10 +76,6 @@ FLOATS = {
 RESUMABLE_CHANGES = ('total_steps', 'checkpoint.', 'log.', 'eval.every_steps', 'mesh.',
                      'local.', 'rollout.worker_timeout_s', 'rollout.fault.', 'distributed.',
                      'name')
-
-
-class ConfigError(ValueError):
-  """A config that cannot run, with the key and the fix in the message."""
 
 
 def _get(config: ml_collections.ConfigDict, dotted: str):

@@ -89,9 +89,9 @@ from rlax_llm.data_types import GenerationRequest, Rollouts, make_train_batch
 from rlax_llm.evaluate import evaluate_policy
 from rlax_llm.metrics import MetricsWriter
 from rlax_llm.paramserver import ParameterServer
-from rlax_llm.policy import SamplingSpec
+from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.tasks import Prompt, Task
-from rlax_llm.trainer.trainer import NonFiniteError
+from rlax_llm.errors import NonFiniteError
 from rlax_llm.verifiers import score_rollouts
 
 

@@ -16,7 +16,7 @@ import flax.struct
 import jax
 import numpy as np
 
-from rlax_llm.policy import SamplingSpec
+from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.tasks.base import Prompt
 
 # 'stop': emitted eos; 'length': hit max_new_tokens; 'unfinished': generation of its batch

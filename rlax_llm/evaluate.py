@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from rlax_llm.data_types import GenerationRequest, Rollouts
-from rlax_llm.policy import GREEDY, SamplingSpec
+from rlax_llm.sampling_spec import GREEDY, SamplingSpec
 from rlax_llm.tasks import Prompt, Task
 from rlax_llm.verifiers import score_rollouts
 
@@ -204,8 +204,8 @@ def main(argv: Sequence[str]) -> None:
   from absl import flags
   from ml_collections import config_flags
   from rlax_llm import launch_help
-  from rlax_llm.checkpoint import CheckpointError
-  from rlax_llm.config import (DEFAULT_CONFIG_PATH, ConfigError, check_config_spec,
+  from rlax_llm.errors import CheckpointError, ConfigError
+  from rlax_llm.config import (DEFAULT_CONFIG_PATH, check_config_spec,
                                check_override_keys)
   if launch_help.wants_help(argv[1:]):  # before any flag parsing: absl does not know --help
     sys.stdout.write(f'{_USAGE}\n\n{launch_help.config_listing()}\n')

@@ -34,7 +34,8 @@ from ml_collections import config_flags
 
 from rlax_llm import distributed, launch_help
 from rlax_llm import workdir as workdir_lib
-from rlax_llm.config import (DEFAULT_CONFIG_PATH, ConfigError, check_config_spec,
+from rlax_llm.errors import CheckpointError, ConfigError, NonFiniteError, Preempted
+from rlax_llm.config import (DEFAULT_CONFIG_PATH, check_config_spec,
                              check_override_keys, check_resume_config, validate_config)
 
 _FLAGS: dict[str, flags.FlagHolder] = {}
@@ -81,8 +82,7 @@ def main(argv) -> None:
   # Model, trainer and data imports only after validation: a bad flag fails in seconds.
   # pylint: disable=import-outside-toplevel
   from rlax_llm.backends import build_run
-  from rlax_llm.checkpoint import CheckpointError, Preempted, PreemptionGuard
-  from rlax_llm.trainer.trainer import NonFiniteError
+  from rlax_llm.checkpoint import PreemptionGuard
 
   start = time.perf_counter()
   with claim:

@@ -22,11 +22,11 @@ import jax.numpy as jnp
 import ml_collections
 
 from rlax_llm import config as config_lib
-from rlax_llm.config import ConfigError
+from rlax_llm.errors import ConfigError
 from rlax_llm.models import presets
 from rlax_llm.models.decoder import DecoderConfig
 from rlax_llm.models.model import Model, Params, create_model, split_module
-from rlax_llm.policy import Policy
+from rlax_llm.trainer.scoring import Policy
 from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.sharding import role_meshes
 from rlax_llm.tasks import Task, make_task

@@ -44,6 +44,8 @@ import socket
 import threading
 from typing import Any
 
+from rlax_llm.errors import WorkdirError, WorkdirHasRun, WorkdirInUse
+
 LOCK_FILENAME = '.lock'
 METRICS_FILENAME = 'metrics.jsonl'  # the same name as rlax_llm.metrics (no jax import here)
 LEDGER_FILENAME = 'ledger.jsonl'  # per step: prompt ids consumed and policy versions
@@ -55,18 +57,6 @@ _MAX_NAME_ATTEMPTS = 100
 # claim in this process is refused even where flock is emulated per process (NFS on Linux).
 _CLAIMED: dict[tuple[int, int], WorkdirClaim] = {}
 _CLAIMED_LOCK = threading.Lock()
-
-
-class WorkdirError(RuntimeError):
-  """A workdir that this run cannot use; the message says why and what to do instead."""
-
-
-class WorkdirInUse(WorkdirError):
-  """Another live run (or this process) holds the workdir's lock."""
-
-
-class WorkdirHasRun(WorkdirError):
-  """The workdir already holds a run: ``metrics.jsonl`` has at least one step row."""
 
 
 def _new_suffix() -> str:

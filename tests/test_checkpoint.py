@@ -16,7 +16,7 @@ from rlax_llm.checkpoint import Checkpointer, CheckpointError, PreemptionGuard
 from rlax_llm.data_types import Rollouts
 from rlax_llm.models.decoder import DecoderConfig
 from rlax_llm.models.model import create_model
-from rlax_llm.policy import SamplingSpec
+from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.sharding import make_mesh
 from rlax_llm.trainer import objectives
 from rlax_llm.trainer.trainer import Trainer, make_optimizer

@@ -14,7 +14,7 @@ from rlax_llm.config import load_config_file
 from rlax_llm.metrics import read_metrics
 from rlax_llm.tasks import ArithmeticTask, Prompt
 from rlax_llm.controller import ControllerState
-from rlax_llm.trainer.trainer import NonFiniteError
+from rlax_llm.errors import NonFiniteError
 from rlax_llm.verifiers import as_reward, score_completions
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

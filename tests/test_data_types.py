@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rlax_llm.data_types import GenerationRequest, Rollouts, make_train_batch
-from rlax_llm.policy import SamplingSpec
+from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.tasks import Prompt
 
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from rlax_llm.evaluate import (
     evaluate_policy, load_policy_params, pass_at_k, pass_ks, sampled_metrics)
 from rlax_llm.checkpoint import Checkpointer, CheckpointError
-from rlax_llm.policy import SamplingSpec
+from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.tasks import ArithmeticTask
 from scored_rows import Rows  # tests/scored_rows.py
 

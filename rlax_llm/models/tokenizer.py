@@ -25,7 +25,7 @@ from rlax_llm import tokenization
 from rlax_llm.models import chat_template as chat_template_lib
 from rlax_llm.models import gguf as gguf_lib
 from rlax_llm.models import hf
-from rlax_llm.models.hf import CheckpointError
+from rlax_llm.errors import CheckpointError
 
 if TYPE_CHECKING:
   import tokenizers

@@ -44,7 +44,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from rlax_llm.policy import SamplingSpec
+from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.rollout.engine import MAX_STOP_IDS, Engine, Insert
 
 ON_SWAP = ('continue', 'discard')

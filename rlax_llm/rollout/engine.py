@@ -55,7 +55,8 @@ from rlax_llm.models.decoder import (INVARIANT_KEYS, KEY_BLOCK_AXES, KEY_POSITIO
                                      cache_block_shape, head_is_vocab_major)
 from rlax_llm.models.model import Model, Params, to_weight_layout, with_weight_layout
 from rlax_llm.paramserver.server import leaf_specs
-from rlax_llm.policy import SamplingSpec, sample_rows
+from rlax_llm.policy import sample_rows
+from rlax_llm.sampling_spec import SamplingSpec
 
 MAX_STOP_IDS = 8  # stop tokens per request (eos included)
 # KV-cache blocks hold a multiple of this many positions: XLA:CPU's batched attention

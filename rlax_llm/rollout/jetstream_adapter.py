@@ -47,7 +47,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from rlax_llm.policy import GREEDY, SamplingSpec
+from rlax_llm.sampling_spec import GREEDY, SamplingSpec
 from rlax_llm.rollout.driver import VersionedParams
 from rlax_llm.rollout.engine import Engine, Insert
 

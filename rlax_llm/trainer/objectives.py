@@ -24,7 +24,7 @@ from rlax_llm import losses
 from rlax_llm.data_types import TrainBatch
 from rlax_llm.losses.supervised import token_cross_entropy
 from rlax_llm.models.model import Model, Params
-from rlax_llm.policy import Policy
+from rlax_llm.trainer.scoring import Policy
 
 
 def loss_totals(batch: TrainBatch | dict[str, jax.Array]) -> losses.Totals:

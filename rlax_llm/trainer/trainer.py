@@ -27,16 +27,13 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from rlax_llm.errors import NonFiniteError
 from rlax_llm import sharding as sharding_lib
 from rlax_llm.models.model import Model, Params
 
 # ``objective(params, batch, reference_params, totals=None) -> (loss, metrics)``; ``totals``
 # (whole-batch normalisers, ``rlax_llm.losses.Totals``) is passed only with micro-batches.
 Objective = Callable[..., tuple[jax.Array, dict[str, Any]]]
-
-
-class NonFiniteError(RuntimeError):
-  """The trainer's updates stayed non-finite for ``max_nonfinite_updates`` steps in a row."""
 
 
 def learning_rate_schedule(learning_rate: float, decay_steps: int = 0

@@ -17,10 +17,11 @@ from jax.sharding import Mesh
 from rlax_llm.data import sft_batch
 from rlax_llm.models.model import Model, Params
 from rlax_llm.tasks import Task
-from rlax_llm.checkpoint import Preempted
+from rlax_llm.errors import Preempted
 from rlax_llm.tokenization import Tokenizer
 from rlax_llm.trainer.objectives import sft_objective
-from rlax_llm.trainer.trainer import NonFiniteError, Trainer, make_optimizer
+from rlax_llm.errors import NonFiniteError
+from rlax_llm.trainer.trainer import Trainer, make_optimizer
 
 
 def supervised_warmup(model: Model, params: Params, task: Task, tokenizer: Tokenizer,

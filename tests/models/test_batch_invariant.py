@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from rlax_llm.models.decoder import INVARIANT_KEYS, DecoderConfig, invariant_matmul
 from rlax_llm.models.model import create_model
-from rlax_llm.policy import Policy, SamplingSpec
+from rlax_llm.sampling_spec import SamplingSpec
+from rlax_llm.trainer.scoring import Policy
 from rlax_llm.rollout.engine import Engine
 from rlax_llm.sharding import activation_sharding, make_mesh, param_shardings
 

@@ -24,7 +24,7 @@ from rlax_llm.models.tokenizer import HFTokenizer
 gguf = pytest.importorskip('gguf')
 tokenizers = pytest.importorskip('tokenizers')
 
-CheckpointError = hf.CheckpointError
+from rlax_llm.errors import CheckpointError  # noqa: E402
 
 
 def _assert_error(excinfo: pytest.ExceptionInfo, path: pathlib.Path, phrase: str) -> None:

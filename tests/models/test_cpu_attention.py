@@ -16,7 +16,8 @@ import pytest
 from rlax_llm.models import cpu_attention
 from rlax_llm.models.decoder import DecoderConfig
 from rlax_llm.models.model import create_model
-from rlax_llm.policy import GREEDY, Policy, SamplingSpec
+from rlax_llm.sampling_spec import GREEDY, SamplingSpec
+from rlax_llm.trainer.scoring import Policy
 from rlax_llm.rollout.driver import Driver, Job, VersionedParams
 from rlax_llm.rollout.engine import Engine
 from rlax_llm.sharding import make_mesh

@@ -16,6 +16,7 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
+from rlax_llm.errors import CheckpointError  # noqa: E402
 from rlax_llm.models import hf  # noqa: E402
 from rlax_llm.models.decoder import DecoderConfig, KVCache  # noqa: E402
 from rlax_llm.models.model import create_model  # noqa: E402
@@ -196,14 +197,14 @@ def _rewrite(directory, dst, *, drop=None, config_edit=None):
 def test_missing_tensor_is_named(tmp_path_factory, tmp_path):
   src = _tiny_checkpoint(tmp_path_factory)
   bad = _rewrite(src, tmp_path / 'bad', drop='model.layers.1.mlp.up_proj.weight')
-  with pytest.raises(hf.CheckpointError, match=r'missing 1 tensor.*layers\.1\.mlp\.up_proj'):
+  with pytest.raises(CheckpointError, match=r'missing 1 tensor.*layers\.1\.mlp\.up_proj'):
     from_pretrained(bad)
 
 
 def test_shape_mismatch_is_named(tmp_path_factory, tmp_path):
   src = _tiny_checkpoint(tmp_path_factory)
   bad = _rewrite(src, tmp_path / 'bad', config_edit={'intermediate_size': 100})
-  with pytest.raises(hf.CheckpointError, match=r"'model.layers.0.mlp.gate_proj.weight' has "
+  with pytest.raises(CheckpointError, match=r"'model.layers.0.mlp.gate_proj.weight' has "
                                                r"shape \(96, 64\); the config implies \(100, 64\)"):
     from_pretrained(bad)
 
@@ -212,7 +213,7 @@ def test_unknown_architecture_is_named(tmp_path_factory, tmp_path):
   src = _tiny_checkpoint(tmp_path_factory)
   bad = _rewrite(src, tmp_path / 'bad', config_edit={'architectures': ['MambaForCausalLM'],
                                                      'model_type': 'mamba'})
-  with pytest.raises(hf.CheckpointError, match=r'"architectures".*MambaForCausalLM'):
+  with pytest.raises(CheckpointError, match=r'"architectures".*MambaForCausalLM'):
     from_pretrained(bad)
 
 
@@ -224,7 +225,7 @@ def test_unused_tensor_is_an_error(tmp_path_factory, tmp_path):
   del ckpt
   tensors['model.layers.0.self_attn.q_proj.bias'] = np.zeros(64, np.float32)
   hf.write_safetensors(bad / 'model.safetensors', tensors)
-  with pytest.raises(hf.CheckpointError, match=r'does not use.*q_proj\.bias'):
+  with pytest.raises(CheckpointError, match=r'does not use.*q_proj\.bias'):
     from_pretrained(bad)
 
 

@@ -14,7 +14,8 @@ from rlax_llm.models.decoder import DecoderConfig
 from rlax_llm.models.model import create_model
 from rlax_llm.paramserver import ParameterServer
 from rlax_llm.paramserver import delta as delta_lib
-from rlax_llm.policy import Policy, SamplingSpec
+from rlax_llm.sampling_spec import SamplingSpec
+from rlax_llm.trainer.scoring import Policy
 from rlax_llm.sharding import make_mesh
 from rlax_llm.trainer.objectives import rl_objective
 from rlax_llm.trainer.trainer import Trainer, make_optimizer

@@ -17,7 +17,8 @@ import pytest
 
 from rlax_llm.models.decoder import INVARIANT_KEYS, DecoderConfig
 from rlax_llm.models.model import create_model
-from rlax_llm.policy import GREEDY, Policy, SamplingSpec
+from rlax_llm.sampling_spec import GREEDY, SamplingSpec
+from rlax_llm.trainer.scoring import Policy
 from rlax_llm.rollout.driver import Driver, Job, Sample, VersionedParams
 from rlax_llm.rollout.engine import Engine, Insert, default_buckets
 from rlax_llm.sharding import make_mesh

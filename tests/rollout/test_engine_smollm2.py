@@ -21,7 +21,8 @@ transformers = pytest.importorskip('transformers')
 
 from rlax_llm.models import cpu_attention, from_pretrained, smollm2_gguf_path  # noqa: E402
 from rlax_llm.models.model import abstract_model, split_module  # noqa: E402
-from rlax_llm.policy import GREEDY, Policy, SamplingSpec  # noqa: E402
+from rlax_llm.sampling_spec import GREEDY, SamplingSpec  # noqa: E402
+from rlax_llm.trainer.scoring import Policy  # noqa: E402
 from rlax_llm.rollout.driver import Driver, Job, VersionedParams  # noqa: E402
 from rlax_llm.rollout.engine import Engine  # noqa: E402
 from rlax_llm.sharding import make_mesh  # noqa: E402

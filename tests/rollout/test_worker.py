@@ -15,7 +15,8 @@ from rlax_llm.losses import LossConfig
 from rlax_llm.models.decoder import DecoderConfig
 from rlax_llm.models.model import create_model
 from rlax_llm.paramserver import ParameterServer
-from rlax_llm.policy import GREEDY, Policy, SamplingSpec
+from rlax_llm.sampling_spec import GREEDY, SamplingSpec
+from rlax_llm.trainer.scoring import Policy
 from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.sharding import make_mesh
 from rlax_llm.tasks import Prompt

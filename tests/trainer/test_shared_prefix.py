@@ -17,7 +17,8 @@ from rlax_llm import roles
 from rlax_llm.losses import LOSSES, LossConfig
 from rlax_llm.models.decoder import DecoderConfig
 from rlax_llm.models.model import create_model
-from rlax_llm.policy import Policy, SamplingSpec
+from rlax_llm.sampling_spec import SamplingSpec
+from rlax_llm.trainer.scoring import Policy
 from rlax_llm.sharding import make_mesh
 from rlax_llm.trainer import objectives
 from rlax_llm.trainer.trainer import Trainer
