@@ -66,7 +66,6 @@ BAD = [
      'int in [rl.prompts_per_step, groups requested per batch] = [4, 4]'),
     ('rollout.stop_after_groups', -1, 'config.rollout.stop_after_groups=-1 must be an int >= 0'),
     ('rollout.workers', 0, 'config.rollout.workers=0 must be an int >= 1'),
-    ('rollout.fault.kind', 'explode', "config.rollout.fault.kind='explode' is not valid"),
     ('rollout.on_swap', 'later', "config.rollout.on_swap='later' is not valid"),
     ('rollout.short_batches', 'drop', "config.rollout.short_batches='drop' is not valid"),
     ('backend', 'slurm', "config.backend='slurm' is not valid"),

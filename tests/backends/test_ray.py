@@ -32,8 +32,11 @@ def cluster():
     ray.shutdown()
 
 
-def execute(config, workdir):
+def execute(config, workdir, wrap=None):
+  """Runs ``config``; ``wrap(controller)`` may replace role handles (e.g. inject faults)."""
   with build_run(config, workdir) as run:
+    if wrap is not None:
+      wrap(run.controller)
     summary = run.execute()
   return summary, read_metrics(workdir / 'metrics.jsonl')
 
@@ -45,9 +48,27 @@ def test_ray_and_local_give_the_same_run(cluster, tmp_path):
   assert max(r['staleness/max'] for r in ray_rows) <= 7
 
 
+class KilledAtCall:
+  """A worker handle whose actor process is killed just before its ``call``-th ``generate``
+  call (a real process death: the call's result never comes)."""
+
+  def __init__(self, handle, call):
+    self._handle, self._call, self._calls = handle, call, 0
+
+  def __getattr__(self, name):
+    return getattr(self._handle, name)
+
+  def generate(self, *args, **kwargs):
+    self._calls += 1
+    if self._calls == self._call:
+      ray.kill(self._handle.actor, no_restart=True)
+    return self._handle.generate(*args, **kwargs)
+
+
 def test_a_dead_worker_process_is_replaced(cluster, tmp_path):
-  summary, rows = execute(smoke('ray', rollout__workers=2, rollout__fault__worker=1,
-                                rollout__fault__call=2, rollout__fault__kind='die'), tmp_path)
+  def fault(controller):
+    controller.workers[1] = KilledAtCall(controller.workers[1], 2)
+  summary, rows = execute(smoke('ray', rollout__workers=2), tmp_path, wrap=fault)
   assert summary['workers/lost'] == 1 and len(rows) == 6
   assert 'inference worker 1 was lost' in summary['events'][0]
 
