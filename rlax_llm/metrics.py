@@ -113,13 +113,16 @@ class JsonlFile:
     self._file = open(path, 'a', encoding='utf-8')  # noqa: SIM115 (open until close)
 
   def append(self, row: Mapping[str, Any], *, allow_nan: bool = True) -> None:
+    """One line, ``row`` as JSON (``allow_nan=False``: NaN or inf raises ValueError)."""
     self._file.write(json.dumps(row, allow_nan=allow_nan) + '\n')
     self._file.flush()
 
   def flush(self) -> None:
+    """Flushes the file (each line already is)."""
     self._file.flush()
 
   def close(self) -> None:
+    """Closes the file."""
     self._file.close()
 
 
@@ -127,6 +130,7 @@ class MetricsFile(JsonlFile):
   """``metrics.jsonl``: ``{"step": step, **values}`` per step, non-finite floats as null."""
 
   def write(self, step: int, values: Mapping[str, Scalar]) -> None:
+    """One step's checked scalars."""
     self.append({'step': step, **{k: _json_safe(v) for k, v in values.items()}},
                 allow_nan=False)
 
@@ -135,6 +139,7 @@ class LedgerFile(JsonlFile):
   """``ledger.jsonl``: ``{"step": step, **row}`` per step (JSON-safe values)."""
 
   def write(self, step: int, row: Mapping[str, Any]) -> None:
+    """One step's row."""
     self.append({'step': int(step), **row})
 
 

@@ -138,7 +138,9 @@ class TensorBoardWriter:
       self.write_text(step, 'samples', '\n'.join(rows))
 
   def flush(self) -> None:
+    """Writes the pending events to disk."""
     self._tb.flush()
 
   def close(self) -> None:
+    """Flushes and closes the event file."""
     self._tb.close()
