@@ -1,13 +1,16 @@
-"""Helpers shared by the tasks: a stable hash, a counter-based generator, argument checks."""
+"""Helpers shared by the tasks: a stable hash, a counter-based generator, argument checks,
+text cleaning."""
 
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 
 from rlax_llm.tasks.base import PROMPT_FORMATS
 
 MASK64 = (1 << 64) - 1
+_SURROGATE_RE = re.compile('[\ud800-\udfff]')
 
 
 def stable_hash(*parts: int | str) -> int:
@@ -76,3 +79,15 @@ def check_format(owner: str, format: str, system_prompt: object,  # pylint: disa
     names = ', '.join('{' + k + '}' for k in fields)
     raise ValueError(f'{owner} instruction={instruction!r} is not a str.format template over '
                      f'{names}: {e!r}.') from None
+
+
+def clean_text(text: object) -> str | None:
+  """``text`` as valid UTF-8-encodable str (lone surrogates become U+FFFD), or None if it is
+  not a str."""
+  if not isinstance(text, str):
+    return None
+  try:
+    text.encode('utf-8')
+    return text
+  except UnicodeEncodeError:
+    return _SURROGATE_RE.sub('\ufffd', text)
