@@ -87,18 +87,13 @@ class MathTask(FileTask):
     return (self.question_field, self.answer_field)
 
   def _check_record(self, record: Mapping[str, Any]) -> None:
-    question, answer = record[self.question_field], record[self.answer_field]
-    if not isinstance(question, str) or not question.strip():
-      raise ValueError(f'field {self.question_field!r} must be a non-empty str, got '
-                       f'{question!r:.80}.')
+    super()._check_record(record)
+    answer = record[self.answer_field]
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
       return
     if not isinstance(answer, str) or math_scorer.reference_answer(answer) is None:
       raise ValueError(f'field {self.answer_field!r} has no final answer (a bare answer, '
                        f'"#### answer" or \\boxed{{answer}}): {answer!r:.120}.')
-
-  def _key(self, record: Mapping[str, Any]) -> str:
-    return record[self.question_field]
 
   def _fields(self, record: Mapping[str, Any]) -> dict[str, str]:
     return {'question': record[self.question_field].strip()}

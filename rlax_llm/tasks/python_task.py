@@ -155,10 +155,8 @@ class PythonTask(FileTask):
     return (self.question_field, self.tests_field)
 
   def _check_record(self, record: Mapping[str, Any]) -> None:
-    question, tests = record[self.question_field], record[self.tests_field]
-    if not isinstance(question, str) or not question.strip():
-      raise ValueError(f'field {self.question_field!r} must be a non-empty str, got '
-                       f'{question!r:.80}.')
+    super()._check_record(record)
+    tests = record[self.tests_field]
     if (not isinstance(tests, (list, tuple)) or not tests
         or not all(isinstance(t, str) and t.strip() for t in tests)):
       raise ValueError(f'field {self.tests_field!r} must be a non-empty list of Python '
@@ -167,9 +165,6 @@ class PythonTask(FileTask):
       if record.get(field) is not None and not isinstance(record[field], str):
         raise ValueError(f'field {field!r} must be a str when present, got '
                          f'{type(record[field]).__name__}.')
-
-  def _key(self, record: Mapping[str, Any]) -> str:
-    return record[self.question_field]
 
   def _fields(self, record: Mapping[str, Any]) -> dict[str, str]:
     tests = list(record[self.tests_field])[:self.shown_tests]
