@@ -3,8 +3,8 @@
 A task's scorer (``task.score``) that raises, hangs past its timeout, returns something that
 is not a real number, or returns a value that is not finite once converted to float32
 (``1e300`` overflows to inf) gives reward 0 and a counted, logged error (docs/architecture.md
-"Roles"); the controller logs the count as ``verifier/errors``. So a reward that reaches the advantages is always a finite
-float32.
+"Roles"); the controller logs the count as ``verifier/errors``. So a reward that reaches the
+advantages is always a finite float32.
 
 Scoring runs in a verifier pool: daemon threads, each completion with its own timeout (the
 task's ``verifier_timeout_s`` attribute, else ``DEFAULT_TIMEOUT_S``). A thread stuck past its
@@ -25,10 +25,14 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from rlax_llm.tasks.base import Prompt, Task
+
+if TYPE_CHECKING:  # data_types imports jax; the verifier role runs without it (annotation only)
+  from rlax_llm.data_types import Rollouts
 
 DEFAULT_TIMEOUT_S = 30.0  # per completion, when the task has no `verifier_timeout_s`
 
@@ -166,9 +170,9 @@ def score_completions(task: Task, prompts: Sequence[Prompt], completions: Sequen
   return rewards, errors
 
 
-def score_rollouts(task: Task, prompts: Sequence[Prompt], rollouts):
+def score_rollouts(task: Task, prompts: Sequence[Prompt], rollouts: Rollouts) -> Rollouts:
   """Scores ``rollouts`` (rows of group ``g`` answer ``prompts[g]``); returns them with
-  ``rewards`` and ``verifier_errors`` filled in.
+  ``rewards`` (float32 ``[B]``) and ``verifier_errors`` filled in.
 
   Raises ValueError if a row's ``prompt_id`` is not its prompt's (the worker and the
   controller disagree about which prompt a row answers).

@@ -244,7 +244,7 @@ def test_invalid_constructor_args(kwargs, message):
 def test_repr_is_the_constructor_call_and_numpy_ints_are_accepted():
   task = ArithmeticTask(seed=np.uint64(3), max_operand=np.int32(20), operations='+-',
                         num_eval=10, format='chat')
-  assert type(task.seed) is int and type(task.max_operand) is int  # pylint: disable=unidiomatic-typecheck
+  assert (type(task.seed), type(task.max_operand)) == (int, int)
   assert repr(task) == ("ArithmeticTask(seed=3, max_operand=20, operations='+-', num_eval=10, "
                         "demo_error_rate=0.0, format='chat', answer_format='exact')")
   rebuilt = eval(repr(task), {'ArithmeticTask': ArithmeticTask})  # pylint: disable=eval-used
