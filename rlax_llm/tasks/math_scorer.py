@@ -91,13 +91,18 @@ def extract_final_answer(completion: object) -> str | None:
   return answer
 
 
+def has_answer_marker(text: str) -> bool:
+  """Whether ``text`` marks a final answer: a ``####`` line or a ``\\boxed``/``\\fbox``."""
+  return '####' in text or '\\boxed' in text or '\\fbox' in text
+
+
 def reference_answer(answer: object) -> str | None:
   """The final answer of a reference: extracted as ``extract_final_answer`` does when it has
   a ``####`` or ``\\boxed`` marker, else the whole text stripped."""
   text = clean_text(answer)
   if text is None:
     return None
-  if '####' in text or '\\boxed' in text or '\\fbox' in text:
+  if has_answer_marker(text):
     return extract_final_answer(text)
   text = text.strip()
   return text if text and len(text) <= MAX_ANSWER_CHARS else None

@@ -79,9 +79,8 @@ class MathTask(FileTask):
     if text is None:
       return False
     text = text[-math_scorer.MAX_SCAN_CHARS:]
-    if '####' not in text and '\\boxed' not in text and '\\fbox' not in text:
-      return False
-    return math_scorer.extract_final_answer(text) is not None
+    return (math_scorer.has_answer_marker(text)
+            and math_scorer.extract_final_answer(text) is not None)
 
   def _required_fields(self) -> tuple[str, ...]:
     return (self.question_field, self.answer_field)
@@ -103,6 +102,6 @@ class MathTask(FileTask):
 
   def _demonstration(self, record: Mapping[str, Any]) -> str:
     answer = str(record[self.answer_field]).strip()
-    if '####' in answer or '\\boxed' in answer or '\\fbox' in answer:
+    if math_scorer.has_answer_marker(answer):
       return answer
     return f'\\boxed{{{answer}}}'

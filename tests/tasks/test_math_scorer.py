@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 from scorer_checks import SURROGATE, timed  # tests/tasks/scorer_checks.py
 
 from rlax_llm.tasks import math_scorer
-from rlax_llm.tasks.math_scorer import extract_final_answer, reference_answer, score_math
+from rlax_llm.tasks.math_scorer import (
+    extract_final_answer, has_answer_marker, reference_answer, score_math)
 
 # ------------------------------------------------------------------------- extraction
 
@@ -32,6 +33,11 @@ from rlax_llm.tasks.math_scorer import extract_final_answer, reference_answer, s
 ])
 def test_extract_final_answer(completion, expected):
   assert extract_final_answer(completion) == expected
+
+
+def test_has_answer_marker():
+  assert has_answer_marker('so #### 3') and has_answer_marker('\\boxed{1}')
+  assert has_answer_marker('\\fbox{1}') and not has_answer_marker('the answer is 42')
 
 
 def test_reference_answer_takes_the_marker_or_the_whole_text():
