@@ -56,7 +56,7 @@ BAD = [
      "['arithmetic', 'countdown', 'math', 'python']"),
     ('task.max_operand', -1, 'config.task: ArithmeticTask max_operand must be >= 0, got -1'),
     ('task.format', 'chat', 'config.task.format=\'chat\' prompts are chat messages'),
-    ('task.answer_format', 'fuzzy', "config.task: answer_format='fuzzy'"),
+    ('task.answer_format', 'fuzzy', "config.task: ArithmeticTask answer_format='fuzzy'"),
     ('staleness.k', 0, 'config.staleness.k=0 must be an int >= 1'),
     ('staleness.j', 4, 'config.staleness (j, k) = (4, 1): j must be <= k'),
     ('rollout.oversample', 5.0, 'config.rollout.oversample=5.0 must be in [0, 4]'),
