@@ -13,11 +13,17 @@ changed element, the full array ``itemsize`` per element, so a leaf is sent whol
 than ``itemsize / (index_bytes + itemsize)`` of it changed (half for fp32 with int32
 indices, a third for bf16). Leaves are grouped into buckets of at most ``bucket_bytes`` so a
 transport can move (and a receiver apply) one bucket at a time.
+
+Checksums: the server computes ``checksum`` of every leaf once, when a version is pushed, and
+sends them with each update; the receiver checks the leaves it rebuilt with ``verify`` (one
+definition on both sides), so a corrupted transfer or a delta applied to the wrong base is an
+error naming the leaf, never silently wrong weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -44,7 +50,8 @@ class LeafUpdate:
 
 @dataclasses.dataclass(frozen=True)
 class Delta:
-  """From ``base_version`` to ``version``: buckets of ``LeafUpdate``s covering every leaf."""
+  """From ``base_version`` to ``version``: buckets of ``LeafUpdate``s covering every leaf,
+  and the ``checksum`` of each of the version's leaves (in leaf order; empty: none sent)."""
 
   base_version: int
   version: int
@@ -52,6 +59,7 @@ class Delta:
   num_leaves: int
   changed: int  # elements whose bits changed
   total: int  # elements in all leaves
+  checksums: tuple[int, ...] = ()
 
   @property
   def nbytes(self) -> int:
@@ -67,6 +75,27 @@ def _bits(array: np.ndarray) -> np.ndarray:
   """``array`` viewed as unsigned integers of its width (flat)."""
   flat = np.ascontiguousarray(array).reshape(-1)
   return flat.view(np.dtype(f'u{flat.dtype.itemsize}'))
+
+
+def checksum(leaf: np.ndarray) -> int:
+  """CRC-32 of ``leaf``'s bytes (C order): the per-leaf checksum both ends of a pull use."""
+  return zlib.crc32(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8))
+
+
+def verify(leaves: Sequence[np.ndarray], checksums: Sequence[int], paths: Sequence[str],
+           version: int) -> None:
+  """Checks each of ``leaves`` (version ``version``, named by ``paths``) against its
+  ``checksums`` entry. Raises ValueError naming the first leaf that differs."""
+  if len(checksums) != len(leaves):
+    raise ValueError(f'version {version} came with {len(checksums)} checksums for '
+                     f'{len(leaves)} leaves; pull it again from the parameter server.')
+  for path, leaf, expected in zip(paths, leaves, checksums):
+    seen = checksum(leaf)
+    if seen != expected:
+      raise ValueError(
+          f'leaf {path} of version {version} fails its checksum (crc32 {seen:#010x}, the '
+          f'server pushed {expected:#010x}): the transfer was corrupted or the delta was '
+          'applied to another base. Pull the version again whole (base_version=-1).')
 
 
 def encode(base: Sequence[np.ndarray], new: Sequence[np.ndarray], *, base_version: int,

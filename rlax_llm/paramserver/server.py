@@ -1,9 +1,13 @@
-"""Versioned, in-process parameter server.
+"""Versioned parameter server: the store behind the parameter-server role.
 
 The trainer pushes its params after every update as version ``n`` (the number of updates
-applied); inference workers pull the latest version, or wait for one at least as new as they
-need. The server keeps the latest ``keep`` versions as read-only host numpy copies, so a
-snapshot handed out never changes, whatever the trainer or a reader does afterwards.
+applied) itself; each inference worker pulls the version it is asked to sample with
+(``update``: a lossless delta from the version it holds, or whole leaves) itself, and checks
+every leaf against the checksum the server computed at push time. The controller never calls
+it: it passes version numbers only. The server keeps the latest ``keep`` versions as
+read-only host numpy copies, so a snapshot handed out never changes, whatever the trainer or
+a reader does afterwards. Where it runs is the backend's choice (``rlax_llm.backends``: in
+the process of the local backend's roles, or in an actor of its own on Ray).
 
 Guarantees:
 
@@ -13,7 +17,12 @@ Guarantees:
   by the constructor's ``template`` or else by the first push. A push that differs is rejected
   with the offending leaf path.
 * A rejected push leaves the server exactly as it was.
-* Non-finite values are stored as they are; the server never scans values.
+* Non-finite values are stored as they are; the server never scans values (the checksums
+  are of the bytes).
+* Readers never block the writer: the lock is held only to look versions up and to commit
+  one; copying to host, checksumming and encoding deltas run outside it.
+* A pull of a version no longer held is a ``KeyError`` naming the version, the versions held
+  and the fix.
 
 Transfers. ``update(version, base_version)`` returns a version as a lossless sparse delta from
 the version a puller holds (``rlax_llm.paramserver.delta``: per leaf, the changed elements'
@@ -135,8 +144,8 @@ class ParameterServer:
       )
     self._keep = int(keep)
     self._cond = threading.Condition()
-    # version -> (treedef, leaves); dict order is ascending version order.
-    self._store: dict[int, tuple[Any, list[np.ndarray]]] = {}
+    # version -> (treedef, leaves, checksums); dict order is ascending version order.
+    self._store: dict[int, tuple[Any, list[np.ndarray], tuple[int, ...]]] = {}
     self._latest = -1
     self._template: tuple[Any, list[str], list[LeafSpec]] | None = None
     if template is not None:
@@ -186,6 +195,7 @@ class ParameterServer:
   def _commit(self, version: int, treedef: Any, paths: list[str], leaves: list[np.ndarray]) -> None:
     """Checks order and template, then stores host leaves atomically (the transport seam)."""
     specs = [_leaf_spec(leaf) for leaf in leaves]
+    checksums = tuple(delta_lib.checksum(leaf) for leaf in leaves)  # outside the lock
     with self._cond:
       self._check_version_order(version)
       if self._template is None:
@@ -195,7 +205,7 @@ class ParameterServer:
         self._check_matches_template(treedef, paths, specs)
       # Nothing below can fail: the push is accepted.
       self._template = template
-      self._store[version] = (treedef, leaves)
+      self._store[version] = (treedef, leaves, checksums)
       self._latest = version
       while len(self._store) > self._keep:
         del self._store[next(iter(self._store))]
@@ -274,16 +284,29 @@ class ParameterServer:
     """Returns the held snapshot of exactly ``version``.
 
     Raises:
-        KeyError: ``version`` was evicted or never pushed; the message lists held versions.
+        KeyError: ``version`` was dropped or never pushed; the message lists held versions.
     """
     version = _check_int('version', version)
     with self._cond:
       if version not in self._store:
-        raise KeyError(
-          f'version {version} is not held (evicted or never pushed); held versions: '
-          f'{list(self._store)} (keep={self._keep}).'
-        )
+        raise self._not_held(version)
       return self._snapshot(version)
+
+  def _not_held(self, version: int) -> KeyError:
+    """The error for a version not in the store (call with the lock held): dropped (older
+    than every held version), not pushed yet, or skipped."""
+    held = list(self._store)
+    if held and version < held[0]:
+      why = (f'it was dropped: the server keeps the newest {self._keep} versions, now '
+             f'{held[0]}..{held[-1]}. Pull a version before {self._keep} newer ones are '
+             'pushed, or keep more (ControllerSettings.versions_kept)')
+    elif version > self._latest:
+      why = (f'it has not been pushed yet (the latest is {self._latest}); pull it after the '
+             'trainer pushed it')
+    else:
+      why = 'it was never pushed (versions may skip numbers); pull a held version'
+    return KeyError(f'version {version} is not held: {why}. held versions: {held} '
+                    f'(keep={self._keep}).')
 
   def update(self, version: int, base_version: int = -1, *,
              bucket_bytes: int = delta_lib.DEFAULT_BUCKET_BYTES) -> delta_lib.Delta:
@@ -292,23 +315,28 @@ class ParameterServer:
     Every leaf comes as the indices and values of its changed elements or whole, whichever
     is smaller (``rlax_llm.paramserver.delta``); with ``base_version`` -1 or no longer held,
     every leaf comes whole. ``delta.apply(base_leaves, update)`` rebuilds the version's
-    leaves bit for bit (tree order of the template).
+    leaves bit for bit (tree order of the template), and ``delta.verify`` checks them against
+    ``update.checksums`` (the leaves' checksums taken at push time). The lock is held only to
+    look the versions up; the delta is encoded outside it, so pushes go on meanwhile.
 
-    Raises KeyError when ``version`` is not held.
+    Raises KeyError when ``version`` is not held (dropped, or not pushed yet).
     """
+    version = _check_int('version', version)
     with self._cond:
       target = self._store.get(version)
+      if target is None:
+        raise self._not_held(version)
       base = self._store.get(base_version) if base_version >= 0 else None
-    if target is None:
-      self.get(version)  # raises KeyError listing the held versions
-    new = target[1]
+    _, new, checksums = target
     if base is None:
       updates = tuple((delta_lib.LeafUpdate(i, full=leaf),) for i, leaf in enumerate(new))
       total = sum(leaf.size for leaf in new)
       return delta_lib.Delta(base_version=-1, version=version, buckets=updates,
-                             num_leaves=len(new), changed=total, total=total)
-    return delta_lib.encode(base[1], new, base_version=base_version, version=version,
-                            bucket_bytes=bucket_bytes)
+                             num_leaves=len(new), changed=total, total=total,
+                             checksums=checksums)
+    return dataclasses.replace(
+        delta_lib.encode(base[1], new, base_version=base_version, version=version,
+                         bucket_bytes=bucket_bytes), checksums=checksums)
 
   @property
   def treedef(self) -> Any:
@@ -327,5 +355,5 @@ class ParameterServer:
       return list(self._store)
 
   def _snapshot(self, version: int) -> WeightSnapshot:
-    treedef, leaves = self._store[version]
+    treedef, leaves, _ = self._store[version]
     return WeightSnapshot(version=version, params=jax.tree_util.tree_unflatten(treedef, leaves))

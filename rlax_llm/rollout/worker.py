@@ -1,22 +1,28 @@
-"""An inference worker: holds a weight version, reloads from the parameter server, generates.
+"""An inference worker: holds a weight version, pulls versions from the parameter server,
+generates.
 
 The worker is passive (the controller calls it) and speaks typed requests and results only:
-``generate(requests, rng) -> Rollouts``. It tokenizes prompts with the model's tokenizer
+``generate(requests, rng) -> Rollouts``; ``generate_at(version, fetch, ...)`` first pulls the
+version the controller names (a version number, never weights) from the parameter server
+itself, through ``fetch`` (the backend's way to reach the server), and checks every leaf
+against the checksum the server took when the trainer pushed it. It tokenizes prompts with the model's tokenizer
 (chat messages through the checkpoint's chat template), runs them through the
 continuous-batching driver (``rlax_llm.rollout.driver``) over the JetStream-API engine
 (``rlax_llm.rollout.engine``), and returns each completion whole: tokens, behaviour
 log-probs, the version of every token, finish reason, restarts, decoded text and timings.
 
 Reload staleness ``j`` (RLAX, docs/architecture.md): ``maybe_reload`` pulls new weights when
-the server is at least ``j`` versions ahead of the weights held. ``load`` swaps the weights
+the server is at least ``j`` versions ahead of the weights held (the deterministic schedule
+names the version instead: ``generate_at``). ``load`` swaps the weights
 the driver reads before every decode step. Params live on the worker's own ``inference``
 mesh with the shardings the logical-axis rules give there (the same rules as the trainer's).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -28,9 +34,14 @@ from rlax_llm.data_types import GenerationRequest, Rollouts
 from rlax_llm.models.model import Model
 from rlax_llm.paramserver import ParameterServer
 from rlax_llm.paramserver import delta as delta_lib
+from rlax_llm.paramserver.server import leaf_specs
 from rlax_llm.rollout.driver import Driver, Job, Sample, VersionedParams
 from rlax_llm.rollout.engine import Engine
 from rlax_llm.tokenization import Tokenizer, encode_prompt
+
+# ``fetch(version, base_version) -> Delta``: a backend's way to ask the parameter server for a
+# version (``ParameterServer.update`` in process, a call to the server's actor on Ray).
+Fetch = Callable[[int, int], delta_lib.Delta]
 
 
 class InferenceWorker:
@@ -64,7 +75,9 @@ class InferenceWorker:
     self.driver = Driver(self.engine, self.holder, on_swap=on_swap)
     self.reloads = 0
     self._host_leaves: list[np.ndarray] | None = None  # the held version, for deltas
-    self._treedef = jax.tree_util.tree_structure(model.abstract_params())
+    abstract = model.abstract_params()
+    self._treedef = jax.tree_util.tree_structure(abstract)
+    self._leaf_paths = list(leaf_specs(abstract))  # names leaves in checksum errors
 
   @property
   def version(self) -> int:
@@ -86,12 +99,40 @@ class InferenceWorker:
 
   def apply_update(self, update: delta_lib.Delta) -> None:
     """Installs ``update`` (``ParameterServer.update``): a delta from the version held, or
-    whole leaves. Raises ValueError if it was computed from another base version."""
+    whole leaves, checked leaf by leaf against ``update.checksums`` when it has them (the
+    server's always do). Raises ValueError if it was computed from another base version, or
+    naming the leaf whose checksum differs; the held version stays as it was."""
     if update.base_version >= 0 and update.base_version != self.version:
       raise ValueError(f'the update is a delta from version {update.base_version} but this '
                        f'worker holds version {self.version}; ask for one from that version.')
     leaves = delta_lib.apply(self._host_leaves or [None] * update.num_leaves, update)
+    if update.checksums:
+      delta_lib.verify(leaves, update.checksums, self._leaf_paths, update.version)
     self.load(update.version, jax.tree_util.tree_unflatten(self._treedef, leaves))
+
+  def pull(self, version: int, fetch: Fetch) -> dict[str, float]:
+    """Pulls ``version`` through ``fetch`` (a delta from the version held, or whole leaves
+    when none is held) and installs it (``apply_update``). Returns the pull's figures:
+    ``sync/updates`` (1), ``sync/bytes`` moved, ``sync/full_bytes`` of leaves sent whole,
+    ``sync/changed`` and ``sync/elements`` (elements whose bits changed, of all), and
+    ``sync/pull_s`` (seconds)."""
+    start = time.perf_counter()
+    update = fetch(version, self.version)
+    self.apply_update(update)
+    return {'sync/updates': 1.0, 'sync/bytes': float(update.nbytes),
+            'sync/full_bytes': float(sum(u.full.nbytes for b in update.buckets for u in b
+                                         if u.full is not None)),
+            'sync/changed': float(update.changed), 'sync/elements': float(update.total),
+            'sync/pull_s': time.perf_counter() - start}
+
+  def generate_at(self, version: int, fetch: Fetch, requests: Sequence[GenerationRequest],
+                  rng: jax.Array, stop_after: int | None = None, first: int = 0) -> Rollouts:
+    """``generate`` with the weights of ``version``, pulled first (``pull``) unless held.
+    The pull's figures are added to the rollouts' ``timings`` (its ``sync/`` keys; none
+    when no pull was needed)."""
+    pulled = {} if version == self.version else self.pull(version, fetch)
+    rollouts = self.generate(requests, rng, stop_after, first)
+    return dataclasses.replace(rollouts, timings={**rollouts.timings, **pulled})
 
   def maybe_reload(self, server: ParameterServer, j: int) -> bool:
     """Pulls the latest weights if the server is ``>= j`` versions ahead (or none are held).
@@ -104,7 +145,7 @@ class InferenceWorker:
     if latest < 0:
       raise LookupError('the parameter server holds no weights yet; push version 0 first.')
     if self.version < 0 or latest - self.version >= j:
-      self.apply_update(server.update(latest, base_version=self.version))
+      self.pull(latest, server.update)
       return True
     return False
 

@@ -138,3 +138,15 @@ def test_server_update_is_a_delta_from_a_held_base_else_whole(versions):
     server.update(1)
   tree = jax.tree_util.tree_unflatten(server.treedef, new_leaves)
   assert jax.tree.structure(tree) == jax.tree.structure(versions[3])
+
+
+def test_verify_names_the_leaf_whose_checksum_differs():
+  leaves = [np.arange(4, dtype=np.float32), np.ones(3, ml_dtypes.bfloat16)]
+  checksums = [delta_lib.checksum(leaf) for leaf in leaves]
+  delta_lib.verify(leaves, checksums, ['a', 'b'], version=3)
+  flipped = leaves[1].copy()
+  flipped.view(np.uint16)[2] ^= 1  # one bit of one element
+  with pytest.raises(ValueError, match=r"leaf b of version 3 fails its checksum .*base_version=-1"):
+    delta_lib.verify([leaves[0], flipped], checksums, ['a', 'b'], version=3)
+  with pytest.raises(ValueError, match='version 3 came with 1 checksums for 2 leaves'):
+    delta_lib.verify(leaves, checksums[:1], ['a', 'b'], version=3)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from rlax_llm.paramserver import ParameterServer, WeightSnapshot
+from rlax_llm.paramserver import delta as delta_lib
 
 
 def make_params(scale: float = 1.0) -> dict:
@@ -280,3 +281,52 @@ def test_latest_version_is_monotone_and_equals_max_accepted(versions):
   assert server.latest_version() == max(accepted, default=-1)
   assert accepted == sorted(set(accepted))
   assert server.versions() == accepted[-3:]
+
+
+def test_a_pull_of_a_dropped_version_names_it_the_kept_range_and_the_fix():
+  server = ParameterServer(keep=2)
+  for v in (0, 1, 2):
+    server.push(v, make_params(scale=float(v)))
+  with pytest.raises(KeyError, match=r'version 0 is not held: it was dropped: the server keeps '
+                     r'the newest 2 versions, now 1\.\.2\. .*versions_kept'):
+    server.update(0)
+  with pytest.raises(KeyError, match=r'version 3 is not held: it has not been pushed yet '
+                     r'\(the latest is 2\)'):
+    server.update(3, base_version=2)
+
+
+def test_readers_never_block_the_writer(monkeypatch):
+  """A pull stuck in encoding its delta holds no lock: pushes (and other pulls) go on."""
+  server = ParameterServer(keep=3)
+  server.push(0, make_params(scale=1.0))
+  server.push(1, make_params(scale=2.0))
+  entered, release = threading.Event(), threading.Event()
+  encode = delta_lib.encode
+
+  def stuck_encode(*args, **kwargs):
+    entered.set()
+    release.wait(10)
+    return encode(*args, **kwargs)
+
+  monkeypatch.setattr(delta_lib, 'encode', stuck_encode)
+  result = {}
+  reader = threading.Thread(target=lambda: result.update(d=server.update(1, base_version=0)))
+  reader.start()
+  assert entered.wait(10)
+  start = time.perf_counter()
+  server.push(2, make_params(scale=3.0))  # while the reader is mid-pull
+  assert server.update(2).version == 2  # another reader (whole leaves) is not blocked either
+  assert time.perf_counter() - start < 5 and reader.is_alive()
+  release.set()
+  reader.join(10)
+  assert result['d'].version == 1 and server.versions() == [0, 1, 2]
+
+
+def test_every_update_carries_the_checksums_taken_at_push():
+  server = ParameterServer(keep=2)
+  server.push(0, make_params(scale=1.0))
+  server.push(1, make_params(scale=2.0))
+  leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(make_params(scale=2.0))]
+  for base_version in (-1, 0):
+    update = server.update(1, base_version=base_version)
+    assert update.checksums == tuple(delta_lib.checksum(leaf) for leaf in leaves)

@@ -1,7 +1,9 @@
 """The inference worker: typed requests in, whole Rollouts out; reload threshold j; sharded
 params on the inference mesh; and the policy contract with the trainer (one definition)."""
 
+import dataclasses
 import functools
+import re
 import string
 
 import jax
@@ -302,3 +304,59 @@ def test_partial_rollouts_resume_through_requests(model_and_params):
   with pytest.raises(ValueError, match=r'rows answer prompts \[1\], not 0'):
     GenerationRequest(PROMPTS[0], 6, SamplingSpec(0.9), MAX_NEW,
                       resume=state.select(state.group_ids == 1))
+
+
+def test_a_corrupted_update_names_the_leaf_and_changes_nothing(model_and_params):
+  """The worker checks every leaf it rebuilt against the checksum the server took at push
+  time: one flipped bit in a delta's values is an error naming the leaf."""
+  model, params = model_and_params
+  worker = make_worker(model, params, version=5)
+  server = ParameterServer(keep=2)
+  server.push(5, params)
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  server.push(6, jax.tree_util.tree_unflatten(treedef, [leaves[0] + 1.0] + leaves[1:]))
+  update = server.update(6, base_version=5)
+  buckets = [list(b) for b in update.buckets]
+  first = buckets[0][0]  # leaf 0 changed everywhere: sent whole
+  corrupted = np.array(first.full, copy=True)
+  corrupted.reshape(-1).view(np.uint32)[0] ^= 1
+  buckets[0][0] = dataclasses.replace(first, full=corrupted)
+  bad = dataclasses.replace(update, buckets=tuple(tuple(b) for b in buckets))
+  path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(params)[0][0][0])
+  with pytest.raises(ValueError, match=re.escape(f'leaf {path} of version 6 fails its checksum')):
+    worker.apply_update(bad)
+  assert worker.version == 5
+  worker.apply_update(update)
+  assert worker.version == 6
+
+
+def test_generate_at_pulls_the_named_version_itself(model_and_params):
+  """The worker pulls the version it is asked to sample with from the server (whole, then
+  a delta from the one it holds), reports the pull's figures, and a version the server has
+  dropped is a clear error."""
+  model, params = model_and_params
+  mesh = make_mesh({'data': 1}, jax.devices()[:1])
+  worker = InferenceWorker(model, TOKENIZER, mesh, max_prompt_len=8, max_new_tokens=MAX_NEW)
+  server = ParameterServer(keep=2)
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  for version in range(3):
+    server.push(version, jax.tree_util.tree_unflatten(
+        treedef, [leaves[0] + version] + leaves[1:]))
+  with pytest.raises(KeyError, match=r'version 0 is not held: it was dropped'):
+    worker.generate_at(0, server.update, requests(SamplingSpec(1.0), n=1), jax.random.key(0))
+  assert worker.version == -1
+  model_bytes = sum(leaf.nbytes for leaf in leaves)
+  out = worker.generate_at(1, server.update, requests(SamplingSpec(1.0), n=1),
+                           jax.random.key(0))
+  assert worker.version == 1 and set(out.versions[out.completion_mask].tolist()) == {1}
+  assert out.timings['sync/updates'] == 1 and out.timings['sync/bytes'] == model_bytes
+  out = worker.generate_at(2, server.update, requests(SamplingSpec(1.0), n=1),
+                           jax.random.key(0))
+  assert out.timings['sync/bytes'] == leaves[0].nbytes  # one leaf changed, sent whole
+  assert out.timings['sync/changed'] == leaves[0].size
+  out = worker.generate_at(2, server.update, requests(SamplingSpec(1.0), n=1),
+                           jax.random.key(0))
+  assert not any(key.startswith('sync/') for key in out.timings)  # held: no pull
+  jax.tree.map(np.testing.assert_array_equal,
+               jax.tree_util.tree_unflatten(worker._treedef, worker._host_leaves),
+               server.get(2).params)
