@@ -32,7 +32,6 @@ import numpy as np
 from rlax_llm.controller import Controller
 from rlax_llm.data_types import Rollouts
 from rlax_llm.metrics import MetricsWriter, read_metrics
-from rlax_llm.paramserver import ParameterServer
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.schedule import ControllerSettings
 from rlax_llm.tasks import ArithmeticTask
@@ -61,9 +60,6 @@ class SleepTrainer:
   def step(self, batch):
     return self._pool.submit(self._step, batch)
 
-  def host_params(self):
-    return self._pool.submit(lambda: {'w': np.full((4,), float(self.version), np.float32)})
-
 
 class SleepWorker:
   """An inference worker that takes ``seconds`` per batch and returns empty completions."""
@@ -74,10 +70,9 @@ class SleepWorker:
     self.version = -1
     self._pool = concurrent.futures.ThreadPoolExecutor(1)
 
-  def _generate(self, requests, rng_data, update):
+  def _generate(self, requests, rng_data, version):
     del rng_data
-    if update is not None:
-      self.version = update.version  # the weights it samples with (recorded per token)
+    self.version = version  # the weights it samples with (recorded per token)
     time.sleep(self.seconds)
     counts = [r.num_samples for r in requests]
     b, w = sum(counts), self.width
@@ -92,9 +87,9 @@ class SleepWorker:
         finish_reasons=np.full(b, 'stop'), completions=[''] * b,
         sampling=requests[0].sampling, timings={'generate_s': self.seconds})
 
-  def generate(self, requests, rng_data, update=None, stop_after=None):
-    del stop_after  # every request finishes within its sleep
-    return self._pool.submit(self._generate, requests, rng_data, update)
+  def generate(self, requests, rng_data, version, stop_after=None, first=0):
+    del stop_after, first  # every request finishes within its sleep
+    return self._pool.submit(self._generate, requests, rng_data, version)
 
   def retire(self) -> None:
     self._pool.shutdown(wait=False)
@@ -108,8 +103,7 @@ def run_sleeps(train_s: float, rollout_s: float, j: int, k: int, steps: int) -> 
   trainer = SleepTrainer(train_s)
   with tempfile.TemporaryDirectory() as workdir, MetricsWriter(
       pathlib.Path(workdir), tensorboard=False, console=False) as writer:
-    controller = Controller(settings, task, trainer, [SleepWorker(rollout_s)],
-                            ParameterServer(keep=settings.versions_kept), writer)
+    controller = Controller(settings, task, trainer, [SleepWorker(rollout_s)], writer)
     controller.start_accuracy = controller.accuracy = 0.0  # no evaluation in this setting
     controller.evaluate = lambda: {'eval/accuracy': 0.0}
     start = time.perf_counter()

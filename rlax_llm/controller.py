@@ -1,19 +1,25 @@
 """The controller: the one active part, scheduling the RL loop deterministically.
 
 It owns the data order (a grain dataset of prompt batches and its iterator position), the RNG
-(one root key; batch ``i`` samples with ``fold_in(root, i)``), the step counter, the staleness
-schedule and the parameter server; the trainer and the inference workers act only when it
-calls them, through typed interfaces (``GenerationRequest``s in, ``Rollouts`` out,
-``TrainBatch`` to the trainer) and through *handles* whose calls return futures, so the same
-code drives roles in this process (``rlax_llm.backends.local``) or in Ray actors
-(``rlax_llm.backends.ray``). Everything it must remember to resume is one
-``ControllerState``.
+(one root key; batch ``i`` samples with ``fold_in(root, i)``), the step counter and the
+staleness schedule; the trainer and the inference workers act only when it calls them,
+through typed interfaces (``GenerationRequest``s in, ``Rollouts`` out, ``TrainBatch`` to the
+trainer) and through *handles* whose calls return futures, so the same code drives roles in
+this process (``rlax_llm.backends.local``) or in Ray actors (``rlax_llm.backends.ray``).
+Everything it must remember to resume is one ``ControllerState``.
+
+The controller moves version numbers, never weights: the trainer pushes each new version to
+the parameter server itself, and each ``generate`` call names the version the schedule
+chose, which the worker pulls from the server itself (``InferenceWorker.generate_at``). The
+controller holds no server and never asks a role for its params; it only adds up the pull
+figures (``sync/...``) the workers report with their rollouts, in the fixed order it gathers
+them.
 
 The schedule (which version samples which batch, when a batch launches, what is trained,
 recycled, padded, carried or dropped: RLAX's ``(j, k)`` staleness, dynamic sampling, prompt
 replay, APRIL's partial rollouts) is decided by the pure functions of ``rlax_llm.schedule``;
-this module runs it: launches batches, gathers and scores their rollouts, trains, pushes
-versions, evaluates, checkpoints.
+this module runs it: launches batches, gathers and scores their rollouts, trains, evaluates,
+checkpoints.
 
 Deterministic asynchrony: every decision is a function of the schedule and of results the
 controller waits for in a fixed order, never of which thread finishes first. An asynchronous
@@ -45,7 +51,6 @@ from rlax_llm.data_types import GenerationRequest, Rollouts, make_train_batch
 from rlax_llm.errors import NonFiniteError
 from rlax_llm.evaluate import evaluate_policy
 from rlax_llm.metrics import MetricsWriter
-from rlax_llm.paramserver import ParameterServer
 from rlax_llm.schedule import ControllerSettings
 from rlax_llm.tasks import Prompt, Task
 from rlax_llm.verifiers import score_rollouts
@@ -57,12 +62,13 @@ class Future(Protocol):
 
 
 class TrainerHandle(Protocol):
-  """The trainer role as the controller sees it (calls return futures, run in order)."""
+  """The trainer role as the controller sees it (calls return futures, run in order).
+  ``version``: the updates it applied; each ``step`` that makes a new version pushes it to
+  the parameter server before its future resolves (the trainer does, not the controller)."""
+
+  version: int
 
   def step(self, batch) -> Future:  # -> metrics dict
-    ...
-
-  def host_params(self) -> Future:  # -> params pytree of host arrays
     ...
 
   def state(self) -> Future:  # -> (params, opt_state, {'version', 'nonfinite_streak'})
@@ -73,9 +79,11 @@ class WorkerHandle(Protocol):
   """An inference worker as the controller sees it (calls return futures, run in order)."""
 
   def generate(self, requests: Sequence[GenerationRequest], rng_data: np.ndarray,
-               update=None, stop_after: int | None = None, first: int = 0
+               version: int, stop_after: int | None = None, first: int = 0
                ) -> Future:  # -> Rollouts
-    """``InferenceWorker.generate`` after installing ``update`` (if any)."""
+    """``InferenceWorker.generate_at``: sample with weights ``version``, which the worker
+    pulls from the parameter server itself when it does not hold them (the figures of that
+    pull in the rollouts' ``timings``, under ``sync/``)."""
 
   def retire(self) -> None:
     ...
@@ -94,7 +102,7 @@ class ControllerState:
     start_accuracy: held-out accuracy of the RL starting point (None until measured).
     accuracy: the latest held-out accuracy (None until measured).
     step_versions: the version after each step so far (``[s]``: after ``s`` steps).
-    counters: the run's running counts (``workers/lost``, ``sync/...``).
+    counters: the run's running counts (``workers/lost``, the workers' pulls ``sync/...``).
     events: what went wrong and was survived (lost workers), in order.
     inflight: batches generated ahead of the trainer: ``{'index', 'version', 'prompts',
       'rollouts'}`` (prompts as dicts, the rollouts' JSON part; their arrays are stored
@@ -157,7 +165,6 @@ class Controller:
     task: prompts and verifier.
     trainer: a ``TrainerHandle`` whose ``version`` counts its applied updates.
     workers: ``WorkerHandle``s (at least one).
-    server: the parameter server (in the controller's process).
     writer: metrics (and the ledger).
     checkpointer: a ``rlax_llm.checkpoint.Checkpointer``, or None for no checkpoints; the
       controller saves the run's state after steps it says are due, after the last step, and
@@ -168,8 +175,7 @@ class Controller:
   """
 
   def __init__(self, settings: ControllerSettings, task: Task, trainer, workers: Sequence,
-               server: ParameterServer, writer: MetricsWriter, checkpointer=None,
-               stop: threading.Event | None = None):
+               writer: MetricsWriter, checkpointer=None, stop: threading.Event | None = None):
     if not workers:
       raise ValueError('the controller needs at least one inference worker.')
     self.settings = settings
@@ -177,7 +183,6 @@ class Controller:
     self.trainer = trainer
     self.workers = list(workers)
     self.alive = [True] * len(self.workers)
-    self.server = server
     self.writer = writer
     self.step = 0
     self._prompts = iter(prompt_dataset(task, 1).to_iter_dataset())
@@ -191,7 +196,7 @@ class Controller:
     self._start_eval: dict[str, float] = {}
     self.accuracy: float | None = None
     # The version each worker will hold once its queued calls have run (the controller knows
-    # it: it sends every weight update itself).
+    # it: each call names the version the worker pulls).
     self._worker_versions = [-1] * len(self.workers)
     self._recycled: list[tuple[int, Rollouts]] = []  # (oldest token version, one group)
     self._unfinished: list[tuple[Prompt, Rollouts]] = []  # partial groups to continue
@@ -282,11 +287,6 @@ class Controller:
 
   # ------------------------------------------------------------------------ scheduling
 
-  def _push(self) -> None:
-    version = self.trainer.version
-    if self.server.latest_version() < version:
-      self.server.push(version, self.trainer.host_params().result())
-
   def _live_workers(self) -> list[int]:
     live = [w for w, ok in enumerate(self.alive) if ok]
     if not live:
@@ -295,24 +295,23 @@ class Controller:
 
   def _submit(self, worker: int, requests: list[GenerationRequest], root: jax.Array,
               version: int, stop_after: int | None = None, first: int = 0):
-    """Queues ``requests`` on ``worker`` with weights ``version`` (sending the update it
-    needs from the version it will hold by then); ``root``, ``first``, ``stop_after``: the
+    """Queues ``requests`` on ``worker`` with weights ``version`` (a number: the worker pulls
+    the weights from the parameter server itself); ``root``, ``first``, ``stop_after``: the
     batch's sampling key, the index of ``requests[0]`` in the batch and APRIL's stop (see
     ``InferenceWorker.generate``)."""
-    update = None
-    if self._worker_versions[worker] != version:
-      t0 = time.perf_counter()
-      update = self.server.update(version, base_version=self._worker_versions[worker])
-      self.counters['sync/updates'] += 1
-      self.counters['sync/bytes'] += update.nbytes
-      self.counters['sync/full_bytes'] += sum(
-          u.full.nbytes if u.full is not None else 0 for b in update.buckets for u in b)
-      self.counters['sync/changed'] += update.changed
-      self.counters['sync/elements'] += update.total
-      self.counters['time/sync_encode_s'] += time.perf_counter() - t0
-      self._worker_versions[worker] = version
+    self._worker_versions[worker] = version
     return self.workers[worker].generate(requests, np.asarray(jax.random.key_data(root)),
-                                         update, stop_after, first)
+                                         version, stop_after, first)
+
+  def _count_pulls(self, rollouts: Rollouts) -> Rollouts:
+    """Adds the figures of the pull a worker made for ``rollouts`` (their ``sync/`` timings)
+    to the counters and returns the rollouts without them (so they count once)."""
+    pulled = {k: v for k, v in rollouts.timings.items() if k.startswith('sync/')}
+    if not pulled:
+      return rollouts
+    self.counters.update(pulled)
+    return dataclasses.replace(rollouts, timings={k: v for k, v in rollouts.timings.items()
+                                                  if k not in pulled})
 
   def _sampling_root(self, index: int) -> jax.Array:
     """The key batch ``index`` samples with: request ``i`` of the batch draws from
@@ -349,7 +348,7 @@ class Controller:
     for n, (worker, requests, future) in enumerate(batch.chunks):
       while True:
         try:
-          out.append(future.result(timeout=self.settings.worker_timeout_s))
+          out.append(self._count_pulls(future.result(timeout=self.settings.worker_timeout_s)))
           break
         except Exception as e:  # pylint: disable=broad-except
           if self.alive[worker]:  # the first failure seen from this worker: retire it
@@ -377,7 +376,6 @@ class Controller:
   def evaluate(self) -> dict[str, float]:
     """Held-out metrics of the trainer's current version (``rlax_llm.evaluate``: greedy
     ``eval/accuracy``; with ``eval_samples`` mean@k and pass@k), generated on a live worker."""
-    self._push()
     version = self.trainer.version
 
     def generate(requests, key):
@@ -398,7 +396,6 @@ class Controller:
     Raises ``NonFiniteError`` naming the step when the trainer's updates diverge.
     """
     s = self.settings
-    self._push()
     if self.start_accuracy is None:
       start = self.evaluate()
       self.start_accuracy = self.accuracy = start['eval/accuracy']
@@ -496,7 +493,8 @@ class Controller:
     """Trains on ``batch``; ``started``: when this step's launches began. Its ``time/``
     metrics are wall seconds of this loop iteration: ``rollout_s`` from ``started`` until
     the batch's rollouts are scored (launching, which in the inline local backend is the
-    generation itself, then waiting), ``train_s`` the update and its push, ``step_s`` the
+    generation itself, then waiting), ``train_s`` the update (and the trainer's push of the
+    new version), ``step_s`` the
     whole iteration (evaluation included)."""
     s = self.settings
     rollouts = Rollouts.concatenate(self._gather(batch, self._sampling_root(batch.index)))
@@ -547,7 +545,6 @@ class Controller:
         train_metrics = self.trainer.step(train_batch).result()
       except NonFiniteError as e:
         raise NonFiniteError(f'RL step {self.step + 1}: {e}') from None
-      self._push()
       metrics.update({
           'staleness/mean': float(staleness.mean()) if staleness.size else 0.0,
           'staleness/max': float(staleness.max()) if staleness.size else 0.0,

@@ -3,18 +3,23 @@ errors never crash a step."""
 
 import json
 import pathlib
+import threading
+import traceback
 
 import jax
 import ml_collections
 import numpy as np
 import pytest
 
+from rlax_llm import controller as controller_lib
 from rlax_llm.backends.local import build_run
 from rlax_llm.config import load_config_file
 from rlax_llm.metrics import read_metrics
 from rlax_llm.tasks import ArithmeticTask, Prompt
 from rlax_llm.controller import ControllerState
 from rlax_llm.errors import NonFiniteError
+from rlax_llm.paramserver import ParameterServer
+from rlax_llm.trainer.trainer import Trainer
 from rlax_llm.verifiers import as_reward, score_completions
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -74,10 +79,68 @@ def test_versions_and_server_advance(tmp_path):
     run.execute()
     ctl = run.controller
     assert ctl.trainer.version == 3
-    assert ctl.server.latest_version() == 3
+    assert ctl.trainer.server.latest_version() == 3  # the trainer pushed every version
     assert ctl.workers[0].worker.version == 3  # evaluated the final pushed version
     np.testing.assert_array_equal(
-        ctl.server.pull().params['embed'], np.asarray(ctl.trainer.trainer.params['embed']))
+        ctl.trainer.server.pull().params['embed'],
+        np.asarray(ctl.trainer.trainer.params['embed']))
+
+
+class ArgsSpy:
+  """A worker handle that records the arguments of every ``generate`` call."""
+
+  def __init__(self, handle, seen):
+    self._handle, self._seen = handle, seen
+
+  def __getattr__(self, name):
+    return getattr(self._handle, name)
+
+  def generate(self, *args):
+    self._seen.append(args)
+    return self._handle.generate(*args)
+
+
+def test_no_parameter_bytes_pass_through_the_controller(tmp_path, monkeypatch):
+  """The controller moves version numbers, never weights. While an asynchronous run with two
+  workers trains, every call that reads or moves params (the trainer's ``host_params``, the
+  server's ``push``/``update``/``pull``/``get``) is made on the trainer's or a worker's own
+  thread with no controller frame on the stack; the controller's ``generate`` calls carry
+  a version number (an int) and the sampling key as their only array; and the controller
+  holds no parameter server."""
+  config = _smoke_config(steps=4)
+  config.staleness.j, config.staleness.k = 1, 2
+  config.rollout.workers = 2
+  calls, generate_args = [], []
+
+  def spy(name, method):
+    def wrapped(*args, **kwargs):
+      stack = {frame.filename for frame in traceback.extract_stack()}
+      calls.append((name, threading.current_thread().name, controller_lib.__file__ in stack))
+      return method(*args, **kwargs)
+    return wrapped
+
+  with build_run(config, tmp_path) as run:
+    ctl = run.controller
+    assert not any(isinstance(v, ParameterServer) for v in vars(ctl).values())
+    for name in ('push', 'update', 'pull', 'get'):
+      monkeypatch.setattr(ParameterServer, name, spy(name, getattr(ParameterServer, name)))
+    monkeypatch.setattr(Trainer, 'host_params', spy('host_params', Trainer.host_params))
+    ctl.workers = [ArgsSpy(w, generate_args) for w in ctl.workers]
+    run.execute()
+    server = ctl.trainer.server
+  rows = read_metrics(tmp_path / 'metrics.jsonl')
+  assert rows[-1]['version'] == 4 and server.versions()[-1] == 4
+  by_name = {}
+  for name, thread, from_controller in calls:
+    assert not from_controller, (name, thread)
+    by_name.setdefault(name, set()).add(thread.split('_')[0])
+  # The trainer pushed versions 1..4 from its thread; the workers pulled from theirs.
+  assert sum(name == 'push' for name, _, _ in calls) == 4
+  assert by_name == {'push': {'trainer'}, 'host_params': {'trainer'}, 'update': {'inference'}}
+  assert sum(name == 'update' for name, _, _ in calls) == rows[-1]['sync/updates'] > 4
+  for requests, rng_data, version, *_ in generate_args:
+    assert type(version) is int and rng_data.shape == (2,) and rng_data.dtype == np.uint32
+    assert all(r.resume is None for r in requests)  # no arrays ride in the requests either
 
 
 def test_rejects_j_above_k(tmp_path):
@@ -123,9 +186,9 @@ def test_state_restores_the_run_exactly(tmp_path, replay):
     if replay:
       ctl.task = _CoinTask(num_eval=16)
     trainer = ctl.trainer.trainer
-    trainer.params = jax.device_put(params, trainer.param_shardings)
-    trainer.opt_state = jax.device_put(opt_state)
-    trainer.version = state.trainer_version
+    ctl.trainer.load(jax.device_put(params, trainer.param_shardings),
+                     jax.device_put(opt_state),
+                     {'version': state.trainer_version, 'nonfinite_streak': 0})
     ctl.restore(state)
     run.execute()
   resumed = read_metrics(tmp_path / 'second' / 'metrics.jsonl')

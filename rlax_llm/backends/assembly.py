@@ -1,10 +1,12 @@
 """One assembly for every backend: the controller over roles a backend has placed.
 
-A backend (``rlax_llm.backends.local``, ``rlax_llm.backends.ray``) builds the trainer and
-the inference workers where they run and hands their handles (``TrainerHandle``,
-``WorkerHandle`` of ``rlax_llm.controller``) to ``assemble``, which adds what is the same on
-every backend: the settings, the parameter server (in the controller's process), the
-metrics writer, the controller and its restored state. A backend only places roles and moves
+A backend (``rlax_llm.backends.local``, ``rlax_llm.backends.ray``) builds the parameter
+server, the trainer and the inference workers where they run, connects the trainer (which
+pushes each version) and the workers (which pull the versions they are asked for) to the
+server, and hands the trainer's and workers' handles (``TrainerHandle``, ``WorkerHandle`` of
+``rlax_llm.controller``) to ``assemble``, which adds what is the same on every backend: the
+settings, the metrics writer, the controller and its restored state. The controller gets no
+server: it moves version numbers, never weights. A backend only places roles and moves
 bytes.
 """
 
@@ -21,7 +23,6 @@ import ml_collections
 from rlax_llm import config as config_lib
 from rlax_llm.controller import Controller, ControllerState, TrainerHandle, WorkerHandle
 from rlax_llm.metrics import MetricsWriter
-from rlax_llm.paramserver import ParameterServer
 from rlax_llm.tasks import Task
 
 
@@ -61,11 +62,10 @@ def assemble(config: ml_collections.ConfigDict, workdir, task: Task, trainer: Tr
     stop: the preemption event (or None).
   """
   settings = config_lib.controller_settings(config)
-  server = ParameterServer(keep=settings.versions_kept)
   resume_step = (restored.step if restored is not None else
                  0 if checkpointer is not None else None)
   with MetricsWriter.from_config(workdir, config, resume_step=resume_step) as writer:
-    controller = Controller(settings, task, trainer, workers, server, writer,
+    controller = Controller(settings, task, trainer, workers, writer,
                             checkpointer=checkpointer, stop=stop)
     if restored is not None:
       controller.restore(ControllerState.from_dict(restored.controller), restored.rollouts)

@@ -11,6 +11,13 @@ runs); with ``False`` every call runs inline, one after the other, which is the 
 reference the asynchronous runs are checked against. With ``mesh.disjoint`` the trainer takes
 the first devices and each inference worker the next ones (e.g. 8 devices: trainer 4,
 inference 4); otherwise every role's mesh starts at device 0.
+
+Weights: the parameter server (``rlax_llm.paramserver.ParameterServer``, keeping
+``ControllerSettings.versions_kept`` versions) is an object of this process, but only the
+roles call it: the trainer pushes each new version from its own thread when its update is
+done (and its starting version when it is built or restored), and each worker pulls the
+version a ``generate`` call names from its own thread (``InferenceWorker.generate_at``). The
+controller passes version numbers only.
 """
 
 from __future__ import annotations
@@ -23,8 +30,10 @@ import jax
 import ml_collections
 import numpy as np
 
+from rlax_llm import config as config_lib
 from rlax_llm import roles
 from rlax_llm.backends.assembly import Run, assemble
+from rlax_llm.paramserver import ParameterServer
 
 
 class Serial:
@@ -50,20 +59,42 @@ class Serial:
 
 
 class LocalTrainer:
-  """``TrainerHandle`` over an in-process ``Trainer``."""
+  """``TrainerHandle`` over an in-process ``Trainer`` that pushes each of its versions to
+  ``server`` itself: its current one when built (or ``load``ed), each new one at the end of
+  the ``step`` that made it."""
 
-  def __init__(self, trainer, threaded: bool):
+  def __init__(self, trainer, threaded: bool, server: ParameterServer):
     self.trainer = trainer
+    self.server = server
     self._serial = Serial('trainer', threaded)
+    self._publish()
 
   @property
   def version(self) -> int:
     return self.trainer.version
 
+  def _publish(self) -> None:
+    """Pushes the trainer's params as its version unless the server has it (a skipped,
+    non-finite update makes no new version)."""
+    if self.server.latest_version() < self.trainer.version:
+      self.server.push(self.trainer.version, self.trainer.host_params())
+
+  def _step(self, batch):
+    metrics = self.trainer.step(batch)
+    self._publish()
+    return metrics
+
   def step(self, batch):
-    return self._serial.submit(self.trainer.step, batch)
+    return self._serial.submit(self._step, batch)
+
+  def load(self, params, opt_state, counters: dict[str, int]) -> None:
+    """Continues from a checkpoint (``Trainer.load``) and pushes the restored version."""
+    self.trainer.load(params, opt_state, counters)
+    self._publish()
 
   def host_params(self):
+    """The trainer's params as host arrays (for inspecting a run; the controller never
+    calls it)."""
     return self._serial.submit(self.trainer.host_params)
 
   def state(self):
@@ -75,20 +106,20 @@ class LocalTrainer:
 
 
 class LocalWorker:
-  """``WorkerHandle`` over an in-process ``InferenceWorker``."""
+  """``WorkerHandle`` over an in-process ``InferenceWorker`` that pulls the versions it is
+  asked for from ``server`` itself."""
 
-  def __init__(self, worker, threaded: bool):
+  def __init__(self, worker, threaded: bool, server: ParameterServer):
     self.worker = worker
+    self.server = server
     self._serial = Serial('inference', threaded)
 
-  def generate(self, requests, rng_data: np.ndarray, update=None, stop_after=None, first=0):
-    return self._serial.submit(self._generate, requests, rng_data, update, stop_after, first)
+  def generate(self, requests, rng_data: np.ndarray, version: int, stop_after=None, first=0):
+    return self._serial.submit(self._generate, requests, rng_data, version, stop_after, first)
 
-  def _generate(self, requests, rng_data, update, stop_after, first):
-    if update is not None:
-      self.worker.apply_update(update)
-    return self.worker.generate(requests, jax.random.wrap_key_data(rng_data), stop_after,
-                                first)
+  def _generate(self, requests, rng_data, version, stop_after, first):
+    return self.worker.generate_at(version, self.server.update, requests,
+                                   jax.random.wrap_key_data(rng_data), stop_after, first)
 
   def retire(self) -> None:
     self._serial.shutdown()
@@ -105,13 +136,15 @@ def build_run(config: ml_collections.ConfigDict, workdir, stop=None) -> Iterator
   checkpointer = roles.build_checkpointer(config, workdir)
   trainer, warmup_metrics = roles.warm_trainer(config, task, model, params, tokenizer,
                                                meshes['trainer'], checkpointer, stop)
-  trainer = LocalTrainer(trainer, threaded)
+  # The server's config key is to come; today the schedule says how many versions to keep.
+  server = ParameterServer(keep=config_lib.controller_settings(config).versions_kept)
   restored = None
   if checkpointer is not None:
-    restored = checkpointer.restore(trainer.trainer.params, trainer.trainer.opt_state)
+    restored = checkpointer.restore(trainer.params, trainer.opt_state)
     if restored is not None:
-      trainer.trainer.load(restored.params, restored.opt_state, restored.trainer)
-  workers = [LocalWorker(roles.build_worker(config, model, tokenizer, mesh), threaded)
+      trainer.load(restored.params, restored.opt_state, restored.trainer)
+  trainer = LocalTrainer(trainer, threaded, server)  # pushes its version
+  workers = [LocalWorker(roles.build_worker(config, model, tokenizer, mesh), threaded, server)
              for mesh in meshes['inference']]
   try:
     with assemble(config, workdir, task, trainer, workers, warmup_metrics,

@@ -1,10 +1,16 @@
-"""The Ray backend: the trainer and each inference worker in a Ray actor of its own.
+"""The Ray backend: the trainer, the parameter server and each inference worker in a Ray
+actor of its own.
 
-The controller (``rlax_llm.controller``) and the parameter server stay in the launching
-process; roles are actors whose method calls return object refs, wrapped as the futures the
-controller waits on, so the controller code is the one the local backend runs. Weights travel
-through Ray's object store: the trainer actor returns its params, the controller sends each
-worker the update (a sparse delta or whole leaves) it needs as a call argument.
+The controller (``rlax_llm.controller``) stays in the launching process (the driver); roles
+are actors whose method calls return object refs, wrapped as the futures the controller
+waits on, so the controller code is the one the local backend runs. Weights never pass
+through the driver: the trainer actor pushes each new version to the server actor itself
+(``ServerRole.push``: the params go from the trainer's process to the server's through Ray's
+object store), and each worker actor pulls the version a ``generate`` call names from the
+server actor itself (``ServerRole.update``: a sparse delta from the version it holds, or
+whole leaves, with per-leaf checksums the worker verifies; object store again). The driver
+sends version numbers and receives rollouts. (A checkpoint's ``state()`` still brings the
+trainer's params to the driver, which writes them.)
 
 Placement: each actor asks for ``ray.trainer_resources`` / ``ray.worker_resources`` (e.g.
 ``{'TPU': 4}`` on a TPU VM host, so Ray puts the trainer and the workers on different hosts;
@@ -28,8 +34,10 @@ import jax
 import ml_collections
 import numpy as np
 
+from rlax_llm import config as config_lib
 from rlax_llm import roles
 from rlax_llm.backends.assembly import Run, assemble
+from rlax_llm.paramserver import ParameterServer
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -46,24 +54,49 @@ def _config_from(payload: str) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(json.loads(payload))
 
 
-class TrainerRole:
-  """The trainer actor: runs the warm-up, then RL updates, on this host's devices."""
+class ServerRole:
+  """The parameter server actor: a ``ParameterServer`` keeping ``keep`` versions. Threaded
+  (``max_concurrency``), so pulls run while a push is stored: readers never block the writer
+  beyond the server's short lock."""
 
-  def __init__(self, payload: str):
+  def __init__(self, keep: int):
+    self.server = ParameterServer(keep=keep)
+
+  def push(self, version: int, params) -> None:
+    self.server.push(version, params)
+
+  def update(self, version: int, base_version: int):
+    return self.server.update(version, base_version=base_version)
+
+
+class TrainerRole:
+  """The trainer actor: runs the warm-up, then RL updates, on this host's devices, and
+  pushes each version to the server actor ``server`` itself (the starting one after the
+  warm-up, each new one before ``step`` returns)."""
+
+  def __init__(self, payload: str, server):
     config = _config_from(payload)
     task, model, params, tokenizer = roles.prepare(config)
     self.trainer, self.warmup_metrics = roles.warm_trainer(
         config, task, model, params, tokenizer, roles.meshes(config)['trainer'])
+    self.server = server
+    self._pushed = -1
+    self._publish()
+
+  def _publish(self) -> None:
+    """Pushes the trainer's params as its version unless already pushed (bytes: this
+    process -> the object store -> the server's process)."""
+    if self._pushed < self.trainer.version:
+      _ray().get(self.server.push.remote(self.trainer.version, self.trainer.host_params()))
+      self._pushed = self.trainer.version
 
   def warmup(self) -> dict[str, float]:
     return self.warmup_metrics
 
   def step(self, batch) -> tuple[dict[str, float], int]:
     metrics = self.trainer.step(batch)
+    self._publish()
     return metrics, self.trainer.version
-
-  def host_params(self):
-    return self.trainer.host_params()
 
   def state(self):
     """``(params, opt_state, counters)`` as host arrays (what a checkpoint stores)."""
@@ -72,20 +105,24 @@ class TrainerRole:
 
 
 class WorkerRole:
-  """An inference worker actor."""
+  """An inference worker actor; pulls the versions it is asked for from the server actor
+  ``server`` itself."""
 
-  def __init__(self, payload: str, index: int):
+  def __init__(self, payload: str, index: int, server):
     config = _config_from(payload)
     task = roles.build_task(config)
     model, _, tokenizer = roles.build_model(config, task)
     mesh = roles.meshes(config)['inference'][index]
     self.worker = roles.build_worker(config, model, tokenizer, mesh)
+    self.server = server
 
-  def generate(self, requests, rng_data: np.ndarray, update=None, stop_after=None, first=0):
-    if update is not None:
-      self.worker.apply_update(update)
-    return self.worker.generate(requests, jax.random.wrap_key_data(rng_data), stop_after,
-                                first)
+  def _fetch(self, version: int, base_version: int):
+    """The update from the server's process to this one, through the object store."""
+    return _ray().get(self.server.update.remote(version, base_version))
+
+  def generate(self, requests, rng_data: np.ndarray, version: int, stop_after=None, first=0):
+    return self.worker.generate_at(version, self._fetch, requests,
+                                   jax.random.wrap_key_data(rng_data), stop_after, first)
 
 
 class RayFuture:
@@ -117,9 +154,6 @@ class RayTrainer:
       return metrics
     return RayFuture(self.actor.step.remote(batch), done)
 
-  def host_params(self) -> RayFuture:
-    return RayFuture(self.actor.host_params.remote())
-
   def state(self) -> RayFuture:
     """``(params, opt_state, counters)`` fetched from the actor (host arrays)."""
     return RayFuture(self.actor.state.remote())
@@ -131,8 +165,8 @@ class RayWorker:
   def __init__(self, actor):
     self.actor = actor
 
-  def generate(self, requests, rng_data, update=None, stop_after=None, first=0) -> RayFuture:
-    return RayFuture(self.actor.generate.remote(requests, rng_data, update, stop_after, first))
+  def generate(self, requests, rng_data, version: int, stop_after=None, first=0) -> RayFuture:
+    return RayFuture(self.actor.generate.remote(requests, rng_data, version, stop_after, first))
 
   def retire(self) -> None:
     with contextlib.suppress(Exception):
@@ -160,9 +194,10 @@ def init_ray(config: ml_collections.ConfigDict) -> bool:
 
 @contextlib.contextmanager
 def build_run(config: ml_collections.ConfigDict, workdir, stop=None) -> Iterator[Run]:
-  """Builds the roles as Ray actors and assembles the run in this process
-  (``assembly.assemble``). (No checkpoints yet on this backend: ``rlax_llm.config`` refuses
-  ``checkpoint.*`` with ``backend='ray'``.)"""
+  """Builds the roles as Ray actors (the server first: the trainer and the workers are
+  given its handle) and assembles the run in this process (``assembly.assemble``). (No
+  checkpoints yet on this backend: ``rlax_llm.config`` refuses ``checkpoint.*`` with
+  ``backend='ray'``.)"""
   ray = _ray()
   task = roles.build_task(config)
   started = init_ray(config)
@@ -170,8 +205,12 @@ def build_run(config: ml_collections.ConfigDict, workdir, stop=None) -> Iterator
   trainer_cls = ray.remote(num_cpus=0, resources=config.ray.trainer_resources.to_dict())(TrainerRole)
   worker_cls = ray.remote(num_cpus=0, resources=config.ray.worker_resources.to_dict(),
                           max_restarts=0)(WorkerRole)
-  trainer_actor = trainer_cls.remote(payload)
-  worker_actors = [worker_cls.remote(payload, n) for n in range(config.rollout.workers)]
+  # The server's config key is to come; today the schedule says how many versions to keep.
+  server_cls = ray.remote(num_cpus=0, max_concurrency=4)(ServerRole)
+  server_actor = server_cls.remote(config_lib.controller_settings(config).versions_kept)
+  trainer_actor = trainer_cls.remote(payload, server_actor)
+  worker_actors = [worker_cls.remote(payload, n, server_actor)
+                   for n in range(config.rollout.workers)]
   try:
     warmup_metrics = ray.get(trainer_actor.warmup.remote())
     with assemble(config, workdir, task, RayTrainer(trainer_actor),
@@ -179,7 +218,7 @@ def build_run(config: ml_collections.ConfigDict, workdir, stop=None) -> Iterator
                   stop=stop) as run:
       yield run
   finally:
-    for actor in [trainer_actor, *worker_actors]:
+    for actor in [trainer_actor, *worker_actors, server_actor]:
       with contextlib.suppress(Exception):
         ray.kill(actor)
     if started:

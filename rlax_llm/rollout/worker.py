@@ -110,7 +110,7 @@ class InferenceWorker:
       delta_lib.verify(leaves, update.checksums, self._leaf_paths, update.version)
     self.load(update.version, jax.tree_util.tree_unflatten(self._treedef, leaves))
 
-  def pull(self, version: int, fetch: Fetch) -> dict[str, float]:
+  def pull(self, version: int, fetch: Fetch) -> dict[str, int | float]:
     """Pulls ``version`` through ``fetch`` (a delta from the version held, or whole leaves
     when none is held) and installs it (``apply_update``). Returns the pull's figures:
     ``sync/updates`` (1), ``sync/bytes`` moved, ``sync/full_bytes`` of leaves sent whole,
@@ -119,10 +119,10 @@ class InferenceWorker:
     start = time.perf_counter()
     update = fetch(version, self.version)
     self.apply_update(update)
-    return {'sync/updates': 1.0, 'sync/bytes': float(update.nbytes),
-            'sync/full_bytes': float(sum(u.full.nbytes for b in update.buckets for u in b
-                                         if u.full is not None)),
-            'sync/changed': float(update.changed), 'sync/elements': float(update.total),
+    return {'sync/updates': 1, 'sync/bytes': update.nbytes,
+            'sync/full_bytes': sum(u.full.nbytes for b in update.buckets for u in b
+                                   if u.full is not None),
+            'sync/changed': update.changed, 'sync/elements': update.total,
             'sync/pull_s': time.perf_counter() - start}
 
   def generate_at(self, version: int, fetch: Fetch, requests: Sequence[GenerationRequest],
