@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import pathlib
 import re
 import shutil
@@ -49,16 +50,20 @@ def _remote_spec(spec: str, ref: str | None, strict: bool) -> tuple[str, list[st
   when the hosts get the checkout another way (the GKE image copies the working tree).
   """
   path, sep, variant = spec.partition(':')
-  file = pathlib.Path(path).resolve()
+  spelled = pathlib.Path(os.path.abspath(path))
   try:
-    rel = file.relative_to(ROOT)
+    rel = spelled.resolve().relative_to(ROOT)  # the file git tracks
   except ValueError:
     raise SliceError(f'--config={spec}: the hosts get this checkout ({ROOT}); a config '
                      f'outside it is not copied. Put the file under {ROOT / "configs"}.'
                      ) from None
+  try:  # the path as given, links kept (the hosts' copy has them): configs/X.py
+    remote = f'{spelled.relative_to(ROOT)}{sep}{variant}'
+  except ValueError:
+    remote = f'{rel}{sep}{variant}'
   notes = []
   if ref is None:
-    return f'{rel}{sep}{variant}', notes
+    return remote, notes
   git = shutil.which('git')
   tracked = git and subprocess.run([git, '-C', str(ROOT), 'ls-files', '--error-unmatch',
                                     str(rel)], capture_output=True, check=False).returncode == 0
@@ -74,7 +79,7 @@ def _remote_spec(spec: str, ref: str | None, strict: bool) -> tuple[str, list[st
                            check=False).stdout.strip()
     if dirty:
       notes.append(f'{ROOT} has uncommitted changes; the hosts get {ref} without them.')
-  return f'{rel}{sep}{variant}', notes
+  return remote, notes
 
 
 def _workdir_notes(workdir: str) -> list[str]:
