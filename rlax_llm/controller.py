@@ -86,7 +86,7 @@ import numpy as np
 from rlax_llm import losses, rewards
 from rlax_llm.data import prompt_dataset
 from rlax_llm.data_types import GenerationRequest, Rollouts, make_train_batch
-from rlax_llm.evaluate import evaluate_policy
+from rlax_llm.evaluation import evaluate_policy
 from rlax_llm.metrics import MetricsWriter
 from rlax_llm.paramserver import ParameterServer
 from rlax_llm.sampling_spec import SamplingSpec

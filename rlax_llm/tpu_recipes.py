@@ -42,8 +42,8 @@ from collections.abc import Mapping, Sequence
 
 import ml_collections
 
-from rlax_llm.config import (DEFAULT_CONFIG_PATH, ConfigError, check_config_spec,
-                             check_override_keys)
+from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config
+from rlax_llm.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 REMOTE_DIR = 'rlax_llm'  # where the checkout lands in each host's home directory
@@ -829,19 +829,7 @@ def render_rayjob(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceT
 
 def _load(spec: str, overrides: Sequence[str]) -> ml_collections.ConfigDict:
   """The config of ``--config=spec`` with ``overrides``, as ``rlax_llm.launch`` builds it."""
-  from absl import flags  # pylint: disable=import-outside-toplevel
-  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
-  argv = [f'--config={spec}', *overrides]
-  check_override_keys(argv, check_config_spec(argv))
-  values = flags.FlagValues()
-  holder = config_flags.DEFINE_config_file('config', str(DEFAULT_CONFIG_PATH), 'Config file.',
-                                           flag_values=values, lock_config=True,
-                                           sys_argv=['rlax_llm', *argv])
-  try:
-    values(['rlax_llm', *argv])
-  except flags.Error as e:
-    raise SystemExit(f'error: {e}') from None
-  return holder.value
+  return load_config([f'--config={spec}', *overrides])
 
 
 def _remote_spec(spec: str, ref: str | None, strict: bool) -> tuple[str, list[str]]:
