@@ -846,9 +846,12 @@ def _remote_spec(spec: str, ref: str | None, strict: bool) -> tuple[str, list[st
     raise SliceError(f'--config={spec}: the hosts get this checkout ({ROOT}); a config '
                      f'outside it is not copied. Put the file under {ROOT / "configs"}.'
                      ) from None
+  # The path as given names the file on the hosts (configs/ links into rlax_llm/configs/).
+  given = pathlib.Path(os.path.abspath(path))
+  shown = given.relative_to(ROOT) if given.is_relative_to(ROOT) else rel
   notes = []
   if ref is None:
-    return f'{rel}{sep}{variant}', notes
+    return f'{shown}{sep}{variant}', notes
   git = shutil.which('git')
   tracked = git and subprocess.run([git, '-C', str(ROOT), 'ls-files', '--error-unmatch',
                                     str(rel)], capture_output=True, check=False).returncode == 0
@@ -864,7 +867,7 @@ def _remote_spec(spec: str, ref: str | None, strict: bool) -> tuple[str, list[st
                            check=False).stdout.strip()
     if dirty:
       notes.append(f'{ROOT} has uncommitted changes; the hosts get {ref} without them.')
-  return f'{rel}{sep}{variant}', notes
+  return f'{shown}{sep}{variant}', notes
 
 
 def _workdir_notes(workdir: str) -> list[str]:
