@@ -20,7 +20,6 @@ the run's config in what it computes (``rlax_llm.config.config_changes``: only t
 from __future__ import annotations
 
 import json
-import logging
 import os
 import pathlib
 import sys
@@ -29,7 +28,7 @@ from typing import Any
 
 import ml_collections
 
-from rlax_llm import cli, launch_help
+from rlax_llm import cli, console, launch_help
 from rlax_llm import config as config_lib
 from rlax_llm.errors import ConfigError, Preempted, RlaxError
 
@@ -78,7 +77,7 @@ def config_for(argv: Sequence[str], checkpoint: str | None) -> ml_collections.Co
     raise ConfigError(f'{path} cannot be read ({e}); pass --config=PATH[:VARIANT] with the '
                       'config the run trained with.') from None
   if not any(a.partition('=')[0] in ('--config', '-config') for a in argv):
-    logging.info('evaluating with the run\'s own config, %s', path)
+    console.phase(f'evaluating with the run\'s own config, {path}')
     return cli.load_config(argv, base=config_lib.saved_config(saved))
   config = cli.load_config(argv)
   differ = config_lib.config_changes(saved, config, EVAL_CHANGES)
@@ -174,5 +173,5 @@ def main(argv: Sequence[str]) -> None:
 
 if __name__ == '__main__':
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  logging.getLogger('absl').setLevel(logging.INFO)
+  console.setup_logging()
   main(sys.argv)

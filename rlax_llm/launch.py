@@ -37,7 +37,7 @@ import time
 import ml_collections
 from absl import app, flags
 
-from rlax_llm import cli, distributed, launch_help
+from rlax_llm import cli, console, distributed, launch_help
 from rlax_llm import workdir as workdir_lib
 from rlax_llm.config import check_resume_config, validate_config
 from rlax_llm.errors import NonFiniteError, Preempted, RlaxError
@@ -118,7 +118,7 @@ def run_cli() -> None:
   if launch_help.wants_help(argv):  # before the config loads: help works with a broken one
     sys.stdout.write(launch_help.help_text())
     raise SystemExit(0)
-  logging.getLogger('absl').setLevel(logging.INFO)
+  console.setup_logging()
   config_args, rest = cli.split_config_args(argv)
   config = cli.load_config(config_args)
   define_flags()

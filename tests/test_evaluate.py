@@ -114,6 +114,8 @@ def test_a_checkpoint_without_config_is_evaluated_with_its_runs_own_config(run_w
   assert result.returncode == 0, result.stderr[-3000:]
   record = json.loads(result.stdout.strip().splitlines()[-1])
   assert record['config'] == 'own_config'
+  assert f"rlax_llm: evaluating with the run's own config, {run_workdir / 'config.json'}" in (
+      result.stderr), result.stderr[-3000:]
   assert 0.0 <= record['eval/accuracy'] <= 1.0 and 'eval/pass@2' in record
 
 
