@@ -313,15 +313,18 @@ def saved_config(saved: dict) -> ml_collections.ConfigDict:
 
   The packaged default config supplies the types of fields saved as ``null`` (an override of
   ``model.path`` is then a string) and keys added since the run was saved (at their default,
-  as ``config_changes`` assumes); ``OPEN_GROUPS`` are taken as saved.
+  as ``config_changes`` assumes); ``OPEN_GROUPS`` are taken as saved, and keys retired since
+  (no longer in the schema, so no longer read) are left out.
   """
   config = load_config_file(str(DEFAULT_CONFIG_PATH))
 
   def overlay(node: ml_collections.ConfigDict, values: dict, prefix: str) -> None:
     for key, value in values.items():
       name = f'{prefix}{key}'
-      if _matches(name, OPEN_GROUPS) or key not in node:
+      if _matches(name, OPEN_GROUPS):
         node[key] = ml_collections.ConfigDict(value) if isinstance(value, dict) else value
+      elif key not in node:
+        continue
       elif isinstance(value, dict) and isinstance(node[key], ml_collections.ConfigDict):
         overlay(node[key], value, name + '.')
       else:

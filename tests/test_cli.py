@@ -70,6 +70,8 @@ def test_a_saved_config_reads_back_equal_typed_and_overridable():
                            base=saved_config(saved))
   assert config.model.path == '/x.gguf' and config.eval.samples == 4
   assert config.task.name == 'countdown' and 'max_operand' not in config.task
+  saved['rl']['retired_option'] = 3  # a key this version no longer reads
+  assert 'retired_option' not in saved_config(saved).rl
 
 
 def test_a_config_file_missing_a_schema_key_or_with_an_unknown_one_is_refused():
