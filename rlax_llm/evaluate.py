@@ -68,7 +68,11 @@ def config_for(argv: Sequence[str], checkpoint: str | None) -> ml_collections.Co
     SystemExit: ``'error: ...'`` from ``rlax_llm.cli.load_config``.
   """
   workdir = run_workdir(checkpoint) if checkpoint else None
+  named = any(a.partition('=')[0] in ('--config', '-config') for a in argv)
   if workdir is None:
+    if checkpoint and not named:
+      console.phase(f'no run config.json beside {checkpoint}: evaluating with the packaged '
+                    f'{cli.DEFAULT_CONFIG_PATH} (pass --config with the config the run used)')
     return cli.load_config(argv)
   path = workdir / 'config.json'
   try:
@@ -76,7 +80,7 @@ def config_for(argv: Sequence[str], checkpoint: str | None) -> ml_collections.Co
   except (OSError, ValueError) as e:
     raise ConfigError(f'{path} cannot be read ({e}); pass --config=PATH[:VARIANT] with the '
                       'config the run trained with.') from None
-  if not any(a.partition('=')[0] in ('--config', '-config') for a in argv):
+  if not named:
     console.phase(f'evaluating with the run\'s own config, {path}')
     return cli.load_config(argv, base=config_lib.saved_config(saved))
   config = cli.load_config(argv)
