@@ -11,7 +11,8 @@ line, run from the repository root::
 
 Each recipe
 
-1. loads the config with its ``--config.KEY=VALUE`` overrides exactly as the launcher does;
+1. loads the config with its ``--config.KEY=VALUE`` overrides exactly as the launcher does
+   (``rlax_llm.cli.load_config``);
 2. checks it against the slice(s) (``checks``): the role meshes against the chips and hosts
    (``check_local``, ``check_ray``, sized by ``rlax_llm.sharding.mesh_shape``), then
    ``rlax_llm.config.validate_config`` with as many devices as the launch will see (CPU

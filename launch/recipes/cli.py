@@ -13,34 +13,17 @@ import sys
 from collections.abc import Sequence
 
 import ml_collections
-from absl import flags
-from ml_collections import config_flags
 
 from launch.recipes import manifests, scripts
 from launch.recipes.checks import check_local, check_ray, memory_check, validate_on_devices
 from launch.recipes.scripts import RAY_OVERRIDES, REMOTE_DIR, ROOT, Raw
 from launch.recipes.slices import SLICES, SliceError, SliceType, get_slice, slice_table
 from rlax_llm import workdir as workdir_lib
-from rlax_llm.config import DEFAULT_CONFIG_PATH, check_config_spec, check_override_keys
+from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config
 from rlax_llm.errors import ConfigError, RlaxError
 
 COORDINATOR_PORT = 8476
 RAY_REQUIREMENT = 'ray[default]==2.60.0'  # launch/host_setup.sh installs the same
-
-
-def _load(spec: str, overrides: Sequence[str]) -> ml_collections.ConfigDict:
-  """The config of ``--config=spec`` with ``overrides``, as ``rlax_llm.launch`` builds it."""
-  argv = [f'--config={spec}', *overrides]
-  check_override_keys(argv, check_config_spec(argv))
-  values = flags.FlagValues()
-  holder = config_flags.DEFINE_config_file('config', str(DEFAULT_CONFIG_PATH), 'Config file.',
-                                           flag_values=values, lock_config=True,
-                                           sys_argv=['rlax_llm', *argv])
-  try:
-    values(['rlax_llm', *argv])
-  except flags.Error as e:
-    raise SystemExit(f'error: {e}') from None
-  return holder.value
 
 
 def _remote_spec(spec: str, ref: str | None, strict: bool) -> tuple[str, list[str]]:
@@ -129,8 +112,9 @@ def _distributed(config: ml_collections.ConfigDict, slice_: SliceType, opts, *,
 
 def _common(parser: argparse.ArgumentParser, gcloud: bool = True) -> None:
   parser.add_argument('--config', default=str(DEFAULT_CONFIG_PATH),
-                      help='config file PATH[:VARIANT] inside this checkout (default: '
-                      'configs/default.py); --config.KEY=VALUE overrides follow it')
+                      help='config file PATH[:VARIANT] inside this checkout (default: the '
+                      'packaged rlax_llm/configs/default.py); --config.KEY=VALUE overrides '
+                      'follow it')
   parser.add_argument('--workdir', required=True,
                       help='run directory on the hosts, e.g. gs://BUCKET/runs/NAME')
   parser.add_argument('--name', help='resource name (default: rlax-<config name>)')
@@ -224,7 +208,7 @@ def run(argv: Sequence[str]) -> int:
   recipe_overrides: list[str] = []
   if opts.recipe in ('ray', 'gke-ray'):
     recipe_overrides = list(RAY_OVERRIDES)
-  config = _load(opts.config, [*overrides, *recipe_overrides])
+  config = load_config([f'--config={opts.config}', *overrides, *recipe_overrides])
   opts.name = opts.name or _default_name(config)
   if not _NAME.fullmatch(opts.name):
     raise SliceError(f'--name={opts.name!r}: use 1-40 lowercase letters, digits and hyphens, '
