@@ -54,7 +54,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from rlax_llm.models import from_pretrained, smollm2_gguf_path  # noqa: E402
-from rlax_llm.models.decoder import DecoderConfig, head_logits, linear  # noqa: E402
+from rlax_llm.models.decoder import head_logits, linear  # noqa: E402
+from rlax_llm.models.decoder_config import DecoderConfig  # noqa: E402
 from rlax_llm.models.model import abstract_model, split_module  # noqa: E402
 from rlax_llm.models.presets import count_params  # noqa: E402
 from rlax_llm.sampling_spec import GREEDY  # noqa: E402

@@ -29,7 +29,7 @@ import ml_collections
 
 from rlax_llm.errors import ConfigError
 from rlax_llm import losses
-from rlax_llm.models.decoder import INVARIANT_ROWS_MODES, REMAT_POLICIES, DecoderConfig
+from rlax_llm.models.decoder_config import INVARIANT_ROWS_MODES, REMAT_POLICIES, DecoderConfig
 from rlax_llm.sampling_spec import SamplingSpec
 
 DEFAULT_CONFIG_PATH = pathlib.Path(__file__).resolve().parent.parent / 'configs' / 'default.py'

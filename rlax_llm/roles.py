@@ -24,7 +24,7 @@ import ml_collections
 from rlax_llm import config as config_lib
 from rlax_llm.errors import ConfigError
 from rlax_llm.models import presets
-from rlax_llm.models.decoder import DecoderConfig
+from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.model import Model, Params, create_model, split_module
 from rlax_llm.trainer.scoring import Policy
 from rlax_llm.rollout.worker import InferenceWorker

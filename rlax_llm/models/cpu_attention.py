@@ -152,8 +152,8 @@ def decode_attention(q: jax.Array, keys: tuple[jax.Array, ...], values: tuple[ja
 
   Args:
     q: float32 ``[B, KV, G, D]``, the queries grouped by kv head (unscaled).
-    keys: blocks ``[B, KV, D, L]`` (``decoder.KEY_BLOCK_AXES``), in position order.
-    values: blocks ``[B, KV, L, D]`` (``decoder.VALUE_BLOCK_AXES``), as many as ``keys``.
+    keys: blocks ``[B, KV, D, L]`` (``kv_cache.KEY_BLOCK_AXES``), in position order.
+    values: blocks ``[B, KV, L, D]`` (``kv_cache.VALUE_BLOCK_AXES``), as many as ``keys``.
     lengths: int ``[B]``: slot ``b`` attends to positions ``[0, lengths[b])``, clamped to
       ``[1, len(keys) * L]`` (an inactive slot's output is then finite junk, as XLA's).
   Returns:

@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 
 from rlax_llm.errors import CheckpointError
-from rlax_llm.models.decoder import DecoderConfig, RopeScaling
+from rlax_llm.models.decoder_config import DecoderConfig, RopeScaling
 
 ARCHITECTURES = {
     'LlamaForCausalLM': 'llama',

@@ -18,7 +18,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from rlax_llm.models.decoder import Decoder, DecoderConfig, KVCache, head_logits
+from rlax_llm.models.decoder import Decoder
+from rlax_llm.models.decoder_config import DecoderConfig
+from rlax_llm.models.kv_cache import KVCache
 
 Params = dict[str, Any]
 
@@ -46,8 +48,7 @@ class Model:
   def logits(self, params: Params, hidden: jax.Array) -> jax.Array:
     """float32 logits ``[..., vocab]`` of final-normed hidden states ``[..., embed]`` (what
     ``apply(..., features=True)`` returns), by the tied embedding or the lm head."""
-    weight = params['embed'] if self.config.tie_embeddings else params['lm_head']
-    return head_logits(hidden, weight, self.config)
+    return nnx.merge(self.graphdef, params).head(hidden)
 
   def init_cache(self, batch: int, max_len: int | None = None,
                  block_length: int | None = None) -> KVCache:

@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from rlax_llm import sharding as sharding_lib
-from rlax_llm.models.decoder import DecoderConfig, RopeScaling
+from rlax_llm.models.decoder_config import DecoderConfig, RopeScaling
 from rlax_llm.models.model import abstract_model
 
 _QWEN3 = dict(vocab_size=151_936, head_dim=128, rope_theta=1_000_000.0, norm_eps=1e-6,

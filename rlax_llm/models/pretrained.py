@@ -30,7 +30,8 @@ from rlax_llm import sharding as sharding_lib
 from rlax_llm.models import gguf as gguf_lib
 from rlax_llm.models import hf
 from rlax_llm.models import tokenizer as tokenizer_lib
-from rlax_llm.models.decoder import Decoder, DecoderConfig
+from rlax_llm.models.decoder import Decoder
+from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.model import abstract_model
 
 

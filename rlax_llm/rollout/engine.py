@@ -50,10 +50,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlax_llm import sharding as sharding_lib
 from rlax_llm.models import cpu_attention
-from rlax_llm.models.decoder import (INVARIANT_KEYS, KEY_BLOCK_AXES, KEY_POSITION_AXIS,
-                                     VALUE_BLOCK_AXES, VALUE_POSITION_AXIS, KVCache,
-                                     cache_block_shape, head_is_vocab_major)
+from rlax_llm.models.decoder import head_is_vocab_major
+from rlax_llm.models.kv_cache import (KEY_BLOCK_AXES, KEY_POSITION_AXIS, VALUE_BLOCK_AXES,
+                                      VALUE_POSITION_AXIS, KVCache, cache_block_shape)
 from rlax_llm.models.model import Model, Params, to_weight_layout, with_weight_layout
+from rlax_llm.models.numerics import INVARIANT_KEYS
 from rlax_llm.paramserver.server import leaf_specs
 from rlax_llm.policy import sample_rows
 from rlax_llm.sampling_spec import SamplingSpec
@@ -171,7 +172,7 @@ class Engine:
       TPUs may prefer 128).
     weight_layout: the layout the engine keeps its params in (``DecoderConfig.weight_layout``;
       ``place_params`` converts to it). Default: ``'out_in'`` on XLA:CPU, where a decode
-      step's weight products run faster that way (``decoder.flipped_product``), unless the
+      step's weight products run faster that way (``numerics.flipped_product``), unless the
       model is ``batch_invariant`` (its log-probs must match the trainer's bit for bit,
       and the trainer's params are ``'in_out'``); else the model's own.
     decode_attention: how decode steps of two or more slots attend

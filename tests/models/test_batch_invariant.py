@@ -14,7 +14,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rlax_llm.models.decoder import INVARIANT_KEYS, DecoderConfig, invariant_matmul
+from rlax_llm.models.decoder_config import DecoderConfig
+from rlax_llm.models.numerics import INVARIANT_KEYS, invariant_matmul
 from rlax_llm.models.model import create_model
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.trainer.scoring import Policy

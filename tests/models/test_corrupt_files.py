@@ -17,7 +17,8 @@ from flax import nnx
 
 from rlax_llm.models import gguf as gguf_lib
 from rlax_llm.models import hf
-from rlax_llm.models.decoder import Decoder, DecoderConfig
+from rlax_llm.models.decoder import Decoder
+from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.pretrained import from_pretrained, save_pretrained
 from rlax_llm.models.tokenizer import HFTokenizer
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from rlax_llm.models import cpu_attention
-from rlax_llm.models.decoder import DecoderConfig
+from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.model import create_model
 from rlax_llm.sampling_spec import GREEDY, SamplingSpec
 from rlax_llm.trainer.scoring import Policy

@@ -7,11 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlax_llm.models.decoder import (FLIPPED_MAX_ROWS, KEY_POSITION_AXIS,
-                                     ROPE_TABLE_MAX_ENTRIES, VALUE_POSITION_AXIS, DecoderConfig,
-                                     _blocks_with, _write_after, _write_blocks,
-                                     head_is_vocab_major, head_logits, linear, rope,
-                                     rope_inv_freq, rope_table_length, rope_tables)
+from rlax_llm.models.decoder import (ROPE_TABLE_MAX_ENTRIES, head_is_vocab_major, head_logits,
+                                     linear, rope, rope_inv_freq, rope_table_length, rope_tables)
+from rlax_llm.models.decoder_config import DecoderConfig
+from rlax_llm.models.kv_cache import (KEY_POSITION_AXIS, VALUE_POSITION_AXIS, _blocks_with,
+                                      _write_after, _write_blocks)
+from rlax_llm.models.numerics import FLIPPED_MAX_ROWS
 from rlax_llm.models.model import create_model, to_weight_layout, with_weight_layout
 
 CONFIG = DecoderConfig(vocab_size=19, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,

@@ -18,7 +18,8 @@ transformers = pytest.importorskip('transformers')
 
 from rlax_llm.errors import CheckpointError  # noqa: E402
 from rlax_llm.models import hf  # noqa: E402
-from rlax_llm.models.decoder import DecoderConfig, KVCache  # noqa: E402
+from rlax_llm.models.decoder_config import DecoderConfig  # noqa: E402
+from rlax_llm.models.kv_cache import KVCache  # noqa: E402
 from rlax_llm.models.model import create_model  # noqa: E402
 from rlax_llm.models.pretrained import from_pretrained, save_pretrained  # noqa: E402
 from rlax_llm.sharding import make_mesh  # noqa: E402

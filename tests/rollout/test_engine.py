@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlax_llm.models.decoder import INVARIANT_KEYS, DecoderConfig
+from rlax_llm.models.decoder_config import DecoderConfig
+from rlax_llm.models.numerics import INVARIANT_KEYS
 from rlax_llm.models.model import create_model
 from rlax_llm.sampling_spec import GREEDY, SamplingSpec
 from rlax_llm.trainer.scoring import Policy
