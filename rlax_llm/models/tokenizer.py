@@ -596,17 +596,7 @@ class HFTokenizer:
   def encode_batch(self, texts: Sequence[str], length: int | None = None,
                    add_bos: bool = False, add_eos: bool = False
                    ) -> tuple[np.ndarray, np.ndarray]:
-    """Encodes and right-pads ``texts`` with ``pad_id``.
-
-    Args:
-      texts: B strings.
-      length: padded length L; ``None`` pads to the longest encoding.
-      add_bos, add_eos: as in ``encode`` (they count towards the length).
-
-    Returns:
-      ``(ids, lengths)``: int32 ``[B, L]`` and int32 ``[B]`` (tokens before the padding).
-    Raises ValueError if an encoding is longer than ``length``.
-    """
+    """``tokenization.Tokenizer.encode_batch``, the texts encoded in one batched call."""
     tokenization.check_batch_args(texts, length)
     texts = list(texts)
     for index, text in enumerate(texts):
