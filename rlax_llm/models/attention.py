@@ -7,7 +7,7 @@ in the cache layouts (``kv_cache``), and returns ``[B, kv_heads, M, head_dim]``:
 * ``xla_attention``: softmax attention as jnp products (the default);
 * ``invariant_attention``: the same, with batch-invariant numerics (``numerics``);
 * ``cpu_attention.decode_attention``: a compiled XLA:CPU kernel for decode steps of two or
-  more rows (``DecoderConfig.decode_attention='cpu_kernel'``).
+  more rows (``Execution.decode_attention='cpu_kernel'``).
 """
 
 from __future__ import annotations

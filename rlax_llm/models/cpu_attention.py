@@ -5,7 +5,7 @@ every cached key and value once and does three multiply-adds per float read (Smo
 three queries per kv head). XLA:CPU runs those small batched products on one thread,
 reading the cache at about 16 GB/s, and a step attends to a whole attend bucket. The kernel
 reads each slot's cache in memory order on all of XLA's intra-op threads, and only the
-positions the slot holds. ``DecoderConfig.decode_attention='cpu_kernel'`` selects it for
+positions the slot holds. ``Execution.decode_attention='cpu_kernel'`` selects it for
 decode steps of two or more rows; the inference engine picks it by default where it applies
 (``rlax_llm.rollout.engine.Engine``). Its results equal the XLA attention's to float32
 rounding (a different summation order and a polynomial ``exp``; ``tests/models``), so

@@ -18,7 +18,7 @@ References:
 The model's other parts live beside it: its configuration (``decoder_config``), the KV
 cache's layout and writes (``kv_cache``), the attention functions a layer chooses between
 (``attention``, ``cpu_attention``) and the batch-invariant numerics (``numerics``, with
-``DecoderConfig.batch_invariant``) that make a row's logits bitwise the same whatever shares
+``Execution.batch_invariant``) that make a row's logits bitwise the same whatever shares
 its batch.
 """
 
@@ -52,17 +52,17 @@ ROPE_TABLE_MAX_ENTRIES = 2 ** 21
 def linear(x: Array, w: Array, config: DecoderConfig) -> Array:
   """``x [..., K]`` times a weight of ``K`` inputs -> ``[..., N]`` (its outputs flattened).
 
-  ``w`` is stored in ``config.weight_layout`` order: ``[K..., N...]`` (``'in_out'``,
+  ``w`` is stored in ``Execution.weight_layout`` order: ``[K..., N...]`` (``'in_out'``,
   ``x @ w``) or ``[N..., K...]`` (``'out_in'``: ``flipped_product`` for a decode step's few
   rows on XLA:CPU, else ``x @ w.T``); batch-invariant (``invariant_matmul``) with
-  ``config.batch_invariant``.
+  ``Execution.batch_invariant``.
   """
   k = x.shape[-1]
-  out_in = config.weight_layout == 'out_in'
+  run = config.execution
+  out_in = run.weight_layout == 'out_in'
   w = w.reshape(-1, k) if out_in else w.reshape(k, -1)
-  if config.batch_invariant:
-    return invariant_matmul(x, w, 'ck,nk->cn' if out_in else 'ck,kn->cn',
-                            config.invariant_rows)
+  if run.batch_invariant:
+    return invariant_matmul(x, w, 'ck,nk->cn' if out_in else 'ck,kn->cn', run.invariant_rows)
   if not out_in:
     return x @ w
   if flips(math.prod(x.shape[:-1])):
@@ -82,11 +82,11 @@ def _param(rngs: nnx.Rngs, shape, axes, dtype, scale: float | None = None) -> nn
 def _kernel(rngs: nnx.Rngs, config: DecoderConfig, inputs: tuple[tuple[int, str], ...],
             outputs: tuple[tuple[int, str], ...], scale: float) -> nnx.Param:
   """A weight from ``inputs`` to ``outputs`` (``(size, logical axis)`` pairs), stored in
-  ``config.weight_layout`` order. Drawn in the ``in_out`` order either way: one seed gives
+  ``Execution.weight_layout`` order. Drawn in the ``in_out`` order either way: one seed gives
   the same weights in both layouts."""
   sizes, axes = zip(*(inputs + outputs))
-  param = _param(rngs, sizes, axes, config.param_dtype, scale)
-  if config.weight_layout == 'in_out':
+  param = _param(rngs, sizes, axes, config.execution.param_dtype, scale)
+  if config.execution.weight_layout == 'in_out':
     return param
   order = tuple(range(len(inputs), len(sizes))) + tuple(range(len(inputs)))
   return nnx.Param(param[...].transpose(order), logical_axes=tuple(axes[i] for i in order))
@@ -168,7 +168,7 @@ def rope_table_length(config: DecoderConfig) -> int | None:
   ``ROPE_TABLE_MAX_ENTRIES`` entries, and always with batch-invariant numerics; else
   ``None`` (cos and sin evaluated in the program)."""
   small = config.max_seq_len * (config.head_dim // 2) <= ROPE_TABLE_MAX_ENTRIES
-  return config.max_seq_len if small or config.batch_invariant else None
+  return config.max_seq_len if small or config.execution.batch_invariant else None
 
 
 def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
@@ -209,17 +209,18 @@ class Attention(nnx.Module):
     self.wk = _kernel(rngs, c, embed, kv_heads, s_in)
     self.wv = _kernel(rngs, c, embed, kv_heads, s_in)
     self.wo = _kernel(rngs, c, heads, embed, s_out)
+    run = c.execution
     if c.qkv_bias:
-      self.bq = _zeros(rngs, (c.num_heads, c.head_dim), ('heads', 'head_dim'), c.param_dtype)
+      self.bq = _zeros(rngs, (c.num_heads, c.head_dim), ('heads', 'head_dim'), run.param_dtype)
       self.bk = _zeros(rngs, (c.num_kv_heads, c.head_dim), ('kv_heads', 'head_dim'),
-                       c.param_dtype)
+                       run.param_dtype)
       self.bv = _zeros(rngs, (c.num_kv_heads, c.head_dim), ('kv_heads', 'head_dim'),
-                       c.param_dtype)
+                       run.param_dtype)
     if c.qk_norm:
-      self.q_norm = RMSNorm(c.head_dim, c.norm_eps, c.param_dtype, rngs=rngs, axis='head_dim',
-                            invariant=c.batch_invariant)
-      self.k_norm = RMSNorm(c.head_dim, c.norm_eps, c.param_dtype, rngs=rngs, axis='head_dim',
-                            invariant=c.batch_invariant)
+      self.q_norm = RMSNorm(c.head_dim, c.norm_eps, run.param_dtype, rngs=rngs, axis='head_dim',
+                            invariant=run.batch_invariant)
+      self.k_norm = RMSNorm(c.head_dim, c.norm_eps, run.param_dtype, rngs=rngs, axis='head_dim',
+                            invariant=run.batch_invariant)
     self.config = c
 
   def __call__(self, x: Array, rope_cs: tuple[Array, Array], mask: Array,
@@ -232,8 +233,8 @@ class Attention(nnx.Module):
     attention matmuls contract the cache in its stored layout (no per-step transposes of
     the cache). Returns ``(out [B, T, E], the layer's new cache blocks or None)``.
     """
-    c = self.config
-    dt = c.dtype
+    c, run = self.config, self.config.execution
+    dt = run.dtype
     q, k, v = (linear(x, w[...].astype(dt), c).reshape(x.shape[:-1] + (-1, c.head_dim))
                for w in (self.wq, self.wk, self.wv))
     if c.qkv_bias:
@@ -248,10 +249,10 @@ class Attention(nnx.Module):
     k = apply_rope(k, *rope_cs)
     # The compiled kernel takes decode steps of two or more rows (one row keeps the
     # dynamic-update-slice path of ``layer_update``, which XLA handles best).
-    kernel = (c.decode_attention == 'cpu_kernel' and kv is not None and x.shape[1] == 1
+    kernel = (run.decode_attention == 'cpu_kernel' and kv is not None and x.shape[1] == 1
               and x.shape[0] > 1)
     if kv is None:  # keys as [B, kv, T, d]; batch-invariant attention takes them as cached
-      ks = (to_block(k, KEY_BLOCK_AXES if c.batch_invariant else VALUE_BLOCK_AXES),)
+      ks = (to_block(k, KEY_BLOCK_AXES if run.batch_invariant else VALUE_BLOCK_AXES),)
       vs = (to_block(v, VALUE_BLOCK_AXES),)
       write = lambda out: None
     else:
@@ -263,7 +264,7 @@ class Attention(nnx.Module):
     query_mask = jnp.broadcast_to(mask[:, None, None], (batch, 1, groups) + mask.shape[1:])
     query_mask = query_mask.reshape(batch, 1, groups * length, mask.shape[-1])
     wo = self.wo[...].astype(dt)
-    if c.batch_invariant:
+    if run.batch_invariant:
       out = invariant_attention(q, ks, vs, query_mask).astype(dt)
     elif kernel:  # positions <= the row's own (the mask's), within the blocks read
       out = cpu_attention.decode_attention(q, ks, vs, jnp.minimum(starts + 1, mask.shape[-1]))
@@ -288,7 +289,7 @@ class MLP(nnx.Module):
 
   def __call__(self, x: Array) -> Array:
     c = self.config
-    dt = c.dtype
+    dt = c.execution.dtype
     gate = jax.nn.silu(linear(x, self.w_gate[...].astype(dt), c))
     hidden = constrain(gate * linear(x, self.w_up[...].astype(dt), c),
                        ('batch', 'length', 'mlp'))
@@ -300,8 +301,9 @@ class Block(nnx.Module):
   """Pre-norm transformer block."""
 
   def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
-    norm = lambda: RMSNorm(config.embed_dim, config.norm_eps, config.param_dtype, rngs=rngs,
-                           invariant=config.batch_invariant)
+    run = config.execution
+    norm = lambda: RMSNorm(config.embed_dim, config.norm_eps, run.param_dtype, rngs=rngs,
+                           invariant=run.batch_invariant)
     self.attn_norm = norm()
     self.attn = Attention(config, rngs=rngs)
     self.mlp_norm = norm()
@@ -329,23 +331,25 @@ def head_is_vocab_major(config: DecoderConfig, rows: int) -> bool:
   its transpose (``flipped_product``): a ``[V, E]`` head (tied, or ``'out_in'``) of 2 to
   ``FLIPPED_MAX_ROWS`` rows on XLA:CPU, without batch-invariant numerics. The sampler's
   ``argmax(vocab_major=...)`` reads such logits in place."""
-  vocab_first = config.tie_embeddings or config.weight_layout == 'out_in'
-  return vocab_first and not config.batch_invariant and rows > 1 and flips(rows)
+  run = config.execution
+  vocab_first = config.tie_embeddings or run.weight_layout == 'out_in'
+  return vocab_first and not run.batch_invariant and rows > 1 and flips(rows)
 
 
 def head_logits(x: Array, weight: Array, config: DecoderConfig) -> Array:
   """float32 logits of hidden states ``x`` ``[..., E]``: ``x @ weight`` (``weight`` is the
   lm head, ``[E, V]``) or ``x @ weight.T`` (``weight`` is the ``[V, E]`` embedding, with
   ``config.tie_embeddings``, or the lm head in the ``'out_in'`` layout); in
-  ``config.dtype``, batch-invariant (``invariant_matmul``) with ``config.batch_invariant``.
-  On XLA:CPU a ``[V, E]`` head of 2 to ``FLIPPED_MAX_ROWS`` rows (a decode step's) runs as
-  ``flipped_product``."""
-  vocab_first = config.tie_embeddings or config.weight_layout == 'out_in'
-  weight = weight.astype(config.dtype)
+  ``Execution.dtype``, batch-invariant (``invariant_matmul``) with
+  ``Execution.batch_invariant``. On XLA:CPU a ``[V, E]`` head of 2 to ``FLIPPED_MAX_ROWS``
+  rows (a decode step's) runs as ``flipped_product``."""
+  run = config.execution
+  vocab_first = config.tie_embeddings or run.weight_layout == 'out_in'
+  weight = weight.astype(run.dtype)
   rows = math.prod(x.shape[:-1])
-  if config.batch_invariant:
+  if run.batch_invariant:
     logits = invariant_matmul(x, weight, 'ce,ve->cv' if vocab_first else 'ce,ev->cv',
-                              config.invariant_rows)
+                              run.invariant_rows)
   elif head_is_vocab_major(config, rows):
     logits = flipped_product(x, weight)
   elif vocab_first:
@@ -366,11 +370,12 @@ class Decoder(nnx.Module):
     c = config
     self.config = c
     # std 1/sqrt(embed): with tied embeddings the initial logits then have unit scale.
-    self.embed = _param(rngs, (c.vocab_size, c.embed_dim), ('vocab', 'embed'), c.param_dtype,
+    run = c.execution
+    self.embed = _param(rngs, (c.vocab_size, c.embed_dim), ('vocab', 'embed'), run.param_dtype,
                         c.embed_dim ** -0.5)
     self.blocks = nnx.List([Block(c, rngs=rngs) for _ in range(c.num_layers)])
-    self.final_norm = RMSNorm(c.embed_dim, c.norm_eps, c.param_dtype, rngs=rngs,
-                              invariant=c.batch_invariant)
+    self.final_norm = RMSNorm(c.embed_dim, c.norm_eps, run.param_dtype, rngs=rngs,
+                              invariant=run.batch_invariant)
     if not c.tie_embeddings:
       self.lm_head = _kernel(rngs, c, ((c.embed_dim, 'embed'),), ((c.vocab_size, 'vocab'),),
                              c.embed_dim ** -0.5)
@@ -393,7 +398,7 @@ class Decoder(nnx.Module):
     c = self.config
     chex.assert_rank(tokens, 2)
     batch, length = tokens.shape
-    x = constrain(jnp.take(self.embed[...], tokens, axis=0).astype(c.dtype),
+    x = constrain(jnp.take(self.embed[...], tokens, axis=0).astype(c.execution.dtype),
                   ('batch', 'length', 'embed'))
     if cache is None:
       positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
@@ -411,7 +416,7 @@ class Decoder(nnx.Module):
     rope_cs = rope_tables(positions, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
                           rope_table_length(c))
     new_k, new_v = [], []
-    call = _REMAT_CALL[c.remat]
+    call = _REMAT_CALL[c.execution.remat]
     for i, block in enumerate(self.blocks):
       kv = None if cache is None else (cache.k[i], cache.v[i])
       x, layer_kv = call(block, x, rope_cs, mask, kv, starts)

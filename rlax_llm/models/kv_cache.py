@@ -74,8 +74,9 @@ class KVCache:
     block = max_len if block_length is None else block_length
     if block < 1:
       raise ValueError(f'block_length must be >= 1, got {block_length}.')
-    layer = lambda axes: tuple(jnp.zeros(cache_block_shape(axes, config, batch, block),
-                                         config.dtype) for _ in range(-(-max_len // block)))
+    dtype = config.execution.dtype
+    layer = lambda axes: tuple(jnp.zeros(cache_block_shape(axes, config, batch, block), dtype)
+                               for _ in range(-(-max_len // block)))
     return cls(k=tuple(layer(KEY_BLOCK_AXES) for _ in range(config.num_layers)),
                v=tuple(layer(VALUE_BLOCK_AXES) for _ in range(config.num_layers)),
                lengths=jnp.zeros((batch,), jnp.int32))

@@ -110,14 +110,15 @@ def abstract_model(config: DecoderConfig) -> Model:
 
 def with_weight_layout(model: Model, layout: str, decode_attention: str | None = None
                        ) -> Model:
-  """``model`` with its weights stored in ``layout`` (``DecoderConfig.weight_layout``) and,
-  if given, decoding with ``decode_attention`` (``DecoderConfig.decode_attention``): how
-  the same params run, not what they are."""
-  attention = model.config.decode_attention if decode_attention is None else decode_attention
-  if (layout, attention) == (model.config.weight_layout, model.config.decode_attention):
+  """``model`` with its weights stored in ``layout`` (``Execution.weight_layout``) and, if
+  given, decoding with ``decode_attention`` (``Execution.decode_attention``): how the same
+  params run, not what they are."""
+  run = model.config.execution
+  attention = run.decode_attention if decode_attention is None else decode_attention
+  if (layout, attention) == (run.weight_layout, run.decode_attention):
     return model
-  return abstract_model(dataclasses.replace(model.config, weight_layout=layout,
-                                            decode_attention=attention))
+  return abstract_model(model.config.with_execution(weight_layout=layout,
+                                                    decode_attention=attention))
 
 
 def to_weight_layout(params: Params, source: Model, target: Model) -> Params:
@@ -129,8 +130,9 @@ def to_weight_layout(params: Params, source: Model, target: Model) -> Params:
   definition for both directions: the engine converts the trainer's params with it, and a
   round trip is the identity (tested).
   """
-  if dataclasses.replace(source.config, weight_layout=target.config.weight_layout,
-                         decode_attention=target.config.decode_attention) != target.config:
+  target_run = target.config.execution
+  if source.config.with_execution(weight_layout=target_run.weight_layout,
+                                  decode_attention=target_run.decode_attention) != target.config:
     raise ValueError('to_weight_layout converts between models that differ only in '
                      f'weight_layout; got {source.config} and {target.config}.')
 

@@ -1,6 +1,6 @@
 """Batch-invariant numerics and the fast weight products of XLA:CPU.
 
-Batch-invariant numerics (``DecoderConfig.batch_invariant``): XLA:CPU picks a float32
+Batch-invariant numerics (``Execution.batch_invariant``): XLA:CPU picks a float32
 matmul's kernel from its shapes and fuses reductions, products and transcendentals
 differently in different programs, so one row's result depends on how many rows come with
 it. The same token scored by the trainer (a ``[B, T]`` forward) and by a decode step (one
@@ -8,7 +8,7 @@ query per slot over a KV cache) then differs by rounding, which 30 layers grow t
 a log-prob. With ``batch_invariant`` every such computation runs in a form whose rounding
 cannot depend on the batch: weight matmuls in chunks of exactly ``INVARIANT_ROWS`` rows (the
 rest in one product of at least two), or of at least ``INVARIANT_MIN_ROWS``
-(``DecoderConfig.invariant_rows``, ``invariant_matmul``);
+(``Execution.invariant_rows``, ``invariant_matmul``);
 attention over pieces of ``INVARIANT_KEYS`` key positions, the
 value products summed in position order, the scale applied to the queries
 (``attention.invariant_attention``); sums and maxima as fixed trees of elementwise ops
@@ -59,7 +59,7 @@ def invariant_matmul(x: Array, w: Array, spec: str = 'ck,kn->cn',
   XLA:CPU picks a matmul's kernel from its row count: one for up to 32 rows, another for
   more (from 33 to 51 rows on, depending on the weight's shape), and the two round a row
   differently; each rounds a row the same for any row count in its range, wherever the row
-  sits (measured). ``rows`` (``DecoderConfig.invariant_rows``) keeps every row in one range:
+  sits (measured). ``rows`` (``Execution.invariant_rows``) keeps every row in one range:
 
   * ``'chunks'``: the rows are multiplied ``INVARIANT_ROWS`` (32) at a time (``lax.map``),
     all with the small-row kernel; the rows past the last whole chunk (all of them, up to

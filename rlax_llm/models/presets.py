@@ -76,7 +76,8 @@ def packaged_checkpoint(name: str):
 
 
 def get_preset(name: str, **overrides: Any) -> DecoderConfig:
-  """A named config (``PRESETS``) with optional field overrides (e.g. ``dtype``)."""
+  """A named config (``PRESETS``) with optional field overrides (e.g. ``max_seq_len``, or
+  ``execution=Execution(dtype=jnp.bfloat16)``)."""
   if name not in PRESETS:
     raise ValueError(f'Unknown model {name!r}; choose one of {sorted(PRESETS)}.')
   return dataclasses.replace(PRESETS[name], **overrides)

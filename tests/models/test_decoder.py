@@ -9,7 +9,7 @@ import pytest
 
 from rlax_llm.models.decoder import (ROPE_TABLE_MAX_ENTRIES, head_is_vocab_major, head_logits,
                                      linear, rope, rope_inv_freq, rope_table_length, rope_tables)
-from rlax_llm.models.decoder_config import DecoderConfig
+from rlax_llm.models.decoder_config import DecoderConfig, Execution
 from rlax_llm.models.kv_cache import (KEY_POSITION_AXIS, VALUE_POSITION_AXIS, _blocks_with,
                                       _write_after, _write_blocks)
 from rlax_llm.models.numerics import FLIPPED_MAX_ROWS
@@ -145,7 +145,7 @@ def test_jitted_decode_step_matches(model_and_params):
 def test_untied_embeddings_and_bf16_compute():
   config = DecoderConfig(vocab_size=11, num_layers=1, embed_dim=16, num_heads=2,
                          num_kv_heads=2, head_dim=8, mlp_dim=32, tie_embeddings=False,
-                         dtype=jnp.bfloat16)
+                         execution=Execution(dtype=jnp.bfloat16))
   model, params = create_model(config)
   assert 'lm_head' in params and params['lm_head'].shape == (16, 11)
   assert params['embed'].dtype == jnp.float32  # param dtype stays fp32 (master weights)
@@ -183,7 +183,7 @@ def test_vocab_major_argmax_reads_the_flipped_head_in_place():
   rows = 8
   assert head_is_vocab_major(config, rows) == (jax.default_backend() == 'cpu')
   assert not head_is_vocab_major(config, 1)
-  assert not head_is_vocab_major(dataclasses.replace(config, batch_invariant=True), rows)
+  assert not head_is_vocab_major(config.with_execution(batch_invariant=True), rows)
   assert not head_is_vocab_major(dataclasses.replace(config, tie_embeddings=False), rows)
   x = jnp.asarray(np.random.RandomState(0).randn(rows, config.embed_dim), jnp.float32)
   w = jnp.asarray(np.random.RandomState(1).randn(1024, config.embed_dim), jnp.float32)
@@ -207,7 +207,7 @@ def test_vocab_major_argmax_reads_the_flipped_head_in_place():
 def test_linear_out_in_is_the_same_product(shape):
   """A weight in the ``'out_in'`` layout (``[N..., K]``) gives ``linear`` the product of its
   ``'in_out'`` transpose; up to FLIPPED_MAX_ROWS rows it runs as ``w @ x.T`` on XLA:CPU."""
-  out_in = dataclasses.replace(CONFIG, weight_layout='out_in')
+  out_in = CONFIG.with_execution(weight_layout='out_in')
   rng = np.random.RandomState(1)
   x = jnp.asarray(rng.randn(*shape, 32), jnp.float32)
   w = jnp.asarray(rng.randn(32, 4, 8), jnp.float32)  # [K, heads, head_dim]
@@ -279,7 +279,7 @@ def test_decoder_reads_rope_from_the_host_table_when_it_is_small(model_and_param
   assert rope_table_length(CONFIG) == CONFIG.max_seq_len
   long = dataclasses.replace(CONFIG, max_seq_len=ROPE_TABLE_MAX_ENTRIES // 4 + 1)
   assert rope_table_length(long) is None
-  assert rope_table_length(dataclasses.replace(long, batch_invariant=True)) == long.max_seq_len
+  assert rope_table_length(long.with_execution(batch_invariant=True)) == long.max_seq_len
 
   def step_hlo(model):
     cache = model.init_cache(2, max_len=12)
@@ -306,7 +306,6 @@ def test_logical_axes_cover_every_param(model_and_params):
     (dict(num_heads=3, num_kv_heads=2), 'multiple of num_kv_heads'),
     (dict(head_dim=7), 'even'),
     (dict(num_layers=0), 'num_layers'),
-    (dict(weight_layout='k_n'), "weight_layout='k_n'"),
 ])
 def test_config_validation(kwargs, message):
   base = dict(vocab_size=10, num_layers=1, embed_dim=16, num_heads=2, num_kv_heads=1,
@@ -318,7 +317,7 @@ def test_config_validation(kwargs, message):
 @pytest.mark.parametrize('policy', ['full', 'dots'])
 def test_remat_gives_same_loss_and_gradients(policy):
   base, params = create_model(CONFIG, seed=5)
-  remat, _ = create_model(dataclasses.replace(CONFIG, remat=policy), seed=5)
+  remat, _ = create_model(CONFIG.with_execution(remat=policy), seed=5)
   tokens = jnp.asarray(np.random.RandomState(7).randint(0, 19, (2, 8)), jnp.int32)
 
   def loss(model, p):
@@ -342,6 +341,10 @@ def test_prefill_and_decode_step_api(model_and_params):
   np.testing.assert_array_equal(cache.lengths, [4, 6])
 
 
-def test_unknown_remat_policy():
+def test_unknown_remat_policy_and_weight_layout():
   with pytest.raises(ValueError, match="remat='some'"):
-    DecoderConfig(vocab_size=10, remat='some')
+    Execution(remat='some')
+  with pytest.raises(ValueError, match="weight_layout='k_n'"):
+    Execution(weight_layout='k_n')
+  with pytest.raises(ValueError, match='must be an Execution'):
+    DecoderConfig(vocab_size=10, execution='fast')

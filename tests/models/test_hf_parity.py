@@ -91,7 +91,8 @@ def test_loader_options_reach_the_config(reference):
   ours, _ = from_pretrained(directory, batch_invariant=True, invariant_rows='floor',
                             remat='full', max_seq_len=96)
   config = ours.config
-  assert (config.batch_invariant, config.invariant_rows, config.remat, config.max_seq_len) == (
+  run = config.execution
+  assert (run.batch_invariant, run.invariant_rows, run.remat, config.max_seq_len) == (
       True, 'floor', 'full', 96)
   tokens = _tokens(3)
   np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens, jnp.int32))),
