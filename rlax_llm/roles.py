@@ -23,7 +23,7 @@ import ml_collections
 
 from rlax_llm import config as config_lib
 from rlax_llm.errors import ConfigError
-from rlax_llm.models import presets
+from rlax_llm.models import from_pretrained, presets
 from rlax_llm.models.decoder_config import DecoderConfig, Execution
 from rlax_llm.models.model import Model, Params, create_model, split_module
 from rlax_llm.trainer.scoring import Policy
@@ -78,7 +78,6 @@ def build_model(config: ml_collections.ConfigDict, task: Task
                             execution=execution, **m.tiny.to_dict())
     model, params = create_model(decoder, seed=config.seed)
     return model, params, tokenizer
-  from rlax_llm.models.pretrained import from_pretrained  # pylint: disable=import-outside-toplevel
   path = checkpoint_path(config)
   module, tokenizer = from_pretrained(path, dtype=DTYPES[m.dtype],
                                       param_dtype=DTYPES[m.param_dtype], remat=m.remat,

@@ -6,8 +6,8 @@ Two implementations share one surface:
 
 * ``CharTokenizer`` (here): a character-level tokenizer for tiny models trained from scratch
   on synthetic tasks: three special ids followed by one id per alphabet character.
-* ``rlax_llm.models.tokenizer.HFTokenizer``: a Hugging Face ``tokenizers`` vocabulary loaded
-  from a checkpoint (directory or GGUF), with its chat template.
+* ``rlax_llm.models.files.tokenizer.HFTokenizer``: a Hugging Face ``tokenizers`` vocabulary
+  loaded from a checkpoint (directory or GGUF), with its chat template.
 
 Conventions shared by both: ``encode`` adds bos / eos only when asked (``add_bos`` /
 ``add_eos``); batches are right-padded with ``pad_id``; ``decode(..., stop_at_eos=True)``

@@ -10,10 +10,10 @@ directory or a ``.gguf`` file; ``save_pretrained(model, tokenizer, out_dir)``;
 from rlax_llm.models.presets import PRESETS, get_preset, memory_per_device
 from rlax_llm.models.decoder import Decoder
 from rlax_llm.models.decoder_config import DecoderConfig, Execution, RopeScaling
-from rlax_llm.models.gguf import smollm2_gguf_path
+from rlax_llm.models.files.gguf import smollm2_gguf_path
 from rlax_llm.models.kv_cache import KVCache
 from rlax_llm.models.model import Model, create_model, split_module
-from rlax_llm.models.pretrained import from_pretrained, save_pretrained
+from rlax_llm.models.files.pretrained import from_pretrained, save_pretrained
 
 __all__ = [
     'Decoder', 'DecoderConfig', 'Execution', 'KVCache', 'PRESETS', 'Model', 'RopeScaling',

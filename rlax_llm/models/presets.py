@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from rlax_llm import sharding as sharding_lib
 from rlax_llm.models.decoder_config import DecoderConfig, RopeScaling
+from rlax_llm.models.files.gguf import smollm2_gguf_path
 from rlax_llm.models.model import abstract_model
 
 _QWEN3 = dict(vocab_size=151_936, head_dim=128, rope_theta=1_000_000.0, norm_eps=1e-6,
@@ -53,13 +54,8 @@ PRESETS: dict[str, DecoderConfig] = {
 }
 
 
-def _smollm2_path():
-  from rlax_llm.models.gguf import smollm2_gguf_path  # pylint: disable=import-outside-toplevel
-  return smollm2_gguf_path()
-
-
 # Presets whose checkpoint ships as a pip package (nothing is downloaded at run time).
-PACKAGED_CHECKPOINTS = {'smollm2-135m': _smollm2_path}
+PACKAGED_CHECKPOINTS = {'smollm2-135m': smollm2_gguf_path}
 
 
 def packaged_checkpoint(name: str):

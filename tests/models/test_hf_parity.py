@@ -17,11 +17,11 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from rlax_llm.errors import CheckpointError  # noqa: E402
-from rlax_llm.models import hf  # noqa: E402
+from rlax_llm.models.files import hf  # noqa: E402
 from rlax_llm.models.decoder_config import DecoderConfig  # noqa: E402
 from rlax_llm.models.kv_cache import KVCache  # noqa: E402
 from rlax_llm.models.model import create_model  # noqa: E402
-from rlax_llm.models.pretrained import from_pretrained, save_pretrained  # noqa: E402
+from rlax_llm.models.files.pretrained import from_pretrained, save_pretrained  # noqa: E402
 from rlax_llm.sharding import make_mesh  # noqa: E402
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -26,11 +26,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from rlax_llm import sharding as sharding_lib
-from rlax_llm.models import gguf as gguf_lib
-from rlax_llm.models import hf
-from rlax_llm.models import tokenizer as tokenizer_lib
 from rlax_llm.models.decoder import Decoder
 from rlax_llm.models.decoder_config import DecoderConfig, Execution
+from rlax_llm.models.files import gguf as gguf_lib
+from rlax_llm.models.files import hf
+from rlax_llm.models.files import tokenizer as tokenizer_lib
 from rlax_llm.models.model import abstract_model
 
 

@@ -4,7 +4,7 @@ Everything here is NumPy: a Hugging Face config dict and a state dict of arrays 
 Face names and layouts (``model.layers.{i}.self_attn.q_proj.weight`` is
 ``[heads * head_dim, hidden]``) on one side, ``DecoderConfig`` and rlax_llm params (nested
 dicts, ``wq`` is ``[embed, heads, head_dim]``) on the other. Loaders (safetensors, GGUF) and
-the exporter meet at this interface; ``rlax_llm.models.pretrained`` places the arrays on
+the exporter meet at this interface; ``rlax_llm.models.files.pretrained`` places the arrays on
 devices.
 
 Supported architectures: ``LlamaForCausalLM`` (Llama 3.x incl. ``llama3`` RoPE scaling,
