@@ -363,7 +363,8 @@ class Decoder(nnx.Module):
   """Decoder-only language model.
 
   ``model(tokens)`` -> logits ``float32 [batch, length, vocab]`` (causal, positions 0..T-1).
-  ``model(tokens, cache=cache, num_valid=n)`` -> ``(logits, new_cache)`` (see module doc).
+  ``model(tokens, cache=cache, num_valid=n)`` -> ``(logits, new_cache)`` (the cache contract
+  is ``kv_cache``'s).
   """
 
   def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):

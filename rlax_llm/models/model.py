@@ -38,7 +38,7 @@ class Model:
     """Runs the decoder. tokens: int32 ``[batch, length]``.
 
     Returns float32 logits ``[batch, length, vocab]``, or ``(logits, new_cache)`` when a
-    ``cache`` is given (see ``rlax_llm.models.decoder`` for the cache contract and
+    ``cache`` is given (see ``rlax_llm.models.kv_cache`` for the cache contract and
     ``attend``). With ``features`` the final-normed hidden states ``[batch, length, embed]``
     take the logits' place (``logits`` makes them logits).
     """
