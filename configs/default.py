@@ -75,13 +75,11 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # generation once that many groups finished, continue the unfinished ones in the next
   # batch; 0: off); replay (> 0: that fraction of each batch's new prompts is re-asked
   # from a pool of prompts whose last group had unequal rewards; 0: off); how long a silent
-  # worker is waited for before its requests go to another; fault: a test knob making
-  # worker `worker` 'die' or 'hang' at its `call`-th call.
+  # worker is waited for before its requests go to another.
   c.rollout = ml_collections.ConfigDict(dict(
       workers=1, slots=256, on_swap='continue', oversample=0.0,
       short_batches='pad', stop_after_groups=0, replay=0.0,
-      worker_timeout_s=600.0,
-      fault=ml_collections.ConfigDict(dict(worker=-1, call=0, kind='none'))))
+      worker_timeout_s=600.0))
   # RLAX staleness: j = inference reload threshold, k = trainer acceptance window.
   c.staleness = ml_collections.ConfigDict(dict(j=1, k=1))
   # Where roles run: 'local' (this process; local.concurrent: each role on its own thread,

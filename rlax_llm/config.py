@@ -31,6 +31,7 @@ from rlax_llm.errors import ConfigError
 from rlax_llm import losses
 from rlax_llm.models.decoder_config import INVARIANT_ROWS_MODES, REMAT_POLICIES, DecoderConfig
 from rlax_llm.sampling_spec import SamplingSpec
+from rlax_llm.schedule import ControllerSettings
 
 DEFAULT_CONFIG_PATH = pathlib.Path(__file__).resolve().parent.parent / 'configs' / 'default.py'
 
@@ -50,7 +51,6 @@ CHOICES = {
     'model.invariant_rows': INVARIANT_ROWS_MODES,
     'rollout.on_swap': ('continue', 'discard'),
     'rollout.short_batches': ('pad', 'wait'),
-    'rollout.fault.kind': ('none', 'die', 'hang'),
 }
 
 POSITIVE_INTS = ('rl.group_size', 'rl.prompts_per_step', 'rl.max_nonfinite_updates',
@@ -71,8 +71,9 @@ FLOATS = {
 }
 
 # Keys a resumed run may change (``check_resume_config``): how long it runs, how it is watched,
-# checkpointed and placed (the mesh: checkpoints reshard on restore), and fault knobs. Every
-# other key decides what the run computes and must equal the checkpointed run's.
+# checkpointed and placed (the mesh: checkpoints reshard on restore), and rollout.fault (a
+# removed test knob: runs saved with it resume). Every other key decides what the run
+# computes and must equal the checkpointed run's.
 RESUMABLE_CHANGES = ('total_steps', 'checkpoint.', 'log.', 'eval.every_steps', 'mesh.',
                      'local.', 'rollout.worker_timeout_s', 'rollout.fault.', 'distributed.',
                      'name')
@@ -135,11 +136,10 @@ def sampling_spec(config: ml_collections.ConfigDict) -> SamplingSpec:
                         ).check_for_rollouts()
 
 
-def controller_settings(config: ml_collections.ConfigDict):
+def controller_settings(config: ml_collections.ConfigDict) -> ControllerSettings:
   """The controller's ``ControllerSettings`` (schedule, staleness, rollout sampling)."""
-  from rlax_llm.controller import ControllerSettings  # pylint: disable=import-outside-toplevel
   with _naming(''):
-    return ControllerSettings(
+    settings = ControllerSettings(
         total_steps=config.total_steps, prompts_per_step=config.rl.prompts_per_step,
         group_size=config.rl.group_size, staleness_j=config.staleness.j,
         staleness_k=config.staleness.k, eval_every=config.eval.every_steps, seed=config.seed,
@@ -152,6 +152,13 @@ def controller_settings(config: ml_collections.ConfigDict):
         replay=config.rollout.get('replay', 0.0),
         eval_samples=config.eval.get('samples', 0),
         reward=config.reward.to_dict() if config.get('reward') else None)
+  if settings.oversample and settings.advantage_estimator in losses.BASELINE_FREE:
+    raise ConfigError(
+        f'config.rollout.oversample={settings.oversample!r} drops groups whose rewards are all '
+        f'equal, but under the {settings.advantage_estimator!r} advantage estimator (no group '
+        'baseline) those groups train too (an all-wrong group is pushed down); set '
+        'rollout.oversample=0 or use a group-relative estimator.')
+  return settings
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
