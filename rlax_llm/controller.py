@@ -43,7 +43,7 @@ from rlax_llm import console, losses, rewards, schedule
 from rlax_llm.data import prompt_dataset
 from rlax_llm.data_types import GenerationRequest, Rollouts, make_train_batch
 from rlax_llm.errors import NonFiniteError
-from rlax_llm.evaluate import evaluate_policy
+from rlax_llm.evaluation import evaluate_policy
 from rlax_llm.metrics import MetricsWriter
 from rlax_llm.paramserver import ParameterServer
 from rlax_llm.schedule import ControllerSettings
