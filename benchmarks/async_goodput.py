@@ -124,7 +124,7 @@ def predict(train_s: float, rollout_s: float, k: int, steps: int, overhead: dict
 
 def run_real(j: int, k: int, steps: int) -> dict:
   from rlax_llm.backends import local  # pylint: disable=import-outside-toplevel
-  from rlax_llm.config import load_config_file  # pylint: disable=import-outside-toplevel
+  from rlax_llm.cli import load_config_file  # pylint: disable=import-outside-toplevel
   config = load_config_file(str(ROOT / 'configs/default.py'))
   config.total_steps = steps
   config.warmup.steps = 300

@@ -49,7 +49,7 @@ from rlax_llm import console, losses, rewards, schedule
 from rlax_llm.data import prompt_dataset
 from rlax_llm.data_types import GenerationRequest, Rollouts, make_train_batch
 from rlax_llm.errors import NonFiniteError
-from rlax_llm.evaluate import evaluate_policy
+from rlax_llm.evaluation import evaluate_policy
 from rlax_llm.metrics import MetricsWriter
 from rlax_llm.schedule import ControllerSettings
 from rlax_llm.tasks import Prompt, Task
