@@ -9,7 +9,9 @@ import pytest
 ray = pytest.importorskip('ray')
 
 from rlax_llm.backends import build_run  # noqa: E402
+from rlax_llm.backends import ray as ray_backend  # noqa: E402
 from rlax_llm.backends.ray import init_ray  # noqa: E402
+from rlax_llm.data_types import Rollouts  # noqa: E402
 from rlax_llm.metrics import read_metrics  # noqa: E402
 
 from smoke_config import smoke_config  # noqa: E402  (tests/smoke_config.py)
@@ -46,9 +48,35 @@ def execute(config, workdir, wrap=None, state=None):
   return summary, read_metrics(workdir / 'metrics.jsonl')
 
 
-def test_ray_and_local_give_the_same_run(cluster, tmp_path):
+def test_ray_and_local_give_the_same_run(cluster, tmp_path, monkeypatch):
+  """The same run on both backends. While the Ray run trains, the driver (the controller's
+  process) sends version numbers and receives rollouts and the trainer's metrics only: the
+  trainer actor pushes to the server actor and the worker actors pull from it."""
+  received, sent = [], []
+  result = ray_backend.RayFuture.result
+
+  def spy_result(self, timeout=None):
+    value = result(self, timeout)
+    received.append(value)
+    return value
+
+  def spy_generate(controller):
+    for handle in controller.workers:
+      def generate(*args, _generate=handle.generate):
+        sent.append(args)
+        return _generate(*args)
+      handle.generate = generate
+
+  monkeypatch.setattr(ray_backend.RayFuture, 'result', spy_result)
   states = []
-  _, ray_rows = execute(smoke('ray'), tmp_path / 'ray', state=states)
+  _, ray_rows = execute(smoke('ray'), tmp_path / 'ray', wrap=spy_generate, state=states)
+  monkeypatch.undo()
+  *during_run, after = received  # after: the trainer's state(), fetched once the run ended
+  assert len(after) == 3 and any(isinstance(v, Rollouts) for v in during_run)
+  # Rollouts, or a step's metrics (RayTrainer.step's future yields those, its version kept).
+  assert all(isinstance(v, Rollouts) or (isinstance(v, dict) and 'loss' in v)
+             for v in during_run), [type(v) for v in during_run]
+  assert all(type(version) is int and rng.shape == (2,) for _, rng, version, *_ in sent)
   _, local_rows = execute(smoke('local'), tmp_path / 'local', state=states)
   assert strip(ray_rows) == strip(local_rows)
   assert max(r['staleness/max'] for r in ray_rows) <= 7
