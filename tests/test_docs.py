@@ -77,7 +77,7 @@ def _section(path: pathlib.Path, heading: str) -> str:
   text = path.read_text()
   level = heading.split()[0]
   match = re.search(rf'^{re.escape(heading)}\n(.*?)(?=^#{{1,{len(level)}}} |\Z)', text,
-                    re.M | re.S)
+                    re.MULTILINE | re.DOTALL)
   assert match, f'{path.name} has no {heading!r} section'
   return match.group(1)
 
@@ -134,7 +134,7 @@ def test_every_headline_figure_names_a_command_and_when_and_where_it_was_measure
 
 def test_readme_opens_with_what_it_is_then_the_two_commands():
   text = (ROOT / 'README.md').read_text()
-  before, block = re.match(r'(.*?)```bash\n(.*?)```', text, re.S).groups()
+  before, block = re.match(r'(.*?)```bash\n(.*?)```', text, re.DOTALL).groups()
   statement = [line for line in before.splitlines()[1:] if line.strip()]
   assert before.startswith('# rlax_llm\n') and 0 < len(statement) <= 5, statement
   commands = [line.split('#')[0].strip() for line in block.splitlines()]
