@@ -239,12 +239,12 @@ def run_python(code: str, tests: Sequence[str] = (), *, setup: str = '',
     result_w = -1
     out = _Collector(proc, payload, result_r, config.max_output_bytes)
     timed_out = not out.run_until_exit(start + config.wall_s)
-    killed = _kill_run(proc, tag)
+    killed = kill_run(proc, tag)
     out.drain(time.monotonic() + 1.0)
     returncode = proc.poll()
   finally:
     if proc is not None and proc.poll() is None:
-      _kill_run(proc, tag)
+      kill_run(proc, tag)
     for fd in (result_r, result_w):
       if fd >= 0:
         os.close(fd)
@@ -303,9 +303,11 @@ def tagged_pids(tag: str) -> set[int]:
   return found
 
 
-def _kill_run(proc: subprocess.Popen, tag: str) -> int:
+def kill_run(proc: subprocess.Popen, tag: str) -> int:
   """SIGKILLs the run's session and every tagged process until none is left; reaps ``proc``.
 
+  proc: the run's first process, started with ``start_new_session=True``.
+  tag: the ``RLAX_SANDBOX_TAG`` value in the run's environment (inherited by its children).
   Returns the number of processes other than ``proc`` that the scan found alive.
   """
   try:

@@ -1,4 +1,4 @@
-"""Tasks: prompts + formatting + verifier, selected by ``config.name`` through ``make_task``."""
+"""Tasks: prompts + formatting + scorer, selected by ``config.name`` through ``make_task``."""
 
 from __future__ import annotations
 

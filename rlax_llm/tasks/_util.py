@@ -1,13 +1,17 @@
-"""Helpers shared by the tasks: a stable hash, a counter-based generator, argument checks."""
+"""Helpers shared by the tasks: a stable hash, a counter-based generator, argument checks,
+text cleaning."""
 
 from __future__ import annotations
 
 import hashlib
+import numbers
+import re
 import struct
 
 from rlax_llm.tasks.base import PROMPT_FORMATS
 
 MASK64 = (1 << 64) - 1
+_SURROGATE_RE = re.compile('[\ud800-\udfff]')
 
 
 def stable_hash(*parts: int | str) -> int:
@@ -45,13 +49,21 @@ class CounterRng:
 
 
 def check_int(owner: str, name: str, value: object, low: int, high: int | None = None) -> int:
-  """``value`` as an int; ValueError naming ``owner.name`` unless it is an int in range."""
-  if isinstance(value, bool) or not isinstance(value, int):
+  """``value`` as a Python int; ValueError naming ``owner.name`` unless it is an int (Python
+  or numpy; not a bool) in ``[low, high]`` (``high=None``: no upper bound)."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
     raise ValueError(f'{owner} {name} must be an int, got {type(value).__name__}: {value!r}.')
   if value < low or (high is not None and value > high):
     bound = f'>= {low}' if high is None else f'in [{low}, {high}]'
     raise ValueError(f'{owner} {name} must be {bound}, got {value}.')
-  return value
+  return int(value)
+
+
+def task_repr(task: object, *names: str) -> str:
+  """``Name(a=..., b=...)``: the task's class name and the reprs of its attributes ``names``
+  (the settings that fix its prompts and scores), as a constructor call would read."""
+  fields = ', '.join(f'{name}={getattr(task, name)!r}' for name in names)
+  return f'{type(task).__name__}({fields})'
 
 
 def check_positive_float(owner: str, name: str, value: object) -> float:
@@ -76,3 +88,15 @@ def check_format(owner: str, format: str, system_prompt: object,  # pylint: disa
     names = ', '.join('{' + k + '}' for k in fields)
     raise ValueError(f'{owner} instruction={instruction!r} is not a str.format template over '
                      f'{names}: {e!r}.') from None
+
+
+def clean_text(text: object) -> str | None:
+  """``text`` as valid UTF-8-encodable str (lone surrogates become U+FFFD), or None if it is
+  not a str."""
+  if not isinstance(text, str):
+    return None
+  try:
+    text.encode('utf-8')
+    return text
+  except UnicodeEncodeError:
+    return _SURROGATE_RE.sub('\ufffd', text)

@@ -16,7 +16,8 @@ import re
 
 import numpy as np
 
-from rlax_llm.tasks.base import PROMPT_FORMATS, Prompt, chat_messages
+from rlax_llm.tasks._util import MASK64, check_format, check_int, task_repr
+from rlax_llm.tasks.base import Prompt, chat_messages
 
 ALPHABET = '0123456789+-*='
 SUPPORTED_OPERATIONS = '+-*'
@@ -37,7 +38,6 @@ DEFAULT_INSTRUCTION = 'What is {a} {op} {b}? Reply with just the number.'
 _ENUMERATE_LIMIT = 1 << 20
 _SAMPLE_BLOCK = 4096
 
-_MASK64 = (1 << 64) - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15
 # Stream tags keep the split hash, the train stream and the eval sampler independent.
 _SPLIT_STREAM = 0x5B117
@@ -48,8 +48,8 @@ _EVAL_STREAM = 0xE7A1
 
 def _mix64(z):
   """SplitMix64 finalizer (Steele et al., 2014) on a Python int or a uint64 array."""
-  z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-  z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+  z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+  z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
   return z ^ (z >> 31)
 
 
@@ -61,7 +61,7 @@ def _hash_words(*words):
   """
   h = 0
   for word in words:
-    h = _mix64(((h ^ word) + _GOLDEN64) & _MASK64)
+    h = _mix64(((h ^ word) + _GOLDEN64) & MASK64)
   return h
 
 
@@ -177,9 +177,10 @@ class ArithmeticTask:
     Raises ValueError when an argument is invalid or the problem space is too small to hold
     an eval pool of ``max(2 * num_eval, 5%)`` problems in at most half of it.
     """
-    self.seed = _check_int('seed', seed, 0, _MASK64)
-    self.max_operand = _check_int('max_operand', max_operand, 0, None)
-    self.num_eval = _check_int('num_eval', num_eval, 0, None)
+    owner = 'ArithmeticTask'
+    self.seed = check_int(owner, 'seed', seed, 0, MASK64)
+    self.max_operand = check_int(owner, 'max_operand', max_operand, 0)
+    self.num_eval = check_int(owner, 'num_eval', num_eval, 0)
     self.operations = _check_operations(operations)
     if (isinstance(demo_error_rate, bool) or not isinstance(demo_error_rate, (int, float))
         or not 0.0 <= demo_error_rate <= 1.0):
@@ -188,17 +189,10 @@ class ArithmeticTask:
       raise ValueError("demo_error_rate > 0 (no-carry demonstrations) is defined for '+' and "
                        f"'-' only; got operations={self.operations!r}.")
     self.demo_error_rate = float(demo_error_rate)
-    if format not in PROMPT_FORMATS:
-      raise ValueError(f'format={format!r}; choose one of {PROMPT_FORMATS}.')
+    check_format(owner, format, system_prompt, instruction, a=1, op='+', b=2, text='1+2=')
     if answer_format not in ANSWER_FORMATS:
-      raise ValueError(f'answer_format={answer_format!r}; choose one of {ANSWER_FORMATS}.')
-    if system_prompt is not None and not isinstance(system_prompt, str):
-      raise ValueError(f'system_prompt must be a str or None, got {system_prompt!r}.')
-    try:
-      instruction.format(a=1, op='+', b=2, text='1+2=')
-    except (AttributeError, KeyError, IndexError, ValueError) as e:
-      raise ValueError(f'instruction={instruction!r} is not a str.format template over '
-                       f'{{a}}, {{op}}, {{b}}, {{text}}: {e!r}.') from None
+      raise ValueError(f'{owner} answer_format={answer_format!r}; choose one of '
+                       f'{ANSWER_FORMATS}.')
     self.format = format
     self.system_prompt = system_prompt
     self.instruction = instruction
@@ -221,10 +215,8 @@ class ArithmeticTask:
       self._eval_problems = self._sample_eval()
 
   def __repr__(self) -> str:
-    return (f'ArithmeticTask(seed={self.seed}, max_operand={self.max_operand}, '
-            f'operations={self.operations!r}, num_eval={self.num_eval}, '
-            f'demo_error_rate={self.demo_error_rate}, format={self.format!r}, '
-            f'answer_format={self.answer_format!r})')
+    return task_repr(self, 'seed', 'max_operand', 'operations', 'num_eval', 'demo_error_rate',
+                     'format', 'answer_format')
 
   @property
   def charset(self) -> str:
@@ -237,7 +229,7 @@ class ArithmeticTask:
 
   def train_prompt(self, index: int) -> Prompt:
     """The train prompt at stream position ``index >= 0`` (O(1), pure in seed and index)."""
-    index = _check_int('index', index, 0, _MASK64)
+    index = check_int('ArithmeticTask', 'index', index, 0, MASK64)
     n_operand = self.max_operand + 1
     for attempt in itertools.count():
       a = _hash_words(_TRAIN_STREAM, self.seed, index, attempt, 0) % n_operand
@@ -351,20 +343,6 @@ class ArithmeticTask:
       raise ValueError(f'{self!r}: found only {len(found)} distinct held-out problems; '
                        'lower num_eval.')
     return list(found)[:self.num_eval]
-
-
-
-
-
-def _check_int(name: str, value: object, low: int, high: int | None) -> int:
-  """Returns ``value`` as a Python int; ValueError unless it is an int in ``[low, high]``."""
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise ValueError(f'ArithmeticTask {name} must be an int, got {type(value).__name__}: '
-                     f'{value!r}.')
-  if value < low or (high is not None and value > high):
-    bound = f'>= {low}' if high is None else f'in [{low}, {high}]'
-    raise ValueError(f'ArithmeticTask {name} must be {bound}, got {value}.')
-  return int(value)
 
 
 def _check_operations(operations: object) -> str:

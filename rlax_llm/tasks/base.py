@@ -1,4 +1,4 @@
-"""What every task provides: prompts (a train stream and a held-out eval split) and a verifier.
+"""What every task provides: prompts (a train stream and a held-out eval split) and a scorer.
 
 A task is a pure, seeded description of a problem distribution. It speaks text only: prompts
 are plain text or chat messages, completions are verified as decoded text, and the model's
@@ -54,7 +54,7 @@ def chat_messages(content: str, system_prompt: str | None) -> tuple[dict[str, st
 
 @runtime_checkable
 class Task(Protocol):
-  """Prompts + formatting + verifier for one problem family."""
+  """Prompts + formatting + scorer for one problem family."""
 
   name: str
 

@@ -31,8 +31,7 @@ import json
 import re
 from collections.abc import Sequence
 
-from rlax_llm.tasks._util import (
-    CounterRng, check_format, check_int, stable_hash)
+from rlax_llm.tasks._util import CounterRng, check_format, check_int, stable_hash, task_repr
 from rlax_llm.tasks.base import Prompt, chat_messages
 
 MAX_EXPRESSION_CHARS = 200
@@ -224,10 +223,9 @@ class CountdownTask:
     self._eval = self._build_eval()
 
   def __repr__(self) -> str:
-    return (f'CountdownTask(seed={self.seed}, numbers={self.min_numbers}..{self.max_numbers} '
-            f'in [{self.min_value}, {self.max_value}], target in [{self.min_target}, '
-            f'{self.max_target}], use_all={self.use_all}, num_eval={self.num_eval}, '
-            f'format={self.format!r}, answer_format={self.answer_format!r})')
+    return task_repr(self, 'seed', 'min_numbers', 'max_numbers', 'min_value', 'max_value',
+                     'min_target', 'max_target', 'use_all', 'num_eval', 'eval_fraction',
+                     'format', 'answer_format')
 
   @property
   def charset(self) -> str:

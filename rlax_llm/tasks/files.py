@@ -174,12 +174,15 @@ class FileTask:
   """Base of the file-backed tasks: loading, the split, prompts; subclasses define the
   record's answer, its demonstration and ``score``.
 
-  Subclasses set ``name``, ``DEFAULT_PATH``, ``DEFAULT_TEMPLATE`` (plain text) and
-  ``DEFAULT_INSTRUCTION`` (chat), and implement ``_required_fields``, ``_fields(record)`` (the
-  template fields), ``_answer(record)`` and ``_demonstration(record)``.
+  Subclasses set ``name``, ``DEFAULT_PATH``, ``DEFAULT_TEMPLATE`` (plain text),
+  ``DEFAULT_INSTRUCTION`` (chat) and ``question_field`` (the record field holding the problem,
+  which keys the split), and implement ``_required_fields``, ``_fields(record)`` (the
+  template fields), ``_answer(record)`` and ``_demonstration(record)``; they may extend
+  ``_check_record``.
   """
 
   name = 'file'
+  question_field: str = 'question'
   DEFAULT_PATH: str = ''
   DEFAULT_TEMPLATE: str = '{question}'
   DEFAULT_INSTRUCTION: str = '{question}'
@@ -253,10 +256,16 @@ class FileTask:
     raise NotImplementedError
 
   def _check_record(self, record: Mapping[str, Any]) -> None:
-    """Raises ValueError for a record the task cannot use."""
+    """Raises ValueError for a record the task cannot use: here, one whose question is not a
+    non-empty str; subclasses extend it to their own fields."""
+    question = record[self.question_field]
+    if not isinstance(question, str) or not question.strip():
+      raise ValueError(f'field {self.question_field!r} must be a non-empty str, got '
+                       f'{question!r:.80}.')
 
   def _key(self, record: Mapping[str, Any]) -> str:
-    raise NotImplementedError
+    """The record's identity for the split hash: its question."""
+    return record[self.question_field]
 
   def _fields(self, record: Mapping[str, Any]) -> dict[str, str]:
     raise NotImplementedError

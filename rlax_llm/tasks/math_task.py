@@ -1,4 +1,5 @@
-"""Math word problems from files, checked on the final answer with ``score_math``.
+"""Math word problems from files, checked on the final answer with ``score_math``
+(``rlax_llm/tasks/math_scorer.py``).
 
 Records are JSON objects (JSONL or Parquet, docs/tasks.md) with a question and an answer
 field. The answer may be a bare final answer (``72``, ``\\frac{5}{6}``) or a worked solution
@@ -13,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rlax_llm import verifiers
-from rlax_llm.tasks._util import check_positive_float
+from rlax_llm.tasks import math_scorer
+from rlax_llm.tasks._util import check_positive_float, clean_text
 from rlax_llm.tasks.base import Prompt
 from rlax_llm.tasks.files import FileTask
 
@@ -41,7 +42,7 @@ class MathTask(FileTask):
                question_field: str = 'question', answer_field: str = 'answer',
                format: str = 'plain', system_prompt: str | None = None,  # pylint: disable=redefined-builtin
                instruction: str | None = None, text_template: str | None = None,
-               math_timeout_s: float = verifiers.DEFAULT_MATH_TIMEOUT_S):
+               math_timeout_s: float = math_scorer.DEFAULT_MATH_TIMEOUT_S):
     """Loads the files and builds the split.
 
     Args:
@@ -69,44 +70,38 @@ class MathTask(FileTask):
   def score(self, prompt: Prompt, completion: str) -> float:
     """1.0 iff the completion's final answer is equivalent to ``prompt.answer``; never
     raises."""
-    return verifiers.score_math(completion, getattr(prompt, 'answer', None),
-                                self.math_timeout_s)
+    return math_scorer.score_math(completion, getattr(prompt, 'answer', None),
+                                  self.math_timeout_s)
 
   def format_ok(self, completion: object) -> bool:
     """Whether the completion marks its final answer (``####`` or a closed ``\\boxed{}``)."""
-    text = verifiers.clean_text(completion)
+    text = clean_text(completion)
     if text is None:
       return False
-    text = text[-verifiers.MAX_SCAN_CHARS:]
-    if '####' not in text and '\\boxed' not in text and '\\fbox' not in text:
-      return False
-    return verifiers.extract_final_answer(text) is not None
+    text = text[-math_scorer.MAX_SCAN_CHARS:]
+    return (math_scorer.has_answer_marker(text)
+            and math_scorer.extract_final_answer(text) is not None)
 
   def _required_fields(self) -> tuple[str, ...]:
     return (self.question_field, self.answer_field)
 
   def _check_record(self, record: Mapping[str, Any]) -> None:
-    question, answer = record[self.question_field], record[self.answer_field]
-    if not isinstance(question, str) or not question.strip():
-      raise ValueError(f'field {self.question_field!r} must be a non-empty str, got '
-                       f'{question!r:.80}.')
+    super()._check_record(record)
+    answer = record[self.answer_field]
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
       return
-    if not isinstance(answer, str) or verifiers.reference_answer(answer) is None:
+    if not isinstance(answer, str) or math_scorer.reference_answer(answer) is None:
       raise ValueError(f'field {self.answer_field!r} has no final answer (a bare answer, '
                        f'"#### answer" or \\boxed{{answer}}): {answer!r:.120}.')
-
-  def _key(self, record: Mapping[str, Any]) -> str:
-    return record[self.question_field]
 
   def _fields(self, record: Mapping[str, Any]) -> dict[str, str]:
     return {'question': record[self.question_field].strip()}
 
   def _answer(self, record: Mapping[str, Any]) -> str:
-    return verifiers.reference_answer(str(record[self.answer_field]))
+    return math_scorer.reference_answer(str(record[self.answer_field]))
 
   def _demonstration(self, record: Mapping[str, Any]) -> str:
     answer = str(record[self.answer_field]).strip()
-    if '####' in answer or '\\boxed' in answer or '\\fbox' in answer:
+    if math_scorer.has_answer_marker(answer):
       return answer
     return f'\\boxed{{{answer}}}'

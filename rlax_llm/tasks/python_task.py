@@ -3,26 +3,76 @@
 Records are JSON objects (JSONL or Parquet, docs/tasks.md): a problem statement, a list of
 unit tests (Python statements such as ``assert add(1, 2) == 3``, MBPP-style, Austin et al.,
 2021), an optional setup (imports the tests need) and an optional reference solution (for
-demonstrations). A completion's program (its last ```python block, else the whole text) runs
-in ``rlax_llm.sandbox`` with the tests; the reward is the fraction of tests passed
-(``partial_credit=True``) or 1/0. ``Prompt.answer`` is JSON ``{"tests": [...], "setup": "..."}``:
-what the verifier needs, so a prompt scores on its own.
+demonstrations). The task's scorer, ``score_python`` (here), takes a completion's program (its
+last ```python block, else the whole text; ``extract_code``) and runs it in ``rlax_llm.sandbox``
+with the tests; the reward is the fraction of tests passed (``partial_credit=True``) or 1/0.
+``Prompt.answer`` is JSON ``{"tests": [...], "setup": "..."}``: what the scorer needs, so a
+prompt scores on its own.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rlax_llm import sandbox, verifiers
-from rlax_llm.tasks._util import check_int, check_positive_float
+from rlax_llm import sandbox
+from rlax_llm.tasks._util import check_int, check_positive_float, clean_text
 from rlax_llm.tasks.base import Prompt
 from rlax_llm.tasks.files import FileTask
 
+DEFAULT_PYTHON_TIMEOUT_S = 10.0
+MAX_CODE_CHARS = 200_000  # a longer program scores 0
 DEFAULT_INSTRUCTION = ('{question}\nYour code should pass these tests:\n{tests}\nReply with '
                        'the complete solution in one ```python code block.')
 DEFAULT_TEMPLATE = '"""{question}\n{tests}\n"""\n'
+
+_FENCE_RE = re.compile(r'```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)', re.DOTALL)
+
+
+def extract_code(completion: object) -> str | None:
+  """The program in a completion: the last ```python fenced block (an unclosed one runs to
+  the end), else the last fenced block of any language, else the whole text. None if the
+  completion is not a str or the program is longer than ``MAX_CODE_CHARS``."""
+  text = clean_text(completion)
+  if text is None:
+    return None
+  blocks = _FENCE_RE.findall(text)
+  python = [code for lang, code in blocks if lang.lower() in ('python', 'py', 'python3')]
+  code = python[-1] if python else (blocks[-1][1] if blocks else text)
+  return code if len(code) <= MAX_CODE_CHARS else None
+
+
+def score_python(completion: object, tests: Sequence[str] | str,
+                 timeout_s: float = DEFAULT_PYTHON_TIMEOUT_S, *, setup: str = '',
+                 partial: bool = True, config: sandbox.SandboxConfig | None = None) -> float:
+  """Fraction of ``tests`` the completion's program passes in the sandbox (``partial=False``:
+  1.0 only if all pass), 0.0 if the run does not report success. Never raises.
+
+  tests: Python statements run one by one after the program in its namespace (e.g.
+    ``'assert add(1, 2) == 3'``); a test passes when it raises nothing. A single str is one
+    test program.
+  timeout_s: wall and CPU limit of the run (when ``config`` is None; else ``config``'s).
+  setup: code run before the program (imports the tests need).
+  """
+  try:
+    code = extract_code(completion)
+    if code is None:
+      return 0.0
+    tests = [tests] if isinstance(tests, str) else list(tests)
+    if config is None:
+      config = sandbox.SandboxConfig(wall_s=timeout_s, cpu_s=timeout_s)
+    result = sandbox.run_python(code, tests, setup=clean_text(setup) or '', config=config)
+    if not result.reported:
+      return 0.0
+    if partial:
+      return result.fraction
+    return 1.0 if result.passed == result.total else 0.0
+  except Exception:  # pylint: disable=broad-except
+    logging.exception('score_python failed; reward 0.')
+    return 0.0
 
 
 class PythonTask(FileTask):
@@ -42,7 +92,8 @@ class PythonTask(FileTask):
                eval_path: str | Sequence[str] | None = None, num_eval: int = 2,
                question_field: str = 'prompt', tests_field: str = 'tests',
                setup_field: str = 'setup', solution_field: str = 'solution',
-               shown_tests: int = 1, partial_credit: bool = True, timeout_s: float = 10.0,
+               shown_tests: int = 1, partial_credit: bool = True,
+               timeout_s: float = DEFAULT_PYTHON_TIMEOUT_S,
                test_timeout_s: float = 3.0, memory_mb: int = 1024,
                format: str = 'chat', system_prompt: str | None = None,  # pylint: disable=redefined-builtin
                instruction: str | None = None, text_template: str | None = None):
@@ -89,12 +140,12 @@ class PythonTask(FileTask):
       tests, setup = spec['tests'], spec.get('setup', '')
     except Exception:  # pylint: disable=broad-except
       return 0.0
-    return verifiers.score_python(completion, tests, self.timeout_s, setup=setup,
-                                  partial=self.partial_credit, config=self.sandbox_config)
+    return score_python(completion, tests, self.timeout_s, setup=setup,
+                        partial=self.partial_credit, config=self.sandbox_config)
 
   def format_ok(self, completion: object) -> bool:
     """Whether the completion holds a closed ```python code block."""
-    text = verifiers.clean_text(completion)
+    text = clean_text(completion)
     if text is None:
       return False
     start = text.rfind('```python')
@@ -104,10 +155,8 @@ class PythonTask(FileTask):
     return (self.question_field, self.tests_field)
 
   def _check_record(self, record: Mapping[str, Any]) -> None:
-    question, tests = record[self.question_field], record[self.tests_field]
-    if not isinstance(question, str) or not question.strip():
-      raise ValueError(f'field {self.question_field!r} must be a non-empty str, got '
-                       f'{question!r:.80}.')
+    super()._check_record(record)
+    tests = record[self.tests_field]
     if (not isinstance(tests, (list, tuple)) or not tests
         or not all(isinstance(t, str) and t.strip() for t in tests)):
       raise ValueError(f'field {self.tests_field!r} must be a non-empty list of Python '
@@ -116,9 +165,6 @@ class PythonTask(FileTask):
       if record.get(field) is not None and not isinstance(record[field], str):
         raise ValueError(f'field {field!r} must be a str when present, got '
                          f'{type(record[field]).__name__}.')
-
-  def _key(self, record: Mapping[str, Any]) -> str:
-    return record[self.question_field]
 
   def _fields(self, record: Mapping[str, Any]) -> dict[str, str]:
     tests = list(record[self.tests_field])[:self.shown_tests]

@@ -5,6 +5,7 @@ import operator
 import re
 
 import ml_collections
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -238,6 +239,16 @@ def test_extract_answer_rejects_non_integers():
 def test_invalid_constructor_args(kwargs, message):
   with pytest.raises(ValueError, match=message):
     ArithmeticTask(**kwargs)
+
+
+def test_repr_is_the_constructor_call_and_numpy_ints_are_accepted():
+  task = ArithmeticTask(seed=np.uint64(3), max_operand=np.int32(20), operations='+-',
+                        num_eval=10, format='chat')
+  assert (type(task.seed), type(task.max_operand)) == (int, int)
+  assert repr(task) == ("ArithmeticTask(seed=3, max_operand=20, operations='+-', num_eval=10, "
+                        "demo_error_rate=0.0, format='chat', answer_format='exact')")
+  rebuilt = eval(repr(task), {'ArithmeticTask': ArithmeticTask})  # pylint: disable=eval-used
+  assert rebuilt.eval_prompts() == task.eval_prompts()
 
 
 def test_negative_index_raises(task):

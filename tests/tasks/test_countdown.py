@@ -175,6 +175,15 @@ def test_invalid_arguments(kwargs, message):
     CountdownTask(num_eval=2, **kwargs)
 
 
+def test_repr_is_the_constructor_call():
+  task = CountdownTask(seed=2, max_numbers=3, num_eval=3, format='chat')
+  assert repr(task) == ('CountdownTask(seed=2, min_numbers=3, max_numbers=3, min_value=1, '
+                        'max_value=100, min_target=10, max_target=1000, use_all=False, '
+                        "num_eval=3, eval_fraction=0.05, format='chat', answer_format='tag')")
+  rebuilt = eval(repr(task), {'CountdownTask': CountdownTask})  # pylint: disable=eval-used
+  assert rebuilt.eval_prompts() == task.eval_prompts()
+
+
 def test_make_task_selects_countdown():
   task = make_task({'name': 'countdown', 'seed': 1, 'num_eval': 3, 'max_numbers': 3})
   assert isinstance(task, CountdownTask) and len(task.eval_prompts()) == 3

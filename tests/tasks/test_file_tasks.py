@@ -144,6 +144,20 @@ def test_math_task_rejects_bad_records_with_the_record_and_fix(tmp_path):
     MathTask(math_timeout_s=0)
 
 
+
+@pytest.mark.parametrize('task_cls, record', [
+    (MathTask, {'question': '  ', 'answer': '1'}),
+    (PythonTask, {'prompt': 7, 'tests': ['assert True']}),
+])
+def test_file_tasks_reject_a_record_without_a_question(tmp_path, task_cls, record):
+  """The question check FileTask gives both tasks, with their own question field."""
+  path = _write_jsonl(tmp_path / 'bad.jsonl', [record])
+  field = 'question' if task_cls is MathTask else 'prompt'
+  with pytest.raises(ValueError, match=f"record 0 of path=.*field '{field}' must be a "
+                     'non-empty str'):
+    task_cls(path=str(path), num_eval=0)
+
+
 def test_file_task_grain_position_resumes(math_task):
   it = iter(prompt_dataset(math_task, 3).to_iter_dataset())
   next(it)
