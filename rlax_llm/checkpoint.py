@@ -101,18 +101,6 @@ def _check_matches(item: str, metadata: Any, target: Any, directory: pathlib.Pat
       'pass a new --workdir. Nothing was overwritten.')
 
 
-class _QuietOrbax(logging.Filter):
-  """Drops Orbax's INFO/DEBUG records (dozens per save) from the ``absl`` logger; warnings and
-  errors pass."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    return record.levelno >= logging.WARNING or '/orbax/' not in record.pathname
-
-
-_QUIET = _QuietOrbax()
-logging.getLogger('absl').addFilter(_QUIET)
-
-
 def _handlers(*arrays: str, json: tuple[str, ...] = ()) -> dict[str, Any]:
   """Orbax handlers by item name (so metadata can be read before a restore)."""
   return ({name: ocp.StandardCheckpointHandler() for name in arrays}
@@ -284,9 +272,10 @@ def read_params(path: str | pathlib.Path, template: Any) -> Any:
     raise CheckpointError(f'no checkpoint at {path}: pass a run\'s workdir or a '
                           'checkpoints/steps/<step> directory.')
   target = abstract_like(template)
-  checkpointer = ocp.StandardCheckpointer()
-  _check_matches('params', checkpointer.metadata(item).item_metadata, target, path)
-  return checkpointer.restore(item, target)
+  # The item's own metadata: a Checkpointer's would look for a step's _CHECKPOINT_METADATA
+  # inside the item and warn that it is missing.
+  _check_matches('params', ocp.StandardCheckpointHandler().metadata(item), target, path)
+  return ocp.StandardCheckpointer().restore(item, target)
 
 
 class PreemptionGuard:

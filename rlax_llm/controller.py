@@ -83,7 +83,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from rlax_llm import losses, rewards
+from rlax_llm import console, losses, rewards
 from rlax_llm.data import prompt_dataset
 from rlax_llm.data_types import GenerationRequest, Rollouts, make_train_batch
 from rlax_llm.evaluate import evaluate_policy
@@ -548,6 +548,8 @@ class Controller:
     self._restored_inflight = []
     next_batch = self.step + len(in_flight)
     preempted = False
+    if self.step < s.total_steps:
+      console.phase('compiling the first RL step (this takes a minute on CPU for a real model)')
     while self.step < s.total_steps:
       started = time.perf_counter()
       # Launch every batch whose sampling params exist (at most k ahead: the schedule).

@@ -35,6 +35,7 @@ import chex
 import jax
 import numpy as np
 
+from rlax_llm import console
 from rlax_llm.data_types import GenerationRequest, Rollouts
 from rlax_llm.sampling_spec import GREEDY, SamplingSpec
 from rlax_llm.tasks import Prompt, Task
@@ -135,6 +136,8 @@ def evaluate_policy(task: Task, prompts: Sequence[Prompt], generate: Generate, *
     logging.warning('task %r has no held-out prompts (task.num_eval=0): eval metrics are NaN.',
                     getattr(task, 'name', task))
     return {'eval/accuracy': float('nan'), 'eval/verifier_errors': 0.0}
+  console.phase(f'evaluating on {len(prompts)} held-out prompts'
+                + (f' (greedy, then {samples} samples each)' if samples else ' (greedy)'))
   greedy = score_rollouts(task, prompts, generate(
       [GenerationRequest(p, 1, GREEDY, max_new_tokens) for p in prompts], key))
   metrics = {'eval/accuracy': float(np.mean(greedy.rewards)),
@@ -232,5 +235,5 @@ def main(argv: Sequence[str]) -> None:
 
 if __name__ == '__main__':
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  logging.getLogger('absl').setLevel(logging.INFO)
+  console.setup_logging()
   main(sys.argv)

@@ -32,6 +32,7 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
+from rlax_llm import console
 from rlax_llm import distributed, launch_help
 from rlax_llm import workdir as workdir_lib
 from rlax_llm.errors import CheckpointError, ConfigError, NonFiniteError, Preempted
@@ -137,7 +138,7 @@ def run_cli() -> None:
   if launch_help.wants_help(argv):  # before the config loads: help works with a broken one
     sys.stdout.write(launch_help.help_text())
     raise SystemExit(0)
-  logging.getLogger('absl').setLevel(logging.INFO)
+  console.setup_logging()
   check_override_keys(argv, check_config_spec(argv))
   define_flags()
   app.run(_main_or_print_config)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from rlax_llm import config as config_lib
+from rlax_llm import console
 from rlax_llm.errors import ConfigError
 from rlax_llm.models import presets
 from rlax_llm.models.decoder import DecoderConfig
@@ -151,6 +152,8 @@ def prepare(config: ml_collections.ConfigDict
             ) -> tuple[Task, Model, Params, Tokenizer]:
   """Task, model, initial params and tokenizer, checked to fit (``check_fits``): everything
   a run needs before its first compute. ``config`` must have passed ``validate_config``."""
+  path = config.model.path
+  console.phase(f'loading the model {config.model.name}' + (f' from {path}' if path else ''))
   task = build_task(config)
   model, params, tokenizer = build_model(config, task)
   check_fits(config, task, model, tokenizer)

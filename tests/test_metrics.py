@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from rlax_llm.metrics import MetricsWriter, read_metrics
+from rlax_llm.metrics import (LedgerFile, MetricsFile, MetricsWriter, SummaryFile,
+                              read_metrics)
 
 
 def read_tb_scalars(workdir: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
@@ -205,19 +206,6 @@ def test_read_metrics_errors(tmp_path):
     read_metrics(tmp_path)
 
 
-def test_progress_line_has_an_eta_from_the_rate_of_written_steps(tmp_path, capsys, monkeypatch):
-  clock = iter([100.0, 102.0, 104.0, 106.0])
-  monkeypatch.setattr('rlax_llm.metrics.time.perf_counter', lambda: next(clock))
-  with MetricsWriter(tmp_path, tensorboard=False, total_steps=70, tty=False) as writer:
-    for step in (10, 11, 12):  # a resumed run: the rate counts this process's steps
-      writer.write(step, {'loss': 1.0})
-  assert capsys.readouterr().out.splitlines() == [
-    'step 10/70 (14%) | loss 1',
-    'step 11/70 (15%) | loss 1 | ETA 1m58s',  # 2 s/step x 59 steps
-    'step 12/70 (17%) | loss 1 | ETA 1m56s',
-  ]
-
-
 def test_on_a_terminal_the_progress_line_is_rewritten_in_place(tmp_path, capsys):
   with MetricsWriter(tmp_path, tensorboard=False, total_steps=2, tty=True) as writer:
     writer.write(1, {'loss': 1.0})
@@ -243,21 +231,6 @@ def test_summary_table_shows_first_last_min_max_and_the_summary(tmp_path, capsys
   ]
 
 
-def test_histograms_drop_non_finite_values_and_text_is_stored(tmp_path):
-  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-  with MetricsWriter(tmp_path, console=False) as writer:
-    writer.write_histogram(3, 'advantages', np.array([[1.0, -1.0], [np.nan, 0.5]]))
-    writer.write_histogram(3, 'empty', np.array([np.inf]))
-    writer.write_text(3, 'samples', '| a | b |')
-  events = EventAccumulator(str(tmp_path), size_guidance={'histograms': 0, 'tensors': 0})
-  events.Reload()
-  assert events.Tags()['histograms'] == ['advantages']
-  (hist,) = events.Histograms('advantages')
-  assert (hist.step, hist.histogram_value.num, hist.histogram_value.sum) == (3, 3, 0.5)
-  (text,) = events.Tensors('samples/text_summary')
-  assert text.tensor_proto.string_val[0].decode() == '| a | b |'
-
-
 @pytest.mark.parametrize('name, value', [('total_steps', -1), ('text_every', 1.5),
                                          ('text_every', True)])
 def test_total_steps_and_text_every_are_validated(tmp_path, name, value):
@@ -267,7 +240,7 @@ def test_total_steps_and_text_every_are_validated(tmp_path, name, value):
 
 def test_hist_keys_become_tensorboard_histograms_not_scalars(tmp_path):
   from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-  from rlax_llm.metrics import HISTOGRAM_BIN_EDGES
+  from rlax_llm.tensorboard_writer import HISTOGRAM_BIN_EDGES
   fractions = np.zeros(len(HISTOGRAM_BIN_EDGES['hist/log_ratio']) - 1)
   fractions[[0, 21]] = [0.25, 0.75]  # bins [-1, -0.95) and [0.05, 0.1)
   with MetricsWriter(tmp_path, console=False) as writer:
@@ -286,3 +259,52 @@ def test_hist_keys_become_tensorboard_histograms_not_scalars(tmp_path):
   assert (hist.step, h.num, h.min, h.max) == (4, 1.0, -1.0, pytest.approx(0.1))
   assert h.sum == pytest.approx(0.25 * -0.975 + 0.75 * 0.075)
   assert list(h.bucket)[0] == 0.25 and list(h.bucket)[21] == 0.75
+
+
+def test_metrics_file_writes_null_for_non_finite_and_cuts_rows_after_the_resume_step(tmp_path):
+  path = tmp_path / 'metrics.jsonl'
+  file = MetricsFile(path)
+  for step in (1, 2, 3):
+    file.write(step, {'loss': float(step), 'kl': math.inf})
+  file.close()
+  assert read_metrics(path)[0] == {'step': 1, 'loss': 1.0, 'kl': None}
+  file = MetricsFile(path, resume_step=2)  # a resumed run: step 3 is written again
+  file.write(3, {'loss': 30.0})
+  file.close()
+  assert [(r['step'], r['loss']) for r in read_metrics(path)] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+def test_ledger_file_and_writer_ledger_append_step_rows(tmp_path):
+  path = tmp_path / 'ledger.jsonl'
+  file = LedgerFile(path)
+  file.write(np.int64(1), {'prompt_ids': [3, 4], 'versions': [0]})
+  file.close()
+  with MetricsWriter(tmp_path, tensorboard=False, console=False) as writer:
+    writer.ledger(2, {'prompt_ids': [5], 'versions': [1]})
+  rows = [json.loads(line) for line in path.read_text().splitlines()]
+  assert rows == [{'step': 1, 'prompt_ids': [3, 4], 'versions': [0]},
+                  {'step': 2, 'prompt_ids': [5], 'versions': [1]}]
+  with MetricsWriter(tmp_path, tensorboard=False, console=False, resume_step=1) as writer:
+    pass
+  assert [json.loads(line)['step'] for line in path.read_text().splitlines()] == [1]
+  with pytest.raises(RuntimeError, match='closed'):
+    writer.ledger(3, {})
+
+
+def test_summary_file_replaces_the_summary(tmp_path):
+  summary = SummaryFile(tmp_path / 'summary.json')
+  summary.write({'a': 1, 'b': None})
+  summary.write({'a': 2})
+  assert json.loads((tmp_path / 'summary.json').read_text()) == {'a': 2}
+  assert [p.name for p in tmp_path.iterdir()] == ['summary.json']
+
+
+def test_a_disabled_writer_writes_and_prints_nothing(tmp_path, capsys):
+  workdir = tmp_path / 'run'
+  with MetricsWriter(workdir, enabled=False) as writer:
+    writer.write(1, {'loss': 1.0})
+    writer.ledger(1, {'prompt_ids': []})
+    path = writer.write_summary({'steps': 1})
+  assert path == workdir / 'summary.json'
+  assert not workdir.exists()
+  assert capsys.readouterr().out == ''

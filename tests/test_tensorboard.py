@@ -1,13 +1,18 @@
-"""Watching a run: a short run's TensorBoard events hold the scalars, histograms and sampled
-completions that rlax_llm/metrics.py documents; the console shows progress and a summary."""
+"""rlax_llm.tensorboard_writer, and watching a run: a short run's TensorBoard events hold the
+scalars, histograms and sampled completions that rlax_llm/tensorboard_writer.py documents; the
+console shows progress and a summary."""
 
 import os
 import pathlib
 import subprocess
 import sys
+import time
 
+import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from rlax_llm.tensorboard_writer import HISTOGRAM_BIN_EDGES, TensorBoardWriter, check_bins
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -69,3 +74,48 @@ def test_console_prints_progress_with_eta_and_a_summary_table(short_run):
   assert table[1].split() == ['metric', 'first', 'last', 'min', 'max']
   assert any(row.split()[0] == 'reward/mean' and len(row.split()) == 5 for row in table)
   assert any(row.split()[0] == 'eval/improvement' for row in table)
+
+
+def test_histograms_drop_non_finite_values_and_text_is_stored(tmp_path):
+  writer = TensorBoardWriter(tmp_path)
+  writer.write_histogram(3, 'advantages', np.array([[1.0, -1.0], [np.nan, 0.5]]))
+  writer.write_histogram(3, 'empty', np.array([np.inf]))
+  writer.write_text(3, 'samples', '| a | b |')
+  writer.close()
+  events = EventAccumulator(str(tmp_path), size_guidance={'histograms': 0, 'tensors': 0})
+  events.Reload()
+  assert events.Tags()['histograms'] == ['advantages']
+  (hist,) = events.Histograms('advantages')
+  assert (hist.step, hist.histogram_value.num, hist.histogram_value.sum) == (3, 3, 0.5)
+  (text,) = events.Tensors('samples/text_summary')
+  assert text.tensor_proto.string_val[0].decode() == '| a | b |'
+
+
+def test_scalars_and_binned_histograms_and_the_purge_on_resume(tmp_path):
+  bins = len(HISTOGRAM_BIN_EDGES['hist/log_ratio']) - 1
+  fractions = np.zeros(bins)
+  fractions[20] = 1.0  # the bin [0, 0.05)
+  writer = TensorBoardWriter(tmp_path)
+  for step in (1, 2, 3):
+    writer.write(step, {'loss': float(step)}, {'hist/log_ratio': fractions})
+  writer.write(4, {'loss': 4.0}, {'hist/log_ratio': np.zeros(bins)})  # empty: no histogram
+  writer.close()
+  time.sleep(1.1)  # event file names hold the second they were opened in: a new file
+  writer = TensorBoardWriter(tmp_path, resume_step=2)  # steps 3 and 4 are written again
+  writer.write(3, {'loss': 30.0}, {})
+  writer.close()
+  events = EventAccumulator(str(tmp_path), size_guidance={'scalars': 0, 'histograms': 0})
+  events.Reload()
+  assert [(e.step, e.value) for e in events.Scalars('loss')] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+  assert [h.step for h in events.Histograms('log_ratio')] == [1, 2]
+  (first, _) = events.Histograms('log_ratio')
+  assert (first.histogram_value.min, first.histogram_value.max) == (0.0, pytest.approx(0.05))
+
+
+def test_check_bins_names_the_key_and_the_expected_shape():
+  bins = len(HISTOGRAM_BIN_EDGES['hist/log_ratio']) - 1
+  assert check_bins('hist/log_ratio', [0.5] * bins).dtype == np.float64
+  with pytest.raises(ValueError, match=rf"has shape \(3,\); its edges make {bins} bins"):
+    check_bins('hist/log_ratio', np.ones(3))
+  with pytest.raises(ValueError, match='add its edges to rlax_llm.tensorboard_writer.HISTOGRAM'):
+    check_bins('hist/other', np.ones(3))

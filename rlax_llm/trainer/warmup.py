@@ -14,6 +14,7 @@ import time
 import optax
 from jax.sharding import Mesh
 
+from rlax_llm import console
 from rlax_llm.data import sft_batch
 from rlax_llm.models.model import Model, Params
 from rlax_llm.tasks import Task
@@ -37,6 +38,7 @@ def supervised_warmup(model: Model, params: Params, task: Task, tokenizer: Token
   """
   if steps <= 0:
     return params, {}
+  console.phase(f'warm-up: {steps} supervised steps on the task\'s demonstrations')
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, learning_rate, min(warmup_steps, steps // 2), steps, end_value=0.1 * learning_rate)
   trainer = Trainer(model, params, make_optimizer(schedule),
