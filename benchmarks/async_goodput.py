@@ -29,11 +29,12 @@ import time
 
 import numpy as np
 
-from rlax_llm.controller import Controller, ControllerSettings
+from rlax_llm.controller import Controller
 from rlax_llm.data_types import Rollouts
 from rlax_llm.metrics import MetricsWriter, read_metrics
 from rlax_llm.paramserver import ParameterServer
 from rlax_llm.sampling_spec import SamplingSpec
+from rlax_llm.schedule import ControllerSettings
 from rlax_llm.tasks import ArithmeticTask
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -108,7 +109,7 @@ def run_sleeps(train_s: float, rollout_s: float, j: int, k: int, steps: int) -> 
   with tempfile.TemporaryDirectory() as workdir, MetricsWriter(
       pathlib.Path(workdir), tensorboard=False, console=False) as writer:
     controller = Controller(settings, task, trainer, [SleepWorker(rollout_s)],
-                            ParameterServer(keep=k + 2), writer)
+                            ParameterServer(keep=settings.versions_kept), writer)
     controller.start_accuracy = controller.accuracy = 0.0  # no evaluation in this setting
     controller.evaluate = lambda: {'eval/accuracy': 0.0}
     start = time.perf_counter()
@@ -129,7 +130,7 @@ def predict(train_s: float, rollout_s: float, k: int, steps: int, overhead: dict
 
 def run_real(j: int, k: int, steps: int) -> dict:
   from rlax_llm.backends import local  # pylint: disable=import-outside-toplevel
-  from rlax_llm.config import load_config_file  # pylint: disable=import-outside-toplevel
+  from rlax_llm.cli import load_config_file  # pylint: disable=import-outside-toplevel
   config = load_config_file(str(ROOT / 'configs/default.py'))
   config.total_steps = steps
   config.warmup.steps = 300

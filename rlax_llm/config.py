@@ -1,15 +1,19 @@
-"""Config contract and validation (docs/architecture.md "Configuration").
+"""Config schema and validation (docs/config.md).
 
-``validate_config`` runs before any compute: it checks every field (contract keys, choices,
-numbers, the loss, the sampling transform, the task, the model's length, the meshes against
-the devices and batch sizes) and fails with a message naming the key, the value seen and the
-fix. Typed objects validate their own fields (``LossConfig``, ``SamplingSpec``, the task,
-``DecoderConfig``); this module builds them from the config (``loss_config``,
+The schema is defined once: the packaged default config (``rlax_llm/configs/default.py``,
+``rlax_llm.cli.DEFAULT_CONFIG_PATH``) names every key and its default; the tables here add only
+what a default cannot say (choices, ranges, groups whose fields vary per config). Loading a
+config file, its variant and ``--config.KEY=VALUE`` overrides is ``rlax_llm.cli``'s job.
+
+``validate_config`` runs before any compute: it checks every field (every key of the schema,
+choices, numbers, the loss, the sampling transform, the task, the model's length, the meshes
+against the devices and batch sizes) and fails with a message naming the key, the value seen
+and the fix. Typed objects validate their own fields (``LossConfig``, ``SamplingSpec``, the
+task, ``DecoderConfig``); this module builds them from the config (``loss_config``,
 ``sampling_spec``) and says where in the config a bad value sits.
 
-Before absl parses flags, ``check_config_spec`` loads the ``--config`` file once (a missing
-file, a syntax error or an unknown variant fails with one line) and ``check_override_keys``
-catches misspelled ``--config.a.b=v`` flags, suggesting the closest valid keys.
+Importing this module loads no JAX, Flax or model code: the checks that need them (the loss
+table, the decoder's fields, the meshes) import them inside the function that runs them.
 """
 
 from __future__ import annotations
@@ -17,22 +21,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import importlib.machinery
-import importlib.util
+import functools
+import json
 import math
-import os
 import pathlib
-import traceback
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import ml_collections
 
+from rlax_llm.cli import DEFAULT_CONFIG_PATH, flat_keys, load_config_file, lookup
 from rlax_llm.errors import ConfigError
-from rlax_llm import losses
-from rlax_llm.models.decoder import INVARIANT_ROWS_MODES, REMAT_POLICIES, DecoderConfig
 from rlax_llm.sampling_spec import SamplingSpec
+from rlax_llm.schedule import ControllerSettings
 
-DEFAULT_CONFIG_PATH = pathlib.Path(__file__).resolve().parent.parent / 'configs' / 'default.py'
+if TYPE_CHECKING:
+  from rlax_llm.losses import LossConfig
 
 # Keys every config must have (docs, scripts and users rely on them).
 REQUIRED_KEYS = (
@@ -41,16 +44,21 @@ REQUIRED_KEYS = (
     'eval.every_steps', 'mesh',
 )
 
-# Choice fields -> valid values (the loss's, sampling's and task's come from their own types).
+# Groups whose fields vary per config: a task's own fields, Ray resources, and two optional
+# groups, the named reward components (none: the task's reward alone) and the tiny model's
+# architecture (read only with model.name='tiny'). The schema does not fix their keys (a
+# prefix ending in '.' keeps the group itself required); their owners validate them.
+OPEN_GROUPS = ('task.', 'ray.trainer_resources.', 'ray.worker_resources.', 'reward',
+               'model.tiny')
+
+# Choice fields -> valid values (the loss's, sampling's, task's and model's come from their
+# own types).
 CHOICES = {
     'backend': ('local', 'ray'),
     'model.param_dtype': ('float32', 'bfloat16'),
     'model.dtype': ('float32', 'bfloat16'),
-    'model.remat': REMAT_POLICIES,
-    'model.invariant_rows': INVARIANT_ROWS_MODES,
     'rollout.on_swap': ('continue', 'discard'),
     'rollout.short_batches': ('pad', 'wait'),
-    'rollout.fault.kind': ('none', 'die', 'hang'),
 }
 
 POSITIVE_INTS = ('rl.group_size', 'rl.prompts_per_step', 'rl.max_nonfinite_updates',
@@ -71,33 +79,38 @@ FLOATS = {
 }
 
 # Keys a resumed run may change (``check_resume_config``): how long it runs, how it is watched,
-# checkpointed and placed (the mesh: checkpoints reshard on restore), and fault knobs. Every
-# other key decides what the run computes and must equal the checkpointed run's.
+# checkpointed and placed (the mesh: checkpoints reshard on restore), and rollout.fault (a
+# removed test knob: runs saved with it resume). Every other key decides what the run
+# computes and must equal the checkpointed run's.
 RESUMABLE_CHANGES = ('total_steps', 'checkpoint.', 'log.', 'eval.every_steps', 'mesh.',
                      'local.', 'rollout.worker_timeout_s', 'rollout.fault.', 'distributed.',
                      'name')
 
 
-def _get(config: ml_collections.ConfigDict, dotted: str):
-  node = config
-  for i, part in enumerate(dotted.split('.')):
-    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
-      parent = '.'.join(dotted.split('.')[:i]) or '<root>'
-      valid = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
-      raise ConfigError(f'config key {dotted!r} is missing: {parent!r} has no field {part!r}'
-                        f' (fields there: {valid}).')
-    node = node[part]
-  return node
+def _matches(key: str, prefixes: tuple[str, ...]) -> bool:
+  """Whether ``key`` is one of ``prefixes`` or, for a prefix ending in '.', under it."""
+  return any(key == p or (p.endswith('.') and key.startswith(p))
+             or (not p.endswith('.') and key.startswith(p + '.')) for p in prefixes)
 
 
-def _flat_keys(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:
-  keys = []
-  for key, value in config.items():
-    name = f'{prefix}{key}'
-    keys.append(name)
-    if isinstance(value, ml_collections.ConfigDict):
-      keys.extend(_flat_keys(value, name + '.'))
-  return keys
+@functools.cache
+def _schema() -> tuple[str, ...]:
+  """Every key of the packaged default config outside ``OPEN_GROUPS``."""
+  return tuple(key for key in flat_keys(load_config_file(str(DEFAULT_CONFIG_PATH)))
+               if not _matches(key, OPEN_GROUPS))
+
+
+def _check_schema(config: ml_collections.ConfigDict) -> None:
+  """Every schema key is present and no other key outside ``OPEN_GROUPS`` is."""
+  for key in _schema():
+    lookup(config, key)
+  schema = set(_schema())
+  for key in flat_keys(config):
+    if key not in schema and not _matches(key, OPEN_GROUPS):
+      close = difflib.get_close_matches(key, sorted(schema), n=3)
+      hint = f' Did you mean {" or ".join(close)}?' if close else ''
+      raise ConfigError(f'config key {key!r} is not a config field (the schema is '
+                        f'{DEFAULT_CONFIG_PATH.name}\'s keys).{hint} Remove or rename it.')
 
 
 @contextlib.contextmanager
@@ -113,13 +126,14 @@ def _naming(prefix: str):
     raise ConfigError(f'config.{prefix}{e}') from None
 
 
-def loss_config(config: ml_collections.ConfigDict) -> losses.LossConfig:
+def loss_config(config: ml_collections.ConfigDict) -> LossConfig:
   """The ``LossConfig`` of ``config.rl`` (its fields by name; ``rl.mismatch`` when enabled)."""
+  from rlax_llm import losses  # pylint: disable=import-outside-toplevel  # jax: kept off import
   rl = config.rl
   fields = {f.name: rl[f.name] for f in dataclasses.fields(losses.LossConfig)
-            if f.name != 'mismatch' and f.name in rl}
+            if f.name != 'mismatch'}
   mismatch = None
-  if 'mismatch' in rl and rl.mismatch.enabled:
+  if rl.mismatch.enabled:
     with _naming('rl.'):
       mismatch = losses.MismatchConfig(**{k: v for k, v in rl.mismatch.items()
                                           if k != 'enabled'})
@@ -135,11 +149,11 @@ def sampling_spec(config: ml_collections.ConfigDict) -> SamplingSpec:
                         ).check_for_rollouts()
 
 
-def controller_settings(config: ml_collections.ConfigDict):
+def controller_settings(config: ml_collections.ConfigDict) -> ControllerSettings:
   """The controller's ``ControllerSettings`` (schedule, staleness, rollout sampling)."""
-  from rlax_llm.controller import ControllerSettings  # pylint: disable=import-outside-toplevel
+  from rlax_llm.losses import BASELINE_FREE  # pylint: disable=import-outside-toplevel  # jax
   with _naming(''):
-    return ControllerSettings(
+    settings = ControllerSettings(
         total_steps=config.total_steps, prompts_per_step=config.rl.prompts_per_step,
         group_size=config.rl.group_size, staleness_j=config.staleness.j,
         staleness_k=config.staleness.k, eval_every=config.eval.every_steps, seed=config.seed,
@@ -147,68 +161,93 @@ def controller_settings(config: ml_collections.ConfigDict):
         advantage_estimator=loss_config(config).estimator,
         oversample=config.rollout.oversample,
         worker_timeout_s=config.rollout.worker_timeout_s,
-        stop_after_groups=config.rollout.get('stop_after_groups', 0),
-        short_batches=config.rollout.get('short_batches', 'pad'),
-        replay=config.rollout.get('replay', 0.0),
-        eval_samples=config.eval.get('samples', 0),
+        stop_after_groups=config.rollout.stop_after_groups,
+        short_batches=config.rollout.short_batches,
+        replay=config.rollout.replay,
+        eval_samples=config.eval.samples,
         reward=config.reward.to_dict() if config.get('reward') else None)
+  if settings.oversample and settings.advantage_estimator in BASELINE_FREE:
+    raise ConfigError(
+        f'config.rollout.oversample={settings.oversample!r} drops groups whose rewards are all '
+        f'equal, but under the {settings.advantage_estimator!r} advantage estimator (no group '
+        'baseline) those groups train too (an all-wrong group is pushed down); set '
+        'rollout.oversample=0 or use a group-relative estimator.')
+  return settings
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ``ConfigError`` naming the first key that is missing or invalid.
 
-  Checks everything that needs no model file: contract keys, choices, ints and floats, the
-  loss (``loss_config``), the sampling transform (``sampling_spec``), the task's own fields
-  (it is built), the tiny model's architecture and sequence length, staleness, and the
-  meshes against the devices and the batch sizes. What needs a checkpoint's config or
-  tokenizer (prompt lengths, memory) is checked by ``rlax_llm.roles`` before any compute.
+  Checks everything that needs no model file: every key of the schema (the packaged default
+  config's), choices, ints and floats, the loss (``loss_config``), the sampling transform
+  (``sampling_spec``), the task's own fields (it is built), the tiny model's architecture and
+  sequence length, staleness, and the meshes against the devices and the batch sizes. What
+  needs a checkpoint's config or tokenizer (prompt lengths, memory) is checked by
+  ``rlax_llm.roles`` before any compute.
   """
   for key in REQUIRED_KEYS:
-    _get(config, key)
+    lookup(config, key)
+  _check_schema(config)
   for key, valid in CHOICES.items():
-    value = _get(config, key)
-    if value not in valid:
-      raise ConfigError(f'config.{key}={value!r} is not valid; choose one of {list(valid)}.')
+    _check_choice(key, lookup(config, key), valid)
   for key in POSITIVE_INTS + NON_NEGATIVE_INTS:
-    value = _get(config, key)
+    value = lookup(config, key)
     low = 1 if key in POSITIVE_INTS else 0
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
       raise ConfigError(f'config.{key}={value!r} must be an int >= {low}.')
   for key, (low, inclusive) in FLOATS.items():
     if key.startswith('warmup.') and config.warmup.steps == 0:
       continue
-    value = _get(config, key)
+    value = lookup(config, key)
     ok = (not isinstance(value, bool) and isinstance(value, (int, float))
           and math.isfinite(value) and (value >= low if inclusive else value > low))
     if not ok:
       raise ConfigError(f'config.{key}={value!r} must be a finite number '
                         f'{">=" if inclusive else ">"} {low}.')
-  loss_config(config)
+  loss = loss_config(config)
   sampling_spec(config)
   for key in ('staleness.j', 'staleness.k'):
-    value = _get(config, key)
+    value = lookup(config, key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ConfigError(f'config.{key}={value!r} must be an int >= 1 (RLAX staleness: j is '
                         'the reload threshold, k the acceptance window; (1, 1) is lockstep).')
+  _validate_group_size(config, loss)
   settings = controller_settings(config)
-  _validate_micro_batches(config)
+  _validate_micro_batches(config, loss)
   _validate_checkpoint(config)
   task = _validate_task(config)
   if settings.reward:
-    from rlax_llm import rewards  # pylint: disable=import-outside-toplevel
+    from rlax_llm import rewards  # pylint: disable=import-outside-toplevel  # jax: kept off import
     with _naming(''):
       rewards.make_components(settings.reward, task, settings.max_new_tokens)
   _validate_model(config)
   _validate_meshes(config)
 
 
-def _validate_micro_batches(config: ml_collections.ConfigDict) -> None:
+def _check_choice(key: str, value, valid) -> None:
+  if value not in valid:
+    raise ConfigError(f'config.{key}={value!r} is not valid; choose one of {list(valid)}.')
+
+
+def _validate_group_size(config: ml_collections.ConfigDict, loss: LossConfig) -> None:
+  """A group of one has no group baseline to compare with: every advantage would be 0."""
+  from rlax_llm.losses import BASELINE_FREE  # pylint: disable=import-outside-toplevel  # jax
+  if config.rl.group_size == 1 and loss.estimator not in BASELINE_FREE:
+    raise ConfigError(
+        f'config.rl.group_size=1 with the {loss.estimator!r} advantage estimator (rl.loss='
+        f'{config.rl.loss!r}): it compares each sample with the others of its group, so a '
+        'group of one gets advantage 0 and the run would train nothing. Set rl.group_size >= 2, '
+        f'or an estimator without a group baseline (rl.advantage_estimator in '
+        f'{list(BASELINE_FREE)}).')
+
+
+def _validate_micro_batches(config: ml_collections.ConfigDict, loss: LossConfig) -> None:
   micro, rl = config.rl.micro_batches, config.rl
   rows = rl.prompts_per_step * rl.group_size
   if rows % micro:
     raise ConfigError(f'config.rl.micro_batches={micro} does not divide the batch of '
                       f'rl.prompts_per_step * rl.group_size = {rows} rows; choose a divisor.')
-  if micro > 1 and loss_config(config).spec.objective == 'm2po':
+  if micro > 1 and loss.spec.objective == 'm2po':
     raise ConfigError(f'config.rl.micro_batches={micro} with rl.loss={rl.loss!r}: M2PO masks '
                       'tokens by a statistic of the whole batch, so it is not computed one '
                       'micro-batch at a time; set rl.micro_batches=1 (rl.logprob_chunk also '
@@ -235,32 +274,41 @@ def _flatten(tree, prefix=''):
   return out
 
 
-def check_resume_config(saved: dict, config: ml_collections.ConfigDict) -> None:
-  """Raises ``ConfigError`` when ``config`` may not resume a run checkpointed with ``saved``
-  (its ``config.json``): every key outside ``RESUMABLE_CHANGES`` must be equal.
+def config_changes(saved: dict, config: ml_collections.ConfigDict,
+                   may_change: tuple[str, ...]) -> list[str]:
+  """How ``config`` differs from ``saved`` (a run's ``config.json``) in what it computes:
+  ``'key: before -> now'`` for every key outside ``may_change`` (prefixes as in
+  ``RESUMABLE_CHANGES``), ``[]`` when none does.
 
   A key the saved config lacks was added to rlax_llm after the run was saved; it passes at
-  the embedded default config's value (``configs/default.py``: a new key's default keeps
-  what the code did before it existed) and is refused at any other, naming that value."""
-  import json  # pylint: disable=import-outside-toplevel
+  the packaged default config's value (a new key's default keeps what the code did before it
+  existed) and is listed at any other, naming that value."""
   now = _flatten(json.loads(config.to_json_best_effort()))
   before = _flatten(saved)
-  fixed = lambda key: not any(key == p or (p.endswith('.') and key.startswith(p))
-                              for p in RESUMABLE_CHANGES)
+  fixed = lambda key: not _matches(key, may_change)
   added = {key for key in now.keys() - before.keys() if fixed(key)}
   defaults = _flatten(json.loads(load_config_file(str(DEFAULT_CONFIG_PATH))
                                  .to_json_best_effort())) if added else {}
   expected = before | {key: defaults.get(key, '<absent>') for key in added}
   differ = [key for key in sorted(now.keys() | before.keys())
             if fixed(key) and now.get(key, '<absent>') != expected.get(key, '<absent>')]
+
+  def change(key):
+    if key not in added:
+      return f'{key}: {before.get(key, "<absent>")!r} -> {now.get(key, "<absent>")!r}'
+    default = (f'its default {defaults[key]!r} resumes' if key in defaults
+               else 'not in the default config')
+    return f'{key}: added since the run was saved, {now[key]!r} ({default})'
+  return [change(key) for key in differ]
+
+
+def check_resume_config(saved: dict, config: ml_collections.ConfigDict) -> None:
+  """Raises ``ConfigError`` when ``config`` may not resume a run checkpointed with ``saved``
+  (its ``config.json``): every key outside ``RESUMABLE_CHANGES`` must be equal
+  (``config_changes``)."""
+  differ = config_changes(saved, config, RESUMABLE_CHANGES)
   if differ:
-    def change(key):
-      if key not in added:
-        return f'{key}: {before.get(key, "<absent>")!r} -> {now.get(key, "<absent>")!r}'
-      default = (f'its default {defaults[key]!r} resumes' if key in defaults
-                 else 'not in the default config')
-      return f'{key}: added since the run was saved, {now[key]!r} ({default})'
-    shown = ', '.join(change(key) for key in differ[:5])
+    shown = ', '.join(differ[:5])
     raise ConfigError(
         f'this workdir holds a checkpointed run whose config differs in what it computes '
         f'({shown}{", ..." if len(differ) > 5 else ""}). Resume with the same config (only '
@@ -268,10 +316,50 @@ def check_resume_config(saved: dict, config: ml_collections.ConfigDict) -> None:
         'overwritten.')
 
 
+def saved_config(saved: dict) -> ml_collections.ConfigDict:
+  """A run's ``config.json`` as a ``ConfigDict`` that takes ``--config.KEY=VALUE`` overrides.
+
+  The packaged default config supplies the types of fields saved as ``null`` (an override of
+  ``model.path`` is then a string) and keys added since the run was saved (at their default,
+  as ``config_changes`` assumes); ``OPEN_GROUPS`` are taken as saved, and keys retired since
+  (no longer in the schema, so no longer read) are left out.
+  """
+  config = load_config_file(str(DEFAULT_CONFIG_PATH))
+
+  def overlay(node: ml_collections.ConfigDict, values: dict, prefix: str) -> None:
+    for key, value in values.items():
+      name = f'{prefix}{key}'
+      if _matches(name, OPEN_GROUPS):
+        node[key] = ml_collections.ConfigDict(value) if isinstance(value, dict) else value
+      elif key not in node:
+        continue
+      elif isinstance(value, dict) and isinstance(node[key], ml_collections.ConfigDict):
+        overlay(node[key], value, name + '.')
+      else:
+        node[key] = value
+    for key in set(node.keys()) - set(values):
+      if _matches(f'{prefix}{key}', OPEN_GROUPS):
+        del node[key]
+
+  overlay(config, saved, '')
+  return config
+
+
+def effective_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """``config`` with the values a run uses in place of the placeholders it fills in: the
+  loss's own defaults (``LossConfig.resolve``: e.g. DAPO's ``eps_high=0.28``) in ``rl``."""
+  effective = config.copy_and_resolve_references()
+  effective.unlock()
+  resolved = loss_config(config).resolve()
+  for field in ('advantage_estimator', 'eps_low', 'eps_high', 'aggregation', 'kl_estimator'):
+    effective.rl[field] = getattr(resolved, field)
+  return effective
+
+
 def _validate_task(config: ml_collections.ConfigDict):
   """The task ``config.task`` builds; ConfigError naming the field when it cannot."""
-  from rlax_llm import tasks  # pylint: disable=import-outside-toplevel
-  name = _get(config, 'task.name')
+  from rlax_llm import tasks  # pylint: disable=import-outside-toplevel  # jax: kept off import
+  name = lookup(config, 'task.name')
   if name not in tasks.TASKS:
     raise ConfigError(f'config.task.name={name!r} is not valid; choose one of '
                       f'{sorted(tasks.TASKS)}.')
@@ -280,8 +368,12 @@ def _validate_task(config: ml_collections.ConfigDict):
 
 
 def _validate_model(config: ml_collections.ConfigDict) -> None:
+  # pylint: disable-next=import-outside-toplevel  # jax, flax: kept off import
   from rlax_llm.models import presets  # pylint: disable=import-outside-toplevel
+  from rlax_llm.models.decoder import INVARIANT_ROWS_MODES, REMAT_POLICIES, DecoderConfig
   m = config.model
+  _check_choice('model.remat', m.remat, REMAT_POLICIES)
+  _check_choice('model.invariant_rows', m.invariant_rows, INVARIANT_ROWS_MODES)
   valid = ('tiny', *sorted(presets.PRESETS))
   if m.name not in valid:
     raise ConfigError(f'config.model.name={m.name!r} is not valid; choose one of '
@@ -324,11 +416,12 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
 
 
 def _validate_meshes(config: ml_collections.ConfigDict) -> None:
-  import jax  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel  # kept off import: it starts a backend
+
   from rlax_llm.sharding import role_meshes  # pylint: disable=import-outside-toplevel
   with _naming('mesh.'):
-    meshes = role_meshes(_get(config, 'mesh.trainer').to_dict(),
-                         _get(config, 'mesh.inference').to_dict(),
+    meshes = role_meshes(lookup(config, 'mesh.trainer').to_dict(),
+                         lookup(config, 'mesh.inference').to_dict(),
                          workers=config.rollout.workers, disjoint=config.mesh.disjoint)
   m = config.model
   data = {'mesh.trainer.data': meshes['trainer'].shape['data'],
@@ -352,159 +445,3 @@ def _validate_meshes(config: ml_collections.ConfigDict) -> None:
           f'config.mesh.{role}: the batch axis is split over data x fsdp = {shards} devices '
           f'but {name} = {size} does not divide by {shards} (of {jax.device_count()} '
           f'devices); make it a multiple of {shards} or change mesh.{role}.')
-
-
-def _where(error: BaseException, path: str) -> str:
-  """' (configs/x.py, line 12)': the innermost frame of ``error`` in ``path`` (else anywhere)."""
-  frames = traceback.extract_tb(error.__traceback__)
-  ours = [f for f in frames if os.path.realpath(f.filename) == os.path.realpath(path)]
-  frame = (ours or frames or [None])[-1]
-  if frame is None:
-    return ''
-  name = path if ours else frame.filename
-  return f' ({name}, line {frame.lineno})'
-
-
-def _describe(error: BaseException) -> str:
-  """'ValueError: message' on one line."""
-  text = str(error).strip().replace('\n', ' ')
-  return f'{type(error).__name__}: {text}' if text else type(error).__name__
-
-
-def config_variants(path: str | os.PathLike) -> tuple[str, ...]:
-  """The named variants a config file declares in its module-level ``VARIANTS`` tuple."""
-  module_spec = importlib.util.spec_from_file_location('_rlax_llm_config_variants', path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return tuple(getattr(module, 'VARIANTS', ()))
-
-
-def load_config_file(spec: str) -> ml_collections.ConfigDict:
-  """Loads ``path[:variant]`` the way ``config_flags`` does (``get_config(variant)``).
-
-  Like ``config_flags``, everything after the first ``:`` is the variant, passed to
-  ``get_config`` (``path:`` passes ``''``); without a ``:`` it calls ``get_config()``.
-
-  Raises:
-    ConfigError: the file does not exist, does not import (the message names the file and
-      line), has no ``get_config``, ``get_config`` raises (for a variant: the file has no such
-      variant) or returns something other than a ``ConfigDict``.
-  """
-  path, sep, variant = spec.partition(':')
-  if not path:
-    raise ConfigError(f'config spec {spec!r} names no file; pass --config=PATH[:VARIANT], '
-                      'e.g. --config=configs/default.py:smoke.')
-  file = pathlib.Path(path)
-  if not file.exists():
-    raise ConfigError(f'config file {path!r} does not exist (relative paths are read from '
-                      f'{os.getcwd()}); pass --config=PATH[:VARIANT] naming an existing file.')
-  if not file.is_file():
-    raise ConfigError(f'config file {path!r} is not a file; pass --config=PATH[:VARIANT] '
-                      'naming a Python file that defines get_config.')
-  loader = importlib.machinery.SourceFileLoader('_rlax_llm_config', path)
-  module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
-  try:
-    loader.exec_module(module)
-  except SyntaxError as e:
-    where = path if os.path.realpath(e.filename or path) == os.path.realpath(path) else e.filename
-    text = f' ({e.text.strip()!r})' if e.text and e.text.strip() else ''
-    raise ConfigError(f'config file {path} does not import: {type(e).__name__} at line '
-                      f'{e.lineno} of {where}: {e.msg}{text}. Fix that line.') from e
-  except Exception as e:  # pylint: disable=broad-exception-caught
-    raise ConfigError(f'config file {path} does not import: {_describe(e)}'
-                      f'{_where(e, path)}.') from e
-  get_config = getattr(module, 'get_config', None)
-  if not callable(get_config):
-    raise ConfigError(f'config file {path} has no get_config(); a config file must define '
-                      'get_config(variant=None) returning an ml_collections.ConfigDict.')
-  call = f'get_config({variant!r})' if sep else 'get_config()'
-  try:
-    config = get_config(variant) if sep else get_config()
-  except (ValueError, KeyError, TypeError) as e:
-    if not sep:
-      raise ConfigError(f'{call} in {path} raised {_describe(e)}{_where(e, path)}.') from e
-    raise ConfigError(f'{path} has no variant {variant!r} ({_describe(e)})') from e
-  except Exception as e:  # pylint: disable=broad-exception-caught
-    raise ConfigError(f'{call} in {path} raised {_describe(e)}{_where(e, path)}.') from e
-  if not isinstance(config, ml_collections.ConfigDict):
-    raise ConfigError(f'{call} in {path} returned {type(config).__name__}, not an '
-                      'ml_collections.ConfigDict; make it return the config.')
-  return config
-
-
-def config_spec(argv: Sequence[str]) -> str:
-  """The ``--config`` value in ``argv`` (the last one, as absl takes), or the default file."""
-  spec = str(DEFAULT_CONFIG_PATH)
-  for i, arg in enumerate(argv):
-    if arg == '--':
-      break
-    flag, eq, value = arg.partition('=')
-    if flag in ('--config', '-config'):
-      if eq:
-        spec = value
-      elif i + 1 < len(argv):
-        spec = argv[i + 1]
-  return spec
-
-
-def check_config_spec(argv: Sequence[str]) -> ml_collections.ConfigDict:
-  """Loads the ``--config=path[:variant]`` file named in ``argv`` (or the default) once.
-
-  Runs before absl parses flags, so a bad config file fails with one line instead of
-  ``config_flags``' traceback or a misleading "'seed' is missing".
-
-  Returns:
-    The loaded config (pass it to ``check_override_keys``).
-
-  Raises:
-    SystemExit: ``'error: ...'`` when ``load_config_file`` fails (see there).
-  """
-  try:
-    return load_config_file(config_spec(argv))
-  except ConfigError as e:
-    raise SystemExit(f'error: {e}') from None
-
-
-def check_override_keys(argv: Sequence[str],
-                        config: ml_collections.ConfigDict | None = None) -> None:
-  """Exits with a clear message if a ``--config.KEY=...`` flag names no config field.
-
-  Args:
-    argv: the command line without the program name.
-    config: the ``--config`` file's config as ``check_config_spec(argv)`` returns it; loaded
-      (and checked) here when ``None`` and there are overrides.
-  """
-  overrides = [a[len('--config.'):].split('=', 1) for a in argv if a.startswith('--config.')]
-  if not overrides:
-    return
-  if config is None:
-    config = check_config_spec(argv)
-  valid = _flat_keys(config)
-  for key, *value in overrides:
-    if key in valid and value:
-      _check_override_type(key, _get(config, key), value[0])
-    if key not in valid:
-      close = difflib.get_close_matches(key, valid, n=3)
-      parent = key.rpartition('.')[0]
-      siblings = [k.rpartition('.')[2] for k in valid if k.rpartition('.')[0] == parent]
-      hint = f' Did you mean {" or ".join(close)}?' if close else ''
-      raise SystemExit(f'error: --config.{key}: unknown config key {key!r}.{hint} '
-                       f'Valid keys under {parent or "<root>"!r}: {sorted(siblings)}.')
-
-
-def _check_override_type(key: str, current, text: str) -> None:
-  """Exits if ``text`` cannot become the type of the field's current value."""
-  kind = type(current)
-  if kind is bool:
-    ok = text.lower() in ('true', 'false', '1', '0')
-  elif kind in (int, float):
-    try:
-      kind(text)
-      ok = True
-    except ValueError:
-      ok = False
-  else:
-    return  # strings, None and nested values are parsed by config_flags itself
-  if not ok:
-    raise SystemExit(f'error: --config.{key}={text!r}: expected type {kind.__name__} '
-                     f'(the default is {current!r}).')

@@ -9,63 +9,20 @@ code drives roles in this process (``rlax_llm.backends.local``) or in Ray actors
 (``rlax_llm.backends.ray``). Everything it must remember to resume is one
 ``ControllerState``.
 
-Staleness (RLAX's ``(j, k)``, docs/architecture.md): batch ``i`` (trained at step ``i``) is
-sampled with the params after step ``v_i = max(0, j * floor((i - (k - j)) / j))``
-(``sampling_version``), so its staleness ``i - v_i`` stays in ``[k - j, k - 1]`` once the
-pipeline is full (below before). Versions count *applied* updates; when a step applies none
-(every group filtered, or a non-finite update skipped) the params after it keep the previous
-version, so staleness in versions is at most staleness in steps;
-the worker's weights change in steps of ``j`` versions, and a rollout is trained only if
-``i - v < k``. ``(1, 1)`` gives ``v_i = i``: the synchronous, on-policy lockstep. Generation of
-batch ``i`` starts as soon as version ``v_i`` exists, so with ``k > 1`` it overlaps the
-training of earlier batches (up to ``k`` batches are in flight: the queue is bounded by the
-schedule).
+The schedule (which version samples which batch, when a batch launches, what is trained,
+recycled, padded, carried or dropped: RLAX's ``(j, k)`` staleness, dynamic sampling, prompt
+replay, APRIL's partial rollouts) is decided by the pure functions of ``rlax_llm.schedule``;
+this module runs it: launches batches, gathers and scores their rollouts, trains, pushes
+versions, evaluates, checkpoints.
 
-Deterministic asynchrony: every decision (which version samples which batch, which prompts,
-which keys, when a worker's weights change, what is trained) is a function of the schedule
-and of results the controller waits for in a fixed order, never of which thread finishes
-first. An asynchronous run therefore gives the same metrics and params whatever the timing,
-on every backend; only ``time/...`` metrics differ.
+Deterministic asynchrony: every decision is a function of the schedule and of results the
+controller waits for in a fixed order, never of which thread finishes first. An asynchronous
+run therefore gives the same metrics and params whatever the timing, on every backend; only
+``time/...`` metrics differ.
 
-Also scheduled here, deterministically:
-* several inference workers: a batch's requests are split into contiguous chunks, one per
-  worker; a sample's tokens depend only on its own key, so which worker runs it changes
-  nothing;
-* worker failures: a worker whose call raises, or returns nothing within
-  ``worker_timeout_s``, is retired and its requests re-issued to a live one (same keys, same
-  version: the same rollouts); the run goes on and reports the loss;
-* dynamic sampling (DAPO, arXiv 2503.14476): with ``oversample > 0`` each batch asks for
-  ``ceil(prompts_per_step * (1 + oversample))`` prompts; groups whose rewards are all equal
-  (no learning signal) are dropped and counted; the first ``prompts_per_step`` remaining
-  groups are trained; the surplus is recycled into the next batch if it is still fresh
-  enough (``t - v < k``), else dropped and counted (after APRIL's over-provisioning,
-  arXiv 2509.18521, at the granularity of finished groups). A batch with fewer than
-  ``prompts_per_step`` informative groups is handled by ``short_batches``: ``'pad'`` tops
-  it up with its filtered ones (``rollout/padding_groups``; zero advantage under a
-  group-mean baseline) so that every update has one shape and the trainer never recompiles
-  (a batch with none skips the update); ``'wait'`` (DAPO's "keep sampling until the batch
-  is full") skips the update and keeps the informative groups for the next batch, so every
-  update trains ``prompts_per_step`` informative groups and no compute goes to padding
-  (a skipped update leaves the version unchanged, so the kept groups stay fresh).
-  Every generated group is counted once: trained, padding, filtered, dropped as stale, or
-  still recycled (or still unfinished, below).
-* prompt replay (``replay > 0``): a prompt whose group had unequal rewards (a learning
-  signal under the current policy) joins a FIFO pool of ``4 * requested_groups``; each batch
-  re-asks ``floor(replay * new prompts)`` of them, oldest first, with fresh samples, ahead of
-  the stream's prompts (``rollout/replayed_groups``; the ledger lists them apart). When most
-  groups have equal rewards (an easy task, a sharp policy) this raises the share of
-  informative groups per generated group; it re-visits training prompts only, never the
-  held-out split. The pool is part of the controller's state.
-* partial rollouts (APRIL, arXiv 2509.18521): with ``stop_after_groups = n > 0`` a batch's
-  generation stops as soon as ``n`` of its groups have every sample finished (each worker
-  stops at its share of its chunk); the unfinished groups, with the tokens drawn so far and
-  their keys, are carried into the next batch launched after this one is gathered, ahead of
-  new prompts, and continued there (``rollout/carried_groups``). Their tokens keep the
-  versions that drew them, so a continued group may mix versions; a carried group that could
-  be too stale when trained (the trainer's version may be at most one higher per step) is
-  regenerated from scratch instead (``rollout/restarted_groups``): on-policy (``k = 1``)
-  that is every carried group that saw an update, so continuation pays off with ``k >= 2``.
-  ``rollout/unfinished_groups`` counts the groups waiting to be continued.
+Worker failures: a worker whose call raises, or returns nothing within ``worker_timeout_s``,
+is retired and its requests re-issued to a live one (same keys, same version: the same
+rollouts); the run goes on and reports the loss.
 """
 
 from __future__ import annotations
@@ -74,7 +31,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
-import math
 import threading
 import time
 from collections.abc import Sequence
@@ -83,21 +39,16 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from rlax_llm import console, losses, rewards
+from rlax_llm import console, losses, rewards, schedule
 from rlax_llm.data import prompt_dataset
 from rlax_llm.data_types import GenerationRequest, Rollouts, make_train_batch
-from rlax_llm.evaluate import evaluate_policy
+from rlax_llm.errors import NonFiniteError
+from rlax_llm.evaluation import evaluate_policy
 from rlax_llm.metrics import MetricsWriter
 from rlax_llm.paramserver import ParameterServer
-from rlax_llm.sampling_spec import SamplingSpec
+from rlax_llm.schedule import ControllerSettings
 from rlax_llm.tasks import Prompt, Task
-from rlax_llm.errors import NonFiniteError
 from rlax_llm.verifiers import score_rollouts
-
-
-def sampling_version(i: int, j: int, k: int) -> int:
-  """The policy version that samples batch ``i`` under RLAX staleness ``(j, k)``."""
-  return max(0, j * math.floor((i - (k - j)) / j))
 
 
 class Future(Protocol):
@@ -128,82 +79,6 @@ class WorkerHandle(Protocol):
 
   def retire(self) -> None:
     ...
-
-
-@dataclasses.dataclass(frozen=True)
-class ControllerSettings:
-  """What the controller schedules (validated by ``rlax_llm.config`` before any compute)."""
-
-  total_steps: int
-  prompts_per_step: int
-  group_size: int
-  staleness_j: int
-  staleness_k: int
-  eval_every: int
-  seed: int
-  sampling: SamplingSpec
-  max_new_tokens: int
-  advantage_estimator: str = 'grpo'
-  oversample: float = 0.0
-  worker_timeout_s: float = 600.0
-  keep_versions: int = 0  # 0: what the schedule needs (k + 1)
-  eval_samples: int = 0  # sampled draws per held-out prompt for mean@k / pass@k (0: none)
-  reward: dict[str, Any] | None = None  # the reward config group (rlax_llm.rewards); None: task
-  stop_after_groups: int = 0  # APRIL: stop a batch once this many groups finished (0: never)
-  short_batches: str = 'pad'  # fewer informative groups than prompts_per_step: 'pad' | 'wait'
-  replay: float = 0.0  # fraction of a batch's new prompts re-asked from the replay pool
-
-  @property
-  def replay_capacity(self) -> int:
-    """Prompts the replay pool holds (the oldest leave first): four batches' worth."""
-    return 4 * self.requested_groups
-
-  @property
-  def requested_groups(self) -> int:
-    """Groups each batch asks for: ``prompts_per_step``, over-provisioned by ``oversample``."""
-    return self.prompts_per_step if self.oversample == 0 else math.ceil(
-        self.prompts_per_step * (1 + self.oversample))
-
-  def __post_init__(self):
-    """Messages name the config keys (``staleness.j``, ``rollout.oversample``, ...)."""
-    j, k = self.staleness_j, self.staleness_k
-    for name, value in (('j', j), ('k', k)):
-      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f'staleness.{name}={value!r} must be an int >= 1.')
-    if j > k:
-      raise ValueError(f'staleness (j, k) = ({j}, {k}): j must be <= k (a worker that reloads '
-                       'every j versions samples data up to j - 1 versions old, which k must '
-                       'accept).')
-    if (isinstance(self.oversample, bool) or not isinstance(self.oversample, (int, float))
-        or not 0.0 <= self.oversample <= 4.0):
-      raise ValueError(f'rollout.oversample={self.oversample!r} must be in [0, 4].')
-    if self.oversample and self.advantage_estimator in losses.BASELINE_FREE:
-      raise ValueError(
-          f'rollout.oversample={self.oversample!r} drops groups whose rewards are all equal, '
-          f'but under the {self.advantage_estimator!r} advantage estimator (no group '
-          'baseline) those groups train too (an all-wrong group is pushed down); set '
-          'rollout.oversample=0 or use a group-relative estimator.')
-    if not self.worker_timeout_s > 0:
-      raise ValueError(f'rollout.worker_timeout_s={self.worker_timeout_s!r} must be > 0.')
-    if (isinstance(self.replay, bool) or not isinstance(self.replay, (int, float))
-        or not 0.0 <= self.replay < 1.0):
-      raise ValueError(f'rollout.replay={self.replay!r} must be in [0, 1) (the fraction of '
-                       "each batch's new prompts re-asked from the replay pool; 0: off).")
-    if (isinstance(self.eval_samples, bool) or not isinstance(self.eval_samples, int)
-        or self.eval_samples < 0):
-      raise ValueError(f'eval.samples={self.eval_samples!r} must be an int >= 0 (draws per '
-                       'held-out prompt for mean@k and pass@k; 0: greedy accuracy only).')
-    if self.short_batches not in ('pad', 'wait'):
-      raise ValueError(f"rollout.short_batches={self.short_batches!r} is not valid; choose "
-                       "'pad' or 'wait'.")
-    n = self.stop_after_groups
-    if isinstance(n, bool) or not isinstance(n, int) or (
-        n != 0 and not self.prompts_per_step <= n <= self.requested_groups):
-      raise ValueError(
-          f'rollout.stop_after_groups={n!r} must be 0 (off) or an int in [rl.prompts_per_step'
-          f', groups requested per batch] = [{self.prompts_per_step}, '
-          f'{self.requested_groups}]; raise rollout.oversample to request more groups.')
-    self.sampling.check_for_rollouts()
 
 
 @dataclasses.dataclass
@@ -334,10 +209,6 @@ class Controller:
 
   # ----------------------------------------------------------------------------- state
 
-  @property
-  def trainer_version(self) -> int:
-    return self.trainer.version
-
   def state(self) -> ControllerState:
     """The controller's state now (copy)."""
     return ControllerState(
@@ -450,34 +321,25 @@ class Controller:
     first chunk had when each chunk folded its own; single-worker runs kept their keys.)"""
     return jax.random.fold_in(jax.random.fold_in(self._root_key, index), 0)
 
-  def _launch(self, index: int, prompts: list[Prompt], version: int,
-              sampling: SamplingSpec, group_size: int, root: jax.Array,
-              resumes: Sequence[Rollouts | None] = (), stop_after: int = 0) -> _Batch:
-    """Splits the batch's requests into contiguous chunks, one per live worker; ``root``:
-    the batch's sampling key (``_sampling_root``).
-
-    ``resumes[g]``: the rows so far of group ``g`` when it continues a partial group.
-    """
-    resumes = list(resumes) + [None] * (len(prompts) - len(resumes))
-    requests = [GenerationRequest(p, group_size, sampling, self.settings.max_new_tokens,
-                                  resume=r) for p, r in zip(prompts, resumes)]
-    batch = _Batch(index=index, version=version, prompts=prompts, chunks=[],
-                   stop_after=stop_after)
+  def _launch(self, batch: _Batch, root: jax.Array,
+              resumes: Sequence[Rollouts | None] = ()) -> _Batch:
+    """Submits ``batch``'s requests in contiguous chunks, one per live worker
+    (``schedule.chunk_bounds``); ``root``: the batch's sampling key (``_sampling_root``);
+    ``resumes[g]``: the rows so far of group ``g`` when it continues a partial group."""
+    s = self.settings
+    resumes = list(resumes) + [None] * (len(batch.prompts) - len(resumes))
+    requests = [GenerationRequest(p, s.group_size, s.sampling, s.max_new_tokens, resume=r)
+                for p, r in zip(batch.prompts, resumes)]
     live = self._live_workers()
-    per = -(-len(requests) // len(live))
-    for n, worker in enumerate(live):
-      part = requests[n * per:(n + 1) * per]
-      if part:
-        batch.chunks.append((worker, part, self._submit(
-            worker, part, root, version, self._chunk_stop(batch, part), first=n * per)))
+    for worker, (start, end) in zip(live, schedule.chunk_bounds(len(requests), len(live))):
+      part = requests[start:end]
+      batch.chunks.append((worker, part, self._submit(
+          worker, part, root, batch.version, self._chunk_stop(batch, part), first=start)))
     return batch
 
   @staticmethod
   def _chunk_stop(batch: _Batch, part: Sequence[GenerationRequest]) -> int | None:
-    """A chunk's share of the batch's APRIL stop (None: run it to the end)."""
-    if not batch.stop_after:
-      return None
-    return min(len(part), math.ceil(batch.stop_after * len(part) / len(batch.prompts)))
+    return schedule.chunk_stop(batch.stop_after, len(part), len(batch.prompts))
 
   def _gather(self, batch: _Batch, root: jax.Array) -> list[Rollouts]:
     """The chunks' rollouts in order; a failed or silent worker is retired and its chunk
@@ -553,8 +415,7 @@ class Controller:
     while self.step < s.total_steps:
       started = time.perf_counter()
       # Launch every batch whose sampling params exist (at most k ahead: the schedule).
-      while next_batch < s.total_steps and (
-          sampling_version(next_batch, s.staleness_j, s.staleness_k) <= self.step):
+      while schedule.launch_due(next_batch, self.step, s):
         in_flight.append(self._launch_step(next_batch))
         next_batch += 1
       metrics = self._train_step(in_flight.popleft(), queued=len(in_flight), started=started)
@@ -597,71 +458,39 @@ class Controller:
     count = s.requested_groups
     carried, self._unfinished = self._unfinished[:count], self._unfinished[count:]
     # At step ``index`` the trainer's version is at most one per step above today's.
-    version_bound = self.trainer.version + (index - self.step)
-    prompts, resumes, restarted = [], [], 0
-    for prompt, group in carried:
-      oldest = group.oldest_version
-      if oldest is not None and version_bound - oldest >= s.staleness_k:
-        resumes.append(None)  # too stale to continue: regenerate it with this batch's keys
-        restarted += 1
-      else:
-        resumes.append(group)
-      prompts.append(prompt)
-    replayed = min(len(self._replay), int(s.replay * (count - len(carried))))
+    goes_on = schedule.continue_carried([group.oldest_version for _, group in carried],
+                                        self.trainer.version + (index - self.step),
+                                        s.staleness_k)
+    # A group too stale to continue is regenerated with this batch's keys.
+    resumes = [group if go else None for (_, group), go in zip(carried, goes_on)]
+    prompts = [prompt for prompt, _ in carried]
+    replayed = schedule.replay_count(len(self._replay), s.replay, count - len(carried))
     prompts += [self._replay.popleft() for _ in range(replayed)]
     prompts += [next(self._prompts)[0] for _ in range(count - len(prompts))]
-    version = self.step_versions[sampling_version(index, s.staleness_j, s.staleness_k)]
-    batch = self._launch(index, prompts, version, s.sampling, s.group_size,
-                         self._sampling_root(index), resumes,
-                         s.stop_after_groups)
-    batch.carried, batch.restarted, batch.replayed = len(carried), restarted, replayed
-    return batch
+    version = self.step_versions[schedule.sampling_version(index, s.staleness_j,
+                                                           s.staleness_k)]
+    batch = _Batch(index=index, version=version, prompts=prompts, chunks=[],
+                   stop_after=s.stop_after_groups, carried=len(carried),
+                   restarted=goes_on.count(False), replayed=replayed)
+    return self._launch(batch, self._sampling_root(index), resumes)
 
   def _select(self, batch: _Batch, rollouts: Rollouts) -> tuple[Rollouts, dict[str, float]]:
-    """Dynamic sampling and recycling (see the module docstring); returns the groups to
-    train on, recycled groups from earlier batches first."""
-    s = self.settings
-    stats = {'rollout/filtered_groups': 0, 'rollout/recycled_groups': 0,
-             'rollout/dropped_stale_groups': 0, 'rollout/padding_groups': 0,
-             'rollout/trained_groups': len(np.unique(rollouts.group_ids))}
-    if s.oversample == 0:
-      return rollouts, stats
+    """The groups to train on (``schedule.select_groups``: dynamic sampling, recycling;
+    recycled groups from earlier batches first) and their counts; None: skip the update."""
     informative = set(rollouts.informative_groups.tolist())
     groups = []
     for g in np.unique(rollouts.group_ids):
       group = rollouts.select(rollouts.group_ids == g)
       oldest = group.oldest_version  # a continued group holds tokens older than the batch
       groups.append((batch.version if oldest is None else oldest, group, g in informative))
-    fresh, filtered = [], []
-    for version, group in self._recycled:
-      if self.trainer.version - version < s.staleness_k:
-        fresh.append((version, group))
-      else:
-        stats['rollout/dropped_stale_groups'] += 1
-    for version, group, has_signal in groups:
-      if has_signal:
-        fresh.append((version, group))
-      else:
-        filtered.append(group)
-    keep, self._recycled = fresh[:s.prompts_per_step], fresh[s.prompts_per_step:]
-    if s.short_batches == 'wait' and len(keep) < s.prompts_per_step:
-      # No update: the informative groups wait for the next batch (versions unchanged).
-      self._recycled = keep + self._recycled
-      stats.update({'rollout/recycled_groups': len(self._recycled),
-                    'rollout/trained_groups': 0, 'rollout/filtered_groups': len(filtered)})
-      return None, stats
-    # A short batch is topped up with filtered groups of this batch (there are always enough:
-    # it holds >= prompts_per_step groups), so every update has the same shape and the
-    # trainer compiles once. Under a group-mean baseline their advantages are 0. A batch
-    # with no informative group skips the update (no padding).
-    padding = filtered[:s.prompts_per_step - len(keep)] if keep else []
-    stats.update({'rollout/recycled_groups': len(self._recycled),
-                  'rollout/trained_groups': len(keep),
-                  'rollout/padding_groups': len(padding),
-                  'rollout/filtered_groups': len(filtered) - len(padding)})
-    if not keep:
-      return None, stats
-    return Rollouts.concatenate([g for _, g in keep] + padding), stats
+    selection = schedule.select_groups(groups, self._recycled, self.trainer.version,
+                                       self.settings)
+    self._recycled = selection.recycled
+    if selection.train is None:
+      return None, selection.stats
+    if self.settings.oversample == 0:  # every group, as generated
+      return rollouts, selection.stats
+    return Rollouts.concatenate(selection.train), selection.stats
 
   def _train_step(self, batch: _Batch, queued: int, started: float) -> dict[str, float]:
     """Trains on ``batch``; ``started``: when this step's launches began. Its ``time/``
@@ -750,7 +579,7 @@ class Controller:
                              sorted({int(v) for v in np.unique(trained.versions) if v >= 0})),
         'version': self.trainer.version})
     last = self.step == s.total_steps
-    if last or (s.eval_every > 0 and self.step % s.eval_every == 0):
+    if schedule.eval_due(self.step, s):
       evaluation = self.evaluate()
       self.accuracy = evaluation['eval/accuracy']
       metrics.update(evaluation)

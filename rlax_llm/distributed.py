@@ -19,6 +19,9 @@ import re
 
 import ml_collections
 
+from rlax_llm.cli import lookup
+from rlax_llm.errors import ConfigError
+
 _ADDRESS = re.compile(r'[^\s:]+:\d{1,5}')
 
 
@@ -26,24 +29,25 @@ def settings(config: ml_collections.ConfigDict) -> dict | None:
   """The ``jax.distributed.initialize`` arguments ``config`` asks for, or ``None`` (no call).
 
   Raises:
-    ValueError: inconsistent settings; the message names the key, the value and the fix.
+    ConfigError: inconsistent settings or a missing ``distributed`` key; the message names
+      the key, the value and the fix.
   """
-  group = config.get('distributed')
-  if group is None or not group.get('initialize', False):
+  if not lookup(config, 'distributed.initialize'):
     return None
-  kwargs = {k: group.get(k) for k in ('coordinator_address', 'num_processes', 'process_id')
-            if group.get(k) is not None}
+  kwargs = {k: lookup(config, f'distributed.{k}')
+            for k in ('coordinator_address', 'num_processes', 'process_id')
+            if lookup(config, f'distributed.{k}') is not None}
   n, pid = kwargs.get('num_processes'), kwargs.get('process_id')
   if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-    raise ValueError(f'config.distributed.num_processes={n!r} must be an int >= 1 (one process '
+    raise ConfigError(f'config.distributed.num_processes={n!r} must be an int >= 1 (one process '
                      'per host), or None to let JAX discover it (Cloud TPU).')
   if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int) or pid < 0
                           or (n is not None and pid >= n)):
-    raise ValueError(f'config.distributed.process_id={pid!r} must be in [0, num_processes='
+    raise ConfigError(f'config.distributed.process_id={pid!r} must be in [0, num_processes='
                      f'{n}); give each host its own index, or None to let JAX discover it.')
   address = kwargs.get('coordinator_address')
   if address is not None and not _ADDRESS.fullmatch(str(address)):
-    raise ValueError(f'config.distributed.coordinator_address={address!r} must be HOST:PORT '
+    raise ConfigError(f'config.distributed.coordinator_address={address!r} must be HOST:PORT '
                      'of process 0, reachable from every host (e.g. 10.0.0.2:8476).')
   return kwargs
 

@@ -1,155 +1,36 @@
-r"""Evaluation on a task's held-out split: greedy accuracy, mean@k and unbiased pass@k.
+r"""``python -m rlax_llm.evaluate``: evaluates a policy on a task's held-out split, no training.
 
-    python -m rlax_llm.evaluate --config=configs/smollm2.py --config.eval.samples=8 \
-        [--checkpoint=PATH] [--output=eval.jsonl]
+    python -m rlax_llm.evaluate --checkpoint=WORKDIR [--config.eval.samples=8] \
+        [--output=eval.jsonl]
+    python -m rlax_llm.evaluate --config=configs/smollm2.py --config.eval.samples=8
 
-evaluates a policy without training: the params the config loads (an HF directory or GGUF
-file at ``model.path``, or the seeded init of the tiny model), or with ``--checkpoint`` the
-params saved there (``load_policy_params``, the one function that reads a checkpoint).
+evaluates the params the config loads (an HF directory or GGUF file at ``model.path``, or the
+seeded init of the tiny model), or with ``--checkpoint`` the params saved there
+(``load_policy_params``, the one function that reads a checkpoint), and prints the metrics of
+``rlax_llm.evaluation.evaluate_policy`` as one JSON line.
 
-Metrics (the controller writes the same ones to ``metrics.jsonl`` and TensorBoard every
-``eval.every_steps`` steps and at the end, through ``evaluate_policy``):
-
-* ``eval/accuracy``: mean verifier reward of one greedy completion per held-out prompt.
-* with ``eval.samples = n > 0``, ``n`` completions per prompt drawn with the rollout sampling
-  transform: ``eval/mean@n``, the mean reward, and ``eval/pass@k`` for ``k`` in
-  ``pass_ks(n)``: the unbiased estimator of Chen et al. (2021, "Evaluating Large Language
-  Models Trained on Code", arXiv 2107.03374, eq. 1) averaged over prompts, a sample counting
-  as correct when its reward is at least ``CORRECT_REWARD``.
-
-The draws are keyed by the run's seed, so an evaluation is deterministic given the seed and
-the params.
+The config: with ``--checkpoint`` inside a run's workdir and no ``--config``, the run's own
+``config.json`` (the model, task and sampling it trained with); ``--config.KEY=VALUE``
+overrides apply to it (``--config.eval.samples=8``). With both, ``--config`` must agree with
+the run's config in what it computes (``rlax_llm.config.config_changes``: only the keys of
+``EVAL_CHANGES`` may differ), else the evaluation is refused naming the keys. Without
+``--checkpoint``, ``--config`` (default: the packaged ``configs/default.py``).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import pathlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import chex
-import jax
-import numpy as np
+import ml_collections
 
-from rlax_llm import console
-from rlax_llm.data_types import GenerationRequest, Rollouts
-from rlax_llm.sampling_spec import GREEDY, SamplingSpec
-from rlax_llm.tasks import Prompt, Task
-from rlax_llm.verifiers import score_rollouts
-
-CORRECT_REWARD = 1.0  # a sample is correct for pass@k when its reward reaches this
-_SAMPLED_STREAM = 0x5A3E  # folded into the seed key for the sampled draws
-
-
-# --------------------------------------------------------------------------- estimators
-
-
-def pass_at_k(num_samples: np.ndarray, num_correct: np.ndarray, k: int) -> np.ndarray:
-  """Unbiased pass@k per problem (Chen et al., 2021, arXiv 2107.03374, eq. 1).
-
-  ``1 - C(n - c, k) / C(n, k)``: the probability that at least one of ``k`` samples drawn
-  without replacement from the ``n`` generated is correct, computed as
-  ``1 - prod_{i = n - c + 1}^{n} (1 - k / i)`` (no huge binomials), and 1 when ``n - c < k``.
-
-  Args:
-    num_samples: int ``[P]``, samples per problem ``n >= k``.
-    num_correct: int ``[P]``, correct samples per problem, ``0 <= c <= n``.
-    k: int >= 1.
-  Returns float64 ``[P]`` in [0, 1].
-  """
-  n = np.asarray(num_samples)
-  c = np.asarray(num_correct)
-  chex.assert_rank([n, c], 1)
-  chex.assert_equal_shape([n, c])
-  if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-    raise ValueError(f'pass@k needs an int k >= 1, got {k!r}.')
-  if np.any(c < 0) or np.any(c > n):
-    raise ValueError(f'num_correct must lie in [0, num_samples]; got num_correct={c.tolist()} '
-                     f'for num_samples={n.tolist()}.')
-  if np.any(n < k):
-    raise ValueError(f'pass@{k} needs at least {k} samples per problem; got num_samples='
-                     f'{n.tolist()}. Draw more samples (eval.samples) or lower k.')
-  out = np.ones(n.shape, np.float64)
-  for p, (n_p, c_p) in enumerate(zip(n.tolist(), c.tolist())):
-    if n_p - c_p >= k:
-      out[p] = 1.0 - np.prod(1.0 - k / np.arange(n_p - c_p + 1, n_p + 1, dtype=np.float64))
-  return out
-
-
-def pass_ks(samples: int) -> list[int]:
-  """The ``k`` reported for ``samples`` draws per prompt: 1, 2, 4, ... below it, and itself."""
-  ks, k = [], 1
-  while k < samples:
-    ks.append(k)
-    k *= 2
-  return ks + [samples] if samples >= 1 else []
-
-
-def sampled_metrics(rewards: np.ndarray, group_ids: np.ndarray, samples: int
-                    ) -> dict[str, float]:
-  """``eval/mean@n`` and ``eval/pass@k`` (``k in pass_ks(n)``) of ``n = samples`` scored
-  draws per prompt.
-
-  rewards: float ``[B]``; group_ids: int ``[B]``, the prompt of each row (every prompt has
-  exactly ``samples`` rows). Per-prompt figures are averaged with equal weight per prompt.
-  """
-  rewards = np.asarray(rewards, np.float64)
-  group_ids = np.asarray(group_ids)
-  chex.assert_rank([rewards, group_ids], 1)
-  chex.assert_equal_shape([rewards, group_ids])
-  groups, index, counts = np.unique(group_ids, return_inverse=True, return_counts=True)
-  if np.any(counts != samples):
-    raise ValueError(f'every prompt needs {samples} samples; got counts {counts.tolist()}.')
-  correct = np.bincount(index, weights=rewards >= CORRECT_REWARD, minlength=len(groups))
-  means = np.bincount(index, weights=rewards, minlength=len(groups)) / counts
-  metrics = {f'eval/mean@{samples}': float(means.mean())}
-  for k in pass_ks(samples):
-    metrics[f'eval/pass@{k}'] = float(pass_at_k(counts, correct.astype(np.int64), k).mean())
-  return metrics
-
-
-# ------------------------------------------------------------------------------ harness
-
-Generate = Callable[[list[GenerationRequest], jax.Array], Rollouts]
-
-
-def evaluate_policy(task: Task, prompts: Sequence[Prompt], generate: Generate, *,
-                    sampling: SamplingSpec, samples: int, max_new_tokens: int,
-                    key: jax.Array) -> dict[str, float]:
-  """Held-out metrics of one policy (see the module docstring).
-
-  generate: ``(requests, key) -> Rollouts`` with the policy's params (an inference worker;
-    the controller routes it to a live worker).
-  sampling: the transform of the sampled draws (the rollout one); samples: draws per prompt
-    for mean@k / pass@k (0: greedy accuracy only).
-  key: the greedy pass uses it, the sampled draws ``fold_in(key, _SAMPLED_STREAM)``.
-  Returns ``eval/accuracy`` (plus ``eval/verifier_errors``) and the sampled metrics.
-  """
-  if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
-    raise ValueError(f'eval.samples={samples!r} must be an int >= 0 (0: greedy only).')
-  prompts = list(prompts)
-  if not prompts:
-    logging.warning('task %r has no held-out prompts (task.num_eval=0): eval metrics are NaN.',
-                    getattr(task, 'name', task))
-    return {'eval/accuracy': float('nan'), 'eval/verifier_errors': 0.0}
-  console.phase(f'evaluating on {len(prompts)} held-out prompts'
-                + (f' (greedy, then {samples} samples each)' if samples else ' (greedy)'))
-  greedy = score_rollouts(task, prompts, generate(
-      [GenerationRequest(p, 1, GREEDY, max_new_tokens) for p in prompts], key))
-  metrics = {'eval/accuracy': float(np.mean(greedy.rewards)),
-             'eval/verifier_errors': float(greedy.verifier_errors)}
-  if samples:
-    sampled = score_rollouts(task, prompts, generate(
-        [GenerationRequest(p, samples, sampling, max_new_tokens) for p in prompts],
-        jax.random.fold_in(key, _SAMPLED_STREAM)))
-    metrics.update(sampled_metrics(sampled.rewards, sampled.group_ids, samples))
-    metrics['eval/verifier_errors'] += sampled.verifier_errors
-  return metrics
-
+from rlax_llm import cli, console, launch_help
+from rlax_llm import config as config_lib
+from rlax_llm.errors import ConfigError, Preempted, RlaxError
 
 # ---------------------------------------------------------------------------- checkpoints
 
@@ -163,13 +44,66 @@ def load_policy_params(path: str | os.PathLike, template: Any) -> Any:
 
 # ------------------------------------------------------------------------------------ CLI
 
+# Keys an evaluation may set apart from the run it evaluates: the held-out split's size and
+# the eval knobs, besides what a resumed run may change (how it is placed and logged).
+EVAL_CHANGES = (*config_lib.RESUMABLE_CHANGES, 'eval.', 'task.num_eval')
 
-def evaluate_config(config, checkpoint: str | None = None) -> dict[str, float]:
+
+def run_workdir(checkpoint: str | os.PathLike) -> pathlib.Path | None:
+  """The run workdir ``checkpoint`` lies in (the directory holding its ``config.json``: the
+  workdir itself, ``checkpoints``, ``checkpoints/steps`` or a step directory), or None."""
+  path = pathlib.Path(checkpoint).absolute()
+  for directory in (path, *path.parents[:3]):
+    if (directory / 'config.json').is_file():
+      return directory
+  return None
+
+
+def config_for(argv: Sequence[str], checkpoint: str | None) -> ml_collections.ConfigDict:
+  """The config to evaluate with (see the module docstring), from the config arguments.
+
+  Raises:
+    ConfigError: ``--config`` differs from the run's own config in what it computes, or the
+      run's ``config.json`` cannot be read.
+    SystemExit: ``'error: ...'`` from ``rlax_llm.cli.load_config``.
+  """
+  workdir = run_workdir(checkpoint) if checkpoint else None
+  named = any(a.partition('=')[0] in ('--config', '-config') for a in argv)
+  if workdir is None:
+    if checkpoint and not named:
+      console.phase(f'no run config.json beside {checkpoint}: evaluating with the packaged '
+                    f'{cli.DEFAULT_CONFIG_PATH} (pass --config with the config the run used)')
+    return cli.load_config(argv)
+  path = workdir / 'config.json'
+  try:
+    saved = json.loads(path.read_text())
+  except (OSError, ValueError) as e:
+    raise ConfigError(f'{path} cannot be read ({e}); pass --config=PATH[:VARIANT] with the '
+                      'config the run trained with.') from None
+  if not named:
+    console.phase(f'evaluating with the run\'s own config, {path}')
+    return cli.load_config(argv, base=config_lib.saved_config(saved))
+  config = cli.load_config(argv)
+  differ = config_lib.config_changes(saved, config, EVAL_CHANGES)
+  if differ:
+    raise ConfigError(
+        f'--config={cli.config_spec(argv)} differs from the config the checkpoint\'s run '
+        f'trained with ({path}) in what it computes ({", ".join(differ[:5])}'
+        f'{", ..." if len(differ) > 5 else ""}); drop --config to evaluate with the run\'s own '
+        f'config (--config.KEY=VALUE overrides apply to it; {", ".join(EVAL_CHANGES)} may '
+        'differ).')
+  return config
+
+
+def evaluate_config(config: ml_collections.ConfigDict, checkpoint: str | None = None
+                    ) -> dict[str, float]:
   """Builds the config's task, model and one inference worker, loads ``checkpoint`` when
   given, and returns ``evaluate_policy``'s metrics on the held-out split."""
-  # pylint: disable=import-outside-toplevel
-  from rlax_llm import config as config_lib
+  # pylint: disable=import-outside-toplevel  # jax and the model code: after validation
+  import jax
+
   from rlax_llm import roles
+  from rlax_llm.evaluation import evaluate_policy
   config_lib.validate_config(config)
   task, model, params, tokenizer = roles.prepare(config)
   if checkpoint:
@@ -192,40 +126,48 @@ as one JSON line: eval/accuracy (greedy), and with --config.eval.samples=N mean@
 pass@k.
 
 flags:
-  --config=PATH[:VARIANT]  config file and optional variant (default: configs/default.py)
-  --config.KEY=VALUE       override one field, e.g. --config.task.num_eval=200
   --checkpoint=PATH        a run's workdir (its latest checkpoint) or a checkpoint directory;
                            default: the params the config loads (model.path or seeded init)
+  --config=PATH[:VARIANT]  config file and optional variant; default: with --checkpoint in a
+                           run's workdir that run's config.json, else configs/default.py
+  --config.KEY=VALUE       override one field, e.g. --config.task.num_eval=200
   --output=FILE.jsonl      also append the metrics line to this file
   -h, --help               this text"""
 
 
 def main(argv: Sequence[str]) -> None:
-  """``python -m rlax_llm.evaluate --config=PATH[:VARIANT] [--config.a.b=v] [--checkpoint=PATH]
-  [--output=FILE.jsonl]``: prints the metrics as JSON (and appends them to ``--output``)."""
-  # pylint: disable=import-outside-toplevel
-  from absl import flags
-  from ml_collections import config_flags
-  from rlax_llm import launch_help
-  from rlax_llm.errors import CheckpointError, ConfigError
-  from rlax_llm.config import (DEFAULT_CONFIG_PATH, check_config_spec,
-                               check_override_keys)
+  """``python -m rlax_llm.evaluate [--config=PATH[:VARIANT]] [--config.a.b=v]
+  [--checkpoint=PATH] [--output=FILE.jsonl]``: prints the metrics as JSON (and appends them
+  to ``--output``).
+
+  Raises:
+    SystemExit: ``'error: ...'`` (status 1) for any ``RlaxError``, with its fix.
+  """
+  from absl import flags  # pylint: disable=import-outside-toplevel
   if launch_help.wants_help(argv[1:]):  # before any flag parsing: absl does not know --help
     sys.stdout.write(f'{_USAGE}\n\n{launch_help.config_listing()}\n')
     return
-  check_override_keys(argv[1:], check_config_spec(argv[1:]))
-  holder = config_flags.DEFINE_config_file('config', str(DEFAULT_CONFIG_PATH),
-                                           'Config file, optionally with :variant.')
+  config_args, rest = cli.split_config_args(argv[1:])
+  values = flags.FlagValues()
   checkpoint = flags.DEFINE_string('checkpoint', None, 'Params to evaluate: a run\'s workdir '
                                    '(its latest checkpoint) or a checkpoint directory '
-                                   "(default: the config's own: model.path or the seeded init).")
-  output = flags.DEFINE_string('output', None, 'Also append the metrics to this JSONL file.')
-  flags.FLAGS(list(argv))
+                                   "(default: the config's own: model.path or the seeded init).",
+                                   flag_values=values)
+  output = flags.DEFINE_string('output', None, 'Also append the metrics to this JSONL file.',
+                               flag_values=values)
   try:
-    metrics = evaluate_config(holder.value, checkpoint.value)
-  except (ConfigError, ValueError, CheckpointError) as e:
+    values([argv[0], *rest])
+  except flags.Error as e:
     raise SystemExit(f'error: {e}') from None
-  record = {'config': holder.value.name, 'checkpoint': checkpoint.value, **metrics}
+  try:
+    config = config_for(config_args, checkpoint.value)
+    metrics = evaluate_config(config, checkpoint.value)
+  except Preempted as e:
+    print(e)
+    return
+  except RlaxError as e:
+    raise SystemExit(f'error: {e}') from None
+  record = {'config': config.name, 'checkpoint': checkpoint.value, **metrics}
   line = json.dumps(record, sort_keys=True)
   if output.value:
     with open(output.value, 'a', encoding='utf-8') as f:

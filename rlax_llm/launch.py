@@ -1,18 +1,23 @@
 r"""Command-line entry point: ``python -m rlax_llm.launch``.
 
-    python -m rlax_llm.launch                                  # configs/default.py
+    python -m rlax_llm.launch                                  # the packaged configs/default.py
     python -m rlax_llm.launch --config=configs/default.py:smoke --config.total_steps=10 \
         --workdir=/tmp/run1
     python -m rlax_llm.launch --help                           # configs, variants, flags
     python -m rlax_llm.launch --config=configs/smollm2.py --print_config  # resolved config
 
-``--config`` takes a config file (``path[:variant]``), ``--config.a.b=value`` overrides a
-field, ``--workdir`` is where the run writes ``config.json``, ``metrics.jsonl``,
-``summary.json``, ``ledger.jsonl``, TensorBoard events and ``checkpoints/`` (default
-``./runs/<name>-<timestamp>-<hex>``). The config is validated (``rlax_llm.config.validate_config``)
-before any compute. ``--print_config`` prints the resolved, validated config as JSON and
-exits; ``--help`` lists the configs in ``configs/`` with their variants
-(``rlax_llm.launch_help``).
+``--config`` takes a config file (``path[:variant]``; default ``rlax_llm/configs/default.py``,
+which ships in the package), ``--config.a.b=value`` overrides a field (``rlax_llm.cli`` loads
+both before absl parses the other flags), ``--workdir`` is where the run writes
+``config.json``, ``metrics.jsonl``, ``summary.json``, ``ledger.jsonl``, TensorBoard events and
+``checkpoints/`` (default ``./runs/<name>-<timestamp>-<hex>``). The config is validated
+(``rlax_llm.config.validate_config``) before any compute. ``--print_config`` prints the
+resolved, validated config as JSON (with the values a loss fills in) and exits; ``--help``
+lists the packaged configs with their variants (``rlax_llm.launch_help``).
+
+A failure the user can fix (``rlax_llm.errors.RlaxError``: a bad config, an unreadable
+checkpoint or model file, a busy workdir, a diverged run) prints one ``error: ...`` line with
+the fix and exits 1.
 
 Preemption and resume: SIGTERM or SIGINT makes the run save a checkpoint after the current
 step and exit 0; launching again with the same ``--workdir`` (and the same config; only the
@@ -29,56 +34,41 @@ import pathlib
 import sys
 import time
 
+import ml_collections
 from absl import app, flags
-from ml_collections import config_flags
 
-from rlax_llm import console
-from rlax_llm import distributed, launch_help
+from rlax_llm import cli, console, distributed, launch_help
 from rlax_llm import workdir as workdir_lib
-from rlax_llm.errors import CheckpointError, ConfigError, NonFiniteError, Preempted
-from rlax_llm.config import (DEFAULT_CONFIG_PATH, check_config_spec,
-                             check_override_keys, check_resume_config, validate_config)
+from rlax_llm.config import check_resume_config, validate_config
+from rlax_llm.errors import NonFiniteError, Preempted, RlaxError
 
 _FLAGS: dict[str, flags.FlagHolder] = {}
 
 
 def define_flags() -> None:
-  """Defines ``--config`` (with its overrides), ``--workdir`` and ``--print_config``.
-
-  ``config_flags`` reads ``sys.argv`` when the flag is defined, so this runs after
-  ``check_override_keys`` has vetted the overrides.
-  """
+  """Defines ``--workdir`` and ``--print_config`` (``--config`` is ``rlax_llm.cli``'s)."""
   if _FLAGS:
     return
-  _FLAGS['config'] = config_flags.DEFINE_config_file(
-      'config', str(DEFAULT_CONFIG_PATH), 'Config file, optionally with :variant.',
-      lock_config=True)
   _FLAGS['workdir'] = flags.DEFINE_string(
       'workdir', None, 'Run directory (default ./runs/<config name>-<timestamp>-<hex>).')
   _FLAGS['print_config'] = flags.DEFINE_bool(
       'print_config', False, 'Print the resolved, validated config as JSON and exit.')
 
 
-def main(argv) -> None:
-  del argv
-  config = _FLAGS['config'].value
-  try:
-    # Multi-host: join the other hosts before JAX sees a device (validation builds meshes
-    # over jax.devices(), after which jax.distributed.initialize refuses to run).
-    distributed.initialize(config)
-  except ValueError as e:
-    raise SystemExit(f'error: {e}') from None
-  try:
-    validate_config(config)
-  except ConfigError as e:
-    raise SystemExit(f'error: {e}') from None
+def main(config: ml_collections.ConfigDict) -> None:
+  """Validates ``config``, claims the workdir and runs (or resumes) the job.
+
+  Raises:
+    RlaxError: what the user must fix (``run_cli`` prints it as one line).
+  """
+  # Multi-host: join the other hosts before JAX sees a device (validation builds meshes
+  # over jax.devices(), after which jax.distributed.initialize refuses to run).
+  distributed.initialize(config)
+  validate_config(config)
   workdir_flag = _FLAGS['workdir'].value
   workdir = (pathlib.Path(workdir_flag) if workdir_flag
              else workdir_lib.default_workdir(config.name))
-  try:
-    claim = workdir_lib.claim(workdir)
-  except workdir_lib.WorkdirError as e:
-    raise SystemExit(f'error: {e}') from None
+  claim = workdir_lib.claim(workdir)
 
   # Model, trainer and data imports only after validation: a bad flag fails in seconds.
   # pylint: disable=import-outside-toplevel
@@ -90,12 +80,12 @@ def main(argv) -> None:
     resuming = workdir_lib.has_checkpoint(workdir)
     if resuming:
       try:
-        check_resume_config(json.loads((workdir / 'config.json').read_text()), config)
-      except ConfigError as e:
-        raise SystemExit(f'error: {e}') from None
+        saved = json.loads((workdir / 'config.json').read_text())
       except (OSError, ValueError) as e:
-        raise SystemExit(f'error: workdir {workdir} holds checkpoints but its config.json '
-                         f'cannot be read ({e}); pass a new --workdir.') from None
+        raise workdir_lib.WorkdirError(
+            f'workdir {workdir} holds checkpoints but its config.json cannot be read ({e}); '
+            'pass a new --workdir.') from None
+      check_resume_config(saved, config)
       logging.info('resuming the run in %s', workdir)
     workdir_lib.write_text_atomic(workdir / 'config.json',
                                   config.to_json_best_effort(indent=2, sort_keys=True))
@@ -107,11 +97,9 @@ def main(argv) -> None:
     except Preempted as e:
       print(f'{e} Relaunch with --workdir={workdir} to continue.')
       return
-    except (ConfigError, CheckpointError) as e:
-      raise SystemExit(f'error: {e}') from None
     except NonFiniteError as e:
-      raise SystemExit(f'error: the run diverged. {e} Metrics so far: '
-                       f'{workdir / "metrics.jsonl"}.') from None
+      raise NonFiniteError(f'the run diverged. {e} Metrics so far: '
+                           f'{workdir / "metrics.jsonl"}.') from None
   wall = time.perf_counter() - start
   if summary.get('preempted'):
     print(f'preempted after step {summary["steps"]}; checkpoint saved. Relaunch with '
@@ -123,25 +111,33 @@ def main(argv) -> None:
         f'workdir {workdir}')
 
 
-def _main_or_print_config(argv) -> None:
-  """``--print_config`` prints the resolved config and returns; otherwise ``main`` runs."""
-  if _FLAGS['print_config'].value:
-    for name in ('absl', 'jax'):  # stdout is the config; stderr stays quiet unless it fails
-      logging.getLogger(name).setLevel(logging.WARNING)
-    launch_help.print_config(_FLAGS['config'].value)
-    return
-  main(argv)
-
-
 def run_cli() -> None:
+  """``python -m rlax_llm.launch``: one ``error: ...`` line and status 1 for an ``RlaxError``;
+  status 0 when preempted (a checkpoint was saved)."""
   argv = sys.argv[1:]
   if launch_help.wants_help(argv):  # before the config loads: help works with a broken one
     sys.stdout.write(launch_help.help_text())
     raise SystemExit(0)
   console.setup_logging()
-  check_override_keys(argv, check_config_spec(argv))
+  config_args, rest = cli.split_config_args(argv)
+  config = cli.load_config(config_args)
   define_flags()
-  app.run(_main_or_print_config)
+
+  def run(argv) -> None:
+    del argv
+    try:
+      if _FLAGS['print_config'].value:
+        for name in ('absl', 'jax'):  # stdout is the config; stderr stays quiet unless it fails
+          logging.getLogger(name).setLevel(logging.WARNING)
+        launch_help.print_config(config)
+      else:
+        main(config)
+    except Preempted as e:
+      print(f'{e}')
+    except RlaxError as e:
+      raise SystemExit(f'error: {e}') from None
+
+  app.run(run, argv=[sys.argv[0], *rest])
 
 
 if __name__ == '__main__':

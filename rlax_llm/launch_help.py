@@ -1,10 +1,12 @@
 """``python -m rlax_llm.launch --help`` and ``--print_config``: what the launcher can run.
 
-``help_text`` lists the config files next to the default one (``configs/``) with the variants
-each declares in its ``VARIANTS`` tuple (``rlax_llm.config.config_variants``) and the first
-paragraph of its docstring, then the launcher's flags. ``print_config`` prints a resolved
-config (after ``--config.KEY=VALUE`` overrides) once it validates, as the JSON a run writes to
-``workdir/config.json``. Neither builds a model or compiles anything.
+``help_text`` lists the config files shipped in the package (``rlax_llm/configs/``, linked as
+``configs/`` in a checkout) with the variants each declares in its ``VARIANTS`` tuple
+(``rlax_llm.cli.config_variants``) and the first paragraph of its docstring, then the
+launcher's flags. ``print_config`` prints a resolved config (after ``--config.KEY=VALUE``
+overrides) once it validates, as JSON in the layout of ``workdir/config.json``, with the
+values the run uses in place of the placeholders a loss fills in
+(``rlax_llm.config.effective_config``). Neither builds a model or compiles anything.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from collections.abc import Sequence
 
 import ml_collections
 
-from rlax_llm.config import DEFAULT_CONFIG_PATH, ConfigError, config_variants, validate_config
+from rlax_llm.cli import CONFIG_DIR, DEFAULT_CONFIG_PATH, config_variants
+from rlax_llm.config import effective_config, validate_config
+from rlax_llm.errors import ConfigError
 
 HELP_FLAGS = ('-h', '--help', '-help')
 
@@ -31,7 +35,8 @@ names the key and the fix."""
 
 _FLAGS = """\
 flags:
-  --config=PATH[:VARIANT]  config file and optional variant (default: configs/default.py)
+  --config=PATH[:VARIANT]  config file and optional variant (default: the packaged
+                           configs/default.py)
   --config.KEY=VALUE       override one field, e.g. --config.rl.loss=dapo (after --config)
   --workdir=DIR            run directory (default: ./runs/<config name>-<timestamp>-<suffix>)
   --print_config           print the resolved, validated config as JSON and exit (no compute)
@@ -70,12 +75,20 @@ def _summary(path: pathlib.Path) -> str:
   return ' '.join(doc.split('\n\n')[0].split())
 
 
-def config_listing(directory: str | os.PathLike = DEFAULT_CONFIG_PATH.parent) -> str:
-  """One entry per ``*.py`` config in ``directory``: its path, variants and summary."""
-  paths = sorted(pathlib.Path(directory).glob('*.py'))
+def config_listing(directory: str | os.PathLike = CONFIG_DIR) -> str:
+  """One entry per ``*.py`` config in ``directory``: its path, variants and summary.
+
+  Paths are shown as ``--config`` takes them from the current directory: ``configs/X.py``
+  where ``./configs`` is the packaged directory (a checkout's link to it), else absolute.
+  """
+  directory = pathlib.Path(directory)
+  link = pathlib.Path('configs')
+  if link.is_dir() and link.resolve() == directory.resolve():
+    directory = link
+  paths = sorted(directory.glob('*.py'))
   if not paths:
     return f'configs: none found in {directory}'
-  lines = [f'configs ({_display(pathlib.Path(directory))}/; pick one with '
+  lines = [f'configs ({_display(directory)}/; pick one with '
            '--config=PATH[:VARIANT]):']
   for path in paths:
     try:
@@ -97,7 +110,7 @@ def help_text() -> str:
 
 
 def print_config(config: ml_collections.ConfigDict) -> None:
-  """Validates ``config`` and prints it as JSON (sorted keys), the ``config.json`` format.
+  """Validates ``config`` and prints its ``effective_config`` as JSON (sorted keys).
 
   Raises:
     SystemExit: ``'error: ...'`` (status 1) naming the invalid key, as a launch would.
@@ -106,4 +119,4 @@ def print_config(config: ml_collections.ConfigDict) -> None:
     validate_config(config)
   except ConfigError as e:
     raise SystemExit(f'error: {e}') from None
-  print(config.to_json_best_effort(indent=2, sort_keys=True))
+  print(effective_config(config).to_json_best_effort(indent=2, sort_keys=True))

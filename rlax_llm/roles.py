@@ -34,6 +34,7 @@ from rlax_llm.tasks import Task, make_task
 from rlax_llm.tokenization import CharTokenizer, Tokenizer, encode_prompt
 from rlax_llm.trainer.objectives import loss_totals, rl_objective, shared_prefix_scoring
 from rlax_llm.trainer.trainer import Trainer, learning_rate_schedule, make_optimizer
+from rlax_llm.trainer.warmup import supervised_warmup
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
@@ -218,6 +219,29 @@ def build_trainer(config: ml_collections.ConfigDict, model: Model, params: Param
                  reference_params=params if loss.kl_beta > 0 else None,
                  max_nonfinite_updates=rl.max_nonfinite_updates,
                  micro_batches=rl.micro_batches, totals_fn=loss_totals, check_batch=check)
+
+
+def warm_trainer(config: ml_collections.ConfigDict, task: Task, model: Model, params: Params,
+                 tokenizer: Tokenizer, mesh: jax.sharding.Mesh, checkpointer=None, stop=None
+                 ) -> tuple[Trainer, dict[str, float]]:
+  """The RL trainer (``build_trainer``) from the supervised warm-up's params, and the
+  warm-up's metrics. With ``warmup.steps > 0`` and a ``checkpointer`` the warm-up's result is
+  restored from it when it holds one, else the warm-up runs and is saved there. ``stop``:
+  the preemption event the warm-up checks between steps."""
+  w = config.warmup
+  restored = (checkpointer.restore_warmup(params)
+              if checkpointer is not None and w.steps > 0 else None)
+  if restored is not None:
+    params, metrics = restored
+    logging.info('warm-up restored from its checkpoint')
+  else:
+    params, metrics = supervised_warmup(
+        model, params, task, tokenizer, mesh, steps=w.steps, batch_size=w.batch_size,
+        learning_rate=w.learning_rate, warmup_steps=w.warmup_steps,
+        max_nonfinite_updates=config.rl.max_nonfinite_updates, stop=stop)
+    if checkpointer is not None and w.steps > 0:
+      checkpointer.save_warmup(params, metrics)
+  return build_trainer(config, model, params, mesh), metrics
 
 
 def build_checkpointer(config: ml_collections.ConfigDict, workdir):

@@ -42,8 +42,8 @@ from collections.abc import Mapping, Sequence
 
 import ml_collections
 
-from rlax_llm.config import (DEFAULT_CONFIG_PATH, ConfigError, check_config_spec,
-                             check_override_keys)
+from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config
+from rlax_llm.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 REMOTE_DIR = 'rlax_llm'  # where the checkout lands in each host's home directory
@@ -829,19 +829,7 @@ def render_rayjob(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceT
 
 def _load(spec: str, overrides: Sequence[str]) -> ml_collections.ConfigDict:
   """The config of ``--config=spec`` with ``overrides``, as ``rlax_llm.launch`` builds it."""
-  from absl import flags  # pylint: disable=import-outside-toplevel
-  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
-  argv = [f'--config={spec}', *overrides]
-  check_override_keys(argv, check_config_spec(argv))
-  values = flags.FlagValues()
-  holder = config_flags.DEFINE_config_file('config', str(DEFAULT_CONFIG_PATH), 'Config file.',
-                                           flag_values=values, lock_config=True,
-                                           sys_argv=['rlax_llm', *argv])
-  try:
-    values(['rlax_llm', *argv])
-  except flags.Error as e:
-    raise SystemExit(f'error: {e}') from None
-  return holder.value
+  return load_config([f'--config={spec}', *overrides])
 
 
 def _remote_spec(spec: str, ref: str | None, strict: bool) -> tuple[str, list[str]]:
@@ -858,9 +846,12 @@ def _remote_spec(spec: str, ref: str | None, strict: bool) -> tuple[str, list[st
     raise SliceError(f'--config={spec}: the hosts get this checkout ({ROOT}); a config '
                      f'outside it is not copied. Put the file under {ROOT / "configs"}.'
                      ) from None
+  # The path as given names the file on the hosts (configs/ links into rlax_llm/configs/).
+  given = pathlib.Path(os.path.abspath(path))
+  shown = given.relative_to(ROOT) if given.is_relative_to(ROOT) else rel
   notes = []
   if ref is None:
-    return f'{rel}{sep}{variant}', notes
+    return f'{shown}{sep}{variant}', notes
   git = shutil.which('git')
   tracked = git and subprocess.run([git, '-C', str(ROOT), 'ls-files', '--error-unmatch',
                                     str(rel)], capture_output=True, check=False).returncode == 0
@@ -876,7 +867,7 @@ def _remote_spec(spec: str, ref: str | None, strict: bool) -> tuple[str, list[st
                            check=False).stdout.strip()
     if dirty:
       notes.append(f'{ROOT} has uncommitted changes; the hosts get {ref} without them.')
-  return f'{rel}{sep}{variant}', notes
+  return f'{shown}{sep}{variant}', notes
 
 
 def _workdir_notes(workdir: str) -> list[str]:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The main job: python -m rlax_llm.launch (configs/default.py unless flags say otherwise).
+# The main job: python -m rlax_llm.launch (the packaged configs/default.py unless flags say
+# otherwise).
 # Extra arguments are passed through, e.g. scripts/run.sh --config.total_steps=10
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -4,7 +4,7 @@ import pathlib
 
 import ml_collections
 
-from rlax_llm.config import load_config_file
+from rlax_llm.cli import load_config_file
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
-from rlax_llm.config import (DEFAULT_CONFIG_PATH, REQUIRED_KEYS, ConfigError, check_config_spec,
-                             check_override_keys, check_resume_config, config_variants,
-                             load_config_file, validate_config)
+from rlax_llm.cli import (DEFAULT_CONFIG_PATH, check_config_spec, check_override_keys,
+                          config_variants, load_config_file)
+from rlax_llm.config import REQUIRED_KEYS, check_resume_config, validate_config
+from rlax_llm.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = sorted(ROOT.glob('configs/*.py'))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from rlax_llm.backends.local import build_run
-from rlax_llm.config import load_config_file
+from rlax_llm.cli import load_config_file
 from rlax_llm.metrics import read_metrics
 from rlax_llm.tasks import ArithmeticTask, Prompt
 from rlax_llm.controller import ControllerState

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from rlax_llm import distributed
-from rlax_llm.config import load_config_file
+from rlax_llm.cli import load_config_file
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -53,7 +53,8 @@ import jax
 jax.config.update('jax_platforms', 'cpu')
 jax.config.update('jax_num_cpu_devices', 2)
 from rlax_llm import distributed
-from rlax_llm.config import load_config_file, validate_config
+from rlax_llm.cli import load_config_file
+from rlax_llm.config import validate_config
 config = load_config_file(sys.argv[1])
 config.distributed.initialize = True
 config.distributed.coordinator_address = sys.argv[2]

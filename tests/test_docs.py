@@ -8,7 +8,7 @@ import re
 import ml_collections
 import pytest
 
-from rlax_llm.config import load_config_file
+from rlax_llm.cli import load_config_file
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

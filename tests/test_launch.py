@@ -145,7 +145,7 @@ def test_unknown_variant_fails(tmp_path):
 
 
 def test_help_lists_every_config_with_its_variants_and_the_flags():
-  from rlax_llm.config import config_variants  # pylint: disable=import-outside-toplevel
+  from rlax_llm.cli import config_variants  # pylint: disable=import-outside-toplevel
   result = _launch('--help', timeout=60)
   assert result.returncode == 0, result.stderr[-2000:]
   out = result.stdout
@@ -173,6 +173,10 @@ def test_print_config_prints_the_resolved_config_and_runs_nothing(tmp_path):
   assert result.returncode == 0, result.stderr[-2000:]
   config = json.loads(result.stdout)
   assert config['name'] == 'default_smoke' and config['rl']['loss'] == 'dapo'
+  # The values the run uses, not the placeholders (null) the loss fills in: DAPO's own.
+  rl = config['rl']
+  assert (rl['eps_low'], rl['eps_high'], rl['aggregation']) == (0.2, 0.28, 'token-mean')
+  assert (rl['advantage_estimator'], rl['kl_estimator']) == ('grpo', 'k3')
   assert config['total_steps'] == 7 and config['ray']['trainer_resources'] == {'TPU': 4}
   assert not workdir.exists() and result.stderr == ''
 
@@ -186,3 +190,26 @@ def test_print_config_of_an_invalid_config_fails_with_the_key(flag, message):
   result = _launch('--config=configs/default.py:smoke', flag, '--print_config', timeout=60)
   assert result.returncode != 0 and result.stdout == ''
   assert message in result.stderr and 'Traceback' not in result.stderr, result.stderr[-2000:]
+
+
+def _corrupt_gguf(tmp_path):
+  path = tmp_path / 'model.gguf'
+  path.write_bytes(b'\x00' * 64)
+  return path, 'is not a GGUF file'
+
+
+def _corrupt_hf_dir(tmp_path):
+  (tmp_path / 'hf').mkdir()
+  (tmp_path / 'hf' / 'config.json').write_text('{"model_type": "llama", ')
+  return tmp_path / 'hf', 'config.json is not valid JSON'
+
+
+@pytest.mark.parametrize('make', [_corrupt_gguf, _corrupt_hf_dir])
+def test_a_corrupt_model_file_fails_with_one_line_not_a_traceback(tmp_path, make):
+  path, message = make(tmp_path)
+  result = _launch('--config=configs/smollm2.py:smoke', f'--config.model.path={path}',
+                   f'--workdir={tmp_path}/wd', timeout=120)
+  assert result.returncode == 1, result.stderr[-2000:]
+  errors = [line for line in result.stderr.splitlines() if line.startswith('error: ')]
+  assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
+  assert 'Traceback' not in result.stderr, result.stderr[-2000:]

@@ -426,7 +426,9 @@ def test_without_dry_run_the_script_runs_the_gcloud_commands(tmp_path):
   assert calls[1][4:6] == [str(tarball), 'rlax-t:rlax_llm.tar.gz']
   listing = subprocess.run(['tar', 'tzf', str(tarball)], capture_output=True, text=True,
                            check=True).stdout.split()
-  assert 'rlax_llm/launch/host_setup.sh' in listing and 'rlax_llm/configs/default.py' in listing
+  assert 'rlax_llm/launch/host_setup.sh' in listing
+  # The configs ship in the package; configs/ links there, so the hosts' --config=configs/...
+  assert 'rlax_llm/rlax_llm/configs/default.py' in listing and 'rlax_llm/configs' in listing
   (command,) = [a for a in calls[3] if a.startswith('--command=')]
   assert command == ('--command=cd rlax_llm && .venv/bin/python -m rlax_llm.launch '
                      '--config=configs/default.py:smoke --workdir=gs://b/r')

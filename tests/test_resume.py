@@ -23,7 +23,7 @@ import pytest
 
 from rlax_llm.backends import local as local_backend
 from rlax_llm.errors import Preempted
-from rlax_llm.config import load_config_file
+from rlax_llm.cli import load_config_file
 from rlax_llm.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -10,7 +10,9 @@ import time
 import pytest
 
 from rlax_llm import roles
-from rlax_llm.config import ConfigError, load_config_file, validate_config
+from rlax_llm.cli import load_config_file
+from rlax_llm.config import validate_config
+from rlax_llm.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NAN, INF = float('nan'), float('inf')
@@ -45,6 +47,9 @@ BAD = [
     ('rl.kl_beta', NAN, 'config.rl.kl_beta=nan'),
     ('rl.m2po_tau', 0.0, 'config.rl.m2po_tau=0.0'),
     ('rl.group_size', 0, 'config.rl.group_size=0 must be an int >= 1'),
+    ('rl.group_size', 1, "config.rl.group_size=1 with the 'grpo' advantage estimator "
+     "(rl.loss='grpo'): it compares each sample with the others of its group, so a group of "
+     'one gets advantage 0 and the run would train nothing. Set rl.group_size >= 2'),
     ('rl.prompts_per_step', 3, "config.mesh.trainer: the batch axis is split over data x fsdp"),
     ('rl.prompts_per_step', 2**22, 'the rollout batch needs about'),
     ('rl.max_nonfinite_updates', 0, 'config.rl.max_nonfinite_updates=0'),
@@ -56,7 +61,7 @@ BAD = [
      "['arithmetic', 'countdown', 'math', 'python']"),
     ('task.max_operand', -1, 'config.task: ArithmeticTask max_operand must be >= 0, got -1'),
     ('task.format', 'chat', 'config.task.format=\'chat\' prompts are chat messages'),
-    ('task.answer_format', 'fuzzy', "config.task: answer_format='fuzzy'"),
+    ('task.answer_format', 'fuzzy', "config.task: ArithmeticTask answer_format='fuzzy'"),
     ('staleness.k', 0, 'config.staleness.k=0 must be an int >= 1'),
     ('staleness.j', 4, 'config.staleness (j, k) = (4, 1): j must be <= k'),
     ('rollout.oversample', 5.0, 'config.rollout.oversample=5.0 must be in [0, 4]'),
@@ -66,7 +71,6 @@ BAD = [
      'int in [rl.prompts_per_step, groups requested per batch] = [4, 4]'),
     ('rollout.stop_after_groups', -1, 'config.rollout.stop_after_groups=-1 must be an int >= 0'),
     ('rollout.workers', 0, 'config.rollout.workers=0 must be an int >= 1'),
-    ('rollout.fault.kind', 'explode', "config.rollout.fault.kind='explode' is not valid"),
     ('rollout.on_swap', 'later', "config.rollout.on_swap='later' is not valid"),
     ('rollout.short_batches', 'drop', "config.rollout.short_batches='drop' is not valid"),
     ('backend', 'slurm', "config.backend='slurm' is not valid"),
@@ -164,4 +168,24 @@ def test_mismatch_needs_recompute():
   config.rl.old_logprobs = 'recompute'
   config.rl.mismatch.level = 'row'
   with pytest.raises(ConfigError, match=r"config.rl.mismatch.level='row' is not valid"):
+    validate_config(config)
+
+
+@pytest.mark.parametrize('loss, estimator, refused', [
+    ('grpo', None, True), ('rloo', None, True), ('drgrpo', None, True), ('dapo', None, True),
+    ('grpo', 'median', True), ('grpo', 'gdpo', True), ('grpo', 'reinforce_pp', True),
+    ('reinforce', None, False), ('grpo', 'reinforce', False), ('grpo', 'w_reinforce', False),
+])
+def test_group_size_one_is_refused_for_group_baselines_only(loss, estimator, refused):
+  """A group of one has no baseline: every group-relative advantage is 0 (nothing trains);
+  the estimators without a group baseline still learn from it."""
+  config = _smoke()
+  config.rl.loss, config.rl.advantage_estimator, config.rl.group_size = loss, estimator, 1
+  config.rl.prompts_per_step = 8  # the batch still splits over the test's 8 devices
+  if not refused:
+    validate_config(config)
+    return
+  with pytest.raises(ConfigError, match=r"config.rl.group_size=1 with the '\w+' advantage "
+                                        r'estimator.*advantage_estimator in \[.reinforce., '
+                                        r'.w_reinforce.\]'):
     validate_config(config)

@@ -21,19 +21,15 @@ import contextlib
 import json
 import os
 import pathlib
-import time
 from collections.abc import Iterator
 from typing import Any
 
+import jax
 import ml_collections
 import numpy as np
 
-from rlax_llm import config as config_lib
 from rlax_llm import roles
-from rlax_llm.backends.local import Run, parse_fault
-from rlax_llm.controller import Controller
-from rlax_llm.metrics import MetricsWriter
-from rlax_llm.paramserver import ParameterServer
+from rlax_llm.backends.assembly import Run, assemble
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -54,18 +50,10 @@ class TrainerRole:
   """The trainer actor: runs the warm-up, then RL updates, on this host's devices."""
 
   def __init__(self, payload: str):
-    import jax  # pylint: disable=import-outside-toplevel
-    from rlax_llm.trainer.warmup import supervised_warmup  # pylint: disable=import-outside-toplevel
     config = _config_from(payload)
     task, model, params, tokenizer = roles.prepare(config)
-    mesh = roles.meshes(config)['trainer']
-    w = config.warmup
-    params, self.warmup_metrics = supervised_warmup(
-        model, params, task, tokenizer, mesh, steps=w.steps, batch_size=w.batch_size,
-        learning_rate=w.learning_rate, warmup_steps=w.warmup_steps,
-        max_nonfinite_updates=config.rl.max_nonfinite_updates)
-    self.trainer = roles.build_trainer(config, model, params, mesh)
-    self.devices = str(jax.devices())
+    self.trainer, self.warmup_metrics = roles.warm_trainer(
+        config, task, model, params, tokenizer, roles.meshes(config)['trainer'])
 
   def warmup(self) -> dict[str, float]:
     return self.warmup_metrics
@@ -77,6 +65,11 @@ class TrainerRole:
   def host_params(self):
     return self.trainer.host_params()
 
+  def state(self):
+    """``(params, opt_state, counters)`` as host arrays (what a checkpoint stores)."""
+    return (*jax.device_get((self.trainer.params, self.trainer.opt_state)),
+            self.trainer.counters())
+
 
 class WorkerRole:
   """An inference worker actor."""
@@ -87,16 +80,8 @@ class WorkerRole:
     model, _, tokenizer = roles.build_model(config, task)
     mesh = roles.meshes(config)['inference'][index]
     self.worker = roles.build_worker(config, model, tokenizer, mesh)
-    self.fault = parse_fault(config, index)
-    self.calls = 0
 
   def generate(self, requests, rng_data: np.ndarray, update=None, stop_after=None, first=0):
-    import jax  # pylint: disable=import-outside-toplevel
-    self.calls += 1
-    if self.fault is not None and self.calls >= self.fault.call:
-      if self.fault.kind == 'hang':
-        time.sleep(10**6)
-      os._exit(1)  # a real process death
     if update is not None:
       self.worker.apply_update(update)
     return self.worker.generate(requests, jax.random.wrap_key_data(rng_data), stop_after,
@@ -135,6 +120,10 @@ class RayTrainer:
   def host_params(self) -> RayFuture:
     return RayFuture(self.actor.host_params.remote())
 
+  def state(self) -> RayFuture:
+    """``(params, opt_state, counters)`` fetched from the actor (host arrays)."""
+    return RayFuture(self.actor.state.remote())
+
 
 class RayWorker:
   """``WorkerHandle`` over a worker actor."""
@@ -171,10 +160,10 @@ def init_ray(config: ml_collections.ConfigDict) -> bool:
 
 @contextlib.contextmanager
 def build_run(config: ml_collections.ConfigDict, workdir, stop=None) -> Iterator[Run]:
-  """Builds the roles as Ray actors and the controller in this process. (No checkpoints
-  yet on this backend: ``rlax_llm.config`` refuses ``checkpoint.*`` with ``backend='ray'``.)"""
+  """Builds the roles as Ray actors and assembles the run in this process
+  (``assembly.assemble``). (No checkpoints yet on this backend: ``rlax_llm.config`` refuses
+  ``checkpoint.*`` with ``backend='ray'``.)"""
   ray = _ray()
-  settings = config_lib.controller_settings(config)
   task = roles.build_task(config)
   started = init_ray(config)
   payload = json.dumps(config.to_dict())
@@ -185,15 +174,13 @@ def build_run(config: ml_collections.ConfigDict, workdir, stop=None) -> Iterator
   worker_actors = [worker_cls.remote(payload, n) for n in range(config.rollout.workers)]
   try:
     warmup_metrics = ray.get(trainer_actor.warmup.remote())
-    workers = [RayWorker(actor) for actor in worker_actors]
-    server = ParameterServer(keep=config.staleness.k + 2)
-    with MetricsWriter.from_config(workdir, config) as writer:
-      yield Run(Controller(settings, task, RayTrainer(trainer_actor), workers, server, writer,
-                           stop=stop), writer, warmup_metrics)
+    with assemble(config, workdir, task, RayTrainer(trainer_actor),
+                  [RayWorker(actor) for actor in worker_actors], warmup_metrics,
+                  stop=stop) as run:
+      yield run
   finally:
     for actor in [trainer_actor, *worker_actors]:
       with contextlib.suppress(Exception):
         ray.kill(actor)
     if started:
       ray.shutdown()
-

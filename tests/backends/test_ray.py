@@ -2,6 +2,8 @@
 The same seed gives the same metrics as the local backend; a worker process that dies is
 replaced and the run completes."""
 
+import jax
+import numpy as np
 import pytest
 
 ray = pytest.importorskip('ray')
@@ -32,22 +34,54 @@ def cluster():
     ray.shutdown()
 
 
-def execute(config, workdir):
+def execute(config, workdir, wrap=None, state=None):
+  """Runs ``config``; ``wrap(controller)`` may replace role handles (e.g. inject faults);
+  ``state``: a list that receives the trainer's ``state()`` after the run."""
   with build_run(config, workdir) as run:
+    if wrap is not None:
+      wrap(run.controller)
     summary = run.execute()
+    if state is not None:
+      state.append(run.controller.trainer.state().result())
   return summary, read_metrics(workdir / 'metrics.jsonl')
 
 
 def test_ray_and_local_give_the_same_run(cluster, tmp_path):
-  _, ray_rows = execute(smoke('ray'), tmp_path / 'ray')
-  _, local_rows = execute(smoke('local'), tmp_path / 'local')
+  states = []
+  _, ray_rows = execute(smoke('ray'), tmp_path / 'ray', state=states)
+  _, local_rows = execute(smoke('local'), tmp_path / 'local', state=states)
   assert strip(ray_rows) == strip(local_rows)
   assert max(r['staleness/max'] for r in ray_rows) <= 7
+  # The Ray trainer's state() (the TrainerHandle protocol) is the local one's: params,
+  # optimizer state and counters, fetched from the actor.
+  (ray_params, ray_opt, ray_counters), (params, opt, counters) = states
+  assert ray_counters == counters and counters['version'] == ray_rows[-1]['version']
+  for a, b in zip(jax.tree.leaves((ray_params, ray_opt)), jax.tree.leaves((params, opt)),
+                  strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+class KilledAtCall:
+  """A worker handle whose actor process is killed just before its ``call``-th ``generate``
+  call (a real process death: the call's result never comes)."""
+
+  def __init__(self, handle, call):
+    self._handle, self._call, self._calls = handle, call, 0
+
+  def __getattr__(self, name):
+    return getattr(self._handle, name)
+
+  def generate(self, *args, **kwargs):
+    self._calls += 1
+    if self._calls == self._call:
+      ray.kill(self._handle.actor, no_restart=True)
+    return self._handle.generate(*args, **kwargs)
 
 
 def test_a_dead_worker_process_is_replaced(cluster, tmp_path):
-  summary, rows = execute(smoke('ray', rollout__workers=2, rollout__fault__worker=1,
-                                rollout__fault__call=2, rollout__fault__kind='die'), tmp_path)
+  def fault(controller):
+    controller.workers[1] = KilledAtCall(controller.workers[1], 2)
+  summary, rows = execute(smoke('ray', rollout__workers=2), tmp_path, wrap=fault)
   assert summary['workers/lost'] == 1 and len(rows) == 6
   assert 'inference worker 1 was lost' in summary['events'][0]
 

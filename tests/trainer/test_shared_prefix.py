@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from rlax_llm import config as config_lib
+from rlax_llm.cli import load_config_file
 from rlax_llm import roles
 from rlax_llm.losses import LOSSES, LossConfig
 from rlax_llm.models.decoder import DecoderConfig
@@ -184,7 +184,7 @@ def test_batches_it_cannot_score_are_refused_before_compute():
 
 @pytest.mark.parametrize('micro_batches,share', [(1, 8), (4, 2), (3, 1)])
 def test_the_config_key_builds_the_shared_objective(micro_batches, share):
-  config = config_lib.load_config_file(str(ROOT / 'configs' / 'default.py'))
+  config = load_config_file(str(ROOT / 'configs' / 'default.py'))
   config.rl.shared_prefix = True
   config.rl.micro_batches = micro_batches
   config.rl.prompts_per_step = 3 if micro_batches == 3 else 4

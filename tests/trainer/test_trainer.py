@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from rlax_llm import roles
-from rlax_llm.config import load_config_file
+from rlax_llm.cli import load_config_file
 from rlax_llm.data_types import TrainBatch
 from rlax_llm.losses import LossConfig
 from rlax_llm.models.decoder import DecoderConfig

@@ -18,13 +18,15 @@ benchmarks/RESULTS.md were measured with.
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config_file
+
 VARIANTS = ('smoke', 'add3', 'countdown')
 
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
+  # The packaged default config (the schema, with every key's meaning); what differs follows.
+  c = load_config_file(str(DEFAULT_CONFIG_PATH))
   c.name = 'smollm2'
-  c.seed = 0
   c.total_steps = 240
 
   c.model = ml_collections.ConfigDict(dict(
@@ -40,64 +42,14 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       format='chat', system_prompt=placeholder(str),
       instruction='What is {a} + {b}? Reply with just the number.', answer_format='strict',
   ))
-  c.warmup = ml_collections.ConfigDict(dict(
-      steps=0, batch_size=8, learning_rate=1e-5, warmup_steps=0,
-  ))
-  c.rl = ml_collections.ConfigDict(dict(
-      loss='grpo', group_size=8, prompts_per_step=4, learning_rate=1e-5,
-      lr_decay_steps=176,
-      max_grad_norm=1.0, weight_decay=0.0, max_nonfinite_updates=3,
-      micro_batches=1, logprob_chunk=0, shared_prefix=True,
-      advantage_estimator=placeholder(str), eps_low=placeholder(float),
-      eps_high=placeholder(float), aggregation=placeholder(str),
-      kl_beta=0.0, kl_estimator=placeholder(str),
-      m2po_tau=0.04, m2po_variant='paper', old_logprobs='behaviour',
-      mismatch=ml_collections.ConfigDict(dict(
-          enabled=False, level='token', mode='truncate', threshold=2.0,
-          veto_threshold=placeholder(float))),
-  ))
-  c.sampling = ml_collections.ConfigDict(dict(
-      temperature=0.7, top_k=0, top_p=1.0, max_prompt_len=48, max_new_tokens=16,
-  ))
-  # Inference: workers, KV-cache slots each (concurrent sequences), what a weight swap does to
-  # sequences in flight ('continue', PipelineRL; 'discard' and regenerate, RLAX); dynamic
-  # sampling (oversample > 0: ask for that many more prompts, drop groups with equal rewards,
-  # recycle the surplus; short_batches: a batch left with fewer informative groups than
-  # prompts_per_step is topped up with filtered ones, 'pad', or skips its update and keeps
-  # them for the next batch, 'wait'); stop_after_groups (APRIL, > 0: stop a batch's
-  # generation once that many groups finished, continue the unfinished ones in the next
-  # batch; 0: off); replay (> 0: that fraction of each batch's new prompts is re-asked
-  # from a pool of prompts whose last group had unequal rewards; 0: off); how long a silent
-  # worker is waited for before its requests go to another; fault: a test knob making
-  # worker `worker` 'die' or 'hang' at its `call`-th call.
-  c.rollout = ml_collections.ConfigDict(dict(
-      workers=1, slots=128, on_swap='continue', oversample=3.0,
-      short_batches='wait', stop_after_groups=0, replay=0.0,
-      worker_timeout_s=600.0,
-      fault=ml_collections.ConfigDict(dict(worker=-1, call=0, kind='none'))))
-  c.staleness = ml_collections.ConfigDict(dict(j=1, k=1))
-  # Where roles run: 'local' (this process; local.concurrent: each role on its own thread,
-  # False runs every call inline, the synchronous reference) or 'ray' (one actor per role).
-  c.backend = 'local'
-  c.local = ml_collections.ConfigDict(dict(concurrent=True))
-  # ray: 'local' starts a private cluster on loopback; else the address of a running one.
-  # Resources each actor asks for, e.g. {'TPU': 4} to put roles on separate TPU hosts.
-  c.ray = ml_collections.ConfigDict(dict(
-      address='local', num_cpus=0, trainer_resources=ml_collections.ConfigDict(),
-      worker_resources=ml_collections.ConfigDict()))
-  c.checkpoint = ml_collections.ConfigDict(dict(
-      every_steps=25, every_seconds=600.0, keep=2, async_save=True))
-  c.distributed = ml_collections.ConfigDict(dict(
-      initialize=False, coordinator_address=placeholder(str), num_processes=placeholder(int),
-      process_id=placeholder(int)))
-  c.eval = ml_collections.ConfigDict(dict(every_steps=10, samples=0))  # samples: pass@k draws
-  c.mesh = ml_collections.ConfigDict(dict(
-      trainer=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)),
-      inference=ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)),
-      disjoint=False,  # True: the trainer takes the first devices, each worker the next ones
-  ))
-  # text_every: sampled completions as TensorBoard text (tag 'samples') every N steps; 0 = off.
-  c.log = ml_collections.ConfigDict(dict(console_every=1, tensorboard=True, text_every=10))
+  c.warmup.update(dict(steps=0, batch_size=8, learning_rate=1e-5, warmup_steps=0))
+  c.rl.update(dict(prompts_per_step=4, learning_rate=1e-5, lr_decay_steps=176,
+                   shared_prefix=True))
+  c.sampling.update(dict(temperature=0.7, max_prompt_len=48, max_new_tokens=16))
+  c.rollout.update(dict(slots=128, oversample=3.0, short_batches='wait'))
+  c.checkpoint.update(dict(every_steps=25, keep=2))
+  c.eval.every_steps = 10
+  del c['reward']  # the task's reward alone
 
   if variant == 'smoke':
     c.name = 'smollm2_smoke'

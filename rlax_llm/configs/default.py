@@ -2,7 +2,9 @@
 
 Runs on a laptop CPU in minutes: a short supervised warm-up on synthetic problems gives the
 model partial competence (the RL starting point), then synchronous on-policy GRPO raises its
-held-out greedy accuracy. Variants (``--config=configs/default.py:VARIANT``):
+held-out greedy accuracy. It ships in the package and is the config schema: every config
+has its keys (``rlax_llm.config``; docs/config.md).
+Variants (``--config=configs/default.py:VARIANT``):
   smoke: a few steps of everything, for tests and for checking an install (seconds). Its
     warm-up and 1-digit task give mixed rewards, so every RL step updates the weights (a
     run whose rewards were all equal would check nothing past the warm-up).
@@ -75,13 +77,11 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # generation once that many groups finished, continue the unfinished ones in the next
   # batch; 0: off); replay (> 0: that fraction of each batch's new prompts is re-asked
   # from a pool of prompts whose last group had unequal rewards; 0: off); how long a silent
-  # worker is waited for before its requests go to another; fault: a test knob making
-  # worker `worker` 'die' or 'hang' at its `call`-th call.
+  # worker is waited for before its requests go to another.
   c.rollout = ml_collections.ConfigDict(dict(
       workers=1, slots=256, on_swap='continue', oversample=0.0,
       short_batches='pad', stop_after_groups=0, replay=0.0,
-      worker_timeout_s=600.0,
-      fault=ml_collections.ConfigDict(dict(worker=-1, call=0, kind='none'))))
+      worker_timeout_s=600.0))
   # RLAX staleness: j = inference reload threshold, k = trainer acceptance window.
   c.staleness = ml_collections.ConfigDict(dict(j=1, k=1))
   # Where roles run: 'local' (this process; local.concurrent: each role on its own thread,
@@ -105,7 +105,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       process_id=placeholder(int)))
   # Held-out evaluation every `every_steps` RL steps and at the end: greedy accuracy, and with
   # samples = n > 0 also mean@n and unbiased pass@k (k = 1, 2, 4, ..., n) of n draws per prompt
-  # with the rollout sampling transform (rlax_llm/evaluate.py).
+  # with the rollout sampling transform (rlax_llm/evaluation.py).
   c.eval = ml_collections.ConfigDict(dict(every_steps=50, samples=0))
   # Reward shaping (rlax_llm/rewards.py, docs/tasks.md): named components {weight, kind
   # (default: the name), parameters}; the weighted sum is trained on and each component is

@@ -1,0 +1,268 @@
+"""The command-line boundary: config files, their variants and ``--config.KEY=VALUE`` overrides.
+
+Every entry point (``python -m rlax_llm.launch``, ``python -m rlax_llm.evaluate``, the Cloud
+TPU tooling in ``launch/``) turns its command line into a config here, before absl parses
+its own flags and before anything imports JAX: a missing file, a syntax error, an unknown
+variant, a misspelled key or a value of the wrong type fails in a second with one line.
+
+* ``load_config_file('path[:variant]')``: runs the file's ``get_config(variant)``.
+* ``load_config(argv)``: the ``--config`` file of ``argv`` (or the packaged default) with its
+  overrides applied, as a locked ``ConfigDict``; ``split_config_args`` separates those
+  arguments from the entry point's own flags.
+
+The config files ship inside the package (``rlax_llm/configs/``, ``DEFAULT_CONFIG_PATH``);
+the repository's ``configs/`` is a link to that directory, so ``--config=configs/X.py``
+works from a checkout and an installed wheel finds the same files.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.machinery
+import importlib.util
+import os
+import pathlib
+import traceback
+from collections.abc import Sequence
+
+import ml_collections
+
+from rlax_llm.errors import ConfigError
+
+CONFIG_DIR = pathlib.Path(__file__).resolve().parent / 'configs'
+DEFAULT_CONFIG_PATH = CONFIG_DIR / 'default.py'
+
+
+def lookup(config: ml_collections.ConfigDict, dotted: str):
+  """``config.a.b`` for ``dotted='a.b'``; ``ConfigError`` naming the missing field."""
+  node = config
+  for i, part in enumerate(dotted.split('.')):
+    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+      parent = '.'.join(dotted.split('.')[:i]) or '<root>'
+      valid = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+      raise ConfigError(f'config key {dotted!r} is missing: {parent!r} has no field {part!r}'
+                        f' (fields there: {valid}).')
+    node = node[part]
+  return node
+
+
+def flat_keys(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:
+  """Every dotted key of ``config``, groups (``'rl'``) and leaves (``'rl.loss'``)."""
+  keys = []
+  for key, value in config.items():
+    name = f'{prefix}{key}'
+    keys.append(name)
+    if isinstance(value, ml_collections.ConfigDict):
+      keys.extend(flat_keys(value, name + '.'))
+  return keys
+
+
+def _where(error: BaseException, path: str) -> str:
+  """' (configs/x.py, line 12)': the innermost frame of ``error`` in ``path`` (else anywhere)."""
+  frames = traceback.extract_tb(error.__traceback__)
+  ours = [f for f in frames if os.path.realpath(f.filename) == os.path.realpath(path)]
+  frame = (ours or frames or [None])[-1]
+  if frame is None:
+    return ''
+  name = path if ours else frame.filename
+  return f' ({name}, line {frame.lineno})'
+
+
+def _describe(error: BaseException) -> str:
+  """'ValueError: message' on one line."""
+  text = str(error).strip().replace('\n', ' ')
+  return f'{type(error).__name__}: {text}' if text else type(error).__name__
+
+
+def config_variants(path: str | os.PathLike) -> tuple[str, ...]:
+  """The named variants a config file declares in its module-level ``VARIANTS`` tuple."""
+  module_spec = importlib.util.spec_from_file_location('_rlax_llm_config_variants', path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return tuple(getattr(module, 'VARIANTS', ()))
+
+
+def load_config_file(spec: str) -> ml_collections.ConfigDict:
+  """Loads ``path[:variant]`` the way ``config_flags`` does (``get_config(variant)``).
+
+  Like ``config_flags``, everything after the first ``:`` is the variant, passed to
+  ``get_config`` (``path:`` passes ``''``); without a ``:`` it calls ``get_config()``.
+
+  Raises:
+    ConfigError: the file does not exist, does not import (the message names the file and
+      line), has no ``get_config``, ``get_config`` raises (for a variant: the file has no such
+      variant) or returns something other than a ``ConfigDict``.
+  """
+  path, sep, variant = spec.partition(':')
+  if not path:
+    raise ConfigError(f'config spec {spec!r} names no file; pass --config=PATH[:VARIANT], '
+                      'e.g. --config=configs/default.py:smoke.')
+  file = pathlib.Path(path)
+  if not file.exists():
+    raise ConfigError(f'config file {path!r} does not exist (relative paths are read from '
+                      f'{os.getcwd()}); pass --config=PATH[:VARIANT] naming an existing file.')
+  if not file.is_file():
+    raise ConfigError(f'config file {path!r} is not a file; pass --config=PATH[:VARIANT] '
+                      'naming a Python file that defines get_config.')
+  loader = importlib.machinery.SourceFileLoader('_rlax_llm_config', path)
+  module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+  try:
+    loader.exec_module(module)
+  except SyntaxError as e:
+    where = path if os.path.realpath(e.filename or path) == os.path.realpath(path) else e.filename
+    text = f' ({e.text.strip()!r})' if e.text and e.text.strip() else ''
+    raise ConfigError(f'config file {path} does not import: {type(e).__name__} at line '
+                      f'{e.lineno} of {where}: {e.msg}{text}. Fix that line.') from e
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    raise ConfigError(f'config file {path} does not import: {_describe(e)}'
+                      f'{_where(e, path)}.') from e
+  get_config = getattr(module, 'get_config', None)
+  if not callable(get_config):
+    raise ConfigError(f'config file {path} has no get_config(); a config file must define '
+                      'get_config(variant=None) returning an ml_collections.ConfigDict.')
+  call = f'get_config({variant!r})' if sep else 'get_config()'
+  try:
+    config = get_config(variant) if sep else get_config()
+  except (ValueError, KeyError, TypeError) as e:
+    if not sep:
+      raise ConfigError(f'{call} in {path} raised {_describe(e)}{_where(e, path)}.') from e
+    raise ConfigError(f'{path} has no variant {variant!r} ({_describe(e)})') from e
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    raise ConfigError(f'{call} in {path} raised {_describe(e)}{_where(e, path)}.') from e
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ConfigError(f'{call} in {path} returned {type(config).__name__}, not an '
+                      'ml_collections.ConfigDict; make it return the config.')
+  return config
+
+
+def config_spec(argv: Sequence[str]) -> str:
+  """The ``--config`` value in ``argv`` (the last one, as absl takes), or the default file."""
+  spec = str(DEFAULT_CONFIG_PATH)
+  for i, arg in enumerate(argv):
+    if arg == '--':
+      break
+    flag, eq, value = arg.partition('=')
+    if flag in ('--config', '-config'):
+      if eq:
+        spec = value
+      elif i + 1 < len(argv):
+        spec = argv[i + 1]
+  return spec
+
+
+def check_config_spec(argv: Sequence[str]) -> ml_collections.ConfigDict:
+  """Loads the ``--config=path[:variant]`` file named in ``argv`` (or the default) once.
+
+  Runs before absl parses flags, so a bad config file fails with one line instead of
+  ``config_flags``' traceback or a misleading "'seed' is missing".
+
+  Returns:
+    The loaded config (pass it to ``check_override_keys``).
+
+  Raises:
+    SystemExit: ``'error: ...'`` when ``load_config_file`` fails (see there).
+  """
+  try:
+    return load_config_file(config_spec(argv))
+  except ConfigError as e:
+    raise SystemExit(f'error: {e}') from None
+
+
+def check_override_keys(argv: Sequence[str],
+                        config: ml_collections.ConfigDict | None = None) -> None:
+  """Exits with a clear message if a ``--config.KEY=...`` flag names no config field.
+
+  Args:
+    argv: the command line without the program name.
+    config: the ``--config`` file's config as ``check_config_spec(argv)`` returns it; loaded
+      (and checked) here when ``None`` and there are overrides.
+  """
+  overrides = [a[len('--config.'):].split('=', 1) for a in argv if a.startswith('--config.')]
+  if not overrides:
+    return
+  if config is None:
+    config = check_config_spec(argv)
+  valid = flat_keys(config)
+  for key, *value in overrides:
+    if key in valid and value:
+      _check_override_type(key, lookup(config, key), value[0])
+    if key not in valid:
+      close = difflib.get_close_matches(key, valid, n=3)
+      parent = key.rpartition('.')[0]
+      siblings = [k.rpartition('.')[2] for k in valid if k.rpartition('.')[0] == parent]
+      hint = f' Did you mean {" or ".join(close)}?' if close else ''
+      raise SystemExit(f'error: --config.{key}: unknown config key {key!r}.{hint} '
+                       f'Valid keys under {parent or "<root>"!r}: {sorted(siblings)}.')
+
+
+def _check_override_type(key: str, current, text: str) -> None:
+  """Exits if ``text`` cannot become the type of the field's current value."""
+  kind = type(current)
+  if kind is bool:
+    ok = text.lower() in ('true', 'false', '1', '0')
+  elif kind in (int, float):
+    try:
+      kind(text)
+      ok = True
+    except ValueError:
+      ok = False
+  else:
+    return  # strings, None and nested values are parsed by config_flags itself
+  if not ok:
+    raise SystemExit(f'error: --config.{key}={text!r}: expected type {kind.__name__} '
+                     f'(the default is {current!r}).')
+
+
+def split_config_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+  """``(config arguments, the rest)`` of ``argv`` (without the program name), order kept.
+
+  Config arguments are ``--config=SPEC`` / ``--config SPEC`` and ``--config.KEY=VALUE``;
+  everything from a ``--`` on belongs to the rest.
+  """
+  ours, rest = [], []
+  args = iter(enumerate(argv))
+  for i, arg in args:
+    if arg == '--':
+      rest.extend(argv[i:])
+      break
+    if arg in ('--config', '-config') and i + 1 < len(argv):
+      ours.extend((arg, next(args)[1]))
+    elif arg.partition('=')[0] in ('--config', '-config') or arg.startswith('--config.'):
+      ours.append(arg)
+    else:
+      rest.append(arg)
+  return ours, rest
+
+
+def load_config(argv: Sequence[str], base: ml_collections.ConfigDict | None = None
+                ) -> ml_collections.ConfigDict:
+  """The config ``argv``'s config arguments describe, overrides applied, locked.
+
+  Args:
+    argv: config arguments (``split_config_args``): ``--config=path[:variant]`` (default:
+      ``DEFAULT_CONFIG_PATH``) and ``--config.KEY=VALUE`` overrides.
+    base: start from this config instead of a file (``argv`` then names no ``--config``
+      file, only overrides): a run's own ``config.json`` (``rlax_llm.config.saved_config``).
+
+  Raises:
+    SystemExit: ``'error: ...'``: the file cannot be loaded, an override names no field or
+      its value does not parse.
+  """
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  argv = list(argv)
+  check_override_keys(argv, base if base is not None else check_config_spec(argv))
+  values = flags.FlagValues()
+  if base is None:
+    holder = config_flags.DEFINE_config_file(
+        'config', str(DEFAULT_CONFIG_PATH), 'Config file.', flag_values=values,
+        lock_config=True, sys_argv=['rlax_llm', *argv])
+  else:
+    holder = config_flags.DEFINE_config_dict('config', base, 'Config.', flag_values=values,
+                                             lock_config=True, sys_argv=['rlax_llm', *argv])
+  try:
+    values(['rlax_llm', *argv])
+  except flags.Error as e:
+    raise SystemExit(f'error: {e}') from None
+  return holder.value
+

@@ -1,0 +1,87 @@
+"""The command-line boundary (rlax_llm/cli.py): jax-free, one loader for every entry point, the
+packaged configs, and a run's saved config.json read back with its types."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from rlax_llm import cli
+from rlax_llm.config import config_changes, saved_config, validate_config
+from rlax_llm.errors import ConfigError
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize('module', ['rlax_llm.config', 'rlax_llm.cli'])
+def test_importing_the_config_boundary_loads_no_jax_flax_or_model_code(module):
+  code = (f'import sys, {module}\n'
+          "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'optax')\n"
+          "               or m.startswith(('rlax_llm.models', 'rlax_llm.losses')))\n"
+          'print(heavy)')
+  result = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, check=True)
+  assert result.stdout.strip() == '[]', result.stdout
+
+
+def test_the_default_config_ships_in_the_package_and_configs_links_to_it():
+  assert cli.DEFAULT_CONFIG_PATH == ROOT / 'rlax_llm' / 'configs' / 'default.py'
+  assert cli.DEFAULT_CONFIG_PATH.is_file()
+  assert (ROOT / 'configs').resolve() == cli.CONFIG_DIR
+  assert cli.load_config_file('configs/default.py:smoke').name == 'default_smoke'
+
+
+def test_split_config_args_keeps_the_rest_in_order():
+  ours, rest = cli.split_config_args(
+      ['--workdir=/w', '--config', 'c.py:v', '--config.seed=3', '--print_config',
+       '--config=d.py', '--', '--config.x=1'])
+  assert ours == ['--config', 'c.py:v', '--config.seed=3', '--config=d.py']
+  assert rest == ['--workdir=/w', '--print_config', '--', '--config.x=1']
+
+
+def test_load_config_applies_overrides_and_locks():
+  config = cli.load_config([f'--config={cli.DEFAULT_CONFIG_PATH}:smoke', '--config.seed=7',
+                            "--config.ray.trainer_resources={'TPU': 4}"])
+  assert config.name == 'default_smoke' and config.seed == 7
+  assert config.ray.trainer_resources.to_dict() == {'TPU': 4}
+  with pytest.raises(AttributeError):
+    config.new_key = 1  # locked: a typo cannot add a field
+  assert cli.load_config([]).name == 'default'  # no --config: the packaged default
+  with pytest.raises(SystemExit, match="error: --config.rl.los: unknown config key 'rl.los'"):
+    cli.load_config(['--config.rl.los=grpo'])
+  with pytest.raises(SystemExit, match="error: --config.seed='x': expected type int"):
+    cli.load_config(['--config.seed=x'])
+
+
+def test_a_saved_config_reads_back_equal_typed_and_overridable():
+  """A run's config.json becomes the config it was (validates, compares equal), its null
+  placeholders keep their types, so overrides of them parse, and a task with other fields
+  than the default's keeps exactly its own."""
+  for spec in ('configs/default.py:smoke', 'configs/smollm2.py:countdown'):
+    original = cli.load_config_file(spec)
+    saved = json.loads(original.to_json_best_effort())
+    config = saved_config(saved)
+    assert json.loads(config.to_json_best_effort()) == saved, spec
+    assert not config_changes(saved, config, ())
+    validate_config(config)
+  config = cli.load_config(['--config.model.path=/x.gguf', '--config.eval.samples=4'],
+                           base=saved_config(saved))
+  assert config.model.path == '/x.gguf' and config.eval.samples == 4
+  assert config.task.name == 'countdown' and 'max_operand' not in config.task
+  saved['rl']['retired_option'] = 3  # a key this version no longer reads
+  assert 'retired_option' not in saved_config(saved).rl
+
+
+def test_a_config_file_missing_a_schema_key_or_with_an_unknown_one_is_refused():
+  config = cli.load_config_file('configs/default.py:smoke')
+  del config.rollout['replay']
+  with pytest.raises(ConfigError, match=r"'rollout.replay' is missing: 'rollout' has no field "
+                                        r"'replay'"):
+    validate_config(config)
+  config = cli.load_config_file('configs/default.py:smoke')
+  config.rl.group_sise = 4
+  with pytest.raises(ConfigError, match=r"config key 'rl.group_sise' is not a config field.*"
+                                        r'Did you mean rl.group_size'):
+    validate_config(config)
