@@ -114,7 +114,7 @@ def main() -> None:
   parser.add_argument('--train_rows', type=int, default=8)
   parser.add_argument('--repeats', type=int, default=3)
   parser.add_argument('--invariant_rows', default='chunks', choices=('chunks', 'floor'),
-                      help='DecoderConfig.invariant_rows of the batch-invariant model')
+                      help='Execution.invariant_rows of the batch-invariant model')
   args = parser.parse_args()
 
   path = smollm2_gguf_path()

@@ -2,7 +2,7 @@
 
 SmolLM2-135M-Instruct (the packaged GGUF), fp32, default numerics, in two engines that
 differ only in ``Engine(weight_layout=...)``: ``'out_in'`` (what the engine picks on
-XLA:CPU; a decode step's products run as ``w @ x.T``, ``decoder.flipped_product``) and
+XLA:CPU; a decode step's products run as ``w @ x.T``, ``numerics.flipped_product``) and
 ``'in_out'`` (the trainer's layout, ``x @ w``). For each slot count, in the same process,
 alternating (``--repeats`` each, median of the paired ratios):
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlax_llm.models.decoder import DecoderConfig
+from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.model import create_model
 from rlax_llm.sampling_spec import GREEDY
 from rlax_llm.rollout.driver import generate

@@ -54,7 +54,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from rlax_llm.models import from_pretrained, smollm2_gguf_path  # noqa: E402
-from rlax_llm.models.decoder import DecoderConfig, head_logits, linear  # noqa: E402
+from rlax_llm.models.decoder import head_logits, linear  # noqa: E402
+from rlax_llm.models.decoder_config import DecoderConfig  # noqa: E402
 from rlax_llm.models.model import abstract_model, split_module  # noqa: E402
 from rlax_llm.models.presets import count_params  # noqa: E402
 from rlax_llm.sampling_spec import GREEDY  # noqa: E402
@@ -148,7 +149,7 @@ def gemm_step_seconds(config: DecoderConfig, rows: int, steps: int = 5,
   names = [('attn', 'wq'), ('attn', 'wk'), ('attn', 'wv'), ('attn', 'wo'), ('mlp', 'w_gate'),
            ('mlp', 'w_up'), ('mlp', 'w_down')]
   keys = iter(jax.random.split(jax.random.key(0), len(names) * c.num_layers + 2))
-  normal = lambda shape: 0.02 * jax.random.normal(next(keys), shape, c.dtype)
+  normal = lambda shape: 0.02 * jax.random.normal(next(keys), shape, c.execution.dtype)
   layers = [[normal(abstract['blocks'][i][block][name].shape) for block, name in names]
             for i in range(c.num_layers)]
   head = normal(abstract['embed' if c.tie_embeddings else 'lm_head'].shape)
@@ -222,7 +223,7 @@ def main() -> None:
   parser.add_argument('--decode_attention', default=None, choices=('xla', 'cpu_kernel'),
                       help="Engine(decode_attention=...); default: the engine's choice")
   parser.add_argument('--invariant_rows', default='chunks', choices=('chunks', 'floor'),
-                      help='with --batch_invariant: DecoderConfig.invariant_rows')
+                      help='with --batch_invariant: Execution.invariant_rows')
   args = parser.parse_args()
 
   import torch  # pylint: disable=import-outside-toplevel

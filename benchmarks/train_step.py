@@ -53,8 +53,8 @@ def run_ours(args) -> dict:
   from rlax_llm.trainer import objectives
   from rlax_llm.trainer.trainer import Trainer, make_optimizer
 
-  config = dataclasses.replace(presets.PRESETS['smollm2-135m'], max_seq_len=args.length,
-                               remat=args.remat)
+  config = dataclasses.replace(presets.PRESETS['smollm2-135m'],
+                               max_seq_len=args.length).with_execution(remat=args.remat)
   model, params = create_model(config, seed=0)
   tokens, mask, behaviour, advantages = _batch(args.batch, args.length, config.vocab_size)
   batch = TrainBatch(

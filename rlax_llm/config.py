@@ -370,7 +370,7 @@ def _validate_task(config: ml_collections.ConfigDict):
 def _validate_model(config: ml_collections.ConfigDict) -> None:
   # pylint: disable-next=import-outside-toplevel  # jax, flax: kept off import
   from rlax_llm.models import presets  # pylint: disable=import-outside-toplevel
-  from rlax_llm.models.decoder import INVARIANT_ROWS_MODES, REMAT_POLICIES, DecoderConfig
+  from rlax_llm.models.decoder_config import INVARIANT_ROWS_MODES, REMAT_POLICIES, DecoderConfig
   m = config.model
   _check_choice('model.remat', m.remat, REMAT_POLICIES)
   _check_choice('model.invariant_rows', m.invariant_rows, INVARIANT_ROWS_MODES)

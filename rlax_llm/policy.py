@@ -54,7 +54,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from rlax_llm.models.decoder import invariant_max, invariant_sum
+from rlax_llm.models.numerics import invariant_max, invariant_sum
 from rlax_llm.sampling_spec import SamplingSpec
 
 # Prefix lengths of the sorted logits tried, in order, when the kept set needs the largest

@@ -24,8 +24,8 @@ import ml_collections
 from rlax_llm import config as config_lib
 from rlax_llm import console
 from rlax_llm.errors import ConfigError
-from rlax_llm.models import presets
-from rlax_llm.models.decoder import DecoderConfig
+from rlax_llm.models import from_pretrained, presets
+from rlax_llm.models.decoder_config import DecoderConfig, Execution
 from rlax_llm.models.model import Model, Params, create_model, split_module
 from rlax_llm.trainer.scoring import Policy
 from rlax_llm.rollout.worker import InferenceWorker
@@ -73,13 +73,13 @@ def build_model(config: ml_collections.ConfigDict, task: Task
                         f'task\'s charset, but task {task.name!r} has none; use a pretrained '
                         'model.')
     tokenizer = CharTokenizer(task.charset)
+    execution = Execution(remat=m.remat, param_dtype=DTYPES[m.param_dtype],
+                          dtype=DTYPES[m.dtype], batch_invariant=m.batch_invariant,
+                          invariant_rows=m.invariant_rows)
     decoder = DecoderConfig(vocab_size=tokenizer.vocab_size, max_seq_len=m.max_seq_len,
-                            param_dtype=DTYPES[m.param_dtype], dtype=DTYPES[m.dtype],
-                            remat=m.remat, batch_invariant=m.batch_invariant,
-                            invariant_rows=m.invariant_rows, **m.tiny.to_dict())
+                            execution=execution, **m.tiny.to_dict())
     model, params = create_model(decoder, seed=config.seed)
     return model, params, tokenizer
-  from rlax_llm.models.pretrained import from_pretrained  # pylint: disable=import-outside-toplevel
   path = checkpoint_path(config)
   module, tokenizer = from_pretrained(path, dtype=DTYPES[m.dtype],
                                       param_dtype=DTYPES[m.param_dtype], remat=m.remat,
@@ -171,10 +171,10 @@ def rollout_memory_bytes(model: DecoderConfig, config: ml_collections.ConfigDict
   """
   batch = config.rl.prompts_per_step * config.rl.group_size
   length = config.sampling.max_prompt_len + config.sampling.max_new_tokens
-  itemsize = jnp.dtype(model.dtype).itemsize
+  itemsize = jnp.dtype(model.execution.dtype).itemsize
   kv = 2 * model.num_layers * batch * length * model.num_kv_heads * model.head_dim * itemsize
   from rlax_llm.models.presets import count_params  # pylint: disable=import-outside-toplevel
-  params = count_params(model) * jnp.dtype(model.param_dtype).itemsize
+  params = count_params(model) * jnp.dtype(model.execution.param_dtype).itemsize
   logits = 4 * batch * model.vocab_size * 4
   mesh = config.mesh.inference
   sizes = {k: (v if v > 0 else 1) for k, v in mesh.items()}

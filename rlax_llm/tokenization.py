@@ -6,8 +6,8 @@ Two implementations share one surface:
 
 * ``CharTokenizer`` (here): a character-level tokenizer for tiny models trained from scratch
   on synthetic tasks: three special ids followed by one id per alphabet character.
-* ``rlax_llm.models.tokenizer.HFTokenizer``: a Hugging Face ``tokenizers`` vocabulary loaded
-  from a checkpoint (directory or GGUF), with its chat template.
+* ``rlax_llm.models.files.tokenizer.HFTokenizer``: a Hugging Face ``tokenizers`` vocabulary
+  loaded from a checkpoint (directory or GGUF), with its chat template.
 
 Conventions shared by both: ``encode`` adds bos / eos only when asked (``add_bos`` /
 ``add_eos``); batches are right-padded with ``pad_id``; ``decode(..., stop_at_eos=True)``
@@ -65,6 +65,17 @@ class Tokenizer(Protocol):
   def encode_batch(self, texts: Sequence[str], length: int | None = None,
                    add_bos: bool = False, add_eos: bool = False
                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Encodes and right-pads ``texts`` with ``pad_id``.
+
+    Args:
+      texts: B strings.
+      length: padded length L; ``None`` pads to the longest encoding.
+      add_bos, add_eos: as in ``encode`` (they count towards the length).
+
+    Returns:
+      ``(ids, lengths)``: int32 ``[B, L]`` and int32 ``[B]`` (tokens before the padding).
+    Raises ValueError if an encoding is longer than ``length``.
+    """
     ...
 
   def decode_batch(self, ids: np.ndarray, stop_at_eos: bool = True) -> list[str]:
@@ -225,17 +236,7 @@ class CharTokenizer:
   def encode_batch(self, texts: Sequence[str], length: int | None = None,
                    add_bos: bool = False, add_eos: bool = False
                    ) -> tuple[np.ndarray, np.ndarray]:
-    """Encodes and right-pads ``texts`` with ``pad_id``.
-
-    Args:
-      texts: B strings.
-      length: padded length L; ``None`` pads to the longest encoding.
-      add_bos, add_eos: as in ``encode`` (they count towards the length).
-
-    Returns:
-      ``(ids, lengths)``: int32 ``[B, L]`` and int32 ``[B]`` (tokens before the padding).
-    Raises ValueError if an encoding is longer than ``length``.
-    """
+    """``Tokenizer.encode_batch``: one ``encode`` per text, right-padded."""
     check_batch_args(texts, length)
     encoded = [self.encode(text, add_bos=add_bos, add_eos=add_eos) for text in texts]
     return right_pad(texts, encoded, length, self.pad_id, add_bos, add_eos)

@@ -428,8 +428,8 @@ def memory_check(config: ml_collections.ConfigDict, trainer_hbm: float,
   from rlax_llm.sharding import make_mesh
   if name not in presets.PRESETS:
     return None
-  model = presets.get_preset(name, param_dtype=roles.DTYPES[config.model.param_dtype],
-                             dtype=roles.DTYPES[config.model.dtype])
+  model = presets.get_preset(name).with_execution(
+      param_dtype=roles.DTYPES[config.model.param_dtype], dtype=roles.DTYPES[config.model.dtype])
   trainer = presets.memory_per_device(model, make_mesh(config.mesh.trainer.to_dict()))
   rollout = roles.rollout_memory_bytes(model, config)['per_device_bytes']
   parts = [('trainer params + AdamW state', trainer['total_bytes'], trainer_hbm),

@@ -7,6 +7,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The whole default run (no arguments) first checks the installed wheel: tests/test_wheel.py
+# builds `pip wheel .`, installs it into a fresh virtualenv outside the checkout, launches the
+# packaged default config and resumes it (about a minute, so it is marked slow and runs alone
+# here rather than inside the parallel run below).
+if [[ $# == 0 ]]; then
+  .venv/bin/python -m pytest -q -p no:xdist -m slow tests/test_wheel.py
+fi
 workers="${RLAX_TEST_WORKERS:-2}"
 if [[ "$workers" == 0 ]]; then
   exec .venv/bin/python -m pytest -q "$@"

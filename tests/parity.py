@@ -28,7 +28,7 @@ def transformers_twin(model, params):
   two state dicts tensor by tensor), at a third of that loader's time."""
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
-  from rlax_llm.models import hf  # pylint: disable=import-outside-toplevel
+  from rlax_llm.models.files import hf  # pylint: disable=import-outside-toplevel
   config = transformers.AutoConfig.for_model(**hf.config_to_hf(model.config))
   twin = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
   state = {name: torch.tensor(array)

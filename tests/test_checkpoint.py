@@ -14,7 +14,7 @@ import pytest
 
 from rlax_llm.checkpoint import Checkpointer, CheckpointError, PreemptionGuard
 from rlax_llm.data_types import Rollouts
-from rlax_llm.models.decoder import DecoderConfig
+from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.model import create_model
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.sharding import make_mesh

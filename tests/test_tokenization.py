@@ -1,4 +1,4 @@
-"""Tests for rlax_llm.models.tokenizer.CharTokenizer."""
+"""Tests for rlax_llm.tokenization.CharTokenizer."""
 
 import numpy as np
 import pytest

@@ -7,8 +7,8 @@ The virtualenv (``venv --without-pip``) gets rlax_llm only from the wheel (``pip
 site-packages through a ``.pth`` line, which adds that directory to ``sys.path`` without
 running the ``.pth`` files there, so an editable install of the checkout stays out.
 
-Slow (a wheel build and two launches, about a minute on 2 CPU cores): ``.ci/run`` runs it before the
-default test command.
+Slow (a wheel build and two launches, about a minute on 2 CPU cores): ``scripts/test.sh`` run
+without arguments (the README's test command, and CI's) runs it alone before the parallel run.
 """
 
 import importlib.util

@@ -5,7 +5,7 @@ every cached key and value once and does three multiply-adds per float read (Smo
 three queries per kv head). XLA:CPU runs those small batched products on one thread,
 reading the cache at about 16 GB/s, and a step attends to a whole attend bucket. The kernel
 reads each slot's cache in memory order on all of XLA's intra-op threads, and only the
-positions the slot holds. ``DecoderConfig.decode_attention='cpu_kernel'`` selects it for
+positions the slot holds. ``Execution.decode_attention='cpu_kernel'`` selects it for
 decode steps of two or more rows; the inference engine picks it by default where it applies
 (``rlax_llm.rollout.engine.Engine``). Its results equal the XLA attention's to float32
 rounding (a different summation order and a polynomial ``exp``; ``tests/models``), so
@@ -152,8 +152,8 @@ def decode_attention(q: jax.Array, keys: tuple[jax.Array, ...], values: tuple[ja
 
   Args:
     q: float32 ``[B, KV, G, D]``, the queries grouped by kv head (unscaled).
-    keys: blocks ``[B, KV, D, L]`` (``decoder.KEY_BLOCK_AXES``), in position order.
-    values: blocks ``[B, KV, L, D]`` (``decoder.VALUE_BLOCK_AXES``), as many as ``keys``.
+    keys: blocks ``[B, KV, D, L]`` (``kv_cache.KEY_BLOCK_AXES``), in position order.
+    values: blocks ``[B, KV, L, D]`` (``kv_cache.VALUE_BLOCK_AXES``), as many as ``keys``.
     lengths: int ``[B]``: slot ``b`` attends to positions ``[0, lengths[b])``, clamped to
       ``[1, len(keys) * L]`` (an inactive slot's output is then finite junk, as XLA's).
   Returns:

@@ -18,7 +18,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from rlax_llm.models.decoder import Decoder, DecoderConfig, KVCache, head_logits
+from rlax_llm.models.decoder import Decoder
+from rlax_llm.models.decoder_config import DecoderConfig
+from rlax_llm.models.kv_cache import KVCache
 
 Params = dict[str, Any]
 
@@ -36,7 +38,7 @@ class Model:
     """Runs the decoder. tokens: int32 ``[batch, length]``.
 
     Returns float32 logits ``[batch, length, vocab]``, or ``(logits, new_cache)`` when a
-    ``cache`` is given (see ``rlax_llm.models.decoder`` for the cache contract and
+    ``cache`` is given (see ``rlax_llm.models.kv_cache`` for the cache contract and
     ``attend``). With ``features`` the final-normed hidden states ``[batch, length, embed]``
     take the logits' place (``logits`` makes them logits).
     """
@@ -46,8 +48,7 @@ class Model:
   def logits(self, params: Params, hidden: jax.Array) -> jax.Array:
     """float32 logits ``[..., vocab]`` of final-normed hidden states ``[..., embed]`` (what
     ``apply(..., features=True)`` returns), by the tied embedding or the lm head."""
-    weight = params['embed'] if self.config.tie_embeddings else params['lm_head']
-    return head_logits(hidden, weight, self.config)
+    return nnx.merge(self.graphdef, params).head(hidden)
 
   def init_cache(self, batch: int, max_len: int | None = None,
                  block_length: int | None = None) -> KVCache:
@@ -109,14 +110,15 @@ def abstract_model(config: DecoderConfig) -> Model:
 
 def with_weight_layout(model: Model, layout: str, decode_attention: str | None = None
                        ) -> Model:
-  """``model`` with its weights stored in ``layout`` (``DecoderConfig.weight_layout``) and,
-  if given, decoding with ``decode_attention`` (``DecoderConfig.decode_attention``): how
-  the same params run, not what they are."""
-  attention = model.config.decode_attention if decode_attention is None else decode_attention
-  if (layout, attention) == (model.config.weight_layout, model.config.decode_attention):
+  """``model`` with its weights stored in ``layout`` (``Execution.weight_layout``) and, if
+  given, decoding with ``decode_attention`` (``Execution.decode_attention``): how the same
+  params run, not what they are."""
+  run = model.config.execution
+  attention = run.decode_attention if decode_attention is None else decode_attention
+  if (layout, attention) == (run.weight_layout, run.decode_attention):
     return model
-  return abstract_model(dataclasses.replace(model.config, weight_layout=layout,
-                                            decode_attention=attention))
+  return abstract_model(model.config.with_execution(weight_layout=layout,
+                                                    decode_attention=attention))
 
 
 def to_weight_layout(params: Params, source: Model, target: Model) -> Params:
@@ -128,8 +130,9 @@ def to_weight_layout(params: Params, source: Model, target: Model) -> Params:
   definition for both directions: the engine converts the trainer's params with it, and a
   round trip is the identity (tested).
   """
-  if dataclasses.replace(source.config, weight_layout=target.config.weight_layout,
-                         decode_attention=target.config.decode_attention) != target.config:
+  target_run = target.config.execution
+  if source.config.with_execution(weight_layout=target_run.weight_layout,
+                                  decode_attention=target_run.decode_attention) != target.config:
     raise ValueError('to_weight_layout converts between models that differ only in '
                      f'weight_layout; got {source.config} and {target.config}.')
 

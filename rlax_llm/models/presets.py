@@ -17,7 +17,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from rlax_llm import sharding as sharding_lib
-from rlax_llm.models.decoder import DecoderConfig, RopeScaling
+from rlax_llm.models.decoder_config import DecoderConfig, RopeScaling
+from rlax_llm.models.files.gguf import smollm2_gguf_path
 from rlax_llm.models.model import abstract_model
 
 _QWEN3 = dict(vocab_size=151_936, head_dim=128, rope_theta=1_000_000.0, norm_eps=1e-6,
@@ -53,13 +54,8 @@ PRESETS: dict[str, DecoderConfig] = {
 }
 
 
-def _smollm2_path():
-  from rlax_llm.models.gguf import smollm2_gguf_path  # pylint: disable=import-outside-toplevel
-  return smollm2_gguf_path()
-
-
 # Presets whose checkpoint ships as a pip package (nothing is downloaded at run time).
-PACKAGED_CHECKPOINTS = {'smollm2-135m': _smollm2_path}
+PACKAGED_CHECKPOINTS = {'smollm2-135m': smollm2_gguf_path}
 
 
 def packaged_checkpoint(name: str):
@@ -76,7 +72,8 @@ def packaged_checkpoint(name: str):
 
 
 def get_preset(name: str, **overrides: Any) -> DecoderConfig:
-  """A named config (``PRESETS``) with optional field overrides (e.g. ``dtype``)."""
+  """A named config (``PRESETS``) with optional field overrides (e.g. ``max_seq_len``, or
+  ``execution=Execution(dtype=jnp.bfloat16)``)."""
   if name not in PRESETS:
     raise ValueError(f'Unknown model {name!r}; choose one of {sorted(PRESETS)}.')
   return dataclasses.replace(PRESETS[name], **overrides)

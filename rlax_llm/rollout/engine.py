@@ -50,10 +50,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlax_llm import sharding as sharding_lib
 from rlax_llm.models import cpu_attention
-from rlax_llm.models.decoder import (INVARIANT_KEYS, KEY_BLOCK_AXES, KEY_POSITION_AXIS,
-                                     VALUE_BLOCK_AXES, VALUE_POSITION_AXIS, KVCache,
-                                     cache_block_shape, head_is_vocab_major)
+from rlax_llm.models.decoder import head_is_vocab_major
+from rlax_llm.models.kv_cache import (KEY_BLOCK_AXES, KEY_POSITION_AXIS, VALUE_BLOCK_AXES,
+                                      VALUE_POSITION_AXIS, KVCache, cache_block_shape)
 from rlax_llm.models.model import Model, Params, to_weight_layout, with_weight_layout
+from rlax_llm.models.numerics import INVARIANT_KEYS
 from rlax_llm.paramserver.server import leaf_specs
 from rlax_llm.policy import sample_rows
 from rlax_llm.sampling_spec import SamplingSpec
@@ -169,13 +170,13 @@ class Engine:
       positions whatever this is; a step still attends to one of these buckets.
     block_align: block lengths are multiples of it (``BLOCK_ALIGN``, 32, suits XLA:CPU;
       TPUs may prefer 128).
-    weight_layout: the layout the engine keeps its params in (``DecoderConfig.weight_layout``;
+    weight_layout: the layout the engine keeps its params in (``Execution.weight_layout``;
       ``place_params`` converts to it). Default: ``'out_in'`` on XLA:CPU, where a decode
-      step's weight products run faster that way (``decoder.flipped_product``), unless the
+      step's weight products run faster that way (``numerics.flipped_product``), unless the
       model is ``batch_invariant`` (its log-probs must match the trainer's bit for bit,
       and the trainer's params are ``'in_out'``); else the model's own.
     decode_attention: how decode steps of two or more slots attend
-      (``DecoderConfig.decode_attention``). Default: ``'cpu_kernel'`` (the compiled kernel of
+      (``Execution.decode_attention``). Default: ``'cpu_kernel'`` (the compiled kernel of
       ``rlax_llm.models.cpu_attention``) on XLA:CPU with a one-device mesh, two or more
       slots, float32 and a shape it supports, when it builds here; else the model's own.
       ``decode_attention_note`` records the choice and, if not the kernel, why.
@@ -203,8 +204,8 @@ class Engine:
           f'({max_decode_length}) = {self.cache_length} exceeds the model max_seq_len '
           f'({model.config.max_seq_len}).')
     if weight_layout is None:
-      cpu_decode = jax.default_backend() == 'cpu' and not model.config.batch_invariant
-      weight_layout = 'out_in' if cpu_decode else model.config.weight_layout
+      cpu_decode = jax.default_backend() == 'cpu' and not model.config.execution.batch_invariant
+      weight_layout = 'out_in' if cpu_decode else model.config.execution.weight_layout
     self.mesh = mesh
     self.slots = slots
     self.max_prefill_length = max_prefill_length
@@ -221,7 +222,7 @@ class Engine:
     step = -(-size // block_align) * block_align
     self.attend_buckets = tuple(
         step * (i + 1) for i in range(-(-self.cache_length // step)))
-    self.block_length = INVARIANT_KEYS if model.config.batch_invariant else step
+    self.block_length = INVARIANT_KEYS if model.config.execution.batch_invariant else step
     self.num_blocks = -(-self.cache_length // self.block_length)
     decode_attention, self.decode_attention_note = self._decode_attention(
         model, mesh, decode_attention)
@@ -250,17 +251,17 @@ class Engine:
       return wanted, f'{wanted!r}: asked for'
     problem = (
         ('one slot (one-row steps keep XLA\'s attention)' if self.slots == 1 else None)
-        or ('the model is batch_invariant' if c.batch_invariant else None)
+        or ('the model is batch_invariant' if c.execution.batch_invariant else None)
         or (f'the mesh has {mesh.size} devices (XLA cannot split a custom call)'
             if mesh.size != 1 else None)
         or cpu_attention.supports(head_dim=c.head_dim, groups=c.num_heads // c.num_kv_heads,
-                                  block_length=self.block_length, dtype=c.dtype)
+                                  block_length=self.block_length, dtype=c.execution.dtype)
         or cpu_attention.unavailable_reason() or None)
     if not problem:
       return 'cpu_kernel', "'cpu_kernel': XLA:CPU, one device, float32, a supported shape"
     if wanted is None:
-      return c.decode_attention, (f'{c.decode_attention!r}: the CPU kernel does not apply '
-                                  f'({problem})')
+      current = c.execution.decode_attention
+      return current, f'{current!r}: the CPU kernel does not apply ({problem})'
     raise ValueError(f'decode_attention=\'cpu_kernel\' cannot run here: {problem}. Pass '
                      'decode_attention=\'xla\' (or leave it unset to choose).')
 
@@ -463,7 +464,7 @@ class Engine:
     first_keys = jax.vmap(lambda data, offset: jax.random.fold_in(
         jax.random.wrap_key_data(data), offset))(keys, offsets)
     token, logp, support = sample_rows(prefix.logits[rows], first_keys, spec,
-                                       invariant=self.model.config.batch_invariant)
+                                       invariant=self.model.config.execution.batch_invariant)
     stopped = jnp.any(token[:, None] == stop_ids, axis=1)
     left = max_new - offsets - 1  # tokens it may draw after this one
     remaining = jnp.where(stopped | (left <= 0), 0, left)
@@ -488,7 +489,8 @@ class Engine:
     keys = jax.vmap(lambda data, position: jax.random.fold_in(
         jax.random.wrap_key_data(data), position))(state.keys, state.positions)
     token, logp, support = sample_rows(
-        logits[:, 0], keys, spec, invariant=self.model.config.batch_invariant, active=active,
+        logits[:, 0], keys, spec, invariant=self.model.config.execution.batch_invariant,
+        active=active,
         vocab_major=head_is_vocab_major(self.model.config, state.tokens.shape[0]))
     token = jnp.where(active, token, self.pad_id)
     logp = jnp.where(active, logp, 0.0)

@@ -129,7 +129,7 @@ class Policy:
 
   def _score(self, logits, targets, sizes) -> SequenceLogProbs:
     logp, in_support = token_log_probs(logits, targets, self.sampling, sizes,
-                                       invariant=self.model.config.batch_invariant)
+                                       invariant=self.model.config.execution.batch_invariant)
     return SequenceLogProbs(logp, in_support,
                             jax.lax.stop_gradient(entropy(logits, self.sampling, sizes)))
 

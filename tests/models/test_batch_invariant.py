@@ -1,4 +1,4 @@
-"""Batch-invariant numerics (``DecoderConfig.batch_invariant``): a position's logits are
+"""Batch-invariant numerics (``Execution.batch_invariant``): a position's logits are
 bitwise the same in a full forward of any width and batch, in a prefill and in decode steps
 over any cache layout; every scoring path of the trainer agrees bitwise; gradients are the
 default numerics' up to rounding. The control: with the default numerics the same
@@ -14,7 +14,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rlax_llm.models.decoder import INVARIANT_KEYS, DecoderConfig, invariant_matmul
+from rlax_llm.models.decoder_config import DecoderConfig, Execution
+from rlax_llm.models.numerics import INVARIANT_KEYS, invariant_matmul
 from rlax_llm.models.model import create_model
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.trainer.scoring import Policy
@@ -23,12 +24,14 @@ from rlax_llm.sharding import activation_sharding, make_mesh, param_shardings
 
 # SmolLM2-135M's layer shapes (GQA, 3 query heads per kv head), two layers.
 GQA = DecoderConfig(vocab_size=1000, num_layers=2, embed_dim=576, num_heads=9, num_kv_heads=3,
-                    head_dim=64, mlp_dim=1536, max_seq_len=160, batch_invariant=True)
+                    head_dim=64, mlp_dim=1536, max_seq_len=160,
+                    execution=Execution(batch_invariant=True))
 # Multi-head (one query row per kv head in a decode step), Qwen3's q/k norms, an untied lm
 # head and a head_dim whose attention scale is not a power of two.
 MHA = DecoderConfig(vocab_size=300, num_layers=2, embed_dim=96, num_heads=4, num_kv_heads=4,
                     head_dim=24, mlp_dim=200, max_seq_len=160, qk_norm=True,
-                    tie_embeddings=False, family='qwen3', batch_invariant=True)
+                    tie_embeddings=False, family='qwen3',
+                    execution=Execution(batch_invariant=True))
 # Qwen2's q/k/v biases.
 BIAS = dataclasses.replace(MHA, num_kv_heads=2, qk_norm=False, qkv_bias=True,
                            tie_embeddings=True, family='qwen2')
@@ -94,8 +97,8 @@ def _comparisons(config):
 FLOOR = dict(invariant_rows='floor')  # weight matmuls of at least 64 rows instead of chunks
 
 
-@pytest.mark.parametrize('config', [GQA, MHA, BIAS, dataclasses.replace(GQA, **FLOOR),
-                                    dataclasses.replace(MHA, **FLOOR)],
+@pytest.mark.parametrize('config', [GQA, MHA, BIAS, GQA.with_execution(**FLOOR),
+                                    MHA.with_execution(**FLOOR)],
                          ids=['gqa', 'mha_qk_norm_untied', 'bias', 'gqa_floor', 'mha_floor'])
 def test_logits_are_bitwise_equal_across_batches_padding_and_caches(config):
   gaps = _comparisons(config)
@@ -103,7 +106,7 @@ def test_logits_are_bitwise_equal_across_batches_padding_and_caches(config):
 
 
 def test_the_default_numerics_differ_on_the_same_comparisons():
-  gaps = _comparisons(dataclasses.replace(GQA, batch_invariant=False))
+  gaps = _comparisons(GQA.with_execution(batch_invariant=False))
   assert max(gaps.values()) > 0.0, gaps
 
 
@@ -142,7 +145,7 @@ def test_a_data_parallel_mesh_keeps_the_bits():
 
 
 def test_gradients_equal_the_default_numerics_to_rounding():
-  fast = dataclasses.replace(MHA, batch_invariant=False)
+  fast = MHA.with_execution(batch_invariant=False)
   model, params = create_model(MHA, seed=0)
   fast_model, _ = create_model(fast, seed=0)
   tokens = jnp.asarray(np.random.RandomState(4).randint(0, MHA.vocab_size, (3, 40)), jnp.int32)
@@ -210,7 +213,7 @@ def test_chunks_round_a_row_the_same_for_every_row_count():
 
 def test_an_unknown_invariant_rows_mode_is_refused():
   with pytest.raises(ValueError, match=r"invariant_rows='rows'; choose one of \('chunks', "):
-    dataclasses.replace(GQA, invariant_rows='rows')
+    GQA.with_execution(invariant_rows='rows')
 
 
 def test_cache_blocks_must_be_whole_pieces_and_the_engine_keeps_them_so():

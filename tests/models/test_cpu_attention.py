@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from rlax_llm.models import cpu_attention
-from rlax_llm.models.decoder import DecoderConfig
+from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.model import create_model
 from rlax_llm.sampling_spec import GREEDY, SamplingSpec
 from rlax_llm.trainer.scoring import Policy
@@ -114,8 +114,9 @@ def test_engine_with_the_kernel_matches_xla_and_the_trainer(spec):
   rounding of XLA's and within 1e-5 of the trainer's recompute."""
   model, params = create_model(CONFIG, seed=3)
   kernel, xla = engine_for(model), engine_for(model, decode_attention='xla')
-  assert kernel.model.config.decode_attention == 'cpu_kernel', kernel.decode_attention_note
-  assert xla.model.config.decode_attention == 'xla'
+  assert kernel.model.config.execution.decode_attention == 'cpu_kernel', (
+      kernel.decode_attention_note)
+  assert xla.model.config.execution.decode_attention == 'xla'
   got, want = run(kernel, params, spec, 2), run(xla, params, spec, 2)
   pairs = []
   for prompt, samples, references in zip(PROMPTS, got, want):
@@ -134,25 +135,26 @@ def test_engine_chooses_xla_where_the_kernel_does_not_apply_and_refuses_to_force
   model = create_model(CONFIG)[0]
   small = create_model(dataclasses.replace(CONFIG, head_dim=8, embed_dim=32))[0]
   engine = engine_for(small)
-  assert engine.model.config.decode_attention == 'xla'
+  assert engine.model.config.execution.decode_attention == 'xla'
   assert 'head_dim=8' in engine.decode_attention_note
   with pytest.raises(ValueError, match="decode_attention='cpu_kernel' cannot run here: "
                                        'head_dim=8'):
     engine_for(small, decode_attention='cpu_kernel')
   one = Engine(model, MESH, slots=1, max_prefill_length=16, max_decode_length=32, pad_id=0)
-  assert one.model.config.decode_attention == 'xla' and 'one slot' in one.decode_attention_note
+  assert one.model.config.execution.decode_attention == 'xla'
+  assert 'one slot' in one.decode_attention_note
   two = make_mesh({'data': 2}, jax.devices()[:2])
   with pytest.raises(ValueError, match='the mesh has 2 devices'):
     Engine(model, two, slots=4, max_prefill_length=16, max_decode_length=32, pad_id=0,
            decode_attention='cpu_kernel')
   assert Engine(model, two, slots=4, max_prefill_length=16, max_decode_length=32,
-                pad_id=0).model.config.decode_attention == 'xla'
+                pad_id=0).model.config.execution.decode_attention == 'xla'
   with pytest.raises(ValueError, match='multiple of 16'):
     engine_for(model, attend_buckets=6, block_align=8, decode_attention='cpu_kernel')
   with pytest.raises(ValueError, match="decode_attention='bogus'"):
     engine_for(model, decode_attention='bogus')
   with pytest.raises(ValueError, match='batch_invariant decoding needs'):
-    dataclasses.replace(CONFIG, batch_invariant=True, decode_attention='cpu_kernel')
+    CONFIG.with_execution(batch_invariant=True, decode_attention='cpu_kernel')
 
 
 def test_without_a_compiler_the_engine_keeps_xla_and_says_why(monkeypatch):
@@ -166,7 +168,8 @@ def test_without_a_compiler_the_engine_keeps_xla_and_says_why(monkeypatch):
     assert not cpu_attention.available() and cpu_attention.unavailable_reason() == why
     model = create_model(CONFIG)[0]
     engine = engine_for(model)
-    assert engine.model.config.decode_attention == 'xla' and why in engine.decode_attention_note
+    assert engine.model.config.execution.decode_attention == 'xla'
+    assert why in engine.decode_attention_note
     with pytest.raises(ValueError, match='no C\\+\\+ compiler'):
       engine_for(model, decode_attention='cpu_kernel')
     with pytest.raises(RuntimeError, match='kernel is unavailable: no C'):

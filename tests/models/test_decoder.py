@@ -7,11 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlax_llm.models.decoder import (FLIPPED_MAX_ROWS, KEY_POSITION_AXIS,
-                                     ROPE_TABLE_MAX_ENTRIES, VALUE_POSITION_AXIS, DecoderConfig,
-                                     _blocks_with, _write_after, _write_blocks,
-                                     head_is_vocab_major, head_logits, linear, rope,
-                                     rope_inv_freq, rope_table_length, rope_tables)
+from rlax_llm.models.decoder import (ROPE_TABLE_MAX_ENTRIES, head_is_vocab_major, head_logits,
+                                     linear, rope, rope_inv_freq, rope_table_length, rope_tables)
+from rlax_llm.models.decoder_config import DecoderConfig, Execution
+from rlax_llm.models.numerics import FLIPPED_MAX_ROWS
 from rlax_llm.models.model import create_model, to_weight_layout, with_weight_layout
 
 CONFIG = DecoderConfig(vocab_size=19, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
@@ -90,32 +89,6 @@ def test_cache_in_blocks_equals_full_forward(model_and_params, block_length, bat
             cache.k[layer][j], before.k[layer][j])
 
 
-@pytest.mark.parametrize('length', [1, 3])
-def test_blocks_with_and_write_after_equal_the_written_blocks(length):
-  """What one-row decoding attends to (``_blocks_with``) and what it writes after attention
-  (``_write_after``) are bitwise the blocks ``_write_blocks`` writes: new values land at
-  ``starts[b] + t``, positions past the blocks are dropped, signed zeros are kept."""
-  rng = np.random.RandomState(length)
-  batch, kv, d, block, used = 4, 2, 3, 4, 2
-  new = lambda *shape: jnp.asarray(rng.randn(*shape), jnp.float32)
-  key_blocks = tuple(new(batch, kv, d, block) for _ in range(3))
-  value_blocks = tuple(new(batch, kv, block, d) for _ in range(3))
-  keys, values = (rng.randn(batch, length, kv, d).astype(np.float32) for _ in range(2))
-  keys[0, 0, 0, 0] = values[0, 0, 0, 0] = -0.0
-  keys, values = jnp.asarray(keys), jnp.asarray(values)
-  starts = jnp.array([0, 3, 6, 7], jnp.int32)  # the last rows' later positions: dropped
-  bits = lambda blocks: [np.asarray(b).view(np.int32) for b in blocks]
-  out = new(batch, kv, 2, d)  # attention's output
-  after = _write_after(out, (key_blocks, value_blocks), used, keys, values, starts)
-  for blocks, update, axis, written in ((key_blocks, keys, KEY_POSITION_AXIS, after[0]),
-                                        (value_blocks, values, VALUE_POSITION_AXIS, after[1])):
-    expected = _write_blocks(blocks, update, starts, axis)
-    np.testing.assert_array_equal(bits(_blocks_with(blocks, update, starts, axis)),
-                                  bits(expected))
-    np.testing.assert_array_equal(bits(written), bits(expected[:used] + blocks[used:]))
-    assert not np.array_equal(bits(expected), bits(blocks))  # the writes did land
-
-
 def test_one_row_decode_step_updates_the_cache_in_place(model_and_params):
   """A one-row decode step with the cache donated copies no cache block (XLA:CPU copied
   every written block four times when attention read the written blocks)."""
@@ -144,7 +117,7 @@ def test_jitted_decode_step_matches(model_and_params):
 def test_untied_embeddings_and_bf16_compute():
   config = DecoderConfig(vocab_size=11, num_layers=1, embed_dim=16, num_heads=2,
                          num_kv_heads=2, head_dim=8, mlp_dim=32, tie_embeddings=False,
-                         dtype=jnp.bfloat16)
+                         execution=Execution(dtype=jnp.bfloat16))
   model, params = create_model(config)
   assert 'lm_head' in params and params['lm_head'].shape == (16, 11)
   assert params['embed'].dtype == jnp.float32  # param dtype stays fp32 (master weights)
@@ -182,7 +155,7 @@ def test_vocab_major_argmax_reads_the_flipped_head_in_place():
   rows = 8
   assert head_is_vocab_major(config, rows) == (jax.default_backend() == 'cpu')
   assert not head_is_vocab_major(config, 1)
-  assert not head_is_vocab_major(dataclasses.replace(config, batch_invariant=True), rows)
+  assert not head_is_vocab_major(config.with_execution(batch_invariant=True), rows)
   assert not head_is_vocab_major(dataclasses.replace(config, tie_embeddings=False), rows)
   x = jnp.asarray(np.random.RandomState(0).randn(rows, config.embed_dim), jnp.float32)
   w = jnp.asarray(np.random.RandomState(1).randn(1024, config.embed_dim), jnp.float32)
@@ -206,7 +179,7 @@ def test_vocab_major_argmax_reads_the_flipped_head_in_place():
 def test_linear_out_in_is_the_same_product(shape):
   """A weight in the ``'out_in'`` layout (``[N..., K]``) gives ``linear`` the product of its
   ``'in_out'`` transpose; up to FLIPPED_MAX_ROWS rows it runs as ``w @ x.T`` on XLA:CPU."""
-  out_in = dataclasses.replace(CONFIG, weight_layout='out_in')
+  out_in = CONFIG.with_execution(weight_layout='out_in')
   rng = np.random.RandomState(1)
   x = jnp.asarray(rng.randn(*shape, 32), jnp.float32)
   w = jnp.asarray(rng.randn(32, 4, 8), jnp.float32)  # [K, heads, head_dim]
@@ -278,7 +251,7 @@ def test_decoder_reads_rope_from_the_host_table_when_it_is_small(model_and_param
   assert rope_table_length(CONFIG) == CONFIG.max_seq_len
   long = dataclasses.replace(CONFIG, max_seq_len=ROPE_TABLE_MAX_ENTRIES // 4 + 1)
   assert rope_table_length(long) is None
-  assert rope_table_length(dataclasses.replace(long, batch_invariant=True)) == long.max_seq_len
+  assert rope_table_length(long.with_execution(batch_invariant=True)) == long.max_seq_len
 
   def step_hlo(model):
     cache = model.init_cache(2, max_len=12)
@@ -305,7 +278,6 @@ def test_logical_axes_cover_every_param(model_and_params):
     (dict(num_heads=3, num_kv_heads=2), 'multiple of num_kv_heads'),
     (dict(head_dim=7), 'even'),
     (dict(num_layers=0), 'num_layers'),
-    (dict(weight_layout='k_n'), "weight_layout='k_n'"),
 ])
 def test_config_validation(kwargs, message):
   base = dict(vocab_size=10, num_layers=1, embed_dim=16, num_heads=2, num_kv_heads=1,
@@ -317,7 +289,7 @@ def test_config_validation(kwargs, message):
 @pytest.mark.parametrize('policy', ['full', 'dots'])
 def test_remat_gives_same_loss_and_gradients(policy):
   base, params = create_model(CONFIG, seed=5)
-  remat, _ = create_model(dataclasses.replace(CONFIG, remat=policy), seed=5)
+  remat, _ = create_model(CONFIG.with_execution(remat=policy), seed=5)
   tokens = jnp.asarray(np.random.RandomState(7).randint(0, 19, (2, 8)), jnp.int32)
 
   def loss(model, p):
@@ -341,6 +313,10 @@ def test_prefill_and_decode_step_api(model_and_params):
   np.testing.assert_array_equal(cache.lengths, [4, 6])
 
 
-def test_unknown_remat_policy():
+def test_unknown_remat_policy_and_weight_layout():
   with pytest.raises(ValueError, match="remat='some'"):
-    DecoderConfig(vocab_size=10, remat='some')
+    Execution(remat='some')
+  with pytest.raises(ValueError, match="weight_layout='k_n'"):
+    Execution(weight_layout='k_n')
+  with pytest.raises(ValueError, match='must be an Execution'):
+    DecoderConfig(vocab_size=10, execution='fast')

@@ -1,4 +1,4 @@
-"""Tests for rlax_llm.models.gguf.
+"""Tests for rlax_llm.models.files.gguf.
 
 The real checkpoint (SmolLM2-135M-Instruct, Q4_1, llama layout) is checked against transformers'
 own GGUF loader, an independent implementation. Tiny llama / qwen2 / qwen3 files written here
@@ -12,7 +12,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from rlax_llm.models import gguf as gguf_lib
+from rlax_llm.models.files import gguf as gguf_lib
 
 gguf = pytest.importorskip('gguf')
 

@@ -17,10 +17,11 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from rlax_llm.errors import CheckpointError  # noqa: E402
-from rlax_llm.models import hf  # noqa: E402
-from rlax_llm.models.decoder import DecoderConfig, KVCache  # noqa: E402
+from rlax_llm.models.files import hf  # noqa: E402
+from rlax_llm.models.decoder_config import DecoderConfig  # noqa: E402
+from rlax_llm.models.kv_cache import KVCache  # noqa: E402
 from rlax_llm.models.model import create_model  # noqa: E402
-from rlax_llm.models.pretrained import from_pretrained, save_pretrained  # noqa: E402
+from rlax_llm.models.files.pretrained import from_pretrained, save_pretrained  # noqa: E402
 from rlax_llm.sharding import make_mesh  # noqa: E402
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -90,7 +91,8 @@ def test_loader_options_reach_the_config(reference):
   ours, _ = from_pretrained(directory, batch_invariant=True, invariant_rows='floor',
                             remat='full', max_seq_len=96)
   config = ours.config
-  assert (config.batch_invariant, config.invariant_rows, config.remat, config.max_seq_len) == (
+  run = config.execution
+  assert (run.batch_invariant, run.invariant_rows, run.remat, config.max_seq_len) == (
       True, 'floor', 'full', 96)
   tokens = _tokens(3)
   np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens, jnp.int32))),

@@ -3,6 +3,7 @@
 import jax
 import pytest
 
+from rlax_llm.models.decoder_config import Execution
 from rlax_llm.models.presets import PRESETS, count_params, get_preset, memory_per_device
 from rlax_llm.sharding import make_mesh
 
@@ -31,6 +32,7 @@ def test_memory_per_device_shrinks_with_fsdp_and_tensor():
 
 
 def test_get_config_overrides_and_errors():
-  assert get_preset('qwen3-0.6b', remat='full').remat == 'full'
+  assert get_preset('qwen3-0.6b', max_seq_len=128).max_seq_len == 128
+  assert get_preset('qwen3-0.6b', execution=Execution(remat='full')).execution.remat == 'full'
   with pytest.raises(ValueError, match="Unknown model 'gpt5'.*qwen3-8b"):
     get_preset('gpt5')

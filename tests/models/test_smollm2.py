@@ -12,7 +12,7 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from rlax_llm.models import from_pretrained, smollm2_gguf_path  # noqa: E402
-from rlax_llm.models import gguf as gguf_lib  # noqa: E402
+from rlax_llm.models.files import gguf as gguf_lib  # noqa: E402
 from rlax_llm.models.model import split_module  # noqa: E402
 from rlax_llm.sampling_spec import GREEDY  # noqa: E402
 from rlax_llm.rollout.driver import generate  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 
 from rlax_llm.data_types import TrainBatch
 from rlax_llm.losses import LossConfig
-from rlax_llm.models.decoder import DecoderConfig
+from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.model import create_model
 from rlax_llm.paramserver import ParameterServer
 from rlax_llm.paramserver import delta as delta_lib

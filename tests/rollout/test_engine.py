@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlax_llm.models.decoder import INVARIANT_KEYS, DecoderConfig
+from rlax_llm.models.decoder_config import DecoderConfig
+from rlax_llm.models.numerics import INVARIANT_KEYS
 from rlax_llm.models.model import create_model
 from rlax_llm.sampling_spec import GREEDY, SamplingSpec
 from rlax_llm.trainer.scoring import Policy
@@ -139,7 +140,7 @@ def test_engine_keeps_params_in_its_weight_layout(models):
   cpu = jax.default_backend() == 'cpu'
   default = make_driver(model, params)
   plain = make_driver(model, params, engine_kwargs=dict(weight_layout='in_out'))
-  assert default.engine.model.config.weight_layout == ('out_in' if cpu else 'in_out')
+  assert default.engine.model.config.execution.weight_layout == ('out_in' if cpu else 'in_out')
   assert plain.engine.model is model
   wq = default.holder.get()[1]['blocks'][0]['attn']['wq']
   assert wq.shape == ((4, 8, 32) if cpu else (32, 4, 8))
@@ -148,7 +149,7 @@ def test_engine_keeps_params_in_its_weight_layout(models):
     for a, b in zip(ours, theirs):
       assert a.tokens == b.tokens
       np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
-  invariant = create_model(dataclasses.replace(CONFIG, batch_invariant=True))[0]
+  invariant = create_model(CONFIG.with_execution(batch_invariant=True))[0]
   engine = Engine(invariant, MESH, slots=2, max_prefill_length=16, max_decode_length=4,
                   pad_id=PAD)
   assert engine.model is invariant
@@ -161,8 +162,8 @@ def test_batch_invariant_logprobs_equal_the_trainer_bitwise(attend_buckets, rows
   bit, with requests queueing for slots and sequences crossing cache blocks (two blocks of
   ``INVARIANT_KEYS``; steps attend to the whole cache or to buckets of 32 positions), with
   either ``invariant_rows``."""
-  model, params = create_model(dataclasses.replace(CONFIG, batch_invariant=True,
-                                                   invariant_rows=rows, max_seq_len=160),
+  config = dataclasses.replace(CONFIG, max_seq_len=160)
+  model, params = create_model(config.with_execution(batch_invariant=True, invariant_rows=rows),
                                seed=0)
   engine = Engine(model, MESH, slots=4, max_prefill_length=16, max_decode_length=112,
                   pad_id=PAD, attend_buckets=attend_buckets)

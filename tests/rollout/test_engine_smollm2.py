@@ -8,7 +8,6 @@
 * A seed reproduces sampled output.
 """
 
-import dataclasses
 import os
 
 import jax
@@ -63,7 +62,7 @@ def smollm2():
   driver = _driver(model, params, tokenizer, prompts)
   # Where it builds, decode steps use the compiled CPU attention kernel: these are its
   # parity tests on the real model (tests/models/test_cpu_attention.py has the rest).
-  assert driver.engine.model.config.decode_attention == (
+  assert driver.engine.model.config.execution.decode_attention == (
       'cpu_kernel' if cpu_attention.available() else 'xla'), driver.engine.decode_attention_note
   return model, params, tokenizer, prompts, driver
 
@@ -152,8 +151,8 @@ def test_batch_invariant_behaviour_logprobs_equal_the_trainer_bitwise(smollm2, r
   batch_invariant=True, invariant_rows=rows)`` gives (``test_hf_parity`` checks that the
   loader sets those fields)."""
   model, params, tokenizer, prompts, _ = smollm2
-  model = abstract_model(dataclasses.replace(model.config, batch_invariant=True,
-                                             invariant_rows=rows))
+  model = abstract_model(model.config.with_execution(batch_invariant=True,
+                                                    invariant_rows=rows))
   driver = _driver(model, params, tokenizer, prompts)
   assert driver.engine.model is model  # batch-invariant: the trainer's own layout
   pairs = list(zip(prompts, run(driver, prompts, spec, seed=1)))

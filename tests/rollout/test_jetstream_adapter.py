@@ -18,9 +18,10 @@ pytest.importorskip('jetstream', reason='optional: pip install --no-deps google-
 grpc = pytest.importorskip('grpc')
 
 from rlax_llm.models import from_pretrained, save_pretrained, smollm2_gguf_path  # noqa: E402
-from rlax_llm.models.decoder import Decoder, DecoderConfig  # noqa: E402
+from rlax_llm.models.decoder import Decoder  # noqa: E402
+from rlax_llm.models.decoder_config import DecoderConfig  # noqa: E402
 from rlax_llm.models.model import split_module  # noqa: E402
-from rlax_llm.models.tokenizer import HFTokenizer  # noqa: E402
+from rlax_llm.models.files.tokenizer import HFTokenizer  # noqa: E402
 from rlax_llm.sampling_spec import GREEDY  # noqa: E402
 from rlax_llm.rollout import jetstream_adapter  # noqa: E402
 from rlax_llm.rollout.driver import generate  # noqa: E402

@@ -12,7 +12,7 @@ import pytest
 from rlax_llm import policy as policy_lib
 from rlax_llm.data_types import GenerationRequest, Rollouts, make_train_batch
 from rlax_llm.losses import LossConfig
-from rlax_llm.models.decoder import DecoderConfig
+from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.model import create_model
 from rlax_llm.paramserver import ParameterServer
 from rlax_llm.sampling_spec import GREEDY, SamplingSpec

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from rlax_llm.losses import LossConfig
-from rlax_llm.models.decoder import DecoderConfig
+from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.model import create_model
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.trainer.scoring import Policy

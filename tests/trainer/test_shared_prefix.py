@@ -15,7 +15,7 @@ import pytest
 from rlax_llm.cli import load_config_file
 from rlax_llm import roles
 from rlax_llm.losses import LOSSES, LossConfig
-from rlax_llm.models.decoder import DecoderConfig
+from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.model import create_model
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.trainer.scoring import Policy

@@ -14,7 +14,6 @@ ever holds a full unsharded copy of a sharded tensor.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 from collections.abc import Sequence
@@ -27,10 +26,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from rlax_llm import sharding as sharding_lib
-from rlax_llm.models import gguf as gguf_lib
-from rlax_llm.models import hf
-from rlax_llm.models import tokenizer as tokenizer_lib
-from rlax_llm.models.decoder import Decoder, DecoderConfig
+from rlax_llm.models.decoder import Decoder
+from rlax_llm.models.decoder_config import DecoderConfig, Execution
+from rlax_llm.models.files import gguf as gguf_lib
+from rlax_llm.models.files import hf
+from rlax_llm.models.files import tokenizer as tokenizer_lib
 from rlax_llm.models.model import abstract_model
 
 
@@ -47,10 +47,10 @@ def from_pretrained(path: str | pathlib.Path, mesh: Mesh | None = None,
       with ``model.safetensors.index.json``), or a ``.gguf`` file.
     mesh: if given, params are placed with the shardings that the logical-axis ``rules``
       give on this mesh; else on the default device.
-    dtype: compute dtype; ``param_dtype``: storage dtype of the params.
-    remat: rematerialisation policy of the blocks ('none' | 'full' | 'dots').
-    batch_invariant: batch-invariant numerics (``DecoderConfig.batch_invariant``);
-      ``invariant_rows``: how they fix the matmul kernel (``DecoderConfig.invariant_rows``).
+    dtype, param_dtype, remat, batch_invariant, invariant_rows: how the model runs, its
+      ``DecoderConfig.execution`` (``Execution``: compute and storage dtypes, the blocks'
+      rematerialisation policy, batch-invariant numerics and how they fix the matmul
+      kernel).
     max_seq_len: override of the config's maximum sequence length.
   Returns:
     ``(model, tokenizer)``; tokenizer is None for a directory without ``tokenizer.json``.
@@ -77,10 +77,9 @@ def from_pretrained(path: str | pathlib.Path, mesh: Mesh | None = None,
     get_tensor, names = checkpoint.get, checkpoint.names
     tokenizer = (tokenizer_lib.HFTokenizer.from_directory(path)
                  if (path / 'tokenizer.json').exists() else None)
-  config = hf.config_from_hf(hf_config, param_dtype=param_dtype, dtype=dtype,
-                             max_seq_len=max_seq_len)
-  config = dataclasses.replace(config, remat=remat, batch_invariant=batch_invariant,
-                               invariant_rows=invariant_rows)
+  execution = Execution(remat=remat, param_dtype=param_dtype, dtype=dtype,
+                        batch_invariant=batch_invariant, invariant_rows=invariant_rows)
+  config = hf.config_from_hf(hf_config, execution=execution, max_seq_len=max_seq_len)
   model = abstract_model(config)
   abstract = model.abstract_params()
 

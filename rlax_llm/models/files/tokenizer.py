@@ -4,7 +4,7 @@ A wrapper over a Hugging Face ``tokenizers.Tokenizer`` implementing
 ``rlax_llm.tokenization.Tokenizer`` (the protocol ``CharTokenizer`` implements too), loaded
 from a Hugging Face directory (``tokenizer.json`` and friends) or from a GGUF file's metadata,
 with the checkpoint's chat template rendered the way ``transformers`` renders it
-(``rlax_llm.models.chat_template``). It gives the same ids as ``transformers.AutoTokenizer``
+(``rlax_llm.models.files.chat_template``). It gives the same ids as ``transformers.AutoTokenizer``
 on the same files, and ``save`` writes a directory ``AutoTokenizer.from_pretrained`` loads
 back. ``encode`` adds bos / eos only when asked (``add_bos`` / ``add_eos``), never because the
 checkpoint's post-processor would.
@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rlax_llm import tokenization
-from rlax_llm.models import chat_template as chat_template_lib
-from rlax_llm.models import gguf as gguf_lib
-from rlax_llm.models import hf
 from rlax_llm.errors import CheckpointError
+from rlax_llm.models.files import chat_template as chat_template_lib
+from rlax_llm.models.files import gguf as gguf_lib
+from rlax_llm.models.files import hf
 
 if TYPE_CHECKING:
   import tokenizers
@@ -596,17 +596,7 @@ class HFTokenizer:
   def encode_batch(self, texts: Sequence[str], length: int | None = None,
                    add_bos: bool = False, add_eos: bool = False
                    ) -> tuple[np.ndarray, np.ndarray]:
-    """Encodes and right-pads ``texts`` with ``pad_id``.
-
-    Args:
-      texts: B strings.
-      length: padded length L; ``None`` pads to the longest encoding.
-      add_bos, add_eos: as in ``encode`` (they count towards the length).
-
-    Returns:
-      ``(ids, lengths)``: int32 ``[B, L]`` and int32 ``[B]`` (tokens before the padding).
-    Raises ValueError if an encoding is longer than ``length``.
-    """
+    """``tokenization.Tokenizer.encode_batch``, the texts encoded in one batched call."""
     tokenization.check_batch_args(texts, length)
     texts = list(texts)
     for index, text in enumerate(texts):

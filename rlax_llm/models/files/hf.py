@@ -4,7 +4,7 @@ Everything here is NumPy: a Hugging Face config dict and a state dict of arrays 
 Face names and layouts (``model.layers.{i}.self_attn.q_proj.weight`` is
 ``[heads * head_dim, hidden]``) on one side, ``DecoderConfig`` and rlax_llm params (nested
 dicts, ``wq`` is ``[embed, heads, head_dim]``) on the other. Loaders (safetensors, GGUF) and
-the exporter meet at this interface; ``rlax_llm.models.pretrained`` places the arrays on
+the exporter meet at this interface; ``rlax_llm.models.files.pretrained`` places the arrays on
 devices.
 
 Supported architectures: ``LlamaForCausalLM`` (Llama 3.x incl. ``llama3`` RoPE scaling,
@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 
 from rlax_llm.errors import CheckpointError
-from rlax_llm.models.decoder import DecoderConfig, RopeScaling
+from rlax_llm.models.decoder_config import DecoderConfig, Execution, RopeScaling
 
 ARCHITECTURES = {
     'LlamaForCausalLM': 'llama',
@@ -39,9 +39,10 @@ _FAMILY_TO_ARCH = {v: k for k, v in ARCHITECTURES.items()}
 # ----------------------------------------------------------------------------- configs
 
 
-def config_from_hf(hf: Mapping[str, Any], *, param_dtype: Any = jnp.float32,
-                   dtype: Any = jnp.float32, max_seq_len: int | None = None) -> DecoderConfig:
-  """``DecoderConfig`` from a Hugging Face ``config.json`` dict (transformers 4 or 5 keys)."""
+def config_from_hf(hf: Mapping[str, Any], *, execution: Execution = Execution(),
+                   max_seq_len: int | None = None) -> DecoderConfig:
+  """``DecoderConfig`` from a Hugging Face ``config.json`` dict (transformers 4 or 5 keys),
+  run with ``execution``."""
   archs = hf.get('architectures') or []
   family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
   if family is None:
@@ -84,7 +85,7 @@ def config_from_hf(hf: Mapping[str, Any], *, param_dtype: Any = jnp.float32,
       qkv_bias=family == 'qwen2' or bool(hf.get('attention_bias', False)),
       qk_norm=family == 'qwen3',
       max_seq_len=max_seq_len or int(hf.get('max_position_embeddings', 4096)),
-      family=family, param_dtype=param_dtype, dtype=dtype)
+      family=family, execution=execution)
 
 
 def config_to_hf(config: DecoderConfig, **extra: Any) -> dict[str, Any]:
@@ -112,7 +113,7 @@ def config_to_hf(config: DecoderConfig, **extra: Any) -> dict[str, Any]:
       'rope_parameters': rope,
       'tie_word_embeddings': config.tie_embeddings,
       'attention_bias': config.qkv_bias,
-      'torch_dtype': 'float32' if config.param_dtype == jnp.float32 else 'bfloat16',
+      'torch_dtype': 'float32' if config.execution.param_dtype == jnp.float32 else 'bfloat16',
   }
   if config.rope_scaling is not None:
     hf['rope_scaling'] = {k: v for k, v in rope.items() if k != 'rope_theta'}

@@ -1,0 +1,202 @@
+"""The decoder's fixed-size KV cache: its layout (``KVCache``) and how a layer writes it.
+
+KV cache contract (``KVCache``): ``k[i]`` and ``v[i]`` for layer ``i`` are tuples of
+*blocks*; block ``j`` holds positions ``j * block_length .. (j + 1) * block_length - 1``,
+values as ``[batch, kv_heads, block_length, head_dim]`` and keys transposed,
+``[batch, kv_heads, head_dim, block_length]``: the layouts in which both attention matmuls
+of a decode step read the cache as their plain (untransposed) right-hand operand (with keys
+stored like values, XLA:CPU's score matmul ran at less than half the speed of the value
+matmul over the same bytes). ``max_len`` is ``num_blocks * block_length``. One block (the
+default) is the plain contiguous cache. Several blocks let a decode step that attends to the
+first ``attend`` positions read whole blocks (separate buffers) instead of slicing a prefix
+out of one buffer, which XLA materialises as a copy of that prefix in every layer and step.
+With ``batch_invariant`` blocks must be a multiple of ``numerics.INVARIANT_KEYS`` positions.
+``lengths`` is ``int32 [batch]``, the number of valid positions of each slot. A call with
+``cache`` writes the ``T`` new keys/values of row ``b`` at positions
+``lengths[b] .. lengths[b] + T - 1`` and advances ``lengths[b]`` by ``num_valid[b]``
+(default ``T``). Query ``t`` of row ``b`` sits at position
+``lengths[b] + t`` and attends to every cached position ``<=`` its own. Rows may be
+right-padded: positions past ``num_valid`` hold junk that later writes overwrite before any
+query can see it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from rlax_llm.models.decoder_config import DecoderConfig
+
+Array = jax.Array
+LayerBlocks = tuple[tuple[Array, ...], tuple[Array, ...]]  # one layer's (keys, values)
+
+# The logical axes of the cache blocks, values ``[B, kv, S, d]`` and keys transposed
+# ``[B, kv, d, S]`` (see the module docstring), and their position axes.
+VALUE_BLOCK_AXES = ('batch', 'kv_heads', 'length', 'head_dim')
+VALUE_POSITION_AXIS = VALUE_BLOCK_AXES.index('length')
+KEY_BLOCK_AXES = ('batch', 'kv_heads', 'head_dim', 'length')
+KEY_POSITION_AXIS = KEY_BLOCK_AXES.index('length')
+# The axes of the keys and values the attention projections produce, ``[B, T, kv, d]``.
+_PROJECTED_AXES = ('batch', 'length', 'kv_heads', 'head_dim')
+
+
+def cache_block_shape(axes: tuple[str, ...], config: DecoderConfig, batch: int,
+                      block_length: int) -> tuple[int, ...]:
+  """The shape of a cache block with logical ``axes`` (``VALUE_BLOCK_AXES`` or
+  ``KEY_BLOCK_AXES``) for ``batch`` slots of ``block_length`` positions."""
+  sizes = {'batch': batch, 'kv_heads': config.num_kv_heads, 'head_dim': config.head_dim,
+           'length': block_length}
+  return tuple(sizes[axis] for axis in axes)
+
+
+def to_block(x: Array, axes: tuple[str, ...]) -> Array:
+  """Projected keys or values ``[B, T, kv, d]`` laid out as a cache block with ``axes``."""
+  return x.transpose(tuple(_PROJECTED_AXES.index(axis) for axis in axes))
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Fixed-size per-layer key/value cache in blocks (see the module docstring)."""
+
+  k: tuple[tuple[Array, ...], ...]  # [layer][block]: [batch, kv_heads, head_dim, block_length]
+  v: tuple[tuple[Array, ...], ...]  # [layer][block]: [batch, kv_heads, block_length, head_dim]
+  lengths: Array  # int32 [batch]
+
+  @classmethod
+  def init(cls, config: DecoderConfig, batch: int, max_len: int | None = None,
+           block_length: int | None = None) -> KVCache:
+    """An empty cache of at least ``max_len`` positions (default ``config.max_seq_len``) in
+    blocks of ``block_length`` (default: one block of ``max_len``)."""
+    max_len = max_len or config.max_seq_len
+    block = max_len if block_length is None else block_length
+    if block < 1:
+      raise ValueError(f'block_length must be >= 1, got {block_length}.')
+    dtype = config.execution.dtype
+    layer = lambda axes: tuple(jnp.zeros(cache_block_shape(axes, config, batch, block), dtype)
+                               for _ in range(-(-max_len // block)))
+    return cls(k=tuple(layer(KEY_BLOCK_AXES) for _ in range(config.num_layers)),
+               v=tuple(layer(VALUE_BLOCK_AXES) for _ in range(config.num_layers)),
+               lengths=jnp.zeros((batch,), jnp.int32))
+
+  @property
+  def block_length(self) -> int:
+    return self.v[0][0].shape[VALUE_POSITION_AXIS]
+
+  @property
+  def num_blocks(self) -> int:
+    return len(self.k[0])
+
+  @property
+  def max_len(self) -> int:
+    return self.num_blocks * self.block_length
+
+
+def layer_update(kv: LayerBlocks, k: Array, v: Array, starts: Array, attend: int, *,
+                 whole_buffer: bool = False
+                 ) -> tuple[tuple[Array, ...], tuple[Array, ...], Callable[[Array], LayerBlocks]]:
+  """One layer's cache with new keys and values ``k``, ``v`` ``[B, T, kv, d]`` written at
+  positions ``starts[b] ..`` of each row.
+
+  Returns ``(keys, values, write)``: the blocks attention reads (its first ``attend``
+  positions, in the cache layouts; the whole buffer of a one-block cache with
+  ``whole_buffer``, for a kernel that reads each slot's positions itself, with no slice, a
+  copy, of the buffer) and ``write(out)``, the layer's new blocks once attention's output
+  ``out`` exists. With several blocks ``attend`` is a multiple of the block (the decoder
+  rounds it up) and the new positions lie below it, so the blocks past it are neither read
+  nor written.
+  """
+  if len(kv[0]) == 1:
+    new_kv = ((_write_positions(kv[0][0], to_block(k, KEY_BLOCK_AXES), starts,
+                                KEY_POSITION_AXIS),),
+              (_write_positions(kv[1][0], to_block(v, VALUE_BLOCK_AXES), starts,
+                                VALUE_POSITION_AXIS),))
+    if whole_buffer:
+      return *new_kv, lambda out: new_kv
+    return ((jax.lax.slice_in_dim(new_kv[0][0], 0, attend, axis=KEY_POSITION_AXIS),),
+            (new_kv[1][0][:, :, :attend],), lambda out: new_kv)
+  used = attend // kv[1][0].shape[VALUE_POSITION_AXIS]
+  if k.shape[0] == 1:
+    # One row: XLA:CPU makes the write a dynamic-update-slice, duplicates it into
+    # attention's fusion when attention reads the written block, and copies every
+    # written block four times a step. So attention reads the blocks as written,
+    # computed from the old blocks and the new values (``_blocks_with``), and the
+    # writes follow it in place (``_write_after``). With more rows the write stays a
+    # scatter that attention reads in place (no copies), and this path measured 2%
+    # slower at 8 rows and no faster at 32 (benchmarks/RESULTS.md).
+    return (_blocks_with(kv[0][:used], k, starts, KEY_POSITION_AXIS),
+            _blocks_with(kv[1][:used], v, starts, VALUE_POSITION_AXIS),
+            lambda out: _write_after(out, kv, used, k, v, starts))
+  ks = _write_blocks(kv[0][:used], k, starts, KEY_POSITION_AXIS)
+  vs = _write_blocks(kv[1][:used], v, starts, VALUE_POSITION_AXIS)
+  return ks, vs, lambda out: (ks + kv[0][used:], vs + kv[1][used:])
+
+
+def _write_positions(buffer: Array, update: Array, starts: Array, axis: int) -> Array:
+  """Writes ``update[b]`` into ``buffer[b]`` (a one-block cache) at position ``starts[b]``
+  along ``axis`` (2 for values ``[B, kv, S, d]``, ``KEY_POSITION_AXIS`` for keys);
+  ``update`` is laid out like ``buffer`` with ``T`` positions."""
+  def one(buf, upd, start):
+    index = [jnp.zeros((), start.dtype)] * (buf.ndim)
+    index[axis - 1] = start
+    return jax.lax.dynamic_update_slice(buf, upd.astype(buf.dtype), index)
+  return jax.vmap(one)(buffer, update, starts)
+
+
+def _write_blocks(blocks: tuple[Array, ...], values: Array, starts: Array, axis: int
+                  ) -> tuple[Array, ...]:
+  """Writes ``values[b, t]`` ``[kv, d]`` at position ``starts[b] + t`` (along ``axis`` of
+  each ``[B, ...]`` block, 2 for values, ``KEY_POSITION_AXIS`` for keys) of the leading
+  cache blocks ``blocks``;
+  positions past them are dropped."""
+  batch, length = values.shape[:2]
+  block = blocks[0].shape[axis]
+  positions = starts[:, None] + jnp.arange(length, dtype=starts.dtype)  # [B, T]
+  rows = jnp.arange(batch)[:, None]
+  written = []
+  for j, buf in enumerate(blocks):
+    local = positions - j * block
+    local = jnp.where((local >= 0) & (local < block), local, block)  # block: dropped
+    # Advanced indices (rows, local) index [B, T] first, then the sliced (kv, d) dims.
+    index = (rows, slice(None), local) if axis == 2 else (rows, slice(None), slice(None), local)
+    written.append(buf.at[index].set(values.astype(buf.dtype), mode='drop'))
+  return tuple(written)
+
+
+def _write_after(out: Array, kv, used: int, k: Array, v: Array, starts: Array):
+  """The layer's new cache blocks: ``k``, ``v`` ``[B, T, kv, d]`` written into the first
+  ``used`` blocks of ``kv`` (keys, values) once attention's output ``out`` ``[B, ...]``
+  exists.
+
+  XLA:CPU updates a donated block in place only if the update depends by data on every
+  other read of that block; otherwise it copies the block twice first. So the written values
+  are ``k - 0 * |out[b, first]|``: bitwise ``k`` (``x - 0`` is ``x``, signed zeros included)
+  while ``out`` is finite, and a non-finite ``out`` has already made its row's logits NaN.
+  """
+  zero = 0 * jnp.abs(out.reshape(out.shape[0], -1)[:, :1])  # [B, 1]: data, not a constant
+  zero = zero.astype(k.dtype)[:, :, None, None]
+  return (_write_blocks(kv[0][:used], k - zero, starts, KEY_POSITION_AXIS) + kv[0][used:],
+          _write_blocks(kv[1][:used], v - zero, starts, VALUE_POSITION_AXIS) + kv[1][used:])
+
+
+def _blocks_with(blocks: tuple[Array, ...], values: Array, starts: Array, axis: int
+                 ) -> tuple[Array, ...]:
+  """The blocks ``_write_blocks(blocks, values, starts, axis)`` returns, bitwise, as a select
+  between the old blocks and ``values`` (gathered to their positions) that reads neither the
+  written blocks nor anything that aliases them."""
+  batch, length = values.shape[:2]
+  block = blocks[0].shape[axis]
+  axes = KEY_BLOCK_AXES if axis == KEY_POSITION_AXIS else VALUE_BLOCK_AXES
+  new = to_block(values, axes).astype(blocks[0].dtype)  # T positions along ``axis``
+  along = lambda x: x.reshape((batch,) + tuple(-1 if a == axis else 1  # [B, S] -> ``axis``
+                                               for a in range(1, len(axes))))
+  out = []
+  for j, buf in enumerate(blocks):
+    local = j * block + jnp.arange(block, dtype=starts.dtype) - starts[:, None]  # [B, S]
+    hit = along((local >= 0) & (local < length))
+    source = new if length == 1 else jnp.take_along_axis(
+        new, along(jnp.clip(local, 0, length - 1)), axis=axis)
+    out.append(jnp.where(hit, source, buf))
+  return tuple(out)

@@ -1,0 +1,160 @@
+"""The package's import structure: no cycles (not even behind a function-level import), and
+every module importable first in a fresh interpreter (that the config boundary loads no jax is
+tests/test_cli.py's).
+
+A cycle between modules works only in the import orders that happen to be tried, and a
+function-level import that closes one hides it from every import-time check: so the static
+graph here counts imports inside functions too. Importing ``a.b.c`` runs ``a/b/__init__.py``
+first, so an import of a submodule from outside its package is also an edge to the package.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / 'rlax_llm'
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  """Dotted module name -> file, for every module of the package."""
+  found = {}
+  for path in sorted(PACKAGE.rglob('*.py')):
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix('').parts)
+    if parts[-1] == '__init__':
+      parts.pop()
+    found['.'.join(parts)] = path
+  return found
+
+
+def import_graph(modules: dict[str, pathlib.Path]) -> dict[str, dict[str, str]]:
+  """Module -> {imported module: 'top' | 'function, line N'}: every import of an ``rlax_llm``
+  module anywhere in its source, plus the ``__init__`` of each package it enters from outside.
+  """
+
+  def target(name: str) -> str | None:
+    while name and name not in modules:
+      name = name.rpartition('.')[0]
+    return name or None
+
+  graph: dict[str, dict[str, str]] = {}
+  for module, path in modules.items():
+    tree = ast.parse(path.read_text(encoding='utf-8'))
+    top = {id(node) for node in tree.body}
+    edges = graph.setdefault(module, {})
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        names = [f'{node.module}.{alias.name}' if f'{node.module}.{alias.name}' in modules
+                 else node.module for alias in node.names]
+      else:
+        continue
+      where = 'top' if id(node) in top else f'function, line {node.lineno}'
+      for name in names:
+        imported = target(name) if name.startswith('rlax_llm') else None
+        if imported is None or imported == module:
+          continue
+        edges.setdefault(imported, where)
+        parts = imported.split('.')
+        for k in range(2, len(parts)):
+          package = '.'.join(parts[:k])
+          if package in modules and not (module + '.').startswith(package + '.'):
+            edges.setdefault(package, f'{where} (runs {package}/__init__.py)')
+  return graph
+
+
+def cycles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
+  """The strongly connected components of more than one module (Tarjan), sorted."""
+  index: dict[str, int] = {}
+  low: dict[str, int] = {}
+  stack: list[str] = []
+  on_stack: set[str] = set()
+  found: list[list[str]] = []
+
+  def visit(node: str) -> None:
+    index[node] = low[node] = len(index)
+    stack.append(node)
+    on_stack.add(node)
+    for nxt in graph[node]:
+      if nxt not in index:
+        visit(nxt)
+        low[node] = min(low[node], low[nxt])
+      elif nxt in on_stack:
+        low[node] = min(low[node], index[nxt])
+    if low[node] == index[node]:
+      component = []
+      while True:
+        top = stack.pop()
+        on_stack.discard(top)
+        component.append(top)
+        if top == node:
+          break
+      if len(component) > 1:
+        found.append(sorted(component))
+
+  for node in sorted(graph):
+    if node not in index:
+      visit(node)
+  return sorted(found)
+
+
+def test_the_package_has_no_import_cycle():
+  graph = import_graph(_modules())
+  found = cycles(graph)
+  described = [
+      '; '.join(f'{a} -> {b} ({graph[a][b]})' for a in component for b in sorted(graph[a])
+                if b in component)
+      for component in found]
+  assert not found, 'import cycles:\n' + '\n'.join(described)
+
+
+def test_the_cycle_check_sees_function_level_and_package_init_imports(tmp_path):
+  """The check can fail: a cycle closed inside a function, and one through a package's
+  ``__init__``, are both found."""
+  root = tmp_path / 'rlax_llm'
+  (root / 'tasks').mkdir(parents=True)
+  (root / '__init__.py').write_text('')
+  (root / 'controller.py').write_text('from rlax_llm import config\n')
+  (root / 'config.py').write_text('def f():\n  from rlax_llm.controller import g\n')
+  (root / 'tasks' / '__init__.py').write_text('from rlax_llm.tasks import math\n')
+  (root / 'tasks' / 'math.py').write_text('from rlax_llm import verifiers\n')
+  (root / 'tasks' / 'base.py').write_text('')
+  (root / 'verifiers.py').write_text('from rlax_llm.tasks.base import x\n')
+  modules = {}
+  for path in sorted(root.rglob('*.py')):
+    parts = list(path.relative_to(tmp_path).with_suffix('').parts)
+    if parts[-1] == '__init__':
+      parts.pop()
+    modules['.'.join(parts)] = path
+  graph = import_graph(modules)
+  assert graph['rlax_llm.config']['rlax_llm.controller'] == 'function, line 2'
+  assert cycles(graph) == [['rlax_llm.config', 'rlax_llm.controller'],
+                           ['rlax_llm.tasks', 'rlax_llm.tasks.math', 'rlax_llm.verifiers']]
+
+
+_IMPORT_EACH_FIRST = r'''
+import importlib, sys, traceback
+failed = []
+for name in sys.argv[1:]:
+  for loaded in [m for m in sys.modules if m == 'rlax_llm' or m.startswith('rlax_llm.')]:
+    del sys.modules[loaded]
+  try:
+    importlib.import_module(name)
+  except Exception:
+    failed.append(name + ':\n' + traceback.format_exc(limit=3))
+print('\n'.join(failed))
+'''
+
+
+def test_every_module_imports_first_in_a_fresh_package():
+  """Each module, imported before any other module of the package (third-party modules stay
+  loaded between them, which does not change our import order), imports without error."""
+  result = subprocess.run([sys.executable, '-c', _IMPORT_EACH_FIRST, *_modules()],
+                          capture_output=True, text=True, timeout=120,
+                          cwd=PACKAGE.parent, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert not result.stdout.strip(), result.stdout[-5000:]
