@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,35 +33,55 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
 )
 
 
+def mesh_shape(axis_sizes: Mapping[str, int], devices: int) -> dict[str, int]:
+  """The size of each axis of a mesh ``axis_sizes`` laid over ``devices`` devices.
+
+  ``make_mesh``'s sizing without devices (the Cloud TPU recipes in ``launch/`` size meshes
+  for slices they do not run on). The mesh takes the first devices and may leave some out.
+
+  Args:
+    axis_sizes: size per axis name; at most one may be -1 (the remaining devices). Missing
+      axes have size 1.
+    devices: how many devices there are.
+
+  Returns:
+    ``{'data': n, 'fsdp': n, 'tensor': n}`` (``MESH_AXES`` order), every size positive.
+
+  Raises:
+    ValueError: an unknown axis, more than one -1, a size neither positive nor -1,
+      ``devices`` not divisible by the fixed axes, or a mesh of more than ``devices``.
+  """
+  unknown = set(axis_sizes) - set(MESH_AXES)
+  if unknown:
+    raise ValueError(f'Unknown mesh axes {sorted(unknown)}; valid axes are {MESH_AXES}.')
+  sizes = {name: int(axis_sizes.get(name, 1)) for name in MESH_AXES}
+  if list(sizes.values()).count(-1) > 1:
+    raise ValueError(f'At most one mesh axis may be -1, got {sizes}.')
+  if any(s == 0 or s < -1 for s in sizes.values()):
+    raise ValueError(f'Mesh axis sizes must be positive or -1, got {sizes}.')
+  if -1 in sizes.values():
+    known = math.prod(s for s in sizes.values() if s != -1)
+    if devices % known:
+      raise ValueError(f'{devices} devices do not divide by the fixed mesh axes {sizes}.')
+    sizes = {name: devices // known if s == -1 else s for name, s in sizes.items()}
+  if math.prod(sizes.values()) > devices:
+    raise ValueError(f'Mesh {sizes} needs {math.prod(sizes.values())} devices; {devices} are '
+                     'available.')
+  return sizes
+
+
 def make_mesh(axis_sizes: Mapping[str, int], devices: Sequence[jax.Device] | None = None
               ) -> Mesh:
   """Builds a ``Mesh`` with axes ``('data', 'fsdp', 'tensor')`` (Auto axis types).
 
   Args:
     axis_sizes: size per axis name; at most one may be -1 (use the remaining devices).
-      Missing axes have size 1.
-    devices: defaults to ``jax.devices()``.
+      Missing axes have size 1. Sized by ``mesh_shape`` (its errors, as ValueError).
+    devices: defaults to ``jax.devices()``; the mesh takes the first ones it needs.
   """
   devices = list(jax.devices() if devices is None else devices)
-  unknown = set(axis_sizes) - set(MESH_AXES)
-  if unknown:
-    raise ValueError(f'Unknown mesh axes {sorted(unknown)}; valid axes are {MESH_AXES}.')
-  sizes = [int(axis_sizes.get(name, 1)) for name in MESH_AXES]
-  if sizes.count(-1) > 1:
-    raise ValueError(f'At most one mesh axis may be -1, got {dict(zip(MESH_AXES, sizes))}.')
-  if any(s == 0 or s < -1 for s in sizes):
-    raise ValueError(f'Mesh axis sizes must be positive or -1, got {dict(zip(MESH_AXES, sizes))}.')
-  if -1 in sizes:
-    known = int(np.prod([s for s in sizes if s != -1]))
-    if len(devices) % known:
-      raise ValueError(f'{len(devices)} devices do not divide by the fixed mesh axes '
-                       f'{dict(zip(MESH_AXES, sizes))}.')
-    sizes[sizes.index(-1)] = len(devices) // known
-  total = int(np.prod(sizes))
-  if total > len(devices):
-    raise ValueError(f'Mesh {dict(zip(MESH_AXES, sizes))} needs {total} devices; '
-                     f'{len(devices)} are available.')
-  grid = np.array(devices[:total]).reshape(sizes)
+  sizes = list(mesh_shape(axis_sizes, len(devices)).values())
+  grid = np.array(devices[:math.prod(sizes)]).reshape(sizes)
   return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 

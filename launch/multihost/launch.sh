@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Thin wrapper: python -m rlax_llm.tpu_recipes multihost "$@" with this checkout importable.
+# Thin wrapper: python -m launch.recipes multihost "$@" with this checkout importable.
 # Options: launch/multihost/README.md, or --help. --dry-run checks and prints; nothing runs.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 python="${PYTHON:-$root/.venv/bin/python}"
 if [ ! -x "$python" ] && ! command -v "$python" >/dev/null; then python=python3; fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
-exec "$python" -m rlax_llm.tpu_recipes multihost "$@"
+exec "$python" -m launch.recipes multihost "$@"

@@ -1,0 +1,1 @@
+"""Cloud TPU deployment: the recipes' tooling (``launch/recipes``), their scripts and docs."""

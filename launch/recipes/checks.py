@@ -1,0 +1,270 @@
+"""A config checked against Cloud TPU slices: role meshes, ``validate_config``, memory."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+import pathlib
+from collections.abc import Mapping
+
+import jax
+import ml_collections
+from jax._src import xla_bridge
+
+from launch.recipes.slices import SLICES, SliceError, SliceType, with_chips
+from rlax_llm import roles
+from rlax_llm.config import validate_config
+from rlax_llm.models import presets
+from rlax_llm.sharding import make_mesh, mesh_shape
+
+# Chips a Ray TPU actor can be given on one host (ray._private.accelerators.tpu).
+RAY_TPU_CHIP_OPTIONS = (1, 2, 4, 8)
+
+
+def _fmt(axes: Mapping[str, int]) -> str:
+  return '{' + ', '.join(f'{k}: {v}' for k, v in axes.items()) + '}'
+
+
+def _resolve(config: ml_collections.ConfigDict, role: str, devices: int, where: str
+             ) -> dict[str, int]:
+  axes = config.mesh[role].to_dict()
+  try:
+    return mesh_shape(axes, devices)
+  except ValueError as e:
+    raise SliceError(f'config.mesh.{role}={_fmt(axes)} does not fit {where}: '
+                     f'{str(e).rstrip(".")}; change '
+                     f'mesh.{role} (-1 on one axis takes the remaining chips) or the slice.'
+                     ) from None
+
+
+@dataclasses.dataclass
+class Plan:
+  """What a recipe checked and will launch.
+
+  Attributes:
+    devices: the devices the launch process sees (``validate_config`` runs with as many).
+    checked: one line per check that passed (printed as comments).
+    notes: warnings (printed as comments; they do not stop a dry run).
+    resources: the Ray resources each actor asks for (ray recipe only).
+  """
+  devices: int
+  checked: list[str] = dataclasses.field(default_factory=list)
+  notes: list[str] = dataclasses.field(default_factory=list)
+  resources: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+
+
+def check_local(config: ml_collections.ConfigDict, slice_: SliceType, recipe: str) -> Plan:
+  """Checks a ``backend='local'`` config against one slice (every host runs the launch).
+
+  Without ``mesh.disjoint`` the roles share the slice: the trainer mesh must span all of its
+  chips and each inference mesh fits in it. With ``mesh.disjoint`` the trainer takes the
+  first chips and each of ``rollout.workers`` workers the next ones; together they must use
+  every chip (an idle chip on a multi-host slice is a host without work).
+  """
+  if config.backend != 'local':
+    what = ('renders a JobSet for backend \'local\' (gke-ray renders a KubeRay RayJob for '
+            'backend \'ray\')' if recipe == 'gke' else
+            "runs every role in one process per host (backend 'local')")
+    raise SliceError(f'config.backend={config.backend!r}: the {recipe} recipe {what}; use the '
+                     "ray recipe (launch/ray) for backend 'ray', or pass "
+                     '--config.backend=local.')
+  chips = slice_.chips
+  where = f'{slice_.name} ({chips} chips on {slice_.hosts} host(s))'
+  trainer = _resolve(config, 'trainer', chips, where)
+  used = math.prod(trainer.values())
+  plan = Plan(devices=chips)
+  workers = config.rollout.workers
+  if config.mesh.disjoint:
+    offset = used
+    inference = {}
+    for worker in range(workers):
+      if offset >= chips:
+        raise SliceError(
+            f'config.mesh.disjoint=True: the trainer ({used} chips) and the {worker} '
+            f'inference worker(s) before worker {worker} use all {chips} chips of {where}; '
+            'lower config.rollout.workers or the mesh sizes, or pick a bigger slice.')
+      inference = _resolve(config, 'inference', chips - offset,
+                           f'the {chips - offset} chips of {where} left for worker {worker}')
+      offset += math.prod(inference.values())
+    if offset != chips:
+      raise SliceError(
+          f'config.mesh.disjoint=True: the trainer ({_fmt(trainer)}, {used} chips) and '
+          f'{workers} worker(s) of {_fmt(inference)} use {offset} of the {chips} chips of '
+          f'{where}; size them to use every chip (e.g. -1 on one axis of mesh.inference '
+          f'with one worker), or pick a slice with {offset} chips ({with_chips(offset)}).')
+    plan.checked.append(f'mesh.trainer {_fmt(trainer)} = chips 0-{used - 1}; {workers} '
+                        f'worker(s) of mesh.inference {_fmt(inference)} on chips {used}-'
+                        f'{chips - 1} (disjoint)')
+  else:
+    if used != chips:
+      raise SliceError(
+          f'config.mesh.trainer={_fmt(config.mesh.trainer.to_dict())} is {used} chips but '
+          f'{where} has {chips}: without mesh.disjoint the trainer mesh spans the whole '
+          'slice; set one axis to -1 (e.g. --config.mesh.trainer.data=-1) or use a slice '
+          f'with {used} chips ({with_chips(used)}).')
+    inference = _resolve(config, 'inference', chips, where)
+    size = math.prod(inference.values())
+    plan.checked.append(f'mesh.trainer {_fmt(trainer)} = all {chips} chips; {workers} '
+                        f'worker(s) of mesh.inference {_fmt(inference)} = {size} chip(s) '
+                        'each, shared with the trainer')
+    if slice_.multi_host and size % slice_.hosts:
+      plan.notes.append(
+          f'mesh.inference spans {size} of {chips} chips, so not every one of the '
+          f'{slice_.hosts} hosts holds a part of it; multi-host runs are untested here, and '
+          'a mesh over every host (e.g. --config.mesh.inference.data=-1) is the usual '
+          'SPMD shape.')
+  return plan
+
+
+def check_ray(config: ml_collections.ConfigDict, trainer: SliceType, inference: SliceType,
+              inference_slices: int) -> Plan:
+  """Checks a config for the ray backend: the trainer on one host, workers on others.
+
+  The Ray backend (``rlax_llm/backends/ray.py``) runs the trainer and each inference worker
+  as one actor; an actor's JAX sees the chips Ray gave it on one host. So the trainer slice
+  must be a single host whose chips the trainer mesh uses; each worker gets as many chips
+  as its inference mesh (1, 2, 4 or 8, dividing a host); and because every actor builds
+  all role meshes over its own chips (``rlax_llm.roles.meshes``), each mesh must also fit the
+  other role's chips.
+  """
+  if inference_slices < 1:
+    raise SliceError(f'--inference-slices={inference_slices} must be >= 1.')
+  if config.mesh.disjoint:
+    raise SliceError('config.mesh.disjoint=True: on the ray backend every role is an actor '
+                     'with chips of its own, so roles never share a mesh; pass '
+                     '--config.mesh.disjoint=false.')
+  singles = ', '.join(s.name for s in SLICES.values() if not s.multi_host)
+  if trainer.multi_host:
+    raise SliceError(
+        f'--trainer-tpu-type={trainer.name} has {trainer.hosts} hosts, but the ray backend '
+        'runs the trainer as one actor, which sees the chips of one host; pick a '
+        f'single-host trainer slice ({singles}) or run the whole job on {trainer.name} '
+        'with the multi-host recipe (launch/multihost, backend local).')
+  if inference.multi_host:
+    same = [s.name for s in SLICES.values() if not s.multi_host
+            and s.name.split('-')[0] == inference.name.split('-')[0]
+            and s.chips == inference.chips_per_host]
+    hint = (f'--inference-tpu-type={same[0]} --inference-slices='
+            f'{inference_slices * inference.hosts}' if same else f'a single-host type ({singles})')
+    raise SliceError(
+        f'--inference-tpu-type={inference.name} has {inference.hosts} hosts, but a worker '
+        'actor uses the chips of one host, and the hosts of a multi-host slice form one TPU '
+        'system that the TPU runtime brings up across all of them; use single-host slices '
+        f'instead: {hint}.')
+  t_chips = trainer.chips
+  t_where = f'the trainer host ({trainer.name}, {t_chips} chips)'
+  t_mesh = _resolve(config, 'trainer', t_chips, t_where)
+  if math.prod(t_mesh.values()) != t_chips:
+    raise SliceError(
+        f'config.mesh.trainer={_fmt(config.mesh.trainer.to_dict())} is '
+        f'{math.prod(t_mesh.values())} chips but the trainer actor gets all {t_chips} chips '
+        f'of {trainer.name}; set one axis to -1 (e.g. --config.mesh.trainer.data=-1).')
+  per_host = inference.chips_per_host
+  i_where = f'one {inference.name} host ({per_host} chips)'
+  i_mesh = _resolve(config, 'inference', per_host, i_where)
+  w_chips = math.prod(i_mesh.values())
+  if w_chips not in RAY_TPU_CHIP_OPTIONS or per_host % w_chips:
+    raise SliceError(
+        f'config.mesh.inference={_fmt(config.mesh.inference.to_dict())} is {w_chips} chips '
+        f'per worker; Ray gives a TPU actor {list(RAY_TPU_CHIP_OPTIONS)} chips of one host '
+        f'and {inference.name} hosts have {per_host}; make the inference mesh a size that '
+        f'divides {per_host}.')
+  for role, chips, who in (('trainer', w_chips, 'an inference worker'),
+                           ('inference', t_chips, 'the trainer')):
+    try:
+      mesh_shape(config.mesh[role].to_dict(), chips)
+    except ValueError as e:
+      raise SliceError(
+          f'config.mesh.{role}={_fmt(config.mesh[role].to_dict())} does not fit the {chips} '
+          f'chips of {who} ({str(e).rstrip(".")}): on the ray backend every actor builds all '
+          'role meshes over its own chips (rlax_llm.roles.meshes); use -1 on one axis of '
+          f'mesh.{role} so it fits both.') from None
+  slots = per_host // w_chips
+  capacity = inference_slices * inference.hosts * slots
+  workers = config.rollout.workers
+  if workers > capacity:
+    need = math.ceil(workers / (inference.hosts * slots))
+    raise SliceError(
+        f'config.rollout.workers={workers} needs {workers} x {w_chips} chips, but '
+        f'{inference_slices} x {inference.name} hold {capacity} worker(s) ({inference.hosts} '
+        f'host(s) x {slots} per host); lower rollout.workers, pass --inference-slices={need}, '
+        'or pick a bigger inference slice.')
+  plan = Plan(devices=t_chips)
+  plan.resources = {'trainer': {'TPU': t_chips, 'rlax_trainer': t_chips},
+                    'worker': {'TPU': w_chips, 'rlax_inference': w_chips}}
+  plan.checked.append(f'trainer actor: mesh.trainer {_fmt(t_mesh)} = the {t_chips} chips of '
+                      f'{trainer.name}')
+  plan.checked.append(f'{workers} worker actor(s): mesh.inference {_fmt(i_mesh)} = {w_chips} '
+                      f'chip(s) each; {inference_slices} x {inference.name} hold {capacity}')
+  if workers < capacity:
+    plan.notes.append(f'{capacity - workers} worker slot(s) ({(capacity - workers) * w_chips} '
+                      f'chips) stay idle; --config.rollout.workers={capacity} uses them.')
+  for role in ('trainer', 'worker'):
+    before = config.ray[f'{role}_resources'].to_dict()
+    if before and before != plan.resources[role]:
+      plan.notes.append(f'config.ray.{role}_resources={before} is replaced by '
+                        f'{plan.resources[role]} (the recipe places the actors).')
+  return plan
+
+
+def validate_on_devices(config: ml_collections.ConfigDict, devices: int) -> list[str]:
+  """``validate_config`` as the launch on ``devices`` chips will run it; returns notes.
+
+  JAX gets ``devices`` CPU devices, so this must run before anything in the process
+  initialises a JAX backend (``python -m launch.recipes`` does). A ``model.path``
+  that is not on this machine (a path on the hosts, ``gs://``) is checked on the hosts.
+  """
+  if not xla_bridge.backends_are_initialized():
+    jax.config.update('jax_platforms', 'cpu')
+    jax.config.update('jax_num_cpu_devices', devices)
+  if jax.device_count() != devices:
+    raise RuntimeError(f'JAX already runs with {jax.device_count()} devices, not {devices}; '
+                       'validate in a fresh process (python -m launch.recipes ...).')
+  notes = []
+  checked = copy.deepcopy(config)
+  path = checked.model.get('path')
+  if path is not None and not pathlib.Path(path).exists():
+    checked.model.path = os.devnull
+    notes.append(f'config.model.path={path!r} is not on this machine: it must exist on every '
+                 'host (checked there by the launch).')
+  validate_config(checked)
+  return notes
+
+
+def _gib(n: float) -> str:
+  return f'{n / 2**30:.2f} GiB'
+
+
+def memory_check(config: ml_collections.ConfigDict, trainer_hbm: float,
+                 inference_hbm: float, shared: bool) -> str | None:
+  """Checks a lower bound of the bytes per chip against HBM; returns a summary line.
+
+  Trainer: params and AdamW moments per device on the trainer mesh
+  (``presets.memory_per_device``). Rollouts: ``roles.rollout_memory_bytes`` (KV cache, params,
+  logits). ``shared``: the roles share chips (local backend without ``mesh.disjoint``), so
+  the two add up. Gradients, activations and a KL reference are not counted: passing is
+  necessary, not sufficient. Named presets only: returns ``None`` for another model.
+  """
+  name = config.model.name
+  if name not in presets.PRESETS:
+    return None
+  model = presets.get_preset(name).with_execution(
+      param_dtype=roles.DTYPES[config.model.param_dtype], dtype=roles.DTYPES[config.model.dtype])
+  trainer = presets.memory_per_device(model, make_mesh(config.mesh.trainer.to_dict()))
+  rollout = roles.rollout_memory_bytes(model, config)['per_device_bytes']
+  parts = [('trainer params + AdamW state', trainer['total_bytes'], trainer_hbm),
+           ('one rollout batch (KV cache, params, logits)', rollout, inference_hbm)]
+  if shared:
+    parts = [('trainer params + AdamW state + one rollout batch',
+              trainer['total_bytes'] + rollout, trainer_hbm)]
+  for what, need, hbm in parts:
+    if need > hbm * 2**30:
+      raise SliceError(
+          f'memory: {what} of {name} need at least {_gib(need)} per chip (a lower bound) but '
+          f'a chip has {hbm:g} GiB of HBM; shard more (config.mesh.trainer.fsdp, '
+          'config.mesh.inference.tensor), use bfloat16 (config.model.param_dtype), lower '
+          'rl.prompts_per_step * rl.group_size or sampling lengths, or pick a bigger slice.')
+  return 'memory per chip (lower bound): ' + '; '.join(
+      f'{what} {_gib(need)} of {hbm:g} GiB' for what, need, hbm in parts)

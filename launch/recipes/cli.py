@@ -1,0 +1,294 @@
+"""The recipes' command line: ``python -m launch.recipes RECIPE [options] [--config.KEY=VALUE]``."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import ml_collections
+
+from launch.recipes import manifests, scripts
+from launch.recipes.checks import check_local, check_ray, memory_check, validate_on_devices
+from launch.recipes.scripts import RAY_OVERRIDES, REMOTE_DIR, ROOT, Raw
+from launch.recipes.slices import SLICES, SliceError, SliceType, get_slice, slice_table
+from rlax_llm import workdir as workdir_lib
+from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config
+from rlax_llm.errors import ConfigError, RlaxError
+
+COORDINATOR_PORT = 8476
+RAY_REQUIREMENT = 'ray[default]==2.60.0'  # launch/host_setup.sh installs the same
+
+
+def _remote_spec(spec: str, ref: str | None, strict: bool) -> tuple[str, list[str]]:
+  """``--config`` as the hosts see it (relative to the checkout), and notes about it.
+
+  ``ref``: the git ref copied to the hosts (git archive), whose content is checked; ``None``
+  when the hosts get the checkout another way (the GKE image copies the working tree).
+  """
+  path, sep, variant = spec.partition(':')
+  spelled = pathlib.Path(os.path.abspath(path))
+  try:
+    rel = spelled.resolve().relative_to(ROOT)  # the file git tracks
+  except ValueError:
+    raise SliceError(f'--config={spec}: the hosts get this checkout ({ROOT}); a config '
+                     f'outside it is not copied. Put the file under {ROOT / "configs"}.'
+                     ) from None
+  try:  # the path as given, links kept (the hosts' copy has them): configs/X.py
+    remote = f'{spelled.relative_to(ROOT)}{sep}{variant}'
+  except ValueError:
+    remote = f'{rel}{sep}{variant}'
+  notes = []
+  if ref is None:
+    return remote, notes
+  git = shutil.which('git')
+  tracked = git and subprocess.run([git, '-C', str(ROOT), 'ls-files', '--error-unmatch',
+                                    str(rel)], capture_output=True, check=False).returncode == 0
+  if not tracked:
+    message = (f'--config={spec}: {rel} is not committed in {ROOT}, so git archive does not '
+               'copy it to the hosts; commit it first.')
+    if strict:
+      raise SliceError(message)
+    notes.append(message)
+  elif git:
+    dirty = subprocess.run([git, '-C', str(ROOT), 'status', '--porcelain',
+                            '--untracked-files=no'], capture_output=True, text=True,
+                           check=False).stdout.strip()
+    if dirty:
+      notes.append(f'{ROOT} has uncommitted changes; the hosts get {ref} without them.')
+  return remote, notes
+
+
+def _workdir_notes(workdir: str) -> list[str]:
+  if workdir.startswith('gs://') and 'gs://' not in inspect.getsource(workdir_lib):
+    return [(f'--workdir={workdir}: this checkout\'s rlax_llm/workdir.py writes through the '
+             'local filesystem and does not write gs:// paths; mount the bucket (gcsfuse) on '
+             'every host and pass the mount path.')]
+  if not workdir.startswith(('gs://', '/')):
+    return [(f'--workdir={workdir} is relative: it lands in ~/{REMOTE_DIR}/{workdir} on each '
+             'host and is lost with the VM; use gs://BUCKET/... or a mounted bucket.')]
+  return []
+
+
+_NAME = re.compile(r'[a-z]([-a-z0-9]{0,38}[a-z0-9])?')
+
+
+def _default_name(config: ml_collections.ConfigDict) -> str:
+  name = re.sub(r'[^a-z0-9-]+', '-', f'rlax-{config.name}'.lower()).strip('-')
+  return name[:40].rstrip('-')
+
+
+def _distributed(config: ml_collections.ConfigDict, slice_: SliceType, opts, *,
+                 coordinator: str, process_id: str, strict: bool) -> tuple[list[str], list[str]]:
+  """The ``--config.distributed.*`` flags of a multi-host launch, and notes.
+
+  ``coordinator`` and ``process_id``: the values as the host's command line spells them
+  (a quoted shell expansion, or a Kubernetes ``$(VAR)``); they are not quoted again.
+  """
+  if not slice_.multi_host or opts.no_distributed_flags:
+    return [], []
+  flags_ = ['--config.distributed.initialize=true',
+            Raw(f'--config.distributed.coordinator_address={coordinator}'),
+            f'--config.distributed.num_processes={slice_.hosts}',
+            Raw(f'--config.distributed.process_id={process_id}')]
+  keys = ('initialize', 'coordinator_address', 'num_processes', 'process_id')
+  group = config.get('distributed')
+  missing = [k for k in keys if not isinstance(group, ml_collections.ConfigDict) or k not in group]
+  if missing:
+    message = (f'the config has no distributed.{", distributed.".join(missing)}, so the '
+               'launch would reject --config.distributed.*; add the group (as in '
+               'configs/default.py) or pass --no-distributed-flags to leave them out.')
+    if strict:
+      raise SliceError(message)
+    return flags_, [message]
+  return flags_, []
+
+
+def _common(parser: argparse.ArgumentParser, gcloud: bool = True) -> None:
+  parser.add_argument('--config', default=str(DEFAULT_CONFIG_PATH),
+                      help='config file PATH[:VARIANT] inside this checkout (default: the '
+                      'packaged rlax_llm/configs/default.py); --config.KEY=VALUE overrides '
+                      'follow it')
+  parser.add_argument('--workdir', required=True,
+                      help='run directory on the hosts, e.g. gs://BUCKET/runs/NAME')
+  parser.add_argument('--name', help='resource name (default: rlax-<config name>)')
+  parser.add_argument('--dry-run', action='store_true',
+                      help='check and print the commands; run nothing')
+  parser.add_argument('--project', help='gcloud --project (default: gcloud config)')
+  if gcloud:
+    parser.add_argument('--zone', required=True, help='gcloud --zone, e.g. us-west4-a')
+    parser.add_argument('--spot', action='store_true', help='create Spot TPU VMs')
+    parser.add_argument('--runtime-version', help='TPU VM image (default: per slice table)')
+    parser.add_argument('--ref', default='HEAD', help='git ref copied to the hosts')
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog='python -m launch.recipes', allow_abbrev=False,
+      description='Check a config against Cloud TPU slices and print (--dry-run) or run the '
+      'commands that launch it. Config overrides: --config.KEY=VALUE (as rlax_llm.launch).')
+  sub = parser.add_subparsers(dest='recipe', required=True)
+  sub.add_parser('slices', help='print the slice table')
+  for recipe, text in (('tpu-vm', 'one single-host TPU VM'),
+                       ('multihost', 'every host of a multi-host slice (jax.distributed)')):
+    p = sub.add_parser(recipe, help=text, allow_abbrev=False)
+    _common(p)
+    p.add_argument('--tpu-type', required=True, help='slice, e.g. v5e-8 (see: slices)')
+    if recipe == 'multihost':
+      p.add_argument('--coordinator-port', type=int, default=COORDINATOR_PORT)
+      p.add_argument('--no-distributed-flags', action='store_true',
+                     help='leave out --config.distributed.* (a config without that group; '
+                     'the launch then does not call jax.distributed.initialize)')
+  p = sub.add_parser('ray', help='trainer and inference workers on separate slices (Ray)',
+                     allow_abbrev=False)
+  _common(p)
+  p.add_argument('--trainer-tpu-type', required=True, help='single-host slice, e.g. v5p-8')
+  p.add_argument('--inference-tpu-type', required=True, help='slice, e.g. v5e-8')
+  p.add_argument('--inference-slices', type=int, default=1)
+  p.add_argument('--head-machine-type', default='n2-standard-16',
+                 help='CPU VM for the Ray head and the driver (holds host copies of weights)')
+  p = sub.add_parser('gke', help='a JobSet manifest for a GKE TPU node pool',
+                     allow_abbrev=False)
+  _common(p, gcloud=False)
+  p.add_argument('--tpu-type', required=True)
+  p.add_argument('--image', required=True,
+                 help='container image with this checkout at /app/rlax_llm (launch/gke/Dockerfile)')
+  p.add_argument('--coordinator-port', type=int, default=COORDINATOR_PORT)
+  p.add_argument('--no-distributed-flags', action='store_true',
+                 help='leave out --config.distributed.* (see the multihost recipe)')
+  p.add_argument('--max-restarts', type=int, default=3)
+  p.add_argument('--grace-period-s', type=int, default=600,
+                 help='terminationGracePeriodSeconds: time to checkpoint after SIGTERM')
+  p.add_argument('--output', help='also write the manifest to this file')
+  p = sub.add_parser('gke-ray', help='a KubeRay RayJob: trainer and inference workers on '
+                     'separate GKE TPU node pools', allow_abbrev=False)
+  _common(p, gcloud=False)
+  p.add_argument('--trainer-tpu-type', required=True, help='single-host slice, e.g. v5p-8')
+  p.add_argument('--inference-tpu-type', required=True, help='slice, e.g. v5e-8')
+  p.add_argument('--inference-slices', type=int, default=1)
+  p.add_argument('--image', required=True,
+                 help='container image with this checkout at /app/rlax_llm and Ray '
+                 '(launch/gke/Dockerfile with SETUP_FLAGS="--tpu --ray")')
+  p.add_argument('--ray-version', default=RAY_REQUIREMENT.partition('==')[2],
+                 help='rayClusterSpec.rayVersion: the image\'s Ray version')
+  p.add_argument('--head-cpu', default='8', help='the head pod\'s CPU request (the driver)')
+  p.add_argument('--head-memory', default='32Gi',
+                 help='the head pod\'s memory request (host copies of weight versions)')
+  p.add_argument('--output', help='also write the manifest to this file')
+  return parser
+
+
+def _split_overrides(rest: Sequence[str]) -> list[str]:
+  overrides = []
+  for arg in rest:
+    if arg.startswith('--config.') and '=' in arg:
+      overrides.append(arg)
+    else:
+      raise SliceError(f'unknown argument {arg!r}; recipe options are listed by --help and '
+                       'config overrides take the form --config.KEY=VALUE.')
+  return overrides
+
+
+def run(argv: Sequence[str]) -> int:
+  """The CLI; returns the exit status (raises SystemExit('error: ...') on a bad config)."""
+  parser = build_parser()
+  opts, rest = parser.parse_known_args(argv)
+  if opts.recipe == 'slices':
+    print(slice_table())
+    return 0
+  overrides = _split_overrides(rest)
+  strict = not opts.dry_run
+  spec, notes = _remote_spec(opts.config, getattr(opts, 'ref', None), strict)
+  recipe_overrides: list[str] = []
+  if opts.recipe in ('ray', 'gke-ray'):
+    recipe_overrides = list(RAY_OVERRIDES)
+  config = load_config([f'--config={opts.config}', *overrides, *recipe_overrides])
+  opts.name = opts.name or _default_name(config)
+  if not _NAME.fullmatch(opts.name):
+    raise SliceError(f'--name={opts.name!r}: use 1-40 lowercase letters, digits and hyphens, '
+                     'starting with a letter (a TPU VM / JobSet name).')
+  notes += _workdir_notes(opts.workdir)
+  if opts.recipe in ('ray', 'gke-ray'):
+    trainer, inference = get_slice(opts.trainer_tpu_type), get_slice(opts.inference_tpu_type)
+    plan = check_ray(config, trainer, inference, opts.inference_slices)
+    shared, hbm = False, (trainer.hbm_gib, inference.hbm_gib)
+  else:
+    slice_ = get_slice(opts.tpu_type)
+    if opts.recipe == 'tpu-vm' and slice_.multi_host:
+      singles = ', '.join(s.name for s in SLICES.values() if not s.multi_host)
+      raise SliceError(f'--tpu-type={slice_.name} has {slice_.hosts} hosts; the tpu-vm recipe '
+                       'is for one host: use the multihost recipe (launch/multihost) or a '
+                       f'single-host type ({singles}).')
+    if opts.recipe == 'multihost' and not slice_.multi_host:
+      raise SliceError(f'--tpu-type={slice_.name} is a single host; use the tpu-vm recipe '
+                       '(launch/tpu_vm) for it.')
+    plan = check_local(config, slice_, opts.recipe)
+    shared, hbm = not config.mesh.disjoint, (slice_.hbm_gib, slice_.hbm_gib)
+  try:
+    plan.notes = notes + plan.notes + validate_on_devices(config, plan.devices)
+  except ConfigError as e:
+    raise ConfigError(f'{e} (checked with the {plan.devices} devices the launch sees there)'
+                      ) from None
+  memory = memory_check(config, *hbm, shared=shared)
+  if memory:
+    plan.checked.append(memory)
+  else:
+    plan.notes.append(f'memory per chip not estimated: model {config.model.name!r} is not a '
+                      'named preset (rlax_llm.models.presets.PRESETS).')
+
+  if opts.recipe in ('gke', 'gke-ray'):
+    if opts.recipe == 'gke':
+      distributed, more = _distributed(
+          config, slice_, opts, strict=strict, process_id='$(JOB_COMPLETION_INDEX)',
+          coordinator=f'{opts.name}-slice-0-0.{opts.name}:{opts.coordinator_port}')
+      plan.notes += more
+      manifest = manifests.render_jobset(config, plan, slice_, opts, spec, overrides, distributed)
+    else:
+      manifest = manifests.render_rayjob(config, plan, trainer, inference, opts, spec, overrides)
+    if opts.output:
+      pathlib.Path(opts.output).write_text(manifest, encoding='utf-8')
+    if opts.dry_run:
+      sys.stdout.write(manifest)
+      return 0
+    kubectl = shutil.which('kubectl')
+    if not kubectl:
+      raise SliceError('kubectl is not on PATH; install it (gcloud components install '
+                       'kubectl), or pass --dry-run to print the manifest.')
+    sys.stdout.write(manifest)
+    return subprocess.run([kubectl, 'apply', '-f', '-'], input=manifest, text=True,
+                          check=False).returncode
+  if opts.recipe == 'ray':
+    recipe = scripts.render_ray(config, plan, trainer, inference, opts, spec, overrides)
+  else:
+    distributed, more = _distributed(
+        config, slice_, opts, strict=strict, process_id='"$PROCESS_ID"',
+        coordinator=f'"$COORDINATOR:{getattr(opts, "coordinator_port", COORDINATOR_PORT)}"')
+    plan.notes += more
+    recipe = scripts.render_tpu_vm(config, plan, slice_, opts, spec, overrides, distributed)
+  script = recipe.script(opts.dry_run)
+  sys.stdout.write(script)
+  if opts.dry_run:
+    return 0
+  if not shutil.which('gcloud'):
+    raise SliceError('gcloud is not on PATH; install the Google Cloud CLI and run gcloud auth '
+                     'login, or pass --dry-run to print the commands.')
+  sys.stdout.flush()
+  return subprocess.run(['bash', '-c', script], check=False).returncode
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  try:
+    status = run(sys.argv[1:] if argv is None else argv)
+  except RlaxError as e:
+    raise SystemExit(f'error: {e}') from None
+  raise SystemExit(status)
+
+
+if __name__ == '__main__':
+  main()

