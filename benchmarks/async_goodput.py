@@ -125,6 +125,7 @@ def predict(train_s: float, rollout_s: float, k: int, steps: int, overhead: dict
 def run_real(j: int, k: int, steps: int) -> dict:
   from rlax_llm.backends import local  # pylint: disable=import-outside-toplevel
   from rlax_llm.cli import load_config_file  # pylint: disable=import-outside-toplevel
+  from rlax_llm.config import validate_config  # pylint: disable=import-outside-toplevel
   config = load_config_file(str(ROOT / 'configs/default.py'))
   config.total_steps = steps
   config.warmup.steps = 300
@@ -133,7 +134,7 @@ def run_real(j: int, k: int, steps: int) -> dict:
   config.log.console_every = 1000
   config.staleness.j, config.staleness.k = j, k
   with tempfile.TemporaryDirectory() as workdir:
-    with local.build_run(config, pathlib.Path(workdir)) as run:
+    with local.build_run(config, pathlib.Path(workdir), validate_config(config)) as run:
       start = time.perf_counter()
       run.controller.run()
       wall = time.perf_counter() - start

@@ -9,8 +9,11 @@ config file, its variant and ``--config.KEY=VALUE`` overrides is ``rlax_llm.cli`
 choices, numbers, the loss, the sampling transform, the task, the model's length, the meshes
 against the devices and batch sizes) and fails with a message naming the key, the value seen
 and the fix. Typed objects validate their own fields (``LossConfig``, ``SamplingSpec``, the
-task, ``DecoderConfig``); this module builds them from the config (``loss_config``,
-``sampling_spec``) and says where in the config a bad value sits.
+task, ``DecoderConfig``); this module builds them from the config and says where in the
+config a bad value sits. ``run_spec`` builds the run's typed values (``RunSpec``: the loss,
+the rollout sampling, the controller's settings) in one place; ``validate_config`` returns
+the ``RunSpec`` it validated, and the launcher hands it on to the backend, the roles and the
+controller, which read their typed values from it instead of rebuilding them.
 
 Importing this module loads no JAX, Flax or model code: the checks that need them (the loss
 table, the decoder's fields, the meshes) import them inside the function that runs them.
@@ -126,7 +129,35 @@ def _naming(prefix: str):
     raise ConfigError(f'config.{prefix}{e}') from None
 
 
-def loss_config(config: ml_collections.ConfigDict) -> LossConfig:
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+  """The run's typed values, built once from a config by ``run_spec`` (which
+  ``validate_config`` returns): what the roles and the controller read instead of the
+  ``ConfigDict``'s fields.
+
+  Attributes:
+    loss: the trainer's loss (``config.rl``; ``rl.mismatch`` when enabled).
+    sampling: the rollout sampling transform (``config.sampling``; greedy is refused).
+    controller: the controller's settings (schedule, staleness, rollouts, eval, reward).
+  """
+
+  loss: LossConfig
+  sampling: SamplingSpec
+  controller: ControllerSettings
+
+
+def run_spec(config: ml_collections.ConfigDict) -> RunSpec:
+  """The ``RunSpec`` of ``config``: its loss, rollout sampling and controller settings, each
+  validated by its type (``ConfigError`` naming the key when one is not). ``validate_config``
+  calls it (and returns its result); a process that receives only the config (a Ray actor)
+  calls it to build the same values."""
+  loss = _loss_config(config)
+  sampling = _sampling_spec(config)
+  return RunSpec(loss=loss, sampling=sampling,
+                 controller=_controller_settings(config, loss, sampling))
+
+
+def _loss_config(config: ml_collections.ConfigDict) -> LossConfig:
   """The ``LossConfig`` of ``config.rl`` (its fields by name; ``rl.mismatch`` when enabled)."""
   from rlax_llm import losses  # pylint: disable=import-outside-toplevel  # jax: kept off import
   rl = config.rl
@@ -141,7 +172,7 @@ def loss_config(config: ml_collections.ConfigDict) -> LossConfig:
     return losses.LossConfig(**fields, mismatch=mismatch)
 
 
-def sampling_spec(config: ml_collections.ConfigDict) -> SamplingSpec:
+def _sampling_spec(config: ml_collections.ConfigDict) -> SamplingSpec:
   """The rollout ``SamplingSpec`` of ``config.sampling`` (greedy is refused for rollouts)."""
   s = config.sampling
   with _naming('sampling.'):
@@ -149,16 +180,25 @@ def sampling_spec(config: ml_collections.ConfigDict) -> SamplingSpec:
                         ).check_for_rollouts()
 
 
-def controller_settings(config: ml_collections.ConfigDict) -> ControllerSettings:
-  """The controller's ``ControllerSettings`` (schedule, staleness, rollout sampling)."""
+def _controller_settings(config: ml_collections.ConfigDict, loss: LossConfig,
+                         sampling: SamplingSpec) -> ControllerSettings:
+  """The controller's ``ControllerSettings`` (schedule, staleness, rollout sampling), after
+  the checks that name the config's keys better than its own would (staleness, a group of
+  one)."""
   from rlax_llm.losses import BASELINE_FREE  # pylint: disable=import-outside-toplevel  # jax
+  for key in ('staleness.j', 'staleness.k'):
+    value = lookup(config, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ConfigError(f'config.{key}={value!r} must be an int >= 1 (RLAX staleness: j is '
+                        'the reload threshold, k the acceptance window; (1, 1) is lockstep).')
+  _validate_group_size(config, loss)
   with _naming(''):
     settings = ControllerSettings(
         total_steps=config.total_steps, prompts_per_step=config.rl.prompts_per_step,
         group_size=config.rl.group_size, staleness_j=config.staleness.j,
         staleness_k=config.staleness.k, eval_every=config.eval.every_steps, seed=config.seed,
-        sampling=sampling_spec(config), max_new_tokens=config.sampling.max_new_tokens,
-        advantage_estimator=loss_config(config).estimator,
+        sampling=sampling, max_new_tokens=config.sampling.max_new_tokens,
+        advantage_estimator=loss.estimator,
         oversample=config.rollout.oversample,
         worker_timeout_s=config.rollout.worker_timeout_s,
         stop_after_groups=config.rollout.stop_after_groups,
@@ -175,14 +215,15 @@ def controller_settings(config: ml_collections.ConfigDict) -> ControllerSettings
   return settings
 
 
-def validate_config(config: ml_collections.ConfigDict) -> None:
-  """Raises ``ConfigError`` naming the first key that is missing or invalid.
+def validate_config(config: ml_collections.ConfigDict) -> RunSpec:
+  """The run's typed values (``run_spec``), built once here with every check; raises
+  ``ConfigError`` naming the first key that is missing or invalid.
 
   Checks everything that needs no model file: every key of the schema (the packaged default
-  config's), choices, ints and floats, the loss (``loss_config``), the sampling transform
-  (``sampling_spec``), the task's own fields (it is built), the tiny model's architecture and
-  sequence length, staleness, and the meshes against the devices and the batch sizes. What
-  needs a checkpoint's config or tokenizer (prompt lengths, memory) is checked by
+  config's), choices, ints and floats, the loss, the sampling transform, staleness and the
+  controller's settings (``run_spec``), the task's own fields (it is built), the tiny model's
+  architecture and sequence length, and the meshes against the devices and the batch sizes.
+  What needs a checkpoint's config or tokenizer (prompt lengths, memory) is checked by
   ``rlax_llm.roles`` before any compute.
   """
   for key in REQUIRED_KEYS:
@@ -204,16 +245,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     if not ok:
       raise ConfigError(f'config.{key}={value!r} must be a finite number '
                         f'{">=" if inclusive else ">"} {low}.')
-  loss = loss_config(config)
-  sampling_spec(config)
-  for key in ('staleness.j', 'staleness.k'):
-    value = lookup(config, key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ConfigError(f'config.{key}={value!r} must be an int >= 1 (RLAX staleness: j is '
-                        'the reload threshold, k the acceptance window; (1, 1) is lockstep).')
-  _validate_group_size(config, loss)
-  settings = controller_settings(config)
-  _validate_micro_batches(config, loss)
+  spec = run_spec(config)
+  settings = spec.controller
+  _validate_micro_batches(config, spec.loss)
   _validate_checkpoint(config)
   task = _validate_task(config)
   if settings.reward:
@@ -222,6 +256,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       rewards.make_components(settings.reward, task, settings.max_new_tokens)
   _validate_model(config)
   _validate_meshes(config)
+  return spec
 
 
 def _check_choice(key: str, value, valid) -> None:
@@ -350,7 +385,7 @@ def effective_config(config: ml_collections.ConfigDict) -> ml_collections.Config
   loss's own defaults (``LossConfig.resolve``: e.g. DAPO's ``eps_high=0.28``) in ``rl``."""
   effective = config.copy_and_resolve_references()
   effective.unlock()
-  resolved = loss_config(config).resolve()
+  resolved = _loss_config(config).resolve()
   for field in ('advantage_estimator', 'eps_low', 'eps_high', 'aggregation', 'kl_estimator'):
     effective.rl[field] = getattr(resolved, field)
   return effective

@@ -104,13 +104,13 @@ def evaluate_config(config: ml_collections.ConfigDict, checkpoint: str | None = 
 
   from rlax_llm import roles
   from rlax_llm.evaluation import evaluate_policy
-  config_lib.validate_config(config)
+  spec = config_lib.validate_config(config)
   task, model, params, tokenizer = roles.prepare(config)
   if checkpoint:
     params = load_policy_params(checkpoint, params)
   worker = roles.build_worker(config, model, tokenizer, roles.meshes(config)['inference'][0])
   worker.load(0, params)
-  settings = config_lib.controller_settings(config)
+  settings = spec.controller
   return evaluate_policy(
       task, task.eval_prompts(), worker.generate, sampling=settings.sampling,
       samples=settings.eval_samples, max_new_tokens=settings.max_new_tokens,

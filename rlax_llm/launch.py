@@ -64,7 +64,7 @@ def main(config: ml_collections.ConfigDict) -> None:
   # Multi-host: join the other hosts before JAX sees a device (validation builds meshes
   # over jax.devices(), after which jax.distributed.initialize refuses to run).
   distributed.initialize(config)
-  validate_config(config)
+  spec = validate_config(config)
   workdir_flag = _FLAGS['workdir'].value
   workdir = (pathlib.Path(workdir_flag) if workdir_flag
              else workdir_lib.default_workdir(config.name))
@@ -92,7 +92,7 @@ def main(config: ml_collections.ConfigDict) -> None:
     checkpointing = bool(config.checkpoint.every_steps or config.checkpoint.every_seconds)
     try:
       with PreemptionGuard() if checkpointing else contextlib.nullcontext() as guard:
-        with build_run(config, workdir, stop=guard.requested if guard else None) as run:
+        with build_run(config, workdir, spec, stop=guard.requested if guard else None) as run:
           summary = run.execute()
     except Preempted as e:
       print(f'{e} Relaunch with --workdir={workdir} to continue.')

@@ -201,12 +201,13 @@ def available_memory_bytes() -> float:
   return float(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_AVPHYS_PAGES'))
 
 
-def build_trainer(config: ml_collections.ConfigDict, model: Model, params: Params,
-                  mesh: jax.sharding.Mesh) -> Trainer:
-  """The RL trainer: the configured loss through the rollout policy's transform."""
+def build_trainer(config: ml_collections.ConfigDict, spec: config_lib.RunSpec, model: Model,
+                  params: Params, mesh: jax.sharding.Mesh) -> Trainer:
+  """The RL trainer: ``spec.loss`` through the rollout policy's transform
+  (``spec.sampling``); ``spec`` is ``validate_config(config)``'s result."""
   rl = config.rl
-  loss = config_lib.loss_config(config)
-  policy = Policy(model, config_lib.sampling_spec(config))
+  loss = spec.loss
+  policy = Policy(model, spec.sampling)
   optimizer = make_optimizer(learning_rate_schedule(rl.learning_rate, rl.lr_decay_steps),
                              weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm)
   scoring, check = {}, None
@@ -221,9 +222,9 @@ def build_trainer(config: ml_collections.ConfigDict, model: Model, params: Param
                  micro_batches=rl.micro_batches, totals_fn=loss_totals, check_batch=check)
 
 
-def warm_trainer(config: ml_collections.ConfigDict, task: Task, model: Model, params: Params,
-                 tokenizer: Tokenizer, mesh: jax.sharding.Mesh, checkpointer=None, stop=None
-                 ) -> tuple[Trainer, dict[str, float]]:
+def warm_trainer(config: ml_collections.ConfigDict, spec: config_lib.RunSpec, task: Task,
+                 model: Model, params: Params, tokenizer: Tokenizer, mesh: jax.sharding.Mesh,
+                 checkpointer=None, stop=None) -> tuple[Trainer, dict[str, float]]:
   """The RL trainer (``build_trainer``) from the supervised warm-up's params, and the
   warm-up's metrics. With ``warmup.steps > 0`` and a ``checkpointer`` the warm-up's result is
   restored from it when it holds one, else the warm-up runs and is saved there. ``stop``:
@@ -241,7 +242,7 @@ def warm_trainer(config: ml_collections.ConfigDict, task: Task, model: Model, pa
         max_nonfinite_updates=config.rl.max_nonfinite_updates, stop=stop)
     if checkpointer is not None and w.steps > 0:
       checkpointer.save_warmup(params, metrics)
-  return build_trainer(config, model, params, mesh), metrics
+  return build_trainer(config, spec, model, params, mesh), metrics
 
 
 def build_checkpointer(config: ml_collections.ConfigDict, workdir):

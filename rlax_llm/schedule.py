@@ -1,8 +1,9 @@
 """The controller's schedule as pure decisions: inputs in, a decision out, no jax, no roles.
 
-``ControllerSettings`` holds what the controller schedules (built from a validated config by
-``rlax_llm.config.controller_settings``); the functions below decide, from those settings and
-from what the controller has seen, everything it does that is not moving data.
+``ControllerSettings`` holds what the controller schedules (``RunSpec.controller``, built
+from a validated config by ``rlax_llm.config.run_spec``); the functions below decide, from
+those settings and from what the controller has seen, everything it does that is not moving
+data.
 ``rlax_llm.controller`` calls them in a fixed order; tests/test_schedule.py checks each.
 
 Staleness (RLAX's ``(j, k)``, docs/architecture.md): batch ``i`` (trained at step ``i``) is

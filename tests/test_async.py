@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from rlax_llm.backends import local as local_backend
+from rlax_llm.config import run_spec
 from rlax_llm.schedule import sampling_version
 from rlax_llm.metrics import read_metrics
 
@@ -59,7 +60,7 @@ def assert_same_samples(rows, ref_rows, params, ref_params, learning_rate):
 
 def run(config, workdir, wrap=None):
   """Runs ``config``; ``wrap(controller)`` may replace role handles (e.g. inject delays)."""
-  with local_backend.build_run(config, workdir) as r:
+  with local_backend.build_run(config, workdir, run_spec(config)) as r:
     if wrap is not None:
       wrap(r.controller)
     summary = r.execute()
@@ -237,7 +238,7 @@ def test_two_workers_on_disjoint_devices_match_one(reference_1_1, tmp_path):
   config = smoke(rollout__workers=2, rollout__slots=8, mesh__disjoint=True)
   config.mesh.trainer.data = 4
   config.mesh.inference.data = 2
-  with local_backend.build_run(config, tmp_path) as r:
+  with local_backend.build_run(config, tmp_path, run_spec(config)) as r:
     trainer_devices = set(r.controller.trainer.trainer.mesh.devices.flat)
     worker_devices = [set(w.worker.mesh.devices.flat) for w in r.controller.workers]
     summary = r.execute()

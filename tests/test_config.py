@@ -10,7 +10,7 @@ import pytest
 
 from rlax_llm.cli import (DEFAULT_CONFIG_PATH, check_config_spec, check_override_keys,
                           config_variants, load_config_file)
-from rlax_llm.config import REQUIRED_KEYS, check_resume_config, validate_config
+from rlax_llm.config import REQUIRED_KEYS, RunSpec, check_resume_config, run_spec, validate_config
 from rlax_llm.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -33,7 +33,12 @@ def test_every_config_and_variant_validates_and_prepares(path, variant):
   tokenizer included (roles.prepare)."""
   from rlax_llm import roles  # pylint: disable=import-outside-toplevel
   config = load_config_file(f'{path}:{variant}' if variant else str(path))
-  validate_config(config)
+  spec = validate_config(config)
+  # The typed values are built once: validation returns them, and the one builder (which a
+  # Ray actor runs on the config it receives) builds equal ones.
+  assert isinstance(spec, RunSpec) and spec == run_spec(config)
+  assert spec.controller.sampling is spec.sampling
+  assert spec.controller.advantage_estimator == spec.loss.estimator
   for key in REQUIRED_KEYS:
     node = config
     for part in key.split('.'):

@@ -14,6 +14,7 @@ import pytest
 from rlax_llm import controller as controller_lib
 from rlax_llm.backends.local import build_run
 from rlax_llm.cli import load_config_file
+from rlax_llm.config import run_spec
 from rlax_llm.metrics import read_metrics
 from rlax_llm.tasks import ArithmeticTask, Prompt
 from rlax_llm.controller import ControllerState
@@ -33,7 +34,8 @@ def _smoke_config(steps=2):
 
 
 def _run(workdir):
-  with build_run(_smoke_config(), workdir) as run:
+  config = _smoke_config()
+  with build_run(config, workdir, run_spec(config)) as run:
     summary = run.execute()
     state = run.controller.state()
   return summary, read_metrics(workdir / 'metrics.jsonl'), state
@@ -62,7 +64,7 @@ def test_batch_invariant_run_trains_exactly_on_policy(tmp_path, invariant, rows)
   config.model.invariant_rows = rows
   if rows == 'floor':
     config.mesh.trainer.data = 1  # it needs every row of a matmul on one device
-  with build_run(config, tmp_path) as run:
+  with build_run(config, tmp_path, run_spec(config)) as run:
     run.execute()
   rows = read_metrics(tmp_path / 'metrics.jsonl')
   assert len(rows) == 3
@@ -75,7 +77,8 @@ def test_batch_invariant_run_trains_exactly_on_policy(tmp_path, invariant, rows)
 
 
 def test_versions_and_server_advance(tmp_path):
-  with build_run(_smoke_config(steps=3), tmp_path) as run:
+  config = _smoke_config(steps=3)
+  with build_run(config, tmp_path, run_spec(config)) as run:
     run.execute()
     ctl = run.controller
     assert ctl.trainer.version == 3
@@ -119,7 +122,7 @@ def test_no_parameter_bytes_pass_through_the_controller(tmp_path, monkeypatch):
       return method(*args, **kwargs)
     return wrapped
 
-  with build_run(config, tmp_path) as run:
+  with build_run(config, tmp_path, run_spec(config)) as run:
     ctl = run.controller
     assert not any(isinstance(v, ParameterServer) for v in vars(ctl).values())
     for name in ('push', 'update', 'pull', 'get'):
@@ -147,7 +150,7 @@ def test_rejects_j_above_k(tmp_path):
   config = _smoke_config()
   config.staleness.j = 2
   with pytest.raises(ValueError, match=r'staleness \(j, k\) = \(2, 1\): j must be <= k'):
-    with build_run(config, tmp_path):
+    with build_run(config, tmp_path, run_spec(config)):
       pass
 
 
@@ -161,7 +164,7 @@ def test_state_restores_the_run_exactly(tmp_path, replay):
   strip = lambda r: {k: v for k, v in r.items() if not k.startswith(('time/', 'sync/'))}
   full_config = _smoke_config(steps=3)
   full_config.rollout.replay = replay
-  with build_run(full_config, tmp_path / 'full') as run:
+  with build_run(full_config, tmp_path / 'full', run_spec(full_config)) as run:
     if replay:
       run.controller.task = _CoinTask(num_eval=16)
     run.execute()
@@ -169,7 +172,7 @@ def test_state_restores_the_run_exactly(tmp_path, replay):
 
   config = _smoke_config(steps=1)
   config.rollout.replay = replay
-  with build_run(config, tmp_path / 'first') as run:
+  with build_run(config, tmp_path / 'first', run_spec(config)) as run:
     if replay:
       run.controller.task = _CoinTask(num_eval=16)
     run.execute()
@@ -181,7 +184,7 @@ def test_state_restores_the_run_exactly(tmp_path, replay):
   if replay:
     assert sum(r['rollout/replayed_groups'] for r in full[1:]) > 0
   config.total_steps = 3
-  with build_run(config, tmp_path / 'second') as run:
+  with build_run(config, tmp_path / 'second', run_spec(config)) as run:
     ctl = run.controller
     if replay:
       ctl.task = _CoinTask(num_eval=16)
@@ -206,7 +209,7 @@ class _CoinTask(ArithmeticTask):
 def test_a_diverging_rl_run_stops_naming_the_step(tmp_path):
   config = _smoke_config(steps=20)
   config.rl.learning_rate = 1e10
-  with build_run(config, tmp_path) as run:
+  with build_run(config, tmp_path, run_spec(config)) as run:
     run.controller.task = _CoinTask(num_eval=16)
     with pytest.raises(NonFiniteError, match=r'RL step \d+: 3 consecutive updates were '
                                              r'non-finite'):
@@ -227,7 +230,7 @@ def test_dynamic_sampling_pads_short_batches_to_one_shape(tmp_path):
   has prompts_per_step groups (one compiled shape), and every group is counted once."""
   config = _smoke_config(steps=6)
   config.rollout.oversample = 0.5  # 6 prompts per batch for 4 trained groups
-  with build_run(config, tmp_path) as run:
+  with build_run(config, tmp_path, run_spec(config)) as run:
     run.controller.task = _SparseTask(num_eval=16)
     run.execute()
   rows = read_metrics(tmp_path / 'metrics.jsonl')
@@ -246,7 +249,7 @@ def test_replay_reasks_prompts_whose_groups_had_unequal_rewards(tmp_path):
   ledger keeps them apart, so the stream's prompts stay consecutive."""
   config = _smoke_config(steps=6)
   config.rollout.replay = 0.5  # at most 2 of the 4 prompts per batch
-  with build_run(config, tmp_path) as run:
+  with build_run(config, tmp_path, run_spec(config)) as run:
     run.controller.task = _SparseTask(num_eval=16)
     run.execute()
     pool = list(run.controller._replay)  # pylint: disable=protected-access
@@ -267,7 +270,8 @@ def test_replay_reasks_prompts_whose_groups_had_unequal_rewards(tmp_path):
 
 
 def test_restore_refuses_a_state_of_another_version(tmp_path):
-  with build_run(_smoke_config(steps=1), tmp_path) as run:
+  config = _smoke_config(steps=1)
+  with build_run(config, tmp_path, run_spec(config)) as run:
     state = run.controller.state()
     state.trainer_version = 7
     with pytest.raises(ValueError, match='expects 7'):
@@ -322,7 +326,7 @@ def test_shared_prefix_scoring_trains_like_full_scoring(tmp_path):
     config.rl.micro_batches = 2
     # A length-dependent reward: the smoke model is never right yet, this gives advantages.
     config.reward.overlong = ml_collections.ConfigDict(dict(weight=1.0, cache=4))
-    with build_run(config, tmp_path / str(shared)) as run:
+    with build_run(config, tmp_path / str(shared), run_spec(config)) as run:
       run.execute()
     rows[shared] = read_metrics(tmp_path / str(shared) / 'metrics.jsonl')
   assert len(rows[True]) == len(rows[False]) == 2

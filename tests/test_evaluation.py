@@ -146,8 +146,8 @@ def test_run_writes_periodic_eval_and_each_reward_component(tmp_path):
   config.warmup.steps = 0  # no SFT step to compile: the test is about what gets logged
   config.reward = ml_collections.ConfigDict(dict(
       task=dict(weight=1.0), format=dict(weight=0.5), overlong=dict(weight=2.0, cache=2)))
-  validate_config(config)
-  with build_run(config, tmp_path) as run:
+  spec = validate_config(config)
+  with build_run(config, tmp_path, spec) as run:
     summary = run.execute()
   rows = read_metrics(tmp_path / 'metrics.jsonl')
   assert len(rows) == 2

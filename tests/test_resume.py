@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from rlax_llm.backends import local as local_backend
+from rlax_llm.config import run_spec
 from rlax_llm.errors import Preempted
 from rlax_llm.cli import load_config_file
 from rlax_llm.metrics import read_metrics
@@ -64,7 +65,7 @@ def comparable(rows):
 def run_once(config, workdir, stop):
   """One launch in this process; returns the summary, or None when preempted in the warm-up."""
   try:
-    with local_backend.build_run(config, workdir, stop=stop) as r:
+    with local_backend.build_run(config, workdir, run_spec(config), stop=stop) as r:
       summary = r.execute()
       params = r.controller.trainer.host_params().result()
   except Preempted:

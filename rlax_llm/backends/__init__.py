@@ -11,8 +11,9 @@ import importlib
 
 
 @contextlib.contextmanager
-def build_run(config, workdir, stop=None):
-  """``config.backend``'s ``build_run``; ``stop`` is the preemption event (or None)."""
+def build_run(config, workdir, spec, stop=None):
+  """``config.backend``'s ``build_run``; ``spec`` is the ``rlax_llm.config.RunSpec`` that
+  ``validate_config(config)`` returned, ``stop`` the preemption event (or None)."""
   module = importlib.import_module(f'rlax_llm.backends.{config.backend}')
-  with module.build_run(config, workdir, stop=stop) as run:
+  with module.build_run(config, workdir, spec, stop=stop) as run:
     yield run

@@ -20,9 +20,9 @@ from typing import Any
 
 import ml_collections
 
-from rlax_llm import config as config_lib
 from rlax_llm.controller import Controller, ControllerState, TrainerHandle, WorkerHandle
 from rlax_llm.metrics import MetricsWriter
+from rlax_llm.schedule import ControllerSettings
 from rlax_llm.tasks import Task
 
 
@@ -45,13 +45,15 @@ class Run:
 
 
 @contextlib.contextmanager
-def assemble(config: ml_collections.ConfigDict, workdir, task: Task, trainer: TrainerHandle,
-             workers: Sequence[WorkerHandle], warmup_metrics: dict[str, float], *,
-             checkpointer=None, restored=None, stop=None) -> Iterator[Run]:
+def assemble(config: ml_collections.ConfigDict, settings: ControllerSettings, workdir,
+             task: Task, trainer: TrainerHandle, workers: Sequence[WorkerHandle],
+             warmup_metrics: dict[str, float], *, checkpointer=None, restored=None,
+             stop=None) -> Iterator[Run]:
   """Yields the ``Run`` of the placed roles ``trainer`` and ``workers``.
 
   Args:
-    config: the validated config (``controller_settings``, ``log.*``).
+    config: the validated config (``log.*``).
+    settings: the controller's settings (``RunSpec.controller`` of ``validate_config``).
     workdir: the run directory (metrics, ledger, summary).
     task: the run's task (prompts and verifier, in the controller's process).
     trainer, workers: the role handles, placed by the backend.
@@ -61,7 +63,6 @@ def assemble(config: ml_collections.ConfigDict, workdir, task: Task, trainer: Tr
       None: the controller continues from its state, the writer from its step.
     stop: the preemption event (or None).
   """
-  settings = config_lib.controller_settings(config)
   resume_step = (restored.step if restored is not None else
                  0 if checkpointer is not None else None)
   with MetricsWriter.from_config(workdir, config, resume_step=resume_step) as writer:

@@ -1,6 +1,7 @@
 """The local backend: every role in this process, each on its own devices.
 
-``build_run(config, workdir, stop)`` builds the roles (``rlax_llm.roles``), checks that the run
+``build_run(config, workdir, spec, stop)`` builds the roles (``rlax_llm.roles``) from the
+config and its typed values (``spec``: ``validate_config``'s ``RunSpec``), checks that the run
 fits (prompt lengths, memory) before any compute, runs the supervised warm-up when configured
 (or restores its checkpointed result), restores the latest checkpoint when the workdir holds
 one (``rlax_llm.checkpoint``), and yields a ``Run`` whose ``execute()`` runs the controller.
@@ -126,18 +127,20 @@ class LocalWorker:
 
 
 @contextlib.contextmanager
-def build_run(config: ml_collections.ConfigDict, workdir, stop=None) -> Iterator[Run]:
+def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSpec,
+              stop=None) -> Iterator[Run]:
   """Builds task, model, warm-up, trainer and workers in this process and assembles the run
-  (``assembly.assemble``); resumes from ``workdir``'s checkpoint when it has one. ``stop``:
-  the preemption event."""
+  (``assembly.assemble``); resumes from ``workdir``'s checkpoint when it has one. ``spec``:
+  the run's typed values (``validate_config(config)``'s result); ``stop``: the preemption
+  event."""
   task, model, params, tokenizer = roles.prepare(config)
   meshes = roles.meshes(config)
   threaded = config.local.concurrent
   checkpointer = roles.build_checkpointer(config, workdir)
-  trainer, warmup_metrics = roles.warm_trainer(config, task, model, params, tokenizer,
+  trainer, warmup_metrics = roles.warm_trainer(config, spec, task, model, params, tokenizer,
                                                meshes['trainer'], checkpointer, stop)
   # The server's config key is to come; today the schedule says how many versions to keep.
-  server = ParameterServer(keep=config_lib.controller_settings(config).versions_kept)
+  server = ParameterServer(keep=spec.controller.versions_kept)
   restored = None
   if checkpointer is not None:
     restored = checkpointer.restore(trainer.params, trainer.opt_state)
@@ -147,7 +150,7 @@ def build_run(config: ml_collections.ConfigDict, workdir, stop=None) -> Iterator
   workers = [LocalWorker(roles.build_worker(config, model, tokenizer, mesh), threaded, server)
              for mesh in meshes['inference']]
   try:
-    with assemble(config, workdir, task, trainer, workers, warmup_metrics,
+    with assemble(config, spec.controller, workdir, task, trainer, workers, warmup_metrics,
                   checkpointer=checkpointer, restored=restored, stop=stop) as run:
       yield run
   finally:

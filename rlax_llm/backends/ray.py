@@ -76,9 +76,12 @@ class TrainerRole:
 
   def __init__(self, payload: str, server):
     config = _config_from(payload)
+    # This process gets the config as JSON, so its boundary is here: the same one builder
+    # that validate_config ran in the driver builds the run's typed values again.
+    spec = config_lib.run_spec(config)
     task, model, params, tokenizer = roles.prepare(config)
     self.trainer, self.warmup_metrics = roles.warm_trainer(
-        config, task, model, params, tokenizer, roles.meshes(config)['trainer'])
+        config, spec, task, model, params, tokenizer, roles.meshes(config)['trainer'])
     self.server = server
     self._pushed = -1
     self._publish()
@@ -193,11 +196,13 @@ def init_ray(config: ml_collections.ConfigDict) -> bool:
 
 
 @contextlib.contextmanager
-def build_run(config: ml_collections.ConfigDict, workdir, stop=None) -> Iterator[Run]:
+def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSpec,
+              stop=None) -> Iterator[Run]:
   """Builds the roles as Ray actors (the server first: the trainer and the workers are
-  given its handle) and assembles the run in this process (``assembly.assemble``). (No
-  checkpoints yet on this backend: ``rlax_llm.config`` refuses ``checkpoint.*`` with
-  ``backend='ray'``.)"""
+  given its handle) and assembles the run in this process (``assembly.assemble``) with
+  ``spec``, the run's typed values (``validate_config(config)``'s result; the trainer actor
+  rebuilds them from the config it receives). (No checkpoints yet on this backend:
+  ``rlax_llm.config`` refuses ``checkpoint.*`` with ``backend='ray'``.)"""
   ray = _ray()
   task = roles.build_task(config)
   started = init_ray(config)
@@ -207,13 +212,13 @@ def build_run(config: ml_collections.ConfigDict, workdir, stop=None) -> Iterator
                           max_restarts=0)(WorkerRole)
   # The server's config key is to come; today the schedule says how many versions to keep.
   server_cls = ray.remote(num_cpus=0, max_concurrency=4)(ServerRole)
-  server_actor = server_cls.remote(config_lib.controller_settings(config).versions_kept)
+  server_actor = server_cls.remote(spec.controller.versions_kept)
   trainer_actor = trainer_cls.remote(payload, server_actor)
   worker_actors = [worker_cls.remote(payload, n, server_actor)
                    for n in range(config.rollout.workers)]
   try:
     warmup_metrics = ray.get(trainer_actor.warmup.remote())
-    with assemble(config, workdir, task, RayTrainer(trainer_actor),
+    with assemble(config, spec.controller, workdir, task, RayTrainer(trainer_actor),
                   [RayWorker(actor) for actor in worker_actors], warmup_metrics,
                   stop=stop) as run:
       yield run

@@ -11,6 +11,7 @@ ray = pytest.importorskip('ray')
 from rlax_llm.backends import build_run  # noqa: E402
 from rlax_llm.backends import ray as ray_backend  # noqa: E402
 from rlax_llm.backends.ray import init_ray  # noqa: E402
+from rlax_llm.config import run_spec  # noqa: E402
 from rlax_llm.data_types import Rollouts  # noqa: E402
 from rlax_llm.metrics import read_metrics  # noqa: E402
 
@@ -39,7 +40,7 @@ def cluster():
 def execute(config, workdir, wrap=None, state=None):
   """Runs ``config``; ``wrap(controller)`` may replace role handles (e.g. inject faults);
   ``state``: a list that receives the trainer's ``state()`` after the run."""
-  with build_run(config, workdir) as run:
+  with build_run(config, workdir, run_spec(config)) as run:
     if wrap is not None:
       wrap(run.controller)
     summary = run.execute()

@@ -13,6 +13,7 @@ import optax
 import pytest
 
 from rlax_llm.cli import load_config_file
+from rlax_llm.config import run_spec
 from rlax_llm import roles
 from rlax_llm.losses import LOSSES, LossConfig
 from rlax_llm.models.decoder_config import DecoderConfig
@@ -189,8 +190,8 @@ def test_the_config_key_builds_the_shared_objective(micro_batches, share):
   config.rl.micro_batches = micro_batches
   config.rl.prompts_per_step = 3 if micro_batches == 3 else 4
   model, params = create_model(CONFIG, seed=0)
-  trainer = roles.build_trainer(config, model, params, make_mesh({'data': 1},
-                                                                 jax.devices()[:1]))
+  trainer = roles.build_trainer(config, run_spec(config), model, params,
+                                make_mesh({'data': 1}, jax.devices()[:1]))
   assert trainer.check_batch.keywords == {'window': config.sampling.max_new_tokens,
                                           'share': config.rl.group_size if share > 1 else 1}
   objective = trainer.objective

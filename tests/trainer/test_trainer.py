@@ -11,6 +11,7 @@ import pytest
 
 from rlax_llm import roles
 from rlax_llm.cli import load_config_file
+from rlax_llm.config import run_spec
 from rlax_llm.data_types import TrainBatch
 from rlax_llm.losses import LossConfig
 from rlax_llm.models.decoder_config import DecoderConfig
@@ -173,8 +174,8 @@ def test_lr_decay_steps_config_key_scales_the_second_update(decay_steps, ratio):
   for steps in (0, decay_steps):
     config.rl.lr_decay_steps = steps
     model, params = create_model(CONFIG, seed=0)
-    trainer = roles.build_trainer(config, model, params, make_mesh({'data': 1},
-                                                                   jax.devices()[:1]))
+    trainer = roles.build_trainer(config, run_spec(config), model, params,
+                                  make_mesh({'data': 1}, jax.devices()[:1]))
     trainer.step(_rl_batch())
     before = jax.device_get(trainer.params)
     trainer.step(_rl_batch())
