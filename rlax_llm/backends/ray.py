@@ -36,7 +36,9 @@ import numpy as np
 
 from rlax_llm import config as config_lib
 from rlax_llm import roles
+from rlax_llm.backends import tpu_env
 from rlax_llm.backends.assembly import Run, assemble
+from rlax_llm.errors import ConfigError
 from rlax_llm.paramserver import ParameterServer
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -48,6 +50,28 @@ def _ray():
   except ImportError as e:
     raise ImportError('backend=ray needs the ray package (pip install ray).') from e
   return ray
+
+
+def pin_tpu_chips() -> dict[str, str]:
+  """In an actor given ``'TPU'`` resources: puts the environment that makes libtpu open only
+  the chips Ray assigned to it into ``os.environ`` (``tpu_env.chip_environment``, agreeing
+  with the ``TPU_VISIBLE_CHIPS`` Ray set) and returns it; ``{}`` for an actor without TPU
+  resources or holding its whole host. Called first in the roles' ``__init__``: an actor runs
+  in a fresh process where ``import jax`` has not created a backend yet, and libtpu reads
+  these variables when the first device is used."""
+  ray = _ray()
+  context = ray.get_runtime_context()
+  chips = context.get_accelerator_ids().get('TPU', [])
+  if not chips:
+    return {}
+  if os.environ.get('RAY_TPU_RESOURCE_PER_CHIP', '1') != '1':
+    raise ConfigError('RAY_TPU_RESOURCE_PER_CHIP='
+                      f'{os.environ["RAY_TPU_RESOURCE_PER_CHIP"]!r}: the Ray backend places '
+                      'actors by whole chips (one "TPU" unit per chip); unset it.')
+  node = next(n for n in ray.nodes() if n['NodeID'] == context.get_node_id())
+  env = tpu_env.chip_environment(chips, int(node['Resources']['TPU']), os.environ)
+  os.environ.update(env)
+  return env
 
 
 def _config_from(payload: str) -> ml_collections.ConfigDict:
@@ -75,6 +99,7 @@ class TrainerRole:
   warm-up, each new one before ``step`` returns)."""
 
   def __init__(self, payload: str, server):
+    pin_tpu_chips()
     config = _config_from(payload)
     task, model, params, tokenizer = roles.prepare(config)
     self.trainer, self.warmup_metrics = roles.warm_trainer(
@@ -109,6 +134,7 @@ class WorkerRole:
   ``server`` itself."""
 
   def __init__(self, payload: str, index: int, server):
+    pin_tpu_chips()
     config = _config_from(payload)
     task = roles.build_task(config)
     model, _, tokenizer = roles.build_model(config, task)
