@@ -17,8 +17,11 @@ Placement: each actor asks for ``ray.trainer_resources`` / ``ray.worker_resource
 empty on a laptop). ``ray.address='local'`` starts a private single-node cluster on loopback
 (tests do this); any other value is passed to ``ray.init(address=...)`` to join a running
 cluster (``launch/ray``). Each actor builds its role from the run's config
-(``rlax_llm.roles``); JAX inside an actor sees the devices of its host (the 8 fake CPU devices
-of the tests, or the TPU chips Ray assigned).
+(``rlax_llm.roles``). JAX inside an actor sees the 8 fake CPU devices of the tests, or on a TPU
+host exactly the chips Ray assigned to it: an actor given ``'TPU'`` resources first sets the
+variables libtpu reads (``pin_tpu_chips``, ``tpu_env``: its chips, their block's shape, a
+one-process TPU system and a port of its own), so two workers sharing a v5e-8 host each open
+their 4 chips; an actor holding a whole host needs none.
 """
 
 from __future__ import annotations
