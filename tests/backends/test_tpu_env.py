@@ -6,12 +6,21 @@ import os
 import pathlib
 
 import pytest
+from smoke_config import smoke_config  # tests/smoke_config.py
 
+from rlax_llm.backends import build_run
 from rlax_llm.backends import ray as ray_backend
 from rlax_llm.backends.tpu_env import chip_environment
 from rlax_llm.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def tpu_variables(environ):
+  """The TPU topology variables of an environment. (TPU_SKIP_MDS_QUERY is left out: `import
+  jax` sets it on a machine without TPU chips.)"""
+  return {k: v for k, v in environ.items()
+          if k.startswith(('TPU_', 'CLOUD_TPU_')) and k != 'TPU_SKIP_MDS_QUERY'}
 
 
 def split(host_chips, per_process):
@@ -101,15 +110,18 @@ def test_a_conflicting_environment_is_refused(name, value):
     chip_environment([4, 5, 6, 7], 8, {name: value})
 
 
-@pytest.fixture
+@pytest.fixture(scope='module')
 def fake_tpu_host():
   """A private Ray cluster on loopback whose one node has 8 fake 'TPU' chips (a v5e-8)."""
   ray = pytest.importorskip('ray')
   if ray.is_initialized():
     pytest.skip('needs its own Ray cluster; one is running in this process')
-  path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')]))
+  # Actors import rlax_llm and this module (its helpers travel by reference).
+  path = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / 'tests'), str(ROOT / 'tests/backends'),
+                                       os.environ.get('PYTHONPATH')]))
   ray.init(num_cpus=2, resources={'TPU': 8}, _node_ip_address='127.0.0.1',
-           runtime_env={'env_vars': {'PYTHONPATH': path, 'JAX_PLATFORMS': 'cpu'}},
+           runtime_env={'env_vars': {'PYTHONPATH': path, 'JAX_PLATFORMS': 'cpu',
+                                     'XLA_FLAGS': os.environ.get('XLA_FLAGS', '')}},
            include_dashboard=False, log_to_driver=False, configure_logging=False)
   yield ray
   ray.shutdown()
@@ -127,9 +139,7 @@ def test_two_actors_on_one_v5e_8_host_see_their_own_chips(fake_tpu_host):
       self.applied = ray_backend.pin_tpu_chips()
 
     def environment(self):
-      # (TPU_SKIP_MDS_QUERY: set by `import jax` on a machine without TPU chips.)
-      return self.applied, {k: v for k, v in os.environ.items()
-                            if k.startswith(('TPU_', 'CLOUD_TPU_')) and k != 'TPU_SKIP_MDS_QUERY'}
+      return self.applied, tpu_variables(os.environ)
 
   on_tpu = ray.remote(num_cpus=0, resources={'TPU': 4})(Probe)
   reports = ray.get([actor.environment.remote() for actor in (on_tpu.remote(), on_tpu.remote())])
@@ -139,3 +149,20 @@ def test_two_actors_on_one_v5e_8_host_see_their_own_chips(fake_tpu_host):
   assert_partition(sorted(envs, key=lambda e: e['TPU_VISIBLE_CHIPS']), 8, '2,2,1')
   applied, env = ray.get(ray.remote(num_cpus=0)(Probe).remote().environment.remote())
   assert applied == {} and env == {}
+
+
+def test_a_runs_worker_actors_sharing_a_host_see_their_own_chips(fake_tpu_host, tmp_path):
+  """The roles themselves: a Ray run with two workers of ``ray.worker_resources={'TPU': 4}``
+  on the 8-chip host; inside each worker actor's process (JAX already up, on CPU here) the
+  environment names its own 2x2 block and port. The trainer asks for no TPU: untouched."""
+  ray = fake_tpu_host
+  config = smoke_config(backend='ray', rollout__workers=2, log__tensorboard=False,
+                        checkpoint__every_steps=0, checkpoint__every_seconds=0.0)
+  config.ray.worker_resources = {'TPU': 4}
+  with build_run(config, tmp_path) as run:
+    actors = [handle.actor for handle in run.controller.workers]
+    actors.append(run.controller.trainer.actor)
+    *workers, trainer = ray.get([actor.__ray_call__.remote(
+        lambda self: tpu_variables(os.environ)) for actor in actors])
+  assert_partition(sorted(workers, key=lambda e: e['TPU_VISIBLE_CHIPS']), 8, '2,2,1')
+  assert trainer == {}
