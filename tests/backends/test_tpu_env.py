@@ -6,6 +6,7 @@ import os
 import pathlib
 
 import pytest
+from jax._src import xla_bridge  # (backends_are_initialized: no public equivalent)
 from smoke_config import smoke_config  # tests/smoke_config.py
 
 from rlax_llm.backends import build_run
@@ -136,18 +137,22 @@ def test_two_actors_on_one_v5e_8_host_see_their_own_chips(fake_tpu_host):
 
   class Probe:
     def __init__(self):
+      # Importing the backend (as an actor's process does) must not start a JAX backend:
+      # libtpu reads the variables when it does.
+      self.jax_up_before = xla_bridge.backends_are_initialized()
       self.applied = ray_backend.pin_tpu_chips()
 
     def environment(self):
-      return self.applied, tpu_variables(os.environ)
+      return self.jax_up_before, self.applied, tpu_variables(os.environ)
 
   on_tpu = ray.remote(num_cpus=0, resources={'TPU': 4})(Probe)
   reports = ray.get([actor.environment.remote() for actor in (on_tpu.remote(), on_tpu.remote())])
-  envs = [env for _, env in reports]
-  for applied, env in reports:
+  envs = [env for *_, env in reports]
+  for jax_up_before, applied, env in reports:
+    assert not jax_up_before
     assert applied == env  # the process sees exactly what was applied, nothing else
   assert_partition(sorted(envs, key=lambda e: e['TPU_VISIBLE_CHIPS']), 8, '2,2,1')
-  applied, env = ray.get(ray.remote(num_cpus=0)(Probe).remote().environment.remote())
+  _, applied, env = ray.get(ray.remote(num_cpus=0)(Probe).remote().environment.remote())
   assert applied == {} and env == {}
 
 
