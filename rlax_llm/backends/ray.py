@@ -17,8 +17,11 @@ Placement: each actor asks for ``ray.trainer_resources`` / ``ray.worker_resource
 empty on a laptop). ``ray.address='local'`` starts a private single-node cluster on loopback
 (tests do this); any other value is passed to ``ray.init(address=...)`` to join a running
 cluster (``launch/ray``). Each actor builds its role from the run's config
-(``rlax_llm.roles``); JAX inside an actor sees the devices of its host (the 8 fake CPU devices
-of the tests, or the TPU chips Ray assigned).
+(``rlax_llm.roles``). JAX inside an actor sees the 8 fake CPU devices of the tests, or on a TPU
+host exactly the chips Ray assigned to it: an actor given ``'TPU'`` resources first sets the
+variables libtpu reads (``pin_tpu_chips``, ``tpu_env``: its chips, their block's shape, a
+one-process TPU system and a port of its own), so two workers sharing a v5e-8 host each open
+their 4 chips; an actor holding a whole host needs none.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ import numpy as np
 
 from rlax_llm import config as config_lib
 from rlax_llm import roles
+from rlax_llm.backends import tpu_env
 from rlax_llm.backends.assembly import Run, assemble
+from rlax_llm.errors import ConfigError
 from rlax_llm.paramserver import ParameterServer
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -48,6 +53,28 @@ def _ray():
   except ImportError as e:
     raise ImportError('backend=ray needs the ray package (pip install ray).') from e
   return ray
+
+
+def pin_tpu_chips() -> dict[str, str]:
+  """In an actor given ``'TPU'`` resources: puts the environment that makes libtpu open only
+  the chips Ray assigned to it into ``os.environ`` (``tpu_env.chip_environment``, agreeing
+  with the ``TPU_VISIBLE_CHIPS`` Ray set) and returns it; ``{}`` for an actor without TPU
+  resources or holding its whole host. Called first in the roles' ``__init__``: an actor runs
+  in a fresh process where ``import jax`` has not created a backend yet, and libtpu reads
+  these variables when the first device is used."""
+  ray = _ray()
+  context = ray.get_runtime_context()
+  chips = context.get_accelerator_ids().get('TPU', [])
+  if not chips:
+    return {}
+  if os.environ.get('RAY_TPU_RESOURCE_PER_CHIP', '1') != '1':
+    raise ConfigError('RAY_TPU_RESOURCE_PER_CHIP='
+                      f'{os.environ["RAY_TPU_RESOURCE_PER_CHIP"]!r}: the Ray backend places '
+                      'actors by whole chips (one "TPU" unit per chip); unset it.')
+  node = next(n for n in ray.nodes() if n['NodeID'] == context.get_node_id())
+  env = tpu_env.chip_environment(chips, int(node['Resources']['TPU']), os.environ)
+  os.environ.update(env)
+  return env
 
 
 def _config_from(payload: str) -> ml_collections.ConfigDict:
@@ -75,6 +102,7 @@ class TrainerRole:
   warm-up, each new one before ``step`` returns)."""
 
   def __init__(self, payload: str, server):
+    pin_tpu_chips()
     config = _config_from(payload)
     # This process gets the config as JSON, so its boundary is here: the same one builder
     # that validate_config ran in the driver builds the run's typed values again.
@@ -112,6 +140,7 @@ class WorkerRole:
   ``server`` itself."""
 
   def __init__(self, payload: str, index: int, server):
+    pin_tpu_chips()
     config = _config_from(payload)
     task = roles.build_task(config)
     model, _, tokenizer = roles.build_model(config, task)

@@ -1,0 +1,173 @@
+"""Placement on TPU hosts: the environment that makes an actor's libtpu open only the chips
+Ray assigned to it (``rlax_llm.backends.tpu_env``), and what two actors sharing a v5e-8 host
+get on a Ray cluster with fake ``'TPU'`` resources (no TPU here: Ray schedules by them)."""
+
+import os
+import pathlib
+
+import pytest
+from jax._src import xla_bridge  # (backends_are_initialized: no public equivalent)
+from smoke_config import smoke_config  # tests/smoke_config.py
+
+from rlax_llm.backends import build_run
+from rlax_llm.backends import ray as ray_backend
+from rlax_llm.backends.tpu_env import chip_environment
+from rlax_llm.errors import ConfigError
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def tpu_variables(environ):
+  """The TPU topology variables of an environment. (TPU_SKIP_MDS_QUERY is left out: `import
+  jax` sets it on a machine without TPU chips.)"""
+  return {k: v for k, v in environ.items()
+          if k.startswith(('TPU_', 'CLOUD_TPU_')) and k != 'TPU_SKIP_MDS_QUERY'}
+
+
+def split(host_chips, per_process):
+  """The environments of ``host_chips // per_process`` processes splitting a host."""
+  return [chip_environment(range(first, first + per_process), host_chips)
+          for first in range(0, host_chips, per_process)]
+
+
+def assert_partition(envs, host_chips, bounds):
+  """Disjoint chip sets covering the host, one shape, distinct ports, one-process systems."""
+  chips = [[int(c) for c in env['TPU_VISIBLE_CHIPS'].split(',')] for env in envs]
+  assert sorted(c for cs in chips for c in cs) == list(range(host_chips))
+  ports = [env['TPU_PROCESS_PORT'] for env in envs]
+  assert len(set(ports)) == len(envs)
+  for env, cs, port in zip(envs, chips, ports, strict=True):
+    assert env['TPU_CHIPS_PER_PROCESS_BOUNDS'] == env['TPU_CHIPS_PER_HOST_BOUNDS'] == bounds
+    assert env['TPU_PROCESS_BOUNDS'] == env['TPU_HOST_BOUNDS'] == '1,1,1'
+    assert env['TPU_PROCESS_ADDRESSES'] == f'localhost:{port}' and int(port) == 8476 + cs[0]
+    assert env['CLOUD_TPU_TASK_ID'] == '0'
+
+
+def test_v5e_8_two_workers_of_four_chips():
+  first, second = split(8, 4)
+  assert first == {
+      'TPU_VISIBLE_CHIPS': '0,1,2,3', 'TPU_CHIPS_PER_PROCESS_BOUNDS': '2,2,1',
+      'TPU_PROCESS_BOUNDS': '1,1,1', 'TPU_CHIPS_PER_HOST_BOUNDS': '2,2,1',
+      'TPU_HOST_BOUNDS': '1,1,1', 'TPU_PROCESS_PORT': '8476',
+      'TPU_PROCESS_ADDRESSES': 'localhost:8476', 'CLOUD_TPU_TASK_ID': '0'}
+  assert second['TPU_VISIBLE_CHIPS'] == '4,5,6,7' and second['TPU_PROCESS_PORT'] == '8480'
+  assert_partition([first, second], 8, '2,2,1')
+
+
+@pytest.mark.parametrize('host_chips, per_process, bounds', [
+    (8, 2, '1,2,1'), (8, 1, '1,1,1'),  # v5e-8: 4 x 2 chips, 8 x 1 chip
+    (4, 2, '1,2,1'), (4, 1, '1,1,1'),  # v4-8 (4 chips): 2 x 2, 4 x 1
+])
+def test_splits_of_v5e_8_and_v4_8(host_chips, per_process, bounds):
+  assert_partition(split(host_chips, per_process), host_chips, bounds)
+
+
+@pytest.mark.parametrize('host_chips', [8, 4, 1])
+def test_the_whole_host_needs_nothing(host_chips):
+  """Ray removes TPU_VISIBLE_CHIPS for an actor holding its whole host; libtpu's defaults
+  are the host's shape. Ray's own value (fake resources: no /dev/accel) is accepted."""
+  assert chip_environment(range(host_chips), host_chips) == {}
+  visible = ','.join(map(str, range(host_chips)))
+  assert chip_environment(range(host_chips), host_chips, {'TPU_VISIBLE_CHIPS': visible}) == {}
+
+
+def test_ray_strings_and_ray_set_environment_agree():
+  """Ray's ids are strings; the variables Ray sets itself (TPU_VISIBLE_CHIPS, and the host
+  bounds for 1 and 2 chips) are the values produced here, so applying them changes nothing
+  Ray set."""
+  ray_set = {'TPU_VISIBLE_CHIPS': '2,3', 'TPU_CHIPS_PER_HOST_BOUNDS': '1,2,1',
+             'TPU_HOST_BOUNDS': '1,1,1', 'PATH': '/bin'}
+  env = chip_environment(['3', '2'], 8, ray_set)
+  assert {k: env[k] for k in ray_set if k != 'PATH'} == {k: v for k, v in ray_set.items()
+                                                       if k != 'PATH'}
+  assert env['TPU_PROCESS_PORT'] == '8478'
+
+
+@pytest.mark.parametrize('chips, host_chips, message', [
+    ([0, 1, 2], 4, 'given 3 chips'),  # 3 chips on a 2x2 host
+    (range(8), 4, 'given 8 chips'),  # more than the host
+    ([0, 1, 2, 3, 4, 5], 8, 'given 6 chips'),
+    ([], 8, 'given 0 chips'),
+    ([1, 2], 8, 'not an aligned block'),  # straddles two 2-chip blocks
+    ([0, 2], 8, 'not an aligned block'),  # not consecutive
+    ([2, 3, 4, 5], 8, 'not an aligned block'),
+    ([8], 8, 'not an aligned block'),  # outside the host
+    ([-1], 8, 'not an aligned block'),
+    (['1', '1'], 8, 'twice'),
+    ([0], 2, 'A TPU host has 1/4/8 chips'),
+])
+def test_impossible_splits_are_refused(chips, host_chips, message):
+  with pytest.raises(ConfigError, match=message):
+    chip_environment(chips, host_chips)
+
+
+@pytest.mark.parametrize('name, value', [
+    ('TPU_VISIBLE_CHIPS', '0,1'),  # another actor's chips
+    ('TPU_CHIPS_PER_HOST_BOUNDS', '2,4,1'),  # the whole host's shape over 4 chips
+    ('TPU_HOST_BOUNDS', '2,1,1'),
+])
+def test_a_conflicting_environment_is_refused(name, value):
+  with pytest.raises(ConfigError, match=f'{name}=.*need {name}='):
+    chip_environment([4, 5, 6, 7], 8, {name: value})
+
+
+@pytest.fixture(scope='module')
+def fake_tpu_host():
+  """A private Ray cluster on loopback whose one node has 8 fake 'TPU' chips (a v5e-8)."""
+  ray = pytest.importorskip('ray')
+  if ray.is_initialized():
+    pytest.skip('needs its own Ray cluster; one is running in this process')
+  # Actors import rlax_llm and this module (its helpers travel by reference).
+  path = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / 'tests'), str(ROOT / 'tests/backends'),
+                                       os.environ.get('PYTHONPATH')]))
+  ray.init(num_cpus=2, resources={'TPU': 8}, _node_ip_address='127.0.0.1',
+           runtime_env={'env_vars': {'PYTHONPATH': path, 'JAX_PLATFORMS': 'cpu',
+                                     'XLA_FLAGS': os.environ.get('XLA_FLAGS', '')}},
+           include_dashboard=False, log_to_driver=False, configure_logging=False)
+  yield ray
+  ray.shutdown()
+
+
+def test_two_actors_on_one_v5e_8_host_see_their_own_chips(fake_tpu_host):
+  """Two actors asking for 4 'TPU' each, as ``ray.worker_resources={'TPU': 4}`` makes the
+  workers do, placed on one 8-chip host: after ``pin_tpu_chips`` (what the roles' __init__
+  run first), each process's environment names its own 4 chips, a 2x2 block, a one-process
+  TPU system and its own port. An actor without TPU resources is left alone."""
+  ray = fake_tpu_host
+
+  class Probe:
+    def __init__(self):
+      # Importing the backend (as an actor's process does) must not start a JAX backend:
+      # libtpu reads the variables when it does.
+      self.jax_up_before = xla_bridge.backends_are_initialized()
+      self.applied = ray_backend.pin_tpu_chips()
+
+    def environment(self):
+      return self.jax_up_before, self.applied, tpu_variables(os.environ)
+
+  on_tpu = ray.remote(num_cpus=0, resources={'TPU': 4})(Probe)
+  reports = ray.get([actor.environment.remote() for actor in (on_tpu.remote(), on_tpu.remote())])
+  envs = [env for *_, env in reports]
+  for jax_up_before, applied, env in reports:
+    assert not jax_up_before
+    assert applied == env  # the process sees exactly what was applied, nothing else
+  assert_partition(sorted(envs, key=lambda e: e['TPU_VISIBLE_CHIPS']), 8, '2,2,1')
+  _, applied, env = ray.get(ray.remote(num_cpus=0)(Probe).remote().environment.remote())
+  assert applied == {} and env == {}
+
+
+def test_a_runs_worker_actors_sharing_a_host_see_their_own_chips(fake_tpu_host, tmp_path):
+  """The roles themselves: a Ray run with two workers of ``ray.worker_resources={'TPU': 4}``
+  on the 8-chip host; inside each worker actor's process (JAX already up, on CPU here) the
+  environment names its own 2x2 block and port. The trainer asks for no TPU: untouched."""
+  ray = fake_tpu_host
+  config = smoke_config(backend='ray', rollout__workers=2, log__tensorboard=False,
+                        checkpoint__every_steps=0, checkpoint__every_seconds=0.0)
+  config.ray.worker_resources = {'TPU': 4}
+  with build_run(config, tmp_path) as run:
+    actors = [handle.actor for handle in run.controller.workers]
+    actors.append(run.controller.trainer.actor)
+    *workers, trainer = ray.get([actor.__ray_call__.remote(
+        lambda self: tpu_variables(os.environ)) for actor in actors])
+  assert_partition(sorted(workers, key=lambda e: e['TPU_VISIBLE_CHIPS']), 8, '2,2,1')
+  assert trainer == {}
