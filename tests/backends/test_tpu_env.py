@@ -12,6 +12,7 @@ from smoke_config import smoke_config  # tests/smoke_config.py
 from rlax_llm.backends import build_run
 from rlax_llm.backends import ray as ray_backend
 from rlax_llm.backends.tpu_env import chip_environment
+from rlax_llm.config import run_spec
 from rlax_llm.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -164,7 +165,7 @@ def test_a_runs_worker_actors_sharing_a_host_see_their_own_chips(fake_tpu_host, 
   config = smoke_config(backend='ray', rollout__workers=2, log__tensorboard=False,
                         checkpoint__every_steps=0, checkpoint__every_seconds=0.0)
   config.ray.worker_resources = {'TPU': 4}
-  with build_run(config, tmp_path) as run:
+  with build_run(config, tmp_path, run_spec(config)) as run:
     actors = [handle.actor for handle in run.controller.workers]
     actors.append(run.controller.trainer.actor)
     *workers, trainer = ray.get([actor.__ray_call__.remote(
