@@ -4,7 +4,6 @@ workers on their own devices, worker failures, dynamic sampling and recycling.""
 import concurrent.futures
 import json
 import random
-import threading
 import time
 
 import jax
