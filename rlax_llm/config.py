@@ -35,7 +35,7 @@ import ml_collections
 from rlax_llm.cli import DEFAULT_CONFIG_PATH, flat_keys, load_config_file, lookup
 from rlax_llm.errors import ConfigError
 from rlax_llm.sampling_spec import SamplingSpec
-from rlax_llm.schedule import ControllerSettings
+from rlax_llm.schedule import SCHEDULES, ControllerSettings
 
 if TYPE_CHECKING:
   from rlax_llm.losses import LossConfig
@@ -62,6 +62,7 @@ CHOICES = {
     'model.dtype': ('float32', 'bfloat16'),
     'rollout.on_swap': ('continue', 'discard'),
     'rollout.short_batches': ('pad', 'wait'),
+    'staleness.schedule': SCHEDULES,
 }
 
 POSITIVE_INTS = ('rl.group_size', 'rl.prompts_per_step', 'rl.max_nonfinite_updates',
@@ -204,6 +205,7 @@ def _controller_settings(config: ml_collections.ConfigDict, loss: LossConfig,
         stop_after_groups=config.rollout.stop_after_groups,
         short_batches=config.rollout.short_batches,
         replay=config.rollout.replay,
+        schedule=config.staleness.schedule,
         eval_samples=config.eval.samples,
         reward=config.reward.to_dict() if config.get('reward') else None)
   if settings.oversample and settings.advantage_estimator in BASELINE_FREE:
@@ -249,6 +251,7 @@ def validate_config(config: ml_collections.ConfigDict) -> RunSpec:
   settings = spec.controller
   _validate_micro_batches(config, spec.loss)
   _validate_checkpoint(config)
+  _validate_free_running(config)
   task = _validate_task(config)
   if settings.reward:
     from rlax_llm import rewards  # pylint: disable=import-outside-toplevel  # jax: kept off import
@@ -297,6 +300,29 @@ def _validate_checkpoint(config: ml_collections.ConfigDict) -> None:
     raise ConfigError('config.backend=\'ray\' does not write checkpoints yet; set '
                       'checkpoint.every_steps=0 and checkpoint.every_seconds=0, or use '
                       'backend=\'local\' (which checkpoints and resumes).')
+
+
+def _validate_free_running(config: ml_collections.ConfigDict) -> None:
+  """``staleness.schedule='free'`` needs roles that run at the same time (a version pushed
+  while a batch is generated is what it picks up), and writes no checkpoints: which version
+  drew which token depends on timing, so a resumed run could not continue it exactly."""
+  if config.staleness.schedule != 'free':
+    return
+  if config.backend == 'local' and not config.local.concurrent:
+    raise ConfigError("config.staleness.schedule='free' with local.concurrent=False: every "
+                      'call runs inline, so no version is ever pushed while a batch is '
+                      'generated and free-running would only be a slower deterministic '
+                      "schedule; set local.concurrent=True or staleness.schedule="
+                      "'deterministic'.")
+  c = config.checkpoint
+  if c.every_steps or c.every_seconds:
+    raise ConfigError(
+        "config.staleness.schedule='free' with checkpoints (checkpoint.every_steps="
+        f'{c.every_steps!r}, checkpoint.every_seconds={c.every_seconds!r}): a free-running '
+        'run is not reproducible (which version draws which token depends on timing), so it '
+        'cannot be resumed exactly; set checkpoint.every_steps=0 and '
+        "checkpoint.every_seconds=0, or use staleness.schedule='deterministic' (which "
+        'checkpoints and resumes bit for bit).')
 
 
 def _flatten(tree, prefix=''):

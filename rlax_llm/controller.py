@@ -24,7 +24,11 @@ checkpoints.
 Deterministic asynchrony: every decision is a function of the schedule and of results the
 controller waits for in a fixed order, never of which thread finishes first. An asynchronous
 run therefore gives the same metrics and params whatever the timing, on every backend; only
-``time/...`` metrics differ.
+``time/...`` metrics differ. The exception is the optional free-running mode
+(``staleness.schedule='free'``, ``rlax_llm.schedule``): ``generate`` names no version
+(``FollowLatest(j)``), the workers follow the server between decode steps, and which version
+draws which token depends on timing; the acceptance window ``k`` is then enforced when a
+batch is trained, and ``sampling_version`` reports the batch's oldest token's version.
 
 Worker failures: a worker whose call raises, or returns nothing within ``worker_timeout_s``,
 is retired and its requests re-issued to a live one (same keys, same version: the same
@@ -47,7 +51,7 @@ import numpy as np
 
 from rlax_llm import console, losses, rewards, schedule
 from rlax_llm.data import prompt_dataset
-from rlax_llm.data_types import GenerationRequest, Rollouts, make_train_batch
+from rlax_llm.data_types import FollowLatest, GenerationRequest, Rollouts, make_train_batch
 from rlax_llm.errors import NonFiniteError
 from rlax_llm.evaluation import evaluate_policy
 from rlax_llm.metrics import MetricsWriter
@@ -79,11 +83,12 @@ class WorkerHandle(Protocol):
   """An inference worker as the controller sees it (calls return futures, run in order)."""
 
   def generate(self, requests: Sequence[GenerationRequest], rng_data: np.ndarray,
-               version: int, stop_after: int | None = None, first: int = 0
+               version: int | FollowLatest, stop_after: int | None = None, first: int = 0
                ) -> Future:  # -> Rollouts
     """``InferenceWorker.generate_at``: sample with weights ``version``, which the worker
     pulls from the parameter server itself when it does not hold them (the figures of that
-    pull in the rollouts' ``timings``, under ``sync/``)."""
+    pull in the rollouts' ``timings``, under ``sync/``); ``FollowLatest(j)``: free-running,
+    with the newest weights, pulled between decode steps too."""
 
   def retire(self) -> None:
     ...
@@ -142,7 +147,7 @@ class _Batch:
   """A batch in flight: its prompts, the version sampling it and the futures of its chunks."""
 
   index: int
-  version: int
+  version: int | None  # None: free-running (the workers follow the server)
   prompts: list[Prompt]
   chunks: list[tuple[int, list[GenerationRequest], Any]]  # (worker, requests, future)
   stop_after: int = 0  # APRIL: the batch stops when this many groups finished (0: never)
@@ -294,14 +299,17 @@ class Controller:
     return live
 
   def _submit(self, worker: int, requests: list[GenerationRequest], root: jax.Array,
-              version: int, stop_after: int | None = None, first: int = 0):
+              version: int | None, stop_after: int | None = None, first: int = 0):
     """Queues ``requests`` on ``worker`` with weights ``version`` (a number: the worker pulls
-    the weights from the parameter server itself); ``root``, ``first``, ``stop_after``: the
-    batch's sampling key, the index of ``requests[0]`` in the batch and APRIL's stop (see
-    ``InferenceWorker.generate``)."""
-    self._worker_versions[worker] = version
+    the weights from the parameter server itself; None: free-running, ``FollowLatest``);
+    ``root``, ``first``, ``stop_after``: the batch's sampling key, the index of
+    ``requests[0]`` in the batch and APRIL's stop (see ``InferenceWorker.generate``)."""
+    if version is None:
+      named = FollowLatest(self.settings.staleness_j)
+    else:
+      named = self._worker_versions[worker] = version
     return self.workers[worker].generate(requests, np.asarray(jax.random.key_data(root)),
-                                         version, stop_after, first)
+                                         named, stop_after, first)
 
   def _count_pulls(self, rollouts: Rollouts) -> Rollouts:
     """Adds the figures of the pull a worker made for ``rollouts`` (their ``sync/`` timings)
@@ -464,16 +472,17 @@ class Controller:
     replayed = schedule.replay_count(len(self._replay), s.replay, count - len(carried))
     prompts += [self._replay.popleft() for _ in range(replayed)]
     prompts += [next(self._prompts)[0] for _ in range(count - len(prompts))]
-    version = self.step_versions[schedule.sampling_version(index, s.staleness_j,
-                                                           s.staleness_k)]
+    version = None if s.schedule == 'free' else self.step_versions[
+        schedule.sampling_version(index, s.staleness_j, s.staleness_k)]
     batch = _Batch(index=index, version=version, prompts=prompts, chunks=[],
                    stop_after=s.stop_after_groups, carried=len(carried),
                    restarted=goes_on.count(False), replayed=replayed)
     return self._launch(batch, self._sampling_root(index), resumes)
 
   def _select(self, batch: _Batch, rollouts: Rollouts) -> tuple[Rollouts, dict[str, float]]:
-    """The groups to train on (``schedule.select_groups``: dynamic sampling, recycling;
-    recycled groups from earlier batches first) and their counts; None: skip the update."""
+    """The groups to train on (``schedule.select_groups``: the acceptance window, dynamic
+    sampling, recycling; recycled groups from earlier batches first) and their counts; None:
+    skip the update."""
     informative = set(rollouts.informative_groups.tolist())
     groups = []
     for g in np.unique(rollouts.group_ids):
@@ -485,7 +494,8 @@ class Controller:
     self._recycled = selection.recycled
     if selection.train is None:
       return None, selection.stats
-    if self.settings.oversample == 0:  # every group, as generated
+    if (self.settings.oversample == 0
+        and not selection.stats['rollout/dropped_stale_groups']):  # every group, as generated
       return rollouts, selection.stats
     return Rollouts.concatenate(selection.train), selection.stats
 
@@ -519,8 +529,11 @@ class Controller:
         'completion/length_mean': float(rollouts.completion_mask.sum(1).mean()),
         'completion/truncated_fraction': float(1.0 - rollouts.finished.mean()),
         'verifier/errors': rollouts.verifier_errors,
-        'sampling_version': batch.version,
+        'sampling_version': (batch.version if batch.version is not None
+                             else rollouts.oldest_version),
         **selection,
+        **({'rollout/mixed_version_samples': int(rollouts.mixed_versions.sum())}
+           if s.schedule == 'free' else {}),
         **({'rollout/carried_groups': batch.carried,
             'rollout/restarted_groups': batch.restarted,
             'rollout/unfinished_groups': len(self._unfinished)}
@@ -561,7 +574,7 @@ class Controller:
     self.writer.write_rollouts(self.step, batch.prompts, rollouts, advantages, staleness)
     metrics['version'] = self.trainer.version
     self.writer.ledger(self.step, {
-        'batch': batch.index, 'sampling_version': batch.version,
+        'batch': batch.index, 'sampling_version': metrics['sampling_version'],
         # New prompts from the stream; APRIL's carried groups (continued or restarted) and
         # prompts re-asked from the replay pool apart.
         'prompt_ids': [p.prompt_id for p in batch.prompts[batch.carried + batch.replayed:]],

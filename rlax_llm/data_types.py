@@ -25,6 +25,20 @@ FINISH_REASONS = ('stop', 'length', 'unfinished')
 
 
 @dataclasses.dataclass(frozen=True)
+class FollowLatest:
+  """The version a ``generate`` call names in free-running mode (``staleness.schedule=
+  'free'``): none. The worker samples with the newest weights it holds and pulls the
+  server's latest version, before the first decode step and between any two, whenever it is
+  ``j`` or more versions ahead of its own; every token records the version that drew it."""
+
+  j: int
+
+  def __post_init__(self):
+    if isinstance(self.j, bool) or not isinstance(self.j, int) or self.j < 1:
+      raise ValueError(f'FollowLatest.j={self.j!r} must be an int >= 1 (staleness.j).')
+
+
+@dataclasses.dataclass(frozen=True)
 class GenerationRequest:
   """Sample ``num_samples`` completions of ``prompt`` (its text, or its chat messages
   rendered by the model's chat template) with ``sampling``, each at most
@@ -100,6 +114,15 @@ class Rollouts:
     """The oldest policy version of any generated token (None: no tokens yet)."""
     drawn = self.versions[self.versions >= 0]
     return int(drawn.min()) if drawn.size else None
+
+  @property
+  def mixed_versions(self) -> np.ndarray:
+    """bool [B]: True where a row's tokens were drawn by more than one version (a weight
+    swap landed mid-sequence: free-running mode, or a continued partial rollout)."""
+    drawn = self.versions >= 0
+    low = np.where(drawn, self.versions, np.iinfo(np.int32).max).min(axis=1)
+    high = np.where(drawn, self.versions, -1).max(axis=1)
+    return drawn.any(axis=1) & (low != high)
 
   @property
   def unfinished_groups(self) -> np.ndarray:

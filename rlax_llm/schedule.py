@@ -17,6 +17,18 @@ in steps of ``j`` versions, and a rollout is trained only if ``i - v < k``. ``(1
 version ``v_i`` exists (``launch_due``), so with ``k > 1`` it overlaps the training of earlier
 batches (up to ``k`` batches are in flight: the queue is bounded by the schedule).
 
+Free-running mode (``schedule='free'``, ``staleness.schedule``): no version is named. A
+worker samples with the newest weights it holds and, at the start of a batch and between any
+two decode steps, pulls the server's latest version when it is ``j`` or more ahead of its own
+(``reload_due``; the driver's per-step swap), so one sequence may mix versions and every
+token records its own. Batch ``i`` launches once at most ``k - j`` batches are ahead of the
+trainer (``launch_due``): the worker then holds a version at most ``j - 1`` behind the
+trainer's at launch, and the trainer moves at most ``k - j`` versions before training the
+batch, so no token is ``k`` or more versions old when trained; the acceptance window is also
+enforced at training time (``select_groups`` drops a group whose oldest token is, and counts
+it). Faster data (fresher tokens, no wait for a named version) at the price of
+reproducibility: which version draws which token depends on timing.
+
 Also decided here:
 * several inference workers: a batch's requests are split into contiguous chunks, one per
   live worker (``chunk_bounds``); a sample's tokens depend only on its own key, so which
@@ -68,6 +80,9 @@ from rlax_llm.sampling_spec import SamplingSpec
 T = TypeVar('T')
 
 
+SCHEDULES = ('deterministic', 'free')
+
+
 def sampling_version(i: int, j: int, k: int) -> int:
   """The policy version that samples batch ``i`` under RLAX staleness ``(j, k)``."""
   return max(0, j * math.floor((i - (k - j)) / j))
@@ -96,6 +111,7 @@ class ControllerSettings:
   stop_after_groups: int = 0  # APRIL: stop a batch once this many groups finished (0: never)
   short_batches: str = 'pad'  # fewer informative groups than prompts_per_step: 'pad' | 'wait'
   replay: float = 0.0  # fraction of a batch's new prompts re-asked from the replay pool
+  schedule: str = 'deterministic'  # 'deterministic' (versions named) | 'free' (SCHEDULES)
 
   @property
   def replay_capacity(self) -> int:
@@ -138,6 +154,9 @@ class ControllerSettings:
         or self.eval_samples < 0):
       raise ValueError(f'eval.samples={self.eval_samples!r} must be an int >= 0 (draws per '
                        'held-out prompt for mean@k and pass@k; 0: greedy accuracy only).')
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f'staleness.schedule={self.schedule!r} is not valid; choose one of '
+                       f'{list(SCHEDULES)} (deterministic: reproducible, the default).')
     if self.short_batches not in ('pad', 'wait'):
       raise ValueError(f"rollout.short_batches={self.short_batches!r} is not valid; choose "
                        "'pad' or 'wait'.")
@@ -153,9 +172,19 @@ class ControllerSettings:
 
 def launch_due(index: int, step: int, s: ControllerSettings) -> bool:
   """Whether batch ``index`` can be launched after ``step`` steps: it is part of the run and
-  the version that samples it exists (at most ``k`` batches ahead of the trainer)."""
-  return index < s.total_steps and sampling_version(index, s.staleness_j,
-                                                    s.staleness_k) <= step
+  the version that samples it exists (at most ``k`` batches ahead of the trainer); in
+  free-running mode, it is at most ``k - j`` batches ahead (``k - j + 1`` in flight)."""
+  if index >= s.total_steps:
+    return False
+  if s.schedule == 'free':
+    return index - step <= s.staleness_k - s.staleness_j
+  return sampling_version(index, s.staleness_j, s.staleness_k) <= step
+
+
+def reload_due(latest: int, held: int, j: int) -> bool:
+  """RLAX's reload threshold: whether a worker holding version ``held`` (-1: none) pulls the
+  server's ``latest`` version, i.e. it holds none or ``latest`` is ``j`` or more ahead."""
+  return held < 0 or latest - held >= j
 
 
 def eval_due(step: int, s: ControllerSettings) -> bool:
@@ -212,7 +241,11 @@ class Selection(Generic[T]):
 def select_groups(groups: Sequence[tuple[int, T, bool]], recycled: Sequence[tuple[int, T]],
                   trainer_version: int, s: ControllerSettings) -> Selection[T]:
   """Dynamic sampling with recycling (see the module docstring); with ``oversample == 0``
-  every group of the batch trains, in order.
+  every group of the batch trains, in order. Either way a group of this batch whose oldest
+  token is ``k`` or more versions behind ``trainer_version`` is dropped and counted
+  (``rollout/dropped_stale_groups``): the acceptance window at training time, which the
+  deterministic schedule never reaches and free-running mode enforces (a batch left with
+  none skips the update).
 
   Args:
     groups: this batch's finished groups in order, ``(version, group, informative)``: the
@@ -221,13 +254,15 @@ def select_groups(groups: Sequence[tuple[int, T, bool]], recycled: Sequence[tupl
     trainer_version: the version the update would apply to.
     s: the settings (``prompts_per_step``, ``staleness_k``, ``short_batches``).
   """
+  accepted = [(v, g, i) for v, g, i in groups if trainer_version - v < s.staleness_k]
   stats = {'rollout/filtered_groups': 0, 'rollout/recycled_groups': 0,
-           'rollout/dropped_stale_groups': 0, 'rollout/padding_groups': 0,
-           'rollout/trained_groups': len(groups)}
+           'rollout/dropped_stale_groups': len(groups) - len(accepted),
+           'rollout/padding_groups': 0, 'rollout/trained_groups': len(accepted)}
+  groups = accepted
   if s.oversample == 0:
-    return Selection([g for _, g, _ in groups], list(recycled), stats)
+    return Selection([g for _, g, _ in groups] or None, list(recycled), stats)
   fresh = [(v, g) for v, g in recycled if trainer_version - v < s.staleness_k]
-  stats['rollout/dropped_stale_groups'] = len(recycled) - len(fresh)
+  stats['rollout/dropped_stale_groups'] += len(recycled) - len(fresh)
   fresh += [(v, g) for v, g, informative in groups if informative]
   filtered = [g for _, g, informative in groups if not informative]
   keep, rest = fresh[:s.prompts_per_step], fresh[s.prompts_per_step:]

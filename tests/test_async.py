@@ -1,5 +1,6 @@
 """Asynchronous parameter-server RL: the (j, k) schedule, deterministic asynchrony, several
-workers on their own devices, worker failures, dynamic sampling and recycling."""
+workers on their own devices, worker failures, dynamic sampling and recycling, and the
+free-running mode."""
 
 import concurrent.futures
 import json
@@ -12,6 +13,7 @@ import pytest
 
 from rlax_llm.backends import local as local_backend
 from rlax_llm.config import run_spec
+from rlax_llm.data_types import FollowLatest
 from rlax_llm.schedule import sampling_version
 from rlax_llm.metrics import read_metrics
 
@@ -303,3 +305,79 @@ def test_weight_update_accounting(tmp_path):
   assert last['sync/updates'] == 5
   assert model_bytes <= last['sync/bytes'] <= last['sync/updates'] * model_bytes
   assert 0 < last['sync/density'] <= 1
+
+
+def free(steps=6, j=1, k=2, **overrides):
+  """The smoke run in free-running mode (no checkpoints: it is refused there)."""
+  config = smoke(steps=steps, j=j, k=k, staleness__schedule='free',
+                 checkpoint__every_steps=0, checkpoint__every_seconds=0.0, **overrides)
+  config.eval.every_steps = 0  # held-out evaluation at the start and the end only
+  return config
+
+
+def swaps_mid_generation(generated, wait_s=2.0):
+  """A ``run`` wrap: each free-running ``generate_at`` waits, before its second decode step,
+  until the server is ``j`` versions ahead of the worker (at most ``wait_s``; the trainer,
+  training an earlier batch meanwhile, pushes them), so the worker's next refresh swaps a
+  version in mid-sequence. The calls' rollouts are appended to ``generated``."""
+  def wrap(controller):
+    for handle in controller.workers:
+      worker, server, call = handle.worker, handle.server, {}
+      inner = worker.generate_at
+
+      def generate_at(version, *args, inner=inner, worker=worker, call=call, **kwargs):
+        call.update(free=isinstance(version, FollowLatest), start=worker.driver.steps,
+                    j=getattr(version, 'j', 0))
+        out = inner(version, *args, **kwargs)
+        if call['free']:
+          generated.append(out)
+        return out
+
+      def before_step(step, worker=worker, server=server, call=call):
+        if call['free'] and step == call['start'] + 1:
+          deadline = time.monotonic() + wait_s
+          while (server.latest_version() - worker.version < call['j']
+                 and time.monotonic() < deadline):
+            time.sleep(0.005)
+
+      worker.generate_at = generate_at
+      worker.driver.before_step = before_step
+  return wrap
+
+
+def test_free_running_swaps_weights_mid_generation_within_the_bound(tmp_path):
+  """staleness.schedule='free' at (j, k) = (1, 2): versions pushed while a batch is generated
+  enter it between decode steps (one sequence's tokens carry two versions, each recorded),
+  no trained token is k or more versions old, and nothing is dropped (the launch window
+  keeps the bound)."""
+  generated = []
+  summary, rows, _ = run(free(), tmp_path, wrap=swaps_mid_generation(generated))
+  assert summary['steps'] == 6 and len(rows) == 6
+  mixed = [row[row >= 0] for r in generated for row in r.versions
+           if len(set(row[row >= 0].tolist())) > 1]
+  assert mixed, [r.versions for r in generated]
+  for versions in mixed:  # on_swap='continue': later tokens, newer versions
+    assert np.all(np.diff(versions) >= 0), versions
+  assert sum(r['rollout/mixed_version_samples'] for r in rows) == sum(
+      int(r.mixed_versions.sum()) for r in generated)
+  assert all(r['update/skipped'] == 0 and r['rollout/trained_groups'] == 4 for r in rows)
+  assert all(r['staleness/max'] <= 1 and r['rollout/dropped_stale_groups'] == 0
+             for r in rows)
+  # Each batch reports its oldest token's version; the ledger the versions trained.
+  assert [r['sampling_version'] for r in rows] == [
+      r.oldest_version for r in generated]
+  ledger = [json.loads(line) for line in (tmp_path / 'ledger.jsonl').read_text().splitlines()]
+  for row in ledger:
+    assert all(row['version'] - 1 - v < 2 for v in row['trained_versions']), row
+  # Every version a swap brought in was pulled by the worker (deltas after the first).
+  assert rows[-1]['sync/updates'] >= 6
+
+
+def test_free_running_keeps_the_bound_at_larger_j_and_k(tmp_path):
+  """(2, 4) under random role timings: up to k - j + 1 = 3 batches in flight, the worker
+  reloading when 2 versions behind; no trained token is 4 or more versions old."""
+  _, rows, _ = run(free(steps=8, j=2, k=4), tmp_path, wrap=delays(5, 0.05))
+  assert len(rows) == 8
+  assert all(r['staleness/max'] <= 3 and r['rollout/dropped_stale_groups'] == 0
+             for r in rows)
+  assert all(r['update/skipped'] == 0 for r in rows)

@@ -120,7 +120,8 @@ class LocalWorker:
 
   def _generate(self, requests, rng_data, version, stop_after, first):
     return self.worker.generate_at(version, self.server.update, requests,
-                                   jax.random.wrap_key_data(rng_data), stop_after, first)
+                                   jax.random.wrap_key_data(rng_data), stop_after, first,
+                                   latest=self.server.latest_version)
 
   def retire(self) -> None:
     self._serial.shutdown()

@@ -95,6 +95,9 @@ class ServerRole:
   def update(self, version: int, base_version: int):
     return self.server.update(version, base_version=base_version)
 
+  def latest_version(self) -> int:
+    return self.server.latest_version()
+
 
 class TrainerRole:
   """The trainer actor: runs the warm-up, then RL updates, on this host's devices, and
@@ -152,9 +155,14 @@ class WorkerRole:
     """The update from the server's process to this one, through the object store."""
     return _ray().get(self.server.update.remote(version, base_version))
 
+  def _latest(self) -> int:
+    """The server's newest version (free-running mode asks before every decode step)."""
+    return _ray().get(self.server.latest_version.remote())
+
   def generate(self, requests, rng_data: np.ndarray, version: int, stop_after=None, first=0):
     return self.worker.generate_at(version, self._fetch, requests,
-                                   jax.random.wrap_key_data(rng_data), stop_after, first)
+                                   jax.random.wrap_key_data(rng_data), stop_after, first,
+                                   latest=self._latest)
 
 
 class RayFuture:

@@ -83,7 +83,11 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       short_batches='pad', stop_after_groups=0, replay=0.0,
       worker_timeout_s=600.0))
   # RLAX staleness: j = inference reload threshold, k = trainer acceptance window.
-  c.staleness = ml_collections.ConfigDict(dict(j=1, k=1))
+  # schedule: 'deterministic' (the controller names the version of every batch: reproducible
+  # and resumable bit for bit) or 'free' (workers pull the latest version between decode
+  # steps whenever it is j or more ahead; k enforced at training time; fresher and not
+  # reproducible; needs local.concurrent and no checkpoints; docs/architecture.md).
+  c.staleness = ml_collections.ConfigDict(dict(j=1, k=1, schedule='deterministic'))
   # Where roles run: 'local' (this process; local.concurrent: each role on its own thread,
   # False runs every call inline, the synchronous reference) or 'ray' (one actor per role).
   c.backend = 'local'

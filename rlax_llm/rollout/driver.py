@@ -15,7 +15,9 @@ changes is a policy (``on_swap``):
   token another version drew: no sample mixes versions.
 
 Either way a sample started after a swap is prefilled with the new params, and one decode
-step never mixes versions. The driver is single-threaded and deterministic: given the jobs,
+step never mixes versions. Who swaps: whoever sets the holder; ``run(jobs, refresh=f)`` calls
+``f()`` before every decode step reads it, which is where a worker in free-running mode pulls
+a newer version from the parameter server (``InferenceWorker.generate_at``). The driver is single-threaded and deterministic: given the jobs,
 their keys and the versions it reads at each step, the output is fixed; each sample's
 randomness depends only on its own key (see ``rlax_llm.rollout.engine``).
 
@@ -237,12 +239,15 @@ class Driver:
             raise ValueError(f'job {i} sample {n}: unfinished with {len(sample.tokens)} '
                              f'tokens, but max_new_tokens={job.max_new_tokens}.')
 
-  def run(self, jobs: Sequence[Job], stop_after: int | None = None) -> list[list[Sample]]:
+  def run(self, jobs: Sequence[Job], stop_after: int | None = None,
+          refresh: Callable[[], None] | None = None) -> list[list[Sample]]:
     """Generates the samples of every job; ``result[j][i]`` is sample ``i`` of job ``j``.
 
     ``stop_after``: stop once that many jobs are complete (every sample finished); the
     samples of the others may come back unfinished (``finish_reason`` None; pass them as
     ``Job.resume`` to continue). None: run every job to the end.
+    ``refresh``: called before every decode step reads the holder (after ``before_step``);
+    it may set a new version there, which that step uses.
     """
     self.check(jobs)
     if stop_after is not None and not 1 <= stop_after <= len(jobs):
@@ -262,7 +267,7 @@ class Driver:
       if done is not None and done():
         break
       self._phase(spec, [j for j, job in enumerate(jobs) if job.sampling == spec], jobs,
-                  results, done)
+                  results, done, refresh)
     self.stats['unfinished_samples'] = sum(
         1 for samples in results for sample in samples if sample.finish_reason is None)
     self.stats['wall_s'] = time.perf_counter() - start
@@ -270,7 +275,8 @@ class Driver:
     return results
 
   def _phase(self, spec: SamplingSpec, job_ids: list[int], jobs: Sequence[Job],
-             results: list[list[Sample]], done: Callable[[], bool] | None = None) -> None:
+             results: list[list[Sample]], done: Callable[[], bool] | None = None,
+             refresh: Callable[[], None] | None = None) -> None:
     """Runs the jobs of one sampling spec to completion (or until ``done()``).
 
     Steps are pipelined one deep: step ``t + 1`` is dispatched before the host reads step
@@ -297,6 +303,8 @@ class Driver:
         return
       if self.before_step is not None:
         self.before_step(self.steps)
+      if refresh is not None:
+        refresh()
       current, params = self.holder.get()
       if current != version:
         e.check_params(params)

@@ -13,13 +13,18 @@ log-probs, the version of every token, finish reason, restarts, decoded text and
 
 Reload staleness ``j`` (RLAX, docs/architecture.md): ``maybe_reload`` pulls new weights when
 the server is at least ``j`` versions ahead of the weights held (the deterministic schedule
-names the version instead: ``generate_at``). ``load`` swaps the weights
+names the version instead: ``generate_at``). In free-running mode (``generate_at`` given
+``FollowLatest(j)`` and the backend's ``latest`` callable) the worker applies that rule
+itself, before generating and between any two decode steps, so a version pushed while a
+batch is generated enters it mid-sequence (the driver's per-step swap; every token keeps the
+version that drew it). ``load`` swaps the weights
 the driver reads before every decode step. Params live on the worker's own ``inference``
 mesh with the shardings the logical-axis rules give there (the same rules as the trainer's).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -29,8 +34,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from rlax_llm import schedule
 from rlax_llm import sharding as sharding_lib
-from rlax_llm.data_types import GenerationRequest, Rollouts
+from rlax_llm.data_types import FollowLatest, GenerationRequest, Rollouts
 from rlax_llm.models.model import Model
 from rlax_llm.paramserver import ParameterServer
 from rlax_llm.paramserver import delta as delta_lib
@@ -42,6 +48,9 @@ from rlax_llm.tokenization import Tokenizer, encode_prompt
 # ``fetch(version, base_version) -> Delta``: a backend's way to ask the parameter server for a
 # version (``ParameterServer.update`` in process, a call to the server's actor on Ray).
 Fetch = Callable[[int, int], delta_lib.Delta]
+# ``latest() -> int``: a backend's way to ask the parameter server for its newest version
+# (``ParameterServer.latest_version`` in process, a call to the server's actor on Ray).
+Latest = Callable[[], int]
 
 
 class InferenceWorker:
@@ -125,17 +134,37 @@ class InferenceWorker:
             'sync/changed': update.changed, 'sync/elements': update.total,
             'sync/pull_s': time.perf_counter() - start}
 
-  def generate_at(self, version: int, fetch: Fetch, requests: Sequence[GenerationRequest],
-                  rng: jax.Array, stop_after: int | None = None, first: int = 0) -> Rollouts:
+  def generate_at(self, version: int | FollowLatest, fetch: Fetch,
+                  requests: Sequence[GenerationRequest], rng: jax.Array,
+                  stop_after: int | None = None, first: int = 0,
+                  latest: Latest | None = None) -> Rollouts:
     """``generate`` with the weights of ``version``, pulled first (``pull``) unless held.
-    The pull's figures are added to the rollouts' ``timings`` (its ``sync/`` keys; none
-    when no pull was needed)."""
-    pulled = {} if version == self.version else self.pull(version, fetch)
-    rollouts = self.generate(requests, rng, stop_after, first)
+
+    ``version=FollowLatest(j)`` (free-running mode; needs ``latest``): pulls the server's
+    latest version whenever it is ``j`` or more ahead of the one held
+    (``schedule.reload_due``): before generating and before every decode step, where the
+    driver swaps it in. The pulls' figures are added up into the rollouts' ``timings``
+    (their ``sync/`` keys; none when no pull was needed)."""
+    pulled = collections.Counter()
+    refresh = None
+    if isinstance(version, FollowLatest):
+      if latest is None:
+        raise ValueError('generate_at(FollowLatest(...)) needs latest, the way to ask the '
+                         "parameter server for its newest version (the backend's).")
+
+      def refresh():
+        newest = latest()
+        if schedule.reload_due(newest, self.version, version.j):
+          pulled.update(self.pull(newest, fetch))
+      refresh()
+    elif version != self.version:
+      pulled.update(self.pull(version, fetch))
+    rollouts = self.generate(requests, rng, stop_after, first, refresh=refresh)
     return dataclasses.replace(rollouts, timings={**rollouts.timings, **pulled})
 
   def maybe_reload(self, server: ParameterServer, j: int) -> bool:
-    """Pulls the latest weights if the server is ``>= j`` versions ahead (or none are held).
+    """Pulls the latest weights if the server is ``>= j`` versions ahead (or none are held;
+    ``schedule.reload_due``).
 
     Returns True if it reloaded.
     """
@@ -144,7 +173,7 @@ class InferenceWorker:
     latest = server.latest_version()
     if latest < 0:
       raise LookupError('the parameter server holds no weights yet; push version 0 first.')
-    if self.version < 0 or latest - self.version >= j:
+    if schedule.reload_due(latest, self.version, j):
       self.pull(latest, server.update)
       return True
     return False
@@ -163,7 +192,8 @@ class InferenceWorker:
     return ids
 
   def generate(self, requests: Sequence[GenerationRequest], rng: jax.Array,
-               stop_after: int | None = None, first: int = 0) -> Rollouts:
+               stop_after: int | None = None, first: int = 0,
+               refresh: Callable[[], None] | None = None) -> Rollouts:
     """Samples every request; rows of request ``i`` are contiguous with group id ``i``.
 
     Sample ``s`` of request ``i`` draws with the key ``fold_in(fold_in(rng, first + i), s)``
@@ -176,6 +206,9 @@ class InferenceWorker:
     finished; the rows of the others may come back ``'unfinished'`` (pass them as a
     request's ``resume`` to continue them with their own keys). A ``resume`` request keeps
     its rows' keys and prompt tokens.
+
+    ``refresh``: called before every decode step (``Driver.run``); it may load new weights,
+    which the driver swaps in from that step on (free-running mode, ``generate_at``).
     """
     if self.version < 0:
       raise RuntimeError('InferenceWorker has no weights; call load() or maybe_reload() first.')
@@ -204,7 +237,7 @@ class InferenceWorker:
                       sampling=request.sampling, max_new_tokens=request.max_new_tokens,
                       stop_ids=tuple(dict.fromkeys(stop + tuple(request.stop_token_ids))),
                       keys=keys, resume=samples))
-    results = self.driver.run(jobs, stop_after)
+    results = self.driver.run(jobs, stop_after, refresh)
     return self._rollouts(requests, prompts, results, [job.keys for job in jobs],
                           time.perf_counter() - start)
 
