@@ -60,6 +60,28 @@ def test_bad_staleness():
     validate_config(config)
 
 
+def test_staleness_schedule():
+  """'deterministic' is the default; 'free' is refused where it cannot work (inline roles:
+  nothing is pushed while a batch is generated; checkpoints: a run that depends on timing
+  cannot be resumed exactly), and the error names the value and the fix."""
+  config = load_config_file(str(CONFIGS[0]))
+  assert validate_config(config).controller.schedule == 'deterministic'
+  config.staleness.schedule = 'async'
+  with pytest.raises(ConfigError, match=r"config.staleness.schedule='async' is not valid; "
+                     r"choose one of \['deterministic', 'free'\]"):
+    validate_config(config)
+  config.staleness.schedule = 'free'
+  with pytest.raises(ConfigError, match=r"schedule='free' with checkpoints \(checkpoint."
+                     r'every_steps=50.*set checkpoint.every_steps=0'):
+    validate_config(config)
+  config.checkpoint.every_steps, config.checkpoint.every_seconds = 0, 0.0
+  assert validate_config(config).controller.schedule == 'free'
+  config.local.concurrent = False
+  with pytest.raises(ConfigError, match=r"schedule='free' with local.concurrent=False.*set "
+                     r'local.concurrent=True'):
+    validate_config(config)
+
+
 def _write(tmp_path, name, text):
   path = tmp_path / name
   path.write_text(text)

@@ -6,7 +6,7 @@ import numpy as np
 
 import pytest
 
-from rlax_llm.data_types import GenerationRequest, Rollouts, make_train_batch
+from rlax_llm.data_types import FollowLatest, GenerationRequest, Rollouts, make_train_batch
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.tasks import Prompt
 
@@ -33,6 +33,33 @@ def test_packing_aligns_tokens_logprobs_and_versions():
   np.testing.assert_array_equal(batch.support_sizes[1], [0, 0, 7, 8, 9, 0, 0])
   np.testing.assert_allclose(batch.advantages, [0.7, -0.7])
   assert batch.tokens.dtype == np.int32 and batch.loss_mask.dtype == np.float32
+
+
+def test_versions_are_per_token_and_mixed_rows_are_found():
+  """A weight swap mid-sequence leaves a row with several versions, each token its own, and
+  packing keeps them token by token (the trainer's staleness is per token)."""
+  versions = np.array([[3, 3, 4, 4], [4, 4, -1, -1], [2, 5, 5, -1], [-1, -1, -1, -1]],
+                      np.int32)
+  b = len(versions)
+  rollouts = Rollouts(
+      prompt_ids=np.arange(b), group_ids=np.arange(b, dtype=np.int32),
+      prompt_tokens=np.ones((b, 1), np.int32), prompt_lengths=np.ones(b, np.int32),
+      completion_tokens=np.ones((b, 4), np.int32), completion_mask=versions >= 0,
+      behaviour_logprobs=np.zeros((b, 4), np.float32), support_sizes=np.ones((b, 4), np.int32),
+      versions=versions, finish_reasons=np.array(['length', 'stop', 'stop', 'unfinished']),
+      completions=[''] * b, sampling=SamplingSpec(), timings={})
+  np.testing.assert_array_equal(rollouts.mixed_versions, [True, False, True, False])
+  assert rollouts.oldest_version == 2
+  batch = make_train_batch(rollouts.select(np.arange(b) < 3), np.zeros(3))
+  np.testing.assert_array_equal(batch.versions[0], [-1, 3, 3, 4, 4])
+  np.testing.assert_array_equal(batch.versions[2], [-1, 2, 5, 5, -1])
+
+
+@pytest.mark.parametrize('j', [0, -1, 1.0, True])
+def test_follow_latest_needs_a_reload_threshold(j):
+  assert FollowLatest(3).j == 3
+  with pytest.raises(ValueError, match=r'FollowLatest.j=.* must be an int >= 1'):
+    FollowLatest(j)
 
 
 def test_informative_groups_are_those_with_unequal_rewards():

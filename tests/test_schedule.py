@@ -1,5 +1,6 @@
 """The controller's schedule as pure decisions (rlax_llm/schedule.py): staleness, launches,
-evaluations, chunking, APRIL's carried groups, prompt replay and dynamic sampling."""
+evaluations, chunking, APRIL's carried groups, prompt replay, dynamic sampling and the
+free-running mode (its launch window, the reload rule, the acceptance window)."""
 
 import subprocess
 import sys
@@ -9,8 +10,8 @@ import pytest
 from rlax_llm import schedule
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.schedule import (ControllerSettings, chunk_bounds, chunk_stop, continue_carried,
-                               eval_due, launch_due, replay_count, sampling_version,
-                               select_groups)
+                               eval_due, launch_due, reload_due, replay_count,
+                               sampling_version, select_groups)
 
 
 def settings(**fields):
@@ -54,6 +55,30 @@ def test_launches_run_at_most_k_batches_ahead(j, k):
     assert max(due) - step <= k - 1  # batch `step` trains next; at most k in flight
     assert sampling_version(max(due), j, k) <= step
   assert not launch_due(20, 19, s)  # past the run
+
+
+@pytest.mark.parametrize('j, k', [(1, 1), (1, 2), (2, 4), (4, 8), (3, 3)])
+def test_free_running_launches_at_most_k_minus_j_batches_ahead(j, k):
+  """Free-running: batch i launches once i - step <= k - j, whatever version exists. A
+  worker then holds a version at most j - 1 behind the trainer's at launch (reload_due) and
+  the trainer moves at most k - j versions before training it: every token's staleness is
+  at most (j - 1) + (k - j) = k - 1."""
+  s = settings(staleness_j=j, staleness_k=k, total_steps=20, schedule='free')
+  for step in range(20):
+    due = [i for i in range(25) if launch_due(i, step, s)]
+    assert due == list(range(min(20, step + k - j + 1)))
+    # The worst case: launched at `step` with a version j - 1 behind, trained at max(due).
+    assert (max(due) - step) + (j - 1) <= k - 1
+  assert not launch_due(20, 19, s)
+  # (1, 1): lockstep; (1, 2): the deterministic schedule's window.
+  lockstep = settings(schedule='free')
+  assert [i for i in range(5) if launch_due(i, 2, lockstep)] == [0, 1, 2]
+
+
+def test_reload_due_is_the_j_threshold():
+  assert reload_due(latest=0, held=-1, j=4)  # nothing held: always
+  assert not reload_due(latest=5, held=3, j=3) and reload_due(latest=6, held=3, j=3)
+  assert reload_due(latest=4, held=3, j=1) and not reload_due(latest=3, held=3, j=1)
 
 
 def test_eval_due():
@@ -110,6 +135,26 @@ def test_select_without_oversampling_trains_every_group():
   sel = select_groups(groups, [], 0, settings())
   assert sel.train == ['a', 'b'] and sel.recycled == []
   assert counts(sel) == dict(filtered_groups=0, recycled_groups=0, dropped_stale_groups=0,
+                             padding_groups=0, trained_groups=2)
+
+
+def test_select_drops_groups_of_the_batch_outside_the_acceptance_window():
+  """Free-running mode's bound at training time: a group whose oldest token is k or more
+  versions behind the trainer is dropped and counted, with or without oversampling; a batch
+  left with none skips its update."""
+  s = settings(staleness_k=2)
+  groups = [(3, 'a', True), (1, 'b', True), (2, 'c', False)]
+  sel = select_groups(groups, [], 3, s)  # 'b': 3 - 1 >= 2
+  assert sel.train == ['a', 'c']
+  assert counts(sel) == dict(filtered_groups=0, recycled_groups=0, dropped_stale_groups=1,
+                             padding_groups=0, trained_groups=2)
+  sel = select_groups([(0, 'x', True)], [], 3, s)
+  assert sel.train is None and counts(sel)['dropped_stale_groups'] == 1
+  s = settings(staleness_k=2, oversample=1.0)  # 4 groups asked, 2 trained
+  sel = select_groups([(3, 'a', True), (1, 'b', True), (3, 'c', True), (3, 'd', False)],
+                      [(1, 'old')], 3, s)
+  assert sel.train == ['a', 'c'] and sel.recycled == []
+  assert counts(sel) == dict(filtered_groups=1, recycled_groups=0, dropped_stale_groups=2,
                              padding_groups=0, trained_groups=2)
 
 
@@ -173,3 +218,7 @@ def test_settings_validate_the_schedule():
   assert settings(oversample=0.5, stop_after_groups=3).requested_groups == 3
   assert settings(oversample=0.5).replay_capacity == 12
   assert schedule.Selection(None, [], {}).train is None
+  assert settings().schedule == 'deterministic'  # the default
+  with pytest.raises(ValueError, match=r"staleness.schedule='async' is not valid; choose one "
+                     r"of \['deterministic', 'free'\]"):
+    settings(schedule='async')

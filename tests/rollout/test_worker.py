@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from rlax_llm import policy as policy_lib
-from rlax_llm.data_types import GenerationRequest, Rollouts, make_train_batch
+from rlax_llm.data_types import FollowLatest, GenerationRequest, Rollouts, make_train_batch
 from rlax_llm.losses import LossConfig
 from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.model import create_model
@@ -360,3 +360,52 @@ def test_generate_at_pulls_the_named_version_itself(model_and_params):
   jax.tree.map(np.testing.assert_array_equal,
                jax.tree_util.tree_unflatten(worker._treedef, worker._host_leaves),
                server.get(2).params)
+
+
+def test_free_running_pulls_between_decode_steps(model_and_params):
+  """generate_at(FollowLatest(j)): the worker pulls the server's latest version before
+  generating and, between decode steps, whenever the server is j or more versions ahead;
+  the driver swaps it in mid-sequence and every token records the version that drew it."""
+  model, params = model_and_params
+  mesh = make_mesh({'data': 1}, jax.devices()[:1])
+  worker = InferenceWorker(model, TOKENIZER, mesh, max_prompt_len=8, max_new_tokens=MAX_NEW)
+  server = ParameterServer(keep=4)
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  version_params = lambda v: jax.tree_util.tree_unflatten(
+      treedef, [leaves[0] + 0.01 * v] + leaves[1:])
+  server.push(0, version_params(0))
+  # Rows that stop (eos) before a swap hold one version; the checks below take the longer.
+  reqs = [GenerationRequest(p, 2, SamplingSpec(1.0), MAX_NEW) for p in PROMPTS[:2]]
+  with pytest.raises(ValueError, match='needs latest'):
+    worker.generate_at(FollowLatest(1), server.update, reqs, jax.random.key(0))
+
+  def push_at(*steps):
+    start = worker.driver.steps
+    pushes = iter(range(server.latest_version() + 1, 100))
+
+    def before_step(step):
+      if step - start in steps:
+        version = next(pushes)
+        server.push(version, version_params(version))
+    worker.driver.before_step = before_step
+
+  push_at(3)
+  out = worker.generate_at(FollowLatest(1), server.update, reqs, jax.random.key(0),
+                           latest=server.latest_version)
+  assert worker.version == 1 and out.timings['sync/updates'] == 2  # whole, then a delta
+  long = out.completion_mask.sum(1) > 4
+  assert long.any()
+  for row, mask in zip(out.versions[long], out.completion_mask[long]):
+    # insert + 3 decode steps with version 0, then version 1 (j = 1: one ahead reloads).
+    np.testing.assert_array_equal(row[mask][:4], 0)
+    np.testing.assert_array_equal(row[mask][4:], 1)
+  assert out.mixed_versions[long].all()
+  # j = 2: one version ahead is not enough; two are.
+  push_at(2, 5)
+  out = worker.generate_at(FollowLatest(2), server.update, reqs, jax.random.key(1),
+                           latest=server.latest_version)
+  assert worker.version == 3 and out.timings['sync/updates'] == 1
+  long = out.completion_mask.sum(1) > 6
+  for row, mask in zip(out.versions[long], out.completion_mask[long]):
+    np.testing.assert_array_equal(row[mask][:6], 1)
+    np.testing.assert_array_equal(row[mask][6:], 3)
