@@ -193,6 +193,8 @@ def main() -> None:
   parser.add_argument('--real_steps', type=int, default=40, help='0: skip the real runs')
   parser.add_argument('--free', default='1,2;2,4;4,8',
                       help="(j, k) pairs run in free-running mode too ('': none)")
+  parser.add_argument('--real_repeats', type=int, default=1,
+                      help='real runs per (j, k) and mode, alternating; the medians are kept')
   args = parser.parse_args()
   free_pairs = [tuple(int(x) for x in pair.split(',')) for pair in args.free.split(';')
                 if pair]
@@ -217,10 +219,16 @@ def main() -> None:
                             'goodput_ratio': free['goodput_samples_per_s']
                                              / measured['goodput_samples_per_s']})
         print(json.dumps(free_sleeps[-1]), flush=True)
-  real = {f'{j},{k}': run_real(j, k, args.real_steps)
-          for j, k in ((1, 1), *free_pairs)} if args.real_steps > 0 else {}
-  free_real = {f'{j},{k}': run_real(j, k, args.real_steps, 'free')
-               for j, k in free_pairs} if args.real_steps > 0 else {}
+  real, free_real = {}, {}
+  if args.real_steps > 0:
+    runs = {}  # (pair, mode) -> repeats, alternating modes so that load drifts hit both
+    for _ in range(args.real_repeats):
+      for j, k in ((1, 1), *free_pairs):
+        for mode in ('deterministic', 'free') if (j, k) in free_pairs else ('deterministic',):
+          runs.setdefault((f'{j},{k}', mode), []).append(run_real(j, k, args.real_steps, mode))
+    for (key, mode), repeats in runs.items():
+      (free_real if mode == 'free' else real)[key] = {
+          name: float(np.median([r[name] for r in repeats])) for name in repeats[0]}
   # A TPU pod projection with the same model (assumptions, not measurements): a 32B model,
   # a 1024-chip slice split between training and inference, 45 s per update and 60 s per
   # rollout batch, weight sync 3 s (RLAX's QwQ-32B setting has a 45 s async step).
