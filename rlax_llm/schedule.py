@@ -26,8 +26,9 @@ trainer (``launch_due``): the worker then holds a version at most ``j - 1`` behi
 trainer's at launch, and the trainer moves at most ``k - j`` versions before training the
 batch, so no token is ``k`` or more versions old when trained; the acceptance window is also
 enforced at training time (``select_groups`` drops a group whose oldest token is, and counts
-it). Faster data (fresher tokens, no wait for a named version) at the price of
-reproducibility: which version draws which token depends on timing.
+it). Fresher data (a version pushed mid-batch is used at once; measured, the deterministic
+schedule's goodput: benchmarks/RESULTS.md) at the price of reproducibility: which version
+draws which token depends on timing.
 
 Also decided here:
 * several inference workers: a batch's requests are split into contiguous chunks, one per

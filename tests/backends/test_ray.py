@@ -124,3 +124,17 @@ def test_partial_rollouts_on_ray_equal_local(cluster, tmp_path):
   _, local_rows = execute(smoke('local', **april), tmp_path / 'local')
   assert strip(ray_rows) == strip(local_rows)
   assert sum(r['rollout/carried_groups'] for r in ray_rows) > 0
+
+
+def test_free_running_on_ray_keeps_the_bound(cluster, tmp_path):
+  """staleness.schedule='free': each worker actor asks the server actor for its latest
+  version between decode steps (ServerRole.latest_version) and pulls it itself; the run
+  completes with no trained token k or more versions old."""
+  summary, rows = execute(smoke('ray', steps=8, staleness__j=1, staleness__k=2,
+                                staleness__schedule='free'), tmp_path)
+  assert summary['steps'] == 8 and len(rows) == 8
+  assert all(r['staleness/max'] <= 1 and r['rollout/dropped_stale_groups'] == 0
+             and r['update/skipped'] == 0 for r in rows)
+  assert all('rollout/mixed_version_samples' in r for r in rows)
+  # Each batch sampled with what the server held: the newest version or one behind.
+  assert all(r['version'] - 2 <= r['sampling_version'] <= r['version'] - 1 for r in rows)
