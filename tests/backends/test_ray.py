@@ -10,7 +10,6 @@ ray = pytest.importorskip('ray')
 
 from rlax_llm.backends import build_run  # noqa: E402
 from rlax_llm.backends import ray as ray_backend  # noqa: E402
-from rlax_llm.backends.ray import init_ray  # noqa: E402
 from rlax_llm.config import run_spec  # noqa: E402
 from rlax_llm.data_types import Rollouts  # noqa: E402
 from rlax_llm.metrics import read_metrics  # noqa: E402
@@ -21,20 +20,12 @@ from smoke_config import smoke_config  # noqa: E402  (tests/smoke_config.py)
 def smoke(backend, steps=6, **overrides):
   fields = dict(backend=backend, total_steps=steps, staleness__j=4, staleness__k=8,
                 log__tensorboard=False, eval__every_steps=3,
-                checkpoint__every_steps=0, checkpoint__every_seconds=0.0)  # none on Ray yet
+                checkpoint__every_steps=0, checkpoint__every_seconds=0.0)
   return smoke_config(**(fields | overrides))
 
 
 def strip(rows):
   return [{k: v for k, v in row.items() if not k.startswith('time/')} for row in rows]
-
-
-@pytest.fixture(scope='module')
-def cluster():
-  started = init_ray(smoke('ray'))
-  yield
-  if started:
-    ray.shutdown()
 
 
 def execute(config, workdir, wrap=None, state=None):
