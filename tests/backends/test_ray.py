@@ -78,8 +78,8 @@ def test_ray_and_local_give_the_same_run(cluster, tmp_path, monkeypatch):
   _, local_rows = execute(smoke('local'), tmp_path / 'local', state=states)
   assert strip(ray_rows) == strip(local_rows)
   assert max(r['staleness/max'] for r in ray_rows) <= 7
-  # The Ray trainer's state() (the TrainerHandle protocol) is the local one's: params,
-  # optimizer state and counters, fetched from the actor.
+  # The Ray trainer's state() (an inspection method of both handles; the controller never
+  # calls it) is the local one's: params, optimizer state and counters, fetched from the actor.
   (ray_params, ray_opt, ray_counters), (params, opt, counters) = states
   assert ray_counters == counters and counters['version'] == ray_rows[-1]['version']
   for a, b in zip(jax.tree.leaves((ray_params, ray_opt)), jax.tree.leaves((params, opt)),
