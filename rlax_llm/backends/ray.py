@@ -51,6 +51,8 @@ import dataclasses
 import json
 import os
 import pathlib
+import signal
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -296,12 +298,20 @@ def init_ray(config: ml_collections.ConfigDict) -> bool:
   env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(_ROOT), os.environ.get('PYTHONPATH')]))
   kwargs = dict(runtime_env={'env_vars': env}, include_dashboard=False,
                 log_to_driver=False, configure_logging=False)
+  # ray.init puts its own SIGTERM handler in this process (it aborts the driver); Python
+  # handlers installed before (``checkpoint.PreemptionGuard``'s) are put back, so SIGTERM and
+  # SIGINT save a checkpoint and exit 0 as on the local backend.
+  handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
   if config.ray.address == 'local':
     if config.ray.num_cpus:
       kwargs['num_cpus'] = config.ray.num_cpus
     ray.init(_node_ip_address='127.0.0.1', **kwargs)
   else:
     ray.init(address=config.ray.address, **kwargs)
+  if threading.current_thread() is threading.main_thread():
+    for signum, handler in handlers.items():
+      if callable(handler):
+        signal.signal(signum, handler)
   return True
 
 
