@@ -5,6 +5,7 @@ the others) and the run completes; the driver carries no weight byte. (Checkpoin
 resume: tests/backends/test_ray_resume.py.)"""
 
 import dataclasses
+import signal
 
 import jax
 import numpy as np
@@ -15,6 +16,7 @@ ray = pytest.importorskip('ray')
 from rlax_llm.backends import build_run  # noqa: E402
 from rlax_llm import roles  # noqa: E402
 from rlax_llm.backends import ray as ray_backend  # noqa: E402
+from rlax_llm.checkpoint import PreemptionGuard  # noqa: E402
 from rlax_llm.config import run_spec  # noqa: E402
 from rlax_llm.data_types import Rollouts, TrainBatch  # noqa: E402
 from rlax_llm.metrics import read_metrics  # noqa: E402
@@ -226,3 +228,19 @@ def test_the_driver_carries_no_weight_bytes(cluster, tmp_path, monkeypatch):
   assert [row['step'] for row in read_metrics(tmp_path / 'metrics.jsonl')] == [1, 2, 3, 4]
   assert during == 0
   assert traffic.weight_bytes(signatures) >= 2 * model_bytes
+
+
+def test_init_ray_keeps_the_preemption_guards_signal_handlers(monkeypatch):
+  """ray.init replaces the driver's SIGTERM handler (Ray's aborts the process); init_ray puts
+  the PreemptionGuard's back, so SIGTERM to a Ray launch saves and exits 0
+  (test_ray_resume.py's slow subprocess test sends a real one)."""
+  def init(**kwargs):  # what ray.init does to the handlers, without a cluster
+    del kwargs
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+  monkeypatch.setattr(ray, 'is_initialized', lambda: False)
+  monkeypatch.setattr(ray, 'init', init)
+  with PreemptionGuard() as guard:
+    assert ray_backend.init_ray(smoke('ray'))
+    assert signal.getsignal(signal.SIGTERM) == guard._handle  # pylint: disable=protected-access
+    assert signal.getsignal(signal.SIGINT) == guard._handle  # pylint: disable=protected-access
