@@ -10,6 +10,15 @@ config validation and role meshes built over it) spans every host. ``config.dist
   TPU; elsewhere give all three.
 
 The Cloud TPU recipes (``launch/multihost``, ``launch/gke``) pass them explicitly per host.
+On CPU (tests, loopback) the processes' collectives go through Gloo, JAX's default
+``jax_cpu_collectives_implementation``.
+
+What each process of a job does (``rlax_llm.launch``): process 0 claims the workdir for the
+job and writes ``config.json``, metrics, ledger, TensorBoard and summary; every process runs
+the same deterministic controller (same data order, RNG and schedule), so they issue the
+same jitted trainer steps over the trainer mesh that spans every process's devices, and
+each runs its inference workers on its own devices (``jax.local_devices()``); every process
+writes its part of the Orbax checkpoints. ``agree`` sends process 0's value to all.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import logging
 import re
 
 import ml_collections
+import numpy as np
 
 from rlax_llm.cli import lookup
 from rlax_llm.errors import ConfigError
@@ -67,3 +77,13 @@ def initialize(config: ml_collections.ConfigDict) -> bool:
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())
   return True
+
+
+def agree(value: int) -> int:
+  """Process 0's ``value`` in every process of the job (a collective: every process calls it
+  at the same point); ``value`` itself in a single-process run. ``value``: an int32."""
+  import jax  # pylint: disable=import-outside-toplevel  # this module stays jax-free to import
+  if jax.process_count() == 1:
+    return int(value)
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return int(multihost_utils.broadcast_one_to_all(np.int32(value)))

@@ -40,7 +40,7 @@ from absl import app, flags
 from rlax_llm import cli, console, distributed, launch_help
 from rlax_llm import workdir as workdir_lib
 from rlax_llm.config import check_resume_config, validate_config
-from rlax_llm.errors import NonFiniteError, Preempted, RlaxError
+from rlax_llm.errors import ConfigError, NonFiniteError, Preempted, RlaxError
 
 _FLAGS: dict[str, flags.FlagHolder] = {}
 
@@ -63,15 +63,24 @@ def main(config: ml_collections.ConfigDict) -> None:
   """
   # Multi-host: join the other hosts before JAX sees a device (validation builds meshes
   # over jax.devices(), after which jax.distributed.initialize refuses to run).
-  distributed.initialize(config)
+  joined = distributed.initialize(config)
   spec = validate_config(config)
   workdir_flag = _FLAGS['workdir'].value
+  # pylint: disable=import-outside-toplevel
+  import jax  # after validation, which imports it (a bad flag fails before any JAX start-up)
+  process = jax.process_index()
+  if joined and jax.process_count() > 1 and not workdir_flag:
+    raise ConfigError(f'process {process} of a {jax.process_count()}-process job has no '
+                      '--workdir: every process of a job must pass the same --workdir (a '
+                      'default one would differ between them).')
   workdir = (pathlib.Path(workdir_flag) if workdir_flag
              else workdir_lib.default_workdir(config.name))
-  claim = workdir_lib.claim(workdir)
+  # Process 0 claims the workdir for the job; the others learn whether it could
+  # (workdir.claim_for_job).
+  claim = workdir_lib.claim_for_job(
+      workdir, process, distributed.agree if jax.process_count() > 1 else None)
 
   # Model, trainer and data imports only after validation: a bad flag fails in seconds.
-  # pylint: disable=import-outside-toplevel
   from rlax_llm.backends import build_run
   from rlax_llm.checkpoint import PreemptionGuard
 
@@ -87,8 +96,9 @@ def main(config: ml_collections.ConfigDict) -> None:
             'pass a new --workdir.') from None
       check_resume_config(saved, config)
       logging.info('resuming the run in %s', workdir)
-    workdir_lib.write_text_atomic(workdir / 'config.json',
-                                  config.to_json_best_effort(indent=2, sort_keys=True))
+    if process == 0:  # the job's files are process 0's (rlax_llm.distributed)
+      workdir_lib.write_text_atomic(workdir / 'config.json',
+                                    config.to_json_best_effort(indent=2, sort_keys=True))
     checkpointing = bool(config.checkpoint.every_steps or config.checkpoint.every_seconds)
     try:
       with PreemptionGuard() if checkpointing else contextlib.nullcontext() as guard:

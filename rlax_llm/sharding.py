@@ -94,18 +94,29 @@ def role_meshes(trainer_axes: Mapping[str, int], inference_axes: Mapping[str, in
   devices, trainer ``data=4``, one worker ``data=4``: devices 0-3 and 4-7); otherwise every
   mesh starts at device 0 and the roles share devices. Raises ValueError when the devices
   do not suffice.
+
+  Multi-process (``jax.distributed``, ``devices`` None): the trainer's mesh spans every
+  process's devices (``jax.devices()``: one jitted step over all hosts), while each process's
+  inference meshes take only its own devices (``jax.local_devices()``, less the trainer's with
+  ``disjoint``): every process runs its own workers, which no other process takes part in.
   """
+  local = None if devices is not None or jax.process_count() == 1 else jax.local_devices()
   devices = list(jax.devices() if devices is None else devices)
   try:
     trainer = make_mesh(trainer_axes, devices)
   except ValueError as e:
     raise ValueError(f'trainer: {e}') from None
   offset = trainer.devices.size if disjoint else 0
+  where = f'{len(devices)} devices'
+  if local is not None:  # this process's devices (less the trainer's, when disjoint)
+    taken = set(trainer.devices.flat) if disjoint else set()
+    devices, offset = [d for d in local if d not in taken], 0
+    where = f'{len(local)} devices of process {jax.process_index()}'
   inference = []
   for worker in range(workers):
     if disjoint and offset >= len(devices):
       raise ValueError(f'inference: worker {worker} gets no device: the trainer and the '
-                       f'{worker} worker(s) before it use all {len(devices)} devices.')
+                       f'{worker} worker(s) before it use all {where}.')
     try:
       mesh = make_mesh(inference_axes, devices[offset:])
     except ValueError as e:
