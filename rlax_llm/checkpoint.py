@@ -49,6 +49,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from rlax_llm import distributed
 from rlax_llm.errors import CheckpointError
 from rlax_llm import workdir as workdir_lib
 
@@ -142,7 +143,8 @@ class Checkpointer:
     """Whether the schedule asks for a save after ``step``."""
     if self.every_steps and step % self.every_steps == 0:
       return True
-    return bool(self.every_seconds) and time.monotonic() - self._last_save >= self.every_seconds
+    late = bool(self.every_seconds) and time.monotonic() - self._last_save >= self.every_seconds
+    return bool(distributed.agree(int(late)))  # multi-host: process 0's clock decides for all
 
   def save(self, step: int, *, params: Any, opt_state: Any, trainer: dict[str, Any],
            controller: dict[str, Any], rollouts: dict[str, dict[str, np.ndarray]]) -> None:

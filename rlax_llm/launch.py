@@ -102,7 +102,8 @@ def main(config: ml_collections.ConfigDict) -> None:
     checkpointing = bool(config.checkpoint.every_steps or config.checkpoint.every_seconds)
     try:
       with PreemptionGuard() if checkpointing else contextlib.nullcontext() as guard:
-        with build_run(config, workdir, spec, stop=guard.requested if guard else None) as run:
+        stop = distributed.JobStop(guard.requested) if guard else None  # agreed by the job
+        with build_run(config, workdir, spec, stop=stop) as run:
           summary = run.execute()
     except Preempted as e:
       print(f'{e} Relaunch with --workdir={workdir} to continue.')
