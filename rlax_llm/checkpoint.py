@@ -226,7 +226,7 @@ class Checkpointer:
   def save_warmup(self, params: Any, metrics: dict[str, float]) -> None:
     """Saves the warm-up's result (synchronously: it is needed before RL starts)."""
     path = (self.directory / WARMUP_DIRNAME).absolute()
-    if path.exists():
+    if distributed.agree(path.exists()):  # multi-host: process 0's look, for every process
       return
     with ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
         enable_async_checkpointing=False, create=True),
@@ -237,7 +237,7 @@ class Checkpointer:
   def restore_warmup(self, params: Any) -> tuple[Any, dict[str, float]] | None:
     """The warm-up's params (onto ``params``' shardings) and metrics; None if not saved."""
     path = (self.directory / WARMUP_DIRNAME).absolute()
-    if not path.exists():
+    if not distributed.agree(path.exists()):  # multi-host: process 0's look, for every process
       return None
     with ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
         enable_async_checkpointing=False, create=False),

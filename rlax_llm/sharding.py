@@ -177,21 +177,36 @@ def batch_sharding(mesh: Mesh, batch: Any,
   return jax.tree.map(one, batch)
 
 
-def global_batch(batch: Any, mesh: Mesh,
-                 rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> Any:
-  """Places a host batch (the whole batch, which every process holds: the controller is
-  replicated across hosts and deterministic) as global arrays sharded by ``batch_sharding``.
+def place(tree: Any, shardings: Any) -> Any:
+  """``jax.device_put(tree, shardings)`` where every process holds the whole of each leaf
+  (the controller is replicated across hosts and deterministic, so every process has the
+  same batch, the same initial params).
 
   One process: ``jax.device_put``. Several (multi-host, after ``jax.distributed.initialize``):
-  each process builds only the shards of its own devices from its copy
-  (``jax.make_array_from_callback``), so no host ever sends rows to another.
+  a leaf that is already a global array (spanning processes) is ``device_put`` (a reshard
+  among the same devices); any other leaf (numpy, or a JAX array this process holds whole,
+  e.g. restored onto one of its devices) becomes a global array built from this process's
+  copy, each process making only its own devices' shards (``jax.make_array_from_callback``):
+  no bytes cross hosts, and no cross-host transfer (which the CPU backend lacks) is needed.
   """
-  shardings = batch_sharding(mesh, batch, rules)
   if jax.process_count() == 1:
-    return jax.device_put(batch, shardings)
-  return jax.tree.map(
-      lambda x, s: jax.make_array_from_callback(np.shape(x), s, lambda i: np.asarray(x)[i]),
-      batch, shardings)
+    return jax.device_put(tree, shardings)
+
+  def one(x, sharding):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+  return jax.tree.map(one, tree, shardings)
+
+
+def global_batch(batch: Any, mesh: Mesh,
+                 rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> Any:
+  """Places a host batch (the whole batch, which every process holds) as global arrays
+  sharded by ``batch_sharding`` (``place``: on several hosts each process builds only its
+  own devices' rows, so no host ever sends rows to another)."""
+  return place(batch, batch_sharding(mesh, batch, rules))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -127,9 +127,10 @@ class Trainer:
 
   def _place_copy(self, params: Params) -> Params:
     # jnp.copy is a real op in the jaxpr, so jit returns new buffers (device_put may reuse
-    # the source buffer for a shard already on the right device).
+    # the source buffer for a shard already on the right device). sharding.place: on several
+    # hosts each process places its own copy (e.g. the warm-up's params, restored).
     copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=self.param_shardings)
-    return copy(jax.device_put(params, self.param_shardings))
+    return copy(sharding_lib.place(params, self.param_shardings))
 
   def step(self, batch: Any) -> dict[str, float]:
     """One update on ``batch`` (a pytree of ``[B, ...]`` arrays). Returns host metrics.
