@@ -96,27 +96,37 @@ def role_meshes(trainer_axes: Mapping[str, int], inference_axes: Mapping[str, in
   do not suffice.
 
   Multi-process (``jax.distributed``, ``devices`` None): the trainer's mesh spans every
-  process's devices (``jax.devices()``: one jitted step over all hosts), while each process's
-  inference meshes take only its own devices (``jax.local_devices()``, less the trainer's with
-  ``disjoint``): every process runs its own workers, which no other process takes part in.
+  process's devices (``jax.devices()``: one jitted step in which every process takes part),
+  while each process's inference meshes take only its own devices (``jax.local_devices()``):
+  every process runs its own workers, which no other process takes part in. ``disjoint`` is
+  refused there, and so is a trainer mesh that leaves a process out.
   """
   local = None if devices is not None or jax.process_count() == 1 else jax.local_devices()
+  if local is not None and disjoint:
+    raise ValueError(f'disjoint=True in a {jax.process_count()}-process job: every process '
+                     'takes part in every trainer step and runs its inference workers on its '
+                     'own devices, so the roles cannot have disjoint devices; set '
+                     'mesh.disjoint=False (the roles take turns on every device), or use '
+                     "backend='ray' for trainer and inference on separate hosts.")
   devices = list(jax.devices() if devices is None else devices)
   try:
     trainer = make_mesh(trainer_axes, devices)
   except ValueError as e:
     raise ValueError(f'trainer: {e}') from None
   offset = trainer.devices.size if disjoint else 0
-  where = f'{len(devices)} devices'
-  if local is not None:  # this process's devices (less the trainer's, when disjoint)
-    taken = set(trainer.devices.flat) if disjoint else set()
-    devices, offset = [d for d in local if d not in taken], 0
-    where = f'{len(local)} devices of process {jax.process_index()}'
+  if local is not None:
+    left_out = set(range(jax.process_count())) - {d.process_index for d in trainer.devices.flat}
+    if left_out:
+      raise ValueError(f'trainer: the mesh {dict(trainer.shape)} takes {trainer.devices.size} '
+                       f'of the job\'s {len(devices)} devices and leaves out process(es) '
+                       f'{sorted(left_out)}, but every process takes part in every trainer '
+                       'step; size it to every device (e.g. data=-1).')
+    devices = local
   inference = []
   for worker in range(workers):
     if disjoint and offset >= len(devices):
       raise ValueError(f'inference: worker {worker} gets no device: the trainer and the '
-                       f'{worker} worker(s) before it use all {where}.')
+                       f'{worker} worker(s) before it use all {len(devices)} devices.')
     try:
       mesh = make_mesh(inference_axes, devices[offset:])
     except ValueError as e:

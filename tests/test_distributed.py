@@ -70,6 +70,16 @@ assert {d.process_index for d in meshes['trainer'].devices.flat} == {0, 1}
 assert meshes['trainer'].devices.size == 4
 assert all(d.process_index == jax.process_index()
            for mesh in meshes['inference'] for d in mesh.devices.flat)
+# Refused in a job: disjoint role meshes, a trainer mesh that leaves a process out.
+from rlax_llm.sharding import role_meshes
+for kwargs, message in ((dict(disjoint=True), 'disjoint=True in a 2-process job'),
+                        (dict(), 'leaves out process(es) [1]')):
+  try:
+    role_meshes({'data': 2}, {'data': 1}, **kwargs)
+  except ValueError as e:
+    assert message in str(e), e
+  else:
+    raise AssertionError(kwargs)
 # agree: process 0's value everywhere; JobStop: set in process 1 only, seen by both.
 assert distributed.agree(10 + jax.process_index()) == 10
 event = threading.Event()
