@@ -218,9 +218,10 @@ class WorkdirClaim:
     holder: ``{'pid', 'host', 'started'}`` as written into the lock file.
   """
 
-  def __init__(self, workdir: pathlib.Path, fd: int, key: tuple[int, int],
+  def __init__(self, workdir: pathlib.Path, fd: int | None, key: tuple[int, int] | None,
                holder: dict[str, Any]):
-    """Internal: use ``claim(workdir)``, which takes the lock first."""
+    """Internal: use ``claim(workdir)``, which takes the lock first (``fd`` None: a claim
+    that holds nothing, ``JobMember``)."""
     self.workdir = workdir
     self.lock_path = workdir / LOCK_FILENAME
     self.holder = holder
@@ -353,30 +354,16 @@ def claim(workdir: str | os.PathLike) -> WorkdirClaim:
 _CLAIM_OUTCOMES = {0: None, 1: WorkdirInUse, 2: WorkdirHasRun, 3: WorkdirError}
 
 
-class JobMember:
-  """What a non-zero process of a job holds: no lock (process 0's ``WorkdirClaim`` is the
-  job's); a context manager like ``WorkdirClaim``, so the launch treats both alike."""
-
-  held = False
+class JobMember(WorkdirClaim):
+  """What a non-zero process of a job holds: a claim without a lock (``held`` is False;
+  process 0's ``WorkdirClaim`` holds the workdir for the job), closed like any claim."""
 
   def __init__(self, workdir: pathlib.Path):
-    self.workdir = workdir
-
-  def close(self) -> None:
-    """Nothing to release."""
-
-  def __enter__(self) -> JobMember:
-    return self
-
-  def __exit__(self, *exc_info: object) -> None:
-    self.close()
-
-  def __repr__(self) -> str:
-    return f'JobMember({str(self.workdir)!r})'
+    super().__init__(workdir, None, None, {})
 
 
 def claim_for_job(workdir: str | os.PathLike, process_index: int,
-                  agree: Callable[[int], int] | None = None) -> WorkdirClaim | JobMember:
+                  agree: Callable[[int], int] | None = None) -> WorkdirClaim:
   """The workdir claim of one process of a (possibly multi-process) job.
 
   The rule: process 0 claims ``workdir`` (``claim``: the lock, the resume-or-refuse check);
@@ -393,7 +380,8 @@ def claim_for_job(workdir: str | os.PathLike, process_index: int,
     agree: process 0's value -> every process; required when ``process_index > 0``.
 
   Returns:
-    Process 0: a held ``WorkdirClaim``; other processes: a ``JobMember``.
+    Process 0: a held ``WorkdirClaim``; other processes: a ``JobMember`` (a claim that
+    holds nothing).
 
   Raises:
     WorkdirInUse, WorkdirHasRun, WorkdirError: as ``claim``, in process 0 with ``claim``'s
