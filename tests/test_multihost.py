@@ -14,9 +14,11 @@ import math
 import os
 import pathlib
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -37,23 +39,27 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _launch(workdir: pathlib.Path, processes: int, *flags: str, timeout: float = 400
-            ) -> list[tuple[int, str, str]]:
+def _launch(workdir: pathlib.Path, processes: int, *flags: str, timeout: float = 400,
+            while_running=None) -> list[tuple[int, str, str]]:
   """Runs the launch as ``processes`` processes on 4 CPU devices in all, on ``workdir``;
-  returns each process's ``(returncode, stdout, stderr)`` in process order."""
+  returns each process's ``(returncode, stdout, stderr)`` in process order.
+  ``while_running(procs)``: called once the processes have started."""
   env = dict(os.environ, JAX_PLATFORMS='cpu',
              XLA_FLAGS=f'--xla_force_host_platform_device_count={4 // processes}',
              PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get('PYTHONPATH', ''))
   job = []
   if processes > 1:
-    job = ['--config.distributed.initialize=true', '--config.distributed.coordinator_address='
-           f'127.0.0.1:{_free_port()}', f'--config.distributed.num_processes={processes}']
+    job = ['--config.distributed.initialize=true',
+           f'--config.distributed.coordinator_address=127.0.0.1:{_free_port()}',
+           f'--config.distributed.num_processes={processes}']
   procs = [subprocess.Popen(
       [sys.executable, '-m', 'rlax_llm.launch', *FLAGS, *flags, f'--workdir={workdir}', *job,
        *([f'--config.distributed.process_id={p}'] if processes > 1 else [])],
       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
       for p in range(processes)]
   try:
+    if while_running is not None:
+      while_running(procs)
     outs = [p.communicate(timeout=timeout) for p in procs]
   finally:
     for p in procs:
@@ -68,9 +74,9 @@ def _ok(results) -> None:
     assert code == 0, f'process {n}: {out[-1500:]}\n{err[-3000:]}'
 
 
-def _rows(workdir: pathlib.Path) -> list[dict]:
-  """metrics.jsonl without the wall-clock ``time/`` metrics."""
-  return [{k: v for k, v in row.items() if not k.startswith('time/')}
+def _rows(workdir: pathlib.Path, leave_out: tuple[str, ...] = ('time/',)) -> list[dict]:
+  """metrics.jsonl without the wall-clock ``time/`` metrics (and other ``leave_out``)."""
+  return [{k: v for k, v in row.items() if not k.startswith(leave_out)}
           for row in read_metrics(workdir)]
 
 
@@ -196,4 +202,30 @@ def test_a_checkpoint_moves_from_two_processes_to_one_and_back(runs, tmp_path):
   # Steps 1-2 ran as the reference's did (same job shape): bit for bit.
   assert rows[:2] == reference[:2]
   _assert_same_training(rows, reference, steps={3, 4})
+  assert _ledger(workdir) == _ledger(runs('two'))
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_process_preempts_the_whole_job(runs, tmp_path):
+  """SIGTERM to process 1 alone (process 0 sees none): every process saves the checkpoint
+  after the same step and exits 0; relaunched, the job ends as the uninterrupted 2-process
+  run did, bit for bit (less the workers' pull counters ``sync/``: a resumed worker pulls
+  whole weights once, docs/checkpoints.md)."""
+  workdir = tmp_path / 'wd'
+
+  def signal_process_1_after_step_1(procs):
+    deadline = time.monotonic() + 300
+    while not workdir_lib.existing_steps(workdir):
+      assert time.monotonic() < deadline and procs[0].poll() is None, 'no step 1'
+      time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)
+
+  results = _launch(workdir, 2, while_running=signal_process_1_after_step_1)
+  _ok(results)
+  assert 'preempted after step' in results[0][1], results[0][1][-2000:]
+  stopped = workdir_lib.existing_steps(workdir)
+  assert 1 <= stopped < 4
+  assert (workdir / 'checkpoints' / 'steps' / str(stopped)).is_dir()
+  _ok(_launch(workdir, 2))
+  assert (_rows(workdir, ('time/', 'sync/')) == _rows(runs('two'), ('time/', 'sync/')))
   assert _ledger(workdir) == _ledger(runs('two'))
