@@ -67,7 +67,7 @@ def main(config: ml_collections.ConfigDict) -> None:
   spec = validate_config(config)
   workdir_flag = _FLAGS['workdir'].value
   # pylint: disable=import-outside-toplevel
-  import jax  # after validation, which imports it (a bad flag fails before any JAX start-up)
+  import jax  # lazy: this module stays light to import (--help); validation has started JAX
   process = jax.process_index()
   if joined and jax.process_count() > 1 and not workdir_flag:
     raise ConfigError(f'process {process} of a {jax.process_count()}-process job has no '
