@@ -19,6 +19,10 @@ A failure the user can fix (``rlax_llm.errors.RlaxError``: a bad config, an unre
 checkpoint or model file, a busy workdir, a diverged run) prints one ``error: ...`` line with
 the fix and exits 1.
 
+Several hosts (``config.distributed``): every process runs the same command with the same
+``--workdir`` (required there); process 0 claims it for the job and writes the run's files,
+every process trains and writes its checkpoint shards (``rlax_llm.distributed``).
+
 Preemption and resume: SIGTERM or SIGINT makes the run save a checkpoint after the current
 step and exit 0; launching again with the same ``--workdir`` (and the same config; only the
 keys in ``config.RESUMABLE_CHANGES`` may differ) resumes from the latest checkpoint.
