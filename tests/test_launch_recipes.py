@@ -96,10 +96,18 @@ def test_check_local_fits_the_default_configs():
   assert plan.devices == 8
   assert 'mesh.trainer {data: 8, fsdp: 1, tensor: 1} = all 8 chips' in plan.checked[0]
   plan = check_local(_config(mesh__disjoint=True, rollout__workers=2,
-                             mesh__trainer__data=8, mesh__inference__data=4),
-                     get_slice('v5p-32'), 'multihost')
-  assert 'chips 0-7; 2 worker(s)' in plan.checked[0]
-  assert 'on chips 8-15 (disjoint)' in plan.checked[0]
+                             mesh__trainer__data=4, mesh__inference__data=2),
+                     get_slice('v5e-8'), 'tpu-vm')
+  assert 'chips 0-3; 2 worker(s)' in plan.checked[0]
+  assert 'on chips 4-7 (disjoint)' in plan.checked[0]
+  # Several hosts: each host's workers on its own chips (a mesh of one host's 4 at most).
+  plan = check_local(_config(mesh__inference__data=-1), get_slice('v5p-32'), 'multihost')
+  assert ('1 worker(s) of mesh.inference {data: 4, fsdp: 1, tensor: 1} = 4 chip(s) each, '
+          'shared with the trainer, on every host') in plan.checked[0]
+  with pytest.raises(SliceError, match=r'config.mesh.disjoint=True on v5p-32 \(16 chips on 4 '
+                     r'host\(s\)\): on several hosts .* ray recipe \(launch/ray\)'):
+    check_local(_config(mesh__disjoint=True, rollout__workers=2, mesh__trainer__data=8,
+                        mesh__inference__data=4), get_slice('v5p-32'), 'multihost')
 
 
 @pytest.mark.parametrize('fields, slice_name, message', [
@@ -267,8 +275,7 @@ def test_ray_dry_run_puts_roles_on_their_slices(tmp_path):
   driver = _remote(commands[-1])  # still holds ${HEAD_IP} for the local shell
   args = shlex.split(driver.partition(' && ')[2])
   assert args[0] == 'XLA_FLAGS=--xla_force_host_platform_device_count=4'
-  assert args[-7:-4] == ['--config.checkpoint.every_steps=0',
-                         '--config.checkpoint.every_seconds=0', '--config.backend=ray']
+  assert not any(a.startswith('--config.checkpoint.') for a in args)  # checkpoints on
   assert args[-5:] == ['--config.backend=ray', '--config.ray.address=${HEAD_IP}:6379',
                        '--config.ray.trainer_resources={"TPU": 4, "rlax_trainer": 4}',
                        '--config.ray.worker_resources={"TPU": 4, "rlax_inference": 4}',
@@ -334,8 +341,8 @@ def test_gke_ray_dry_run_prints_a_rayjob_with_a_node_pool_per_role(tmp_path):
         role: slice_.chips}
   entry = shlex.split(manifest['spec']['entrypoint'].partition(' && ')[2])
   assert entry[0] == 'XLA_FLAGS=--xla_force_host_platform_device_count=4'
-  assert entry[-7:] == ['--config.checkpoint.every_steps=0',
-                        '--config.checkpoint.every_seconds=0', '--config.backend=ray',
+  assert not any(a.startswith('--config.checkpoint.') for a in entry)  # checkpoints on
+  assert entry[-5:] == ['--config.backend=ray',
                         '--config.ray.address=auto',
                         '--config.ray.trainer_resources={"TPU": 4, "rlax_trainer": 4}',
                         '--config.ray.worker_resources={"TPU": 4, "rlax_inference": 4}',
