@@ -78,7 +78,7 @@ class LocalTrainer:
     """Pushes the trainer's params as its version unless the server has it (a skipped,
     non-finite update makes no new version)."""
     if self.server.latest_version() < self.trainer.version:
-      self.server.push(self.trainer.version, self.trainer.host_params())
+      self.server.push(self.trainer.version, self.trainer.params)  # shard by shard, one copy
 
   def _step(self, batch):
     metrics = self.trainer.step(batch)

@@ -42,7 +42,7 @@ from rlax_llm import roles
 from rlax_llm.backends import tpu_env
 from rlax_llm.backends.assembly import Run, assemble
 from rlax_llm.errors import ConfigError
-from rlax_llm.paramserver import ParameterServer
+from rlax_llm.paramserver import ParameterServer, local_shards
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -118,7 +118,8 @@ class TrainerRole:
     """Pushes the trainer's params as its version unless already pushed (bytes: this
     process -> the object store -> the server's process)."""
     if self._pushed < self.trainer.version:
-      _ray().get(self.server.push.remote(self.trainer.version, self.trainer.host_params()))
+      _ray().get(self.server.push.remote(  # each shard to host on its own, no gather
+          self.trainer.version, local_shards(self.trainer.params, to_host=True)))
       self._pushed = self.trainer.version
 
   def warmup(self) -> dict[str, float]:

@@ -147,7 +147,7 @@ def _overlap(a: Box, b: Box) -> bool:
   return all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(a, b))
 
 
-def local_shards(params: Any) -> ShardPush:
+def local_shards(params: Any, to_host: bool = False) -> ShardPush:
   """The shards of ``params`` this process holds, ready for ``ParameterServer.push_shards``.
 
   A leaf that is a ``jax.Array`` contributes one shard per distinct block among its
@@ -156,9 +156,13 @@ def local_shards(params: Any) -> ShardPush:
   arrays, Python scalars) one shard covering the whole leaf. On a multi-host trainer each
   process pushes its own ``local_shards``; the blocks of all processes together cover every
   leaf exactly once. Device-to-host copies of all shards start here, asynchronously.
+
+  ``to_host``: the shards' data as host numpy arrays (each block brought to host on its own;
+  zero-copy views on CPU devices), for a push that crosses processes (pickled; on Ray into
+  the object store). Otherwise single-device ``jax.Array`` s, for a server in this process.
   """
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
-  paths, specs, shards = [], [], []
+  paths, specs, blocks = [], [], []  # blocks: (leaf, box, data)
   for i, (path, leaf) in enumerate(leaves_with_path):
     paths.append(jax.tree_util.keystr(path))
     if isinstance(leaf, jax.Array):
@@ -166,12 +170,13 @@ def local_shards(params: Any) -> ShardPush:
       specs.append((shape, str(np.dtype(leaf.dtype))))
       for shard in leaf.addressable_shards:
         if shard.replica_id == 0:
-          shard.data.copy_to_host_async()
-          shards.append(Shard(i, _box_of(shard.index, shape), shard.data))
+          shard.data.copy_to_host_async()  # every block's transfer starts before any is read
+          blocks.append((i, _box_of(shard.index, shape), shard.data))
     else:
       arr = np.asarray(leaf)
       specs.append((arr.shape, str(arr.dtype)))
-      shards.append(Shard(i, tuple((0, d) for d in arr.shape), arr))
+      blocks.append((i, tuple((0, d) for d in arr.shape), arr))
+  shards = [Shard(i, box, np.asarray(data) if to_host else data) for i, box, data in blocks]
   return ShardPush(treedef, tuple(paths), tuple(specs), tuple(shards))
 
 
@@ -259,7 +264,9 @@ class ParameterServer:
 
   def push(self, version: int, params: Any) -> None:
     """Stores ``params`` as ``version`` and wakes every waiting ``pull``: the one-process case
-    of ``push_shards`` (``push_shards(version, local_shards(params))``).
+    of ``push_shards`` (``push_shards(version, local_shards(params))``; ``params`` may also
+    be a ``ShardPush`` already, e.g. ``local_shards(params, to_host=True)`` sent from another
+    process).
 
     Args:
         version: int strictly greater than ``latest_version()`` (so the first push may use
@@ -279,7 +286,7 @@ class ParameterServer:
     with self._cond:
       # Cheap early rejection before touching the params; push_shards checks again.
       self._check_version_order(version)
-    self.push_shards(version, local_shards(params))
+    self.push_shards(version, params if isinstance(params, ShardPush) else local_shards(params))
 
   def push_shards(self, version: int, shards: ShardPush, process_index: int = 0,
                   process_count: int = 1) -> bool:

@@ -1,6 +1,7 @@
 """Pushes by shard (rlax_llm.paramserver.server.push_shards) on the 8 fake CPU devices: a
 trainer spanning two processes is simulated by splitting its addressable shards in two."""
 
+import pickle
 import threading
 
 import jax
@@ -12,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from rlax_llm.paramserver import ParameterServer
 from rlax_llm.paramserver import delta as delta_lib
-from rlax_llm.paramserver.server import Shard, ShardPush, local_shards
+from rlax_llm.paramserver import Shard, ShardPush, local_shards
 
 
 @pytest.fixture(scope='module')
@@ -175,3 +176,11 @@ def test_a_malformed_shard_is_named(params, shard, pattern):
 def test_process_index_and_count_are_checked(params, index, count):
   with pytest.raises(ValueError, match='need 0 <= process_index < process_count'):
     ParameterServer().push_shards(0, local_shards(params), index, count)
+
+
+def test_a_push_from_another_process_is_a_pickled_shard_push_of_host_arrays(params):
+  shards = local_shards(params, to_host=True)
+  assert all(isinstance(s.data, np.ndarray) for s in shards.shards)
+  server = ParameterServer()
+  server.push(0, pickle.loads(pickle.dumps(shards, protocol=5)))
+  assert_stored(server, 0, params)
