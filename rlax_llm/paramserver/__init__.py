@@ -2,7 +2,12 @@
 and lossless sparse deltas between versions."""
 
 from rlax_llm.paramserver import delta
-from rlax_llm.paramserver.server import (ParameterServer, Shard, ShardPush, WeightSnapshot,
-                                         local_shards)
+from rlax_llm.paramserver.server import (
+                                         ParameterServer,
+                                         Shard,
+                                         ShardPush,
+                                         WeightSnapshot,
+                                         local_shards,
+)
 
 __all__ = ['ParameterServer', 'Shard', 'ShardPush', 'WeightSnapshot', 'delta', 'local_shards']

@@ -11,9 +11,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rlax_llm.paramserver import ParameterServer
+from rlax_llm.paramserver import ParameterServer, Shard, ShardPush, local_shards
 from rlax_llm.paramserver import delta as delta_lib
-from rlax_llm.paramserver import Shard, ShardPush, local_shards
 
 
 @pytest.fixture(scope='module')
