@@ -241,22 +241,23 @@ def ray_path(size: str, dtype, changed: float, repeats: int) -> dict:
   trainer = ray.remote(num_cpus=1)(RayTrainer).remote(server, size, np.dtype(dtype).name)
   worker = ray.remote(num_cpus=1)(RayWorker).remote(server, size)
   try:
-    call(trainer.push, 0)  # warm-up: the actors start, and the paths run once untimed
-    call(worker.pull, 0)
-    out = {}
-    rows, version = [], 1
-    for mode in ('shards', 'host_params'):
-      for _ in range(repeats):
+    version = 0
+    for _ in range(2):  # warm-up: the actors start, the paths and the object store run once
+      call(trainer.push, version)
+      call(worker.pull, version)
+      version += 1
+    rows = {'shards': [], 'host_params': []}
+    for _ in range(repeats):
+      for mode, mode_rows in rows.items():  # interleaved, so that drifts hit both alike
         start = time.perf_counter()
         pushed = call(trainer.push, version, mode)
         call(worker.forget)
         pulled = call(worker.pull, version)
-        rows.append({'total_s': time.perf_counter() - start, 'push_s': pushed['push_s'],
-                     'to_host_s': pushed['to_host_s'], 'pull_s': pulled['pull_s'],
-                     'verify_s': pulled['verify_s'], 'bytes': pulled['bytes']})
+        mode_rows.append({'total_s': time.perf_counter() - start, 'push_s': pushed['push_s'],
+                          'to_host_s': pushed['to_host_s'], 'pull_s': pulled['pull_s'],
+                          'verify_s': pulled['verify_s'], 'bytes': pulled['bytes']})
         version += 1
-      out['full' if mode == 'shards' else 'full_host_params'] = _median(rows)
-      rows = []
+    out = {'full': _median(rows['shards']), 'full_host_params': _median(rows['host_params'])}
     if dtype == ml_dtypes.bfloat16:
       call(trainer.next_version, changed)
       start = time.perf_counter()
@@ -274,9 +275,10 @@ def ray_path(size: str, dtype, changed: float, repeats: int) -> dict:
 
 
 def transfers(sizes: list[str], paths: list[str], dtypes: list[str], changed: float,
-              repeats: int) -> dict:
-  """Every (size, dtype, path)'s figures, with GB/s and the fp32 ratio to memcpy."""
-  bandwidth = memcpy_bandwidth()
+              repeats: int, memcpy_bytes: int) -> dict:
+  """Every (size, dtype, path)'s figures, with GB/s, and a full fp32 sync's bandwidth over
+  the memory-copy bandwidth (the higher of the measurements before and after)."""
+  bandwidth = memcpy_bandwidth(memcpy_bytes)
   print(json.dumps({'memory': bandwidth}), flush=True)
   out = {'memory': bandwidth}
   if 'ray' in paths:
@@ -289,12 +291,17 @@ def transfers(sizes: list[str], paths: list[str], dtypes: list[str], changed: fl
   finally:
     if 'ray' in paths:
       ray.shutdown()
+  out['memory_end'] = memcpy_bandwidth(memcpy_bytes)
+  limit = max(out['memory']['memcpy_GBps'], out['memory_end']['memcpy_GBps'])
+  for size in sizes:
+    for key, row in out[size].items():
+      if key.endswith('/float32'):
+        row['full_fp32_vs_memcpy'] = row['full']['GBps'] / limit
   return out
 
 
 def _transfers(out: dict, sizes: list[str], paths: list[str], dtypes: list[str],
                changed: float, repeats: int) -> None:
-  bandwidth = out['memory']
   for size in sizes:
     n = int(sum(np.prod(x.shape) for x in jax.tree.leaves(
         abstract_model(SIZES[size]).abstract_params())))
@@ -308,8 +315,6 @@ def _transfers(out: dict, sizes: list[str], paths: list[str], dtypes: list[str],
           if form in row:
             row[form]['GBps'] = row[form]['bytes'] / row[form]['total_s'] / 1e9
             row[form]['model_GBps'] = n * np.dtype(dtype).itemsize / row[form]['total_s'] / 1e9
-        if dtype_name == 'float32':
-          row['full_fp32_vs_memcpy'] = row['full']['GBps'] / bandwidth['memcpy_GBps']
         out[size][f'{path}/{dtype_name}'] = row
         print(json.dumps({size: {f'{path}/{dtype_name}': row}}), flush=True)
         gc.collect()
@@ -336,6 +341,7 @@ def main() -> None:
   parser.add_argument('--changed', type=float, default=0.024,
                       help='fraction of bf16 elements a delta update changes')
   parser.add_argument('--repeats', type=int, default=3)
+  parser.add_argument('--memcpy_mb', type=int, default=512, help='buffer of the memcpy figure')
   parser.add_argument('--lrs', default='1e-6,1e-5', help='GRPO delta study; "" to skip')
   parser.add_argument('--steps', type=int, default=3)
   parser.add_argument('--prompts', type=int, default=4)
@@ -345,7 +351,7 @@ def main() -> None:
   report = {'benchmark': 'weight_sync'}
   if split(args.sizes):
     report['transfers'] = transfers(split(args.sizes), split(args.paths), split(args.dtypes),
-                                    args.changed, args.repeats)
+                                    args.changed, args.repeats, args.memcpy_mb << 20)
   if split(args.lrs):
     report.update(grpo_deltas(args))
   print(json.dumps(report, indent=2))
