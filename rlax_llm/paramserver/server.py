@@ -50,6 +50,7 @@ template checks hold for every transport alike.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import threading
 from typing import Any
@@ -89,10 +90,16 @@ def leaf_specs(tree: Any) -> dict[str, LeafSpec]:
   return {jax.tree_util.keystr(path): _leaf_spec(leaf) for path, leaf in leaves_with_path}
 
 
+@functools.cache
+def _dtype_name(dtype: Any) -> str:
+  """``str(np.dtype(dtype))``, remembered (numpy computes it afresh each time, slowly)."""
+  return str(np.dtype(dtype))
+
+
 def _leaf_spec(leaf: Any) -> LeafSpec:
   """(shape, dtype name) of an array, a ``jax.ShapeDtypeStruct`` or a Python scalar."""
   if hasattr(leaf, 'shape') and hasattr(leaf, 'dtype'):
-    return tuple(int(d) for d in leaf.shape), str(np.dtype(leaf.dtype))
+    return tuple(int(d) for d in leaf.shape), _dtype_name(leaf.dtype)
   arr = np.asarray(leaf)
   return arr.shape, str(arr.dtype)
 
@@ -168,14 +175,14 @@ def local_shards(params: Any, to_host: bool = False) -> ShardPush:
     paths.append(jax.tree_util.keystr(path))
     if isinstance(leaf, jax.Array):
       shape = tuple(int(d) for d in leaf.shape)
-      specs.append((shape, str(np.dtype(leaf.dtype))))
+      specs.append((shape, _dtype_name(leaf.dtype)))
       for shard in leaf.addressable_shards:
         if shard.replica_id == 0:
           shard.data.copy_to_host_async()  # every block's transfer starts before any is read
           blocks.append((i, _box_of(shard.index, shape), shard.data))
     else:
       arr = np.asarray(leaf)
-      specs.append((arr.shape, str(arr.dtype)))
+      specs.append((arr.shape, _dtype_name(arr.dtype)))
       blocks.append((i, tuple((0, d) for d in arr.shape), arr))
   shards = [Shard(i, box, np.asarray(data) if to_host else data) for i, box, data in blocks]
   return ShardPush(treedef, tuple(paths), tuple(specs), tuple(shards))
@@ -396,9 +403,13 @@ class ParameterServer:
     """Copies the (reserved) shards into the pending leaves, then checksums the leaves this
     push completed (outside the lock: a complete leaf is never written again)."""
     written = [0] * len(pending.leaves)
+    whole = {}  # leaf -> checksum, for the leaves this push sends as one block
     for shard in shards.shards:
-      region = tuple(slice(start, stop) for start, stop in shard.box)
-      pending.leaves[shard.leaf][region] = np.asarray(shard.data)
+      target = pending.leaves[shard.leaf]
+      if _box_shape(shard.box) == target.shape:  # copied and summed in one pass
+        whole[shard.leaf] = delta_lib.copy_with_checksum(target, np.asarray(shard.data))
+      else:
+        target[tuple(slice(start, stop) for start, stop in shard.box)] = np.asarray(shard.data)
       written[shard.leaf] += int(np.prod(_box_shape(shard.box)))
     with self._cond:
       completed = []
@@ -409,7 +420,7 @@ class ParameterServer:
             completed.append(i)
     for i in completed:
       pending.leaves[i].setflags(write=False)
-      pending.checksums[i] = delta_lib.checksum(pending.leaves[i])
+      pending.checksums[i] = whole[i] if i in whole else delta_lib.checksum(pending.leaves[i])
 
   def _check_shards(self, shards: ShardPush) -> None:
     """Each shard lies inside its leaf and has its block's shape and the leaf's dtype."""
@@ -422,7 +433,7 @@ class ParameterServer:
           not 0 <= start <= stop <= dim for (start, stop), dim in zip(shard.box, shape)):
         raise ValueError(f'the shard {shard.box} of leaf {path} lies outside its shape '
                          f'{shape}; a block is (start, stop) per dimension within it.')
-      seen = (tuple(int(d) for d in shard.data.shape), str(np.dtype(shard.data.dtype)))
+      seen = (tuple(int(d) for d in shard.data.shape), _dtype_name(shard.data.dtype))
       if seen != (_box_shape(shard.box), dtype):
         raise ValueError(f'the shard {shard.box} of leaf {path} holds {seen[0]} {seen[1]}; '
                          f'its block needs {_box_shape(shard.box)} {dtype}.')

@@ -207,3 +207,15 @@ def test_the_server_and_the_worker_agree_through_one_checksum(versions):
   leaves[2].reshape(-1).view(np.uint8)[5] ^= 4
   with pytest.raises(ValueError, match=rf'leaf {re.escape(paths[2])} of version 1 fails its'):
     delta_lib.verify(leaves, whole.checksums, paths, version=1)
+
+
+@pytest.mark.parametrize('shape, dtype', [((), np.float32), ((3, 8193), np.float32),
+                                          ((5, 7), ml_dtypes.bfloat16), ((70000,), np.uint8)])
+def test_copy_with_checksum_copies_and_agrees_with_checksum(shape, dtype):
+  src = np.asarray(np.random.RandomState(0).randn(*shape)).astype(dtype)
+  dst = np.empty(shape, dtype)
+  assert delta_lib.copy_with_checksum(dst, src, chunk_bytes=1) == delta_lib.checksum(src)
+  assert dst.tobytes() == src.tobytes()
+  assert delta_lib.copy_with_checksum(np.empty(shape, dtype), src) == delta_lib.checksum(src)
+  with pytest.raises(ValueError, match='same shape and dtype'):
+    delta_lib.copy_with_checksum(np.empty((2,), np.float64), src)
