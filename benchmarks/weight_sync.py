@@ -5,14 +5,16 @@ Transfers (``--sizes``): for each model size, the trainer's params as device arr
 pushed to a parameter server and pulled by a worker, full (every leaf whole, base -1) and
 as a delta from the version the worker holds, along the two real paths:
 
-* ``local``: in one process, the objects the local backend uses (``ParameterServer.push`` of
-  the trainer's arrays, shard by shard; ``update`` + ``delta.apply`` + ``delta.verify`` as
+* ``local``: in one process (one CPU device), the objects the local backend uses
+  (``ParameterServer.push`` of the trainer's arrays, shard by shard; ``update`` + ``delta.apply`` + ``delta.verify`` as
   ``InferenceWorker.apply_update`` runs them);
-* ``ray``: three Ray actors, trainer -> server -> worker, the trainer pushing
-  ``local_shards(params, to_host=True)`` to the backend's own ``ServerRole`` and the worker
-  pulling ``ServerRole.update`` (the calls of ``rlax_llm.backends.ray``), timed end to end
-  from the driver, which sends version numbers only: ``driver_weight_bytes`` counts the
-  array bytes of everything it sent and received.
+* ``ray``: three Ray actors, trainer -> server -> worker, the trainer (its params split over
+  ``--trainer_devices`` CPU devices of its own) pushing ``local_shards(params, to_host=True)``
+  to the backend's own ``ServerRole`` (``full``; ``full_host_params``: the whole arrays
+  gathered with ``host_params()`` first, as before) and the worker pulling
+  ``ServerRole.update`` (the calls of ``rlax_llm.backends.ray``), timed end to end from the
+  driver, which sends version numbers only: ``driver_weight_bytes`` counts the array bytes
+  of everything it sent and received.
 
 Per path and form: seconds, bytes, and ``GB/s`` (bytes / seconds); the memory-copy bandwidth
 of this machine (``np.copyto`` into a touched buffer, and into a fresh one) is measured in
@@ -49,9 +51,10 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from rlax_llm.data_types import GenerationRequest, make_train_batch
 from rlax_llm.losses import LossConfig, group_advantages
@@ -121,10 +124,16 @@ def host_params(size: str, dtype, changed: float = 0.0, seed: int = 0) -> dict:
   return params
 
 
-def device_params(size: str, dtype, changed: float = 0.0):
-  """``host_params`` as the trainer holds them: device arrays (copies)."""
-  host = host_params(size, dtype, changed)
-  return jax.block_until_ready(jax.tree.map(lambda x: jnp.array(x, copy=True), host))
+def device_params(size: str, dtype, changed: float = 0.0, devices: int = 1):
+  """``host_params`` as the trainer holds them: device arrays (copies), each leaf split over
+  the first ``devices`` devices along its first axis they divide (else replicated)."""
+  mesh = Mesh(np.asarray(jax.devices()[:devices]), ('fsdp',))
+
+  def place(leaf):
+    axis = next((i for i, d in enumerate(leaf.shape) if d % devices == 0), None)
+    spec = P() if axis is None else P(*[None] * axis, 'fsdp')
+    return jax.device_put(np.array(leaf, copy=True), NamedSharding(mesh, spec))
+  return jax.block_until_ready(jax.tree.map(place, host_params(size, dtype, changed)))
 
 
 def pull(fetch, version: int, base_version: int, base: list | None, paths: list[str]):
@@ -183,14 +192,15 @@ class RayTrainer:
   """The trainer's end of the Ray path: params as device arrays in its own process, pushed
   as ``TrainerRole._publish`` does."""
 
-  def __init__(self, server, size, dtype_name):
+  def __init__(self, server, size, dtype_name, devices):
     self.server, self.size, self.dtype = server, size, np.dtype(dtype_name)
-    self.params = device_params(size, self.dtype)
+    self.devices = devices
+    self.params = device_params(size, self.dtype, devices=devices)
 
   def next_version(self, changed):
     self.params = None
     gc.collect()
-    self.params = device_params(self.size, self.dtype, changed)
+    self.params = device_params(self.size, self.dtype, changed, self.devices)
 
   def push(self, version, mode='shards'):
     import ray  # pylint: disable=import-outside-toplevel  # optional and heavy: Ray path only
@@ -223,9 +233,10 @@ class RayWorker:
     self.version, self.leaves = -1, None
 
 
-def ray_path(size: str, dtype, changed: float, repeats: int) -> dict:
-  """Trainer actor -> server actor (the backend's ``ServerRole``) -> worker actor, timed from
-  the driver, which only sends version numbers; its array bytes are counted."""
+def ray_path(size: str, dtype, changed: float, repeats: int, devices: int) -> dict:
+  """Trainer actor (its params split over ``devices`` CPU devices of its own) -> server
+  actor (the backend's ``ServerRole``) -> worker actor, timed from the driver, which only
+  sends version numbers; its array bytes are counted."""
   import ray  # pylint: disable=import-outside-toplevel  # optional and heavy: Ray path only
 
   from rlax_llm.backends.ray import ServerRole  # pylint: disable=import-outside-toplevel  # same
@@ -240,7 +251,11 @@ def ray_path(size: str, dtype, changed: float, repeats: int) -> dict:
     return out
 
   server = ray.remote(num_cpus=0, max_concurrency=4)(ServerRole).remote(2)
-  trainer = ray.remote(num_cpus=1)(RayTrainer).remote(server, size, np.dtype(dtype).name)
+  flags = f'--xla_force_host_platform_device_count={devices}'
+  trainer = ray.remote(num_cpus=1)(RayTrainer).options(
+      runtime_env={'env_vars': {'PYTHONPATH': str(ROOT), 'JAX_PLATFORMS': 'cpu',
+                                'XLA_FLAGS': flags}}).remote(
+          server, size, np.dtype(dtype).name, devices)
   worker = ray.remote(num_cpus=1)(RayWorker).remote(server, size)
   try:
     version = 0
@@ -280,7 +295,7 @@ def ray_path(size: str, dtype, changed: float, repeats: int) -> dict:
 
 
 def transfers(sizes: list[str], paths: list[str], dtypes: list[str], changed: float,
-              repeats: int, memcpy_bytes: int) -> dict:
+              repeats: int, memcpy_bytes: int, trainer_devices: int) -> dict:
   """Every (size, dtype, path)'s figures, with GB/s, and a full fp32 sync's bandwidth over
   the memory-copy bandwidth (the higher of the measurements before and after)."""
   bandwidth = memcpy_bandwidth(memcpy_bytes)
@@ -292,7 +307,7 @@ def transfers(sizes: list[str], paths: list[str], dtypes: list[str], changed: fl
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              _node_ip_address='127.0.0.1', runtime_env={'env_vars': env})
   try:
-    _transfers(out, sizes, paths, dtypes, changed, repeats)
+    _transfers(out, sizes, paths, dtypes, changed, repeats, trainer_devices)
   finally:
     if 'ray' in paths:
       ray.shutdown()
@@ -306,7 +321,7 @@ def transfers(sizes: list[str], paths: list[str], dtypes: list[str], changed: fl
 
 
 def _transfers(out: dict, sizes: list[str], paths: list[str], dtypes: list[str],
-               changed: float, repeats: int) -> None:
+               changed: float, repeats: int, trainer_devices: int) -> None:
   for size in sizes:
     n = int(sum(np.prod(x.shape) for x in jax.tree.leaves(
         abstract_model(SIZES[size]).abstract_params())))
@@ -315,7 +330,8 @@ def _transfers(out: dict, sizes: list[str], paths: list[str], dtypes: list[str],
       dtype = np.dtype(dtype_name) if dtype_name != 'bfloat16' else ml_dtypes.bfloat16
       for path in paths:
         runs = 1 if size == '1b' else repeats
-        row = (local_path if path == 'local' else ray_path)(size, dtype, changed, runs)
+        row = (local_path(size, dtype, changed, runs) if path == 'local'
+               else ray_path(size, dtype, changed, runs, trainer_devices))
         for form in ('full', 'full_host_params', 'delta'):
           if form in row:
             row[form]['GBps'] = row[form]['bytes'] / row[form]['total_s'] / 1e9
@@ -346,6 +362,8 @@ def main() -> None:
   parser.add_argument('--changed', type=float, default=0.024,
                       help='fraction of bf16 elements a delta update changes')
   parser.add_argument('--repeats', type=int, default=4)
+  parser.add_argument('--trainer_devices', type=int, default=4,
+                      help='CPU devices the Ray trainer actor splits its params over')
   parser.add_argument('--memcpy_mb', type=int, default=512, help='buffer of the memcpy figure')
   parser.add_argument('--lrs', default='1e-6,1e-5', help='GRPO delta study; "" to skip')
   parser.add_argument('--steps', type=int, default=3)
@@ -356,7 +374,8 @@ def main() -> None:
   report = {'benchmark': 'weight_sync'}
   if split(args.sizes):
     report['transfers'] = transfers(split(args.sizes), split(args.paths), split(args.dtypes),
-                                    args.changed, args.repeats, args.memcpy_mb << 20)
+                                    args.changed, args.repeats, args.memcpy_mb << 20,
+                                    args.trainer_devices)
   if split(args.lrs):
     report.update(grpo_deltas(args))
   print(json.dumps(report, indent=2))
