@@ -204,6 +204,8 @@ class RayTrainer:
 
   def push(self, version, mode='shards'):
     import ray  # pylint: disable=import-outside-toplevel  # optional and heavy: Ray path only
+    # New arrays, as after a train step (a jax.Array caches its host copy once made).
+    self.params = jax.block_until_ready(jax.tree.map(lambda x: x.copy(), self.params))
     start = time.perf_counter()
     payload = (local_shards(self.params, to_host=True) if mode == 'shards'
                else jax.tree.map(np.asarray, jax.device_get(self.params)))
