@@ -24,7 +24,7 @@ copy (an inference worker's precision) for comparison; its delta moves the eleme
 changed (a synthetic update changing ``--changed`` of the bf16 elements, the density the
 GRPO updates below measure). Sizes: ``smollm2`` (SmolLM2-135M-Instruct, the packaged GGUF's
 weights), ``1b`` (TinyLlama-1.1B's shape with tied embeddings, 1.03 B params, random), ``tiny``
-(a smoke test). Run the 1b case alone and last: it holds about 14 GB at its peak.
+(a smoke test). Run the 1b case alone and last: it holds about 13 GB at its peak.
 
 GRPO deltas (``--lrs``; empty to skip): SmolLM2-135M-Instruct is trained with real GRPO
 updates (AdamW, the trainer's jitted step, rollouts sampled by the engine) at RL learning
