@@ -204,6 +204,10 @@ class _Pending:
     self.pushed: set[int] = set()
     self.finished = 0
     self.checksums: list[int | None] = [None] * len(specs)
+    for i, leaf in enumerate(self.leaves):
+      if leaf.size == 0:  # complete from the start: it has no element to wait for
+        leaf.setflags(write=False)
+        self.checksums[i] = delta_lib.checksum(leaf)
 
 
 def _take_spare(spare: dict[LeafSpec, list[np.ndarray]], spec: LeafSpec) -> np.ndarray:
@@ -406,6 +410,8 @@ class ParameterServer:
     whole = {}  # leaf -> checksum, for the leaves this push sends as one block
     for shard in shards.shards:
       target = pending.leaves[shard.leaf]
+      if target.size == 0:
+        continue
       if _box_shape(shard.box) == target.shape:  # copied and summed in one pass
         whole[shard.leaf] = delta_lib.copy_with_checksum(target, np.asarray(shard.data))
       else:

@@ -183,3 +183,12 @@ def test_a_push_from_another_process_is_a_pickled_shard_push_of_host_arrays(para
   server = ParameterServer()
   server.push(0, pickle.loads(pickle.dumps(shards, protocol=5)))
   assert_stored(server, 0, params)
+
+
+def test_an_empty_leaf_needs_no_block():
+  server = ParameterServer()
+  params = {'empty': np.zeros((0, 3), np.float32), 'w': np.ones(2, np.float32)}
+  server.push(0, params)
+  assert_stored(server, 0, params)
+  delta_lib.verify(jax.tree.leaves(server.get(0).params), server.update(0).checksums,
+                   ['empty', 'w'], version=0)
