@@ -4,9 +4,9 @@ a SmolLM2-135M-sized trainer state (params + AdamW moments, fp32: about 1.6 GB).
 The reference is the train step itself, measured in the same run: a GRPO step of the
 SmolLM2-135M architecture on ``--batch`` x ``--length`` tokens. Measured:
 
-* ``blocked_s``: time ``Checkpointer.save`` keeps the caller (the controller, between two
-  steps) waiting: the device-to-host copy and dispatch; the files are written in the
-  background.
+* ``blocked_s``: time ``Checkpointer.save`` keeps the caller (the trainer's process, which
+  the controller waits on, between two steps) waiting: the device-to-host copy and
+  dispatch; the files are written in the background.
 * ``blocked_fraction``: ``blocked_s / step_s`` (goal <= 5%).
 * ``step_s_during_save / step_s``: how much a step slows down while the background write
   runs (it shares the host's cores and memory bandwidth).
@@ -83,7 +83,7 @@ def main() -> None:
 
   root = tempfile.mkdtemp(prefix='rlax_ckpt_bench_')
   try:
-    checkpointer = Checkpointer(root, keep=2, every_steps=1)
+    checkpointer = Checkpointer(root, keep=2)
     save = lambda s: checkpointer.save(s, params=trainer.params, opt_state=trainer.opt_state,
                                        trainer=trainer.counters(), controller={'step': s},
                                        rollouts={})
@@ -97,7 +97,7 @@ def main() -> None:
       during.append(step())  # the next step runs while the files are written
       checkpointer.wait()
       writes.append(time.perf_counter() - start)
-    sync = Checkpointer(root + '_sync', keep=1, every_steps=1, async_save=False)
+    sync = Checkpointer(root + '_sync', keep=1, async_save=False)
     start = time.perf_counter()
     sync.save(1, params=trainer.params, opt_state=trainer.opt_state, trainer={},
               controller={}, rollouts={})

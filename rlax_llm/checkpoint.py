@@ -29,6 +29,16 @@ never pairs weights with the wrong data position::
   run saves a checkpoint and exits 0 (Cloud TPU gives about 30 s notice); relaunching with
   the same ``--workdir`` resumes.
 
+Who does what: the controller decides *when* to save (``SaveSchedule``: every_steps,
+every_seconds, the last step, a preemption) and hands its own small state and the in-flight
+rollouts' arrays to the trainer (``TrainerHandle.save``); the trainer's process owns the
+``Checkpointer`` and writes that state beside its params and optimizer state as one step.
+On restore the trainer's process reads the step, loads its params and optimizer state, and
+hands the controller only a ``Resume`` (its state and the rollouts' arrays). So no weight
+byte passes through the controller's process (on Ray, the driver never opens the
+checkpoint manager); the workdir must be on a filesystem the trainer's process writes and
+later launches read (local disk on one machine, shared storage across hosts).
+
 In-flight rollouts: under staleness ``(j, k)`` up to ``k - 1`` batches are generated ahead of
 the trainer, some with params older than the saved ones. The save waits for them and stores
 them (they are needed anyway); a resume trains exactly them, so an interrupted run equals an
@@ -57,6 +67,17 @@ STEPS_DIRNAME = 'steps'
 
 
 @dataclasses.dataclass
+class Resume:
+  """What the controller continues from: a checkpoint's step, the controller's state
+  (``ControllerState.to_dict()``) and the in-flight and recycled rollouts' arrays; no
+  weights (the trainer's process restored those itself)."""
+
+  step: int
+  controller: dict[str, Any]
+  rollouts: dict[str, dict[str, np.ndarray]]
+
+
+@dataclasses.dataclass
 class Restored:
   """One step's state, as read back."""
 
@@ -66,6 +87,50 @@ class Restored:
   trainer: dict[str, Any]
   controller: dict[str, Any]
   rollouts: dict[str, dict[str, np.ndarray]]
+
+  def resume(self) -> Resume:
+    """The part the controller continues from (no params, no optimizer state)."""
+    return Resume(step=self.step, controller=self.controller, rollouts=self.rollouts)
+
+
+class SaveSchedule:
+  """When the controller asks for a save: after steps that are multiples of ``every_steps``
+  (0: never by count) and when ``every_seconds`` have passed since the last save (0: never by
+  time). The run also saves after its last step and when preempted (``Controller.run``).
+  Holds no checkpoint manager: the trainer's process writes (``Checkpointer``)."""
+
+  def __init__(self, every_steps: int = 0, every_seconds: float = 0.0):
+    self.every_steps = every_steps
+    self.every_seconds = every_seconds
+    self._last_save = time.monotonic()
+
+  def due(self, step: int) -> bool:
+    """Whether the schedule asks for a save after ``step``."""
+    if self.every_steps and step % self.every_steps == 0:
+      return True
+    return bool(self.every_seconds) and time.monotonic() - self._last_save >= self.every_seconds
+
+  def saved(self) -> None:
+    """Records that a save was made now (``every_seconds`` counts from here)."""
+    self._last_save = time.monotonic()
+
+
+def finished_steps(directory: str | pathlib.Path) -> list[int]:
+  """The steps under ``directory`` (a ``checkpoints/steps`` or ``checkpoints/warmup``
+  directory) whose saves finished, oldest first, read from the listing alone (Orbax writes a
+  step under a temporary name and renames it when complete)."""
+  directory = pathlib.Path(directory)
+  if not directory.is_dir():
+    return []
+  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def latest_step(workdir: str | pathlib.Path) -> int | None:
+  """The newest finished step checkpoint of the run in ``workdir`` (None: none), from the
+  directory listing: opens no checkpoint manager and reads no array (what a process that
+  holds no weights may ask, e.g. Ray's driver naming the step to resume from)."""
+  steps = finished_steps(pathlib.Path(workdir) / workdir_lib.CHECKPOINT_DIRNAME / STEPS_DIRNAME)
+  return steps[-1] if steps else None
 
 
 def abstract_like(tree: Any) -> Any:
@@ -110,39 +175,29 @@ def _handlers(*arrays: str, json: tuple[str, ...] = ()) -> dict[str, Any]:
 class Checkpointer:
   """Saves and restores a run's steps under ``workdir/checkpoints`` (module docstring).
 
+  Owned by the trainer's process (``LocalTrainer``, Ray's ``TrainerRole``); when to save is
+  the controller's ``SaveSchedule``.
+
   Args:
     workdir: the run directory.
     keep: how many step checkpoints to keep (the newest; the warm-up's is kept apart).
-    every_steps: save after steps that are multiples of this (0: never by count).
-    every_seconds: also save when this long has passed since the last save (0: never by
-      time).
     async_save: write in the background (``False``: ``save`` returns when the files exist).
   """
 
-  def __init__(self, workdir: str | pathlib.Path, *, keep: int = 3, every_steps: int = 0,
-               every_seconds: float = 0.0, async_save: bool = True):
+  def __init__(self, workdir: str | pathlib.Path, *, keep: int = 3, async_save: bool = True):
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
       raise ValueError(f'checkpoint.keep={keep!r} must be an int >= 1.')
     self.directory = pathlib.Path(workdir) / workdir_lib.CHECKPOINT_DIRNAME
-    self.every_steps = every_steps
-    self.every_seconds = every_seconds
     self._manager = ocp.CheckpointManager(
         (self.directory / STEPS_DIRNAME).absolute(),
         options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=async_save, create=True),
         item_handlers=_handlers('params', 'opt_state', 'rollouts', json=('trainer',
                                                                           'controller')))
-    self._last_save = time.monotonic()
     self.blocked_s = 0.0  # time save() kept the caller waiting, summed
     self.saves = 0
 
   # ---------------------------------------------------------------------------- steps
-
-  def due(self, step: int) -> bool:
-    """Whether the schedule asks for a save after ``step``."""
-    if self.every_steps and step % self.every_steps == 0:
-      return True
-    return bool(self.every_seconds) and time.monotonic() - self._last_save >= self.every_seconds
 
   def save(self, step: int, *, params: Any, opt_state: Any, trainer: dict[str, Any],
            controller: dict[str, Any], rollouts: dict[str, dict[str, np.ndarray]]) -> None:
@@ -158,7 +213,6 @@ class Checkpointer:
       items['rollouts'] = ocp.args.StandardSave(rollouts)
     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
     self.blocked_s += time.perf_counter() - start
-    self._last_save = time.monotonic()
     self.saves += 1
 
   def steps(self) -> list[int]:
@@ -263,10 +317,10 @@ def read_params(path: str | pathlib.Path, template: Any) -> Any:
   if (path / STEPS_DIRNAME).is_dir():
     path = path / STEPS_DIRNAME
   if path.name in (STEPS_DIRNAME, WARMUP_DIRNAME):
-    steps = sorted((int(p.name) for p in path.iterdir() if p.name.isdigit()), reverse=True)
+    steps = finished_steps(path)
     if not steps:
       raise CheckpointError(f'{path} holds no finished checkpoint.')
-    path = path / str(steps[0])
+    path = path / str(steps[-1])
   item = path / 'params'
   if not item.is_dir():
     raise CheckpointError(f'no checkpoint at {path}: pass a run\'s workdir or a '

@@ -71,7 +71,8 @@ POSITIVE_INTS = ('rl.group_size', 'rl.prompts_per_step', 'rl.max_nonfinite_updat
                  'log.console_every')
 NON_NEGATIVE_INTS = ('seed', 'total_steps', 'rl.logprob_chunk', 'rl.lr_decay_steps',
                      'rollout.stop_after_groups', 'warmup.steps', 'warmup.warmup_steps',
-                     'eval.every_steps', 'checkpoint.every_steps', 'log.text_every')
+                     'eval.every_steps', 'checkpoint.every_steps', 'log.text_every',
+                     'ray.worker_restarts')
 # Floats: key -> (lowest valid value, whether the lowest value itself is valid).
 FLOATS = {
     'rl.learning_rate': (0.0, False),
@@ -82,12 +83,13 @@ FLOATS = {
 }
 
 # Keys a resumed run may change (``check_resume_config``): how long it runs, how it is watched,
-# checkpointed and placed (the mesh: checkpoints reshard on restore), and rollout.fault (a
+# checkpointed and placed (the mesh: checkpoints reshard on restore), how many weight
+# versions the server keeps and how often a lost Ray worker restarts, and rollout.fault (a
 # removed test knob: runs saved with it resume). Every other key decides what the run
 # computes and must equal the checkpointed run's.
 RESUMABLE_CHANGES = ('total_steps', 'checkpoint.', 'log.', 'eval.every_steps', 'mesh.',
                      'local.', 'rollout.worker_timeout_s', 'rollout.fault.', 'distributed.',
-                     'name')
+                     'paramserver.', 'ray.worker_restarts', 'name')
 
 
 def _matches(key: str, prefixes: tuple[str, ...]) -> bool:
@@ -139,11 +141,14 @@ class RunSpec:
     loss: the trainer's loss (``config.rl``; ``rl.mismatch`` when enabled).
     sampling: the rollout sampling transform (``config.sampling``; greedy is refused).
     controller: the controller's settings (schedule, staleness, rollouts, eval, reward).
+    keep_versions: the versions the parameter server holds (``paramserver.keep_versions``;
+      0 there: the schedule's ``versions_kept``, ``k + 2``).
   """
 
   loss: LossConfig
   sampling: SamplingSpec
   controller: ControllerSettings
+  keep_versions: int
 
 
 def run_spec(config: ml_collections.ConfigDict) -> RunSpec:
@@ -153,8 +158,27 @@ def run_spec(config: ml_collections.ConfigDict) -> RunSpec:
   calls it to build the same values."""
   loss = _loss_config(config)
   sampling = _sampling_spec(config)
-  return RunSpec(loss=loss, sampling=sampling,
-                 controller=_controller_settings(config, loss, sampling))
+  controller = _controller_settings(config, loss, sampling)
+  return RunSpec(loss=loss, sampling=sampling, controller=controller,
+                 keep_versions=_keep_versions(config, controller))
+
+
+def _keep_versions(config: ml_collections.ConfigDict, settings: ControllerSettings) -> int:
+  """``paramserver.keep_versions``, or the schedule's ``versions_kept`` (``k + 2``) for 0;
+  fewer than that is refused: a worker could be asked for a version already dropped."""
+  keep, needed = config.paramserver.keep_versions, settings.versions_kept
+  if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+    raise ConfigError(f'config.paramserver.keep_versions={keep!r} must be an int >= 0 (0: '
+                      f'staleness.k + 2 = {needed}).')
+  if keep == 0:
+    return needed
+  if keep < needed:
+    raise ConfigError(
+        f'config.paramserver.keep_versions={keep} is below the {needed} versions the schedule '
+        f'needs (staleness.k + 2 = {settings.staleness_k} + 2: the k versions it may still '
+        'sample with and the bases of the workers\' deltas); set paramserver.keep_versions >= '
+        f'{needed}, or 0 for exactly that.')
+  return keep
 
 
 def _loss_config(config: ml_collections.ConfigDict) -> LossConfig:
@@ -289,14 +313,16 @@ def _validate_micro_batches(config: ml_collections.ConfigDict, loss: LossConfig)
                       'saves memory and works with M2PO).')
 
 
+def checkpointing(config: ml_collections.ConfigDict) -> bool:
+  """Whether the run writes checkpoints (``checkpoint.every_steps`` or ``every_seconds``
+  set); on either backend, the trainer's process writes them."""
+  return bool(config.checkpoint.every_steps or config.checkpoint.every_seconds)
+
+
 def _validate_checkpoint(config: ml_collections.ConfigDict) -> None:
   c = config.checkpoint
   if not isinstance(c.async_save, bool):
     raise ConfigError(f'config.checkpoint.async_save={c.async_save!r} must be True or False.')
-  if config.backend == 'ray' and (c.every_steps or c.every_seconds):
-    raise ConfigError('config.backend=\'ray\' does not write checkpoints yet; set '
-                      'checkpoint.every_steps=0 and checkpoint.every_seconds=0, or use '
-                      'backend=\'local\' (which checkpoints and resumes).')
 
 
 def _flatten(tree, prefix=''):

@@ -28,7 +28,11 @@ run therefore gives the same metrics and params whatever the timing, on every ba
 
 Worker failures: a worker whose call raises, or returns nothing within ``worker_timeout_s``,
 is retired and its requests re-issued to a live one (same keys, same version: the same
-rollouts); the run goes on and reports the loss.
+rollouts); the run goes on and reports the loss. A backend that restarts a lost worker
+process (Ray) retries its call there; the worker reports the restart with its rollouts
+(``workers/restarts``, and an event). Checkpoints: the controller decides when to save and
+hands its state to the trainer, whose process writes it with the weights
+(``TrainerHandle.save``).
 """
 
 from __future__ import annotations
@@ -71,8 +75,12 @@ class TrainerHandle(Protocol):
   def step(self, batch) -> Future:  # -> metrics dict
     ...
 
-  def state(self) -> Future:  # -> (params, opt_state, {'version', 'nonfinite_streak'})
-    ...
+  def save(self, step: int, controller: dict[str, Any],
+           rollouts: dict[str, dict[str, np.ndarray]]) -> Future:  # -> None
+    """Checkpoints the run after ``step`` in the trainer's process: its params, optimizer
+    state and counters with the controller's state (``ControllerState.to_dict()``) and the
+    rollouts' arrays (``Controller.snapshot``), as one step (``rlax_llm.checkpoint``). The
+    future resolves once the save has started (the files are written in the background)."""
 
 
 class WorkerHandle(Protocol):
@@ -166,16 +174,16 @@ class Controller:
     trainer: a ``TrainerHandle`` whose ``version`` counts its applied updates.
     workers: ``WorkerHandle``s (at least one).
     writer: metrics (and the ledger).
-    checkpointer: a ``rlax_llm.checkpoint.Checkpointer``, or None for no checkpoints; the
-      controller saves the run's state after steps it says are due, after the last step, and
-      when ``stop`` is set.
+    checkpoints: a ``rlax_llm.checkpoint.SaveSchedule``, or None for no checkpoints: the
+      controller asks the trainer to save (``TrainerHandle.save``) after steps it says are
+      due, after the last step, and when ``stop`` is set.
     stop: an event (set by ``checkpoint.PreemptionGuard`` on SIGTERM/SIGINT): after the
       current step the controller saves a checkpoint and returns, ``summary['preempted']``
       True.
   """
 
   def __init__(self, settings: ControllerSettings, task: Task, trainer, workers: Sequence,
-               writer: MetricsWriter, checkpointer=None, stop: threading.Event | None = None):
+               writer: MetricsWriter, checkpoints=None, stop: threading.Event | None = None):
     if not workers:
       raise ValueError('the controller needs at least one inference worker.')
     self.settings = settings
@@ -208,7 +216,7 @@ class Controller:
     self._busy_s = 0.0
     self._run_start = None
     self.step_versions = [trainer.version]  # [s]: the version after s steps
-    self.checkpointer = checkpointer
+    self.checkpoints = checkpoints
     self.stop = stop
     self._restored_inflight: list[_Batch] = []
 
@@ -305,10 +313,17 @@ class Controller:
 
   def _count_pulls(self, rollouts: Rollouts) -> Rollouts:
     """Adds the figures of the pull a worker made for ``rollouts`` (their ``sync/`` timings)
-    to the counters and returns the rollouts without them (so they count once)."""
-    pulled = {k: v for k, v in rollouts.timings.items() if k.startswith('sync/')}
+    and a restart it reports (``workers/restarts``: its process was lost and restarted by
+    the backend; recorded as an event) to the counters and returns the rollouts without them
+    (so they count once)."""
+    pulled = {k: v for k, v in rollouts.timings.items() if k.startswith(('sync/', 'workers/'))}
     if not pulled:
       return rollouts
+    if pulled.get('workers/restarts'):
+      message = (f'an inference worker\'s process was lost and restarted before step '
+                 f'{self.step + 1}; it pulled its version again and its call was retried')
+      logging.warning(message)
+      self.events.append(message)
     self.counters.update(pulled)
     return dataclasses.replace(rollouts, timings={k: v for k, v in rollouts.timings.items()
                                                   if k not in pulled})
@@ -418,13 +433,13 @@ class Controller:
       metrics = self._train_step(in_flight.popleft(), queued=len(in_flight), started=started)
       self.writer.write(self.step, metrics)
       preempted = self.stop is not None and self.stop.is_set()
-      if self.checkpointer is not None and (
-          preempted or self.step == s.total_steps or self.checkpointer.due(self.step)):
+      if self.checkpoints is not None and (
+          preempted or self.step == s.total_steps or self.checkpoints.due(self.step)):
         self.save(in_flight)
       if preempted:
         logging.warning('preempted: stopped after step %d of %d%s.', self.step,
                         s.total_steps, '; the checkpoint is saved, relaunch with the same '
-                        '--workdir to resume' if self.checkpointer is not None else '')
+                        '--workdir to resume' if self.checkpoints is not None else '')
         break
     if self.events:
       logging.warning('the run finished despite: %s', '; '.join(self.events))
@@ -436,16 +451,17 @@ class Controller:
         'eval/improvement': self.accuracy - self.start_accuracy,
         'time/rl_s': time.perf_counter() - self._run_start,
         'workers/lost': self.counters['workers/lost'],
+        'workers/restarts': self.counters['workers/restarts'],
         'events': list(self.events),
     }
 
   def save(self, in_flight: Sequence[_Batch]) -> None:
-    """Checkpoints the run after ``self.step``: trainer state, controller state and the
-    rollouts in flight, as one step (``rlax_llm.checkpoint``)."""
+    """Checkpoints the run after ``self.step``: the trainer's process writes its params and
+    optimizer state with the controller's state and the rollouts in flight, as one step
+    (``TrainerHandle.save``); the controller hands over only its own state."""
     state, arrays = self.snapshot(in_flight)
-    params, opt_state, trainer_state = self.trainer.state().result()
-    self.checkpointer.save(self.step, params=params, opt_state=opt_state,
-                           trainer=trainer_state, controller=state.to_dict(), rollouts=arrays)
+    self.trainer.save(self.step, state.to_dict(), arrays).result()
+    self.checkpoints.saved()
 
   def _launch_step(self, index: int) -> _Batch:
     """Launches batch ``index``: partial groups carried from earlier batches first (continued,
@@ -590,6 +606,7 @@ class Controller:
         'sync/full_bytes': float(self.counters['sync/full_bytes']),
         'sync/density': self.counters['sync/changed'] / max(1, self.counters['sync/elements']),
         'workers/lost': self.counters['workers/lost'],
+        'workers/restarts': self.counters['workers/restarts'],
         'time/rollout_s': t_rollout, 'time/train_s': t_train,
         'time/queued_batches': queued,
         'time/trainer_busy_fraction': self._busy_s / (time.perf_counter() - self._run_start),

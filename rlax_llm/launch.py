@@ -39,7 +39,7 @@ from absl import app, flags
 
 from rlax_llm import cli, console, distributed, launch_help
 from rlax_llm import workdir as workdir_lib
-from rlax_llm.config import check_resume_config, validate_config
+from rlax_llm.config import check_resume_config, checkpointing, validate_config
 from rlax_llm.errors import NonFiniteError, Preempted, RlaxError
 
 _FLAGS: dict[str, flags.FlagHolder] = {}
@@ -89,9 +89,8 @@ def main(config: ml_collections.ConfigDict) -> None:
       logging.info('resuming the run in %s', workdir)
     workdir_lib.write_text_atomic(workdir / 'config.json',
                                   config.to_json_best_effort(indent=2, sort_keys=True))
-    checkpointing = bool(config.checkpoint.every_steps or config.checkpoint.every_seconds)
     try:
-      with PreemptionGuard() if checkpointing else contextlib.nullcontext() as guard:
+      with PreemptionGuard() if checkpointing(config) else contextlib.nullcontext() as guard:
         with build_run(config, workdir, spec, stop=guard.requested if guard else None) as run:
           summary = run.execute()
     except Preempted as e:

@@ -246,14 +246,37 @@ def warm_trainer(config: ml_collections.ConfigDict, spec: config_lib.RunSpec, ta
 
 
 def build_checkpointer(config: ml_collections.ConfigDict, workdir):
-  """The run's ``Checkpointer``, or None when ``checkpoint.every_steps`` and
-  ``checkpoint.every_seconds`` are both 0 (no checkpoints)."""
-  c = config.checkpoint
-  if not c.every_steps and not c.every_seconds:
+  """The run's ``Checkpointer`` (for the trainer's process, which writes and restores), or
+  None when ``checkpoint.every_steps`` and ``checkpoint.every_seconds`` are both 0 (no
+  checkpoints)."""
+  if not config_lib.checkpointing(config):
     return None
+  c = config.checkpoint
+  # orbax is heavy: imported only by runs that checkpoint.
   from rlax_llm.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
-  return Checkpointer(workdir, keep=c.keep, every_steps=c.every_steps,
-                      every_seconds=c.every_seconds, async_save=c.async_save)
+  return Checkpointer(workdir, keep=c.keep, async_save=c.async_save)
+
+
+def save_checkpoint(checkpointer, trainer: Trainer, step: int, controller: dict[str, Any],
+                    rollouts: dict[str, dict[str, Any]]) -> None:
+  """In the trainer's process: saves step ``step`` with ``checkpointer`` (a
+  ``rlax_llm.checkpoint.Checkpointer``): the trainer's params, optimizer state and counters,
+  and the controller's state (``ControllerState.to_dict()``) and rollouts' arrays it was
+  handed, as one Orbax step. Returns once the arrays are copied off the devices (the files
+  are written in the background)."""
+  checkpointer.save(step, params=trainer.params, opt_state=trainer.opt_state,
+                    trainer=trainer.counters(), controller=controller, rollouts=rollouts)
+
+
+def resume_trainer(checkpointer, trainer: Trainer):
+  """In the trainer's process: restores the latest readable checkpoint of ``checkpointer``
+  into ``trainer`` (params and optimizer state onto its shardings, its counters) and returns
+  the rest, the controller's ``rlax_llm.checkpoint.Resume``; None when there is none."""
+  restored = checkpointer.restore(trainer.params, trainer.opt_state)
+  if restored is None:
+    return None
+  trainer.load(restored.params, restored.opt_state, restored.trainer)
+  return restored.resume()
 
 
 def build_worker(config: ml_collections.ConfigDict, model: Model, tokenizer: Tokenizer,

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlax_llm.checkpoint import Checkpointer, CheckpointError, PreemptionGuard
+from rlax_llm.checkpoint import (Checkpointer, CheckpointError, PreemptionGuard, SaveSchedule,
+                                 latest_step)
 from rlax_llm.data_types import Rollouts
 from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.model import create_model
@@ -50,7 +51,7 @@ def test_restore_reshards_onto_another_mesh(tmp_path):
   the target's shardings, and the same next update."""
   source = _trainer({'data': 1, 'fsdp': 8, 'tensor': 1})
   source.step(_sft_batch(0))
-  _save(Checkpointer(tmp_path, every_steps=1), source, 1)
+  _save(Checkpointer(tmp_path), source, 1)
   target = _trainer({'data': 2, 'fsdp': 2, 'tensor': 2})
   restored = Checkpointer(tmp_path).restore(target.params, target.opt_state)
   assert restored.step == 1 and restored.trainer == {'version': 1, 'nonfinite_streak': 0}
@@ -70,7 +71,7 @@ def test_restore_reshards_onto_another_mesh(tmp_path):
 
 def test_checkpoint_of_another_model_is_refused_before_anything_changes(tmp_path):
   trainer = _trainer({'data': 1, 'fsdp': 1, 'tensor': 1})
-  _save(Checkpointer(tmp_path, every_steps=1), trainer, 3)
+  _save(Checkpointer(tmp_path), trainer, 3)
   listing = sorted(str(p) for p in tmp_path.rglob('*'))
   other = _trainer({'data': 1, 'fsdp': 1, 'tensor': 1},
                    dataclasses.replace(CONFIG, embed_dim=48))
@@ -83,20 +84,36 @@ def test_checkpoint_of_another_model_is_refused_before_anything_changes(tmp_path
 
 def test_keep_and_schedule(tmp_path):
   trainer = _trainer({'data': 1, 'fsdp': 1, 'tensor': 1})
-  checkpointer = Checkpointer(tmp_path, keep=2, every_steps=3)
-  assert [s for s in range(1, 10) if checkpointer.due(s)] == [3, 6, 9]
+  schedule = SaveSchedule(every_steps=3)
+  assert [s for s in range(1, 10) if schedule.due(s)] == [3, 6, 9]
+  checkpointer = Checkpointer(tmp_path, keep=2)
+  assert latest_step(tmp_path) is None
   for step in (3, 6, 9):
     _save(checkpointer, trainer, step)
   assert checkpointer.steps() == [6, 9]
+  assert latest_step(tmp_path) == 9  # from the listing alone (what Ray's driver reads)
   assert Checkpointer(tmp_path).restore(trainer.params, trainer.opt_state).controller == {
       'step': 9}
   with pytest.raises(ValueError, match='checkpoint.keep=0 must be an int >= 1'):
     Checkpointer(tmp_path / 'x', keep=0)
 
 
+def test_save_schedule_by_time(monkeypatch):
+  """``every_seconds`` counts from the last save the controller recorded."""
+  now = [100.0]
+  monkeypatch.setattr('time.monotonic', lambda: now[0])
+  schedule = SaveSchedule(every_seconds=10.0)
+  now[0] = 109.0
+  assert not schedule.due(1)
+  now[0] = 110.0
+  assert schedule.due(1)
+  schedule.saved()
+  assert not schedule.due(2) and not SaveSchedule().due(1)
+
+
 def test_warmup_checkpoint_round_trip(tmp_path):
   trainer = _trainer({'data': 1, 'fsdp': 1, 'tensor': 1})
-  checkpointer = Checkpointer(tmp_path, every_steps=1)
+  checkpointer = Checkpointer(tmp_path)
   assert checkpointer.restore_warmup(trainer.params) is None
   checkpointer.save_warmup(trainer.params, {'warmup/loss': 1.5})
   # Restored onto a template of zeros: the values come from the checkpoint, not the template.

@@ -19,6 +19,9 @@ from rlax_llm.metrics import read_metrics
 from rlax_llm.tasks import ArithmeticTask, Prompt
 from rlax_llm.controller import ControllerState
 from rlax_llm.errors import NonFiniteError
+from rlax_llm import checkpoint
+from rlax_llm.checkpoint import Checkpointer
+from rlax_llm.data_types import Rollouts
 from rlax_llm.paramserver import ParameterServer
 from rlax_llm.trainer.trainer import Trainer
 from rlax_llm.verifiers import as_reward, score_completions
@@ -105,14 +108,16 @@ class ArgsSpy:
 
 def test_no_parameter_bytes_pass_through_the_controller(tmp_path, monkeypatch):
   """The controller moves version numbers, never weights. While an asynchronous run with two
-  workers trains, every call that reads or moves params (the trainer's ``host_params``, the
-  server's ``push``/``update``/``pull``/``get``) is made on the trainer's or a worker's own
-  thread with no controller frame on the stack; the controller's ``generate`` calls carry
-  a version number (an int) and the sampling key as their only array; and the controller
-  holds no parameter server."""
+  workers trains and checkpoints, every call that reads or moves params (the trainer's
+  ``host_params``, the server's ``push``/``update``/``pull``/``get``, the checkpointer's
+  ``save``) is made on the trainer's or a worker's own thread with no controller frame on the
+  stack; the controller's ``generate`` calls carry a version number (an int) and the sampling
+  key as their only array; its ``save`` calls carry its own state and rollouts, no
+  weights; and the controller holds no parameter server and no checkpointer."""
   config = _smoke_config(steps=4)
   config.staleness.j, config.staleness.k = 1, 2
   config.rollout.workers = 2
+  config.checkpoint.every_steps, config.checkpoint.every_seconds = 2, 0.0
   calls, generate_args = [], []
 
   def spy(name, method):
@@ -122,13 +127,17 @@ def test_no_parameter_bytes_pass_through_the_controller(tmp_path, monkeypatch):
       return method(*args, **kwargs)
     return wrapped
 
+  save_args = []
   with build_run(config, tmp_path, run_spec(config)) as run:
     ctl = run.controller
-    assert not any(isinstance(v, ParameterServer) for v in vars(ctl).values())
+    assert not any(isinstance(v, ParameterServer | Checkpointer) for v in vars(ctl).values())
     for name in ('push', 'update', 'pull', 'get'):
       monkeypatch.setattr(ParameterServer, name, spy(name, getattr(ParameterServer, name)))
     monkeypatch.setattr(Trainer, 'host_params', spy('host_params', Trainer.host_params))
+    monkeypatch.setattr(Checkpointer, 'save', spy('checkpoint', Checkpointer.save))
     ctl.workers = [ArgsSpy(w, generate_args) for w in ctl.workers]
+    trainer_save = ctl.trainer.save
+    ctl.trainer.save = lambda *args: save_args.append(args) or trainer_save(*args)
     run.execute()
     server = ctl.trainer.server
   rows = read_metrics(tmp_path / 'metrics.jsonl')
@@ -140,8 +149,17 @@ def test_no_parameter_bytes_pass_through_the_controller(tmp_path, monkeypatch):
   # The trainer pushed versions 1..4 from its thread (its own arrays, shard by shard: no
   # host_params gather at all); the workers pulled from theirs.
   assert sum(name == 'push' for name, _, _ in calls) == 4
-  assert by_name == {'push': {'trainer'}, 'update': {'inference'}}
+  assert by_name == {'push': {'trainer'}, 'update': {'inference'}, 'checkpoint': {'trainer'}}
   assert sum(name == 'update' for name, _, _ in calls) == rows[-1]['sync/updates'] > 4
+  # Checkpoints after steps 2 and 4, written by the trainer's thread; the controller handed
+  # over its step, its JSON state and the rollouts' arrays (the batch in flight: k = 2).
+  assert [step for step, _, _ in save_args] == [2, 4] and checkpoint.latest_step(tmp_path) == 4
+  for _, state, rollouts in save_args:
+    assert set(state) == set(ControllerState.__dataclass_fields__)
+    assert json.loads(json.dumps(state)) == state
+    assert set(rollouts) == {f'inflight_{n}' for n in range(len(state['inflight']))}
+    for arrays in rollouts.values():
+      assert set(arrays) <= set(Rollouts.__dataclass_fields__)
   for requests, rng_data, version, *_ in generate_args:
     assert type(version) is int and rng_data.shape == (2,) and rng_data.dtype == np.uint32
     assert all(r.resume is None for r in requests)  # no arrays ride in the requests either

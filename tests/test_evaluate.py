@@ -21,7 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def test_policy_params_from_a_run_checkpoint_and_mismatch_errors(tmp_path):
   params = {'embed': jnp.arange(6, dtype=jnp.float32).reshape(2, 3),
             'layers': [{'w': jnp.ones((3,), jnp.bfloat16)}]}
-  checkpointer = Checkpointer(tmp_path, every_steps=1)
+  checkpointer = Checkpointer(tmp_path)
   checkpointer.save(4, params=params, opt_state={'count': jnp.zeros(())}, trainer={},
                     controller={}, rollouts={})
   checkpointer.save_warmup(jax.tree.map(jnp.zeros_like, params), {})
@@ -99,7 +99,7 @@ def run_workdir(tmp_path_factory):
                         warmup__steps=0)
   (workdir / 'config.json').write_text(config.to_json_best_effort(indent=2, sort_keys=True))
   _, _, params, _ = roles.prepare(config)
-  checkpointer = Checkpointer(workdir, every_steps=1)
+  checkpointer = Checkpointer(workdir)
   checkpointer.save(1, params=params, opt_state={'count': jnp.zeros(())}, trainer={},
                     controller={}, rollouts={})
   checkpointer.close()

@@ -192,6 +192,17 @@ def _final_params(workdir):
   return ocp.StandardCheckpointer().restore((steps / str(last) / 'params').absolute())
 
 
+def assert_same_params(params, ref):
+  """Equal leaf by leaf, matched by path (a checkpoint read without a target keeps lists'
+  indices as string keys)."""
+  flat = lambda tree: {jax.tree_util.keystr(p, simple=True, separator='/'): np.asarray(x)
+                       for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  params, ref = flat(params), flat(ref)
+  assert params.keys() == ref.keys()
+  for key in ref:
+    np.testing.assert_array_equal(params[key], ref[key], err_msg=key)
+
+
 @pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGKILL])
 def test_signal_then_relaunch_resumes(reference, tmp_path, sig):
   """A real signal to the launched process, then the same command again: SIGTERM exits 0
@@ -212,9 +223,4 @@ def test_signal_then_relaunch_resumes(reference, tmp_path, sig):
   ref_params, ref_metrics, ref_ledger = reference[1, 1]
   metrics, ledger = read(tmp_path)
   assert metrics == ref_metrics and ledger == ref_ledger
-  flat = lambda tree: {jax.tree_util.keystr(p, simple=True, separator='/'): np.asarray(x)
-                       for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
-  params, ref = flat(_final_params(tmp_path)), flat(ref_params)
-  assert params.keys() == ref.keys()
-  for key in ref:
-    np.testing.assert_array_equal(params[key], ref[key], err_msg=key)
+  assert_same_params(_final_params(tmp_path), ref_params)

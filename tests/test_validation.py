@@ -74,6 +74,10 @@ BAD = [
     ('rollout.on_swap', 'later', "config.rollout.on_swap='later' is not valid"),
     ('rollout.short_batches', 'drop', "config.rollout.short_batches='drop' is not valid"),
     ('backend', 'slurm', "config.backend='slurm' is not valid"),
+    ('paramserver.keep_versions', 2, 'config.paramserver.keep_versions=2 is below the 3 '
+     'versions the schedule needs (staleness.k + 2 = 1 + 2'),
+    ('paramserver.keep_versions', -1, 'config.paramserver.keep_versions=-1 must be an int >= 0'),
+    ('ray.worker_restarts', -1, 'config.ray.worker_restarts=-1 must be an int >= 0'),
     ('total_steps', -1, 'config.total_steps=-1 must be an int >= 0'),
     ('eval.every_steps', -2, 'config.eval.every_steps=-2'),
 ]
@@ -95,6 +99,27 @@ def test_the_smoke_config_passes_every_check():
   config = _smoke()
   validate_config(config)
   roles.prepare(config)
+
+
+def test_keep_versions_defaults_to_the_schedules_need_and_may_exceed_it():
+  """0 keeps exactly ``k + 2`` versions; more is allowed; the message names the fix."""
+  config = _smoke()
+  config.staleness.j, config.staleness.k = 4, 8
+  assert validate_config(config).keep_versions == 10
+  config.paramserver.keep_versions = 12
+  assert validate_config(config).keep_versions == 12
+  config.paramserver.keep_versions = 9
+  with pytest.raises(ConfigError, match=r'keep_versions=9 is below the 10 versions .* set '
+                     r'paramserver.keep_versions >= 10, or 0 for exactly that'):
+    validate_config(config)
+
+
+def test_ray_with_checkpoints_is_valid():
+  """The Ray backend checkpoints (its trainer actor writes) like the local one."""
+  config = _smoke()
+  config.backend = 'ray'
+  config.checkpoint.every_steps, config.checkpoint.every_seconds = 2, 60.0
+  validate_config(config)
 
 
 @pytest.mark.parametrize('key, value, message', BAD, ids=lambda x: str(x))

@@ -17,10 +17,9 @@ from launch.recipes.slices import SliceType
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # the checkout the hosts get
 REMOTE_DIR = 'rlax_llm'  # where the checkout lands in each host's home directory
 RAY_PORT = 6379
-# What the ray recipes set: the backend, and no checkpoints (the ray backend writes none yet,
-# and rlax_llm.config refuses checkpoint.* with it).
-RAY_OVERRIDES = ('--config.checkpoint.every_steps=0', '--config.checkpoint.every_seconds=0',
-                 '--config.backend=ray')
+# What the ray recipes set: the backend. Checkpoints stay as the config says (the trainer
+# actor writes them into the workdir, which must be storage the head and the trainer host see).
+RAY_OVERRIDES = ('--config.backend=ray',)
 
 
 class Raw(str):
@@ -227,10 +226,12 @@ def render_ray(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceType
        [shell_join(head_ssh) + ' --command=' + double_quote(driver_cmd, ['HEAD_IP'])]),
   ]
   footer = [
-      'Preemption: the ray backend writes no checkpoints yet (checkpoint.* are set to 0).',
-      'A preempted inference slice loses its workers and the run goes on with the others;',
-      'a preempted trainer slice ends the run: recreate it, rejoin it to Ray (step 4) and',
-      'rerun step 5 with a new --workdir.']
+      'Preemption: the trainer actor writes checkpoints into --workdir, which must be storage',
+      'the head and the trainer host both see (a shared mount); SIGTERM to the driver saves',
+      'one and exits 0. A preempted inference slice loses its workers (Ray restarts them when',
+      'they can be placed, else the run goes on with the others); a preempted trainer slice',
+      'stops the run naming the checkpoint step: recreate it, rejoin it to Ray (step 4) and',
+      'rerun step 5 with the same --workdir to resume.']
   footer.append('When done: ' + '; '.join(
       [shell_join(['gcloud', 'compute', 'tpus', 'tpu-vm', 'delete', n, *gflags, '--quiet'])
        for n in [t_name, *i_names]]

@@ -8,6 +8,12 @@ server, and hands the trainer's and workers' handles (``TrainerHandle``, ``Worke
 settings, the metrics writer, the controller and its restored state. The controller gets no
 server: it moves version numbers, never weights. A backend only places roles and moves
 bytes.
+
+Checkpoints follow the same line: the trainer's process owns the ``Checkpointer``, writes
+each step (``TrainerHandle.save``) and restores its own params and optimizer state when it
+is built; the backend hands ``assemble`` only the ``Resume`` the trainer returned (the
+controller's state and the rollouts' arrays), and the controller keeps only the decision of
+when to save (``rlax_llm.checkpoint.SaveSchedule``).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from typing import Any
 
 import ml_collections
 
+from rlax_llm import config as config_lib
+from rlax_llm.checkpoint import Resume, SaveSchedule
 from rlax_llm.controller import Controller, ControllerState, TrainerHandle, WorkerHandle
 from rlax_llm.metrics import MetricsWriter
 from rlax_llm.schedule import ControllerSettings
@@ -47,7 +55,7 @@ class Run:
 @contextlib.contextmanager
 def assemble(config: ml_collections.ConfigDict, settings: ControllerSettings, workdir,
              task: Task, trainer: TrainerHandle, workers: Sequence[WorkerHandle],
-             warmup_metrics: dict[str, float], *, checkpointer=None, restored=None,
+             warmup_metrics: dict[str, float], *, resume: Resume | None = None,
              stop=None) -> Iterator[Run]:
   """Yields the ``Run`` of the placed roles ``trainer`` and ``workers``.
 
@@ -58,16 +66,21 @@ def assemble(config: ml_collections.ConfigDict, settings: ControllerSettings, wo
     task: the run's task (prompts and verifier, in the controller's process).
     trainer, workers: the role handles, placed by the backend.
     warmup_metrics: the warm-up's figures (part of the summary).
-    checkpointer: a ``rlax_llm.checkpoint.Checkpointer``, or None (no checkpoints).
-    restored: the checkpoint the trainer was restored from (``Checkpointer.restore``), or
-      None: the controller continues from its state, the writer from its step.
+      The run checkpoints when ``config.checkpoint.every_steps`` or ``every_seconds`` is set
+      (the controller's ``SaveSchedule``; the trainer's process writes).
+    resume: what the trainer's process handed back from the checkpoint it restored
+      (``roles.resume_trainer``), or None: the controller continues from its state, the
+      writer from its step.
     stop: the preemption event (or None).
   """
-  resume_step = (restored.step if restored is not None else
-                 0 if checkpointer is not None else None)
+  c = config.checkpoint
+  checkpoints = (SaveSchedule(c.every_steps, c.every_seconds)
+                 if config_lib.checkpointing(config) else None)
+  resume_step = (resume.step if resume is not None else
+                 0 if checkpoints is not None else None)
   with MetricsWriter.from_config(workdir, config, resume_step=resume_step) as writer:
     controller = Controller(settings, task, trainer, workers, writer,
-                            checkpointer=checkpointer, stop=stop)
-    if restored is not None:
-      controller.restore(ControllerState.from_dict(restored.controller), restored.rollouts)
+                            checkpoints=checkpoints, stop=stop)
+    if resume is not None:
+      controller.restore(ControllerState.from_dict(resume.controller), resume.rollouts)
     yield Run(controller, writer, warmup_metrics)

@@ -14,11 +14,16 @@ the first devices and each inference worker the next ones (e.g. 8 devices: train
 inference 4); otherwise every role's mesh starts at device 0.
 
 Weights: the parameter server (``rlax_llm.paramserver.ParameterServer``, keeping
-``ControllerSettings.versions_kept`` versions) is an object of this process, but only the
-roles call it: the trainer pushes each new version from its own thread when its update is
+``RunSpec.keep_versions`` versions: ``paramserver.keep_versions``) is an object of this
+process, but only the roles call it: the trainer pushes each new version from its own thread when its update is
 done (and its starting version when it is built or restored), and each worker pulls the
 version a ``generate`` call names from its own thread (``InferenceWorker.generate_at``). The
 controller passes version numbers only.
+
+Checkpoints: the trainer's handle (``LocalTrainer``) owns the ``Checkpointer``; it restores
+the trainer's params and optimizer state when built and writes each save the controller
+asks for (``save``) on the trainer's thread, after the updates queued before it. The
+controller sees only its own state and the rollouts' arrays.
 """
 
 from __future__ import annotations
@@ -62,11 +67,16 @@ class Serial:
 class LocalTrainer:
   """``TrainerHandle`` over an in-process ``Trainer`` that pushes each of its versions to
   ``server`` itself: its current one when built (or ``load``ed), each new one at the end of
-  the ``step`` that made it."""
+  the ``step`` that made it. With a ``checkpointer`` it first restores the trainer from its
+  latest checkpoint (``resume``: what the controller continues from, or None) and writes the
+  saves the controller asks for."""
 
-  def __init__(self, trainer, threaded: bool, server: ParameterServer):
+  def __init__(self, trainer, threaded: bool, server: ParameterServer, checkpointer=None):
     self.trainer = trainer
     self.server = server
+    self.checkpointer = checkpointer
+    self.resume = (roles.resume_trainer(checkpointer, trainer)
+                   if checkpointer is not None else None)
     self._serial = Serial('trainer', threaded)
     self._publish()
 
@@ -88,6 +98,11 @@ class LocalTrainer:
   def step(self, batch):
     return self._serial.submit(self._step, batch)
 
+  def save(self, step: int, controller, rollouts):
+    """Saves step ``step`` on the trainer's thread (``roles.save_checkpoint``)."""
+    return self._serial.submit(roles.save_checkpoint, self.checkpointer, self.trainer, step,
+                               controller, rollouts)
+
   def load(self, params, opt_state, counters: dict[str, int]) -> None:
     """Continues from a checkpoint (``Trainer.load``) and pushes the restored version."""
     self.trainer.load(params, opt_state, counters)
@@ -99,10 +114,15 @@ class LocalTrainer:
     return self._serial.submit(self.trainer.host_params)
 
   def state(self):
+    """``(params, opt_state, counters)`` (for inspecting a run, e.g. comparing backends; the
+    controller never calls it)."""
     return self._serial.submit(
         lambda: (self.trainer.params, self.trainer.opt_state, self.trainer.counters()))
 
   def close(self) -> None:
+    """Waits for the checkpoint writes, then stops the trainer's thread."""
+    if self.checkpointer is not None:
+      self.checkpointer.close()
     self._serial.shutdown()
 
 
@@ -139,23 +159,16 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   checkpointer = roles.build_checkpointer(config, workdir)
   trainer, warmup_metrics = roles.warm_trainer(config, spec, task, model, params, tokenizer,
                                                meshes['trainer'], checkpointer, stop)
-  # The server's config key is to come; today the schedule says how many versions to keep.
-  server = ParameterServer(keep=spec.controller.versions_kept)
-  restored = None
-  if checkpointer is not None:
-    restored = checkpointer.restore(trainer.params, trainer.opt_state)
-    if restored is not None:
-      trainer.load(restored.params, restored.opt_state, restored.trainer)
-  trainer = LocalTrainer(trainer, threaded, server)  # pushes its version
+  server = ParameterServer(keep=spec.keep_versions)
+  # Restores the latest checkpoint into the trainer, then pushes its version.
+  trainer = LocalTrainer(trainer, threaded, server, checkpointer)
   workers = [LocalWorker(roles.build_worker(config, model, tokenizer, mesh), threaded, server)
              for mesh in meshes['inference']]
   try:
     with assemble(config, spec.controller, workdir, task, trainer, workers, warmup_metrics,
-                  checkpointer=checkpointer, restored=restored, stop=stop) as run:
+                  resume=trainer.resume, stop=stop) as run:
       yield run
   finally:
-    if checkpointer is not None:
-      checkpointer.close()
     trainer.close()
     for worker in workers:
       worker.retire()

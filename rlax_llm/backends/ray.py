@@ -9,8 +9,28 @@ through the driver: the trainer actor pushes each new version to the server acto
 object store), and each worker actor pulls the version a ``generate`` call names from the
 server actor itself (``ServerRole.update``: a sparse delta from the version it holds, or
 whole leaves, with per-leaf checksums the worker verifies; object store again). The driver
-sends version numbers and receives rollouts. (A checkpoint's ``state()`` still brings the
-trainer's params to the driver, which writes them.)
+sends version numbers and receives rollouts.
+
+Checkpoints: the trainer actor owns the ``Checkpointer``. When built it restores its params
+and optimizer state from the workdir's latest checkpoint itself and hands the driver only
+the controller's state and the rollouts' arrays (``start``); each save the controller asks
+for (``TrainerHandle.save``) carries that small state to the actor, which writes it with its
+params and optimizer state as one Orbax step. The driver never opens the checkpoint manager.
+The workdir must be a filesystem both see: local disk for ``ray.address='local'`` (one
+machine), shared storage (NFS, a mounted bucket) on a multi-host cluster. SIGTERM/SIGINT to
+the driver sets the preemption event, the controller asks the trainer actor for a save after
+the current step, waits for it to be on disk, and the launch exits 0, as on the local
+backend. (A signal during the warm-up takes effect once the warm-up is done: it runs in the
+trainer actor, which does not see the driver's event.)
+
+Lost actors: a worker actor that dies (its process killed, its node lost) is restarted by
+Ray, at most ``ray.worker_restarts`` times (``max_restarts``), and the call it was running
+is retried on the new process (``max_task_retries``): the restarted worker holds no weights
+and pulls the version the call names from the server itself, so the run's rollouts are the
+same; it reports the restart with its next rollouts (``workers/restarts`` in the metrics,
+and an event). Past its restarts the controller retires it and re-issues its requests to
+the others. A lost trainer actor stops the run with a ``RlaxError`` naming the checkpoint
+step to resume from (relaunching with the same ``--workdir`` resumes there).
 
 Placement: each actor asks for ``ray.trainer_resources`` / ``ray.worker_resources`` (e.g.
 ``{'TPU': 4}`` on a TPU VM host, so Ray puts the trainer and the workers on different hosts;
@@ -27,9 +47,12 @@ their 4 chips; an actor holding a whole host needs none.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
+import signal
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,7 +64,8 @@ from rlax_llm import config as config_lib
 from rlax_llm import roles
 from rlax_llm.backends import tpu_env
 from rlax_llm.backends.assembly import Run, assemble
-from rlax_llm.errors import ConfigError
+from rlax_llm.checkpoint import latest_step
+from rlax_llm.errors import ConfigError, RlaxError
 from rlax_llm.paramserver import ParameterServer, local_shards
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -97,19 +121,24 @@ class ServerRole:
 
 
 class TrainerRole:
-  """The trainer actor: runs the warm-up, then RL updates, on this host's devices, and
-  pushes each version to the server actor ``server`` itself (the starting one after the
-  warm-up, each new one before ``step`` returns)."""
+  """The trainer actor: runs the warm-up (or restores its checkpointed result), restores the
+  workdir's latest checkpoint, then runs RL updates on this host's devices, pushes each
+  version to the server actor ``server`` itself (the starting one when built, each new one
+  before ``step`` returns) and writes the checkpoints the controller asks for."""
 
-  def __init__(self, payload: str, server):
+  def __init__(self, payload: str, server, workdir: str):
     pin_tpu_chips()
     config = _config_from(payload)
     # This process gets the config as JSON, so its boundary is here: the same one builder
     # that validate_config ran in the driver builds the run's typed values again.
     spec = config_lib.run_spec(config)
     task, model, params, tokenizer = roles.prepare(config)
+    self.checkpointer = roles.build_checkpointer(config, workdir)
     self.trainer, self.warmup_metrics = roles.warm_trainer(
-        config, spec, task, model, params, tokenizer, roles.meshes(config)['trainer'])
+        config, spec, task, model, params, tokenizer, roles.meshes(config)['trainer'],
+        self.checkpointer)
+    self.resume = (roles.resume_trainer(self.checkpointer, self.trainer)
+                   if self.checkpointer is not None else None)
     self.server = server
     self._pushed = -1
     self._publish()
@@ -122,16 +151,28 @@ class TrainerRole:
           self.trainer.version, local_shards(self.trainer.params, to_host=True)))
       self._pushed = self.trainer.version
 
-  def warmup(self) -> dict[str, float]:
-    return self.warmup_metrics
+  def start(self):
+    """``(warm-up metrics, Resume or None, version)``: what the driver needs to start (the
+    restored checkpoint's controller state and rollouts' arrays, no weights)."""
+    return self.warmup_metrics, self.resume, self.trainer.version
 
   def step(self, batch) -> tuple[dict[str, float], int]:
     metrics = self.trainer.step(batch)
     self._publish()
     return metrics, self.trainer.version
 
+  def save(self, step: int, controller, rollouts) -> None:
+    """Writes step ``step`` from this process (``roles.save_checkpoint``)."""
+    roles.save_checkpoint(self.checkpointer, self.trainer, step, controller, rollouts)
+
+  def close(self) -> None:
+    """Waits until every started checkpoint write is on disk."""
+    if self.checkpointer is not None:
+      self.checkpointer.close()
+
   def state(self):
-    """``(params, opt_state, counters)`` as host arrays (what a checkpoint stores)."""
+    """``(params, opt_state, counters)`` as host arrays, fetched to the caller (for inspecting
+    a run, e.g. comparing backends; the controller never calls it)."""
     return (*jax.device_get((self.trainer.params, self.trainer.opt_state)),
             self.trainer.counters())
 
@@ -148,22 +189,31 @@ class WorkerRole:
     mesh = roles.meshes(config)['inference'][index]
     self.worker = roles.build_worker(config, model, tokenizer, mesh)
     self.server = server
+    # Ray restarted this actor after its process was lost: say so with the next rollouts.
+    self._restarted = _ray().get_runtime_context().was_current_actor_reconstructed
 
   def _fetch(self, version: int, base_version: int):
     """The update from the server's process to this one, through the object store."""
     return _ray().get(self.server.update.remote(version, base_version))
 
   def generate(self, requests, rng_data: np.ndarray, version: int, stop_after=None, first=0):
-    return self.worker.generate_at(version, self._fetch, requests,
-                                   jax.random.wrap_key_data(rng_data), stop_after, first)
+    rollouts = self.worker.generate_at(version, self._fetch, requests,
+                                       jax.random.wrap_key_data(rng_data), stop_after, first)
+    if self._restarted:
+      self._restarted = False
+      rollouts = dataclasses.replace(rollouts,
+                                     timings={**rollouts.timings, 'workers/restarts': 1})
+    return rollouts
 
 
 class RayFuture:
-  """An object ref as a ``concurrent.futures``-style future."""
+  """An object ref as a ``concurrent.futures``-style future; ``lost(error)``, when given,
+  is the error to raise instead of Ray's when the actor has died."""
 
-  def __init__(self, ref, then=None):
+  def __init__(self, ref, then=None, lost=None):
     self.ref = ref
     self._then = then
+    self._lost = lost
 
   def result(self, timeout: float | None = None) -> Any:
     ray = _ray()
@@ -171,25 +221,58 @@ class RayFuture:
       value = ray.get(self.ref, timeout=timeout)
     except ray.exceptions.GetTimeoutError as e:
       raise TimeoutError(str(e)) from None
+    except ray.exceptions.RayActorError as e:
+      if self._lost is None:
+        raise
+      raise self._lost(e) from e
     return self._then(value) if self._then else value
 
 
-class RayTrainer:
-  """``TrainerHandle`` over a trainer actor; ``version`` follows the updates it applied."""
+class TrainerLost(RlaxError):
+  """The trainer actor's process was lost: the run stops; the last checkpoint resumes it."""
 
-  def __init__(self, actor):
+
+class RayTrainer:
+  """``TrainerHandle`` over a trainer actor; ``version`` follows the updates it applied
+  (``version``: the one it started at). ``workdir``: where the actor checkpoints (named in
+  the error that stops a run whose trainer actor was lost)."""
+
+  def __init__(self, actor, version: int, workdir):
     self.actor = actor
-    self.version = 0
+    self.version = version
+    self.workdir = pathlib.Path(workdir)
+
+  def _call(self, ref, then=None) -> RayFuture:
+    return RayFuture(ref, then, lost=self._lost)
+
+  def _lost(self, error: Exception) -> Exception:
+    step = latest_step(self.workdir)
+    resume = (f'the last checkpoint is step {step} in {self.workdir / "checkpoints"}; '
+              f'relaunch with --workdir={self.workdir} to resume from it' if step is not None
+              else 'no checkpoint was written yet (checkpoint.every_steps / every_seconds); '
+              'relaunching starts the run again')
+    return TrainerLost(f'the trainer actor was lost ({type(error).__name__}: '
+                       f'{str(error).splitlines()[0] if str(error) else ""}); the run stops: '
+                       f'{resume}.')
 
   def step(self, batch) -> RayFuture:
     def done(value):
       metrics, self.version = value
       return metrics
-    return RayFuture(self.actor.step.remote(batch), done)
+    return self._call(self.actor.step.remote(batch), done)
+
+  def save(self, step: int, controller, rollouts) -> RayFuture:
+    return self._call(self.actor.save.remote(step, controller, rollouts))
+
+  def close(self) -> None:
+    """Waits until the actor's checkpoint writes are on disk (nothing when it is lost)."""
+    with contextlib.suppress(_ray().exceptions.RayActorError):
+      _ray().get(self.actor.close.remote())
 
   def state(self) -> RayFuture:
-    """``(params, opt_state, counters)`` fetched from the actor (host arrays)."""
-    return RayFuture(self.actor.state.remote())
+    """``(params, opt_state, counters)`` fetched from the actor (host arrays) to this
+    process: for inspecting a run in tests; the controller never calls it."""
+    return self._call(self.actor.state.remote())
 
 
 class RayWorker:
@@ -216,12 +299,20 @@ def init_ray(config: ml_collections.ConfigDict) -> bool:
   env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(_ROOT), os.environ.get('PYTHONPATH')]))
   kwargs = dict(runtime_env={'env_vars': env}, include_dashboard=False,
                 log_to_driver=False, configure_logging=False)
+  # ray.init puts its own SIGTERM handler in this process (it aborts the driver); Python
+  # handlers installed before (``checkpoint.PreemptionGuard``'s) are put back, so SIGTERM and
+  # SIGINT save a checkpoint and exit 0 as on the local backend.
+  handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
   if config.ray.address == 'local':
     if config.ray.num_cpus:
       kwargs['num_cpus'] = config.ray.num_cpus
     ray.init(_node_ip_address='127.0.0.1', **kwargs)
   else:
     ray.init(address=config.ray.address, **kwargs)
+  if threading.current_thread() is threading.main_thread():
+    for signum, handler in handlers.items():
+      if callable(handler):
+        signal.signal(signum, handler)
   return True
 
 
@@ -231,28 +322,35 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   """Builds the roles as Ray actors (the server first: the trainer and the workers are
   given its handle) and assembles the run in this process (``assembly.assemble``) with
   ``spec``, the run's typed values (``validate_config(config)``'s result; the trainer actor
-  rebuilds them from the config it receives). (No checkpoints yet on this backend:
-  ``rlax_llm.config`` refuses ``checkpoint.*`` with ``backend='ray'``.)"""
+  rebuilds them from the config it receives). The trainer actor restores ``workdir``'s
+  latest checkpoint itself and returns the controller's part of it."""
   ray = _ray()
   task = roles.build_task(config)
   started = init_ray(config)
   payload = json.dumps(config.to_dict())
-  trainer_cls = ray.remote(num_cpus=0, resources=config.ray.trainer_resources.to_dict())(TrainerRole)
+  workdir = pathlib.Path(workdir).absolute()
+  # A lost trainer is not restarted (its state is the checkpoint's): the run stops.
+  trainer_cls = ray.remote(num_cpus=0, resources=config.ray.trainer_resources.to_dict(),
+                           max_restarts=0)(TrainerRole)
+  restarts = config.ray.worker_restarts
   worker_cls = ray.remote(num_cpus=0, resources=config.ray.worker_resources.to_dict(),
-                          max_restarts=0)(WorkerRole)
-  # The server's config key is to come; today the schedule says how many versions to keep.
+                          max_restarts=restarts, max_task_retries=restarts)(WorkerRole)
   server_cls = ray.remote(num_cpus=0, max_concurrency=4)(ServerRole)
-  server_actor = server_cls.remote(spec.controller.versions_kept)
-  trainer_actor = trainer_cls.remote(payload, server_actor)
+  server_actor = server_cls.remote(spec.keep_versions)
+  trainer_actor = trainer_cls.remote(payload, server_actor, str(workdir))
   worker_actors = [worker_cls.remote(payload, n, server_actor)
                    for n in range(config.rollout.workers)]
+  trainer = None
   try:
-    warmup_metrics = ray.get(trainer_actor.warmup.remote())
-    with assemble(config, spec.controller, workdir, task, RayTrainer(trainer_actor),
+    warmup_metrics, resume, version = ray.get(trainer_actor.start.remote())
+    trainer = RayTrainer(trainer_actor, version, workdir)
+    with assemble(config, spec.controller, workdir, task, trainer,
                   [RayWorker(actor) for actor in worker_actors], warmup_metrics,
-                  stop=stop) as run:
+                  resume=resume, stop=stop) as run:
       yield run
   finally:
+    if trainer is not None:
+      trainer.close()
     for actor in [trainer_actor, *worker_actors, server_actor]:
       with contextlib.suppress(Exception):
         ray.kill(actor)

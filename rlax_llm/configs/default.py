@@ -90,9 +90,13 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c.local = ml_collections.ConfigDict(dict(concurrent=True))
   # ray: 'local' starts a private cluster on loopback; else the address of a running one.
   # Resources each actor asks for, e.g. {'TPU': 4} to put roles on separate TPU hosts.
+  # worker_restarts: how often Ray restarts a lost worker actor (its call is retried there).
   c.ray = ml_collections.ConfigDict(dict(
       address='local', num_cpus=0, trainer_resources=ml_collections.ConfigDict(),
-      worker_resources=ml_collections.ConfigDict()))
+      worker_resources=ml_collections.ConfigDict(), worker_restarts=3))
+  # The parameter server (the trainer pushes each version, workers pull theirs): keep_versions
+  # is how many versions it holds, at least staleness.k + 2 (0: exactly k + 2).
+  c.paramserver = ml_collections.ConfigDict(dict(keep_versions=0))
   # Orbax checkpoints in workdir/checkpoints (0 and 0: none): after steps that are multiples
   # of every_steps, and when every_seconds have passed; the newest `keep` are kept. SIGTERM or
   # SIGINT saves one and exits 0; relaunching with the same --workdir resumes.

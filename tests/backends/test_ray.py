@@ -1,6 +1,11 @@
 """The Ray backend: each role in its own actor process, on a private Ray cluster on loopback.
 The same seed gives the same metrics as the local backend; a worker process that dies is
-replaced and the run completes."""
+restarted by Ray and carries on (or, past its restarts, is retired and its requests go to
+the others) and the run completes; the driver carries no weight byte. (Checkpoints and
+resume: tests/backends/test_ray_resume.py.)"""
+
+import dataclasses
+import signal
 
 import jax
 import numpy as np
@@ -9,32 +14,26 @@ import pytest
 ray = pytest.importorskip('ray')
 
 from rlax_llm.backends import build_run  # noqa: E402
+from rlax_llm import roles  # noqa: E402
 from rlax_llm.backends import ray as ray_backend  # noqa: E402
-from rlax_llm.backends.ray import init_ray  # noqa: E402
+from rlax_llm.checkpoint import PreemptionGuard  # noqa: E402
 from rlax_llm.config import run_spec  # noqa: E402
-from rlax_llm.data_types import Rollouts  # noqa: E402
+from rlax_llm.data_types import Rollouts, TrainBatch  # noqa: E402
 from rlax_llm.metrics import read_metrics  # noqa: E402
 
 from smoke_config import smoke_config  # noqa: E402  (tests/smoke_config.py)
+from test_resume import Preempt  # noqa: E402
 
 
 def smoke(backend, steps=6, **overrides):
   fields = dict(backend=backend, total_steps=steps, staleness__j=4, staleness__k=8,
                 log__tensorboard=False, eval__every_steps=3,
-                checkpoint__every_steps=0, checkpoint__every_seconds=0.0)  # none on Ray yet
+                checkpoint__every_steps=0, checkpoint__every_seconds=0.0)
   return smoke_config(**(fields | overrides))
 
 
 def strip(rows):
   return [{k: v for k, v in row.items() if not k.startswith('time/')} for row in rows]
-
-
-@pytest.fixture(scope='module')
-def cluster():
-  started = init_ray(smoke('ray'))
-  yield
-  if started:
-    ray.shutdown()
 
 
 def execute(config, workdir, wrap=None, state=None):
@@ -81,8 +80,8 @@ def test_ray_and_local_give_the_same_run(cluster, tmp_path, monkeypatch):
   _, local_rows = execute(smoke('local'), tmp_path / 'local', state=states)
   assert strip(ray_rows) == strip(local_rows)
   assert max(r['staleness/max'] for r in ray_rows) <= 7
-  # The Ray trainer's state() (the TrainerHandle protocol) is the local one's: params,
-  # optimizer state and counters, fetched from the actor.
+  # The Ray trainer's state() (an inspection method of both handles; the controller never
+  # calls it) is the local one's: params, optimizer state and counters, fetched from the actor.
   (ray_params, ray_opt, ray_counters), (params, opt, counters) = states
   assert ray_counters == counters and counters['version'] == ray_rows[-1]['version']
   for a, b in zip(jax.tree.leaves((ray_params, ray_opt)), jax.tree.leaves((params, opt)),
@@ -124,3 +123,124 @@ def test_partial_rollouts_on_ray_equal_local(cluster, tmp_path):
   _, local_rows = execute(smoke('local', **april), tmp_path / 'local')
   assert strip(ray_rows) == strip(local_rows)
   assert sum(r['rollout/carried_groups'] for r in ray_rows) > 0
+
+
+def test_a_killed_worker_actor_restarts_and_carries_on(cluster, tmp_path):
+  """The worker actor's process is killed just before its 3rd call (``no_restart=False``: a
+  lost process, not a retirement): Ray restarts it and runs the call there, the new process
+  pulls its version from the server itself, and the run's rewards (every metric but timings
+  and transport figures) equal the unkilled run's; the restart is in the metrics and the
+  events, and no worker was lost."""
+  class Killed(KilledAtCall):
+    def generate(self, *args, **kwargs):
+      self._calls += 1
+      if self._calls == self._call:
+        ray.kill(self._handle.actor, no_restart=False)
+      return self._handle.generate(*args, **kwargs)
+
+  def fault(controller):
+    controller.workers[0] = Killed(controller.workers[0], 3)
+  summary, rows = execute(smoke('ray', steps=4), tmp_path / 'ray', wrap=fault)
+  _, reference = execute(smoke('local', steps=4), tmp_path / 'local')
+  assert summary['workers/restarts'] == 1 and summary['workers/lost'] == 0
+  assert [row['workers/restarts'] for row in rows][-1] == 1
+  assert any('was lost and restarted' in event for event in summary['events'])
+  assert [row['reward/mean'] for row in rows] == [row['reward/mean'] for row in reference]
+  other = lambda rows: [{k: v for k, v in row.items()
+                         if not k.startswith(('time/', 'sync/', 'workers/'))} for row in rows]
+  assert other(rows) == other(reference)
+
+
+def _arrays(value, seen=None):
+  """Every numpy or JAX array inside ``value`` (containers, dataclasses, objects' fields)."""
+  seen = set() if seen is None else seen
+  if id(value) in seen:
+    return
+  seen.add(id(value))
+  if isinstance(value, (np.ndarray, jax.Array)):
+    yield value
+  elif isinstance(value, dict):
+    for item in value.values():
+      yield from _arrays(item, seen)
+  elif isinstance(value, (list, tuple)):
+    for item in value:
+      yield from _arrays(item, seen)
+  elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+    for field in dataclasses.fields(value):
+      yield from _arrays(getattr(value, field.name), seen)
+  elif hasattr(value, '__dict__') and not isinstance(value, type):
+    for item in vars(value).values():
+      yield from _arrays(item, seen)
+
+
+class DriverTraffic:
+  """Records what the driver's Ray serializes (task arguments, ``ray.put``) and
+  deserializes (what ``ray.get`` returns): every object entering or leaving this process
+  through Ray. ``weight_bytes(signatures)``: the bytes of the arrays among them shaped like
+  a param leaf (``(shape, dtype)`` in ``signatures``; the optimizer's moments too)."""
+
+  def __init__(self, monkeypatch):
+    from ray._private import serialization, worker  # pylint: disable=import-outside-toplevel  # ray's internals, here only
+    self.values = []
+    serialize = serialization.SerializationContext.serialize
+    deserialize = worker.Worker.deserialize_objects
+
+    def spy_serialize(context, value):
+      self.values.append(value)
+      return serialize(context, value)
+
+    def spy_deserialize(self_, *args, **kwargs):
+      values = deserialize(self_, *args, **kwargs)
+      self.values.extend(values)
+      return values
+
+    monkeypatch.setattr(serialization.SerializationContext, 'serialize', spy_serialize)
+    monkeypatch.setattr(worker.Worker, 'deserialize_objects', spy_deserialize)
+
+  def weight_bytes(self, signatures) -> int:
+    return sum(a.nbytes for value in self.values for a in _arrays(value)
+               if (tuple(a.shape), np.dtype(a.dtype)) in signatures)
+
+
+def test_the_driver_carries_no_weight_bytes(cluster, tmp_path, monkeypatch):
+  """While a Ray run trains, is preempted (a checkpoint with a batch in flight) and resumes,
+  every object crossing the driver through Ray is recorded: none holds an array shaped like
+  a param (0 bytes), though rollouts, train batches and the controller's state crossed (the
+  measurement sees the traffic both ways). Negative control: the old checkpoint path (the
+  trainer's params and optimizer state fetched to the driver, ``state()``) measured the same
+  way counts at least one model's bytes."""
+  config = smoke('ray', steps=4, staleness__j=1, staleness__k=2, checkpoint__every_steps=2)
+  config.checkpoint.every_seconds = 0.0
+  _, params, _ = roles.build_model(config, roles.build_task(config))  # shapes only
+  signatures = {(tuple(a.shape), np.dtype(a.dtype)) for a in jax.tree.leaves(params)}
+  model_bytes = sum(a.nbytes for a in jax.tree.leaves(params))
+  traffic = DriverTraffic(monkeypatch)
+  with build_run(config, tmp_path, run_spec(config), stop=Preempt(2)) as run:
+    assert run.execute()['preempted']  # after step 2, with batch 3 in flight
+  with build_run(config, tmp_path, run_spec(config)) as run:  # resumes from step 2
+    run.execute()
+    during = traffic.weight_bytes(signatures)
+    crossed = sum(a.nbytes for v in traffic.values for a in _arrays(v))
+    assert any(isinstance(v, Rollouts) for v in traffic.values) and crossed > 0  # received
+    assert any(isinstance(v, TrainBatch) for v in traffic.values)  # sent
+    traffic.values.clear()
+    run.controller.trainer.state().result()  # the control: what Controller.save used to do
+  assert [row['step'] for row in read_metrics(tmp_path / 'metrics.jsonl')] == [1, 2, 3, 4]
+  assert during == 0
+  assert traffic.weight_bytes(signatures) >= 2 * model_bytes
+
+
+def test_init_ray_keeps_the_preemption_guards_signal_handlers(monkeypatch):
+  """ray.init replaces the driver's SIGTERM handler (Ray's aborts the process); init_ray puts
+  the PreemptionGuard's back, so SIGTERM to a Ray launch saves and exits 0
+  (test_ray_resume.py's slow subprocess test sends a real one)."""
+  def init(**kwargs):  # what ray.init does to the handlers, without a cluster
+    del kwargs
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+  monkeypatch.setattr(ray, 'is_initialized', lambda: False)
+  monkeypatch.setattr(ray, 'init', init)
+  with PreemptionGuard() as guard:
+    assert ray_backend.init_ray(smoke('ray'))
+    assert signal.getsignal(signal.SIGTERM) == guard._handle  # pylint: disable=protected-access
+    assert signal.getsignal(signal.SIGINT) == guard._handle  # pylint: disable=protected-access
