@@ -2,12 +2,12 @@
 lossless sparse deltas.
 
 Transfers (``--sizes``): for each model size, the trainer's params as device arrays are
-pushed to a parameter server and pulled by a worker, full (every leaf whole, base -1) and
-as a delta from the version the worker holds, along the two real paths:
+pushed to a parameter server and pulled by a worker, full (every leaf whole, base -1) and,
+for the bf16 copy, as a delta from the version the worker holds, along the two real paths:
 
 * ``local``: in one process (one CPU device), the objects the local backend uses
-  (``ParameterServer.push`` of the trainer's arrays, shard by shard; ``update`` + ``delta.apply`` + ``delta.verify`` as
-  ``InferenceWorker.apply_update`` runs them);
+  (``ParameterServer.push`` of the trainer's arrays, shard by shard; ``update``,
+  ``delta.apply`` and ``delta.verify`` as ``InferenceWorker.apply_update`` runs them);
 * ``ray``: three Ray actors, trainer -> server -> worker, the trainer (its params split over
   ``--trainer_devices`` CPU devices of its own) pushing ``local_shards(params, to_host=True)``
   to the backend's own ``ServerRole`` (``full``; ``full_host_params``: the whole arrays
