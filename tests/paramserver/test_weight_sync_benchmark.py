@@ -16,8 +16,8 @@ def run_benchmark(paths: str) -> dict:
   env = {**os.environ, 'PYTHONPATH': str(ROOT)}
   result = subprocess.run(
       [sys.executable, 'benchmarks/weight_sync.py', '--sizes=tiny', f'--paths={paths}',
-       '--lrs=', '--repeats=1', '--memcpy_mb=32'], cwd=ROOT, env=env, capture_output=True, text=True,
-      timeout=600, check=False)
+       '--lrs=', '--repeats=1', '--memcpy_mb=32'],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   return json.loads(result.stdout[result.stdout.index('{\n'):])
 
