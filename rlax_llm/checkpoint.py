@@ -59,6 +59,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from rlax_llm import distributed
 from rlax_llm.errors import CheckpointError
 from rlax_llm import workdir as workdir_lib
 
@@ -108,7 +109,8 @@ class SaveSchedule:
     """Whether the schedule asks for a save after ``step``."""
     if self.every_steps and step % self.every_steps == 0:
       return True
-    return bool(self.every_seconds) and time.monotonic() - self._last_save >= self.every_seconds
+    late = bool(self.every_seconds) and time.monotonic() - self._last_save >= self.every_seconds
+    return bool(distributed.agree(int(late)))  # multi-host: process 0's clock decides for all
 
   def saved(self) -> None:
     """Records that a save was made now (``every_seconds`` counts from here)."""
@@ -278,7 +280,7 @@ class Checkpointer:
   def save_warmup(self, params: Any, metrics: dict[str, float]) -> None:
     """Saves the warm-up's result (synchronously: it is needed before RL starts)."""
     path = (self.directory / WARMUP_DIRNAME).absolute()
-    if path.exists():
+    if distributed.agree(path.exists()):  # multi-host: process 0's look, for every process
       return
     with ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
         enable_async_checkpointing=False, create=True),
@@ -289,7 +291,7 @@ class Checkpointer:
   def restore_warmup(self, params: Any) -> tuple[Any, dict[str, float]] | None:
     """The warm-up's params (onto ``params``' shardings) and metrics; None if not saved."""
     path = (self.directory / WARMUP_DIRNAME).absolute()
-    if not path.exists():
+    if not distributed.agree(path.exists()):  # multi-host: process 0's look, for every process
       return None
     with ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
         enable_async_checkpointing=False, create=False),

@@ -19,6 +19,10 @@ A failure the user can fix (``rlax_llm.errors.RlaxError``: a bad config, an unre
 checkpoint or model file, a busy workdir, a diverged run) prints one ``error: ...`` line with
 the fix and exits 1.
 
+Several hosts (``config.distributed``): every process runs the same command with the same
+``--workdir`` (required there); process 0 claims it for the job and writes the run's files,
+every process trains and writes its checkpoint shards (``rlax_llm.distributed``).
+
 Preemption and resume: SIGTERM or SIGINT makes the run save a checkpoint after the current
 step and exit 0; launching again with the same ``--workdir`` (and the same config; only the
 keys in ``config.RESUMABLE_CHANGES`` may differ) resumes from the latest checkpoint.
@@ -40,7 +44,7 @@ from absl import app, flags
 from rlax_llm import cli, console, distributed, launch_help
 from rlax_llm import workdir as workdir_lib
 from rlax_llm.config import check_resume_config, checkpointing, validate_config
-from rlax_llm.errors import NonFiniteError, Preempted, RlaxError
+from rlax_llm.errors import ConfigError, NonFiniteError, Preempted, RlaxError
 
 _FLAGS: dict[str, flags.FlagHolder] = {}
 
@@ -63,15 +67,24 @@ def main(config: ml_collections.ConfigDict) -> None:
   """
   # Multi-host: join the other hosts before JAX sees a device (validation builds meshes
   # over jax.devices(), after which jax.distributed.initialize refuses to run).
-  distributed.initialize(config)
+  joined = distributed.initialize(config)
   spec = validate_config(config)
   workdir_flag = _FLAGS['workdir'].value
+  # pylint: disable=import-outside-toplevel
+  import jax  # lazy: this module stays light to import (--help); validation has started JAX
+  process = jax.process_index()
+  if joined and jax.process_count() > 1 and not workdir_flag:
+    raise ConfigError(f'process {process} of a {jax.process_count()}-process job has no '
+                      '--workdir: every process of a job must pass the same --workdir (a '
+                      'default one would differ between them).')
   workdir = (pathlib.Path(workdir_flag) if workdir_flag
              else workdir_lib.default_workdir(config.name))
-  claim = workdir_lib.claim(workdir)
+  # Process 0 claims the workdir for the job; the others learn whether it could
+  # (workdir.claim_for_job).
+  claim = workdir_lib.claim_for_job(
+      workdir, process, distributed.agree if jax.process_count() > 1 else None)
 
   # Model, trainer and data imports only after validation: a bad flag fails in seconds.
-  # pylint: disable=import-outside-toplevel
   from rlax_llm.backends import build_run
   from rlax_llm.checkpoint import PreemptionGuard
 
@@ -87,11 +100,13 @@ def main(config: ml_collections.ConfigDict) -> None:
             'pass a new --workdir.') from None
       check_resume_config(saved, config)
       logging.info('resuming the run in %s', workdir)
-    workdir_lib.write_text_atomic(workdir / 'config.json',
-                                  config.to_json_best_effort(indent=2, sort_keys=True))
+    if process == 0:  # the job's files are process 0's (rlax_llm.distributed)
+      workdir_lib.write_text_atomic(workdir / 'config.json',
+                                    config.to_json_best_effort(indent=2, sort_keys=True))
     try:
       with PreemptionGuard() if checkpointing(config) else contextlib.nullcontext() as guard:
-        with build_run(config, workdir, spec, stop=guard.requested if guard else None) as run:
+        stop = distributed.JobStop(guard.requested) if guard else None  # agreed by the job
+        with build_run(config, workdir, spec, stop=stop) as run:
           summary = run.execute()
     except Preempted as e:
       print(f'{e} Relaunch with --workdir={workdir} to continue.')

@@ -187,7 +187,7 @@ def rollout_memory_bytes(model: DecoderConfig, config: ml_collections.ConfigDict
 
 def available_memory_bytes() -> float:
   """Memory one device can use: the accelerator's limit, or the host's available RAM (CPU)."""
-  device = jax.devices()[0]
+  device = jax.local_devices()[0]  # multi-host: another host's device has no stats here
   stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
   if stats and 'bytes_limit' in stats:
     return float(stats['bytes_limit'])

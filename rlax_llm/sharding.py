@@ -94,13 +94,34 @@ def role_meshes(trainer_axes: Mapping[str, int], inference_axes: Mapping[str, in
   devices, trainer ``data=4``, one worker ``data=4``: devices 0-3 and 4-7); otherwise every
   mesh starts at device 0 and the roles share devices. Raises ValueError when the devices
   do not suffice.
+
+  Multi-process (``jax.distributed``, ``devices`` None): the trainer's mesh spans every
+  process's devices (``jax.devices()``: one jitted step in which every process takes part),
+  while each process's inference meshes take only its own devices (``jax.local_devices()``):
+  every process runs its own workers, which no other process takes part in. ``disjoint`` is
+  refused there, and so is a trainer mesh that leaves a process out.
   """
+  local = None if devices is not None or jax.process_count() == 1 else jax.local_devices()
+  if local is not None and disjoint:
+    raise ValueError(f'disjoint=True in a {jax.process_count()}-process job: every process '
+                     'takes part in every trainer step and runs its inference workers on its '
+                     'own devices, so the roles cannot have disjoint devices; set '
+                     'mesh.disjoint=False (the roles take turns on every device), or use '
+                     "backend='ray' for trainer and inference on separate hosts.")
   devices = list(jax.devices() if devices is None else devices)
   try:
     trainer = make_mesh(trainer_axes, devices)
   except ValueError as e:
     raise ValueError(f'trainer: {e}') from None
   offset = trainer.devices.size if disjoint else 0
+  if local is not None:
+    left_out = set(range(jax.process_count())) - {d.process_index for d in trainer.devices.flat}
+    if left_out:
+      raise ValueError(f'trainer: the mesh {dict(trainer.shape)} takes {trainer.devices.size} '
+                       f'of the job\'s {len(devices)} devices and leaves out process(es) '
+                       f'{sorted(left_out)}, but every process takes part in every trainer '
+                       'step; size it to every device (e.g. data=-1).')
+    devices = local
   inference = []
   for worker in range(workers):
     if disjoint and offset >= len(devices):
@@ -166,21 +187,36 @@ def batch_sharding(mesh: Mesh, batch: Any,
   return jax.tree.map(one, batch)
 
 
-def global_batch(batch: Any, mesh: Mesh,
-                 rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> Any:
-  """Places a host batch (the whole batch, which every process holds: the controller is
-  replicated across hosts and deterministic) as global arrays sharded by ``batch_sharding``.
+def place(tree: Any, shardings: Any) -> Any:
+  """``jax.device_put(tree, shardings)`` where every process holds the whole of each leaf
+  (the controller is replicated across hosts and deterministic, so every process has the
+  same batch, the same initial params).
 
   One process: ``jax.device_put``. Several (multi-host, after ``jax.distributed.initialize``):
-  each process builds only the shards of its own devices from its copy
-  (``jax.make_array_from_callback``), so no host ever sends rows to another.
+  a leaf that is already a global array (spanning processes) is ``device_put`` (a reshard
+  among the same devices); any other leaf (numpy, or a JAX array this process holds whole,
+  e.g. restored onto one of its devices) becomes a global array built from this process's
+  copy, each process making only its own devices' shards (``jax.make_array_from_callback``):
+  no bytes cross hosts, and no cross-host transfer (which the CPU backend lacks) is needed.
   """
-  shardings = batch_sharding(mesh, batch, rules)
   if jax.process_count() == 1:
-    return jax.device_put(batch, shardings)
-  return jax.tree.map(
-      lambda x, s: jax.make_array_from_callback(np.shape(x), s, lambda i: np.asarray(x)[i]),
-      batch, shardings)
+    return jax.device_put(tree, shardings)
+
+  def one(x, sharding):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+  return jax.tree.map(one, tree, shardings)
+
+
+def global_batch(batch: Any, mesh: Mesh,
+                 rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> Any:
+  """Places a host batch (the whole batch, which every process holds) as global arrays
+  sharded by ``batch_sharding`` (``place``: on several hosts each process builds only its
+  own devices' rows, so no host ever sends rows to another)."""
+  return place(batch, batch_sharding(mesh, batch, rules))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

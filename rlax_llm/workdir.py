@@ -25,6 +25,12 @@ anything::
 * ``truncate_rows`` cuts ``metrics.jsonl``/``ledger.jsonl`` back to the restored step, so
   after a resume no step appears twice.
 * ``write_text_atomic`` writes a file so a reader (or a crash) never sees half of it.
+* ``claim_for_job(workdir, process_index, agree)``: the rule of a multi-process job
+  (``jax.distributed``), whose every process runs the same command on the same workdir.
+  Process 0 claims the workdir for the whole job (and writes ``config.json``, metrics, ledger,
+  TensorBoard and summary); the other processes claim nothing (they only write their part of
+  the Orbax checkpoints) and learn process 0's outcome through ``agree``, so a second *job*
+  on a busy workdir fails in every one of its processes, never in process 0 alone.
 
 Limitation: ``flock`` excludes processes on one host. On a network filesystem shared between
 hosts (NFS, some FUSE mounts) it may not exclude a process on another host, so two hosts can
@@ -42,6 +48,7 @@ import pathlib
 import secrets
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from rlax_llm.errors import WorkdirError, WorkdirHasRun, WorkdirInUse
@@ -211,9 +218,10 @@ class WorkdirClaim:
     holder: ``{'pid', 'host', 'started'}`` as written into the lock file.
   """
 
-  def __init__(self, workdir: pathlib.Path, fd: int, key: tuple[int, int],
+  def __init__(self, workdir: pathlib.Path, fd: int | None, key: tuple[int, int] | None,
                holder: dict[str, Any]):
-    """Internal: use ``claim(workdir)``, which takes the lock first."""
+    """Internal: use ``claim(workdir)``, which takes the lock first (``fd`` None: a claim
+    that holds nothing, ``JobMember``)."""
     self.workdir = workdir
     self.lock_path = workdir / LOCK_FILENAME
     self.holder = holder
@@ -340,6 +348,68 @@ def claim(workdir: str | os.PathLike) -> WorkdirClaim:
     result = WorkdirClaim(workdir, fd, key, holder)
     _CLAIMED[key] = result
     return result
+
+
+# What process 0's claim gave, as the one int ``claim_for_job``'s ``agree`` sends to the job.
+_CLAIM_OUTCOMES = {0: None, 1: WorkdirInUse, 2: WorkdirHasRun, 3: WorkdirError}
+
+
+class JobMember(WorkdirClaim):
+  """What a non-zero process of a job holds: a claim without a lock (``held`` is False;
+  process 0's ``WorkdirClaim`` holds the workdir for the job), closed like any claim."""
+
+  def __init__(self, workdir: pathlib.Path):
+    super().__init__(workdir, None, None, {})
+
+
+def claim_for_job(workdir: str | os.PathLike, process_index: int,
+                  agree: Callable[[int], int] | None = None) -> WorkdirClaim:
+  """The workdir claim of one process of a (possibly multi-process) job.
+
+  The rule: process 0 claims ``workdir`` (``claim``: the lock, the resume-or-refuse check);
+  every other process claims nothing, because the job's process 0 holds the lock for it, and
+  gets a ``JobMember``. ``agree`` sends process 0's outcome (an int) to every process and
+  returns it (every process calls it once, together: ``rlax_llm.distributed.agree``); with it
+  a refused claim fails the whole job, each process raising the same class of error, instead
+  of leaving the other processes waiting for a process 0 that has exited. ``agree=None``
+  (one process) skips the exchange.
+
+  Args:
+    workdir: the run directory (the same path in every process).
+    process_index: this process's index in the job (``jax.process_index()``).
+    agree: process 0's value -> every process; required when ``process_index > 0``.
+
+  Returns:
+    Process 0: a held ``WorkdirClaim``; other processes: a ``JobMember`` (a claim that
+    holds nothing).
+
+  Raises:
+    WorkdirInUse, WorkdirHasRun, WorkdirError: as ``claim``, in process 0 with ``claim``'s
+      message, in the others with a message pointing at process 0's.
+  """
+  if process_index == 0:
+    try:
+      result = claim(workdir)
+    except WorkdirError as e:
+      if agree is not None:
+        agree(1 if isinstance(e, WorkdirInUse) else 2 if isinstance(e, WorkdirHasRun) else 3)
+      raise
+    except BaseException:
+      if agree is not None:
+        agree(3)
+      raise
+    if agree is not None:
+      agree(0)
+    return result
+  if agree is None:
+    raise ValueError(f'process {process_index} of a job needs agree (process 0\'s claim '
+                     'outcome, rlax_llm.distributed.agree) to know whether the job may run.')
+  error = _CLAIM_OUTCOMES.get(int(agree(0)), WorkdirError)
+  if error is not None:
+    raise error(f'process 0 of this job could not claim workdir {workdir} ({error.__name__}; '
+                'its log says why, e.g. another run holds it); this process stops with it. '
+                'Pass another --workdir to every process, or wait for that run to finish.')
+  return JobMember(pathlib.Path(workdir))
 
 
 def write_text_atomic(path: str | os.PathLike, text: str, encoding: str = 'utf-8') -> None:

@@ -62,12 +62,40 @@ config.distributed.num_processes = 2
 config.distributed.process_id = int(sys.argv[3])
 assert distributed.initialize(config)
 validate_config(config)  # after joining: meshes over all 4 devices
+import threading
+from rlax_llm import roles
+meshes = roles.meshes(config)
+# The trainer's mesh spans both processes; each process's inference mesh is its own.
+assert {d.process_index for d in meshes['trainer'].devices.flat} == {0, 1}
+assert meshes['trainer'].devices.size == 4
+assert all(d.process_index == jax.process_index()
+           for mesh in meshes['inference'] for d in mesh.devices.flat)
+# Refused in a job: disjoint role meshes, a trainer mesh that leaves a process out.
+from rlax_llm.sharding import role_meshes
+for kwargs, message in ((dict(disjoint=True), 'disjoint=True in a 2-process job'),
+                        (dict(), 'leaves out process(es) [1]')):
+  try:
+    role_meshes({'data': 2}, {'data': 1}, **kwargs)
+  except ValueError as e:
+    assert message in str(e), e
+  else:
+    raise AssertionError(kwargs)
+# agree: process 0's value everywhere; JobStop: set in process 1 only, seen by both.
+assert distributed.agree(10 + jax.process_index()) == 10
+event = threading.Event()
+stop = distributed.JobStop(event)
+assert not stop.is_set()
+if jax.process_index() == 1:
+  event.set()
+assert stop.is_set()
 print(jax.process_index(), jax.process_count(), jax.device_count(), jax.local_device_count())
 """
 
 
 def test_two_processes_join_into_one_job_that_sees_every_device():
-  """Two CPU processes with 2 devices each: after initialize, each sees 4 devices."""
+  """Two CPU processes with 2 devices each: after initialize, each sees 4 devices; the
+  trainer's mesh spans both processes, each inference mesh stays in its process; ``agree``
+  and ``JobStop`` give every process the same answer."""
   port = _free_port()
   env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get('PYTHONPATH', ''))
   env.pop('XLA_FLAGS', None)

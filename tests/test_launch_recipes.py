@@ -96,10 +96,18 @@ def test_check_local_fits_the_default_configs():
   assert plan.devices == 8
   assert 'mesh.trainer {data: 8, fsdp: 1, tensor: 1} = all 8 chips' in plan.checked[0]
   plan = check_local(_config(mesh__disjoint=True, rollout__workers=2,
-                             mesh__trainer__data=8, mesh__inference__data=4),
-                     get_slice('v5p-32'), 'multihost')
-  assert 'chips 0-7; 2 worker(s)' in plan.checked[0]
-  assert 'on chips 8-15 (disjoint)' in plan.checked[0]
+                             mesh__trainer__data=4, mesh__inference__data=2),
+                     get_slice('v5e-8'), 'tpu-vm')
+  assert 'chips 0-3; 2 worker(s)' in plan.checked[0]
+  assert 'on chips 4-7 (disjoint)' in plan.checked[0]
+  # Several hosts: each host's workers on its own chips (a mesh of one host's 4 at most).
+  plan = check_local(_config(mesh__inference__data=-1), get_slice('v5p-32'), 'multihost')
+  assert ('1 worker(s) of mesh.inference {data: 4, fsdp: 1, tensor: 1} = 4 chip(s) each, '
+          'shared with the trainer, on every host') in plan.checked[0]
+  with pytest.raises(SliceError, match=r'config.mesh.disjoint=True on v5p-32 \(16 chips on 4 '
+                     r'host\(s\)\): on several hosts .* ray recipe \(launch/ray\)'):
+    check_local(_config(mesh__disjoint=True, rollout__workers=2, mesh__trainer__data=8,
+                        mesh__inference__data=4), get_slice('v5p-32'), 'multihost')
 
 
 @pytest.mark.parametrize('fields, slice_name, message', [

@@ -15,9 +15,9 @@ import types
 import pytest
 
 from rlax_llm import workdir as workdir_lib
-from rlax_llm.workdir import (WorkdirHasRun, WorkdirInUse, claim, default_workdir,
-                              truncate_rows,
-                              existing_steps, write_text_atomic)
+from rlax_llm.workdir import (JobMember, WorkdirClaim, WorkdirError, WorkdirHasRun,
+                              WorkdirInUse, claim, claim_for_job, default_workdir,
+                              truncate_rows, existing_steps, write_text_atomic)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -116,6 +116,69 @@ def test_claim_free_after_holder_is_killed(tmp_path):
   assert json.loads((workdir / '.lock').read_text())['pid'] == holder.proc.pid
   with claim(workdir) as c:
     assert c.holder['pid'] == os.getpid()
+
+
+class _Agree:
+  """A stand-in for ``rlax_llm.distributed.agree``: records what this process sent and
+  answers with process 0's value (``answer``, or what was sent when None)."""
+
+  def __init__(self, answer=None):
+    self.answer, self.sent = answer, []
+
+  def __call__(self, value: int) -> int:
+    self.sent.append(value)
+    return value if self.answer is None else self.answer
+
+
+def test_a_job_claims_through_process_0_and_the_others_join_without_the_lock(tmp_path):
+  """The job's rule: process 0 claims (and tells the others it did); another process of the
+  same job is not refused while process 0 holds the lock, and takes no lock itself."""
+  workdir = tmp_path / 'wd'
+  agree0 = _Agree()
+  with claim_for_job(workdir, 0, agree0) as first:
+    assert isinstance(first, WorkdirClaim) and first.held and agree0.sent == [0]
+    lock = (workdir / '.lock').read_text()
+    agree1 = _Agree(answer=0)  # process 0's outcome: claimed
+    with claim_for_job(workdir, 1, agree1) as member:
+      assert isinstance(member, JobMember) and not member.held and agree1.sent == [0]
+    assert (workdir / '.lock').read_text() == lock  # process 1 left process 0's lock alone
+    assert first.held
+  with claim_for_job(workdir, 0) as alone:  # a one-process run: no exchange
+    assert alone.held
+
+
+def test_a_second_job_is_refused_in_every_process(tmp_path):
+  """A second job on a workdir a run holds: its process 0 is refused as ``claim`` refuses
+  and sends that outcome; its other processes raise the same class, pointing at process 0."""
+  workdir = tmp_path / 'wd'
+  holder = _Holder(workdir)
+  try:
+    agree0 = _Agree()
+    with pytest.raises(WorkdirInUse, match=f'pid {holder.proc.pid} on host '):
+      claim_for_job(workdir, 0, agree0)
+    assert agree0.sent == [1]
+    with pytest.raises(WorkdirInUse, match='process 0 of this job could not claim workdir'):
+      claim_for_job(workdir, 1, _Agree(answer=agree0.sent[0]))
+  finally:
+    holder.exit()
+  workdir_lib.write_text_atomic(workdir / 'metrics.jsonl', '{"step": 1}\n')
+  agree0 = _Agree()
+  with pytest.raises(WorkdirHasRun):
+    claim_for_job(workdir, 0, agree0)
+  with pytest.raises(WorkdirHasRun, match='process 0 of this job'):
+    claim_for_job(workdir, 1, _Agree(answer=agree0.sent[0]))
+  (tmp_path / 'file').write_text('')
+  agree0 = _Agree()
+  with pytest.raises(WorkdirError, match='exists but is not a directory'):
+    claim_for_job(tmp_path / 'file', 0, agree0)
+  with pytest.raises(WorkdirError, match='process 0 of this job') as e:
+    claim_for_job(tmp_path / 'file', 1, _Agree(answer=agree0.sent[0]))
+  assert type(e.value) is WorkdirError  # pylint: disable=unidiomatic-typecheck
+
+
+def test_a_non_zero_process_without_agree_is_refused(tmp_path):
+  with pytest.raises(ValueError, match='process 1 of a job needs agree'):
+    claim_for_job(tmp_path / 'wd', 1)
 
 
 def test_claim_twice_in_one_process_is_refused(tmp_path):

@@ -59,9 +59,11 @@ def check_local(config: ml_collections.ConfigDict, slice_: SliceType, recipe: st
   """Checks a ``backend='local'`` config against one slice (every host runs the launch).
 
   Without ``mesh.disjoint`` the roles share the slice: the trainer mesh must span all of its
-  chips and each inference mesh fits in it. With ``mesh.disjoint`` the trainer takes the
-  first chips and each of ``rollout.workers`` workers the next ones; together they must use
-  every chip (an idle chip on a multi-host slice is a host without work).
+  chips and each inference mesh fits in one host's chips (on several hosts each process runs
+  its workers on its own chips, ``sharding.role_meshes``). With ``mesh.disjoint`` (one host
+  only: in one ``jax.distributed`` job every host takes part in every program) the trainer
+  takes the first chips and each of ``rollout.workers`` workers the next ones; together they
+  must use every chip.
   """
   if config.backend != 'local':
     what = ('renders a JobSet for backend \'local\' (gke-ray renders a KubeRay RayJob for '
@@ -76,6 +78,13 @@ def check_local(config: ml_collections.ConfigDict, slice_: SliceType, recipe: st
   used = math.prod(trainer.values())
   plan = Plan(devices=chips)
   workers = config.rollout.workers
+  if config.mesh.disjoint and slice_.multi_host:
+    raise SliceError(
+        f'config.mesh.disjoint=True on {where}: on several hosts every host takes part in the '
+        'trainer\'s steps and runs its inference workers on its own chips, so the roles '
+        'cannot have disjoint chips in one job; set --config.mesh.disjoint=false (the roles '
+        'take turns on every chip), or put trainer and inference on separate slices with the '
+        'ray recipe (launch/ray).')
   if config.mesh.disjoint:
     offset = used
     inference = {}
@@ -104,17 +113,15 @@ def check_local(config: ml_collections.ConfigDict, slice_: SliceType, recipe: st
           f'{where} has {chips}: without mesh.disjoint the trainer mesh spans the whole '
           'slice; set one axis to -1 (e.g. --config.mesh.trainer.data=-1) or use a slice '
           f'with {used} chips ({with_chips(used)}).')
-    inference = _resolve(config, 'inference', chips, where)
+    per_host = chips // slice_.hosts
+    inference = _resolve(config, 'inference', per_host, where if not slice_.multi_host else
+                         f'the {per_host} chips of one host of {where} (each host runs its '
+                         'workers on its own chips)')
     size = math.prod(inference.values())
     plan.checked.append(f'mesh.trainer {_fmt(trainer)} = all {chips} chips; {workers} '
                         f'worker(s) of mesh.inference {_fmt(inference)} = {size} chip(s) '
-                        'each, shared with the trainer')
-    if slice_.multi_host and size % slice_.hosts:
-      plan.notes.append(
-          f'mesh.inference spans {size} of {chips} chips, so not every one of the '
-          f'{slice_.hosts} hosts holds a part of it; multi-host runs are untested here, and '
-          'a mesh over every host (e.g. --config.mesh.inference.data=-1) is the usual '
-          'SPMD shape.')
+                        'each, shared with the trainer'
+                        + (', on every host' if slice_.multi_host else ''))
   return plan
 
 

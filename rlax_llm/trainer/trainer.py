@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from rlax_llm.errors import NonFiniteError
@@ -126,9 +127,10 @@ class Trainer:
 
   def _place_copy(self, params: Params) -> Params:
     # jnp.copy is a real op in the jaxpr, so jit returns new buffers (device_put may reuse
-    # the source buffer for a shard already on the right device).
+    # the source buffer for a shard already on the right device). sharding.place: on several
+    # hosts each process places its own copy (e.g. the warm-up's params, restored).
     copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=self.param_shardings)
-    return copy(jax.device_put(params, self.param_shardings))
+    return copy(sharding_lib.place(params, self.param_shardings))
 
   def step(self, batch: Any) -> dict[str, float]:
     """One update on ``batch`` (a pytree of ``[B, ...]`` arrays). Returns host metrics.
@@ -163,8 +165,17 @@ class Trainer:
     return metrics
 
   def host_params(self) -> Params:
-    """The current params as host numpy arrays (what the parameter server stores)."""
-    return jax.tree.map(np.asarray, jax.device_get(self.params))
+    """The current params as host numpy arrays (what the parameter server stores).
+
+    Multi-process (the mesh spans several hosts): every process gets the whole params,
+    gathered with ``multihost_utils.process_allgather``, a collective that every process
+    must call at the same point (they do: each runs the same controller). This is the local
+    backend's limit on several hosts: each host holds a full copy, which its own inference
+    workers pull; a per-shard push with no gather is the Ray / server path.
+    """
+    if all(x.is_fully_addressable for x in jax.tree.leaves(self.params)):
+      return jax.tree.map(np.asarray, jax.device_get(self.params))
+    return jax.tree.map(np.asarray, multihost_utils.process_allgather(self.params, tiled=True))
 
   def counters(self) -> dict[str, int]:
     """The trainer's scalar state besides the arrays (what a checkpoint stores)."""
