@@ -146,10 +146,10 @@ def test_no_parameter_bytes_pass_through_the_controller(tmp_path, monkeypatch):
   for name, thread, from_controller in calls:
     assert not from_controller, (name, thread)
     by_name.setdefault(name, set()).add(thread.split('_')[0])
-  # The trainer pushed versions 1..4 from its thread; the workers pulled from theirs.
+  # The trainer pushed versions 1..4 from its thread (its own arrays, shard by shard: no
+  # host_params gather at all); the workers pulled from theirs.
   assert sum(name == 'push' for name, _, _ in calls) == 4
-  assert by_name == {'push': {'trainer'}, 'host_params': {'trainer'}, 'update': {'inference'},
-                     'checkpoint': {'trainer'}}
+  assert by_name == {'push': {'trainer'}, 'update': {'inference'}, 'checkpoint': {'trainer'}}
   assert sum(name == 'update' for name, _, _ in calls) == rows[-1]['sync/updates'] > 4
   # Checkpoints after steps 2 and 4, written by the trainer's thread; the controller handed
   # over its step, its JSON state and the rollouts' arrays (the batch in flight: k = 2).

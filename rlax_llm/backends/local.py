@@ -88,7 +88,10 @@ class LocalTrainer:
     """Pushes the trainer's params as its version unless the server has it (a skipped,
     non-finite update makes no new version)."""
     if self.server.latest_version() < self.trainer.version:
-      self.server.push(self.trainer.version, self.trainer.host_params())
+      # One process: its arrays, shard by shard (one copy). Several: each process's server
+      # holds the whole params, gathered by host_params (process_allgather).
+      params = self.trainer.params if jax.process_count() == 1 else self.trainer.host_params()
+      self.server.push(self.trainer.version, params)
 
   def _step(self, batch):
     metrics = self.trainer.step(batch)

@@ -66,7 +66,7 @@ from rlax_llm.backends import tpu_env
 from rlax_llm.backends.assembly import Run, assemble
 from rlax_llm.checkpoint import latest_step
 from rlax_llm.errors import ConfigError, RlaxError
-from rlax_llm.paramserver import ParameterServer
+from rlax_llm.paramserver import ParameterServer, local_shards
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -150,7 +150,8 @@ class TrainerRole:
     """Pushes the trainer's params as its version unless already pushed (bytes: this
     process -> the object store -> the server's process)."""
     if self._pushed < self.trainer.version:
-      _ray().get(self.server.push.remote(self.trainer.version, self.trainer.host_params()))
+      _ray().get(self.server.push.remote(  # each shard to host on its own, no gather
+          self.trainer.version, local_shards(self.trainer.params, to_host=True)))
       self._pushed = self.trainer.version
 
   def start(self):

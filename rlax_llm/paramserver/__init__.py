@@ -2,6 +2,12 @@
 and lossless sparse deltas between versions."""
 
 from rlax_llm.paramserver import delta
-from rlax_llm.paramserver.server import ParameterServer, WeightSnapshot
+from rlax_llm.paramserver.server import (
+                                         ParameterServer,
+                                         Shard,
+                                         ShardPush,
+                                         WeightSnapshot,
+                                         local_shards,
+)
 
-__all__ = ['ParameterServer', 'WeightSnapshot', 'delta']
+__all__ = ['ParameterServer', 'Shard', 'ShardPush', 'WeightSnapshot', 'delta', 'local_shards']

@@ -17,18 +17,25 @@ transport can move (and a receiver apply) one bucket at a time.
 Checksums: the server computes ``checksum`` of every leaf once, when a version is pushed, and
 sends them with each update; the receiver checks the leaves it rebuilt with ``verify`` (one
 definition on both sides), so a corrupted transfer or a delta applied to the wrong base is an
-error naming the leaf, never silently wrong weights.
+error naming the leaf, never silently wrong weights. The checksum is a position-weighted sum of
+64-bit block sums, computed by numpy at about the speed memory is read (33 GB/s on the 2-core
+dev machine, where ``zlib.crc32`` runs at 4 GB/s and a copy at 14 GB/s), so that checking a
+whole model costs a fraction of moving it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from collections.abc import Sequence
 
 import numpy as np
 
 DEFAULT_BUCKET_BYTES = 64 << 20
+
+# checksum: 64-bit words per block (32 KiB blocks), and the odd multiplier of block i's sum.
+_BLOCK_WORDS = 4096
+_BLOCK_BYTES = 8 * _BLOCK_WORDS
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +85,56 @@ def _bits(array: np.ndarray) -> np.ndarray:
 
 
 def checksum(leaf: np.ndarray) -> int:
-  """CRC-32 of ``leaf``'s bytes (C order): the per-leaf checksum both ends of a pull use."""
-  return zlib.crc32(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8))
+  """The per-leaf checksum both ends of a pull use: a 64-bit int of ``leaf``'s bytes (C order).
+
+  The bytes are cut into 32 KiB blocks of uint64 words (the last block zero-padded); each
+  block's words are summed mod 2**64, and the block sums are combined as
+  ``sum_i s_i * c_i + nbytes`` (mod 2**64) with odd multipliers ``c_i = (2i + 1) * golden``.
+  A change confined to one block (a flipped bit, a torn or stale word, a run of corrupted
+  bytes that does not sum to zero mod 2**64) changes ``s_i`` and, ``c_i`` being odd, always
+  the checksum; changes spread over many blocks (a delta applied to another base) go
+  undetected only by a coincidence of 64-bit sums. Words swapped within one block are not
+  seen: it guards against corruption and mix-ups, not against an adversary. Runs at numpy's
+  summation speed (about the speed memory is read), unlike ``zlib.crc32``.
+  """
+  flat = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8)
+  return _combine(_block_sums(flat), flat.size)
+
+
+def copy_with_checksum(dst: np.ndarray, src: np.ndarray, chunk_bytes: int = 4 << 20) -> int:
+  """Copies ``src`` into ``dst`` (C-contiguous, same shape and dtype) and returns
+  ``checksum(dst)``, summing each chunk of ``chunk_bytes`` right after copying it, while it is
+  still in cache: one pass over memory instead of two."""
+  if not dst.flags.c_contiguous or dst.shape != src.shape or dst.dtype != src.dtype:
+    raise ValueError(f'copy_with_checksum copies {src.shape} {src.dtype} into a C-contiguous '
+                     f'array of the same shape and dtype, got {dst.shape} {dst.dtype}.')
+  out = dst.reshape(-1)
+  flat = np.ascontiguousarray(src).reshape(-1)
+  step = max(1, chunk_bytes // _BLOCK_BYTES) * _BLOCK_BYTES // max(out.itemsize, 1)
+  sums = []
+  for start in range(0, out.size, step):
+    chunk = out[start:start + step]
+    np.copyto(chunk, flat[start:start + step])
+    sums.append(_block_sums(chunk.view(np.uint8)))
+  return _combine(np.concatenate(sums) if sums else np.zeros(0, np.uint64), out.nbytes)
+
+
+def _block_sums(flat: np.ndarray) -> np.ndarray:
+  """Each 32 KiB block of the bytes ``flat`` summed as uint64 words mod 2**64 (the last block
+  zero-padded)."""
+  body = flat.size - flat.size % _BLOCK_BYTES
+  sums = flat[:body].view(np.uint64).reshape(-1, _BLOCK_WORDS).sum(axis=1, dtype=np.uint64)
+  if body < flat.size:
+    tail = np.zeros(-(-(flat.size - body) // 8) * 8, np.uint8)
+    tail[:flat.size - body] = flat[body:]
+    sums = np.append(sums, tail.view(np.uint64).sum(dtype=np.uint64))
+  return sums
+
+
+def _combine(sums: np.ndarray, nbytes: int) -> int:
+  """``sum_i sums[i] * (2i + 1) * golden + nbytes`` mod 2**64."""
+  weights = (2 * np.arange(sums.size, dtype=np.uint64) + np.uint64(1)) * _GOLDEN
+  return (int((sums * weights).sum(dtype=np.uint64)) + nbytes) % 2**64
 
 
 def verify(leaves: Sequence[np.ndarray], checksums: Sequence[int], paths: Sequence[str],
@@ -93,8 +148,8 @@ def verify(leaves: Sequence[np.ndarray], checksums: Sequence[int], paths: Sequen
     seen = checksum(leaf)
     if seen != expected:
       raise ValueError(
-          f'leaf {path} of version {version} fails its checksum (crc32 {seen:#010x}, the '
-          f'server pushed {expected:#010x}): the transfer was corrupted or the delta was '
+          f'leaf {path} of version {version} fails its checksum ({seen:#018x}, the '
+          f'server pushed {expected:#018x}): the transfer was corrupted or the delta was '
           'applied to another base. Pull the version again whole (base_version=-1).')
 
 

@@ -2,6 +2,7 @@
 parameter server's update(version, base_version)."""
 
 import functools
+import re
 
 import jax
 import ml_dtypes
@@ -150,3 +151,71 @@ def test_verify_names_the_leaf_whose_checksum_differs():
     delta_lib.verify([leaves[0], flipped], checksums, ['a', 'b'], version=3)
   with pytest.raises(ValueError, match='version 3 came with 1 checksums for 2 leaves'):
     delta_lib.verify(leaves, checksums[:1], ['a', 'b'], version=3)
+
+
+def reference_checksum(data: bytes) -> int:
+  """delta.checksum's definition in plain Python ints (the independent reference)."""
+  block = 8 * 4096
+  golden = 0x9E3779B97F4A7C15
+  total = 0
+  for i, start in enumerate(range(0, len(data), block)):
+    chunk = data[start:start + block]
+    chunk += bytes(-len(chunk) % 8)
+    words = np.frombuffer(chunk, '<u8')
+    total += (int(words.sum(dtype=np.uint64)) * (2 * i + 1) * golden)
+  return (total + len(data)) % 2**64
+
+
+@pytest.mark.parametrize('nbytes', [0, 3, 8, 32768, 32768 * 3 + 13])
+def test_checksum_matches_its_reference_and_reads_bytes_in_c_order(nbytes):
+  data = np.random.RandomState(nbytes).randint(0, 256, nbytes).astype(np.uint8)
+  assert delta_lib.checksum(data) == reference_checksum(data.tobytes())
+  if nbytes % 4 == 0 and nbytes:
+    as_f32 = data.view(np.float32).reshape(-1, 1)
+    assert delta_lib.checksum(as_f32) == delta_lib.checksum(data)  # bytes, not values
+    fortran = np.asfortranarray(as_f32.reshape(-1, 2)) if nbytes % 8 == 0 else as_f32
+    assert delta_lib.checksum(fortran) == delta_lib.checksum(data)  # C order whatever layout
+
+
+def test_checksum_detects_every_flipped_bit():
+  rng = np.random.RandomState(0)
+  leaf = rng.randn(3 * 8192 + 5).astype(np.float32)  # three whole 32 KiB blocks and a tail
+  expected = delta_lib.checksum(leaf)
+  raw = leaf.view(np.uint8)
+  positions = list(range(64)) + list(rng.randint(0, raw.size * 8, 2000)) + [raw.size * 8 - 1]
+  for bit in positions:
+    flipped = raw.copy()
+    flipped[bit // 8] ^= np.uint8(1 << (bit % 8))
+    assert delta_lib.checksum(flipped) != expected, bit
+  swapped = leaf.copy()
+  swapped[[0, 8192]] = swapped[[8192, 0]]  # two elements of different blocks swapped
+  assert delta_lib.checksum(swapped) != expected
+
+
+def test_the_server_and_the_worker_agree_through_one_checksum(versions):
+  """The checksums the server takes at push are the ones verify recomputes on the leaves a
+  puller rebuilds (whole and from a delta), and a flipped bit in transit is caught."""
+  server = ParameterServer(keep=2)
+  server.push(0, versions[0])
+  server.push(1, versions[1])
+  paths = list(server.template)
+  base = [np.asarray(x) for x in jax.tree.leaves(versions[0])]
+  for update in (server.update(1), server.update(1, base_version=0)):
+    delta_lib.verify(delta_lib.apply(base, update), update.checksums, paths, version=1)
+  whole = server.update(1)
+  leaves = [np.array(x) for x in delta_lib.apply(base, whole)]
+  leaves[2].reshape(-1).view(np.uint8)[5] ^= 4
+  with pytest.raises(ValueError, match=rf'leaf {re.escape(paths[2])} of version 1 fails its'):
+    delta_lib.verify(leaves, whole.checksums, paths, version=1)
+
+
+@pytest.mark.parametrize('shape, dtype', [((), np.float32), ((3, 8193), np.float32),
+                                          ((5, 7), ml_dtypes.bfloat16), ((70000,), np.uint8)])
+def test_copy_with_checksum_copies_and_agrees_with_checksum(shape, dtype):
+  src = np.asarray(np.random.RandomState(0).randn(*shape)).astype(dtype)
+  dst = np.empty(shape, dtype)
+  assert delta_lib.copy_with_checksum(dst, src, chunk_bytes=1) == delta_lib.checksum(src)
+  assert dst.tobytes() == src.tobytes()
+  assert delta_lib.copy_with_checksum(np.empty(shape, dtype), src) == delta_lib.checksum(src)
+  with pytest.raises(ValueError, match='same shape and dtype'):
+    delta_lib.copy_with_checksum(np.empty((2,), np.float64), src)

@@ -330,3 +330,25 @@ def test_every_update_carries_the_checksums_taken_at_push():
   for base_version in (-1, 0):
     update = server.update(1, base_version=base_version)
     assert update.checksums == tuple(delta_lib.checksum(leaf) for leaf in leaves)
+
+
+def test_a_dropped_versions_buffers_are_reused_only_when_nobody_holds_them():
+  server = ParameterServer(keep=1)
+
+  def addresses(version):
+    return {leaf.ctypes.data for leaf in jax.tree_util.tree_leaves(server.get(version).params)}
+
+  server.push(0, make_params(scale=1.0))
+  held = server.pull()  # a reader keeps version 0
+  view = held.params['embed'].reshape(-1)  # and a view of one of its leaves
+  server.push(1, make_params(scale=2.0))  # drops 0
+  v1 = addresses(1)
+  server.push(2, make_params(scale=3.0))  # drops 1, which nobody holds
+  assert not addresses(2) & {leaf.ctypes.data for leaf in jax.tree_util.tree_leaves(held.params)}
+  assert_tree_equal(held.params, make_params(scale=1.0))  # never overwritten
+  server.push(3, make_params(scale=4.0))  # reuses version 1's buffers, nobody held them
+  assert addresses(3) == v1
+  assert_tree_equal(server.get(3).params, make_params(scale=4.0))
+  for leaf in jax.tree_util.tree_leaves(server.get(3).params):
+    assert not leaf.flags.writeable
+  np.testing.assert_array_equal(view, np.arange(6, dtype=np.float32))
