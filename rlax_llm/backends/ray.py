@@ -114,7 +114,13 @@ class ServerRole:
     self.server = ParameterServer(keep=keep)
 
   def push(self, version: int, params) -> None:
-    self.server.push(version, params)
+    """Stores ``params`` (a ``ShardPush`` of host arrays) as ``version``, keeping the
+    arrays Ray deserialised for this call (read-only zero-copy views of the object store,
+    immutable and valid while the server references them) instead of copying them: a
+    trainer that is not split over devices along a leaf (e.g. data-parallel) pushes whole
+    leaves, so no copy is made in this process; the object store then holds the ``keep``
+    versions kept (objects in use are not spilled), as this process's memory did."""
+    self.server.push(version, params, adopt=True)
 
   def update(self, version: int, base_version: int):
     return self.server.update(version, base_version=base_version)

@@ -38,7 +38,9 @@ once, from its device straight into the version's host leaf (no gather of the wh
 onto one host, no intermediate copy), and takes a leaf's checksum once the leaf is complete.
 A trainer spanning ``P`` hosts pushes from each process (``process_index``, ``P``); the
 version is committed, and visible, once the blocks of all ``P`` pushes cover every leaf
-exactly once. ``push(version, params)`` is the one-process case.
+exactly once. ``push(version, params)`` is the one-process case. With ``adopt=True`` (the
+Ray server actor: arrays Ray deserialised from its immutable object store) a whole-leaf
+read-only shard is kept as it is, not copied; its checksum is still taken at push time.
 
 Seam for transports. ``_commit(version, treedef, paths, leaves, checksums)`` checks complete
 host leaves against the version order and the template and stores them atomically;
@@ -226,6 +228,13 @@ def _take_spare(spare: dict[LeafSpec, list[np.ndarray]], spec: LeafSpec) -> np.n
   return np.empty(*spec)
 
 
+def _adoptable(data: Any) -> bool:
+  """Whether ``push_shards(adopt=True)`` may keep ``data`` (a shard's values, shape and
+  dtype already checked) instead of copying it: a read-only, C-contiguous numpy array."""
+  return (isinstance(data, np.ndarray) and not data.flags.writeable
+          and data.flags.c_contiguous)
+
+
 def _check_int(name: str, value: Any) -> int:
   """Returns ``value`` as a Python int; rejects bools, floats and other types."""
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -293,7 +302,7 @@ class ParameterServer:
       _, paths, specs = self._template
       return dict(zip(paths, specs))
 
-  def push(self, version: int, params: Any) -> None:
+  def push(self, version: int, params: Any, adopt: bool = False) -> None:
     """Stores ``params`` as ``version`` and wakes every waiting ``pull``: the one-process case
     of ``push_shards`` (``push_shards(version, local_shards(params))``; ``params`` may also
     be a ``ShardPush`` already, e.g. ``local_shards(params, to_host=True)`` sent from another
@@ -306,6 +315,8 @@ class ParameterServer:
             server copies each leaf into its own read-only host array, a sharded
             ``jax.Array`` shard by shard from its devices (never gathered whole first); later
             changes to ``params`` never reach them.
+        adopt: keep the caller's arrays instead of copying them where a shard may be kept
+            as it is (see ``push_shards``).
 
     Raises:
         ValueError: ``version`` is not an int or not newer than the latest version, or
@@ -317,10 +328,11 @@ class ParameterServer:
     with self._cond:
       # Cheap early rejection before touching the params; push_shards checks again.
       self._check_version_order(version)
-    self.push_shards(version, params if isinstance(params, ShardPush) else local_shards(params))
+    self.push_shards(version, params if isinstance(params, ShardPush) else local_shards(params),
+                     adopt=adopt)
 
   def push_shards(self, version: int, shards: ShardPush, process_index: int = 0,
-                  process_count: int = 1) -> bool:
+                  process_count: int = 1, adopt: bool = False) -> bool:
     """Adds process ``process_index``'s shards of ``version`` (``local_shards`` of its part
     of a trainer spanning ``process_count`` processes); the version is committed, visible to
     pulls, once the shards of every process have arrived and cover every leaf exactly once.
@@ -330,6 +342,14 @@ class ParameterServer:
     concurrently (from threads of a server actor); the lock is held only to reserve blocks
     and to commit. One version is assembled at a time (a trainer's processes push version
     ``n`` before any of them computes ``n + 1``).
+
+    ``adopt``: a shard that is a whole leaf and a read-only, C-contiguous ``np.ndarray``
+    (shape and dtype are checked for every shard) is kept as the version's leaf, a view of
+    it, instead of being copied; its checksum is still taken now. Only for memory nothing
+    can write to while the server holds it: the arrays Ray deserialised from its object
+    store for a server actor (zero-copy views of immutable shared memory, valid while
+    referenced; ``rlax_llm.backends.ray.ServerRole``). Adopted memory is never reused for a
+    later version (only buffers the server allocated are). Other shards are copied.
 
     Returns:
         True if this push committed the version (it was the last one needed).
@@ -381,7 +401,7 @@ class ParameterServer:
       pending.pushed.add(process_index)
       self._pending = (version, pending)
     try:
-      self._write(pending, shards)
+      self._write(pending, shards, adopt)
     except BaseException:
       with self._cond:  # a copy failed (e.g. out of memory): the version cannot complete
         if self._pending is not None and self._pending[1] is pending:
@@ -403,16 +423,23 @@ class ParameterServer:
       self._commit(version, pending.treedef, paths, pending.leaves, tuple(pending.checksums))
       return True
 
-  def _write(self, pending: _Pending, shards: ShardPush) -> None:
-    """Copies the (reserved) shards into the pending leaves, then checksums the leaves this
-    push completed (outside the lock: a complete leaf is never written again)."""
+  def _write(self, pending: _Pending, shards: ShardPush, adopt: bool) -> None:
+    """Copies the (reserved) shards into the pending leaves (or, with ``adopt``, keeps a
+    whole-leaf read-only shard as its leaf), then checksums the leaves this push completed
+    (outside the lock: a complete leaf is never written again)."""
     written = [0] * len(pending.leaves)
     whole = {}  # leaf -> checksum, for the leaves this push sends as one block
     for shard in shards.shards:
       target = pending.leaves[shard.leaf]
       if target.size == 0:
         continue
-      if _box_shape(shard.box) == target.shape:  # copied and summed in one pass
+      if adopt and _box_shape(shard.box) == target.shape and _adoptable(shard.data):
+        # A view: never owndata, so a dropped version never hands it to _take_spare. The
+        # leaf is covered by this one shard only (overlaps were refused), so no other push
+        # writes to pending.leaves[shard.leaf].
+        pending.leaves[shard.leaf] = shard.data.view()
+        whole[shard.leaf] = delta_lib.checksum(shard.data)
+      elif _box_shape(shard.box) == target.shape:  # copied and summed in one pass
         whole[shard.leaf] = delta_lib.copy_with_checksum(target, np.asarray(shard.data))
       else:
         target[tuple(slice(start, stop) for start, stop in shard.box)] = np.asarray(shard.data)

@@ -20,6 +20,8 @@ from rlax_llm.checkpoint import PreemptionGuard  # noqa: E402
 from rlax_llm.config import run_spec  # noqa: E402
 from rlax_llm.data_types import Rollouts, TrainBatch  # noqa: E402
 from rlax_llm.metrics import read_metrics  # noqa: E402
+from rlax_llm.paramserver import delta as delta_lib  # noqa: E402
+from rlax_llm.paramserver import local_shards  # noqa: E402
 
 from smoke_config import smoke_config  # noqa: E402  (tests/smoke_config.py)
 from test_resume import Preempt  # noqa: E402
@@ -258,3 +260,33 @@ def test_init_ray_keeps_the_preemption_guards_signal_handlers(monkeypatch):
     assert ray_backend.init_ray(smoke('ray'))
     assert signal.getsignal(signal.SIGTERM) == guard._handle  # pylint: disable=protected-access
     assert signal.getsignal(signal.SIGINT) == guard._handle  # pylint: disable=protected-access
+
+
+def test_the_server_actor_keeps_the_object_stores_arrays_and_they_never_change(cluster):
+  def pusher(server, version: int, seed: int) -> None:
+    """In a process of its own, as the trainer actor: pushes whole leaves through the object
+    store, then drops its references to them (defined here: pickled by value for Ray)."""
+    rng = np.random.default_rng(seed)
+    params = {'a': rng.random((512, 512), np.float32), 'b': rng.random((7,), np.float32)}
+    ray.get(server.push.remote(version, local_shards(params, to_host=True)))
+
+  server = ray.remote(num_cpus=0, max_concurrency=4)(ray_backend.ServerRole).remote(2)
+  push = ray.remote(num_cpus=0)(pusher)
+  try:
+    for version in range(6):  # the trainer's objects are released; new ones reuse the store
+      ray.get(push.remote(server, version, seed=version))
+      ray.put(np.ones(1 << 20, np.float32))  # more traffic through the store
+      # Adopted, not copied: the stored leaves are views of the memory Ray deserialised.
+      owned = ray.get(server.__ray_call__.remote(
+          lambda role, v=version: [leaf.flags.owndata or leaf.flags.writeable
+                                   for leaf in role.server._store[v][1]]))
+      assert owned == [False, False]
+      for held in ray.get(server.__ray_call__.remote(lambda role: role.server.versions())):
+        update = ray.get(server.update.remote(held, -1))
+        leaves = delta_lib.apply([None, None], update)
+        rng = np.random.default_rng(held)
+        np.testing.assert_array_equal(leaves[0], rng.random((512, 512), np.float32))
+        np.testing.assert_array_equal(leaves[1], rng.random((7,), np.float32))
+        delta_lib.verify(leaves, update.checksums, ['a', 'b'], held)
+  finally:
+    ray.kill(server)

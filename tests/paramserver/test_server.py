@@ -13,6 +13,7 @@ import pytest
 
 from rlax_llm.paramserver import ParameterServer, WeightSnapshot
 from rlax_llm.paramserver import delta as delta_lib
+from rlax_llm.paramserver.server import Shard, ShardPush
 
 
 def make_params(scale: float = 1.0) -> dict:
@@ -352,3 +353,59 @@ def test_a_dropped_versions_buffers_are_reused_only_when_nobody_holds_them():
   for leaf in jax.tree_util.tree_leaves(server.get(3).params):
     assert not leaf.flags.writeable
   np.testing.assert_array_equal(view, np.arange(6, dtype=np.float32))
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+  """A read-only C-contiguous copy, as Ray deserialises an array from its object store."""
+  out = np.array(array, copy=True)
+  out.setflags(write=False)
+  return out
+
+
+def test_adopt_keeps_whole_read_only_leaves_and_copies_the_rest():
+  embed = _read_only(np.arange(6, dtype=np.float32).reshape(2, 3))
+  writable = np.full((3,), 2.0, np.float32)
+  strided = _read_only(np.arange(8, dtype=np.int32))[::2]  # read-only, not contiguous
+  params = {'embed': embed, 'w': writable, 's': strided}
+  server = ParameterServer(keep=2)
+  server.push(0, params, adopt=True)
+  stored = server.get(0).params
+  assert np.shares_memory(stored['embed'], embed)  # kept, not copied
+  assert not np.shares_memory(stored['w'], writable)
+  assert not np.shares_memory(stored['s'], strided)
+  for leaf in jax.tree_util.tree_leaves(stored):
+    assert not leaf.flags.writeable
+  # The checksums are taken at push time, of the values pushed.
+  leaves = jax.tree_util.tree_leaves(params)
+  assert server.update(0).checksums == tuple(delta_lib.checksum(np.ascontiguousarray(x))
+                                             for x in leaves)
+  # Without adopt (the default) every leaf is copied.
+  server.push(1, params)
+  assert not np.shares_memory(server.get(1).params['embed'], embed)
+
+
+def test_adopt_keeps_only_whole_leaves_of_a_sharded_push():
+  leaf = np.arange(8, dtype=np.float32).reshape(4, 2)
+  halves = [_read_only(leaf[:2]), _read_only(leaf[2:])]
+  push = ShardPush(jax.tree_util.tree_structure({'a': 0}), ("['a']",), (((4, 2), 'float32'),),
+                   (Shard(0, ((0, 2), (0, 2)), halves[0]), Shard(0, ((2, 4), (0, 2)), halves[1])))
+  server = ParameterServer(keep=1)
+  server.push_shards(0, push, adopt=True)
+  stored = server.get(0).params['a']
+  np.testing.assert_array_equal(stored, leaf)
+  assert not any(np.shares_memory(stored, half) for half in halves)
+
+
+def test_adopted_memory_is_never_reused_for_a_later_version():
+  server = ParameterServer(keep=1)
+  adopted = {}
+  for version in range(6):  # adopted and copied versions alternate; the spare pool cycles
+    params = make_params(scale=version + 1.0)
+    params = {'embed': _read_only(params['embed']), 'layer': params['layer']}
+    server.push(version, params, adopt=version % 2 == 0)
+    if version % 2 == 0:
+      adopted[version] = params['embed']
+      params = None  # the server alone references the adopted array
+    assert_tree_equal(server.get(version).params, make_params(scale=version + 1.0))
+  for version, array in adopted.items():  # nothing wrote into them after they were dropped
+    np.testing.assert_array_equal(array, make_params(scale=version + 1.0)['embed'])
