@@ -224,6 +224,9 @@ class Controller:
     self.checkpoints = checkpoints
     self.stop = stop
     self._restored_inflight: list[_Batch] = []
+    # The oldest version whose weights exist after a restore (the checkpoint holds only the
+    # trainer's); -1: no restore, every version the schedule names was pushed.
+    self._oldest_held = -1
 
   # ----------------------------------------------------------------------------- state
 
@@ -272,6 +275,7 @@ class Controller:
                        f'state expects {state.trainer_version}; restore the matching params '
                        'first.')
     self.step = state.step
+    self._oldest_held = state.trainer_version
     self._prompts.set_state(state.data)
     self._root_key = jax.random.wrap_key_data(np.asarray(state.rng, np.uint32))
     self.start_accuracy = state.start_accuracy
@@ -488,12 +492,29 @@ class Controller:
     replayed = schedule.replay_count(len(self._replay), s.replay, count - len(carried))
     prompts += [self._replay.popleft() for _ in range(replayed)]
     prompts += [next(self._prompts)[0] for _ in range(count - len(prompts))]
-    version = None if s.schedule == 'free' else self.step_versions[
-        schedule.sampling_version(index, s.staleness_j, s.staleness_k)]
+    version = None if s.schedule == 'free' else self._held_version(self.step_versions[
+        schedule.sampling_version(index, s.staleness_j, s.staleness_k)], index)
     batch = _Batch(index=index, version=version, prompts=prompts, chunks=[],
                    stop_after=s.stop_after_groups, carried=len(carried),
                    restarted=goes_on.count(False), replayed=replayed)
     return self._launch(batch, self._sampling_root(index), resumes)
+
+  def _held_version(self, version: int, index: int) -> int:
+    """``version``, or the restored one when the schedule names an older version after a
+    restore. That happens only when a finished run is resumed with a larger ``total_steps``
+    at ``k >= 2``: the uninterrupted longer run would have launched batch ``index`` before the
+    save, with weights the checkpoint does not hold (it holds the trainer's only), so the
+    extension samples it with the restored version instead, and says so. A preempted run
+    never gets here: every batch it had launched is in the checkpoint."""
+    if version >= self._oldest_held:
+      return version
+    logging.warning('batch %d would sample with version %d, which this resumed run does not '
+                    'hold (total_steps was raised past the step the checkpoint was saved '
+                    'at); it samples with the restored version %d.', index, version,
+                    self._oldest_held)
+    self.events.append(f'batch {index} sampled with version {self._oldest_held} instead of '
+                       f'{version} (extended past the checkpoint)')
+    return self._oldest_held
 
   def _select(self, batch: _Batch, rollouts: Rollouts) -> tuple[Rollouts, dict[str, float]]:
     """The groups to train on (``schedule.select_groups``: the acceptance window, dynamic

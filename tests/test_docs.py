@@ -147,8 +147,9 @@ def test_readme_keeps_to_this_repository():
 
 
 def test_planned_weight_transfer_is_marked_as_planned():
-  """Today the controller moves weight bytes; a push/pull parameter server is planned. The
-  docs that describe the transfer say both."""
+  """The docs that describe the weight transfer name the multi-host gather
+  (`host_params()`) and mark what is not built yet (a per-shard push across hosts) as
+  **Planned**."""
   for doc in ('README.md', 'docs/architecture.md'):
     text = (ROOT / doc).read_text()
     assert 'host_params()' in text and '**Planned**' in text, doc

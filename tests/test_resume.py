@@ -137,6 +137,23 @@ def test_partial_rollouts_resume_exactly(tmp_path):
   assert consumed == list(range(len(consumed)))  # carried groups consume no new prompt
 
 
+def test_a_finished_run_extended_at_k2_samples_with_the_restored_version(tmp_path, caplog):
+  """A finished run resumed with a larger total_steps at k = 2: batch 3 would sample with
+  version 2, whose weights the checkpoint (the trainer's version 3 only) does not hold; it
+  samples with version 3 instead and says so, rather than losing every worker to a pull of a
+  dropped version."""
+  summary, _ = run_once(smoke(steps=3, j=1, k=2), tmp_path, None)
+  assert summary['steps'] == 3 and not summary['preempted']
+  with caplog.at_level('WARNING'):
+    summary, _ = run_once(smoke(steps=5, j=1, k=2), tmp_path, None)
+  assert summary['steps'] == 5 and summary['workers/lost'] == 0
+  assert 'batch 3 would sample with version 2' in caplog.text
+  assert any('instead of 2' in event for event in summary['events'])
+  metrics, ledger = read(tmp_path)
+  assert [row['step'] for row in metrics] == [1, 2, 3, 4, 5]
+  assert [row['sampling_version'] for row in ledger] == [0, 0, 1, 3, 3]
+
+
 def test_ledger_accounts_for_every_prompt(reference):
   """Each batch consumes the next prompts of the stream; every prompt is trained once."""
   for (j, k), (_, _, ledger) in reference.items():

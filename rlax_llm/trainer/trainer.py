@@ -165,13 +165,16 @@ class Trainer:
     return metrics
 
   def host_params(self) -> Params:
-    """The current params as host numpy arrays (what the parameter server stores).
+    """The current params as whole host numpy arrays (for inspection and evaluation; in one
+    process the backends push the device arrays shard by shard instead,
+    ``paramserver.local_shards``).
 
     Multi-process (the mesh spans several hosts): every process gets the whole params,
     gathered with ``multihost_utils.process_allgather``, a collective that every process
-    must call at the same point (they do: each runs the same controller). This is the local
-    backend's limit on several hosts: each host holds a full copy, which its own inference
-    workers pull; a per-shard push with no gather is the Ray / server path.
+    must call at the same point (they do: each runs the same controller). The local backend
+    on several hosts pushes this: each host holds a full copy, which its own inference
+    workers pull. A per-shard push from a trainer spanning hosts to one server, with no
+    gather, is not built (``ParameterServer.push_shards`` is its receiving side).
     """
     if all(x.is_fully_addressable for x in jax.tree.leaves(self.params)):
       return jax.tree.map(np.asarray, jax.device_get(self.params))
