@@ -605,7 +605,7 @@ class ParameterServer:
     if held and version < held[0]:
       why = (f'it was dropped: the server keeps the newest {self._keep} versions, now '
              f'{held[0]}..{held[-1]}. Pull a version before {self._keep} newer ones are '
-             'pushed, or keep more (ControllerSettings.versions_kept)')
+             'pushed, or keep more (config paramserver.keep_versions)')
     elif self._pending is not None and version == self._pending[0]:
       why = f'it is still being pushed ({self._describe_pending()}); pull it once complete'
     elif version > self._latest:
