@@ -289,7 +289,7 @@ def test_a_pull_of_a_dropped_version_names_it_the_kept_range_and_the_fix():
   for v in (0, 1, 2):
     server.push(v, make_params(scale=float(v)))
   with pytest.raises(KeyError, match=r'version 0 is not held: it was dropped: the server keeps '
-                     r'the newest 2 versions, now 1\.\.2\. .*versions_kept'):
+                     r'the newest 2 versions, now 1\.\.2\. .*paramserver\.keep_versions'):
     server.update(0)
   with pytest.raises(KeyError, match=r'version 3 is not held: it has not been pushed yet '
                      r'\(the latest is 2\)'):
