@@ -10,9 +10,10 @@ for the bf16 copy, as a delta from the version the worker holds, along the two r
   ``delta.apply`` and ``delta.verify`` as ``InferenceWorker.apply_update`` runs them);
 * ``ray``: three Ray actors, trainer -> server -> worker, the trainer (its params split over
   ``--trainer_devices`` CPU devices of its own) pushing ``local_shards(params, to_host=True)``
-  to the backend's own ``ServerRole`` (``full``; ``full_host_params``: the whole arrays
-  gathered with ``host_params()`` first, as before) and the worker pulling
-  ``ServerRole.update`` (the calls of ``rlax_llm.backends.ray``), timed end to end from the
+  to the backend's own ``ServerRole`` through the object store (``push_shards``; ``full``;
+  ``full_host_params``: the whole arrays gathered with ``host_params()`` first) and the
+  worker pulling with ``fetch_update`` (the calls of ``rlax_llm.backends.ray``: whole leaves
+  the server kept come as the trainer's object's ref), timed end to end from the
   driver, which sends version numbers only: ``driver_weight_bytes`` counts the array bytes
   of everything it sent and received.
 
@@ -56,6 +57,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from rlax_llm.backends.ray import ServerRole, fetch_update, push_shards
 from rlax_llm.data_types import GenerationRequest, make_train_batch
 from rlax_llm.losses import LossConfig, group_advantages
 from rlax_llm.models import from_pretrained, smollm2_gguf_path
@@ -183,7 +185,9 @@ def local_path(size: str, dtype, changed: float, repeats: int) -> dict:
 def _median(rows: list[dict]) -> dict:
   """Each figure's median over ``rows``, and the fastest ``total_s`` as ``best_total_s``."""
   out = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
-  return {**out, 'best_total_s': min(r['total_s'] for r in rows)}
+  return {**out, 'best_total_s': min(r['total_s'] for r in rows),
+          'runs': {key: [round(r[key], 4) for r in rows] for key in ('total_s', 'push_s')
+                   if key in rows[0]}}
 
 
 def _array_bytes(value) -> int:
@@ -207,14 +211,13 @@ class RayTrainer:
     self.params = device_params(self.size, self.dtype, changed, self.devices)
 
   def push(self, version, mode='shards'):
-    import ray  # pylint: disable=import-outside-toplevel  # optional and heavy: Ray path only
     # New arrays, as after a train step (a jax.Array caches its host copy once made).
     self.params = jax.block_until_ready(jax.tree.map(lambda x: x.copy(), self.params))
     start = time.perf_counter()
-    payload = (local_shards(self.params, to_host=True) if mode == 'shards'
-               else jax.tree.map(np.asarray, jax.device_get(self.params)))
+    payload = local_shards(self.params if mode == 'shards' else
+                           jax.tree.map(np.asarray, jax.device_get(self.params)), to_host=True)
     host_s = time.perf_counter() - start
-    ray.get(self.server.push.remote(version, payload))
+    push_shards(self.server, version, payload)
     return {'to_host_s': host_s, 'push_s': time.perf_counter() - start}
 
 
@@ -227,9 +230,8 @@ class RayWorker:
     self.version, self.leaves = -1, None
 
   def pull(self, version):
-    import ray  # pylint: disable=import-outside-toplevel  # optional and heavy: Ray path only
     start = time.perf_counter()
-    fetch = lambda v, base: ray.get(self.server.update.remote(v, base))
+    fetch = functools.partial(fetch_update, self.server)
     leaves, update, times = pull(fetch, version, self.version, self.leaves, self.paths)
     self.version, self.leaves = version, leaves
     return {**times, 'pull_s': time.perf_counter() - start, 'bytes': update.nbytes,
@@ -244,8 +246,6 @@ def ray_path(size: str, dtype, changed: float, repeats: int, devices: int) -> di
   actor (the backend's ``ServerRole``) -> worker actor, timed from the driver, which only
   sends version numbers; its array bytes are counted."""
   import ray  # pylint: disable=import-outside-toplevel  # optional and heavy: Ray path only
-
-  from rlax_llm.backends.ray import ServerRole  # pylint: disable=import-outside-toplevel  # same
   driver = {'sent': 0, 'received': 0, 'weight_bytes': 0}
 
   def call(method, *args):

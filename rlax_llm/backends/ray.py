@@ -5,11 +5,13 @@ The controller (``rlax_llm.controller``) stays in the launching process (the dri
 are actors whose method calls return object refs, wrapped as the futures the controller
 waits on, so the controller code is the one the local backend runs. Weights never pass
 through the driver: the trainer actor pushes each new version to the server actor itself
-(``ServerRole.push``: the params go from the trainer's process to the server's through Ray's
-object store), and each worker actor pulls the version a ``generate`` call names from the
-server actor itself (``ServerRole.update``: a sparse delta from the version it holds, or
-whole leaves, with per-leaf checksums the worker verifies; object store again). The driver
-sends version numbers and receives rollouts.
+(``push_shards``: the trainer writes its shards into Ray's object store once and passes the
+server their ref; the server reads them zero-copy and keeps whole leaves as they are), and
+each worker actor pulls the version a ``generate`` call names from the server actor itself
+(``fetch_update``: a sparse delta from the version it holds, or whole leaves, with per-leaf
+checksums the worker verifies; a whole leaf the server kept comes as the trainer's object's
+ref, read zero-copy, not serialised again). The driver sends version numbers and receives
+rollouts.
 
 Checkpoints: the trainer actor owns the ``Checkpointer``. When built it restores its params
 and optimizer state from the workdir's latest checkpoint itself and hands the driver only
@@ -66,7 +68,8 @@ from rlax_llm.backends import tpu_env
 from rlax_llm.backends.assembly import Run, assemble
 from rlax_llm.checkpoint import latest_step
 from rlax_llm.errors import ConfigError, RlaxError
-from rlax_llm.paramserver import ParameterServer, local_shards
+from rlax_llm.paramserver import ParameterServer, ShardPush, local_shards
+from rlax_llm.paramserver.delta import Delta, LeafUpdate
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -105,6 +108,50 @@ def _config_from(payload: str) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(json.loads(payload))
 
 
+def push_shards(server, version: int, shards: ShardPush) -> None:
+  """Pushes ``shards`` (``local_shards(params, to_host=True)``: this process's blocks as host
+  arrays) to the server actor ``server`` as ``version``: written into the object store once
+  (``ray.put``), the server passed the object's ref (nested in a list, so that Ray hands it
+  over unresolved) and reading the arrays from the store zero-copy."""
+  ray = _ray()
+  ref = ray.put(shards)
+  ray.get(server.push.remote(version, [ref]))
+
+
+def fetch_update(server, version: int, base_version: int) -> Delta:
+  """The server actor's ``update(version, base_version)`` fetched to this process, its
+  whole leaves that the server kept in the object store read from there zero-copy (the
+  trainer's object, not a copy serialised for this pull). The caller verifies the
+  checksums, as for any update."""
+  ray = _ray()
+  update, ref = ray.get(server.update.remote(version, base_version))
+  if ref is None:
+    return update
+  whole = _whole_leaves(ray.get(ref))
+  return dataclasses.replace(update, buckets=tuple(
+      tuple(LeafUpdate(u.leaf, full=whole[u.leaf]) if isinstance(u, _InStore) else u
+            for u in bucket) for bucket in update.buckets))
+
+
+@dataclasses.dataclass(frozen=True)
+class _InStore:
+  """In an update on its way to a worker: leaf ``leaf`` is sent whole and is the one in the
+  object the update's ref names (``fetch_update`` puts it back)."""
+
+  leaf: int
+
+  @property
+  def nbytes(self) -> int:
+    """The leaf's bytes in this update: none (they stay in the object store)."""
+    return 0
+
+
+def _whole_leaves(pushed: ShardPush) -> dict[int, np.ndarray]:
+  """Leaf number -> host array, for the leaves that ``pushed`` holds as one block."""
+  return {s.leaf: s.data for s in pushed.shards
+          if tuple(s.data.shape) == tuple(pushed.specs[s.leaf][0])}
+
+
 class ServerRole:
   """The parameter server actor: a ``ParameterServer`` keeping ``keep`` versions. Threaded
   (``max_concurrency``), so pulls run while a push is stored: readers never block the writer
@@ -112,18 +159,44 @@ class ServerRole:
 
   def __init__(self, keep: int):
     self.server = ParameterServer(keep=keep)
+    # version -> (the ref of the object pushed as it, the leaves kept in that object).
+    self._refs: dict[int, tuple[Any, frozenset[int]]] = {}
 
-  def push(self, version: int, params) -> None:
-    """Stores ``params`` (a ``ShardPush`` of host arrays) as ``version``, keeping the
-    arrays Ray deserialised for this call (read-only zero-copy views of the object store,
-    immutable and valid while the server references them) instead of copying them: a
-    trainer that is not split over devices along a leaf (e.g. data-parallel) pushes whole
-    leaves, so no copy is made in this process; the object store then holds the ``keep``
-    versions kept (objects in use are not spilled), as this process's memory did."""
-    self.server.push(version, params, adopt=True)
+  def push(self, version: int, boxed: list) -> None:
+    """Stores the object ``boxed[0]`` refers to (a ``ShardPush`` of host arrays:
+    ``push_shards``) as ``version``. The arrays ``ray.get`` returns are read-only
+    zero-copy views of the object store, immutable and valid while referenced; the server
+    keeps (adopts) the whole leaves among them instead of copying them (a trainer not split
+    over devices along a leaf, e.g. data-parallel, pushes whole leaves), takes their
+    checksums, and keeps the ref beside them, so a worker's pull gets them from the store
+    as they are (``update``). The ref is dropped with the version: the object store holds
+    the ``keep`` versions kept (objects in use are not spilled) and the ones workers hold."""
+    ref = boxed[0]
+    pushed = _ray().get(ref)
+    self.server.push(version, pushed, adopt=True)
+    stored = jax.tree.leaves(self.server.get(version).params)
+    kept = frozenset(i for i, data in _whole_leaves(pushed).items()
+                     if np.may_share_memory(stored[i], data))
+    if kept:
+      self._refs[version] = (ref, kept)
+    for old in set(self._refs) - set(self.server.versions()):
+      self._refs.pop(old, None)
 
   def update(self, version: int, base_version: int):
-    return self.server.update(version, base_version=base_version)
+    """``(update, ref)``: ``ParameterServer.update``'s, each whole leaf this server kept in
+    the object store replaced by a marker (``_InStore``), and the ref of the object holding
+    them (``None`` when none is; ``fetch_update`` resolves them)."""
+    update = self.server.update(version, base_version=base_version)
+    ref, kept = self._refs.get(version, (None, frozenset()))
+    if ref is None:
+      return update, None
+    return dataclasses.replace(update, buckets=tuple(
+        tuple(_InStore(u.leaf) if u.full is not None and u.leaf in kept else u
+              for u in bucket) for bucket in update.buckets)), ref
+
+  def held_refs(self) -> list[int]:
+    """The versions whose object-store refs this server holds (at most ``keep``)."""
+    return sorted(self._refs)
 
   def latest_version(self) -> int:
     return self.server.latest_version()
@@ -156,8 +229,8 @@ class TrainerRole:
     """Pushes the trainer's params as its version unless already pushed (bytes: this
     process -> the object store -> the server's process)."""
     if self._pushed < self.trainer.version:
-      _ray().get(self.server.push.remote(  # each shard to host on its own, no gather
-          self.trainer.version, local_shards(self.trainer.params, to_host=True)))
+      push_shards(self.server, self.trainer.version,  # each block to host on its own
+                  local_shards(self.trainer.params, to_host=True))
       self._pushed = self.trainer.version
 
   def start(self):
@@ -203,7 +276,7 @@ class WorkerRole:
 
   def _fetch(self, version: int, base_version: int):
     """The update from the server's process to this one, through the object store."""
-    return _ray().get(self.server.update.remote(version, base_version))
+    return fetch_update(self.server, version, base_version)
 
   def _latest(self) -> int:
     """The server's newest version (free-running mode asks before every decode step)."""

@@ -5,7 +5,9 @@ the others) and the run completes; the driver carries no weight byte. (Checkpoin
 resume: tests/backends/test_ray_resume.py.)"""
 
 import dataclasses
+import re
 import signal
+import time
 
 import jax
 import numpy as np
@@ -262,31 +264,59 @@ def test_init_ray_keeps_the_preemption_guards_signal_handlers(monkeypatch):
     assert signal.getsignal(signal.SIGINT) == guard._handle  # pylint: disable=protected-access
 
 
-def test_the_server_actor_keeps_the_object_stores_arrays_and_they_never_change(cluster):
-  def pusher(server, version: int, seed: int) -> None:
-    """In a process of its own, as the trainer actor: pushes whole leaves through the object
-    store, then drops its references to them (defined here: pickled by value for Ray)."""
-    rng = np.random.default_rng(seed)
-    params = {'a': rng.random((512, 512), np.float32), 'b': rng.random((7,), np.float32)}
-    ray.get(server.push.remote(version, local_shards(params, to_host=True)))
+def _plasma_objects() -> int:
+  """How many objects this cluster's object store holds now (Ray's memory summary)."""
+  from ray._private.internal_api import memory_summary  # pylint: disable=import-outside-toplevel  # ray's internals, here only
+  summary = memory_summary(ray.get_runtime_context().gcs_address, stats_only=True)
+  return int(re.search(r'Plasma memory usage \d+ MiB, (\d+) objects', summary).group(1))
 
+
+def test_the_server_actor_keeps_the_object_stores_arrays_and_they_never_change(cluster):
+  """The trainer writes each version into the object store once (``push_shards``); the
+  server keeps its whole leaves as they are and hands workers the object's ref
+  (``fetch_update`` reads it zero-copy); the objects of dropped versions are released."""
+  class Pusher:
+    """In a process of its own, as the trainer actor (which owns the objects it puts): pushes
+    whole leaves through the object store, then drops its references to them (defined here:
+    pickled by value for Ray)."""
+
+    def push(self, server, version: int, seed: int) -> None:
+      rng = np.random.default_rng(seed)
+      params = {'a': rng.random((512, 512), np.float32), 'b': rng.random((7,), np.float32)}
+      ray_backend.push_shards(server, version, local_shards(params, to_host=True))
+
+  before = _plasma_objects()
   server = ray.remote(num_cpus=0, max_concurrency=4)(ray_backend.ServerRole).remote(2)
-  push = ray.remote(num_cpus=0)(pusher)
+  pusher = ray.remote(num_cpus=0)(Pusher).remote()
   try:
     for version in range(6):  # the trainer's objects are released; new ones reuse the store
-      ray.get(push.remote(server, version, seed=version))
+      ray.get(pusher.push.remote(server, version, seed=version))
       ray.put(np.ones(1 << 20, np.float32))  # more traffic through the store
       # Adopted, not copied: the stored leaves are views of the memory Ray deserialised.
       owned = ray.get(server.__ray_call__.remote(
           lambda role, v=version: [leaf.flags.owndata or leaf.flags.writeable
                                    for leaf in role.server._store[v][1]]))
       assert owned == [False, False]
-      for held in ray.get(server.__ray_call__.remote(lambda role: role.server.versions())):
-        update = ray.get(server.update.remote(held, -1))
+      held_versions = ray.get(server.__ray_call__.remote(lambda role: role.server.versions()))
+      assert ray.get(server.held_refs.remote()) == held_versions == list(
+          range(max(0, version - 1), version + 1))
+      for held in held_versions:
+        # The big leaf comes as the trainer's object's ref, not serialised by the server.
+        sent, ref = ray.get(server.update.remote(held, -1))
+        assert ref is not None and sent.nbytes < 1024
+        update = ray_backend.fetch_update(server, held, -1)
         leaves = delta_lib.apply([None, None], update)
         rng = np.random.default_rng(held)
         np.testing.assert_array_equal(leaves[0], rng.random((512, 512), np.float32))
         np.testing.assert_array_equal(leaves[1], rng.random((7,), np.float32))
         delta_lib.verify(leaves, update.checksums, ['a', 'b'], held)
+      del sent, ref, update, leaves
+      # Bounded: the objects of the two versions kept, no more (dropped ones released).
+      for _ in range(50):
+        if _plasma_objects() <= before + 2:
+          break
+        time.sleep(0.1)
+      assert _plasma_objects() <= before + 2
   finally:
     ray.kill(server)
+    ray.kill(pusher)
