@@ -49,6 +49,8 @@ LONGEST_FILES = (
     'tests/models/test_batch_invariant.py',
     'tests/test_policy_sampling.py',
     'tests/backends/test_ray.py',
+    'tests/backends/test_ray_resume.py',
+    'tests/test_multihost.py',
     'tests/test_resume.py',
     'tests/rollout/test_worker.py',
     'tests/losses/test_policy.py',

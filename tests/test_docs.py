@@ -2,6 +2,7 @@
 algorithms table is the loss table, the README's results are RESULTS.md's headline, links
 resolve."""
 
+import importlib.util
 import pathlib
 import re
 
@@ -65,7 +66,12 @@ def test_relative_links_resolve(doc):
 def test_the_longest_files_scheduled_first_exist():
   """tests/conftest.py's LONGEST_FILES names test files: a renamed one would silently lose
   its place at the front of the test run."""
-  from conftest import LONGEST_FILES as names  # pylint: disable=import-outside-toplevel
+  # By path: `import conftest` is whichever conftest.py pytest put first on sys.path
+  # (tests/backends/ has its own).
+  spec = importlib.util.spec_from_file_location('tests_conftest', ROOT / 'tests/conftest.py')
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  names = module.LONGEST_FILES
   assert len(set(names)) == len(names), names
   missing = [name for name in names if not (ROOT / name).is_file()]
   assert not missing, f'LONGEST_FILES names files that do not exist: {missing}'
