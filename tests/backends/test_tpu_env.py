@@ -116,8 +116,10 @@ def test_a_conflicting_environment_is_refused(name, value):
 def fake_tpu_host():
   """A private Ray cluster on loopback whose one node has 8 fake 'TPU' chips (a v5e-8)."""
   ray = pytest.importorskip('ray')
-  if ray.is_initialized():
-    pytest.skip('needs its own Ray cluster; one is running in this process')
+  # Each test module's cluster is shut down with its module (tests/backends/conftest.py), so
+  # one still running here leaked from an earlier test: fail rather than skip these checks.
+  assert not ray.is_initialized(), ('a Ray cluster is still running in this process (leaked '
+                                    'by an earlier test); this module needs its own')
   # Actors import rlax_llm and this module (its helpers travel by reference).
   path = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / 'tests'), str(ROOT / 'tests/backends'),
                                        os.environ.get('PYTHONPATH')]))
