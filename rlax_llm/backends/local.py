@@ -15,10 +15,10 @@ inference 4); otherwise every role's mesh starts at device 0.
 
 Weights: the parameter server (``rlax_llm.paramserver.ParameterServer``, keeping
 ``RunSpec.keep_versions`` versions: ``paramserver.keep_versions``) is an object of this
-process, but only the roles call it: the trainer pushes each new version from its own thread when its update is
-done (and its starting version when it is built or restored), and each worker pulls the
-version a ``generate`` call names from its own thread (``InferenceWorker.generate_at``). The
-controller passes version numbers only.
+process, but only the roles call it: the trainer pushes each new version from its own thread
+when its update is done (and its starting version when it is built or restored), and each
+worker pulls the version a ``generate`` call names from its own thread
+(``InferenceWorker.generate_at``). The controller passes version numbers only.
 
 Checkpoints: the trainer's handle (``LocalTrainer``) owns the ``Checkpointer``; it restores
 the trainer's params and optimizer state when built and writes each save the controller

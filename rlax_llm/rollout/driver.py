@@ -17,9 +17,10 @@ changes is a policy (``on_swap``):
 Either way a sample started after a swap is prefilled with the new params, and one decode
 step never mixes versions. Who swaps: whoever sets the holder; ``run(jobs, refresh=f)`` calls
 ``f()`` before every decode step reads it, which is where a worker in free-running mode pulls
-a newer version from the parameter server (``InferenceWorker.generate_at``). The driver is single-threaded and deterministic: given the jobs,
-their keys and the versions it reads at each step, the output is fixed; each sample's
-randomness depends only on its own key (see ``rlax_llm.rollout.engine``).
+a newer version from the parameter server (``InferenceWorker.generate_at``). The driver is
+single-threaded and deterministic: given the jobs, their keys and the versions it reads at
+each step, the output is fixed; each sample's randomness depends only on its own key (see
+``rlax_llm.rollout.engine``).
 
 Jobs that use different sampling specs run one spec after the other (a phase per spec, in
 order of first appearance), because the spec is part of the compiled step.

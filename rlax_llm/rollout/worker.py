@@ -5,10 +5,10 @@ The worker is passive (the controller calls it) and speaks typed requests and re
 ``generate(requests, rng) -> Rollouts``; ``generate_at(version, fetch, ...)`` first pulls the
 version the controller names (a version number, never weights) from the parameter server
 itself, through ``fetch`` (the backend's way to reach the server), and checks every leaf
-against the checksum the server took when the trainer pushed it. It tokenizes prompts with the model's tokenizer
-(chat messages through the checkpoint's chat template), runs them through the
-continuous-batching driver (``rlax_llm.rollout.driver``) over the JetStream-API engine
-(``rlax_llm.rollout.engine``), and returns each completion whole: tokens, behaviour
+against the checksum the server took when the trainer pushed it. It tokenizes prompts with
+the model's tokenizer (chat messages through the checkpoint's chat template), runs them
+through the continuous-batching driver (``rlax_llm.rollout.driver``) over the JetStream-API
+engine (``rlax_llm.rollout.engine``), and returns each completion whole: tokens, behaviour
 log-probs, the version of every token, finish reason, restarts, decoded text and timings.
 
 Reload staleness ``j`` (RLAX, docs/architecture.md): ``maybe_reload`` pulls new weights when
