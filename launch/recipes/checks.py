@@ -17,7 +17,7 @@ from launch.recipes.slices import SLICES, SliceError, SliceType, with_chips
 from rlax_llm import roles
 from rlax_llm.config import validate_config
 from rlax_llm.models import presets
-from rlax_llm.sharding import make_mesh, mesh_shape
+from rlax_llm.sharding import mesh_shape
 
 # Chips a Ray TPU actor can be given on one host (ray._private.accelerators.tpu).
 RAY_TPU_CHIP_OPTIONS = (1, 2, 4, 8)

@@ -29,6 +29,13 @@ from rlax_llm.models.model import abstract_model
 
 _QWEN3 = dict(vocab_size=151_936, head_dim=128, rope_theta=1_000_000.0, norm_eps=1e-6,
               qk_norm=True, family='qwen3', max_seq_len=40_960)
+# What the small Qwen2.5 checkpoints' config.json files share.
+_QWEN25_SMALL = dict(vocab_size=151_936, rope_theta=1_000_000.0, norm_eps=1e-6,
+                     tie_embeddings=True, qkv_bias=True, max_seq_len=32_768, family='qwen2')
+# What Llama 3.1 and 3.2 share (their rope_scaling: low_freq_factor 1, high_freq_factor 4,
+# original_max_position_embeddings 8192, RopeScaling's defaults; the factor differs).
+_LLAMA3 = dict(vocab_size=128_256, rope_theta=500_000.0, norm_eps=1e-5, max_seq_len=131_072,
+               family='llama')
 
 PRESETS: dict[str, DecoderConfig] = {
     'smollm2-135m': DecoderConfig(
@@ -46,37 +53,27 @@ PRESETS: dict[str, DecoderConfig] = {
     # Qwen/Qwen2.5-0.5B-Instruct config.json: hidden_size 896, intermediate_size 4864, 24
     # layers, 14 heads, 2 kv heads (head_dim 896 / 14 = 64), vocab 151936, rope_theta 1e6,
     # rms_norm_eps 1e-6, tie_word_embeddings true, max_position_embeddings 32768.
-    'qwen2.5-0.5b': DecoderConfig(
-        vocab_size=151_936, num_layers=24, embed_dim=896, num_heads=14, num_kv_heads=2,
-        head_dim=64, mlp_dim=4864, rope_theta=1_000_000.0, norm_eps=1e-6,
-        tie_embeddings=True, qkv_bias=True, max_seq_len=32_768, family='qwen2'),
+    'qwen2.5-0.5b': DecoderConfig(num_layers=24, embed_dim=896, num_heads=14, num_kv_heads=2,
+                                  head_dim=64, mlp_dim=4864, **_QWEN25_SMALL),
     # Qwen/Qwen2.5-1.5B-Instruct config.json: hidden_size 1536, intermediate_size 8960, 28
     # layers, 12 heads, 2 kv heads (head_dim 1536 / 12 = 128), vocab 151936, rope_theta 1e6,
     # rms_norm_eps 1e-6, tie_word_embeddings true, max_position_embeddings 32768.
-    'qwen2.5-1.5b': DecoderConfig(
-        vocab_size=151_936, num_layers=28, embed_dim=1536, num_heads=12, num_kv_heads=2,
-        head_dim=128, mlp_dim=8960, rope_theta=1_000_000.0, norm_eps=1e-6,
-        tie_embeddings=True, qkv_bias=True, max_seq_len=32_768, family='qwen2'),
+    'qwen2.5-1.5b': DecoderConfig(num_layers=28, embed_dim=1536, num_heads=12, num_kv_heads=2,
+                                  head_dim=128, mlp_dim=8960, **_QWEN25_SMALL),
     'qwen2.5-7b': DecoderConfig(
         vocab_size=152_064, num_layers=28, embed_dim=3584, num_heads=28, num_kv_heads=4,
         head_dim=128, mlp_dim=18_944, rope_theta=1_000_000.0, norm_eps=1e-6,
         tie_embeddings=False, qkv_bias=True, max_seq_len=32_768, family='qwen2'),
-    'llama-3.1-8b': DecoderConfig(
-        vocab_size=128_256, num_layers=32, embed_dim=4096, num_heads=32, num_kv_heads=8,
-        head_dim=128, mlp_dim=14_336, rope_theta=500_000.0,
-        rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                 original_max_position_embeddings=8192),
-        norm_eps=1e-5, tie_embeddings=False, max_seq_len=131_072, family='llama'),
+    'llama-3.1-8b': DecoderConfig(num_layers=32, embed_dim=4096, num_heads=32, num_kv_heads=8,
+                                  head_dim=128, mlp_dim=14_336, tie_embeddings=False,
+                                  rope_scaling=RopeScaling(factor=8.0), **_LLAMA3),
     # meta-llama/Llama-3.2-1B-Instruct config.json: hidden_size 2048, intermediate_size 8192,
     # 16 layers, 32 heads, 8 kv heads, head_dim 64, vocab 128256, rope_theta 5e5, rope_scaling
     # llama3 (factor 32, low_freq_factor 1, high_freq_factor 4, original 8192), rms_norm_eps
     # 1e-5, tie_word_embeddings true, max_position_embeddings 131072.
-    'llama-3.2-1b': DecoderConfig(
-        vocab_size=128_256, num_layers=16, embed_dim=2048, num_heads=32, num_kv_heads=8,
-        head_dim=64, mlp_dim=8192, rope_theta=500_000.0,
-        rope_scaling=RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                 original_max_position_embeddings=8192),
-        norm_eps=1e-5, tie_embeddings=True, max_seq_len=131_072, family='llama'),
+    'llama-3.2-1b': DecoderConfig(num_layers=16, embed_dim=2048, num_heads=32, num_kv_heads=8,
+                                  head_dim=64, mlp_dim=8192, tie_embeddings=True,
+                                  rope_scaling=RopeScaling(factor=32.0), **_LLAMA3),
     'qwq-32b': DecoderConfig(
         vocab_size=152_064, num_layers=64, embed_dim=5120, num_heads=40, num_kv_heads=8,
         head_dim=128, mlp_dim=27_648, rope_theta=1_000_000.0, norm_eps=1e-5,
@@ -274,12 +271,12 @@ class MemoryPlan:
     """The plan as lines of text: each part in GiB, then each total against the HBM."""
     gib = lambda n: f'{n / 2**30:.2f} GiB'  # noqa: E731
     lines = [
-        f'trainer: params {gib(self.params)}, optimizer {gib(self.optimizer)}, gradients '
-        f'{gib(self.gradients)}, KL reference {gib(self.reference)}, activations '
-        f'{gib(self.activations)} = {gib(self.trainer_bytes)}',
-        f'inference: {self.workers_per_chip} worker(s) x (params {gib(self.inference_params)}'
-        f', KV cache {gib(self.kv_cache)}, logits {gib(self.inference_logits)}) = '
-        f'{gib(self.inference_bytes)}']
+        (f'trainer: params {gib(self.params)}, optimizer {gib(self.optimizer)}, gradients '
+         f'{gib(self.gradients)}, KL reference {gib(self.reference)}, activations '
+         f'{gib(self.activations)} = {gib(self.trainer_bytes)}'),
+        (f'inference: {self.workers_per_chip} worker(s) x (params '
+         f'{gib(self.inference_params)}, KV cache {gib(self.kv_cache)}, logits '
+         f'{gib(self.inference_logits)}) = {gib(self.inference_bytes)}')]
     for chips, need, hbm in self.needs(trainer_hbm_bytes, inference_hbm_bytes):
       lines.append(f'{chips}: {gib(need)} of {gib(hbm)} HBM per chip ({100 * need / hbm:.0f}%)')
     return lines
