@@ -13,6 +13,8 @@ from rlax_llm.cli import (DEFAULT_CONFIG_PATH, check_config_spec, check_override
 from rlax_llm.config import REQUIRED_KEYS, RunSpec, check_resume_config, run_spec, validate_config
 from rlax_llm.errors import ConfigError
 
+from hub_keys import missing_hub_keys  # tests/hub_keys.py
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = sorted(ROOT.glob('configs/*.py'))
 
@@ -32,6 +34,9 @@ def test_every_config_and_variant_validates_and_prepares(path, variant):
   """Every shipped config passes every check a launch makes before compute, model files and
   tokenizer included (roles.prepare)."""
   from rlax_llm import roles  # pylint: disable=import-outside-toplevel
+  missing = missing_hub_keys() if path.name == 'gsm8k.py' else []
+  if missing:
+    pytest.skip(f'the config validation of this checkout lacks {", ".join(missing)}')
   config = load_config_file(f'{path}:{variant}' if variant else str(path))
   spec = validate_config(config)
   # The typed values are built once: validation returns them, and the one builder (which a

@@ -4,7 +4,6 @@ calculation and against each slice's HBM. Nothing is downloaded: the plan needs 
 preset's architecture.
 """
 
-import inspect
 import math
 import os
 import pathlib
@@ -14,11 +13,12 @@ import sys
 import pytest
 
 from rlax_llm import roles
-from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config, load_config_file
+from rlax_llm.cli import load_config
 from rlax_llm.configs import gsm8k
 from rlax_llm.launch_help import help_text
 from rlax_llm.models import presets
-from rlax_llm.tasks.math_task import MathTask
+
+from hub_keys import missing_hub_keys  # tests/hub_keys.py
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the recipes' tooling lives in the checkout, not the package
@@ -135,17 +135,6 @@ def test_a_plan_that_exceeds_hbm_is_refused_naming_the_fixes():
     _plan_lines(_config('Qwen3-1.7B'), 'v5e-4')
 
 
-def _missing_contract_keys() -> list[str]:
-  """The agreed keys these configs use that this checkout's schema does not have yet (the
-  hub model id and hub dataset loaders land separately)."""
-  missing = []
-  if 'revision' not in load_config_file(str(DEFAULT_CONFIG_PATH)).model:
-    missing.append('model.revision')
-  fields = inspect.signature(MathTask).parameters
-  missing += [f'task.{k}' for k in ('hf_config', 'split', 'eval_split') if k not in fields]
-  return missing
-
-
 @pytest.mark.parametrize('args', [
     ('tpu-vm', '--tpu-type=v5e-8', '--config=configs/gsm8k.py:Qwen3-1.7B'),
     ('tpu-vm', '--tpu-type=v4-8', '--config=configs/gsm8k.py:Llama-3.2-1B-Instruct'),
@@ -153,7 +142,7 @@ def _missing_contract_keys() -> list[str]:
     ('multihost', '--tpu-type=v5e-16', '--config=configs/gsm8k.py:Qwen3-0.6B'),
 ])
 def test_the_dry_run_prints_the_memory_plan_before_the_commands(args):
-  missing = _missing_contract_keys()
+  missing = missing_hub_keys()
   if missing:
     pytest.skip(f'the config validation of this checkout lacks {", ".join(missing)}')
   env = dict(os.environ, HF_HUB_OFFLINE='1',
