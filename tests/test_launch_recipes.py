@@ -200,7 +200,7 @@ def test_tpu_vm_dry_run_prints_the_commands_for_a_small_slice(tmp_path):
   assert '-- dry run: nothing was run' in out
   assert '# checked: validate_config with 8 devices, as the launch sees them' in out
   assert '# checked: memory plan per chip (smollm2-135m): trainer: params 0.50 GiB, optimizer ' \
-         '1.00 GiB, gradients 0.50 GiB, KL reference 0.00 GiB, activations ' in out
+         '1.00 GiB, gradients 0.50 GiB, KL reference 0.00 GiB, the larger of activations ' in out
   assert re.search(r'# checked: memory plan per chip \(smollm2-135m\): trainer \+ inference: '
                    r'\d+\.\d\d GiB of 16\.00 GiB HBM per chip \(\d+%\)\n', out)
   tarball = tmp_path / 'rlax_llm-rlax-smollm2-smoke.tar.gz'
@@ -367,7 +367,7 @@ def test_gke_ray_dry_run_prints_a_rayjob_with_a_node_pool_per_role(tmp_path):
      'there)'),
     (('tpu-vm', '--tpu-type=v5e-8', '--config=configs/smollm2.py',
       '--config.model.name=qwen3-8b', '--config.model.path=/ckpt/qwen3-8b'),
-     'error: memory: the trainer + inference chips need 158.65 GiB each for qwen3-8b but a '
+     'error: memory: the trainer + inference chips need 246.64 GiB each for qwen3-8b but a '
      'chip has 16 GiB of HBM (trainer: params 30.51 GiB, optimizer 61.03 GiB'),
     (('tpu-vm', '--tpu-type=v5e-8', '--config.mesh.trainer.data=2'),
      'error: config.mesh.trainer={data: 2, fsdp: 1, tensor: 1} is 2 chips but v5e-8'),

@@ -17,8 +17,9 @@ each host's inference worker splits heads over 2 or 4 chips (tensor) and its KV-
 over the host's other chips (data = -1). So one config fits every slice of the recipes'
 table: on v5e-8 the worker mesh is data 2 x tensor 4, on v4-8 and v5p-8 (4 chips) data 1 x
 tensor 4, on a multi-host slice every host runs such a worker while the trainer spans all
-hosts. ``python -m launch.recipes tpu-vm --tpu-type=v5e-8 ... --dry-run`` prints the memory
-plan per chip (params, AdamW state, gradients, activations, the workers' params and KV cache)
+hosts. Every variant fits v5e-8, v4-8, v5p-8, v6e-8 and the multi-host slices; v5e-4 holds
+only the three smaller models. ``python -m launch.recipes tpu-vm --tpu-type=v5e-8 ...
+--dry-run`` prints the memory plan per chip (params, AdamW state, gradients, activations, the workers' params and KV cache)
 against the chip's HBM (docs/models.md).
 """
 
