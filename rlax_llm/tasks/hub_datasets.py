@@ -1,0 +1,302 @@
+"""Datasets on the Hugging Face hub (``hf://datasets/ORG/NAME[@REVISION]``) as local files.
+
+``HubDataset(url, config)`` finds one config's splits and the files of each, and
+``split_files(split)`` fetches one split's files (only those) into the hub cache through
+``huggingface_hub`` and returns their local paths; ``rlax_llm.tasks.files.load_records`` reads
+them (Parquet through pyarrow, JSONL). Where a split's files are, in order:
+
+1. the ``configs:`` block of the dataset card (README.md's YAML: ``config_name``,
+   ``data_files`` as ``[{split, path}]`` globs, ``default: true``), what the hub's own viewer
+   and ``datasets`` read;
+2. else the conventional names: ``SPLIT.jsonl``, ``SPLIT-00000-of-00001.parquet`` at the root
+   or under ``data/`` (config ``default``), ``CONFIG/SPLIT-*.parquet``, ``CONFIG/SPLIT/*``;
+3. else, when those are absent or in a format read here neither (CSV, a loading script), the
+   hub's own Parquet conversion, the revision ``refs/convert/parquet``
+   (``CONFIG/SPLIT/0000.parquet``), for datasets read at their default revision.
+
+Settings come from the environment at call time, not at ``huggingface_hub``'s import:
+``HF_HUB_OFFLINE`` (read the cache only), ``HF_HUB_CACHE`` / ``HF_HOME`` (where the cache is),
+``HF_ENDPOINT`` (a mirror) and ``HF_TOKEN`` (private and gated datasets). Offline, a dataset
+is read from the snapshot its revision names in the cache, with the files cached there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+HUB_PREFIX = 'hf://'
+PARQUET_REVISION = 'refs/convert/parquet'
+DEFAULT_CONFIG = 'default'
+_TRUE = ('1', 'ON', 'YES', 'TRUE')
+
+
+def is_hub_url(path: object) -> bool:
+  """Whether ``path`` names a hub location (a str starting with ``hf://``)."""
+  return isinstance(path, str) and path.startswith(HUB_PREFIX)
+
+
+@dataclasses.dataclass(frozen=True)
+class HubSettings:
+  """The hub settings of this process, read from the environment when a dataset is opened."""
+
+  offline: bool
+  cache_dir: str
+  endpoint: str | None
+  token: str | None
+
+
+def hub_settings() -> HubSettings:
+  """``HF_HUB_OFFLINE``, ``HF_HUB_CACHE`` (else ``HF_HOME``/hub, else huggingface_hub's
+  default), ``HF_ENDPOINT`` and ``HF_TOKEN`` as they are now (huggingface_hub reads most of
+  them once, at its import, which a notebook or a test may have done before setting them)."""
+  from huggingface_hub import constants  # pylint: disable=import-outside-toplevel  # heavy: hub tasks only
+  env = os.environ
+  offline_env = env.get('HF_HUB_OFFLINE') or env.get('TRANSFORMERS_OFFLINE')
+  offline = (offline_env.upper() in _TRUE) if offline_env else constants.HF_HUB_OFFLINE
+  if env.get('HF_HUB_CACHE'):
+    cache_dir = env['HF_HUB_CACHE']
+  elif env.get('HF_HOME'):
+    cache_dir = os.path.join(env['HF_HOME'], 'hub')
+  else:
+    cache_dir = constants.HF_HUB_CACHE
+  return HubSettings(offline=offline, cache_dir=os.path.expanduser(cache_dir),
+                     endpoint=env.get('HF_ENDPOINT') or None,
+                     token=env.get('HF_TOKEN') or env.get('HUGGING_FACE_HUB_TOKEN') or None)
+
+
+def parse_dataset_url(url: str) -> tuple[str, str | None]:
+  """``(repo_id, revision)`` of ``hf://datasets/ORG/NAME[@REVISION]`` (huggingface_hub's
+  ``parse_hf_uri``). Raises ValueError for another form, naming the expected one."""
+  from huggingface_hub import errors, parse_hf_uri  # pylint: disable=import-outside-toplevel  # heavy
+  expected = 'write hf://datasets/ORG/NAME or hf://datasets/ORG/NAME@REVISION'
+  try:
+    uri = parse_hf_uri(url)
+  except errors.HfUriError as e:
+    raise ValueError(f'{url!r} is not a hub dataset ({e}); {expected}.') from None
+  if uri.type != 'dataset':
+    raise ValueError(f'{url!r} names a hub {uri.type}, not a dataset; {expected}.')
+  if uri.path_in_repo:
+    raise ValueError(f'{url!r} names a file or folder inside the dataset; {expected} and '
+                     'choose its files with the hf_config and split options.')
+  return uri.id, uri.revision
+
+
+def _glob_regex(pattern: str) -> re.Pattern:
+  """A ``data_files`` glob as the hub reads it: ``**`` crosses folders, ``*`` and ``?`` do
+  not."""
+  out = []
+  for part in re.split(r'(\*\*/?|\*|\?)', pattern):
+    if part.startswith('**'):
+      out.append('(?:.*/)?' if part.endswith('/') else '.*')
+    elif part == '*':
+      out.append('[^/]*')
+    elif part == '?':
+      out.append('[^/]')
+    else:
+      out.append(re.escape(part))
+  return re.compile(''.join(out))
+
+
+Layout = dict[str, dict[str, list[str]]]  # config -> split -> repo paths
+
+
+def card_layout(card_data: Mapping[str, Any], files: Sequence[str]) -> tuple[Layout, str | None]:
+  """The configs a dataset card declares (``card_data['configs']``), with each split's files
+  among ``files``, and the config marked ``default: true`` (or None)."""
+  layout: Layout = {}
+  default = None
+  for entry in card_data.get('configs') or ():
+    if not isinstance(entry, Mapping):
+      continue
+    name = str(entry.get('config_name', DEFAULT_CONFIG))
+    if entry.get('default'):
+      default = name
+    data_files = entry.get('data_files')
+    if isinstance(data_files, (str, list)) and all(isinstance(d, str) for d in
+                                                   ([data_files] if isinstance(data_files, str)
+                                                    else data_files)):
+      data_files = [{'split': 'train', 'path': data_files}]
+    elif isinstance(data_files, Mapping):
+      data_files = [{'split': k, 'path': v} for k, v in data_files.items()]
+    splits: dict[str, list[str]] = {}
+    for item in data_files or ():
+      if not isinstance(item, Mapping) or 'split' not in item:
+        continue
+      patterns = item.get('path', ())
+      patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+      regexes = [_glob_regex(p) for p in patterns]
+      splits[str(item['split'])] = [f for f in files if any(r.fullmatch(f) for r in regexes)]
+    layout[name] = splits
+  return layout, default
+
+
+def conventional_layout(files: Sequence[str], suffixes: Sequence[str]) -> Layout:
+  """Configs and splits of data files named by convention (module docstring), among the
+  files ending in one of ``suffixes``: ``SPLIT.ext`` or ``data/SPLIT-*.ext`` (config
+  ``default``), ``CONFIG/SPLIT-*.ext``, ``CONFIG/SPLIT/*.ext``, ``CONFIG/partial-SPLIT/*.ext``
+  (the hub's Parquet conversion of a large split). A split name starts with a letter and
+  ends at the first ``-`` or ``.`` of the file name."""
+  layout: Layout = {}
+  for path in files:
+    if not path.lower().endswith(tuple(suffixes)):
+      continue
+    parts = path.split('/')
+    named = re.match(r'([A-Za-z][A-Za-z0-9_]*)(?:[-.]|$)', parts[-1])
+    if len(parts) == 1 and named:
+      config, split = DEFAULT_CONFIG, named[1]
+    elif len(parts) == 2 and named:
+      config, split = (DEFAULT_CONFIG if parts[0] == 'data' else parts[0]), named[1]
+    elif len(parts) == 2:
+      config, split = DEFAULT_CONFIG, parts[0]
+    elif len(parts) == 3:
+      config, split = parts[0], parts[1].removeprefix('partial-')
+    else:
+      continue
+    layout.setdefault(config, {}).setdefault(split, []).append(path)
+  return layout
+
+
+class HubDataset:
+  """One config of a dataset on the hub: its splits and, on demand, their files.
+
+  Attributes: ``url``; ``repo_id``; ``revision`` (what is read: the URL's, None for the
+  default branch, or ``refs/convert/parquet``); ``config``; ``splits`` (split name -> the
+  paths of its files in the repository).
+  """
+
+  def __init__(self, url: str, config: str = '', suffixes: Sequence[str] = ('.parquet',)):
+    """Lists the dataset's files (online: the hub's listing; offline: the cached snapshot),
+    reads its card and picks ``config`` ('' for the card's default, ``default``, or the only
+    one). ``suffixes``: the file types the caller reads (others send it to the Parquet
+    conversion). Raises ValueError for a bad URL, a missing dataset, revision or config (the
+    configs listed), an unreachable hub or a dataset missing from the cache offline."""
+    self.url = url
+    self.repo_id, self.revision = parse_dataset_url(url)
+    self.settings = hub_settings()
+    self._snapshots: dict[str | None, pathlib.Path] = {}
+    suffixes = tuple(s.lower() for s in suffixes)
+    self.config, self.splits = config, {}
+    files = self._list_files(self.revision)
+    layout, default = card_layout(self._card_data(self.revision, files), files)
+    if not layout:
+      layout = conventional_layout(files, suffixes)
+    if layout:
+      self.config = self._choose(layout, config, default)
+      self.splits = layout[self.config]
+    usable = bool(self.splits) and all(
+        paths and all(p.lower().endswith(suffixes) for p in paths)
+        for paths in self.splits.values())
+    if not usable and self.revision is None:
+      self.revision = PARQUET_REVISION
+      layout = conventional_layout(self._list_files(self.revision), ('.parquet',))
+      if layout:
+        self.config = self._choose(layout, config, None)
+        self.splits = layout[self.config]
+        usable = True
+    if not usable:
+      found = sorted(files)[:20]
+      raise ValueError(f'{self.url}: no data files this reader takes ({", ".join(suffixes)}) '
+                       f'were found for its splits, and no Parquet conversion '
+                       f'({PARQUET_REVISION}) to fall back on; files: {found}. Convert the '
+                       'data to Parquet or JSONL, or download it and give the files as path.')
+
+  def __repr__(self) -> str:
+    return (f'HubDataset({self.repo_id!r}, revision={self.revision!r}, '
+            f'config={self.config!r}, splits={sorted(self.splits)})')
+
+  def split_files(self, split: str) -> list[pathlib.Path]:
+    """Local paths of ``split``'s files, fetched into the hub cache when online (only these
+    files). Raises ValueError for a split the config lacks (listing those it has) or files
+    absent from the cache offline."""
+    if split not in self.splits:
+      raise ValueError(f'{self.url} (config {self.config!r}) has no split {split!r}; its '
+                       f'splits: {sorted(self.splits)}.')
+    paths = sorted(self.splits[split])
+    if not paths:
+      raise ValueError(f'{self.url} (config {self.config!r}): the card names files for split '
+                       f'{split!r} but none of the dataset\'s files match them.')
+    if self.settings.offline:
+      folder = self._snapshots[self.revision]
+    else:
+      folder = pathlib.Path(self._call(self.revision, 'snapshot_download', allow_patterns=paths))
+    local = [folder / p for p in paths]
+    missing = [p for p, f in zip(paths, local) if not f.is_file()]
+    if missing:
+      raise ValueError(f'{self.url}: split {split!r} is not in the hub cache '
+                       f'{self.settings.cache_dir} (missing {missing[:3]}) and HF_HUB_OFFLINE '
+                       'is set; run once online (unset HF_HUB_OFFLINE) or `hf download '
+                       f'{self.repo_id} --repo-type=dataset`.')
+    return local
+
+  def _choose(self, layout: Layout, config: str, default: str | None) -> str:
+    if config:
+      if config not in layout:
+        raise ValueError(f'{self.url} has no config {config!r}; its configs: '
+                         f'{sorted(layout)} (set hf_config to one of them).')
+      return config
+    for name in (default, DEFAULT_CONFIG):
+      if name in layout:
+        return name
+    if len(layout) == 1:
+      return next(iter(layout))
+    raise ValueError(f'{self.url} has several configs and no default: {sorted(layout)}; set '
+                     'hf_config to one of them.')
+
+  def _list_files(self, revision: str | None) -> list[str]:
+    """The repository's file paths at ``revision``: the hub's listing, or offline those of
+    the cached snapshot."""
+    if not self.settings.offline:
+      return self._call(revision, 'list_repo_files')
+    # allow_patterns=[]: only resolve the cached snapshot (no file is required to be there).
+    folder = pathlib.Path(self._call(revision, 'snapshot_download', allow_patterns=[]))
+    self._snapshots[revision] = folder
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob('*') if p.is_file())
+
+  def _card_data(self, revision: str | None, files: Sequence[str]) -> Mapping[str, Any]:
+    """The YAML of the dataset card (README.md), or {} when there is none."""
+    if 'README.md' not in files:
+      return {}
+    from huggingface_hub import DatasetCard  # pylint: disable=import-outside-toplevel  # heavy
+    if self.settings.offline:
+      path = self._snapshots[revision] / 'README.md'
+    else:
+      path = self._call(revision, 'hf_hub_download', filename='README.md')
+    return DatasetCard.load(path).data.to_dict()
+
+  def _call(self, revision: str | None, what: str, **kwargs) -> Any:
+    """huggingface_hub's ``what`` on this dataset with this process's settings; its errors
+    become ValueErrors saying what to do."""
+    import huggingface_hub  # pylint: disable=import-outside-toplevel  # heavy: hub tasks only
+    from huggingface_hub import errors  # pylint: disable=import-outside-toplevel
+    s = self.settings
+    common = dict(repo_id=self.repo_id, repo_type='dataset', revision=revision, token=s.token)
+    where = self.url if revision == self.revision else f'{self.url} (revision {revision})'
+    try:
+      if what == 'list_repo_files':
+        return huggingface_hub.HfApi(endpoint=s.endpoint, token=s.token).list_repo_files(
+            **common)
+      fn = getattr(huggingface_hub, what)
+      return fn(**common, **kwargs, cache_dir=s.cache_dir, endpoint=s.endpoint,
+                local_files_only=s.offline)
+    except errors.GatedRepoError:
+      raise ValueError(f'{where} is gated: accept its conditions on its hub page, then set '
+                       'HF_TOKEN to a token of that account.') from None
+    except errors.RepositoryNotFoundError:
+      hint = '' if s.token else ' (a private dataset needs HF_TOKEN)'
+      raise ValueError(f'{where}: no such dataset on the hub{hint}; check the name.') from None
+    except errors.RevisionNotFoundError:
+      raise ValueError(f'{where}: the dataset has no revision {revision!r}.') from None
+    except (errors.LocalEntryNotFoundError, errors.IncompleteSnapshotError) as e:
+      if s.offline:
+        raise ValueError(f'{where} is not in the hub cache {s.cache_dir} and HF_HUB_OFFLINE '
+                         'is set; run once online (unset HF_HUB_OFFLINE) or `hf download '
+                         f'{self.repo_id} --repo-type=dataset`.') from None
+      raise ValueError(f'{where}: the hub ({s.endpoint or "huggingface.co"}) could not be '
+                       f'reached and the dataset is not cached: {e}') from None
+    except errors.HfHubHTTPError as e:
+      raise ValueError(f'{where}: the hub answered {e}') from None
