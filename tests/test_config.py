@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from hub_cache import cache_shipped_datasets, use_cache  # tests/hub_cache.py
 
 from rlax_llm.cli import (DEFAULT_CONFIG_PATH, check_config_spec, check_override_keys,
                           config_variants, load_config_file)
@@ -21,6 +22,20 @@ CONFIGS = sorted(ROOT.glob('configs/*.py'))
 def _in_repo_root(monkeypatch):
   """Config specs like 'configs/default.py' are relative to the repository root."""
   monkeypatch.chdir(ROOT)
+
+
+@pytest.fixture(scope='module')
+def _hub_cache(tmp_path_factory):
+  cache = tmp_path_factory.mktemp('hub')
+  cache_shipped_datasets(cache)
+  return cache
+
+
+@pytest.fixture(autouse=True)
+def _shipped_hub_datasets_offline(monkeypatch, _hub_cache):
+  """The configs' hub datasets (configs/math.py:gsm8k, :math500) are read from small stand-ins
+  in a hub cache, offline: validating a config downloads nothing."""
+  use_cache(monkeypatch, _hub_cache)
 
 
 CASES = [(path, variant) for path in CONFIGS for variant in (None, *config_variants(path))]

@@ -246,8 +246,9 @@ class FileTask:
     self.instruction, self.text_template = instruction, text_template
     self.path = self.DEFAULT_PATH if path is None else path
     self.eval_path = eval_path
-    (records, where), (eval_records, eval_where) = self._read(hf_config, split, eval_split)
-    for where, rows in ((where, records), (eval_where, eval_records or [])):
+    (records, train_where), (eval_records, eval_where) = self._read(hf_config, split,
+                                                                    eval_split)
+    for where, rows in ((train_where, records), (eval_where, eval_records or [])):
       for i, row in enumerate(rows):
         try:
           self._check_record(row)

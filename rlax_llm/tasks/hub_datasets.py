@@ -53,11 +53,13 @@ class HubSettings:
 def hub_settings() -> HubSettings:
   """``HF_HUB_OFFLINE``, ``HF_HUB_CACHE`` (else ``HF_HOME``/hub, else huggingface_hub's
   default), ``HF_ENDPOINT`` and ``HF_TOKEN`` as they are now (huggingface_hub reads most of
-  them once, at its import, which a notebook or a test may have done before setting them)."""
+  them once, at its import, which a notebook or a test may have done before setting them).
+  Offline when the environment says so now or said so at huggingface_hub's import (it then
+  refuses every request itself)."""
   from huggingface_hub import constants  # pylint: disable=import-outside-toplevel  # heavy: hub tasks only
   env = os.environ
-  offline_env = env.get('HF_HUB_OFFLINE') or env.get('TRANSFORMERS_OFFLINE')
-  offline = (offline_env.upper() in _TRUE) if offline_env else constants.HF_HUB_OFFLINE
+  offline_env = env.get('HF_HUB_OFFLINE') or env.get('TRANSFORMERS_OFFLINE') or ''
+  offline = offline_env.upper() in _TRUE or constants.HF_HUB_OFFLINE
   if env.get('HF_HUB_CACHE'):
     cache_dir = env['HF_HUB_CACHE']
   elif env.get('HF_HOME'):
@@ -188,9 +190,8 @@ class HubDataset:
     if layout:
       self.config = self._choose(layout, config, default)
       self.splits = layout[self.config]
-    usable = bool(self.splits) and all(
-        paths and all(p.lower().endswith(suffixes) for p in paths)
-        for paths in self.splits.values())
+    usable = any(self.splits.values()) and all(
+        p.lower().endswith(suffixes) for paths in self.splits.values() for p in paths)
     if not usable and self.revision is None:
       self.revision = PARQUET_REVISION
       layout = conventional_layout(self._list_files(self.revision), ('.parquet',))
@@ -217,20 +218,19 @@ class HubDataset:
       raise ValueError(f'{self.url} (config {self.config!r}) has no split {split!r}; its '
                        f'splits: {sorted(self.splits)}.')
     paths = sorted(self.splits[split])
-    if not paths:
-      raise ValueError(f'{self.url} (config {self.config!r}): the card names files for split '
-                       f'{split!r} but none of the dataset\'s files match them.')
-    if self.settings.offline:
-      folder = self._snapshots[self.revision]
+    if not paths or self.settings.offline:
+      folder = self._snapshots.get(self.revision)
     else:
       folder = pathlib.Path(self._call(self.revision, 'snapshot_download', allow_patterns=paths))
     local = [folder / p for p in paths]
-    missing = [p for p, f in zip(paths, local) if not f.is_file()]
-    if missing:
+    if self.settings.offline and (not paths or not all(f.is_file() for f in local)):
       raise ValueError(f'{self.url}: split {split!r} is not in the hub cache '
-                       f'{self.settings.cache_dir} (missing {missing[:3]}) and HF_HUB_OFFLINE '
-                       'is set; run once online (unset HF_HUB_OFFLINE) or `hf download '
-                       f'{self.repo_id} --repo-type=dataset`.')
+                       f'{self.settings.cache_dir} and HF_HUB_OFFLINE is set; run once online '
+                       f'(unset HF_HUB_OFFLINE) or `hf download {self.repo_id} '
+                       '--repo-type=dataset`.')
+    if not paths:
+      raise ValueError(f'{self.url} (config {self.config!r}): the card names files for split '
+                       f'{split!r} but none of the dataset\'s files match them.')
     return local
 
   def _choose(self, layout: Layout, config: str, default: str | None) -> str:
@@ -291,8 +291,9 @@ class HubDataset:
       raise ValueError(f'{where}: no such dataset on the hub{hint}; check the name.') from None
     except errors.RevisionNotFoundError:
       raise ValueError(f'{where}: the dataset has no revision {revision!r}.') from None
-    except (errors.LocalEntryNotFoundError, errors.IncompleteSnapshotError) as e:
-      if s.offline:
+    except (errors.LocalEntryNotFoundError, errors.IncompleteSnapshotError,
+            errors.OfflineModeIsEnabled) as e:
+      if s.offline or isinstance(e, errors.OfflineModeIsEnabled):
         raise ValueError(f'{where} is not in the hub cache {s.cache_dir} and HF_HUB_OFFLINE '
                          'is set; run once online (unset HF_HUB_OFFLINE) or `hf download '
                          f'{self.repo_id} --repo-type=dataset`.') from None
@@ -300,3 +301,9 @@ class HubDataset:
                        f'reached and the dataset is not cached: {e}') from None
     except errors.HfHubHTTPError as e:
       raise ValueError(f'{where}: the hub answered {e}') from None
+    except Exception as e:  # pylint: disable=broad-except  # transport errors: no hub base class
+      if 'connect' not in type(e).__name__.lower() and 'timeout' not in type(e).__name__.lower():
+        raise
+      raise ValueError(f'{where}: the hub ({s.endpoint or "huggingface.co"}) could not be '
+                       f'reached ({type(e).__name__}: {e}); check the network, or set '
+                       'HF_HUB_OFFLINE=1 to read what the hub cache holds.') from None
