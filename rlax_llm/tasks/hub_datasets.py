@@ -22,6 +22,7 @@ is read from the snapshot its revision names in the cache, with the files cached
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -33,6 +34,20 @@ HUB_PREFIX = 'hf://'
 PARQUET_REVISION = 'refs/convert/parquet'
 DEFAULT_CONFIG = 'default'
 _TRUE = ('1', 'ON', 'YES', 'TRUE')
+
+
+def _hub():
+  """huggingface_hub, imported on first use (heavy: only tasks reading the hub need it), or
+  ImportError with the install command."""
+  try:
+    # Lazy (heavy: only the tasks reading the hub need it); the submodules load on import.
+    import huggingface_hub.constants  # pylint: disable=import-outside-toplevel
+    import huggingface_hub.errors  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise ImportError("reading hf:// datasets needs huggingface_hub, which is not installed; "
+                      "run `pip install huggingface_hub` (or install rlax_llm with the 'data' "
+                      'extra), or download the files and give their paths.') from None
+  return huggingface_hub
 
 
 def is_hub_url(path: object) -> bool:
@@ -56,7 +71,7 @@ def hub_settings() -> HubSettings:
   them once, at its import, which a notebook or a test may have done before setting them).
   Offline when the environment says so now or said so at huggingface_hub's import (it then
   refuses every request itself)."""
-  from huggingface_hub import constants  # pylint: disable=import-outside-toplevel  # heavy: hub tasks only
+  constants = _hub().constants
   env = os.environ
   offline_env = env.get('HF_HUB_OFFLINE') or env.get('TRANSFORMERS_OFFLINE') or ''
   offline = offline_env.upper() in _TRUE or constants.HF_HUB_OFFLINE
@@ -74,11 +89,11 @@ def hub_settings() -> HubSettings:
 def parse_dataset_url(url: str) -> tuple[str, str | None]:
   """``(repo_id, revision)`` of ``hf://datasets/ORG/NAME[@REVISION]`` (huggingface_hub's
   ``parse_hf_uri``). Raises ValueError for another form, naming the expected one."""
-  from huggingface_hub import errors, parse_hf_uri  # pylint: disable=import-outside-toplevel  # heavy
+  hub = _hub()
   expected = 'write hf://datasets/ORG/NAME or hf://datasets/ORG/NAME@REVISION'
   try:
-    uri = parse_hf_uri(url)
-  except errors.HfUriError as e:
+    uri = hub.parse_hf_uri(url)
+  except hub.errors.HfUriError as e:
     raise ValueError(f'{url!r} is not a hub dataset ({e}); {expected}.') from None
   if uri.type != 'dataset':
     raise ValueError(f'{url!r} names a hub {uri.type}, not a dataset; {expected}.')
@@ -221,7 +236,9 @@ class HubDataset:
     if not paths or self.settings.offline:
       folder = self._snapshots.get(self.revision)
     else:
-      folder = pathlib.Path(self._call(self.revision, 'snapshot_download', allow_patterns=paths))
+      with self._hub_errors(self.revision):
+        folder = pathlib.Path(_hub().snapshot_download(
+            **self._repo(self.revision), **self._cached(), allow_patterns=paths))
     local = [folder / p for p in paths]
     if self.settings.offline and (not paths or not all(f.is_file() for f in local)):
       raise ValueError(f'{self.url}: split {split!r} is not in the hub cache '
@@ -250,10 +267,14 @@ class HubDataset:
   def _list_files(self, revision: str | None) -> list[str]:
     """The repository's file paths at ``revision``: the hub's listing, or offline those of
     the cached snapshot."""
-    if not self.settings.offline:
-      return self._call(revision, 'list_repo_files')
-    # allow_patterns=[]: only resolve the cached snapshot (no file is required to be there).
-    folder = pathlib.Path(self._call(revision, 'snapshot_download', allow_patterns=[]))
+    hub = _hub()
+    with self._hub_errors(revision):
+      if not self.settings.offline:
+        api = hub.HfApi(endpoint=self.settings.endpoint, token=self.settings.token)
+        return api.list_repo_files(**self._repo(revision))
+      # allow_patterns=[]: only resolve the cached snapshot (no file is required to be there).
+      folder = pathlib.Path(hub.snapshot_download(**self._repo(revision), **self._cached(),
+                                                  allow_patterns=[]))
     self._snapshots[revision] = folder
     return sorted(p.relative_to(folder).as_posix() for p in folder.rglob('*') if p.is_file())
 
@@ -261,28 +282,31 @@ class HubDataset:
     """The YAML of the dataset card (README.md), or {} when there is none."""
     if 'README.md' not in files:
       return {}
-    from huggingface_hub import DatasetCard  # pylint: disable=import-outside-toplevel  # heavy
     if self.settings.offline:
       path = self._snapshots[revision] / 'README.md'
     else:
-      path = self._call(revision, 'hf_hub_download', filename='README.md')
-    return DatasetCard.load(path).data.to_dict()
+      with self._hub_errors(revision):
+        path = _hub().hf_hub_download(**self._repo(revision), **self._cached(),
+                                      filename='README.md')
+    return _hub().DatasetCard.load(path).data.to_dict()
 
-  def _call(self, revision: str | None, what: str, **kwargs) -> Any:
-    """huggingface_hub's ``what`` on this dataset with this process's settings; its errors
-    become ValueErrors saying what to do."""
-    import huggingface_hub  # pylint: disable=import-outside-toplevel  # heavy: hub tasks only
-    from huggingface_hub import errors  # pylint: disable=import-outside-toplevel
+  def _repo(self, revision: str | None) -> dict[str, Any]:
+    """The arguments naming this dataset at ``revision`` to huggingface_hub, and its token."""
+    return {'repo_id': self.repo_id, 'repo_type': 'dataset', 'revision': revision,
+            'token': self.settings.token}
+
+  def _cached(self) -> dict[str, Any]:
+    """The cache arguments of huggingface_hub's downloads, from this process's settings."""
     s = self.settings
-    common = dict(repo_id=self.repo_id, repo_type='dataset', revision=revision, token=s.token)
+    return {'cache_dir': s.cache_dir, 'endpoint': s.endpoint, 'local_files_only': s.offline}
+
+  @contextlib.contextmanager
+  def _hub_errors(self, revision: str | None):
+    """huggingface_hub's errors inside as ValueErrors saying what to do."""
+    errors, s = _hub().errors, self.settings
     where = self.url if revision == self.revision else f'{self.url} (revision {revision})'
     try:
-      if what == 'list_repo_files':
-        return huggingface_hub.HfApi(endpoint=s.endpoint, token=s.token).list_repo_files(
-            **common)
-      fn = getattr(huggingface_hub, what)
-      return fn(**common, **kwargs, cache_dir=s.cache_dir, endpoint=s.endpoint,
-                local_files_only=s.offline)
+      yield
     except errors.GatedRepoError:
       raise ValueError(f'{where} is gated: accept its conditions on its hub page, then set '
                        'HF_TOKEN to a token of that account.') from None
@@ -302,7 +326,8 @@ class HubDataset:
     except errors.HfHubHTTPError as e:
       raise ValueError(f'{where}: the hub answered {e}') from None
     except Exception as e:  # pylint: disable=broad-except  # transport errors: no hub base class
-      if 'connect' not in type(e).__name__.lower() and 'timeout' not in type(e).__name__.lower():
+      name = type(e).__name__.lower()
+      if 'connect' not in name and 'timeout' not in name:
         raise
       raise ValueError(f'{where}: the hub ({s.endpoint or "huggingface.co"}) could not be '
                        f'reached ({type(e).__name__}: {e}); check the network, or set '

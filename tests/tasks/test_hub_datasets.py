@@ -2,9 +2,9 @@
 huggingface_hub lays it out (offline), and downloaded from a fake hub on loopback (only the
 split's files); layouts, the Parquet-conversion fallback, errors, and a resumed stream."""
 
+import hub_cache  # tests/hub_cache.py
 import pytest
-from hub_cache import (FakeHub, cache_dataset, cache_shipped_datasets, card_bytes,  # tests/
-                       gsm8k_rows, jsonl_bytes, parquet_bytes, use_cache)
+from hub_cache import FakeHub, cache_dataset, card_bytes, gsm8k_rows, parquet_bytes, use_cache
 
 from rlax_llm.data import prompt_dataset
 from rlax_llm.tasks import MathTask, PythonTask, make_task
@@ -16,7 +16,7 @@ GSM8K = 'hf://datasets/openai/gsm8k'
 @pytest.fixture
 def shipped(tmp_path, monkeypatch):
   """openai/gsm8k and HuggingFaceH4/MATH-500 stand-ins in a hub cache, offline."""
-  cache_shipped_datasets(tmp_path)
+  hub_cache.cache_shipped_datasets(tmp_path)
   use_cache(monkeypatch, tmp_path)
   return tmp_path
 
@@ -133,7 +133,7 @@ def test_errors_name_what_exists(shipped, tmp_path):
                      r"path='math_sample.jsonl' names files"):
     MathTask(hf_config='main')
   local = tmp_path / 'eval.jsonl'
-  local.write_bytes(jsonl_bytes(gsm8k_rows(3, start=500)))
+  local.write_bytes(hub_cache.jsonl_bytes(gsm8k_rows(3, start=500)))
   with pytest.raises(ValueError, match='both name the held-out records; give one'):
     MathTask(path=GSM8K, hf_config='main', eval_path=str(local), eval_split='test')
   task = MathTask(path=GSM8K, hf_config='main', eval_path=str(local), num_eval=3)
