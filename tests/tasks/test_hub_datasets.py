@@ -2,6 +2,12 @@
 huggingface_hub lays it out (offline), and downloaded from a fake hub on loopback (only the
 split's files); layouts, the Parquet-conversion fallback, errors, and a resumed stream."""
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
 import hub_cache  # tests/hub_cache.py
 import pytest
 from hub_cache import FakeHub, cache_dataset, card_bytes, gsm8k_rows, parquet_bytes, use_cache
@@ -11,6 +17,7 @@ from rlax_llm.tasks import MathTask, PythonTask, make_task
 from rlax_llm.tasks.hub_datasets import HubDataset, conventional_layout
 
 GSM8K = 'hf://datasets/openai/gsm8k'
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -152,19 +159,29 @@ def test_a_split_missing_from_the_cache_offline(tmp_path, monkeypatch):
 
 
 def test_resumed_mid_dataset_the_stream_continues_with_the_same_prompts(shipped):
-  """The grain iterator's state (what a checkpoint stores) resumes a task rebuilt from the
-  cache at the same prompts, across an epoch boundary of the hub split."""
-  make = lambda: MathTask(path=GSM8K, hf_config='main', num_eval=8, format='chat')
-  it = iter(prompt_dataset(make(), 6).to_iter_dataset())
-  for _ in range(5):  # 30 of the 40 train records
+  """The controller's data position (the grain iterator's state, stored as JSON in a
+  checkpoint) resumes the stream, in a new process that reads the dataset from the cache
+  again, at the same prompts, across an epoch boundary of the hub split."""
+  args = {'path': GSM8K, 'hf_config': 'main', 'num_eval': 8, 'format': 'chat'}
+  it = iter(prompt_dataset(MathTask(**args), 1).to_iter_dataset())  # as the controller's
+  for _ in range(37):  # 37 of the 40 train records
     next(it)
-  state = it.get_state()
-  expected = [next(it) for _ in range(4)]  # crosses into the second epoch
-  resumed = iter(prompt_dataset(make(), 6).to_iter_dataset())
-  resumed.set_state(state)
-  got = [next(resumed) for _ in range(4)]
+  state = json.dumps(dict(it.get_state()))
+  expected = [p.to_dict() for batch in (next(it) for _ in range(6)) for p in batch]
+  code = ('import json, sys\n'
+          'from rlax_llm.data import prompt_dataset\n'
+          'from rlax_llm.tasks import MathTask\n'
+          'it = iter(prompt_dataset(MathTask(**json.loads(sys.argv[2])), 1).to_iter_dataset())\n'
+          'it.set_state(json.loads(sys.argv[1]))\n'
+          'print(json.dumps([p.to_dict() for _ in range(6) for p in next(it)]))\n')
+  env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get('PYTHONPATH', ''))
+  result = subprocess.run([sys.executable, '-c', code, state, json.dumps(args)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
+                          check=False)
+  assert result.returncode == 0, result.stderr[-2000:]
+  got = json.loads(result.stdout.splitlines()[-1])
   assert got == expected
-  assert [p.prompt_id for p in got[0]] == list(range(30, 36))
+  assert [p['prompt_id'] for p in got] == list(range(37, 43))  # into the second epoch
 
 
 def test_download_from_the_hub_fetches_only_the_split_files(tmp_path, monkeypatch):
