@@ -87,38 +87,12 @@ def _download(repo_id: str, revision: str) -> pathlib.Path:
 
   where = f'hub model {repo_id!r}' + (f' at revision {revision!r}' if revision else '')
   page = f'{constants.ENDPOINT}/{repo_id}'
-  token_hint = ('give a token of an account with access (the HF_TOKEN environment variable, or '
-                '`hf auth login`)')
   try:
     snapshot = huggingface_hub.snapshot_download(
         repo_id, revision=revision or None, allow_patterns=list(ALLOW_PATTERNS),
         ignore_patterns=list(IGNORE_PATTERNS))
-  except hub_errors.GatedRepoError as error:
-    raise CheckpointError(f'{where} is gated: accept its terms at {page} and {token_hint}.'
-                          ) from error
-  except hub_errors.RepositoryNotFoundError as error:
-    raise CheckpointError(
-        f'{where} is not on the hub ({constants.ENDPOINT}) and not a path on this machine: '
-        f'check the id (ORG/NAME, as in {constants.ENDPOINT}/ORG/NAME); if the repository is '
-        f'private, {token_hint}.') from error
-  except hub_errors.RevisionNotFoundError as error:
-    raise CheckpointError(f'{where}: the repository has no revision {revision!r}; give a '
-                          'branch, tag or commit sha it has, or an empty revision for its '
-                          'default branch.') from error
-  except hub_errors.LocalEntryNotFoundError as error:  # not (wholly) in the cache
-    fetch = download_command(repo_id, revision)
-    if constants.HF_HUB_OFFLINE:
-      raise CheckpointError(
-          f'{where} is not (completely) in the hub cache {constants.HF_HUB_CACHE} and '
-          f'HF_HUB_OFFLINE is set, so nothing is downloaded: fetch it first on a machine online '
-          f'with the same HF_HOME (`{fetch}`), or unset HF_HUB_OFFLINE.') from error
-    raise CheckpointError(
-        f'{where} could not be fetched from {constants.ENDPOINT} and is not (completely) in '
-        f'the hub cache {constants.HF_HUB_CACHE}: check the network (HF_ENDPOINT, proxies), '
-        f'or fetch it where there is one (`{fetch}`). The hub said: {error}') from error
-  except hub_errors.HfHubHTTPError as error:
-    raise CheckpointError(f'{where} could not be fetched from {constants.ENDPOINT}: {error}'
-                          ) from error
+  except (hub_errors.HfHubHTTPError, hub_errors.LocalEntryNotFoundError) as error:
+    raise CheckpointError(f'{where}{_fetch_failure(error, repo_id, revision)}') from error
   directory = pathlib.Path(snapshot)
   if not (directory / 'config.json').is_file():
     raise CheckpointError(f'{where} has no config.json at its top level ({page}): not a '
@@ -131,3 +105,33 @@ def _download(repo_id: str, revision: str) -> pathlib.Path:
                           'local directory.')
   logging.info('%s: commit %s, in %s', where, directory.name, directory)
   return directory
+
+
+def _fetch_failure(error: Exception, repo_id: str, revision: str) -> str:
+  """What went wrong in ``snapshot_download`` (``error``, one of huggingface_hub's) and the
+  fix, to follow the model's name in a message."""
+  # pylint: disable=import-outside-toplevel  # huggingface_hub: only when a hub id is resolved
+  from huggingface_hub import constants
+  from huggingface_hub import errors as hub_errors
+
+  token_hint = ('give a token of an account with access (the HF_TOKEN environment variable, or '
+                '`hf auth login`)')
+  if isinstance(error, hub_errors.GatedRepoError):
+    return f' is gated: accept its terms at {constants.ENDPOINT}/{repo_id} and {token_hint}.'
+  if isinstance(error, hub_errors.RepositoryNotFoundError):
+    return (f' is not on the hub ({constants.ENDPOINT}) and not a path on this machine: check '
+            f'the id (ORG/NAME, as in {constants.ENDPOINT}/ORG/NAME); if the repository is '
+            f'private, {token_hint}.')
+  if isinstance(error, hub_errors.RevisionNotFoundError):
+    return (f': the repository has no revision {revision!r}; give a branch, tag or commit sha '
+            'it has, or an empty revision for its default branch.')
+  if not isinstance(error, hub_errors.LocalEntryNotFoundError):  # another HTTP error
+    return f' could not be fetched from {constants.ENDPOINT}: {error}'
+  fetch = download_command(repo_id, revision)  # not (wholly) in the cache
+  if constants.HF_HUB_OFFLINE:
+    return (f' is not (completely) in the hub cache {constants.HF_HUB_CACHE} and HF_HUB_OFFLINE '
+            'is set, so nothing is downloaded: fetch it first on a machine online with the same '
+            f'HF_HOME (`{fetch}`), or unset HF_HUB_OFFLINE.')
+  return (f' could not be fetched from {constants.ENDPOINT} and is not (completely) in the hub '
+          f'cache {constants.HF_HUB_CACHE}: check the network (HF_ENDPOINT, proxies), or fetch it '
+          f'where there is one (`{fetch}`). The hub said: {error}')
