@@ -1,17 +1,19 @@
 """A stand-in for the Hugging Face hub on loopback: the HTTP routes ``snapshot_download`` uses.
 
-``FakeHub`` serves model repositories held in memory (``add_commit``) at ``hub.url``:
-``GET /api/models/ORG/NAME/revision/REV`` (the commit a branch, tag or sha names),
-``GET /api/models/ORG/NAME/tree/REV`` (the file listing) and ``HEAD``/``GET
+``FakeHub`` serves model and dataset repositories held in memory (``add_commit``) at
+``hub.url``: ``GET /api/models/ORG/NAME/revision/REV`` (the commit a branch, tag or sha
+names), ``GET /api/models/ORG/NAME/tree/REV`` (the file listing) and ``HEAD``/``GET
 /ORG/NAME/resolve/REV/PATH`` (a file, with the ``X-Repo-Commit`` and ``ETag`` headers the
-cache is keyed by). Errors carry the hub's ``X-Error-Code`` header (``RepoNotFound``,
-``RevisionNotFound``, ``GatedRepo``, ``EntryNotFound``), which ``huggingface_hub`` turns into
-its own exception types. ``downloads`` records every file body served.
+cache is keyed by); for a dataset the same under ``/api/datasets/`` and ``/datasets/``. Errors
+carry the hub's ``X-Error-Code`` header (``RepoNotFound``, ``RevisionNotFound``,
+``GatedRepo``, ``EntryNotFound``), which ``huggingface_hub`` turns into its own exception
+types. ``downloads`` records every file body served, as ``(repo, path)`` where ``repo`` is a
+model's id or ``datasets/ORG/NAME``.
 
-``hub_environment(hub, cache)`` points ``huggingface_hub`` at it: ``HF_ENDPOINT``,
-``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE`` set in ``os.environ`` and ``huggingface_hub.constants``
-reloaded (the library reads them once, at import), as a fresh process with those variables
-would see them.
+``hub_environment(hub, cache)`` points ``huggingface_hub`` at it (or, with ``hub=None``, at
+no endpoint: a cache the test laid out, read offline): ``HF_ENDPOINT``, ``HF_HUB_CACHE`` and
+``HF_HUB_OFFLINE`` set in ``os.environ`` and ``huggingface_hub.constants`` reloaded (the
+library reads them once, at import), as a fresh process with those variables would see them.
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ class FakeHub:
     self._server: http.server.ThreadingHTTPServer | None = None
 
   def add_commit(self, repo_id: str, files: Mapping[str, bytes], *, ref: str = 'main',
-                 gated: bool = False) -> str:
-    """Makes ``files`` (path in the repo -> bytes) a commit of ``repo_id`` that ``ref`` names;
-    returns its sha."""
+                 gated: bool = False, repo_type: str = 'model') -> str:
+    """Makes ``files`` (path in the repo -> bytes) a commit of ``repo_id`` (a ``repo_type``
+    'model' or 'dataset') that ``ref`` names; returns its sha."""
+    repo_id = repo_id if repo_type == 'model' else f'{repo_type}s/{repo_id}'
     digest = hashlib.sha1(repo_id.encode())
     for path in sorted(files):
       digest.update(path.encode() + b'\0' + hashlib.sha256(files[path]).digest())
@@ -85,6 +88,13 @@ class FakeHub:
   def _answer(self, request: http.server.BaseHTTPRequestHandler, body: bool) -> None:
     parts = [urllib.parse.unquote(p) for p in urllib.parse.urlsplit(request.path).path.split('/')]
     parts = parts[1:]  # the path starts with '/'
+    # A dataset's routes are a model's with 'datasets' before the id: its key here.
+    if parts[:2] == ['api', 'datasets'] and len(parts) >= 4:
+      parts = ['api', 'models', f'datasets/{parts[2]}', *parts[3:]]
+    elif parts[:1] == ['datasets'] and len(parts) >= 3:
+      parts = [f'datasets/{parts[1]}', *parts[2:]]
+    if parts[:2] == ['api', 'models'] and len(parts) == 4:
+      parts += ['revision', 'main']  # repo_info of the default branch
     if parts[:2] == ['api', 'models'] and len(parts) >= 6:
       repo_id, route, revision = '/'.join(parts[2:4]), parts[4], parts[5]
       files = self._files(request, repo_id, revision)
@@ -92,9 +102,11 @@ class FakeHub:
         return
       sha = self._sha(repo_id, revision)
       if route == 'revision':
-        info = {'id': repo_id, 'modelId': repo_id, 'sha': sha, 'private': False,
+        info = {'id': repo_id.removeprefix('datasets/'), 'sha': sha, 'private': False,
                 'gated': 'auto' if repo_id in self.gated else False,
                 'siblings': [{'rfilename': path} for path in sorted(files)]}
+        if not repo_id.startswith('datasets/'):
+          info['modelId'] = repo_id
         return self._send(request, 200, json.dumps(info).encode(), body)
       if route == 'tree':
         listing = [{'type': 'file', 'path': path, 'size': len(data),
@@ -150,13 +162,14 @@ class FakeHub:
 
 
 @contextlib.contextmanager
-def hub_environment(hub: FakeHub, cache: os.PathLike[str] | str, *, offline: bool = False,
-                    token: str | None = None) -> Iterator[None]:
-  """``huggingface_hub`` pointed at ``hub`` with the cache ``cache`` (``offline``: reads the
-  cache only; ``token``: ``HF_TOKEN``), restored on exit."""
+def hub_environment(hub: FakeHub | None, cache: os.PathLike[str] | str, *,
+                    offline: bool = False, token: str | None = None) -> Iterator[None]:
+  """``huggingface_hub`` pointed at ``hub`` (None: the default endpoint, for a cache read
+  offline) with the cache ``cache`` (``offline``: reads the cache only; ``token``:
+  ``HF_TOKEN``), restored on exit."""
   import huggingface_hub.constants  # pylint: disable=import-outside-toplevel
 
-  values = {'HF_ENDPOINT': hub.url, 'HF_HUB_CACHE': os.fspath(cache),
+  values = {'HF_ENDPOINT': hub and hub.url, 'HF_HUB_CACHE': os.fspath(cache),
             'HF_HUB_OFFLINE': '1' if offline else '0', 'HF_TOKEN': token,
             'HF_HUB_DISABLE_PROGRESS_BARS': '1', 'HF_HUB_DISABLE_IMPLICIT_TOKEN': None,
             'TRANSFORMERS_OFFLINE': None, 'NO_PROXY': '127.0.0.1'}

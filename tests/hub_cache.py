@@ -1,22 +1,18 @@
-"""Hub datasets laid out on disk exactly as huggingface_hub caches them, and a fake hub.
+"""Hub datasets laid out on disk exactly as huggingface_hub caches them, for offline tests.
 
 ``cache_dataset(cache, 'org/name', {path: bytes})`` writes
 ``datasets--org--name/{blobs/SHA256, refs/REVISION, snapshots/COMMIT/PATH -> ../../blobs/..}``;
-``use_cache(monkeypatch, cache)`` points this process's hub settings at it, offline.
-``cache_shipped_datasets(cache)`` writes small stand-ins of the datasets configs/math.py names
-(GSM8K's card and Parquet layout, MATH-500's root ``test.jsonl``). ``FakeHub`` serves
-datasets on loopback with the hub's HTTP API (what huggingface_hub calls to list and download
-files; use it as ``HF_ENDPOINT``) and records the files it sent.
+``fake_hub.hub_environment(None, cache, offline=True)`` (tests/fake_hub.py) points
+huggingface_hub at it. ``cache_shipped_datasets(cache)`` writes small stand-ins of the
+datasets configs/math.py names (GSM8K's card and Parquet layout, MATH-500's root
+``test.jsonl``).
 """
 
 import hashlib
-import http.server
 import io
 import json
 import os
 import pathlib
-import threading
-import urllib.parse
 
 import pyarrow
 import pyarrow.parquet as pq
@@ -69,16 +65,6 @@ def cache_dataset(cache: pathlib.Path, repo_id: str, files: dict[str, bytes],
   return snapshot
 
 
-def use_cache(monkeypatch, cache: pathlib.Path, offline: bool = True) -> None:
-  """This process's hub settings: ``cache``, offline or not (also huggingface_hub's own flag,
-  read at its import, which an earlier test may have made under HF_HUB_OFFLINE=1), no token."""
-  from huggingface_hub import constants  # pylint: disable=import-outside-toplevel
-  monkeypatch.setenv('HF_HUB_CACHE', str(cache))
-  monkeypatch.setenv('HF_HUB_OFFLINE', '1' if offline else '0')
-  monkeypatch.setattr(constants, 'HF_HUB_OFFLINE', offline)
-  monkeypatch.delenv('HF_TOKEN', raising=False)
-
-
 def gsm8k_rows(count: int, start: int = 0) -> list[dict]:
   """GSM8K-shaped records: a worked answer with calculator notes, the final one after ####."""
   return [{'question': f'Natalia sold {i} clips in April and half as many in May. How many '
@@ -108,94 +94,3 @@ def cache_shipped_datasets(cache: pathlib.Path) -> None:
       'socratic/test-00000-of-00001.parquet': parquet_bytes(gsm8k_rows(3, start=300)),
   })
   cache_dataset(cache, 'HuggingFaceH4/MATH-500', {'test.jsonl': jsonl_bytes(math500_rows(120))})
-
-
-class FakeHub:
-  """The hub's dataset API on 127.0.0.1 (``url``) over ``repos``: {repo_id: {revision:
-  {path: bytes}}}; ``gated`` repos answer 401 GatedRepo. ``downloads`` lists the file paths
-  sent (GET), ``requests`` every (method, path)."""
-
-  def __init__(self, repos: dict[str, dict[str, dict[str, bytes]]], gated: tuple = ()):
-    self.repos, self.gated = repos, set(gated)
-    self.downloads: list[str] = []
-    self.requests: list[tuple[str, str]] = []
-    hub = self
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-
-      def log_message(self, *args):  # quiet
-        pass
-
-      def do_HEAD(self):  # pylint: disable=invalid-name
-        hub._serve(self, body=False)
-
-      def do_GET(self):  # pylint: disable=invalid-name
-        hub._serve(self, body=True)
-
-    self.server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Handler)
-    self.url = f'http://127.0.0.1:{self.server.server_address[1]}'
-    self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-    self.thread.start()
-
-  def close(self) -> None:
-    self.server.shutdown()
-    self.server.server_close()
-
-  def _files(self, repo: str, revision: str) -> tuple[str, dict[str, bytes]] | None:
-    for name, files in self.repos.get(repo, {}).items():
-      if revision in (name, commit_of(repo, name)):
-        return commit_of(repo, name), files
-    return None
-
-  def _serve(self, handler, body: bool) -> None:
-    url = urllib.parse.urlsplit(handler.path)
-    self.requests.append((handler.command, url.path))
-    parts = [urllib.parse.unquote(p) for p in url.path.split('/')[1:]]
-
-    def reply(status, data=b'', headers=None, error=None):
-      handler.send_response(status)
-      for key, value in (headers or {}).items():
-        handler.send_header(key, value)
-      if error:
-        handler.send_header('X-Error-Code', error)
-        handler.send_header('X-Error-Message', error)
-      handler.send_header('Content-Length', str(len(data)))
-      handler.end_headers()
-      if body:
-        handler.wfile.write(data)
-
-    api = parts[:2] == ['api', 'datasets']
-    start = 2 if api else 1
-    if (not api and parts[:1] != ['datasets']) or len(parts) < start + 2:
-      return reply(404, error='EntryNotFound')
-    repo = '/'.join(parts[start:start + 2])
-    rest = parts[start + 2:]
-    if repo not in self.repos:
-      return reply(404, error='RepoNotFound')
-    if repo in self.gated:
-      return reply(401, error='GatedRepo')
-    if api and (not rest or rest[0] == 'revision'):
-      found = self._files(repo, rest[1] if rest else 'main')
-      if found is None:
-        return reply(404, error='RevisionNotFound')
-      info = {'id': repo, 'sha': found[0], 'private': False,
-              'siblings': [{'rfilename': p} for p in found[1]]}
-      return reply(200, json.dumps(info).encode(), {'Content-Type': 'application/json'})
-    if api and rest[0] == 'tree':
-      found = self._files(repo, rest[1])
-      if found is None:
-        return reply(404, error='RevisionNotFound')
-      tree = [{'type': 'file', 'path': p, 'size': len(d),
-               'oid': hashlib.sha1(d).hexdigest()} for p, d in found[1].items()]
-      return reply(200, json.dumps(tree).encode(), {'Content-Type': 'application/json'})
-    if not api and rest[:1] == ['resolve'] and len(rest) >= 3:
-      found = self._files(repo, rest[1])
-      path = '/'.join(rest[2:])
-      if found is None or path not in found[1]:
-        return reply(404, error='EntryNotFound')
-      data = found[1][path]
-      if body:
-        self.downloads.append(path)
-      return reply(200, data, {'X-Repo-Commit': found[0],
-                               'ETag': f'"{hashlib.sha256(data).hexdigest()}"'})
-    return reply(404, error='EntryNotFound')

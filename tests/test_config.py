@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from hub_cache import cache_shipped_datasets, use_cache  # tests/hub_cache.py
+from fake_hub import hub_environment  # tests/fake_hub.py
+from hub_cache import cache_shipped_datasets  # tests/hub_cache.py
 
 from rlax_llm.cli import (DEFAULT_CONFIG_PATH, check_config_spec, check_override_keys,
                           config_variants, load_config_file)
@@ -32,10 +33,11 @@ def _hub_cache(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _shipped_hub_datasets_offline(monkeypatch, _hub_cache):
+def _shipped_hub_datasets_offline(_hub_cache):
   """The configs' hub datasets (configs/math.py:gsm8k, :math500) are read from small stand-ins
   in a hub cache, offline: validating a config downloads nothing."""
-  use_cache(monkeypatch, _hub_cache)
+  with hub_environment(None, _hub_cache, offline=True):
+    yield
 
 
 CASES = [(path, variant) for path in CONFIGS for variant in (None, *config_variants(path))]

@@ -165,8 +165,8 @@ class FileSplit:
     keys = [key(r) for r in records]
     if eval_records is not None:
       if num_eval > len(eval_records):
-        raise ValueError(f'{owner}: num_eval={num_eval} but the held-out files (or split) hold only '
-                         f'{len(eval_records)} records; lower num_eval.')
+        raise ValueError(f'{owner}: num_eval={num_eval} but the held-out files (or split) '
+                         f'hold only {len(eval_records)} records; lower num_eval.')
       eval_order = sorted(range(len(eval_records)),
                           key=lambda i: stable_hash('eval', seed, key(eval_records[i])))
       self.eval = [eval_records[i] for i in eval_order[:num_eval]]

@@ -14,17 +14,16 @@ them (Parquet through pyarrow, JSONL). Where a split's files are, in order:
    hub's own Parquet conversion, the revision ``refs/convert/parquet``
    (``CONFIG/SPLIT/0000.parquet``), for datasets read at their default revision.
 
-Settings come from the environment at call time, not at ``huggingface_hub``'s import:
-``HF_HUB_OFFLINE`` (read the cache only), ``HF_HUB_CACHE`` / ``HF_HOME`` (where the cache is),
-``HF_ENDPOINT`` (a mirror) and ``HF_TOKEN`` (private and gated datasets). Offline, a dataset
-is read from the snapshot its revision names in the cache, with the files cached there.
+The settings are huggingface_hub's own, as it reads them (at its import), the same as for
+models by hub id (``rlax_llm/models/files/hub.py``): ``HF_HUB_OFFLINE`` (read the cache only),
+``HF_HUB_CACHE`` / ``HF_HOME`` (where the cache is), ``HF_ENDPOINT`` (a mirror) and
+``HF_TOKEN`` or ``hf auth login`` (private and gated datasets). Offline, a dataset is read
+from the snapshot its revision names in the cache, with the files cached there.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import os
 import pathlib
 import re
 from collections.abc import Mapping, Sequence
@@ -33,7 +32,6 @@ from typing import Any
 HUB_PREFIX = 'hf://'
 PARQUET_REVISION = 'refs/convert/parquet'
 DEFAULT_CONFIG = 'default'
-_TRUE = ('1', 'ON', 'YES', 'TRUE')
 
 
 def _hub():
@@ -53,37 +51,6 @@ def _hub():
 def is_hub_url(path: object) -> bool:
   """Whether ``path`` names a hub location (a str starting with ``hf://``)."""
   return isinstance(path, str) and path.startswith(HUB_PREFIX)
-
-
-@dataclasses.dataclass(frozen=True)
-class HubSettings:
-  """The hub settings of this process, read from the environment when a dataset is opened."""
-
-  offline: bool
-  cache_dir: str
-  endpoint: str | None
-  token: str | None
-
-
-def hub_settings() -> HubSettings:
-  """``HF_HUB_OFFLINE``, ``HF_HUB_CACHE`` (else ``HF_HOME``/hub, else huggingface_hub's
-  default), ``HF_ENDPOINT`` and ``HF_TOKEN`` as they are now (huggingface_hub reads most of
-  them once, at its import, which a notebook or a test may have done before setting them).
-  Offline when the environment says so now or said so at huggingface_hub's import (it then
-  refuses every request itself)."""
-  constants = _hub().constants
-  env = os.environ
-  offline_env = env.get('HF_HUB_OFFLINE') or env.get('TRANSFORMERS_OFFLINE') or ''
-  offline = offline_env.upper() in _TRUE or constants.HF_HUB_OFFLINE
-  if env.get('HF_HUB_CACHE'):
-    cache_dir = env['HF_HUB_CACHE']
-  elif env.get('HF_HOME'):
-    cache_dir = os.path.join(env['HF_HOME'], 'hub')
-  else:
-    cache_dir = constants.HF_HUB_CACHE
-  return HubSettings(offline=offline, cache_dir=os.path.expanduser(cache_dir),
-                     endpoint=env.get('HF_ENDPOINT') or None,
-                     token=env.get('HF_TOKEN') or env.get('HUGGING_FACE_HUB_TOKEN') or None)
 
 
 def parse_dataset_url(url: str) -> tuple[str, str | None]:
@@ -194,7 +161,7 @@ class HubDataset:
     configs listed), an unreachable hub or a dataset missing from the cache offline."""
     self.url = url
     self.repo_id, self.revision = parse_dataset_url(url)
-    self.settings = hub_settings()
+    self.offline = bool(_hub().constants.HF_HUB_OFFLINE)
     self._snapshots: dict[str | None, pathlib.Path] = {}
     suffixes = tuple(s.lower() for s in suffixes)
     self.config, self.splits = config, {}
@@ -233,17 +200,17 @@ class HubDataset:
       raise ValueError(f'{self.url} (config {self.config!r}) has no split {split!r}; its '
                        f'splits: {sorted(self.splits)}.')
     paths = sorted(self.splits[split])
-    if not paths or self.settings.offline:
+    if not paths or self.offline:
       folder = self._snapshots.get(self.revision)
     else:
       with self._hub_errors(self.revision):
         folder = pathlib.Path(_hub().snapshot_download(
             **self._repo(self.revision), **self._cached(), allow_patterns=paths))
     local = [folder / p for p in paths]
-    if self.settings.offline and (not paths or not all(f.is_file() for f in local)):
+    if self.offline and (not paths or not all(f.is_file() for f in local)):
       raise ValueError(f'{self.url}: split {split!r} is not in the hub cache '
-                       f'{self.settings.cache_dir} and HF_HUB_OFFLINE is set; run once online '
-                       f'(unset HF_HUB_OFFLINE) or `hf download {self.repo_id} '
+                       f'{_hub().constants.HF_HUB_CACHE} and HF_HUB_OFFLINE is set; run once '
+                       f'online (unset HF_HUB_OFFLINE) or `hf download {self.repo_id} '
                        '--repo-type=dataset`.')
     if not paths:
       raise ValueError(f'{self.url} (config {self.config!r}): the card names files for split '
@@ -269,9 +236,8 @@ class HubDataset:
     the cached snapshot."""
     hub = _hub()
     with self._hub_errors(revision):
-      if not self.settings.offline:
-        api = hub.HfApi(endpoint=self.settings.endpoint, token=self.settings.token)
-        return api.list_repo_files(**self._repo(revision))
+      if not self.offline:
+        return hub.HfApi().list_repo_files(**self._repo(revision))
       # allow_patterns=[]: only resolve the cached snapshot (no file is required to be there).
       folder = pathlib.Path(hub.snapshot_download(**self._repo(revision), **self._cached(),
                                                   allow_patterns=[]))
@@ -282,7 +248,7 @@ class HubDataset:
     """The YAML of the dataset card (README.md), or {} when there is none."""
     if 'README.md' not in files:
       return {}
-    if self.settings.offline:
+    if self.offline:
       path = self._snapshots[revision] / 'README.md'
     else:
       with self._hub_errors(revision):
@@ -291,19 +257,17 @@ class HubDataset:
     return _hub().DatasetCard.load(path).data.to_dict()
 
   def _repo(self, revision: str | None) -> dict[str, Any]:
-    """The arguments naming this dataset at ``revision`` to huggingface_hub, and its token."""
-    return {'repo_id': self.repo_id, 'repo_type': 'dataset', 'revision': revision,
-            'token': self.settings.token}
+    """The arguments naming this dataset at ``revision`` to huggingface_hub."""
+    return {'repo_id': self.repo_id, 'repo_type': 'dataset', 'revision': revision}
 
   def _cached(self) -> dict[str, Any]:
-    """The cache arguments of huggingface_hub's downloads, from this process's settings."""
-    s = self.settings
-    return {'cache_dir': s.cache_dir, 'endpoint': s.endpoint, 'local_files_only': s.offline}
+    """The arguments of huggingface_hub's downloads: offline, the cache only."""
+    return {'local_files_only': self.offline}
 
   @contextlib.contextmanager
   def _hub_errors(self, revision: str | None):
     """huggingface_hub's errors inside as ValueErrors saying what to do."""
-    errors, s = _hub().errors, self.settings
+    errors, constants = _hub().errors, _hub().constants
     where = self.url if revision == self.revision else f'{self.url} (revision {revision})'
     try:
       yield
@@ -311,24 +275,24 @@ class HubDataset:
       raise ValueError(f'{where} is gated: accept its conditions on its hub page, then set '
                        'HF_TOKEN to a token of that account.') from None
     except errors.RepositoryNotFoundError:
-      hint = '' if s.token else ' (a private dataset needs HF_TOKEN)'
-      raise ValueError(f'{where}: no such dataset on the hub{hint}; check the name.') from None
+      raise ValueError(f'{where}: no such dataset on the hub ({constants.ENDPOINT}); check the '
+                       'name (if it is private, set HF_TOKEN to a token with access).') from None
     except errors.RevisionNotFoundError:
       raise ValueError(f'{where}: the dataset has no revision {revision!r}.') from None
     except (errors.LocalEntryNotFoundError, errors.IncompleteSnapshotError,
             errors.OfflineModeIsEnabled) as e:
-      if s.offline or isinstance(e, errors.OfflineModeIsEnabled):
-        raise ValueError(f'{where} is not in the hub cache {s.cache_dir} and HF_HUB_OFFLINE '
-                         'is set; run once online (unset HF_HUB_OFFLINE) or `hf download '
-                         f'{self.repo_id} --repo-type=dataset`.') from None
-      raise ValueError(f'{where}: the hub ({s.endpoint or "huggingface.co"}) could not be '
-                       f'reached and the dataset is not cached: {e}') from None
+      if self.offline or isinstance(e, errors.OfflineModeIsEnabled):
+        raise ValueError(f'{where} is not in the hub cache {constants.HF_HUB_CACHE} and '
+                         'HF_HUB_OFFLINE is set; run once online (unset HF_HUB_OFFLINE) or `hf '
+                         f'download {self.repo_id} --repo-type=dataset`.') from None
+      raise ValueError(f'{where}: the hub ({constants.ENDPOINT}) could not be reached and the '
+                       f'dataset is not cached: {e}') from None
     except errors.HfHubHTTPError as e:
       raise ValueError(f'{where}: the hub answered {e}') from None
     except Exception as e:  # pylint: disable=broad-except  # transport errors: no hub base class
       name = type(e).__name__.lower()
       if 'connect' not in name and 'timeout' not in name:
         raise
-      raise ValueError(f'{where}: the hub ({s.endpoint or "huggingface.co"}) could not be '
-                       f'reached ({type(e).__name__}: {e}); check the network, or set '
-                       'HF_HUB_OFFLINE=1 to read what the hub cache holds.') from None
+      raise ValueError(f'{where}: the hub ({constants.ENDPOINT}) could not be reached '
+                       f'({type(e).__name__}: {e}); check the network, or set HF_HUB_OFFLINE=1 '
+                       'to read what the hub cache holds.') from None

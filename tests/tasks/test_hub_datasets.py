@@ -10,7 +10,8 @@ import sys
 
 import hub_cache  # tests/hub_cache.py
 import pytest
-from hub_cache import FakeHub, cache_dataset, card_bytes, gsm8k_rows, parquet_bytes, use_cache
+from fake_hub import FakeHub, hub_environment  # tests/fake_hub.py
+from hub_cache import cache_dataset, card_bytes, gsm8k_rows, parquet_bytes
 
 from rlax_llm.data import prompt_dataset
 from rlax_llm.tasks import MathTask, PythonTask, make_task
@@ -21,11 +22,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def shipped(tmp_path, monkeypatch):
+def offline(tmp_path):
+  """An empty hub cache that huggingface_hub reads offline."""
+  with hub_environment(None, tmp_path, offline=True):
+    yield tmp_path
+
+
+@pytest.fixture
+def shipped(offline):
   """openai/gsm8k and HuggingFaceH4/MATH-500 stand-ins in a hub cache, offline."""
-  hub_cache.cache_shipped_datasets(tmp_path)
-  use_cache(monkeypatch, tmp_path)
-  return tmp_path
+  hub_cache.cache_shipped_datasets(offline)
+  return offline
 
 
 def test_gsm8k_from_the_cache_offline_takes_its_test_split_for_eval(shipped):
@@ -63,10 +70,9 @@ def test_math500_root_jsonl_and_make_task(shipped):
   assert set(task.split.train_record(0)) == {'problem', 'solution'}
 
 
-def test_layouts_without_a_card_and_the_parquet_conversion(tmp_path, monkeypatch):
-  use_cache(monkeypatch, tmp_path)
+def test_layouts_without_a_card_and_the_parquet_conversion(offline):
   rows = gsm8k_rows(12)
-  cache_dataset(tmp_path, 'org/data-dir', {
+  cache_dataset(offline, 'org/data-dir', {
       'data/train-00000-of-00002.parquet': parquet_bytes(rows[:6]),
       'data/train-00001-of-00002.parquet': parquet_bytes(rows[6:]),
       'data/validation-00000-of-00001.parquet': parquet_bytes(gsm8k_rows(3, start=50)),
@@ -76,9 +82,9 @@ def test_layouts_without_a_card_and_the_parquet_conversion(tmp_path, monkeypatch
   task = MathTask(path='hf://datasets/org/data-dir', eval_split='validation', num_eval=3)
   assert len(task.split.train) == 12 and len(task.split.eval) == 3
   # CSV and a loading script only: the hub's Parquet conversion (refs/convert/parquet).
-  cache_dataset(tmp_path, 'org/csv', {'train.csv': b'question,answer\nq,1\n',
+  cache_dataset(offline, 'org/csv', {'train.csv': b'question,answer\nq,1\n',
                                       'csv.py': b'# a loading script\n'})
-  cache_dataset(tmp_path, 'org/csv', {
+  cache_dataset(offline, 'org/csv', {
       'default/train/0000.parquet': parquet_bytes(rows[:7]),
       'default/train/0001.parquet': parquet_bytes(rows[7:]),
       'default/partial-test/0000.parquet': parquet_bytes(gsm8k_rows(4, start=50))},
@@ -97,12 +103,11 @@ def test_layouts_without_a_card_and_the_parquet_conversion(tmp_path, monkeypatch
                     'test': ['main/test/0000.parquet']}}
 
 
-def test_python_task_reads_an_mbpp_shaped_hub_dataset(tmp_path, monkeypatch):
-  use_cache(monkeypatch, tmp_path)
+def test_python_task_reads_an_mbpp_shaped_hub_dataset(offline):
   rows = [{'task_id': i, 'text': f'Write f{i}() returning {i}.', 'code': f'def f{i}():\n  '
            f'return {i}', 'test_list': [f'assert f{i}() == {i}'], 'test_setup_code': ''}
           for i in range(6)]
-  cache_dataset(tmp_path, 'org/mbpp', {
+  cache_dataset(offline, 'org/mbpp', {
       'README.md': card_bytes({'full': {'train': 'full/train-*', 'test': 'full/test-*'},
                                'sanitized': {'train': 'sanitized/train-*'}}),
       'full/train-00000-of-00001.parquet': parquet_bytes(rows[:4]),
@@ -115,7 +120,7 @@ def test_python_task_reads_an_mbpp_shaped_hub_dataset(tmp_path, monkeypatch):
   assert task.score(prompt, task.sft_example(0)[1]) == 1.0
 
 
-def test_errors_name_what_exists(shipped, tmp_path):
+def test_errors_name_what_exists(shipped):
   with pytest.raises(ValueError, match=r"has several configs and no default: \['main', "
                      r"'socratic'\]; set hf_config"):
     MathTask(path=GSM8K)
@@ -139,7 +144,7 @@ def test_errors_name_what_exists(shipped, tmp_path):
   with pytest.raises(ValueError, match=r"choose the parts of a hub dataset .* but "
                      r"path='math_sample.jsonl' names files"):
     MathTask(hf_config='main')
-  local = tmp_path / 'eval.jsonl'
+  local = shipped / 'eval.jsonl'
   local.write_bytes(hub_cache.jsonl_bytes(gsm8k_rows(3, start=500)))
   with pytest.raises(ValueError, match='both name the held-out records; give one'):
     MathTask(path=GSM8K, hf_config='main', eval_path=str(local), eval_split='test')
@@ -148,10 +153,9 @@ def test_errors_name_what_exists(shipped, tmp_path):
                                                       for r in gsm8k_rows(3, start=500)}
 
 
-def test_a_split_missing_from_the_cache_offline(tmp_path, monkeypatch):
+def test_a_split_missing_from_the_cache_offline(offline):
   """Only the train files were downloaded: the test split is named, not silently dropped."""
-  use_cache(monkeypatch, tmp_path)
-  cache_dataset(tmp_path, 'org/half', {
+  cache_dataset(offline, 'org/half', {
       'README.md': card_bytes({'default': {'train': 'train-*', 'test': 'test-*'}}),
       'train-00000-of-00001.parquet': parquet_bytes(gsm8k_rows(8))})
   with pytest.raises(ValueError, match=r"split 'test' is not in the hub cache"):
@@ -184,36 +188,34 @@ def test_resumed_mid_dataset_the_stream_continues_with_the_same_prompts(shipped)
   assert [p['prompt_id'] for p in got] == list(range(37, 43))  # into the second epoch
 
 
-def test_download_from_the_hub_fetches_only_the_split_files(tmp_path, monkeypatch):
+def test_download_from_the_hub_fetches_only_the_split_files(tmp_path):
   files = {'README.md': card_bytes({'main': {'train': 'main/train-*', 'test': 'main/test-*'},
                                     'socratic': {'train': 'socratic/train-*'}}),
            'main/train-00000-of-00001.parquet': parquet_bytes(gsm8k_rows(10)),
            'main/test-00000-of-00001.parquet': parquet_bytes(gsm8k_rows(5, start=50)),
            'socratic/train-00000-of-00001.parquet': parquet_bytes(gsm8k_rows(10, start=90))}
-  hub = FakeHub({'openai/gsm8k': {'main': files}, 'org/gated': {'main': files}},
-                gated=('org/gated',))
-  try:
-    cache = tmp_path / 'cache'
-    use_cache(monkeypatch, cache, offline=False)
-    monkeypatch.setenv('HF_ENDPOINT', hub.url)
-    task = MathTask(path=GSM8K, hf_config='main', num_eval=2)
+  with FakeHub(token='hf_secret') as hub:
+    hub.add_commit('openai/gsm8k', files, repo_type='dataset')
+    hub.add_commit('org/gated', files, repo_type='dataset', gated=True)
+    with hub_environment(hub, tmp_path):
+      task = MathTask(path=GSM8K, hf_config='main', num_eval=2)
     assert len(task.split.train) == 10 and task.eval_split == 'test'
-    assert sorted(hub.downloads) == ['README.md', 'main/test-00000-of-00001.parquet',
-                                     'main/train-00000-of-00001.parquet']
+    assert sorted(hub.downloads) == [
+        ('datasets/openai/gsm8k', p) for p in ('README.md', 'main/test-00000-of-00001.parquet',
+                                               'main/train-00000-of-00001.parquet')]
     # Then offline, from the cache it filled (refs/main written by huggingface_hub).
-    monkeypatch.setenv('HF_HUB_OFFLINE', '1')
-    before = len(hub.requests)
-    again = MathTask(path=GSM8K, hf_config='main', num_eval=2)
-    assert len(hub.requests) == before
+    with hub_environment(hub, tmp_path, offline=True):
+      again = MathTask(path=GSM8K, hf_config='main', num_eval=2)
+    assert len(hub.downloads) == 3
     assert [again.train_prompt(i) for i in range(5)] == [task.train_prompt(i) for i in range(5)]
-    monkeypatch.setenv('HF_HUB_OFFLINE', '0')
-    with pytest.raises(ValueError, match='org/gated is gated: accept its conditions .* set '
-                       'HF_TOKEN'):
-      HubDataset('hf://datasets/org/gated')
-    with pytest.raises(ValueError, match=r'no such dataset on the hub \(a private dataset '
-                       'needs HF_TOKEN\\)'):
-      HubDataset('hf://datasets/org/missing')
-    with pytest.raises(ValueError, match="has no revision 'v9'"):
-      HubDataset('hf://datasets/openai/gsm8k@v9')
-  finally:
-    hub.close()
+    with hub_environment(hub, tmp_path):
+      with pytest.raises(ValueError, match='org/gated is gated: accept its conditions .* set '
+                         'HF_TOKEN'):
+        HubDataset('hf://datasets/org/gated')
+      with pytest.raises(ValueError, match=r'no such dataset on the hub .*if it is private, '
+                         'set HF_TOKEN'):
+        HubDataset('hf://datasets/org/missing')
+      with pytest.raises(ValueError, match="has no revision 'v9'"):
+        HubDataset('hf://datasets/openai/gsm8k@v9')
+    with hub_environment(hub, tmp_path, token='hf_secret'):
+      assert sorted(HubDataset('hf://datasets/org/gated', 'main').splits) == ['test', 'train']
