@@ -38,14 +38,18 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       format=ml_collections.ConfigDict(dict(weight=0.1))))
 
   if variant == 'smoke':
-    c.name = 'python_smoke'
-    c.total_steps = 2
-    c.rl.prompts_per_step = 2
-    c.rl.group_size = 4
-    c.rollout.oversample = 0.0
-    c.sampling.max_new_tokens = 48
-    c.eval.every_steps = 0
+    _smoke(c)
   elif variant is not None:
     raise ValueError(f'Unknown variant {variant!r} of configs/python.py; valid: '
                      f'{", ".join(VARIANTS)}.')
   return c
+
+
+def _smoke(c: ml_collections.ConfigDict) -> None:
+  """Two RL steps of two prompts with short completions: checks the path, not learning."""
+  c.name = 'python_smoke'
+  c.total_steps = 2
+  c.rl.update(dict(prompts_per_step=2, group_size=4))
+  c.rollout.oversample = 0.0  # no dynamic sampling: the two steps train whatever they draw
+  c.sampling.max_new_tokens = 48
+  c.eval.every_steps = 0
