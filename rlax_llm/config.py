@@ -478,10 +478,11 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
   # pylint: disable-next=import-outside-toplevel  # jax, flax: kept off import
   from rlax_llm.models import presets  # pylint: disable=import-outside-toplevel
   from rlax_llm.models.decoder_config import INVARIANT_ROWS_MODES, REMAT_POLICIES, DecoderConfig
+  from rlax_llm.models.files import hub  # pylint: disable=import-outside-toplevel
   m = config.model
   _check_choice('model.remat', m.remat, REMAT_POLICIES)
   _check_choice('model.invariant_rows', m.invariant_rows, INVARIANT_ROWS_MODES)
-  valid = ('tiny', *sorted(presets.PRESETS))
+  valid = ('tiny', 'auto', *sorted(presets.PRESETS))
   if m.name not in valid:
     raise ConfigError(f'config.model.name={m.name!r} is not valid; choose one of '
                       f'{list(valid)}.')
@@ -498,8 +499,8 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
   if m.name == 'tiny':
     if m.path is not None:
       raise ConfigError(f'config.model.path={m.path!r} is set but model.name=\'tiny\' builds '
-                        'a model from scratch; set model.name to the checkpoint\'s preset or '
-                        'clear model.path.')
+                        'a model from scratch; set model.name to the checkpoint\'s preset (or '
+                        '\'auto\') or clear model.path.')
     with _naming('model.tiny.'):
       tiny = m.tiny.to_dict()
       DecoderConfig(vocab_size=1, max_seq_len=m.max_seq_len, **tiny)
@@ -510,12 +511,17 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
           'raise model.max_seq_len or shorten the prompts/completions.')
   elif m.path is None and m.name not in presets.PACKAGED_CHECKPOINTS:
     raise ConfigError(
-        f'config.model.name={m.name!r} needs config.model.path (an HF directory or a .gguf file '
-        f'of the model): no checkpoint of it ships with rlax_llm (packaged: '
-        f'{sorted(presets.PACKAGED_CHECKPOINTS)}).')
-  elif m.path is not None and not pathlib.Path(m.path).exists():
-    raise ConfigError(f'config.model.path={m.path!r} does not exist; pass an HF directory '
-                      'or a .gguf file of the model.')
+        f'config.model.name={m.name!r} needs config.model.path (an HF directory, a .gguf file '
+        f'or a hub id ORG/NAME of the model): no checkpoint of it ships with rlax_llm '
+        f'(packaged: {sorted(presets.PACKAGED_CHECKPOINTS)}).')
+  elif m.path is not None and not (pathlib.Path(m.path).exists() or hub.is_hub_id(m.path)):
+    raise ConfigError(f'config.model.path={m.path!r} does not exist and is not a Hugging Face '
+                      'hub id (ORG/NAME); pass an HF directory, a .gguf file or a hub id of '
+                      'the model.')
+  elif m.revision and (m.path is None or not hub.is_hub_id(m.path)):
+    raise ConfigError(f'config.model.revision={m.revision!r} picks a revision of a hub model, '
+                      f'but config.model.path={m.path!r} is not a hub id (ORG/NAME); clear '
+                      'model.revision.')
   elif m.max_seq_len is not None and m.max_seq_len < needed:
     raise ConfigError(
         f'config.model.max_seq_len={m.max_seq_len} is shorter than sampling.max_prompt_len + '
