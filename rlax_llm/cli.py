@@ -21,6 +21,7 @@ works from a checkout and an installed wheel finds the same files.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import importlib.machinery
 import importlib.util
@@ -312,9 +313,9 @@ def _switch_task(argv: Sequence[str], config: ml_collections.ConfigDict
           f'error: --config.{key}: task {name!r} takes no field {key[len("task."):]!r}; its '
           f'fields: {fields}. (--config.task.name={name} starts the task group over from '
           f'that task\'s defaults; the config file\'s task fields were for {task.get("name")!r}.)')
-  switched = config.copy_and_resolve_references()
-  switched.unlock()
-  switched.task = section
+  switched = copy.deepcopy(config)  # keeps the placeholders' types (--config.model.path=)
+  with switched.unlocked():
+    switched.task = section
   return switched
 
 

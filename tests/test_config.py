@@ -246,6 +246,11 @@ def test_task_switch_refuses_a_field_of_another_task_naming_the_fields():
       load_config(argv)
   config = load_config(['--config.task.path=gsm8k.jsonl', '--config.task.name=math'])
   assert (config.task.name, config.task.path) == ('math', 'gsm8k.jsonl')
+  # The rest of the config keeps its placeholders' types: model.path still takes a str.
+  config = load_config(['--config=configs/smollm2.py', '--config.task.name=math',
+                        '--config.model.path=/ckpt', '--config.task.system_prompt=Be brief.'])
+  assert (config.model.path, config.task.system_prompt) == ('/ckpt', 'Be brief.')
+  assert config.is_locked
   assert load_config(['--config.task.name=arithmetic', '--config.task.max_operand=9']
                      ).task.max_operand == 9
   with pytest.raises(SystemExit, match=r"--config.task.name=gsm8k: unknown task name 'gsm8k'; "
