@@ -32,10 +32,12 @@ from typing import TYPE_CHECKING
 
 import ml_collections
 
+from rlax_llm import plugins
 from rlax_llm.cli import DEFAULT_CONFIG_PATH, flat_keys, load_config_file, lookup
 from rlax_llm.errors import ConfigError
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.schedule import SCHEDULES, ControllerSettings
+from rlax_llm.tokenization import CharTokenizer
 
 if TYPE_CHECKING:
   from rlax_llm.losses import LossConfig
@@ -444,14 +446,32 @@ def effective_config(config: ml_collections.ConfigDict) -> ml_collections.Config
 
 
 def _validate_task(config: ml_collections.ConfigDict):
-  """The task ``config.task`` builds; ConfigError naming the field when it cannot."""
+  """The task ``config.task`` builds (a built-in name or a task class by import path);
+  ConfigError naming the field when it cannot, or when the run needs what the task lacks: a
+  ``charset`` for ``model.name='tiny'`` (its character tokenizer's alphabet), ``sft_example``
+  for a warm-up."""
   from rlax_llm import tasks  # pylint: disable=import-outside-toplevel  # jax: kept off import
   name = lookup(config, 'task.name')
-  if name not in tasks.TASKS:
+  if name not in tasks.TASKS and not plugins.is_import_path(name):
     raise ConfigError(f'config.task.name={name!r} is not valid; choose one of '
-                      f'{sorted(tasks.TASKS)}.')
+                      f'{sorted(tasks.TASKS)}, or a task class of yours as '
+                      '"module.path:ClassName" (docs/custom_tasks.md).')
   with _naming('task: '):
-    return tasks.make_task(config.task.to_dict() | {'seed': config.seed})
+    task = tasks.make_task(config.task.to_dict() | {'seed': config.seed})
+  if config.model.name == 'tiny':
+    if not task.charset:
+      raise ConfigError(
+          f'config.model.name=\'tiny\' builds a character-level model over the task\'s '
+          f'charset, but task {name!r} has none (charset={task.charset!r}); use a pretrained '
+          'model (e.g. --config=configs/smollm2.py), or give the task a charset property '
+          '(docs/custom_tasks.md).')
+    with _naming(f'task: {name!r} charset: '):
+      CharTokenizer(task.charset)
+  if config.warmup.steps > 0 and not tasks.defines(type(task), 'sft_example'):
+    raise ConfigError(f'config.warmup.steps={config.warmup.steps} needs warm-up demonstrations '
+                      f'but task {name!r} defines no sft_example(index); set warmup.steps=0 '
+                      'or implement it (docs/custom_tasks.md).')
+  return task
 
 
 def _validate_model(config: ml_collections.ConfigDict) -> None:

@@ -146,8 +146,13 @@ def check_fits(config: ml_collections.ConfigDict, task: Task, model: Model,
       raise ConfigError(f'config.task.format={getattr(task, "format", "chat")!r} prompts are '
                         'chat messages but the model\'s tokenizer has no chat template; use '
                         'task.format=plain.')
-    ids = (encode_prompt(tokenizer, messages=prompt.messages) if prompt.messages is not None
-           else encode_prompt(tokenizer, text=prompt.text))
+    try:
+      ids = (encode_prompt(tokenizer, messages=prompt.messages) if prompt.messages is not None
+             else encode_prompt(tokenizer, text=prompt.text))
+    except ValueError as e:  # a character outside a tiny model's alphabet (task.charset)
+      raise ConfigError(f'task {task.name!r}: prompt {prompt.prompt_id} does not encode with '
+                        f'the model\'s tokenizer: {e} (a tiny model\'s alphabet is the task\'s '
+                        'charset: make it hold every character of the prompts).') from None
     if len(ids) > longest:
       longest, longest_prompt = len(ids), prompt
   if longest > s.max_prompt_len:

@@ -13,34 +13,23 @@ another data set. A 135M model solves few of these; the recipe is the starting p
 scale (``--config.model.name`` / ``model.path``).
 """
 
-import pathlib
-
 import ml_collections
-from ml_collections.config_dict import placeholder
 
-from rlax_llm.cli import load_config_file
+from rlax_llm.cli import CONFIG_DIR, load_config_file, task_section
 
 VARIANTS = ('gsm8k', 'math500')
 
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
-  # configs/smollm2.py (its model, GRPO recipe and the schema); what differs follows.
-  c = load_config_file(str(pathlib.Path(__file__).with_name('smollm2.py')))
+  # SmolLM2's config (the model and the recipe, every key's meaning in the packaged default);
+  # what differs follows.
+  c = load_config_file(str(CONFIG_DIR / 'smollm2.py'))
   c.name = 'math'
   c.total_steps = 200
-  c.task = ml_collections.ConfigDict(dict(
-      name='math',
-      path=placeholder(str),  # None: the bundled sample; files, a glob, or hf://datasets/...
-      eval_path=placeholder(str),  # held-out files (None: the split below or held out)
-      hf_config='',  # a hub dataset's config ('' for its default)
-      split='train',  # a hub dataset's train split
-      eval_split=placeholder(str),  # None: 'test' when the dataset has one; '': held out
-      num_eval=4,
-      question_field='question', answer_field='answer',
-      scorer='math',  # 'math' (math-verify; words as normalised text), 'normalised', 'exact'
-      math_timeout_s=5.0,
-      format='chat', system_prompt=placeholder(str), instruction=placeholder(str),
-  ))
+  # Every argument of MathTask at its default (task_section) except these: path None is the
+  # bundled sample; hf_config, split, eval_split choose a hub dataset's parts; scorer 'math'
+  # (math-verify; a reference of words compared as normalised text).
+  c.task = task_section('math', num_eval=4, format='chat', scorer='math')
   c.sampling.update(dict(max_prompt_len=160, max_new_tokens=256))
   c.rl.update(dict(prompts_per_step=4, lr_decay_steps=0))
   c.rollout.update(dict(slots=64, oversample=1.0, short_batches='pad'))
