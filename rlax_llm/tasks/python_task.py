@@ -2,10 +2,11 @@
 
 Records are JSON objects (JSONL or Parquet files, or a hub dataset's split, docs/tasks.md): a
 problem statement, a list of unit tests (Python statements such as ``assert add(1, 2) == 3``,
-MBPP-style, Austin et al., 2021), an optional setup (imports the tests need) and an optional reference solution (for
-demonstrations). The task's scorer, ``score_python`` (here), takes a completion's program (its
-last ```python block, else the whole text; ``extract_code``) and runs it in ``rlax_llm.sandbox``
-with the tests; the reward is the fraction of tests passed (``partial_credit=True``) or 1/0.
+MBPP-style, Austin et al., 2021), an optional setup (imports the tests need) and an optional
+reference solution (for demonstrations). The task's scorer, ``score_python`` (here), takes a
+completion's program (its last ```python block, else the whole text; ``extract_code``) and runs
+it in ``rlax_llm.sandbox`` with the tests; the reward is the fraction of tests passed
+(``partial_credit=True``) or 1/0.
 ``Prompt.answer`` is JSON ``{"tests": [...], "setup": "..."}``: what the scorer needs, so a
 prompt scores on its own.
 """
