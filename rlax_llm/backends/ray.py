@@ -25,14 +25,25 @@ the current step, waits for it to be on disk, and the launch exits 0, as on the 
 backend. (A signal during the warm-up takes effect once the warm-up is done: it runs in the
 trainer actor, which does not see the driver's event.)
 
+A trainer spanning several hosts (``ray.trainer_processes = N``, one actor per host of a
+multi-host trainer slice): N ``TrainerRole`` actors join one ``jax.distributed`` job
+(coordinator: actor 0, ``coordinator_address``) and the trainer mesh spans all their devices;
+``RayTrainer`` sends each the same calls (arguments written into the object store once) and
+takes process 0's result, checking that the others agree. Each actor pushes only its own
+blocks of each version (``local_shards``, its ``process_index``) and the server actor
+commits the version when all N parts arrived: no process holds the whole params for a push.
+Each writes and restores its part of the checkpoints (multi-process Orbax). A call fails as
+soon as any of them fails (the others would wait in their collectives forever).
+
 Lost actors: a worker actor that dies (its process killed, its node lost) is restarted by
 Ray, at most ``ray.worker_restarts`` times (``max_restarts``), and the call it was running
 is retried on the new process (``max_task_retries``): the restarted worker holds no weights
 and pulls the version the call names from the server itself, so the run's rollouts are the
 same; it reports the restart with its next rollouts (``workers/restarts`` in the metrics,
 and an event). Past its restarts the controller retires it and re-issues its requests to
-the others. A lost trainer actor stops the run with a ``RlaxError`` naming the checkpoint
-step to resume from (relaunching with the same ``--workdir`` resumes there).
+the others. A lost trainer actor (any of them, when there are several) stops the run with a
+``RlaxError`` naming the checkpoint step to resume from (relaunching with the same
+``--workdir`` resumes there).
 
 Placement: each actor asks for ``ray.trainer_resources`` / ``ray.worker_resources`` (e.g.
 ``{'TPU': 4}`` on a TPU VM host, so Ray puts the trainer and the workers on different hosts;
@@ -543,8 +554,9 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   """Builds the roles as Ray actors (the server first: the trainer and the workers are
   given its handle) and assembles the run in this process (``assembly.assemble``) with
   ``spec``, the run's typed values (``validate_config(config)``'s result; the trainer actor
-  rebuilds them from the config it receives). The trainer actor restores ``workdir``'s
-  latest checkpoint itself and returns the controller's part of it."""
+  rebuilds them from the config it receives). The trainer actor (each of the
+  ``ray.trainer_processes``, after joining the others) restores ``workdir``'s latest
+  checkpoint itself and returns the controller's part of it."""
   ray = _ray()
   task = roles.build_task(config)
   started = init_ray(config)
@@ -560,7 +572,8 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   restarts = config.ray.worker_restarts
   worker_cls = ray.remote(num_cpus=0, resources=config.ray.worker_resources.to_dict(),
                           max_restarts=restarts, max_task_retries=restarts)(WorkerRole)
-  server_cls = ray.remote(num_cpus=0, max_concurrency=4)(ServerRole)
+  # Threads for the trainer's processes pushing a version at once beside workers' pulls.
+  server_cls = ray.remote(num_cpus=0, max_concurrency=max(4, processes + 2))(ServerRole)
   server_actor = server_cls.remote(spec.keep_versions)
   trainer_actors = [trainer_cls.remote(p, processes) for p in range(processes)]
   worker_actors = [worker_cls.remote(payload, n, server_actor)
@@ -569,9 +582,10 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   try:
     coordinator = (ray.get(trainer_actors[0].coordinator_address.remote()) if processes > 1
                    else None)
-    warmup_metrics, resume, version = RayFuture(
-        [actor.start.remote(payload, server_actor, str(workdir), coordinator)
-         for actor in trainer_actors], agree=_same_start).result()
+    starts = _get_each([actor.start.remote(payload, server_actor, str(workdir), coordinator)
+                        for actor in trainer_actors], None)
+    _same_start(starts)
+    warmup_metrics, resume, version = starts[0]
     trainer = RayTrainer(trainer_actors, version, workdir)
     with assemble(config, spec.controller, workdir, task, trainer,
                   [RayWorker(actor) for actor in worker_actors], warmup_metrics,
