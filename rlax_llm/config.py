@@ -32,10 +32,12 @@ from typing import TYPE_CHECKING
 
 import ml_collections
 
+from rlax_llm import plugins
 from rlax_llm.cli import DEFAULT_CONFIG_PATH, flat_keys, load_config_file, lookup
 from rlax_llm.errors import ConfigError
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.schedule import SCHEDULES, ControllerSettings
+from rlax_llm.tokenization import CharTokenizer
 
 if TYPE_CHECKING:
   from rlax_llm.losses import LossConfig
@@ -462,24 +464,43 @@ def effective_config(config: ml_collections.ConfigDict) -> ml_collections.Config
 
 
 def _validate_task(config: ml_collections.ConfigDict):
-  """The task ``config.task`` builds; ConfigError naming the field when it cannot."""
+  """The task ``config.task`` builds (a built-in name or a task class by import path);
+  ConfigError naming the field when it cannot, or when the run needs what the task lacks: a
+  ``charset`` for ``model.name='tiny'`` (its character tokenizer's alphabet), ``sft_example``
+  for a warm-up."""
   from rlax_llm import tasks  # pylint: disable=import-outside-toplevel  # jax: kept off import
   name = lookup(config, 'task.name')
-  if name not in tasks.TASKS:
+  if name not in tasks.TASKS and not plugins.is_import_path(name):
     raise ConfigError(f'config.task.name={name!r} is not valid; choose one of '
-                      f'{sorted(tasks.TASKS)}.')
+                      f'{sorted(tasks.TASKS)}, or a task class of yours as '
+                      '"module.path:ClassName" (docs/custom_tasks.md).')
   with _naming('task: '):
-    return tasks.make_task(config.task.to_dict() | {'seed': config.seed})
+    task = tasks.make_task(config.task.to_dict() | {'seed': config.seed})
+  if config.model.name == 'tiny':
+    if not task.charset:
+      raise ConfigError(
+          f'config.model.name=\'tiny\' builds a character-level model over the task\'s '
+          f'charset, but task {name!r} has none (charset={task.charset!r}); use a pretrained '
+          'model (e.g. --config=configs/smollm2.py), or give the task a charset property '
+          '(docs/custom_tasks.md).')
+    with _naming(f'task: {name!r} charset: '):
+      CharTokenizer(task.charset)
+  if config.warmup.steps > 0 and not tasks.defines(type(task), 'sft_example'):
+    raise ConfigError(f'config.warmup.steps={config.warmup.steps} needs warm-up demonstrations '
+                      f'but task {name!r} defines no sft_example(index); set warmup.steps=0 '
+                      'or implement it (docs/custom_tasks.md).')
+  return task
 
 
 def _validate_model(config: ml_collections.ConfigDict) -> None:
   # pylint: disable-next=import-outside-toplevel  # jax, flax: kept off import
   from rlax_llm.models import presets  # pylint: disable=import-outside-toplevel
   from rlax_llm.models.decoder_config import INVARIANT_ROWS_MODES, REMAT_POLICIES, DecoderConfig
+  from rlax_llm.models.files import hub  # pylint: disable=import-outside-toplevel
   m = config.model
   _check_choice('model.remat', m.remat, REMAT_POLICIES)
   _check_choice('model.invariant_rows', m.invariant_rows, INVARIANT_ROWS_MODES)
-  valid = ('tiny', *sorted(presets.PRESETS))
+  valid = ('tiny', 'auto', *sorted(presets.PRESETS))
   if m.name not in valid:
     raise ConfigError(f'config.model.name={m.name!r} is not valid; choose one of '
                       f'{list(valid)}.')
@@ -496,8 +517,8 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
   if m.name == 'tiny':
     if m.path is not None:
       raise ConfigError(f'config.model.path={m.path!r} is set but model.name=\'tiny\' builds '
-                        'a model from scratch; set model.name to the checkpoint\'s preset or '
-                        'clear model.path.')
+                        'a model from scratch; set model.name to the checkpoint\'s preset (or '
+                        '\'auto\') or clear model.path.')
     with _naming('model.tiny.'):
       tiny = m.tiny.to_dict()
       DecoderConfig(vocab_size=1, max_seq_len=m.max_seq_len, **tiny)
@@ -508,12 +529,17 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
           'raise model.max_seq_len or shorten the prompts/completions.')
   elif m.path is None and m.name not in presets.PACKAGED_CHECKPOINTS:
     raise ConfigError(
-        f'config.model.name={m.name!r} needs config.model.path (an HF directory or a .gguf file '
-        f'of the model): no checkpoint of it ships with rlax_llm (packaged: '
-        f'{sorted(presets.PACKAGED_CHECKPOINTS)}).')
-  elif m.path is not None and not pathlib.Path(m.path).exists():
-    raise ConfigError(f'config.model.path={m.path!r} does not exist; pass an HF directory '
-                      'or a .gguf file of the model.')
+        f'config.model.name={m.name!r} needs config.model.path (an HF directory, a .gguf file '
+        f'or a hub id ORG/NAME of the model): no checkpoint of it ships with rlax_llm '
+        f'(packaged: {sorted(presets.PACKAGED_CHECKPOINTS)}).')
+  elif m.path is not None and not (pathlib.Path(m.path).exists() or hub.is_hub_id(m.path)):
+    raise ConfigError(f'config.model.path={m.path!r} does not exist and is not a Hugging Face '
+                      'hub id (ORG/NAME); pass an HF directory, a .gguf file or a hub id of '
+                      'the model.')
+  elif m.revision and (m.path is None or not hub.is_hub_id(m.path)):
+    raise ConfigError(f'config.model.revision={m.revision!r} picks a revision of a hub model, '
+                      f'but config.model.path={m.path!r} is not a hub id (ORG/NAME); clear '
+                      'model.revision.')
   elif m.max_seq_len is not None and m.max_seq_len < needed:
     raise ConfigError(
         f'config.model.max_seq_len={m.max_seq_len} is shorter than sampling.max_prompt_len + '
