@@ -49,12 +49,13 @@ REQUIRED_KEYS = (
     'eval.every_steps', 'mesh',
 )
 
-# Groups whose fields vary per config: a task's own fields, Ray resources, and two optional
-# groups, the named reward components (none: the task's reward alone) and the tiny model's
-# architecture (read only with model.name='tiny'). The schema does not fix their keys (a
-# prefix ending in '.' keeps the group itself required); their owners validate them.
-OPEN_GROUPS = ('task.', 'ray.trainer_resources.', 'ray.worker_resources.', 'reward',
-               'model.tiny')
+# Groups whose fields vary per config: a task's own fields, Ray resources and the Ray
+# trainer's environment variables, and two optional groups, the named reward components
+# (none: the task's reward alone) and the tiny model's architecture (read only with
+# model.name='tiny'). The schema does not fix their keys (a prefix ending in '.' keeps the
+# group itself required); their owners validate them.
+OPEN_GROUPS = ('task.', 'ray.trainer_resources.', 'ray.worker_resources.', 'ray.trainer_env.',
+               'reward', 'model.tiny')
 
 # Choice fields -> valid values (the loss's, sampling's, task's and model's come from their
 # own types).
@@ -69,7 +70,7 @@ CHOICES = {
 
 POSITIVE_INTS = ('rl.group_size', 'rl.prompts_per_step', 'rl.max_nonfinite_updates',
                  'rl.micro_batches', 'checkpoint.keep',
-                 'rollout.slots', 'rollout.workers',
+                 'rollout.slots', 'rollout.workers', 'ray.trainer_processes',
                  'sampling.max_new_tokens', 'sampling.max_prompt_len', 'warmup.batch_size',
                  'log.console_every')
 NON_NEGATIVE_INTS = ('seed', 'total_steps', 'rl.logprob_chunk', 'rl.lr_decay_steps',
@@ -87,12 +88,14 @@ FLOATS = {
 
 # Keys a resumed run may change (``check_resume_config``): how long it runs, how it is watched,
 # checkpointed and placed (the mesh: checkpoints reshard on restore), how many weight
-# versions the server keeps and how often a lost Ray worker restarts, and rollout.fault (a
-# removed test knob: runs saved with it resume). Every other key decides what the run
-# computes and must equal the checkpointed run's.
+# versions the server keeps, how often a lost Ray worker restarts, over how many processes the
+# Ray trainer runs (and their environment), and rollout.fault (a removed test knob: runs
+# saved with it resume). Every other key decides what the run computes and must equal the
+# checkpointed run's.
 RESUMABLE_CHANGES = ('total_steps', 'checkpoint.', 'log.', 'eval.every_steps', 'mesh.',
                      'local.', 'rollout.worker_timeout_s', 'rollout.fault.', 'distributed.',
-                     'paramserver.', 'ray.worker_restarts', 'name')
+                     'paramserver.', 'ray.worker_restarts', 'ray.trainer_processes',
+                     'ray.trainer_env.', 'name')
 
 
 def _matches(key: str, prefixes: tuple[str, ...]) -> bool:
@@ -277,6 +280,7 @@ def validate_config(config: ml_collections.ConfigDict) -> RunSpec:
   settings = spec.controller
   _validate_micro_batches(config, spec.loss)
   _validate_checkpoint(config)
+  _validate_ray(config)
   _validate_free_running(config)
   task = _validate_task(config)
   if settings.reward:
@@ -328,6 +332,20 @@ def _validate_checkpoint(config: ml_collections.ConfigDict) -> None:
   c = config.checkpoint
   if not isinstance(c.async_save, bool):
     raise ConfigError(f'config.checkpoint.async_save={c.async_save!r} must be True or False.')
+
+
+def _validate_ray(config: ml_collections.ConfigDict) -> None:
+  """``ray.trainer_processes`` > 1 is a Ray trainer gang (a local multi-host run is
+  ``distributed.*``); ``ray.trainer_env`` maps variable names to strings."""
+  r = config.ray
+  if r.trainer_processes > 1 and config.backend != 'ray':
+    raise ConfigError(f'config.ray.trainer_processes={r.trainer_processes} with backend='
+                      f'{config.backend!r}: it sets how many Ray actors the trainer spans; '
+                      "use backend='ray', or config.distributed.* for a multi-host local run.")
+  for name, value in r.trainer_env.items():
+    if not isinstance(value, str):
+      raise ConfigError(f'config.ray.trainer_env.{name}={value!r} must be a string (an '
+                        'environment variable of each trainer actor\'s process).')
 
 
 def _validate_free_running(config: ml_collections.ConfigDict) -> None:

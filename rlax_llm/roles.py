@@ -314,3 +314,13 @@ def meshes(config: ml_collections.ConfigDict) -> dict[str, Any]:
                dict(out['trainer'].shape), len(out['inference']),
                dict(out['inference'][0].shape))
   return out
+
+
+def trainer_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
+  """The trainer's mesh alone, ``meshes(config)['trainer']`` (the first devices): for a
+  trainer's process that runs no inference worker, e.g. one of the Ray trainer actors that
+  form one ``jax.distributed`` job (its mesh spans every one of their devices)."""
+  mesh = role_meshes(config.mesh.trainer.to_dict(), config.mesh.inference.to_dict(),
+                     workers=0)['trainer']
+  logging.info('%d devices; trainer mesh %s', jax.device_count(), dict(mesh.shape))
+  return mesh

@@ -99,6 +99,26 @@ def test_staleness_schedule():
     validate_config(config)
 
 
+def test_ray_trainer_processes():
+  """``ray.trainer_processes`` (a Ray trainer over several actors) is an int >= 1, refused
+  with the local backend (whose multi-host runs are ``distributed.*``);
+  ``ray.trainer_env``'s values are strings."""
+  config = load_config_file(str(CONFIGS[0]))
+  config.ray.trainer_processes = 0
+  with pytest.raises(ConfigError, match=r'config.ray.trainer_processes=0 must be an int >= 1'):
+    validate_config(config)
+  config.ray.trainer_processes = 2
+  with pytest.raises(ConfigError, match=r"trainer_processes=2 with backend='local'.*use "
+                     r"backend='ray', or config.distributed"):
+    validate_config(config)
+  config.backend = 'ray'
+  config.ray.trainer_env = {'XLA_FLAGS': 3}
+  with pytest.raises(ConfigError, match=r'config.ray.trainer_env.XLA_FLAGS=3 must be a string'):
+    validate_config(config)
+  config.ray.trainer_env = {'XLA_FLAGS': '--xla_force_host_platform_device_count=2'}
+  assert validate_config(config)
+
+
 def _write(tmp_path, name, text):
   path = tmp_path / name
   path.write_text(text)
