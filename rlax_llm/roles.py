@@ -26,6 +26,7 @@ from rlax_llm import console
 from rlax_llm.errors import ConfigError
 from rlax_llm.models import from_pretrained, presets
 from rlax_llm.models.decoder_config import DecoderConfig, Execution
+from rlax_llm.models.files import hub
 from rlax_llm.models.model import Model, Params, create_model, split_module
 from rlax_llm.trainer.scoring import Policy
 from rlax_llm.rollout.worker import InferenceWorker
@@ -50,10 +51,12 @@ def build_task(config: ml_collections.ConfigDict) -> Task:
 
 
 def checkpoint_path(config: ml_collections.ConfigDict) -> pathlib.Path:
-  """``model.path``, else the packaged checkpoint of the preset ``model.name``."""
+  """``model.path`` as a local path (a hub id at ``model.revision`` is fetched into, or read
+  from, the hub cache: ``hub.resolve_model_path``), else the packaged checkpoint of the preset
+  ``model.name``."""
   m = config.model
   if m.path is not None:
-    return pathlib.Path(m.path)
+    return hub.resolve_model_path(m.path, m.revision)
   return presets.packaged_checkpoint(m.name)
 
 
@@ -64,7 +67,8 @@ def build_model(config: ml_collections.ConfigDict, task: Task
   ``model.name='tiny'``: a decoder built from ``model.tiny`` with a ``CharTokenizer`` over
   the task's ``charset``, initialised from the seed. A preset name: the checkpoint at
   ``model.path`` (or the packaged one) with its own tokenizer and chat template; its
-  architecture must be the preset's.
+  architecture must be the preset's. ``'auto'``: the checkpoint at ``model.path``, whatever
+  supported architecture its ``config.json`` names.
   """
   m = config.model
   if m.name == 'tiny':
@@ -81,23 +85,29 @@ def build_model(config: ml_collections.ConfigDict, task: Task
     model, params = create_model(decoder, seed=config.seed)
     return model, params, tokenizer
   path = checkpoint_path(config)
+  shown = repr(m.path) if m.path is not None else repr(str(path))
+  if m.path is not None and path != pathlib.Path(m.path):
+    shown += f' (at {str(path)!r})'
   module, tokenizer = from_pretrained(path, dtype=DTYPES[m.dtype],
                                       param_dtype=DTYPES[m.param_dtype], remat=m.remat,
                                       batch_invariant=m.batch_invariant,
                                       invariant_rows=m.invariant_rows,
                                       max_seq_len=m.max_seq_len)
   if tokenizer is None:
-    raise ConfigError(f'config.model.path={str(path)!r} has no tokenizer (tokenizer.json); '
+    raise ConfigError(f'config.model.path={shown} has no tokenizer (tokenizer.json); '
                       'rlax_llm tokenizes with the checkpoint\'s own tokenizer.')
   model, params = split_module(module)
+  if m.name == 'auto':
+    return model, params, tokenizer
   preset = presets.PRESETS[m.name]
   differ = {f: (getattr(model.config, f), getattr(preset, f)) for f in _ARCHITECTURE_FIELDS
             if getattr(model.config, f) != getattr(preset, f)}
   if differ:
     raise ConfigError(
-        f'config.model.path={str(path)!r} is not a {m.name!r} checkpoint: '
+        f'config.model.path={shown} is not a {m.name!r} checkpoint: '
         + ', '.join(f'{f} {a!r} (preset: {b!r})' for f, (a, b) in differ.items())
-        + '. Set config.model.name to the checkpoint\'s preset.')
+        + '. Set config.model.name to the checkpoint\'s preset, or to \'auto\' (the '
+        'architecture of its config.json).')
   return model, params, tokenizer
 
 
@@ -136,8 +146,13 @@ def check_fits(config: ml_collections.ConfigDict, task: Task, model: Model,
       raise ConfigError(f'config.task.format={getattr(task, "format", "chat")!r} prompts are '
                         'chat messages but the model\'s tokenizer has no chat template; use '
                         'task.format=plain.')
-    ids = (encode_prompt(tokenizer, messages=prompt.messages) if prompt.messages is not None
-           else encode_prompt(tokenizer, text=prompt.text))
+    try:
+      ids = (encode_prompt(tokenizer, messages=prompt.messages) if prompt.messages is not None
+             else encode_prompt(tokenizer, text=prompt.text))
+    except ValueError as e:  # a character outside a tiny model's alphabet (task.charset)
+      raise ConfigError(f'task {task.name!r}: prompt {prompt.prompt_id} does not encode with '
+                        f'the model\'s tokenizer: {e} (a tiny model\'s alphabet is the task\'s '
+                        'charset: make it hold every character of the prompts).') from None
     if len(ids) > longest:
       longest, longest_prompt = len(ids), prompt
   if longest > s.max_prompt_len:
@@ -153,8 +168,9 @@ def prepare(config: ml_collections.ConfigDict
             ) -> tuple[Task, Model, Params, Tokenizer]:
   """Task, model, initial params and tokenizer, checked to fit (``check_fits``): everything
   a run needs before its first compute. ``config`` must have passed ``validate_config``."""
-  path = config.model.path
-  console.phase(f'loading the model {config.model.name}' + (f' from {path}' if path else ''))
+  path, revision = config.model.path, config.model.revision
+  console.phase(f'loading the model {config.model.name}' + (f' from {path}' if path else '')
+                + (f' at revision {revision}' if revision else ''))
   task = build_task(config)
   model, params, tokenizer = build_model(config, task)
   check_fits(config, task, model, tokenizer)
@@ -314,3 +330,13 @@ def meshes(config: ml_collections.ConfigDict) -> dict[str, Any]:
                dict(out['trainer'].shape), len(out['inference']),
                dict(out['inference'][0].shape))
   return out
+
+
+def trainer_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
+  """The trainer's mesh alone, ``meshes(config)['trainer']`` (the first devices): for a
+  trainer's process that runs no inference worker, e.g. one of the Ray trainer actors that
+  form one ``jax.distributed`` job (its mesh spans every one of their devices)."""
+  mesh = role_meshes(config.mesh.trainer.to_dict(), config.mesh.inference.to_dict(),
+                     workers=0)['trainer']
+  logging.info('%d devices; trainer mesh %s', jax.device_count(), dict(mesh.shape))
+  return mesh

@@ -392,6 +392,16 @@ def test_a_checkpoint_path_that_is_only_on_the_hosts_is_noted_not_refused():
   assert 'host_setup.sh --tpu\'' in result.stdout  # no packaged SmolLM2 for another model
 
 
+def test_a_hub_model_id_is_noted_and_fetched_on_the_hosts():
+  result = _recipes('tpu-vm', '--tpu-type=v5p-8', '--zone=z', '--workdir=gs://b/r',
+                    '--config=configs/smollm2.py', '--config.model.name=auto',
+                    '--config.model.path=Qwen/Qwen3-0.6B', '--config.model.revision=v2',
+                    '--dry-run')
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert ("note: config.model.path='Qwen/Qwen3-0.6B' is a Hugging Face hub id (not a path "
+          'here): each host fetches it (v2) into its hub cache') in result.stdout
+
+
 # --------------------------------------------------------------------------- run mode
 
 

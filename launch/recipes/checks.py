@@ -17,6 +17,7 @@ from launch.recipes.slices import SLICES, SliceError, SliceType, with_chips
 from rlax_llm import roles
 from rlax_llm.config import validate_config
 from rlax_llm.models import presets
+from rlax_llm.models.files import hub
 from rlax_llm.sharding import mesh_shape
 
 # Chips a Ray TPU actor can be given on one host (ray._private.accelerators.tpu).
@@ -226,7 +227,9 @@ def validate_on_devices(config: ml_collections.ConfigDict, devices: int) -> list
 
   JAX gets ``devices`` CPU devices, so this must run before anything in the process
   initialises a JAX backend (``python -m launch.recipes`` does). A ``model.path``
-  that is not on this machine (a path on the hosts, ``gs://``) is checked on the hosts.
+  that is not on this machine (a path on the hosts, ``gs://``) is checked on the hosts; a
+  Hugging Face hub id (``ORG/NAME``) is checked syntactically here (nothing is downloaded)
+  and fetched on the hosts.
   """
   if not xla_bridge.backends_are_initialized():
     jax.config.update('jax_platforms', 'cpu')
@@ -237,7 +240,12 @@ def validate_on_devices(config: ml_collections.ConfigDict, devices: int) -> list
   notes = []
   checked = copy.deepcopy(config)
   path = checked.model.get('path')
-  if path is not None and not pathlib.Path(path).exists():
+  if path is not None and hub.is_hub_id(path):
+    revision = checked.model.get('revision') or 'its default branch'
+    notes.append(f'config.model.path={path!r} is a Hugging Face hub id (not a path here): '
+                 f'each host fetches it ({revision}) into its hub cache or reads it from there '
+                 '(HF_HUB_OFFLINE=1); a host where it is a local path reads that instead.')
+  elif path is not None and not pathlib.Path(path).exists():
     checked.model.path = os.devnull
     notes.append(f'config.model.path={path!r} is not on this machine: it must exist on every '
                  'host (checked there by the launch).')
