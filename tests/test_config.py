@@ -15,8 +15,6 @@ from rlax_llm.cli import (DEFAULT_CONFIG_PATH, check_config_spec, check_override
 from rlax_llm.config import REQUIRED_KEYS, RunSpec, check_resume_config, run_spec, validate_config
 from rlax_llm.errors import ConfigError
 
-from hub_keys import missing_hub_keys  # tests/hub_keys.py
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = sorted(ROOT.glob('configs/*.py'))
 
@@ -49,11 +47,10 @@ CASES = [(path, variant) for path in CONFIGS for variant in (None, *config_varia
                          ids=lambda x: x.name if isinstance(x, pathlib.Path) else str(x))
 def test_every_config_and_variant_validates_and_prepares(path, variant):
   """Every shipped config passes every check a launch makes before compute, model files and
-  tokenizer included (roles.prepare)."""
+  tokenizer included (roles.prepare). configs/gsm8k.py's checkpoints are real-size hub models
+  (1-7 GB, not in the test's hub cache): its task is built from the GSM8K stand-in instead,
+  and tests/test_configs_real_sizes.py checks its presets and memory plan."""
   from rlax_llm import roles  # pylint: disable=import-outside-toplevel
-  missing = missing_hub_keys() if path.name == 'gsm8k.py' else []
-  if missing:
-    pytest.skip(f'the config validation of this checkout lacks {", ".join(missing)}')
   config = load_config_file(f'{path}:{variant}' if variant else str(path))
   spec = validate_config(config)
   # The typed values are built once: validation returns them, and the one builder (which a
@@ -65,6 +62,9 @@ def test_every_config_and_variant_validates_and_prepares(path, variant):
     node = config
     for part in key.split('.'):
       node = node[part]
+  if path.name == 'gsm8k.py':
+    assert len(roles.build_task(config).eval_prompts()) == config.task.num_eval
+    return
   roles.prepare(config)
 
 

@@ -26,7 +26,7 @@ against the chip's HBM (docs/models.md).
 import ml_collections
 from ml_collections.config_dict import placeholder
 
-from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config_file
+from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config_file, task_section
 
 # Hub name -> (preset in rlax_llm.models.presets, hub repo id, inference tensor parallelism:
 # a divisor of the model's heads and kv heads where it can be).
@@ -58,11 +58,11 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       param_dtype='float32', dtype='bfloat16', remat='full',
       batch_invariant=False, invariant_rows='chunks',
   ))
-  c.task = ml_collections.ConfigDict(dict(
-      name='math', path='hf://datasets/openai/gsm8k', hf_config='main', split='train',
-      eval_split='test', question_field='question', answer_field='answer', num_eval=256,
-      format='chat', system_prompt=placeholder(str), instruction=placeholder(str),
-  ))
+  # Every argument of MathTask at its default (task_section) but these: GSM8K from the hub,
+  # 200 of its test split held out, asked in a chat turn, scored by the math scorer.
+  c.task = task_section('math', path='hf://datasets/openai/gsm8k', hf_config='main',
+                        split='train', eval_split='test', question_field='question',
+                        answer_field='answer', num_eval=200, format='chat', scorer='math')
   c.warmup.steps = 0
   c.rl.update(dict(prompts_per_step=32, group_size=8, learning_rate=1e-6, lr_decay_steps=0,
                    micro_batches=8, logprob_chunk=128))
