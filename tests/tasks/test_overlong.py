@@ -23,7 +23,7 @@ from rlax_llm.tasks.prompt_length import OVERLONG_POLICIES, dropped_metrics, fit
 tokenizers = pytest.importorskip('tokenizers')
 pytest.importorskip('jinja2')
 
-from rlax_llm.models.files.tokenizer import HFTokenizer  # noqa: E402  # needs tokenizers
+from rlax_llm.models.files.tokenizer import HFTokenizer  # after importorskip: needs tokenizers
 
 WORDS = [f'w{i}' for i in range(64)]
 SPECIALS = ['<unk>', '<s>', '</s>', '<|im_start|>', '<|im_end|>']
@@ -115,7 +115,7 @@ def test_error_names_the_count_the_longest_some_records_and_both_fixes(tmp_path,
 def test_drop_removes_exactly_the_overlong_prompts(tmp_path, tokenizer, format):  # pylint: disable=redefined-builtin
   rows = _records(300, seed=2)
   path = _write(tmp_path / 'train.jsonl', rows)
-  kwargs = dict(path=path, num_eval=10, format=format, system_prompt='w1 w2')
+  kwargs = {'path': path, 'num_eval': 10, 'format': format, 'system_prompt': 'w1 w2'}
   task = MathTask(**kwargs)
   limit = 35 if format == 'chat' else 25
   prompts = [task._make_prompt(i, r) for i, r in enumerate(rows)]  # pylint: disable=protected-access
@@ -223,3 +223,23 @@ def test_a_gsm8k_sized_set_is_measured_in_seconds(tmp_path, tokenizer):
   over = sum(_length(tokenizer, p) > limit for p in sample)
   assert over > 0 and dropped > over
   assert all(_length(tokenizer, task.train_prompt(i)) <= limit for i in range(0, 7_000, 97))
+
+
+def test_the_ray_driver_drops_what_prepare_drops(tmp_path, tokenizer):
+  """``roles.prepare_task`` (the Ray driver's task: the tokenizer loaded alone, from the
+  checkpoint directory) leaves out the same records as ``fit_prompts`` with the model's."""
+  tokenizer.save(tmp_path / 'model')
+  rows = _records(80, seed=8)
+  config = load_config_file(str(DEFAULT_CONFIG_PATH))
+  config.model.name, config.model.path = 'auto', str(tmp_path / 'model')
+  config.task = ml_collections.ConfigDict({'name': 'math', 'num_eval': 4, 'format': 'chat',
+                                           'path': _write(tmp_path / 'train.jsonl', rows)})
+  config.sampling.max_prompt_len = 40
+  with pytest.raises(ConfigError, match=r'prompts of task .math. encode to more than'):
+    roles.prepare_task(config)
+  config.sampling.overlong_prompts = 'drop'
+  driver = roles.prepare_task(config)
+  task = roles.build_task(config)
+  assert roles.fit_prompts(config, task, tokenizer) == driver.dropped_records > 0
+  assert driver.eval_prompts() == task.eval_prompts()
+  assert _stream(driver) == _stream(task)
