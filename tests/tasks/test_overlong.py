@@ -14,6 +14,7 @@ import pytest
 
 from rlax_llm import config as config_lib
 from rlax_llm import roles
+from rlax_llm.backends.assembly import Run
 from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config_file
 from rlax_llm.data import prompt_dataset
 from rlax_llm.errors import ConfigError
@@ -243,3 +244,19 @@ def test_the_ray_driver_drops_what_prepare_drops(tmp_path, tokenizer):
   assert roles.fit_prompts(config, task, tokenizer) == driver.dropped_records > 0
   assert driver.eval_prompts() == task.eval_prompts()
   assert _stream(driver) == _stream(task)
+
+
+def test_the_run_writes_the_dropped_count_to_its_summary_once():
+  written = []
+
+  class Controller:
+    def run(self):
+      return {'steps': 2}
+
+  class Writer:
+    def write_summary(self, summary):
+      written.append(dict(summary))
+
+  run = Run(Controller(), Writer(), {}, {'data/overlong_dropped': 3.0})
+  assert run.execute()['data/overlong_dropped'] == 3.0
+  assert len(written) == 1 and written[0]['data/overlong_dropped'] == 3.0
