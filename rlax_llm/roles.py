@@ -3,8 +3,9 @@
 ``rlax_llm.config.validate_config`` has checked every field that needs no model file. The
 builders here check the rest before any compute (after reading a checkpoint's config and
 tokenizer, before the warm-up or the first compilation): every prompt fits
-``sampling.max_prompt_len``, prompt + completion fit the model, and the rollout batch fits in
-memory. Backends (``rlax_llm.backends``) compose these builders; the Ray backend builds the
+``sampling.max_prompt_len`` (a file-backed task's every record is measured, and one that does
+not fit is an error or left out, ``sampling.overlong_prompts``), prompt + completion fit the
+model, and the rollout batch fits in memory. Backends (``rlax_llm.backends``) compose these builders; the Ray backend builds the
 same roles inside actors.
 """
 
