@@ -66,6 +66,9 @@ CHOICES = {
     'rollout.on_swap': ('continue', 'discard'),
     'rollout.short_batches': ('pad', 'wait'),
     'staleness.schedule': SCHEDULES,
+    # rlax_llm.tasks.prompt_length.OVERLONG_POLICIES (a test keeps them equal; the tasks
+    # package stays off this module's imports).
+    'sampling.overlong_prompts': ('error', 'drop'),
 }
 
 POSITIVE_INTS = ('rl.group_size', 'rl.prompts_per_step', 'rl.max_nonfinite_updates',

@@ -3,8 +3,9 @@
 ``rlax_llm.config.validate_config`` has checked every field that needs no model file. The
 builders here check the rest before any compute (after reading a checkpoint's config and
 tokenizer, before the warm-up or the first compilation): every prompt fits
-``sampling.max_prompt_len``, prompt + completion fit the model, and the rollout batch fits in
-memory. Backends (``rlax_llm.backends``) compose these builders; the Ray backend builds the
+``sampling.max_prompt_len`` (a file-backed task's every record is measured, and one that does
+not fit is an error or left out, ``sampling.overlong_prompts``), prompt + completion fit the
+model, and the rollout batch fits in memory. Backends (``rlax_llm.backends``) compose these builders; the Ray backend builds the
 same roles inside actors.
 """
 
@@ -27,12 +28,15 @@ from rlax_llm.errors import ConfigError
 from rlax_llm.models import from_pretrained, presets
 from rlax_llm.models.decoder_config import DecoderConfig, Execution
 from rlax_llm.models.files import hub
+from rlax_llm.models.files.tokenizer import HFTokenizer
 from rlax_llm.models.model import Model, Params, create_model, split_module
 from rlax_llm.trainer.scoring import Policy
 from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.sharding import role_meshes
 from rlax_llm.tasks import Task, make_task
-from rlax_llm.tokenization import CharTokenizer, Tokenizer, encode_prompt
+from rlax_llm.tasks.files import FileTask
+from rlax_llm.tasks.prompt_length import fit_prompt_length
+from rlax_llm.tokenization import CharTokenizer, Tokenizer, encode_prompts
 from rlax_llm.trainer.objectives import loss_totals, rl_objective, shared_prefix_scoring
 from rlax_llm.trainer.trainer import Trainer, learning_rate_schedule, make_optimizer
 from rlax_llm.trainer.warmup import supervised_warmup
@@ -94,8 +98,7 @@ def build_model(config: ml_collections.ConfigDict, task: Task
                                       invariant_rows=m.invariant_rows,
                                       max_seq_len=m.max_seq_len)
   if tokenizer is None:
-    raise ConfigError(f'config.model.path={shown} has no tokenizer (tokenizer.json); '
-                      'rlax_llm tokenizes with the checkpoint\'s own tokenizer.')
+    raise _no_tokenizer(shown)
   model, params = split_module(module)
   if m.name == 'auto':
     return model, params, tokenizer
@@ -147,8 +150,7 @@ def check_fits(config: ml_collections.ConfigDict, task: Task, model: Model,
                         'chat messages but the model\'s tokenizer has no chat template; use '
                         'task.format=plain.')
     try:
-      ids = (encode_prompt(tokenizer, messages=prompt.messages) if prompt.messages is not None
-             else encode_prompt(tokenizer, text=prompt.text))
+      ids = encode_prompts(tokenizer, [prompt])[0]
     except ValueError as e:  # a character outside a tiny model's alphabet (task.charset)
       raise ConfigError(f'task {task.name!r}: prompt {prompt.prompt_id} does not encode with '
                         f'the model\'s tokenizer: {e} (a tiny model\'s alphabet is the task\'s '
@@ -164,15 +166,55 @@ def check_fits(config: ml_collections.ConfigDict, task: Task, model: Model,
   return estimate
 
 
+def fit_prompts(config: ml_collections.ConfigDict, task: Task, tokenizer: Tokenizer) -> int:
+  """Measures every prompt of a file-backed ``task`` with ``tokenizer`` against
+  ``sampling.max_prompt_len`` and applies ``sampling.overlong_prompts`` ('error' raises
+  ConfigError, 'drop' leaves those records out of ``task``: ``tasks.prompt_length``).
+  Returns the number left out. Every process holding the run's task calls it with the same
+  tokenizer, so each holds the same prompts."""
+  return fit_prompt_length(task, tokenizer, config.sampling.max_prompt_len,
+                           config.sampling.overlong_prompts)
+
+
+def load_tokenizer(config: ml_collections.ConfigDict, task: Task) -> Tokenizer:
+  """The model's tokenizer alone, without its weights (``build_model``'s third part): for a
+  process that needs the prompts a run uses but no model, e.g. the Ray driver."""
+  if config.model.name == 'tiny':
+    return CharTokenizer(task.charset)
+  path = checkpoint_path(config)
+  if path.suffix == '.gguf':
+    return HFTokenizer.from_gguf(path)
+  if not (path / 'tokenizer.json').exists():
+    raise _no_tokenizer(repr(str(path)))
+  return HFTokenizer.from_directory(path)
+
+
+def _no_tokenizer(shown: str) -> ConfigError:
+  return ConfigError(f'config.model.path={shown} has no tokenizer (tokenizer.json); '
+                     'rlax_llm tokenizes with the checkpoint\'s own tokenizer.')
+
+
+def prepare_task(config: ml_collections.ConfigDict) -> Task:
+  """The run's task with ``fit_prompts`` applied, for a process that holds the task but not
+  the model (the Ray driver, which owns the prompt stream): loads only the tokenizer, and
+  only for a file-backed task (a generated one needs none)."""
+  task = build_task(config)
+  if isinstance(task, FileTask):
+    fit_prompts(config, task, load_tokenizer(config, task))
+  return task
+
+
 def prepare(config: ml_collections.ConfigDict
             ) -> tuple[Task, Model, Params, Tokenizer]:
-  """Task, model, initial params and tokenizer, checked to fit (``check_fits``): everything
-  a run needs before its first compute. ``config`` must have passed ``validate_config``."""
+  """Task, model, initial params and tokenizer, the task's prompts measured
+  (``fit_prompts``) and checked to fit (``check_fits``): everything a run needs before its
+  first compute. ``config`` must have passed ``validate_config``."""
   path, revision = config.model.path, config.model.revision
   console.phase(f'loading the model {config.model.name}' + (f' from {path}' if path else '')
                 + (f' at revision {revision}' if revision else ''))
   task = build_task(config)
   model, params, tokenizer = build_model(config, task)
+  fit_prompts(config, task, tokenizer)
   check_fits(config, task, model, tokenizer)
   return task, model, params, tokenizer
 

@@ -558,7 +558,7 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   ``ray.trainer_processes``, after joining the others) restores ``workdir``'s latest
   checkpoint itself and returns the controller's part of it."""
   ray = _ray()
-  task = roles.build_task(config)
+  task = roles.prepare_task(config)  # the prompts the trainer's prepare() keeps, the same
   started = init_ray(config)
   payload = json.dumps(config.to_dict())
   workdir = pathlib.Path(workdir).absolute()

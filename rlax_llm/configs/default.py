@@ -67,9 +67,13 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
           enabled=False, level='token', mode='truncate', threshold=2.0,
           veto_threshold=placeholder(float))),
   ))
-  # The policy's sampling transform (rollouts; evaluation is greedy) and lengths in tokens.
+  # The policy's sampling transform (rollouts; evaluation is greedy) and lengths in tokens;
+  # overlong_prompts: what a file/hub-dataset task's prompt longer than max_prompt_len does,
+  # found when the run is prepared: 'error' (refuse the run) or 'drop' (leave it out of the
+  # task; rlax_llm/tasks/prompt_length.py). Generated tasks are checked by the worker.
   c.sampling = ml_collections.ConfigDict(dict(
       temperature=1.0, top_k=0, top_p=1.0, max_prompt_len=8, max_new_tokens=5,
+      overlong_prompts='error',
   ))
   # Inference: workers, KV-cache slots each (concurrent sequences), what a weight swap does to
   # sequences in flight ('continue', PipelineRL; 'discard' and regenerate, RLAX); dynamic

@@ -25,7 +25,7 @@ import json
 import os
 import pathlib
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -254,7 +254,47 @@ class FileTask:
           self._check_record(row)
         except ValueError as e:
           raise ValueError(f'{owner}: record {i} of {where}: {e}') from None
+    # The records as read, per source, before the split: ``drop_records`` rebuilds from them.
+    self._sources = {'train': (train_where, records)}
+    if eval_records is not None:
+      self._sources['held_out'] = (eval_where, eval_records)
+    self.dropped_records = 0
     self.split = FileSplit(records, self._key, self.seed, self.num_eval, eval_records, owner)
+
+  def record_prompts(self) -> dict[str, tuple[str, list[Prompt]]]:
+    """The prompt of every record as read, before the split: ``{source: (where, prompts)}``
+    for ``'train'`` (``path``'s records, or its split ``split``) and, when the held-out
+    records have a source of their own (``eval_path`` or ``eval_split``), ``'held_out'``.
+    A prompt's id is its record's index in its source; ``where`` names the source as errors
+    do (``path='...' split 'train'``)."""
+    return {source: (where, [self._make_prompt(i, r) for i, r in enumerate(rows)])
+            for source, (where, rows) in self._sources.items()}
+
+  def drop_records(self, dropped: Mapping[str, Collection[int]]) -> None:
+    """Leaves the records ``dropped[source]`` (indices into ``record_prompts()[source]``) out
+    of the task and rebuilds the split from the rest, as if they had never been read: the
+    held-out prompts and the train stream are then a pure function of the data, the seed
+    and ``dropped``. Adds their number to ``dropped_records``. Raises ValueError when too
+    few records remain for the split (naming ``num_eval``)."""
+    owner = type(self).__name__
+    unknown = sorted(set(dropped) - set(self._sources))
+    if unknown:
+      raise ValueError(f'{owner}.drop_records: unknown source(s) {unknown}; the task has '
+                       f'{sorted(self._sources)}.')
+    kept = {}
+    count = 0
+    for source, (where, rows) in self._sources.items():
+      leave_out = set(dropped.get(source, ()))
+      count += len(leave_out)
+      kept[source] = (where, [r for i, r in enumerate(rows) if i not in leave_out])
+    eval_records = kept['held_out'][1] if 'held_out' in kept else None
+    try:
+      split = FileSplit(kept['train'][1], self._key, self.seed, self.num_eval, eval_records,
+                        owner)
+    except ValueError as e:
+      raise ValueError(f'{e} ({count} record(s) were left out before the split.)') from None
+    self._sources, self.split = kept, split
+    self.dropped_records += count
 
   def _read(self, hf_config: str, split: str, eval_split: str | None):
     """``((records, where), (eval records or None, where))`` of ``self.path`` and
