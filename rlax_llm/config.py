@@ -219,7 +219,10 @@ def _controller_settings(config: ml_collections.ConfigDict, loss: LossConfig,
   the checks that name the config's keys better than its own would (staleness, a group of
   one)."""
   from rlax_llm.losses import (  # pylint: disable=import-outside-toplevel  # jax
-      BASELINE_FREE, ESTIMATORS, TURN_ESTIMATORS)
+      BASELINE_FREE,
+      ESTIMATORS,
+      TURN_ESTIMATORS,
+  )
   if loss.estimator in TURN_ESTIMATORS:
     raise ConfigError(
         f'config.rl.advantage_estimator={loss.estimator!r} is a multi-turn estimator: it needs '

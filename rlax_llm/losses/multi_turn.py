@@ -59,7 +59,7 @@ member of any group, and advantage 0.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import chex
 import jax
