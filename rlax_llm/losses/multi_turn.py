@@ -6,14 +6,16 @@ with the same ``group_ids`` entry ran the same task (same environment seed), as 
 samples of a prompt do in single-turn GRPO. Per-turn inputs, named as the trajectory batch
 names them:
 
-==================  ==========  ===============================================================
-``turn_rewards``    float [B,N]  reward the environment gave for turn ``t`` of trajectory ``i``
-``turn_mask``       bool [B,N]   True for turns that happened (padding and dropped turns False)
-``state_ids``       int [B,N]    the environment state the turn acted in; equal ids = identical
-                                 state (the caller hashes ``env.state_key()`` strings to ints)
-``token_turn``      int [B,T]    the turn each token belongs to; -1 for prompt, environment,
-                                 tool and padding tokens
-==================  ==========  ===============================================================
+================  ===========  =============================================================
+``turn_rewards``  float [B,N]  reward the environment gave for turn ``t`` of trajectory ``i``
+``turn_mask``     bool [B,N]   True for turns that happened (padding, dropped turns False)
+``state_ids``     int [B,N]    the environment state the turn acted in; equal ids = identical
+                               state. The caller maps ``env.state_key()`` strings to ints,
+                               best with a per-batch dictionary (key -> 0, 1, ...): a 64-bit
+                               hash would be truncated to int32 (jax without x64)
+``token_turn``    int [B,T]    the turn each token belongs to; -1 for prompt, environment,
+                               tool and padding tokens
+================  ===========  =============================================================
 
 Estimators (``TURN_ESTIMATORS``; every advantage is 0 on masked turns):
 
