@@ -42,6 +42,7 @@ second run slower on ``gs://`` than on a local disk.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import secrets
@@ -98,6 +99,9 @@ def _gcs() -> Any:
       import fsspec  # pylint: disable=import-outside-toplevel
       import gcsfs.core  # pylint: disable=import-outside-toplevel
       kwargs: dict[str, Any] = {'use_listings_cache': False}
+      # fsspec logs an INFO line for each file it opens (its readahead cache): one per object
+      # read, which drowns a run's log.
+      logging.getLogger('fsspec.caching').setLevel(logging.WARNING)
       if emulator is not None:
         # The core filesystem: gcsfs's default one first probes each bucket's type over gRPC,
         # which an emulator does not serve (a minute's wait per bucket). epath (and so Orbax)

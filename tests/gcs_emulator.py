@@ -8,7 +8,9 @@ does not exist", another value "only if its live generation is G"; a failed prec
 answers 412 and changes nothing. The server handles one request at a time (a plain
 ``http.server.HTTPServer``), so the check and the write cannot interleave with another request.
 A resumable upload is checked when it is started (the lease and the workdir's files are small
-objects sent in one request).
+objects sent in one request). Downloads answer with the object's generation in
+``x-goog-generation`` as GCS does (TensorStore, Orbax's storage, reads it to make its
+conditional writes) and honour ``ifGenerationMatch`` / ``ifGenerationNotMatch`` (412 / 304).
 
 ``running(bucket)`` starts ``python tests/gcs_emulator.py --port N --bucket B`` (in memory,
 on a free loopback port) and points this process at it: ``STORAGE_EMULATOR_HOST`` for gcsfs
@@ -72,11 +74,40 @@ def _checked(handler):
   return wrapper
 
 
+def _download(handler):
+  """``handler`` (a download) with GCS's generation headers and read preconditions."""
+
+  @functools.wraps(handler)
+  def wrapper(request, response, storage, *args, **kwargs):
+    try:
+      obj = storage.get_file_obj(request.params['bucket_name'], request.params['object_id'])
+    except NotFound:
+      return handler(request, response, storage, *args, **kwargs)
+    live = str(obj['generation'])
+    match = request.query.get('ifGenerationMatch')
+    if match and match[0] != live:
+      _precondition_failed(response, f'ifGenerationMatch={match[0]} but the live generation '
+                           f'is {live}')
+      return None
+    not_match = request.query.get('ifGenerationNotMatch')
+    if not_match and not_match[0] == live:
+      response.status = HTTPStatus.NOT_MODIFIED
+      response['x-goog-generation'] = live
+      return None
+    result = handler(request, response, storage, *args, **kwargs)
+    response['x-goog-generation'] = live
+    response['x-goog-metageneration'] = str(obj.get('metageneration', '1'))
+    return result
+
+  return wrapper
+
+
 def enforce_preconditions() -> None:
   """Makes the emulator's object writes, metadata patches and deletes honour
-  ``ifGenerationMatch``."""
-  names = ('insert', 'compose', 'delete', 'patch')
-  wrapped = {getattr(objects, name): _checked(getattr(objects, name)) for name in names}
+  ``ifGenerationMatch``, and its downloads carry and honour generations (``_download``)."""
+  names = ('insert', 'compose', 'delete', 'patch', 'download')
+  wrapped = {getattr(objects, name): (_download if name == 'download' else _checked)(
+      getattr(objects, name)) for name in names}
   for name in names:  # the router also calls objects.insert by name for some upload routes
     setattr(objects, name, wrapped[getattr(objects, name)])
   server_lib.HANDLERS = tuple(

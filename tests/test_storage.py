@@ -252,7 +252,7 @@ def _launch_gcs(workdir, *extra):
 def test_a_tiny_launch_into_gcs_writes_everything_that_reads_back(gs, tmp_path):
   """``--workdir=gs://...`` with no mount: config.json, metrics, ledger, summary,
   TensorBoard events and Orbax checkpoints, each read back; evaluating the checkpoint from
-  gs:// appends its line to a gs:// output; a second launch resumes the finished run."""
+  gs:// appends its line to a gs:// output."""
   from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
   result = _launch_gcs(gs)
@@ -273,15 +273,15 @@ def test_a_tiny_launch_into_gcs_writes_everything_that_reads_back(gs, tmp_path):
   accumulator = EventAccumulator(str(tmp_path), size_guidance={'scalars': 0}).Reload()
   assert [e.step for e in accumulator.Scalars('loss')] == [1, 2]
   output = f'{gs}/eval/eval.jsonl'
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  for _ in range(2):
-    evaluated = subprocess.run(
-        [sys.executable, '-m', 'rlax_llm.evaluate', f'--checkpoint={gs}', f'--output={output}'],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
-    assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
+  write_text_atomic(output, '{"earlier": 1}\n')
+  evaluated = subprocess.run(
+      [sys.executable, '-m', 'rlax_llm.evaluate', f'--checkpoint={gs}', f'--output={output}'],
+      cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS='cpu'), capture_output=True, text=True,
+      timeout=120, check=False)
+  assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
   lines = storage.read_text(output).splitlines()
-  assert len(lines) == 2 and json.loads(lines[0])['checkpoint'] == gs
-  assert json.loads(lines[0])['eval/accuracy'] == json.loads(lines[1])['eval/accuracy']
+  assert len(lines) == 2 and json.loads(lines[1])['checkpoint'] == gs
+  assert json.loads(lines[1]) == json.loads(evaluated.stdout.splitlines()[-1])
 
 
 def test_preempted_run_resumes_from_gcs_equal_to_the_uninterrupted_one(gs, tmp_path):
@@ -303,24 +303,35 @@ def test_preempted_run_resumes_from_gcs_equal_to_the_uninterrupted_one(gs, tmp_p
   jax.tree.map(np.testing.assert_array_equal, params, ref_params)
 
 
-def test_sigterm_then_relaunch_on_gcs_and_a_second_launch_is_refused(gs, tmp_path):
+def test_a_second_launch_on_a_held_gcs_workdir_is_refused(gs):
+  """While another process holds the workdir's lease, ``python -m rlax_llm.launch`` on it
+  exits 1 naming the holder, and writes nothing."""
+  with workdir_lib.claim(gs) as holder:
+    second = _launch(gs)
+    out, _ = second.communicate(timeout=120)
+    assert second.returncode == 1, out[-3000:]
+    assert f'is in use by another run (pid {holder.holder["pid"]}' in out
+    assert storage.listdir(gs) == ['.lock']
+  assert storage.listdir(gs) == []
+
+
+def test_sigterm_then_relaunch_on_gcs_resumes(gs, tmp_path):
   """A real SIGTERM to ``python -m rlax_llm.launch --workdir=gs://...``: it exits 0 with a
-  checkpoint on gs://; while it runs a second launch on the same workdir is refused; the
-  same command again resumes and ends equal to the uninterrupted (local) run."""
-  ref_summary, ref_params = run_once(smoke(), tmp_path / 'ref', None)
-  ref_metrics, ref_ledger = read(tmp_path / 'ref')
-  workdir = storage.path(gs)
+  checkpoint on gs:// and its lease released; the same command again resumes and ends equal
+  to the uninterrupted (local) run."""
   proc = _launch(gs)
+  run_once(smoke(), tmp_path, None)  # the reference, meanwhile
+  ref_metrics, ref_ledger = read(tmp_path)
+  workdir = storage.path(gs)
   _wait_for_rows(workdir, 1, proc, timeout=120)
-  second = _launch(gs)
-  out, _ = second.communicate(timeout=120)
-  assert second.returncode == 1 and 'is in use by another run' in out, out[-3000:]
   proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=120)
   assert proc.returncode == 0, out[-3000:]
   assert storage.read_lease(f'{gs}/.lock') is None  # released on the way out
+  steps = len(read_metrics(workdir))
   proc = _launch(gs)
   out, _ = proc.communicate(timeout=120)
   assert proc.returncode == 0, out[-3000:]
   metrics, ledger = read(workdir)
   assert metrics == ref_metrics and ledger == ref_ledger
+  assert steps < 5, 'the SIGTERM came after the last step: nothing was resumed'
