@@ -52,6 +52,7 @@ def test_readme_algorithms_table_matches_the_losses():
 
 
 @pytest.mark.parametrize('doc', ['README.md', 'docs/config.md', 'docs/architecture.md',
+                                 'docs/checkpoints.md', 'docs/storage.md',
                                  'benchmarks/RESULTS.md', 'benchmarks/LAB_NOTES.md',
                                  'launch/README.md',
                                  'launch/tpu_vm/README.md', 'launch/multihost/README.md',
