@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import Iterator
 from http import HTTPStatus
+from unittest import mock
 
 from gcp_storage_emulator import server as server_lib
 from gcp_storage_emulator.exceptions import NotFound
@@ -132,7 +133,6 @@ def running(bucket: str = 'test-bucket', timeout: float = 30.0) -> Iterator[str]
   proc = subprocess.Popen([sys.executable, __file__, '--port', str(port), '--bucket', bucket],
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   url = f'http://127.0.0.1:{port}'
-  saved = {key: os.environ.get(key) for key in ENV_KEYS}
   try:
     deadline = time.monotonic() + timeout
     while True:
@@ -143,14 +143,9 @@ def running(bucket: str = 'test-bucket', timeout: float = 30.0) -> Iterator[str]
         if proc.poll() is not None or time.monotonic() > deadline:
           raise RuntimeError(f'the GCS emulator did not start (exit {proc.poll()})') from None
         time.sleep(0.1)
-    os.environ.update(dict.fromkeys(ENV_KEYS, url))
-    yield url
+    with mock.patch.dict(os.environ, dict.fromkeys(ENV_KEYS, url)):  # restored on exit
+      yield url
   finally:
-    for key, value in saved.items():
-      if value is None:
-        os.environ.pop(key, None)
-      else:
-        os.environ[key] = value
     proc.terminate()
     proc.wait(timeout=10)
 

@@ -289,7 +289,7 @@ def test_preempted_run_resumes_from_gcs_equal_to_the_uninterrupted_one(gs, tmp_p
   the warm-up and after step 3, resumed twice from gs://, the run equals an uninterrupted
   local one (per-step metrics, ledger, params bit for bit)."""
   config = smoke()
-  ref_summary, ref_params = run_once(config, tmp_path, None)
+  _, ref_params = run_once(config, tmp_path, None)
   ref_metrics, ref_ledger = read(tmp_path)
   workdir = storage.path(gs)
   preempted = []
