@@ -24,8 +24,9 @@ rest). Paths are ``etils.epath.Path`` values, the path type Orbax uses: local pa
   absent (``ifGenerationMatch=0``), its metadata renewed and deleted only while its generation
   is the one the holder created.
 * ``listdir``, ``read_bytes``, ``upload_file``, ``rename_dir``, ``absolute``: what the
-  workdir's readers and writers need beyond ``epath``. Listings are never cached (gcsfs caches
-  them by default, and other processes, Orbax's TensorStore among them, write the workdir).
+  workdir's readers and writers need beyond ``epath``. Listings are never cached, epath's
+  included (gcsfs caches them by default, and other processes, Orbax's TensorStore among
+  them, write the workdir).
 
 GCS credentials are Google's application default credentials (a TPU VM's service account,
 ``gcloud auth application-default login``); ``gcsfs`` and TensorStore both read them. Against a
@@ -99,6 +100,10 @@ def _gcs() -> Any:
       import fsspec  # pylint: disable=import-outside-toplevel
       import gcsfs.core  # pylint: disable=import-outside-toplevel
       kwargs: dict[str, Any] = {'use_listings_cache': False}
+      # Other processes and TensorStore (Orbax's array writer) write the workdir, so epath's
+      # gcsfs (Orbax's, made by fsspec) must not answer from a cached listing either; a
+      # user's own fsspec setting wins.
+      fsspec.config.conf.setdefault('gs', {}).setdefault('use_listings_cache', False)
       # fsspec logs an INFO line for each file it opens (its readahead cache): one per object
       # read, which drowns a run's log.
       logging.getLogger('fsspec.caching').setLevel(logging.WARNING)

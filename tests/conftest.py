@@ -52,6 +52,7 @@ LONGEST_FILES = (
     'tests/backends/test_ray_resume.py',
     'tests/test_multihost.py',
     'tests/test_resume.py',
+    'tests/test_storage.py',
     'tests/rollout/test_worker.py',
     'tests/losses/test_policy.py',
     'tests/test_launch.py',
