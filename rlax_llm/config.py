@@ -32,10 +32,12 @@ from typing import TYPE_CHECKING
 
 import ml_collections
 
+from rlax_llm import plugins
 from rlax_llm.cli import DEFAULT_CONFIG_PATH, flat_keys, load_config_file, lookup
 from rlax_llm.errors import ConfigError
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.schedule import SCHEDULES, ControllerSettings
+from rlax_llm.tokenization import CharTokenizer
 
 if TYPE_CHECKING:
   from rlax_llm.losses import LossConfig
@@ -47,12 +49,13 @@ REQUIRED_KEYS = (
     'eval.every_steps', 'mesh',
 )
 
-# Groups whose fields vary per config: a task's own fields, Ray resources, and two optional
-# groups, the named reward components (none: the task's reward alone) and the tiny model's
-# architecture (read only with model.name='tiny'). The schema does not fix their keys (a
-# prefix ending in '.' keeps the group itself required); their owners validate them.
-OPEN_GROUPS = ('task.', 'ray.trainer_resources.', 'ray.worker_resources.', 'reward',
-               'model.tiny')
+# Groups whose fields vary per config: a task's own fields, Ray resources and the Ray
+# trainer's environment variables, and two optional groups, the named reward components
+# (none: the task's reward alone) and the tiny model's architecture (read only with
+# model.name='tiny'). The schema does not fix their keys (a prefix ending in '.' keeps the
+# group itself required); their owners validate them.
+OPEN_GROUPS = ('task.', 'ray.trainer_resources.', 'ray.worker_resources.', 'ray.trainer_env.',
+               'reward', 'model.tiny')
 
 # Choice fields -> valid values (the loss's, sampling's, task's and model's come from their
 # own types).
@@ -63,11 +66,14 @@ CHOICES = {
     'rollout.on_swap': ('continue', 'discard'),
     'rollout.short_batches': ('pad', 'wait'),
     'staleness.schedule': SCHEDULES,
+    # rlax_llm.tasks.prompt_length.OVERLONG_POLICIES (a test keeps them equal; the tasks
+    # package stays off this module's imports).
+    'sampling.overlong_prompts': ('error', 'drop'),
 }
 
 POSITIVE_INTS = ('rl.group_size', 'rl.prompts_per_step', 'rl.max_nonfinite_updates',
                  'rl.micro_batches', 'checkpoint.keep',
-                 'rollout.slots', 'rollout.workers',
+                 'rollout.slots', 'rollout.workers', 'ray.trainer_processes',
                  'sampling.max_new_tokens', 'sampling.max_prompt_len', 'warmup.batch_size',
                  'log.console_every')
 NON_NEGATIVE_INTS = ('seed', 'total_steps', 'rl.logprob_chunk', 'rl.lr_decay_steps',
@@ -85,12 +91,14 @@ FLOATS = {
 
 # Keys a resumed run may change (``check_resume_config``): how long it runs, how it is watched,
 # checkpointed and placed (the mesh: checkpoints reshard on restore), how many weight
-# versions the server keeps and how often a lost Ray worker restarts, and rollout.fault (a
-# removed test knob: runs saved with it resume). Every other key decides what the run
-# computes and must equal the checkpointed run's.
+# versions the server keeps, how often a lost Ray worker restarts, over how many processes the
+# Ray trainer runs (and their environment), and rollout.fault (a removed test knob: runs
+# saved with it resume). Every other key decides what the run computes and must equal the
+# checkpointed run's.
 RESUMABLE_CHANGES = ('total_steps', 'checkpoint.', 'log.', 'eval.every_steps', 'mesh.',
                      'local.', 'rollout.worker_timeout_s', 'rollout.fault.', 'distributed.',
-                     'paramserver.', 'ray.worker_restarts', 'name')
+                     'paramserver.', 'ray.worker_restarts', 'ray.trainer_processes',
+                     'ray.trainer_env.', 'name')
 
 
 def _matches(key: str, prefixes: tuple[str, ...]) -> bool:
@@ -275,6 +283,7 @@ def validate_config(config: ml_collections.ConfigDict) -> RunSpec:
   settings = spec.controller
   _validate_micro_batches(config, spec.loss)
   _validate_checkpoint(config)
+  _validate_ray(config)
   _validate_free_running(config)
   task = _validate_task(config)
   if settings.reward:
@@ -326,6 +335,20 @@ def _validate_checkpoint(config: ml_collections.ConfigDict) -> None:
   c = config.checkpoint
   if not isinstance(c.async_save, bool):
     raise ConfigError(f'config.checkpoint.async_save={c.async_save!r} must be True or False.')
+
+
+def _validate_ray(config: ml_collections.ConfigDict) -> None:
+  """``ray.trainer_processes`` > 1 is a Ray trainer gang (a local multi-host run is
+  ``distributed.*``); ``ray.trainer_env`` maps variable names to strings."""
+  r = config.ray
+  if r.trainer_processes > 1 and config.backend != 'ray':
+    raise ConfigError(f'config.ray.trainer_processes={r.trainer_processes} with backend='
+                      f'{config.backend!r}: it sets how many Ray actors the trainer spans; '
+                      "use backend='ray', or config.distributed.* for a multi-host local run.")
+  for name, value in r.trainer_env.items():
+    if not isinstance(value, str):
+      raise ConfigError(f'config.ray.trainer_env.{name}={value!r} must be a string (an '
+                        'environment variable of each trainer actor\'s process).')
 
 
 def _validate_free_running(config: ml_collections.ConfigDict) -> None:
@@ -444,24 +467,43 @@ def effective_config(config: ml_collections.ConfigDict) -> ml_collections.Config
 
 
 def _validate_task(config: ml_collections.ConfigDict):
-  """The task ``config.task`` builds; ConfigError naming the field when it cannot."""
+  """The task ``config.task`` builds (a built-in name or a task class by import path);
+  ConfigError naming the field when it cannot, or when the run needs what the task lacks: a
+  ``charset`` for ``model.name='tiny'`` (its character tokenizer's alphabet), ``sft_example``
+  for a warm-up."""
   from rlax_llm import tasks  # pylint: disable=import-outside-toplevel  # jax: kept off import
   name = lookup(config, 'task.name')
-  if name not in tasks.TASKS:
+  if name not in tasks.TASKS and not plugins.is_import_path(name):
     raise ConfigError(f'config.task.name={name!r} is not valid; choose one of '
-                      f'{sorted(tasks.TASKS)}.')
+                      f'{sorted(tasks.TASKS)}, or a task class of yours as '
+                      '"module.path:ClassName" (docs/custom_tasks.md).')
   with _naming('task: '):
-    return tasks.make_task(config.task.to_dict() | {'seed': config.seed})
+    task = tasks.make_task(config.task.to_dict() | {'seed': config.seed})
+  if config.model.name == 'tiny':
+    if not task.charset:
+      raise ConfigError(
+          f'config.model.name=\'tiny\' builds a character-level model over the task\'s '
+          f'charset, but task {name!r} has none (charset={task.charset!r}); use a pretrained '
+          'model (e.g. --config=configs/smollm2.py), or give the task a charset property '
+          '(docs/custom_tasks.md).')
+    with _naming(f'task: {name!r} charset: '):
+      CharTokenizer(task.charset)
+  if config.warmup.steps > 0 and not tasks.defines(type(task), 'sft_example'):
+    raise ConfigError(f'config.warmup.steps={config.warmup.steps} needs warm-up demonstrations '
+                      f'but task {name!r} defines no sft_example(index); set warmup.steps=0 '
+                      'or implement it (docs/custom_tasks.md).')
+  return task
 
 
 def _validate_model(config: ml_collections.ConfigDict) -> None:
   # pylint: disable-next=import-outside-toplevel  # jax, flax: kept off import
   from rlax_llm.models import presets  # pylint: disable=import-outside-toplevel
   from rlax_llm.models.decoder_config import INVARIANT_ROWS_MODES, REMAT_POLICIES, DecoderConfig
+  from rlax_llm.models.files import hub  # pylint: disable=import-outside-toplevel
   m = config.model
   _check_choice('model.remat', m.remat, REMAT_POLICIES)
   _check_choice('model.invariant_rows', m.invariant_rows, INVARIANT_ROWS_MODES)
-  valid = ('tiny', *sorted(presets.PRESETS))
+  valid = ('tiny', 'auto', *sorted(presets.PRESETS))
   if m.name not in valid:
     raise ConfigError(f'config.model.name={m.name!r} is not valid; choose one of '
                       f'{list(valid)}.')
@@ -478,8 +520,8 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
   if m.name == 'tiny':
     if m.path is not None:
       raise ConfigError(f'config.model.path={m.path!r} is set but model.name=\'tiny\' builds '
-                        'a model from scratch; set model.name to the checkpoint\'s preset or '
-                        'clear model.path.')
+                        'a model from scratch; set model.name to the checkpoint\'s preset (or '
+                        '\'auto\') or clear model.path.')
     with _naming('model.tiny.'):
       tiny = m.tiny.to_dict()
       DecoderConfig(vocab_size=1, max_seq_len=m.max_seq_len, **tiny)
@@ -490,12 +532,17 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
           'raise model.max_seq_len or shorten the prompts/completions.')
   elif m.path is None and m.name not in presets.PACKAGED_CHECKPOINTS:
     raise ConfigError(
-        f'config.model.name={m.name!r} needs config.model.path (an HF directory or a .gguf file '
-        f'of the model): no checkpoint of it ships with rlax_llm (packaged: '
-        f'{sorted(presets.PACKAGED_CHECKPOINTS)}).')
-  elif m.path is not None and not pathlib.Path(m.path).exists():
-    raise ConfigError(f'config.model.path={m.path!r} does not exist; pass an HF directory '
-                      'or a .gguf file of the model.')
+        f'config.model.name={m.name!r} needs config.model.path (an HF directory, a .gguf file '
+        f'or a hub id ORG/NAME of the model): no checkpoint of it ships with rlax_llm '
+        f'(packaged: {sorted(presets.PACKAGED_CHECKPOINTS)}).')
+  elif m.path is not None and not (pathlib.Path(m.path).exists() or hub.is_hub_id(m.path)):
+    raise ConfigError(f'config.model.path={m.path!r} does not exist and is not a Hugging Face '
+                      'hub id (ORG/NAME); pass an HF directory, a .gguf file or a hub id of '
+                      'the model.')
+  elif m.revision and (m.path is None or not hub.is_hub_id(m.path)):
+    raise ConfigError(f'config.model.revision={m.revision!r} picks a revision of a hub model, '
+                      f'but config.model.path={m.path!r} is not a hub id (ORG/NAME); clear '
+                      'model.revision.')
   elif m.max_seq_len is not None and m.max_seq_len < needed:
     raise ConfigError(
         f'config.model.max_seq_len={m.max_seq_len} is shorter than sampling.max_prompt_len + '

@@ -553,7 +553,8 @@ class Controller:
     rollouts = score_rollouts(self.task, batch.prompts, rollouts)
     reward_parts = {}
     if self._reward_components is not None:  # train on the shaped reward, log each part
-      total, reward_parts = rewards.shape_rewards(rollouts, self._reward_components)
+      total, reward_parts = rewards.shape_rewards(rollouts, self._reward_components,
+                                                  batch.prompts)
       rollouts = dataclasses.replace(rollouts, rewards=total)
     t_rollout = time.perf_counter() - started
     if s.replay:  # prompts with a learning signal now are asked again by a later batch

@@ -4,8 +4,8 @@ r"""``python -m rlax_llm.evaluate``: evaluates a policy on a task's held-out spl
         [--output=eval.jsonl]
     python -m rlax_llm.evaluate --config=configs/smollm2.py --config.eval.samples=8
 
-evaluates the params the config loads (an HF directory or GGUF file at ``model.path``, or the
-seeded init of the tiny model), or with ``--checkpoint`` the params saved there
+evaluates the params the config loads (an HF directory, hub id or GGUF file at
+``model.path``, or the seeded init of the tiny model), or with ``--checkpoint`` the params saved there
 (``load_policy_params``, the one function that reads a checkpoint), and prints the metrics of
 ``rlax_llm.evaluation.evaluate_policy`` as one JSON line.
 

@@ -15,6 +15,13 @@ computed from, and every component unweighted, for the controller to log as
   ``cache`` (the length of the punishment interval), the reward is 0 for
   ``L <= L_max - c``, ``((L_max - c) - L) / c`` for ``L_max - c < L <= L_max`` (falling
   linearly to -1 at the cap) and -1 beyond it.
+* ``function``: a reward function of the user's own, ``fn='module.path:name'``, called as
+  ``fn(prompt, completion) -> float`` (``prompt`` the ``rlax_llm.tasks.Prompt`` a row
+  answers, ``completion`` its decoded text) for every row, in the verifier pool of the
+  controller's process (``rlax_llm.verifiers.score_with``), each call limited to
+  ``timeout_s`` seconds (default ``verifiers.DEFAULT_TIMEOUT_S``); a call that raises, runs
+  late or returns a non-finite or non-numeric value gives 0 and is logged at ERROR
+  (docs/custom_tasks.md).
 
 Config (a ``reward`` group; each key a component, ``kind`` defaulting to the key, so two
 components of one kind can coexist)::
@@ -23,6 +30,7 @@ components of one kind can coexist)::
         task=dict(weight=1.0),
         format=dict(weight=0.1),                        # optional pattern='<think>.*</think>'
         overlong=dict(weight=1.0, cache=64),            # max_length: sampling.max_new_tokens
+        short=dict(kind='function', fn='my_pkg.rewards:short', weight=0.1),  # timeout_s=30
     )
 
 A component with weight 0 is still computed and reported (monitoring without shaping). Text
@@ -32,24 +40,34 @@ only: nothing here imports model code.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-KINDS = ('task', 'format', 'overlong')
+from rlax_llm import plugins, verifiers
+from rlax_llm.tasks.base import Prompt
+
+KINDS = ('task', 'format', 'overlong', 'function')
+# Each kind's parameters (besides ``kind`` and ``weight``).
+PARAMETERS = {'task': set(), 'format': {'pattern'}, 'overlong': {'cache', 'max_length'},
+              'function': {'fn', 'timeout_s'}}
 RESERVED_NAMES = ('mean', 'std')  # the controller already logs reward/mean and reward/std
 _MAX_FORMAT_CHARS = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
 class RewardComponent:
-  """One term of the shaped reward: ``fn(rollouts) -> float32 [B]``, scaled by ``weight``."""
+  """One term of the shaped reward: ``fn(rollouts) -> float32 [B]`` (with ``uses_prompts``:
+  ``fn(rollouts, prompts)``, ``prompts`` the batch's ``Prompt`` per group), scaled by
+  ``weight``."""
 
   name: str
   weight: float
-  fn: Callable[[Any], np.ndarray]
+  fn: Callable[..., np.ndarray]
+  uses_prompts: bool = False
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not re.fullmatch(r'[A-Za-z0-9_.-]+', self.name):
@@ -123,13 +141,57 @@ def overlong_penalty(max_length: int, cache: int) -> Callable[[Any], np.ndarray]
   return fn
 
 
-def shape_rewards(rollouts: Any, components: list[RewardComponent]
+def function_reward(spec: str, timeout_s: float = verifiers.DEFAULT_TIMEOUT_S
+                    ) -> Callable[[Any, Sequence[Prompt]], np.ndarray]:
+  """The reward function at the import path ``spec`` (``'module.path:name'``), called as
+  ``fn(prompt, completion) -> float`` on every row in the verifier pool
+  (``verifiers.score_with``: ``timeout_s`` seconds per call; raising, late or non-finite gives
+  0 and is logged).
+
+  Returns ``component(rollouts, prompts) -> float32 [B]``, ``prompts`` one ``Prompt`` per
+  group (row ``i`` answers ``prompts[rollouts.group_ids[i]]``).
+  Raises ValueError, naming ``fn`` and the fix, when ``spec`` does not import, is not callable
+  or cannot be called with two positional arguments, or ``timeout_s`` is not > 0.
+  """
+  fn = plugins.import_object(spec, 'fn')
+  if not callable(fn):
+    raise ValueError(f'fn={spec!r} is a {type(fn).__name__}, not a function; name a function '
+                     'def reward(prompt, completion) -> float.')
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):  # some builtins have none: called as they are
+    signature = None
+  if signature is not None:
+    try:
+      signature.bind(None, '')
+    except TypeError:
+      raise ValueError(f'fn={spec!r} has the signature {signature}, which cannot be called as '
+                       'fn(prompt, completion); define it as def reward(prompt, completion) '
+                       '-> float (prompt: rlax_llm.tasks.Prompt, completion: str).') from None
+  if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+      or not timeout_s > 0 or not np.isfinite(timeout_s)):
+    raise ValueError(f'timeout_s must be a number of seconds > 0 (the limit of one call), got '
+                     f'{timeout_s!r}.')
+
+  def component(rollouts, prompts: Sequence[Prompt]) -> np.ndarray:
+    rows = [prompts[g] for g in np.asarray(rollouts.group_ids)]
+    values, _ = verifiers.score_with(fn, rows, list(rollouts.completions),
+                                     timeout_s=float(timeout_s), what=f'Reward function {spec}')
+    return values
+  return component
+
+
+def shape_rewards(rollouts: Any, components: list[RewardComponent],
+                  prompts: Sequence[Prompt] | None = None
                   ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
   """``(sum_k weight_k * component_k, {name_k: component_k})``, float32 ``[B]`` each.
 
-  ``rollouts`` needs ``rewards`` (for ``task``), ``completions`` and ``completion_mask``.
-  Raises ValueError when no component is given, two share a name, or a component returns an
-  array of the wrong shape or a non-finite value.
+  ``rollouts`` needs ``rewards`` (for ``task``), ``completions`` and ``completion_mask``
+  (and ``group_ids`` for ``function``); ``prompts``: the batch's prompts, one per group (what
+  ``verifiers.score_rollouts`` takes), needed by components that ``uses_prompts``.
+  Raises ValueError when no component is given, two share a name, a component needs prompts
+  and none are given, or a component returns an array of the wrong shape or a non-finite
+  value.
   """
   if not components:
     raise ValueError('shape_rewards needs at least one component (e.g. task with weight 1).')
@@ -140,7 +202,11 @@ def shape_rewards(rollouts: Any, components: list[RewardComponent]
   total = np.zeros(size, np.float64)
   parts: dict[str, np.ndarray] = {}
   for component in components:
-    values = np.asarray(component.fn(rollouts), np.float32)
+    if component.uses_prompts and prompts is None:
+      raise ValueError(f'reward component {component.name!r} reads the prompts; pass '
+                       'shape_rewards(..., prompts=the batch\'s prompts).')
+    values = np.asarray(component.fn(rollouts, prompts) if component.uses_prompts
+                        else component.fn(rollouts), np.float32)
     if values.shape != (size,):
       raise ValueError(f'reward component {component.name!r} returned shape {values.shape}, '
                        f'expected ({size},).')
@@ -183,25 +249,30 @@ def make_components(config: Mapping[str, Any] | None, task: Any = None,
     kind = spec.pop('kind', None) or name
     weight = spec.pop('weight', 1.0)
     params = {k: v for k, v in spec.items() if v is not None}
-    allowed = {'task': set(), 'format': {'pattern'}, 'overlong': {'cache', 'max_length'}}
-    if kind not in allowed:
+    if kind not in PARAMETERS:
       raise ValueError(f'reward.{name}: unknown kind {kind!r}; choose one of {KINDS} (set '
                        f'reward.{name}.kind when the name is not a kind).')
-    unknown = sorted(set(params) - allowed[kind])
+    unknown = sorted(set(params) - PARAMETERS[kind])
     if unknown:
       raise ValueError(f'reward.{name} ({kind}) got unknown parameter(s) {unknown}; it '
-                       f'accepts {sorted(allowed[kind]) + ["kind", "weight"]}.')
+                       f'accepts {sorted(PARAMETERS[kind]) + ["kind", "weight"]}.')
     try:
       if kind == 'task':
         fn = task_reward()
       elif kind == 'format':
         fn = format_reward(task, params.get('pattern'))
+      elif kind == 'function':
+        if 'fn' not in params:
+          raise ValueError("kind 'function' needs fn='module.path:name', a function "
+                           'def reward(prompt, completion) -> float (docs/custom_tasks.md)')
+        fn = function_reward(params['fn'],
+                             params.get('timeout_s', verifiers.DEFAULT_TIMEOUT_S))
       else:
         length = params.get('max_length', max_length)
         if length is None:
           raise ValueError('overlong needs max_length (pass sampling.max_new_tokens)')
         fn = overlong_penalty(length, params.get('cache', max(1, length // 4)))
-      components.append(RewardComponent(name, weight, fn))
+      components.append(RewardComponent(name, weight, fn, uses_prompts=kind == 'function'))
     except ValueError as e:
       raise ValueError(f'reward.{name}: {e}') from None
   return components

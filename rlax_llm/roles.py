@@ -3,8 +3,9 @@
 ``rlax_llm.config.validate_config`` has checked every field that needs no model file. The
 builders here check the rest before any compute (after reading a checkpoint's config and
 tokenizer, before the warm-up or the first compilation): every prompt fits
-``sampling.max_prompt_len``, prompt + completion fit the model, and the rollout batch fits in
-memory. Backends (``rlax_llm.backends``) compose these builders; the Ray backend builds the
+``sampling.max_prompt_len`` (a file-backed task's every record is measured, and one that does
+not fit is an error or left out, ``sampling.overlong_prompts``), prompt + completion fit the
+model, and the rollout batch fits in memory. Backends (``rlax_llm.backends``) compose these builders; the Ray backend builds the
 same roles inside actors.
 """
 
@@ -26,12 +27,16 @@ from rlax_llm import console
 from rlax_llm.errors import ConfigError
 from rlax_llm.models import from_pretrained, presets
 from rlax_llm.models.decoder_config import DecoderConfig, Execution
+from rlax_llm.models.files import hub
+from rlax_llm.models.files.tokenizer import HFTokenizer
 from rlax_llm.models.model import Model, Params, create_model, split_module
 from rlax_llm.trainer.scoring import Policy
 from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.sharding import role_meshes
 from rlax_llm.tasks import Task, make_task
-from rlax_llm.tokenization import CharTokenizer, Tokenizer, encode_prompt
+from rlax_llm.tasks.files import FileTask
+from rlax_llm.tasks.prompt_length import fit_prompt_length
+from rlax_llm.tokenization import CharTokenizer, Tokenizer, encode_prompts
 from rlax_llm.trainer.objectives import loss_totals, rl_objective, shared_prefix_scoring
 from rlax_llm.trainer.trainer import Trainer, learning_rate_schedule, make_optimizer
 from rlax_llm.trainer.warmup import supervised_warmup
@@ -50,10 +55,12 @@ def build_task(config: ml_collections.ConfigDict) -> Task:
 
 
 def checkpoint_path(config: ml_collections.ConfigDict) -> pathlib.Path:
-  """``model.path``, else the packaged checkpoint of the preset ``model.name``."""
+  """``model.path`` as a local path (a hub id at ``model.revision`` is fetched into, or read
+  from, the hub cache: ``hub.resolve_model_path``), else the packaged checkpoint of the preset
+  ``model.name``."""
   m = config.model
   if m.path is not None:
-    return pathlib.Path(m.path)
+    return hub.resolve_model_path(m.path, m.revision)
   return presets.packaged_checkpoint(m.name)
 
 
@@ -64,7 +71,8 @@ def build_model(config: ml_collections.ConfigDict, task: Task
   ``model.name='tiny'``: a decoder built from ``model.tiny`` with a ``CharTokenizer`` over
   the task's ``charset``, initialised from the seed. A preset name: the checkpoint at
   ``model.path`` (or the packaged one) with its own tokenizer and chat template; its
-  architecture must be the preset's.
+  architecture must be the preset's. ``'auto'``: the checkpoint at ``model.path``, whatever
+  supported architecture its ``config.json`` names.
   """
   m = config.model
   if m.name == 'tiny':
@@ -81,23 +89,28 @@ def build_model(config: ml_collections.ConfigDict, task: Task
     model, params = create_model(decoder, seed=config.seed)
     return model, params, tokenizer
   path = checkpoint_path(config)
+  shown = repr(m.path) if m.path is not None else repr(str(path))
+  if m.path is not None and path != pathlib.Path(m.path):
+    shown += f' (at {str(path)!r})'
   module, tokenizer = from_pretrained(path, dtype=DTYPES[m.dtype],
                                       param_dtype=DTYPES[m.param_dtype], remat=m.remat,
                                       batch_invariant=m.batch_invariant,
                                       invariant_rows=m.invariant_rows,
                                       max_seq_len=m.max_seq_len)
   if tokenizer is None:
-    raise ConfigError(f'config.model.path={str(path)!r} has no tokenizer (tokenizer.json); '
-                      'rlax_llm tokenizes with the checkpoint\'s own tokenizer.')
+    raise _no_tokenizer(shown)
   model, params = split_module(module)
+  if m.name == 'auto':
+    return model, params, tokenizer
   preset = presets.PRESETS[m.name]
   differ = {f: (getattr(model.config, f), getattr(preset, f)) for f in _ARCHITECTURE_FIELDS
             if getattr(model.config, f) != getattr(preset, f)}
   if differ:
     raise ConfigError(
-        f'config.model.path={str(path)!r} is not a {m.name!r} checkpoint: '
+        f'config.model.path={shown} is not a {m.name!r} checkpoint: '
         + ', '.join(f'{f} {a!r} (preset: {b!r})' for f, (a, b) in differ.items())
-        + '. Set config.model.name to the checkpoint\'s preset.')
+        + '. Set config.model.name to the checkpoint\'s preset, or to \'auto\' (the '
+        'architecture of its config.json).')
   return model, params, tokenizer
 
 
@@ -136,8 +149,12 @@ def check_fits(config: ml_collections.ConfigDict, task: Task, model: Model,
       raise ConfigError(f'config.task.format={getattr(task, "format", "chat")!r} prompts are '
                         'chat messages but the model\'s tokenizer has no chat template; use '
                         'task.format=plain.')
-    ids = (encode_prompt(tokenizer, messages=prompt.messages) if prompt.messages is not None
-           else encode_prompt(tokenizer, text=prompt.text))
+    try:
+      ids = encode_prompts(tokenizer, [prompt])[0]
+    except ValueError as e:  # a character outside a tiny model's alphabet (task.charset)
+      raise ConfigError(f'task {task.name!r}: prompt {prompt.prompt_id} does not encode with '
+                        f'the model\'s tokenizer: {e} (a tiny model\'s alphabet is the task\'s '
+                        'charset: make it hold every character of the prompts).') from None
     if len(ids) > longest:
       longest, longest_prompt = len(ids), prompt
   if longest > s.max_prompt_len:
@@ -149,14 +166,55 @@ def check_fits(config: ml_collections.ConfigDict, task: Task, model: Model,
   return estimate
 
 
+def fit_prompts(config: ml_collections.ConfigDict, task: Task, tokenizer: Tokenizer) -> int:
+  """Measures every prompt of a file-backed ``task`` with ``tokenizer`` against
+  ``sampling.max_prompt_len`` and applies ``sampling.overlong_prompts`` ('error' raises
+  ConfigError, 'drop' leaves those records out of ``task``: ``tasks.prompt_length``).
+  Returns the number left out. Every process holding the run's task calls it with the same
+  tokenizer, so each holds the same prompts."""
+  return fit_prompt_length(task, tokenizer, config.sampling.max_prompt_len,
+                           config.sampling.overlong_prompts)
+
+
+def load_tokenizer(config: ml_collections.ConfigDict, task: Task) -> Tokenizer:
+  """The model's tokenizer alone, without its weights (``build_model``'s third part): for a
+  process that needs the prompts a run uses but no model, e.g. the Ray driver."""
+  if config.model.name == 'tiny':
+    return CharTokenizer(task.charset)
+  path = checkpoint_path(config)
+  if path.suffix == '.gguf':
+    return HFTokenizer.from_gguf(path)
+  if not (path / 'tokenizer.json').exists():
+    raise _no_tokenizer(repr(str(path)))
+  return HFTokenizer.from_directory(path)
+
+
+def _no_tokenizer(shown: str) -> ConfigError:
+  return ConfigError(f'config.model.path={shown} has no tokenizer (tokenizer.json); '
+                     'rlax_llm tokenizes with the checkpoint\'s own tokenizer.')
+
+
+def prepare_task(config: ml_collections.ConfigDict) -> Task:
+  """The run's task with ``fit_prompts`` applied, for a process that holds the task but not
+  the model (the Ray driver, which owns the prompt stream): loads only the tokenizer, and
+  only for a file-backed task (a generated one needs none)."""
+  task = build_task(config)
+  if isinstance(task, FileTask):
+    fit_prompts(config, task, load_tokenizer(config, task))
+  return task
+
+
 def prepare(config: ml_collections.ConfigDict
             ) -> tuple[Task, Model, Params, Tokenizer]:
-  """Task, model, initial params and tokenizer, checked to fit (``check_fits``): everything
-  a run needs before its first compute. ``config`` must have passed ``validate_config``."""
-  path = config.model.path
-  console.phase(f'loading the model {config.model.name}' + (f' from {path}' if path else ''))
+  """Task, model, initial params and tokenizer, the task's prompts measured
+  (``fit_prompts``) and checked to fit (``check_fits``): everything a run needs before its
+  first compute. ``config`` must have passed ``validate_config``."""
+  path, revision = config.model.path, config.model.revision
+  console.phase(f'loading the model {config.model.name}' + (f' from {path}' if path else '')
+                + (f' at revision {revision}' if revision else ''))
   task = build_task(config)
   model, params, tokenizer = build_model(config, task)
+  fit_prompts(config, task, tokenizer)
   check_fits(config, task, model, tokenizer)
   return task, model, params, tokenizer
 
@@ -165,16 +223,15 @@ def rollout_memory_bytes(model: DecoderConfig, config: ml_collections.ConfigDict
                          ) -> dict[str, float]:
   """A lower-bound estimate of one rollout batch's device memory on the inference mesh.
 
-  KV cache ``2 * layers * B * (P + N) * kv_heads * head_dim`` in the compute dtype, the
-  params, and a few ``[B, vocab]`` float32 logit buffers, with the batch split over the
-  mesh's ``data * fsdp`` devices and the params over ``fsdp * tensor``.
+  KV cache ``2 * layers * B * (P + N) * kv_heads * head_dim`` in the compute dtype
+  (``presets.kv_cache_bytes``), the params, and a few ``[B, vocab]`` float32 logit buffers,
+  with the batch split over the mesh's ``data * fsdp`` devices and the params over
+  ``fsdp * tensor``.
   """
   batch = config.rl.prompts_per_step * config.rl.group_size
   length = config.sampling.max_prompt_len + config.sampling.max_new_tokens
-  itemsize = jnp.dtype(model.execution.dtype).itemsize
-  kv = 2 * model.num_layers * batch * length * model.num_kv_heads * model.head_dim * itemsize
-  from rlax_llm.models.presets import count_params  # pylint: disable=import-outside-toplevel
-  params = count_params(model) * jnp.dtype(model.execution.param_dtype).itemsize
+  kv = presets.kv_cache_bytes(model, slots=batch, length=length)
+  params = presets.count_params(model) * jnp.dtype(model.execution.param_dtype).itemsize
   logits = 4 * batch * model.vocab_size * 4
   mesh = config.mesh.inference
   sizes = {k: (v if v > 0 else 1) for k, v in mesh.items()}
@@ -183,6 +240,23 @@ def rollout_memory_bytes(model: DecoderConfig, config: ml_collections.ConfigDict
   per_device = (kv + logits) / batch_shards + params / param_shards
   return {'kv_cache_bytes': float(kv), 'params_bytes': float(params),
           'logits_bytes': float(logits), 'per_device_bytes': float(per_device)}
+
+
+def run_memory_plan(model: DecoderConfig, config: ml_collections.ConfigDict,
+                    trainer_mesh: dict[str, int], inference_mesh: dict[str, int], *,
+                    shared: bool) -> presets.MemoryPlan:
+  """``presets.memory_plan`` of a run: its batch, lengths, micro-batches, KV-cache slots,
+  workers and KL reference from ``config``; the meshes resolved (``sharding.mesh_shape``).
+  ``shared``: the trainer and the workers share chips (the local backend without
+  ``mesh.disjoint``; every worker's mesh then starts at the first chip)."""
+  rl, s = config.rl, config.sampling
+  length = s.max_prompt_len + s.max_new_tokens
+  return presets.memory_plan(
+      model, trainer_mesh, inference_mesh, train_rows=rl.prompts_per_step * rl.group_size,
+      train_length=length, micro_batches=rl.micro_batches, logprob_chunk=rl.logprob_chunk,
+      slots=config.rollout.slots, cache_length=length,
+      workers_per_chip=config.rollout.workers if shared else 1, shared=shared,
+      reference=(rl.kl_beta or 0) > 0)
 
 
 def available_memory_bytes() -> float:
@@ -298,3 +372,13 @@ def meshes(config: ml_collections.ConfigDict) -> dict[str, Any]:
                dict(out['trainer'].shape), len(out['inference']),
                dict(out['inference'][0].shape))
   return out
+
+
+def trainer_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
+  """The trainer's mesh alone, ``meshes(config)['trainer']`` (the first devices): for a
+  trainer's process that runs no inference worker, e.g. one of the Ray trainer actors that
+  form one ``jax.distributed`` job (its mesh spans every one of their devices)."""
+  mesh = role_meshes(config.mesh.trainer.to_dict(), config.mesh.inference.to_dict(),
+                     workers=0)['trainer']
+  logging.info('%d devices; trainer mesh %s', jax.device_count(), dict(mesh.shape))
+  return mesh

@@ -83,26 +83,53 @@ class Tokenizer(Protocol):
 
   def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = False,
                           tokenize: bool = False, **kwargs: Any) -> str | list[int]:
+    """``messages`` rendered with the chat template; ``tokenize``: ``encode`` of that text
+    (no bos added: the template writes its own special tokens)."""
     ...
 
 
-def encode_prompt(tokenizer: Tokenizer, text: str | None = None,
-                  messages: Sequence[Message] | None = None) -> list[int]:
-  """The ids a model is prompted with: a chat rendering of ``messages`` (with the assistant
-  header appended) when given, else ``text`` with bos prepended if the model expects it.
+# Prompts ``encode_prompts`` tokenizes per ``encode_batch`` call (bounds the padded array).
+ENCODE_CHUNK = 1024
 
-  Raises ValueError when ``messages`` are given but the tokenizer has no chat template, or
-  when neither or both of ``text`` and ``messages`` are given.
+
+def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[Any]) -> list[list[int]]:
+  """The ids each prompt prompts the model with: the one definition the inference worker
+  encodes with and the run's preflight measures with (``rlax_llm.tasks.prompt_length``).
+
+  A prompt (anything with ``text`` and ``messages``, e.g. ``rlax_llm.tasks.Prompt``) with
+  chat ``messages`` is rendered by the checkpoint's chat template with the assistant header
+  appended and encoded without bos (the template writes its own start tokens); one without
+  is its ``text``, with bos prepended if the model expects it (``add_bos_token``). Texts are
+  encoded in batches of ``ENCODE_CHUNK`` (``encode_batch``), so 100k prompts take seconds.
+  ``apply_chat_template(..., tokenize=True)`` of a tokenizer must equal ``encode`` of its
+  rendering (both implementations here define it so).
+
+  Returns one list of ints per prompt, in order. Raises ValueError when a chat prompt meets a
+  tokenizer without a chat template, or when a text does not encode (a character outside a
+  ``CharTokenizer``'s alphabet).
   """
-  if (text is None) == (messages is None):
-    raise ValueError('encode_prompt needs exactly one of text= and messages=.')
-  if messages is not None:
-    if tokenizer.chat_template is None:
-      raise ValueError(f'the prompt is a chat conversation but {tokenizer!r} has no chat '
-                       'template; use a checkpoint with one, or a plain-text task format.')
-    return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
-                                              tokenize=True))
-  return tokenizer.encode(text, add_bos=tokenizer.add_bos_token)
+  texts, add_bos = [], []
+  for prompt in prompts:
+    if prompt.messages:
+      if tokenizer.chat_template is None:
+        raise ValueError(f'prompt {prompt.prompt_id} is a chat conversation but {tokenizer!r} '
+                         'has no chat template; use a checkpoint with one, or a plain-text '
+                         'task format.')
+      texts.append(tokenizer.apply_chat_template(list(prompt.messages),
+                                                 add_generation_prompt=True))
+      add_bos.append(False)
+    else:
+      texts.append(prompt.text)
+      add_bos.append(tokenizer.add_bos_token)
+  encoded: list[list[int] | None] = [None] * len(texts)
+  for bos in (False, True):
+    rows = [i for i, b in enumerate(add_bos) if b == bos]
+    for start in range(0, len(rows), ENCODE_CHUNK):
+      chunk = rows[start:start + ENCODE_CHUNK]
+      ids, lengths = tokenizer.encode_batch([texts[i] for i in chunk], add_bos=bos)
+      for row, i in enumerate(chunk):
+        encoded[i] = ids[row, :lengths[row]].tolist()
+  return encoded
 
 
 def check_batch_args(texts: Sequence[str], length: int | None) -> None:

@@ -136,34 +136,49 @@ def score_completions(task: Task, prompts: Sequence[Prompt], completions: Sequen
   Returns ``(rewards float32 [B], number of errors)``; see the module docstring for what
   counts as an error.
   """
-  if len(prompts) != len(completions):
-    raise ValueError(f'{len(prompts)} prompts but {len(completions)} completions; they must '
-                     'be aligned one to one.')
   if timeout_s is None:
     timeout_s = float(getattr(task, 'verifier_timeout_s', DEFAULT_TIMEOUT_S))
   if max_workers is None:
     max_workers = getattr(task, 'verifier_workers', None)
-  name = getattr(task, 'name', type(task).__name__)
-  outcomes = run_with_timeouts(lambda i: task.score(prompts[i], completions[i]),
+  return score_with(task.score, prompts, completions, timeout_s=timeout_s,
+                    max_workers=max_workers,
+                    what=f'Verifier of task {getattr(task, "name", type(task).__name__)!r}')
+
+
+def score_with(score: Callable[[Prompt, str], object], prompts: Sequence[Prompt],
+               completions: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S,
+               max_workers: int | None = None, what: str = 'Scorer'
+               ) -> tuple[np.ndarray, int]:
+  """``score(prompts[i], completions[i])`` for every ``i`` in the verifier pool: a task's
+  scorer (``score_completions``) or a reward function (``rlax_llm.rewards``).
+
+  Each call may run ``timeout_s`` seconds; one that raises, runs late or returns something
+  that is not a finite float32 gives 0 and counts one error, logged with ``what`` and the
+  prompt id. Returns ``(rewards float32 [B], number of errors)``.
+  """
+  if len(prompts) != len(completions):
+    raise ValueError(f'{len(prompts)} prompts but {len(completions)} completions; they must '
+                     'be aligned one to one.')
+  outcomes = run_with_timeouts(lambda i: score(prompts[i], completions[i]),
                                len(prompts), timeout_s, max_workers)
   rewards = np.zeros(len(prompts), np.float32)
   errors = 0
   for i, (kind, value) in enumerate(outcomes):
     prompt_id = getattr(prompts[i], 'prompt_id', None)
     if kind == 'timeout':
-      logging.error('Verifier of task %r took longer than %.1f s on prompt %r; reward 0.',
-                    name, timeout_s, prompt_id)
+      logging.error('%s took longer than %.1f s on prompt %r; reward 0.', what, timeout_s,
+                    prompt_id)
       errors += 1
       continue
     if kind == 'error':
-      logging.error('Verifier of task %r raised on prompt %r', name, prompt_id,
+      logging.error('%s raised on prompt %r', what, prompt_id,
                     exc_info=(type(value), value, value.__traceback__))
       errors += 1
       continue
     reward = as_reward(value)
     if reward is None:
-      logging.warning('Verifier of task %r returned %r for prompt %r: not a finite real '
-                      'number in float32; reward 0.', name, value, prompt_id)
+      logging.warning('%s returned %r for prompt %r: not a finite real number in float32; '
+                      'reward 0.', what, value, prompt_id)
       errors += 1
       continue
     rewards[i] = reward

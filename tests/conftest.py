@@ -50,6 +50,7 @@ LONGEST_FILES = (
     'tests/test_policy_sampling.py',
     'tests/backends/test_ray.py',
     'tests/backends/test_ray_resume.py',
+    'tests/backends/test_ray_gang.py',
     'tests/test_multihost.py',
     'tests/test_resume.py',
     'tests/test_storage.py',

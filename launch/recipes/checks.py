@@ -17,7 +17,8 @@ from launch.recipes.slices import SLICES, SliceError, SliceType, with_chips
 from rlax_llm import roles
 from rlax_llm.config import validate_config
 from rlax_llm.models import presets
-from rlax_llm.sharding import make_mesh, mesh_shape
+from rlax_llm.models.files import hub
+from rlax_llm.sharding import mesh_shape
 
 # Chips a Ray TPU actor can be given on one host (ray._private.accelerators.tpu).
 RAY_TPU_CHIP_OPTIONS = (1, 2, 4, 8)
@@ -48,8 +49,11 @@ class Plan:
     checked: one line per check that passed (printed as comments).
     notes: warnings (printed as comments; they do not stop a dry run).
     resources: the Ray resources each actor asks for (ray recipe only).
+    trainer_mesh, inference_mesh: the role meshes' axis sizes on the slice (one worker's).
   """
   devices: int
+  trainer_mesh: dict[str, int] = dataclasses.field(default_factory=dict)
+  inference_mesh: dict[str, int] = dataclasses.field(default_factory=dict)
   checked: list[str] = dataclasses.field(default_factory=list)
   notes: list[str] = dataclasses.field(default_factory=list)
   resources: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
@@ -76,7 +80,7 @@ def check_local(config: ml_collections.ConfigDict, slice_: SliceType, recipe: st
   where = f'{slice_.name} ({chips} chips on {slice_.hosts} host(s))'
   trainer = _resolve(config, 'trainer', chips, where)
   used = math.prod(trainer.values())
-  plan = Plan(devices=chips)
+  plan = Plan(devices=chips, trainer_mesh=trainer)
   workers = config.rollout.workers
   if config.mesh.disjoint and slice_.multi_host:
     raise SliceError(
@@ -103,6 +107,7 @@ def check_local(config: ml_collections.ConfigDict, slice_: SliceType, recipe: st
           f'{workers} worker(s) of {_fmt(inference)} use {offset} of the {chips} chips of '
           f'{where}; size them to use every chip (e.g. -1 on one axis of mesh.inference '
           f'with one worker), or pick a slice with {offset} chips ({with_chips(offset)}).')
+    plan.inference_mesh = inference
     plan.checked.append(f'mesh.trainer {_fmt(trainer)} = chips 0-{used - 1}; {workers} '
                         f'worker(s) of mesh.inference {_fmt(inference)} on chips {used}-'
                         f'{chips - 1} (disjoint)')
@@ -118,6 +123,7 @@ def check_local(config: ml_collections.ConfigDict, slice_: SliceType, recipe: st
                          f'the {per_host} chips of one host of {where} (each host runs its '
                          'workers on its own chips)')
     size = math.prod(inference.values())
+    plan.inference_mesh = inference
     plan.checked.append(f'mesh.trainer {_fmt(trainer)} = all {chips} chips; {workers} '
                         f'worker(s) of mesh.inference {_fmt(inference)} = {size} chip(s) '
                         'each, shared with the trainer'
@@ -198,7 +204,7 @@ def check_ray(config: ml_collections.ConfigDict, trainer: SliceType, inference: 
         f'{inference_slices} x {inference.name} hold {capacity} worker(s) ({inference.hosts} '
         f'host(s) x {slots} per host); lower rollout.workers, pass --inference-slices={need}, '
         'or pick a bigger inference slice.')
-  plan = Plan(devices=t_chips)
+  plan = Plan(devices=t_chips, trainer_mesh=t_mesh, inference_mesh=i_mesh)
   plan.resources = {'trainer': {'TPU': t_chips, 'rlax_trainer': t_chips},
                     'worker': {'TPU': w_chips, 'rlax_inference': w_chips}}
   plan.checked.append(f'trainer actor: mesh.trainer {_fmt(t_mesh)} = the {t_chips} chips of '
@@ -221,7 +227,9 @@ def validate_on_devices(config: ml_collections.ConfigDict, devices: int) -> list
 
   JAX gets ``devices`` CPU devices, so this must run before anything in the process
   initialises a JAX backend (``python -m launch.recipes`` does). A ``model.path``
-  that is not on this machine (a path on the hosts, ``gs://``) is checked on the hosts.
+  that is not on this machine (a path on the hosts, ``gs://``) is checked on the hosts; a
+  Hugging Face hub id (``ORG/NAME``) is checked syntactically here (nothing is downloaded)
+  and fetched on the hosts.
   """
   if not xla_bridge.backends_are_initialized():
     jax.config.update('jax_platforms', 'cpu')
@@ -232,7 +240,12 @@ def validate_on_devices(config: ml_collections.ConfigDict, devices: int) -> list
   notes = []
   checked = copy.deepcopy(config)
   path = checked.model.get('path')
-  if path is not None and not pathlib.Path(path).exists():
+  if path is not None and hub.is_hub_id(path):
+    revision = checked.model.get('revision') or 'its default branch'
+    notes.append(f'config.model.path={path!r} is a Hugging Face hub id (not a path here): '
+                 f'each host fetches it ({revision}) into its hub cache or reads it from there '
+                 '(HF_HUB_OFFLINE=1); a host where it is a local path reads that instead.')
+  elif path is not None and not pathlib.Path(path).exists():
     checked.model.path = os.devnull
     notes.append(f'config.model.path={path!r} is not on this machine: it must exist on every '
                  'host (checked there by the launch).')
@@ -240,38 +253,33 @@ def validate_on_devices(config: ml_collections.ConfigDict, devices: int) -> list
   return notes
 
 
-def _gib(n: float) -> str:
-  return f'{n / 2**30:.2f} GiB'
+def memory_check(config: ml_collections.ConfigDict, plan: Plan, trainer_hbm: float,
+                 inference_hbm: float, shared: bool) -> list[str] | None:
+  """The memory plan per chip against HBM (GiB per chip); returns its lines.
 
-
-def memory_check(config: ml_collections.ConfigDict, trainer_hbm: float,
-                 inference_hbm: float, shared: bool) -> str | None:
-  """Checks a lower bound of the bytes per chip against HBM; returns a summary line.
-
-  Trainer: params and AdamW moments per device on the trainer mesh
-  (``presets.memory_per_device``). Rollouts: ``roles.rollout_memory_bytes`` (KV cache, params,
-  logits). ``shared``: the roles share chips (local backend without ``mesh.disjoint``), so
-  the two add up. Gradients, activations and a KL reference are not counted: passing is
-  necessary, not sufficient. Named presets only: returns ``None`` for another model.
+  ``rlax_llm.roles.run_memory_plan`` on the meshes ``plan`` resolved: the trainer's params
+  (the master copy), AdamW state, gradients, KL reference and activations; each worker's
+  params, KV cache and logits. ``shared``: the roles share chips (local backend without
+  ``mesh.disjoint``), so the two add up. XLA's scratch space and fragmentation are not
+  counted: leave some headroom. Named presets only: returns ``None`` for another model.
+  Raises SliceError naming the keys that shrink it when a chip's HBM is too small.
   """
   name = config.model.name
   if name not in presets.PRESETS:
     return None
   model = presets.get_preset(name).with_execution(
-      param_dtype=roles.DTYPES[config.model.param_dtype], dtype=roles.DTYPES[config.model.dtype])
-  trainer = presets.memory_per_device(model, make_mesh(config.mesh.trainer.to_dict()))
-  rollout = roles.rollout_memory_bytes(model, config)['per_device_bytes']
-  parts = [('trainer params + AdamW state', trainer['total_bytes'], trainer_hbm),
-           ('one rollout batch (KV cache, params, logits)', rollout, inference_hbm)]
-  if shared:
-    parts = [('trainer params + AdamW state + one rollout batch',
-              trainer['total_bytes'] + rollout, trainer_hbm)]
-  for what, need, hbm in parts:
-    if need > hbm * 2**30:
+      param_dtype=roles.DTYPES[config.model.param_dtype], dtype=roles.DTYPES[config.model.dtype],
+      remat=config.model.remat)
+  memory = roles.run_memory_plan(model, config, plan.trainer_mesh, plan.inference_mesh,
+                                 shared=shared)
+  trainer_bytes, inference_bytes = trainer_hbm * 2**30, inference_hbm * 2**30
+  lines = memory.table(trainer_bytes, inference_bytes)
+  for chips, need, hbm in memory.needs(trainer_bytes, inference_bytes):
+    if need > hbm:
       raise SliceError(
-          f'memory: {what} of {name} need at least {_gib(need)} per chip (a lower bound) but '
-          f'a chip has {hbm:g} GiB of HBM; shard more (config.mesh.trainer.fsdp, '
-          'config.mesh.inference.tensor), use bfloat16 (config.model.param_dtype), lower '
-          'rl.prompts_per_step * rl.group_size or sampling lengths, or pick a bigger slice.')
-  return 'memory per chip (lower bound): ' + '; '.join(
-      f'{what} {_gib(need)} of {hbm:g} GiB' for what, need, hbm in parts)
+          f'memory: the {chips} chips need {need / 2**30:.2f} GiB each for {name} but a chip '
+          f'has {hbm / 2**30:g} GiB of HBM ({"; ".join(lines)}); shard more '
+          '(config.mesh.trainer.fsdp, config.mesh.inference.tensor), save activations '
+          '(config.model.remat=full, config.rl.micro_batches, config.rl.logprob_chunk), '
+          'lower config.rollout.slots or the sampling lengths, or pick a bigger slice.')
+  return [f'memory plan per chip ({name}): {line}' for line in lines]

@@ -231,9 +231,9 @@ def run(argv: Sequence[str]) -> int:
   except ConfigError as e:
     raise ConfigError(f'{e} (checked with the {plan.devices} devices the launch sees there)'
                       ) from None
-  memory = memory_check(config, *hbm, shared=shared)
+  memory = memory_check(config, plan, *hbm, shared=shared)
   if memory:
-    plan.checked.append(memory)
+    plan.checked += memory
   else:
     plan.notes.append(f'memory per chip not estimated: model {config.model.name!r} is not a '
                       'named preset (rlax_llm.models.presets.PRESETS).')

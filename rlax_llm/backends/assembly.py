@@ -31,7 +31,7 @@ from rlax_llm.checkpoint import Resume, SaveSchedule
 from rlax_llm.controller import Controller, ControllerState, TrainerHandle, WorkerHandle
 from rlax_llm.metrics import MetricsWriter
 from rlax_llm.schedule import ControllerSettings
-from rlax_llm.tasks import Task
+from rlax_llm.tasks import Task, prompt_length
 
 
 @dataclasses.dataclass
@@ -41,11 +41,13 @@ class Run:
   controller: Controller
   writer: MetricsWriter
   warmup_metrics: dict[str, float]
+  data_metrics: dict[str, float]
 
   def execute(self) -> dict[str, Any]:
-    """Runs the controller; writes and returns the summary (warm-up and final figures)."""
+    """Runs the controller; writes and returns the summary (warm-up, data and final
+    figures)."""
     start = time.perf_counter()
-    summary = {**self.warmup_metrics, **self.controller.run()}
+    summary = {**self.warmup_metrics, **self.data_metrics, **self.controller.run()}
     summary['time/total_s'] = time.perf_counter() - start + self.warmup_metrics.get(
         'warmup/time_s', 0.0)
     self.writer.write_summary(summary)
@@ -83,4 +85,4 @@ def assemble(config: ml_collections.ConfigDict, settings: ControllerSettings, wo
                             checkpoints=checkpoints, stop=stop)
     if resume is not None:
       controller.restore(ControllerState.from_dict(resume.controller), resume.rollouts)
-    yield Run(controller, writer, warmup_metrics)
+    yield Run(controller, writer, warmup_metrics, prompt_length.dropped_metrics(task))

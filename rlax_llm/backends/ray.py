@@ -26,14 +26,25 @@ the current step, waits for it to be on disk, and the launch exits 0, as on the 
 backend. (A signal during the warm-up takes effect once the warm-up is done: it runs in the
 trainer actor, which does not see the driver's event.)
 
+A trainer spanning several hosts (``ray.trainer_processes = N``, one actor per host of a
+multi-host trainer slice): N ``TrainerRole`` actors join one ``jax.distributed`` job
+(coordinator: actor 0, ``coordinator_address``) and the trainer mesh spans all their devices;
+``RayTrainer`` sends each the same calls (arguments written into the object store once) and
+takes process 0's result, checking that the others agree. Each actor pushes only its own
+blocks of each version (``local_shards``, its ``process_index``) and the server actor
+commits the version when all N parts arrived: no process holds the whole params for a push.
+Each writes and restores its part of the checkpoints (multi-process Orbax). A call fails as
+soon as any of them fails (the others would wait in their collectives forever).
+
 Lost actors: a worker actor that dies (its process killed, its node lost) is restarted by
 Ray, at most ``ray.worker_restarts`` times (``max_restarts``), and the call it was running
 is retried on the new process (``max_task_retries``): the restarted worker holds no weights
 and pulls the version the call names from the server itself, so the run's rollouts are the
 same; it reports the restart with its next rollouts (``workers/restarts`` in the metrics,
 and an event). Past its restarts the controller retires it and re-issues its requests to
-the others. A lost trainer actor stops the run with a ``RlaxError`` naming the checkpoint
-step to resume from (relaunching with the same ``--workdir`` resumes there).
+the others. A lost trainer actor (any of them, when there are several) stops the run with a
+``RlaxError`` naming the checkpoint step to resume from (relaunching with the same
+``--workdir`` resumes there).
 
 Placement: each actor asks for ``ray.trainer_resources`` / ``ray.worker_resources`` (e.g.
 ``{'TPU': 4}`` on a TPU VM host, so Ray puts the trainer and the workers on different hosts;
@@ -49,13 +60,16 @@ their 4 chips; an actor holding a whole host needs none.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
 import os
 import pathlib
 import signal
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -71,6 +85,7 @@ from rlax_llm.checkpoint import latest_step
 from rlax_llm.errors import ConfigError, RlaxError
 from rlax_llm.paramserver import ParameterServer, ShardPush, local_shards
 from rlax_llm.paramserver.delta import Delta, LeafUpdate
+from rlax_llm.trainer.trainer import host_arrays
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -109,14 +124,17 @@ def _config_from(payload: str) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(json.loads(payload))
 
 
-def push_shards(server, version: int, shards: ShardPush) -> None:
+def push_shards(server, version: int, shards: ShardPush, process_index: int = 0,
+                process_count: int = 1) -> None:
   """Pushes ``shards`` (``local_shards(params, to_host=True)``: this process's blocks as host
   arrays) to the server actor ``server`` as ``version``: written into the object store once
   (``ray.put``), the server passed the object's ref (nested in a list, so that Ray hands it
-  over unresolved) and reading the arrays from the store zero-copy."""
+  over unresolved) and reading the arrays from the store zero-copy. A trainer spanning
+  ``process_count`` processes pushes from each (``process_index``) its own blocks only; the
+  server commits the version once all have arrived."""
   ray = _ray()
   ref = ray.put(shards)
-  ray.get(server.push.remote(version, [ref]))
+  ray.get(server.push.remote(version, [ref], process_index, process_count))
 
 
 def fetch_update(server, version: int, base_version: int) -> Delta:
@@ -125,10 +143,12 @@ def fetch_update(server, version: int, base_version: int) -> Delta:
   trainer's object, not a copy serialised for this pull). The caller verifies the
   checksums, as for any update."""
   ray = _ray()
-  update, ref = ray.get(server.update.remote(version, base_version))
-  if ref is None:
+  update, refs = ray.get(server.update.remote(version, base_version))
+  if not refs:
     return update
-  whole = _whole_leaves(ray.get(ref))
+  whole = {}
+  for pushed in ray.get(refs):  # one object per trainer process that pushed a whole leaf
+    whole.update(_whole_leaves(pushed))
   return dataclasses.replace(update, buckets=tuple(
       tuple(LeafUpdate(u.leaf, full=whole[u.leaf]) if isinstance(u, _InStore) else u
             for u in bucket) for bucket in update.buckets))
@@ -136,8 +156,8 @@ def fetch_update(server, version: int, base_version: int) -> Delta:
 
 @dataclasses.dataclass(frozen=True)
 class _InStore:
-  """In an update on its way to a worker: leaf ``leaf`` is sent whole and is the one in the
-  object the update's ref names (``fetch_update`` puts it back)."""
+  """In an update on its way to a worker: leaf ``leaf`` is sent whole and is the one in one
+  of the objects the update's refs name (``fetch_update`` puts it back)."""
 
   leaf: int
 
@@ -155,89 +175,149 @@ def _whole_leaves(pushed: ShardPush) -> dict[int, np.ndarray]:
 
 class ServerRole:
   """The parameter server actor: a ``ParameterServer`` keeping ``keep`` versions. Threaded
-  (``max_concurrency``), so pulls run while a push is stored: readers never block the writer
-  beyond the server's short lock."""
+  (``max_concurrency``), so pulls run while a push is stored, and the processes of a trainer
+  spanning several push a version at the same time: readers never block the writer beyond
+  the server's short lock."""
+
+  # How many pushes ``received`` remembers (the newest).
+  RECEIVED = 4096
 
   def __init__(self, keep: int):
     self.server = ParameterServer(keep=keep)
-    # version -> (the ref of the object pushed as it, the leaves kept in that object).
-    self._refs: dict[int, tuple[Any, frozenset[int]]] = {}
+    # version -> [(the ref of an object pushed as part of it, the leaves kept in it)].
+    self._refs: dict[int, list[tuple[Any, frozenset[int]]]] = {}
+    # version being assembled -> [(ref, ShardPush)] of the pushes accepted so far.
+    self._arriving: dict[int, list[tuple[Any, ShardPush]]] = {}
+    self._received: collections.deque = collections.deque(maxlen=self.RECEIVED)
+    self._lock = threading.Lock()
 
-  def push(self, version: int, boxed: list) -> None:
+  def push(self, version: int, boxed: list, process_index: int = 0,
+           process_count: int = 1) -> None:
     """Stores the object ``boxed[0]`` refers to (a ``ShardPush`` of host arrays:
-    ``push_shards``) as ``version``. The arrays ``ray.get`` returns are read-only
-    zero-copy views of the object store, immutable and valid while referenced; the server
-    keeps (adopts) the whole leaves among them instead of copying them (a trainer not split
-    over devices along a leaf, e.g. data-parallel, pushes whole leaves), takes their
-    checksums, and keeps the ref beside them, so a worker's pull gets them from the store
-    as they are (``update``). The ref is dropped with the version: the object store holds
-    the ``keep`` versions kept (objects in use are not spilled) and the ones workers hold."""
+    ``push_shards``) as process ``process_index``'s part of ``version`` (of
+    ``process_count``; the version commits once every part arrived). The arrays
+    ``ray.get`` returns are read-only zero-copy views of the object store, immutable and
+    valid while referenced; the server keeps (adopts) the whole leaves among them instead of
+    copying them (a trainer not split over devices along a leaf, e.g. data-parallel, pushes
+    whole leaves), takes their checksums, and keeps the refs beside them, so a worker's pull
+    gets them from the store as they are (``update``). The refs are dropped with the
+    version: the object store holds the ``keep`` versions kept (objects in use are not
+    spilled) and the ones workers hold."""
     ref = boxed[0]
     pushed = _ray().get(ref)
-    self.server.push(version, pushed, adopt=True)
-    stored = jax.tree.leaves(self.server.get(version).params)
-    kept = frozenset(i for i, data in _whole_leaves(pushed).items()
-                     if np.may_share_memory(stored[i], data))
-    if kept:
-      self._refs[version] = (ref, kept)
-    for old in set(self._refs) - set(self.server.versions()):
-      self._refs.pop(old, None)
+    entry = (ref, pushed)
+    with self._lock:  # before the push: an adopted leaf must not outlive its object's ref
+      self._arriving.setdefault(version, []).append(entry)
+    try:
+      committed = self.server.push_shards(version, pushed, process_index, process_count,
+                                          adopt=True)
+    except BaseException:
+      with self._lock:
+        self._arriving.get(version, []).remove(entry)
+      raise
+    with self._lock:
+      self._received.append((version, process_index, process_count, pushed.nbytes))
+      if not committed:
+        return
+      stored = jax.tree.leaves(self.server.get(version).params)
+      held = []
+      for ref, pushed in self._arriving.pop(version):
+        kept = frozenset(i for i, data in _whole_leaves(pushed).items()
+                         if np.may_share_memory(stored[i], data))
+        if kept:
+          held.append((ref, kept))
+      if held:
+        self._refs[version] = held
+      for old in set(self._refs) - set(self.server.versions()):
+        self._refs.pop(old, None)
+      for old in [v for v in self._arriving if v < version]:  # versions that never completed
+        self._arriving.pop(old)
 
   def update(self, version: int, base_version: int):
-    """``(update, ref)``: ``ParameterServer.update``'s, each whole leaf this server kept in
-    the object store replaced by a marker (``_InStore``), and the ref of the object holding
-    them (``None`` when none is; ``fetch_update`` resolves them)."""
+    """``(update, refs)``: ``ParameterServer.update``'s, each whole leaf this server kept in
+    the object store replaced by a marker (``_InStore``), and the refs of the objects holding
+    them (none when none is; ``fetch_update`` resolves them)."""
     update = self.server.update(version, base_version=base_version)
-    ref, kept = self._refs.get(version, (None, frozenset()))
-    if ref is None:
-      return update, None
+    with self._lock:
+      held = self._refs.get(version, [])
+    if not held:
+      return update, []
+    kept = frozenset().union(*(leaves for _, leaves in held))
     return dataclasses.replace(update, buckets=tuple(
         tuple(_InStore(u.leaf) if u.full is not None and u.leaf in kept else u
-              for u in bucket) for bucket in update.buckets)), ref
+              for u in bucket) for bucket in update.buckets)), [ref for ref, _ in held]
 
   def held_refs(self) -> list[int]:
     """The versions whose object-store refs this server holds (at most ``keep``)."""
-    return sorted(self._refs)
+    with self._lock:
+      return sorted(self._refs)
+
+  def received(self) -> list[tuple[int, int, int, int]]:
+    """The pushes accepted, oldest first (the newest ``RECEIVED``): ``(version,
+    process_index, process_count, bytes)``, bytes: the pushed blocks' (``ShardPush.nbytes``)."""
+    with self._lock:
+      return list(self._received)
 
   def latest_version(self) -> int:
     return self.server.latest_version()
 
 
 class TrainerRole:
-  """The trainer actor: runs the warm-up (or restores its checkpointed result), restores the
-  workdir's latest checkpoint, then runs RL updates on this host's devices, pushes each
-  version to the server actor ``server`` itself (the starting one when built, each new one
-  before ``step`` returns) and writes the checkpoints the controller asks for."""
+  """A trainer actor: process ``process_index`` of the ``process_count`` trainer actors
+  (``ray.trainer_processes``; one actor: the whole trainer). ``start`` joins them into one
+  ``jax.distributed`` job when there are several, runs the warm-up (or restores its
+  checkpointed result), restores the workdir's latest checkpoint, and pushes the starting
+  version; then it runs RL updates on the trainer mesh, which spans every actor's devices,
+  pushes each version to the server actor ``server`` itself (its own blocks of it only) and
+  writes its part of the checkpoints the controller asks for. Every actor of a trainer is
+  sent the same calls in the same order (the collectives of a step need them all)."""
 
-  def __init__(self, payload: str, server, workdir: str):
+  def __init__(self, process_index: int = 0, process_count: int = 1):
     pin_tpu_chips()
+    self.process_index, self.process_count = process_index, process_count
+
+  def coordinator_address(self) -> str:
+    """``host:port`` for the job's coordinator, in this actor (process 0): this node's
+    address and a port free on it now."""
+    ray = _ray()
+    node_id = ray.get_runtime_context().get_node_id()
+    host = next(n['NodeManagerAddress'] for n in ray.nodes() if n['NodeID'] == node_id)
+    with socket.socket() as s:
+      s.bind(('', 0))
+      return f'{host}:{s.getsockname()[1]}'
+
+  def start(self, payload: str, server, workdir: str, coordinator: str | None = None):
+    """Builds the trainer (joining the job at ``coordinator`` first when there are several
+    processes) and returns ``(warm-up metrics, Resume or None, version)``: what the driver
+    needs to start (the restored checkpoint's controller state and rollouts' arrays, no
+    weights)."""
+    if self.process_count > 1:
+      jax.distributed.initialize(coordinator, self.process_count, self.process_index)
     config = _config_from(payload)
     # This process gets the config as JSON, so its boundary is here: the same one builder
     # that validate_config ran in the driver builds the run's typed values again.
     spec = config_lib.run_spec(config)
     task, model, params, tokenizer = roles.prepare(config)
     self.checkpointer = roles.build_checkpointer(config, workdir)
-    self.trainer, self.warmup_metrics = roles.warm_trainer(
-        config, spec, task, model, params, tokenizer, roles.meshes(config)['trainer'],
-        self.checkpointer)
-    self.resume = (roles.resume_trainer(self.checkpointer, self.trainer)
-                   if self.checkpointer is not None else None)
+    mesh = (roles.meshes(config)['trainer'] if self.process_count == 1
+            else roles.trainer_mesh(config))
+    self.trainer, warmup_metrics = roles.warm_trainer(
+        config, spec, task, model, params, tokenizer, mesh, self.checkpointer)
+    resume = (roles.resume_trainer(self.checkpointer, self.trainer)
+              if self.checkpointer is not None else None)
     self.server = server
     self._pushed = -1
     self._publish()
+    return warmup_metrics, resume, self.trainer.version
 
   def _publish(self) -> None:
-    """Pushes the trainer's params as its version unless already pushed (bytes: this
-    process -> the object store -> the server's process)."""
+    """Pushes this process's blocks of the trainer's params as its version unless already
+    pushed (bytes: this process -> the object store -> the server's process)."""
     if self._pushed < self.trainer.version:
       push_shards(self.server, self.trainer.version,  # each block to host on its own
-                  local_shards(self.trainer.params, to_host=True))
+                  local_shards(self.trainer.params, to_host=True), self.process_index,
+                  self.process_count)
       self._pushed = self.trainer.version
-
-  def start(self):
-    """``(warm-up metrics, Resume or None, version)``: what the driver needs to start (the
-    restored checkpoint's controller state and rollouts' arrays, no weights)."""
-    return self.warmup_metrics, self.resume, self.trainer.version
 
   def step(self, batch) -> tuple[dict[str, float], int]:
     metrics = self.trainer.step(batch)
@@ -245,7 +325,7 @@ class TrainerRole:
     return metrics, self.trainer.version
 
   def save(self, step: int, controller, rollouts) -> None:
-    """Writes step ``step`` from this process (``roles.save_checkpoint``)."""
+    """Writes step ``step`` (this process's part of it: ``roles.save_checkpoint``)."""
     roles.save_checkpoint(self.checkpointer, self.trainer, step, controller, rollouts)
 
   def close(self) -> None:
@@ -255,9 +335,10 @@ class TrainerRole:
 
   def state(self):
     """``(params, opt_state, counters)`` as host arrays, fetched to the caller (for inspecting
-    a run, e.g. comparing backends; the controller never calls it)."""
-    return (*jax.device_get((self.trainer.params, self.trainer.opt_state)),
-            self.trainer.counters())
+    a run, e.g. comparing backends; the controller never calls it). Several processes: a
+    collective (every actor is asked); process 0 returns them, the others None."""
+    params, opt_state = host_arrays((self.trainer.params, self.trainer.opt_state))
+    return (params, opt_state, self.trainer.counters()) if self.process_index == 0 else None
 
 
 class WorkerRole:
@@ -295,25 +376,62 @@ class WorkerRole:
 
 
 class RayFuture:
-  """An object ref as a ``concurrent.futures``-style future; ``lost(error)``, when given,
-  is the error to raise instead of Ray's when the actor has died."""
+  """An object ref, or the refs of one call to each actor of a trainer spanning several
+  processes, as a ``concurrent.futures``-style future whose value is the first ref's
+  (``then(value)`` when given). ``lost(error)``, when given, is the error to raise instead
+  of Ray's when an actor has died; ``agree(values)`` checks the values of a call to several
+  actors. Waiting on several, the future fails as soon as any of them fails (an actor left
+  alone would wait on its collectives forever)."""
 
-  def __init__(self, ref, then=None, lost=None):
-    self.ref = ref
+  def __init__(self, ref, then=None, lost=None, agree=None):
+    self.refs = list(ref) if isinstance(ref, (list, tuple)) else [ref]
     self._then = then
     self._lost = lost
+    self._agree = agree
 
   def result(self, timeout: float | None = None) -> Any:
     ray = _ray()
     try:
-      value = ray.get(self.ref, timeout=timeout)
+      values = _get_each(self.refs, timeout)
     except ray.exceptions.GetTimeoutError as e:
       raise TimeoutError(str(e)) from None
     except ray.exceptions.RayActorError as e:
       if self._lost is None:
         raise
       raise self._lost(e) from e
-    return self._then(value) if self._then else value
+    if self._agree is not None and len(values) > 1:
+      self._agree(values)
+    return self._then(values[0]) if self._then else values[0]
+
+
+def _get_each(refs: list, timeout: float | None) -> list:
+  """``ray.get(refs)``, raising the error of the first ref to fail as soon as it does."""
+  ray = _ray()
+  if len(refs) == 1:
+    return [ray.get(refs[0], timeout=timeout)]
+  deadline = None if timeout is None else time.monotonic() + timeout
+  waiting = list(refs)
+  while waiting:
+    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+    ready, waiting = ray.wait(waiting, num_returns=1, timeout=left)
+    if not ready:
+      raise ray.exceptions.GetTimeoutError(f'{len(waiting)} of {len(refs)} trainer actors '
+                                           f'did not answer within {timeout} s.')
+    ray.get(ready)  # raises now if that call failed
+  return ray.get(refs)
+
+
+def _same_step(values: list[tuple[dict[str, Any], int]]) -> None:
+  """The trainer actors' ``step`` results agree: the same version and scalar metrics (each
+  is the value of the same replicated array)."""
+  (first, version), *others = values
+  scalars = lambda metrics: {k: v for k, v in metrics.items() if isinstance(v, float)}
+  for index, (metrics, other_version) in enumerate(others, 1):
+    if other_version != version or scalars(metrics) != scalars(first):
+      raise RlaxError(f'the trainer\'s processes disagree after a step: process {index} has '
+                      f'version {other_version}, loss {metrics.get("loss")}; process 0 '
+                      f'version {version}, loss {first.get("loss")}. They must run the same '
+                      'calls on the same data; report this as a bug.')
 
 
 class TrainerLost(RlaxError):
@@ -321,19 +439,33 @@ class TrainerLost(RlaxError):
 
 
 class RayTrainer:
-  """``TrainerHandle`` over a trainer actor; ``version`` follows the updates it applied
-  (``version``: the one it started at). ``workdir``: where the actor checkpoints (named in
-  the error that stops a run whose trainer actor was lost)."""
+  """``TrainerHandle`` over the trainer's actors (``actors``: one per trainer process, in
+  process order; each is sent every call, and process 0's result is the call's);
+  ``version`` follows the updates it applied (``version``: the one it started at).
+  ``workdir``: where the actors checkpoint (named in the error that stops a run whose
+  trainer actor was lost)."""
 
-  def __init__(self, actor, version: int, workdir):
-    self.actor = actor
+  def __init__(self, actors, version: int, workdir):
+    self.actors = list(actors)
     self.version = version
     self.workdir = storage.path(workdir)
+    self._lost_one = False
 
-  def _call(self, ref, then=None) -> RayFuture:
-    return RayFuture(ref, then, lost=self._lost)
+  @property
+  def actor(self):
+    """Process 0's actor (the one whose results the driver takes)."""
+    return self.actors[0]
+
+  def _call(self, method: str, *args, then=None, agree=None) -> RayFuture:
+    """``method(*args)`` on every actor; with several, each argument is written into the
+    object store once for all of them (a batch is sent once, not once per process)."""
+    if len(self.actors) > 1:
+      args = [_ray().put(arg) for arg in args]
+    return RayFuture([getattr(actor, method).remote(*args) for actor in self.actors], then,
+                     lost=self._lost, agree=agree)
 
   def _lost(self, error: Exception) -> Exception:
+    self._lost_one = True
     step = latest_step(self.workdir)
     resume = (f'the last checkpoint is step {step} in {self.workdir / "checkpoints"}; '
               f'relaunch with --workdir={self.workdir} to resume from it' if step is not None
@@ -347,20 +479,24 @@ class RayTrainer:
     def done(value):
       metrics, self.version = value
       return metrics
-    return self._call(self.actor.step.remote(batch), done)
+    return self._call('step', batch, then=done, agree=_same_step)
 
   def save(self, step: int, controller, rollouts) -> RayFuture:
-    return self._call(self.actor.save.remote(step, controller, rollouts))
+    return self._call('save', step, controller, rollouts)
 
   def close(self) -> None:
-    """Waits until the actor's checkpoint writes are on disk (nothing when it is lost)."""
+    """Waits until the actors' checkpoint writes are on disk (nothing when one is lost: the
+    others of several would wait on it)."""
+    if self._lost_one and len(self.actors) > 1:
+      return
     with contextlib.suppress(_ray().exceptions.RayActorError):
-      _ray().get(self.actor.close.remote())
+      _ray().get([actor.close.remote() for actor in self.actors])
 
   def state(self) -> RayFuture:
-    """``(params, opt_state, counters)`` fetched from the actor (host arrays) to this
-    process: for inspecting a run in tests; the controller never calls it."""
-    return self._call(self.actor.state.remote())
+    """``(params, opt_state, counters)`` fetched from the actors (host arrays; gathered in
+    them when there are several) to this process: for inspecting a run in tests; the
+    controller never calls it."""
+    return self._call('state')
 
 
 class RayWorker:
@@ -375,6 +511,15 @@ class RayWorker:
   def retire(self) -> None:
     with contextlib.suppress(Exception):
       _ray().kill(self.actor)
+
+
+def _same_start(values: list[tuple[Any, Any, int]]) -> None:
+  """The trainer actors started at the same version (each restored the same checkpoint)."""
+  versions = [version for _, _, version in values]
+  if len(set(versions)) > 1:
+    raise RlaxError(f'the trainer\'s processes started at different versions {versions}: '
+                    'they restored different checkpoints; check that every trainer host sees '
+                    'the same workdir (shared storage).')
 
 
 def init_ray(config: ml_collections.ConfigDict) -> bool:
@@ -410,28 +555,39 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   """Builds the roles as Ray actors (the server first: the trainer and the workers are
   given its handle) and assembles the run in this process (``assembly.assemble``) with
   ``spec``, the run's typed values (``validate_config(config)``'s result; the trainer actor
-  rebuilds them from the config it receives). The trainer actor restores ``workdir``'s
-  latest checkpoint itself and returns the controller's part of it."""
+  rebuilds them from the config it receives). The trainer actor (each of the
+  ``ray.trainer_processes``, after joining the others) restores ``workdir``'s latest
+  checkpoint itself and returns the controller's part of it."""
   ray = _ray()
-  task = roles.build_task(config)
+  task = roles.prepare_task(config)  # the prompts the trainer's prepare() keeps, the same
   started = init_ray(config)
   payload = json.dumps(config.to_dict())
   workdir = storage.absolute(workdir)
   # A lost trainer is not restarted (its state is the checkpoint's): the run stops.
+  processes = config.ray.trainer_processes
   trainer_cls = ray.remote(num_cpus=0, resources=config.ray.trainer_resources.to_dict(),
                            max_restarts=0)(TrainerRole)
+  if config.ray.trainer_env:
+    trainer_cls = trainer_cls.options(
+        runtime_env={'env_vars': config.ray.trainer_env.to_dict()})
   restarts = config.ray.worker_restarts
   worker_cls = ray.remote(num_cpus=0, resources=config.ray.worker_resources.to_dict(),
                           max_restarts=restarts, max_task_retries=restarts)(WorkerRole)
-  server_cls = ray.remote(num_cpus=0, max_concurrency=4)(ServerRole)
+  # Threads for the trainer's processes pushing a version at once beside workers' pulls.
+  server_cls = ray.remote(num_cpus=0, max_concurrency=max(4, processes + 2))(ServerRole)
   server_actor = server_cls.remote(spec.keep_versions)
-  trainer_actor = trainer_cls.remote(payload, server_actor, str(workdir))
+  trainer_actors = [trainer_cls.remote(p, processes) for p in range(processes)]
   worker_actors = [worker_cls.remote(payload, n, server_actor)
                    for n in range(config.rollout.workers)]
   trainer = None
   try:
-    warmup_metrics, resume, version = ray.get(trainer_actor.start.remote())
-    trainer = RayTrainer(trainer_actor, version, workdir)
+    coordinator = (ray.get(trainer_actors[0].coordinator_address.remote()) if processes > 1
+                   else None)
+    starts = _get_each([actor.start.remote(payload, server_actor, str(workdir), coordinator)
+                        for actor in trainer_actors], None)
+    _same_start(starts)
+    warmup_metrics, resume, version = starts[0]
+    trainer = RayTrainer(trainer_actors, version, workdir)
     with assemble(config, spec.controller, workdir, task, trainer,
                   [RayWorker(actor) for actor in worker_actors], warmup_metrics,
                   resume=resume, stop=stop) as run:
@@ -439,7 +595,7 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   finally:
     if trainer is not None:
       trainer.close()
-    for actor in [trainer_actor, *worker_actors, server_actor]:
+    for actor in [*trainer_actors, *worker_actors, server_actor]:
       with contextlib.suppress(Exception):
         ray.kill(actor)
     if started:

@@ -22,11 +22,14 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c.seed = 0
   c.total_steps = 200  # RL updates
 
-  # name: 'tiny' (built from model.tiny with a character tokenizer over the task's charset)
-  # or a preset ('smollm2-135m', 'qwen3-0.6b', ...) loaded from model.path (an HF directory or
-  # .gguf file; SmolLM2's ships as a pip package) with the checkpoint's tokenizer.
+  # name: 'tiny' (built from model.tiny with a character tokenizer over the task's charset),
+  # a preset ('smollm2-135m', 'qwen3-0.6b', ...; the checkpoint must have its architecture)
+  # or 'auto' (the architecture of the checkpoint's config.json), loaded from model.path (an
+  # HF directory, a .gguf file or a Hugging Face hub id ORG/NAME; SmolLM2's ships as a pip
+  # package) with the checkpoint's tokenizer. revision: of a hub id, a branch, tag or commit
+  # sha ('' = the repository's default branch).
   c.model = ml_collections.ConfigDict(dict(
-      name='tiny', path=placeholder(str),
+      name='tiny', path=placeholder(str), revision='',
       tiny=ml_collections.ConfigDict(dict(
           num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=256,
           rope_theta=10_000.0, tie_embeddings=True)),
@@ -64,9 +67,13 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
           enabled=False, level='token', mode='truncate', threshold=2.0,
           veto_threshold=placeholder(float))),
   ))
-  # The policy's sampling transform (rollouts; evaluation is greedy) and lengths in tokens.
+  # The policy's sampling transform (rollouts; evaluation is greedy) and lengths in tokens;
+  # overlong_prompts: what a file/hub-dataset task's prompt longer than max_prompt_len does,
+  # found when the run is prepared: 'error' (refuse the run) or 'drop' (leave it out of the
+  # task; rlax_llm/tasks/prompt_length.py). Generated tasks are checked by the worker.
   c.sampling = ml_collections.ConfigDict(dict(
       temperature=1.0, top_k=0, top_p=1.0, max_prompt_len=8, max_new_tokens=5,
+      overlong_prompts='error',
   ))
   # Inference: workers, KV-cache slots each (concurrent sequences), what a weight swap does to
   # sequences in flight ('continue', PipelineRL; 'discard' and regenerate, RLAX); dynamic
@@ -95,9 +102,13 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # ray: 'local' starts a private cluster on loopback; else the address of a running one.
   # Resources each actor asks for, e.g. {'TPU': 4} to put roles on separate TPU hosts.
   # worker_restarts: how often Ray restarts a lost worker actor (its call is retried there).
+  # trainer_processes: trainer actors forming one jax.distributed job (one per host of a
+  # multi-host trainer slice; each asks for trainer_resources and pushes its own shards);
+  # trainer_env: environment variables of each trainer actor's process (e.g. XLA_FLAGS).
   c.ray = ml_collections.ConfigDict(dict(
       address='local', num_cpus=0, trainer_resources=ml_collections.ConfigDict(),
-      worker_resources=ml_collections.ConfigDict(), worker_restarts=3))
+      worker_resources=ml_collections.ConfigDict(), worker_restarts=3, trainer_processes=1,
+      trainer_env=ml_collections.ConfigDict()))
   # The parameter server (the trainer pushes each version, workers pull theirs): keep_versions
   # is how many versions it holds, at least staleness.k + 2 (0: exactly k + 2).
   c.paramserver = ml_collections.ConfigDict(dict(keep_versions=0))

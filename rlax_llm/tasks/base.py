@@ -5,7 +5,8 @@ are plain text or chat messages, completions are verified as decoded text, and t
 tokenizer (``rlax_llm.tokenization``) turns them into ids. Nothing here imports model code.
 The train split is an infinite, random-access stream (``train_prompt(index)``), so a run
 resumes at any data position by remembering one integer; the eval split is a fixed list
-disjoint from it.
+disjoint from it. A class of the user's own that subclasses ``Task`` plugs in by import path
+(``task.name='module.path:ClassName'``, docs/custom_tasks.md).
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
 """File-backed problem sets: one loader (JSONL and Parquet) and one split, shared by the math
 and python tasks.
 
-``load_records(paths, required)`` reads records (dicts) from ``.jsonl``/``.json`` files (one
-JSON object per line; ``.gz`` allowed) and ``.parquet`` files (through ``pyarrow``, imported
-only for Parquet, with an error saying how to install it when it is missing). ``paths`` may be
-one path, a glob, or a list of them; the schema of each task is in docs/tasks.md.
+``load_records(paths, required, fields)`` reads records (dicts) from ``.jsonl``/``.json`` files
+(one JSON object per line; ``.gz`` allowed) and ``.parquet`` files (through ``pyarrow``,
+imported only for Parquet, with an error saying how to install it when it is missing; only the
+``fields`` columns are read). ``paths`` may be one path, a glob, or a list of them; the schema
+of each task is in docs/tasks.md. A task's ``path`` may instead name a dataset on the Hugging
+Face hub, ``hf://datasets/ORG/NAME[@REVISION]`` (``rlax_llm/tasks/hub_datasets.py`` fetches the
+files of its splits). Records are held in memory, at most ``MAX_RECORDS`` of them.
 
 ``FileSplit`` holds a seeded train / eval split of the records: the eval split is either a
 separate file set or the ``num_eval`` records with the smallest seeded hash of their key (the
@@ -22,17 +25,22 @@ import json
 import os
 import pathlib
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from rlax_llm.tasks._util import check_format, check_int, stable_hash
 from rlax_llm.tasks.base import Prompt, chat_messages
+from rlax_llm.tasks.hub_datasets import HubDataset, is_hub_url
 
 DATA_DIR = pathlib.Path(__file__).with_name('data')
 JSONL_SUFFIXES = ('.jsonl', '.json', '.jsonl.gz', '.json.gz')
 PARQUET_SUFFIXES = ('.parquet', '.pq')
+# Records are Python dicts of the task's fields, about 1-3 KB each for a math or code problem
+# (GSM8K's 7.5k train records: ~15 MB; MATH's 12.5k: ~40 MB), so a million is a few GB: a
+# larger data set needs a streaming reader, which this is not.
+MAX_RECORDS = 1_000_000
 
 
 def resolve_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[pathlib.Path]:
@@ -65,15 +73,21 @@ def resolve_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> lis
 
 
 def load_records(paths: str | os.PathLike | Sequence[str | os.PathLike],
-                 required: Sequence[str] = ()) -> list[dict[str, Any]]:
+                 required: Sequence[str] = (), fields: Sequence[str] | None = None
+                 ) -> list[dict[str, Any]]:
   """All records of ``paths`` in order; each must be a JSON object / table row holding the
-  ``required`` fields. Raises ValueError naming the file (and line) of a bad record, and
-  ImportError with the install command when Parquet needs ``pyarrow`` and it is missing."""
+  ``required`` fields. ``fields``: the fields a record keeps (those present; None: all), so
+  unused columns take no memory (Parquet does not read them).
+
+  Raises ValueError naming the file (and line) of a bad record or a table lacking a column
+  (listing those it has), or past ``MAX_RECORDS`` records; ImportError with the install
+  command when Parquet needs ``pyarrow`` and it is missing.
+  """
   records: list[dict[str, Any]] = []
   for path in resolve_paths(paths):
     name = path.name.lower()
     if name.endswith(PARQUET_SUFFIXES):
-      rows = _read_parquet(path)
+      rows = _read_parquet(path, required, fields, MAX_RECORDS - len(records))
     elif name.endswith(JSONL_SUFFIXES):
       rows = _read_jsonl(path)
     else:
@@ -85,10 +99,17 @@ def load_records(paths: str | os.PathLike | Sequence[str | os.PathLike],
         raise ValueError(f'{path}{where}: record lacks field(s) {missing}; it has '
                          f'{sorted(row)}. Set the task\'s *_field options to the names your '
                          'data uses.')
-      records.append(row)
+      if len(records) >= MAX_RECORDS:
+        raise ValueError(_too_many(paths))
+      records.append(row if fields is None else {f: row[f] for f in fields if f in row})
   if not records:
     raise ValueError(f'no records in {paths!r}.')
   return records
+
+
+def _too_many(paths) -> str:
+  return (f'{paths!r} hold more than MAX_RECORDS={MAX_RECORDS} records, which the file tasks '
+          'keep in memory; use a subset (a glob over some of its files).')
 
 
 def _read_jsonl(path: pathlib.Path):
@@ -108,15 +129,30 @@ def _read_jsonl(path: pathlib.Path):
       yield f':{number}', row
 
 
-def _read_parquet(path: pathlib.Path):
+def _read_parquet(path: pathlib.Path, required: Sequence[str], fields: Sequence[str] | None,
+                  room: int):
+  """Rows of a Parquet file (only the ``fields`` columns), after checking its schema holds
+  ``required`` and its row count fits in ``room``."""
   try:
     import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
   except ImportError:
     raise ImportError(f'{path}: reading Parquet needs pyarrow, which is not installed; run '
                       "`pip install pyarrow` (or install rlax_llm with the 'data' extra), or "
                       'convert the file to JSONL.') from None
-  for number, row in enumerate(pq.read_table(path).to_pylist()):
-    yield f' row {number}', row
+  with pq.ParquetFile(path) as table:
+    names = table.schema_arrow.names
+    missing = [f for f in required if f not in names]
+    if missing:
+      raise ValueError(f'{path}: the table lacks column(s) {missing}; it has {names}. Set the '
+                       "task's *_field options to the names your data uses.")
+    if table.metadata.num_rows > room:
+      raise ValueError(_too_many(path))
+    columns = None if fields is None else [f for f in names if f in fields]
+    number = 0
+    for batch in table.iter_batches(columns=columns):
+      for row in batch.to_pylist():
+        yield f' row {number}', row
+        number += 1
 
 
 class FileSplit:
@@ -129,8 +165,8 @@ class FileSplit:
     keys = [key(r) for r in records]
     if eval_records is not None:
       if num_eval > len(eval_records):
-        raise ValueError(f'{owner}: num_eval={num_eval} but the eval files hold only '
-                         f'{len(eval_records)} records; lower num_eval.')
+        raise ValueError(f'{owner}: num_eval={num_eval} but the held-out files (or split) '
+                         f'hold only {len(eval_records)} records; lower num_eval.')
       eval_order = sorted(range(len(eval_records)),
                           key=lambda i: stable_hash('eval', seed, key(eval_records[i])))
       self.eval = [eval_records[i] for i in eval_order[:num_eval]]
@@ -178,7 +214,7 @@ class FileTask:
   ``DEFAULT_INSTRUCTION`` (chat) and ``question_field`` (the record field holding the problem,
   which keys the split), and implement ``_required_fields``, ``_fields(record)`` (the
   template fields), ``_answer(record)`` and ``_demonstration(record)``; they may extend
-  ``_check_record``.
+  ``_check_record`` and name the optional fields they read (``_optional_fields``).
   """
 
   name = 'file'
@@ -190,7 +226,10 @@ class FileTask:
 
   def _setup(self, seed: int, path, eval_path, num_eval: int, format: str,  # pylint: disable=redefined-builtin
              system_prompt: str | None, instruction: str | None,
-             text_template: str | None) -> None:
+             text_template: str | None, hf_config: str = '', split: str = 'train',
+             eval_split: str | None = None) -> None:
+    """Checks the common arguments, reads the records (files, or a hub dataset's splits:
+    ``hf_config``, ``split``, ``eval_split``, see ``_read``) and builds the split."""
     owner = type(self).__name__
     self.seed = check_int(owner, 'seed', seed, 0, (1 << 64) - 1)
     self.num_eval = check_int(owner, 'num_eval', num_eval, 0)
@@ -207,20 +246,116 @@ class FileTask:
     self.instruction, self.text_template = instruction, text_template
     self.path = self.DEFAULT_PATH if path is None else path
     self.eval_path = eval_path
-    required = self._required_fields()
-    records = load_records(self.path, required)
-    eval_records = None if eval_path is None else load_records(eval_path, required)
-    for where, rows in (('path', records), ('eval_path', eval_records or [])):
+    (records, train_where), (eval_records, eval_where) = self._read(hf_config, split,
+                                                                    eval_split)
+    for where, rows in ((train_where, records), (eval_where, eval_records or [])):
       for i, row in enumerate(rows):
         try:
           self._check_record(row)
         except ValueError as e:
-          raise ValueError(f'{owner}: record {i} of {where}={getattr(self, where)!r}: {e}') \
-              from None
+          raise ValueError(f'{owner}: record {i} of {where}: {e}') from None
+    # The records as read, per source, before the split: ``drop_records`` rebuilds from them.
+    self._sources = {'train': (train_where, records)}
+    if eval_records is not None:
+      self._sources['held_out'] = (eval_where, eval_records)
+    self.dropped_records = 0
     self.split = FileSplit(records, self._key, self.seed, self.num_eval, eval_records, owner)
 
+  def record_prompts(self) -> dict[str, tuple[str, list[Prompt]]]:
+    """The prompt of every record as read, before the split: ``{source: (where, prompts)}``
+    for ``'train'`` (``path``'s records, or its split ``split``) and, when the held-out
+    records have a source of their own (``eval_path`` or ``eval_split``), ``'held_out'``.
+    A prompt's id is its record's index in its source; ``where`` names the source as errors
+    do (``path='...' split 'train'``)."""
+    return {source: (where, [self._make_prompt(i, r) for i, r in enumerate(rows)])
+            for source, (where, rows) in self._sources.items()}
+
+  def drop_records(self, dropped: Mapping[str, Collection[int]]) -> None:
+    """Leaves the records ``dropped[source]`` (indices into ``record_prompts()[source]``) out
+    of the task and rebuilds the split from the rest, as if they had never been read: the
+    held-out prompts and the train stream are then a pure function of the data, the seed
+    and ``dropped``. Adds their number to ``dropped_records``. Raises ValueError when too
+    few records remain for the split (naming ``num_eval``)."""
+    owner = type(self).__name__
+    unknown = sorted(set(dropped) - set(self._sources))
+    if unknown:
+      raise ValueError(f'{owner}.drop_records: unknown source(s) {unknown}; the task has '
+                       f'{sorted(self._sources)}.')
+    kept = {}
+    count = 0
+    for source, (where, rows) in self._sources.items():
+      leave_out = set(dropped.get(source, ()))
+      count += len(leave_out)
+      kept[source] = (where, [r for i, r in enumerate(rows) if i not in leave_out])
+    eval_records = kept['held_out'][1] if 'held_out' in kept else None
+    try:
+      split = FileSplit(kept['train'][1], self._key, self.seed, self.num_eval, eval_records,
+                        owner)
+    except ValueError as e:
+      raise ValueError(f'{e} ({count} record(s) were left out before the split.)') from None
+    self._sources, self.split = kept, split
+    self.dropped_records += count
+
+  def _read(self, hf_config: str, split: str, eval_split: str | None):
+    """``((records, where), (eval records or None, where))`` of ``self.path`` and
+    ``self.eval_path``.
+
+    A hub dataset (``path='hf://datasets/ORG/NAME[@REVISION]'``) gives its config
+    ``hf_config`` ('' for its default) and its split ``split``; the held-out records come from
+    ``eval_path`` (files), else its split ``eval_split``: None for ``test`` when the config
+    has one (and it is not ``split``), '' to hold out ``num_eval`` records of ``split``.
+    Files take none of the three (their held-out records come from ``eval_path`` or are held
+    out). Sets ``hf_config``, ``train_split``, ``eval_split`` (resolved) and ``dataset``.
+    """
+    owner = type(self).__name__
+    if not isinstance(hf_config, str):
+      raise ValueError(f'{owner} hf_config must be a str (\'\' for the default), got '
+                       f'{hf_config!r}.')
+    if not isinstance(split, str) or not split:
+      raise ValueError(f'{owner} split must be a split name, got {split!r}.')
+    if eval_split is not None and not isinstance(eval_split, str):
+      raise ValueError(f'{owner} eval_split must be a split name, \'\' or None, got '
+                       f'{eval_split!r}.')
+    if is_hub_url(self.eval_path):
+      raise ValueError(f'{owner} eval_path={self.eval_path!r}: eval_path takes files; a hub '
+                       "dataset's held-out split is its eval_split (with path=hf://...).")
+    required = self._required_fields()
+    fields = required + self._optional_fields()
+    self.hf_config, self.train_split, self.eval_split, self.dataset = '', split, '', None
+    if not is_hub_url(self.path):
+      if hf_config or split != 'train' or eval_split:
+        raise ValueError(f'{owner} hf_config={hf_config!r}, split={split!r}, '
+                         f'eval_split={eval_split!r} choose the parts of a hub dataset '
+                         f'(path=\'hf://datasets/ORG/NAME\'), but path={self.path!r} names '
+                         "files; leave them at '', 'train', None (eval_path takes held-out "
+                         'files).')
+      eval_records = (None if self.eval_path is None
+                      else load_records(self.eval_path, required, fields))
+      return ((load_records(self.path, required, fields), f'path={self.path!r}'),
+              (eval_records, f'eval_path={self.eval_path!r}'))
+    self.dataset = HubDataset(self.path, hf_config, JSONL_SUFFIXES + PARQUET_SUFFIXES)
+    self.hf_config = self.dataset.config
+    records = load_records(self.dataset.split_files(split), required, fields)
+    where = f'path={self.path!r} split {split!r}'
+    if self.eval_path is not None:
+      if eval_split:
+        raise ValueError(f'{owner} eval_path={self.eval_path!r} and eval_split={eval_split!r} '
+                         'both name the held-out records; give one.')
+      return ((records, where), (load_records(self.eval_path, required, fields),
+                                 f'eval_path={self.eval_path!r}'))
+    if eval_split is None:
+      eval_split = 'test' if 'test' in self.dataset.splits and split != 'test' else ''
+    self.eval_split = eval_split
+    eval_records = (load_records(self.dataset.split_files(eval_split), required, fields)
+                    if eval_split else None)
+    return (records, where), (eval_records, f'path={self.path!r} split {eval_split!r}')
+
   def __repr__(self) -> str:
-    return (f'{type(self).__name__}(seed={self.seed}, path={self.path!r}, '
+    hub = ''
+    if self.dataset is not None:
+      hub = (f', hf_config={self.hf_config!r}, split={self.train_split!r}, '
+             f'eval_split={self.eval_split!r}, revision={self.dataset.revision!r}')
+    return (f'{type(self).__name__}(seed={self.seed}, path={self.path!r}{hub}, '
             f'eval_path={self.eval_path!r}, num_eval={self.num_eval}, format={self.format!r})')
 
   @property
@@ -254,6 +389,10 @@ class FileTask:
   # Subclass hooks.
   def _required_fields(self) -> tuple[str, ...]:
     raise NotImplementedError
+
+  def _optional_fields(self) -> tuple[str, ...]:
+    """Fields a record may have and the task reads (kept when present)."""
+    return ()
 
   def _check_record(self, record: Mapping[str, Any]) -> None:
     """Raises ValueError for a record the task cannot use: here, one whose question is not a

@@ -1,13 +1,22 @@
-"""The math scorer: a completion's final answer against a reference, exactly or by math-verify.
+"""Final-answer scorers: a completion's final answer against a reference, by math-verify or as
+a string.
 
-``score_math`` (used by ``MathTask``) extracts the final answer (``extract_final_answer``: the
-line after the last ``####``, the last closed ``\\boxed{}``, else the last number) and compares
-it with the reference's (``reference_answer``). Plain decimal numbers are compared exactly in
-rational arithmetic here; anything else goes to ``math-verify`` (numeric and symbolic
-equivalence) in a pool of worker processes (``rlax_llm/_sandbox_child.py math``, guarded and
-memory-limited like the code sandbox) that are killed when an answer is late, so a slow
-comparison never leaves a verifier thread spinning. math-verify and sympy are imported only in
-those workers, never in this process.
+Every scorer extracts the completion's final answer (``extract_final_answer``: the line after
+the last ``####``, the last closed ``\\boxed{}``, else the last number) and the reference's
+(``reference_answer``), then compares them; ``SCORERS`` names them (``MathTask``'s ``scorer``):
+
+* ``score_math`` ('math'): plain decimal numbers exactly in rational arithmetic here; anything
+  else with ``math-verify`` (numeric and symbolic equivalence) in a pool of worker processes
+  (``rlax_llm/_sandbox_child.py math``, guarded and memory-limited like the code sandbox) that
+  are killed when an answer is late, so a slow comparison never leaves a verifier thread
+  spinning. math-verify reads letters as algebra (``abc`` equals ``cba``, a product), so a
+  reference that is not mathematical (``is_mathematical``: only words once normalised, as
+  ``Monday``, ``(C)``, ``\\text{odd}``) is compared as ``score_normalised`` does.
+* ``score_normalised`` ('normalised'): equal after ``normalise_answer`` (LaTeX text wrappers,
+  ``$``, spacing commands, case and repeated whitespace dropped).
+* ``score_exact`` ('exact'): equal strings.
+
+math-verify and sympy are imported only in the workers, never in this process.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 from rlax_llm import sandbox
 from rlax_llm.tasks._util import clean_text
@@ -35,6 +45,15 @@ MAX_SCAN_CHARS = 100_000
 MAX_ANSWER_CHARS = 256  # a longer extracted final answer scores 0
 
 _NUMBER_RE = re.compile(r'-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)', re.ASCII)
+# LaTeX that wraps text or only sets spacing and sizes, dropped by normalise_answer.
+_TEXT_WRAPPER_RE = re.compile(
+    r'\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mathit|mathsf|mbox|boxed)'
+    r'\s*\{([^{}]*)\}')
+_SPACING_RE = re.compile(r'\\(?:[,;:! ]|q?quad(?![A-Za-z]))|~')
+_SIZING_RE = re.compile(r'\\(?:left|right|[bB]igg?[lr]?)(?![A-Za-z])')
+# Words (letters of any script, joined by single spaces, hyphens or apostrophes), optionally
+# in parentheses: a reference like this is not mathematical.
+_WORDS_RE = re.compile(r"\(?[^\W\d_]+(?:[ '-][^\W\d_]+)*\)?")
 _PLAIN_NUMBER_RE = re.compile(r'-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?', re.ASCII)
 
 
@@ -108,6 +127,32 @@ def reference_answer(answer: object) -> str | None:
   return text if text and len(text) <= MAX_ANSWER_CHARS else None
 
 
+def normalise_answer(text: str) -> str:
+  """``text`` without its LaTeX text wrappers (``\\text{..}``, ``\\mathrm{..}``, ``\\boxed{..}``,
+  nested too), ``$``, spacing commands (``\\,``, ``\\!``, ``\\quad``, ``~``) and sizing
+  (``\\left``, ``\\right``, ``\\big``), ``\\dfrac``/``\\tfrac`` as ``\\frac``, case-folded, with
+  whitespace runs as one space (none beside punctuation: ``x + 1`` -> ``x+1``), a final period
+  dropped and a lone parenthesised choice unwrapped (``(C)`` -> ``c``)."""
+  previous = None
+  while previous != text:
+    previous, text = text, _TEXT_WRAPPER_RE.sub(r'\1', text)
+  text = _SIZING_RE.sub('', _SPACING_RE.sub(' ', text.replace('\\$', '').replace('$', '')))
+  text = re.sub(r'\\[dt]frac(?![A-Za-z])', r'\\frac', text)
+  text = re.sub(r'\s*([^\w\s])\s*', r'\1', ' '.join(text.split()))
+  text = text.casefold().rstrip('.').strip()
+  choice = re.fullmatch(r'\(\s*([^\W\d_])\s*\)', text)
+  return choice[1] if choice else text
+
+
+def is_mathematical(reference: str) -> bool:
+  """Whether ``score_math`` compares ``reference`` with math-verify: False when, normalised
+  (``normalise_answer``), it is only words of letters, optionally in parentheses (``cba``,
+  ``Monday``, ``(C)``, ``\\text{no solution}``, ``nan``): math-verify would read those as
+  products of variables. Anything with a digit, an operator, a LaTeX command or other
+  punctuation is mathematical."""
+  return _WORDS_RE.fullmatch(normalise_answer(reference)) is None
+
+
 def _plain_number(text: str) -> fractions.Fraction | None:
   """A decimal number with optional thousands commas (``-1,234.5``), exactly; else None."""
   text = text.strip().lstrip('$').strip()
@@ -122,9 +167,11 @@ def score_math(completion: object, answer: object,
 
   The final answer is extracted with ``extract_final_answer`` (``####``, last ``\\boxed{}``,
   last number); ``answer`` may be a bare final answer or a worked solution with one of those
-  markers. Plain decimal numbers are compared exactly here; anything else (fractions, LaTeX,
-  expressions, sets, ...) goes to ``math-verify`` (numeric and symbolic equivalence) in a
-  worker process that is killed after ``timeout_s``. Never raises; a timeout scores 0.
+  markers. A reference that is not mathematical (``is_mathematical``: words) is compared
+  after ``normalise_answer``; plain decimal numbers are compared exactly here; anything else
+  (fractions, LaTeX, expressions, sets, ...) goes to ``math-verify`` (numeric and symbolic
+  equivalence) in a worker process that is killed after ``timeout_s``. Never raises; a
+  timeout scores 0.
   """
   try:
     pred, gold = extract_final_answer(completion), reference_answer(answer)
@@ -132,6 +179,8 @@ def score_math(completion: object, answer: object,
       return 0.0
     if pred == gold:
       return 1.0
+    if not is_mathematical(gold):
+      return 1.0 if normalise_answer(pred) == normalise_answer(gold) else 0.0
     pred_number, gold_number = _plain_number(pred), _plain_number(gold)
     if pred_number is not None and gold_number is not None:
       if pred_number == gold_number:
@@ -142,6 +191,31 @@ def score_math(completion: object, answer: object,
   except Exception:  # pylint: disable=broad-except
     logging.exception('score_math failed; reward 0.')
     return 0.0
+
+
+def score_normalised(completion: object, answer: object,
+                     timeout_s: float = DEFAULT_MATH_TIMEOUT_S) -> float:
+  """1.0 if the final answers of the completion and of ``answer`` (extracted as ``score_math``
+  does) are equal after ``normalise_answer``, else 0.0. ``timeout_s`` is unused (the
+  comparison is immediate; the signature is ``score_math``'s). Never raises."""
+  pred, gold = extract_final_answer(completion), reference_answer(answer)
+  if pred is None or gold is None:
+    return 0.0
+  return 1.0 if normalise_answer(pred) == normalise_answer(gold) else 0.0
+
+
+def score_exact(completion: object, answer: object,
+                timeout_s: float = DEFAULT_MATH_TIMEOUT_S) -> float:
+  """1.0 if the final answers of the completion and of ``answer`` (extracted as ``score_math``
+  does, surrounding whitespace and a final period dropped) are the same string, else 0.0.
+  ``timeout_s`` is unused (the signature is ``score_math``'s). Never raises."""
+  pred, gold = extract_final_answer(completion), reference_answer(answer)
+  return 1.0 if pred is not None and pred == gold else 0.0
+
+
+# A final-answer task's scorer by name: f(completion, reference, timeout_s) -> 0.0 or 1.0.
+SCORERS: dict[str, Callable[[object, object, float], float]] = {
+    'math': score_math, 'normalised': score_normalised, 'exact': score_exact}
 
 
 class _MathWorker:

@@ -1,11 +1,12 @@
 """Python programming problems from files, checked by running unit tests in the sandbox.
 
-Records are JSON objects (JSONL or Parquet, docs/tasks.md): a problem statement, a list of
-unit tests (Python statements such as ``assert add(1, 2) == 3``, MBPP-style, Austin et al.,
-2021), an optional setup (imports the tests need) and an optional reference solution (for
-demonstrations). The task's scorer, ``score_python`` (here), takes a completion's program (its
-last ```python block, else the whole text; ``extract_code``) and runs it in ``rlax_llm.sandbox``
-with the tests; the reward is the fraction of tests passed (``partial_credit=True``) or 1/0.
+Records are JSON objects (JSONL or Parquet files, or a hub dataset's split, docs/tasks.md): a
+problem statement, a list of unit tests (Python statements such as ``assert add(1, 2) == 3``,
+MBPP-style, Austin et al., 2021), an optional setup (imports the tests need) and an optional
+reference solution (for demonstrations). The task's scorer, ``score_python`` (here), takes a
+completion's program (its last ```python block, else the whole text; ``extract_code``) and runs
+it in ``rlax_llm.sandbox`` with the tests; the reward is the fraction of tests passed
+(``partial_credit=True``) or 1/0.
 ``Prompt.answer`` is JSON ``{"tests": [...], "setup": "..."}``: what the scorer needs, so a
 prompt scores on its own.
 """
@@ -96,15 +97,21 @@ class PythonTask(FileTask):
                timeout_s: float = DEFAULT_PYTHON_TIMEOUT_S,
                test_timeout_s: float = 3.0, memory_mb: int = 1024,
                format: str = 'chat', system_prompt: str | None = None,  # pylint: disable=redefined-builtin
-               instruction: str | None = None, text_template: str | None = None):
+               instruction: str | None = None, text_template: str | None = None,
+               hf_config: str = '', split: str = 'train', eval_split: str | None = None):
     """Loads the files and builds the split.
 
     Args:
       seed: int in ``[0, 2**64)``: fixes the split and the train order.
-      path: JSONL/Parquet file(s) or glob(s); None for the bundled sample
+      path: JSONL/Parquet file(s) or glob(s), or a hub dataset
+        (``hf://datasets/ORG/NAME[@REVISION]``); None for the bundled sample
         (``rlax_llm/tasks/data/python_sample.jsonl``, 10 problems).
-      eval_path: separate held-out file(s); None holds out ``num_eval`` records of ``path``.
+      eval_path: separate held-out file(s); None holds out ``num_eval`` records of ``path``
+        (a hub dataset: its ``eval_split``).
       num_eval: held-out prompts.
+      hf_config, split, eval_split: a hub dataset's config ('' for its default), train split
+        and held-out split (None: ``test`` when it has one, else held out; '' held out), as
+        ``MathTask`` (MBPP: ``hf_config='full'``).
       question_field, tests_field, setup_field, solution_field: record field names (MBPP:
         text, test_list, test_setup_code, code). ``setup`` and ``solution`` are optional.
       shown_tests: how many tests the prompt shows (they name the function to write).
@@ -131,7 +138,7 @@ class PythonTask(FileTask):
         test_timeout_s=self.test_timeout_s)
     self.verifier_timeout_s = self.timeout_s + 20.0
     self._setup(seed, path, eval_path, num_eval, format, system_prompt, instruction,
-                text_template)
+                text_template, hf_config, split, eval_split)
 
   def score(self, prompt: Prompt, completion: str) -> float:
     """Fraction of the prompt's tests the completion passes (or 1/0); never raises."""
@@ -153,6 +160,9 @@ class PythonTask(FileTask):
 
   def _required_fields(self) -> tuple[str, ...]:
     return (self.question_field, self.tests_field)
+
+  def _optional_fields(self) -> tuple[str, ...]:
+    return (self.setup_field, self.solution_field)
 
   def _check_record(self, record: Mapping[str, Any]) -> None:
     super()._check_record(record)

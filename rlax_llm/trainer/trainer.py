@@ -165,20 +165,14 @@ class Trainer:
     return metrics
 
   def host_params(self) -> Params:
-    """The current params as whole host numpy arrays (for inspection and evaluation; in one
-    process the backends push the device arrays shard by shard instead,
-    ``paramserver.local_shards``).
-
-    Multi-process (the mesh spans several hosts): every process gets the whole params,
-    gathered with ``multihost_utils.process_allgather``, a collective that every process
-    must call at the same point (they do: each runs the same controller). The local backend
-    on several hosts pushes this: each host holds a full copy, which its own inference
-    workers pull. A per-shard push from a trainer spanning hosts to one server, with no
-    gather, is not built (``ParameterServer.push_shards`` is its receiving side).
-    """
-    if all(x.is_fully_addressable for x in jax.tree.leaves(self.params)):
-      return jax.tree.map(np.asarray, jax.device_get(self.params))
-    return jax.tree.map(np.asarray, multihost_utils.process_allgather(self.params, tiled=True))
+    """The current params as whole host numpy arrays (``host_arrays``): for inspection and
+    evaluation, and for the local backend on several hosts, where each host's server holds
+    a full copy that its own inference workers pull. Pushes do not use it: in one process
+    the backends push the device arrays shard by shard (``paramserver.local_shards``), and a
+    Ray trainer spanning several processes (``ray.trainer_processes``) pushes from each
+    process only the blocks that process holds, to one server, with no gather
+    (``ParameterServer.push_shards``)."""
+    return host_arrays(self.params)
 
   def counters(self) -> dict[str, int]:
     """The trainer's scalar state besides the arrays (what a checkpoint stores)."""
@@ -196,6 +190,15 @@ class Trainer:
     self.opt_state = opt_state
     self.version = int(counters['version'])
     self.nonfinite_streak = int(counters['nonfinite_streak'])
+
+
+def host_arrays(tree: Any) -> Any:
+  """``tree``'s arrays as whole host numpy arrays. Arrays spanning several processes are
+  gathered with ``multihost_utils.process_allgather``, a collective that every process must
+  call at the same point (every process then holds the whole tree)."""
+  if all(x.is_fully_addressable for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)):
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+  return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
 
 
 def _all_finite(tree) -> jax.Array:

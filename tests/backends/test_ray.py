@@ -302,15 +302,15 @@ def test_the_server_actor_keeps_the_object_stores_arrays_and_they_never_change(c
           range(max(0, version - 1), version + 1))
       for held in held_versions:
         # The big leaf comes as the trainer's object's ref, not serialised by the server.
-        sent, ref = ray.get(server.update.remote(held, -1))
-        assert ref is not None and sent.nbytes < 1024
+        sent, refs = ray.get(server.update.remote(held, -1))
+        assert len(refs) == 1 and sent.nbytes < 1024
         update = ray_backend.fetch_update(server, held, -1)
         leaves = delta_lib.apply([None, None], update)
         rng = np.random.default_rng(held)
         np.testing.assert_array_equal(leaves[0], rng.random((512, 512), np.float32))
         np.testing.assert_array_equal(leaves[1], rng.random((7,), np.float32))
         delta_lib.verify(leaves, update.checksums, ['a', 'b'], held)
-      del sent, ref, update, leaves
+      del sent, refs, update, leaves
       # Bounded: the objects of the two versions kept, no more (dropped ones released).
       for _ in range(50):
         if _plasma_objects() <= before + 2:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlax_llm.models import cpu_attention
+from rlax_llm.models import cpu_attention, numerics
 from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.model import create_model
 from rlax_llm.sampling_spec import GREEDY, SamplingSpec
@@ -204,3 +204,33 @@ def test_the_build_is_cached_by_key_and_an_unwritable_cache_is_reported(tmp_path
   finally:
     monkeypatch.undo()
     cpu_attention._build.cache_clear()
+
+
+@needs_kernel
+def test_on_another_platform_every_cpu_only_path_falls_back_to_xla_with_the_same_results(
+    monkeypatch):
+  """With the platform query answering 'tpu' (as on a TPU or GPU host), the engine keeps
+  XLA's attention and the model's weight layout, the flipped-product numerics are off, the
+  kernel says why it is unavailable, and the engine's tokens and log-probs, and the model's
+  logits, equal those of the CPU path."""
+  model, params = create_model(CONFIG, seed=5)
+  cpu = engine_for(model)
+  assert cpu.model.config.execution.decode_attention == 'cpu_kernel'
+  tokens = jnp.asarray([PROMPTS[1] + PROMPTS[0]], jnp.int32)
+  cpu_logits = jax.jit(model.apply)(params, tokens)
+  want = run(cpu, params, GREEDY, 2)
+
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'tpu')
+  assert cpu_attention.unavailable_reason() == 'the default backend is tpu, not cpu'
+  assert numerics.flips(4) is False
+  other = engine_for(model)
+  assert other.model.config.execution.decode_attention == 'xla'
+  assert 'the default backend is tpu' in other.decode_attention_note
+  assert other.model.config.execution.weight_layout == model.config.execution.weight_layout
+  got = run(other, params, GREEDY, 2)
+  for samples, references in zip(got, want):
+    for sample, ref in zip(samples, references):
+      assert sample.tokens == ref.tokens
+      np.testing.assert_allclose(sample.logprobs, ref.logprobs, atol=4e-6, rtol=0)
+  logits = jax.jit(model.apply)(params, tokens)
+  np.testing.assert_allclose(logits, cpu_logits, atol=1e-5, rtol=0)

@@ -145,6 +145,26 @@ def test_math_task_rejects_bad_records_with_the_record_and_fix(tmp_path):
 
 
 
+def test_math_task_scorer_choice(tmp_path):
+  rows = [{'question': 'Reverse "abc".', 'answer': 'cba'},
+          {'question': 'Which day follows Sunday?', 'answer': '\\boxed{\\text{Monday}}'},
+          {'question': 'Half of 3?', 'answer': '#### 1.5'}]
+  path = _write_jsonl(tmp_path / 'words.jsonl', rows)
+  prompts = {}
+  for scorer in ('math', 'normalised', 'exact'):
+    task = MathTask(path=str(path), num_eval=0, scorer=scorer)
+    prompts = {task.train_prompt(i).answer: task.train_prompt(i) for i in range(3)}
+    assert task.score(prompts['cba'], '\\boxed{abc}') == 0.0  # not a product of letters
+    assert task.score(prompts['cba'], '\\boxed{cba}') == 1.0
+    assert task.score(prompts['\\text{Monday}'], '\\boxed{monday}') == (
+        0.0 if scorer == 'exact' else 1.0)
+    assert task.score(prompts['1.5'], '\\boxed{\\frac{3}{2}}') == (
+        1.0 if scorer == 'math' else 0.0)
+  with pytest.raises(ValueError, match=r"scorer='fuzzy'; choose one of \['exact', 'math', "
+                     r"'normalised'\]"):
+    MathTask(scorer='fuzzy')
+
+
 @pytest.mark.parametrize('task_cls, record', [
     (MathTask, {'question': '  ', 'answer': '1'}),
     (PythonTask, {'prompt': 7, 'tests': ['assert True']}),

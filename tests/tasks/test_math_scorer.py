@@ -8,7 +8,8 @@ from scorer_checks import SURROGATE, timed  # tests/tasks/scorer_checks.py
 
 from rlax_llm.tasks import math_scorer
 from rlax_llm.tasks.math_scorer import (
-    extract_final_answer, has_answer_marker, reference_answer, score_math)
+    SCORERS, extract_final_answer, has_answer_marker, is_mathematical, normalise_answer,
+    reference_answer, score_exact, score_math, score_normalised)
 
 # ------------------------------------------------------------------------- extraction
 
@@ -81,6 +82,65 @@ def test_reference_answer_takes_the_marker_or_the_whole_text():
 ])
 def test_score_math_truth_table(completion, answer, reward):
   assert timed(score_math, completion, answer, limit=30.0) == reward
+
+
+# Real references: GSM8K's worked answers (#### and calculator notes) and MATH's solutions
+# (\boxed{}, its multiple-choice and word answers).
+GSM8K_ANSWER = ('Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = '
+                '<<48+24=72>>72 clips altogether in April and May.\n#### 72')
+GSM8K_THOUSANDS = 'Total: 1200 + 400 = <<1200+400=1600>>1600\n#### 1,600'
+MATH_FRACTION = 'Thus the probability is $\\boxed{\\dfrac{5}{12}}$.'
+MATH_POLAR = 'So the point is $\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}.$'
+MATH_CHOICE = 'Only (C) holds, so the answer is $\\boxed{\\text{(C)}}$.'
+MATH_WORD = 'Hence $f$ is $\\boxed{\\text{odd}}$.'
+MATH_LETTERS = 'The word is $\\boxed{cba}$.'
+
+
+@pytest.mark.parametrize('completion, answer, math, normalised, exact', [
+    # math-verify would read letters as a product (abc == cba): words compare as text.
+    ('\\boxed{abc}', 'cba', 0.0, 0.0, 0.0),
+    ('\\boxed{abc}', MATH_LETTERS, 0.0, 0.0, 0.0),
+    ('\\boxed{cba}', MATH_LETTERS, 1.0, 1.0, 1.0),
+    ('\\boxed{CBA}', 'cba', 1.0, 1.0, 0.0),
+    ('#### 72', GSM8K_ANSWER, 1.0, 1.0, 1.0),
+    ('so she sold 72 clips', GSM8K_ANSWER, 1.0, 1.0, 1.0),
+    ('#### 72.0', GSM8K_ANSWER, 1.0, 0.0, 0.0),
+    ('#### 1600', GSM8K_THOUSANDS, 1.0, 0.0, 0.0),
+    ('#### 1,600', GSM8K_THOUSANDS, 1.0, 1.0, 1.0),
+    ('#### 71', GSM8K_ANSWER, 0.0, 0.0, 0.0),
+    ('\\boxed{\\frac{5}{12}}', MATH_FRACTION, 1.0, 1.0, 0.0),
+    ('\\boxed{5/12}', MATH_FRACTION, 1.0, 0.0, 0.0),
+    ('\\boxed{(3,\\frac{\\pi}{2})}', MATH_POLAR, 1.0, 1.0, 0.0),
+    ('\\boxed{(3, \\pi/3)}', MATH_POLAR, 0.0, 0.0, 0.0),
+    ('\\boxed{C}', MATH_CHOICE, 1.0, 1.0, 0.0),
+    ('\\boxed{\\text{(D)}}', MATH_CHOICE, 0.0, 0.0, 0.0),
+    ('\\boxed{\\text{Odd}}', MATH_WORD, 1.0, 1.0, 0.0),
+    ('\\boxed{even}', MATH_WORD, 0.0, 0.0, 0.0),
+    ('\\boxed{\\text{New  York}.}', 'new york', 1.0, 1.0, 0.0),
+    (None, 'cba', 0.0, 0.0, 0.0),
+    ('\\boxed{cba}', None, 0.0, 0.0, 0.0),
+])
+def test_the_three_scorers_on_real_answers(completion, answer, math, normalised, exact):
+  assert [timed(SCORERS[name], completion, answer, limit=30.0)
+          for name in ('math', 'normalised', 'exact')] == [math, normalised, exact]
+  assert SCORERS['exact'] is score_exact and SCORERS['normalised'] is score_normalised
+
+
+@pytest.mark.parametrize('reference, mathematical', [
+    ('cba', False), ('Monday', False), ('\\text{(C)}', False), ('\\text{no solution}', False),
+    ('nan', False), ('x', False), ("o'clock", False),
+    ('72', True), ('1,600', True), ('\\frac{5}{12}', True), ('\\pi', True), ('x^2+1', True),
+    ('2x', True), ('(3, \\frac{\\pi}{2})', True), ('A, B', True), ('\\infty', True),
+])
+def test_is_mathematical(reference, mathematical):
+  assert is_mathematical(reference) is mathematical
+
+
+def test_normalise_answer():
+  assert normalise_answer('\\text{ New   York }.') == 'new york'
+  assert normalise_answer('\\left( 1, \\dfrac{1}{2} \\right)') == '(1,\\frac{1}{2})'
+  assert normalise_answer('\\$\\,5\\!') == '5' and normalise_answer('$x + 1$') == 'x+1'
+  assert normalise_answer('\\textbf{\\text{(B)}}') == 'b'
 
 
 def test_score_math_megabytes_of_text_is_fast():

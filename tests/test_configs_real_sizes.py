@@ -1,0 +1,220 @@
+"""configs/gsm8k.py (real model sizes on Cloud TPU): its variants, presets and the memory plan
+per chip that the recipes' dry run prints (``presets.memory_plan``), against a hand
+calculation and against each slice's HBM. Nothing is downloaded: the plan needs only the
+preset's architecture.
+"""
+
+import dataclasses
+import functools
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from rlax_llm import roles
+from rlax_llm import sharding as sharding_lib
+from rlax_llm.cli import load_config
+from rlax_llm.config import run_spec
+from rlax_llm.configs import gsm8k
+from rlax_llm.launch_help import help_text
+from rlax_llm.models import presets
+from rlax_llm.models.model import abstract_model
+from rlax_llm.trainer import trainer as trainer_lib
+from rlax_llm.trainer.objectives import loss_totals, rl_objective
+from rlax_llm.trainer.scoring import Policy
+
+from hub_cache import cache_shipped_datasets  # tests/hub_cache.py
+from smoke_config import smoke_config  # tests/smoke_config.py
+from train_batches import random_train_batch  # tests/train_batches.py
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the recipes' tooling lives in the checkout, not the package
+
+# pylint: disable=wrong-import-position
+from launch.recipes.checks import check_local, memory_check
+from launch.recipes.slices import SLICES, SliceError
+
+GIB = 2**30
+# The slices each variant is meant for: single hosts and multi-host sizes of each generation.
+SLICE_NAMES = ('v5e-8', 'v4-8', 'v5p-8', 'v6e-8', 'v5e-16', 'v5e-32', 'v4-16', 'v4-32',
+               'v5p-16', 'v5p-32', 'v5p-128')
+
+
+def _config(variant: str):
+  return load_config([f'--config={ROOT / "configs/gsm8k.py"}:{variant}'])
+
+
+def _plan_lines(config, slice_name: str) -> tuple[object, list[str]]:
+  slice_ = SLICES[slice_name]
+  plan = check_local(config, slice_, 'multihost' if slice_.multi_host else 'tpu-vm')
+  return plan, memory_check(config, plan, slice_.hbm_gib, slice_.hbm_gib, shared=True)
+
+
+def test_variants_name_hub_models_of_presets_with_the_agreed_keys():
+  assert gsm8k.VARIANTS == ('Qwen2.5-0.5B-Instruct', 'Qwen2.5-1.5B-Instruct', 'Qwen3-0.6B',
+                            'Qwen3-1.7B', 'Llama-3.2-1B-Instruct')
+  for variant in gsm8k.VARIANTS:
+    c = _config(variant)
+    preset, repo, _ = gsm8k.MODELS[variant]
+    assert c.model.name == preset and preset in presets.PRESETS
+    assert c.model.path == repo and repo.endswith('/' + variant) and c.model.revision == ''
+    assert (c.model.param_dtype, c.model.dtype) == ('float32', 'bfloat16')
+    task = {k: c.task[k] for k in ('name', 'path', 'hf_config', 'split', 'eval_split',
+                                   'question_field', 'answer_field', 'num_eval', 'format',
+                                   'scorer')}
+    assert task == dict(name='math', path='hf://datasets/openai/gsm8k', hf_config='main',
+                        split='train', eval_split='test', question_field='question',
+                        answer_field='answer', num_eval=200, format='chat', scorer='math')
+    assert c.mesh.trainer.to_dict() == {'data': 1, 'fsdp': -1, 'tensor': 1}
+  assert _config('Qwen2.5-0.5B-Instruct').to_dict() == gsm8k.get_config().to_dict()
+  with pytest.raises(ValueError, match="Unknown variant 'qwen3' of configs/gsm8k.py; valid: "
+                                       'Qwen2.5-0.5B-Instruct, '):
+    gsm8k.get_config('qwen3')
+
+
+def test_help_lists_the_config_and_its_variants():
+  text = help_text()
+  assert 'gsm8k.py' in text
+  for variant in gsm8k.VARIANTS:
+    assert variant in text
+
+
+def test_memory_plan_of_qwen3_0_6b_on_v5e_8_matches_a_hand_calculation():
+  """Qwen3-0.6B (config.json: 28 layers, d 1024, 16 heads, 8 kv heads, head_dim 128, mlp 3072,
+  vocab 151936, tied) on v5e-8: trainer fsdp 8, one worker of data 2 x tensor 4."""
+  config = _config('Qwen3-0.6B')
+  plan, lines = _plan_lines(config, 'v5e-8')
+  assert plan.trainer_mesh == {'data': 1, 'fsdp': 8, 'tensor': 1}
+  assert plan.inference_mesh == {'data': 2, 'fsdp': 1, 'tensor': 4}
+  layers, d, heads, kv_heads, hd, mlp, vocab = 28, 1024, 16, 8, 128, 3072, 151_936
+  per_layer = 2 * d + 2 * hd + d * heads * hd * 2 + d * kv_heads * hd * 2 + 3 * d * mlp
+  n = layers * per_layer + vocab * d + d  # + the tied embedding and the final norm
+  assert n == presets.count_params(presets.get_preset('qwen3-0.6b'))
+  # Trainer: everything has an 'embed' axis (split 8 ways) but q_norm and k_norm (head_dim).
+  replicated = layers * 2 * hd
+  params = 4 * ((n - replicated) / 8 + replicated)  # float32 master copy
+  optimizer = 2 * params  # AdamW: two float32 moments
+  gradients = 2 * params  # the gradient and, with 8 micro-batches, its accumulator
+  # Activations (bfloat16, remat 'full'): 256 rows / 8 micro-batches / 8 devices = 4 rows of
+  # 384 + 640 = 1024 tokens; block inputs saved, one block in flight, logits 128 at a time.
+  rows, length, t = 4, 1024, 4 * 1024
+  saved = layers * t * 2 * d
+  work = t * 2 * (5 * d + 3 * heads * hd + 4 * kv_heads * hd + 4 * mlp) + (
+      4 * rows * heads * length**2)
+  logits = 3 * 4 * rows * 128 * vocab
+  # Worker: heads, kv heads, mlp and vocab split 4 ways (tensor); norms replicated.
+  inference_params = 4 * (layers * (2 * d + 2 * hd + (2 * d * heads * hd + 2 * d * kv_heads
+                                                      * hd + 3 * d * mlp) / 4)
+                          + vocab * d / 4 + d)
+  # KV cache: 256 slots x 1024 positions x layers x kv heads x head_dim x (k, v) x bfloat16,
+  # slots over data 2 and kv heads over tensor 4.
+  kv = 256 * 1024 * layers * kv_heads * hd * 2 * 2 / (2 * 4)
+  inference_logits = 4 * (256 / 2) * vocab * 4
+  update = params + optimizer  # new params and AdamW state before the finiteness check
+  want = dict(params=params, optimizer=optimizer, gradients=gradients, reference=0.0,
+              activations=saved + work + logits, update=update,
+              inference_params=inference_params, kv_cache=kv, inference_logits=inference_logits)
+  model = presets.get_preset('qwen3-0.6b').with_execution(
+      param_dtype=roles.DTYPES['float32'], dtype=roles.DTYPES['bfloat16'], remat='full')
+  got = roles.run_memory_plan(model, config, plan.trainer_mesh, plan.inference_mesh,
+                              shared=True)
+  for field, value in want.items():
+    assert getattr(got, field) == pytest.approx(value, rel=1e-9), field
+  total = sum(want.values()) - min(update, saved + work + logits)  # the larger of the two
+  assert got.trainer_bytes + got.inference_bytes == pytest.approx(total, rel=1e-9)
+  assert lines[-1] == (f'memory plan per chip (qwen3-0.6b): trainer + inference: '
+                       f'{total / GIB:.2f} GiB of 16.00 GiB HBM per chip '
+                       f'({100 * total / (16 * GIB):.0f}%)')
+  assert lines[0].startswith(f'memory plan per chip (qwen3-0.6b): trainer: params '
+                             f'{params / GIB:.2f} GiB, optimizer {optimizer / GIB:.2f} GiB')
+
+
+def _compiled_step_bytes(decoder, config) -> float:
+  """Bytes XLA:CPU's compiled train step holds on its one device (arguments, outputs not
+  aliased to donated arguments, scratch), lowered from abstract params and optimizer state:
+  nothing of the model's size is allocated. The step is the trainer's (``roles.build_trainer``
+  without the ``Trainer`` around it, which would place the params)."""
+  rl, spec = config.rl, run_spec(config)
+  model = abstract_model(decoder)
+  optimizer = trainer_lib.make_optimizer(
+      trainer_lib.learning_rate_schedule(rl.learning_rate, rl.lr_decay_steps),
+      weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm)
+  objective = functools.partial(rl_objective, Policy(model, spec.sampling), spec.loss,
+                                logprob_chunk=rl.logprob_chunk)
+  step = jax.jit(functools.partial(trainer_lib._update, optimizer, objective,  # pylint: disable=protected-access
+                                   rl.micro_batches, loss_totals), donate_argnums=(0, 1))
+  params = model.abstract_params()
+  rows = rl.prompts_per_step * rl.group_size
+  length = config.sampling.max_prompt_len + config.sampling.max_new_tokens
+  rng = np.random.RandomState(0)
+  mask = np.zeros((rows, length), np.float32)
+  mask[:, config.sampling.max_prompt_len:] = 1
+  batch = random_train_batch(rng, rng.randint(0, decoder.vocab_size, (rows, length)).astype(
+      np.int32), mask, decoder.vocab_size, group=rl.group_size)
+  mesh = sharding_lib.make_mesh({'data': 1}, jax.devices()[:1])
+  with sharding_lib.activation_sharding(mesh, sharding_lib.LOGICAL_RULES):
+    compiled = step.lower(params, jax.eval_shape(optimizer.init, params), batch, None).compile()
+  m = compiled.memory_analysis()
+  return float(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+               + m.temp_size_in_bytes)
+
+
+@pytest.mark.parametrize('name, layers, chunk', [
+    ('smollm2-135m', 4, 0),  # SmolLM2's widths, 4 of its 30 layers (compiles in seconds)
+    ('llama-3.2-1b', 2, 32),  # a ~1B model's widths and vocabulary, 2 of its 16 layers
+])
+def test_the_planned_train_step_is_within_15_percent_of_the_compiled_one(name, layers, chunk):
+  """Checked against reality where it can be here: XLA:CPU's memory analysis of the train
+  step, float32, remat 'none' (XLA:CPU keeps remat'd activations anyway), 8 rows of 128."""
+  decoder = dataclasses.replace(presets.get_preset(name), num_layers=layers)
+  config = smoke_config(rl__prompts_per_step=2, rl__group_size=4, rl__logprob_chunk=chunk,
+                        sampling__max_prompt_len=64, sampling__max_new_tokens=64)
+  one = {'data': 1, 'fsdp': 1, 'tensor': 1}
+  plan = presets.memory_plan(decoder, one, one, train_rows=8, train_length=128,
+                             logprob_chunk=chunk, slots=1, cache_length=1)
+  compiled = _compiled_step_bytes(decoder, config)
+  assert plan.trainer_bytes == pytest.approx(compiled, rel=0.15), (plan, compiled)
+
+
+@pytest.mark.parametrize('variant', gsm8k.VARIANTS)
+def test_every_variant_fits_the_chips_of_every_slice_it_is_meant_for(variant):
+  config = _config(variant)
+  for name in SLICE_NAMES:
+    _, lines = _plan_lines(config, name)
+    total = float(lines[-1].split('trainer + inference: ')[1].split(' GiB')[0])
+    assert 0 < total <= SLICES[name].hbm_gib * 0.8, (name, lines)  # 20% headroom for XLA
+
+
+def test_a_plan_that_exceeds_hbm_is_refused_naming_the_fixes():
+  with pytest.raises(SliceError, match=r'memory: the trainer \+ inference chips need 22\.\d\d '
+                                       r'GiB each for qwen3-1\.7b but a chip has 16 GiB of HBM'
+                                       r' \(trainer: params .*; shard more'):
+    _plan_lines(_config('Qwen3-1.7B'), 'v5e-4')
+
+
+@pytest.mark.parametrize('args', [
+    ('tpu-vm', '--tpu-type=v5e-8', '--config=configs/gsm8k.py:Qwen3-1.7B'),
+    ('tpu-vm', '--tpu-type=v4-8', '--config=configs/gsm8k.py:Llama-3.2-1B-Instruct'),
+    ('tpu-vm', '--tpu-type=v5p-8', '--config=configs/gsm8k.py:Qwen2.5-1.5B-Instruct'),
+    ('multihost', '--tpu-type=v5e-16', '--config=configs/gsm8k.py:Qwen3-0.6B'),
+])
+def test_the_dry_run_prints_the_memory_plan_before_the_commands(args, tmp_path):
+  """Offline: the dataset from a stand-in of GSM8K in a hub cache (tests/hub_cache.py); the
+  model's hub id is fetched on the hosts (the dry run notes it), its plan needs the preset."""
+  cache_shipped_datasets(tmp_path)
+  env = dict(os.environ, HF_HUB_OFFLINE='1', HF_HUB_CACHE=str(tmp_path),
+             PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get('PYTHONPATH', ''))
+  result = subprocess.run([sys.executable, '-m', 'launch.recipes', *args, '--zone=z',
+                           '--workdir=gs://b/r', '--dry-run'], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = result.stdout
+  plan = [line for line in out.splitlines() if line.startswith('# checked: memory plan')]
+  assert len(plan) == 3 and 'HBM per chip' in plan[-1]
+  assert out.index('# checked: memory plan') < out.index('gcloud compute tpus')
+  assert math.isfinite(float(plan[-1].split('inference: ')[1].split(' GiB')[0]))
