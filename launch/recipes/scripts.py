@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]  # the checkout the hosts get
 REMOTE_DIR = 'rlax_llm'  # where the checkout lands in each host's home directory
 RAY_PORT = 6379
 # What the ray recipes set: the backend. Checkpoints stay as the config says (the trainer
-# actor writes them into the workdir, which must be storage the head and the trainer host see).
+# actors write them into the workdir, which must be storage the head and the trainer hosts see).
 RAY_OVERRIDES = ('--config.backend=ray',)
 
 
