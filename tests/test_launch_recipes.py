@@ -283,13 +283,20 @@ def test_multihost_dry_run_runs_one_command_on_every_host_with_jax_distributed(t
   assert 'no distributed.' not in out  # configs/smollm2.py has the group
 
 
-def test_ray_dry_run_puts_roles_on_their_slices(tmp_path):
-  result = _recipes('ray', '--trainer-tpu-type=v5p-8', '--inference-tpu-type=v5e-8',
-                    '--inference-slices=2', '--zone=us-east5-a', '--workdir=gs://b/runs/ray',
-                    '--config=configs/smollm2.py', '--config.rollout.workers=4',
-                    '--config.mesh.inference.data=4', '--config.rollout.slots=32', '--dry-run')
+def _ray_dry_run(trainer_tpu_type: str) -> str:
+  """The ray recipe's dry run (its output) with the trainer on ``trainer_tpu_type`` and 4
+  workers of 4 chips on 2 x v5e-8."""
+  result = _recipes('ray', f'--trainer-tpu-type={trainer_tpu_type}',
+                    '--inference-tpu-type=v5e-8', '--inference-slices=2', '--zone=us-east5-a',
+                    '--workdir=gs://b/runs/ray', '--config=configs/smollm2.py',
+                    '--config.rollout.workers=4', '--config.mesh.inference.data=4',
+                    '--config.rollout.slots=32', '--dry-run')
   assert result.returncode == 0, result.stderr[-3000:]
-  out = result.stdout
+  return result.stdout
+
+
+def test_ray_dry_run_puts_roles_on_their_slices(tmp_path):
+  out = _ray_dry_run('v5p-8')
   commands = _commands(out)
   assert ('gcloud compute instances create rlax-smollm2-head --zone=us-east5-a '
           '--machine-type=n2-standard-16') in commands[1]
@@ -319,12 +326,7 @@ def test_ray_dry_run_spans_a_multi_host_trainer_slice(tmp_path):
   """A v5p-16 trainer slice (2 hosts x 4 chips): every trainer host joins Ray with its 4
   chips of rlax_trainer, and the driver (validating over the slice's 8 chips) runs 2 trainer
   actors of 4 chips each."""
-  result = _recipes('ray', '--trainer-tpu-type=v5p-16', '--inference-tpu-type=v5e-8',
-                    '--inference-slices=2', '--zone=us-east5-a', '--workdir=gs://b/runs/ray',
-                    '--config=configs/smollm2.py', '--config.rollout.workers=4',
-                    '--config.mesh.inference.data=4', '--config.rollout.slots=32', '--dry-run')
-  assert result.returncode == 0, result.stderr[-3000:]
-  out = result.stdout
+  out = _ray_dry_run('v5p-16')
   assert ('trainer on v5p-16 (gcloud v5p-16: 8 chips on 2 hosts x 4, 95 GiB HBM per chip), '
           'workers on 2 x v5e-8') in out
   assert '# checked: validate_config with 8 devices, as the launch sees them' in out
