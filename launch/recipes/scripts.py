@@ -251,11 +251,11 @@ def render_ray(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceType
   trainer_hosts = 'every trainer host' if trainer.multi_host else 'the trainer host both'
   footer = [
       'Preemption: the trainer actor writes checkpoints into --workdir, which must be storage',
-      f'the head and {trainer_hosts} see (gs://, or a shared mount); SIGTERM to the driver',
-      'saves one and exits 0. A preempted inference slice loses its workers (Ray restarts them',
-      'when they can be placed, else the run goes on with the others); a preempted trainer',
-      'slice stops the run naming the checkpoint step: recreate it, rejoin it to Ray (step 4)',
-      'and rerun step 5 with the same --workdir to resume.']
+      f'the head and {trainer_hosts} see (a shared mount); SIGTERM to the driver saves',
+      'one and exits 0. A preempted inference slice loses its workers (Ray restarts them when',
+      'they can be placed, else the run goes on with the others); a preempted trainer slice',
+      'stops the run naming the checkpoint step: recreate it, rejoin it to Ray (step 4) and',
+      'rerun step 5 with the same --workdir to resume.']
   footer.append('When done: ' + '; '.join(
       [shell_join(['gcloud', 'compute', 'tpus', 'tpu-vm', 'delete', n, *gflags, '--quiet'])
        for n in [t_name, *i_names]]
