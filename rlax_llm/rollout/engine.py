@@ -264,6 +264,9 @@ class Engine:
     self._release_all = jax.jit(
         lambda state: state.replace(remaining=jnp.zeros_like(state.remaining)),
         donate_argnums=(0,), out_shardings=self.state_shardings)
+    self._release = jax.jit(
+        lambda state, mask: state.replace(remaining=jnp.where(mask, 0, state.remaining)),
+        donate_argnums=(0,), out_shardings=self.state_shardings)
 
   def _decode_attention(self, model: Model, mesh: Mesh, wanted: str | None
                         ) -> tuple[str, str]:
@@ -497,9 +500,16 @@ class Engine:
     """Every slot inactive (what the slots held is overwritten by the next inserts)."""
     return self._release_all(state)
 
+  def release(self, state: DecodeState, slots: Sequence[int]) -> DecodeState:
+    """``slots`` inactive (an episode that timed out mid-turn); the others unchanged."""
+    mask = np.zeros(self.slots, bool)
+    mask[list(slots)] = True
+    return self._release(state, jnp.asarray(mask))
+
   def compilations(self) -> int:
     """How many programs the engine's jitted functions have compiled so far."""
-    jitted = (self._prefill, self._insert, self._generate, self._extend, self._release_all)
+    jitted = (self._prefill, self._insert, self._generate, self._extend, self._release_all,
+              self._release)
     return sum(f._cache_size() for f in jitted)  # pylint: disable=protected-access
 
   # ----------------------------------------------------------------------- device code
