@@ -46,19 +46,18 @@ import dataclasses
 import hashlib
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 
 from rlax_llm.data_types import Trajectory
+from rlax_llm.envs.base import Environment, observation_messages
+from rlax_llm.envs.tool_calls import tool_format_for, with_tools
 from rlax_llm.rollout.driver import VersionedParams
 from rlax_llm.rollout.engine import Engine, Extend, HostStep, Insert
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.tokenization import Message, Tokenizer
-
-if TYPE_CHECKING:  # the protocol lives with the environments (h-envs); only for the hints
-  from rlax_llm.envs.base import Environment
 
 # A content no template rewrites, standing in for an assistant turn while the runner finds
 # the text the template writes around one.
@@ -93,7 +92,9 @@ class PlainRenderer:
 
 
 class ChatRenderer:
-  """Conversations rendered by the tokenizer's chat template (with ``tools`` when given).
+  """Conversations rendered by the tokenizer's chat template, with ``tools`` presented in the
+  checkpoint's own tool format (``tool_calls.with_tools``: the template's ``tools`` for
+  Qwen / Llama 3 templates, a system prompt for others).
 
   ``between_turns`` is the delta between the template rendered without and with the new
   messages, so ``prompt(m0) + turn 1 + between_turns(...) + turn 2 ...`` equals the ids of
@@ -108,11 +109,14 @@ class ChatRenderer:
     if tokenizer.chat_template is None:
       raise ValueError(f'{tokenizer!r} has no chat template; use PlainRenderer.')
     self.tokenizer = tokenizer
-    self.variables = {'tools': list(tools)} if tools else {}
+    self.tools = list(tools or [])
+    self.tool_format = tool_format_for(tokenizer)
 
   def render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+    """The template's text of ``messages`` with the tools."""
+    messages, variables = with_tools(messages, self.tools, self.tool_format)
     return self.tokenizer.apply_chat_template(
-        list(messages), add_generation_prompt=add_generation_prompt, **self.variables)
+        messages, add_generation_prompt=add_generation_prompt, **variables)
 
   def prompt(self, messages: Sequence[Message]) -> list[int]:
     """The ids of ``messages`` with the assistant header appended (no bos added: the
@@ -425,7 +429,8 @@ class EpisodeRunner:
       step, key = value
       live.turns[-1].reward, live.turns[-1].ok = float(step.reward), True
       if step.done:
-        self._finish(live, 'done', slots, results)
+        truncated = (step.info or {}).get('truncated')  # a TextEnv's own turn limit
+        self._finish(live, 'turn_limit' if truncated else 'done', slots, results)
         continue
       if len(live.turns) >= live.max_turns:
         self._finish(live, 'turn_limit', slots, results)
@@ -434,9 +439,8 @@ class EpisodeRunner:
         self._finish(live, 'timeout', slots, results)
         continue
       turn = live.turn_tokens()
-      role = str((step.info or {}).get('role', 'user'))
-      new = [{'role': role, 'content': str(step.observation)}]
       try:
+        new = observation_messages(step)
         delta = renderers[live.index].between_turns(
             live.messages, new, turn[-1] if turn[-1] in self.stop_ids else None)
       except Exception:  # pylint: disable=broad-except  # an observation it cannot encode
