@@ -277,7 +277,9 @@ class EpisodeRunner:
     self.state = self.engine.release_all(self.state)
     # Not a `with` block: leaving one joins the threads, and a hung environment call (a
     # thread cannot be killed) would hang the run; its thread is left to finish on its own.
-    pool = concurrent.futures.ThreadPoolExecutor(self.concurrency)
+    # Threads start as calls need them: one per episode at most, so calls never queue behind
+    # a hung one.
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, len(episodes)))
     try:
       ended: list[_Live] = []  # episodes whose turn ended, waiting for their env step
       while waiting or any(slots):
