@@ -30,8 +30,8 @@ up to each episode's deadline (``timeout_s`` from its start), so a slow or hung 
 delays the others at most until its own deadline. Bad input ends one episode, is counted in
 ``stats`` and never stops the others (``TERMINATIONS``):
 
-* an environment that raises (in ``reset``, ``step`` or ``state_key``): ``'env_error'``, its
-  rewards set to 0;
+* an environment that raises (in ``reset``, ``step`` or ``state_key``) or returns a reward
+  that is not a finite number: ``'env_error'``, its rewards set to 0;
 * an episode that never ends: ``'turn_limit'`` after ``env.max_turns`` turns (or the
   runner's ``max_turns``, whichever is smaller), ``'timeout'`` past its deadline;
 * a prompt longer than ``max_prefill_length``, or a conversation that no longer fits the
@@ -44,6 +44,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import hashlib
+import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -432,8 +433,8 @@ class EpisodeRunner:
       if error:
         self._finish(live, error, slots, results)
         continue
-      step, key = value
-      live.turns[-1].reward, live.turns[-1].ok = float(step.reward), True
+      step, reward, key = value
+      live.turns[-1].reward, live.turns[-1].ok = reward, True
       if step.done:
         truncated = (step.info or {}).get('truncated')  # a TextEnv's own turn limit
         self._finish(live, 'turn_limit' if truncated else 'done', slots, results)
@@ -516,6 +517,10 @@ def _timed(call):
 
 
 def _env_step(env: Environment, text: str):
-  """``(env.step(text), env.state_key() after it)``."""
+  """``(env.step(text), its reward as a float, env.state_key() after it)``; raises (an
+  ``env_error``) for a reward that is not a finite number."""
   step = env.step(text)
-  return step, (None if step.done else env.state_key())
+  reward = float(step.reward)
+  if not math.isfinite(reward):
+    raise ValueError(f'{env.name}: step returned the reward {reward}; rewards must be finite.')
+  return step, reward, (None if step.done else env.state_key())

@@ -49,7 +49,8 @@ SPEC = SamplingSpec(1.0)
 class ToyEnv:
   """Deterministic given its seed: the observation after turn ``n`` is ``'obs n'`` plus the
   action's length; the reward is the action's length mod 3; done after ``done_at`` turns.
-  ``fail``: 'reset' or a turn number at which it raises; ``sleep_s``: seconds each step
+  ``fail``: 'reset' or a turn number at which it raises (minus it: returns a NaN reward);
+  ``sleep_s``: seconds each step
   takes; ``obs_len``: padding of every observation (a conversation that outgrows the cache)."""
 
   name = 'toy'
@@ -74,7 +75,7 @@ class ToyEnv:
       raise RuntimeError('step failed')
     time.sleep(self.sleep_s)
     observation = f' obs {self.turn} {len(action)}' + 'z' * self.obs_len
-    reward = float(len(action) % 3)
+    reward = float('nan') if self.fail == -self.turn else float(len(action) % 3)
     self.log.append((observation, reward))
     return EnvStep(observation, reward, self.turn >= self.done_at, {})
 
@@ -165,14 +166,14 @@ def test_two_runs_are_equal_bit_for_bit(engine_and_params):
 
 def test_bad_input_ends_its_own_episode_and_is_counted(engine_and_params):
   envs = [ToyEnv(fail=2), ToyEnv(fail='reset'), ToyEnv(done_at=99, max_turns=3),
-          ToyEnv(sleep_s=20.0), ToyEnv(obs_len=30), ToyEnv()]
+          ToyEnv(sleep_s=20.0), ToyEnv(obs_len=30), ToyEnv(), ToyEnv(fail=-1)]
   eps = episodes(envs)
   eps.append(Episode(ToyEnv(), seed=10 ** 17, key=eps[0].key))  # prompt of 20 > 16 tokens
   run = runner(engine_and_params, max_concurrent_episodes=3, timeout_s=12.0)
   trajectories = run.run(eps, SPEC)
   reasons = [x.termination for x in trajectories]
   assert reasons == ['env_error', 'env_error', 'turn_limit', 'timeout', 'context_full',
-                     'done', 'context_full']
+                     'done', 'env_error', 'context_full']
   raised = trajectories[0]
   assert raised.num_turns == 2 and raised.episode_return == 0.0
   assert (raised.turn_rewards == 0).all() and raised.turn_mask.tolist() == [True, False]
@@ -180,8 +181,9 @@ def test_bad_input_ends_its_own_episode_and_is_counted(engine_and_params):
   assert trajectories[2].num_turns == 3
   assert trajectories[3].num_turns == 1 and not trajectories[3].turn_mask[0]
   assert len(trajectories[4].tokens) < run.engine.cache_length
-  assert trajectories[6].tokens.size == 0
-  for reason, count in [('env_error', 2), ('turn_limit', 1), ('timeout', 1),
+  assert trajectories[6].num_turns == 1 and trajectories[6].episode_return == 0.0
+  assert trajectories[7].tokens.size == 0
+  for reason, count in [('env_error', 3), ('turn_limit', 1), ('timeout', 1),
                         ('context_full', 2), ('done', 1)]:
     assert run.stats[f'termination/{reason}'] == count, reason
   # The healthy episode ran as it runs alone: nothing above disturbed it.
