@@ -106,6 +106,18 @@ def episodes(envs, seed0=0):
           for i, env in enumerate(envs)]
 
 
+def assert_trainer_recomputes_the_behaviour_logprobs(engine, params, trajectories):
+  """The trainer's recompute over each whole conversation (the batch rows) gives the
+  behaviour log-probs the runner recorded turn by turn over the kept KV cache."""
+  batch = make_trajectory_batch(trajectories, np.zeros(len(trajectories), np.float32)).train
+  scored = Policy(engine.source_model, SPEC).sequence_log_probs(
+      params, jnp.asarray(batch.tokens), jnp.asarray(batch.support_sizes))
+  mask = np.asarray(batch.loss_mask[:, 1:]) > 0
+  assert mask.sum() > 10
+  np.testing.assert_allclose(np.asarray(scored.logp)[mask],
+                             np.asarray(batch.behaviour_logprobs[:, 1:])[mask], atol=1e-5)
+
+
 def test_trajectories_are_token_faithful(engine_and_params):
   envs = [ToyEnv() for _ in range(5)]  # more episodes than concurrent ones: they queue
   run = runner(engine_and_params)
@@ -140,14 +152,7 @@ def test_trajectories_are_token_faithful(engine_and_params):
   # Each prompt and observation token was prefilled once: never the conversation again.
   fed = sum(int((~x.loss_mask).sum()) + x.num_turns - 1 for x in trajectories)
   assert run.stats['prefilled_tokens'] == fed
-  # The trainer's recompute over each whole conversation gives the behaviour log-probs.
-  engine, params = engine_and_params
-  batch = make_trajectory_batch(trajectories, np.zeros(5, np.float32)).train
-  scored = Policy(engine.source_model, SPEC).sequence_log_probs(
-      params, jnp.asarray(batch.tokens), jnp.asarray(batch.support_sizes))
-  mask = np.asarray(batch.loss_mask[:, 1:]) > 0
-  np.testing.assert_allclose(np.asarray(scored.logp)[mask],
-                             np.asarray(batch.behaviour_logprobs[:, 1:])[mask], atol=1e-5)
+  assert_trainer_recomputes_the_behaviour_logprobs(*engine_and_params, trajectories)
 
 
 def test_two_runs_are_equal_bit_for_bit(engine_and_params):
@@ -329,12 +334,7 @@ def test_calculator_episodes_with_smollm2s_template(smollm2_tokenizer):
     between = tok.decode(x.tokens[x.turn_ends[0]:x.turn_starts[1]], stop_at_eos=False)
     assert between.endswith('<|im_start|>assistant\n') and not x.loss_mask[
         x.turn_ends[0]:x.turn_starts[1]].any()
-  batch = make_trajectory_batch(trajectories, np.zeros(2, np.float32)).train
-  scored = Policy(engine.source_model, SPEC).sequence_log_probs(
-      params, jnp.asarray(batch.tokens), jnp.asarray(batch.support_sizes))
-  mask = np.asarray(batch.loss_mask[:, 1:]) > 0
-  np.testing.assert_allclose(np.asarray(scored.logp)[mask],
-                             np.asarray(batch.behaviour_logprobs[:, 1:])[mask], atol=1e-5)
+  assert_trainer_recomputes_the_behaviour_logprobs(engine, params, trajectories)
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused(smollm2_tokenizer):
