@@ -25,6 +25,7 @@ from rlax_llm.envs import CalculatorEnv, EnvStep
 from rlax_llm.envs.tool_calls import format_tool_result, with_tools
 from rlax_llm.losses import LossConfig
 from rlax_llm.models.decoder_config import DecoderConfig
+from rlax_llm.models.files.tokenizer import HFTokenizer
 from rlax_llm.models.model import create_model
 from rlax_llm.paramserver import ParameterServer
 from rlax_llm.rollout.driver import VersionedParams
@@ -146,7 +147,8 @@ def test_trajectories_are_token_faithful(engine_and_params):
         cursor = end + len(obs_ids)
     assert len(x.tokens) == int(x.turn_ends[-1])
     assert (x.loss_mask == (x.token_turn >= 0)).all()
-    assert (x.versions[~x.loss_mask] == -1).all() and (x.behaviour_logprobs[~x.loss_mask] == 0).all()
+    assert (x.versions[~x.loss_mask] == -1).all()
+    assert (x.behaviour_logprobs[~x.loss_mask] == 0).all()
     assert x.turn_mask.all() and x.episode_return == pytest.approx(x.turn_rewards.sum())
     assert x.state_ids.tolist() == [state_id(f'{env.seed}:{n}') for n in range(3)]
   # Each prompt and observation token was prefilled once: never the conversation again.
@@ -274,7 +276,6 @@ TOOLS = [{'type': 'function', 'function': {'name': 'calculate', 'parameters': {
 def smollm2_tokenizer():
   if not GGUF_PATH.is_file():
     pytest.skip(f'SmolLM2 GGUF checkpoint not installed at {GGUF_PATH}')
-  from rlax_llm.models.files.tokenizer import HFTokenizer  # pylint: disable=import-outside-toplevel  # heavy: tokenizers
   return HFTokenizer.from_gguf(GGUF_PATH)
 
 
@@ -282,7 +283,6 @@ def smollm2_tokenizer():
 def test_turn_deltas_equal_a_whole_conversation_render(smollm2_tokenizer, template):
   tok = smollm2_tokenizer
   if template == 'qwen-style':
-    from rlax_llm.models.files.tokenizer import HFTokenizer  # pylint: disable=import-outside-toplevel
     tok = HFTokenizer(tok.backend, **tok.special_tokens, chat_template=QWEN_STYLE)
   renderer = ChatRenderer(tok, TOOLS)
   # SmolLM2's template knows no tools: our system prompt; the Qwen-style one: its own.
@@ -338,7 +338,6 @@ def test_calculator_episodes_with_smollm2s_template(smollm2_tokenizer):
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused(smollm2_tokenizer):
-  from rlax_llm.models.files.tokenizer import HFTokenizer  # pylint: disable=import-outside-toplevel
   tok = smollm2_tokenizer
   last_only = ("{%- for m in messages %}{%- if loop.last %}{{ m.content }}{%- endif %}"
                "{%- endfor %}")
