@@ -104,12 +104,13 @@ def evaluate_config(config: ml_collections.ConfigDict, checkpoint: str | None = 
 
   from rlax_llm import roles
   from rlax_llm.evaluation import evaluate_policy
+  from rlax_llm.models.model import cast_params
   spec = config_lib.validate_config(config)
   task, model, params, tokenizer = roles.prepare(config)
   if checkpoint:
     params = load_policy_params(checkpoint, params)
   worker = roles.build_worker(config, model, tokenizer, roles.meshes(config)['inference'][0])
-  worker.load(0, params)
+  worker.load(0, cast_params(params, worker.model))  # the workers' dtype, as a run's pushes
   settings = spec.controller
   return evaluate_policy(
       task, task.eval_prompts(), worker.generate, sampling=settings.sampling,
