@@ -12,6 +12,7 @@ not a failure (the run saved a checkpoint and stops on purpose).
     │   ├── WorkdirInUse  another live run holds it
     │   └── WorkdirHasRun it holds a finished or different run
     ├── NonFiniteError    the updates diverged (NaN/Inf) past the configured tolerance
+    ├── ToolCallError     a model's tool call that does not parse (rlax_llm.envs.tool_calls)
     └── Preempted         SIGTERM/SIGINT: a checkpoint was saved, relaunch to resume
 """
 
@@ -45,6 +46,13 @@ class WorkdirHasRun(WorkdirError):
 
 class NonFiniteError(RlaxError):
   """The trainer's updates were non-finite ``max_nonfinite_updates`` times in a row."""
+
+
+class ToolCallError(RlaxError, ValueError):
+  """A tool call in a model's message that does not parse: malformed JSON, a missing name,
+  arguments that are not an object, an unclosed tag, more calls or a longer call than the caps.
+  The message says what was wrong, where (the character position) and shows the text there;
+  an environment turns it into the observation the model sees next."""
 
 
 class Preempted(RlaxError):
