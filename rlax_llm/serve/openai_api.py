@@ -42,7 +42,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Self
 
 import fastapi
 import jax
@@ -136,7 +136,7 @@ class Endpoint:
     """``http://HOST:PORT/v1``, the ``base_url`` of an OpenAI client (after ``start``)."""
     return f'http://{self.host}:{self.port}/v1'
 
-  def start(self, timeout_s: float = 30.0) -> Endpoint:
+  def start(self, timeout_s: float = 30.0) -> Self:
     """Serves the app with uvicorn in a daemon thread; returns once it accepts requests."""
     sock = socket.socket(socket.AF_INET6 if ':' in self.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -163,7 +163,7 @@ class Endpoint:
       self._server = None
     self.scheduler.stop()
 
-  def __enter__(self) -> Endpoint:
+  def __enter__(self) -> Self:
     return self.start()
 
   def __exit__(self, *exc_info) -> None:
@@ -172,23 +172,15 @@ class Endpoint:
   # --------------------------------------------------------------------------------- app
 
   def _build_app(self) -> fastapi.FastAPI:
-    app = fastapi.FastAPI(title='rlax_llm OpenAI-compatible endpoint')
+    # Authentication is a dependency, not a middleware: Starlette's http middleware wraps
+    # the request's receive channel, and a handler behind it never sees a disconnect.
+    app = fastapi.FastAPI(title='rlax_llm OpenAI-compatible endpoint',
+                          dependencies=[fastapi.Depends(self._authenticate)])
 
     @app.exception_handler(ApiError)
     async def api_error(request: fastapi.Request, error: ApiError):
       del request
       return error.response()
-
-    @app.middleware('http')
-    async def authenticate(request: fastapi.Request, call_next):
-      if self.api_key is not None:
-        given = request.headers.get('authorization', '')
-        if not hmac.compare_digest(given.encode(), f'Bearer {self.api_key}'.encode()):
-          self.stats['unauthorized'] += 1
-          return ApiError(401, 'Incorrect or missing API key: send the header "Authorization: '
-                          'Bearer <key>" with the key the endpoint was started with.',
-                          code='invalid_api_key').response()
-      return await call_next(request)
 
     @app.get('/v1/models')
     async def models():
@@ -227,6 +219,16 @@ class Endpoint:
               'trajectories': len(episode.trajectories)}
 
     return app
+
+  def _authenticate(self, request: fastapi.Request) -> None:
+    if self.api_key is None:
+      return
+    given = request.headers.get('authorization', '')
+    if not hmac.compare_digest(given.encode(), f'Bearer {self.api_key}'.encode()):
+      self.stats['unauthorized'] += 1
+      raise ApiError(401, 'Incorrect or missing API key: send the header "Authorization: '
+                     'Bearer <key>" with the key the endpoint was started with.',
+                     code='invalid_api_key', kind='authentication_error')
 
   def _model_card(self) -> dict[str, Any]:
     return {'id': self.model_name, 'object': 'model', 'created': 0, 'owned_by': 'rlax_llm'}
@@ -395,7 +397,7 @@ class Endpoint:
         ms, add_generation_prompt=gen, tokenize=True, **kwargs)
     try:
       fresh = render(messages, True)
-    except Exception as error:  # a template that raises on these messages
+    except Exception as error:  # noqa: BLE001  (a template that raises on these messages)
       raise ApiError(400, f'the chat template could not render these messages: {error}',
                      param='messages') from None
     with self._lock:

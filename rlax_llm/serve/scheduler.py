@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from rlax_llm.rollout.driver import Job, Sample
+from rlax_llm.rollout.driver import Job
 from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.sampling_spec import SamplingSpec
 
@@ -111,7 +111,7 @@ class Scheduler:
         while self._waiting and len(batch) < self.worker.engine.slots:
           ticket = self._waiting.popleft()
           if ticket.cancel.is_set():  # gave up before it started
-            self.stats['cancelled'] += 1
+            self.stats['cancelled_before_start'] += 1
             ticket.future.cancel()
           else:
             batch.append(ticket)
@@ -123,16 +123,12 @@ class Scheduler:
     try:
       results = self.worker.driver.run([t.job for t in batch], refresh=self.refresh,
                                        cancelled=lambda j: batch[j].cancel.is_set())
-    except Exception as error:  # pylint: disable=broad-except
+    except Exception as error:  # noqa: BLE001  (a failed batch fails only its requests)
       self.stats['batch_errors'] += 1
       for ticket in batch:
         ticket.future.set_exception(error)
       return
     for ticket, (sample,) in zip(batch, results):
-      self._resolve(ticket, sample)
-
-  def _resolve(self, ticket: Ticket, sample: Sample) -> None:
-    if sample.finish_reason == 'cancelled':
-      self.stats['cancelled'] += 1
-    self.stats['samples'] += 1
-    ticket.future.set_result(sample)
+      # 'cancelled': its client went away mid-generation and the driver freed its slot.
+      self.stats['cancelled' if sample.finish_reason == 'cancelled' else 'samples'] += 1
+      ticket.future.set_result(sample)
