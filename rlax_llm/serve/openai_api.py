@@ -55,6 +55,7 @@ from rlax_llm.errors import ToolCallError
 from rlax_llm.models.files.chat_template import template_messages
 from rlax_llm.rollout.driver import Sample
 from rlax_llm.rollout.engine import MAX_STOP_IDS
+from rlax_llm.rollout.episodes import ChatRenderer
 from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.serve.recorder import Call, EpisodeRecorder, RewardFn
@@ -91,7 +92,7 @@ class _ChatState:
 
   messages: list[Any]  # canonical forms (``_canonical``)
   ids: list[int]
-  ended: bool  # the sample ended with the end-of-turn (stop) token
+  last_token: int | None  # the reply's stop token (None: cut by its length)
 
 
 class Endpoint:
@@ -206,8 +207,18 @@ class Endpoint:
       if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
         raise ApiError(400, f'reward must be a number (or null to use the endpoint\'s '
                        f'reward_fn); got {value!r}.', param='reward')
+      if turns is not None and (not isinstance(turns, list) or not all(
+          isinstance(r, (int, float)) and not isinstance(r, bool) for r in turns)):
+        raise ApiError(400, f'turn_rewards must be a list of numbers, one per call; got '
+                       f'{turns!r:.100}.', param='turn_rewards')
+      ids = {name: body.get(name) for name in ('group_id', 'prompt_id')}
+      for name, given in ids.items():
+        if given is not None and (isinstance(given, bool) or not isinstance(given, int)):
+          raise ApiError(400, f'{name} must be an int; got {given!r}.', param=name)
       try:
-        episode = self.recorder.close(episode_id, value, turns)
+        episode = self.recorder.close(episode_id, value, turns, group_id=ids['group_id'],
+                                      prompt_id=-1 if ids['prompt_id'] is None
+                                      else ids['prompt_id'])
       except KeyError:
         raise ApiError(404, f'no open episode {episode_id!r}: it has no calls or was closed '
                        'already.', code='episode_not_found') from None
@@ -216,7 +227,7 @@ class Endpoint:
       with self._lock:
         self._chats.pop(episode_id, None)
       return {'episode_id': episode_id, 'reward': episode.reward, 'calls': len(episode.calls),
-              'trajectories': len(episode.trajectories)}
+              'trajectories': len(episode.trajectories), 'id': episode.episode_id}
 
     return app
 
@@ -273,10 +284,10 @@ class Endpoint:
     sample = await self._wait(request, ticket)
     if sample is None:  # the client is gone
       return fastapi.Response(status_code=499)
-    call = Call(tuple(prompt_ids), tuple(sample.tokens), tuple(sample.logprobs),
-                tuple(sample.versions), sample.finish_reason)
-    index = self.recorder.record(episode, call)
     text = self.tokenizer.decode(sample.tokens, stop_at_eos=True)
+    index = self.recorder.record(episode, Call(
+        tuple(prompt_ids), tuple(sample.tokens), tuple(sample.logprobs),
+        tuple(sample.supports), tuple(sample.versions), sample.finish_reason, text))
     if not chat:
       payload = self._completion_payload(body, sample, text)
     else:
@@ -285,7 +296,7 @@ class Endpoint:
       if messages is not None:
         state = _ChatState([_canonical(m) for m in messages] + [_canonical(reply)],
                            list(prompt_ids) + list(sample.tokens),
-                           sample.finish_reason == 'stop')
+                           sample.tokens[-1] if sample.finish_reason == 'stop' else None)
         with self._lock:
           self._chats[episode] = state
       payload = self._chat_payload(body, sample, reply, bool(calls))
@@ -393,28 +404,26 @@ class Endpoint:
                      param='tools')
     messages, kwargs = with_tools(template_messages([_template_message(m) for m in raw]),
                                   tools or [], self.tool_format)
-    render = lambda ms, gen: self.tokenizer.apply_chat_template(
-        ms, add_generation_prompt=gen, tokenize=True, **kwargs)
     try:
-      fresh = render(messages, True)
+      fresh = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=True, **kwargs)
     except Exception as error:  # noqa: BLE001  (a template that raises on these messages)
       raise ApiError(400, f'the chat template could not render these messages: {error}',
                      param='messages') from None
     with self._lock:
       state = self._chats.get(episode)
     k = 0 if state is None else len(state.messages)
-    if (state is None or not state.ended or len(messages) <= k
+    if (state is None or len(messages) <= k
         or [_canonical(m) for m in messages[:k]] != state.messages):
       return fresh, messages
-    before, through = render(messages[:k - 1], True), render(messages[:k], False)
-    eos = self.tokenizer.eos_id
-    turn = through[len(before):]
-    if fresh[:len(through)] != through or through[:len(before)] != before or eos not in turn:
+    try:  # the multi-turn runner's definition of the ids between two assistant turns
+      between = ChatRenderer(self.tokenizer, kwargs.get('tools')).between_turns(
+          messages[:k - 1], messages[k:], state.last_token)
+    except ValueError:  # the template rewrites earlier turns: render afresh (a split)
       self.stats['chat_not_spliced'] += 1
       return fresh, messages
-    closing = turn[len(turn) - turn[::-1].index(eos):]  # after the turn's end token
     self.stats['chat_spliced'] += 1
-    return state.ids + closing + fresh[len(through):], messages
+    return state.ids + between, messages
 
   def _tool_calls(self, text: str) -> list[ToolCall]:
     try:

@@ -13,6 +13,9 @@ with loss mask 0, then the call's sampled ids with loss mask 1. A call whose pro
 extend it (the harness edited, truncated or summarised its history) closes that trajectory
 and starts a new one with its prompt as the prompt. So an episode gives one trajectory per
 run of matching calls, in order, each exactly the token sequence the model saw and sampled.
+The trajectories are ``rlax_llm.data_types.Trajectory``, the multi-turn episode runner's
+(``rlax_llm.rollout.episodes``), so they batch for the trainer the same way
+(``make_trajectory_batch``).
 """
 
 from __future__ import annotations
@@ -24,89 +27,62 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from rlax_llm.data_types import Trajectory
+from rlax_llm.rollout.episodes import state_id
+
 
 @dataclasses.dataclass(frozen=True)
 class Call:
   """One endpoint call: ``prompt_ids`` fed to the engine and what it sampled.
 
   ``completion_ids`` are the sampled ids, a stop token included; ``logprobs`` (float32) their
-  behaviour log-probs under the call's sampling transform; ``versions`` the weight version
-  that drew each; ``finish_reason`` the driver's ('stop', 'length', 'cancelled').
+  behaviour log-probs under the call's sampling transform; ``supports`` the size of the
+  support each was drawn from; ``versions`` the weight version that drew each;
+  ``finish_reason`` the driver's ('stop', 'length'); ``text`` the decoded completion.
   """
 
   prompt_ids: tuple[int, ...]
   completion_ids: tuple[int, ...]
   logprobs: tuple[float, ...]
+  supports: tuple[int, ...]
   versions: tuple[int, ...]
   finish_reason: str
+  text: str = ''
 
   def __post_init__(self):
     n = len(self.completion_ids)
-    if len(self.logprobs) != n or len(self.versions) != n:
-      raise ValueError(f'Call: {n} completion ids but {len(self.logprobs)} log-probs and '
-                       f'{len(self.versions)} versions; record one of each per sampled id.')
+    if not len(self.logprobs) == len(self.supports) == len(self.versions) == n:
+      raise ValueError(f'Call: {n} completion ids but {len(self.logprobs)} log-probs, '
+                       f'{len(self.supports)} supports and {len(self.versions)} versions; '
+                       'record one of each per sampled id.')
 
 
-@dataclasses.dataclass(frozen=True)
-class Trajectory:
-  """A token-faithful multi-turn trajectory: ``T`` tokens, host numpy arrays.
-
-  This module defines it for the endpoint's episodes: the fields a multi-turn trajectory
-  needs (docs/architecture.md "Data that flows").
-
-  Attributes:
-    episode_id: the episode it belongs to.
-    tokens: int32 [T]: the prompt, then per turn the environment's tokens and the sampled ids.
-    loss_mask: bool [T]: True on sampled ids only (prompt, environment and tool tokens False).
-    logprobs: float32 [T]: behaviour log-prob of each sampled id, 0 elsewhere.
-    versions: int32 [T]: weight version of each sampled id, -1 elsewhere.
-    token_turn: int32 [T]: the turn (call within this trajectory, from 0) whose prompt or
-      completion brought the token.
-    turn_bounds: int32 [turns, 2]: each turn's sampled ids are ``tokens[start:end]``.
-    prompt_length: tokens before the first sampled id (the first call's prompt).
-    finish_reasons: each turn's finish reason.
-    reward: the episode's reward (None until it is closed with one).
-    turn_rewards: float32 [turns] or None: per-turn rewards where the closer gave them.
-  """
-
-  episode_id: str
-  tokens: np.ndarray
-  loss_mask: np.ndarray
-  logprobs: np.ndarray
-  versions: np.ndarray
-  token_turn: np.ndarray
-  turn_bounds: np.ndarray
-  prompt_length: int
-  finish_reasons: tuple[str, ...]
-  reward: float | None = None
-  turn_rewards: np.ndarray | None = None
-
-  def __len__(self) -> int:
-    return len(self.tokens)
-
-  @property
-  def num_turns(self) -> int:
-    return len(self.turn_bounds)
-
-
-def stitch(episode_id: str, calls: Sequence[Call]) -> list[Trajectory]:
+def stitch(calls: Sequence[Call], *, episode_id: int = 0, group_id: int = 0,
+           prompt_id: int = -1, reward: float = 0.0,
+           turn_rewards: Sequence[float] | None = None) -> list[Trajectory]:
   """The trajectories of an episode's ``calls`` (in call order), stitched where each call's
   prompt extends the tokens so far and split where it does not (the module docstring).
 
-  Returns one ``Trajectory`` per run of matching calls; none for no calls.
+  Each is a ``rlax_llm.data_types.Trajectory`` (the multi-turn runner's shape) with
+  ``episode_id``, ``group_id``, ``prompt_id`` and ``episode_return=reward`` (an episode split
+  in several gives each the episode's reward); ``turn_rewards``: one per call (default 0);
+  every turn's ``turn_mask`` True; ``state_ids[n]``: ``state_id`` of the ids before turn
+  ``n`` (equal histories, equal states); ``termination`` 'done'. None for no calls: ``[]``.
+  Raises ValueError when ``turn_rewards`` does not hold one value per call.
   """
+  if turn_rewards is not None and len(turn_rewards) != len(calls):
+    raise ValueError(f'{len(calls)} calls but {len(turn_rewards)} turn_rewards; give one per '
+                     'call.')
+  rewards = [0.0] * len(calls) if turn_rewards is None else [float(r) for r in turn_rewards]
   trajectories, current = [], None
-  for call in calls:
-    if current is not None and _extends(call.prompt_ids, current['tokens']):
-      _add_turn(current, call.prompt_ids[len(current['tokens']):], call)
-      continue
-    if current is not None:
-      trajectories.append(_finish(episode_id, current))
-    current = collections.defaultdict(list)
-    current['prompt_length'] = len(call.prompt_ids)
-    _add_turn(current, call.prompt_ids, call)
+  for call, turn_reward in zip(calls, rewards):
+    if current is None or not _extends(call.prompt_ids, current['tokens']):
+      if current is not None:
+        trajectories.append(_finish(current, episode_id, group_id, prompt_id, reward))
+      current = collections.defaultdict(list)
+    _add_turn(current, call.prompt_ids[len(current['tokens']):], call, turn_reward)
   if current is not None:
-    trajectories.append(_finish(episode_id, current))
+    trajectories.append(_finish(current, episode_id, group_id, prompt_id, reward))
   return trajectories
 
 
@@ -114,111 +90,124 @@ def _extends(prompt: Sequence[int], tokens: Sequence[int]) -> bool:
   return len(prompt) >= len(tokens) and tuple(prompt[:len(tokens)]) == tuple(tokens)
 
 
-def _add_turn(parts, environment: Sequence[int], call: Call) -> None:
+def _add_turn(parts, environment: Sequence[int], call: Call, turn_reward: float) -> None:
   """Appends ``environment`` ids (mask 0) and ``call``'s sampled ids (mask 1) as a turn."""
-  turn = len(parts['finish'])
-  n = len(call.completion_ids)
-  start = len(parts['tokens']) + len(environment)
-  parts['tokens'] += list(environment) + list(call.completion_ids)
-  parts['mask'] += [False] * len(environment) + [True] * n
-  parts['logprobs'] += [0.0] * len(environment) + list(call.logprobs)
-  parts['versions'] += [-1] * len(environment) + list(call.versions)
-  parts['turn'] += [turn] * (len(environment) + n)
-  parts['bounds'].append((start, start + n))
-  parts['finish'].append(call.finish_reason)
+  turn = len(parts['starts'])
+  n, e = len(call.completion_ids), len(environment)
+  parts['tokens'] += list(environment)
+  start = len(parts['tokens'])
+  parts['states'].append(state_id(np.asarray(parts['tokens'], np.int32).tobytes().hex()))
+  parts['tokens'] += list(call.completion_ids)
+  parts['mask'] += [False] * e + [True] * n
+  parts['logprobs'] += [0.0] * e + list(call.logprobs)
+  parts['supports'] += [0] * e + list(call.supports)
+  parts['versions'] += [-1] * e + list(call.versions)
+  parts['turn'] += [-1] * e + [turn] * n
+  parts['starts'].append(start)
+  parts['ends'].append(start + n)
+  parts['rewards'].append(turn_reward)
+  parts['texts'].append(call.text)
 
 
-def _finish(episode_id: str, parts) -> Trajectory:
+def _finish(parts, episode_id: int, group_id: int, prompt_id: int, reward: float
+            ) -> Trajectory:
+  turns = len(parts['starts'])
   return Trajectory(
-      episode_id=episode_id, tokens=np.asarray(parts['tokens'], np.int32),
-      loss_mask=np.asarray(parts['mask'], bool),
-      logprobs=np.asarray(parts['logprobs'], np.float32),
+      episode_id=episode_id, group_id=group_id, prompt_id=prompt_id,
+      tokens=np.asarray(parts['tokens'], np.int32), loss_mask=np.asarray(parts['mask'], bool),
+      behaviour_logprobs=np.asarray(parts['logprobs'], np.float32),
+      support_sizes=np.asarray(parts['supports'], np.int32),
       versions=np.asarray(parts['versions'], np.int32),
       token_turn=np.asarray(parts['turn'], np.int32),
-      turn_bounds=np.asarray(parts['bounds'], np.int32).reshape(-1, 2),
-      prompt_length=parts['prompt_length'], finish_reasons=tuple(parts['finish']))
+      turn_starts=np.asarray(parts['starts'], np.int32),
+      turn_ends=np.asarray(parts['ends'], np.int32),
+      turn_rewards=np.asarray(parts['rewards'], np.float32),
+      turn_mask=np.ones(turns, bool), state_ids=np.asarray(parts['states'], np.int64),
+      episode_return=float(reward), termination='done', texts=tuple(parts['texts']))
 
 
 @dataclasses.dataclass(frozen=True)
-class Episode:
-  """A closed episode: its calls, their trajectories (``stitch``) and its reward."""
+class RecordedEpisode:
+  """A closed episode: its id (the harness's string and the recorder's int), its calls, their
+  trajectories (``stitch``) and its reward."""
 
-  episode_id: str
+  name: str
+  episode_id: int
   calls: tuple[Call, ...]
   trajectories: tuple[Trajectory, ...]
   reward: float
 
 
-# ``reward_fn(episode_id, calls) -> float``: the reward of an episode closed without one.
+# ``reward_fn(name, calls) -> float``: the reward of an episode closed without one.
 RewardFn = Callable[[str, Sequence[Call]], float]
 
 
 class EpisodeRecorder:
-  """Records calls under episode ids until the episode is closed (thread-safe).
+  """Records calls under episode names until the episode is closed (thread-safe).
 
-  ``close(episode_id, reward)`` stitches the episode (``stitch``), gives every trajectory the
-  reward and puts the ``Episode`` on ``finished`` (a queue the trainer's side drains with
-  ``take``). With ``reward=None`` the reward is ``reward_fn(episode_id, calls)``; a
-  ``reward_fn`` that raises gives reward 0, counted in ``stats['reward_errors']``, never an
-  exception in the endpoint.
+  An episode is named by the harness (a string: the ``X-Episode-Id`` header or the ``user``
+  field) and numbered by the recorder (``Trajectory.episode_id``: 0, 1, ... in order of each
+  episode's first call). ``close(name, reward)`` stitches it (``stitch``) and puts the
+  ``RecordedEpisode`` on ``finished``, a queue the trainer's side drains with ``take``. With
+  ``reward=None`` the reward is ``reward_fn(name, calls)``; a ``reward_fn`` that raises gives
+  reward 0, counted in ``stats['reward_errors']``, never an exception in the endpoint.
   """
 
   def __init__(self, reward_fn: RewardFn | None = None):
     self.reward_fn = reward_fn
     self._lock = threading.Lock()
-    self._open: dict[str, list[Call]] = {}
-    self.finished: collections.deque[Episode] = collections.deque()
+    self._open: dict[str, tuple[int, list[Call]]] = {}
+    self._next_id = 0
+    self.finished: collections.deque[RecordedEpisode] = collections.deque()
     self.stats: collections.Counter[str] = collections.Counter()
 
-  def record(self, episode_id: str, call: Call) -> int:
-    """Adds ``call`` to ``episode_id`` (opening it); returns the call's index in it."""
+  def record(self, name: str, call: Call) -> int:
+    """Adds ``call`` to episode ``name`` (opening it); returns the call's index in it."""
     with self._lock:
-      calls = self._open.setdefault(episode_id, [])
+      if name not in self._open:
+        self._open[name] = (self._next_id, [])
+        self._next_id += 1
+      calls = self._open[name][1]
       calls.append(call)
       self.stats['calls'] += 1
       return len(calls) - 1
 
-  def calls(self, episode_id: str) -> tuple[Call, ...]:
-    """The calls recorded so far under ``episode_id`` (KeyError if none is open)."""
+  def calls(self, name: str) -> tuple[Call, ...]:
+    """The calls recorded so far in episode ``name`` (KeyError if none is open)."""
     with self._lock:
-      if episode_id not in self._open:
-        raise KeyError(episode_id)
-      return tuple(self._open[episode_id])
+      return tuple(self._open[name][1])
 
-  def close(self, episode_id: str, reward: float | None = None,
-            turn_rewards: Sequence[float] | None = None) -> Episode:
-    """Closes ``episode_id`` with ``reward`` (None: ``reward_fn``'s) and returns it.
+  def close(self, name: str, reward: float | None = None,
+            turn_rewards: Sequence[float] | None = None, *, group_id: int | None = None,
+            prompt_id: int = -1) -> RecordedEpisode:
+    """Closes episode ``name`` with ``reward`` (None: ``reward_fn``'s) and returns it.
 
-    ``turn_rewards``: one per call, put on each trajectory's turns. Raises KeyError when no
-    such episode is open, ValueError when ``reward_fn`` is needed but missing or
-    ``turn_rewards`` does not have one value per call (the episode stays open).
+    ``turn_rewards``: one per call. ``group_id``: the group whose returns are compared (GRPO;
+    default: the episode's own id, a group of one); ``prompt_id``: the task instance (-1:
+    none named). Raises KeyError when no such episode is open, ValueError when ``reward_fn``
+    is needed but missing or ``turn_rewards`` does not hold one value per call (the episode
+    stays open).
     """
     with self._lock:
-      if episode_id not in self._open:
-        raise KeyError(episode_id)
-      calls = tuple(self._open[episode_id])
+      episode_id, calls = self._open[name]
+      calls = tuple(calls)
       if reward is None and self.reward_fn is None:
-        raise ValueError(f'episode {episode_id!r} was closed without a reward and the '
-                         'endpoint has no reward_fn; post {"reward": <number>}.')
+        raise ValueError(f'episode {name!r} was closed without a reward and the endpoint has '
+                         'no reward_fn; post {"reward": <number>}.')
       if turn_rewards is not None and len(turn_rewards) != len(calls):
-        raise ValueError(f'episode {episode_id!r} has {len(calls)} calls but '
-                         f'{len(turn_rewards)} turn_rewards were given; give one per call.')
-      del self._open[episode_id]
+        raise ValueError(f'episode {name!r} has {len(calls)} calls but {len(turn_rewards)} '
+                         'turn_rewards were given; give one per call.')
+      del self._open[name]
     if reward is None:
       try:
-        reward = float(self.reward_fn(episode_id, calls))
+        reward = float(self.reward_fn(name, calls))
       except Exception:  # noqa: BLE001  (a user function never crashes the endpoint)
         reward = 0.0
         self.stats['reward_errors'] += 1
-    trajectories, first = [], 0
-    for trajectory in stitch(episode_id, calls):
-      turns = trajectory.num_turns
-      rewards = (None if turn_rewards is None
-                 else np.asarray(turn_rewards[first:first + turns], np.float32))
-      trajectories.append(dataclasses.replace(trajectory, reward=float(reward),
-                                              turn_rewards=rewards))
-      first += turns
-    episode = Episode(episode_id, calls, tuple(trajectories), float(reward))
+    trajectories = stitch(calls, episode_id=episode_id,
+                          group_id=episode_id if group_id is None else group_id,
+                          prompt_id=prompt_id, reward=reward, turn_rewards=turn_rewards)
+    episode = RecordedEpisode(name, episode_id, calls, tuple(trajectories), float(reward))
     with self._lock:
       self.finished.append(episode)
       self.stats['episodes'] += 1
@@ -226,7 +215,7 @@ class EpisodeRecorder:
       self.stats['splits'] += len(trajectories) - 1
     return episode
 
-  def take(self) -> list[Episode]:
+  def take(self) -> list[RecordedEpisode]:
     """The closed episodes not taken yet, oldest first."""
     with self._lock:
       taken = list(self.finished)

@@ -193,14 +193,15 @@ def test_a_tool_calling_episode_records_exactly_what_the_engine_sampled(endpoint
   assert post_reward(endpoint, 'ep-1', reward=1.0).json()['trajectories'] == 1
 
   (episode,) = endpoint.recorder.take()
-  assert episode.reward == 1.0 and len(episode.calls) == 2
+  assert episode.reward == 1.0 and len(episode.calls) == 2 and episode.name == 'ep-1'
   (trajectory,) = episode.trajectories
   (p1, s1), (p2, s2) = sampled
   tokens = trajectory.tokens.tolist()
   # The second call's prompt is the first call's prompt and sampled ids, then the tool's.
   assert p2[:len(p1) + len(s1.tokens)] == p1 + s1.tokens
   assert tokens == p2 + s2.tokens
-  (a, b), (c, d) = trajectory.turn_bounds.tolist()
+  a, c = trajectory.turn_starts.tolist()
+  b, d = trajectory.turn_ends.tolist()
   assert (a, b, d) == (len(p1), len(p1) + len(s1.tokens), len(tokens))
   assert tokens[a:b] == s1.tokens and tokens[c:d] == s2.tokens
   expected_mask = np.zeros(len(tokens), bool)
@@ -208,13 +209,18 @@ def test_a_tool_calling_episode_records_exactly_what_the_engine_sampled(endpoint
   np.testing.assert_array_equal(trajectory.loss_mask, expected_mask)
   tool_tokens = endpoint.tokenizer.decode(tokens[b:c], stop_at_eos=False)
   assert '<tool_response> 408 </tool_response>' in tool_tokens
-  np.testing.assert_array_equal(trajectory.logprobs[a:b], np.float32(s1.logprobs))
-  np.testing.assert_array_equal(trajectory.logprobs[c:d], np.float32(s2.logprobs))
-  assert not trajectory.logprobs[~expected_mask].any()
+  logprobs = trajectory.behaviour_logprobs
+  np.testing.assert_array_equal(logprobs[a:b], np.float32(s1.logprobs))
+  np.testing.assert_array_equal(logprobs[c:d], np.float32(s2.logprobs))
+  assert not logprobs[~expected_mask].any()
+  np.testing.assert_array_equal(trajectory.support_sizes[a:b], s1.supports)
   np.testing.assert_array_equal(trajectory.versions[expected_mask], VERSION)
   np.testing.assert_array_equal(trajectory.versions[~expected_mask], -1)
-  assert trajectory.token_turn.tolist() == [0] * b + [1] * (d - b)
-  assert trajectory.reward == 1.0 and trajectory.finish_reasons == ('stop', 'stop')
+  assert trajectory.token_turn.tolist() == [-1] * a + [0] * (b - a) + [-1] * (c - b) + [1] * (
+      d - c)
+  assert trajectory.episode_return == 1.0 and trajectory.termination == 'done'
+  assert trajectory.texts == (TOOL_CALL, '408')
+  assert trajectory.episode_id == trajectory.group_id == episode.episode_id
   # The log-probs the client got are the recorded behaviour log-probs.
   returned = [t.logprob for t in choice.logprobs.content]
   np.testing.assert_allclose(returned, s1.logprobs, rtol=1e-6)
@@ -229,13 +235,15 @@ def test_an_edited_history_splits_the_episode(endpoint, sampled):
       first.choices[0].message.model_dump(exclude_none=True),
       {'role': 'tool', 'tool_call_id': 'x', 'content': '408'}]
   chat.chat.completions.create(model=MODEL, messages=edited, tools=TOOLS, seed=2, user='ep-2')
-  assert post_reward(endpoint, 'ep-2', reward=0.5).json()['trajectories'] == 2
+  assert post_reward(endpoint, 'ep-2', reward=0.5, group_id=7,
+                     prompt_id=3).json()['trajectories'] == 2
   (episode,) = endpoint.recorder.take()
   (p1, s1), (p2, s2) = sampled
   one, two = episode.trajectories
-  assert one.tokens.tolist() == p1 + s1.tokens and one.prompt_length == len(p1)
-  assert two.tokens.tolist() == p2 + s2.tokens and two.prompt_length == len(p2)
-  assert one.reward == two.reward == 0.5
+  assert one.tokens.tolist() == p1 + s1.tokens and one.turn_starts.tolist() == [len(p1)]
+  assert two.tokens.tolist() == p2 + s2.tokens and two.turn_starts.tolist() == [len(p2)]
+  assert one.episode_return == two.episode_return == 0.5
+  assert one.group_id == two.group_id == 7 and one.prompt_id == two.prompt_id == 3
   assert endpoint.recorder.stats['splits'] == 1
 
 
@@ -253,6 +261,7 @@ def test_completions_take_token_ids_and_stitch_them(endpoint, sampled):
   chat.completions.create(model=MODEL, prompt=follow, seed=4, max_tokens=2)
   text = chat.completions.create(model=MODEL, prompt='What is', seed=5, max_tokens=2)
   assert text.usage.prompt_tokens == 2
+  assert post_reward(endpoint, 'ep-3', turn_rewards=['x']).status_code == 400
   post_reward(endpoint, 'ep-3', reward=0.0, turn_rewards=[0.0, 1.0, 0.5]).raise_for_status()
   (episode,) = endpoint.recorder.take()
   stitched, fresh = episode.trajectories
@@ -384,25 +393,33 @@ def test_the_scheduler_refuses_more_than_max_waiting(worker):
 def test_stitch_extends_where_prompts_match_and_splits_where_they_do_not():
   call = lambda prompt, sampled, reason='stop': Call(
       tuple(prompt), tuple(sampled), tuple(-0.5 * (i + 1) for i in range(len(sampled))),
-      (3,) * len(sampled), reason)
+      (9,) * len(sampled), (3,) * len(sampled), reason, f'text{len(prompt)}')
   calls = [call([1, 2], [7, 8]), call([1, 2, 7, 8, 4], [9]), call([1, 5], [6], 'length'),
            call([1, 5, 6], [])]
-  one, two = stitch('e', calls)
+  one, two = stitch(calls, episode_id=4, group_id=2, reward=1.5,
+                    turn_rewards=[0.0, 1.0, 2.0, 3.0])
   assert one.tokens.tolist() == [1, 2, 7, 8, 4, 9]
   assert one.loss_mask.tolist() == [False, False, True, True, False, True]
-  assert one.logprobs.tolist() == [0, 0, -0.5, -1.0, 0, -0.5]
+  assert one.behaviour_logprobs.tolist() == [0, 0, -0.5, -1.0, 0, -0.5]
+  assert one.support_sizes.tolist() == [0, 0, 9, 9, 0, 9]
   assert one.versions.tolist() == [-1, -1, 3, 3, -1, 3]
-  assert one.token_turn.tolist() == [0, 0, 0, 0, 1, 1]
-  assert one.turn_bounds.tolist() == [[2, 4], [5, 6]] and one.prompt_length == 2
-  assert two.tokens.tolist() == [1, 5, 6] and two.turn_bounds.tolist() == [[2, 3], [3, 3]]
-  assert two.finish_reasons == ('length', 'stop')
-  assert stitch('e', []) == []
+  assert one.token_turn.tolist() == [-1, -1, 0, 0, -1, 1]
+  assert one.turn_starts.tolist() == [2, 5] and one.turn_ends.tolist() == [4, 6]
+  assert one.turn_rewards.tolist() == [0.0, 1.0] and two.turn_rewards.tolist() == [2.0, 3.0]
+  assert one.texts == ('text2', 'text5') and one.turn_mask.all()
+  assert (one.episode_id, one.group_id, one.prompt_id, one.episode_return) == (4, 2, -1, 1.5)
+  assert two.tokens.tolist() == [1, 5, 6]
+  assert two.turn_starts.tolist() == [2, 3] and two.turn_ends.tolist() == [3, 3]
+  # A turn's state is the ids before it: equal histories, equal states.
+  assert one.state_ids[0] == stitch([call([1, 2], [5])])[0].state_ids[0]
+  assert len({*one.state_ids.tolist(), *two.state_ids.tolist()}) == 4
+  assert stitch([]) == []
   recorder = EpisodeRecorder()
   recorder.record('e', calls[0])
   with pytest.raises(ValueError, match='no reward_fn'):
     recorder.close('e')
   with pytest.raises(ValueError, match='1 calls but 2 turn_rewards'):
     recorder.close('e', 1.0, [1.0, 2.0])
-  assert recorder.close('e', 1.0).trajectories[0].reward == 1.0
+  assert recorder.close('e', 1.0).trajectories[0].episode_return == 1.0
   with pytest.raises(ValueError, match='2 completion ids but 1 log-probs'):
-    Call((1,), (2, 3), (0.0,), (0, 0), 'stop')
+    Call((1,), (2, 3), (0.0,), (1, 1), (0, 0), 'stop')
