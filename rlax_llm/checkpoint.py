@@ -15,9 +15,12 @@ never pairs weights with the wrong data position::
 
 * Saves are asynchronous (``CheckpointManager`` with async checkpointing): ``save`` returns
   once the arrays are copied off the devices, so the trainer may donate its buffers in the
-  next step while the files are written in the background; a step is visible only when it is
-  complete (Orbax writes into a temporary directory and renames it, then
-  ``commit_success.txt``), so a crash mid-save leaves the previous checkpoint the latest.
+  next step while the files are written in the background; a step counts only when it is
+  complete (locally Orbax writes into a temporary directory and renames it; on ``gs://`` it
+  writes in place and ``commit_success.txt`` last: ``workdir.finished_steps``), so a crash
+  mid-save leaves the previous checkpoint the latest.
+* The workdir may be a ``gs://`` URL: Orbax writes there directly (TensorStore for the
+  arrays, ``etils.epath`` for the rest; ``rlax_llm.storage`` for the listings and moves).
 * ``restore`` reads the latest step; if it is unreadable (truncated, corrupt, a file
   missing) it moves that step aside to ``steps/<s>.corrupt-<time>`` (nothing is deleted),
   logs a warning naming the error, and falls back to the previous one.
@@ -37,7 +40,8 @@ On restore the trainer's process reads the step, loads its params and optimizer 
 hands the controller only a ``Resume`` (its state and the rollouts' arrays). So no weight
 byte passes through the controller's process (on Ray, the driver never opens the
 checkpoint manager); the workdir must be on a filesystem the trainer's process writes and
-later launches read (local disk on one machine, shared storage across hosts).
+later launches read (local disk on one machine; ``gs://`` or other shared storage across
+hosts).
 
 In-flight rollouts: under staleness ``(j, k)`` up to ``k - 1`` batches are generated ahead of
 the trainer, some with params older than the saved ones. The save waits for them and stores
@@ -49,7 +53,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import pathlib
 import signal
 import threading
 import time
@@ -59,7 +62,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from rlax_llm import distributed
+from rlax_llm import distributed, storage
 from rlax_llm.errors import CheckpointError
 from rlax_llm import workdir as workdir_lib
 
@@ -117,21 +120,13 @@ class SaveSchedule:
     self._last_save = time.monotonic()
 
 
-def finished_steps(directory: str | pathlib.Path) -> list[int]:
-  """The steps under ``directory`` (a ``checkpoints/steps`` or ``checkpoints/warmup``
-  directory) whose saves finished, oldest first, read from the listing alone (Orbax writes a
-  step under a temporary name and renames it when complete)."""
-  directory = pathlib.Path(directory)
-  if not directory.is_dir():
-    return []
-  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
-
-
-def latest_step(workdir: str | pathlib.Path) -> int | None:
+def latest_step(workdir: str | storage.Path) -> int | None:
   """The newest finished step checkpoint of the run in ``workdir`` (None: none), from the
-  directory listing: opens no checkpoint manager and reads no array (what a process that
-  holds no weights may ask, e.g. Ray's driver naming the step to resume from)."""
-  steps = finished_steps(pathlib.Path(workdir) / workdir_lib.CHECKPOINT_DIRNAME / STEPS_DIRNAME)
+  directory listing (``workdir.finished_steps``): opens no checkpoint manager and reads no
+  array (what a process that holds no weights may ask, e.g. Ray's driver naming the step to
+  resume from)."""
+  steps = workdir_lib.finished_steps(
+      storage.path(workdir) / workdir_lib.CHECKPOINT_DIRNAME / STEPS_DIRNAME)
   return steps[-1] if steps else None
 
 
@@ -149,7 +144,7 @@ def _leaf_specs(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
           (tuple(leaf.shape), str(np.dtype(leaf.dtype))) for path, leaf in flat}
 
 
-def _check_matches(item: str, metadata: Any, target: Any, directory: pathlib.Path) -> None:
+def _check_matches(item: str, metadata: Any, target: Any, directory: storage.Path) -> None:
   """Raises CheckpointError when the saved leaves' paths, shapes or dtypes differ."""
   tree = getattr(metadata, 'tree', metadata)
   saved, want = _leaf_specs(tree), _leaf_specs(target)
@@ -181,17 +176,17 @@ class Checkpointer:
   the controller's ``SaveSchedule``.
 
   Args:
-    workdir: the run directory.
+    workdir: the run directory (a local path or a ``gs://`` URL).
     keep: how many step checkpoints to keep (the newest; the warm-up's is kept apart).
     async_save: write in the background (``False``: ``save`` returns when the files exist).
   """
 
-  def __init__(self, workdir: str | pathlib.Path, *, keep: int = 3, async_save: bool = True):
+  def __init__(self, workdir: str | storage.Path, *, keep: int = 3, async_save: bool = True):
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
       raise ValueError(f'checkpoint.keep={keep!r} must be an int >= 1.')
-    self.directory = pathlib.Path(workdir) / workdir_lib.CHECKPOINT_DIRNAME
+    self.directory = storage.absolute(workdir) / workdir_lib.CHECKPOINT_DIRNAME
     self._manager = ocp.CheckpointManager(
-        (self.directory / STEPS_DIRNAME).absolute(),
+        self.directory / STEPS_DIRNAME,
         options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=async_save, create=True),
         item_handlers=_handlers('params', 'opt_state', 'rollouts', json=('trainer',
@@ -258,13 +253,13 @@ class Checkpointer:
       return restored
     return None
 
-  def _set_aside(self, step: int, path: pathlib.Path, error: Exception) -> None:
+  def _set_aside(self, step: int, path: storage.Path, error: Exception) -> None:
     aside = path.with_name(f'{step}.corrupt-{time.strftime("%Y%m%d-%H%M%S")}')
     logging.warning('checkpoint step %d in %s is unreadable (%s: %s); moved it to %s and '
                     'falling back to the previous checkpoint.', step, path,
                     type(error).__name__, str(error).splitlines()[0][:300] if str(error)
                     else '', aside)
-    path.rename(aside)
+    storage.rename_dir(path, aside)
     self._manager.reload()
 
   def wait(self) -> None:
@@ -279,7 +274,7 @@ class Checkpointer:
 
   def save_warmup(self, params: Any, metrics: dict[str, float]) -> None:
     """Saves the warm-up's result (synchronously: it is needed before RL starts)."""
-    path = (self.directory / WARMUP_DIRNAME).absolute()
+    path = self.directory / WARMUP_DIRNAME
     if distributed.agree(path.exists()):  # multi-host: process 0's look, for every process
       return
     with ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
@@ -290,7 +285,7 @@ class Checkpointer:
 
   def restore_warmup(self, params: Any) -> tuple[Any, dict[str, float]] | None:
     """The warm-up's params (onto ``params``' shardings) and metrics; None if not saved."""
-    path = (self.directory / WARMUP_DIRNAME).absolute()
+    path = self.directory / WARMUP_DIRNAME
     if not distributed.agree(path.exists()):  # multi-host: process 0's look, for every process
       return None
     with ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
@@ -305,21 +300,21 @@ class Checkpointer:
     return out['params'], dict(out['metrics'])
 
 
-def read_params(path: str | pathlib.Path, template: Any) -> Any:
+def read_params(path: str | storage.Path, template: Any) -> Any:
   """The params of a checkpoint, restored onto ``template``'s shapes, dtypes and shardings.
 
   ``path``: a run's workdir (its latest step), ``<workdir>/checkpoints``, a step directory
-  (``checkpoints/steps/<s>``) or the warm-up's (``checkpoints/warmup``). What
+  (``checkpoints/steps/<s>``) or the warm-up's (``checkpoints/warmup``); local or ``gs://``. What
   ``python -m rlax_llm.evaluate --checkpoint`` reads. Raises CheckpointError when there is
   no checkpoint at ``path`` or its params do not fit ``template``.
   """
-  path = pathlib.Path(path).absolute()
+  path = storage.absolute(path)
   if (path / workdir_lib.CHECKPOINT_DIRNAME).is_dir():
     path = path / workdir_lib.CHECKPOINT_DIRNAME
   if (path / STEPS_DIRNAME).is_dir():
     path = path / STEPS_DIRNAME
   if path.name in (STEPS_DIRNAME, WARMUP_DIRNAME):
-    steps = finished_steps(path)
+    steps = workdir_lib.finished_steps(path)
     if not steps:
       raise CheckpointError(f'{path} holds no finished checkpoint.')
     path = path / str(steps[-1])

@@ -218,7 +218,17 @@ def _controller_settings(config: ml_collections.ConfigDict, loss: LossConfig,
   """The controller's ``ControllerSettings`` (schedule, staleness, rollout sampling), after
   the checks that name the config's keys better than its own would (staleness, a group of
   one)."""
-  from rlax_llm.losses import BASELINE_FREE  # pylint: disable=import-outside-toplevel  # jax
+  from rlax_llm.losses import (  # pylint: disable=import-outside-toplevel  # jax
+      BASELINE_FREE,
+      ESTIMATORS,
+      TURN_ESTIMATORS,
+  )
+  if loss.estimator in TURN_ESTIMATORS:
+    raise ConfigError(
+        f'config.rl.advantage_estimator={loss.estimator!r} is a multi-turn estimator: it needs '
+        "a trajectory batch's turn_rewards, turn_mask, state_ids and token_turn (docs/losses.md, "
+        f'"Multi-turn credit"), but config.task.name={config.task.name!r} gives single-turn '
+        f'rollouts, which carry none; choose one of {list(ESTIMATORS)}.')
   for key in ('staleness.j', 'staleness.k'):
     value = lookup(config, key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import ml_collections
 
-from rlax_llm import cli, console, launch_help
+from rlax_llm import cli, console, launch_help, storage
 from rlax_llm import config as config_lib
 from rlax_llm.errors import ConfigError, Preempted, RlaxError
 
@@ -53,10 +52,11 @@ def load_policy_params(path: str | os.PathLike, template: Any) -> Any:
 EVAL_CHANGES = (*config_lib.RESUMABLE_CHANGES, 'eval.', 'task.num_eval')
 
 
-def run_workdir(checkpoint: str | os.PathLike) -> pathlib.Path | None:
+def run_workdir(checkpoint: str | os.PathLike) -> storage.Path | None:
   """The run workdir ``checkpoint`` lies in (the directory holding its ``config.json``: the
-  workdir itself, ``checkpoints``, ``checkpoints/steps`` or a step directory), or None."""
-  path = pathlib.Path(checkpoint).absolute()
+  workdir itself, ``checkpoints``, ``checkpoints/steps`` or a step directory; local or
+  ``gs://``), or None."""
+  path = storage.absolute(checkpoint)
   for directory in (path, *path.parents[:3]):
     if (directory / 'config.json').is_file():
       return directory
@@ -80,7 +80,7 @@ def config_for(argv: Sequence[str], checkpoint: str | None) -> ml_collections.Co
     return cli.load_config(argv)
   path = workdir / 'config.json'
   try:
-    saved = json.loads(path.read_text())
+    saved = json.loads(storage.read_text(path))
   except (OSError, ValueError) as e:
     raise ConfigError(f'{path} cannot be read ({e}); pass --config=PATH[:VARIANT] with the '
                       'config the run trained with.') from None
@@ -140,12 +140,13 @@ as one JSON line: eval/accuracy (greedy), and with --config.eval.samples=N mean@
 pass@k.
 
 flags:
-  --checkpoint=PATH        a run's workdir (its latest checkpoint) or a checkpoint directory;
-                           default: the params the config loads (model.path or seeded init)
+  --checkpoint=PATH        a run's workdir (its latest checkpoint) or a checkpoint directory,
+                           local or gs://; default: the params the config loads (model.path
+                           or seeded init)
   --config=PATH[:VARIANT]  config file and optional variant; default: with --checkpoint in a
                            run's workdir that run's config.json, else configs/default.py
   --config.KEY=VALUE       override one field, e.g. --config.task.num_eval=200
-  --output=FILE.jsonl      also append the metrics line to this file
+  --output=FILE.jsonl      also append the metrics line to this file (local or gs://)
   -h, --help               this text"""
 
 
@@ -183,9 +184,12 @@ def main(argv: Sequence[str]) -> None:
     raise SystemExit(f'error: {e}') from None
   record = {'config': config.name, 'checkpoint': checkpoint.value, **metrics}
   line = json.dumps(record, sort_keys=True)
-  if output.value:
-    with open(output.value, 'a', encoding='utf-8') as f:
-      f.write(line + '\n')
+  if output.value:  # a local file or a gs:// object, appended whole lines (rlax_llm.storage)
+    log = storage.AppendLog(output.value)
+    try:
+      log.append(line + '\n')
+    finally:
+      log.close()
   print(line)
 
 

@@ -10,7 +10,8 @@ r"""Command-line entry point: ``python -m rlax_llm.launch``.
 which ships in the package), ``--config.a.b=value`` overrides a field (``rlax_llm.cli`` loads
 both before absl parses the other flags), ``--workdir`` is where the run writes
 ``config.json``, ``metrics.jsonl``, ``summary.json``, ``ledger.jsonl``, TensorBoard events and
-``checkpoints/`` (default ``./runs/<name>-<timestamp>-<hex>``). The config is validated
+``checkpoints/`` (a local path or a ``gs://BUCKET/...`` URL, written through
+``rlax_llm.storage`` without a mount; default ``./runs/<name>-<timestamp>-<hex>``). The config is validated
 (``rlax_llm.config.validate_config``) before any compute. ``--print_config`` prints the
 resolved, validated config as JSON (with the values a loss fills in) and exits; ``--help``
 lists the packaged configs with their variants (``rlax_llm.launch_help``).
@@ -34,14 +35,13 @@ import contextlib
 import json
 import logging
 import os
-import pathlib
 import sys
 import time
 
 import ml_collections
 from absl import app, flags
 
-from rlax_llm import cli, console, distributed, launch_help
+from rlax_llm import cli, console, distributed, launch_help, storage
 from rlax_llm import workdir as workdir_lib
 from rlax_llm.config import check_resume_config, checkpointing, validate_config
 from rlax_llm.errors import ConfigError, NonFiniteError, Preempted, RlaxError
@@ -54,7 +54,8 @@ def define_flags() -> None:
   if _FLAGS:
     return
   _FLAGS['workdir'] = flags.DEFINE_string(
-      'workdir', None, 'Run directory (default ./runs/<config name>-<timestamp>-<hex>).')
+      'workdir', None, 'Run directory: a local path or gs://BUCKET/... (default '
+      './runs/<config name>-<timestamp>-<hex>).')
   _FLAGS['print_config'] = flags.DEFINE_bool(
       'print_config', False, 'Print the resolved, validated config as JSON and exit.')
 
@@ -77,8 +78,8 @@ def main(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f'process {process} of a {jax.process_count()}-process job has no '
                       '--workdir: every process of a job must pass the same --workdir (a '
                       'default one would differ between them).')
-  workdir = (pathlib.Path(workdir_flag) if workdir_flag
-             else workdir_lib.default_workdir(config.name))
+  workdir = (storage.path(workdir_flag) if workdir_flag
+             else storage.path(workdir_lib.default_workdir(config.name)))
   # Process 0 claims the workdir for the job; the others learn whether it could
   # (workdir.claim_for_job).
   claim = workdir_lib.claim_for_job(
@@ -93,7 +94,7 @@ def main(config: ml_collections.ConfigDict) -> None:
     resuming = workdir_lib.has_checkpoint(workdir)
     if resuming:
       try:
-        saved = json.loads((workdir / 'config.json').read_text())
+        saved = json.loads(storage.read_text(workdir / 'config.json'))
       except (OSError, ValueError) as e:
         raise workdir_lib.WorkdirError(
             f'workdir {workdir} holds checkpoints but its config.json cannot be read ({e}); '
@@ -101,7 +102,7 @@ def main(config: ml_collections.ConfigDict) -> None:
       check_resume_config(saved, config)
       logging.info('resuming the run in %s', workdir)
     if process == 0:  # the job's files are process 0's (rlax_llm.distributed)
-      workdir_lib.write_text_atomic(workdir / 'config.json',
+      storage.write_text_atomic(workdir / 'config.json',
                                     config.to_json_best_effort(indent=2, sort_keys=True))
     try:
       with PreemptionGuard() if checkpointing(config) else contextlib.nullcontext() as guard:

@@ -38,7 +38,8 @@ flags:
   --config=PATH[:VARIANT]  config file and optional variant (default: the packaged
                            configs/default.py)
   --config.KEY=VALUE       override one field, e.g. --config.rl.loss=dapo (after --config)
-  --workdir=DIR            run directory (default: ./runs/<config name>-<timestamp>-<suffix>)
+  --workdir=DIR            run directory, a local path or gs://BUCKET/... (default:
+                           ./runs/<config name>-<timestamp>-<suffix>)
   --print_config           print the resolved, validated config as JSON and exit (no compute)
   -h, --help               this text; --helpfull lists every absl flag
 

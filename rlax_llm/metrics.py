@@ -4,7 +4,8 @@
 small writer per output:
 
 * ``MetricsFile``: ``workdir/metrics.jsonl``, one JSON object ``{"step": step, **metrics}``
-  per call, flushed after every line so a crash loses nothing already written. Non-finite
+  per call, flushed after every line so a crash loses nothing already written (on ``gs://``
+  each line is composed into the object: ``rlax_llm.storage.AppendLog``). Non-finite
   floats (NaN, +-inf) are written as JSON ``null``, because strict JSON has no literal for
   them; TensorBoard and the console get the actual value.
 * ``rlax_llm.tensorboard_writer.TensorBoardWriter``: TensorBoard event files in ``workdir``,
@@ -24,15 +25,16 @@ A resumed run passes ``resume_step`` (the restored checkpoint's step): rows afte
 from ``metrics.jsonl`` and ``ledger.jsonl`` first (and TensorBoard purges them), so no step
 appears twice. Only JAX process 0 writes (``enabled=None`` decides so); the others' writers do
 nothing. ``MetricsWriter.from_config`` builds a writer from the run config's ``log`` group;
-``read_metrics`` reads a ``metrics.jsonl`` back.
+``read_metrics`` reads a ``metrics.jsonl`` back. The workdir may be a local path or a
+``gs://`` URL: every file goes through ``rlax_llm.storage``.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
-import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlax_llm import storage
 from rlax_llm import workdir as workdir_lib
 from rlax_llm.console import DEFAULT_CONSOLE_KEYS, ConsoleProgress
 from rlax_llm.tensorboard_writer import TensorBoardWriter, check_bins
@@ -102,28 +105,27 @@ def _summary_value(key: str, value: Any) -> Any:
 
 
 class JsonlFile:
-  """An append-only JSON-lines file, each line flushed as it is written.
+  """An append-only JSON-lines file, each line durable as it is written
+  (``rlax_llm.storage.AppendLog``: flushed locally, composed into the object on ``gs://``).
 
   ``resume_step``: a resumed run's restored step; rows of later steps are cut first.
   """
 
-  def __init__(self, path: pathlib.Path, resume_step: int | None = None):
+  def __init__(self, path: storage.Path, resume_step: int | None = None):
     if resume_step is not None:
       workdir_lib.truncate_rows(path, resume_step)
-    self._file = open(path, 'a', encoding='utf-8')  # noqa: SIM115 (open until close)
+    self._log = storage.AppendLog(path)
 
   def append(self, row: Mapping[str, Any], *, allow_nan: bool = True) -> None:
     """One line, ``row`` as JSON (``allow_nan=False``: NaN or inf raises ValueError)."""
-    self._file.write(json.dumps(row, allow_nan=allow_nan) + '\n')
-    self._file.flush()
+    self._log.append(json.dumps(row, allow_nan=allow_nan) + '\n')
 
   def flush(self) -> None:
-    """Flushes the file (each line already is)."""
-    self._file.flush()
+    """Nothing to do: each line is written through as it is appended."""
 
   def close(self) -> None:
     """Closes the file."""
-    self._file.close()
+    self._log.close()
 
 
 class MetricsFile(JsonlFile):
@@ -146,14 +148,13 @@ class LedgerFile(JsonlFile):
 class SummaryFile:
   """``summary.json``: the final figures of a run, pretty JSON, replaced atomically."""
 
-  def __init__(self, path: pathlib.Path):
+  def __init__(self, path: storage.Path):
     self.path = path
 
   def write(self, content: Mapping[str, Any]) -> None:
-    """Writes ``content`` (JSON-safe: ``_summary_value``'s output)."""
-    tmp = self.path.with_name(self.path.name + '.tmp')
-    tmp.write_text(json.dumps(content, indent=2, allow_nan=False) + '\n', encoding='utf-8')
-    os.replace(tmp, self.path)  # atomic: a reader never sees a half-written summary
+    """Writes ``content`` (JSON-safe: ``_summary_value``'s output); atomic, so a reader never
+    sees a half-written summary."""
+    storage.write_text_atomic(self.path, json.dumps(content, indent=2, allow_nan=False) + '\n')
 
 
 class MetricsWriter:
@@ -183,7 +184,7 @@ class MetricsWriter:
     """Opens the outputs, creating ``workdir`` if it is missing.
 
     Args:
-        workdir: run directory; holds ``metrics.jsonl``, ``ledger.jsonl``, ``summary.json``
+        workdir: run directory (a local path or a ``gs://`` URL); holds ``metrics.jsonl``, ``ledger.jsonl``, ``summary.json``
             and the TensorBoard event files.
         tensorboard: also write TensorBoard event files.
         console: also print a progress line to stdout.
@@ -203,7 +204,7 @@ class MetricsWriter:
       if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                 or value < 0):
         raise ValueError(f'{name} must be an int >= 0, got {value!r}.')
-    self._workdir = pathlib.Path(workdir)
+    self._workdir = storage.path(workdir)
     self._enabled = jax.process_index() == 0 if enabled is None else enabled
     self._console = progress if console and self._enabled else None
     self._summary = SummaryFile(self._workdir / SUMMARY_FILENAME)
@@ -211,7 +212,8 @@ class MetricsWriter:
     self._metrics = self._ledger = self._tb = None
     if not self._enabled:
       return
-    self._workdir.mkdir(parents=True, exist_ok=True)
+    if not storage.is_gcs(self._workdir):  # an object store has no directories to make
+      self._workdir.mkdir(parents=True, exist_ok=True)
     self._metrics = MetricsFile(self._workdir / METRICS_FILENAME, resume_step)
     self._ledger = LedgerFile(self._workdir / workdir_lib.LEDGER_FILENAME, resume_step)
     self._tb = (TensorBoardWriter(self._workdir, text_every=text_every, resume_step=resume_step)
@@ -228,12 +230,12 @@ class MetricsWriter:
                total_steps=config.total_steps, text_every=log.text_every, **kwargs)
 
   @property
-  def workdir(self) -> pathlib.Path:
+  def workdir(self) -> storage.Path:
     """The run directory."""
     return self._workdir
 
   @property
-  def metrics_path(self) -> pathlib.Path:
+  def metrics_path(self) -> storage.Path:
     """Path of ``metrics.jsonl``."""
     return self._workdir / METRICS_FILENAME
 
@@ -294,7 +296,7 @@ class MetricsWriter:
     self._check_open()
     self._ledger.write(step, row)
 
-  def write_summary(self, metrics: Mapping[str, Any]) -> pathlib.Path:
+  def write_summary(self, metrics: Mapping[str, Any]) -> storage.Path:
     """Writes ``workdir/summary.json`` (pretty JSON), replacing any earlier summary, and
     prints the summary table.
 
@@ -345,7 +347,8 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
   """Reads a ``metrics.jsonl`` back.
 
   Args:
-      path: the ``metrics.jsonl`` file, or a workdir that contains one.
+      path: the ``metrics.jsonl`` file, or a workdir that contains one (a local path or a
+          ``gs://`` URL).
 
   Returns:
       One dict per line, in file order (``null`` -> ``None`` for non-finite values).
@@ -354,24 +357,25 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
       FileNotFoundError: there is no such file.
       ValueError: a line is not a JSON object; the message gives the file and line number.
   """
-  path = pathlib.Path(path)
+  path = storage.path(path)
   if path.is_dir():
     path = path / METRICS_FILENAME
-  if not path.is_file():
+  try:
+    text = storage.read_text(path)
+  except (FileNotFoundError, IsADirectoryError):
     raise FileNotFoundError(
       f'no metrics file at {str(path)!r}; pass a metrics.jsonl file or the workdir of a '
       'run that wrote one.'
-    )
+    ) from None
   records = []
-  with open(path, encoding='utf-8') as f:
-    for lineno, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f'{path}:{lineno} is not valid JSON ({e}): {line[:200]!r}') from e
-      if not isinstance(record, dict):
-        raise ValueError(f'{path}:{lineno} is not a JSON object: {line[:200]!r}')
-      records.append(record)
+  for lineno, line in enumerate(io.StringIO(text, newline=None), start=1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ValueError(f'{path}:{lineno} is not valid JSON ({e}): {line[:200]!r}') from e
+    if not isinstance(record, dict):
+      raise ValueError(f'{path}:{lineno} is not a JSON object: {line[:200]!r}')
+    records.append(record)
   return records

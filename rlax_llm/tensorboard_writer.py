@@ -11,11 +11,24 @@
   ``text_every`` steps a markdown table of sampled prompts and completions (tag ``samples``).
 
 A resumed run passes ``resume_step``: TensorBoard purges the events of later steps.
+
+A ``gs://`` run directory: tensorboardX's own ``gs://`` writer re-uploads the whole event
+file through ``google-cloud-storage`` at every flush, another client with its own
+credentials and emulator settings than the rest of the run. So the events are written to a
+local staging directory and each event file is uploaded to the run directory through
+``rlax_llm.storage`` (one object upload: a reader sees the previous upload or this one, never
+a torn file) at ``flush``, at ``close``, and from ``write`` when ``SYNC_EVERY_S`` have passed
+since the last upload. A crash loses at most the events since then; TensorBoard reads the
+uploaded files as it reads local ones.
 """
 
 from __future__ import annotations
 
 import os
+import pathlib
+import shutil
+import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,12 +36,14 @@ import jax
 import numpy as np
 import tensorboardX
 
+from rlax_llm import storage
 from rlax_llm.losses.diagnostics import LOG_RATIO_BIN_EDGES
 
 # Vector metrics: key -> bin edges. Each is drawn as a TensorBoard histogram (tag: the key
 # without 'hist/'), from bin fractions computed where the data lives (the trainer's step).
 HISTOGRAM_BIN_EDGES = {'hist/log_ratio': LOG_RATIO_BIN_EDGES}
 TEXT_SAMPLES = 4  # prompts shown per ``samples`` text entry (the first row of each group)
+SYNC_EVERY_S = 30.0  # a gs:// run directory: the staged event files are uploaded this often
 
 
 def check_bins(key: str, value: Any) -> np.ndarray:
@@ -57,7 +72,8 @@ class TensorBoardWriter:
   """Event files in ``workdir`` (see the module docstring).
 
   Args:
-    workdir: the run directory (exists).
+    workdir: the run directory (a local directory that exists, or a ``gs://`` URL: the
+      events are staged locally and uploaded, see the module docstring).
     text_every: ``write_rollouts`` writes sampled completions as text at steps that are
       multiples of this (0: never).
     resume_step: a resumed run's restored step: events of later steps are purged.
@@ -66,8 +82,13 @@ class TensorBoardWriter:
   def __init__(self, workdir: str | os.PathLike, *, text_every: int = 0,
                resume_step: int | None = None):
     self._text_every = text_every
+    self._remote = storage.path(workdir) if storage.is_gcs(workdir) else None
+    self._staging = (tempfile.mkdtemp(prefix='rlax-tensorboard-') if self._remote is not None
+                     else None)
+    self._synced = time.monotonic()
     self._tb = tensorboardX.SummaryWriter(
-        logdir=str(workdir), purge_step=None if resume_step is None else resume_step + 1)
+        logdir=self._staging or str(workdir),
+        purge_step=None if resume_step is None else resume_step + 1)
 
   def write(self, step: int, values: Mapping[str, int | float],
             binned: Mapping[str, np.ndarray]) -> None:
@@ -76,6 +97,14 @@ class TensorBoardWriter:
       self._tb.add_scalar(key, value, step)
     for key, fractions in binned.items():
       self._write_binned(step, key, fractions)
+    if self._remote is not None and time.monotonic() - self._synced >= SYNC_EVERY_S:
+      self.flush()
+
+  def _sync(self) -> None:
+    """Uploads every staged event file to the ``gs://`` run directory."""
+    for local in sorted(p for p in pathlib.Path(self._staging).iterdir() if p.is_file()):
+      storage.upload_file(local, self._remote / local.name)
+    self._synced = time.monotonic()
 
   def _write_binned(self, step: int, key: str, fractions: np.ndarray) -> None:
     """A TensorBoard histogram from bin fractions (moments from the bin centres)."""
@@ -138,9 +167,15 @@ class TensorBoardWriter:
       self.write_text(step, 'samples', '\n'.join(rows))
 
   def flush(self) -> None:
-    """Writes the pending events to disk."""
+    """Writes the pending events to disk (and uploads them to a ``gs://`` run directory)."""
     self._tb.flush()
+    if self._remote is not None:
+      self._sync()
 
   def close(self) -> None:
-    """Flushes and closes the event file."""
+    """Flushes and closes the event file (uploaded to a ``gs://`` run directory, whose local
+    staging directory is then removed)."""
     self._tb.close()
+    if self._remote is not None:
+      self._sync()
+      shutil.rmtree(self._staging, ignore_errors=True)

@@ -1,12 +1,13 @@
-"""The run directory: unique default names, an exclusive claim for the life of a run, atomic writes.
+"""The run directory: unique default names, an exclusive claim for the life of a run, resume.
 
+A workdir is a local path or a ``gs://`` URL; every file goes through ``rlax_llm.storage``.
 Two launches on the same ``--workdir`` must not interleave (merged ``metrics.jsonl``,
 overwritten ``config.json`` and TensorBoard files), so a run claims its workdir before writing
 anything::
 
-    workdir = pathlib.Path(flag) if flag else default_workdir(config.name)
+    workdir = storage.path(flag) if flag else default_workdir(config.name)
     with claim(workdir):
-      write_text_atomic(workdir / 'config.json', config.to_json_best_effort(indent=2))
+      storage.write_text_atomic(workdir / 'config.json', config.to_json_best_effort(indent=2))
       ...  # the run
 
 * ``default_workdir(name)`` creates ``runs/<name>-<YYYYmmdd-HHMMSS>-<6 hex digits>`` with an
@@ -18,13 +19,21 @@ anything::
   it raises ``WorkdirInUse`` naming the holder (pid, host, start time). Because the OS drops
   an ``flock`` when its holder dies, a run that crashed or was SIGKILLed never leaves its
   workdir unusable; the stale ``.lock`` file left behind is harmless.
+* On ``gs://`` there is no ``flock``: ``claim`` creates the object ``workdir/.lock`` only if
+  it is absent (``ifGenerationMatch=0``), holding a lease (the holder's id, pid, host, start
+  time and expiry, ``LEASE_S`` from now) that a background thread renews every
+  ``LEASE_S / 4`` while the claim is held, and deletes it on ``close``. A second claim while
+  the lease is live raises ``WorkdirInUse``; a lease that expired (its holder died, or lost
+  the network for ``LEASE_S``) is taken over, atomically (the expired object is deleted only
+  if it is still the one that was read), so of two claimers racing for it one wins. Hosts'
+  clocks must agree to well within ``LEASE_S`` (NTP does).
 * A workdir whose ``metrics.jsonl`` already holds step rows is a run to *resume* when it
   holds a checkpoint (``has_checkpoint``; ``rlax_llm.checkpoint`` restores it) and is refused
   with ``WorkdirHasRun`` otherwise; ``existing_steps`` and ``has_checkpoint`` decide this. A
   workdir left by a run that died before its first step is claimable.
 * ``truncate_rows`` cuts ``metrics.jsonl``/``ledger.jsonl`` back to the restored step, so
   after a resume no step appears twice.
-* ``write_text_atomic`` writes a file so a reader (or a crash) never sees half of it.
+* ``finished_steps`` lists the complete Orbax steps of a checkpoint directory.
 * ``claim_for_job(workdir, process_index, agree)``: the rule of a multi-process job
   (``jax.distributed``), whose every process runs the same command on the same workdir.
   Process 0 claims the workdir for the whole job (and writes ``config.json``, metrics, ledger,
@@ -32,9 +41,10 @@ anything::
   the Orbax checkpoints) and learn process 0's outcome through ``agree``, so a second *job*
   on a busy workdir fails in every one of its processes, never in process 0 alone.
 
-Limitation: ``flock`` excludes processes on one host. On a network filesystem shared between
+Limitation (local paths): ``flock`` excludes processes on one host. On a network filesystem shared between
 hosts (NFS, some FUSE mounts) it may not exclude a process on another host, so two hosts can
-still both claim one workdir there; give runs on different hosts different workdirs.
+still both claim one workdir there; give runs on different hosts different workdirs, or a ``gs://`` workdir (whose lease works
+across hosts).
 """
 
 from __future__ import annotations
@@ -43,26 +53,34 @@ import datetime
 import errno
 import fcntl
 import json
+import logging
 import os
 import pathlib
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
+from rlax_llm import storage
 from rlax_llm.errors import WorkdirError, WorkdirHasRun, WorkdirInUse
 
 LOCK_FILENAME = '.lock'
 METRICS_FILENAME = 'metrics.jsonl'  # the same name as rlax_llm.metrics (no jax import here)
 LEDGER_FILENAME = 'ledger.jsonl'  # per step: prompt ids consumed and policy versions
 CHECKPOINT_DIRNAME = 'checkpoints'  # rlax_llm.checkpoint writes here
+# Orbax on GCS writes a step in place and adds this file last (locally it renames a
+# temporary directory instead): a gs:// step without it is a save still running or cut off.
+ORBAX_COMMIT_FILENAME = 'commit_success.txt'
+LEASE_S = 60.0  # a gs:// claim's lease: renewed every LEASE_S / 4, taken over once expired
 _SUFFIX_BYTES = 3  # 6 hex digits after the timestamp of a default workdir
 _MAX_NAME_ATTEMPTS = 100
 
-# Workdirs claimed by this process, keyed by the directory's (st_dev, st_ino), so a second
-# claim in this process is refused even where flock is emulated per process (NFS on Linux).
-_CLAIMED: dict[tuple[int, int], WorkdirClaim] = {}
+# Workdirs claimed by this process, keyed by the directory's (st_dev, st_ino) (a gs:// one by
+# its URL), so a second claim in this process is refused even where flock is emulated per
+# process (NFS on Linux).
+_CLAIMED: dict[tuple[Any, Any], WorkdirClaim] = {}
 _CLAIMED_LOCK = threading.Lock()
 
 
@@ -117,7 +135,7 @@ def existing_steps(workdir: str | os.PathLike) -> int:
     0 when ``metrics.jsonl`` is absent or holds no complete step row.
   """
   try:
-    data = (pathlib.Path(workdir) / METRICS_FILENAME).read_bytes()
+    data = storage.read_bytes(storage.path(workdir) / METRICS_FILENAME)
   except FileNotFoundError:
     return 0
   rows, _ = _json_lines(data)
@@ -140,32 +158,40 @@ def _json_lines(data: bytes) -> tuple[list[tuple[bytes, Any]], bytes]:
   return rows, torn
 
 
+def finished_steps(directory: str | os.PathLike) -> list[int]:
+  """The steps under ``directory`` (a ``checkpoints/steps`` or ``checkpoints/warmup``
+  directory) whose saves finished, oldest first, read from the listing alone: locally Orbax
+  writes a step under a temporary name and renames it when complete; on ``gs://`` it writes
+  the step in place and ``ORBAX_COMMIT_FILENAME`` last."""
+  directory = storage.path(directory)
+  steps = sorted(int(name) for name in storage.listdir(directory) if name.isdigit())
+  if storage.is_gcs(directory):
+    steps = [s for s in steps
+             if ORBAX_COMMIT_FILENAME in storage.listdir(directory / str(s))]
+  return steps
+
+
 def has_checkpoint(workdir: str | os.PathLike) -> bool:
   """Whether ``workdir`` holds a complete checkpoint to resume from: a finished step
-  (``checkpoints/steps/<int>/``) or the warm-up's result (``checkpoints/warmup/0/``).
-  Orbax writes into temporary directories and renames them when complete, so a save that was
-  interrupted does not count."""
-  root = pathlib.Path(workdir) / CHECKPOINT_DIRNAME
-  steps = root / 'steps'
-  if steps.is_dir() and any(p.name.isdigit() and p.is_dir() for p in steps.iterdir()):
-    return True
-  return (root / 'warmup' / '0').is_dir()
+  (``checkpoints/steps/<int>/``) or the warm-up's result (``checkpoints/warmup/0/``); a save
+  that was interrupted does not count (``finished_steps``)."""
+  root = storage.path(workdir) / CHECKPOINT_DIRNAME
+  return bool(finished_steps(root / 'steps')) or 0 in finished_steps(root / 'warmup')
 
 
 def truncate_rows(path: str | os.PathLike, last_step: int) -> int:
   """Rewrites the JSON-lines file ``path`` keeping rows whose ``step`` is at most
   ``last_step`` (and rows without a step), dropping a torn last line; atomic. Returns how many
   rows were dropped (0 when the file is absent)."""
-  path = pathlib.Path(path)
   try:
-    rows, torn = _json_lines(path.read_bytes())
+    rows, torn = _json_lines(storage.read_bytes(path))
   except FileNotFoundError:
     return 0
   kept = [line for line, row in rows if row is not None and not (
       isinstance(row, dict) and isinstance(row.get('step'), int) and row['step'] > last_step)]
   dropped = len(rows) - len(kept) + bool(torn)
   if dropped:
-    write_text_atomic(path, b''.join(kept).decode('utf-8'))
+    storage.write_text_atomic(path, b''.join(kept).decode('utf-8'))
   return dropped
 
 
@@ -187,68 +213,66 @@ def _read_holder(fd: int) -> dict[str, Any]:
   return info if isinstance(info, dict) else {}
 
 
-def _in_use_error(workdir: pathlib.Path, info: dict[str, Any], this_process: bool) -> WorkdirInUse:
-  """The error for a workdir whose lock is held, naming the holder."""
+def _in_use_error(workdir: Any, info: dict[str, Any], this_process: bool) -> WorkdirInUse:
+  """The error for a workdir whose lock is held, naming the holder (and, for a gs:// lease,
+  when it expires unless renewed)."""
+  holder = _holder_text(info)
+  if 'expires' in info:
+    holder += f'; its lease expires in {_lease_expiry(info) - time.time():.0f}s unless renewed'
   if this_process:
     return WorkdirInUse(
-        f'workdir {workdir} is already claimed by this process ({_holder_text(info)}); close '
+        f'workdir {workdir} is already claimed by this process ({holder}); close '
         'that claim first, or pass another --workdir.')
   return WorkdirInUse(
-      f'workdir {workdir} is in use by another run ({_holder_text(info)}); two runs in one '
+      f'workdir {workdir} is in use by another run ({holder}); two runs in one '
       'workdir would mix their metrics, config and TensorBoard files. Pass another --workdir, '
-      'or wait for that run to finish.')
+      'or wait for that run to finish (or, if it died, for its lease to expire).')
 
 
 class WorkdirClaim:
   """An exclusive claim on a run directory; create it with ``claim(workdir)``.
 
-  The claim is an ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``workdir/.lock``, held from ``claim``
-  until ``close()`` (or the end of a ``with`` block), and dropped by the OS if the process
-  dies, however it dies. The lock file holds the holder's pid, host and start time as JSON,
-  for the error a second claimer sees.
+  Locally the claim is an ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``workdir/.lock``, held from
+  ``claim`` until ``close()`` (or the end of a ``with`` block), and dropped by the OS if the
+  process dies, however it dies. The lock file holds the holder's pid, host and start time as
+  JSON, for the error a second claimer sees. On ``gs://`` it is a lease (``GcsLease``).
 
-  Caveats: ``flock`` is per host, so on a network filesystem shared between hosts it may not
-  exclude a run on another host. A child created by ``os.fork`` (without exec) inherits the
-  lock and keeps it while it lives. Never delete or atomically replace ``.lock`` while a run
-  holds it.
+  Caveats (local): ``flock`` is per host, so on a network filesystem shared between hosts it
+  may not exclude a run on another host. A child created by ``os.fork`` (without exec)
+  inherits the lock and keeps it while it lives. Never delete or atomically replace ``.lock``
+  while a run holds it.
 
   Attributes:
     workdir: the claimed directory.
     lock_path: ``workdir/.lock``.
-    holder: ``{'pid', 'host', 'started'}`` as written into the lock file.
+    holder: ``{'pid', 'host', 'started'}`` as written into the lock file (a lease adds
+      ``owner`` and ``expires``).
   """
 
-  def __init__(self, workdir: pathlib.Path, fd: int | None, key: tuple[int, int] | None,
-               holder: dict[str, Any]):
-    """Internal: use ``claim(workdir)``, which takes the lock first (``fd`` None: a claim
-    that holds nothing, ``JobMember``)."""
+  def __init__(self, workdir: Any, key: tuple[Any, Any] | None, holder: dict[str, Any],
+               release: Callable[[], None] | None):
+    """Internal: use ``claim(workdir)``, which takes the lock first. ``release`` drops it
+    (None: a claim that holds nothing, ``JobMember``)."""
     self.workdir = workdir
     self.lock_path = workdir / LOCK_FILENAME
     self.holder = holder
-    self._fd: int | None = fd
+    self._release = release
     self._key = key
 
   @property
   def held(self) -> bool:
     """Whether this claim still holds the lock (False after ``close``)."""
-    return self._fd is not None
+    return self._release is not None
 
   def close(self) -> None:
-    """Releases the claim: clears the holder details, unlocks and closes. Idempotent."""
+    """Releases the claim. Idempotent."""
     with _CLAIMED_LOCK:
-      fd, self._fd = self._fd, None
-      if fd is None:
+      release, self._release = self._release, None
+      if release is None:
         return
       if _CLAIMED.get(self._key) is self:
         del _CLAIMED[self._key]
-      try:
-        os.ftruncate(fd, 0)  # still locked: no other claimer has written yet
-      except OSError:
-        pass
-      try:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-      finally:
-        os.close(fd)
+      release()
 
   def __enter__(self) -> WorkdirClaim:
     return self
@@ -288,13 +312,168 @@ def _lock(workdir: pathlib.Path) -> int:
                      'lock it; make sure nothing else manages files in the workdir.')
 
 
-def claim(workdir: str | os.PathLike) -> WorkdirClaim:
+def _unlock(fd: int) -> Callable[[], None]:
+  """What releases a local claim: clears the holder details, unlocks and closes ``fd``."""
+
+  def release() -> None:
+    try:
+      os.ftruncate(fd, 0)  # still locked: no other claimer has written yet
+    except OSError:
+      pass
+    try:
+      fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+      os.close(fd)
+
+  return release
+
+
+def _lease_expiry(info: dict[str, Any]) -> float:
+  """A lease's expiry (seconds since the epoch) from its metadata; 0 when unreadable."""
+  try:
+    return float(info.get('expires', 0))
+  except (TypeError, ValueError):
+    return 0.0
+
+
+class GcsLease:
+  """The claim on a ``gs://`` workdir: the object ``workdir/.lock``, created only if absent,
+  whose metadata holds the holder and an expiry that a background thread renews.
+
+  ``acquire`` creates it (``ifGenerationMatch=0``) or, when the one there has expired, deletes
+  that one (only if it is still the generation read) and creates it again. The renewer moves
+  the expiry ``lease_s`` ahead every ``lease_s / 4`` seconds, conditional on the generation
+  this holder created; if that fails (another run took the lease over after this process
+  stalled for ``lease_s``), it logs an error and ``lost`` becomes True. ``release`` stops the
+  renewer and deletes the object if it is still this holder's.
+
+  Args:
+    lock_path: ``workdir/.lock`` (a ``gs://`` URL).
+    holder: pid, host and start time (written with an ``owner`` id and the expiry).
+    lease_s: how long the lease lasts without renewal.
+  """
+
+  def __init__(self, lock_path: Any, holder: dict[str, Any], lease_s: float):
+    if not lease_s > 0:
+      raise ValueError(f'lease_s={lease_s!r} must be > 0 seconds.')
+    self.lock_path = lock_path
+    self.lease_s = float(lease_s)
+    self.holder = {**holder, 'owner': secrets.token_hex(8)}
+    self.generation: int | None = None
+    self.lost = False
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  def _metadata(self) -> dict[str, str]:
+    expires = time.time() + self.lease_s
+    self.holder['expires'] = f'{expires:.3f}'
+    return {k: str(v) for k, v in self.holder.items()}
+
+  def acquire(self, workdir: Any) -> None:
+    """Takes the lease, or raises ``WorkdirInUse`` naming the live holder."""
+    for _ in range(10):
+      metadata = self._metadata()
+      try:
+        self.generation = storage.create_exclusive(
+            self.lock_path, (json.dumps(self.holder) + '\n').encode('utf-8'), metadata)
+        break
+      except FileExistsError:
+        pass
+      seen = storage.read_lease(self.lock_path)
+      if seen is None:
+        continue  # released since: create it again
+      generation, info = seen
+      if info.get('owner') == self.holder['owner']:  # our create succeeded; its reply was lost
+        self.generation = generation
+        break
+      if _lease_expiry(info) > time.time():
+        raise _in_use_error(workdir, info, this_process=False)
+      logging.warning('workdir %s: taking over the expired lease of %s.', workdir,
+                      _holder_text(info))
+      storage.delete_if_generation(self.lock_path, generation)
+    else:
+      raise WorkdirError(f'could not take the lease {self.lock_path}: other claimers keep '
+                         'replacing it; make sure one run at a time starts on this workdir.')
+    self._thread = threading.Thread(target=self._renew, name='rlax-workdir-lease', daemon=True)
+    self._thread.start()
+
+  def _renew(self) -> None:
+    while not self._stop.wait(self.lease_s / 4):
+      try:
+        renewed = storage.renew_lease(self.lock_path, self.generation, self._metadata())
+      except Exception as e:  # pylint: disable=broad-except  # the network: retry next time
+        logging.warning('could not renew the lease %s (%s: %s); retrying.', self.lock_path,
+                        type(e).__name__, e)
+        continue
+      if not renewed:
+        self.lost = True
+        logging.error('the lease %s was taken over by another run (this process did not renew '
+                      'it for %.0fs): two runs may now write this workdir. Stop this one.',
+                      self.lock_path, self.lease_s)
+        return
+
+  def release(self) -> None:
+    """Stops renewing and deletes the lease if it is still this holder's."""
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
+    if self.generation is not None and not self.lost:
+      try:
+        storage.delete_if_generation(self.lock_path, self.generation)
+      except Exception as e:  # pylint: disable=broad-except  # it expires anyway
+        logging.warning('could not delete the lease %s (%s); it expires in %.0fs.',
+                        self.lock_path, e, self.lease_s)
+
+
+def _check_resumable(workdir: Any) -> None:
+  """Raises ``WorkdirHasRun`` when ``workdir`` holds a run but no checkpoint to resume."""
+  steps = existing_steps(workdir)
+  if steps and not has_checkpoint(workdir):
+    raise WorkdirHasRun(
+        f'workdir {workdir} already holds a run ({steps} step{"s" if steps != 1 else ""} '
+        f'in {METRICS_FILENAME}) but no checkpoint to resume it from (it ran with '
+        'checkpoint.every_steps=0 and checkpoint.every_seconds=0); pass a new --workdir '
+        f'(or delete {workdir} to start over).')
+
+
+def _holder() -> dict[str, Any]:
+  return {
+      'pid': os.getpid(),
+      'host': socket.gethostname(),
+      'started': datetime.datetime.now().astimezone().isoformat(timespec='seconds'),
+  }
+
+
+def _claim_gcs(workdir: Any, lease_s: float) -> WorkdirClaim:
+  """``claim`` of a ``gs://`` workdir: a ``GcsLease``."""
+  if workdir.is_file():
+    raise WorkdirError(f'workdir {workdir} exists but is an object, not a directory; pass '
+                       'another --workdir.')
+  key = ('gs', str(workdir).rstrip('/'))
+  with _CLAIMED_LOCK:
+    held = _CLAIMED.get(key)
+    if held is not None:
+      raise _in_use_error(workdir, held.holder, this_process=True)
+    lease = GcsLease(workdir / LOCK_FILENAME, _holder(), lease_s)
+    lease.acquire(workdir)
+    try:
+      _check_resumable(workdir)
+    except BaseException:
+      lease.release()
+      raise
+    result = WorkdirClaim(workdir, key, lease.holder, lease.release)
+    _CLAIMED[key] = result
+    return result
+
+
+def claim(workdir: str | os.PathLike, lease_s: float = LEASE_S) -> WorkdirClaim:
   """Claims ``workdir`` for one run, creating it if needed; release with ``close`` or ``with``.
 
-  Takes an exclusive, non-blocking ``fcntl.flock`` on ``workdir/.lock`` and writes the
-  holder's pid, host and start time into it. The OS releases the lock when the process exits
-  or is killed, so a crashed run's workdir can be claimed again. ``flock`` is per host: on a
-  network filesystem shared between hosts it may not exclude a run on another host.
+  Locally: takes an exclusive, non-blocking ``fcntl.flock`` on ``workdir/.lock`` and writes
+  the holder's pid, host and start time into it. The OS releases the lock when the process
+  exits or is killed, so a crashed run's workdir can be claimed again. ``flock`` is per host:
+  on a network filesystem shared between hosts it may not exclude a run on another host.
+  On ``gs://``: a ``GcsLease`` on the object ``workdir/.lock`` (see the module docstring).
 
   Then decides whether the directory may be used: one whose ``metrics.jsonl`` holds step rows
   (``existing_steps(workdir) > 0``) is refused unless it holds a checkpoint to resume from
@@ -303,7 +482,9 @@ def claim(workdir: str | os.PathLike) -> WorkdirClaim:
   claimable.
 
   Args:
-    workdir: the run directory.
+    workdir: the run directory (a local path or a ``gs://`` URL).
+    lease_s: a ``gs://`` claim's lease in seconds: how long after its holder dies the
+      workdir can be claimed again (ignored locally).
 
   Returns:
     A held ``WorkdirClaim`` (a context manager that releases it on exit).
@@ -314,6 +495,8 @@ def claim(workdir: str | os.PathLike) -> WorkdirClaim:
     WorkdirHasRun: ``metrics.jsonl`` already holds a run.
     WorkdirError: the path exists but is not a directory, or cannot be locked.
   """
+  if storage.is_gcs(workdir):
+    return _claim_gcs(storage.path(workdir), lease_s)
   workdir = pathlib.Path(workdir)
   if workdir.exists() and not workdir.is_dir():
     raise WorkdirError(f'workdir {workdir} exists but is not a directory; pass another '
@@ -327,25 +510,15 @@ def claim(workdir: str | os.PathLike) -> WorkdirClaim:
       raise _in_use_error(workdir, held.holder, this_process=True)
     fd = _lock(workdir)
     try:
-      steps = existing_steps(workdir)
-      if steps and not has_checkpoint(workdir):
-        raise WorkdirHasRun(
-            f'workdir {workdir} already holds a run ({steps} step{"s" if steps != 1 else ""} '
-            f'in {METRICS_FILENAME}) but no checkpoint to resume it from (it ran with '
-            'checkpoint.every_steps=0 and checkpoint.every_seconds=0); pass a new --workdir '
-            f'(or delete {workdir} to start over).')
-      holder = {
-          'pid': os.getpid(),
-          'host': socket.gethostname(),
-          'started': datetime.datetime.now().astimezone().isoformat(timespec='seconds'),
-      }
+      _check_resumable(workdir)
+      holder = _holder()
       os.ftruncate(fd, 0)
       os.pwrite(fd, (json.dumps(holder) + '\n').encode('utf-8'), 0)
     except BaseException:
       fcntl.flock(fd, fcntl.LOCK_UN)
       os.close(fd)
       raise
-    result = WorkdirClaim(workdir, fd, key, holder)
+    result = WorkdirClaim(workdir, key, holder, _unlock(fd))
     _CLAIMED[key] = result
     return result
 
@@ -358,8 +531,8 @@ class JobMember(WorkdirClaim):
   """What a non-zero process of a job holds: a claim without a lock (``held`` is False;
   process 0's ``WorkdirClaim`` holds the workdir for the job), closed like any claim."""
 
-  def __init__(self, workdir: pathlib.Path):
-    super().__init__(workdir, None, None, {})
+  def __init__(self, workdir: Any):
+    super().__init__(workdir, None, {}, None)
 
 
 def claim_for_job(workdir: str | os.PathLike, process_index: int,
@@ -375,7 +548,7 @@ def claim_for_job(workdir: str | os.PathLike, process_index: int,
   (one process) skips the exchange.
 
   Args:
-    workdir: the run directory (the same path in every process).
+    workdir: the run directory (the same path or ``gs://`` URL in every process).
     process_index: this process's index in the job (``jax.process_index()``).
     agree: process 0's value -> every process; required when ``process_index > 0``.
 
@@ -409,35 +582,4 @@ def claim_for_job(workdir: str | os.PathLike, process_index: int,
     raise error(f'process 0 of this job could not claim workdir {workdir} ({error.__name__}; '
                 'its log says why, e.g. another run holds it); this process stops with it. '
                 'Pass another --workdir to every process, or wait for that run to finish.')
-  return JobMember(pathlib.Path(workdir))
-
-
-def write_text_atomic(path: str | os.PathLike, text: str, encoding: str = 'utf-8') -> None:
-  """Writes ``text`` to ``path`` so readers see the old file or the new one, never a part.
-
-  Writes a temporary file in the same directory, fsyncs it, ``os.replace``s it onto ``path``
-  and fsyncs the directory (best effort). The file gets mode 0666 minus the umask, like
-  ``open(path, 'w')``. Not for ``.lock``: replacing the lock file would break the claim.
-  """
-  path = pathlib.Path(path)
-  tmp = path.with_name(f'.{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp')
-  fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-  try:
-    with os.fdopen(fd, 'w', encoding=encoding) as f:
-      f.write(text)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    tmp.unlink(missing_ok=True)
-    raise
-  try:
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-  except OSError:
-    return
-  try:
-    os.fsync(dir_fd)
-  except OSError:
-    pass
-  finally:
-    os.close(dir_fd)
+  return JobMember(storage.path(workdir))

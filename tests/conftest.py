@@ -53,6 +53,7 @@ LONGEST_FILES = (
     'tests/backends/test_ray_gang.py',
     'tests/test_multihost.py',
     'tests/test_resume.py',
+    'tests/test_storage.py',
     'tests/rollout/test_worker.py',
     'tests/losses/test_policy.py',
     'tests/test_launch.py',

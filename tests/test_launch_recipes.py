@@ -220,7 +220,19 @@ def test_tpu_vm_dry_run_prints_the_commands_for_a_small_slice(tmp_path):
       "--workdir=gs://my-bucket/runs/smoke'",
   ]
   assert not tarball.exists()  # a dry run runs nothing
+  assert 'gcsfuse' not in out and 'mount' not in out  # gs:// is written directly, no note
   _check_shell(out, tmp_path)
+
+
+def test_dry_run_notes_a_relative_workdir_and_not_a_gs_one(tmp_path):
+  """A gs:// workdir needs no mount (rlax_llm.storage writes it); a relative path lands on
+  each host's disk and is lost with the VM: noted, and the dry run still exits 0."""
+  result = _recipes('tpu-vm', '--tpu-type=v5e-8', '--zone=z', '--workdir=runs/rel',
+                    '--config=configs/default.py:smoke', '--dry-run',
+                    env={'TMPDIR': str(tmp_path)})
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert '--workdir=runs/rel is relative' in result.stdout + result.stderr
+  assert 'use gs://BUCKET/... (written directly, no mount)' in result.stdout + result.stderr
 
 
 def test_multihost_dry_run_runs_one_command_on_every_host_with_jax_distributed(tmp_path):

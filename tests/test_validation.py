@@ -13,6 +13,7 @@ from rlax_llm import roles
 from rlax_llm.cli import load_config_file
 from rlax_llm.config import validate_config
 from rlax_llm.errors import ConfigError
+from rlax_llm.losses import LossConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NAN, INF = float('nan'), float('inf')
@@ -181,6 +182,19 @@ def test_dynamic_sampling_with_a_baseline_free_estimator_is_refused(estimator):
   config.rollout.oversample = 1.0
   with pytest.raises(ConfigError, match=rf"config.rollout.oversample=1.0 drops groups whose "
                                         rf"rewards are all equal, but under the '{estimator}'"):
+    validate_config(config)
+
+
+@pytest.mark.parametrize('estimator', ['gigpo', 'trajectory_grpo', 'turn_grpo'])
+def test_multi_turn_estimator_is_known_but_refused_for_single_turn_rollouts(estimator):
+  # The loss accepts the name (it is a registered estimator); the run refuses it while its
+  # rollouts carry no turn arrays, before any compute, instead of failing at the first step.
+  LossConfig(advantage_estimator=estimator)
+  config = _smoke()
+  config.rl.advantage_estimator = estimator
+  with pytest.raises(ConfigError, match=rf"config.rl.advantage_estimator='{estimator}' is a "
+                                        r"multi-turn estimator.*turn_rewards, turn_mask, "
+                                        r"state_ids and token_turn.*'grpo'"):
     validate_config(config)
 
 

@@ -15,9 +15,10 @@ import types
 import pytest
 
 from rlax_llm import workdir as workdir_lib
+from rlax_llm.storage import write_text_atomic
 from rlax_llm.workdir import (JobMember, WorkdirClaim, WorkdirError, WorkdirHasRun,
                               WorkdirInUse, claim, claim_for_job, default_workdir,
-                              truncate_rows, existing_steps, write_text_atomic)
+                              truncate_rows, existing_steps)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -35,7 +36,8 @@ class _Holder:
   def __init__(self, workdir: pathlib.Path):
     self.proc = _python(f'''
         import sys
-        from rlax_llm.workdir import claim, write_text_atomic
+        from rlax_llm.storage import write_text_atomic
+        from rlax_llm.workdir import claim
         c = claim({str(workdir)!r})
         write_text_atomic(c.workdir / 'config.json', 'holder config')
         print('ready', flush=True)
@@ -161,7 +163,7 @@ def test_a_second_job_is_refused_in_every_process(tmp_path):
       claim_for_job(workdir, 1, _Agree(answer=agree0.sent[0]))
   finally:
     holder.exit()
-  workdir_lib.write_text_atomic(workdir / 'metrics.jsonl', '{"step": 1}\n')
+  write_text_atomic(workdir / 'metrics.jsonl', '{"step": 1}\n')
   agree0 = _Agree()
   with pytest.raises(WorkdirHasRun):
     claim_for_job(workdir, 0, agree0)
@@ -249,16 +251,3 @@ def test_existing_steps(tmp_path):
   assert existing_steps(tmp_path) == 2  # torn last line: not a step
   path.write_text('{"step": 1}\n\nnot json\n[1]\n{"step": 2}\n{"step": 2}\n{"step": 3}')
   assert existing_steps(tmp_path) == 2  # replayed step 2 counts once; unterminated 3 not
-
-
-def test_write_text_atomic(tmp_path):
-  path = tmp_path / 'config.json'
-  write_text_atomic(path, 'one')
-  write_text_atomic(path, 'two \u2713')
-  assert path.read_text(encoding='utf-8') == 'two \u2713'
-  assert [p.name for p in tmp_path.iterdir()] == ['config.json']  # no temp file left
-  umask = os.umask(0o022)
-  os.umask(umask)
-  assert path.stat().st_mode & 0o777 == 0o666 & ~umask
-  with pytest.raises(FileNotFoundError):
-    write_text_atomic(tmp_path / 'missing' / 'x', 'y')

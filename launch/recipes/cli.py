@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import pathlib
 import re
@@ -18,7 +17,6 @@ from launch.recipes import manifests, scripts
 from launch.recipes.checks import check_local, check_ray, memory_check, validate_on_devices
 from launch.recipes.scripts import RAY_OVERRIDES, REMOTE_DIR, ROOT, Raw
 from launch.recipes.slices import SLICES, SliceError, SliceType, get_slice, slice_table
-from rlax_llm import workdir as workdir_lib
 from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config
 from rlax_llm.errors import ConfigError, RlaxError
 
@@ -66,13 +64,11 @@ def _remote_spec(spec: str, ref: str | None, strict: bool) -> tuple[str, list[st
 
 
 def _workdir_notes(workdir: str) -> list[str]:
-  if workdir.startswith('gs://') and 'gs://' not in inspect.getsource(workdir_lib):
-    return [(f'--workdir={workdir}: this checkout\'s rlax_llm/workdir.py writes through the '
-             'local filesystem and does not write gs:// paths; mount the bucket (gcsfuse) on '
-             'every host and pass the mount path.')]
+  """Notes on ``--workdir``: a ``gs://`` URL is written directly (``rlax_llm.storage``); a
+  relative path lands on each host's disk."""
   if not workdir.startswith(('gs://', '/')):
     return [(f'--workdir={workdir} is relative: it lands in ~/{REMOTE_DIR}/{workdir} on each '
-             'host and is lost with the VM; use gs://BUCKET/... or a mounted bucket.')]
+             'host and is lost with the VM; use gs://BUCKET/... (written directly, no mount).')]
   return []
 
 

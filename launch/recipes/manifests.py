@@ -132,8 +132,8 @@ def render_rayjob(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceT
             f'{opts.inference_slices} x {inference.describe()}; apply with: kubectl apply -f '
             'FILE (KubeRay must be installed in the cluster)')]
   comments += header(config, plan, spec, overrides)
-  comments += ['Preemption: the trainer actor writes checkpoints into --workdir (storage the head',
-             'and the trainer pod both mount); SIGTERM to the driver saves one and exits 0, and',
+  comments += ['Preemption: the trainer actor writes checkpoints into --workdir (gs://, or storage',
+             'the head and the trainer pod both mount); SIGTERM to the driver saves one and exits 0, and',
              'resubmitting with the same --workdir resumes. A lost inference pod\'s workers are',
              'restarted by Ray (ray.worker_restarts); a lost trainer pod stops the job naming the',
              'checkpoint step to resume from.']

@@ -18,8 +18,9 @@ and optimizer state from the workdir's latest checkpoint itself and hands the dr
 the controller's state and the rollouts' arrays (``start``); each save the controller asks
 for (``TrainerHandle.save``) carries that small state to the actor, which writes it with its
 params and optimizer state as one Orbax step. The driver never opens the checkpoint manager.
-The workdir must be a filesystem both see: local disk for ``ray.address='local'`` (one
-machine), shared storage (NFS, a mounted bucket) on a multi-host cluster. SIGTERM/SIGINT to
+The workdir must be storage both see: local disk for ``ray.address='local'`` (one
+machine), a ``gs://`` URL (``rlax_llm.storage``) or shared storage (NFS) on a multi-host
+cluster. SIGTERM/SIGINT to
 the driver sets the preemption event, the controller asks the trainer actor for a save after
 the current step, waits for it to be on disk, and the launch exits 0, as on the local
 backend. (A signal during the warm-up takes effect once the warm-up is done: it runs in the
@@ -77,7 +78,7 @@ import ml_collections
 import numpy as np
 
 from rlax_llm import config as config_lib
-from rlax_llm import roles
+from rlax_llm import roles, storage
 from rlax_llm.backends import tpu_env
 from rlax_llm.backends.assembly import Run, assemble
 from rlax_llm.checkpoint import latest_step
@@ -447,7 +448,7 @@ class RayTrainer:
   def __init__(self, actors, version: int, workdir):
     self.actors = list(actors)
     self.version = version
-    self.workdir = pathlib.Path(workdir)
+    self.workdir = storage.path(workdir)
     self._lost_one = False
 
   @property
@@ -561,7 +562,7 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   task = roles.prepare_task(config)  # the prompts the trainer's prepare() keeps, the same
   started = init_ray(config)
   payload = json.dumps(config.to_dict())
-  workdir = pathlib.Path(workdir).absolute()
+  workdir = storage.absolute(workdir)
   # A lost trainer is not restarted (its state is the checkpoint's): the run stops.
   processes = config.ray.trainer_processes
   trainer_cls = ray.remote(num_cpus=0, resources=config.ray.trainer_resources.to_dict(),

@@ -71,7 +71,8 @@ def _reject_constant(name: str) -> None:
 _DECODER = json.JSONDecoder(parse_constant=_reject_constant)
 
 
-def _check_format(fmt: str) -> str:
+def check_format(fmt: str) -> str:
+  """``fmt`` if it is one of ``FORMATS``; else ValueError listing them."""
   if fmt not in FORMATS:
     raise ValueError(f'unknown tool-call format {fmt!r}; choose one of {FORMATS} '
                      '(tool_format_for(tokenizer) picks it from the chat template).')
@@ -209,7 +210,7 @@ def parse_tool_calls(text: str, fmt: str) -> list[ToolCall]:
   if not isinstance(text, str):
     raise TypeError(f'parse_tool_calls expects the message text as a str, got '
                     f'{type(text).__name__}: {text!r:.80}.')
-  if _check_format(fmt) == 'llama3':
+  if check_format(fmt) == 'llama3':
     return _parse_llama3(text)
   return _parse_tagged(text, fmt)
 
@@ -218,7 +219,7 @@ def render_tool_call(name: str, arguments: Mapping[str, Any], fmt: str) -> str:
   """The text a model writes to call ``name`` with ``arguments`` in format ``fmt`` (what the
   checkpoint's template writes for an assistant ``tool_calls`` entry); ``parse_tool_calls``
   of it gives the call back. Used for demonstrations and scripted policies."""
-  if _check_format(fmt) == 'llama3':
+  if check_format(fmt) == 'llama3':
     return json.dumps({'name': name, 'parameters': dict(arguments)}, ensure_ascii=False)
   body = json.dumps({'name': name, 'arguments': dict(arguments)}, ensure_ascii=False)
   return f'{OPEN_TAG}\n{body}\n{CLOSE_TAG}'
@@ -232,7 +233,7 @@ def format_tool_result(content: str, fmt: str, name: str | None = None) -> dict[
   ``ipython`` turn). ``'simple'``: a user message ``<tool_response>\\ncontent\\n</tool_response>``
   (templates without tools render every role as given, and not all accept ``'tool'``).
   """
-  if _check_format(fmt) == 'simple':
+  if check_format(fmt) == 'simple':
     return {'role': 'user', 'content': f'{RESPONSE_OPEN}\n{content}\n{RESPONSE_CLOSE}'}
   message = {'role': 'tool', 'content': content}
   if name is not None:
@@ -262,9 +263,9 @@ def with_tools(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[st
   """
   messages = [dict(m) for m in messages]
   if not tools:
-    _check_format(fmt)
+    check_format(fmt)
     return messages, {}
-  if _check_format(fmt) != 'simple':
+  if check_format(fmt) != 'simple':
     return messages, {'tools': [dict(tool) for tool in tools]}
   prompt = simple_tools_prompt(tools)
   if messages and messages[0].get('role') == 'system':
@@ -292,21 +293,20 @@ def tool_format_for(tokenizer_or_template: Any) -> str:
   return 'simple'
 
 
-def run_tool_calls(calls: Sequence[ToolCall], functions: Mapping[str, Callable[..., Any]],
-                   fmt: str) -> list[dict[str, str]]:
-  """Runs each call with ``functions[call.name](**call.arguments)`` and returns one result
-  message per call (``format_tool_result``), in order. Never raises for a call: an unknown
-  tool, arguments the function does not take, or a function that raises gives a result
+def run_tool_calls(calls: Sequence[ToolCall],
+                   functions: Mapping[str, Callable[..., Any]]) -> list[str]:
+  """Runs each call as ``functions[call.name](**call.arguments)``; returns each result as
+  text, in order (``format_tool_result`` makes the messages). Never raises for a call: an
+  unknown tool, arguments the function does not take, or a function that raises gives a result
   ``error: ...`` that says so (the model sees its mistake in the next turn)."""
-  messages = []
+  results = []
   for call in calls:
     function = functions.get(call.name)
     if function is None:
-      content = f'error: unknown tool {call.name!r}; the tools are {sorted(functions)}.'
-    else:
-      try:
-        content = str(function(**call.arguments))
-      except Exception as e:  # noqa: BLE001  (a tool's failure is shown to the model)
-        content = f'error: {call.name} raised {type(e).__name__}: {e}'
-    messages.append(format_tool_result(content, fmt, name=call.name))
-  return messages
+      results.append(f'error: unknown tool {call.name!r}; the tools are {sorted(functions)}.')
+      continue
+    try:
+      results.append(str(function(**call.arguments)))
+    except Exception as e:  # noqa: BLE001  (a tool's failure is shown to the model)
+      results.append(f'error: {call.name} raised {type(e).__name__}: {e}')
+  return results

@@ -4,7 +4,9 @@ Public API:
   ``group_advantages(rewards, group_ids, estimator='grpo')`` -> per-sample advantages;
   ``policy_loss(LossConfig(loss=name, ...), logp, behaviour_logp, advantages, loss_mask, ...)``
   -> ``(loss, diagnostics)`` for every name in ``LOSSES``;
-  ``m2po_mask(log_ratio, loss_mask, tau=0.04)`` -> bool kept mask.
+  ``m2po_mask(log_ratio, loss_mask, tau=0.04)`` -> bool kept mask;
+  ``turn_advantages(name, ...)`` -> per-turn advantages of multi-turn episodes (GiGPO and
+  the others in ``TURN_ESTIMATORS``), ``broadcast_turn_advantages`` -> per-token ones.
 See ``docs/losses.md`` for the formulas, defaults and references.
 """
 
@@ -33,6 +35,16 @@ from rlax_llm.losses.components import (
 from rlax_llm.losses.diagnostics import (LOG_RATIO_BIN_EDGES, log_ratio_histogram,
                                          mismatch_diagnostics, ratio_diagnostics)
 from rlax_llm.losses.kl import KL_ESTIMATORS, kl_penalty
+from rlax_llm.losses.multi_turn import (
+                                        TURN_ESTIMATORS,
+                                        broadcast_turn_advantages,
+                                        discounted_turn_returns,
+                                        gigpo_advantages,
+                                        step_group_ids,
+                                        trajectory_advantages,
+                                        turn_advantages,
+                                        turn_grpo_advantages,
+)
 from rlax_llm.losses.policy import (
                                         LOSSES,
                                         M2PO_VARIANTS,
@@ -50,4 +62,7 @@ __all__ = [
     'LOG_RATIO_BIN_EDGES', 'log_ratio_histogram',
     'masked_token_mean', 'mismatch_diagnostics', 'mismatch_weights', 'policy_loss',
     'ppo_clip_objective', 'ratio_diagnostics', 'sequence_log_ratio', 'token_log_ratio',
+    'TURN_ESTIMATORS', 'broadcast_turn_advantages', 'discounted_turn_returns',
+    'gigpo_advantages', 'step_group_ids', 'trajectory_advantages', 'turn_advantages',
+    'turn_grpo_advantages',
 ]

@@ -41,6 +41,7 @@ from rlax_llm.losses import components as C
 from rlax_llm.losses.advantages import ESTIMATORS
 from rlax_llm.losses import diagnostics as D
 from rlax_llm.losses.kl import KL_ESTIMATORS, kl_penalty
+from rlax_llm.losses.multi_turn import TURN_ESTIMATORS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +95,8 @@ class LossConfig:
 
   Attributes:
     loss: a key of ``LOSSES``.
-    advantage_estimator: ``advantages.ESTIMATORS`` or None.
+    advantage_estimator: ``advantages.ESTIMATORS``, ``multi_turn.TURN_ESTIMATORS`` (per-turn
+      advantages of multi-turn episodes) or None.
     eps_low, eps_high: clip range of ``ppo_clip``/``cispo`` objectives (finite >= 0) or None.
     aggregation: ``components.AGGREGATIONS`` or None.
     kl_beta: KL penalty weight (finite >= 0); > 0 needs reference log-probs.
@@ -126,7 +128,8 @@ class LossConfig:
 
   def __post_init__(self):
     _choice('loss', self.loss, sorted(LOSSES))
-    _choice('advantage_estimator', self.advantage_estimator, ESTIMATORS, optional=True)
+    _choice('advantage_estimator', self.advantage_estimator,
+            ESTIMATORS + tuple(TURN_ESTIMATORS), optional=True)
     _choice('aggregation', self.aggregation, C.AGGREGATIONS, optional=True)
     _choice('kl_estimator', self.kl_estimator, KL_ESTIMATORS, optional=True)
     _choice('m2po_variant', self.m2po_variant, M2PO_VARIANTS)

@@ -56,16 +56,11 @@ class _Invalid(Exception):
   """The expression is not a valid countdown expression."""
 
 
-def evaluate_expression(expression: object, numbers: Sequence[int],
-                        use_all: bool = False) -> fractions.Fraction | None:
-  """Exact value of a countdown expression over ``numbers``, or None if it is invalid.
-
-  Invalid: not a str, longer than ``MAX_EXPRESSION_CHARS``, a character other than ASCII digits,
-  ``+ - * /``, parentheses and blanks, a syntax error, any node besides integer literals and
-  binary ``+ - * /`` (unary operators, ``**``, ``//``, calls, names), a literal not among
-  ``numbers`` or used more often than given (with ``use_all``: not exactly the numbers), or a
-  division by zero. Never raises, never evaluates Python.
-  """
+def arithmetic_value(expression: object) -> tuple[fractions.Fraction, list[int]] | None:
+  """Exact value of an arithmetic expression and its integer literals in order, or None if it
+  is invalid (``evaluate_expression``'s rules without the ones on ``numbers``): the one safe
+  evaluator of the countdown task and the calculator tool (``rlax_llm.envs.calculator``).
+  Never raises, never evaluates Python."""
   if (not isinstance(expression, str) or len(expression) > MAX_EXPRESSION_CHARS
       or not expression.strip() or _ALLOWED_RE.fullmatch(expression) is None):
     return None
@@ -90,6 +85,23 @@ def evaluate_expression(expression: object, numbers: Sequence[int],
     result = value(tree.body)
   except (_Invalid, RecursionError):
     return None
+  return result, used
+
+
+def evaluate_expression(expression: object, numbers: Sequence[int],
+                        use_all: bool = False) -> fractions.Fraction | None:
+  """Exact value of a countdown expression over ``numbers``, or None if it is invalid.
+
+  Invalid: not a str, longer than ``MAX_EXPRESSION_CHARS``, a character other than ASCII digits,
+  ``+ - * /``, parentheses and blanks, a syntax error, any node besides integer literals and
+  binary ``+ - * /`` (unary operators, ``**``, ``//``, calls, names), a literal not among
+  ``numbers`` or used more often than given (with ``use_all``: not exactly the numbers), or a
+  division by zero. Never raises, never evaluates Python.
+  """
+  found = arithmetic_value(expression)
+  if found is None:
+    return None
+  result, used = found
   given, counts = collections.Counter(numbers), collections.Counter(used)
   if use_all and counts != given:
     return None

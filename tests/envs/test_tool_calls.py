@@ -288,7 +288,7 @@ def test_run_tool_calls_contains_every_failure():
            ToolCall('calculate', {'expression': 'boom'}, ''),
            ToolCall('calculate', {'expr': 'x'}, ''),
            ToolCall('search', {}, '')]
-  contents = [m['content'] for m in run_tool_calls(calls, {'calculate': calculate}, 'qwen')]
+  contents = run_tool_calls(calls, {'calculate': calculate})
   assert contents[0] == 'OK'
   assert contents[1] == 'error: calculate raised ZeroDivisionError: division by zero'
   assert contents[2].startswith("error: calculate raised TypeError:")

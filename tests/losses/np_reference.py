@@ -409,6 +409,61 @@ ESTIMATORS = {
 
 
 # ---------------------------------------------------------------------------------------------
+# Multi-turn credit (GiGPO, Feng et al., arXiv 2505.10978): loops over trajectories and
+# dictionaries of step groups.
+
+
+def discounted_turn_returns(turn_rewards, turn_mask, gamma):
+  """``R_t = sum over the later turns that happened of gamma^(their rank after t) r``; masked
+  turns add no reward and no discount step, and their return is 0."""
+  rewards, mask = f64(turn_rewards), np.asarray(turn_mask, bool)
+  out = np.zeros(rewards.shape)
+  for i in range(rewards.shape[0]):
+    turns = [t for t in range(rewards.shape[1]) if mask[i, t]]
+    for rank, t in enumerate(turns):
+      out[i, t] = sum(gamma ** k * rewards[i, u] for k, u in enumerate(turns[rank:]))
+  return out
+
+
+def _normalise(values, norm, eps):
+  """GiGPO's F_norm over one group: std (Bessel) or 1; a group of one gets 0."""
+  values = f64(values)
+  if len(values) < 2:
+    return np.zeros(len(values))
+  centred = values - values.mean()
+  return centred / (values.std(ddof=1) + eps) if norm == 'std' else centred
+
+
+def gigpo_parts(episode_returns, group_ids, turn_rewards, turn_mask, state_ids, gamma,
+                norm='std', eps=1e-6):
+  """``(A^E [B, N], A^S [B, N])``: Eq. 3 over each group's trajectories, Eq. 7 over each step
+  group ``{(group, state)}`` (Eq. 6) of the discounted returns (Eq. 5); 0 on masked turns."""
+  group_ids, mask = np.asarray(group_ids), np.asarray(turn_mask, bool)
+  returns = discounted_turn_returns(turn_rewards, mask, gamma)
+  episode = np.zeros(mask.shape)
+  for g in set(group_ids.tolist()):
+    rows = np.flatnonzero(group_ids == g)
+    episode[rows] = _normalise(f64(episode_returns)[rows], norm, eps)[:, None]
+  step_groups = {}
+  for i, t in zip(*np.nonzero(mask)):
+    step_groups.setdefault((group_ids[i], state_ids[i][t]), []).append((i, t))
+  step = np.zeros(mask.shape)
+  for members in step_groups.values():
+    values = _normalise([returns[i, t] for i, t in members], norm, eps)
+    for (i, t), value in zip(members, values):
+      step[i, t] = value
+  return np.where(mask, episode, 0.0), step
+
+
+def gigpo_advantages(episode_returns, group_ids, turn_rewards, turn_mask, state_ids, gamma,
+                     omega, norm='std', eps=1e-6):
+  """GiGPO Eq. 8: ``A^E + omega A^S``."""
+  episode, step = gigpo_parts(episode_returns, group_ids, turn_rewards, turn_mask, state_ids,
+                              gamma, norm, eps)
+  return episode + omega * step
+
+
+# ---------------------------------------------------------------------------------------------
 # Random test inputs shared by the test files.
 
 # Bands of log-ratios at least 0.04 away from every clip edge the named losses use:

@@ -1,0 +1,154 @@
+"""Grid: a FrozenLake puzzle in text, procedurally generated from the seed.
+
+An adapter to ``gymnasium``'s FrozenLake (``gymnasium.envs.toy_text.frozen_lake``) rather than
+another copy of its dynamics: ``reset(seed)`` generates a ``size x size`` map with gymnasium's
+``generate_random_map(size, p=frozen_fraction, seed=seed)`` (start top left, goal bottom
+right, each other tile frozen with probability ``frozen_fraction``, redrawn until a path
+exists: solvable by construction), checks it again with a breadth-first search (whose
+distances also serve the shaping and the oracle), and steps a non-slippery ``FrozenLakeEnv``.
+
+The model sees the grid as text (``P`` = its position, ``G`` = goal, ``H`` = hole, ``.`` =
+ice) and answers each turn with one move, ``up``, ``down``, ``left`` or ``right`` (the last of
+these words in the message counts, in any case). Reaching the goal ends the episode with
+reward 1.0; stepping into a hole ends it with 0.0; a move into the edge leaves the position
+unchanged; a message without a move is described in the observation. Every one of these costs
+the turn, and ``max_turns`` turns end the episode. With ``shaping > 0`` each move also earns
+``shaping * (d_before - d_after)``, ``d`` the BFS distance to the goal (no shaping for a fall
+into a hole), so a route's shaping adds up to ``shaping * d_start`` at the goal. Step-level
+credit matters here: one move into a hole loses the episode. ``state_key`` is the grid's
+identity and the position, so GiGPO groups the turns taken from one cell of one map.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv, generate_random_map
+
+from rlax_llm.envs.base import EnvStep, TextEnv
+from rlax_llm.tasks._util import check_int, stable_hash
+
+# gymnasium's FrozenLake action ids and the (row, column) offset of each move.
+MOVES = {'left': (0, (0, -1)), 'down': (1, (1, 0)), 'right': (2, (0, 1)), 'up': (3, (-1, 0))}
+DEFAULT_INSTRUCTION = (
+    'You are on a frozen lake (P = you, G = goal, H = hole, . = ice). Reach G without stepping '
+    'into a hole. Each turn, reply with one move: up, down, left or right.\n\n{grid}')
+_MOVE_RE = re.compile(r'\b(up|down|left|right)\b', re.IGNORECASE)
+
+
+def goal_distances(desc: list[str]) -> dict[tuple[int, int], int]:
+  """BFS distance (in moves) to the goal ``'G'`` of every cell that reaches it without crossing
+  a hole ``'H'``: ``{(row, column): distance}``."""
+  rows, columns = len(desc), len(desc[0])
+  goal = next((r, c) for r in range(rows) for c in range(columns) if desc[r][c] == 'G')
+  distances = {goal: 0}
+  queue = collections.deque([goal])
+  while queue:
+    r, c = queue.popleft()
+    for _, (dr, dc) in MOVES.values():
+      cell = (r + dr, c + dc)
+      if (0 <= cell[0] < rows and 0 <= cell[1] < columns and cell not in distances
+          and desc[cell[0]][cell[1]] != 'H'):
+        distances[cell] = distances[(r, c)] + 1
+        queue.append(cell)
+  return distances
+
+
+class GridEnv(TextEnv):
+  """FrozenLake in text; implements ``rlax_llm.envs.Environment``."""
+
+  name = 'grid'
+
+  def __init__(self, size: int = 4, frozen_fraction: float = 0.8, max_turns: int = 12,
+               shaping: float = 0.0, instruction: str = DEFAULT_INSTRUCTION):
+    """Validates the arguments.
+
+    Args:
+      size: the grid is ``size x size``, 2..12.
+      frozen_fraction: the probability that a tile is ice, in ``[0.5, 1]`` (below that
+        gymnasium's redraw-until-solvable loop gets slow).
+      max_turns: moves per episode, >= 1 (the shortest route takes ``2 * (size - 1)``).
+      shaping: the per-move reward for getting one step closer to the goal (>= 0; 0: only
+        the goal pays).
+      instruction: the first user message, a ``str.format`` template over ``{grid}``.
+    Raises ValueError for an invalid argument.
+    """
+    super().__init__(max_turns)
+    owner = type(self).__name__
+    self.size = check_int(owner, 'size', size, 2, 12)
+    if (isinstance(frozen_fraction, bool) or not isinstance(frozen_fraction, (int, float))
+        or not 0.5 <= frozen_fraction <= 1):
+      raise ValueError(f'{owner} frozen_fraction must be in [0.5, 1], got {frozen_fraction!r}.')
+    if isinstance(shaping, bool) or not isinstance(shaping, (int, float)) or not shaping >= 0:
+      raise ValueError(f'{owner} shaping must be a number >= 0, got {shaping!r}.')
+    try:
+      instruction.format(grid='P.\n.G')
+    except (AttributeError, KeyError, IndexError, ValueError) as e:
+      raise ValueError(f'{owner} instruction={instruction!r} is not a str.format template '
+                       f'over {{grid}}: {e!r}.') from None
+    self.frozen_fraction, self.shaping = float(frozen_fraction), float(shaping)
+    self.instruction = instruction
+    self.desc: list[str] = []
+    self.grid_id = ''
+    self.position = (0, 0)
+    self._distances: dict[tuple[int, int], int] = {}
+    self._lake: FrozenLakeEnv | None = None
+
+  def _reset(self, seed: int) -> str:
+    self.desc = generate_random_map(self.size, p=self.frozen_fraction, seed=seed)
+    self._distances = goal_distances(self.desc)
+    if (0, 0) not in self._distances:  # gymnasium redraws until solvable: never happens
+      raise RuntimeError(f'grid of seed {seed} is not solvable: {self.desc}')
+    self.grid_id = f'{stable_hash(*self.desc):016x}'
+    self._lake = FrozenLakeEnv(desc=self.desc, is_slippery=False)
+    self._lake.reset(seed=seed % (1 << 32))
+    self.position = (0, 0)
+    return self.instruction.format(grid=self.render())
+
+  def render(self) -> str:
+    """The grid as text, one row a line, with ``P`` at the current position."""
+    rows = []
+    for r, row in enumerate(self.desc):
+      cells = ['P' if (r, c) == self.position else '.' if tile in 'SF' else tile
+               for c, tile in enumerate(row)]
+      rows.append(''.join(cells))
+    return '\n'.join(rows)
+
+  def _step(self, action: str) -> EnvStep:
+    last = None
+    for last in _MOVE_RE.finditer(action):
+      pass
+    if last is None:
+      error = 'error: no move in your message; reply with one of up, down, left, right.'
+      return EnvStep(f'{error}\n\n{self.render()}', 0.0, False, {'error': error})
+    move = last[1].lower()
+    before = self.position
+    state, reward, terminated, _, _ = self._lake.step(MOVES[move][0])
+    self.position = divmod(int(state), self.size)
+    tile = self.desc[self.position[0]][self.position[1]]
+    shaping = 0.0
+    if self.shaping and tile != 'H':
+      shaping = self.shaping * (self._distances[before] - self._distances[self.position])
+    if tile == 'G':
+      return EnvStep(f'You moved {move} and reached the goal.', float(reward) + shaping, True,
+                     {'success': True})
+    if tile == 'H':
+      return EnvStep(f'You moved {move} into a hole.', 0.0, True, {'success': False})
+    if self.position == before:
+      error = f'error: you cannot move {move}: the edge of the grid.'
+      return EnvStep(f'{error}\n\n{self.render()}', 0.0, False, {'error': error})
+    return EnvStep(f'You moved {move}.\n\n{self.render()}', shaping, bool(terminated), {})
+
+  def state_key(self) -> str:
+    """The map and the position: ``grid/<map hash>/<row>,<column>``."""
+    return f'grid/{self.grid_id}/{self.position[0]},{self.position[1]}'
+
+  def oracle_action(self) -> str:
+    """A scripted policy: a move along a shortest route to the goal (BFS)."""
+    r, c = self.position
+    here = self._distances[self.position]
+    for move, (_, (dr, dc)) in MOVES.items():
+      if self._distances.get((r + dr, c + dc)) == here - 1:
+        return move
+    raise RuntimeError(f'no route from {self.position} in {self.desc}')  # at the goal only
