@@ -25,8 +25,10 @@ recorder splits the episode where the ids stop extending (docs/serving.md).
 Sampling: ``temperature``, ``top_p``, ``top_k`` (a vLLM extension), ``max_tokens``
 (``max_completion_tokens``), ``seed``, ``stop`` (strings that are one token each) and
 ``logprobs`` are honoured; what the sampler cannot do (``n`` > 1, penalties, ``logit_bias``,
-top alternatives, streaming) is a 400 naming the parameter. A prompt longer than the engine's
-prefill length is a 400 with both lengths; an unknown model a 404.
+top alternatives, a forced tool call, a response format) is a 400 naming the parameter.
+``stream=true`` answers in OpenAI's streaming shape once the sample is complete (one chunk
+with the whole reply). A prompt longer than the engine's prefill length is a 400 with both
+lengths; an unknown model a 404.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import fastapi
 import jax
 import numpy as np
 import uvicorn
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from rlax_llm.envs.tool_calls import ToolCall, parse_tool_calls, tool_format_for, with_tools
 from rlax_llm.errors import ToolCallError
@@ -64,8 +66,11 @@ from rlax_llm.serve.scheduler import Busy, Scheduler
 EPISODE_HEADER = 'X-Episode-Id'
 # Request fields the sampler cannot honour, with the value that means "off".
 _UNSUPPORTED = {'n': 1, 'presence_penalty': 0, 'frequency_penalty': 0, 'logit_bias': None,
-                'best_of': 1, 'echo': False, 'suffix': None, 'stream': False,
-                'top_logprobs': 0, 'parallel_tool_calls': True}
+                'best_of': 1, 'echo': False, 'suffix': None, 'top_logprobs': 0,
+                'parallel_tool_calls': True}
+# tool_choice values the endpoint honours (it cannot force a call: 'required' or a named
+# function is a 400).
+_TOOL_CHOICES = (None, 'auto', 'none')
 # Seconds between two checks of whether a waiting client is still connected.
 _DISCONNECT_POLL_S = 0.05
 
@@ -305,6 +310,10 @@ class Endpoint:
                         'total_tokens': len(prompt_ids) + len(sample.tokens)}
     headers = {EPISODE_HEADER: episode,
                'X-Params-Version': str(max(sample.versions, default=self.worker.version))}
+    if body.get('stream'):
+      usage = bool((body.get('stream_options') or {}).get('include_usage'))
+      return StreamingResponse(_stream_events(payload, chat, usage), headers=headers,
+                               media_type='text/event-stream')
     return JSONResponse(payload, headers=headers)
 
   async def _wait(self, request: fastapi.Request, ticket) -> Sample | None:
@@ -327,6 +336,15 @@ class Endpoint:
       if value is not None and value != off and not (name == 'logit_bias' and not value):
         raise ApiError(400, f'{name}={value!r} is not supported by this endpoint\'s sampler '
                        f'(leave it out, or {off!r}).', param=name, code='unsupported_parameter')
+    if body.get('tool_choice') not in _TOOL_CHOICES:
+      raise ApiError(400, f'tool_choice={body["tool_choice"]!r}: the sampler cannot force a '
+                     'tool call; use "auto" or "none".', param='tool_choice',
+                     code='unsupported_parameter')
+    response_format = body.get('response_format') or {'type': 'text'}
+    if not isinstance(response_format, Mapping) or response_format.get('type') != 'text':
+      raise ApiError(400, f'response_format={response_format!r}: the sampler cannot constrain '
+                     'the output to a format; leave it out (or {"type": "text"}).',
+                     param='response_format', code='unsupported_parameter')
     logprobs = body.get('logprobs')
     if logprobs not in (None, False, True, 0):
       raise ApiError(400, f'logprobs={logprobs!r}: only the sampled tokens\' log-probs are '
@@ -474,6 +492,31 @@ class Endpoint:
             'created': int(time.time()), 'model': self.model_name,
             'choices': [{'index': 0, 'message': reply, 'logprobs': logprobs,
                          'finish_reason': 'tool_calls' if tool_calls else _finish(sample)}]}
+
+
+def _stream_events(payload: dict[str, Any], chat: bool, usage: bool):
+  """``payload`` (a whole completion) as server-sent events in OpenAI's streaming shape: one
+  chunk with the whole reply, one with the finish reason, the usage if asked, ``[DONE]``."""
+  choice = payload['choices'][0]
+  head = {'id': payload['id'], 'created': payload['created'], 'model': payload['model'],
+          'object': 'chat.completion.chunk' if chat else 'text_completion'}
+  if chat:
+    message = choice['message']
+    delta = {'role': 'assistant', 'content': message.get('content')}
+    if message.get('tool_calls'):
+      delta['tool_calls'] = [{'index': i, **call}
+                             for i, call in enumerate(message['tool_calls'])]
+    first = {'index': 0, 'delta': delta, 'logprobs': choice['logprobs'], 'finish_reason': None}
+    last = {'index': 0, 'delta': {}, 'logprobs': None, 'finish_reason': choice['finish_reason']}
+  else:
+    first = {**choice, 'finish_reason': None}
+    last = {'index': 0, 'text': '', 'logprobs': None, 'finish_reason': choice['finish_reason']}
+  chunks = [{**head, 'choices': [first]}, {**head, 'choices': [last]}]
+  if usage:
+    chunks.append({**head, 'choices': [], 'usage': payload['usage']})
+  for chunk in chunks:
+    yield f'data: {json.dumps(chunk)}\n\n'
+  yield 'data: [DONE]\n\n'
 
 
 def _finish(sample: Sample) -> str:

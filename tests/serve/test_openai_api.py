@@ -298,12 +298,28 @@ def test_auth_models_and_errors(endpoint):
                        ({'max_tokens': 13}, r'must be an int in \[1, 12\]'),
                        ({'temperature': -1}, 'temperature=-1'),
                        ({'stop': ['What is']}, "stop='What is'"),
-                       ({'stream': True}, 'stream=True')]:
+                       ({'tool_choice': 'required', 'tools': TOOLS}, 'cannot force'),
+                       ({'response_format': {'type': 'json_object'}}, 'response_format=')]:
     with pytest.raises(openai.BadRequestError, match=match):
       chat.create(model=MODEL, messages=QUESTION, **extra)
   assert post_reward(endpoint, 'nobody', reward=1).status_code == 404
   assert endpoint.stats['unknown_model'] == 1 and endpoint.stats['prompt_too_long'] == 1
   assert endpoint.recorder.stats['calls'] == 0
+
+
+def test_streaming_answers_in_openai_chunks(endpoint):
+  chat = client(endpoint, 'ep-9')
+  stream = chat.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, seed=1,
+                                        stream=True, stream_options={'include_usage': True})
+  chunks = list(stream)
+  (call,) = chunks[0].choices[0].delta.tool_calls
+  assert call.function.name == 'calculate' and call.index == 0
+  assert chunks[1].choices[0].finish_reason == 'tool_calls'
+  assert chunks[2].usage.completion_tokens == 8
+  text = ''.join(c.choices[0].text for c in chat.completions.create(
+      model=MODEL, prompt='What is', seed=1, max_tokens=3, stream=True) if c.choices)
+  assert len(endpoint.recorder.calls('ep-9')) == 2
+  assert text == endpoint.tokenizer.decode(endpoint.recorder.calls('ep-9')[1].completion_ids)
 
 
 def test_a_reward_fn_closes_an_episode_and_its_errors_are_counted(worker):
