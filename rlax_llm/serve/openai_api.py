@@ -286,7 +286,12 @@ class Endpoint:
       raise ApiError(429, str(error), code='server_busy', kind='rate_limit_error') from None
     except ValueError as error:
       raise ApiError(400, str(error)) from None
-    sample = await self._wait(request, ticket)
+    try:
+      sample = await self._wait(request, ticket)
+    except Exception as error:  # noqa: BLE001  (the batch failed: this request's error only)
+      self.stats['generation_errors'] += 1
+      raise ApiError(500, f'generation failed: {type(error).__name__}: {error}',
+                     kind='server_error', code='generation_failed') from None
     if sample is None:  # the client is gone
       return fastapi.Response(status_code=499)
     text = self.tokenizer.decode(sample.tokens, stop_at_eos=True)
@@ -363,8 +368,9 @@ class Endpoint:
       raise ApiError(400, f'max_tokens={max_new!r} must be an int in [1, {cap}] (the engine\'s '
                      'max_new_tokens).', param='max_tokens', code='invalid_value')
     seed = body.get('seed')
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-      raise ApiError(400, f'seed={seed!r} must be an int.', param='seed')
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not -2**63 <= seed < 2**63):
+      raise ApiError(400, f'seed={seed!r} must be an int in [-2**63, 2**63).', param='seed')
     stop = body.get('stop') or []
     stop = [stop] if isinstance(stop, str) else list(stop)
     stop_ids = [self.tokenizer.eos_id]
@@ -420,19 +426,19 @@ class Endpoint:
                               or not all(isinstance(t, dict) for t in tools)):
       raise ApiError(400, f'tools must be a list of objects; got {tools!r:.100}.',
                      param='tools')
-    messages, kwargs = with_tools(template_messages([_template_message(m) for m in raw]),
-                                  tools or [], self.tool_format)
     try:
+      messages, kwargs = with_tools(template_messages([_template_message(m) for m in raw]),
+                                    tools or [], self.tool_format)
       fresh = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                  tokenize=True, **kwargs)
-    except Exception as error:  # noqa: BLE001  (a template that raises on these messages)
-      raise ApiError(400, f'the chat template could not render these messages: {error}',
-                     param='messages') from None
+      canonical = [_canonical(m) for m in messages]
+    except Exception as error:  # noqa: BLE001  (malformed messages, or a template that raises)
+      raise ApiError(400, f'these messages cannot be rendered by the chat template: '
+                     f'{type(error).__name__}: {error}', param='messages') from None
     with self._lock:
       state = self._chats.get(episode)
     k = 0 if state is None else len(state.messages)
-    if (state is None or len(messages) <= k
-        or [_canonical(m) for m in messages[:k]] != state.messages):
+    if state is None or len(messages) <= k or canonical[:k] != state.messages:
       return fresh, messages
     try:  # the multi-turn runner's definition of the ids between two assistant turns
       between = ChatRenderer(self.tokenizer, kwargs.get('tools')).between_turns(

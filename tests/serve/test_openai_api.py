@@ -302,6 +302,11 @@ def test_auth_models_and_errors(endpoint):
                        ({'response_format': {'type': 'json_object'}}, 'response_format=')]:
     with pytest.raises(openai.BadRequestError, match=match):
       chat.create(model=MODEL, messages=QUESTION, **extra)
+  with pytest.raises(openai.BadRequestError, match='cannot be rendered'):
+    chat.create(model=MODEL, messages=[{'role': 'assistant', 'content': '',
+                                        'tool_calls': 5}])
+  with pytest.raises(openai.BadRequestError, match=r'seed=.* must be an int'):
+    chat.create(model=MODEL, messages=QUESTION, seed=2**70)
   assert post_reward(endpoint, 'nobody', reward=1).status_code == 404
   assert endpoint.stats['unknown_model'] == 1 and endpoint.stats['prompt_too_long'] == 1
   assert endpoint.recorder.stats['calls'] == 0
@@ -366,6 +371,27 @@ def test_a_disconnected_client_frees_its_slot_and_others_go_on(endpoint, worker)
   with pytest.raises(KeyError):
     endpoint.recorder.calls('gone')
   assert len(endpoint.recorder.calls('ep-8')) == 1
+
+
+def test_a_failed_batch_fails_only_its_requests(endpoint, worker, monkeypatch):
+  run = worker.driver.run
+  failures = iter([RuntimeError('device lost')])
+
+  def flaky(*args, **kwargs):
+    failure = next(failures, None)
+    if failure is not None:
+      raise failure
+    return run(*args, **kwargs)
+
+  monkeypatch.setattr(worker.driver, 'run', flaky)
+  chat = client(endpoint, 'ep-10').chat.completions
+  with pytest.raises(openai.InternalServerError, match='generation failed: RuntimeError: '
+                     'device lost'):
+    chat.create(model=MODEL, messages=QUESTION, tools=TOOLS, seed=1)
+  assert chat.create(model=MODEL, messages=QUESTION, tools=TOOLS,
+                     seed=1).choices[0].finish_reason == 'tool_calls'
+  assert endpoint.scheduler.stats['batch_errors'] == 1
+  assert len(endpoint.recorder.calls('ep-10')) == 1
 
 
 def test_concurrent_episodes_run_together_and_draw_what_they_draw_alone(endpoint, sampled):
