@@ -145,14 +145,43 @@ def test_check_ray_places_the_trainer_on_one_host_and_workers_on_others():
   assert plan.checked[1].startswith('4 worker actor(s): mesh.inference {data: 2, fsdp: 1, '
                                     'tensor: 1} = 2 chip(s) each; 1 x v5e-8 hold 4')
   assert not plan.notes
+  assert plan.trainer_processes == 1
   plan = check_ray(_config(backend='ray'), get_slice('v5p-8'), get_slice('v5e-4'), 2)
   assert plan.notes == ['7 worker slot(s) (7 chips) stay idle; --config.rollout.workers=8 '
                         'uses them.']
 
 
+@pytest.mark.parametrize('trainer, hosts, chips, mesh', [
+    ('v5p-16', 2, 4, {'data': 8, 'fsdp': 1, 'tensor': 1}),
+    ('v5e-16', 4, 4, {'data': 16, 'fsdp': 1, 'tensor': 1}),
+    ('v5p-32', 4, 4, {'data': 16, 'fsdp': 1, 'tensor': 1}),
+])
+def test_check_ray_spans_a_multi_host_trainer_slice_with_one_actor_per_host(trainer, hosts,
+                                                                           chips, mesh):
+  """A multi-host trainer slice: one trainer actor per host (ray.trainer_processes = hosts),
+  each asking for its host's chips; the trainer mesh and validate_config span all chips."""
+  config = _config(backend='ray', rl__prompts_per_step=16)
+  plan = check_ray(config, get_slice(trainer), get_slice('v5e-8'), inference_slices=1)
+  assert plan.trainer_processes == hosts
+  assert plan.devices == hosts * chips and plan.trainer_mesh == mesh
+  assert plan.resources['trainer'] == {'TPU': chips, 'rlax_trainer': chips}
+  assert plan.checked[0] == (
+      f'{hosts} trainer actors (ray.trainer_processes={hosts}), one per host of {trainer} with '
+      f'its {chips} chips, ordered by TPU worker id: mesh.trainer {{data: {hosts * chips}, '
+      f'fsdp: 1, tensor: 1}} = all {hosts * chips} chips (one jax.distributed job)')
+  config.ray.trainer_processes = hosts  # given as the recipe sets it: accepted
+  assert check_ray(config, get_slice(trainer), get_slice('v5e-8'), 1).trainer_processes == hosts
+
+
 @pytest.mark.parametrize('fields, trainer, inference, slices, message', [
-    ({}, 'v5p-32', 'v5e-8', 1, r'--trainer-tpu-type=v5p-32 has 4 hosts, but the ray backend '
-     r'runs the trainer as one actor'),
+    (dict(ray__trainer_processes=2), 'v5p-32', 'v5e-8', 1,
+     r"config.ray.trainer_processes=2, but --trainer-tpu-type=v5p-32 has 4 host\(s\): the "
+     r'trainer runs one actor per host of its slice .* pass --config.ray.trainer_processes=4'),
+    (dict(ray__trainer_processes=2), 'v5p-8', 'v5e-8', 1,
+     r'config.ray.trainer_processes=2, but --trainer-tpu-type=v5p-8 has 1 host\(s\)'),
+    (dict(mesh__trainer__data=4), 'v5p-16', 'v5e-8', 1,
+     r'config.mesh.trainer={data: 4, fsdp: 1, tensor: 1} is 4 chips but the 2 trainer actors '
+     r'\(one per host\) get all 8 chips of v5p-16'),
     ({}, 'v5p-8', 'v5e-16', 1, r'--inference-tpu-type=v5e-16 has 4 hosts.* use single-host '
      r'slices instead: --inference-tpu-type=v5e-4 --inference-slices=4'),
     (dict(rollout__workers=3, mesh__inference__data=4), 'v5p-8', 'v5e-8', 1,
@@ -266,13 +295,20 @@ def test_multihost_dry_run_runs_one_command_on_every_host_with_jax_distributed(t
   assert 'no distributed.' not in out  # configs/smollm2.py has the group
 
 
-def test_ray_dry_run_puts_roles_on_their_slices(tmp_path):
-  result = _recipes('ray', '--trainer-tpu-type=v5p-8', '--inference-tpu-type=v5e-8',
-                    '--inference-slices=2', '--zone=us-east5-a', '--workdir=gs://b/runs/ray',
-                    '--config=configs/smollm2.py', '--config.rollout.workers=4',
-                    '--config.mesh.inference.data=4', '--config.rollout.slots=32', '--dry-run')
+def _ray_dry_run(trainer_tpu_type: str) -> str:
+  """The ray recipe's dry run (its output) with the trainer on ``trainer_tpu_type`` and 4
+  workers of 4 chips on 2 x v5e-8."""
+  result = _recipes('ray', f'--trainer-tpu-type={trainer_tpu_type}',
+                    '--inference-tpu-type=v5e-8', '--inference-slices=2', '--zone=us-east5-a',
+                    '--workdir=gs://b/runs/ray', '--config=configs/smollm2.py',
+                    '--config.rollout.workers=4', '--config.mesh.inference.data=4',
+                    '--config.rollout.slots=32', '--dry-run')
   assert result.returncode == 0, result.stderr[-3000:]
-  out = result.stdout
+  return result.stdout
+
+
+def test_ray_dry_run_puts_roles_on_their_slices(tmp_path):
+  out = _ray_dry_run('v5p-8')
   commands = _commands(out)
   assert ('gcloud compute instances create rlax-smollm2-head --zone=us-east5-a '
           '--machine-type=n2-standard-16') in commands[1]
@@ -295,6 +331,41 @@ def test_ray_dry_run_puts_roles_on_their_slices(tmp_path):
                        '--config.ray.trainer_resources={"TPU": 4, "rlax_trainer": 4}',
                        '--config.ray.worker_resources={"TPU": 4, "rlax_inference": 4}',
                        '--workdir=gs://b/runs/ray']
+  _check_shell(out, tmp_path)
+
+
+def test_ray_dry_run_spans_a_multi_host_trainer_slice(tmp_path):
+  """A v5p-16 trainer slice (2 hosts x 4 chips): every trainer host joins Ray with its 4
+  chips of rlax_trainer, and the driver (validating over the slice's 8 chips) runs 2 trainer
+  actors of 4 chips each."""
+  out = _ray_dry_run('v5p-16')
+  assert ('trainer on v5p-16 (gcloud v5p-16: 8 chips on 2 hosts x 4, 95 GiB HBM per chip), '
+          'workers on 2 x v5e-8') in out
+  assert '# checked: validate_config with 8 devices, as the launch sees them' in out
+  assert ('# checked: 2 trainer actors (ray.trainer_processes=2), one per host of v5p-16 with '
+          'its 4 chips, ordered by TPU worker id: mesh.trainer {data: 8, fsdp: 1, tensor: 1} '
+          '= all 8 chips (one jax.distributed job)\n') in out
+  assert 'The trainer is 2 actors, one on each host of v5p-16' in out
+  commands = _commands(out)
+  assert ('gcloud compute tpus tpu-vm create rlax-smollm2-trainer --zone=us-east5-a '
+          '--accelerator-type=v5p-16 --version=v2-alpha-tpuv5') in commands
+  joins = [c for c in commands if 'ray start --address' in c]
+  assert joins == [
+      f'gcloud compute tpus tpu-vm ssh rlax-smollm2-{name} --zone=us-east5-a --worker=all '
+      f'--command="rlax_llm/.venv/bin/ray start --address=${{HEAD_IP}}:6379 '
+      f"--resources='{{\\\"{role}\\\": {chips}}}' --disable-usage-stats\""
+      for name, role, chips in (('trainer', 'rlax_trainer', 4),
+                                ('inference-0', 'rlax_inference', 8),
+                                ('inference-1', 'rlax_inference', 8))]
+  driver = _remote(commands[-1])
+  args = shlex.split(driver.partition(' && ')[2])
+  assert args[0] == 'XLA_FLAGS=--xla_force_host_platform_device_count=8'
+  assert args[-6:] == ['--config.backend=ray', '--config.ray.address=${HEAD_IP}:6379',
+                       '--config.ray.trainer_processes=2',
+                       '--config.ray.trainer_resources={"TPU": 4, "rlax_trainer": 4}',
+                       '--config.ray.worker_resources={"TPU": 4, "rlax_inference": 4}',
+                       '--workdir=gs://b/runs/ray']
+  assert '# the head and every trainer host see (a shared mount)' in out
   _check_shell(out, tmp_path)
 
 
@@ -367,6 +438,29 @@ def test_gke_ray_dry_run_prints_a_rayjob_with_a_node_pool_per_role(tmp_path):
                     '--config.rollout.workers=3', '--config.mesh.inference.data=4', '--dry-run')
   assert result.returncode == 1
   assert 'error: config.rollout.workers=3 needs 3 x 4 chips' in result.stderr
+
+
+def test_gke_ray_dry_run_gives_a_multi_host_trainer_one_pod_and_actor_per_host():
+  """A v5p-16 trainer node pool: the trainer group is one slice of 2 hosts (pods) of 4 chips,
+  each offering 4 rlax_trainer; the driver runs 2 trainer actors of 4 chips."""
+  result = _recipes('gke-ray', '--trainer-tpu-type=v5p-16', '--inference-tpu-type=v5e-8',
+                    '--image=i', '--workdir=/w', '--config=configs/default.py:smoke',
+                    '--config.mesh.inference.data=4', '--dry-run')
+  assert result.returncode == 0, result.stderr[-3000:]
+  manifest = yaml.safe_load(result.stdout)
+  trainer = manifest['spec']['rayClusterSpec']['workerGroupSpecs'][0]
+  assert (trainer['replicas'], trainer['numOfHosts']) == (1, 2)
+  assert trainer['template']['spec']['containers'][0]['resources']['limits'] == {
+      'google.com/tpu': 4}
+  assert json.loads(trainer['rayStartParams']['resources'].strip('"').replace('\\"', '"')) == {
+      'rlax_trainer': 4}
+  entry = shlex.split(manifest['spec']['entrypoint'].partition(' && ')[2])
+  assert entry[0] == 'XLA_FLAGS=--xla_force_host_platform_device_count=8'
+  assert entry[-6:] == ['--config.backend=ray', '--config.ray.address=auto',
+                        '--config.ray.trainer_processes=2',
+                        '--config.ray.trainer_resources={"TPU": 4, "rlax_trainer": 4}',
+                        '--config.ray.worker_resources={"TPU": 4, "rlax_inference": 4}',
+                        '--workdir=/w']
 
 
 @pytest.mark.parametrize('args, message', [

@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
   p = sub.add_parser('ray', help='trainer and inference workers on separate slices (Ray)',
                      allow_abbrev=False)
   _common(p)
-  p.add_argument('--trainer-tpu-type', required=True, help='single-host slice, e.g. v5p-8')
+  p.add_argument('--trainer-tpu-type', required=True,
+                 help='slice, e.g. v5p-8 (several hosts: one trainer actor per host)')
   p.add_argument('--inference-tpu-type', required=True, help='slice, e.g. v5e-8')
   p.add_argument('--inference-slices', type=int, default=1)
   p.add_argument('--head-machine-type', default='n2-standard-16',
@@ -165,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
   p = sub.add_parser('gke-ray', help='a KubeRay RayJob: trainer and inference workers on '
                      'separate GKE TPU node pools', allow_abbrev=False)
   _common(p, gcloud=False)
-  p.add_argument('--trainer-tpu-type', required=True, help='single-host slice, e.g. v5p-8')
+  p.add_argument('--trainer-tpu-type', required=True,
+                 help='slice, e.g. v5p-8 (several hosts: one trainer actor per host)')
   p.add_argument('--inference-tpu-type', required=True, help='slice, e.g. v5e-8')
   p.add_argument('--inference-slices', type=int, default=1)
   p.add_argument('--image', required=True,

@@ -9,8 +9,8 @@ import ml_collections
 import yaml
 
 from launch.recipes.checks import Plan
-from launch.recipes.scripts import (RAY_OVERRIDES, REMOTE_DIR, header, launch_args,
-                                    preemption_footer, resources_json, shell_join)
+from launch.recipes.scripts import (REMOTE_DIR, header, launch_args, preemption_footer,
+                                    ray_driver_overrides, resources_json, shell_join)
 from launch.recipes.slices import SliceType
 
 
@@ -79,12 +79,9 @@ def render_rayjob(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceT
                   overrides: Sequence[str]) -> str:
   """A KubeRay RayJob: a CPU head (the driver: controller, parameter server, metrics), a
   trainer worker group on one TPU node pool and an inference group on another."""
-  res = plan.resources
   driver = [str(a) for a in launch_args(spec, [
-      *overrides, *RAY_OVERRIDES, '--config.ray.address=auto',
-      f'--config.ray.trainer_resources={resources_json(res["trainer"])}',
-      f'--config.ray.worker_resources={resources_json(res["worker"])}'], opts.workdir)]
-  # The driver validates with as many (CPU) devices as the trainer actor has TPU chips.
+      *overrides, *ray_driver_overrides(plan, '--config.ray.address=auto')], opts.workdir)]
+  # The driver validates with as many (CPU) devices as the trainer slice has TPU chips.
   entrypoint = (f'cd /app/{REMOTE_DIR} && XLA_FLAGS=--xla_force_host_platform_device_count='
                 f'{plan.devices} {shell_join(driver)}')
   image = opts.image

@@ -46,19 +46,18 @@ import dataclasses
 import hashlib
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 
 from rlax_llm.data_types import Trajectory
+from rlax_llm.envs.base import Environment, observation_messages
+from rlax_llm.envs.tool_calls import tool_format_for, with_tools
 from rlax_llm.rollout.driver import VersionedParams
-from rlax_llm.rollout.engine import Engine, Extend, HostStep, Insert
+from rlax_llm.rollout.engine import DecodeState, Engine, Extend, HostStep, Insert
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.tokenization import Message, Tokenizer
-
-if TYPE_CHECKING:  # the protocol lives with the environments (h-envs); only for the hints
-  from rlax_llm.envs.base import Environment
 
 # A content no template rewrites, standing in for an assistant turn while the runner finds
 # the text the template writes around one.
@@ -93,7 +92,9 @@ class PlainRenderer:
 
 
 class ChatRenderer:
-  """Conversations rendered by the tokenizer's chat template (with ``tools`` when given).
+  """Conversations rendered by the tokenizer's chat template, with ``tools`` presented in the
+  checkpoint's own tool format (``tool_calls.with_tools``: the template's ``tools`` for
+  Qwen / Llama 3 templates, a system prompt for others).
 
   ``between_turns`` is the delta between the template rendered without and with the new
   messages, so ``prompt(m0) + turn 1 + between_turns(...) + turn 2 ...`` equals the ids of
@@ -108,11 +109,14 @@ class ChatRenderer:
     if tokenizer.chat_template is None:
       raise ValueError(f'{tokenizer!r} has no chat template; use PlainRenderer.')
     self.tokenizer = tokenizer
-    self.variables = {'tools': list(tools)} if tools else {}
+    self.tools = list(tools or [])
+    self.tool_format = tool_format_for(tokenizer)
 
   def render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+    """The template's text of ``messages`` with the tools."""
+    messages, variables = with_tools(messages, self.tools, self.tool_format)
     return self.tokenizer.apply_chat_template(
-        list(messages), add_generation_prompt=add_generation_prompt, **self.variables)
+        messages, add_generation_prompt=add_generation_prompt, **variables)
 
   def prompt(self, messages: Sequence[Message]) -> list[int]:
     """The ids of ``messages`` with the assistant header appended (no bos added: the
@@ -155,53 +159,53 @@ class Episode:
 
 
 @dataclasses.dataclass
+class _Turn:
+  """A turn in flight: its model tokens ``[start, end)``, the state it acts in, its reward and
+  whether its environment step completed."""
+
+  start: int
+  state: int
+  end: int = -1
+  reward: float = 0.0
+  ok: bool = False
+
+
+@dataclasses.dataclass(eq=False)  # compared by identity: an episode is itself
 class _Live:
-  """An episode in flight: what its trajectory holds so far and where it stands."""
+  """An episode in flight: what its trajectory holds so far and where it stands. ``rows``:
+  one ``(token, loss mask, log-prob, support, version, turn)`` per token fed or sampled."""
 
   index: int
   episode: Episode
   deadline: float
   max_turns: int
-  messages: list = dataclasses.field(default_factory=list)
-  tokens: list = dataclasses.field(default_factory=list)
-  mask: list = dataclasses.field(default_factory=list)
-  logprobs: list = dataclasses.field(default_factory=list)
-  supports: list = dataclasses.field(default_factory=list)
-  versions: list = dataclasses.field(default_factory=list)
-  token_turn: list = dataclasses.field(default_factory=list)
-  turn_starts: list = dataclasses.field(default_factory=list)
-  turn_ends: list = dataclasses.field(default_factory=list)
-  turn_rewards: list = dataclasses.field(default_factory=list)
-  turn_mask: list = dataclasses.field(default_factory=list)
-  state_ids: list = dataclasses.field(default_factory=list)
-  texts: list = dataclasses.field(default_factory=list)
   slot: int = -1
   cached: int = 0  # positions the slot's cache holds
+  messages: list = dataclasses.field(default_factory=list)
+  texts: list = dataclasses.field(default_factory=list)
+  rows: list = dataclasses.field(default_factory=list)
+  turns: list = dataclasses.field(default_factory=list)
+
+  @property
+  def tokens(self) -> list[int]:
+    return [row[0] for row in self.rows]
 
   def feed(self, ids: Sequence[int]) -> None:
     """Appends prompt or environment ids (loss mask 0)."""
-    n = len(ids)
-    self.tokens += list(ids)
-    self.mask += [False] * n
-    self.logprobs += [0.0] * n
-    self.supports += [0] * n
-    self.versions += [-1] * n
-    self.token_turn += [-1] * n
+    self.rows += [(int(t), False, 0.0, 0, -1, -1) for t in ids]
+
+  def begin_turn(self, state: int) -> None:
+    self.turns.append(_Turn(start=len(self.rows), end=len(self.rows), state=state))
 
   def sampled(self, token: int, logprob: float, support: int, version: int) -> None:
     """Appends a model token of the current turn."""
-    if len(self.turn_ends) < len(self.turn_starts):
-      self.turn_ends.append(len(self.tokens))  # placeholder, moved as the turn grows
-    self.turn_ends[-1] = len(self.tokens) + 1
-    self.tokens.append(int(token))
-    self.mask.append(True)
-    self.logprobs.append(float(logprob))
-    self.supports.append(int(support))
-    self.versions.append(int(version))
-    self.token_turn.append(len(self.turn_starts) - 1)
+    self.rows.append((int(token), True, float(logprob), int(support), int(version),
+                      len(self.turns) - 1))
+    self.turns[-1].end = len(self.rows)
 
   def turn_tokens(self) -> list[int]:
-    return self.tokens[self.turn_starts[-1]:self.turn_ends[-1]]
+    turn = self.turns[-1]
+    return [row[0] for row in self.rows[turn.start:turn.end]]
 
 
 class EpisodeRunner:
@@ -218,11 +222,15 @@ class EpisodeRunner:
     timeout_s: wall-clock seconds an episode may take from its start.
     max_turns: a cap on turns over every environment's own ``max_turns`` (None: theirs).
     stop_ids: extra token ids that end a turn (the eos always does).
+    state: the engine's decode state to run in (e.g. a worker's driver's, so that one KV
+      cache serves both; the engine donates it: read ``runner.state`` back after a run);
+      default: a new one.
   """
 
   def __init__(self, engine: Engine, holder: VersionedParams, tokenizer: Tokenizer, *,
                max_concurrent_episodes: int, max_turn_tokens: int, timeout_s: float,
-               max_turns: int | None = None, stop_ids: Sequence[int] = ()):
+               max_turns: int | None = None, stop_ids: Sequence[int] = (),
+               state: DecodeState | None = None):
     if not 1 <= max_concurrent_episodes <= engine.slots:
       raise ValueError(f'max_concurrent_episodes={max_concurrent_episodes} must be in [1, '
                        f'slots={engine.slots}] (an episode holds a slot for its whole life).')
@@ -241,7 +249,7 @@ class EpisodeRunner:
     self.timeout_s = float(timeout_s)
     self.max_turns = max_turns
     self.stop_ids = tuple(dict.fromkeys((tokenizer.eos_id, *stop_ids)))
-    self.state = engine.init_decode_state()
+    self.state = engine.init_decode_state() if state is None else state
     self.stats: dict[str, float] = {}
 
   def renderer(self, env: Environment) -> ChatRenderer | PlainRenderer:
@@ -269,7 +277,9 @@ class EpisodeRunner:
     self.state = self.engine.release_all(self.state)
     # Not a `with` block: leaving one joins the threads, and a hung environment call (a
     # thread cannot be killed) would hang the run; its thread is left to finish on its own.
-    pool = concurrent.futures.ThreadPoolExecutor(self.concurrency)
+    # Threads start as calls need them: one per episode at most, so calls never queue behind
+    # a hung one.
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, len(episodes)))
     try:
       ended: list[_Live] = []  # episodes whose turn ended, waiting for their env step
       while waiting or any(slots):
@@ -355,7 +365,7 @@ class EpisodeRunner:
         continue
       live.feed(ids)
       live.cached = len(ids)
-      live.state_ids.append(state_id(key))
+      live.begin_turn(state_id(key))
       ready.append(live)
     free = [slot for slot, s in enumerate(slots) if s is None]
     ended = []
@@ -367,7 +377,6 @@ class EpisodeRunner:
       for row, live in enumerate(chunk):
         live.slot = free.pop(0)
         slots[live.slot] = live
-        live.turn_starts.append(len(live.tokens))
         inserts.append(Insert(row=row, slot=live.slot, key=self._turn_key(live),
                               max_new_tokens=self._budget(live.cached),
                               stop_ids=self.stop_ids))
@@ -421,26 +430,23 @@ class EpisodeRunner:
     extends, continuing = [], []
     for live, (value, error) in zip(ended, steps):
       if error:
-        live.turn_rewards.append(0.0)
-        live.turn_mask.append(False)
         self._finish(live, error, slots, results)
         continue
       step, key = value
-      live.turn_rewards.append(float(step.reward))
-      live.turn_mask.append(True)
+      live.turns[-1].reward, live.turns[-1].ok = float(step.reward), True
       if step.done:
-        self._finish(live, 'done', slots, results)
+        truncated = (step.info or {}).get('truncated')  # a TextEnv's own turn limit
+        self._finish(live, 'turn_limit' if truncated else 'done', slots, results)
         continue
-      if len(live.turn_starts) >= live.max_turns:
+      if len(live.turns) >= live.max_turns:
         self._finish(live, 'turn_limit', slots, results)
         continue
       if time.perf_counter() > live.deadline:
         self._finish(live, 'timeout', slots, results)
         continue
       turn = live.turn_tokens()
-      role = str((step.info or {}).get('role', 'user'))
-      new = [{'role': role, 'content': str(step.observation)}]
       try:
+        new = observation_messages(step)
         delta = renderers[live.index].between_turns(
             live.messages, new, turn[-1] if turn[-1] in self.stop_ids else None)
       except Exception:  # pylint: disable=broad-except  # an observation it cannot encode
@@ -451,12 +457,11 @@ class EpisodeRunner:
         self._finish(live, 'context_full', slots, results)
         continue
       live.messages += [{'role': 'assistant', 'content': live.texts[-1]}, *new]
-      live.state_ids.append(state_id(key))
       start = live.cached + len(turn) - 1
       live.feed(delta)
       self.stats['env_tokens'] += len(delta)
       live.cached = start + len(fed)
-      live.turn_starts.append(len(live.tokens))
+      live.begin_turn(state_id(key))
       extends.append(Extend(slot=live.slot, start=start, tokens=tuple(fed),
                             key=self._turn_key(live), max_new_tokens=self._budget(live.cached),
                             stop_ids=self.stop_ids))
@@ -476,7 +481,7 @@ class EpisodeRunner:
 
   @staticmethod
   def _turn_key(live: _Live) -> np.ndarray:
-    turn = len(live.turn_starts) - 1
+    turn = len(live.turns) - 1
     key = jax.random.fold_in(jax.random.wrap_key_data(np.asarray(live.episode.key,
                                                                  np.uint32)), turn)
     return np.asarray(jax.random.key_data(key))
@@ -486,25 +491,21 @@ class EpisodeRunner:
     if live.slot >= 0:
       slots[live.slot] = None
     self.stats[f'termination/{reason}'] += 1
-    rewards = live.turn_rewards if reason != 'env_error' else [0.0] * len(live.turn_rewards)
-    turns = len(live.turn_starts)
-    pad = turns - len(rewards)  # a turn cut before its env step (timeout, context_full)
-    rewards = [*rewards, *[0.0] * pad]
-    states = [*live.state_ids, *[0] * (turns - len(live.state_ids))][:turns]
-    ends = [*live.turn_ends, *live.turn_starts[len(live.turn_ends):]]
+    turns = live.turns
+    rewards = [t.reward if reason != 'env_error' else 0.0 for t in turns]
+    columns = list(zip(*live.rows)) or [()] * 6
     results[live.index] = Trajectory(
         episode_id=live.index, group_id=live.episode.group_id,
         prompt_id=live.episode.prompt_id,
-        tokens=np.asarray(live.tokens, np.int32), loss_mask=np.asarray(live.mask, bool),
-        behaviour_logprobs=np.asarray(live.logprobs, np.float32),
-        support_sizes=np.asarray(live.supports, np.int32),
-        versions=np.asarray(live.versions, np.int32),
-        token_turn=np.asarray(live.token_turn, np.int32),
-        turn_starts=np.asarray(live.turn_starts, np.int32),
-        turn_ends=np.asarray(ends, np.int32),
+        **{name: np.asarray(values, dtype) for name, values, dtype in zip(
+            ('tokens', 'loss_mask', 'behaviour_logprobs', 'support_sizes', 'versions',
+             'token_turn'), columns,
+            (np.int32, bool, np.float32, np.int32, np.int32, np.int32))},
+        turn_starts=np.asarray([t.start for t in turns], np.int32),
+        turn_ends=np.asarray([t.end for t in turns], np.int32),
         turn_rewards=np.asarray(rewards, np.float32),
-        turn_mask=np.asarray([*live.turn_mask, *[False] * pad], bool),
-        state_ids=np.asarray(states, np.int64),
+        turn_mask=np.asarray([t.ok for t in turns], bool),
+        state_ids=np.asarray([t.state for t in turns], np.int64),
         episode_return=float(sum(rewards)), termination=reason, texts=tuple(live.texts))
 
 

