@@ -52,7 +52,13 @@ import numpy as np
 import uvicorn
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from rlax_llm.envs.tool_calls import ToolCall, parse_tool_calls, tool_format_for, with_tools
+from rlax_llm.envs.tool_calls import (
+  ToolCall,
+  format_tool_result,
+  parse_tool_calls,
+  render_tool_call,
+  tool_format_for,
+)
 from rlax_llm.errors import ToolCallError
 from rlax_llm.models.files.chat_template import template_messages
 from rlax_llm.rollout.driver import Sample
@@ -304,7 +310,8 @@ class Endpoint:
       calls = self._tool_calls(text) if parse_tools else []
       reply = self._reply(text, calls, episode, index)
       if messages is not None:
-        state = _ChatState([_canonical(m) for m in messages] + [_canonical(reply)],
+        state = _ChatState([_canonical(m, self.tool_format) for m in messages]
+                           + [_canonical(reply, self.tool_format)],
                            list(prompt_ids) + list(sample.tokens),
                            sample.tokens[-1] if sample.finish_reason == 'stop' else None)
         with self._lock:
@@ -426,12 +433,13 @@ class Endpoint:
                               or not all(isinstance(t, dict) for t in tools)):
       raise ApiError(400, f'tools must be a list of objects; got {tools!r:.100}.',
                      param='tools')
+    # The multi-turn runner's renderer: the tools in the checkpoint's format (with_tools),
+    # the same ids for a conversation whichever of the two builds it.
+    renderer = ChatRenderer(self.tokenizer, tools)
     try:
-      messages, kwargs = with_tools(template_messages([_template_message(m) for m in raw]),
-                                    tools or [], self.tool_format)
-      fresh = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                 tokenize=True, **kwargs)
-      canonical = [_canonical(m) for m in messages]
+      messages = template_messages([_template_message(m, self.tool_format) for m in raw])
+      fresh = renderer.prompt(messages)
+      canonical = [_canonical(m, self.tool_format) for m in messages]
     except Exception as error:  # noqa: BLE001  (malformed messages, or a template that raises)
       raise ApiError(400, f'these messages cannot be rendered by the chat template: '
                      f'{type(error).__name__}: {error}', param='messages') from None
@@ -441,8 +449,7 @@ class Endpoint:
     if state is None or len(messages) <= k or canonical[:k] != state.messages:
       return fresh, messages
     try:  # the multi-turn runner's definition of the ids between two assistant turns
-      between = ChatRenderer(self.tokenizer, kwargs.get('tools')).between_turns(
-          messages[:k - 1], messages[k:], state.last_token)
+      between = renderer.between_turns(messages[:k - 1], messages[k:], state.last_token)
     except ValueError:  # the template rewrites earlier turns: render afresh (a split)
       self.stats['chat_not_spliced'] += 1
       return fresh, messages
@@ -539,9 +546,12 @@ async def _json_body(request: fastapi.Request) -> dict[str, Any]:
   return body
 
 
-def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+def _template_message(message: Mapping[str, Any], fmt: str) -> dict[str, Any]:
   """An OpenAI message as chat templates take it: text parts joined into one string, tool
-  call arguments (a JSON string in OpenAI's API) as objects."""
+  call arguments (a JSON string in OpenAI's API) as objects. In the ``'simple'`` tool format
+  (a template that knows no tools) tool calls become the assistant's text
+  (``render_tool_call``) and a ``'tool'`` message the user message that carries a result
+  (``format_tool_result``), as the environments present them."""
   message = dict(message)
   content = message.get('content')
   if isinstance(content, list):
@@ -560,13 +570,24 @@ def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
       call['function'] = function
       calls.append(call)
     message['tool_calls'] = calls
+  if fmt != 'simple':
+    return message
+  if message.get('role') == 'tool':
+    return format_tool_result(str(message.get('content') or ''), fmt)
+  if message.get('tool_calls'):
+    texts = [message['content']] if message.get('content') else []
+    for call in message.pop('tool_calls'):
+      arguments = call['function'].get('arguments')
+      texts.append(render_tool_call(str(call['function'].get('name')),
+                                    arguments if isinstance(arguments, Mapping) else {}, fmt))
+    message['content'] = '\n'.join(texts)
   return message
 
 
-def _canonical(message: Mapping[str, Any]) -> tuple:
+def _canonical(message: Mapping[str, Any], fmt: str) -> tuple:
   """What makes two messages the same turn for splicing: role, text, tool calls (name and
   arguments; not their ids, which a harness may rewrite) and the tool call answered."""
-  message = _template_message(message)
+  message = _template_message(message, fmt)
   calls = tuple((c.get('function', {}).get('name'),
                  json.dumps(c.get('function', {}).get('arguments'), sort_keys=True))
                 for c in message.get('tool_calls') or ())

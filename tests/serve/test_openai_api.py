@@ -130,13 +130,18 @@ def train(model, params, tok, steps=300):
 
 
 @pytest.fixture(scope='module')
-def worker():
-  tok = make_tokenizer()
+def trained():
+  """The tiny model and its trained params."""
   config = DecoderConfig(vocab_size=len(WORDS), num_layers=2, embed_dim=32, num_heads=4,
-                         num_kv_heads=2, head_dim=8, mlp_dim=64, max_seq_len=48)
+                         num_kv_heads=2, head_dim=8, mlp_dim=64, max_seq_len=160)
   model, params = create_model(config, seed=0)
-  params = train(model, params, tok)
-  worker = InferenceWorker(model, tok, make_mesh({'data': 1}, jax.devices()[:1]),
+  return model, train(model, params, make_tokenizer())
+
+
+@pytest.fixture(scope='module')
+def worker(trained):
+  model, params = trained
+  worker = InferenceWorker(model, make_tokenizer(), make_mesh({'data': 1}, jax.devices()[:1]),
                            max_prompt_len=32, max_new_tokens=12, slots=4)
   worker.load(VERSION, params)
   return worker
@@ -279,6 +284,33 @@ def test_a_malformed_tool_call_comes_back_as_content_and_is_counted(endpoint):
   assert choice.message.tool_calls is None and choice.finish_reason == 'stop'
   assert choice.message.content == '<tool_call> {"name": </tool_call>'
   assert endpoint.stats['malformed_tool_calls'] == 1
+
+
+def test_a_template_without_tools_gets_the_simple_tool_format(worker, trained):
+  """SmolLM2-like: the template knows no tools, so they are described in the system message,
+  tool calls in the history become the assistant's text and results a user message."""
+  plain = TEMPLATE.replace("'\\n<tool_call>\\n{\"name\": \"'", "'\\nX'")
+  assert '<tool_call>' not in plain
+  tok = make_tokenizer()
+  tok = HFTokenizer(tok.backend, eos_token='<|im_end|>', pad_token='<pad>', unk_token='[UNK]',
+                    chat_template=plain)
+  simple = InferenceWorker(trained[0], tok, worker.mesh, max_prompt_len=150,
+                           max_new_tokens=2, slots=1)
+  simple.load(VERSION, trained[1])
+  with Endpoint(simple, model_name=MODEL) as endpoint:
+    assert endpoint.tool_format == 'simple'
+    chat = client(endpoint, 'ep-s').chat.completions
+    history = QUESTION + [{'role': 'assistant', 'content': None, 'tool_calls': [
+        {'id': 'c1', 'type': 'function', 'function': {
+            'name': 'calculate', 'arguments': '{"expression": "12*34"}'}}]},
+                          {'role': 'tool', 'tool_call_id': 'c1', 'content': '408'}]
+    chat.create(model=MODEL, messages=history, tools=TOOLS, seed=1)
+    (call,) = endpoint.recorder.calls('ep-s')
+  text = tok.decode(call.prompt_ids, stop_at_eos=False)
+  assert text.startswith('<|im_start|> system')  # the tools' description
+  assert ('<|im_start|> assistant <tool_call> {"name": "calculate", "arguments": '
+          '{"expression": "12*34"}} </tool_call> <|im_end|>') in text
+  assert '<|im_start|> user <tool_response> 408 </tool_response> <|im_end|>' in text
 
 
 def test_auth_models_and_errors(endpoint):
