@@ -106,12 +106,13 @@ def policy_worker(config: ml_collections.ConfigDict, checkpoint: str | None = No
   What an evaluation and the OpenAI-compatible endpoint (``python -m rlax_llm.serve``) run."""
   # pylint: disable=import-outside-toplevel  # jax and the model code: after validation
   from rlax_llm import roles
+  from rlax_llm.models.model import cast_params
   spec = config_lib.validate_config(config)
   task, model, params, tokenizer = roles.prepare(config)
   if checkpoint:
     params = load_policy_params(checkpoint, params)
   worker = roles.build_worker(config, model, tokenizer, roles.meshes(config)['inference'][0])
-  worker.load(0, params)
+  worker.load(0, cast_params(params, worker.model))  # the workers' dtype, as a run's pushes
   return spec, task, worker
 
 

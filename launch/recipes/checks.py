@@ -276,7 +276,7 @@ def memory_check(config: ml_collections.ConfigDict, plan: Plan, trainer_hbm: flo
 
   ``rlax_llm.roles.run_memory_plan`` on the meshes ``plan`` resolved: the trainer's params
   (the master copy), AdamW state, gradients, KL reference and activations; each worker's
-  params, KV cache and logits. ``shared``: the roles share chips (local backend without
+  params (in ``model.inference_param_dtype``), KV cache and logits. ``shared``: the roles share chips (local backend without
   ``mesh.disjoint``), so the two add up. XLA's scratch space and fragmentation are not
   counted: leave some headroom. Named presets only: returns ``None`` for another model.
   Raises SliceError naming the keys that shrink it when a chip's HBM is too small.

@@ -89,6 +89,7 @@ from rlax_llm.backends import tpu_env
 from rlax_llm.backends.assembly import Run, assemble
 from rlax_llm.checkpoint import latest_step
 from rlax_llm.errors import ConfigError, RlaxError
+from rlax_llm.models.model import cast_params
 from rlax_llm.paramserver import ParameterServer, ShardPush, local_shards
 from rlax_llm.paramserver.delta import Delta, LeafUpdate
 from rlax_llm.trainer.trainer import host_arrays
@@ -338,16 +339,19 @@ class TrainerRole:
     resume = (roles.resume_trainer(self.checkpointer, self.trainer)
               if self.checkpointer is not None else None)
     self.server = server
+    self.inference = roles.inference_model(config, model)  # the workers' dtypes
     self._pushed = -1
     self._publish()
     return warmup_metrics, resume, self.trainer.version
 
   def _publish(self) -> None:
-    """Pushes this process's blocks of the trainer's params as its version unless already
+    """Pushes this process's blocks of the trainer's params, cast to the workers' dtypes on
+    its devices (``cast_params``: a no-op when they agree), as its version unless already
     pushed (bytes: this process -> the object store -> the server's process)."""
     if self._pushed < self.trainer.version:
+      params = cast_params(self.trainer.params, self.inference)
       push_shards(self.server, self.trainer.version,  # each block to host on its own
-                  local_shards(self.trainer.params, to_host=True), self.process_index,
+                  local_shards(params, to_host=True), self.process_index,
                   self.process_count)
       self._pushed = self.trainer.version
 
