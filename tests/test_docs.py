@@ -54,6 +54,7 @@ def test_readme_algorithms_table_matches_the_losses():
 @pytest.mark.parametrize('doc', ['README.md', 'docs/config.md', 'docs/architecture.md',
                                  'docs/checkpoints.md', 'docs/storage.md',
                                  'docs/tasks.md', 'docs/custom_tasks.md',
+                                 'docs/serving.md', 'docs/rollout.md',
                                  'docs/environments.md',
                                  'benchmarks/RESULTS.md', 'benchmarks/LAB_NOTES.md',
                                  'launch/README.md',
