@@ -63,6 +63,7 @@ def test_readme_algorithms_table_matches_the_losses():
                                  'docs/checkpoints.md', 'docs/storage.md',
                                  'docs/tasks.md', 'docs/custom_tasks.md',
                                  'docs/own_model_and_data.md', 'docs/models.md',
+                                 'docs/serving.md', 'docs/rollout.md',
                                  'docs/environments.md',
                                  'benchmarks/RESULTS.md', 'benchmarks/LAB_NOTES.md',
                                  'launch/README.md',
