@@ -63,6 +63,7 @@ CHOICES = {
     'backend': ('local', 'ray'),
     'model.param_dtype': ('float32', 'bfloat16'),
     'model.inference_param_dtype': ('', 'float32', 'bfloat16'),  # '': model.param_dtype
+    'model.inference_quant': ('none', 'int8'),  # rlax_llm.models.quant.QUANT_MODES
     'model.dtype': ('float32', 'bfloat16'),
     'rollout.on_swap': ('continue', 'discard'),
     'rollout.short_batches': ('pad', 'wait'),
@@ -539,6 +540,11 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
         f'{m.inference_param_dtype!r} and the trainer in model.param_dtype={m.param_dtype!r}: '
         'the sampler would not run the trainer\'s weights. Set model.inference_param_dtype=\'\' '
         '(the same dtype) or turn batch_invariant off.')
+  if m.batch_invariant and m.inference_quant != 'none':
+    raise ConfigError(
+        f'config.model.batch_invariant=True makes sampler and trainer log-probs bitwise equal, '
+        f'but model.inference_quant={m.inference_quant!r} samples with a quantised copy of the '
+        'trainer\'s weights. Set model.inference_quant=\'none\' or turn batch_invariant off.')
   s = config.sampling
   needed = s.max_prompt_len + s.max_new_tokens
   if m.name == 'tiny':

@@ -370,11 +370,12 @@ def build_worker(config: ml_collections.ConfigDict, model: Model, tokenizer: Tok
                  mesh: jax.sharding.Mesh) -> InferenceWorker:
   """An inference worker of ``model`` on ``mesh``, holding the params in the dtype of
   ``inference_model``: it loads and pulls params of that dtype (the trainer's pushes,
-  already cast)."""
+  already cast), and samples with an int8 copy of each when ``model.inference_quant='int8'``."""
   return InferenceWorker(inference_model(config, model), tokenizer, mesh,
                          max_prompt_len=config.sampling.max_prompt_len,
                          max_new_tokens=config.sampling.max_new_tokens,
-                         slots=config.rollout.slots, on_swap=config.rollout.on_swap)
+                         slots=config.rollout.slots, on_swap=config.rollout.on_swap,
+                         quant=config.model.inference_quant)
 
 
 def meshes(config: ml_collections.ConfigDict) -> dict[str, Any]:

@@ -250,3 +250,16 @@ def test_group_size_one_is_refused_for_group_baselines_only(loss, estimator, ref
                                         r'estimator.*advantage_estimator in \[.reinforce., '
                                         r'.w_reinforce.\]'):
     validate_config(config)
+
+
+def test_batch_invariant_with_int8_rollouts_is_refused():
+  config = _smoke()
+  config.model.batch_invariant = True
+  config.model.inference_quant = 'int8'
+  with pytest.raises(ConfigError, match=r"batch_invariant=True makes sampler and trainer "
+                                        r"log-probs bitwise equal, but "
+                                        r"model.inference_quant='int8' samples with a quantised "
+                                        r"copy.*Set model.inference_quant='none'"):
+    validate_config(config)
+  config.model.batch_invariant = False
+  validate_config(config)

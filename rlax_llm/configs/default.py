@@ -38,6 +38,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       # The inference workers' copy of the params: '' (param_dtype) or 'bfloat16' (the
       # trainer keeps param_dtype master weights and pushes a bf16 cast; docs/rollout.md).
       inference_param_dtype='',
+      # 'int8': the workers sample with an int8 weight-only copy of each version (per-channel
+      # scales, made on the pull; docs/rollout.md "Quantised rollouts (int8)"); 'none': not.
+      inference_quant='none',
       batch_invariant=False,  # True: sampler and trainer log-probs bitwise equal (docs/models.md)
       # With batch_invariant: 'chunks' (fastest for engines of up to 32 slots) or 'floor'
       # (no slower than the default numerics for 64 slots or more; needs mesh.*.data == 1).

@@ -38,6 +38,7 @@ from rlax_llm.models.decoder_config import DecoderConfig, RopeScaling
 from rlax_llm.models.kv_cache import (KEY_BLOCK_AXES, VALUE_BLOCK_AXES, KVCache, layer_update,
                                       to_block)
 from rlax_llm.models.numerics import flipped_product, flips, invariant_matmul, invariant_sum
+from rlax_llm.models.quant import Int8Weight
 from rlax_llm.sharding import constrain
 
 Array = jax.Array
@@ -49,8 +50,11 @@ Array = jax.Array
 ROPE_TABLE_MAX_ENTRIES = 2 ** 21
 
 
-def linear(x: Array, w: Array, config: DecoderConfig) -> Array:
+def linear(x: Array, w: Array | Int8Weight, config: DecoderConfig) -> Array:
   """``x [..., K]`` times a weight of ``K`` inputs -> ``[..., N]`` (its outputs flattened).
+
+  An ``Int8Weight`` (``quant``: int8 ``q``, float32 per-output-channel ``scale [N]``) gives
+  ``(x @ q) * scale``, accumulated in float32.
 
   ``w`` is stored in ``Execution.weight_layout`` order: ``[K..., N...]`` (``'in_out'``,
   ``x @ w``) or ``[N..., K...]`` (``'out_in'``: ``flipped_product`` for a decode step's few
@@ -60,6 +64,12 @@ def linear(x: Array, w: Array, config: DecoderConfig) -> Array:
   k = x.shape[-1]
   run = config.execution
   out_in = run.weight_layout == 'out_in'
+  if isinstance(w, Int8Weight):  # (x @ q) * scale: int8 converted in the dot, 1 byte/weight
+    q = w.q.reshape(-1, k) if out_in else w.q.reshape(k, -1)
+    y = jax.lax.dot_general(x, q.astype(x.dtype), (((x.ndim - 1,), (1 if out_in else 0,)),
+                                                   ((), ())),
+                            preferred_element_type=jnp.float32)
+    return (y * w.scale).astype(x.dtype)
   w = w.reshape(-1, k) if out_in else w.reshape(k, -1)
   if run.batch_invariant:
     return invariant_matmul(x, w, 'ck,nk->cn' if out_in else 'ck,kn->cn', run.invariant_rows)

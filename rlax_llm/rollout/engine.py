@@ -44,6 +44,7 @@ advance nor produce tokens.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,6 +61,7 @@ from rlax_llm.models.kv_cache import (KEY_BLOCK_AXES, KEY_POSITION_AXIS, VALUE_B
                                       VALUE_POSITION_AXIS, KVCache, cache_block_shape)
 from rlax_llm.models.model import Model, Params, to_weight_layout, with_weight_layout
 from rlax_llm.models.numerics import INVARIANT_KEYS
+from rlax_llm.models.quant import QUANT_MODES, quantize_params, quantized_shardings
 from rlax_llm.paramserver.server import leaf_specs
 from rlax_llm.policy import sample_rows
 from rlax_llm.sampling_spec import SamplingSpec
@@ -199,6 +201,10 @@ class Engine:
       ``rlax_llm.models.cpu_attention``) on XLA:CPU with a one-device mesh, two or more
       slots, float32 and a shape it supports, when it builds here; else the model's own.
       ``decode_attention_note`` records the choice and, if not the kernel, why.
+    quant: ``'none'``, or ``'int8'``: ``place_params`` turns the attention and MLP weights
+      into int8 with per-output-channel scales (``models.quant.quantize_params``; the
+      embedding and lm head stay in the model's param dtype), and the engine samples, and
+      records behaviour log-probs, with that quantised policy.
   """
 
   def __init__(self, model: Model, mesh: Mesh, *, slots: int, max_prefill_length: int,
@@ -206,7 +212,14 @@ class Engine:
                prefill_buckets: Sequence[int] | None = None, attend_buckets: int = 4,
                block_align: int = BLOCK_ALIGN,
                rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES,
-               weight_layout: str | None = None, decode_attention: str | None = None):
+               weight_layout: str | None = None, decode_attention: str | None = None,
+               quant: str = 'none'):
+    if quant not in QUANT_MODES:
+      raise ValueError(f'quant={quant!r} is not an engine quantisation; choose one of '
+                       f'{list(QUANT_MODES)}.')
+    if quant != 'none' and model.config.execution.batch_invariant:
+      raise ValueError(f'quant={quant!r} samples with quantised weights, so a batch_invariant '
+                       'model\'s log-probs would not equal the trainer\'s; pass quant=\'none\'.')
     if min(slots, max_decode_length, attend_buckets, block_align) < 1:
       raise ValueError(f'slots ({slots}), max_decode_length ({max_decode_length}), '
                        f'attend_buckets ({attend_buckets}) and block_align ({block_align}) '
@@ -248,10 +261,14 @@ class Engine:
     self.source_model = model  # the layout of the params place_params takes
     self.model = with_weight_layout(model, weight_layout, decode_attention)
     self.pad_id = int(pad_id)
+    self.quant = quant
     self.param_shardings = sharding_lib.param_shardings(
         self.model.abstract_params(), self.model.logical_axes(), mesh, rules)
+    if quant == 'int8':
+      self.param_shardings = quantized_shardings(self.param_shardings, self.model)
     self.key_size = int(jax.random.key_data(jax.random.key(0)).shape[-1])  # uint32 words
     self.state_shardings = self._state_shardings(rules)
+    self._quantize = jax.jit(functools.partial(quantize_params, model=self.model))
     self._prefill = jax.jit(self._prefill_impl)
     self._insert = jax.jit(self._insert_impl, static_argnames=('spec',), donate_argnums=(1,),
                            out_shardings=(self.state_shardings, None))
@@ -317,9 +334,13 @@ class Engine:
     engine's: its model's tree, shapes and dtypes, in the engine's weight layout
     (``placed``, what ``place_params`` returns) or the given model's (``placed=False``).
     Checked before any compute, so a wrong tree, another model's weights or a dtype that
-    would recompile every step fail here instead of running."""
+    would recompile every step fail here instead of running. Placed params of a
+    ``quant='int8'`` engine are the quantised ones."""
     model = self.model if placed else self.source_model
-    want, got = leaf_specs(model.abstract_params()), leaf_specs(params)
+    abstract = model.abstract_params()
+    if placed and self.quant == 'int8':
+      abstract = jax.eval_shape(self._quantize, abstract)
+    want, got = leaf_specs(abstract), leaf_specs(params)
     where = ('the engine\'s layout (pass them through place_params first)' if placed
              else 'the model\'s layout')
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
@@ -334,10 +355,13 @@ class Engine:
 
   def place_params(self, params: Params) -> Params:
     """``params`` of the model the engine was given (host or device), in the engine's
-    weight layout, sharded on the inference mesh (checked first: ``check_params``)."""
+    weight layout, sharded on the inference mesh (checked first: ``check_params``); with
+    ``quant='int8'``, its projections quantised (``models.quant.quantize_params``)."""
     self.check_params(params, placed=False)
     if self.model is not self.source_model:  # eager: op by op, compiled once per shape
       params = to_weight_layout(params, self.source_model, self.model)
+    if self.quant == 'int8':
+      params = self._quantize(params)
     return jax.device_put(params, self.param_shardings)
 
   def bucket(self, length: int, continuation: bool = False) -> int:

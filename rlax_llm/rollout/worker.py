@@ -69,19 +69,23 @@ class InferenceWorker:
     on_swap: what a weight swap does to sequences in flight (``'continue'``/``'discard'``).
     prefill_buckets: prompt length buckets (default: ``engine.default_buckets``).
     rules: logical-axis rules placing the params on ``mesh``.
+    quant: ``'none'`` or ``'int8'`` (``model.inference_quant``): the engine samples with an
+      int8 copy of each version it loads (``Engine``); the worker still holds, verifies and
+      applies deltas to the params it pulls, unquantised.
   """
 
   def __init__(self, model: Model, tokenizer: Tokenizer, mesh: Mesh, *, max_prompt_len: int,
                max_new_tokens: int, slots: int = 32, on_swap: str = 'continue',
                prefill_buckets: Sequence[int] | None = None,
-               rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES):
+               rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES,
+               quant: str = 'none'):
     self.model = model
     self.tokenizer = tokenizer
     self.mesh = mesh
     self.max_prompt_len = max_prompt_len
     self.engine = Engine(model, mesh, slots=slots, max_prefill_length=max_prompt_len,
                          max_decode_length=max_new_tokens, pad_id=tokenizer.pad_id,
-                         prefill_buckets=prefill_buckets, rules=rules)
+                         prefill_buckets=prefill_buckets, rules=rules, quant=quant)
     self.holder = VersionedParams()
     self.driver = Driver(self.engine, self.holder, on_swap=on_swap)
     self.reloads = 0
