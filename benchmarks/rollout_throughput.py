@@ -25,7 +25,12 @@ Also measured in the same process:
   so the batch-invariant mode's products too), jitted alone and timed; and
   ``gemm_bound_ratio``, that rate over transformers' from the same run: the best ratio any
   decoding on this backend could reach if attention, sampling, the prefill and the driver
-  took no time.
+  took no time;
+* the int8 engine (``Engine(quant='int8')``, ``model.inference_quant='int8'``: int8
+  weight-only projections with per-output-channel scales, docs/rollout.md) at each batch size,
+  timed alternately with the fp32 engine and transformers: ``int8_tok_s``, ``int8_over_fp32``
+  (the median of the neighbouring runs' ratios; goal >= 1.8 at batch 1) and
+  ``int8_over_transformers``; ``--quant=none`` skips it.
 
 Prints one JSON object:
 
@@ -35,7 +40,7 @@ Prints one JSON object:
      "matmul_peak_gflops": ..., "memory_bandwidth_gbs": ..., ...}
 
     .venv/bin/python benchmarks/rollout_throughput.py [--batches=1,8,32,64] [--repeats=3]
-        [--batch_invariant [--invariant_rows=floor]] [--requests=0]
+        [--batch_invariant [--invariant_rows=floor]] [--requests=0] [--quant=none]
 """
 
 from __future__ import annotations
@@ -224,6 +229,8 @@ def main() -> None:
                       help="Engine(decode_attention=...); default: the engine's choice")
   parser.add_argument('--invariant_rows', default='chunks', choices=('chunks', 'floor'),
                       help='with --batch_invariant: Execution.invariant_rows')
+  parser.add_argument('--quant', default='int8', choices=('none', 'int8'),
+                      help="also time Engine(quant='int8') beside the fp32 engine")
   args = parser.parse_args()
 
   import torch  # pylint: disable=import-outside-toplevel
@@ -258,11 +265,20 @@ def main() -> None:
         return reference.generate(inputs, attention_mask=torch.ones_like(inputs),
                                   max_new_tokens=n, do_sample=False)
     ours = lambda: driver.run(jobs)
+    quantised = None
+    if args.quant != 'none' and not args.batch_invariant:
+      int8_driver = driver_for(model, params, batch, len(prompts[0]), n, quant=args.quant,
+                               decode_attention=args.decode_attention)
+      quantised = lambda: int8_driver.run(jobs)
+      quantised()  # compile
     ours()  # compile
     theirs()
-    pairs = []
+    pairs, int8_times = [], []
     for _ in range(args.repeats):
       t_ours, out = timed(ours)
+      if quantised is not None:
+        t_int8, int8_out = timed(quantised)
+        int8_times.append(t_int8)
       t_theirs, ref = timed(theirs)
       pairs.append((t_ours, t_theirs))
     ours_tok_s = statistics.median(batch * n / a for a, _ in pairs)
@@ -283,6 +299,18 @@ def main() -> None:
         'ours_fraction_of_memory_bandwidth': param_bytes * ours_tok_s / batch / 1e9 / bandwidth,
         'bandwidth_bound_tok_s': batch * bandwidth * 1e9 / param_bytes,
     }
+    if int8_times:
+      int8_tok_s = statistics.median(batch * n / t for t in int8_times)
+      int8_same = next((i for i, (a, b) in enumerate(zip(out[0][0].tokens,
+                                                         int8_out[0][0].tokens)) if a != b),
+                       len(out[0][0].tokens))
+      batches[str(batch)].update(
+          int8_tok_s=int8_tok_s,
+          int8_over_fp32=statistics.median(a / t for (a, _), t in zip(pairs, int8_times)),
+          int8_over_fp32_ratios=[a / t for (a, _), t in zip(pairs, int8_times)],
+          int8_over_transformers=statistics.median(
+              b / t for (_, b), t in zip(pairs, int8_times)),
+          int8_first_row_tokens_equal_fp32=int8_same)
     gemm_tok_s = batch / gemm_step_seconds(driver.engine.model.config, batch)
     batches[str(batch)].update(gemm_bound_tok_s=gemm_tok_s,
                                gemm_bound_ratio=gemm_tok_s / theirs_tok_s)
@@ -297,7 +325,7 @@ def main() -> None:
       'memory_bandwidth_gbs': bandwidths, 'param_bytes': param_bytes,
       'batches': batches, 'variable_length': variable,
       'goals': {'ratio_at_32': '>= 2.0', 'ratio_at_1': '>= 1.7',
-                'continuous_over_static': '>= 2.0'},
+                'continuous_over_static': '>= 2.0', 'int8_over_fp32_at_1': '>= 1.8'},
   }, indent=2))
 
 

@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from parity import trainer_logprobs  # tests/parity.py
+from smoke_config import smoke_config  # tests/smoke_config.py
 
 from rlax_llm.backends import local as local_backend
 from rlax_llm.config import run_spec
@@ -21,9 +23,6 @@ from rlax_llm.rollout.engine import Engine
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.sharding import make_mesh
 from rlax_llm.trainer.scoring import Policy
-
-from parity import trainer_logprobs  # tests/parity.py
-from smoke_config import smoke_config  # tests/smoke_config.py
 
 CONFIG = DecoderConfig(vocab_size=48, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
                        head_dim=8, mlp_dim=64, max_seq_len=64)
