@@ -9,8 +9,6 @@ import ml_dtypes
 import numpy as np
 
 from rlax_llm import roles
-from rlax_llm.backends import local as local_backend
-from rlax_llm.config import run_spec
 from rlax_llm.data_types import GenerationRequest, make_train_batch
 from rlax_llm.metrics import read_metrics
 from rlax_llm.models.decoder_config import DecoderConfig
@@ -23,6 +21,7 @@ from rlax_llm.tasks import Prompt
 from rlax_llm.tokenization import CharTokenizer
 from rlax_llm.trainer.scoring import Policy
 
+from recorded_run import recorded_run  # tests/recorded_run.py
 from smoke_config import smoke_config  # tests/smoke_config.py
 
 
@@ -44,27 +43,13 @@ def test_a_run_samples_with_the_bfloat16_copy_and_trains_the_float32_master(tmp_
   config = smoke_config(model__inference_param_dtype='bfloat16', log__tensorboard=False,
                         eval__every_steps=0, rl__old_logprobs='recompute',
                         rl__mismatch__enabled=True)
-  sampled = []  # (the params the worker held, rollouts) of each generate call
-  with local_backend.build_run(config, tmp_path, run_spec(config)) as r:
-    worker = r.controller.workers[0].worker
-    generate = worker.generate
-
-    def recording(*args, **kwargs):
-      rollouts = generate(*args, **kwargs)
-      # pylint: disable-next=protected-access
-      held = jax.tree_util.tree_unflatten(worker._treedef, worker._host_leaves)
-      sampled.append((held, rollouts))
-      return rollouts
-    worker.generate = recording
-    start = r.controller.trainer.host_params().result()  # version 0: float32, as trained
-    r.execute()
-    final = r.controller.trainer.host_params().result()
+  worker, sampled, start, final, trainer_model = recorded_run(config, tmp_path)
   assert {leaf.dtype for leaf in jax.tree.leaves(start)} == {np.dtype(np.float32)}
   assert {leaf.dtype for leaf in jax.tree.leaves(final)} == {np.dtype(np.float32)}
   assert worker.model.config.execution.param_dtype == jnp.bfloat16
   assert {leaf.dtype for leaf in jax.tree.leaves(worker.params)} == {jnp.dtype(jnp.bfloat16)}
   # The worker sampled version 0 with exactly the bf16 cast of the trainer's master weights.
-  params, rollouts = next((p, x) for p, x in sampled if not x.sampling.greedy)  # not eval's
+  params, _, rollouts = next(x for x in sampled if not x[2].sampling.greedy)  # not eval's
   assert set(rollouts.versions[rollouts.completion_mask].tolist()) == {0}
   _assert_bits_equal(jax.tree.leaves(params), _bf16_of(start))
   # Its behaviour log-probs are the bf16 policy's (a direct forward with the bf16 copy), not
@@ -74,7 +59,7 @@ def test_a_run_samples_with_the_bfloat16_copy_and_trains_the_float32_master(tmp_
   behaviour = np.asarray(batch.behaviour_logprobs[:, 1:])[mask]
   tokens, sizes = jnp.asarray(batch.tokens), jnp.asarray(batch.support_sizes)
   bf16 = Policy(worker.model, rollouts.sampling).sequence_log_probs(params, tokens, sizes)
-  fp32 = Policy(r.controller.trainer.trainer.model, rollouts.sampling).sequence_log_probs(
+  fp32 = Policy(trainer_model, rollouts.sampling).sequence_log_probs(
       start, tokens, sizes)
   gap_bf16 = np.abs(np.asarray(bf16.logp)[mask] - behaviour).max()
   gap_fp32 = np.abs(np.asarray(fp32.logp)[mask] - behaviour).max()

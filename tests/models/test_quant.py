@@ -7,11 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from parity import trainer_logprobs  # tests/parity.py
-from smoke_config import smoke_config  # tests/smoke_config.py
 
-from rlax_llm.backends import local as local_backend
-from rlax_llm.config import run_spec
 from rlax_llm.data_types import make_train_batch
 from rlax_llm.metrics import read_metrics
 from rlax_llm.models.decoder import linear
@@ -23,6 +19,10 @@ from rlax_llm.rollout.engine import Engine
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.sharding import make_mesh
 from rlax_llm.trainer.scoring import Policy
+
+from parity import trainer_logprobs  # tests/parity.py
+from recorded_run import recorded_run  # tests/recorded_run.py
+from smoke_config import smoke_config  # tests/smoke_config.py
 
 CONFIG = DecoderConfig(vocab_size=48, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
                        head_dim=8, mlp_dim=64, max_seq_len=64)
@@ -117,19 +117,7 @@ def test_a_run_samples_int8_and_trains_the_float32_master(tmp_path):
   config = smoke_config(model__inference_quant='int8', log__tensorboard=False,
                         eval__every_steps=0, rl__old_logprobs='recompute',
                         rl__mismatch__enabled=True)
-  sampled = []
-  with local_backend.build_run(config, tmp_path, run_spec(config)) as r:
-    worker = r.controller.workers[0].worker
-    generate = worker.generate
-
-    def recording(*args, **kwargs):
-      rollouts = generate(*args, **kwargs)
-      # pylint: disable-next=protected-access
-      held = jax.tree_util.tree_unflatten(worker._treedef, worker._host_leaves)
-      sampled.append((held, worker.params, rollouts))
-      return rollouts
-    worker.generate = recording
-    r.execute()
+  worker, sampled, start, final, _ = recorded_run(config, tmp_path)
   held, placed, rollouts = next(x for x in sampled if not x[2].sampling.greedy)
   # The worker holds (and verifies deltas of) the float32 pull, and samples with int8.
   assert {leaf.dtype for leaf in jax.tree.leaves(held)} == {np.dtype(np.float32)}
@@ -147,6 +135,8 @@ def test_a_run_samples_int8_and_trains_the_float32_master(tmp_path):
   rows = read_metrics(tmp_path / 'metrics.jsonl')
   assert [row['step'] for row in rows] == [1, 2, 3]
   assert any(row['update/skipped'] == 0 for row in rows)
+  assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(start),
+                                                       jax.tree.leaves(final)))
   for row in rows:
     assert np.isfinite(row['loss'])
     for key in ('mismatch/kl', 'mismatch/max_abs_dlogp'):
