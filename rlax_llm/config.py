@@ -152,12 +152,15 @@ class RunSpec:
     controller: the controller's settings (schedule, staleness, rollouts, eval, reward).
     keep_versions: the versions the parameter server holds (``paramserver.keep_versions``;
       0 there: the schedule's ``versions_kept``, ``k + 2``).
+    transport: how the Ray backend moves versions between processes of one machine
+      (``paramserver.transport``: ``'auto'``, shared-memory slots; ``'object_store'``).
   """
 
   loss: LossConfig
   sampling: SamplingSpec
   controller: ControllerSettings
   keep_versions: int
+  transport: str
 
 
 def run_spec(config: ml_collections.ConfigDict) -> RunSpec:
@@ -169,7 +172,18 @@ def run_spec(config: ml_collections.ConfigDict) -> RunSpec:
   sampling = _sampling_spec(config)
   controller = _controller_settings(config, loss, sampling)
   return RunSpec(loss=loss, sampling=sampling, controller=controller,
-                 keep_versions=_keep_versions(config, controller))
+                 keep_versions=_keep_versions(config, controller),
+                 transport=_transport(config))
+
+
+def _transport(config: ml_collections.ConfigDict) -> str:
+  """``paramserver.transport``, one of ``'auto'`` and ``'object_store'``."""
+  transport = config.paramserver.transport
+  if transport not in ('auto', 'object_store'):
+    raise ConfigError(f"config.paramserver.transport={transport!r} must be 'auto' (shared "
+                      "memory between the Ray actors of one machine, the object store between "
+                      "machines) or 'object_store' (always the object store).")
+  return transport
 
 
 def _keep_versions(config: ml_collections.ConfigDict, settings: ControllerSettings) -> int:

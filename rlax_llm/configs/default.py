@@ -110,8 +110,10 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       worker_resources=ml_collections.ConfigDict(), worker_restarts=3, trainer_processes=1,
       trainer_env=ml_collections.ConfigDict()))
   # The parameter server (the trainer pushes each version, workers pull theirs): keep_versions
-  # is how many versions it holds, at least staleness.k + 2 (0: exactly k + 2).
-  c.paramserver = ml_collections.ConfigDict(dict(keep_versions=0))
+  # is how many versions it holds, at least staleness.k + 2 (0: exactly k + 2). transport (Ray):
+  # 'auto' moves versions between actors of one machine through the server's reused shared-
+  # memory slots and between machines through the object store; 'object_store': always that.
+  c.paramserver = ml_collections.ConfigDict(dict(keep_versions=0, transport='auto'))
   # Orbax checkpoints in workdir/checkpoints (0 and 0: none): after steps that are multiples
   # of every_steps, and when every_seconds have passed; the newest `keep` are kept. SIGTERM or
   # SIGINT saves one and exits 0; relaunching with the same --workdir resumes.

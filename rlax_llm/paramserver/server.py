@@ -114,11 +114,14 @@ Box = tuple[tuple[int, int], ...]
 class Shard:
   """One block of leaf number ``leaf`` (tree order): the elements ``box`` (``(start, stop)``
   per dimension) with the values ``data`` (an array of the box's shape and the leaf's dtype:
-  numpy, or a single-device ``jax.Array`` the server copies from)."""
+  numpy, or a single-device ``jax.Array`` the server copies from). ``checksum``: the
+  ``delta.checksum`` of ``data`` when its writer already took it (a whole leaf written into a
+  shared-memory slot, ``rlax_llm.paramserver.shm``), used when the server adopts it."""
 
   leaf: int
   box: Box
   data: Any
+  checksum: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,7 +441,8 @@ class ParameterServer:
         # leaf is covered by this one shard only (overlaps were refused), so no other push
         # writes to pending.leaves[shard.leaf].
         pending.leaves[shard.leaf] = shard.data.view()
-        whole[shard.leaf] = delta_lib.checksum(shard.data)
+        whole[shard.leaf] = (delta_lib.checksum(shard.data) if shard.checksum is None
+                             else shard.checksum)
       elif _box_shape(shard.box) == target.shape:  # copied and summed in one pass
         whole[shard.leaf] = delta_lib.copy_with_checksum(target, np.asarray(shard.data))
       else:
