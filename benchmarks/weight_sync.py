@@ -13,7 +13,8 @@ for the bf16 copy, as a delta from the version the worker holds, along the two r
   to the backend's own ``ServerRole`` (``push_shards``; ``full``; ``full_host_params``: the
   whole arrays gathered with ``host_params()`` first) and the worker pulling with
   ``fetch_update`` (the calls of ``rlax_llm.backends.ray``), timed end to end from the
-  driver, which sends version numbers only: ``driver_weight_bytes`` counts the array bytes
+  driver (its call of the trainer's push and then of the worker's pull; the trainer's new
+  arrays, as after a step, made before), which sends version numbers only: ``driver_weight_bytes`` counts the array bytes
   of everything it sent and received. Once per transport of ``--transports``, interleaved
   in one run (one server actor each, the same trainer and worker actors): ``auto``, the
   default (row ``ray/<dtype>``: on one machine the trainer copies into the server's
@@ -214,9 +215,11 @@ class RayTrainer:
     gc.collect()
     self.params = device_params(self.size, self.dtype, changed, self.devices)
 
-  def push(self, version, transport, mode='shards'):
-    # New arrays, as after a train step (a jax.Array caches its host copy once made).
+  def step(self):
+    """New arrays, as after a train step (a jax.Array caches its host copy once made)."""
     self.params = jax.block_until_ready(jax.tree.map(lambda x: x.copy(), self.params))
+
+  def push(self, version, transport, mode='shards'):
     start = time.perf_counter()
     payload = local_shards(self.params if mode == 'shards' else
                            jax.tree.map(np.asarray, jax.device_get(self.params)), to_host=True)
@@ -273,8 +276,11 @@ def ray_path(size: str, dtype, changed: float, repeats: int, devices: int,
   worker = ray.remote(num_cpus=1)(RayWorker).remote(servers, size)
   try:
     version = 0
-    for _ in range(2):  # warm-up: the actors start, the paths and the object store run once
-      for transport in transports:  # (and the servers' slots are made and touched)
+    # Warm-up: the actors start, the paths and the object store run; keep + 1 versions, so
+    # that the servers' rings hold all their slots (made, pages touched, mapped).
+    for _ in range(3):
+      for transport in transports:
+        call(trainer.step)
         call(trainer.push, version, transport)
         call(worker.pull, version, transport)
       version += 1
@@ -283,9 +289,10 @@ def ray_path(size: str, dtype, changed: float, repeats: int, devices: int,
       # Interleaved in ABBA order: the object store's memory alternates between fresh pages
       # and reused ones from put to put (0.5 vs 0.1 s for 538 MB), whatever is put.
       for transport, mode in list(rows)[::1 if repeat % 2 == 0 else -1]:
+        call(trainer.step)  # not timed: the sync starts from the trainer's new arrays
+        call(worker.forget, transport)
         start = time.perf_counter()
         pushed = call(trainer.push, version, transport, mode)
-        call(worker.forget, transport)
         pulled = call(worker.pull, version, transport)
         rows[transport, mode].append({
             'total_s': time.perf_counter() - start, 'push_s': pushed['push_s'],
@@ -297,6 +304,7 @@ def ray_path(size: str, dtype, changed: float, repeats: int, devices: int,
     if dtype == ml_dtypes.bfloat16:
       call(trainer.next_version, changed)
       for transport in transports:
+        call(trainer.step)
         start = time.perf_counter()
         pushed = call(trainer.push, version, transport)
         pulled = call(worker.pull, version, transport)  # from a version the worker holds

@@ -10,8 +10,12 @@ server their ref; the server reads them zero-copy and keeps whole leaves as they
 each worker actor pulls the version a ``generate`` call names from the server actor itself
 (``fetch_update``: a sparse delta from the version it holds, or whole leaves, with per-leaf
 checksums the worker verifies; a whole leaf the server kept comes as the trainer's object's
-ref, read zero-copy, not serialised again). The driver sends version numbers and receives
-rollouts.
+ref, read zero-copy, not serialised again). Between actors of one machine
+(``paramserver.transport='auto'``, the default) the object store is skipped: the trainer
+copies each version straight into a reused shared-memory slot the server names, the server
+commits it by reference, and a worker maps the slot read-only (``rlax_llm.paramserver.shm``;
+actors on other nodes, and a trainer of several processes, keep the object store). The
+driver sends version numbers and receives rollouts.
 
 Checkpoints: the trainer actor owns the ``Checkpointer``. When built it restores its params
 and optimizer state from the workdir's latest checkpoint itself and hands the driver only
@@ -310,7 +314,8 @@ class ServerRole:
       return update, []
     kept = frozenset().union(*(leaves for _, leaves in held))
     return dataclasses.replace(update, buckets=tuple(
-        tuple(_InStore(u.leaf) if u.full is not None and u.leaf in kept else u
+        tuple(_InStore(u.leaf) if isinstance(u, LeafUpdate) and u.full is not None
+              and u.leaf in kept else u
               for u in bucket) for bucket in update.buckets)), [ref for ref, _ in held]
 
   def held_refs(self) -> list[int]:
@@ -428,7 +433,8 @@ class WorkerRole:
     self._restarted = _ray().get_runtime_context().was_current_actor_reconstructed
 
   def _fetch(self, version: int, base_version: int):
-    """The update from the server's process to this one, through the object store."""
+    """The update from the server's process to this one (``fetch_update``: shared memory on
+    the server's machine, else the object store)."""
     return fetch_update(self.server, version, base_version)
 
   def _latest(self) -> int:

@@ -348,11 +348,14 @@ class ParameterServer:
 
     ``adopt``: a shard that is a whole leaf and a read-only, C-contiguous ``np.ndarray``
     (shape and dtype are checked for every shard) is kept as the version's leaf, a view of
-    it, instead of being copied; its checksum is still taken now. Only for memory nothing
-    can write to while the server holds it: the arrays Ray deserialised from its object
-    store for a server actor (zero-copy views of immutable shared memory, valid while
-    referenced; ``rlax_llm.backends.ray.ServerRole``). Adopted memory is never reused for a
-    later version (only buffers the server allocated are). Other shards are copied.
+    it, instead of being copied; its checksum is taken now, unless the shard carries the one
+    its writer took (``Shard.checksum``). Only for memory nothing can write to while the
+    server holds it: the arrays Ray deserialised from its object store for a server actor
+    (zero-copy views of immutable shared memory, valid while referenced;
+    ``rlax_llm.backends.ray.ServerRole``), or a shared-memory slot the server's ring lends
+    to no writer while the version is held (``rlax_llm.paramserver.shm``). Adopted memory
+    is never reused for a later version by this server (only buffers it allocated are).
+    Other shards are copied.
 
     Returns:
         True if this push committed the version (it was the last one needed).
