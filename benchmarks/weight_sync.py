@@ -25,10 +25,13 @@ for the bf16 copy, as a delta from the version the worker holds, along the two r
 Per path and form: seconds, bytes, and ``GB/s`` (bytes / seconds); the memory-copy bandwidth
 of this machine (``np.copyto`` into a touched buffer, and into a fresh one) is measured in
 the same run, and ``full_fp32_vs_memcpy`` is a full fp32 sync's bandwidth over it (goal
->= 0.5). What is pushed: the fp32 master weights (what the trainer pushes today), and a bf16
-copy (an inference worker's precision) for comparison; its delta moves the elements that
-changed (a synthetic update changing ``--changed`` of the bf16 elements, the density the
-GRPO updates below measure). Sizes: ``smollm2`` (SmolLM2-135M-Instruct, the packaged GGUF's
+>= 0.5). What is pushed: the fp32 master weights (what the trainer pushes by default), and a
+bf16 copy (what it pushes with ``model.inference_param_dtype='bfloat16'``); its delta moves
+the elements that changed (a synthetic update changing ``--changed`` of the bf16 elements,
+the density the GRPO updates below measure). With both dtypes and the local path,
+``cast_to_bfloat16``: the seconds to make the bf16 copy of the fp32 weights once, on the
+trainer's devices (what the backends do) and on a host with numpy (what a worker pulling fp32
+would do instead). Sizes: ``smollm2`` (SmolLM2-135M-Instruct, the packaged GGUF's
 weights), ``1b`` (TinyLlama-1.1B's shape with tied embeddings, 1.03 B params, random), ``tiny``
 (a smoke test). Run the 1b case alone and last: it holds about 13 GB at its peak.
 
@@ -57,6 +60,7 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
@@ -67,7 +71,7 @@ from rlax_llm.data_types import GenerationRequest, make_train_batch
 from rlax_llm.losses import LossConfig, group_advantages
 from rlax_llm.models import from_pretrained, smollm2_gguf_path
 from rlax_llm.models.decoder_config import DecoderConfig
-from rlax_llm.models.model import abstract_model, split_module
+from rlax_llm.models.model import abstract_model, cast_params, split_module, with_param_dtype
 from rlax_llm.models.presets import get_preset
 from rlax_llm.paramserver import ParameterServer, local_shards
 from rlax_llm.paramserver import delta as delta_lib
@@ -185,6 +189,23 @@ def local_path(size: str, dtype, changed: float, repeats: int) -> dict:
     out['delta'] = {'push_s': push_s, **times, 'bytes': update.nbytes,
                     'changed_fraction': update.density, 'total_s': push_s + sum(times.values())}
   return out
+
+
+def cast_costs(size: str, repeats: int) -> dict:
+  """Seconds to make the bfloat16 inference copy of the float32 master weights once
+  (best of ``repeats``): on the trainer's devices (``cast_params``, what the backends do before
+  each push with ``model.inference_param_dtype='bfloat16'``) and on a worker's host (numpy,
+  what a worker pulling the float32 version would do instead, per worker)."""
+  params = device_params(size, np.float32)
+  inference = with_param_dtype(abstract_model(SIZES[size]), jnp.bfloat16)
+  host = [np.asarray(x) for x in jax.tree.leaves(params)]
+  jax.block_until_ready(cast_params(params, inference))  # compiled once per leaf shape
+  device_s = min(timed(lambda: jax.block_until_ready(cast_params(params, inference)))[0]
+                 for _ in range(repeats))
+  host_s = min(timed(lambda: [x.astype(ml_dtypes.bfloat16) for x in host])[0]
+               for _ in range(repeats))
+  return {'device_cast_s': device_s, 'host_cast_s': host_s,
+          'float32_bytes': sum(x.nbytes for x in host)}
 
 
 def _median(rows: list[dict]) -> dict:
@@ -376,6 +397,10 @@ def _transfers(out: dict, sizes: list[str], paths: list[str], dtypes: list[str],
           out[size][key] = row
           print(json.dumps({size: {key: row}}), flush=True)
         gc.collect()
+    if 'local' in paths and {'float32', 'bfloat16'} <= set(dtypes):
+      out[size]['cast_to_bfloat16'] = cast_costs(size, 1 if size == '1b' else repeats)
+      print(json.dumps({size: {'cast_to_bfloat16': out[size]['cast_to_bfloat16']}}), flush=True)
+      gc.collect()
 
 
 def measure(base, new) -> dict:

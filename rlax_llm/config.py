@@ -62,6 +62,7 @@ OPEN_GROUPS = ('task.', 'ray.trainer_resources.', 'ray.worker_resources.', 'ray.
 CHOICES = {
     'backend': ('local', 'ray'),
     'model.param_dtype': ('float32', 'bfloat16'),
+    'model.inference_param_dtype': ('', 'float32', 'bfloat16'),  # '': model.param_dtype
     'model.dtype': ('float32', 'bfloat16'),
     'rollout.on_swap': ('continue', 'discard'),
     'rollout.short_batches': ('pad', 'wait'),
@@ -519,6 +520,12 @@ def _validate_task(config: ml_collections.ConfigDict):
   return task
 
 
+def inference_param_dtype(config: ml_collections.ConfigDict) -> str:
+  """The name of the dtype the inference workers hold the params in:
+  ``model.inference_param_dtype``, or ``model.param_dtype`` when it is ''."""
+  return config.model.inference_param_dtype or config.model.param_dtype
+
+
 def _validate_model(config: ml_collections.ConfigDict) -> None:
   # pylint: disable-next=import-outside-toplevel  # jax, flax: kept off import
   from rlax_llm.models import presets  # pylint: disable=import-outside-toplevel
@@ -539,6 +546,13 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
         'no role splits a matmul\'s contraction across devices (fsdp and tensor both do), but '
         + ', '.join(f'{k}={v}' for k, v in split.items() if v != 1)
         + '; shard with the data axis only or turn batch_invariant off.')
+  if m.batch_invariant and inference_param_dtype(config) != m.param_dtype:
+    raise ConfigError(
+        f'config.model.batch_invariant=True makes sampler and trainer log-probs bitwise equal, '
+        f'but the workers hold the params in model.inference_param_dtype='
+        f'{m.inference_param_dtype!r} and the trainer in model.param_dtype={m.param_dtype!r}: '
+        'the sampler would not run the trainer\'s weights. Set model.inference_param_dtype=\'\' '
+        '(the same dtype) or turn batch_invariant off.')
   s = config.sampling
   needed = s.max_prompt_len + s.max_new_tokens
   if m.name == 'tiny':

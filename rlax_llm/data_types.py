@@ -274,3 +274,119 @@ def make_train_batch(rollouts: Rollouts, advantages: np.ndarray) -> TrainBatch:
   return TrainBatch(tokens=tokens, loss_mask=loss_mask, behaviour_logprobs=logps,
                     support_sizes=supports, advantages=np.asarray(advantages, np.float32), versions=versions,
                     group_ids=np.asarray(rollouts.group_ids, np.int32))
+
+
+# Why an episode ended (rlax_llm.rollout.episodes): the environment said done; it reached its
+# turn limit; its wall-clock timeout passed; its prompt or conversation no longer fit the
+# context; its environment raised (rewards 0).
+TERMINATIONS = ('done', 'turn_limit', 'timeout', 'context_full', 'env_error')
+
+
+@dataclasses.dataclass(frozen=True)
+class Trajectory:
+  """One multi-turn episode, token-faithful: the ids exactly as the model was fed them
+  (prompt, each turn's sampled ids, the environment's ids between turns), host numpy
+  arrays. ``T`` tokens, ``N`` turns. A single-turn rollout is a one-turn trajectory.
+
+  Turn ``n``'s model tokens are ``tokens[turn_starts[n]:turn_ends[n]]``; what lies outside
+  the turns is prompt or environment text (loss mask 0). ``state_ids[n]`` identifies the
+  environment state turn ``n`` acted in (``episodes.state_id`` of ``env.state_key()``:
+  stable across processes), for GiGPO's step groups; ``turn_mask[n]`` is False for a turn
+  whose environment step did not complete (it raised or timed out, or the turn was cut).
+  """
+
+  episode_id: int
+  group_id: int
+  prompt_id: int
+  tokens: np.ndarray  # int32 [T]
+  loss_mask: np.ndarray  # bool [T]: True on the model's sampled tokens
+  behaviour_logprobs: np.ndarray  # float32 [T]: 0 off the loss mask
+  support_sizes: np.ndarray  # int32 [T]: 0 off the loss mask
+  versions: np.ndarray  # int32 [T]: policy version per model token, -1 elsewhere
+  token_turn: np.ndarray  # int32 [T]: turn index per model token, -1 elsewhere
+  turn_starts: np.ndarray  # int32 [N]
+  turn_ends: np.ndarray  # int32 [N] (exclusive)
+  turn_rewards: np.ndarray  # float32 [N]
+  turn_mask: np.ndarray  # bool [N]
+  state_ids: np.ndarray  # int64 [N]
+  episode_return: float
+  termination: str  # one of TERMINATIONS
+  texts: tuple[str, ...] = ()  # each turn's decoded action text
+
+  def __post_init__(self):
+    t, n = len(self.tokens), len(self.turn_starts)
+    for name in ('loss_mask', 'behaviour_logprobs', 'support_sizes', 'versions', 'token_turn'):
+      if len(getattr(self, name)) != t:
+        raise ValueError(f'Trajectory.{name} has {len(getattr(self, name))} entries for '
+                         f'{t} tokens.')
+    for name in ('turn_ends', 'turn_rewards', 'turn_mask', 'state_ids'):
+      if len(getattr(self, name)) != n:
+        raise ValueError(f'Trajectory.{name} has {len(getattr(self, name))} entries for '
+                         f'{n} turns.')
+    if self.termination not in TERMINATIONS:
+      raise ValueError(f'Trajectory.termination={self.termination!r} is not one of '
+                       f'{TERMINATIONS}.')
+
+  @property
+  def num_turns(self) -> int:
+    return len(self.turn_starts)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrajectoryBatch:
+  """Trajectories as the trainer's rows (``train``, the ``TrainBatch`` the existing losses
+  consume) plus their turn structure, right-padded: ``B`` rows, ``T`` tokens, ``N`` turns."""
+
+  train: TrainBatch
+  token_turn: np.ndarray  # int32 [B, T]: turn index per model token, -1 elsewhere
+  turn_rewards: np.ndarray  # float32 [B, N]: 0 past a row's turns
+  turn_mask: np.ndarray  # bool [B, N]: False past a row's turns
+  state_ids: np.ndarray  # int64 [B, N]
+  episode_returns: np.ndarray  # float32 [B]
+
+
+def make_trajectory_batch(trajectories: list[Trajectory], advantages: np.ndarray,
+                          length: int | None = None, turns: int | None = None
+                          ) -> TrajectoryBatch:
+  """Packs trajectories into right-padded rows: ``[B, length]`` tokens (default: the
+  longest) and ``[B, turns]`` turn arrays (default: the most turns). ``advantages``:
+  float ``[B]`` (trajectory level, e.g. GRPO over episode returns). The loss mask is the
+  trajectory's (model tokens only), so prompt, environment and padding tokens never train.
+  Raises ValueError when a trajectory is longer than ``length`` or has more turns than
+  ``turns``."""
+  b = len(trajectories)
+  if np.shape(advantages) != (b,):
+    raise ValueError(f'advantages must be [B] = ({b},), got shape {np.shape(advantages)}.')
+  width = max([len(x.tokens) for x in trajectories] + [1]) if length is None else length
+  n = max([x.num_turns for x in trajectories] + [1]) if turns is None else turns
+  tokens = np.zeros((b, width), np.int32)
+  loss_mask = np.zeros((b, width), np.float32)
+  logps = np.zeros((b, width), np.float32)
+  supports = np.zeros((b, width), np.int32)
+  versions = np.full((b, width), -1, np.int32)
+  token_turn = np.full((b, width), -1, np.int32)
+  turn_rewards = np.zeros((b, n), np.float32)
+  turn_mask = np.zeros((b, n), bool)
+  state_ids = np.zeros((b, n), np.int64)
+  for i, x in enumerate(trajectories):
+    t, k = len(x.tokens), x.num_turns
+    if t > width or k > n:
+      raise ValueError(f'trajectory {i} has {t} tokens and {k} turns; the batch holds '
+                       f'length={width} and turns={n}.')
+    tokens[i, :t] = x.tokens
+    loss_mask[i, :t] = x.loss_mask
+    logps[i, :t] = x.behaviour_logprobs
+    supports[i, :t] = x.support_sizes
+    versions[i, :t] = x.versions
+    token_turn[i, :t] = x.token_turn
+    turn_rewards[i, :k] = x.turn_rewards
+    turn_mask[i, :k] = x.turn_mask
+    state_ids[i, :k] = x.state_ids
+  train = TrainBatch(tokens=tokens, loss_mask=loss_mask, behaviour_logprobs=logps,
+                     support_sizes=supports, advantages=np.asarray(advantages, np.float32),
+                     versions=versions,
+                     group_ids=np.asarray([x.group_id for x in trajectories], np.int32))
+  return TrajectoryBatch(train=train, token_turn=token_turn, turn_rewards=turn_rewards,
+                         turn_mask=turn_mask, state_ids=state_ids,
+                         episode_returns=np.asarray([x.episode_return for x in trajectories],
+                                                    np.float32))

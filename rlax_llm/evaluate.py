@@ -23,13 +23,17 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ml_collections
 
 from rlax_llm import cli, console, launch_help, storage
 from rlax_llm import config as config_lib
 from rlax_llm.errors import ConfigError, Preempted, RlaxError
+
+if TYPE_CHECKING:  # for the hints only: this entry point imports no jax before validation
+  from rlax_llm.rollout.worker import InferenceWorker
+  from rlax_llm.tasks import Task
 
 # ---------------------------------------------------------------------------- checkpoints
 
@@ -95,6 +99,23 @@ def config_for(argv: Sequence[str], checkpoint: str | None) -> ml_collections.Co
   return config
 
 
+def policy_worker(config: ml_collections.ConfigDict, checkpoint: str | None = None
+                  ) -> tuple[config_lib.RunSpec, Task, InferenceWorker]:
+  """``(spec, task, worker)``: the validated config's run spec, its task, and one inference
+  worker holding the params the config loads, or ``checkpoint``'s when given (as version 0).
+  What an evaluation and the OpenAI-compatible endpoint (``python -m rlax_llm.serve``) run."""
+  # pylint: disable=import-outside-toplevel  # jax and the model code: after validation
+  from rlax_llm import roles
+  from rlax_llm.models.model import cast_params
+  spec = config_lib.validate_config(config)
+  task, model, params, tokenizer = roles.prepare(config)
+  if checkpoint:
+    params = load_policy_params(checkpoint, params)
+  worker = roles.build_worker(config, model, tokenizer, roles.meshes(config)['inference'][0])
+  worker.load(0, cast_params(params, worker.model))  # the workers' dtype, as a run's pushes
+  return spec, task, worker
+
+
 def evaluate_config(config: ml_collections.ConfigDict, checkpoint: str | None = None
                     ) -> dict[str, float]:
   """Builds the config's task, model and one inference worker, loads ``checkpoint`` when
@@ -102,14 +123,8 @@ def evaluate_config(config: ml_collections.ConfigDict, checkpoint: str | None = 
   # pylint: disable=import-outside-toplevel  # jax and the model code: after validation
   import jax
 
-  from rlax_llm import roles
   from rlax_llm.evaluation import evaluate_policy
-  spec = config_lib.validate_config(config)
-  task, model, params, tokenizer = roles.prepare(config)
-  if checkpoint:
-    params = load_policy_params(checkpoint, params)
-  worker = roles.build_worker(config, model, tokenizer, roles.meshes(config)['inference'][0])
-  worker.load(0, params)
+  spec, task, worker = policy_worker(config, checkpoint)
   settings = spec.controller
   return evaluate_policy(
       task, task.eval_prompts(), worker.generate, sampling=settings.sampling,

@@ -29,7 +29,7 @@ from rlax_llm.models import from_pretrained, presets
 from rlax_llm.models.decoder_config import DecoderConfig, Execution
 from rlax_llm.models.files import hub
 from rlax_llm.models.files.tokenizer import HFTokenizer
-from rlax_llm.models.model import Model, Params, create_model, split_module
+from rlax_llm.models.model import Model, Params, create_model, split_module, with_param_dtype
 from rlax_llm.trainer.scoring import Policy
 from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.sharding import role_meshes
@@ -224,14 +224,16 @@ def rollout_memory_bytes(model: DecoderConfig, config: ml_collections.ConfigDict
   """A lower-bound estimate of one rollout batch's device memory on the inference mesh.
 
   KV cache ``2 * layers * B * (P + N) * kv_heads * head_dim`` in the compute dtype
-  (``presets.kv_cache_bytes``), the params, and a few ``[B, vocab]`` float32 logit buffers,
+  (``presets.kv_cache_bytes``), the params (in the workers' dtype, ``inference_model``), and
+  a few ``[B, vocab]`` float32 logit buffers,
   with the batch split over the mesh's ``data * fsdp`` devices and the params over
   ``fsdp * tensor``.
   """
   batch = config.rl.prompts_per_step * config.rl.group_size
   length = config.sampling.max_prompt_len + config.sampling.max_new_tokens
   kv = presets.kv_cache_bytes(model, slots=batch, length=length)
-  params = presets.count_params(model) * jnp.dtype(model.execution.param_dtype).itemsize
+  params = (presets.count_params(model)
+            * jnp.dtype(DTYPES[config_lib.inference_param_dtype(config)]).itemsize)
   logits = 4 * batch * model.vocab_size * 4
   mesh = config.mesh.inference
   sizes = {k: (v if v > 0 else 1) for k, v in mesh.items()}
@@ -246,13 +248,16 @@ def run_memory_plan(model: DecoderConfig, config: ml_collections.ConfigDict,
                     trainer_mesh: dict[str, int], inference_mesh: dict[str, int], *,
                     shared: bool) -> presets.MemoryPlan:
   """``presets.memory_plan`` of a run: its batch, lengths, micro-batches, KV-cache slots,
-  workers and KL reference from ``config``; the meshes resolved (``sharding.mesh_shape``).
-  ``shared``: the trainer and the workers share chips (the local backend without
-  ``mesh.disjoint``; every worker's mesh then starts at the first chip)."""
+  workers, the workers' params dtype (``model.inference_param_dtype``) and KL reference from
+  ``config``; the meshes resolved (``sharding.mesh_shape``). ``shared``: the trainer and the
+  workers share chips (the local backend without ``mesh.disjoint``; every worker's mesh then
+  starts at the first chip)."""
   rl, s = config.rl, config.sampling
   length = s.max_prompt_len + s.max_new_tokens
   return presets.memory_plan(
-      model, trainer_mesh, inference_mesh, train_rows=rl.prompts_per_step * rl.group_size,
+      model, trainer_mesh, inference_mesh,
+      inference_param_dtype=DTYPES[config_lib.inference_param_dtype(config)],
+      train_rows=rl.prompts_per_step * rl.group_size,
       train_length=length, micro_batches=rl.micro_batches, logprob_chunk=rl.logprob_chunk,
       slots=config.rollout.slots, cache_length=length,
       workers_per_chip=config.rollout.workers if shared else 1, shared=shared,
@@ -353,9 +358,21 @@ def resume_trainer(checkpointer, trainer: Trainer):
   return restored.resume()
 
 
+def inference_model(config: ml_collections.ConfigDict, model: Model) -> Model:
+  """The model as the inference workers hold it: its params in
+  ``config_lib.inference_param_dtype(config)`` (``model.inference_param_dtype``, default
+  ``model.param_dtype``), e.g. a bfloat16 copy of float32 master weights. The trainer pushes
+  its params cast to this model's dtypes (``models.model.cast_params``), once per version."""
+  return with_param_dtype(model, DTYPES[config_lib.inference_param_dtype(config)])
+
+
 def build_worker(config: ml_collections.ConfigDict, model: Model, tokenizer: Tokenizer,
                  mesh: jax.sharding.Mesh) -> InferenceWorker:
-  return InferenceWorker(model, tokenizer, mesh, max_prompt_len=config.sampling.max_prompt_len,
+  """An inference worker of ``model`` on ``mesh``, holding the params in the dtype of
+  ``inference_model``: it loads and pulls params of that dtype (the trainer's pushes,
+  already cast)."""
+  return InferenceWorker(inference_model(config, model), tokenizer, mesh,
+                         max_prompt_len=config.sampling.max_prompt_len,
                          max_new_tokens=config.sampling.max_new_tokens,
                          slots=config.rollout.slots, on_swap=config.rollout.on_swap)
 

@@ -64,6 +64,7 @@ def test_variants_name_hub_models_of_presets_with_the_agreed_keys():
     assert c.model.name == preset and preset in presets.PRESETS
     assert c.model.path == repo and repo.endswith('/' + variant) and c.model.revision == ''
     assert (c.model.param_dtype, c.model.dtype) == ('float32', 'bfloat16')
+    assert c.model.inference_param_dtype == 'bfloat16'  # the workers' copy
     task = {k: c.task[k] for k in ('name', 'path', 'hf_config', 'split', 'eval_split',
                                    'question_field', 'answer_field', 'num_eval', 'format',
                                    'scorer')}
@@ -107,8 +108,9 @@ def test_memory_plan_of_qwen3_0_6b_on_v5e_8_matches_a_hand_calculation():
   work = t * 2 * (5 * d + 3 * heads * hd + 4 * kv_heads * hd + 4 * mlp) + (
       4 * rows * heads * length**2)
   logits = 3 * 4 * rows * 128 * vocab
-  # Worker: heads, kv heads, mlp and vocab split 4 ways (tensor); norms replicated.
-  inference_params = 4 * (layers * (2 * d + 2 * hd + (2 * d * heads * hd + 2 * d * kv_heads
+  # Worker: a bfloat16 copy (2 bytes a param); heads, kv heads, mlp and vocab split 4 ways
+  # (tensor); norms replicated.
+  inference_params = 2 * (layers * (2 * d + 2 * hd + (2 * d * heads * hd + 2 * d * kv_heads
                                                       * hd + 3 * d * mlp) / 4)
                           + vocab * d / 4 + d)
   # KV cache: 256 slots x 1024 positions x layers x kv heads x head_dim x (k, v) x bfloat16,
@@ -191,7 +193,7 @@ def test_every_variant_fits_the_chips_of_every_slice_it_is_meant_for(variant):
 
 
 def test_a_plan_that_exceeds_hbm_is_refused_naming_the_fixes():
-  with pytest.raises(SliceError, match=r'memory: the trainer \+ inference chips need 22\.\d\d '
+  with pytest.raises(SliceError, match=r'memory: the trainer \+ inference chips need 21\.20 '
                                        r'GiB each for qwen3-1\.7b but a chip has 16 GiB of HBM'
                                        r' \(trainer: params .*; shard more'):
     _plan_lines(_config('Qwen3-1.7B'), 'v5e-4')

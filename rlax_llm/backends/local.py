@@ -16,7 +16,8 @@ inference 4); otherwise every role's mesh starts at device 0.
 Weights: the parameter server (``rlax_llm.paramserver.ParameterServer``, keeping
 ``RunSpec.keep_versions`` versions: ``paramserver.keep_versions``) is an object of this
 process, but only the roles call it: the trainer pushes each new version from its own thread
-when its update is done (and its starting version when it is built or restored), and each
+when its update is done (and its starting version when it is built or restored), cast to the
+workers' dtype (``model.inference_param_dtype``) on its devices first, and each
 worker pulls the version a ``generate`` call names from its own thread
 (``InferenceWorker.generate_at``). The controller passes version numbers only.
 
@@ -39,7 +40,9 @@ import numpy as np
 from rlax_llm import config as config_lib
 from rlax_llm import roles
 from rlax_llm.backends.assembly import Run, assemble
+from rlax_llm.models.model import Model, cast_params
 from rlax_llm.paramserver import ParameterServer
+from rlax_llm.trainer.trainer import host_arrays
 
 
 class Serial:
@@ -67,13 +70,16 @@ class Serial:
 class LocalTrainer:
   """``TrainerHandle`` over an in-process ``Trainer`` that pushes each of its versions to
   ``server`` itself: its current one when built (or ``load``ed), each new one at the end of
-  the ``step`` that made it. With a ``checkpointer`` it first restores the trainer from its
-  latest checkpoint (``resume``: what the controller continues from, or None) and writes the
-  saves the controller asks for."""
+  the ``step`` that made it, cast to the dtypes of ``inference`` (the workers' model,
+  ``roles.inference_model``; default the trainer's own: pushed as they are). With a
+  ``checkpointer`` it first restores the trainer from its latest checkpoint (``resume``: what
+  the controller continues from, or None) and writes the saves the controller asks for."""
 
-  def __init__(self, trainer, threaded: bool, server: ParameterServer, checkpointer=None):
+  def __init__(self, trainer, threaded: bool, server: ParameterServer, checkpointer=None,
+               inference: Model | None = None):
     self.trainer = trainer
     self.server = server
+    self.inference = trainer.model if inference is None else inference
     self.checkpointer = checkpointer
     self.resume = (roles.resume_trainer(checkpointer, trainer)
                    if checkpointer is not None else None)
@@ -88,10 +94,12 @@ class LocalTrainer:
     """Pushes the trainer's params as its version unless the server has it (a skipped,
     non-finite update makes no new version)."""
     if self.server.latest_version() < self.trainer.version:
-      # One process: its arrays, shard by shard (one copy). Several: each process's server
-      # holds the whole params, gathered by host_params (process_allgather).
-      params = self.trainer.params if jax.process_count() == 1 else self.trainer.host_params()
-      self.server.push(self.trainer.version, params)
+      # Cast on the trainer's devices once per version (a no-op when the dtypes agree). One
+      # process: its arrays, shard by shard (one copy). Several: each process's server holds
+      # the whole params, gathered by host_arrays (process_allgather).
+      params = cast_params(self.trainer.params, self.inference)
+      self.server.push(self.trainer.version,
+                       params if jax.process_count() == 1 else host_arrays(params))
 
   def _step(self, batch):
     metrics = self.trainer.step(batch)
@@ -164,8 +172,10 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   trainer, warmup_metrics = roles.warm_trainer(config, spec, task, model, params, tokenizer,
                                                meshes['trainer'], checkpointer, stop)
   server = ParameterServer(keep=spec.keep_versions)
-  # Restores the latest checkpoint into the trainer, then pushes its version.
-  trainer = LocalTrainer(trainer, threaded, server, checkpointer)
+  # Restores the latest checkpoint into the trainer, then pushes its version (in the
+  # workers' dtype).
+  trainer = LocalTrainer(trainer, threaded, server, checkpointer,
+                         inference=roles.inference_model(config, model))
   workers = [LocalWorker(roles.build_worker(config, model, tokenizer, mesh), threaded, server)
              for mesh in meshes['inference']]
   try:

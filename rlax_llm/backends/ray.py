@@ -31,8 +31,14 @@ backend. (A signal during the warm-up takes effect once the warm-up is done: it 
 trainer actor, which does not see the driver's event.)
 
 A trainer spanning several hosts (``ray.trainer_processes = N``, one actor per host of a
-multi-host trainer slice): N ``TrainerRole`` actors join one ``jax.distributed`` job
-(coordinator: actor 0, ``coordinator_address``) and the trainer mesh spans all their devices;
+multi-host trainer slice): N ``TrainerRole`` actors join one ``jax.distributed`` job and the
+trainer mesh spans all their devices. Each actor reports its host (``host``: its TPU worker
+id, hostname and address) and the driver orders the processes by worker id
+(``order_trainers``, ``tpu_env.process_order``: process ``p`` is the host of worker id ``p``,
+as libtpu numbers the slice's hosts; a duplicate or missing id stops the launch; off TPU the
+actors' creation order); the coordinator is process 0's actor (``coordinator_address``), and
+on TPU each actor sets the variables of the slice's multi-host bring-up first
+(``tpu_env.slice_environment``).
 ``RayTrainer`` sends each the same calls (arguments written into the object store once) and
 takes process 0's result, checking that the others agree. Each actor pushes only its own
 blocks of each version (``local_shards``, its ``process_index``) and the server actor
@@ -87,6 +93,7 @@ from rlax_llm.backends import tpu_env
 from rlax_llm.backends.assembly import Run, assemble
 from rlax_llm.checkpoint import latest_step
 from rlax_llm.errors import ConfigError, RlaxError
+from rlax_llm.models.model import cast_params
 from rlax_llm.paramserver import ParameterServer, ShardPush, local_shards, shm
 from rlax_llm.paramserver.delta import Delta, LeafUpdate
 from rlax_llm.trainer.trainer import host_arrays
@@ -102,6 +109,26 @@ def _ray():
   return ray
 
 
+def _node() -> dict[str, Any]:
+  """This process's Ray node (``ray.nodes()``'s entry)."""
+  ray = _ray()
+  node_id = ray.get_runtime_context().get_node_id()
+  return next(n for n in ray.nodes() if n['NodeID'] == node_id)
+
+
+def _tpu_chips() -> tuple[list[str], int]:
+  """In an actor: the TPU chip ids Ray assigned to it and its host's chip count (``[]`` and 0
+  for an actor without ``'TPU'`` resources)."""
+  chips = _ray().get_runtime_context().get_accelerator_ids().get('TPU', [])
+  if not chips:
+    return [], 0
+  if os.environ.get('RAY_TPU_RESOURCE_PER_CHIP', '1') != '1':
+    raise ConfigError('RAY_TPU_RESOURCE_PER_CHIP='
+                      f'{os.environ["RAY_TPU_RESOURCE_PER_CHIP"]!r}: the Ray backend places '
+                      'actors by whole chips (one "TPU" unit per chip); unset it.')
+  return list(chips), int(_node()['Resources']['TPU'])
+
+
 def pin_tpu_chips() -> dict[str, str]:
   """In an actor given ``'TPU'`` resources: puts the environment that makes libtpu open only
   the chips Ray assigned to it into ``os.environ`` (``tpu_env.chip_environment``, agreeing
@@ -109,17 +136,10 @@ def pin_tpu_chips() -> dict[str, str]:
   resources or holding its whole host. Called first in the roles' ``__init__``: an actor runs
   in a fresh process where ``import jax`` has not created a backend yet, and libtpu reads
   these variables when the first device is used."""
-  ray = _ray()
-  context = ray.get_runtime_context()
-  chips = context.get_accelerator_ids().get('TPU', [])
+  chips, host_chips = _tpu_chips()
   if not chips:
     return {}
-  if os.environ.get('RAY_TPU_RESOURCE_PER_CHIP', '1') != '1':
-    raise ConfigError('RAY_TPU_RESOURCE_PER_CHIP='
-                      f'{os.environ["RAY_TPU_RESOURCE_PER_CHIP"]!r}: the Ray backend places '
-                      'actors by whole chips (one "TPU" unit per chip); unset it.')
-  node = next(n for n in ray.nodes() if n['NodeID'] == context.get_node_id())
-  env = tpu_env.chip_environment(chips, int(node['Resources']['TPU']), os.environ)
+  env = tpu_env.chip_environment(chips, host_chips, os.environ)
   os.environ.update(env)
   return env
 
@@ -339,8 +359,9 @@ class ServerRole:
 
 
 class TrainerRole:
-  """A trainer actor: process ``process_index`` of the ``process_count`` trainer actors
-  (``ray.trainer_processes``; one actor: the whole trainer). ``start`` joins them into one
+  """A trainer actor: one of the trainer actors (``ray.trainer_processes``; one actor: the
+  whole trainer), its process index given by ``start`` (the driver orders several by their
+  hosts' TPU worker ids: ``host``). ``start`` joins them into one
   ``jax.distributed`` job when there are several, runs the warm-up (or restores its
   checkpointed result), restores the workdir's latest checkpoint, and pushes the starting
   version; then it runs RL updates on the trainer mesh, which spans every actor's devices,
@@ -348,26 +369,38 @@ class TrainerRole:
   writes its part of the checkpoints the controller asks for. Every actor of a trainer is
   sent the same calls in the same order (the collectives of a step need them all)."""
 
-  def __init__(self, process_index: int = 0, process_count: int = 1):
+  def __init__(self):
     pin_tpu_chips()
-    self.process_index, self.process_count = process_index, process_count
+    self.process_index, self.process_count = 0, 1
+
+  def host(self) -> tpu_env.HostReport:
+    """This actor's host: its TPU worker id (``TPU_WORKER_ID`` in this process's environment,
+    else, on a TPU host, the VM's metadata; None off TPU), hostname and Ray node address."""
+    on_tpu = bool(_tpu_chips()[0])
+    worker_id = tpu_env.host_worker_id(os.environ, tpu_env.gce_metadata if on_tpu else None)
+    return tpu_env.HostReport(worker_id, socket.gethostname(), _node()['NodeManagerAddress'])
 
   def coordinator_address(self) -> str:
     """``host:port`` for the job's coordinator, in this actor (process 0): this node's
     address and a port free on it now."""
-    ray = _ray()
-    node_id = ray.get_runtime_context().get_node_id()
-    host = next(n['NodeManagerAddress'] for n in ray.nodes() if n['NodeID'] == node_id)
     with socket.socket() as s:
       s.bind(('', 0))
-      return f'{host}:{s.getsockname()[1]}'
+      return f'{_node()["NodeManagerAddress"]}:{s.getsockname()[1]}'
 
-  def start(self, payload: str, server, workdir: str, coordinator: str | None = None):
-    """Builds the trainer (joining the job at ``coordinator`` first when there are several
-    processes) and returns ``(warm-up metrics, Resume or None, version)``: what the driver
-    needs to start (the restored checkpoint's controller state and rollouts' arrays, no
-    weights)."""
+  def start(self, payload: str, server, workdir: str, coordinator: str | None = None,
+            process_index: int = 0, addresses: tuple[str, ...] = ()):
+    """Builds the trainer and returns ``(warm-up metrics, Resume or None, version)``: what the
+    driver needs to start (the restored checkpoint's controller state and rollouts' arrays,
+    no weights). With several processes (``addresses``: every trainer host's, in process
+    order) this one is process ``process_index``: on a TPU host it first sets the variables
+    of the slice's multi-host bring-up (``tpu_env.slice_environment``), then joins the job at
+    ``coordinator``."""
+    self.process_index, self.process_count = process_index, max(1, len(addresses))
     if self.process_count > 1:
+      chips, host_chips = _tpu_chips()
+      if chips:  # before JAX opens a TPU device: libtpu reads these then
+        os.environ.update(tpu_env.slice_environment(process_index, addresses, chips,
+                                                    host_chips, os.environ))
       jax.distributed.initialize(coordinator, self.process_count, self.process_index)
     config = _config_from(payload)
     # This process gets the config as JSON, so its boundary is here: the same one builder
@@ -382,16 +415,20 @@ class TrainerRole:
     resume = (roles.resume_trainer(self.checkpointer, self.trainer)
               if self.checkpointer is not None else None)
     self.server = server
+    self.inference = roles.inference_model(config, model)  # the workers' dtypes
     self._pushed = -1
     self._publish()
     return warmup_metrics, resume, self.trainer.version
 
   def _publish(self) -> None:
-    """Pushes this process's blocks of the trainer's params as its version unless already
-    pushed (bytes: this process -> the object store -> the server's process)."""
+    """Pushes this process's blocks of the trainer's params, cast to the workers' dtypes on
+    its devices (``cast_params``: a no-op when they agree), as its version unless already
+    pushed (bytes: this process -> a shared-memory slot of the server on its machine, else
+    the object store -> the server's process)."""
     if self._pushed < self.trainer.version:
+      params = cast_params(self.trainer.params, self.inference)
       push_shards(self.server, self.trainer.version,  # each block to host on its own
-                  local_shards(self.trainer.params, to_host=True), self.process_index,
+                  local_shards(params, to_host=True), self.process_index,
                   self.process_count)
       self._pushed = self.trainer.version
 
@@ -590,6 +627,16 @@ class RayWorker:
       _ray().kill(self.actor)
 
 
+def order_trainers(actors: list) -> tuple[list, list[tpu_env.HostReport]]:
+  """The trainer actors in process order and their hosts' reports (``TrainerRole.host``) in
+  that order: process ``p`` is the actor on the host whose TPU worker id is ``p``
+  (``tpu_env.process_order``; off TPU, ``actors``' order). Raises ConfigError for a
+  duplicate or missing worker id."""
+  reports = _ray().get([actor.host.remote() for actor in actors])
+  order = tpu_env.process_order(reports)
+  return [actors[i] for i in order], [reports[i] for i in order]
+
+
 def _same_start(values: list[tuple[Any, Any, int]]) -> None:
   """The trainer actors started at the same version (each restored the same checkpoint)."""
   versions = [version for _, _, version in values]
@@ -653,15 +700,19 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   # Threads for the trainer's processes pushing a version at once beside workers' pulls.
   server_cls = ray.remote(num_cpus=0, max_concurrency=max(4, processes + 2))(ServerRole)
   server_actor = server_cls.remote(spec.keep_versions, spec.transport)
-  trainer_actors = [trainer_cls.remote(p, processes) for p in range(processes)]
+  trainer_actors = [trainer_cls.remote() for _ in range(processes)]
   worker_actors = [worker_cls.remote(payload, n, server_actor)
                    for n in range(config.rollout.workers)]
   trainer = None
   try:
-    coordinator = (ray.get(trainer_actors[0].coordinator_address.remote()) if processes > 1
-                   else None)
-    starts = _get_each([actor.start.remote(payload, server_actor, str(workdir), coordinator)
-                        for actor in trainer_actors], None)
+    coordinator, addresses = None, ()
+    if processes > 1:
+      trainer_actors, reports = order_trainers(trainer_actors)
+      coordinator = ray.get(trainer_actors[0].coordinator_address.remote())
+      addresses = tuple(report.address for report in reports)
+    starts = _get_each([actor.start.remote(payload, server_actor, str(workdir), coordinator,
+                                           p, addresses)
+                        for p, actor in enumerate(trainer_actors)], None)
     _same_start(starts)
     warmup_metrics, resume, version = starts[0]
     trainer = RayTrainer(trainer_actors, version, workdir)

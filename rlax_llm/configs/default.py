@@ -35,6 +35,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
           rope_theta=10_000.0, tie_embeddings=True)),
       max_seq_len=16,  # None for a checkpoint: its own
       param_dtype='float32', dtype='float32', remat='none',
+      # The inference workers' copy of the params: '' (param_dtype) or 'bfloat16' (the
+      # trainer keeps param_dtype master weights and pushes a bf16 cast; docs/rollout.md).
+      inference_param_dtype='',
       batch_invariant=False,  # True: sampler and trainer log-probs bitwise equal (docs/models.md)
       # With batch_invariant: 'chunks' (fastest for engines of up to 32 slots) or 'floor'
       # (no slower than the default numerics for 64 slots or more; needs mesh.*.data == 1).

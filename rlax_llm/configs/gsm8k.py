@@ -8,10 +8,13 @@ test split held out) are read from the hub by name:
 The recipe: 32 questions x 8 samples per update (256 rows of up to 384 prompt + 640
 completion tokens), one epoch of GSM8K's 7473 questions (233 updates), the reward the math
 scorer's (the final answer after ``####`` or in the last ``\\boxed{}``, docs/tasks.md).
-Numerics: float32 master params and AdamW state (the trainer's and the workers' copy, which
-is the one the parameter server moves), bfloat16 compute, activations and KV cache; each
-block recomputed in the backward pass (remat 'full'), the batch in 8 micro-batches, log-probs
-128 positions at a time.
+Numerics: float32 master params and AdamW state in the trainer; the inference workers hold a
+bfloat16 copy (``model.inference_param_dtype``: the trainer pushes the bf16 cast of each
+version, which the parameter server moves and checks; the behaviour log-probs are the bf16
+policy's, the trainer's recompute float32's, and the ``mismatch/*`` metrics measure the gap,
+docs/rollout.md); bfloat16 compute, activations and KV cache; each block recomputed in the
+backward pass (remat 'full'), the batch in 8 micro-batches, log-probs 128 positions at a
+time.
 Meshes: the trainer shards params, gradients and AdamW state over every chip (fsdp = -1);
 each host's inference worker splits heads over 2 or 4 chips (tensor) and its KV-cache slots
 over the host's other chips (data = -1). So one config fits every slice of the recipes'
@@ -55,7 +58,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict(dict(
       name=preset, path=repo, revision='',  # a hub repo id (revision '': its main branch)
       max_seq_len=placeholder(int),
-      param_dtype='float32', dtype='bfloat16', remat='full',
+      # float32 master weights and AdamW state in the trainer; the workers hold a bfloat16
+      # copy, which the trainer pushes (half the bytes, sparse deltas between versions).
+      param_dtype='float32', inference_param_dtype='bfloat16', dtype='bfloat16', remat='full',
       batch_invariant=False, invariant_rows='chunks',
   ))
   # Every argument of MathTask at its default (task_section) but these: GSM8K from the hub,

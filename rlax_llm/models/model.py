@@ -121,6 +121,28 @@ def with_weight_layout(model: Model, layout: str, decode_attention: str | None =
                                                     decode_attention=attention))
 
 
+def with_param_dtype(model: Model, dtype: Any) -> Model:
+  """``model`` storing its params in ``dtype`` (``Execution.param_dtype``), e.g. an inference
+  worker's bfloat16 copy of float32 master weights; ``model`` itself when it already does.
+  The compute dtype is unchanged (weights are cast to it in each matmul either way)."""
+  if jnp.dtype(dtype) == jnp.dtype(model.config.execution.param_dtype):
+    return model
+  return abstract_model(model.config.with_execution(param_dtype=dtype))
+
+
+def cast_params(params: Params, model: Model) -> Params:
+  """``params`` (of a model of ``model``'s architecture) with every leaf in ``model``'s dtype
+  for it (``with_param_dtype``), rounded to nearest even. A ``jax.Array`` is converted where
+  it lies, keeping its sharding (on a trainer spanning several processes every process must
+  call it); a host array by numpy. A leaf already in its dtype is returned as it is (no
+  copy)."""
+  def cast(value, want: jax.ShapeDtypeStruct):
+    if value.dtype == want.dtype:
+      return value
+    return value.astype(want.dtype)
+  return jax.tree.map(cast, params, model.abstract_params())
+
+
 def to_weight_layout(params: Params, source: Model, target: Model) -> Params:
   """``source``'s params in ``target``'s weight layout (the models otherwise equal, but for
   ``decode_attention``, which does not touch the params).

@@ -232,7 +232,8 @@ class MemoryPlan:
     update: the optimizer step's new params and optimizer state, held until the step's
       finiteness check selects them over the old ones; it follows the backward pass, so the
       trainer's peak holds the larger of ``activations`` and ``update``.
-    inference_params: one worker's copy of the params (``param_dtype``), on its mesh.
+    inference_params: one worker's copy of the params (in ``memory_plan``'s
+      ``inference_param_dtype``, by default ``param_dtype``), on its mesh.
     kv_cache: one worker's KV cache (``kv_cache_bytes``), on its mesh.
     inference_logits: a decode step's float32 ``[slots, vocab]`` logits (4 buffers).
     workers_per_chip: inference workers whose meshes share a chip (roles not disjoint:
@@ -292,15 +293,17 @@ class MemoryPlan:
 def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
                 inference_mesh: Mapping[str, int], *, train_rows: int, train_length: int,
                 micro_batches: int = 1, logprob_chunk: int = 0, slots: int,
-                cache_length: int, workers_per_chip: int = 1, shared: bool = True,
+                cache_length: int, inference_param_dtype: Any = None,
+                workers_per_chip: int = 1, shared: bool = True,
                 reference: bool = False, optimizer_moments: int = 2,
                 optimizer_dtype: Any = jnp.float32,
                 rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES) -> MemoryPlan:
   """The bytes per chip a run's trainer and inference workers hold (nothing is allocated).
 
   Args:
-    config: the model, with its ``execution`` (``param_dtype``: the trainer's master copy and
-      the workers' copy; ``dtype``: activations and KV cache; ``remat``).
+    config: the model, with its ``execution`` (``param_dtype``: the trainer's master copy,
+      and the workers' copy unless ``inference_param_dtype``; ``dtype``: activations and KV
+      cache; ``remat``).
     trainer_mesh, inference_mesh: axis sizes (``{'data', 'fsdp', 'tensor'}``, resolved:
       ``sharding.mesh_shape``).
     train_rows, train_length: the rows of one train batch (``prompts_per_step *
@@ -309,6 +312,8 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
     logprob_chunk: positions whose logits are made at once (0: all).
     slots, cache_length: one worker's KV-cache slots (split over its ``data * fsdp``
       devices) and positions.
+    inference_param_dtype: the dtype of the workers' copy of the params (None:
+      ``param_dtype``), e.g. bfloat16 beside float32 master weights.
     workers_per_chip, shared, reference: see ``MemoryPlan``.
     optimizer_moments, optimizer_dtype: the optimizer state per param (AdamW: 2, float32).
   Returns:
@@ -325,7 +330,9 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
   activations = activation_bytes(config, rows=rows, length=train_length,
                                  tensor=trainer_mesh['tensor'],
                                  logprob_chunk=logprob_chunk)['total_bytes']
-  _, inference_params = _param_shard_bytes(config, inference_mesh, rules)
+  inference = (config if inference_param_dtype is None
+               else config.with_execution(param_dtype=inference_param_dtype))
+  _, inference_params = _param_shard_bytes(inference, inference_mesh, rules)
   slot_shards = inference_mesh['data'] * inference_mesh['fsdp']
   kv_split = inference_mesh['tensor'] if config.num_kv_heads % inference_mesh['tensor'] == 0 \
       else 1

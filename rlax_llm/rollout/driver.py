@@ -15,7 +15,13 @@ changes is a policy (``on_swap``):
   token another version drew: no sample mixes versions.
 
 Either way a sample started after a swap is prefilled with the new params, and one decode
-step never mixes versions. Who swaps: whoever sets the holder; ``run(jobs, refresh=f)`` calls
+step never mixes versions.
+
+Cancellation (a client of the OpenAI-compatible endpoint that disconnects,
+``rlax_llm.serve``): ``run(jobs, cancelled=f)`` asks ``f(j)`` before every decode step for
+every job ``j`` still running; a cancelled job's unfinished samples end at once with
+``finish_reason`` ``'cancelled'`` (the tokens drawn so far kept), their slots take other
+samples from the next step on and their pending samples never start. Who swaps: whoever sets the holder; ``run(jobs, refresh=f)`` calls
 ``f()`` before every decode step reads it, which is where a worker in free-running mode pulls
 a newer version from the parameter server (``InferenceWorker.generate_at``). The driver is
 single-threaded and deterministic: given the jobs, their keys and the versions it reads at
@@ -139,7 +145,7 @@ class Sample:
   logprobs: list[float] = dataclasses.field(default_factory=list)
   supports: list[int] = dataclasses.field(default_factory=list)
   versions: list[int] = dataclasses.field(default_factory=list)
-  finish_reason: str | None = None  # 'stop' | 'length'; None: unfinished
+  finish_reason: str | None = None  # 'stop' | 'length' | 'cancelled'; None: unfinished
   restarts: int = 0
 
   def append(self, token: int, logprob: float, support: int, version: int) -> None:
@@ -241,7 +247,8 @@ class Driver:
                              f'tokens, but max_new_tokens={job.max_new_tokens}.')
 
   def run(self, jobs: Sequence[Job], stop_after: int | None = None,
-          refresh: Callable[[], None] | None = None) -> list[list[Sample]]:
+          refresh: Callable[[], None] | None = None,
+          cancelled: Callable[[int], bool] | None = None) -> list[list[Sample]]:
     """Generates the samples of every job; ``result[j][i]`` is sample ``i`` of job ``j``.
 
     ``stop_after``: stop once that many jobs are complete (every sample finished); the
@@ -249,6 +256,8 @@ class Driver:
     ``Job.resume`` to continue). None: run every job to the end.
     ``refresh``: called before every decode step reads the holder (after ``before_step``);
     it may set a new version there, which that step uses.
+    ``cancelled``: ``cancelled(j)`` is asked before every decode step for each job ``j`` with
+    unfinished samples; True ends them (``'cancelled'``) and frees their slots.
     """
     self.check(jobs)
     if stop_after is not None and not 1 <= stop_after <= len(jobs):
@@ -268,7 +277,7 @@ class Driver:
       if done is not None and done():
         break
       self._phase(spec, [j for j, job in enumerate(jobs) if job.sampling == spec], jobs,
-                  results, done, refresh)
+                  results, done, refresh, cancelled)
     self.stats['unfinished_samples'] = sum(
         1 for samples in results for sample in samples if sample.finish_reason is None)
     self.stats['wall_s'] = time.perf_counter() - start
@@ -277,7 +286,8 @@ class Driver:
 
   def _phase(self, spec: SamplingSpec, job_ids: list[int], jobs: Sequence[Job],
              results: list[list[Sample]], done: Callable[[], bool] | None = None,
-             refresh: Callable[[], None] | None = None) -> None:
+             refresh: Callable[[], None] | None = None,
+             cancelled: Callable[[int], bool] | None = None) -> None:
     """Runs the jobs of one sampling spec to completion (or until ``done()``).
 
     Steps are pipelined one deep: step ``t + 1`` is dispatched before the host reads step
@@ -332,6 +342,8 @@ class Driver:
             self.state = e.release_all(self.state)
             self.stats['discarded_samples'] += len(dropped)
         version = current
+      if cancelled is not None:
+        pending = self._cancel(cancelled, slots, pending, prefixes, to_insert, results)
       self._fill(slots, pending, prefixes, to_insert, jobs, results, params, version, spec)
       dispatched = None
       if any(s is not None for s in slots):
@@ -344,6 +356,29 @@ class Driver:
       if in_flight is not None:
         self._collect(in_flight, slots, jobs, results)
       in_flight = dispatched
+
+  def _cancel(self, cancelled, slots, pending, prefixes, to_insert, results
+              ) -> collections.deque:
+    """Ends the unfinished samples of the jobs ``cancelled`` names (``'cancelled'``): frees
+    their slots (a step in flight skips them: its occupant is gone) and drops their pending
+    samples and prefixes. Returns the pending samples left."""
+    running = {j for j, _ in pending} | {occupant[0] for occupant in slots if occupant}
+    stopped = {j for j in running if cancelled(j)}
+    if not stopped:
+      return pending
+    for slot, occupant in enumerate(slots):
+      if occupant is not None and occupant[0] in stopped:
+        slots[slot] = None
+    for j in stopped:
+      for sample in results[j]:
+        if sample.finish_reason is None:
+          sample.finish_reason = 'cancelled'
+          self.stats['cancelled_samples'] += 1
+      to_insert[j] = 0
+      prefixes.pop(j, None)
+      for key in [key for key in prefixes if isinstance(key, tuple) and key[0] == j]:
+        del prefixes[key]
+    return collections.deque((j, i) for j, i in pending if j not in stopped)
 
   def _collect(self, in_flight, slots, jobs, results) -> None:
     """Appends a dispatched step's tokens to the samples it advanced; frees finished slots."""

@@ -16,6 +16,11 @@ a fixed set of KV-cache *slots*; rlax_llm's engine keeps that shape:
   (``prefill(..., continuation=True)``, longer length buckets up to the cache length) and
   inserting it with ``Insert.offset = t``: its next token is drawn with ``fold_in(key, t)``,
   exactly the key it would have used uninterrupted, and its budget is what is left.
+* ``extend(params, state, extends, spec) -> (state, StepResult)`` (multi-turn episodes,
+  rlax_llm.rollout.episodes): appends new tokens to a slot that stopped (its last sampled
+  token, then an environment's observation) by prefilling *only those tokens* at the slot's
+  current cache position, over the keys/values already there, and samples the slot's next
+  turn's first token: a conversation's KV cache is kept across its turns.
 * ``generate(params, state, spec) -> (state, StepResult)``: one decode step for every slot:
   feed each slot's last token, sample the next from the policy, write its key/value.
 
@@ -88,6 +93,20 @@ class Insert:
   max_new_tokens: int
   stop_ids: tuple[int, ...]
   offset: int = 0  # tokens the sample drew before (a continuation; the row holds them)
+
+
+@dataclasses.dataclass(frozen=True)
+class Extend:
+  """Append ``tokens`` to ``slot``'s cache (it holds ``start`` positions) and start a new
+  sample there: its own key, length cap and stops, as ``Insert``."""
+
+  slot: int
+  start: int  # positions the slot's cache holds (the caller's bookkeeping; checked on host)
+  tokens: tuple[int, ...]  # the new ids, non-empty
+  key: np.ndarray  # uint32 [key_size] key data
+  max_new_tokens: int
+  stop_ids: tuple[int, ...]
+  offset: int = 0
 
 
 @flax.struct.dataclass
@@ -239,8 +258,14 @@ class Engine:
     self._generate = jax.jit(self._generate_impl, static_argnames=('spec', 'attend'),
                              donate_argnums=(1,),
                              out_shardings=(self.state_shardings, None))
+    self._extend = jax.jit(self._extend_impl, static_argnames=('spec',), donate_argnums=(1,),
+                           out_shardings=(self.state_shardings, None))
+    self.prefilled_tokens = 0  # true (unpadded) tokens prefill and extend have run
     self._release_all = jax.jit(
         lambda state: state.replace(remaining=jnp.zeros_like(state.remaining)),
+        donate_argnums=(0,), out_shardings=self.state_shardings)
+    self._release = jax.jit(
+        lambda state, mask: state.replace(remaining=jnp.where(mask, 0, state.remaining)),
         donate_argnums=(0,), out_shardings=self.state_shardings)
 
   def _decode_attention(self, model: Model, mesh: Mesh, wanted: str | None
@@ -348,6 +373,7 @@ class Engine:
     for i, prompt in enumerate(prompts):
       padded[i, :len(prompt)] = prompt
       true_lengths[i] = len(prompt)
+    self.prefilled_tokens += sum(lengths)
     return self._prefill(params, jnp.asarray(padded), jnp.asarray(true_lengths))
 
   def insert(self, prefix: Prefix, state: DecodeState, inserts: Sequence[Insert],
@@ -389,6 +415,66 @@ class Engine:
                         jnp.asarray(keys), jnp.asarray(max_new), jnp.asarray(offsets),
                         jnp.asarray(stops), spec=spec)
 
+  def extend(self, params: Params, state: DecodeState, extends: Sequence[Extend],
+             spec: SamplingSpec) -> tuple[DecodeState, StepResult]:
+    """Appends each ``Extend``'s tokens to its (inactive) slot's cache and samples the
+    slot's next token from the last one's logits (``fold_in(key, offset)``), in one call.
+
+    Only the new tokens are run through the model (``prefilled_tokens`` grows by their
+    count), at positions ``start ..`` of their slot, attending to everything the slot's
+    cache holds: what a prefill of the whole sequence from scratch computes, up to float
+    rounding. A slot whose sample ended holds every token but its last sampled one (a step
+    feeds a token after drawing it), so a conversation passes that token first. The batch
+    is padded to a power of two and the tokens to a prefill bucket; each compiles once.
+    Returns ``(state, StepResult)`` whose entry ``i`` belongs to ``extends[i]``, as
+    ``insert``. Raises ValueError, before any compute, for an empty or out-of-range slot
+    list, a repeated slot, no tokens, or tokens that leave no room in the cache
+    (``start + len(tokens) + max_new_tokens - 1`` must be ``<= cache_length``).
+    """
+    s = self.slots
+    if not 1 <= len(extends) <= s:
+      raise ValueError(f'extend takes 1 to slots={s} extends, got {len(extends)}.')
+    if len({x.slot for x in extends}) != len(extends):
+      raise ValueError('two extends target the same slot.')
+    rows = 1 << (len(extends) - 1).bit_length()
+    for i, x in enumerate(extends):
+      if not 0 <= x.slot < s:
+        raise ValueError(f'extend {i}: slot {x.slot} out of range [0, {s}).')
+      if not x.tokens:
+        raise ValueError(f'extend {i}: no tokens to append.')
+      if not 1 <= x.max_new_tokens <= self.max_decode_length or not (
+          0 <= x.offset < x.max_new_tokens):
+        raise ValueError(f'extend {i}: max_new_tokens={x.max_new_tokens} must be in [1, '
+                         f'max_decode_length={self.max_decode_length}] and offset='
+                         f'{x.offset} below it.')
+      end = x.start + len(x.tokens) + x.max_new_tokens - x.offset - 1
+      if x.start < 1 or end > self.cache_length:
+        raise ValueError(f'extend {i}: {len(x.tokens)} tokens at position {x.start} plus '
+                         f'{x.max_new_tokens - x.offset} to draw need {end} positions; the '
+                         f'cache holds cache_length={self.cache_length} (and start must be '
+                         '>= 1: extend a slot that holds a prompt).')
+      if len(x.stop_ids) > MAX_STOP_IDS:
+        raise ValueError(f'{len(x.stop_ids)} stop ids; at most {MAX_STOP_IDS} are supported.')
+    width = max(len(x.tokens) for x in extends)
+    sizes = self.prefill_buckets + self.continuation_buckets
+    width = next((b for b in sizes if b >= width), width)
+    tokens = np.full((rows, width), self.pad_id, np.int32)
+    lengths = np.zeros(rows, np.int32)
+    slots = np.full(rows, s, np.int32)  # slot == S: padding, dropped
+    keys = np.zeros((rows, self.key_size), np.uint32)
+    max_new = np.ones(rows, np.int32)
+    offsets = np.zeros(rows, np.int32)
+    stops = np.full((rows, MAX_STOP_IDS), -1, np.int32)
+    for i, x in enumerate(extends):
+      tokens[i, :len(x.tokens)] = x.tokens
+      lengths[i], slots[i], keys[i] = len(x.tokens), x.slot, x.key
+      max_new[i], offsets[i] = x.max_new_tokens, x.offset
+      stops[i, :len(x.stop_ids)] = x.stop_ids
+    self.prefilled_tokens += int(lengths.sum())
+    return self._extend(params, state, jnp.asarray(tokens), jnp.asarray(lengths),
+                        jnp.asarray(slots), jnp.asarray(keys), jnp.asarray(max_new),
+                        jnp.asarray(offsets), jnp.asarray(stops), spec=spec)
+
   def generate(self, params: Params, state: DecodeState, spec: SamplingSpec,
                longest: int | None = None) -> tuple[DecodeState, StepResult]:
     """One decode step over all slots with ``params``.
@@ -414,9 +500,16 @@ class Engine:
     """Every slot inactive (what the slots held is overwritten by the next inserts)."""
     return self._release_all(state)
 
+  def release(self, state: DecodeState, slots: Sequence[int]) -> DecodeState:
+    """``slots`` inactive (an episode that timed out mid-turn); the others unchanged."""
+    mask = np.zeros(self.slots, bool)
+    mask[list(slots)] = True
+    return self._release(state, jnp.asarray(mask))
+
   def compilations(self) -> int:
     """How many programs the engine's jitted functions have compiled so far."""
-    jitted = (self._prefill, self._insert, self._generate, self._release_all)
+    jitted = (self._prefill, self._insert, self._generate, self._extend, self._release_all,
+              self._release)
     return sum(f._cache_size() for f in jitted)  # pylint: disable=protected-access
 
   # ----------------------------------------------------------------------- device code
@@ -461,19 +554,26 @@ class Engine:
         part = jax.lax.slice_in_dim(update, lo, lo + size, axis=axis)
         written.append(buffer.at[into].set(part.astype(buffer.dtype), mode='drop'))
       return tuple(written)
+    cache = KVCache(
+        k=tuple(put(ck, pk, KEY_POSITION_AXIS)
+                for ck, pk in zip(state.cache.k, prefix.k)),
+        v=tuple(put(cv, pv, VALUE_POSITION_AXIS) for cv, pv in zip(state.cache.v, prefix.v)),
+        lengths=state.cache.lengths.at[slots].set(prefix.lengths[rows], mode='drop'))
+    return self._start_samples(state, cache, prefix.logits[rows], slots, keys, max_new,
+                               offsets, stop_ids, spec)
+
+  def _start_samples(self, state, cache, logits, slots, keys, max_new, offsets, stop_ids,
+                     spec):
+    """The state with ``cache`` and a new sample in each of ``slots`` (S: padding, dropped),
+    its first token drawn from ``logits`` ``[R, V]`` with ``fold_in(key, offset)``."""
     first_keys = jax.vmap(lambda data, offset: jax.random.fold_in(
         jax.random.wrap_key_data(data), offset))(keys, offsets)
-    token, logp, support = sample_rows(prefix.logits[rows], first_keys, spec,
+    token, logp, support = sample_rows(logits, first_keys, spec,
                                        invariant=self.model.config.execution.batch_invariant)
     stopped = jnp.any(token[:, None] == stop_ids, axis=1)
     left = max_new - offsets - 1  # tokens it may draw after this one
     remaining = jnp.where(stopped | (left <= 0), 0, left)
     set_rows = lambda buffer, values: buffer.at[slots].set(values, mode='drop')
-    cache = KVCache(
-        k=tuple(put(ck, pk, KEY_POSITION_AXIS)
-                for ck, pk in zip(state.cache.k, prefix.k)),
-        v=tuple(put(cv, pv, VALUE_POSITION_AXIS) for cv, pv in zip(state.cache.v, prefix.v)),
-        lengths=set_rows(state.cache.lengths, prefix.lengths[rows]))
     state = DecodeState(
         cache=cache, tokens=set_rows(state.tokens, token), keys=set_rows(state.keys, keys),
         positions=set_rows(state.positions, offsets + 1),
@@ -481,6 +581,40 @@ class Engine:
         stop_ids=set_rows(state.stop_ids, stop_ids))
     valid = slots < state.tokens.shape[0]
     return state, StepResult.pack(token, logp, support, valid, valid & (remaining == 0))
+
+  def _extend_impl(self, params, state, tokens, lengths, slots, keys, max_new, offsets,
+                   stop_ids, *, spec):
+    # The slots' blocks joined into one contiguous cache per layer, with room past its end
+    # for the new tokens wherever they start (a one-block write clamps at the end), run
+    # as a prefill over it, then split back into blocks and scattered to the slots.
+    block = self.block_length
+    extra = -(-tokens.shape[1] // block) * block
+    gather = jnp.minimum(slots, self.slots - 1)
+
+    def joined(blocks, axis):
+      rows = jnp.concatenate([b[gather] for b in blocks], axis=axis)
+      pad = [(0, 0)] * rows.ndim
+      pad[axis] = (0, extra)
+      return jnp.pad(rows, pad)
+    cache = KVCache(k=tuple((joined(k, KEY_POSITION_AXIS),) for k in state.cache.k),
+                    v=tuple((joined(v, VALUE_POSITION_AXIS),) for v in state.cache.v),
+                    lengths=state.cache.lengths[gather])
+    last, cache = self.model.prefill(params, tokens, lengths, cache)
+
+    def split(buffers, new, axis):
+      (whole,) = new
+      return tuple(
+          buffer.at[slots].set(jax.lax.slice_in_dim(whole, j * block, (j + 1) * block,
+                                                    axis=axis).astype(buffer.dtype),
+                               mode='drop')
+          for j, buffer in enumerate(buffers))
+    new_cache = KVCache(
+        k=tuple(split(old, new, KEY_POSITION_AXIS) for old, new in zip(state.cache.k, cache.k)),
+        v=tuple(split(old, new, VALUE_POSITION_AXIS)
+                for old, new in zip(state.cache.v, cache.v)),
+        lengths=state.cache.lengths.at[slots].set(cache.lengths, mode='drop'))
+    return self._start_samples(state, new_cache, last, slots, keys, max_new, offsets,
+                               stop_ids, spec)
 
   def _generate_impl(self, params, state, *, spec, attend):
     active = state.remaining > 0

@@ -36,13 +36,15 @@ from jax.sharding import Mesh
 
 from rlax_llm import schedule
 from rlax_llm import sharding as sharding_lib
-from rlax_llm.data_types import FollowLatest, GenerationRequest, Rollouts
+from rlax_llm.data_types import FollowLatest, GenerationRequest, Rollouts, Trajectory
 from rlax_llm.models.model import Model
 from rlax_llm.paramserver import ParameterServer
 from rlax_llm.paramserver import delta as delta_lib
 from rlax_llm.paramserver.server import leaf_specs
 from rlax_llm.rollout.driver import Driver, Job, Sample, VersionedParams
 from rlax_llm.rollout.engine import Engine
+from rlax_llm.rollout.episodes import Episode, EpisodeRunner
+from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.tokenization import Tokenizer, encode_prompts
 
 # ``fetch(version, base_version) -> Delta``: a backend's way to ask the parameter server for a
@@ -161,6 +163,26 @@ class InferenceWorker:
       pulled.update(self.pull(version, fetch))
     rollouts = self.generate(requests, rng, stop_after, first, refresh=refresh)
     return dataclasses.replace(rollouts, timings={**rollouts.timings, **pulled})
+
+  def play_at(self, version: int, fetch: Fetch, episodes: Sequence[Episode],
+              spec: SamplingSpec, *, max_concurrent_episodes: int, max_turn_tokens: int,
+              timeout_s: float, max_turns: int | None = None
+              ) -> tuple[list[Trajectory], dict[str, float]]:
+    """Plays multi-turn ``episodes`` (``rlax_llm.rollout.episodes.EpisodeRunner``, its
+    arguments) with the weights of ``version``, pulled first (``pull``) unless held, in this
+    worker's engine slots and KV cache. Returns one ``Trajectory`` per episode, in order,
+    and the runner's ``stats`` plus the pull's figures (``sync/`` keys; none when no pull
+    was needed)."""
+    pulled = {} if version == self.version else self.pull(version, fetch)
+    runner = EpisodeRunner(self.engine, self.holder, self.tokenizer,
+                           max_concurrent_episodes=max_concurrent_episodes,
+                           max_turn_tokens=max_turn_tokens, timeout_s=timeout_s,
+                           max_turns=max_turns, state=self.driver.state)
+    try:
+      trajectories = runner.run(episodes, spec)
+    finally:
+      self.driver.state = runner.state  # the engine donated the driver's: one cache
+    return trajectories, {**runner.stats, **pulled}
 
   def maybe_reload(self, server: ParameterServer, j: int) -> bool:
     """Pulls the latest weights if the server is ``>= j`` versions ahead (or none are held;

@@ -1,9 +1,12 @@
 """Placement on TPU hosts: the environment that makes an actor's libtpu open only the chips
 Ray assigned to it (``rlax_llm.backends.tpu_env``), and what two actors sharing a v5e-8 host
-get on a Ray cluster with fake ``'TPU'`` resources (no TPU here: Ray schedules by them)."""
+get on a Ray cluster with fake ``'TPU'`` resources (no TPU here: Ray schedules by them); for a
+trainer spanning the hosts of a multi-host slice, the order of its processes by the hosts'
+TPU worker ids (fake ``TPU_WORKER_ID`` values here) and the environment of each."""
 
 import os
 import pathlib
+import socket
 
 import pytest
 from jax._src import xla_bridge  # (backends_are_initialized: no public equivalent)
@@ -11,7 +14,8 @@ from smoke_config import smoke_config  # tests/smoke_config.py
 
 from rlax_llm.backends import build_run
 from rlax_llm.backends import ray as ray_backend
-from rlax_llm.backends.tpu_env import chip_environment
+from rlax_llm.backends.tpu_env import (HostReport, chip_environment, host_worker_id,
+                                       process_order, slice_environment)
 from rlax_llm.config import run_spec
 from rlax_llm.errors import ConfigError
 
@@ -174,3 +178,95 @@ def test_a_runs_worker_actors_sharing_a_host_see_their_own_chips(fake_tpu_host, 
         lambda self: tpu_variables(os.environ)) for actor in actors])
   assert_partition(sorted(workers, key=lambda e: e['TPU_VISIBLE_CHIPS']), 8, '2,2,1')
   assert trainer == {}
+
+
+# ------------------------------------------------- a trainer spanning a multi-host slice
+
+
+def report(worker_id, host):
+  return HostReport(worker_id, f'host-{host}', f'10.0.0.{host}')
+
+
+def test_processes_are_ordered_by_their_hosts_worker_ids():
+  """Process p is the host whose TPU worker id is p, whatever order Ray created the actors
+  in (a v5e-16: 4 hosts); off TPU (no worker ids) the creation order stays."""
+  reports = [report(2, 7), report(0, 5), report(3, 9), report(1, 6)]
+  assert process_order(reports) == [1, 3, 0, 2]
+  assert process_order([report(None, 1), report(None, 2)]) == [0, 1]
+
+
+@pytest.mark.parametrize('ids, message', [
+    ([0, 0], r'TPU worker id 0 is reported by 2 trainer actors, on host-0 \(10.0.0.0\), '
+             r'host-1 \(10.0.0.1\): two actors on one host, or hosts of two slices; each '
+             r'trainer actor must hold one whole host'),
+    ([0, 2], r'the 2 trainer actors report TPU worker ids \[0, 2\] \(0: host-0 \(10.0.0.0\), '
+             r'2: host-1 \(10.0.0.1\)\), but the hosts of a 2-host slice are workers 0..1: '
+             r'worker id\(s\) \[1\] are not in the trainer; .*ray.trainer_processes = the '
+             r"slice's host count"),
+    ([1, None], r'trainer actors on host-1 \(10.0.0.1\) have no TPU worker id'),
+])
+def test_a_duplicate_or_missing_worker_id_is_refused(ids, message):
+  with pytest.raises(ConfigError, match=message):
+    process_order([report(worker_id, host) for host, worker_id in enumerate(ids)])
+
+
+def test_the_worker_id_is_read_from_the_environment_else_the_metadata():
+  asked = []
+
+  def metadata(key):
+    asked.append(key)
+    return '3'
+  assert host_worker_id({'TPU_WORKER_ID': '1'}, metadata) == 1 and not asked
+  assert host_worker_id({}, metadata) == 3 and asked == ['agent-worker-number']
+  assert host_worker_id({}) is None  # off TPU: the metadata is not asked
+  with pytest.raises(ConfigError, match=r"TPU_WORKER_ID='-1' is not a TPU worker id"):
+    host_worker_id({'TPU_WORKER_ID': '-1'})
+
+
+def test_each_host_of_a_trainer_slice_gets_its_worker_id_and_every_host():
+  """A v5p-16 trainer (2 hosts x 4 chips): process 1 is worker 1 of the slice's two hosts,
+  listed by worker id; GKE's own TPU_WORKER_HOSTNAMES (DNS names) is kept."""
+  hosts = ['10.0.0.5', '10.0.0.6']
+  assert slice_environment(1, hosts, ['0', '1', '2', '3'], 4, {'PATH': '/bin'}) == {
+      'TPU_WORKER_ID': '1', 'TPU_WORKER_HOSTNAMES': '10.0.0.5,10.0.0.6'}
+  gke = {'TPU_WORKER_ID': '1', 'TPU_WORKER_HOSTNAMES': 'job-0.svc,job-1.svc'}
+  assert slice_environment(1, hosts, range(4), 4, gke) == {'TPU_WORKER_ID': '1'}
+
+
+@pytest.mark.parametrize('chips, current, message', [
+    (range(2), {}, r'this one was given 2 of its host\'s 4 chips. Set the "TPU" count in '
+                   r'ray.trainer_resources to 4'),
+    (range(4), {'TPU_WORKER_ID': '0'}, r"TPU_WORKER_ID='0', where the multi-host trainer needs "
+                                       r"TPU_WORKER_ID='1'"),
+    (range(4), {'CLOUD_TPU_TASK_ID': '0'}, r"CLOUD_TPU_TASK_ID='0'"),
+    (range(4), {'TPU_PROCESS_BOUNDS': '1,1,1'}, r'needs no TPU_PROCESS_BOUNDS \(a one-process'),
+    (range(4), {'TPU_WORKER_HOSTNAMES': 'a,b,c'}, r'needs 2 hosts, as the trainer has'),
+])
+def test_a_slice_environment_that_cannot_form_the_slice_is_refused(chips, current, message):
+  with pytest.raises(ConfigError, match=message):
+    slice_environment(1, ['10.0.0.5', '10.0.0.6'], chips, 4, current)
+
+
+def test_the_driver_orders_trainer_actors_by_the_worker_id_each_reads_on_its_host(
+    fake_tpu_host):
+  """Three trainer actors whose processes see the fake TPU_WORKER_ID 2, 0, 1 (as each host's
+  environment would give them): each reports it with its hostname and node address, and the
+  driver (``order_trainers``) makes process p the actor of worker id p. Duplicate and
+  missing ids stop the launch with the error naming them."""
+  ray = fake_tpu_host
+  role = ray.remote(num_cpus=0)(ray_backend.TrainerRole)
+
+  def actors(*ids):
+    return [role.options(runtime_env={'env_vars': {'TPU_WORKER_ID': str(i)}}).remote()
+            for i in ids]
+
+  created = actors(2, 0, 1)
+  ordered, reports = ray_backend.order_trainers(created)
+  assert ordered == [created[1], created[2], created[0]]
+  assert [r.worker_id for r in reports] == [0, 1, 2]
+  node = ray.nodes()[0]['NodeManagerAddress']  # the one node's, as Ray reports it
+  assert {(r.hostname, r.address) for r in reports} == {(socket.gethostname(), node)}
+  with pytest.raises(ConfigError, match=r'TPU worker id 0 is reported by 2 trainer actors'):
+    ray_backend.order_trainers(actors(0, 0))
+  with pytest.raises(ConfigError, match=r'worker id\(s\) \[1\] are not in the trainer'):
+    ray_backend.order_trainers(actors(0, 2))

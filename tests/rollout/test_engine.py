@@ -238,6 +238,27 @@ def test_stop_tokens_end_a_sample_and_are_kept(models):
       :cut + 1]
 
 
+def test_a_cancelled_job_ends_at_once_and_frees_its_slots(models):
+  """Job 0 is cancelled before decode step 2: its samples end 'cancelled' with the tokens
+  drawn so far; its slots and its pending samples go to the other jobs, whose samples are
+  those of a run without the cancellation."""
+  model, params, _ = models
+  spec = SamplingSpec(1.0)
+  jobs = jobs_for(spec, n=3, stops=())
+  full = make_driver(model, params).run(jobs)
+  driver = make_driver(model, params)
+  steps = []
+  driver.before_step = steps.append
+  out = driver.run(jobs, cancelled=lambda j: j == 0 and len(steps) > 2)
+  assert [s.finish_reason for s in out[0]] == ['cancelled'] * 3
+  for cut, whole in zip(out[0], full[0]):
+    assert len(cut.tokens) < len(whole.tokens) and cut.tokens == whole.tokens[:len(cut.tokens)]
+  assert driver.stats['cancelled_samples'] == 3
+  for a_job, b_job in zip(out[1:], full[1:]):
+    for a, b in zip(a_job, b_job):
+      assert a.tokens == b.tokens and a.finish_reason == b.finish_reason == 'length'
+
+
 @pytest.mark.parametrize('on_swap', ['continue', 'discard'])
 def test_weights_swap_between_steps_without_recompiling(models, on_swap):
   """Version 1 (other weights) arrives before decode step 3: every token records the

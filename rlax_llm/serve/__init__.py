@@ -1,0 +1,12 @@
+"""An OpenAI-compatible endpoint served by an inference worker, recording episodes for RL.
+
+* ``openai_api``: the FastAPI app (``/v1/models``, ``/v1/completions``,
+  ``/v1/chat/completions`` with ``tools``, ``/v1/episodes/{id}/reward``) and ``Endpoint``,
+  which serves it in-process with uvicorn (loopback by default, optional bearer token).
+* ``scheduler``: the thread that runs concurrent requests on the worker's driver.
+* ``recorder``: every call's token ids, log-probs and versions under an episode id, stitched
+  into token-faithful trajectories when the episode is closed.
+
+docs/serving.md describes the endpoint. This ``__init__`` imports nothing, so that
+``recorder`` is usable without the ``serve`` extra (fastapi, uvicorn).
+"""

@@ -1,0 +1,124 @@
+r"""``python -m rlax_llm.serve``: the OpenAI-compatible endpoint over a config's policy.
+
+    python -m rlax_llm.serve --config=configs/smollm2.py [--checkpoint=WORKDIR] \
+        [--host=127.0.0.1] [--port=8000] [--api_key_env=RLAX_API_KEY] \
+        [--episodes=episodes.jsonl]
+
+serves the params the config loads (or a run's checkpoint, as ``python -m rlax_llm.evaluate``
+picks them: ``evaluate.policy_worker``) on one inference worker with the config's sampling
+limits (``sampling.max_prompt_len``, ``sampling.max_new_tokens``, ``rollout.slots``), prints
+one JSON line with the ``base_url``, and appends every closed episode's trajectories to
+``--episodes`` (one JSON object per trajectory) until SIGTERM or SIGINT. The bearer token is
+read from the environment variable ``--api_key_env`` names, never from the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+
+import ml_collections
+
+from rlax_llm import cli, console, evaluate
+from rlax_llm.errors import ConfigError, RlaxError
+
+# Seconds between two writes of the closed episodes to --episodes.
+_DRAIN_S = 1.0
+
+
+def trajectory_record(name: str, trajectory) -> dict:
+  """One trajectory (``rlax_llm.data_types.Trajectory``) as a JSON object: its arrays as
+  lists, and ``name``, the episode's name at the endpoint."""
+  record = {'name': name}
+  for field in dataclasses.fields(trajectory):
+    value = getattr(trajectory, field.name)
+    record[field.name] = value.tolist() if hasattr(value, 'tolist') else value
+  return record
+
+
+def serve(config: ml_collections.ConfigDict, *, checkpoint: str | None = None,
+          host: str = '127.0.0.1', port: int = 8000, api_key: str | None = None,
+          episodes: str | None = None, stop: threading.Event | None = None,
+          started: Callable[[str], None] | None = None) -> None:
+  """Serves the config's policy until ``stop`` is set (default: SIGTERM or SIGINT), writing
+  closed episodes to the JSONL file ``episodes`` (``trajectory_record``). ``started(base_url)`` is called once the
+  endpoint accepts requests."""
+  # pylint: disable=import-outside-toplevel  # jax, fastapi and the model: after validation
+  from rlax_llm.serve.openai_api import Endpoint
+  _, _, worker = evaluate.policy_worker(config, checkpoint)
+  if stop is None:
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+      signal.signal(signum, lambda *_: stop.set())
+  endpoint = Endpoint(worker, model_name=config.model.name, api_key=api_key, host=host,
+                      port=port, seed=config.seed)
+
+  def drain():
+    closed = endpoint.recorder.take()
+    if episodes and closed:
+      with open(episodes, 'a', encoding='utf-8') as f:
+        f.writelines(json.dumps(trajectory_record(episode.name, trajectory)) + '\n'
+                     for episode in closed for trajectory in episode.trajectories)
+
+  with endpoint:
+    if started is not None:
+      started(endpoint.base_url)
+    while not stop.wait(_DRAIN_S):
+      drain()
+  drain()
+
+
+_USAGE = """\
+usage: python -m rlax_llm.serve [--config=PATH[:VARIANT]] [--config.KEY=VALUE ...]
+                                [--checkpoint=PATH] [--host=127.0.0.1] [--port=8000]
+                                [--api_key_env=NAME] [--episodes=FILE.jsonl]
+
+Serves a policy behind an OpenAI-compatible API (docs/serving.md) and records every call's
+tokens, log-probs and versions under an episode id for RL."""
+
+
+def main(argv: Sequence[str]) -> None:
+  """The command line (module docstring). Raises SystemExit ``'error: ...'`` for any
+  ``RlaxError``, with its fix."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  if any(a in ('-h', '--help', '-help') for a in argv[1:]):
+    sys.stdout.write(_USAGE + '\n')
+    return
+  config_args, rest = cli.split_config_args(argv[1:])
+  values = flags.FlagValues()
+  checkpoint = flags.DEFINE_string('checkpoint', None, 'Params to serve: a run\'s workdir or '
+                                   'a checkpoint directory.', flag_values=values)
+  host = flags.DEFINE_string('host', '127.0.0.1', 'Address to listen on.', flag_values=values)
+  port = flags.DEFINE_integer('port', 8000, 'Port to listen on.', flag_values=values)
+  key_env = flags.DEFINE_string('api_key_env', None, 'Environment variable holding the bearer '
+                                'token clients must send.', flag_values=values)
+  episodes = flags.DEFINE_string('episodes', None, 'Append closed episodes\' trajectories '
+                                 'to this JSONL file.', flag_values=values)
+  try:
+    values([argv[0], *rest])
+  except flags.Error as e:
+    raise SystemExit(f'error: {e}') from None
+  try:
+    api_key = None
+    if key_env.value:
+      api_key = os.environ.get(key_env.value)
+      if not api_key:
+        raise ConfigError(f'--api_key_env={key_env.value} names an environment variable that '
+                          'is not set; export it with the bearer token clients will send.')
+    config = evaluate.config_for(config_args, checkpoint.value)
+    serve(config, checkpoint=checkpoint.value, host=host.value, port=port.value,
+          api_key=api_key, episodes=episodes.value,
+          started=lambda url: print(json.dumps({'base_url': url}), flush=True))
+  except RlaxError as e:
+    raise SystemExit(f'error: {e}') from None
+
+
+if __name__ == '__main__':
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  console.setup_logging()
+  main(sys.argv)
