@@ -25,6 +25,7 @@ from rlax_llm.metrics import read_metrics  # noqa: E402
 from rlax_llm.paramserver import delta as delta_lib  # noqa: E402
 from rlax_llm.paramserver import local_shards  # noqa: E402
 
+from memfd import holders  # noqa: E402  (tests/memfd.py)
 from smoke_config import smoke_config  # noqa: E402  (tests/smoke_config.py)
 from test_resume import Preempt  # noqa: E402
 
@@ -385,7 +386,6 @@ def test_on_one_machine_versions_move_through_the_servers_shared_memory(cluster)
   maps it read-only (no copy anywhere, nothing in the object store), checksums verified. A
   worker holding version 0 while 6 more pass (keep 2) keeps its bytes: its slot is never
   reused; the ring stays small. The actors killed, no process holds the ring's memory."""
-  from memfd import holders  # pylint: disable=import-outside-toplevel  # (tests/memfd.py)
   before = _plasma_objects()
   server = ray.remote(num_cpus=0, max_concurrency=4)(ray_backend.ServerRole).remote(2)
   trainer, worker = peer(), peer()
