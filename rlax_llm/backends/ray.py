@@ -89,6 +89,7 @@ from rlax_llm.backends import tpu_env
 from rlax_llm.backends.assembly import Run, assemble
 from rlax_llm.checkpoint import latest_step
 from rlax_llm.errors import ConfigError, RlaxError
+from rlax_llm.models.lora import pushed_params
 from rlax_llm.models.model import cast_params
 from rlax_llm.paramserver import ParameterServer, ShardPush, local_shards
 from rlax_llm.paramserver.delta import Delta, LeafUpdate
@@ -349,7 +350,8 @@ class TrainerRole:
     its devices (``cast_params``: a no-op when they agree), as its version unless already
     pushed (bytes: this process -> the object store -> the server's process)."""
     if self._pushed < self.trainer.version:
-      params = cast_params(self.trainer.params, self.inference)
+      params = cast_params(pushed_params(self.trainer.model, self.trainer.params),
+                           self.inference)
       push_shards(self.server, self.trainer.version,  # each block to host on its own
                   local_shards(params, to_host=True), self.process_index,
                   self.process_count)

@@ -240,3 +240,23 @@ def save_peft(model: LoRAModel, params: Params, out_dir: str | pathlib.Path, *,
   }
   (out / 'adapter_config.json').write_text(json.dumps(config, indent=2))
   hf.write_safetensors(out / 'adapter_model.safetensors', peft_tensors(model, params))
+
+
+@functools.cache
+def _merge_program(model: LoRAModel):
+  return jax.jit(lambda params: merge(model, params)[1])
+
+
+def pushed_params(model: Model, params: Params) -> Params:
+  """What a trainer of ``model`` pushes to the inference workers: a ``LoRAModel``'s params
+  merged (``merge``, one jitted program on the trainer's devices; the workers hold the base
+  model), any other model's params as they are."""
+  return _merge_program(model)(params) if isinstance(model, LoRAModel) else params
+
+
+def from_config(config: Any) -> LoRAConfig | None:
+  """The run config's ``lora`` section as a ``LoRAConfig``; None when ``lora.rank`` is 0."""
+  if config.lora.rank == 0:
+    return None
+  targets = tuple(t.strip() for t in config.lora.targets.split(',') if t.strip())
+  return LoRAConfig(config.lora.rank, float(config.lora.alpha), targets)

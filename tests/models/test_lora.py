@@ -10,8 +10,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from smoke_config import smoke_config  # tests/smoke_config.py
 
 from rlax_llm import checkpoint as checkpoint_lib
+from rlax_llm.backends import local as local_backend
+from rlax_llm.config import run_spec
 from rlax_llm.errors import ConfigError
 from rlax_llm.models import lora as lora_lib
 from rlax_llm.models.decoder_config import DecoderConfig
@@ -161,3 +164,26 @@ def test_peft_export_loads_in_peft_and_transformers(tmp_path):
   assert np.abs(np.asarray(base_model.apply(base_params, TOKENS)) - ours).max() > 1e-2
   np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
   np.testing.assert_allclose(exported, ours, atol=1e-4, rtol=0)
+
+
+def test_a_local_run_with_lora_trains_the_adapters_and_pushes_merged_weights(tmp_path):
+  config = smoke_config(lora__rank=2, lora__targets='q,v,down', log__tensorboard=False,
+                        eval__every_steps=0, total_steps=2)
+  with local_backend.build_run(config, tmp_path, run_spec(config)) as r:
+    handle = r.controller.trainer
+    start = handle.host_params().result()
+    r.execute()
+    trainer = handle.trainer
+    end = handle.host_params().result()
+    server = handle.server
+    pushed = server.get(server.latest_version()).params
+  assert isinstance(trainer.model, lora_lib.LoRAModel) and trainer.version >= 1
+  for (path, old), new in zip(jax.tree_util.tree_leaves_with_path(start), jax.tree.leaves(end)):
+    if lora_lib.is_adapter_path(path) and path[-1].key == 'b':
+      assert np.any(new), path  # B starts at zeros: the adapters trained
+    elif not lora_lib.is_adapter_path(path):
+      np.testing.assert_array_equal(old, new, err_msg=str(path))  # the base is frozen
+  # The workers receive the merged weights of the trainer's version.
+  want = lora_lib.merge(trainer.model, end)[1]
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(pushed), strict=True):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
