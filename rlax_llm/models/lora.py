@@ -80,7 +80,7 @@ class LoRAConfig:
 
 class Adapter(nnx.Module):
   """One weight's ``A [in..., r]`` (PEFT's uniform ``+-1/sqrt(in)``) and ``B [r, out...]``
-  (zeros), in the adapted weight's dtype, and the scale ``s``."""
+  (zeros), in ``dtype``, and the scale ``s``."""
 
   def __init__(self, inputs: tuple[tuple[int, str], ...], outputs: tuple[tuple[int, str], ...],
                rank: int, scale: float, dtype: Any, *, rngs: nnx.Rngs):
@@ -114,7 +114,8 @@ def _sides(weight: nnx.Param, num_in: int, layout: str):
 
 def add_adapters(decoder: Decoder, lora: LoRAConfig, rngs: nnx.Rngs) -> Decoder:
   """Attaches a fresh ``Adapter`` to each of ``lora.targets`` in every block of ``decoder``
-  (in place; returned for convenience)."""
+  (in place; returned for convenience). Adapters are float32 whatever the base's
+  ``param_dtype`` (a bfloat16 base keeps float32 trained state, as PEFT does)."""
   run = decoder.config.execution
   for block in decoder.blocks:
     for target in lora.targets:
@@ -123,7 +124,7 @@ def add_adapters(decoder: Decoder, lora: LoRAConfig, rngs: nnx.Rngs) -> Decoder:
       weight = getattr(module, name)
       inputs, outputs = _sides(weight, num_in, run.weight_layout)
       setattr(module, name + SUFFIX, Adapter(inputs, outputs, lora.rank, lora.scale,
-                                             run.param_dtype, rngs=rngs))
+                                             jnp.float32, rngs=rngs))
   return decoder
 
 
