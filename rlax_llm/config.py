@@ -80,12 +80,13 @@ POSITIVE_INTS = ('rl.group_size', 'rl.prompts_per_step', 'rl.max_nonfinite_updat
 NON_NEGATIVE_INTS = ('seed', 'total_steps', 'rl.logprob_chunk', 'rl.lr_decay_steps',
                      'rollout.stop_after_groups', 'warmup.steps', 'warmup.warmup_steps',
                      'eval.every_steps', 'checkpoint.every_steps', 'log.text_every',
-                     'ray.worker_restarts')
+                     'ray.worker_restarts', 'lora.rank')
 # Floats: key -> (lowest valid value, whether the lowest value itself is valid).
 FLOATS = {
     'rl.learning_rate': (0.0, False),
     'rl.max_grad_norm': (0.0, True),
     'rl.weight_decay': (0.0, True),
+    'lora.alpha': (0.0, False),
     'warmup.learning_rate': (0.0, False),
     'checkpoint.every_seconds': (0.0, True),
 }

@@ -93,6 +93,7 @@ from rlax_llm.backends import tpu_env
 from rlax_llm.backends.assembly import Run, assemble
 from rlax_llm.checkpoint import latest_step
 from rlax_llm.errors import ConfigError, RlaxError
+from rlax_llm.models.lora import pushed_params
 from rlax_llm.models.model import cast_params
 from rlax_llm.paramserver import ParameterServer, ShardPush, local_shards, shm
 from rlax_llm.paramserver.delta import Delta, LeafUpdate
@@ -426,7 +427,8 @@ class TrainerRole:
     pushed (bytes: this process -> a shared-memory slot of the server on its machine, else
     the object store -> the server's process)."""
     if self._pushed < self.trainer.version:
-      params = cast_params(self.trainer.params, self.inference)
+      params = cast_params(pushed_params(self.trainer.model, self.trainer.params),
+                           self.inference)
       push_shards(self.server, self.trainer.version,  # each block to host on its own
                   local_shards(params, to_host=True), self.process_index,
                   self.process_count)

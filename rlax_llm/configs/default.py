@@ -43,6 +43,10 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       # (no slower than the default numerics for 64 slots or more; needs mesh.*.data == 1).
       invariant_rows='chunks',
   ))
+  # LoRA (rlax_llm/models/lora.py, docs/models.md "LoRA"): rank 0 = off (full fine-tuning);
+  # rank > 0 trains only low-rank adapters (scale alpha / rank) on the comma-separated targets
+  # (of q, k, v, o, gate, up, down) over the frozen base; the workers receive merged weights.
+  c.lora = ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets='q,k,v,o,gate,up,down'))
   c.task = ml_collections.ConfigDict(dict(
       name='arithmetic', max_operand=99, operations='+', num_eval=200, demo_error_rate=0.6,
       format='plain', answer_format='exact',
