@@ -30,6 +30,9 @@ if TYPE_CHECKING:  # annotations only: model.py imports the decoder, which impor
 
 INT8_MAX = 127
 QUANT_MODES = ('none', 'int8')
+# The decoder's projection weights (the attention's and the MLP's): what ``quantize_params``
+# quantises; LoRA adapters (``{name}_lora``), norms, the embedding and the lm head are kept.
+PROJECTIONS = ('wq', 'wk', 'wv', 'wo', 'w_gate', 'w_up', 'w_down')
 
 
 @jax.tree_util.register_dataclass
@@ -98,15 +101,14 @@ def dequantize(w: Int8Weight, layout: str) -> jax.Array:
 
 def _projections(model: Model) -> dict[str, int]:
   """Leaf path (``jax.tree_util.keystr``) -> number of output axes of every projection the
-  int8 copy quantises (the attention and MLP weights; not the embedding or lm head)."""
+  int8 copy quantises (``PROJECTIONS``)."""
   layout = model.config.execution.weight_layout
   axes, _ = jax.tree_util.tree_flatten_with_path(
       model.logical_axes(), is_leaf=lambda x: isinstance(x, PartitionSpec))
   out = {}
   for path, spec in axes:
-    name = jax.tree_util.keystr(path)
-    if name.startswith("['blocks']") and len(tuple(spec)) >= 2:
-      out[name] = _channels(tuple(spec), layout)
+    if path[0].key == 'blocks' and path[-1].key in PROJECTIONS:
+      out[jax.tree_util.keystr(path)] = _channels(tuple(spec), layout)
   return out
 
 
