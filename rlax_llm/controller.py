@@ -30,6 +30,15 @@ run therefore gives the same metrics and params whatever the timing, on every ba
 draws which token depends on timing; the acceptance window ``k`` is then enforced when a
 batch is trained, and ``sampling_version`` reports the batch's oldest token's version.
 
+Environment runs (``settings.episodes``; docs/environments.md, "Training on an
+environment"): each prompt is an environment seed; the workers ``play`` its ``group_size``
+episodes where they would ``generate`` completions (same keys, versions, chunks and
+failure handling), the environment's returns are the rewards (no verifier), advantages come
+from ``advantage_estimator`` (a group estimator over returns, or a multi-turn one broadcast
+to the turns' tokens, ``[B, T]``), and held-out evaluation is greedy episode success.
+Episodes in flight at a checkpoint are not stored: they are played again on resume with the
+same keys and version.
+
 Worker failures: a worker whose call raises, or returns nothing within ``worker_timeout_s``,
 is retired and its requests re-issued to a live one (same keys, same version: the same
 rollouts); the run goes on and reports the loss. A backend that restarts a lost worker

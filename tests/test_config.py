@@ -69,14 +69,14 @@ def test_every_config_and_variant_validates_and_prepares(path, variant):
 
 
 def test_missing_key_names_it():
-  config = load_config_file(str(CONFIGS[0]))
+  config = load_config_file(str(DEFAULT_CONFIG_PATH))  # configs/default.py
   del config.rl['group_size']
   with pytest.raises(ConfigError, match=r"'rl.group_size' is missing.*fields there"):
     validate_config(config)
 
 
 def test_bad_staleness():
-  config = load_config_file(str(CONFIGS[0]))
+  config = load_config_file(str(DEFAULT_CONFIG_PATH))  # configs/default.py
   config.staleness.k = 0
   with pytest.raises(ConfigError, match='staleness'):
     validate_config(config)
@@ -86,7 +86,7 @@ def test_staleness_schedule():
   """'deterministic' is the default; 'free' is refused where it cannot work (inline roles:
   nothing is pushed while a batch is generated; checkpoints: a run that depends on timing
   cannot be resumed exactly), and the error names the value and the fix."""
-  config = load_config_file(str(CONFIGS[0]))
+  config = load_config_file(str(DEFAULT_CONFIG_PATH))  # configs/default.py
   assert validate_config(config).controller.schedule == 'deterministic'
   config.staleness.schedule = 'async'
   with pytest.raises(ConfigError, match=r"config.staleness.schedule='async' is not valid; "
@@ -108,7 +108,7 @@ def test_ray_trainer_processes():
   """``ray.trainer_processes`` (a Ray trainer over several actors) is an int >= 1, refused
   with the local backend (whose multi-host runs are ``distributed.*``);
   ``ray.trainer_env``'s values are strings."""
-  config = load_config_file(str(CONFIGS[0]))
+  config = load_config_file(str(DEFAULT_CONFIG_PATH))  # configs/default.py
   config.ray.trainer_processes = 0
   with pytest.raises(ConfigError, match=r'config.ray.trainer_processes=0 must be an int >= 1'):
     validate_config(config)

@@ -13,7 +13,6 @@ Variants (``--config=configs/agent.py:VARIANT``):
 """
 
 import ml_collections
-from ml_collections.config_dict import placeholder
 
 from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config_file
 
@@ -25,10 +24,8 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c = load_config_file(str(DEFAULT_CONFIG_PATH))
   c.name = 'agent_calculator'
   c.total_steps = 200
-  c.model = ml_collections.ConfigDict(dict(
-      name='smollm2-135m', path=placeholder(str), revision='', max_seq_len=placeholder(int),
-      param_dtype='float32', dtype='float32', remat='none', inference_param_dtype='',
-      batch_invariant=False, invariant_rows='chunks'))
+  # SmolLM2-135M-Instruct as configs/smollm2.py loads it (the packaged GGUF by default).
+  c.model = load_config_file(str(DEFAULT_CONFIG_PATH.parent / 'smollm2.py')).model
   c.env = ml_collections.ConfigDict(dict(name='calculator', max_turns=4, tool_format='simple'))
   c.agent.update(dict(max_turns=0, max_concurrent_episodes=0, timeout_s=300.0,
                       max_turn_tokens=48, num_eval=50))
