@@ -163,3 +163,14 @@ def test_per_token_advantages_train_like_per_row_ones():
   unused, _ = rl_objective(policy, loss_config, params, batch.replace(advantages=shifted), None)
   np.testing.assert_allclose(unused, per_row, rtol=1e-6)
   assert losses.TURN_ESTIMATORS  # the estimators an environment run may choose
+
+
+def test_the_ray_backend_plays_the_same_episodes(smoke_runs, tmp_path):
+  """Ray worker actors build the environments and play in their own processes (only the
+  trajectories come back): the run equals the local backend's."""
+  pytest.importorskip('ray')
+  _launch('--config=configs/agent.py:smoke', '--config.backend=ray',
+          f'--workdir={tmp_path / "ray"}', timeout=600)
+  without_sync = lambda rows: [{k: v for k, v in row.items() if not k.startswith('sync/')}
+                               for row in rows]
+  assert without_sync(_metrics(tmp_path / 'ray')) == without_sync(_metrics(smoke_runs[0]))
