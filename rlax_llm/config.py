@@ -49,13 +49,14 @@ REQUIRED_KEYS = (
     'eval.every_steps', 'mesh',
 )
 
-# Groups whose fields vary per config: a task's own fields, an environment's, Ray resources and the Ray
-# trainer's environment variables, and two optional groups, the named reward components
+# Groups whose fields vary per config: a task's own fields, an environment's (env.name and
+# its keyword arguments), Ray resources and the Ray trainer's environment variables, and two
+# optional groups, the named reward components
 # (none: the task's reward alone) and the tiny model's architecture (read only with
 # model.name='tiny'). The schema does not fix their keys (a prefix ending in '.' keeps the
 # group itself required); their owners validate them.
-OPEN_GROUPS = ('task.', 'env.', 'ray.trainer_resources.', 'ray.worker_resources.', 'ray.trainer_env.',
-               'reward', 'model.tiny')
+OPEN_GROUPS = ('task.', 'env.', 'ray.trainer_resources.', 'ray.worker_resources.',
+               'ray.trainer_env.', 'reward', 'model.tiny')
 
 # Choice fields -> valid values (the loss's, sampling's, task's and model's come from their
 # own types).
@@ -640,8 +641,9 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
     if m.max_seq_len < needed:
       raise ConfigError(
           f'config.model.max_seq_len={m.max_seq_len} is shorter than sampling.max_prompt_len '
-          f'({s.max_prompt_len}) + sampling.max_new_tokens ({s.max_new_tokens}) = {needed}; '
-          'raise model.max_seq_len or shorten the prompts/completions.')
+          f'({s.max_prompt_len}) + sampling.max_new_tokens ({s.max_new_tokens})'
+          + (' + 1 (an episode\'s last sampled token)' if config.env.name else '')
+          + f' = {needed}; raise model.max_seq_len or shorten the prompts/completions.')
   elif m.path is None and m.name not in presets.PACKAGED_CHECKPOINTS:
     raise ConfigError(
         f'config.model.name={m.name!r} needs config.model.path (an HF directory, a .gguf file '
@@ -658,7 +660,8 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
   elif m.max_seq_len is not None and m.max_seq_len < needed:
     raise ConfigError(
         f'config.model.max_seq_len={m.max_seq_len} is shorter than sampling.max_prompt_len + '
-        f'sampling.max_new_tokens = {needed}.')
+        'sampling.max_new_tokens' + (' + 1 (an episode\'s last sampled token)'
+                                     if config.env.name else '') + f' = {needed}.')
 
 
 def _validate_meshes(config: ml_collections.ConfigDict) -> None:

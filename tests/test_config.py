@@ -376,5 +376,6 @@ def test_an_environment_run_validates_its_environment_and_knobs():
     validate_config(bad)
   bad = _agent_smoke()
   bad.model.max_seq_len = 128  # one short of the last sampled token
-  with pytest.raises(ConfigError, match=r'config.model.max_seq_len=128 is shorter'):
+  with pytest.raises(ConfigError, match=r"config.model.max_seq_len=128 is shorter.* \+ 1 "
+                                        r"\(an episode's last sampled token\) = 129"):
     validate_config(bad)

@@ -31,9 +31,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
                       max_turn_tokens=48, num_eval=50))
   c.warmup.steps = 0
   c.rl.update(dict(prompts_per_step=4, group_size=8, learning_rate=1e-5))
-  # The first prompt (chat template and the tool's description) and the rest of the
+  # The first prompt (chat template and the tool's description: 182 tokens) and the rest of the
   # conversation: up to 4 turns of 48 tokens and the tool results between them.
-  c.sampling.update(dict(temperature=0.7, max_prompt_len=192, max_new_tokens=320))
+  c.sampling.update(dict(temperature=0.7, max_prompt_len=224, max_new_tokens=320))
   c.rollout.update(dict(slots=32))
   c.checkpoint.update(dict(every_steps=25, keep=2))
   c.eval.every_steps = 10
