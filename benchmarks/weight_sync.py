@@ -10,12 +10,17 @@ for the bf16 copy, as a delta from the version the worker holds, along the two r
   ``delta.apply`` and ``delta.verify`` as ``InferenceWorker.apply_update`` runs them);
 * ``ray``: three Ray actors, trainer -> server -> worker, the trainer (its params split over
   ``--trainer_devices`` CPU devices of its own) pushing ``local_shards(params, to_host=True)``
-  to the backend's own ``ServerRole`` through the object store (``push_shards``; ``full``;
-  ``full_host_params``: the whole arrays gathered with ``host_params()`` first) and the
-  worker pulling with ``fetch_update`` (the calls of ``rlax_llm.backends.ray``: whole leaves
-  the server kept come as the trainer's object's ref), timed end to end from the
-  driver, which sends version numbers only: ``driver_weight_bytes`` counts the array bytes
-  of everything it sent and received.
+  to the backend's own ``ServerRole`` (``push_shards``; ``full``; ``full_host_params``: the
+  whole arrays gathered with ``host_params()`` first) and the worker pulling with
+  ``fetch_update`` (the calls of ``rlax_llm.backends.ray``), timed end to end from the
+  driver (its call of the trainer's push and then of the worker's pull; the trainer's new
+  arrays, as after a step, made before), which sends version numbers only: ``driver_weight_bytes`` counts the array bytes
+  of everything it sent and received. Once per transport of ``--transports``, interleaved
+  in one run (one server actor each, the same trainer and worker actors): ``auto``, the
+  default (row ``ray/<dtype>``: on one machine the trainer copies into the server's
+  shared-memory slot and the worker maps it, ``rlax_llm.paramserver.shm``), and
+  ``object_store`` (row ``ray[object_store]/<dtype>``: the trainer's ``ray.put``, the
+  worker reading the trainer's object zero-copy).
 
 Per path and form: seconds, bytes, and ``GB/s`` (bytes / seconds); the memory-copy bandwidth
 of this machine (``np.copyto`` into a touched buffer, and into a fresh one) is measured in
@@ -221,8 +226,8 @@ class RayTrainer:
   """The trainer's end of the Ray path: params as device arrays in its own process, pushed
   as ``TrainerRole._publish`` does."""
 
-  def __init__(self, server, size, dtype_name, devices):
-    self.server, self.size, self.dtype = server, size, np.dtype(dtype_name)
+  def __init__(self, servers, size, dtype_name, devices):
+    self.servers, self.size, self.dtype = servers, size, np.dtype(dtype_name)
     self.devices = devices
     self.params = device_params(size, self.dtype, devices=devices)
 
@@ -231,41 +236,46 @@ class RayTrainer:
     gc.collect()
     self.params = device_params(self.size, self.dtype, changed, self.devices)
 
-  def push(self, version, mode='shards'):
-    # New arrays, as after a train step (a jax.Array caches its host copy once made).
+  def step(self):
+    """New arrays, as after a train step (a jax.Array caches its host copy once made)."""
     self.params = jax.block_until_ready(jax.tree.map(lambda x: x.copy(), self.params))
+
+  def push(self, version, transport, mode='shards'):
     start = time.perf_counter()
     payload = local_shards(self.params if mode == 'shards' else
                            jax.tree.map(np.asarray, jax.device_get(self.params)), to_host=True)
     host_s = time.perf_counter() - start
-    push_shards(self.server, version, payload)
+    push_shards(self.servers[transport], version, payload)
     return {'to_host_s': host_s, 'push_s': time.perf_counter() - start}
 
 
 class RayWorker:
   """The worker's end: pulls from the server actor and checks, as ``InferenceWorker.pull``."""
 
-  def __init__(self, server, size):
-    self.server = server
+  def __init__(self, servers, size):
+    self.servers = servers
     self.paths = list(leaf_specs(abstract_model(SIZES[size]).abstract_params()))
-    self.version, self.leaves = -1, None
+    self.held = {}  # transport -> (version, leaves) pulled from its server
 
-  def pull(self, version):
+  def pull(self, version, transport):
     start = time.perf_counter()
-    fetch = functools.partial(fetch_update, self.server)
-    leaves, update, times = pull(fetch, version, self.version, self.leaves, self.paths)
-    self.version, self.leaves = version, leaves
+    fetch = functools.partial(fetch_update, self.servers[transport])
+    held_version, held = self.held.get(transport, (-1, None))
+    leaves, update, times = pull(fetch, version, held_version, held, self.paths)
+    self.held[transport] = (version, leaves)
     return {**times, 'pull_s': time.perf_counter() - start, 'bytes': update.nbytes,
             'changed_fraction': update.density}
 
-  def forget(self):
-    self.version, self.leaves = -1, None
+  def forget(self, transport):
+    self.held.pop(transport, None)
 
 
-def ray_path(size: str, dtype, changed: float, repeats: int, devices: int) -> dict:
+def ray_path(size: str, dtype, changed: float, repeats: int, devices: int,
+             transports: list[str]) -> dict:
   """Trainer actor (its params split over ``devices`` CPU devices of its own) -> server
-  actor (the backend's ``ServerRole``) -> worker actor, timed from the driver, which only
-  sends version numbers; its array bytes are counted."""
+  actor (the backend's ``ServerRole``, one per transport of ``transports``) -> worker actor,
+  timed from the driver, which only sends version numbers; its array bytes are counted.
+  Returns each transport's figures; the transports and forms run interleaved."""
   import ray  # pylint: disable=import-outside-toplevel  # optional and heavy: Ray path only
   driver = {'sent': 0, 'received': 0, 'weight_bytes': 0}
 
@@ -277,52 +287,66 @@ def ray_path(size: str, dtype, changed: float, repeats: int, devices: int) -> di
     driver['weight_bytes'] += _array_bytes(out)
     return out
 
-  server = ray.remote(num_cpus=0, max_concurrency=4)(ServerRole).remote(2)
+  servers = {t: ray.remote(num_cpus=0, max_concurrency=4)(ServerRole).remote(2, t)
+             for t in transports}
   flags = f'--xla_force_host_platform_device_count={devices}'
   trainer = ray.remote(num_cpus=1)(RayTrainer).options(
       runtime_env={'env_vars': {'PYTHONPATH': str(ROOT), 'JAX_PLATFORMS': 'cpu',
                                 'XLA_FLAGS': flags}}).remote(
-          server, size, np.dtype(dtype).name, devices)
-  worker = ray.remote(num_cpus=1)(RayWorker).remote(server, size)
+          servers, size, np.dtype(dtype).name, devices)
+  worker = ray.remote(num_cpus=1)(RayWorker).remote(servers, size)
   try:
     version = 0
-    for _ in range(2):  # warm-up: the actors start, the paths and the object store run once
-      call(trainer.push, version)
-      call(worker.pull, version)
+    # Warm-up: the actors start, the paths and the object store run; keep + 1 versions, so
+    # that the servers' rings hold all their slots (made, pages touched, mapped).
+    for _ in range(3):
+      for transport in transports:
+        call(trainer.step)
+        call(trainer.push, version, transport)
+        call(worker.pull, version, transport)
       version += 1
-    rows = {'shards': [], 'host_params': []}
+    rows = {(t, mode): [] for t in transports for mode in ('shards', 'host_params')}
     for repeat in range(repeats):
       # Interleaved in ABBA order: the object store's memory alternates between fresh pages
       # and reused ones from put to put (0.5 vs 0.1 s for 538 MB), whatever is put.
-      for mode in list(rows)[::1 if repeat % 2 == 0 else -1]:
-        mode_rows = rows[mode]
+      for transport, mode in list(rows)[::1 if repeat % 2 == 0 else -1]:
+        call(trainer.step)  # not timed: the sync starts from the trainer's new arrays
+        call(worker.forget, transport)
         start = time.perf_counter()
-        pushed = call(trainer.push, version, mode)
-        call(worker.forget)
-        pulled = call(worker.pull, version)
-        mode_rows.append({'total_s': time.perf_counter() - start, 'push_s': pushed['push_s'],
-                          'to_host_s': pushed['to_host_s'], 'pull_s': pulled['pull_s'],
-                          'verify_s': pulled['verify_s'], 'bytes': pulled['bytes']})
+        pushed = call(trainer.push, version, transport, mode)
+        pulled = call(worker.pull, version, transport)
+        rows[transport, mode].append({
+            'total_s': time.perf_counter() - start, 'push_s': pushed['push_s'],
+            'to_host_s': pushed['to_host_s'], 'pull_s': pulled['pull_s'],
+            'verify_s': pulled['verify_s'], 'bytes': pulled['bytes']})
         version += 1
-    out = {'full': _median(rows['shards']), 'full_host_params': _median(rows['host_params'])}
+    out = {t: {'full': _median(rows[t, 'shards']),
+               'full_host_params': _median(rows[t, 'host_params'])} for t in transports}
     if dtype == ml_dtypes.bfloat16:
       call(trainer.next_version, changed)
-      start = time.perf_counter()
-      pushed = call(trainer.push, version)
-      pulled = call(worker.pull, version)  # from version - 1, which the worker holds
-      out['delta'] = {'total_s': time.perf_counter() - start, 'push_s': pushed['push_s'],
-                      'pull_s': pulled['pull_s'], 'bytes': pulled['bytes'],
-                      'changed_fraction': pulled['changed_fraction']}
-    out['driver'] = {'sent_bytes': driver['sent'], 'received_bytes': driver['received'],
-                     'driver_weight_bytes': driver['weight_bytes']}
+      for transport in transports:
+        call(trainer.step)
+        start = time.perf_counter()
+        pushed = call(trainer.push, version, transport)
+        pulled = call(worker.pull, version, transport)  # from a version the worker holds
+        out[transport]['delta'] = {
+            'total_s': time.perf_counter() - start, 'push_s': pushed['push_s'],
+            'pull_s': pulled['pull_s'], 'bytes': pulled['bytes'],
+            'changed_fraction': pulled['changed_fraction']}
+    for row in out.values():
+      row['driver'] = {'sent_bytes': driver['sent'], 'received_bytes': driver['received'],
+                       'driver_weight_bytes': driver['weight_bytes']}
     return out
   finally:
-    for actor in (trainer, worker, server):
+    for server in servers.values():
+      ray.get(server.close.remote())
+    for actor in (trainer, worker, *servers.values()):
       ray.kill(actor)
 
 
 def transfers(sizes: list[str], paths: list[str], dtypes: list[str], changed: float,
-              repeats: int, memcpy_bytes: int, trainer_devices: int) -> dict:
+              repeats: int, memcpy_bytes: int, trainer_devices: int,
+              transports: list[str]) -> dict:
   """Every (size, dtype, path)'s figures, with GB/s, and a full fp32 sync's bandwidth over
   the memory-copy bandwidth (the higher of the measurements before and after)."""
   bandwidth = memcpy_bandwidth(memcpy_bytes)
@@ -334,7 +358,7 @@ def transfers(sizes: list[str], paths: list[str], dtypes: list[str], changed: fl
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              _node_ip_address='127.0.0.1', runtime_env={'env_vars': env})
   try:
-    _transfers(out, sizes, paths, dtypes, changed, repeats, trainer_devices)
+    _transfers(out, sizes, paths, dtypes, changed, repeats, trainer_devices, transports)
   finally:
     if 'ray' in paths:
       ray.shutdown()
@@ -348,7 +372,8 @@ def transfers(sizes: list[str], paths: list[str], dtypes: list[str], changed: fl
 
 
 def _transfers(out: dict, sizes: list[str], paths: list[str], dtypes: list[str],
-               changed: float, repeats: int, trainer_devices: int) -> None:
+               changed: float, repeats: int, trainer_devices: int,
+               transports: list[str]) -> None:
   for size in sizes:
     n = int(sum(np.prod(x.shape) for x in jax.tree.leaves(
         abstract_model(SIZES[size]).abstract_params())))
@@ -357,14 +382,20 @@ def _transfers(out: dict, sizes: list[str], paths: list[str], dtypes: list[str],
       dtype = np.dtype(dtype_name) if dtype_name != 'bfloat16' else ml_dtypes.bfloat16
       for path in paths:
         runs = 1 if size == '1b' else repeats
-        row = (local_path(size, dtype, changed, runs) if path == 'local'
-               else ray_path(size, dtype, changed, runs, trainer_devices))
-        for form in ('full', 'full_host_params', 'delta'):
-          if form in row:
-            row[form]['GBps'] = row[form]['bytes'] / row[form]['total_s'] / 1e9
-            row[form]['model_GBps'] = n * np.dtype(dtype).itemsize / row[form]['total_s'] / 1e9
-        out[size][f'{path}/{dtype_name}'] = row
-        print(json.dumps({size: {f'{path}/{dtype_name}': row}}), flush=True)
+        if path == 'local':
+          rows = {f'local/{dtype_name}': local_path(size, dtype, changed, runs)}
+        else:
+          rows = {f'ray/{dtype_name}' if t == 'auto' else f'ray[{t}]/{dtype_name}': row
+                  for t, row in ray_path(size, dtype, changed, runs, trainer_devices,
+                                         transports).items()}
+        for key, row in rows.items():
+          for form in ('full', 'full_host_params', 'delta'):
+            if form in row:
+              row[form]['GBps'] = row[form]['bytes'] / row[form]['total_s'] / 1e9
+              row[form]['model_GBps'] = (n * np.dtype(dtype).itemsize / row[form]['total_s']
+                                         / 1e9)
+          out[size][key] = row
+          print(json.dumps({size: {key: row}}), flush=True)
         gc.collect()
     if 'local' in paths and {'float32', 'bfloat16'} <= set(dtypes):
       out[size]['cast_to_bfloat16'] = cast_costs(size, 1 if size == '1b' else repeats)
@@ -393,6 +424,8 @@ def main() -> None:
   parser.add_argument('--changed', type=float, default=0.024,
                       help='fraction of bf16 elements a delta update changes')
   parser.add_argument('--repeats', type=int, default=4)
+  parser.add_argument('--transports', default='auto,object_store',
+                      help='Ray transports (paramserver.transport) compared, interleaved')
   parser.add_argument('--trainer_devices', type=int, default=4,
                       help='CPU devices the Ray trainer actor splits its params over')
   parser.add_argument('--memcpy_mb', type=int, default=512, help='buffer of the memcpy figure')
@@ -406,7 +439,7 @@ def main() -> None:
   if split(args.sizes):
     report['transfers'] = transfers(split(args.sizes), split(args.paths), split(args.dtypes),
                                     args.changed, args.repeats, args.memcpy_mb << 20,
-                                    args.trainer_devices)
+                                    args.trainer_devices, split(args.transports))
   if split(args.lrs):
     report.update(grpo_deltas(args))
   print(json.dumps(report, indent=2))

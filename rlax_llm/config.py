@@ -81,13 +81,15 @@ POSITIVE_INTS = ('rl.group_size', 'rl.prompts_per_step', 'rl.max_nonfinite_updat
 NON_NEGATIVE_INTS = ('seed', 'total_steps', 'rl.logprob_chunk', 'rl.lr_decay_steps',
                      'rollout.stop_after_groups', 'warmup.steps', 'warmup.warmup_steps',
                      'eval.every_steps', 'checkpoint.every_steps', 'log.text_every',
-                     'ray.worker_restarts', 'agent.max_turns', 'agent.max_concurrent_episodes',
-                     'agent.max_turn_tokens', 'agent.eval_seed_start')
+                     'ray.worker_restarts', 'lora.rank', 'agent.max_turns',
+                     'agent.max_concurrent_episodes', 'agent.max_turn_tokens',
+                     'agent.eval_seed_start')
 # Floats: key -> (lowest valid value, whether the lowest value itself is valid).
 FLOATS = {
     'rl.learning_rate': (0.0, False),
     'rl.max_grad_norm': (0.0, True),
     'rl.weight_decay': (0.0, True),
+    'lora.alpha': (0.0, False),
     'warmup.learning_rate': (0.0, False),
     'checkpoint.every_seconds': (0.0, True),
     'agent.timeout_s': (0.0, False),
@@ -156,12 +158,15 @@ class RunSpec:
     controller: the controller's settings (schedule, staleness, rollouts, eval, reward).
     keep_versions: the versions the parameter server holds (``paramserver.keep_versions``;
       0 there: the schedule's ``versions_kept``, ``k + 2``).
+    transport: how the Ray backend moves versions between processes of one machine
+      (``paramserver.transport``: ``'auto'``, shared-memory slots; ``'object_store'``).
   """
 
   loss: LossConfig
   sampling: SamplingSpec
   controller: ControllerSettings
   keep_versions: int
+  transport: str
 
 
 def run_spec(config: ml_collections.ConfigDict) -> RunSpec:
@@ -173,7 +178,18 @@ def run_spec(config: ml_collections.ConfigDict) -> RunSpec:
   sampling = _sampling_spec(config)
   controller = _controller_settings(config, loss, sampling)
   return RunSpec(loss=loss, sampling=sampling, controller=controller,
-                 keep_versions=_keep_versions(config, controller))
+                 keep_versions=_keep_versions(config, controller),
+                 transport=_transport(config))
+
+
+def _transport(config: ml_collections.ConfigDict) -> str:
+  """``paramserver.transport``, one of ``'auto'`` and ``'object_store'``."""
+  transport = config.paramserver.transport
+  if transport not in ('auto', 'object_store'):
+    raise ConfigError(f"config.paramserver.transport={transport!r} must be 'auto' (shared "
+                      "memory between the Ray actors of one machine, the object store between "
+                      "machines) or 'object_store' (always the object store).")
+  return transport
 
 
 def _keep_versions(config: ml_collections.ConfigDict, settings: ControllerSettings) -> int:

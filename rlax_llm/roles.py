@@ -32,6 +32,7 @@ from rlax_llm.envs.seeds import env_seeds
 from rlax_llm.envs.tool_calls import tool_format_for
 from rlax_llm.errors import ConfigError
 from rlax_llm.models import from_pretrained, presets
+from rlax_llm.models import lora as lora_lib
 from rlax_llm.models.decoder_config import DecoderConfig, Execution
 from rlax_llm.models.files import hub
 from rlax_llm.models.files.tokenizer import HFTokenizer
@@ -302,8 +303,15 @@ def available_memory_bytes() -> float:
 def build_trainer(config: ml_collections.ConfigDict, spec: config_lib.RunSpec, model: Model,
                   params: Params, mesh: jax.sharding.Mesh) -> Trainer:
   """The RL trainer: ``spec.loss`` through the rollout policy's transform
-  (``spec.sampling``); ``spec`` is ``validate_config(config)``'s result."""
+  (``spec.sampling``); ``spec`` is ``validate_config(config)``'s result. With ``lora.rank >
+  0`` it trains adapters (seeded by ``config.seed``) over the frozen ``params``
+  (``models.lora``): its model is then a ``LoRAModel``."""
   rl = config.rl
+  trainable = None
+  lora = lora_lib.from_config(config)
+  if lora is not None:
+    model, params = lora_lib.create(model, params, lora, seed=config.seed)
+    trainable = lora_lib.trainable_mask(model)
   loss = spec.loss
   policy = Policy(model, spec.sampling)
   optimizer = make_optimizer(learning_rate_schedule(rl.learning_rate, rl.lr_decay_steps),
@@ -317,7 +325,8 @@ def build_trainer(config: ml_collections.ConfigDict, spec: config_lib.RunSpec, m
   return Trainer(model, params, optimizer, objective, mesh,
                  reference_params=params if loss.kl_beta > 0 else None,
                  max_nonfinite_updates=rl.max_nonfinite_updates,
-                 micro_batches=rl.micro_batches, totals_fn=loss_totals, check_batch=check)
+                 micro_batches=rl.micro_batches, totals_fn=loss_totals, check_batch=check,
+                 trainable=trainable)
 
 
 def warm_trainer(config: ml_collections.ConfigDict, spec: config_lib.RunSpec, task: Task,

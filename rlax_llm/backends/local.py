@@ -40,7 +40,8 @@ import numpy as np
 from rlax_llm import config as config_lib
 from rlax_llm import roles
 from rlax_llm.backends.assembly import Run, assemble
-from rlax_llm.models.model import Model, cast_params
+from rlax_llm.models.lora import pushed_params
+from rlax_llm.models.model import Model, abstract_model, cast_params
 from rlax_llm.paramserver import ParameterServer
 from rlax_llm.trainer.trainer import host_arrays
 
@@ -79,7 +80,8 @@ class LocalTrainer:
                inference: Model | None = None):
     self.trainer = trainer
     self.server = server
-    self.inference = trainer.model if inference is None else inference
+    self.inference = (abstract_model(trainer.model.config) if inference is None  # a LoRA
+                      else inference)  # trainer pushes merged params (lora.pushed_params)
     self.checkpointer = checkpointer
     self.resume = (roles.resume_trainer(checkpointer, trainer)
                    if checkpointer is not None else None)
@@ -97,7 +99,8 @@ class LocalTrainer:
       # Cast on the trainer's devices once per version (a no-op when the dtypes agree). One
       # process: its arrays, shard by shard (one copy). Several: each process's server holds
       # the whole params, gathered by host_arrays (process_allgather).
-      params = cast_params(self.trainer.params, self.inference)
+      params = cast_params(pushed_params(self.trainer.model, self.trainer.params),
+                           self.inference)
       self.server.push(self.trainer.version,
                        params if jax.process_count() == 1 else host_arrays(params))
 

@@ -10,8 +10,12 @@ server their ref; the server reads them zero-copy and keeps whole leaves as they
 each worker actor pulls the version a ``generate`` call names from the server actor itself
 (``fetch_update``: a sparse delta from the version it holds, or whole leaves, with per-leaf
 checksums the worker verifies; a whole leaf the server kept comes as the trainer's object's
-ref, read zero-copy, not serialised again). The driver sends version numbers and receives
-rollouts.
+ref, read zero-copy, not serialised again). Between actors of one machine
+(``paramserver.transport='auto'``, the default) the object store is skipped: the trainer
+copies each version straight into a reused shared-memory slot the server names, the server
+commits it by reference, and a worker maps the slot read-only (``rlax_llm.paramserver.shm``;
+actors on other nodes, and a trainer of several processes, keep the object store). The
+driver sends version numbers and receives rollouts.
 
 Checkpoints: the trainer actor owns the ``Checkpointer``. When built it restores its params
 and optimizer state from the workdir's latest checkpoint itself and hands the driver only
@@ -89,8 +93,9 @@ from rlax_llm.backends import tpu_env
 from rlax_llm.backends.assembly import Run, assemble
 from rlax_llm.checkpoint import latest_step
 from rlax_llm.errors import ConfigError, RlaxError
+from rlax_llm.models.lora import pushed_params
 from rlax_llm.models.model import cast_params
-from rlax_llm.paramserver import ParameterServer, ShardPush, local_shards
+from rlax_llm.paramserver import ParameterServer, ShardPush, local_shards, shm
 from rlax_llm.paramserver.delta import Delta, LeafUpdate
 from rlax_llm.trainer.trainer import host_arrays
 
@@ -144,15 +149,39 @@ def _config_from(payload: str) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(json.loads(payload))
 
 
+# This process's ends of the shared-memory transport (its mappings of the server's slots).
+_SLOT_WRITER = shm.SlotWriter()
+_SLOT_READER = shm.SlotReader()
+
+
+def _node_id() -> str:
+  return _ray().get_runtime_context().get_node_id()
+
+
 def push_shards(server, version: int, shards: ShardPush, process_index: int = 0,
                 process_count: int = 1) -> None:
   """Pushes ``shards`` (``local_shards(params, to_host=True)``: this process's blocks as host
-  arrays) to the server actor ``server`` as ``version``: written into the object store once
-  (``ray.put``), the server passed the object's ref (nested in a list, so that Ray hands it
-  over unresolved) and reading the arrays from the store zero-copy. A trainer spanning
-  ``process_count`` processes pushes from each (``process_index``) its own blocks only; the
-  server commits the version once all have arrived."""
+  arrays) to the server actor ``server`` as ``version``. On the server's machine (and a
+  trainer of one process; ``paramserver.transport='auto'``): copied straight into a slot of
+  the server's shared-memory ring, the checksums taken in the same pass, and committed by
+  reference (``rlax_llm.paramserver.shm``; the server sends a slot's name, this process its
+  checksums). Else written into the object store once (``ray.put``), the server passed the
+  object's ref (nested in a list, so that Ray hands it over unresolved) and reading the
+  arrays from the store zero-copy. A trainer spanning ``process_count`` processes pushes
+  from each (``process_index``) its own blocks only; the server commits the version once
+  all have arrived."""
   ray = _ray()
+  slot = ray.get(server.reserve.remote(version, shm.layout(shards.specs)[1], _node_id(),
+                                       process_count))
+  if slot is not None:
+    try:
+      checksums = _SLOT_WRITER.write(slot, shards)
+    except OSError:  # this process may not open the server's memory: the object store
+      checksums = None
+    if checksums is not None:
+      ray.get(server.push_slot.remote(version, slot, dataclasses.replace(shards, shards=()),
+                                      checksums))
+      return
   ref = ray.put(shards)
   ray.get(server.push.remote(version, [ref], process_index, process_count))
 
@@ -160,10 +189,19 @@ def push_shards(server, version: int, shards: ShardPush, process_index: int = 0,
 def fetch_update(server, version: int, base_version: int) -> Delta:
   """The server actor's ``update(version, base_version)`` fetched to this process, its
   whole leaves that the server kept in the object store read from there zero-copy (the
-  trainer's object, not a copy serialised for this pull). The caller verifies the
-  checksums, as for any update."""
+  trainer's object, not a copy serialised for this pull), and on the server's machine its
+  whole leaves in shared-memory slots mapped read-only (zero copy; this process reports
+  the slots it still holds with each pull, so that the server never reuses them). The
+  caller verifies the checksums, as for any update."""
   ray = _ray()
-  update, refs = ray.get(server.update.remote(version, base_version))
+  context = ray.get_runtime_context()
+  reader = (_node_id(), context.get_actor_id() or f'{_node_id()}/{os.getpid()}',
+            _SLOT_READER.held())
+  update, refs = ray.get(server.update.remote(version, base_version, reader))
+  try:
+    update = _SLOT_READER.resolve(update)
+  except OSError:  # this process may not open the server's memory: the object store
+    update, refs = ray.get(server.update.remote(version, base_version))
   if not refs:
     return update
   whole = {}
@@ -202,8 +240,16 @@ class ServerRole:
   # How many pushes ``received`` remembers (the newest).
   RECEIVED = 4096
 
-  def __init__(self, keep: int):
+  def __init__(self, keep: int, transport: str = 'auto'):
+    """``keep`` versions; ``transport`` (``paramserver.transport``): ``'auto'`` moves
+    versions between processes of this machine through the shared-memory slots of this
+    server (``rlax_llm.paramserver.shm``) and others through the object store;
+    ``'object_store'`` always the object store."""
     self.server = ParameterServer(keep=keep)
+    self.transport = transport
+    shm.use_slots(transport, '', '')  # checks the value
+    self.node = _node_id()
+    self.slots = shm.SlotRing()
     # version -> [(the ref of an object pushed as part of it, the leaves kept in it)].
     self._refs: dict[int, list[tuple[Any, frozenset[int]]]] = {}
     # version being assembled -> [(ref, ShardPush)] of the pushes accepted so far.
@@ -239,6 +285,7 @@ class ServerRole:
       self._received.append((version, process_index, process_count, pushed.nbytes))
       if not committed:
         return
+      self._forget_dropped()
       stored = jax.tree.leaves(self.server.get(version).params)
       held = []
       for ref, pushed in self._arriving.pop(version):
@@ -248,23 +295,48 @@ class ServerRole:
           held.append((ref, kept))
       if held:
         self._refs[version] = held
-      for old in set(self._refs) - set(self.server.versions()):
-        self._refs.pop(old, None)
       for old in [v for v in self._arriving if v < version]:  # versions that never completed
         self._arriving.pop(old)
 
-  def update(self, version: int, base_version: int):
+  def _forget_dropped(self) -> None:
+    """Drops the refs of versions no longer held (call with the lock held)."""
+    for old in set(self._refs) - set(self.server.versions()):
+      self._refs.pop(old, None)
+
+  def reserve(self, version: int, nbytes: int, node: str, process_count: int = 1):
+    """A ``shm.Slot`` of ``nbytes`` for the push of ``version`` by a writer on node ``node``
+    (one of ``process_count`` trainer processes), or None when it pushes through the object
+    store (another machine, a trainer of several processes, or the transport says so)."""
+    if not shm.use_slots(self.transport, self.node, node, process_count):
+      return None
+    return self.slots.reserve(version, nbytes)
+
+  def push_slot(self, version: int, slot, push: ShardPush, checksums: tuple[int, ...]) -> None:
+    """Commits ``version``, written into ``slot`` (``reserve``) as ``push`` describes (its
+    tree, paths and specs; no shards) with ``checksums``, by reference (no copy)."""
+    self.slots.commit(self.server, version, slot, push, checksums)
+    with self._lock:
+      self._received.append((version, 0, 1, shm.layout(push.specs)[1]))
+      self._forget_dropped()
+
+  def update(self, version: int, base_version: int, reader: tuple | None = None):
     """``(update, refs)``: ``ParameterServer.update``'s, each whole leaf this server kept in
     the object store replaced by a marker (``_InStore``), and the refs of the objects holding
-    them (none when none is; ``fetch_update`` resolves them)."""
+    them (none when none is; ``fetch_update`` resolves them). ``reader``: ``(node, reader
+    id, slots it holds)`` of the pulling process; one on this machine gets each whole leaf
+    that lies in a slot as a ``shm.SlotLeaf`` and those slots are leased to it."""
     update = self.server.update(version, base_version=base_version)
+    if reader is not None and shm.use_slots(self.transport, self.node, reader[0]):
+      update, handed = self.slots.in_slots(update)
+      self.slots.lease(reader[1], reader[2], handed)
     with self._lock:
       held = self._refs.get(version, [])
     if not held:
       return update, []
     kept = frozenset().union(*(leaves for _, leaves in held))
     return dataclasses.replace(update, buckets=tuple(
-        tuple(_InStore(u.leaf) if u.full is not None and u.leaf in kept else u
+        tuple(_InStore(u.leaf) if isinstance(u, LeafUpdate) and u.full is not None
+              and u.leaf in kept else u
               for u in bucket) for bucket in update.buckets)), [ref for ref, _ in held]
 
   def held_refs(self) -> list[int]:
@@ -280,6 +352,11 @@ class ServerRole:
 
   def latest_version(self) -> int:
     return self.server.latest_version()
+
+  def close(self) -> None:
+    """Unlinks the shared-memory slots (also done by Python's resource tracker when this
+    process dies without closing)."""
+    self.slots.close()
 
 
 class TrainerRole:
@@ -347,9 +424,11 @@ class TrainerRole:
   def _publish(self) -> None:
     """Pushes this process's blocks of the trainer's params, cast to the workers' dtypes on
     its devices (``cast_params``: a no-op when they agree), as its version unless already
-    pushed (bytes: this process -> the object store -> the server's process)."""
+    pushed (bytes: this process -> a shared-memory slot of the server on its machine, else
+    the object store -> the server's process)."""
     if self._pushed < self.trainer.version:
-      params = cast_params(self.trainer.params, self.inference)
+      params = cast_params(pushed_params(self.trainer.model, self.trainer.params),
+                           self.inference)
       push_shards(self.server, self.trainer.version,  # each block to host on its own
                   local_shards(params, to_host=True), self.process_index,
                   self.process_count)
@@ -395,7 +474,8 @@ class WorkerRole:
     self._restarted = _ray().get_runtime_context().was_current_actor_reconstructed
 
   def _fetch(self, version: int, base_version: int):
-    """The update from the server's process to this one, through the object store."""
+    """The update from the server's process to this one (``fetch_update``: shared memory on
+    the server's machine, else the object store)."""
     return fetch_update(self.server, version, base_version)
 
   def _latest(self) -> int:
@@ -637,7 +717,7 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
                           max_restarts=restarts, max_task_retries=restarts)(WorkerRole)
   # Threads for the trainer's processes pushing a version at once beside workers' pulls.
   server_cls = ray.remote(num_cpus=0, max_concurrency=max(4, processes + 2))(ServerRole)
-  server_actor = server_cls.remote(spec.keep_versions)
+  server_actor = server_cls.remote(spec.keep_versions, spec.transport)
   trainer_actors = [trainer_cls.remote() for _ in range(processes)]
   worker_actors = [worker_cls.remote(payload, n, server_actor)
                    for n in range(config.rollout.workers)]
@@ -661,6 +741,8 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   finally:
     if trainer is not None:
       trainer.close()
+    with contextlib.suppress(Exception):
+      ray.get(server_actor.close.remote(), timeout=30)
     for actor in [*trainer_actors, *worker_actors, server_actor]:
       with contextlib.suppress(Exception):
         ray.kill(actor)

@@ -43,6 +43,10 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       # (no slower than the default numerics for 64 slots or more; needs mesh.*.data == 1).
       invariant_rows='chunks',
   ))
+  # LoRA (rlax_llm/models/lora.py, docs/models.md "LoRA"): rank 0 = off (full fine-tuning);
+  # rank > 0 trains only low-rank adapters (scale alpha / rank) on the comma-separated targets
+  # (of q, k, v, o, gate, up, down) over the frozen base; the workers receive merged weights.
+  c.lora = ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets='q,k,v,o,gate,up,down'))
   c.task = ml_collections.ConfigDict(dict(
       name='arithmetic', max_operand=99, operations='+', num_eval=200, demo_error_rate=0.6,
       format='plain', answer_format='exact',
@@ -131,8 +135,10 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       worker_resources=ml_collections.ConfigDict(), worker_restarts=3, trainer_processes=1,
       trainer_env=ml_collections.ConfigDict()))
   # The parameter server (the trainer pushes each version, workers pull theirs): keep_versions
-  # is how many versions it holds, at least staleness.k + 2 (0: exactly k + 2).
-  c.paramserver = ml_collections.ConfigDict(dict(keep_versions=0))
+  # is how many versions it holds, at least staleness.k + 2 (0: exactly k + 2). transport (Ray):
+  # 'auto' moves versions between actors of one machine through the server's reused shared-
+  # memory slots and between machines through the object store; 'object_store': always that.
+  c.paramserver = ml_collections.ConfigDict(dict(keep_versions=0, transport='auto'))
   # Orbax checkpoints in workdir/checkpoints (0 and 0: none): after steps that are multiples
   # of every_steps, and when every_seconds have passed; the newest `keep` are kept. SIGTERM or
   # SIGINT saves one and exits 0; relaunching with the same --workdir resumes.

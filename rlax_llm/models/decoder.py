@@ -49,14 +49,22 @@ Array = jax.Array
 ROPE_TABLE_MAX_ENTRIES = 2 ** 21
 
 
-def linear(x: Array, w: Array, config: DecoderConfig) -> Array:
+def linear(x: Array, w: Array, config: DecoderConfig,
+           low_rank: tuple[Array, Array] | None = None) -> Array:
   """``x [..., K]`` times a weight of ``K`` inputs -> ``[..., N]`` (its outputs flattened).
 
   ``w`` is stored in ``Execution.weight_layout`` order: ``[K..., N...]`` (``'in_out'``,
   ``x @ w``) or ``[N..., K...]`` (``'out_in'``: ``flipped_product`` for a decode step's few
   rows on XLA:CPU, else ``x @ w.T``); batch-invariant (``invariant_matmul``) with
-  ``Execution.batch_invariant``.
+  ``Execution.batch_invariant``. ``low_rank``: a LoRA pair ``(A [K, r], B [r, N])`` (scale
+  folded in, ``rlax_llm.models.lora``) whose ``x @ A @ B`` is added, each factor in the same
+  layout and numerics as ``w``.
   """
+  if low_rank is not None:
+    a, b = low_rank
+    if config.execution.weight_layout == 'out_in':
+      a, b = a.T, b.T
+    return linear(x, w, config) + linear(linear(x, a, config), b, config)
   k = x.shape[-1]
   run = config.execution
   out_in = run.weight_layout == 'out_in'
@@ -68,6 +76,14 @@ def linear(x: Array, w: Array, config: DecoderConfig) -> Array:
   if flips(math.prod(x.shape[:-1])):
     return flipped_product(x, w)
   return jnp.einsum('...k,nk->...n', x, w)
+
+
+def low_rank(module: nnx.Module, name: str, dtype) -> tuple[Array, Array] | None:
+  """The LoRA pair ``(A [K, r], B [r, N] * scale)`` in ``dtype`` that
+  ``rlax_llm.models.lora.add_adapters`` attached to weight ``name`` of ``module`` (as
+  ``{name}_lora``), or None."""
+  adapter = getattr(module, f'{name}_lora', None)
+  return None if adapter is None else adapter.pair(dtype)
 
 
 def _param(rngs: nnx.Rngs, shape, axes, dtype, scale: float | None = None) -> nnx.Param:
@@ -235,8 +251,8 @@ class Attention(nnx.Module):
     """
     c, run = self.config, self.config.execution
     dt = run.dtype
-    q, k, v = (linear(x, w[...].astype(dt), c).reshape(x.shape[:-1] + (-1, c.head_dim))
-               for w in (self.wq, self.wk, self.wv))
+    q, k, v = (linear(x, getattr(self, w)[...].astype(dt), c, low_rank(self, w, dt))
+               .reshape(x.shape[:-1] + (-1, c.head_dim)) for w in ('wq', 'wk', 'wv'))
     if c.qkv_bias:
       q = q + self.bq[...].astype(dt)
       k = k + self.bk[...].astype(dt)
@@ -273,7 +289,8 @@ class Attention(nnx.Module):
     new_kv = write(out)
     out = out.reshape(batch, c.num_kv_heads, groups, length, c.head_dim)
     out = out.transpose(0, 3, 1, 2, 4).reshape(batch, length, c.num_heads * c.head_dim)
-    return constrain(linear(out, wo, c), ('batch', 'length', 'embed')), new_kv
+    return (constrain(linear(out, wo, c, low_rank(self, 'wo', dt)), ('batch', 'length', 'embed')),
+            new_kv)
 
 
 class MLP(nnx.Module):
@@ -290,11 +307,11 @@ class MLP(nnx.Module):
   def __call__(self, x: Array) -> Array:
     c = self.config
     dt = c.execution.dtype
-    gate = jax.nn.silu(linear(x, self.w_gate[...].astype(dt), c))
-    hidden = constrain(gate * linear(x, self.w_up[...].astype(dt), c),
+    gate = jax.nn.silu(linear(x, self.w_gate[...].astype(dt), c, low_rank(self, 'w_gate', dt)))
+    hidden = constrain(gate * linear(x, self.w_up[...].astype(dt), c, low_rank(self, 'w_up', dt)),
                        ('batch', 'length', 'mlp'))
-    return constrain(linear(hidden, self.w_down[...].astype(dt), c),
-                     ('batch', 'length', 'embed'))
+    return constrain(linear(hidden, self.w_down[...].astype(dt), c,
+                            low_rank(self, 'w_down', dt)), ('batch', 'length', 'embed'))
 
 
 class Block(nnx.Module):

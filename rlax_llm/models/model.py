@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -96,7 +97,13 @@ def _abstract(config: DecoderConfig) -> tuple[Any, Params, dict[str, Any]]:
   Cached per (frozen, hashable) config: tracing a 64-layer model's init is not free, and the
   trainer, loaders and memory report all ask for it.
   """
-  abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+  return describe(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+
+
+def describe(build: Callable[[], nnx.Module]) -> tuple[Any, Params, dict[str, Any]]:
+  """``(graphdef, abstract params, logical axes)`` of the module ``build()`` makes, traced
+  with ``nnx.eval_shape`` (nothing allocated)."""
+  abstract = nnx.eval_shape(build)
   graphdef, state = nnx.split(abstract, nnx.Param)
   specs = jax.tree.map(lambda v: PartitionSpec(*v.get_metadata()['logical_axes']), state,
                        is_leaf=lambda x: isinstance(x, nnx.Variable))

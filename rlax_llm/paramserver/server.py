@@ -114,11 +114,14 @@ Box = tuple[tuple[int, int], ...]
 class Shard:
   """One block of leaf number ``leaf`` (tree order): the elements ``box`` (``(start, stop)``
   per dimension) with the values ``data`` (an array of the box's shape and the leaf's dtype:
-  numpy, or a single-device ``jax.Array`` the server copies from)."""
+  numpy, or a single-device ``jax.Array`` the server copies from). ``checksum``: the
+  ``delta.checksum`` of ``data`` when its writer already took it (a whole leaf written into a
+  shared-memory slot, ``rlax_llm.paramserver.shm``), used when the server adopts it."""
 
   leaf: int
   box: Box
   data: Any
+  checksum: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,11 +348,14 @@ class ParameterServer:
 
     ``adopt``: a shard that is a whole leaf and a read-only, C-contiguous ``np.ndarray``
     (shape and dtype are checked for every shard) is kept as the version's leaf, a view of
-    it, instead of being copied; its checksum is still taken now. Only for memory nothing
-    can write to while the server holds it: the arrays Ray deserialised from its object
-    store for a server actor (zero-copy views of immutable shared memory, valid while
-    referenced; ``rlax_llm.backends.ray.ServerRole``). Adopted memory is never reused for a
-    later version (only buffers the server allocated are). Other shards are copied.
+    it, instead of being copied; its checksum is taken now, unless the shard carries the one
+    its writer took (``Shard.checksum``). Only for memory nothing can write to while the
+    server holds it: the arrays Ray deserialised from its object store for a server actor
+    (zero-copy views of immutable shared memory, valid while referenced;
+    ``rlax_llm.backends.ray.ServerRole``), or a shared-memory slot the server's ring lends
+    to no writer while the version is held (``rlax_llm.paramserver.shm``). Adopted memory
+    is never reused for a later version by this server (only buffers it allocated are).
+    Other shards are copied.
 
     Returns:
         True if this push committed the version (it was the last one needed).
@@ -438,7 +444,8 @@ class ParameterServer:
         # leaf is covered by this one shard only (overlaps were refused), so no other push
         # writes to pending.leaves[shard.leaf].
         pending.leaves[shard.leaf] = shard.data.view()
-        whole[shard.leaf] = delta_lib.checksum(shard.data)
+        whole[shard.leaf] = (delta_lib.checksum(shard.data) if shard.checksum is None
+                             else shard.checksum)
       elif _box_shape(shard.box) == target.shape:  # copied and summed in one pass
         whole[shard.leaf] = delta_lib.copy_with_checksum(target, np.asarray(shard.data))
       else:

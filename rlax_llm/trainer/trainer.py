@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import traverse_util
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
@@ -80,6 +81,9 @@ class Trainer:
     totals_fn: ``batch -> losses.Totals``; needed when ``micro_batches > 1``.
     check_batch: optional host-side ``batch -> None`` that raises on a batch the objective
       cannot score (e.g. ``objectives.check_windows``), before any compute.
+    trainable: optional params-shaped tree of bools (e.g. ``lora.trainable_mask``): only
+      the True leaves are differentiated, updated and given optimizer state; the others stay
+      frozen (bitwise). None: every param trains.
     rules: logical-axis rules.
   """
 
@@ -88,6 +92,7 @@ class Trainer:
                max_nonfinite_updates: int = 3, micro_batches: int = 1,
                totals_fn: Callable[[Any], Any] | None = None,
                check_batch: Callable[[Any], None] | None = None,
+               trainable: Params | None = None,
                rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES):
     if max_nonfinite_updates < 1:
       raise ValueError(f'max_nonfinite_updates={max_nonfinite_updates} must be >= 1.')
@@ -114,14 +119,16 @@ class Trainer:
     # Param-shaped optimizer leaves (moments) are sharded like their params; the rest
     # (step counts) is replicated on the mesh.
     opt_shardings = optax.tree_utils.tree_map_params(
-        optimizer, lambda _, sharding: sharding, jax.eval_shape(optimizer.init, self.params),
-        self.param_shardings,
+        optimizer, lambda _, sharding: sharding,
+        jax.eval_shape(optimizer.init, _trained(self.params, trainable)),
+        _trained(self.param_shardings, trainable),
         transform_non_params=lambda _: sharding_lib.replicated(mesh))
-    self.opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(self.params)
+    self.opt_state = jax.jit(lambda p: optimizer.init(_trained(p, trainable)),
+                             out_shardings=opt_shardings)(self.params)
     self.version = 0
     self.nonfinite_streak = 0
     self._step = jax.jit(
-        functools.partial(_update, optimizer, objective, micro_batches, totals_fn),
+        functools.partial(_update, optimizer, objective, micro_batches, totals_fn, trainable),
         donate_argnums=(0, 1),
         out_shardings=(self.param_shardings, opt_shardings, sharding_lib.replicated(mesh)))
 
@@ -214,7 +221,29 @@ def _strided(batch, parts: int):
       batch)
 
 
-def _loss_and_grads(objective, micro_batches, totals_fn, params, batch, reference_params):
+def _trained(tree: Any, trainable: Params | None) -> Any:
+  """The leaves of a params-shaped ``tree`` that ``trainable`` marks (None: all), as a
+  flat ``{path: leaf}`` dict (the whole ``tree`` when ``trainable`` is None)."""
+  if trainable is None:
+    return tree
+  marks = traverse_util.flatten_dict(trainable)
+  return {k: v for k, v in traverse_util.flatten_dict(tree).items() if marks[k]}
+
+
+def _with_trained(params: Params, trained: Any, trainable: Params | None) -> Params:
+  """``params`` with the ``_trained`` leaves replaced by ``trained``."""
+  if trainable is None:
+    return trained
+  return traverse_util.unflatten_dict({**traverse_util.flatten_dict(params), **trained})
+
+
+def _loss_and_grads(objective, micro_batches, totals_fn, trainable, params, batch,
+                    reference_params):
+  """``((loss, metrics), grads)``, the gradients with respect to ``_trained(params,
+  trainable)`` only."""
+  objective = (lambda trained, *args, inner=objective, full=params, **kw:
+               inner(_with_trained(full, trained, trainable), *args, **kw))
+  params = _trained(params, trainable)
   if micro_batches == 1:
     grad_fn = jax.value_and_grad(lambda p: objective(p, batch, reference_params), has_aux=True)
     return grad_fn(params)
@@ -235,15 +264,17 @@ def _loss_and_grads(objective, micro_batches, totals_fn, params, batch, referenc
   return (loss, jax.tree.map(lambda m: m / micro_batches, metrics)), grads
 
 
-def _update(optimizer, objective, micro_batches, totals_fn, params, opt_state, batch,
-            reference_params):
-  (loss, metrics), grads = _loss_and_grads(objective, micro_batches, totals_fn, params, batch,
-                                           reference_params)
-  updates, new_opt_state = optimizer.update(grads, opt_state, params)
-  new_params = optax.apply_updates(params, updates)
+def _update(optimizer, objective, micro_batches, totals_fn, trainable, params, opt_state,
+            batch, reference_params):
+  (loss, metrics), grads = _loss_and_grads(objective, micro_batches, totals_fn, trainable,
+                                           params, batch, reference_params)
+  trained = _trained(params, trainable)
+  updates, new_opt_state = optimizer.update(grads, opt_state, trained)
+  new_trained = optax.apply_updates(trained, updates)
   grad_norm = optax.tree.norm(grads)
-  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(new_params)
+  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(new_trained)
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
   metrics = dict(metrics, loss=loss, grad_norm=grad_norm,
                  **{'update/skipped': (~ok).astype(jnp.float32)})
-  return keep(new_params, params), keep(new_opt_state, opt_state), metrics
+  return (_with_trained(params, keep(new_trained, trained), trainable),
+          keep(new_opt_state, opt_state), metrics)

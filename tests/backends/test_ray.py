@@ -25,6 +25,7 @@ from rlax_llm.metrics import read_metrics  # noqa: E402
 from rlax_llm.paramserver import delta as delta_lib  # noqa: E402
 from rlax_llm.paramserver import local_shards  # noqa: E402
 
+from memfd import holders  # noqa: E402  (tests/memfd.py)
 from smoke_config import smoke_config  # noqa: E402  (tests/smoke_config.py)
 from test_resume import Preempt  # noqa: E402
 
@@ -289,9 +290,10 @@ def _plasma_objects() -> int:
 
 
 def test_the_server_actor_keeps_the_object_stores_arrays_and_they_never_change(cluster):
-  """The trainer writes each version into the object store once (``push_shards``); the
-  server keeps its whole leaves as they are and hands workers the object's ref
-  (``fetch_update`` reads it zero-copy); the objects of dropped versions are released."""
+  """With ``paramserver.transport='object_store'`` (and between machines), the trainer
+  writes each version into the object store once (``push_shards``); the server keeps its
+  whole leaves as they are and hands workers the object's ref (``fetch_update`` reads it
+  zero-copy); the objects of dropped versions are released."""
   class Pusher:
     """In a process of its own, as the trainer actor (which owns the objects it puts): pushes
     whole leaves through the object store, then drops its references to them (defined here:
@@ -303,7 +305,8 @@ def test_the_server_actor_keeps_the_object_stores_arrays_and_they_never_change(c
       ray_backend.push_shards(server, version, local_shards(params, to_host=True))
 
   before = _plasma_objects()
-  server = ray.remote(num_cpus=0, max_concurrency=4)(ray_backend.ServerRole).remote(2)
+  server = ray.remote(num_cpus=0, max_concurrency=4)(ray_backend.ServerRole).remote(
+      2, 'object_store')
   pusher = ray.remote(num_cpus=0)(Pusher).remote()
   try:
     for version in range(6):  # the trainer's objects are released; new ones reuse the store
@@ -337,3 +340,97 @@ def test_the_server_actor_keeps_the_object_stores_arrays_and_they_never_change(c
   finally:
     ray.kill(server)
     ray.kill(pusher)
+
+
+def peer(node: str | None = None):
+  """An actor that is a trainer's or a worker's end in a process of its own (defined here:
+  pickled by value for Ray): pushes versions of a small tree, pulls them as a worker does
+  (verifying the checksums) and keeps what it pulled, as a worker keeps the version it
+  holds. ``node``: the node id it pretends to be on (another machine)."""
+  def params(version: int) -> dict:
+    rng = np.random.default_rng(version)
+    return {'a': rng.random((512, 512), np.float32), 'b': rng.random((7,), np.float32)}
+
+  class Peer:
+    def __init__(self):
+      if node is not None:
+        ray_backend._node_id = lambda: node  # pylint: disable=protected-access
+      self.kept = {}
+
+    def push(self, server, version: int) -> None:
+      ray_backend.push_shards(server, version, local_shards(params(version), to_host=True))
+
+    def pull(self, server, version: int, keep: bool = False) -> list[bool]:
+      """Pulls ``version`` whole; returns, per leaf, whether it is a read-only view (no copy
+      in this process); ``keep``: holds it until ``check``."""
+      update = ray_backend.fetch_update(server, version, -1)
+      leaves = delta_lib.apply([None, None], update)
+      delta_lib.verify(leaves, update.checksums, ['a', 'b'], version)
+      for got, want in zip(leaves, jax.tree.leaves(params(version))):
+        np.testing.assert_array_equal(got, want)
+      if keep:
+        self.kept[version] = leaves
+      return [not (leaf.flags.owndata or leaf.flags.writeable) for leaf in leaves]
+
+    def check(self) -> None:
+      """The versions kept still hold their values."""
+      for version, leaves in self.kept.items():
+        for got, want in zip(leaves, jax.tree.leaves(params(version))):
+          np.testing.assert_array_equal(got, want)
+
+  return ray.remote(num_cpus=0)(Peer).remote()
+
+def test_on_one_machine_versions_move_through_the_servers_shared_memory(cluster):
+  """Trainer, server and worker on one node (the default transport): the trainer copies each
+  version into a slot of the server's ring, the server commits it by reference, the worker
+  maps it read-only (no copy anywhere, nothing in the object store), checksums verified. A
+  worker holding version 0 while 6 more pass (keep 2) keeps its bytes: its slot is never
+  reused; the ring stays small. The actors killed, no process holds the ring's memory."""
+  before = _plasma_objects()
+  server = ray.remote(num_cpus=0, max_concurrency=4)(ray_backend.ServerRole).remote(2)
+  trainer, worker = peer(), peer()
+  try:
+    for version in range(7):
+      ray.get(trainer.push.remote(server, version))
+      assert ray.get(worker.pull.remote(server, version, keep=version == 0)) == [True, True]
+      ray.get(worker.check.remote())
+      assert ray.get(server.held_refs.remote()) == []  # no object-store ref kept
+    names = ray.get(server.__ray_call__.remote(lambda role: role.slots.names()))
+    assert len(names) <= 4  # keep 2 + 1 being written + the one the worker holds
+    stored = ray.get(server.__ray_call__.remote(
+        lambda role: [leaf.flags.owndata for leaf in role.server.get(6).params.values()]))
+    assert stored == [False, False]  # adopted: views of the slot
+    assert _plasma_objects() <= before
+  finally:
+    for actor in (server, trainer, worker):
+      ray.kill(actor)
+  tag = names[0].rsplit('_', 1)[0]
+  for _ in range(100):
+    if not holders(tag):
+      break
+    time.sleep(0.1)
+  assert holders(tag) == []
+
+
+def test_processes_on_other_machines_keep_the_object_store(cluster):
+  """A trainer or a worker whose node id differs from the server's (faked) pushes and pulls
+  through the object store; a worker on the server's machine still maps the slots."""
+  server = ray.remote(num_cpus=0, max_concurrency=4)(ray_backend.ServerRole).remote(2)
+  remote_peer = peer('another-node')
+  local_peer = peer()
+  try:
+    assert ray.get(server.reserve.remote(0, 1 << 20, 'another-node')) is None
+    ray.get(remote_peer.push.remote(server, 0))
+    assert ray.get(server.held_refs.remote()) == [0]  # through the object store
+    ray.get(local_peer.push.remote(server, 1))
+    assert ray.get(server.held_refs.remote()) == [0]  # version 1: a slot
+    for version in (0, 1):
+      ray.get(remote_peer.pull.remote(server, version))
+      ray.get(local_peer.pull.remote(server, version))
+    sent, _ = ray.get(server.update.remote(1, -1, ('another-node', 'reader', [])))
+    assert sent.nbytes == (512 * 512 + 7) * 4  # whole
+    sent, refs = ray.get(server.update.remote(1, -1, (ray_backend._node_id(), 'reader', [])))  # pylint: disable=protected-access
+    assert sent.nbytes == 0 and refs == []  # slot markers only
+  finally:
+    for actor in (server, remote_peer, local_peer):
+      ray.kill(actor)

@@ -36,8 +36,9 @@ def test_the_local_path_reports_full_and_delta_syncs_and_memcpy():
 @pytest.mark.slow
 def test_the_ray_path_moves_no_weight_byte_through_the_driver():
   report = run_benchmark('ray')['transfers']['tiny']
-  for dtype in ('float32', 'bfloat16'):
-    row = report[f'ray/{dtype}']
+  for key in ('ray/float32', 'ray/bfloat16', 'ray[object_store]/float32',
+              'ray[object_store]/bfloat16'):  # shared-memory slots (the default), object store
+    row = report[key]
     assert row['driver']['driver_weight_bytes'] == 0
     assert row['driver']['received_bytes'] < 10_000  # version numbers and timings only
     assert row['full']['bytes'] == row['full_host_params']['bytes'] > 0

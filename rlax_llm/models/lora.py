@@ -1,0 +1,263 @@
+"""LoRA: low-rank adapters on a frozen decoder's projections, and their export.
+
+Each adapted weight ``W`` (any of the ``TARGETS``: ``q, k, v, o, gate, up, down``) gains
+``A [in..., r]`` and ``B [r, out...]`` (``nnx.LoRAParam``, the only trained state), and its
+projection computes ``x @ W + s * (x @ A) @ B`` with ``s = alpha / r`` (Hu et al., "LoRA:
+Low-Rank Adaptation of Large Language Models", arXiv 2106.09685). ``A`` is drawn as PEFT draws
+it (``kaiming_uniform(a=sqrt(5))``: uniform in ``+-1/sqrt(in)``), ``B`` starts at zeros, so a
+fresh adapter leaves the model unchanged. ``A`` keeps the adapted weight's input axes and
+``B`` its output axes (logical axes, so they shard like the weight they adapt; ``r`` is
+replicated). The adapters live on the decoder's ``Attention``/``MLP`` modules as
+``{weight}_lora`` (an ``Adapter``); ``decoder.linear`` applies them (its ``low_rank``).
+
+A ``LoRAModel`` is a ``Model`` whose params hold the base and the adapters
+(``params['blocks'][i]['attn']['wq_lora'] = {'a': ..., 'b': ...}``); ``trainable_mask`` marks
+the adapters (by their ``nnx.LoRAParam`` type) for ``Trainer(trainable=...)``. ``merge``
+folds them into the base (``W + s * A @ B``); ``save_merged`` writes that as a Hugging Face
+checkpoint and ``save_peft`` the adapters alone in PEFT's format
+(``adapter_config.json`` + ``adapter_model.safetensors``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rlax_llm.errors import ConfigError
+from rlax_llm.models.decoder import Decoder
+from rlax_llm.models.decoder_config import DecoderConfig
+from rlax_llm.models.files import hf
+from rlax_llm.models.files.pretrained import save_pretrained
+from rlax_llm.models.model import Model, Params, abstract_model, describe
+
+TARGETS = ('q', 'k', 'v', 'o', 'gate', 'up', 'down')
+# target -> (module in a block, weight name, how many leading (in_out) axes are inputs,
+# PEFT's module name inside ``model.layers.{i}.``).
+_WEIGHTS = {
+    'q': ('attn', 'wq', 1, 'self_attn.q_proj'),
+    'k': ('attn', 'wk', 1, 'self_attn.k_proj'),
+    'v': ('attn', 'wv', 1, 'self_attn.v_proj'),
+    'o': ('attn', 'wo', 2, 'self_attn.o_proj'),
+    'gate': ('mlp', 'w_gate', 1, 'mlp.gate_proj'),
+    'up': ('mlp', 'w_up', 1, 'mlp.up_proj'),
+    'down': ('mlp', 'w_down', 1, 'mlp.down_proj'),
+}
+SUFFIX = '_lora'  # an adapter's attribute: f'{weight}{SUFFIX}' (decoder.low_rank reads it)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+  """Which projections are adapted, at what rank, and the scale ``alpha / rank``."""
+
+  rank: int
+  alpha: float
+  targets: tuple[str, ...] = TARGETS
+
+  def __post_init__(self):
+    if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+      raise ConfigError(f'lora.rank={self.rank!r} must be an int >= 1 (0 turns LoRA off).')
+    if not self.alpha > 0:
+      raise ConfigError(f'lora.alpha={self.alpha!r} must be > 0 (the scale is alpha / rank).')
+    unknown = sorted(set(self.targets) - set(TARGETS))
+    if unknown or not self.targets:
+      raise ConfigError(f'lora.targets={self.targets!r}: {unknown or "empty"}; choose a '
+                        f'non-empty subset of {TARGETS}.')
+    object.__setattr__(self, 'targets', tuple(t for t in TARGETS if t in self.targets))
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
+
+
+class Adapter(nnx.Module):
+  """One weight's ``A [in..., r]`` (PEFT's uniform ``+-1/sqrt(in)``) and ``B [r, out...]``
+  (zeros), in ``dtype``, and the scale ``s``."""
+
+  def __init__(self, inputs: tuple[tuple[int, str], ...], outputs: tuple[tuple[int, str], ...],
+               rank: int, scale: float, dtype: Any, *, rngs: nnx.Rngs):
+    in_sizes, in_axes = zip(*inputs)
+    out_sizes, out_axes = zip(*outputs)
+    bound = math.prod(in_sizes) ** -0.5
+    self.a = nnx.LoRAParam(
+        jax.random.uniform(rngs.params(), in_sizes + (rank,), dtype, -bound, bound),
+        logical_axes=in_axes + (None,))
+    self.b = nnx.LoRAParam(jnp.zeros((rank,) + out_sizes, dtype), logical_axes=(None,) + out_axes)
+    self.scale = scale
+
+  def pair(self, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """``(A [K, r], s * B [r, N])`` in ``dtype`` (``decoder.linear``'s ``low_rank``)."""
+    return _pair(self.a[...], self.b[...], self.scale, dtype)
+
+
+def _pair(a, b, scale: float, dtype: Any):
+  rank = a.shape[-1]
+  return (a.astype(dtype).reshape(-1, rank),
+          (b.astype(dtype) * jnp.asarray(scale, dtype)).reshape(rank, -1))
+
+
+def _sides(weight: nnx.Param, num_in: int, layout: str):
+  """The ``(size, logical axis)`` pairs of a weight's inputs and outputs."""
+  pairs = tuple(zip(weight.shape, weight.get_metadata()['logical_axes']))
+  if layout == 'in_out':
+    return pairs[:num_in], pairs[num_in:]
+  return pairs[-num_in:], pairs[:-num_in]
+
+
+def add_adapters(decoder: Decoder, lora: LoRAConfig, rngs: nnx.Rngs) -> Decoder:
+  """Attaches a fresh ``Adapter`` to each of ``lora.targets`` in every block of ``decoder``
+  (in place; returned for convenience). Adapters are float32 whatever the base's
+  ``param_dtype`` (a bfloat16 base keeps float32 trained state, as PEFT does)."""
+  run = decoder.config.execution
+  for block in decoder.blocks:
+    for target in lora.targets:
+      part, name, num_in, _ = _WEIGHTS[target]
+      module = getattr(block, part)
+      weight = getattr(module, name)
+      inputs, outputs = _sides(weight, num_in, run.weight_layout)
+      setattr(module, name + SUFFIX, Adapter(inputs, outputs, lora.rank, lora.scale,
+                                             jnp.float32, rngs=rngs))
+  return decoder
+
+
+@functools.cache
+def _abstract(config: DecoderConfig, lora: LoRAConfig):
+  return describe(lambda: add_adapters(Decoder(config, rngs=nnx.Rngs(0)), lora, nnx.Rngs(0)))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoRAModel(Model):
+  """A ``Model`` whose params hold the frozen base and ``lora``'s adapters."""
+
+  lora: LoRAConfig
+
+  def logical_axes(self) -> dict[str, Any]:
+    return _abstract(self.config, self.lora)[2]
+
+  def abstract_params(self) -> Params:
+    return _abstract(self.config, self.lora)[1]
+
+
+def create(model: Model, params: Params, lora: LoRAConfig, seed: int = 0
+           ) -> tuple[LoRAModel, Params]:
+  """``model``'s params (the base, kept as they are: same arrays) with fresh adapters
+  (``A`` drawn from ``seed``, ``B`` zeros). Returns ``(LoRAModel, params)``."""
+  if isinstance(model, LoRAModel):
+    raise ConfigError('create: the model already has LoRA adapters; pass its base model.')
+  module = add_adapters(nnx.merge(model.graphdef, params), lora, nnx.Rngs(params=seed))
+  graphdef, state = nnx.split(module, nnx.Param)
+  return LoRAModel(config=model.config, graphdef=graphdef, lora=lora), nnx.to_pure_dict(state)
+
+
+def is_adapter_path(path: tuple) -> bool:
+  """Whether a params path (``jax.tree_util`` keys) is inside an adapter."""
+  return any(str(getattr(key, 'key', '')).endswith(SUFFIX) for key in path)
+
+
+def trainable_mask(model: LoRAModel) -> Params:
+  """A params-shaped tree of bools: True at the adapters (the ``nnx.LoRAParam`` leaves), False
+  at the frozen base (``Trainer``'s ``trainable``)."""
+  abstract = nnx.eval_shape(
+      lambda: add_adapters(Decoder(model.config, rngs=nnx.Rngs(0)), model.lora, nnx.Rngs(0)))
+  mask = jax.tree.map(lambda v: isinstance(v, nnx.LoRAParam), nnx.state(abstract, nnx.Param),
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.to_pure_dict(mask)
+
+
+def _adapted(model: LoRAModel, params: Params):
+  """``(layer, target, layer params dict of its part, weight name, adapter params)`` of every
+  adapted weight."""
+  for i in sorted(params['blocks']):
+    for target in model.lora.targets:
+      part, name, _, _ = _WEIGHTS[target]
+      node = params['blocks'][i][part]
+      yield i, target, node, name, node[name + SUFFIX]
+
+
+def merge(model: LoRAModel, params: Params) -> tuple[Model, Params]:
+  """The base model and its params with every adapter folded in: ``W + s * A @ B`` (computed
+  in float32, stored in ``W``'s dtype; ``W``'s layout). Host or device arrays alike."""
+  out = jax.tree.map(lambda x: x, params)  # fresh containers; leaves shared
+  for _, _, node, name, adapter in _adapted(model, out):
+    weight = node[name]
+    a, b = _pair(adapter['a'], adapter['b'], model.lora.scale, jnp.float32)
+    delta = a @ b
+    if model.config.execution.weight_layout == 'out_in':
+      delta = delta.T
+    node[name] = (weight.astype(jnp.float32) + delta.reshape(weight.shape)).astype(weight.dtype)
+  for _, _, node, name, _ in list(_adapted(model, out)):
+    del node[name + SUFFIX]
+  return abstract_model(model.config), out
+
+
+def save_merged(model: LoRAModel, params: Params, tokenizer: Any, out_dir: str | pathlib.Path,
+                *, base_model: str = '') -> None:
+  """The merged model (``merge``) as a Hugging Face directory (``save_pretrained``)."""
+  base, merged = merge(model, params)
+  save_pretrained(nnx.merge(base.graphdef, merged), tokenizer, out_dir, base_model=base_model)
+
+
+def peft_tensors(model: LoRAModel, params: Params) -> dict[str, np.ndarray]:
+  """The adapters under PEFT's names and layouts: ``base_model.model.model.layers.{i}.
+  self_attn.q_proj.lora_A.weight`` ``[r, in]`` and ``...lora_B.weight`` ``[out, r]`` (the
+  scale is not folded in: PEFT applies ``lora_alpha / r`` itself). Host arrays, stored dtype."""
+  if model.config.execution.weight_layout != 'in_out':
+    raise ConfigError('peft_tensors exports in_out params (the trainer\'s layout); got '
+                      f'weight_layout={model.config.execution.weight_layout!r}.')
+  tensors = {}
+  rank = model.lora.rank
+  for i, target, _, _, adapter in _adapted(model, params):
+    prefix = f'base_model.model.model.layers.{i}.{_WEIGHTS[target][3]}'
+    a = np.asarray(jax.device_get(adapter['a'])).reshape(-1, rank)
+    b = np.asarray(jax.device_get(adapter['b'])).reshape(rank, -1)
+    tensors[f'{prefix}.lora_A.weight'] = np.ascontiguousarray(a.T)
+    tensors[f'{prefix}.lora_B.weight'] = np.ascontiguousarray(b.T)
+  return tensors
+
+
+def save_peft(model: LoRAModel, params: Params, out_dir: str | pathlib.Path, *,
+              base_model: str = '') -> None:
+  """The adapters alone in PEFT's format: ``adapter_config.json`` and
+  ``adapter_model.safetensors``, which ``peft.PeftModel.from_pretrained`` loads onto the
+  ``transformers`` model of the base (``base_model``: its hub id or path, recorded as
+  ``base_model_name_or_path``)."""
+  out = pathlib.Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  config = {
+      'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'base_model_name_or_path': base_model,
+      'r': model.lora.rank, 'lora_alpha': model.lora.alpha, 'lora_dropout': 0.0,
+      'target_modules': sorted(_WEIGHTS[t][3].split('.')[-1] for t in model.lora.targets),
+      'bias': 'none', 'fan_in_fan_out': False, 'use_rslora': False, 'use_dora': False,
+      'init_lora_weights': True, 'inference_mode': True, 'modules_to_save': None,
+      'layers_to_transform': None, 'rank_pattern': {}, 'alpha_pattern': {},
+  }
+  (out / 'adapter_config.json').write_text(json.dumps(config, indent=2))
+  hf.write_safetensors(out / 'adapter_model.safetensors', peft_tensors(model, params))
+
+
+@functools.cache
+def _merge_program(model: LoRAModel):
+  return jax.jit(lambda params: merge(model, params)[1])
+
+
+def pushed_params(model: Model, params: Params) -> Params:
+  """What a trainer of ``model`` pushes to the inference workers: a ``LoRAModel``'s params
+  merged (``merge``, one jitted program on the trainer's devices; the workers hold the base
+  model), any other model's params as they are."""
+  return _merge_program(model)(params) if isinstance(model, LoRAModel) else params
+
+
+def from_config(config: Any) -> LoRAConfig | None:
+  """The run config's ``lora`` section as a ``LoRAConfig``; None when ``lora.rank`` is 0."""
+  if config.lora.rank == 0:
+    return None
+  targets = tuple(t.strip() for t in config.lora.targets.split(',') if t.strip())
+  return LoRAConfig(config.lora.rank, float(config.lora.alpha), targets)

@@ -1,0 +1,189 @@
+"""LoRA: forward and gradients equal the merged model's, only adapters train, the PEFT export
+loads in peft + transformers with our merged logits, checkpoints round-trip bitwise."""
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from smoke_config import smoke_config  # tests/smoke_config.py
+
+from rlax_llm import checkpoint as checkpoint_lib
+from rlax_llm.backends import local as local_backend
+from rlax_llm.config import run_spec
+from rlax_llm.errors import ConfigError
+from rlax_llm.models import lora as lora_lib
+from rlax_llm.models.decoder_config import DecoderConfig
+from rlax_llm.models.files.pretrained import save_pretrained
+from rlax_llm.models.model import create_model
+from rlax_llm.sharding import make_mesh
+from rlax_llm.trainer.trainer import Trainer
+
+CONFIG = DecoderConfig(vocab_size=48, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
+                       head_dim=8, mlp_dim=64, max_seq_len=16, tie_embeddings=False)
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 48, (2, 7)), jnp.int32)
+
+
+def _lora(targets=lora_lib.TARGETS, rank=4, alpha=8.0, seed=0):
+  """A tiny LoRA model whose B factors are random (fresh ones are zeros: no signal)."""
+  base, params = create_model(CONFIG, seed=seed)
+  model, params = lora_lib.create(base, params, lora_lib.LoRAConfig(rank, alpha, targets))
+  keys = iter(jax.random.split(jax.random.key(seed + 1), 64))
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, x: (0.1 * jax.random.normal(next(keys), x.shape, x.dtype)
+                       if lora_lib.is_adapter_path(path) and path[-1].key == 'b' else x),
+      params)
+  return model, params
+
+
+def test_config_is_validated():
+  with pytest.raises(ConfigError, match='rank'):
+    lora_lib.LoRAConfig(0, 1.0)
+  with pytest.raises(ConfigError, match='targets'):
+    lora_lib.LoRAConfig(2, 1.0, ('q', 'lm_head'))
+  assert lora_lib.LoRAConfig(2, 4.0, ('down', 'q')).targets == ('q', 'down')
+
+
+def test_fresh_adapters_leave_the_model_unchanged_and_init_like_peft():
+  base, params = create_model(CONFIG)
+  model, lparams = lora_lib.create(base, params, lora_lib.LoRAConfig(4, 8.0, ('q', 'o')))
+  np.testing.assert_array_equal(model.apply(lparams, TOKENS), base.apply(params, TOKENS))
+  adapter = lparams['blocks'][0]['attn']['wo_lora']
+  assert adapter['a'].shape == (4, 8, 4) and adapter['b'].shape == (4, 32)
+  bound = (4 * 8) ** -0.5  # kaiming_uniform(a=sqrt(5)) over fan_in = heads * head_dim
+  assert 0.5 * bound < np.abs(adapter['a']).max() <= bound
+  assert not np.any(adapter['b'])
+  axes = model.logical_axes()['blocks'][0]['attn']
+  assert tuple(axes['wo_lora']['a']) == ('heads', 'head_dim', None)
+  assert tuple(axes['wo_lora']['b']) == (None, 'embed')
+  assert tuple(axes['wq_lora']['b']) == (None, 'heads', 'head_dim')
+  assert 'wk_lora' not in axes
+
+
+@pytest.mark.parametrize('targets', [lora_lib.TARGETS, ('v', 'down')])
+def test_forward_and_gradient_equal_the_merged_models(targets):
+  model, params = _lora(targets)
+  base, merged = lora_lib.merge(model, params)
+  assert not any(lora_lib.is_adapter_path(p) for p, _ in
+                 jax.tree_util.tree_leaves_with_path(merged))
+  np.testing.assert_allclose(model.apply(params, TOKENS), base.apply(merged, TOKENS),
+                             rtol=1e-5, atol=1e-5)
+  cotangent = jax.random.normal(jax.random.key(3), (2, 7, 48))
+  loss = lambda m, p: jnp.sum(m.apply(p, TOKENS) * cotangent)
+  grads = jax.grad(functools.partial(loss, model))(params)
+  merged_grads = jax.grad(functools.partial(loss, base))(merged)
+  scale = model.lora.scale
+  for i in range(CONFIG.num_layers):
+    for target in targets:
+      part, name, _, _ = lora_lib._WEIGHTS[target]
+      adapter = params['blocks'][i][part][name + lora_lib.SUFFIX]
+      a = adapter['a'].reshape(-1, 4)
+      b = adapter['b'].reshape(4, -1)
+      g_w = merged_grads['blocks'][i][part][name].reshape(a.shape[0], b.shape[1])
+      got = grads['blocks'][i][part][name + lora_lib.SUFFIX]
+      # d/dA <G, s A B> = s G B^T; d/dB = s A^T G.
+      np.testing.assert_allclose(got['a'].reshape(a.shape), scale * g_w @ b.T,
+                                 rtol=1e-4, atol=1e-5)
+      np.testing.assert_allclose(got['b'].reshape(b.shape), scale * a.T @ g_w,
+                                 rtol=1e-4, atol=1e-5)
+
+
+def _trainer(model, params):
+  objective = lambda p, batch, ref: (
+      -jnp.mean(jax.nn.log_softmax(model.apply(p, batch['tokens']))[..., 0]), {})
+  mesh = make_mesh({'data': 1}, jax.devices()[:1])
+  return Trainer(model, params, optax.adamw(1e-2), objective, mesh,
+                 trainable=lora_lib.trainable_mask(model))
+
+
+def test_only_the_adapters_train():
+  model, params = _lora(('q', 'v', 'up'))
+  host = jax.tree.map(np.asarray, params)
+  trainer = _trainer(model, params)
+  # Optimizer state only for the adapters: adam's two moments of each A and B.
+  adapter_sizes = sum(x.size for p, x in jax.tree_util.tree_leaves_with_path(host)
+                      if lora_lib.is_adapter_path(p))
+  moment_sizes = sum(x.size for x in jax.tree.leaves(trainer.opt_state) if x.ndim)
+  assert moment_sizes == 2 * adapter_sizes
+  metrics = trainer.step({'tokens': TOKENS})
+  assert metrics['update/skipped'] == 0 and trainer.version == 1
+  after = trainer.host_params()
+  for (path, old), new in zip(jax.tree_util.tree_leaves_with_path(host),
+                              jax.tree.leaves(after)):
+    if lora_lib.is_adapter_path(path):
+      assert not np.array_equal(old, new), path
+    else:
+      np.testing.assert_array_equal(old, new, err_msg=str(path))
+
+
+def test_checkpoint_round_trip_is_bitwise(tmp_path):
+  model, params = _lora(('k', 'o', 'gate', 'down'))
+  trainer = _trainer(model, params)
+  trainer.step({'tokens': TOKENS})
+  checkpointer = checkpoint_lib.Checkpointer(tmp_path, async_save=False)
+  checkpointer.save(1, params=trainer.params, opt_state=trainer.opt_state,
+                    trainer=trainer.counters(), controller={}, rollouts={})
+  fresh = _trainer(model, _lora(('k', 'o', 'gate', 'down'), seed=5)[1])
+  restored = checkpointer.restore(fresh.params, fresh.opt_state)
+  checkpointer.close()
+  fresh.load(restored.params, restored.opt_state, restored.trainer)
+  for want, got in zip(jax.tree.leaves((trainer.params, trainer.opt_state)),
+                       jax.tree.leaves((fresh.params, fresh.opt_state))):
+    np.testing.assert_array_equal(np.asarray(want), np.asarray(got))
+  # The resumed trainer's next step is the original's, bit for bit.
+  trainer.step({'tokens': TOKENS})
+  fresh.step({'tokens': TOKENS})
+  for want, got in zip(jax.tree.leaves(trainer.params), jax.tree.leaves(fresh.params)):
+    np.testing.assert_array_equal(np.asarray(want), np.asarray(got))
+
+
+def test_peft_export_loads_in_peft_and_transformers(tmp_path):
+  torch = pytest.importorskip('torch')
+  transformers = pytest.importorskip('transformers')
+  peft = pytest.importorskip('peft')
+  base_model, base_params = create_model(CONFIG)  # _lora's base
+  model, params = _lora()
+  base, merged = lora_lib.merge(model, params)
+  save_pretrained(nnx.merge(base_model.graphdef, base_params), None, tmp_path / 'base')
+  lora_lib.save_peft(model, params, tmp_path / 'adapter', base_model=str(tmp_path / 'base'))
+  lora_lib.save_merged(model, params, None, tmp_path / 'merged')
+  config = json.loads((tmp_path / 'adapter' / 'adapter_config.json').read_text())
+  assert config['r'] == 4 and config['lora_alpha'] == 8.0
+  reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'base')
+  peft_model = peft.PeftModel.from_pretrained(reference, tmp_path / 'adapter').eval()
+  ours = np.asarray(base.apply(merged, TOKENS))
+  with torch.no_grad():
+    theirs = peft_model(torch.tensor(np.asarray(TOKENS), dtype=torch.long)).logits.numpy()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'merged').eval()(
+        torch.tensor(np.asarray(TOKENS), dtype=torch.long)).logits.numpy()
+  # The adapters matter: the base alone is far from the merged model.
+  assert np.abs(np.asarray(base_model.apply(base_params, TOKENS)) - ours).max() > 1e-2
+  np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
+  np.testing.assert_allclose(exported, ours, atol=1e-4, rtol=0)
+
+
+def test_a_local_run_with_lora_trains_the_adapters_and_pushes_merged_weights(tmp_path):
+  config = smoke_config(lora__rank=2, lora__targets='q,v,down', log__tensorboard=False,
+                        eval__every_steps=0, total_steps=2)
+  with local_backend.build_run(config, tmp_path, run_spec(config)) as r:
+    handle = r.controller.trainer
+    start = handle.host_params().result()
+    r.execute()
+    trainer = handle.trainer
+    end = handle.host_params().result()
+    server = handle.server
+    pushed = server.get(server.latest_version()).params
+  assert isinstance(trainer.model, lora_lib.LoRAModel) and trainer.version >= 1
+  for (path, old), new in zip(jax.tree_util.tree_leaves_with_path(start), jax.tree.leaves(end)):
+    if lora_lib.is_adapter_path(path) and path[-1].key == 'b':
+      assert np.any(new), path  # B starts at zeros: the adapters trained
+    elif not lora_lib.is_adapter_path(path):
+      np.testing.assert_array_equal(old, new, err_msg=str(path))  # the base is frozen
+  # The workers receive the merged weights of the trainer's version.
+  want = lora_lib.merge(trainer.model, end)[1]
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(pushed), strict=True):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
