@@ -36,7 +36,7 @@ from rlax_llm import plugins
 from rlax_llm.cli import DEFAULT_CONFIG_PATH, flat_keys, load_config_file, lookup
 from rlax_llm.errors import ConfigError
 from rlax_llm.sampling_spec import SamplingSpec
-from rlax_llm.schedule import SCHEDULES, ControllerSettings
+from rlax_llm.schedule import SCHEDULES, ControllerSettings, EpisodeSettings
 from rlax_llm.tokenization import CharTokenizer
 
 if TYPE_CHECKING:
@@ -49,13 +49,14 @@ REQUIRED_KEYS = (
     'eval.every_steps', 'mesh',
 )
 
-# Groups whose fields vary per config: a task's own fields, Ray resources and the Ray
-# trainer's environment variables, and two optional groups, the named reward components
+# Groups whose fields vary per config: a task's own fields, an environment's (env.name and
+# its keyword arguments), Ray resources and the Ray trainer's environment variables, and two
+# optional groups, the named reward components
 # (none: the task's reward alone) and the tiny model's architecture (read only with
 # model.name='tiny'). The schema does not fix their keys (a prefix ending in '.' keeps the
 # group itself required); their owners validate them.
-OPEN_GROUPS = ('task.', 'ray.trainer_resources.', 'ray.worker_resources.', 'ray.trainer_env.',
-               'reward', 'model.tiny')
+OPEN_GROUPS = ('task.', 'env.', 'ray.trainer_resources.', 'ray.worker_resources.',
+               'ray.trainer_env.', 'reward', 'model.tiny')
 
 # Choice fields -> valid values (the loss's, sampling's, task's and model's come from their
 # own types).
@@ -77,11 +78,13 @@ POSITIVE_INTS = ('rl.group_size', 'rl.prompts_per_step', 'rl.max_nonfinite_updat
                  'rl.micro_batches', 'checkpoint.keep',
                  'rollout.slots', 'rollout.workers', 'ray.trainer_processes',
                  'sampling.max_new_tokens', 'sampling.max_prompt_len', 'warmup.batch_size',
-                 'log.console_every')
+                 'log.console_every', 'agent.num_eval')
 NON_NEGATIVE_INTS = ('seed', 'total_steps', 'rl.logprob_chunk', 'rl.lr_decay_steps',
                      'rollout.stop_after_groups', 'warmup.steps', 'warmup.warmup_steps',
                      'eval.every_steps', 'checkpoint.every_steps', 'log.text_every',
-                     'ray.worker_restarts', 'lora.rank')
+                     'ray.worker_restarts', 'lora.rank', 'agent.max_turns',
+                     'agent.max_concurrent_episodes', 'agent.max_turn_tokens',
+                     'agent.eval_seed_start')
 # Floats: key -> (lowest valid value, whether the lowest value itself is valid).
 FLOATS = {
     'rl.learning_rate': (0.0, False),
@@ -90,6 +93,7 @@ FLOATS = {
     'lora.alpha': (0.0, False),
     'warmup.learning_rate': (0.0, False),
     'checkpoint.every_seconds': (0.0, True),
+    'agent.timeout_s': (0.0, False),
 }
 
 # Keys a resumed run may change (``check_resume_config``): how long it runs, how it is watched,
@@ -240,12 +244,13 @@ def _controller_settings(config: ml_collections.ConfigDict, loss: LossConfig,
       ESTIMATORS,
       TURN_ESTIMATORS,
   )
-  if loss.estimator in TURN_ESTIMATORS:
+  if loss.estimator in TURN_ESTIMATORS and not config.env.name:
     raise ConfigError(
         f'config.rl.advantage_estimator={loss.estimator!r} is a multi-turn estimator: it needs '
         "a trajectory batch's turn_rewards, turn_mask, state_ids and token_turn (docs/losses.md, "
         f'"Multi-turn credit"), but config.task.name={config.task.name!r} gives single-turn '
-        f'rollouts, which carry none; choose one of {list(ESTIMATORS)}.')
+        f'rollouts, which carry none; choose one of {list(ESTIMATORS)}, or train on an '
+        'environment (env.name, docs/environments.md).')
   for key in ('staleness.j', 'staleness.k'):
     value = lookup(config, key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -266,7 +271,9 @@ def _controller_settings(config: ml_collections.ConfigDict, loss: LossConfig,
         replay=config.rollout.replay,
         schedule=config.staleness.schedule,
         eval_samples=config.eval.samples,
-        reward=config.reward.to_dict() if config.get('reward') else None)
+        reward=(config.reward.to_dict() if config.get('reward') and not config.env.name
+                else None),
+        episodes=_episode_settings(config) if config.env.name else None)
   if settings.oversample and settings.advantage_estimator in BASELINE_FREE:
     raise ConfigError(
         f'config.rollout.oversample={settings.oversample!r} drops groups whose rewards are all '
@@ -274,6 +281,82 @@ def _controller_settings(config: ml_collections.ConfigDict, loss: LossConfig,
         'baseline) those groups train too (an all-wrong group is pushed down); set '
         'rollout.oversample=0 or use a group-relative estimator.')
   return settings
+
+
+def _episode_settings(config: ml_collections.ConfigDict) -> EpisodeSettings:
+  """The ``EpisodeSettings`` of an environment run (``env.*``, ``agent.*``, ``rl.turn_*``)."""
+  from rlax_llm.losses.multi_turn import NORMS  # pylint: disable=import-outside-toplevel  # jax
+  a, rl, s = config.agent, config.rl, config.sampling
+  _check_choice('rl.turn_norm', rl.turn_norm, tuple(NORMS))
+  for key, high in (('rl.turn_gamma', 1.0), ('rl.turn_omega', math.inf)):
+    value = lookup(config, key)
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)
+        or not 0.0 <= value <= high):
+      raise ConfigError(f'config.{key}={value!r} must be a number in [0, {high}].')
+  turn_tokens = a.max_turn_tokens or s.max_new_tokens
+  if turn_tokens > s.max_new_tokens:
+    raise ConfigError(
+        f'config.agent.max_turn_tokens={a.max_turn_tokens} exceeds sampling.max_new_tokens='
+        f'{s.max_new_tokens}, the budget of the whole conversation after the first prompt; '
+        'lower it or raise sampling.max_new_tokens.')
+  concurrent = a.max_concurrent_episodes or config.rollout.slots
+  if concurrent > config.rollout.slots:
+    raise ConfigError(
+        f'config.agent.max_concurrent_episodes={concurrent} exceeds rollout.slots='
+        f'{config.rollout.slots} (an episode holds a KV-cache slot for its whole life); lower '
+        'it or raise rollout.slots.')
+  return EpisodeSettings(
+      env=config.env.to_dict(), max_turns=a.max_turns or None,
+      max_concurrent_episodes=concurrent, timeout_s=float(a.timeout_s),
+      max_turn_tokens=turn_tokens, length=s.max_prompt_len + s.max_new_tokens + 1,
+      num_eval=a.num_eval, eval_seed_start=a.eval_seed_start, gamma=float(rl.turn_gamma),
+      omega=float(rl.turn_omega), norm=rl.turn_norm)
+
+
+# What an environment run refuses: key -> (its value that does not apply, why). Each is a
+# single-turn feature whose unit is a completion of a prompt, not an episode.
+_NOT_FOR_EPISODES = {
+    'rollout.stop_after_groups': (lambda v: v != 0, (
+        'APRIL continues unfinished completions token by token; an episode in flight holds '
+        'environment state, so it is played whole')),
+    'rl.shared_prefix': (lambda v: v, (
+        'it scores a window of max_new_tokens after one shared prompt; an episode interleaves '
+        'turns and observations')),
+    'rollout.oversample': (lambda v: v != 0,
+                           'dynamic sampling filters and recycles single-turn groups'),
+    'rollout.replay': (lambda v: v != 0, 'the replay pool re-asks single-turn prompts'),
+    'staleness.schedule': (lambda v: v != 'deterministic',
+                           'episodes are played with the version the schedule names'),
+    'eval.samples': (lambda v: v != 0,
+                     'held-out episodes are evaluated greedily (eval/success)'),
+    'warmup.steps': (lambda v: v != 0, 'an environment has no demonstrations to warm up on'),
+}
+
+
+def _validate_episodes(config: ml_collections.ConfigDict) -> None:
+  """An environment run: the environment builds, the single-turn features are off, and a
+  checkpointed run samples every batch with the trainer's own version (``staleness.k = 1``):
+  episodes in flight at a save are regenerated on resume, with weights the checkpoint
+  holds."""
+  from rlax_llm import envs  # pylint: disable=import-outside-toplevel  # gymnasium: kept off
+  for key, (applies, why) in _NOT_FOR_EPISODES.items():
+    value = lookup(config, key)
+    if applies(value):
+      raise ConfigError(f'config.{key}={value!r} does not apply to an environment run '
+                        f'(env.name={config.env.name!r}): {why}. Leave it at its default.')
+  reward = config.reward.to_dict() if config.get('reward') else {}
+  if reward not in ({}, {'task': {'weight': 1.0}}):
+    raise ConfigError(f'config.reward={reward!r} shapes a task\'s verifier reward; an '
+                      'environment run trains on the environment\'s own rewards. Remove the '
+                      'reward components (or set env.name=\'\').')
+  if checkpointing(config) and config.staleness.k > 1:
+    raise ConfigError(
+        f'config.staleness.k={config.staleness.k} with checkpoints in an environment run: '
+        'episodes in flight at a checkpoint are regenerated on resume, with the weights of '
+        'the version that sampled them, but a checkpoint holds only the trainer\'s; set '
+        'staleness.k=1 (and j=1), or checkpoint.every_steps=0 and checkpoint.every_seconds=0.')
+  with _naming('env.'):
+    envs.make_env(config.env)
 
 
 def validate_config(config: ml_collections.ConfigDict) -> RunSpec:
@@ -312,6 +395,8 @@ def validate_config(config: ml_collections.ConfigDict) -> RunSpec:
   _validate_checkpoint(config)
   _validate_ray(config)
   _validate_free_running(config)
+  if config.env.name:
+    _validate_episodes(config)
   task = _validate_task(config)
   if settings.reward:
     from rlax_llm import rewards  # pylint: disable=import-outside-toplevel  # jax: kept off import
@@ -499,7 +584,11 @@ def _validate_task(config: ml_collections.ConfigDict):
   ``charset`` for ``model.name='tiny'`` (its character tokenizer's alphabet), ``sft_example``
   for a warm-up."""
   from rlax_llm import tasks  # pylint: disable=import-outside-toplevel  # jax: kept off import
+  from rlax_llm.envs.seeds import env_seeds  # pylint: disable=import-outside-toplevel
   name = lookup(config, 'task.name')
+  if config.env.name:  # an environment run: its prompts are the environment's seeds
+    with _naming('agent.'):
+      return env_seeds(config)
   if name not in tasks.TASKS and not plugins.is_import_path(name):
     raise ConfigError(f'config.task.name={name!r} is not valid; choose one of '
                       f'{sorted(tasks.TASKS)}, or a task class of yours as '
@@ -561,7 +650,8 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
         f'but model.inference_quant={m.inference_quant!r} samples with a quantised copy of the '
         'trainer\'s weights. Set model.inference_quant=\'none\' or turn batch_invariant off.')
   s = config.sampling
-  needed = s.max_prompt_len + s.max_new_tokens
+  # An episode's last sampled token follows a full cache: its rows are one token longer.
+  needed = s.max_prompt_len + s.max_new_tokens + (1 if config.env.name else 0)
   if m.name == 'tiny':
     if m.path is not None:
       raise ConfigError(f'config.model.path={m.path!r} is set but model.name=\'tiny\' builds '
@@ -573,8 +663,9 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
     if m.max_seq_len < needed:
       raise ConfigError(
           f'config.model.max_seq_len={m.max_seq_len} is shorter than sampling.max_prompt_len '
-          f'({s.max_prompt_len}) + sampling.max_new_tokens ({s.max_new_tokens}) = {needed}; '
-          'raise model.max_seq_len or shorten the prompts/completions.')
+          f'({s.max_prompt_len}) + sampling.max_new_tokens ({s.max_new_tokens})'
+          + (' + 1 (an episode\'s last sampled token)' if config.env.name else '')
+          + f' = {needed}; raise model.max_seq_len or shorten the prompts/completions.')
   elif m.path is None and m.name not in presets.PACKAGED_CHECKPOINTS:
     raise ConfigError(
         f'config.model.name={m.name!r} needs config.model.path (an HF directory, a .gguf file '
@@ -591,7 +682,8 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
   elif m.max_seq_len is not None and m.max_seq_len < needed:
     raise ConfigError(
         f'config.model.max_seq_len={m.max_seq_len} is shorter than sampling.max_prompt_len + '
-        f'sampling.max_new_tokens = {needed}.')
+        'sampling.max_new_tokens' + (' + 1 (an episode\'s last sampled token)'
+                                     if config.env.name else '') + f' = {needed}.')
 
 
 def _validate_meshes(config: ml_collections.ConfigDict) -> None:

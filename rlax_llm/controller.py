@@ -30,6 +30,15 @@ run therefore gives the same metrics and params whatever the timing, on every ba
 draws which token depends on timing; the acceptance window ``k`` is then enforced when a
 batch is trained, and ``sampling_version`` reports the batch's oldest token's version.
 
+Environment runs (``settings.episodes``; docs/environments.md, "Training on an
+environment"): each prompt is an environment seed; the workers ``play`` its ``group_size``
+episodes where they would ``generate`` completions (same keys, versions, chunks and
+failure handling), the environment's returns are the rewards (no verifier), advantages come
+from ``advantage_estimator`` (a group estimator over returns, or a multi-turn one broadcast
+to the turns' tokens, ``[B, T]``), and held-out evaluation is greedy episode success.
+Episodes in flight at a checkpoint are not stored: they are played again on resume with the
+same keys and version.
+
 Worker failures: a worker whose call raises, or returns nothing within ``worker_timeout_s``,
 is retired and its requests re-issued to a live one (same keys, same version: the same
 rollouts); the run goes on and reports the loss. A backend that restarts a lost worker
@@ -55,10 +64,20 @@ import numpy as np
 
 from rlax_llm import console, losses, rewards, schedule
 from rlax_llm.data import prompt_dataset
-from rlax_llm.data_types import FollowLatest, GenerationRequest, Rollouts, make_train_batch
+from rlax_llm.data_types import (
+  TERMINATIONS,
+  FollowLatest,
+  GenerationRequest,
+  Rollouts,
+  TrainBatch,
+  Trajectory,
+  make_train_batch,
+  make_trajectory_batch,
+)
 from rlax_llm.errors import NonFiniteError
 from rlax_llm.evaluation import evaluate_policy
 from rlax_llm.metrics import MetricsWriter
+from rlax_llm.sampling_spec import GREEDY
 from rlax_llm.schedule import ControllerSettings
 from rlax_llm.tasks import Prompt, Task
 from rlax_llm.verifiers import score_rollouts
@@ -97,6 +116,13 @@ class WorkerHandle(Protocol):
     pulls from the parameter server itself when it does not hold them (the figures of that
     pull in the rollouts' ``timings``, under ``sync/``); ``FollowLatest(j)``: free-running,
     with the newest weights, pulled between decode steps too."""
+
+  def play(self, requests: Sequence[GenerationRequest], rng_data: np.ndarray, version: int,
+           first: int = 0) -> Future:  # -> (list[Trajectory], dict[str, float])
+    """An environment run's ``generate`` (``roles.play_requests``): plays each request's
+    ``num_samples`` episodes of the environment seed its prompt stands for with weights
+    ``version`` (pulled by the worker itself), keys as ``generate`` draws them; returns the
+    trajectories and the runner's figures (``sync/`` keys: the pull's)."""
 
   def retire(self) -> None:
     ...
@@ -249,6 +275,10 @@ class Controller:
     state = self.state()
     arrays = {}
     for n, batch in enumerate(in_flight):
+      if self.settings.episodes is not None:  # regenerated on resume (same keys, version)
+        state.inflight.append({'index': batch.index, 'version': batch.version,
+                               'prompts': [p.to_dict() for p in batch.prompts]})
+        continue
       rollouts = Rollouts.concatenate(self._gather(batch, self._sampling_root(batch.index)))
       batch.chunks = [(batch.chunks[0][0], [], _done(rollouts))]
       arrays[f'inflight_{n}'], meta = rollouts.to_state()
@@ -286,6 +316,11 @@ class Controller:
     arrays = arrays or {}
     self._restored_inflight = []
     for n, batch in enumerate(state.inflight):
+      if 'rollouts' not in batch:  # an environment run's: regenerated when the run starts
+        self._restored_inflight.append(_Batch(
+            index=batch['index'], version=batch['version'],
+            prompts=[Prompt.from_dict(p) for p in batch['prompts']], chunks=[]))
+        continue
       rollouts = Rollouts.from_state(arrays[f'inflight_{n}'], batch['rollouts'])
       self._restored_inflight.append(_Batch(
           index=batch['index'], version=batch['version'],
@@ -320,25 +355,38 @@ class Controller:
       named = FollowLatest(self.settings.staleness_j)
     else:
       named = self._worker_versions[worker] = version
+    if self.settings.episodes is not None:  # an environment run: episodes, not completions
+      return self.workers[worker].play(requests, np.asarray(jax.random.key_data(root)), named,
+                                       first)
     return self.workers[worker].generate(requests, np.asarray(jax.random.key_data(root)),
                                          named, stop_after, first)
 
-  def _count_pulls(self, rollouts: Rollouts) -> Rollouts:
-    """Adds the figures of the pull a worker made for ``rollouts`` (their ``sync/`` timings)
-    and a restart it reports (``workers/restarts``: its process was lost and restarted by
-    the backend; recorded as an event) to the counters and returns the rollouts without them
-    (so they count once)."""
-    pulled = {k: v for k, v in rollouts.timings.items() if k.startswith(('sync/', 'workers/'))}
+  def _count_pulls(self, result):
+    """Adds the figures of the pull a worker made for ``result`` (``Rollouts``: their
+    ``sync/`` timings; an environment run's ``(trajectories, figures)``: its figures) and a
+    restart it reports (``workers/restarts``: its process was lost and restarted by the
+    backend; recorded as an event) to the counters and returns the result without them (so
+    they count once)."""
+    if not isinstance(result, Rollouts):
+      trajectories, figures = result
+      return trajectories, self._count_figures(figures)
+    timings = self._count_figures(result.timings)
+    if len(timings) == len(result.timings):
+      return result
+    return dataclasses.replace(result, timings=timings)
+
+  def _count_figures(self, figures: dict[str, float]) -> dict[str, float]:
+    """``figures`` without the pull's and restart's, which are added to the counters."""
+    pulled = {k: v for k, v in figures.items() if k.startswith(('sync/', 'workers/'))}
     if not pulled:
-      return rollouts
+      return figures
     if pulled.get('workers/restarts'):
       message = (f'an inference worker\'s process was lost and restarted before step '
                  f'{self.step + 1}; it pulled its version again and its call was retried')
       logging.warning(message)
       self.events.append(message)
     self.counters.update(pulled)
-    return dataclasses.replace(rollouts, timings={k: v for k, v in rollouts.timings.items()
-                                                  if k not in pulled})
+    return {k: v for k, v in figures.items() if k not in pulled}
 
   def _sampling_root(self, index: int) -> jax.Array:
     """The key batch ``index`` samples with: request ``i`` of the batch draws from
@@ -402,7 +450,10 @@ class Controller:
 
   def evaluate(self) -> dict[str, float]:
     """Held-out metrics of the trainer's current version (``rlax_llm.evaluate``: greedy
-    ``eval/accuracy``; with ``eval_samples`` mean@k and pass@k), generated on a live worker."""
+    ``eval/accuracy``; with ``eval_samples`` mean@k and pass@k), generated on a live worker;
+    an environment run's: greedy episode success (``_evaluate_episodes``)."""
+    if self.settings.episodes is not None:
+      return self._evaluate_episodes()
     version = self.trainer.version
 
     def generate(requests, key):
@@ -430,7 +481,9 @@ class Controller:
       # Logged with the first step's metrics as eval/start_accuracy, eval/start_pass@k, ...
       self._start_eval = {k.replace('eval/', 'eval/start_', 1): v for k, v in start.items()}
     self._run_start = time.perf_counter()
-    in_flight: collections.deque[_Batch] = collections.deque(self._restored_inflight)
+    in_flight: collections.deque[_Batch] = collections.deque(
+        batch if batch.chunks else self._launch(batch, self._sampling_root(batch.index))
+        for batch in self._restored_inflight)
     self._restored_inflight = []
     next_batch = self.step + len(in_flight)
     preempted = False
@@ -544,6 +597,8 @@ class Controller:
     new version), ``step_s`` the
     whole iteration (evaluation included)."""
     s = self.settings
+    if s.episodes is not None:
+      return self._train_episodes(batch, queued, started)
     rollouts = Rollouts.concatenate(self._gather(batch, self._sampling_root(batch.index)))
     unfinished = rollouts.unfinished_groups
     for g in unfinished:  # APRIL: continued in the next batch launched
@@ -586,33 +641,13 @@ class Controller:
     if trained is not None:
       advantages = np.asarray(losses.group_advantages(
           trained.rewards, trained.group_ids, s.advantage_estimator))
-      train_batch = make_train_batch(trained, advantages)
-      versions = train_batch.versions[train_batch.versions >= 0]
-      staleness = self.trainer.version - versions
-      too_stale = int(np.sum(staleness >= s.staleness_k))
-      if too_stale:  # the schedule makes this impossible; the check guards the invariant.
-        raise RuntimeError(f'{too_stale} tokens exceed the staleness bound k={s.staleness_k}.')
-      try:
-        train_metrics = self.trainer.step(train_batch).result()
-      except NonFiniteError as e:
-        raise NonFiniteError(f'RL step {self.step + 1}: {e}') from None
-      metrics.update({
-          'staleness/mean': float(staleness.mean()) if staleness.size else 0.0,
-          'staleness/max': float(staleness.max()) if staleness.size else 0.0,
-          **{f'staleness/frac_{d}': float(np.mean(staleness == d))
-             for d in range(s.staleness_k)},
-          **train_metrics,
-      })
+      staleness = self._update(make_train_batch(trained, advantages), metrics)
     else:
       metrics.update({'staleness/mean': 0.0, 'staleness/max': 0.0, 'update/skipped': 1.0})
     t_train = time.perf_counter() - t1
-    self._busy_s += t_train
     self.step += 1
-    self.step_versions.append(self.trainer.version)
     self.writer.write_rollouts(self.step, batch.prompts, rollouts, advantages, staleness)
-    metrics['version'] = self.trainer.version
-    self.writer.ledger(self.step, {
-        'batch': batch.index, 'sampling_version': metrics['sampling_version'],
+    return self._end_step(batch, metrics, {
         # New prompts from the stream; APRIL's carried groups (continued or restarted) and
         # prompts re-asked from the replay pool apart.
         'prompt_ids': [p.prompt_id for p in batch.prompts[batch.carried + batch.replayed:]],
@@ -624,7 +659,45 @@ class Controller:
         'trained_prompt_ids': ([] if trained is None else
                                [int(i) for i in dict.fromkeys(trained.prompt_ids.tolist())]),
         'trained_versions': ([] if trained is None else
-                             sorted({int(v) for v in np.unique(trained.versions) if v >= 0})),
+                             sorted({int(v) for v in np.unique(trained.versions) if v >= 0}))},
+        started=started, t_rollout=t_rollout, t_train=t_train, queued=queued,
+        tokens_per_s=rollouts.timings.get('tokens_per_s', 0.0))
+
+  def _update(self, train_batch, metrics: dict[str, float]) -> np.ndarray:
+    """Trains on ``train_batch`` (a ``TrainBatch``), after checking the staleness bound;
+    adds the staleness and the trainer's metrics to ``metrics``. Returns the staleness of
+    every trained token."""
+    s = self.settings
+    versions = np.asarray(train_batch.versions)
+    staleness = self.trainer.version - versions[versions >= 0]
+    too_stale = int(np.sum(staleness >= s.staleness_k))
+    if too_stale:  # the schedule makes this impossible; the check guards the invariant.
+      raise RuntimeError(f'{too_stale} tokens exceed the staleness bound k={s.staleness_k}.')
+    try:
+      train_metrics = self.trainer.step(train_batch).result()
+    except NonFiniteError as e:
+      raise NonFiniteError(f'RL step {self.step + 1}: {e}') from None
+    metrics.update({
+        'staleness/mean': float(staleness.mean()) if staleness.size else 0.0,
+        'staleness/max': float(staleness.max()) if staleness.size else 0.0,
+        **{f'staleness/frac_{d}': float(np.mean(staleness == d))
+           for d in range(s.staleness_k)},
+        **train_metrics,
+    })
+    return staleness
+
+  def _end_step(self, batch: _Batch, metrics: dict[str, float], ledger: dict[str, Any], *,
+                started: float, t_rollout: float, t_train: float, queued: int,
+                tokens_per_s: float) -> dict[str, float]:
+    """What every step ends with, once ``self.step`` counts it: the ledger row (``ledger``
+    adds to the batch, its sampling version and the trainer's version), the evaluation when
+    due, the counters and the ``time/`` metrics."""
+    s = self.settings
+    self._busy_s += t_train
+    self.step_versions.append(self.trainer.version)
+    metrics['version'] = self.trainer.version
+    self.writer.ledger(self.step, {
+        'batch': batch.index, 'sampling_version': metrics['sampling_version'], **ledger,
         'version': self.trainer.version})
     last = self.step == s.total_steps
     if schedule.eval_due(self.step, s):
@@ -646,6 +719,98 @@ class Controller:
         'time/queued_batches': queued,
         'time/trainer_busy_fraction': self._busy_s / (time.perf_counter() - self._run_start),
         'time/step_s': time.perf_counter() - started,
-        'time/rollout_tokens_per_s': rollouts.timings.get('tokens_per_s', 0.0),
+        'time/rollout_tokens_per_s': tokens_per_s,
     })
     return metrics
+
+  # ------------------------------------------------------------------ environment runs
+
+  def _train_episodes(self, batch: _Batch, queued: int, started: float) -> dict[str, float]:
+    """``_train_step`` of an environment run: the batch's episodes (``group_size`` per
+    environment seed) with the environment's rewards, advantages from
+    ``rl.advantage_estimator`` (``_episode_batch``), one update."""
+    trajectories, figures = self._played(batch, self._sampling_root(batch.index))
+    t_rollout = time.perf_counter() - started
+    returns = np.asarray([x.episode_return for x in trajectories])
+    metrics = {'reward/mean': float(returns.mean()), 'reward/std': float(returns.std()),
+               **_episode_metrics(trajectories, 'episode/'),
+               **{f'termination/{reason}': float(np.mean([x.termination == reason
+                                                          for x in trajectories]))
+                  for reason in TERMINATIONS},
+               'sampling_version': batch.version, **self._start_eval}
+    self._start_eval = {}
+    t1 = time.perf_counter()
+    self._update(self._episode_batch(trajectories), metrics)
+    t_train = time.perf_counter() - t1
+    self.step += 1
+    played = [x.prompt_id for x in trajectories]
+    return self._end_step(batch, metrics, {
+        'prompt_ids': [p.prompt_id for p in batch.prompts],
+        'trained_prompt_ids': [int(i) for i in dict.fromkeys(played)],
+        'trained_versions': sorted({int(v) for x in trajectories
+                                    for v in np.unique(x.versions) if v >= 0})},
+        started=started, t_rollout=t_rollout, t_train=t_train, queued=queued,
+        tokens_per_s=figures.get('model_tokens', 0.0) / max(figures.get('wall_s', 0.0), 1e-9))
+
+  def _played(self, batch: _Batch, root: jax.Array) -> tuple[list, dict[str, float]]:
+    """The trajectories of ``batch``'s chunks in order and their runners' figures, summed
+    (``wall_s``: the longest chunk's)."""
+    trajectories, figures = [], collections.Counter()
+    for part, stats in self._gather(batch, root):
+      trajectories += part
+      figures.update({k: v for k, v in stats.items() if k != 'wall_s'})
+      figures['wall_s'] = max(figures['wall_s'], stats.get('wall_s', 0.0))
+    return trajectories, dict(figures)
+
+  def _episode_batch(self, trajectories: list[Trajectory]) -> TrainBatch:
+    """The trainer's rows of ``trajectories``, ``episodes.length`` wide (one shape every
+    step), with their advantages: ``rl.advantage_estimator`` a group estimator
+    (``losses.ESTIMATORS``, e.g. GRPO over episode returns: ``[B]``) or a multi-turn one
+    (``losses.TURN_ESTIMATORS``: per-turn advantages broadcast to the turns' tokens,
+    ``[B, T]``). Environment state keys become dense ids per batch (``losses.multi_turn``)."""
+    s = self.settings
+    e = s.episodes
+    returns = np.asarray([x.episode_return for x in trajectories], np.float32)
+    group_ids = np.asarray([x.group_id for x in trajectories], np.int32)
+    if s.advantage_estimator not in losses.TURN_ESTIMATORS:
+      advantages = np.asarray(losses.group_advantages(returns, group_ids,
+                                                      s.advantage_estimator))
+      return make_trajectory_batch(trajectories, advantages, length=e.length).train
+    packed = make_trajectory_batch(trajectories, np.zeros(len(trajectories), np.float32),
+                                   length=e.length)
+    _, dense = np.unique(packed.state_ids, return_inverse=True)
+    per_turn = losses.turn_advantages(
+        s.advantage_estimator, episode_returns=packed.episode_returns, group_ids=group_ids,
+        turn_rewards=packed.turn_rewards, turn_mask=packed.turn_mask,
+        state_ids=dense.reshape(packed.state_ids.shape).astype(np.int32), gamma=e.gamma,
+        omega=e.omega, norm=e.norm)
+    tokens = losses.broadcast_turn_advantages(per_turn, packed.token_turn)
+    return packed.train.replace(advantages=np.asarray(tokens, np.float32))
+
+  def _evaluate_episodes(self) -> dict[str, float]:
+    """Held-out episode success of the trainer's current version: one greedy episode per
+    held-out seed (``agent.num_eval`` from ``agent.eval_seed_start``) on a live worker.
+    ``eval/accuracy`` is ``eval/success`` (what the summary reports)."""
+    version = self.trainer.version
+    requests = [GenerationRequest(p, 1, GREEDY, self.settings.max_new_tokens)
+                for p in self._eval_prompts]
+    worker = self._live_workers()[0]
+    batch = _Batch(index=-1, version=version, prompts=list(self._eval_prompts), chunks=[
+        (worker, requests, self._submit(worker, requests, self._root_key, version))])
+    trajectories, _ = self._played(batch, self._root_key)
+    metrics = _episode_metrics(trajectories, 'eval/')
+    return {'eval/accuracy': metrics['eval/success'], **metrics}
+
+
+def _episode_metrics(trajectories: Sequence[Trajectory], prefix: str) -> dict[str, float]:
+  """Episodes in figures, each under ``prefix``: ``return``, ``turns`` and ``success`` (means
+  over the episodes) and ``env_tokens`` (the mean count of tokens fed between turns, with
+  loss mask 0)."""
+  first_turn = [int(x.turn_starts[0]) if x.num_turns else len(x.tokens) for x in trajectories]
+  return {
+      f'{prefix}return': float(np.mean([x.episode_return for x in trajectories])),
+      f'{prefix}turns': float(np.mean([x.num_turns for x in trajectories])),
+      f'{prefix}success': float(np.mean([x.success for x in trajectories])),
+      f'{prefix}env_tokens': float(np.mean([
+          int((~x.loss_mask[start:]).sum()) for x, start in zip(trajectories, first_turn)])),
+  }

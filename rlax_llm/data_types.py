@@ -241,7 +241,9 @@ class TrainBatch:
   loss_mask: jax.Array  # float32 [B, T]: 1 on completion tokens
   behaviour_logprobs: jax.Array  # float32 [B, T]: 0 off the loss mask
   support_sizes: jax.Array  # int32 [B, T]: the sampler's support size per token, 0 off the mask
-  advantages: jax.Array  # float32 [B]
+  # float32 [B] (one per row), or [B, T] (per token, aligned with ``tokens``: multi-turn
+  # credit, ``losses.broadcast_turn_advantages``; 0 off the loss mask)
+  advantages: jax.Array
   versions: jax.Array  # int32 [B, T]: -1 off the loss mask
   group_ids: jax.Array  # int32 [B]
 
@@ -312,6 +314,7 @@ class Trajectory:
   episode_return: float
   termination: str  # one of TERMINATIONS
   texts: tuple[str, ...] = ()  # each turn's decoded action text
+  success: bool = False  # the last step's info['success']: the episode reached its goal
 
   def __post_init__(self):
     t, n = len(self.tokens), len(self.turn_starts)

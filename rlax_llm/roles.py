@@ -16,14 +16,20 @@ import itertools
 import logging
 import os
 import pathlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from rlax_llm import config as config_lib
 from rlax_llm import console
+from rlax_llm.data_types import GenerationRequest, Trajectory
+from rlax_llm.envs import Environment, make_env
+from rlax_llm.envs.seeds import env_seeds
+from rlax_llm.envs.tool_calls import tool_format_for
 from rlax_llm.errors import ConfigError
 from rlax_llm.models import from_pretrained, presets
 from rlax_llm.models import lora as lora_lib
@@ -31,14 +37,16 @@ from rlax_llm.models.decoder_config import DecoderConfig, Execution
 from rlax_llm.models.files import hub
 from rlax_llm.models.files.tokenizer import HFTokenizer
 from rlax_llm.models.model import Model, Params, create_model, split_module, with_param_dtype
-from rlax_llm.trainer.scoring import Policy
+from rlax_llm.rollout.episodes import request_episodes
 from rlax_llm.rollout.worker import InferenceWorker
+from rlax_llm.schedule import EpisodeSettings
 from rlax_llm.sharding import role_meshes
 from rlax_llm.tasks import Task, make_task
 from rlax_llm.tasks.files import FileTask
 from rlax_llm.tasks.prompt_length import fit_prompt_length
 from rlax_llm.tokenization import CharTokenizer, Tokenizer, encode_prompts
 from rlax_llm.trainer.objectives import loss_totals, rl_objective, shared_prefix_scoring
+from rlax_llm.trainer.scoring import Policy
 from rlax_llm.trainer.trainer import Trainer, learning_rate_schedule, make_optimizer
 from rlax_llm.trainer.warmup import supervised_warmup
 
@@ -52,7 +60,18 @@ _ARCHITECTURE_FIELDS = ('vocab_size', 'num_layers', 'embed_dim', 'num_heads', 'n
 
 
 def build_task(config: ml_collections.ConfigDict) -> Task:
+  """The run's task; an environment run's is its seed stream (``envs.seeds``)."""
+  if config.env.name:
+    return env_seeds(config)
   return make_task(config.task.to_dict() | {'seed': config.seed})
+
+
+def env_factory(config: ml_collections.ConfigDict, tokenizer: Tokenizer
+                ) -> Callable[[], Environment]:
+  """Builds a fresh environment of ``config.env`` per call, its tools in the tool format of
+  ``tokenizer``'s checkpoint (``tool_calls.tool_format_for``) unless ``env.tool_format`` names
+  one."""
+  return functools.partial(make_env, config.env, tool_format_for(tokenizer))
 
 
 def checkpoint_path(config: ml_collections.ConfigDict) -> pathlib.Path:
@@ -385,6 +404,22 @@ def build_worker(config: ml_collections.ConfigDict, model: Model, tokenizer: Tok
                          max_new_tokens=config.sampling.max_new_tokens,
                          slots=config.rollout.slots, on_swap=config.rollout.on_swap,
                          quant=config.model.inference_quant)
+
+
+def play_requests(worker: InferenceWorker, fetch, requests: Sequence[GenerationRequest],
+                  rng_data: np.ndarray, version: int, first: int, episodes: EpisodeSettings,
+                  make_env: Callable[[], Environment]
+                  ) -> tuple[list[Trajectory], dict[str, float]]:
+  """In a worker's process: plays the episodes of an environment run's ``requests``
+  (``episodes.request_episodes``: ``num_samples`` per request, keys from ``rng_data`` and
+  ``first`` as ``generate`` draws them) with the weights of ``version``, pulled through
+  ``fetch`` unless held (``InferenceWorker.play_at``), with the requests' sampling spec (one
+  for all). Returns the trajectories in order and the runner's figures."""
+  specs = {request.sampling for request in requests}
+  if len(specs) != 1:
+    raise ValueError(f'play_requests: the requests mix sampling specs {specs}; send one.')
+  played = request_episodes(requests, make_env, jax.random.wrap_key_data(rng_data), first)
+  return worker.play_at(version, fetch, played, specs.pop(), **episodes.runner_kwargs())
 
 
 def meshes(config: ml_collections.ConfigDict) -> dict[str, Any]:

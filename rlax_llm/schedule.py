@@ -90,6 +90,46 @@ def sampling_version(i: int, j: int, k: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class EpisodeSettings:
+  """What an environment run plays (``env.*``, ``agent.*`` and the turn estimators' knobs
+  ``rl.turn_*``; docs/environments.md, "Training on an environment"): every prompt of the
+  stream is an environment seed, played ``group_size`` times as a multi-turn episode.
+
+  Attributes:
+    env: the ``env`` config group (``name`` and the environment's keyword arguments).
+    max_turns: a cap on turns over the environment's own ``max_turns`` (None: its own).
+    max_concurrent_episodes: episodes a worker plays at once (at most its slots).
+    timeout_s: wall-clock seconds an episode may take.
+    max_turn_tokens: the most tokens one turn may sample.
+    length: the longest trajectory in tokens: the KV cache's (first prompt + the rest of the
+      conversation, ``sampling.max_prompt_len + sampling.max_new_tokens``) plus the last
+      sampled token, never written to it; train rows are this wide.
+    num_eval: held-out seeds (greedy episodes) per evaluation.
+    eval_seed_start: the first held-out seed (the train stream's seeds lie below it).
+    gamma, omega, norm: the multi-turn estimators' discount, GiGPO's step weight and
+      ``F_norm`` (``losses.multi_turn``).
+  """
+
+  env: dict[str, Any]
+  max_turns: int | None
+  max_concurrent_episodes: int
+  timeout_s: float
+  max_turn_tokens: int
+  length: int
+  num_eval: int
+  eval_seed_start: int
+  gamma: float = 0.95
+  omega: float = 1.0
+  norm: str = 'std'
+
+  def runner_kwargs(self) -> dict[str, Any]:
+    """The ``InferenceWorker.play_at`` keywords these settings fix."""
+    return {'max_concurrent_episodes': self.max_concurrent_episodes,
+            'max_turn_tokens': self.max_turn_tokens, 'timeout_s': self.timeout_s,
+            'max_turns': self.max_turns}
+
+
+@dataclasses.dataclass(frozen=True)
 class ControllerSettings:
   """What the controller schedules (validated by ``rlax_llm.config`` before any compute;
   whether ``oversample`` suits ``advantage_estimator`` is checked there, where the losses
@@ -113,6 +153,7 @@ class ControllerSettings:
   short_batches: str = 'pad'  # fewer informative groups than prompts_per_step: 'pad' | 'wait'
   replay: float = 0.0  # fraction of a batch's new prompts re-asked from the replay pool
   schedule: str = 'deterministic'  # 'deterministic' (versions named) | 'free' (SCHEDULES)
+  episodes: EpisodeSettings | None = None  # an environment run's (None: single-turn task)
 
   @property
   def replay_capacity(self) -> int:

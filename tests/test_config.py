@@ -69,14 +69,14 @@ def test_every_config_and_variant_validates_and_prepares(path, variant):
 
 
 def test_missing_key_names_it():
-  config = load_config_file(str(CONFIGS[0]))
+  config = load_config_file(str(DEFAULT_CONFIG_PATH))  # configs/default.py
   del config.rl['group_size']
   with pytest.raises(ConfigError, match=r"'rl.group_size' is missing.*fields there"):
     validate_config(config)
 
 
 def test_bad_staleness():
-  config = load_config_file(str(CONFIGS[0]))
+  config = load_config_file(str(DEFAULT_CONFIG_PATH))  # configs/default.py
   config.staleness.k = 0
   with pytest.raises(ConfigError, match='staleness'):
     validate_config(config)
@@ -86,7 +86,7 @@ def test_staleness_schedule():
   """'deterministic' is the default; 'free' is refused where it cannot work (inline roles:
   nothing is pushed while a batch is generated; checkpoints: a run that depends on timing
   cannot be resumed exactly), and the error names the value and the fix."""
-  config = load_config_file(str(CONFIGS[0]))
+  config = load_config_file(str(DEFAULT_CONFIG_PATH))  # configs/default.py
   assert validate_config(config).controller.schedule == 'deterministic'
   config.staleness.schedule = 'async'
   with pytest.raises(ConfigError, match=r"config.staleness.schedule='async' is not valid; "
@@ -108,7 +108,7 @@ def test_ray_trainer_processes():
   """``ray.trainer_processes`` (a Ray trainer over several actors) is an int >= 1, refused
   with the local backend (whose multi-host runs are ``distributed.*``);
   ``ray.trainer_env``'s values are strings."""
-  config = load_config_file(str(CONFIGS[0]))
+  config = load_config_file(str(DEFAULT_CONFIG_PATH))  # configs/default.py
   config.ray.trainer_processes = 0
   with pytest.raises(ConfigError, match=r'config.ray.trainer_processes=0 must be an int >= 1'):
     validate_config(config)
@@ -318,3 +318,64 @@ def test_python_config_is_the_python_task_on_smollm2():
   config = load_config(['--config=configs/python.py', '--config.task.question_field=text',
                         '--config.task.tests_field=test_list'])
   assert (config.task.question_field, config.task.tests_field) == ('text', 'test_list')
+
+
+def _agent_smoke():
+  return load_config_file('configs/agent.py:smoke')
+
+
+@pytest.mark.parametrize('key, value, named', [
+    ('rollout.stop_after_groups', 4, 'APRIL'),
+    ('rl.shared_prefix', True, 'window'),
+    ('rollout.oversample', 1.0, 'dynamic sampling'),
+    ('rollout.replay', 0.5, 'replay pool'),
+    ('eval.samples', 4, 'greedily'),
+    ('warmup.steps', 10, 'demonstrations'),
+])
+def test_an_environment_run_refuses_single_turn_features(key, value, named):
+  config = _agent_smoke()
+  section, field = key.split('.')
+  config[section][field] = value
+  with pytest.raises(ConfigError, match=rf"config.{re.escape(key)}=.*does not apply to an "
+                                        rf"environment run \(env.name='grid'\).*{named}"):
+    validate_config(config)
+
+
+def test_an_environment_run_validates_its_environment_and_knobs():
+  config = _agent_smoke()
+  spec = validate_config(config)
+  episodes = spec.controller.episodes
+  assert episodes.env['name'] == 'grid' and episodes.max_turn_tokens == 6
+  assert episodes.length == 16 + 112 + 1 and episodes.max_concurrent_episodes == 16
+  assert spec.controller.reward is None  # the environment's rewards
+  for estimator in ('gigpo', 'trajectory_grpo', 'turn_grpo'):  # accepted for episodes
+    config.rl.advantage_estimator = estimator
+    assert validate_config(config).controller.advantage_estimator == estimator
+  bad = _agent_smoke()
+  bad.env.size = 1
+  with pytest.raises(ConfigError, match=r'config.env.*size'):
+    validate_config(bad)
+  bad = _agent_smoke()
+  bad.env.name = 'nope'
+  with pytest.raises(ConfigError, match=r"config.env.unknown environment name 'nope'"):
+    validate_config(bad)
+  bad = _agent_smoke()
+  bad.agent.max_turn_tokens = 113
+  with pytest.raises(ConfigError, match=r'agent.max_turn_tokens=113 exceeds '
+                                        r'sampling.max_new_tokens=112'):
+    validate_config(bad)
+  bad = _agent_smoke()
+  bad.rl.turn_gamma = 1.5
+  with pytest.raises(ConfigError, match=r'config.rl.turn_gamma=1.5 must be a number in'):
+    validate_config(bad)
+  bad = _agent_smoke()
+  bad.checkpoint.every_steps = 1
+  bad.staleness.k = 2
+  with pytest.raises(ConfigError, match=r'staleness.k=2 with checkpoints in an environment '
+                                        r'run: episodes in flight .* regenerated on resume'):
+    validate_config(bad)
+  bad = _agent_smoke()
+  bad.model.max_seq_len = 128  # one short of the last sampled token
+  with pytest.raises(ConfigError, match=r"config.model.max_seq_len=128 is shorter.* \+ 1 "
+                                        r"\(an episode's last sampled token\) = 129"):
+    validate_config(bad)

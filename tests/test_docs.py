@@ -32,7 +32,8 @@ def _leaves(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:
   return out
 
 
-@pytest.mark.parametrize('config', ['default.py', 'smollm2.py', 'math.py', 'python.py'])
+@pytest.mark.parametrize('config', ['default.py', 'smollm2.py', 'math.py', 'python.py',
+                                    'agent.py'])
 def test_every_config_key_is_in_the_config_reference(config):
   listed = set(re.findall(r'`([a-z_][a-z0-9_.]*)`', (ROOT / 'docs' / 'config.md').read_text()))
   missing = [k for k in _leaves(load_config_file(str(ROOT / 'configs' / config)))

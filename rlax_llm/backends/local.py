@@ -142,12 +142,21 @@ class LocalTrainer:
 
 class LocalWorker:
   """``WorkerHandle`` over an in-process ``InferenceWorker`` that pulls the versions it is
-  asked for from ``server`` itself."""
+  asked for from ``server`` itself. An environment run's worker has ``episodes`` (the run's
+  ``EpisodeSettings``) and ``make_env`` (``roles.env_factory``) to ``play`` with."""
 
-  def __init__(self, worker, threaded: bool, server: ParameterServer):
+  def __init__(self, worker, threaded: bool, server: ParameterServer, episodes=None,
+               make_env=None):
     self.worker = worker
     self.server = server
+    self.episodes = episodes
+    self.make_env = make_env
     self._serial = Serial('inference', threaded)
+
+  def play(self, requests, rng_data: np.ndarray, version: int, first: int = 0):
+    """``roles.play_requests`` on this worker's thread."""
+    return self._serial.submit(roles.play_requests, self.worker, self.server.update, requests,
+                               rng_data, version, first, self.episodes, self.make_env)
 
   def generate(self, requests, rng_data: np.ndarray, version: int, stop_after=None, first=0):
     return self._serial.submit(self._generate, requests, rng_data, version, stop_after, first)
@@ -179,7 +188,8 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   # workers' dtype).
   trainer = LocalTrainer(trainer, threaded, server, checkpointer,
                          inference=roles.inference_model(config, model))
-  workers = [LocalWorker(roles.build_worker(config, model, tokenizer, mesh), threaded, server)
+  workers = [LocalWorker(roles.build_worker(config, model, tokenizer, mesh), threaded, server,
+                         spec.controller.episodes, roles.env_factory(config, tokenizer))
              for mesh in meshes['inference']]
   try:
     with assemble(config, spec.controller, workdir, task, trainer, workers, warmup_metrics,

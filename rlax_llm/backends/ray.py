@@ -467,6 +467,8 @@ class WorkerRole:
     model, _, tokenizer = roles.build_model(config, task)
     mesh = roles.meshes(config)['inference'][index]
     self.worker = roles.build_worker(config, model, tokenizer, mesh)
+    self.episodes = config_lib.run_spec(config).controller.episodes
+    self.make_env = roles.env_factory(config, tokenizer)
     self.server = server
     # Ray restarted this actor after its process was lost: say so with the next rollouts.
     self._restarted = _ray().get_runtime_context().was_current_actor_reconstructed
@@ -489,6 +491,17 @@ class WorkerRole:
       rollouts = dataclasses.replace(rollouts,
                                      timings={**rollouts.timings, 'workers/restarts': 1})
     return rollouts
+
+
+  def play(self, requests, rng_data: np.ndarray, version: int, first: int = 0):
+    """``roles.play_requests`` in this actor: the environments are built here, and what
+    comes back is the trajectories' host arrays (small; weights never pass the driver)."""
+    trajectories, stats = roles.play_requests(self.worker, self._fetch, requests, rng_data,
+                                              version, first, self.episodes, self.make_env)
+    if self._restarted:
+      self._restarted = False
+      stats = {**stats, 'workers/restarts': 1}
+    return trajectories, stats
 
 
 class RayFuture:
@@ -623,6 +636,9 @@ class RayWorker:
 
   def generate(self, requests, rng_data, version: int, stop_after=None, first=0) -> RayFuture:
     return RayFuture(self.actor.generate.remote(requests, rng_data, version, stop_after, first))
+
+  def play(self, requests, rng_data, version: int, first: int = 0) -> RayFuture:
+    return RayFuture(self.actor.play.remote(requests, rng_data, version, first))
 
   def retire(self) -> None:
     with contextlib.suppress(Exception):

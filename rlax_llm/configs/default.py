@@ -54,6 +54,21 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       name='arithmetic', max_operand=99, operations='+', num_eval=200, demo_error_rate=0.6,
       format='plain', answer_format='exact',
   ))
+  # Multi-turn agent runs (docs/environments.md, "Training on an environment"): env.name ''
+  # trains on the task above; an environment's name (rlax_llm.envs.ENVS) or a class of yours
+  # ('module.path:ClassName') trains on its episodes instead, its other fields being the
+  # environment's keyword arguments. Each prompt of the stream is then an environment seed
+  # played rl.group_size times; rewards are the environment's, rl.advantage_estimator may
+  # also be trajectory_grpo, turn_grpo or gigpo. sampling.max_prompt_len bounds the first
+  # prompt, sampling.max_new_tokens the rest of the conversation (turns and observations).
+  c.env = ml_collections.ConfigDict(dict(name=''))
+  # agent: max_turns caps the environment's own (0: its own); max_concurrent_episodes per
+  # worker (0: rollout.slots); timeout_s per episode (wall clock); max_turn_tokens per turn
+  # (0: sampling.max_new_tokens); held-out evaluation plays num_eval greedy episodes on the
+  # seeds eval_seed_start, eval_seed_start + 1, ... (the train stream's seeds lie below).
+  c.agent = ml_collections.ConfigDict(dict(
+      max_turns=0, max_concurrent_episodes=0, timeout_s=300.0, max_turn_tokens=0,
+      num_eval=32, eval_seed_start=2**40))
   # Supervised warm-up that produces the RL starting point (0 steps = start from init).
   c.warmup = ml_collections.ConfigDict(dict(
       steps=2000, batch_size=64, learning_rate=3e-3, warmup_steps=50,
@@ -72,6 +87,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       eps_high=placeholder(float), aggregation=placeholder(str),
       kl_beta=0.0, kl_estimator=placeholder(str),
       m2po_tau=0.04, m2po_variant='paper',
+      # Multi-turn estimators (env runs; rlax_llm/losses/multi_turn.py): the discount of later
+      # turns' rewards, GiGPO's weight of the step-level advantage, F_norm ('std' | 'mean').
+      turn_gamma=0.95, turn_omega=1.0, turn_norm='std',
       old_logprobs='behaviour',  # or 'recompute' (decoupled PPO; enables mismatch; not m2po)
       mismatch=ml_collections.ConfigDict(dict(
           enabled=False, level='token', mode='truncate', threshold=2.0,

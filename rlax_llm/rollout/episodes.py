@@ -46,14 +46,15 @@ import dataclasses
 import hashlib
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from rlax_llm.data_types import Trajectory
+from rlax_llm.data_types import GenerationRequest, Trajectory
 from rlax_llm.envs.base import Environment, observation_messages
+from rlax_llm.envs.seeds import env_seed
 from rlax_llm.envs.tool_calls import tool_format_for, with_tools
 from rlax_llm.rollout.driver import VersionedParams
 from rlax_llm.rollout.engine import DecodeState, Engine, Extend, HostStep, Insert
@@ -159,6 +160,24 @@ class Episode:
   prompt_id: int = 0
 
 
+def request_episodes(requests: Sequence[GenerationRequest], make_env: Callable[[], Environment],
+                     rng: jax.Array, first: int = 0) -> list[Episode]:
+  """The episodes of an environment run's ``requests`` (each prompt stands for an environment
+  seed, ``envs.seeds.env_seed``): ``num_samples`` episodes per request, each with a fresh
+  environment from ``make_env``. Sample ``s`` of request ``i`` plays with the key
+  ``fold_in(fold_in(rng, first + i), s)`` (as ``InferenceWorker.generate`` samples) and group
+  id ``first + i``, so a batch's episodes do not depend on how it is split between
+  workers."""
+  out = []
+  for i, request in enumerate(requests):
+    request_key = jax.random.fold_in(rng, first + i)
+    for s in range(request.num_samples):
+      key = np.asarray(jax.random.key_data(jax.random.fold_in(request_key, s)))
+      out.append(Episode(env=make_env(), seed=env_seed(request.prompt), key=key,
+                         group_id=first + i, prompt_id=request.prompt.prompt_id))
+  return out
+
+
 @dataclasses.dataclass
 class _Turn:
   """A turn in flight: its model tokens ``[start, end)``, the state it acts in, its reward and
@@ -182,6 +201,7 @@ class _Live:
   max_turns: int
   slot: int = -1
   cached: int = 0  # positions the slot's cache holds
+  success: bool = False  # the last step's info['success']
   messages: list = dataclasses.field(default_factory=list)
   texts: list = dataclasses.field(default_factory=list)
   rows: list = dataclasses.field(default_factory=list)
@@ -436,6 +456,7 @@ class EpisodeRunner:
       step, reward, key = value
       live.turns[-1].reward, live.turns[-1].ok = reward, True
       if step.done:
+        live.success = bool((step.info or {}).get('success', False))
         truncated = (step.info or {}).get('truncated')  # a TextEnv's own turn limit
         self._finish(live, 'turn_limit' if truncated else 'done', slots, results)
         continue
@@ -507,7 +528,8 @@ class EpisodeRunner:
         turn_rewards=np.asarray(rewards, np.float32),
         turn_mask=np.asarray([t.ok for t in turns], bool),
         state_ids=np.asarray([t.state for t in turns], np.int64),
-        episode_return=float(sum(rewards)), termination=reason, texts=tuple(live.texts))
+        episode_return=float(sum(rewards)), termination=reason, texts=tuple(live.texts),
+        success=live.success and reason == 'done')
 
 
 def _timed(call):

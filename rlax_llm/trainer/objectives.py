@@ -44,6 +44,8 @@ def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
   With ``loss_config.old_logprobs == 'recompute'`` the proximal log-probs are these same
   log-probs, detached (the params before the update); with ``kl_beta > 0`` the reference
   log-probs come from ``reference_params`` through the same policy transform.
+  ``batch.advantages`` is ``[B]`` (one per row) or ``[B, T]`` (per token, aligned with
+  ``batch.tokens``, as ``losses.broadcast_turn_advantages`` gives for multi-turn episodes).
   Metrics add ``entropy`` (of the policy distribution),
   ``policy/out_of_support_fraction`` (loss tokens outside the policy's top-k/top-p support) and
   ``hist/log_ratio`` (``losses.log_ratio_histogram`` of log pi_theta - log pi_behaviour).
@@ -65,11 +67,15 @@ def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
     pick = lambda x: jnp.take_along_axis(x, index, axis=1)
     mask = jnp.where(offsets < length, pick(batch.loss_mask), 0.0)
     behaviour = pick(batch.behaviour_logprobs)
+    advantages = pick(batch.advantages) if batch.advantages.ndim == 2 else batch.advantages
     score = lambda p: policy.window_log_probs(p, batch.tokens, batch.support_sizes, starts,
                                               width=window, share=share, chunk=logprob_chunk)
   else:
     mask = batch.loss_mask[:, 1:]
     behaviour = batch.behaviour_logprobs[:, 1:]
+    # Per-token advantages [B, T] (multi-turn credit) are aligned with the tokens: position t
+    # is token t, predicted from < t, like the loss mask.
+    advantages = batch.advantages[:, 1:] if batch.advantages.ndim == 2 else batch.advantages
     score = lambda p: policy.sequence_log_probs(p, batch.tokens, batch.support_sizes,
                                                 chunk=logprob_chunk)
   scored = score(params)
@@ -81,7 +87,7 @@ def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
   old_logp = (jax.lax.stop_gradient(scored.logp) if loss_config.old_logprobs == 'recompute'
               else None)
   loss, diagnostics = losses.policy_loss(
-      loss_config, scored.logp, behaviour, batch.advantages, mask, old_logp=old_logp,
+      loss_config, scored.logp, behaviour, advantages, mask, old_logp=old_logp,
       ref_logp=ref_logp, max_length=length - 1, totals=totals)
   diagnostics = dict(diagnostics)
   diagnostics['entropy'] = losses.masked_token_mean(scored.entropy, mask)

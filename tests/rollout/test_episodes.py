@@ -346,3 +346,19 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(smollm2_tokenizer):
   with pytest.raises(ValueError, match='rewrites earlier turns'):
     renderer.between_turns([{'role': 'user', 'content': 'a'}],
                            [{'role': 'user', 'content': 'b'}], None)
+
+
+class GoalEnv(ToyEnv):
+  """ToyEnv whose last step reports ``info['success']`` (the odd seeds reach the goal)."""
+
+  def step(self, action):
+    step = super().step(action)
+    info = {'success': self.seed % 2 == 1} if step.done else {}
+    return dataclasses.replace(step, info=info)
+
+
+def test_success_is_the_last_steps_and_needs_the_episode_done(engine_and_params):
+  trajectories = runner(engine_and_params).run(
+      episodes([GoalEnv(), GoalEnv(), GoalEnv(done_at=99, max_turns=2)]), SPEC)
+  assert [x.termination for x in trajectories] == ['done', 'done', 'turn_limit']
+  assert [x.success for x in trajectories] == [False, True, False]

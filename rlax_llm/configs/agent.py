@@ -1,0 +1,66 @@
+"""Multi-turn agents: RL on an environment's episodes (docs/environments.md, "Training on an
+environment").
+
+The default: SmolLM2-135M-Instruct learns to use the calculator environment's ``calculate``
+tool to multiply a 3-digit by a 2-digit number (tool calls in the documented 'simple' format:
+SmolLM2's chat template has no tool format), GRPO over episode returns, greedy held-out
+episode success as eval/success.
+Variants (``--config=configs/agent.py:VARIANT``):
+  grid: a 4x4 FrozenLake text puzzle (rlax_llm.envs.GridEnv), one move a turn, GRPO over
+    episode returns.
+  grid_gigpo: the same with GiGPO's step-level credit (rl.advantage_estimator='gigpo').
+  smoke: a tiny character-level model on a 2x2 grid for a few steps (tests; seconds).
+"""
+
+import ml_collections
+
+from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config_file
+
+VARIANTS = ('grid', 'grid_gigpo', 'smoke')
+
+
+def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
+  # The packaged default config (the schema, with every key's meaning); what differs follows.
+  c = load_config_file(str(DEFAULT_CONFIG_PATH))
+  c.name = 'agent_calculator'
+  c.total_steps = 200
+  # SmolLM2-135M-Instruct as configs/smollm2.py loads it (the packaged GGUF by default).
+  c.model = load_config_file(str(DEFAULT_CONFIG_PATH.parent / 'smollm2.py')).model
+  c.env = ml_collections.ConfigDict(dict(name='calculator', max_turns=4, tool_format='simple'))
+  c.agent.update(dict(max_turns=0, max_concurrent_episodes=0, timeout_s=300.0,
+                      max_turn_tokens=48, num_eval=50))
+  c.warmup.steps = 0
+  c.rl.update(dict(prompts_per_step=4, group_size=8, learning_rate=1e-5))
+  # The first prompt (chat template and the tool's description: 182 tokens) and the rest of the
+  # conversation: up to 4 turns of 48 tokens and the tool results between them.
+  c.sampling.update(dict(temperature=0.7, max_prompt_len=224, max_new_tokens=320))
+  c.rollout.update(dict(slots=32))
+  c.checkpoint.update(dict(every_steps=25, keep=2))
+  c.eval.every_steps = 10
+  del c['reward']  # the environment's rewards
+
+  if variant in ('grid', 'grid_gigpo'):
+    c.name = f'agent_{variant}'
+    c.env = ml_collections.ConfigDict(dict(name='grid', size=4, frozen_fraction=0.8,
+                                           max_turns=8, shaping=0.0))
+    c.agent.max_turn_tokens = 16
+    c.sampling.update(dict(max_prompt_len=128, max_new_tokens=448))
+    if variant == 'grid_gigpo':
+      c.rl.advantage_estimator = 'gigpo'
+  elif variant == 'smoke':
+    c.name = 'agent_smoke'
+    c.total_steps = 3
+    c.model = load_config_file(str(DEFAULT_CONFIG_PATH)).model
+    c.model.max_seq_len = 129  # max_prompt_len + max_new_tokens + the last sampled token
+    c.env = ml_collections.ConfigDict(dict(name='grid', size=2, max_turns=2,
+                                           instruction='{grid}'))
+    c.agent.update(dict(max_turn_tokens=6, num_eval=4, timeout_s=120.0))
+    c.rl.update(dict(prompts_per_step=4, group_size=4, learning_rate=3e-4))
+    c.sampling.update(dict(temperature=1.0, max_prompt_len=16, max_new_tokens=112))
+    c.rollout.slots = 16
+    c.eval.every_steps = 2
+    c.checkpoint.update(dict(every_steps=0, every_seconds=0.0))
+  elif variant is not None:
+    raise ValueError(f'Unknown variant {variant!r} of configs/agent.py; valid: '
+                     f'{", ".join(VARIANTS)}.')
+  return c

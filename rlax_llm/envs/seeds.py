@@ -1,0 +1,62 @@
+"""An environment run's seed stream, as the ``Task`` the controller draws prompts from.
+
+An environment run (``env.name`` set; docs/environments.md, "Training on an environment")
+keeps the single-turn run's data machinery: the controller draws a batch of prompts from the
+grain stream of ``train_prompt(index)`` (its iterator position is the checkpoint's data
+position) and evaluates on ``eval_prompts()``. Here a prompt is an environment seed: its
+``text`` is the seed (``env_seed``), and the conversation is what ``env.reset(seed)`` gives.
+Train prompt ``index`` is seed ``index``; the held-out prompts are the seeds
+``eval_seed_start + i``, ``i < num_eval``, above every seed of the stream (``2**40`` long).
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Any
+
+from rlax_llm.tasks.base import Prompt
+
+# A tiny character-level model's alphabet in an environment run: printable ASCII and newline
+# (what the built-in environments write).
+CHARSET = string.printable.replace('\x0b', '').replace('\x0c', '').replace('\r', '')
+
+
+def env_seed(prompt: Prompt) -> int:
+  """The environment seed ``prompt`` stands for (an ``EnvSeeds`` prompt's text)."""
+  return int(prompt.text)
+
+
+class EnvSeeds:
+  """The seeds of environment ``name`` as a task: ``train_prompt(i)`` is seed ``i``,
+  ``eval_prompts()`` the ``num_eval`` seeds from ``eval_seed_start`` (ids ``-1 - i``)."""
+
+  def __init__(self, name: str, num_eval: int, eval_seed_start: int):
+    if eval_seed_start < 2**40:
+      raise ValueError(f'agent.eval_seed_start={eval_seed_start} must be >= 2**40, above the '
+                       'seeds of the train stream (held-out seeds are never trained on).')
+    self.name = f'env:{name}'
+    self.num_eval = num_eval
+    self.eval_seed_start = eval_seed_start
+
+  @property
+  def charset(self) -> str:
+    return CHARSET
+
+  def train_prompt(self, index: int) -> Prompt:
+    return Prompt(prompt_id=index, text=str(index), answer='')
+
+  def eval_prompts(self) -> list[Prompt]:
+    return [Prompt(prompt_id=-1 - i, text=str(self.eval_seed_start + i), answer='')
+            for i in range(self.num_eval)]
+
+  def score(self, prompt: Prompt, completion: str) -> float:
+    """Never called: an environment run's rewards come from its episodes."""
+    raise NotImplementedError(f'{self.name}: rewards come from the environment\'s episodes, '
+                              f'not from scoring a completion of prompt {prompt.prompt_id} '
+                              f'({completion!r:.40}).')
+
+
+def env_seeds(config: Any) -> EnvSeeds:
+  """The ``EnvSeeds`` of a run config (``env.name``, ``agent.num_eval``,
+  ``agent.eval_seed_start``)."""
+  return EnvSeeds(config.env.name, config.agent.num_eval, config.agent.eval_seed_start)
