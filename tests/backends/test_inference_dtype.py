@@ -10,7 +10,6 @@ import numpy as np
 
 from rlax_llm import roles
 from rlax_llm.data_types import GenerationRequest, make_train_batch
-from rlax_llm.metrics import read_metrics
 from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.model import cast_params, create_model, with_param_dtype
 from rlax_llm.paramserver import ParameterServer
@@ -21,7 +20,7 @@ from rlax_llm.tasks import Prompt
 from rlax_llm.tokenization import CharTokenizer
 from rlax_llm.trainer.scoring import Policy
 
-from recorded_run import recorded_run  # tests/recorded_run.py
+from recorded_run import assert_trained_with_mismatch, recorded_run  # tests/recorded_run.py
 from smoke_config import smoke_config  # tests/smoke_config.py
 
 
@@ -65,17 +64,8 @@ def test_a_run_samples_with_the_bfloat16_copy_and_trains_the_float32_master(tmp_
   gap_fp32 = np.abs(np.asarray(fp32.logp)[mask] - behaviour).max()
   assert gap_bf16 < 1e-5 and gap_fp32 > 1e-3, (gap_bf16, gap_fp32)
   # Training proceeds on the float32 master, and the mismatch metrics see the bf16 gap.
-  rows = read_metrics(tmp_path / 'metrics.jsonl')
-  assert [row['step'] for row in rows] == [1, 2, 3]
-  assert any(row['update/skipped'] == 0 for row in rows)
-  assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(start),
-                                                       jax.tree.leaves(final)))
-  for row in rows:
-    assert np.isfinite(row['loss'])
-    for key in ('mismatch/kl', 'mismatch/max_abs_dlogp', 'mismatch/p95_abs_dlogp'):
-      assert np.isfinite(row[key]) and row[key] > 0, (key, row[key])
+  for row in assert_trained_with_mismatch(tmp_path, start, final):
     assert row['mismatch/max_abs_dlogp'] > 1e-3  # the bf16 rounding, not float32's ~1e-6
-    assert row['is/ratio_min'] == row['is/ratio_max'] == 1.0  # against the fp32 recompute
     assert 0 < abs(row['mismatch/weight_mean'] - 1) < 0.05  # TIS weights pi_old / pi_bf16
 
 

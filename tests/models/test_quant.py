@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from rlax_llm.data_types import make_train_batch
-from rlax_llm.metrics import read_metrics
 from rlax_llm.models.decoder import linear
 from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.model import create_model, to_weight_layout, with_weight_layout
@@ -21,7 +20,7 @@ from rlax_llm.sharding import make_mesh
 from rlax_llm.trainer.scoring import Policy
 
 from parity import trainer_logprobs  # tests/parity.py
-from recorded_run import recorded_run  # tests/recorded_run.py
+from recorded_run import assert_trained_with_mismatch, recorded_run  # tests/recorded_run.py
 from smoke_config import smoke_config  # tests/smoke_config.py
 
 CONFIG = DecoderConfig(vocab_size=48, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
@@ -132,13 +131,4 @@ def test_a_run_samples_int8_and_trains_the_float32_master(tmp_path):
   fp32 = policy.sequence_log_probs(held, tokens, sizes)
   assert np.abs(np.asarray(int8.logp)[mask] - behaviour).max() < 1e-5
   assert np.abs(np.asarray(fp32.logp)[mask] - behaviour).max() > 1e-4
-  rows = read_metrics(tmp_path / 'metrics.jsonl')
-  assert [row['step'] for row in rows] == [1, 2, 3]
-  assert any(row['update/skipped'] == 0 for row in rows)
-  assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(start),
-                                                       jax.tree.leaves(final)))
-  for row in rows:
-    assert np.isfinite(row['loss'])
-    for key in ('mismatch/kl', 'mismatch/max_abs_dlogp'):
-      assert np.isfinite(row[key]) and row[key] > 0, (key, row[key])
-    assert row['is/ratio_min'] == row['is/ratio_max'] == 1.0  # against the fp32 recompute
+  assert_trained_with_mismatch(tmp_path, start, final)
