@@ -166,13 +166,14 @@ def test_readme_keeps_to_this_repository():
   assert '../shared' not in text and '/work/' not in text
 
 
-def test_planned_weight_transfer_is_marked_as_planned():
-  """The docs that describe the weight transfer name the multi-host gather
-  (`host_params()`) and mark what is not built yet (a per-shard push across hosts) as
-  **Planned**."""
+def test_weight_transfer_docs_name_the_gather_and_the_per_shard_push():
+  """The docs that describe the weight transfer name the multi-host local backend's gather
+  (`host_params()`) and the Ray trainer across hosts that pushes per shard
+  (`ray.trainer_processes`), and no longer call that push planned."""
   for doc in ('README.md', 'docs/architecture.md'):
     text = (ROOT / doc).read_text()
-    assert 'host_params()' in text and '**Planned**' in text, doc
+    assert 'host_params()' in text and 'trainer_processes' in text, doc
+    assert 'a Ray trainer spanning hosts' not in text, doc
 
 
 def _bash_commands(doc: pathlib.Path) -> list[list[str]]:
