@@ -149,7 +149,7 @@ def _compiled_step_bytes(decoder, config) -> float:
   objective = functools.partial(rl_objective, Policy(model, spec.sampling), spec.loss,
                                 logprob_chunk=rl.logprob_chunk)
   step = jax.jit(functools.partial(trainer_lib._update, optimizer, objective,  # pylint: disable=protected-access
-                                   rl.micro_batches, loss_totals), donate_argnums=(0, 1))
+                                   rl.micro_batches, loss_totals, None), donate_argnums=(0, 1))
   params = model.abstract_params()
   rows = rl.prompts_per_step * rl.group_size
   length = config.sampling.max_prompt_len + config.sampling.max_new_tokens

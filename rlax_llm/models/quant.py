@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-if TYPE_CHECKING:  # annotations only: model.py imports the decoder, which imports this
-  from rlax_llm.models.model import Model, Params
+# A model (``rlax_llm.models.model.Model``) and its params, named loosely: model.py imports
+# the decoder, which imports this module.
+Model = Any
+Params = Any
 
 INT8_MAX = 127
 QUANT_MODES = ('none', 'int8')
