@@ -165,6 +165,7 @@ def test_per_token_advantages_train_like_per_row_ones():
   assert losses.TURN_ESTIMATORS  # the estimators an environment run may choose
 
 
+@pytest.mark.slow  # a Ray cluster and a run per backend; CI keeps the local cases (suite time)
 def test_the_ray_backend_plays_the_same_episodes(smoke_runs, tmp_path):
   """Ray worker actors build the environments and play in their own processes (only the
   trajectories come back): the run equals the local backend's."""

@@ -201,8 +201,12 @@ def test_a_plan_that_exceeds_hbm_is_refused_naming_the_fixes():
 
 @pytest.mark.parametrize('args', [
     ('tpu-vm', '--tpu-type=v5e-8', '--config=configs/gsm8k.py:Qwen3-1.7B'),
-    ('tpu-vm', '--tpu-type=v4-8', '--config=configs/gsm8k.py:Llama-3.2-1B-Instruct'),
-    ('tpu-vm', '--tpu-type=v5p-8', '--config=configs/gsm8k.py:Qwen2.5-1.5B-Instruct'),
+    # v4-8 and v5p-8 run with the slow tests (suite time); every variant's plan on every
+    # slice is checked without the dry run above (test_every_variant_fits_...).
+    pytest.param(('tpu-vm', '--tpu-type=v4-8',
+                  '--config=configs/gsm8k.py:Llama-3.2-1B-Instruct'), marks=pytest.mark.slow),
+    pytest.param(('tpu-vm', '--tpu-type=v5p-8',
+                  '--config=configs/gsm8k.py:Qwen2.5-1.5B-Instruct'), marks=pytest.mark.slow),
     ('multihost', '--tpu-type=v5e-16', '--config=configs/gsm8k.py:Qwen3-0.6B'),
 ])
 def test_the_dry_run_prints_the_memory_plan_before_the_commands(args, tmp_path):

@@ -284,6 +284,7 @@ def test_a_tiny_launch_into_gcs_writes_everything_that_reads_back(gs, tmp_path):
   assert json.loads(lines[1]) == json.loads(evaluated.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow  # about 40 s; the SIGTERM-and-relaunch case stays in the CI run (suite time)
 def test_preempted_run_resumes_from_gcs_equal_to_the_uninterrupted_one(gs, tmp_path):
   """The preemption helpers of tests/test_resume.py, with the workdir on gs://: preempted in
   the warm-up and after step 3, resumed twice from gs://, the run equals an uninterrupted

@@ -94,6 +94,7 @@ def test_ray_and_local_give_the_same_run(cluster, tmp_path, monkeypatch):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # about 31 s; the bf16 copy is covered locally in tests/backends/test_inference_dtype.py
 def test_a_bfloat16_inference_copy_on_ray_equals_local(cluster, tmp_path):
   """model.inference_param_dtype='bfloat16': the Ray trainer actor casts each version and
   pushes the bf16 copy, as the local trainer does, so the runs sample alike and their

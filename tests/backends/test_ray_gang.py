@@ -124,6 +124,7 @@ def test_the_trainer_processes_checkpoint_and_resume(runs, tmp_path):
   assert read(tmp_path) == read(runs(2)[0])
 
 
+@pytest.mark.slow  # 30-46 s here; the CI run keeps the push and same-run cases (suite time)
 def test_a_lost_trainer_process_stops_the_run(cluster, tmp_path):
   """Process 1's actor dies in step 1: the driver does not wait on process 0 (left alone in
   its collectives) and the run stops with ``TrainerLost`` (the path of a lost one-process
