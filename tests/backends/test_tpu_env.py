@@ -247,6 +247,7 @@ def test_a_slice_environment_that_cannot_form_the_slice_is_refused(chips, curren
     slice_environment(1, ['10.0.0.5', '10.0.0.6'], chips, 4, current)
 
 
+@pytest.mark.slow  # three real actors, about 30 s; the ordering rules are tested as functions above (suite time)
 def test_the_driver_orders_trainer_actors_by_the_worker_id_each_reads_on_its_host(
     fake_tpu_host):
   """Three trainer actors whose processes see the fake TPU_WORKER_ID 2, 0, 1 (as each host's
