@@ -42,6 +42,8 @@ CALCULATE_TOOL = {'type': 'function', 'function': {
                    'required': ['expression']}}}
 DEFAULT_INSTRUCTION = ('What is {a} * {b}? You can call the calculate tool. Give the final '
                        'answer as \\boxed{{N}}.')
+# The same problems asked without the tool (``tools=False``): the model's own multiplication.
+NO_TOOL_INSTRUCTION = 'What is {a} * {b}? Give the final answer as \\boxed{{N}}.'
 # The final answer: the last \boxed{N} or "Answer: N" (thousands commas allowed).
 _ANSWER_RE = re.compile(r'\\boxed\{\s*(-?[0-9][0-9,]{0,40})\s*\}|Answer:\s*(-?[0-9][0-9,]{0,40})')
 _STREAM = 'calculator'
@@ -76,7 +78,7 @@ class CalculatorEnv(TextEnv):
 
   def __init__(self, min_a: int = 100, max_a: int = 999, min_b: int = 10, max_b: int = 99,
                max_turns: int = 4, tool_format: str = 'simple',
-               instruction: str = DEFAULT_INSTRUCTION):
+               instruction: str | None = None, tools: bool = True):
     """Validates the arguments.
 
     Args:
@@ -84,11 +86,20 @@ class CalculatorEnv(TextEnv):
         ranges (non-negative ints).
       max_turns: turns (assistant messages) per episode, >= 1; the oracle needs 2.
       tool_format: how the model writes tool calls (``tool_calls.FORMATS``).
-      instruction: the first user message, a ``str.format`` template over ``{a}``, ``{b}``.
+      instruction: the first user message, a ``str.format`` template over ``{a}``, ``{b}``;
+        None: ``DEFAULT_INSTRUCTION`` (``NO_TOOL_INSTRUCTION`` without the tool).
+      tools: False asks the same problems (the same seeds give the same ``a``, ``b``) with
+        no tool shown to the model; a tool call is then an unknown tool's (``error: ...``).
+        The starting point without the tool, for comparison (no oracle: it needs the tool).
     Raises ValueError for an invalid argument.
     """
-    super().__init__(max_turns, tools=[CALCULATE_TOOL])
     owner = type(self).__name__
+    if not isinstance(tools, bool):
+      raise ValueError(f'{owner} tools={tools!r} must be True or False.')
+    super().__init__(max_turns, tools=[CALCULATE_TOOL] if tools else [])
+    self.functions = {'calculate': calculate} if tools else {}
+    if instruction is None:
+      instruction = DEFAULT_INSTRUCTION if tools else NO_TOOL_INSTRUCTION
     self.min_a = check_int(owner, 'min_a', min_a, 0)
     self.max_a = check_int(owner, 'max_a', max_a, self.min_a)
     self.min_b = check_int(owner, 'min_b', min_b, 0)
@@ -116,7 +127,7 @@ class CalculatorEnv(TextEnv):
     except ToolCallError as e:
       return EnvStep(f'error: {e}', 0.0, False, {'error': str(e)})
     if calls:
-      contents = run_tool_calls(calls, {'calculate': calculate})
+      contents = run_tool_calls(calls, self.functions)
       messages = [format_tool_result(content, self.tool_format, name=call.name)
                   for call, content in zip(calls, contents)]
       self.last_result = contents[-1]
@@ -141,7 +152,10 @@ class CalculatorEnv(TextEnv):
 
   def oracle_action(self) -> str:
     """A scripted policy that solves every episode in two turns: call ``calculate`` on
-    ``a * b``, then answer with the tool's result."""
+    ``a * b``, then answer with the tool's result. Raises ValueError without the tool."""
+    if not self.functions:
+      raise ValueError(f'{self.name}: the oracle calls the calculate tool, and tools=False '
+                       'hides it; warm up with tools=True.')
     if self.last_result is None:
       return render_tool_call('calculate', {'expression': f'{self.a} * {self.b}'},
                               self.tool_format)
