@@ -9,6 +9,11 @@ Variants (``--config=configs/agent.py:VARIANT``):
   grid: a 4x4 FrozenLake text puzzle (rlax_llm.envs.GridEnv), one move a turn, GRPO over
     episode returns.
   grid_gigpo: the same with GiGPO's step-level credit (rl.advantage_estimator='gigpo').
+  grid_small: the same 4x4 puzzle (holes, 8 turns, reward only at the goal) for the tiny
+    character-level model of configs/default.py, GRPO over episode returns: the GRPO vs
+    GiGPO comparison of benchmarks/agent_grid.py (a SmolLM2 run per seed does not fit a
+    2-core machine).
+  grid_small_gigpo: the same with GiGPO.
   smoke: a tiny character-level model on a 2x2 grid for a few steps (tests; seconds).
 """
 
@@ -16,7 +21,7 @@ import ml_collections
 
 from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config_file
 
-VARIANTS = ('grid', 'grid_gigpo', 'smoke')
+VARIANTS = ('grid', 'grid_gigpo', 'grid_small', 'grid_small_gigpo', 'smoke')
 
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
@@ -46,6 +51,25 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.agent.max_turn_tokens = 16
     c.sampling.update(dict(max_prompt_len=128, max_new_tokens=448))
     if variant == 'grid_gigpo':
+      c.rl.advantage_estimator = 'gigpo'
+  elif variant in ('grid_small', 'grid_small_gigpo'):
+    c.name = f'agent_{variant}'
+    c.total_steps = 40
+    c.model = load_config_file(str(DEFAULT_CONFIG_PATH)).model
+    # The bare grid as the first prompt (the instruction is what a tiny model cannot read);
+    # 4x4, holes, 8 turns for a 6-move route, no shaping: only the goal pays, and one move
+    # into a hole loses the episode, so credit for the step matters.
+    c.env = ml_collections.ConfigDict(dict(name='grid', size=4, frozen_fraction=0.8,
+                                           max_turns=8, shaping=0.0, instruction='{grid}\n'))
+    c.agent.update(dict(max_turn_tokens=8, num_eval=64, timeout_s=120.0))
+    c.rl.update(dict(prompts_per_step=8, group_size=8, learning_rate=3e-4))
+    # 8 turns of <= 8 tokens and their observations (<= 94 characters: an error and the grid).
+    c.sampling.update(dict(temperature=1.0, max_prompt_len=24, max_new_tokens=640))
+    c.model.max_seq_len = 665  # max_prompt_len + max_new_tokens + the last sampled token
+    c.rollout.slots = 64
+    c.eval.every_steps = 5
+    c.checkpoint.update(dict(every_steps=0, every_seconds=0.0))
+    if variant == 'grid_small_gigpo':
       c.rl.advantage_estimator = 'gigpo'
   elif variant == 'smoke':
     c.name = 'agent_smoke'
