@@ -13,7 +13,7 @@ from rlax_llm.cli import load_config_file
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / 'benchmarks'))
-import agent_grid  # noqa: E402  (benchmarks/ is not a package)
+import agent_grid  # benchmarks/ is not a package: on the path above
 
 # A 2x2 grid of 2 turns, one step, two held-out episodes: what the slow test runs.
 TINY = ['--config.env.size=2', '--config.env.max_turns=2', '--config.agent.num_eval=2',
@@ -55,12 +55,13 @@ def test_read_run_and_the_means(tmp_path):
   run = agent_grid.read_run(tmp_path / 'run')
   assert run['before'] == 0.5 and run['after'] == 0.75
   assert run['curve'] == [[0, 0.5], [2, 0.625], [3, 0.75]]
-  assert run['best'] == 0.75 and run['train_success_first_last'] == [0.25, 0.75]
+  assert run['best'] == 0.75 and run['train_success_first_last'] == [0.25, 0.75]  # 1 each
   means = agent_grid.summarise([
       {'estimator': 'grpo', 'seed': 0, **run},
       {'estimator': 'grpo', 'seed': 1, **run, 'after': 0.25},
       {'estimator': 'gigpo', 'seed': 0, **run}])
-  assert means['grpo'] == {'before': 0.5, 'after': 0.5, 'gain': 0.0, 'seeds': [0, 1]}
+  assert means['grpo'] == {'before': 0.5, 'after': 0.5, 'gain': 0.0, 'seeds': [0, 1],
+                           'train_success_first_last': [0.25, 0.75]}
   assert means['gigpo']['gain'] == 0.25
 
 
