@@ -21,7 +21,7 @@ from ml_collections.config_dict import placeholder
 
 from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config_file
 
-VARIANTS = ('smoke', 'add3', 'countdown')
+VARIANTS = ('smoke', 'add3', 'countdown', 'lora', 'int8_tis', 'int8')
 
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
@@ -91,6 +91,20 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.reward = ml_collections.ConfigDict(dict(
         task=ml_collections.ConfigDict(dict(weight=1.0)),
         format=ml_collections.ConfigDict(dict(weight=0.1))))
+  elif variant == 'lora':
+    # "LoRA Without Regret" (Thinking Machines, 2025): adapters on every projection, alpha 32,
+    # about 10x the full fine-tune's learning rate; budget, seed and schedule unchanged.
+    c.name = 'smollm2_lora'
+    c.lora.update(dict(rank=16, alpha=32.0, targets='q,k,v,o,gate,up,down'))
+    c.rl.learning_rate = 1e-4
+  elif variant in ('int8_tis', 'int8'):
+    # Rollouts from an int8 weight-only copy; the trainer recomputes in fp32. int8_tis
+    # reweights each token by min(pi_fp32 / pi_int8, 2) (TIS); int8 trains on them as sampled.
+    c.name = f'smollm2_{variant}'
+    c.model.inference_quant = 'int8'
+    if variant == 'int8_tis':
+      c.rl.old_logprobs = 'recompute'
+      c.rl.mismatch.enabled = True
   elif variant is not None:
     raise ValueError(f'Unknown variant {variant!r} of configs/smollm2.py; valid: '
                      f'{", ".join(VARIANTS)}.')
