@@ -8,6 +8,18 @@ Variants (``--config=configs/smollm2.py:VARIANT``):
   smoke: two RL steps on a few prompts (checks the real-model path end to end, minutes).
   add3: 3-digit addition (same prompt and strict reward, longer budget).
   countdown: reach a target from three numbers with + - * / (answer in <answer> tags).
+  lora: the recipe below with LoRA instead of full fine-tuning: rank-16 adapters on all seven
+    projections (q, k, v, o, gate, up, down), alpha 32, learning rate 1e-4 (10x the full
+    recipe's, as "LoRA Without Regret", Thinking Machines 2025, finds for RL); the base frozen.
+  int8_tis: the recipe with rollouts sampled from an int8 weight-only copy of each version
+    (model.inference_quant='int8'); the trainer recomputes the fp32 log-probs
+    (rl.old_logprobs='recompute') and weights each token by min(pi_fp32 / pi_int8, 2) (TIS,
+    rl.mismatch.enabled); the mismatch/* metrics measure the gap.
+  int8: int8 rollouts with no correction (the PPO ratio against the int8 log-probs), to show
+    what the correction buys.
+  The three keep the recipe's budget (steps, batch, schedule) and seed; the learning
+  comparisons: benchmarks/lora_learning.py, benchmarks/RESULTS.md "LoRA and int8 rollouts:
+  learning".
 The recipe: 4 prompts x 8 samples per update, 16 prompts asked per batch (groups with equal
 rewards are filtered; an update waits for 4 informative groups), each group's prompt run
 once in the update (rl.shared_prefix), the 128 samples of a batch decoded at once (128
