@@ -34,6 +34,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -55,6 +56,8 @@ TINY_ARMS = {
 }
 # configs/smollm2.py: 240 steps, the learning rate decayed over 176 updates.
 SMOLLM2_STEPS, SMOLLM2_DECAY = 240, 176
+# Arms whose switches leave the warm-up alone (--share_warmup may start them from full's).
+SHARES_WARMUP = ('int8_tis', 'int8')
 MISMATCH_KEYS = ('mismatch/kl', 'mismatch/p95_abs_dlogp', 'mismatch/max_abs_dlogp',
                  'mismatch/weight_mean', 'mismatch/kept_fraction', 'is/ratio_mean')
 
@@ -142,6 +145,54 @@ def summarise(runs: dict[str, list[dict]], comparisons: list[str], from_step: in
   return out
 
 
+def share_warmup(base: pathlib.Path, workdir: pathlib.Path, overrides: list[str]) -> bool:
+  """Starts ``workdir``'s run from ``base``'s supervised warm-up: copies its
+  ``checkpoints/warmup`` and its ``config.json`` with ``overrides`` (``--config.a.b=v``)
+  applied, so that launch resumes there at the RL start (``workdir.has_checkpoint``; the
+  config check passes as the saved config is the arm's own). The warm-up depends on the
+  seed and the warm-up keys alone, none of which an int8 arm changes, so the RL start is the
+  one the arm's own warm-up would reach. Returns False (nothing done) when ``base`` has no
+  finished warm-up or ``workdir`` exists."""
+  source = base / 'checkpoints' / 'warmup'
+  if workdir.exists() or not (source / '0').is_dir():
+    return False
+  config = json.loads((base / 'config.json').read_text())
+  for flag in overrides:
+    path, value = flag.removeprefix('--config.').split('=', 1)
+    *parents, leaf = path.split('.')
+    node = config
+    for key in parents:
+      node = node[key]
+    try:
+      node[leaf] = json.loads(value)
+    except json.JSONDecodeError:
+      node[leaf] = value  # a string
+  shutil.copytree(source, workdir / 'checkpoints' / 'warmup')
+  (workdir / 'config.json').write_text(json.dumps(config, indent=2, sort_keys=True))
+  return True
+
+
+def launch_all(jobs: list[tuple[str, list[str], pathlib.Path]], parallel: int) -> None:
+  """Runs each job's command whose workdir holds no finished run, ``parallel`` at a time."""
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  pending = [job for job in jobs if not (job[2] / 'summary.json').exists()]
+  running: list[tuple[str, subprocess.Popen]] = []
+  while pending or running:
+    while pending and len(running) < parallel:
+      name, cmd, workdir = pending.pop(0)
+      workdir.parent.mkdir(parents=True, exist_ok=True)
+      log = open(workdir.parent / f'{workdir.name}.log', 'w')  # noqa: SIM115 (closed by exit)
+      running.append((name, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
+                                             stderr=subprocess.STDOUT)))
+    time.sleep(1)
+    for name, proc in list(running):
+      if proc.poll() is not None:
+        running.remove((name, proc))
+        if proc.returncode != 0:
+          raise SystemExit(f'{name} failed (exit {proc.returncode}); its log is beside its '
+                           'workdir.')
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--model', choices=('tiny', 'smollm2'), default='tiny')
@@ -151,6 +202,10 @@ def main() -> None:
   parser.add_argument('--eval_every', type=int, default=20)
   parser.add_argument('--from_step', type=int, default=100)
   parser.add_argument('--max_points', type=float, default=3.0)
+  parser.add_argument('--parallel', type=int, default=1, help='runs at once')
+  parser.add_argument('--share_warmup', action='store_true',
+                      help='tiny: the int8 arms start from the full run\'s warm-up (same '
+                           'seed) instead of repeating it')
   parser.add_argument('--root', required=True, help='where the runs\' workdirs go')
   args = parser.parse_args()
   comparisons = args.comparisons.split(',')
@@ -159,28 +214,30 @@ def main() -> None:
     base, others = COMPARISONS[name]
     arms += [a for a in (base, *others) if a not in arms]
   root = pathlib.Path(args.root)
-  env = dict(os.environ, PYTHONPATH=str(ROOT))
-  runs, commands = {}, {}
-  for seed in [int(s) for s in args.seeds.split(',')]:  # every arm of a seed, then the next
-    for arm in arms:
-      workdir = root / f'{args.model}_{arm}_s{seed}'
-      cmd = command(args.model, arm, seed, args.steps, args.eval_every, workdir)
-      commands[f'{arm}/s{seed}'] = ' '.join(['python', *cmd[1:]])
-      start = time.perf_counter()
-      if not (workdir / 'summary.json').exists():
-        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                                check=False)
-        if result.returncode != 0:
-          raise SystemExit(f'{arm} seed {seed} failed:\n{result.stderr[-3000:]}')
-      run = {'seed': seed, **read_run(workdir), 'wall_s': time.perf_counter() - start}
-      runs.setdefault(arm, []).append(run)
-      print(json.dumps({'arm': arm, 'seed': seed, 'curve': run['curve']}), file=sys.stderr,
-            flush=True)
+  seeds = [int(s) for s in args.seeds.split(',')]
+  workdir = lambda arm, seed: root / f'{args.model}_{arm}_s{seed}'
+  jobs = {(arm, seed): (f'{arm}/s{seed}', command(args.model, arm, seed, args.steps,
+                                                  args.eval_every, workdir(arm, seed)),
+                        workdir(arm, seed))
+          for seed in seeds for arm in arms}
+  start = time.perf_counter()
+  if args.share_warmup and args.model == 'tiny':
+    # The full runs first (they make the warm-ups), then every other arm.
+    launch_all([jobs[('full', s)] for s in seeds], args.parallel)
+    shared = {f'{arm}/s{seed}': share_warmup(workdir('full', seed), workdir(arm, seed),
+                                             TINY_ARMS[arm])
+              for seed in seeds for arm in arms if arm in SHARES_WARMUP}
+  else:
+    shared = {}
+  launch_all([jobs[(arm, seed)] for seed in seeds for arm in arms], args.parallel)
+  runs = {arm: [{'seed': seed, **read_run(workdir(arm, seed))} for seed in seeds]
+          for arm in arms}
   print(json.dumps({
       'benchmark': 'lora_learning', 'model': args.model, 'seeds': args.seeds,
       'steps': args.steps, 'eval_every': args.eval_every,
       'goal': {'from_step': args.from_step, 'max_points': args.max_points},
-      'commands': commands,
+      'commands': {name: ' '.join(['python', *cmd[1:]]) for name, cmd, _ in jobs.values()},
+      'warmup_shared_from_full': shared, 'wall_s': time.perf_counter() - start,
       'runs': runs, 'mean_curves': {arm: mean_curve(rs) for arm, rs in runs.items()},
       'comparisons': summarise(runs, comparisons, args.from_step, args.max_points),
   }, indent=2))

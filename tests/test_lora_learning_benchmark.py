@@ -78,9 +78,27 @@ def test_main_reads_finished_runs_without_launching_and_prints_one_json(tmp_path
     fake_run(tmp_path / f'tiny_{arm}_s0', {0: 0.3, 100: 0.9, 120: 0.92})
   monkeypatch.setattr(sys, 'argv', ['lora_learning.py', '--comparisons=lora',
                                     f'--root={tmp_path}'])
-  monkeypatch.setattr(lora_learning.subprocess, 'run', None)  # a launch would fail here
+  monkeypatch.setattr(lora_learning.subprocess, 'Popen', None)  # a launch would fail here
   lora_learning.main()
   report = json.loads(capsys.readouterr().out)
   assert report['comparisons']['lora']['lora']['goal_met']
   assert report['mean_curves']['lora'] == [[0, 0.3], [100, 0.9], [120, 0.92]]
   assert '--config.lora.rank=16' in report['commands']['lora/s0']
+
+
+def test_an_int8_arm_starts_from_the_full_runs_warmup_with_its_own_config(tmp_path):
+  base, arm = tmp_path / 'tiny_full_s0', tmp_path / 'tiny_int8_tis_s0'
+  (base / 'checkpoints' / 'warmup' / '0').mkdir(parents=True)
+  (base / 'checkpoints' / 'warmup' / '0' / 'params').write_text('w')
+  (base / 'checkpoints' / 'steps' / '50').mkdir(parents=True)
+  config = {'model': {'inference_quant': 'none'}, 'seed': 0,
+            'rl': {'old_logprobs': 'behaviour', 'mismatch': {'enabled': False}}}
+  (base / 'config.json').write_text(json.dumps(config))
+  assert lora_learning.share_warmup(base, arm, lora_learning.TINY_ARMS['int8_tis'])
+  assert (arm / 'checkpoints' / 'warmup' / '0' / 'params').read_text() == 'w'
+  assert not (arm / 'checkpoints' / 'steps').exists()  # the RL steps are the arm's own
+  assert json.loads((arm / 'config.json').read_text()) == {
+      'model': {'inference_quant': 'int8'}, 'seed': 0,
+      'rl': {'old_logprobs': 'recompute', 'mismatch': {'enabled': True}}}
+  assert not lora_learning.share_warmup(base, arm, [])  # never over an existing workdir
+  assert not lora_learning.share_warmup(tmp_path / 'none', tmp_path / 'x', [])
