@@ -63,7 +63,7 @@ from rlax_llm.errors import ToolCallError
 from rlax_llm.models.files.chat_template import template_messages
 from rlax_llm.rollout.driver import Sample
 from rlax_llm.rollout.engine import MAX_STOP_IDS
-from rlax_llm.rollout.episodes import ChatRenderer
+from rlax_llm.rollout.episodes import make_renderer
 from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.serve.recorder import Call, EpisodeRecorder, RewardFn
@@ -118,25 +118,40 @@ class Endpoint:
     max_waiting: requests that may wait for the engine; more get a 429.
     seed: the root of the PRNG keys of requests without a ``seed``.
     refresh: called before every decode step (e.g. a pull of newer weights).
+    sampling: the policy every request samples with (a training run's: the trainer scores
+      the tokens under this transform), the requests' ``temperature``, ``top_p`` and
+      ``top_k`` ignored (counted in ``stats['sampling_overridden']``); None: each request's.
+    max_tokens: the length cap of a request that names none (None: the engine's
+      ``max_new_tokens``).
+    max_open_episodes, episode_ttl_s: the recorder's bounds on open episodes
+      (``EpisodeRecorder``).
   """
 
   def __init__(self, worker: InferenceWorker, *, model_name: str, api_key: str | None = None,
                host: str = '127.0.0.1', port: int = 0, reward_fn: RewardFn | None = None,
                max_waiting: int = 64, seed: int = 0,
-               refresh: Callable[[], None] | None = None):
+               refresh: Callable[[], None] | None = None, sampling: SamplingSpec | None = None,
+               max_tokens: int | None = None, max_open_episodes: int = 4096,
+               episode_ttl_s: float = 3600.0):
     self.worker = worker
     self.tokenizer = worker.tokenizer
     self.model_name = model_name
     self.api_key = api_key
     self.host, self.port = host, port
-    self.recorder = EpisodeRecorder(reward_fn)
+    self.recorder = EpisodeRecorder(reward_fn, max_open=max_open_episodes,
+                                    ttl_s=episode_ttl_s)
+    self.sampling = sampling
+    self.max_tokens = max_tokens
     self.scheduler = Scheduler(worker, max_waiting=max_waiting, refresh=refresh)
     self.tool_format = tool_format_for(self.tokenizer)
     self.stats: collections.Counter[str] = collections.Counter()
     self._root = jax.random.key(seed)
     self._counter = itertools.count()
-    self._chats: dict[str, _ChatState] = {}
     self._lock = threading.Lock()
+    # Episodes opened with a key (``open_episode``): name -> [key data, calls submitted].
+    self._keys: dict[str, list] = {}
+    self._abandoned: set[str] = set()
+    self._tickets: dict[str, list] = collections.defaultdict(list)  # in flight, per episode
     self._server: uvicorn.Server | None = None
     self._thread: threading.Thread | None = None
     self.app = self._build_app()
@@ -174,6 +189,27 @@ class Endpoint:
       self._thread.join()
       self._server = None
     self.scheduler.stop()
+
+  def open_episode(self, name: str, key_data: np.ndarray, *, episode_id: int | None = None,
+                   group_id: int | None = None, prompt_id: int = -1) -> None:
+    """Opens episode ``name`` before its first call (``EpisodeRecorder.open``, with these
+    ids): call ``n`` of it samples with the PRNG key ``fold_in(key, n)`` (``key_data``: uint32
+    key data), whatever ``seed`` it asks for, so its tokens depend on its key alone (a training
+    run's episodes)."""
+    self.recorder.open(name, episode_id=episode_id, group_id=group_id, prompt_id=prompt_id)
+    with self._lock:
+      self._keys[name] = [np.asarray(key_data, np.uint32), 0]
+
+  def abandon(self, name: str) -> None:
+    """Ends episode ``name`` from the server's side (its harness timed out): its requests in
+    flight are cancelled (their slots freed) and later ones answered 409
+    ``episode_abandoned``; what it recorded stays in the recorder."""
+    with self._lock:
+      self._abandoned.add(name)
+      tickets = list(self._tickets.get(name, ()))
+    for ticket in tickets:
+      ticket.cancel.set()
+    self.stats['abandoned'] += 1
 
   def __enter__(self) -> Self:
     return self.start()
@@ -235,8 +271,6 @@ class Endpoint:
                        'already.', code='episode_not_found') from None
       except ValueError as error:
         raise ApiError(400, str(error), param='reward') from None
-      with self._lock:
-        self._chats.pop(episode_id, None)
       return {'episode_id': episode_id, 'reward': episode.reward, 'calls': len(episode.calls),
               'trajectories': len(episode.trajectories), 'id': episode.episode_id}
 
@@ -268,6 +302,7 @@ class Endpoint:
     self._check_model(body.get('model'))
     episode = request.headers.get(EPISODE_HEADER) or body.get('user') or (
         f'episode-{uuid.uuid4().hex}')
+    self._check_abandoned(episode)
     sampling, max_new, stop_ids = self._sampling(body)
     tools = body.get('tools') or None
     parse_tools = chat and tools is not None and body.get('tool_choice') != 'none'
@@ -282,23 +317,29 @@ class Endpoint:
                      f'has {len(prompt_ids)} tokens. Shorten it (or serve with a larger '
                      'max_prompt_len).', param='messages' if chat else 'prompt',
                      code='context_length_exceeded')
-    seed = body.get('seed')
-    key = (jax.random.key(seed) if seed is not None
-           else jax.random.fold_in(self._root, next(self._counter)))
     try:
       ticket = self.scheduler.submit(prompt_ids, sampling, max_new, stop_ids,
-                                     np.asarray(jax.random.key_data(key)))
+                                     self._key_data(episode, body.get('seed')))
     except Busy as error:
       raise ApiError(429, str(error), code='server_busy', kind='rate_limit_error') from None
     except ValueError as error:
       raise ApiError(400, str(error)) from None
+    with self._lock:
+      self._tickets[episode].append(ticket)
     try:
       sample = await self._wait(request, ticket)
     except Exception as error:  # noqa: BLE001  (the batch failed: this request's error only)
       self.stats['generation_errors'] += 1
       raise ApiError(500, f'generation failed: {type(error).__name__}: {error}',
                      kind='server_error', code='generation_failed') from None
-    if sample is None:  # the client is gone
+    finally:
+      with self._lock:
+        tickets = self._tickets[episode]
+        tickets.remove(ticket)
+        if not tickets:
+          del self._tickets[episode]
+    if sample is None or sample.finish_reason == 'cancelled':  # the client or episode is gone
+      self._check_abandoned(episode)
       return fastapi.Response(status_code=499)
     text = self.tokenizer.decode(sample.tokens, stop_at_eos=True)
     index = self.recorder.record(episode, Call(
@@ -314,8 +355,10 @@ class Endpoint:
                            + [_canonical(reply, self.tool_format)],
                            list(prompt_ids) + list(sample.tokens),
                            sample.tokens[-1] if sample.finish_reason == 'stop' else None)
-        with self._lock:
-          self._chats[episode] = state
+        try:
+          self.recorder.attach(episode, state)
+        except KeyError:  # closed (or evicted) while this call ran: nothing to extend
+          pass
       payload = self._chat_payload(body, sample, reply, bool(calls))
     payload['usage'] = {'prompt_tokens': len(prompt_ids),
                         'completion_tokens': len(sample.tokens),
@@ -328,13 +371,36 @@ class Endpoint:
                                media_type='text/event-stream')
     return JSONResponse(payload, headers=headers)
 
+  def _check_abandoned(self, episode: str) -> None:
+    with self._lock:
+      abandoned = episode in self._abandoned
+    if abandoned:
+      raise ApiError(409, f'episode {episode!r} was ended by the trainer (its harness ran past '
+                     'its timeout); start a new episode.', code='episode_abandoned')
+
+  def _key_data(self, episode: str, seed: int | None) -> np.ndarray:
+    """The PRNG key data of the episode's next call: ``fold_in(key, n)`` for an episode
+    opened with a key (``open_episode``), else ``key(seed)``, else the endpoint's root key
+    folded with a call counter."""
+    with self._lock:
+      entry = self._keys.get(episode)
+      if entry is not None:
+        entry[1] += 1
+        key = jax.random.fold_in(jax.random.wrap_key_data(entry[0]), entry[1] - 1)
+      elif seed is not None:
+        key = jax.random.key(seed)
+      else:
+        key = jax.random.fold_in(self._root, next(self._counter))
+    return np.asarray(jax.random.key_data(key))
+
   async def _wait(self, request: fastapi.Request, ticket) -> Sample | None:
-    """The ticket's sample, or None (its slot freed) if the client disconnects first."""
+    """The ticket's sample, or None (its slot freed) if the client disconnects first or the
+    ticket was cancelled before it started."""
     future = asyncio.wrap_future(ticket.future)
     while True:
       done, _ = await asyncio.wait({future}, timeout=_DISCONNECT_POLL_S)
       if done:
-        return future.result()
+        return None if ticket.future.cancelled() else future.result()
       if await request.is_disconnected():
         ticket.cancel.set()
         self.stats['disconnects'] += 1
@@ -363,14 +429,19 @@ class Endpoint:
                      'recorded (logprobs=0 for completions, true for chat), not top '
                      'alternatives.', param='logprobs', code='unsupported_parameter')
     get = lambda name, default: default if body.get(name) is None else body[name]
-    try:
-      spec = SamplingSpec(temperature=get('temperature', 1.0), top_k=get('top_k', 0),
-                          top_p=get('top_p', 1.0))
-    except ValueError as error:
-      raise ApiError(400, str(error), param='temperature', code='invalid_value') from None
+    if self.sampling is not None:  # the run's policy, whatever the request asks
+      spec = self.sampling
+      if any(body.get(name) is not None for name in ('temperature', 'top_p', 'top_k')):
+        self.stats['sampling_overridden'] += 1
+    else:
+      try:
+        spec = SamplingSpec(temperature=get('temperature', 1.0), top_k=get('top_k', 0),
+                            top_p=get('top_p', 1.0))
+      except ValueError as error:
+        raise ApiError(400, str(error), param='temperature', code='invalid_value') from None
     cap = self.worker.engine.max_decode_length
     max_new = body.get('max_completion_tokens', body.get('max_tokens'))
-    max_new = cap if max_new is None else max_new
+    max_new = (self.max_tokens or cap) if max_new is None else max_new
     if isinstance(max_new, bool) or not isinstance(max_new, int) or not 1 <= max_new <= cap:
       raise ApiError(400, f'max_tokens={max_new!r} must be an int in [1, {cap}] (the engine\'s '
                      'max_new_tokens).', param='max_tokens', code='invalid_value')
@@ -422,9 +493,6 @@ class Endpoint:
                    ) -> tuple[list[int], list[dict[str, Any]]]:
     """The prompt ids of a chat request and its template messages; spliced onto the
     episode's previous call where the messages extend it (the module docstring)."""
-    if self.tokenizer.chat_template is None:
-      raise ApiError(400, f'{self.model_name} has no chat template; use /v1/completions with '
-                     'a text prompt.', param='messages')
     raw = body.get('messages')
     if not isinstance(raw, list) or not raw or not all(isinstance(m, dict) for m in raw):
       raise ApiError(400, f'messages must be a non-empty list of objects; got {raw!r:.100}.',
@@ -435,7 +503,7 @@ class Endpoint:
                      param='tools')
     # The multi-turn runner's renderer: the tools in the checkpoint's format (with_tools),
     # the same ids for a conversation whichever of the two builds it.
-    renderer = ChatRenderer(self.tokenizer, tools)
+    renderer = make_renderer(self.tokenizer, tools)
     try:
       messages = template_messages([_template_message(m, self.tool_format) for m in raw])
       fresh = renderer.prompt(messages)
@@ -443,8 +511,7 @@ class Endpoint:
     except Exception as error:  # noqa: BLE001  (malformed messages, or a template that raises)
       raise ApiError(400, f'these messages cannot be rendered by the chat template: '
                      f'{type(error).__name__}: {error}', param='messages') from None
-    with self._lock:
-      state = self._chats.get(episode)
+    state = self.recorder.attached(episode)
     k = 0 if state is None else len(state.messages)
     if state is None or len(messages) <= k or canonical[:k] != state.messages:
       return fresh, messages

@@ -1,0 +1,197 @@
+"""Training an agent harness written against the OpenAI API (``env.name='harness'``).
+
+``HarnessRunner`` plays a tiny character-level model's episodes through the endpoint with
+the real ``openai`` client: the recorded trajectories hold exactly the ids the engine samples
+for each call's prompt and key (checked against the driver run directly), masks on the ids fed
+between calls, a version on every sampled token; a harness that raises, never ends, or never
+posts a reward is counted and does not change what a healthy episode beside it samples. And a
+launch of ``configs/agent.py:harness_smoke`` (the example calculator harness) trains.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+
+import httpx
+import jax
+import numpy as np
+import pytest
+
+openai = pytest.importorskip('openai')
+pytest.importorskip('fastapi')
+
+from rlax_llm.cli import load_config_file
+from rlax_llm.config import validate_config
+from rlax_llm.data_types import TERMINATIONS
+from rlax_llm.envs.seeds import CHARSET
+from rlax_llm.errors import ConfigError
+from rlax_llm.metrics import read_metrics
+from rlax_llm.models.decoder_config import DecoderConfig
+from rlax_llm.models.model import create_model
+from rlax_llm.rollout.driver import Job
+from rlax_llm.rollout.episodes import Episode
+from rlax_llm.rollout.worker import InferenceWorker
+from rlax_llm.sampling_spec import SamplingSpec
+from rlax_llm.serve.calculator_agent import calculator_agent
+from rlax_llm.serve.harness import Harness, load_harness
+from rlax_llm.serve.harness_runner import HarnessRunner
+from rlax_llm.serve.openai_api import EPISODE_HEADER
+from rlax_llm.sharding import make_mesh
+from rlax_llm.tokenization import CharTokenizer
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+VERSION = 7
+SPEC = SamplingSpec(temperature=1.0)
+TURN_TOKENS = 6
+SMALL = dict(max_turns=2, instruction='{a}*{b}=', retry='?', min_a=1, max_a=9, min_b=1,
+             max_b=9)
+RELEASE = threading.Event()  # lets the hung harness's thread end when the module is done
+
+
+def mixed(client, model, seed):
+  """Seed 0, 1: the example agent; 2: raises after a call; 3: hangs after a call; 4: never
+  posts a reward; 5: posts 0.5 itself (returns None)."""
+  if seed < 2:
+    return calculator_agent(client, model, seed, **SMALL)
+  client.chat.completions.create(model=model, messages=[{'role': 'user', 'content': '1*2='}])
+  if seed == 2:
+    raise RuntimeError('the harness has a bug')
+  if seed == 3:
+    RELEASE.wait()
+  if seed == 5:
+    episode = client.default_headers[EPISODE_HEADER]
+    response = httpx.post(f'{client.base_url}episodes/{episode}/reward', json={'reward': 0.5},
+                          headers={'Authorization': f'Bearer {client.api_key}'})
+    response.raise_for_status()
+  return None
+
+
+@pytest.fixture(scope='module')
+def worker():
+  tok = CharTokenizer(CHARSET)
+  config = DecoderConfig(vocab_size=tok.vocab_size, num_layers=1, embed_dim=32, num_heads=2,
+                         num_kv_heads=1, head_dim=16, mlp_dim=64, max_seq_len=64)
+  model, params = create_model(config, seed=0)
+  worker = InferenceWorker(model, tok, make_mesh({'data': 1}, jax.devices()[:1]),
+                           max_prompt_len=40, max_new_tokens=TURN_TOKENS, slots=8)
+  worker.load(VERSION, params)
+  # Compiles what the runs below sample with (prefills of 1, 2 and 4 rows, each padded to a
+  # power of two, in the 8- and 16-token buckets), so that no harness waits on a compile.
+  key = np.asarray(jax.random.key_data(jax.random.key(0)))[None]
+  for rows in (1, 2, 4):
+    for length in (5, 12):
+      worker.driver.run([Job(prompt_ids=(1,) * length, num_samples=1, sampling=SPEC,
+                             max_new_tokens=TURN_TOKENS, stop_ids=(tok.eos_id,), keys=key)
+                         for _ in range(rows)])
+  yield worker
+  RELEASE.set()
+
+
+def episode(seed: int) -> Episode:
+  key = np.asarray(jax.random.key_data(jax.random.key(100 + seed)))
+  return Episode(env=None, seed=seed, key=key, group_id=seed // 2, prompt_id=seed)
+
+
+def run(worker, seeds, timeout_s=60.0):
+  runner = HarnessRunner(worker, Harness(mixed, {}), max_concurrent_episodes=4,
+                         max_turn_tokens=TURN_TOKENS, timeout_s=timeout_s)
+  return runner.run([episode(s) for s in seeds], SPEC), runner.stats
+
+
+def engine_sample(worker, prompt, key_data, call):
+  """What the driver samples for ``prompt`` with call ``call``'s key of an episode."""
+  key = jax.random.fold_in(jax.random.wrap_key_data(key_data), call)
+  job = Job(prompt_ids=tuple(int(t) for t in prompt), num_samples=1, sampling=SPEC,
+            max_new_tokens=TURN_TOKENS, stop_ids=(worker.tokenizer.eos_id,),
+            keys=np.asarray(jax.random.key_data(key))[None])
+  (sample,), = worker.driver.run([job])
+  return sample
+
+
+@pytest.fixture(scope='module')
+def mixed_run(worker):
+  return run(worker, range(6), timeout_s=5.0)
+
+
+def test_trajectories_hold_what_the_engine_sampled(worker, mixed_run):
+  trajectories, _ = mixed_run
+  healthy = [x for x in trajectories if x.prompt_id < 2]
+  assert [x.prompt_id for x in healthy] == [0, 1]  # one trajectory each: the calls stitch
+  for x in healthy:
+    assert x.num_turns == 2  # a tiny random model never answers: the retry message follows
+    assert x.group_id == 0 and x.termination == 'done' and x.episode_return == 0.0
+    for n in range(x.num_turns):
+      start, end = x.turn_starts[n], x.turn_ends[n]
+      sample = engine_sample(worker, x.tokens[:start], episode(x.prompt_id).key, n)
+      assert x.tokens[start:end].tolist() == list(sample.tokens)
+      np.testing.assert_allclose(x.behaviour_logprobs[start:end], sample.logprobs, atol=1e-6)
+    model = x.loss_mask
+    assert model.sum() == sum(x.turn_ends - x.turn_starts)
+    assert (x.versions[model] == VERSION).all() and (x.versions[~model] == -1).all()
+    between = x.tokens[x.turn_ends[0]:x.turn_starts[1]]
+    # The retry message (and the eos the model did not write, if its reply was cut) is fed
+    # with loss mask 0.
+    assert worker.tokenizer.decode(between, stop_at_eos=False).endswith('?')
+    assert not x.loss_mask[x.turn_ends[0]:x.turn_starts[1]].any()
+    first_prompt = worker.tokenizer.decode(x.tokens[:x.turn_starts[0]])
+    assert first_prompt.endswith('=') and '*' in first_prompt
+
+
+def test_failing_harnesses_are_counted_and_block_nothing(worker, mixed_run):
+  trajectories, stats = mixed_run
+  by_seed = {x.prompt_id: x for x in trajectories}
+  assert {s: by_seed[s].termination for s in range(2, 6)} == {
+      2: 'env_error', 3: 'timeout', 4: 'no_reward', 5: 'done'}
+  assert [by_seed[s].episode_return for s in range(2, 6)] == [0.0, 0.0, 0.0, 0.5]
+  for s in range(2, 6):  # the call each made before it failed is kept
+    assert by_seed[s].num_turns == 1 and by_seed[s].loss_mask.any()
+  assert stats['termination/done'] == 3 and stats['termination/timeout'] == 1
+  assert stats['termination/env_error'] == 1 and stats['termination/no_reward'] == 1
+  assert set(TERMINATIONS) >= {x.termination for x in trajectories}
+  # The hung harness did not delay the run past its own deadline (5 s).
+  assert stats['wall_s'] < 20
+  # Healthy episodes sample the same alone as beside failing ones.
+  alone, _ = run(worker, [0, 1])
+  assert [x.tokens.tolist() for x in alone] == [by_seed[s].tokens.tolist() for s in (0, 1)]
+
+
+def test_load_harness_checks_the_function_and_its_fields():
+  harness = load_harness({'name': 'harness',
+                          'harness': 'rlax_llm.serve.calculator_agent:calculator_agent',
+                          'max_turns': 2})
+  assert harness.fn is calculator_agent and harness.kwargs == {'max_turns': 2}
+  with pytest.raises(ValueError, match='needs env.harness'):
+    load_harness({'name': 'harness'})
+  with pytest.raises(ValueError, match='cannot be called'):
+    load_harness({'name': 'harness', 'harness': 'rlax_llm.serve.calculator_agent:'
+                  'calculator_agent', 'colour': 'red'})
+  config = load_config_file(f'{ROOT}/configs/agent.py:harness_smoke')
+  config.env.harness = 'rlax_llm.serve.calculator_agent:nothing'
+  with pytest.raises(ConfigError, match='env.harness'):
+    validate_config(config)
+
+
+def test_the_harness_smoke_variant_trains(tmp_path):
+  """The example calculator harness through ``python -m rlax_llm.launch``: two steps."""
+  env = dict(os.environ)
+  env['PYTHONPATH'] = os.pathsep.join([str(ROOT), env.get('PYTHONPATH', '')])
+  result = subprocess.run(
+      [sys.executable, '-m', 'rlax_llm.launch', '--config=configs/agent.py:harness_smoke',
+       f'--workdir={tmp_path}'], cwd=ROOT, env=env, capture_output=True, text=True,
+      timeout=600, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = read_metrics(tmp_path / 'metrics.jsonl')
+  assert [r['step'] for r in rows] == [1, 2] and [r['version'] for r in rows] == [1, 2]
+  for row in rows:
+    assert row['termination/done'] == 1.0  # every episode ended with the harness's reward
+    assert row['episode/turns'] == 2 and row['episode/env_tokens'] > 0
+    # The trainer's recompute matches the recorded behaviour log-probs: the tokens and the
+    # policy are the ones the endpoint sampled with.
+    assert row['mismatch/max_abs_dlogp'] < 1e-4
+    assert row['staleness/max'] == 0
+  assert 'eval/success' in rows[-1]
+  summary = json.loads((tmp_path / 'summary.json').read_text())
+  assert summary['steps'] == 2
