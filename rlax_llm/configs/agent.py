@@ -81,7 +81,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       c.env.update(dict(max_turns=2, instruction='{a}*{b}=', retry='?', min_a=1, max_a=9,
                         min_b=1, max_b=9))
       c.agent.update(dict(max_turn_tokens=8, num_eval=2, timeout_s=60.0))
-      c.rl.update(dict(prompts_per_step=2, group_size=2, learning_rate=3e-4))
+      c.rl.update(dict(prompts_per_step=2, group_size=4, learning_rate=3e-4))
       c.sampling.update(dict(temperature=1.0, max_prompt_len=80, max_new_tokens=16))
       c.rollout.slots = 8
       c.eval.every_steps = 2

@@ -18,7 +18,11 @@ environment run, whatever ``seed`` the harness asks for. The endpoint's recorder
 episode's calls into ``Trajectory``s (``recorder.stitch``: model tokens with loss mask 1,
 behaviour log-prob and version; the ids between calls, tool results and template text, with
 mask 0; a new trajectory where the harness edited its history), which go to the controller's
-batch path (``make_trajectory_batch``) and staleness rules like an environment's.
+batch path (``make_trajectory_batch``) and staleness rules like an environment's. An episode
+trains as one row, like an environment's: one whose harness edited its history (a split)
+trains on its last trajectory, the calls since its last edit, which its reward judged; the
+earlier ones are left out and counted (``splits``). So a batch keeps ``prompts_per_step *
+group_size`` rows, the shape the trainer's data axis splits.
 
 A harness is contained and never blocks the others (``data_types.TERMINATIONS``):
 
@@ -98,7 +102,7 @@ class HarnessRunner:
           ) -> list[Trajectory]:
     """Plays every episode (its ``seed``, ``key``, ``group_id`` and ``prompt_id``; its
     ``env`` is not used) with the sampling policy ``spec``. Returns the trajectories in
-    episode order (one or more per episode: more where its harness edited its history;
+    episode order, one per episode (its last: see the module docstring;
     ``Trajectory.episode_id`` is the episode's index).
 
     ``stats`` then holds ``episodes``, ``turns`` (calls), ``model_tokens``, ``splits``, ``termination/<reason>``, the endpoint's counts
@@ -128,8 +132,8 @@ class HarnessRunner:
       for call in calls:
         counts['turns'] += 1
         counts['model_tokens'] += len(call.completion_ids)
-      for x in made or [_empty(i, episode, reward, reason)]:
-        trajectories.append(dataclasses.replace(x, success=reason == 'done' and reward > 0))
+      last = made[-1] if made else _empty(i, episode, reward, reason)
+      trajectories.append(dataclasses.replace(last, success=reason == 'done' and reward > 0))
     self.stats = {'episodes': float(len(episodes)), **counts,
                   **{f'endpoint/{k}': float(v) for k, v in endpoint.stats.items()},
                   'wall_s': time.perf_counter() - start}

@@ -4,8 +4,9 @@
 the real ``openai`` client: the recorded trajectories hold exactly the ids the engine samples
 for each call's prompt and key (checked against the driver run directly), masks on the ids fed
 between calls, a version on every sampled token; a harness that raises, never ends, or never
-posts a reward is counted and does not change what a healthy episode beside it samples. And a
-launch of ``configs/agent.py:harness_smoke`` (the example calculator harness) trains.
+posts a reward is counted and does not change what a healthy episode beside it samples; a
+worker's ``play`` hands a harness run's requests to it. And (slow) a launch of
+``configs/agent.py:harness_smoke`` (the example calculator harness) trains.
 """
 
 import json
@@ -24,22 +25,25 @@ openai = pytest.importorskip('openai')
 pytest.importorskip('fastapi')
 
 from rlax_llm.cli import load_config_file
+from rlax_llm import roles
 from rlax_llm.config import validate_config
-from rlax_llm.data_types import TERMINATIONS
+from rlax_llm.data_types import TERMINATIONS, GenerationRequest
 from rlax_llm.envs.seeds import CHARSET
 from rlax_llm.errors import ConfigError
 from rlax_llm.metrics import read_metrics
 from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.model import create_model
 from rlax_llm.rollout.driver import Job
-from rlax_llm.rollout.episodes import Episode
+from rlax_llm.rollout.episodes import Episode, request_episodes
 from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.sampling_spec import SamplingSpec
+from rlax_llm.schedule import EpisodeSettings
 from rlax_llm.serve.calculator_agent import calculator_agent
 from rlax_llm.serve.harness import Harness, load_harness
 from rlax_llm.serve.harness_runner import HarnessRunner
 from rlax_llm.serve.openai_api import EPISODE_HEADER
 from rlax_llm.sharding import make_mesh
+from rlax_llm.tasks.base import Prompt
 from rlax_llm.tokenization import CharTokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -158,6 +162,29 @@ def test_failing_harnesses_are_counted_and_block_nothing(worker, mixed_run):
   assert [x.tokens.tolist() for x in alone] == [by_seed[s].tokens.tolist() for s in (0, 1)]
 
 
+def test_a_harness_run_plays_its_requests_where_an_environment_run_would(worker):
+  """``roles.play_requests`` (what a worker's ``play`` runs) hands a harness run's requests
+  to the harness runner: ``num_samples`` episodes a request, with the keys and group ids an
+  environment run's episodes get (``request_episodes``)."""
+  settings = EpisodeSettings(
+      env={'name': 'harness', 'harness': 'rlax_llm.serve.calculator_agent:calculator_agent',
+           **SMALL}, max_turns=None, max_concurrent_episodes=4, timeout_s=60.0,
+      max_turn_tokens=TURN_TOKENS, length=47, num_eval=0, eval_seed_start=2**40)
+  requests = [GenerationRequest(Prompt(prompt_id=i, text=str(i), answer=''), 2, SPEC,
+                                TURN_TOKENS) for i in (3, 4)]
+  rng = jax.random.key(5)
+  trajectories, figures = roles.play_requests(
+      worker, None, requests, np.asarray(jax.random.key_data(rng)), VERSION, 10, settings,
+      make_env=None)
+  assert [(x.group_id, x.prompt_id) for x in trajectories] == [(10, 3)] * 2 + [(11, 4)] * 2
+  assert figures['termination/done'] == 4 and 'sync/updates' not in figures  # held: no pull
+  expected = request_episodes(requests, lambda: None, rng, 10)
+  for x, played in zip(trajectories, expected):
+    start, end = x.turn_starts[0], x.turn_ends[0]
+    assert x.tokens[start:end].tolist() == list(
+        engine_sample(worker, x.tokens[:start], played.key, 0).tokens)
+
+
 def test_load_harness_checks_the_function_and_its_fields():
   harness = load_harness({'name': 'harness',
                           'harness': 'rlax_llm.serve.calculator_agent:calculator_agent',
@@ -174,6 +201,7 @@ def test_load_harness_checks_the_function_and_its_fields():
     validate_config(config)
 
 
+@pytest.mark.slow  # a launch: about 80 s on 2 shared cores (compiles the trainer's step)
 def test_the_harness_smoke_variant_trains(tmp_path):
   """The example calculator harness through ``python -m rlax_llm.launch``: two steps."""
   env = dict(os.environ)
