@@ -21,6 +21,8 @@ import ml_collections
 from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config_file
 
 VARIANTS = ('grid', 'grid_gigpo', 'smoke', 'harness', 'harness_smoke')
+# The example agent harness (rlax_llm/serve/calculator_agent.py) of the harness variants.
+HARNESS = 'rlax_llm.serve.calculator_agent:calculator_agent'
 
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
@@ -64,28 +66,25 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.slots = 16
     c.eval.every_steps = 2
     c.checkpoint.update(dict(every_steps=0, every_seconds=0.0))
-  elif variant in ('harness', 'harness_smoke'):
+  elif variant == 'harness':
     # The episodes are the harness's: every call's prompt is its whole conversation so far,
     # so sampling.max_prompt_len bounds the longest call's prompt and max_new_tokens a reply.
-    c.name = f'agent_{variant}'
-    c.env = ml_collections.ConfigDict(dict(
-        name='harness', harness='rlax_llm.serve.calculator_agent:calculator_agent',
-        max_turns=4))
+    c.name = 'agent_harness'
+    c.env = ml_collections.ConfigDict(dict(name='harness', harness=HARNESS, max_turns=4))
     c.sampling.update(dict(max_prompt_len=512, max_new_tokens=48))
-    if variant == 'harness_smoke':
-      c.total_steps = 2
-      c.model = load_config_file(str(DEFAULT_CONFIG_PATH)).model
-      c.model.max_seq_len = 97  # max_prompt_len + max_new_tokens + the last sampled token
-      # Short texts for a character-level model: 'a*b=' with one-digit numbers, a short
-      # retry message, two calls an episode.
-      c.env.update(dict(max_turns=2, instruction='{a}*{b}=', retry='?', min_a=1, max_a=9,
-                        min_b=1, max_b=9))
-      c.agent.update(dict(max_turn_tokens=8, num_eval=2, timeout_s=60.0))
-      c.rl.update(dict(prompts_per_step=2, group_size=4, learning_rate=3e-4))
-      c.sampling.update(dict(temperature=1.0, max_prompt_len=80, max_new_tokens=16))
-      c.rollout.slots = 8
-      c.eval.every_steps = 2
-      c.checkpoint.update(dict(every_steps=0, every_seconds=0.0))
+  elif variant == 'harness_smoke':
+    # The smoke variant's tiny model and schedule; the example harness asks 'a*b=' with
+    # one-digit numbers (short texts for a character-level model), two calls an episode.
+    c = get_config('smoke')
+    c.name = 'agent_harness_smoke'
+    c.total_steps = 2
+    c.env = ml_collections.ConfigDict(dict(name='harness', harness=HARNESS, max_turns=2,
+                                           instruction='{a}*{b}=', retry='?', min_a=1,
+                                           max_a=9, min_b=1, max_b=9))
+    c.agent.update(dict(max_turn_tokens=8, num_eval=2, timeout_s=60.0))
+    c.rl.prompts_per_step = 2
+    c.sampling.update(dict(max_prompt_len=80, max_new_tokens=16))
+    c.model.max_seq_len = 97  # max_prompt_len + max_new_tokens + the last sampled token
   elif variant is not None:
     raise ValueError(f'Unknown variant {variant!r} of configs/agent.py; valid: '
                      f'{", ".join(VARIANTS)}.')

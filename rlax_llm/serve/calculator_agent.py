@@ -19,8 +19,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rlax_llm.envs.calculator import CALCULATE_TOOL, DEFAULT_INSTRUCTION, CalculatorEnv
-from rlax_llm.envs.calculator import calculate, final_answer
+from rlax_llm.envs.calculator import (
+  CALCULATE_TOOL,
+  DEFAULT_INSTRUCTION,
+  CalculatorEnv,
+  calculate,
+  final_answer,
+)
 
 RETRY = 'Call the calculate tool, or give the final answer as \\boxed{N}.'
 

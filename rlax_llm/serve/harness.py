@@ -51,10 +51,10 @@ def load_harness(env: Mapping[str, Any] | Any) -> Harness:
   """The ``Harness`` of an ``env`` config group: ``env.harness`` imported
   (``plugins.import_object``), the other fields (``name`` aside) its keyword arguments.
 
-  Raises ValueError naming ``env.harness`` when it is unset, not an import path, cannot be
-  imported or is not callable, and when the function cannot be called as
+  Raises ValueError naming ``env.harness`` when it is unset, not an import path or cannot be
+  imported, and when the function cannot be called as
   ``fn(client, model, seed, **kwargs)`` with these fields (a field it does not take, or a
-  required argument left unset)."""
+  required argument left unset); TypeError when it names something that is not callable."""
   fields = dict(env.to_dict() if hasattr(env, 'to_dict') else env)
   if fields.pop('name', None) != HARNESS:
     raise ValueError(f'load_harness: env.name must be {HARNESS!r}; got {env!r:.100}.')
@@ -65,7 +65,7 @@ def load_harness(env: Mapping[str, Any] | Any) -> Harness:
                      'agent").')
   fn = plugins.import_object(spec, 'env.harness')
   if not callable(fn):
-    raise ValueError(f'env.harness={spec!r} is a {type(fn).__name__}, not a function; name '
+    raise TypeError(f'env.harness={spec!r} is a {type(fn).__name__}, not a function; name '
                      'fn(client, model, seed, **kwargs) -> reward.')
   try:
     inspect.signature(fn).bind(None, '', 0, **fields)

@@ -24,8 +24,8 @@ import pytest
 openai = pytest.importorskip('openai')
 pytest.importorskip('fastapi')
 
-from rlax_llm.cli import load_config_file
 from rlax_llm import roles
+from rlax_llm.cli import load_config_file
 from rlax_llm.config import validate_config
 from rlax_llm.data_types import TERMINATIONS, GenerationRequest
 from rlax_llm.envs.seeds import CHARSET
@@ -50,8 +50,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 VERSION = 7
 SPEC = SamplingSpec(temperature=1.0)
 TURN_TOKENS = 6
-SMALL = dict(max_turns=2, instruction='{a}*{b}=', retry='?', min_a=1, max_a=9, min_b=1,
-             max_b=9)
+SMALL = {'max_turns': 2, 'instruction': '{a}*{b}=', 'retry': '?', 'min_a': 1, 'max_a': 9,
+         'min_b': 1, 'max_b': 9}
 RELEASE = threading.Event()  # lets the hung harness's thread end when the module is done
 
 
