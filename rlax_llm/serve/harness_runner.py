@@ -105,8 +105,8 @@ class HarnessRunner:
     episode order, one per episode (its last: see the module docstring;
     ``Trajectory.episode_id`` is the episode's index).
 
-    ``stats`` then holds ``episodes``, ``turns`` (calls), ``model_tokens``, ``splits``, ``termination/<reason>``, the endpoint's counts
-    under ``endpoint/`` and ``wall_s``."""
+    ``stats`` then holds ``episodes``, ``turns`` (calls), ``model_tokens``, ``splits``,
+    ``termination/<reason>``, the endpoint's counts under ``endpoint/`` and ``wall_s``."""
     start = time.perf_counter()
     names = [f'rlax-{secrets.token_hex(6)}-{i}' for i in range(len(episodes))]
     endpoint = Endpoint(self.worker, model_name=MODEL_NAME, api_key=secrets.token_hex(16),

@@ -24,32 +24,25 @@ import pytest
 openai = pytest.importorskip('openai')
 pytest.importorskip('fastapi')
 
+from char_model import CHAR_SPEC, CHAR_TURN_TOKENS, CHAR_VERSION, make_char_worker
+
 from rlax_llm import roles
 from rlax_llm.cli import load_config_file
 from rlax_llm.config import validate_config
 from rlax_llm.data_types import TERMINATIONS, GenerationRequest
-from rlax_llm.envs.seeds import CHARSET
 from rlax_llm.errors import ConfigError
 from rlax_llm.metrics import read_metrics
-from rlax_llm.models.decoder_config import DecoderConfig
-from rlax_llm.models.model import create_model
 from rlax_llm.rollout.driver import Job
 from rlax_llm.rollout.episodes import Episode, request_episodes
-from rlax_llm.rollout.worker import InferenceWorker
-from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.schedule import EpisodeSettings
 from rlax_llm.serve.calculator_agent import calculator_agent
 from rlax_llm.serve.harness import Harness, load_harness
 from rlax_llm.serve.harness_runner import HarnessRunner
 from rlax_llm.serve.openai_api import EPISODE_HEADER
-from rlax_llm.sharding import make_mesh
 from rlax_llm.tasks.base import Prompt
-from rlax_llm.tokenization import CharTokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-VERSION = 7
-SPEC = SamplingSpec(temperature=1.0)
-TURN_TOKENS = 6
+VERSION, SPEC, TURN_TOKENS = CHAR_VERSION, CHAR_SPEC, CHAR_TURN_TOKENS
 SMALL = {'max_turns': 2, 'instruction': '{a}*{b}=', 'retry': '?', 'min_a': 1, 'max_a': 9,
          'min_b': 1, 'max_b': 9}
 RELEASE = threading.Event()  # lets the hung harness's thread end when the module is done
@@ -73,54 +66,39 @@ def mixed(client, model, seed):
   return None
 
 
-@pytest.fixture(scope='module')
-def worker():
-  tok = CharTokenizer(CHARSET)
-  config = DecoderConfig(vocab_size=tok.vocab_size, num_layers=1, embed_dim=32, num_heads=2,
-                         num_kv_heads=1, head_dim=16, mlp_dim=64, max_seq_len=64)
-  model, params = create_model(config, seed=0)
-  worker = InferenceWorker(model, tok, make_mesh({'data': 1}, jax.devices()[:1]),
-                           max_prompt_len=40, max_new_tokens=TURN_TOKENS, slots=8)
-  worker.load(VERSION, params)
-  # Compiles what the runs below sample with (prefills of 1, 2 and 4 rows, each padded to a
-  # power of two, in the 8- and 16-token buckets), so that no harness waits on a compile.
-  key = np.asarray(jax.random.key_data(jax.random.key(0)))[None]
-  for rows in (1, 2, 4):
-    for length in (5, 12):
-      worker.driver.run([Job(prompt_ids=(1,) * length, num_samples=1, sampling=SPEC,
-                             max_new_tokens=TURN_TOKENS, stop_ids=(tok.eos_id,), keys=key)
-                         for _ in range(rows)])
-  yield worker
-  RELEASE.set()
-
-
 def episode(seed: int) -> Episode:
   key = np.asarray(jax.random.key_data(jax.random.key(100 + seed)))
   return Episode(env=None, seed=seed, key=key, group_id=seed // 2, prompt_id=seed)
 
 
-def run(worker, seeds, timeout_s=60.0):
-  runner = HarnessRunner(worker, Harness(mixed, {}), max_concurrent_episodes=4,
+def run(char_worker, seeds, timeout_s=60.0):
+  runner = HarnessRunner(char_worker, Harness(mixed, {}), max_concurrent_episodes=4,
                          max_turn_tokens=TURN_TOKENS, timeout_s=timeout_s)
   return runner.run([episode(s) for s in seeds], SPEC), runner.stats
 
 
-def engine_sample(worker, prompt, key_data, call):
+def engine_sample(char_worker, prompt, key_data, call):
   """What the driver samples for ``prompt`` with call ``call``'s key of an episode."""
   key = jax.random.fold_in(jax.random.wrap_key_data(key_data), call)
   job = Job(prompt_ids=tuple(int(t) for t in prompt), num_samples=1, sampling=SPEC,
-            max_new_tokens=TURN_TOKENS, stop_ids=(worker.tokenizer.eos_id,),
+            max_new_tokens=TURN_TOKENS, stop_ids=(char_worker.tokenizer.eos_id,),
             keys=np.asarray(jax.random.key_data(key))[None])
-  (sample,), = worker.driver.run([job])
+  (sample,), = char_worker.driver.run([job])
   return sample
 
 
 @pytest.fixture(scope='module')
-def mixed_run(worker):
-  return run(worker, range(6), timeout_s=5.0)
+def char_worker():
+  return make_char_worker()
 
 
-def test_trajectories_hold_what_the_engine_sampled(worker, mixed_run):
+@pytest.fixture(scope='module')
+def mixed_run(char_worker):
+  yield run(char_worker, range(6), timeout_s=5.0)
+  RELEASE.set()
+
+
+def test_trajectories_hold_what_the_engine_sampled(char_worker, mixed_run):
   trajectories, _ = mixed_run
   healthy = [x for x in trajectories if x.prompt_id < 2]
   assert [x.prompt_id for x in healthy] == [0, 1]  # one trajectory each: the calls stitch
@@ -129,7 +107,7 @@ def test_trajectories_hold_what_the_engine_sampled(worker, mixed_run):
     assert x.group_id == 0 and x.termination == 'done' and x.episode_return == 0.0
     for n in range(x.num_turns):
       start, end = x.turn_starts[n], x.turn_ends[n]
-      sample = engine_sample(worker, x.tokens[:start], episode(x.prompt_id).key, n)
+      sample = engine_sample(char_worker, x.tokens[:start], episode(x.prompt_id).key, n)
       assert x.tokens[start:end].tolist() == list(sample.tokens)
       np.testing.assert_allclose(x.behaviour_logprobs[start:end], sample.logprobs, atol=1e-6)
     model = x.loss_mask
@@ -138,13 +116,13 @@ def test_trajectories_hold_what_the_engine_sampled(worker, mixed_run):
     between = x.tokens[x.turn_ends[0]:x.turn_starts[1]]
     # The retry message (and the eos the model did not write, if its reply was cut) is fed
     # with loss mask 0.
-    assert worker.tokenizer.decode(between, stop_at_eos=False).endswith('?')
+    assert char_worker.tokenizer.decode(between, stop_at_eos=False).endswith('?')
     assert not x.loss_mask[x.turn_ends[0]:x.turn_starts[1]].any()
-    first_prompt = worker.tokenizer.decode(x.tokens[:x.turn_starts[0]])
+    first_prompt = char_worker.tokenizer.decode(x.tokens[:x.turn_starts[0]])
     assert first_prompt.endswith('=') and '*' in first_prompt
 
 
-def test_failing_harnesses_are_counted_and_block_nothing(worker, mixed_run):
+def test_failing_harnesses_are_counted_and_block_nothing(char_worker, mixed_run):
   trajectories, stats = mixed_run
   by_seed = {x.prompt_id: x for x in trajectories}
   assert {s: by_seed[s].termination for s in range(2, 6)} == {
@@ -158,11 +136,11 @@ def test_failing_harnesses_are_counted_and_block_nothing(worker, mixed_run):
   # The hung harness did not delay the run past its own deadline (5 s).
   assert stats['wall_s'] < 20
   # Healthy episodes sample the same alone as beside failing ones.
-  alone, _ = run(worker, [0, 1])
+  alone, _ = run(char_worker, [0, 1])
   assert [x.tokens.tolist() for x in alone] == [by_seed[s].tokens.tolist() for s in (0, 1)]
 
 
-def test_a_harness_run_plays_its_requests_where_an_environment_run_would(worker):
+def test_a_harness_run_plays_its_requests_where_an_environment_run_would(char_worker):
   """``roles.play_requests`` (what a worker's ``play`` runs) hands a harness run's requests
   to the harness runner: ``num_samples`` episodes a request, with the keys and group ids an
   environment run's episodes get (``request_episodes``)."""
@@ -174,7 +152,7 @@ def test_a_harness_run_plays_its_requests_where_an_environment_run_would(worker)
                                 TURN_TOKENS) for i in (3, 4)]
   rng = jax.random.key(5)
   trajectories, figures = roles.play_requests(
-      worker, None, requests, np.asarray(jax.random.key_data(rng)), VERSION, 10, settings,
+      char_worker, None, requests, np.asarray(jax.random.key_data(rng)), VERSION, 10, settings,
       make_env=None)
   assert [(x.group_id, x.prompt_id) for x in trajectories] == [(10, 3)] * 2 + [(11, 4)] * 2
   assert figures['termination/done'] == 4 and 'sync/updates' not in figures  # held: no pull
@@ -182,7 +160,7 @@ def test_a_harness_run_plays_its_requests_where_an_environment_run_would(worker)
   for x, played in zip(trajectories, expected):
     start, end = x.turn_starts[0], x.turn_ends[0]
     assert x.tokens[start:end].tolist() == list(
-        engine_sample(worker, x.tokens[:start], played.key, 0).tokens)
+        engine_sample(char_worker, x.tokens[:start], played.key, 0).tokens)
 
 
 def test_load_harness_checks_the_function_and_its_fields():
