@@ -421,7 +421,9 @@ def play_requests(worker: InferenceWorker, fetch, requests: Sequence[GenerationR
     raise ValueError(f'play_requests: the requests mix sampling specs {specs}; send one.')
   if is_harness(episodes.env):  # an agent harness plays them, through the endpoint
     # Imported here: the serve extra (fastapi, uvicorn, openai) only a harness run needs.
-    from rlax_llm.serve.harness_runner import play_harness  # pylint: disable=import-outside-toplevel
+    from rlax_llm.serve.harness_runner import (  # pylint: disable=import-outside-toplevel
+      play_harness,
+    )
     return play_harness(worker, fetch, requests, rng_data, version, first, specs.pop(),
                         episodes)
   played = request_episodes(requests, make_env, jax.random.wrap_key_data(rng_data), first)

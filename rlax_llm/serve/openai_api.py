@@ -28,8 +28,8 @@ Sampling: ``temperature``, ``top_p``, ``top_k`` (a vLLM extension), ``max_tokens
 ``logprobs`` are honoured; what the sampler cannot do (``n`` > 1, penalties, ``logit_bias``,
 top alternatives, a forced tool call, a response format) is a 400 naming the parameter.
 ``stream=true`` answers in OpenAI's streaming shape token by token as the driver draws them
-(a chat with tools: once the reply is complete and its calls parsed). A prompt longer than the engine's prefill length is a 400 with both
-lengths; an unknown model a 404.
+(a chat with tools: once the reply is complete and its calls parsed). A prompt longer than
+the engine's prefill length is a 400 with both lengths; an unknown model a 404.
 """
 
 from __future__ import annotations
@@ -185,7 +185,9 @@ class Endpoint:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((self.host, self.port))
     self.port = sock.getsockname()[1]
-    config = uvicorn.Config(self.app, log_level='warning', lifespan='off')
+    # A connection still open 5 s after stop() (a client hung mid-call) is closed.
+    config = uvicorn.Config(self.app, log_level='warning', lifespan='off',
+                            timeout_graceful_shutdown=5)
     self._server = uvicorn.Server(config)
     self._thread = threading.Thread(target=self._server.run, kwargs={'sockets': [sock]},
                                     name='rlax-serve-http', daemon=True)

@@ -179,7 +179,7 @@ def test_load_harness_checks_the_function_and_its_fields():
     validate_config(config)
 
 
-@pytest.mark.slow  # a launch: about 80 s on 2 shared cores (compiles the trainer's step)
+@pytest.mark.slow  # a launch: 80-110 s on 2 shared cores (it compiles the trainer's step)
 def test_the_harness_smoke_variant_trains(tmp_path):
   """The example calculator harness through ``python -m rlax_llm.launch``: two steps."""
   env = dict(os.environ)
