@@ -22,7 +22,7 @@ each run's curve (``[step, accuracy]``, step 0 = the RL start), the seed-mean cu
 per-evaluation differences in points, the mismatch metrics and the goal flags.
 
     .venv/bin/python benchmarks/lora_learning.py --model=tiny --comparisons=int8 \\
-        --seeds=0,1,2 --root=/tmp/lora_learning
+        --seeds=0,1,2 --share_warmup --parallel=3 --root=/tmp/lora_learning
     .venv/bin/python benchmarks/lora_learning.py --model=smollm2 --comparisons=lora \\
         --steps=160 --eval_every=20 --root=/tmp/lora_learning
 """
