@@ -8,7 +8,7 @@ CPU device as on a Colab CPU runtime.
 The notebooks are saved with the outputs of exactly such a run; to re-save them after a
 change (all, or the ones named):
 
-    .venv/bin/python tests/test_colabs.py [quickstart losses staleness smollm2_grpo]
+    .venv/bin/python tests/test_colabs.py [quickstart losses staleness smollm2_grpo ...]
 """
 
 import os
@@ -22,7 +22,8 @@ import pytest
 from nbclient import NotebookClient
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-NOTEBOOKS = ('quickstart', 'losses', 'staleness', 'smollm2_grpo')
+NOTEBOOKS = ('quickstart', 'losses', 'staleness', 'smollm2_grpo', 'agent_calculator',
+             'lora_grpo')
 
 
 def _execute(name: str, tmp_path: pathlib.Path, timeout: int) -> nbformat.NotebookNode:
@@ -100,6 +101,28 @@ def test_staleness_notebook_runs_an_async_run_and_plots_its_histogram(tmp_path):
   assert len(_outputs(notebook, 'image/png')) == 1
   text = ''.join(o.get('text', '') for o in _outputs(notebook, 'stream'))
   assert 'mean staleness per step: [0.0, 1.0, 2.0, 2.0, 2.0]' in text
+
+
+def test_agent_notebook_shows_the_tool_an_episodes_masks_and_trains(tmp_path):
+  # About 40 s of CPU time (XLA compiles, mostly); a busy machine takes longer in wall time.
+  notebook = _execute('agent_calculator', tmp_path, timeout=300)
+  assert len(_outputs(notebook, 'image/png')) == 1
+  text = ''.join(o.get('text', '') for o in _outputs(notebook, 'stream'))
+  assert '"name": "calculate"' in text and 'reward 1.0  done True' in text
+  assert '[prompt: ' in text and 'loss mask 1]' in text and 'held-out greedy episode success' in text
+  (run,) = (tmp_path / 'runs').iterdir()
+  assert (run / 'metrics.jsonl').is_file() and (run / 'summary.json').is_file()
+
+
+def test_lora_notebook_plans_a_model_only_lora_fits_on_a_v5e_chip_and_trains(tmp_path):
+  notebook = _execute('lora_grpo', tmp_path, timeout=300)
+  assert len(_outputs(notebook, 'image/png')) == 1
+  text = ''.join(o.get('text', '') for o in _outputs(notebook, 'stream'))
+  full, lora = text.split('LoRA rank 16 (')[:2]
+  assert 'of 16.00 GiB HBM per chip' in full and 'the merged LoRA push' in lora
+  need = [float(t.split('trainer + inference: ')[1].split(' GiB')[0]) for t in (full, lora)]
+  assert need[0] > 16 > need[1], need
+  assert 'LoRA rank 4' in text and 'held-out greedy accuracy' in text
 
 
 @pytest.mark.slow  # SmolLM2's 30 layers compile for about a minute on a CPU
