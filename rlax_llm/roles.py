@@ -40,6 +40,7 @@ from rlax_llm.models.model import Model, Params, create_model, split_module, wit
 from rlax_llm.rollout.episodes import request_episodes
 from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.schedule import EpisodeSettings
+from rlax_llm.serve.harness import is_harness
 from rlax_llm.sharding import role_meshes
 from rlax_llm.tasks import Task, make_task
 from rlax_llm.tasks.files import FileTask
@@ -420,6 +421,13 @@ def play_requests(worker: InferenceWorker, fetch, requests: Sequence[GenerationR
   specs = {request.sampling for request in requests}
   if len(specs) != 1:
     raise ValueError(f'play_requests: the requests mix sampling specs {specs}; send one.')
+  if is_harness(episodes.env):  # an agent harness plays them, through the endpoint
+    # Imported here: the serve extra (fastapi, uvicorn, openai) only a harness run needs.
+    from rlax_llm.serve.harness_runner import (  # pylint: disable=import-outside-toplevel
+      play_harness,
+    )
+    return play_harness(worker, fetch, requests, rng_data, version, first, specs.pop(),
+                        episodes)
   played = request_episodes(requests, make_env, jax.random.wrap_key_data(rng_data), first)
   return worker.play_at(version, fetch, played, specs.pop(), **episodes.runner_kwargs())
 
