@@ -269,8 +269,9 @@ def run_memory_plan(model: DecoderConfig, config: ml_collections.ConfigDict,
                     trainer_mesh: dict[str, int], inference_mesh: dict[str, int], *,
                     shared: bool) -> presets.MemoryPlan:
   """``presets.memory_plan`` of a run: its batch, lengths, micro-batches, KV-cache slots,
-  workers, the workers' params dtype (``model.inference_param_dtype``) and KL reference from
-  ``config``; the meshes resolved (``sharding.mesh_shape``). ``shared``: the trainer and the
+  workers, the workers' params dtype (``model.inference_param_dtype``) and quantisation
+  (``model.inference_quant``), LoRA adapters (``lora``) and KL reference from ``config``; the
+  meshes resolved (``sharding.mesh_shape``). ``shared``: the trainer and the
   workers share chips (the local backend without ``mesh.disjoint``; every worker's mesh then
   starts at the first chip)."""
   rl, s = config.rl, config.sampling
@@ -282,7 +283,8 @@ def run_memory_plan(model: DecoderConfig, config: ml_collections.ConfigDict,
       train_length=length, micro_batches=rl.micro_batches, logprob_chunk=rl.logprob_chunk,
       slots=config.rollout.slots, cache_length=length,
       workers_per_chip=config.rollout.workers if shared else 1, shared=shared,
-      reference=(rl.kl_beta or 0) > 0)
+      reference=(rl.kl_beta or 0) > 0, lora=lora_lib.from_config(config),
+      inference_quant=config.model.inference_quant)
 
 
 def available_memory_bytes() -> float:
