@@ -15,7 +15,10 @@ ref, read zero-copy, not serialised again). Between actors of one machine
 copies each version straight into a reused shared-memory slot the server names, the server
 commits it by reference, and a worker maps the slot read-only (``rlax_llm.paramserver.shm``;
 actors on other nodes, and a trainer of several processes, keep the object store). The
-driver sends version numbers and receives rollouts.
+driver sends version numbers and receives rollouts. A LoRA run with ``lora.sync='adapters'``
+has a second server actor keeping the base alone: the trainer actor pushes the base there
+once when it starts (after restoring), each worker actor pulls it before its first adapter
+version (a restarted one again), and the versions are the adapter trees.
 
 Checkpoints: the trainer actor owns the ``Checkpointer``. When built it restores its params
 and optimizer state from the workdir's latest checkpoint itself and hands the driver only
@@ -582,12 +585,15 @@ class RayTrainer:
   process order; each is sent every call, and process 0's result is the call's);
   ``version`` follows the updates it applied (``version``: the one it started at).
   ``workdir``: where the actors checkpoint (named in the error that stops a run whose
-  trainer actor was lost)."""
+  trainer actor was lost). ``server``, ``base_server``: the server actors it pushes to (the
+  base's: LoRA with adapter-only sync, else None), for inspecting a run (e.g. their
+  ``received``); the controller never calls them."""
 
-  def __init__(self, actors, version: int, workdir):
+  def __init__(self, actors, version: int, workdir, server=None, base_server=None):
     self.actors = list(actors)
     self.version = version
     self.workdir = storage.path(workdir)
+    self.server, self.base_server = server, base_server
     self._lost_one = False
 
   @property
@@ -747,7 +753,7 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
                         for p, actor in enumerate(trainer_actors)], None)
     _same_start(starts)
     warmup_metrics, resume, version = starts[0]
-    trainer = RayTrainer(trainer_actors, version, workdir)
+    trainer = RayTrainer(trainer_actors, version, workdir, server_actor, base_actor)
     with assemble(config, spec.controller, workdir, task, trainer,
                   [RayWorker(actor) for actor in worker_actors], warmup_metrics,
                   resume=resume, stop=stop) as run:

@@ -196,12 +196,11 @@ class InferenceWorker:
     ``sync/updates`` (1), ``sync/bytes`` moved, ``sync/full_bytes`` of leaves sent whole,
     ``sync/changed`` and ``sync/elements`` (elements whose bits changed, of all), and
     ``sync/pull_s`` (seconds). With adapter-only sync, the first pull fetches the base
-    first (``fetch_base``; its figures are added, and ``sync/base_pulls`` is 1)."""
+    first (``fetch_base``; its figures are added)."""
     start = time.perf_counter()
     figures = collections.Counter()
     if self._fetch_base is not None and self._base is None:
       figures.update(self._pull_base())
-      figures['sync/base_pulls'] = 1
     update = fetch(version, self.version if self._host_leaves is not None else -1)
     self.apply_update(update)
     figures.update(_figures(update))
