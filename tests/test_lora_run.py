@@ -6,6 +6,7 @@ SIGTERMed and relaunched through ``python -m rlax_llm.launch`` equals the uninte
 and ``python -m rlax_llm.evaluate --checkpoint`` evaluates its checkpoint (the merged
 weights)."""
 
+import dataclasses
 import json
 import signal
 
@@ -13,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from rlax_llm import evaluate
+from rlax_llm import evaluate, roles
 from rlax_llm.backends import build_run
 from rlax_llm.backends import local as local_backend
 from rlax_llm.backends.ray import init_ray
@@ -81,6 +82,50 @@ def test_adapter_sync_equals_merged_pushes_and_sends_only_the_adapters(tmp_path,
   last = [json.loads(line) for line in (tmp_path / 'adapters' / 'metrics.jsonl').open()][-1]
   assert last['sync/updates'] >= 2
   assert base + adapters < last['sync/bytes'] <= base + last['sync/updates'] * adapters, last
+
+
+def test_a_fresh_worker_pulls_the_base_once_then_adapter_versions():
+  """What a new or restarted worker does (a Ray actor restarted after its process died
+  starts empty): it pulls the base once, checked against the base server's checksums, then
+  the adapters of each version asked for (the second as a delta), and samples with the
+  merged weights. A corrupted base is refused naming its leaf, and nothing is installed."""
+  config = lora_smoke()
+  task = roles.build_task(config)
+  model, params, tokenizer = roles.build_model(config, task)
+  lmodel, first = lora_lib.create(model, params, lora_lib.from_config(config))
+  keys = iter(jax.random.split(jax.random.key(7), 64))
+  second = jax.tree_util.tree_map_with_path(
+      lambda path, x: x + 0.01 * jax.random.normal(next(keys), x.shape, x.dtype)
+      if lora_lib.is_adapter_path(path) and path[-1].key == 'b' else x, first)
+  base_server, server = ParameterServer(keep=1), ParameterServer(keep=2)
+  base_server.push(0, lora_lib.pushed_base(lmodel, first, model))
+  for version, tree in enumerate((first, second)):
+    server.push(version, lora_lib.pushed_params(lmodel, tree, model))
+  bases = []
+  def fetch_base():
+    bases.append(base_server.update(0))
+    return bases[-1]
+  mesh = roles.meshes(config)['inference'][0]
+  worker = roles.build_worker(config, model, tokenizer, mesh, fetch_base)
+  figures = [worker.pull(0, server.update), worker.pull(1, server.update)]
+  assert len(bases) == 1 and worker.version == 1
+  adapters, base = nbytes(lora_lib.adapter_tree(first)), nbytes(lora_lib.base_tree(first))
+  assert figures[0]['sync/bytes'] == base + adapters
+  assert 0 < figures[1]['sync/bytes'] < adapters  # only B changed: a delta of the adapters
+  want = worker.engine.place_params(lora_lib.merge_program(lmodel)(second))
+  jax.tree.map(np.testing.assert_array_equal, worker.params, want)
+
+  def corrupted():
+    update = base_server.update(0)
+    (flipped, *rest), *buckets = update.buckets
+    full = flipped.full.copy()
+    full.reshape(-1).view(np.uint8)[0] ^= 1
+    return dataclasses.replace(update, buckets=(
+        (dataclasses.replace(flipped, full=full), *rest), *buckets))
+  fresh = roles.build_worker(config, model, tokenizer, mesh, corrupted)
+  with pytest.raises(ValueError, match='fails its checksum'):
+    fresh.pull(1, server.update)
+  assert fresh.version == -1
 
 
 def test_a_lora_run_sigtermed_and_relaunched_equals_the_uninterrupted_one(tmp_path):
