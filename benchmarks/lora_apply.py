@@ -33,13 +33,12 @@ import time
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 
-import jax  # noqa: E402
+import jax
+from rollout_throughput import driver_for, jobs_for, prompts_for, timed
 
-from rlax_llm.models import from_pretrained, smollm2_gguf_path  # noqa: E402
-from rlax_llm.models import lora as lora_lib  # noqa: E402
-from rlax_llm.models.model import split_module  # noqa: E402
-
-from rollout_throughput import driver_for, jobs_for, prompts_for, timed  # noqa: E402
+from rlax_llm.models import from_pretrained, smollm2_gguf_path
+from rlax_llm.models import lora as lora_lib
+from rlax_llm.models.model import split_module
 
 
 def lora_params(model, params, rank: int, seed: int = 0):
@@ -79,8 +78,8 @@ def main() -> None:
   model, params = split_module(module)
   lmodel, lparams = lora_params(model, params, args.rank)
   merged = lora_lib.merge_program(lmodel)(lparams)
-  own = dict(weight_layout=model.config.execution.weight_layout,
-             decode_attention=model.config.execution.decode_attention)
+  own = {'weight_layout': model.config.execution.weight_layout,
+         'decode_attention': model.config.execution.decode_attention}
   n = args.new_tokens
   batches = {}
   for batch in [int(b) for b in args.batches.split(',')]:
@@ -96,7 +95,7 @@ def main() -> None:
     times = {name: [] for name in drivers}
     for _ in range(args.repeats):
       for name, driver in drivers.items():
-        t, outs[name] = timed(lambda driver=driver: driver.run(jobs))
+        t, outs[name] = timed(lambda driver=driver, jobs=jobs: driver.run(jobs))
         times[name].append(t)
     tok_s = {name: statistics.median(batch * n / t for t in ts) for name, ts in times.items()}
     a, b = outs['merged'][0][0].tokens, outs['unmerged'][0][0].tokens

@@ -13,6 +13,16 @@ import signal
 import jax
 import numpy as np
 import pytest
+from smoke_config import smoke_config  # tests/smoke_config.py
+from test_resume import (
+  _final_params,
+  _launch,
+  _wait_for_rows,
+  assert_same_params,
+  read,
+  run_once,
+  smoke,
+)
 
 from rlax_llm import evaluate, roles
 from rlax_llm.backends import build_run
@@ -22,18 +32,15 @@ from rlax_llm.config import run_spec
 from rlax_llm.models import lora as lora_lib
 from rlax_llm.paramserver import ParameterServer
 
-from smoke_config import smoke_config  # tests/smoke_config.py
-from test_resume import (_final_params, _launch, _wait_for_rows, assert_same_params, read,
-                         run_once, smoke)
-
-LORA = dict(lora__rank=2, lora__targets='q,v,o,down')
+LORA = {'lora__rank': 2, 'lora__targets': 'q,v,o,down'}
 
 
 def lora_smoke(**fields):
   """A short LoRA run, one step off-policy (k=2: versions lag the batches they train)."""
-  return smoke_config(**(dict(total_steps=3, staleness__j=1, staleness__k=2, eval__every_steps=2,
-                              log__tensorboard=False, checkpoint__every_steps=0,
-                              checkpoint__every_seconds=0.0) | LORA | fields))
+  short = {'total_steps': 3, 'staleness__j': 1, 'staleness__k': 2, 'eval__every_steps': 2,
+           'log__tensorboard': False, 'checkpoint__every_steps': 0,
+           'checkpoint__every_seconds': 0.0}
+  return smoke_config(**(short | LORA | fields))
 
 
 def nbytes(tree) -> int:

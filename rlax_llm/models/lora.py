@@ -16,6 +16,13 @@ the adapters (by their ``nnx.LoRAParam`` type) for ``Trainer(trainable=...)``. `
 folds them into the base (``W + s * A @ B``); ``save_merged`` writes that as a Hugging Face
 checkpoint and ``save_peft`` the adapters alone in PEFT's format
 (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+Weight sync (``LoRAConfig.sync``, ``lora.sync``): with ``'adapters'`` a trainer pushes
+``pushed_base`` once (the base, in the workers' dtype) and ``pushed_params`` per version,
+``adapter_tree(params)`` alone; the workers merge each version into the base they hold
+(``merge_program``; ``rlax_llm.rollout.worker``). With ``'merged'`` ``pushed_params`` is the
+merged weights. ``delta`` computes ``s * A @ B`` with the same bits on any device and
+sharding, so both give the same weights.
 """
 
 from __future__ import annotations

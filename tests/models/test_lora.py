@@ -211,7 +211,7 @@ def test_a_local_run_with_lora_trains_the_adapters_and_pushes_them(tmp_path, syn
 
 
 def test_adapter_and_base_trees_split_and_join_the_params():
-  model, params = _lora(targets=('q', 'down'))
+  _, params = _lora(targets=('q', 'down'))
   adapters, base = lora_lib.adapter_tree(params), lora_lib.base_tree(params)
   paths = lambda tree: [jax.tree_util.keystr(p) for p, _ in
                         jax.tree_util.tree_flatten_with_path(tree)[0]]
