@@ -62,20 +62,30 @@ def run_local(config, workdir, monkeypatch):
     handle = r.controller.trainer
     params = handle.host_params().result()
     servers = {'versions': handle.server, 'base': handle.base_server}
+    model = handle.trainer.model
   monkeypatch.undo()
   received = {name: [(v, n) for s, v, n in pushes if s is server]
               for name, server in servers.items()}
-  return params, received
+  return params, received, servers, model
 
 
 def test_adapter_sync_equals_merged_pushes_and_sends_only_the_adapters(tmp_path, monkeypatch):
-  runs = {sync: run_local(lora_smoke(lora__sync=sync), tmp_path / sync, monkeypatch)
+  """Both runs checkpoint their last step; ``evaluate --checkpoint`` then reads the adapter
+  run's (the base and the adapters) and evaluates the merged weights."""
+  runs = {sync: run_local(lora_smoke(lora__sync=sync, checkpoint__every_steps=3),
+                          tmp_path / sync, monkeypatch)
           for sync in ('adapters', 'merged')}
-  (params, received), (merged_params, merged_received) = runs['adapters'], runs['merged']
+  (params, received, _, model), (merged_params, merged_received, merged_servers, _) = (
+      runs['adapters'], runs['merged'])
   metrics, ledger = read(tmp_path / 'adapters')
   assert (metrics, ledger) == read(tmp_path / 'merged')  # rewards, versions, losses, ...
   assert len(metrics) == 3 and any(row['staleness/mean'] > 0 for row in metrics)
   jax.tree.map(np.testing.assert_array_equal, params, merged_params)
+  # lora.sync='merged' pushes the merged weights of the trainer's version.
+  server = merged_servers['versions']
+  assert merged_servers['base'] is None
+  jax.tree.map(np.testing.assert_array_equal, server.get(server.latest_version()).params,
+               lora_lib.merge_program(model)(params))
   # Per version the server received the adapters' bytes (float32 A and B) and nothing else;
   # the base went once, to its own server. Merged pushes carry the whole model every time.
   adapters, base = nbytes(lora_lib.adapter_tree(params)), nbytes(lora_lib.base_tree(params))
@@ -89,6 +99,15 @@ def test_adapter_sync_equals_merged_pushes_and_sends_only_the_adapters(tmp_path,
   last = [json.loads(line) for line in (tmp_path / 'adapters' / 'metrics.jsonl').open()][-1]
   assert last['sync/updates'] >= 2
   assert base + adapters < last['sync/bytes'] <= base + last['sync/updates'] * adapters, last
+  # evaluate --checkpoint on the run's workdir (its config; launch would have saved it as
+  # config.json, which evaluate then reads): the checkpoint merged.
+  workdir = str(tmp_path / 'adapters')
+  config = lora_smoke(checkpoint__every_steps=3)
+  _, _, worker = evaluate.policy_worker(config, workdir)
+  want = worker.engine.place_params(lora_lib.merge_program(model)(params))
+  jax.tree.map(np.testing.assert_array_equal, worker.params, want)
+  assert metrics[-1]['eval/accuracy'] == evaluate.evaluate_config(config, workdir)[
+      'eval/accuracy']  # the run's last greedy evaluation, of the same weights
 
 
 def test_a_fresh_worker_pulls_the_base_once_then_adapter_versions():
@@ -135,9 +154,10 @@ def test_a_fresh_worker_pulls_the_base_once_then_adapter_versions():
   assert fresh.version == -1
 
 
+@pytest.mark.slow  # two launches and a reference run: about 90 s on the loaded dev machine
 def test_a_lora_run_sigtermed_and_relaunched_equals_the_uninterrupted_one(tmp_path):
   """Through ``python -m rlax_llm.launch`` (tests/test_resume.py's pattern), with the
-  warm-up and checkpoints every 2 steps; then ``evaluate`` reads the run's checkpoint."""
+  warm-up and checkpoints every 2 steps."""
   config = smoke(steps=5)
   config.lora.rank, config.lora.targets = 2, LORA['lora__targets']
   summary, ref_params = run_once(config, tmp_path / 'reference', None)
@@ -158,20 +178,13 @@ def test_a_lora_run_sigtermed_and_relaunched_equals_the_uninterrupted_one(tmp_pa
   assert_same_params(final, ref_params)
   assert any('_lora' in jax.tree_util.keystr(path)  # the checkpoint holds the adapters
              for path, _ in jax.tree_util.tree_flatten_with_path(final)[0])
-  # evaluate --checkpoint: the run's config, its LoRA checkpoint merged into the worker.
-  eval_config = evaluate.config_for([], str(workdir))
-  _, _, worker = evaluate.policy_worker(eval_config, str(workdir))
-  lora_model = lora_lib.lora_model(worker.model, lora_lib.from_config(eval_config))
-  want = worker.engine.place_params(lora_lib.merge_program(lora_model)(ref_params))
-  jax.tree.map(np.testing.assert_array_equal, worker.params, want)
-  metrics = evaluate.evaluate_config(eval_config, str(workdir))
-  assert 0.0 <= metrics['eval/accuracy'] <= 1.0
 
 
 @pytest.mark.slow  # a Ray cluster and two runs
 def test_adapter_sync_on_ray_equals_merged_pushes_locally(tmp_path, monkeypatch):
   ray = pytest.importorskip('ray')
-  _, received = run_local(lora_smoke(lora__sync='merged'), tmp_path / 'local', monkeypatch)
+  _, received, _, _ = run_local(lora_smoke(lora__sync='merged'), tmp_path / 'local',
+                                monkeypatch)
   config = lora_smoke(backend='ray')
   started = init_ray(config)
   try:
