@@ -110,12 +110,14 @@ def test_adapter_sync_equals_merged_pushes_and_sends_only_the_adapters(tmp_path,
       'eval/accuracy']  # the run's last greedy evaluation, of the same weights
 
 
-def test_a_fresh_worker_pulls_the_base_once_then_adapter_versions():
+@pytest.mark.parametrize('quant', ['none', 'int8'])
+def test_a_fresh_worker_pulls_the_base_once_then_adapter_versions(quant):
   """What a new or restarted worker does (a Ray actor restarted after its process died
   starts empty): it pulls the base once, checked against the base server's checksums, then
   the adapters of each version asked for (the second as a delta), and samples with the
-  merged weights. A corrupted base is refused naming its leaf, and nothing is installed."""
-  config = lora_smoke()
+  merged weights (an int8 worker: quantised from the merged weights on pull). A corrupted
+  base is refused naming its leaf, and nothing is installed."""
+  config = lora_smoke(model__inference_quant=quant)
   task = roles.build_task(config)
   model, params, tokenizer = roles.build_model(config, task)
   lmodel, first = lora_lib.create(model, params, lora_lib.from_config(config))
@@ -140,6 +142,8 @@ def test_a_fresh_worker_pulls_the_base_once_then_adapter_versions():
   assert 0 < figures[1]['sync/bytes'] < adapters  # only B changed: a delta of the adapters
   want = worker.engine.place_params(lora_lib.merge_program(lmodel)(second))
   jax.tree.map(np.testing.assert_array_equal, worker.params, want)
+  dtypes = {leaf.dtype for leaf in jax.tree.leaves(worker.params)}
+  assert (np.dtype(np.int8) in dtypes) == (quant == 'int8')
 
   def corrupted():
     update = base_server.update(0)
