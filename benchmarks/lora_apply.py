@@ -46,12 +46,14 @@ def lora_params(model, params, rank: int, seed: int = 0):
   fresh B is zeros, which would make the adapters a no-op)."""
   lmodel, lparams = lora_lib.create(model, params, lora_lib.LoRAConfig(rank, 2.0 * rank),
                                     seed=seed)
-  keys = iter(jax.random.split(jax.random.key(seed + 1), 1024))
-  lparams = jax.tree_util.tree_map_with_path(
-      lambda path, x: (0.01 * jax.random.normal(next(keys), x.shape, x.dtype)
-                       if lora_lib.is_adapter_path(path) and path[-1].key == 'b' else x),
-      lparams)
-  return lmodel, lparams
+  adapters = lora_lib.adapter_tree(lparams)
+  key = jax.random.key(seed + 1)
+  for block in adapters['blocks'].values():
+    for part in block.values():
+      for adapter in part.values():
+        key, draw = jax.random.split(key)
+        adapter['b'] = 0.01 * jax.random.normal(draw, adapter['b'].shape, adapter['b'].dtype)
+  return lmodel, lora_lib.with_adapters(lora_lib.base_tree(lparams), adapters)
 
 
 def seconds(fn, repeats: int) -> float:
@@ -67,10 +69,10 @@ def seconds(fn, repeats: int) -> float:
 
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument('--batches', default='1,8')
-  parser.add_argument('--new_tokens', type=int, default=64)
-  parser.add_argument('--rank', type=int, default=16)
-  parser.add_argument('--repeats', type=int, default=3)
+  parser.add_argument('--batches', default='1,8', help='comma-separated batch sizes (slots)')
+  parser.add_argument('--new_tokens', type=int, default=64, help='tokens generated per row')
+  parser.add_argument('--rank', type=int, default=16, help='LoRA rank, all seven projections')
+  parser.add_argument('--repeats', type=int, default=3, help='alternated timed runs')
   args = parser.parse_args()
 
   path = smollm2_gguf_path()
