@@ -15,12 +15,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / 'benchmarks'))
 import agent_grid  # benchmarks/ is not a package: on the path above
 
-# A 2x2 grid of 2 turns, one step, two held-out episodes: what the slow test runs.
+# A 2x2 grid of 2 turns, one step of 8 episodes (the tests' 8 host devices split the batch),
+# two held-out episodes: what the slow test runs.
 TINY = ['--config.env.size=2', '--config.env.max_turns=2', '--config.agent.num_eval=2',
-        '--config.rl.prompts_per_step=2', '--config.rl.group_size=2',
+        '--config.rl.prompts_per_step=4', '--config.rl.group_size=2',
         '--config.sampling.max_prompt_len=16', '--config.sampling.max_new_tokens=112',
         '--config.model.max_seq_len=129', '--config.agent.max_turn_tokens=4',
-        '--config.rollout.slots=4', '--config.warmup.steps=2', '--config.warmup.batch_size=2']
+        '--config.rollout.slots=4', '--config.warmup.steps=2', '--config.warmup.batch_size=8']
 
 
 def _flat(config) -> dict:
