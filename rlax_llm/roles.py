@@ -40,6 +40,7 @@ from rlax_llm.models.model import Model, Params, create_model, split_module, wit
 from rlax_llm.rollout.episodes import request_episodes
 from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.schedule import EpisodeSettings
+from rlax_llm.serve.harness import is_harness
 from rlax_llm.sharding import role_meshes
 from rlax_llm.tasks import Task, make_task
 from rlax_llm.tasks.files import FileTask
@@ -268,8 +269,9 @@ def run_memory_plan(model: DecoderConfig, config: ml_collections.ConfigDict,
                     trainer_mesh: dict[str, int], inference_mesh: dict[str, int], *,
                     shared: bool) -> presets.MemoryPlan:
   """``presets.memory_plan`` of a run: its batch, lengths, micro-batches, KV-cache slots,
-  workers, the workers' params dtype (``model.inference_param_dtype``) and KL reference from
-  ``config``; the meshes resolved (``sharding.mesh_shape``). ``shared``: the trainer and the
+  workers, the workers' params dtype (``model.inference_param_dtype``) and quantisation
+  (``model.inference_quant``), LoRA adapters (``lora``) and KL reference from ``config``; the
+  meshes resolved (``sharding.mesh_shape``). ``shared``: the trainer and the
   workers share chips (the local backend without ``mesh.disjoint``; every worker's mesh then
   starts at the first chip)."""
   rl, s = config.rl, config.sampling
@@ -281,7 +283,8 @@ def run_memory_plan(model: DecoderConfig, config: ml_collections.ConfigDict,
       train_length=length, micro_batches=rl.micro_batches, logprob_chunk=rl.logprob_chunk,
       slots=config.rollout.slots, cache_length=length,
       workers_per_chip=config.rollout.workers if shared else 1, shared=shared,
-      reference=(rl.kl_beta or 0) > 0)
+      reference=(rl.kl_beta or 0) > 0, lora=lora_lib.from_config(config),
+      inference_quant=config.model.inference_quant)
 
 
 def available_memory_bytes() -> float:
@@ -418,6 +421,13 @@ def play_requests(worker: InferenceWorker, fetch, requests: Sequence[GenerationR
   specs = {request.sampling for request in requests}
   if len(specs) != 1:
     raise ValueError(f'play_requests: the requests mix sampling specs {specs}; send one.')
+  if is_harness(episodes.env):  # an agent harness plays them, through the endpoint
+    # Imported here: the serve extra (fastapi, uvicorn, openai) only a harness run needs.
+    from rlax_llm.serve.harness_runner import (  # pylint: disable=import-outside-toplevel
+      play_harness,
+    )
+    return play_harness(worker, fetch, requests, rng_data, version, first, specs.pop(),
+                        episodes)
   played = request_episodes(requests, make_env, jax.random.wrap_key_data(rng_data), first)
   return worker.play_at(version, fetch, played, specs.pop(), **episodes.runner_kwargs())
 

@@ -10,13 +10,19 @@ Variants (``--config=configs/agent.py:VARIANT``):
     episode returns.
   grid_gigpo: the same with GiGPO's step-level credit (rl.advantage_estimator='gigpo').
   smoke: a tiny character-level model on a 2x2 grid for a few steps (tests; seconds).
+  harness: the calculator task played by an agent harness written with the plain openai
+    client (rlax_llm.serve.calculator_agent), served by the endpoint (docs/serving.md,
+    "Training an OpenAI-API agent").
+  harness_smoke: that harness with a tiny character-level model for two steps (tests).
 """
 
 import ml_collections
 
 from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config_file
 
-VARIANTS = ('grid', 'grid_gigpo', 'smoke')
+VARIANTS = ('grid', 'grid_gigpo', 'smoke', 'harness', 'harness_smoke')
+# The example agent harness (rlax_llm/serve/calculator_agent.py) of the harness variants.
+HARNESS = 'rlax_llm.serve.calculator_agent:calculator_agent'
 
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
@@ -60,6 +66,25 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.slots = 16
     c.eval.every_steps = 2
     c.checkpoint.update(dict(every_steps=0, every_seconds=0.0))
+  elif variant == 'harness':
+    # The episodes are the harness's: every call's prompt is its whole conversation so far,
+    # so sampling.max_prompt_len bounds the longest call's prompt and max_new_tokens a reply.
+    c.name = 'agent_harness'
+    c.env = ml_collections.ConfigDict(dict(name='harness', harness=HARNESS, max_turns=4))
+    c.sampling.update(dict(max_prompt_len=512, max_new_tokens=48))
+  elif variant == 'harness_smoke':
+    # The smoke variant's tiny model and schedule; the example harness asks 'a*b=' with
+    # one-digit numbers (short texts for a character-level model), two calls an episode.
+    c = get_config('smoke')
+    c.name = 'agent_harness_smoke'
+    c.total_steps = 2
+    c.env = ml_collections.ConfigDict(dict(name='harness', harness=HARNESS, max_turns=2,
+                                           instruction='{a}*{b}=', retry='?', min_a=1,
+                                           max_a=9, min_b=1, max_b=9))
+    c.agent.update(dict(max_turn_tokens=8, num_eval=2, timeout_s=60.0))
+    c.rl.prompts_per_step = 2
+    c.sampling.update(dict(max_prompt_len=80, max_new_tokens=16))
+    c.model.max_seq_len = 97  # max_prompt_len + max_new_tokens + the last sampled token
   elif variant is not None:
     raise ValueError(f'Unknown variant {variant!r} of configs/agent.py; valid: '
                      f'{", ".join(VARIANTS)}.')

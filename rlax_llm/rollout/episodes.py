@@ -82,8 +82,9 @@ class PlainRenderer:
     self.tokenizer = tokenizer
 
   def prompt(self, messages: Sequence[Message]) -> list[int]:
-    """The ids of the first (user) message's text."""
-    return self.tokenizer.encode(str(messages[-1]['content']),
+    """The ids of the messages' texts, concatenated (an episode's first prompt: the first
+    user message's), with bos if the model expects one."""
+    return self.tokenizer.encode(''.join(str(m.get('content') or '') for m in messages),
                                  add_bos=self.tokenizer.add_bos_token)
 
   def between_turns(self, history: Sequence[Message], new: Sequence[Message],
@@ -145,6 +146,15 @@ class ChatRenderer:
     if last_token is not None and ids and ids[0] == last_token:
       ids = ids[1:]
     return ids
+
+
+def make_renderer(tokenizer: Tokenizer, tools: Sequence[Mapping[str, Any]] | None = None
+                  ) -> ChatRenderer | PlainRenderer:
+  """How a conversation with ``tools`` becomes ``tokenizer``'s ids: its chat template with the
+  tools (``ChatRenderer``), or the texts alone (``PlainRenderer``) when it has none."""
+  if tokenizer.chat_template is None:
+    return PlainRenderer(tokenizer)
+  return ChatRenderer(tokenizer, tools)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,11 +284,8 @@ class EpisodeRunner:
     self.stats: dict[str, float] = {}
 
   def renderer(self, env: Environment) -> ChatRenderer | PlainRenderer:
-    """How ``env``'s conversation becomes ids: its chat template with its tools, if the
-    tokenizer has one."""
-    if self.tokenizer.chat_template is None:
-      return PlainRenderer(self.tokenizer)
-    return ChatRenderer(self.tokenizer, getattr(env, 'tools', None))
+    """How ``env``'s conversation becomes ids (``make_renderer`` with its tools)."""
+    return make_renderer(self.tokenizer, getattr(env, 'tools', None))
 
   def run(self, episodes: Sequence[Episode], spec: SamplingSpec) -> list[Trajectory]:
     """Plays every episode to its end; ``result[i]`` is ``episodes[i]``'s trajectory.
