@@ -66,6 +66,7 @@ CHOICES = {
     'model.param_dtype': ('float32', 'bfloat16'),
     'model.inference_param_dtype': ('', 'float32', 'bfloat16'),  # '': model.param_dtype
     'model.inference_quant': ('none', 'int8'),  # rlax_llm.models.quant.QUANT_MODES
+    'lora.sync': ('adapters', 'merged'),  # rlax_llm.models.lora.SYNCS
     'model.dtype': ('float32', 'bfloat16'),
     'rollout.on_swap': ('continue', 'discard'),
     'rollout.short_batches': ('pad', 'wait'),
