@@ -21,12 +21,13 @@ log-probs and advantages, the GRPO clipped objective, AdamW with global-norm cli
    (``temp_size_in_bytes``); for torch + peft: its parameters, its optimizer state after a
    step, and the tensors autograd saves for the backward pass (``saved_tensors_hooks``, each
    storage counted once) in one micro-batch's forward.
-3. **Weight sync** (``sync``): after the timed real optimizer steps, the adapter tree (the
-   ``nnx.LoRAParam`` leaves: every ``A`` and ``B``) is pushed to an in-process
-   ``ParameterServer`` and pulled whole (what a worker holding the base pulls per version),
-   and as an update from the previous version; against the full fp32 params pulled whole,
-   and against the bf16 sparse delta (``paramserver.delta``) of one full fine-tuning step at
-   the SmolLM2 recipe's learning rate (``configs/smollm2.py``: ``rl.learning_rate``).
+3. **Weight sync** (``sync``): after the timed real optimizer steps, the adapter tree
+   (``lora.adapter_tree``: every ``A`` and ``B``, what a LoRA trainer pushes per version) is
+   pushed to an in-process ``ParameterServer`` and pulled whole (what a worker holding the
+   base pulls per version), and as an update from the previous version; against the full
+   fp32 params pulled whole, and against the bf16 sparse delta (``paramserver.delta``) of one
+   full fine-tuning step at the SmolLM2 recipe's learning rate (``configs/smollm2.py``:
+   ``rl.learning_rate``).
    ``lora_over_full_fp32`` is the goal's figure (goal <= 0.01). ``adapter_bytes_by_rank``:
    the adapter tree's fp32 bytes at other ranks (from the shapes, all seven targets).
 
@@ -54,7 +55,6 @@ import numpy as np
 import peft
 import torch
 import transformers
-from flax import traverse_util
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -121,14 +121,6 @@ def memory_row(trainer: Trainer, compiled) -> dict:
          'step_temp_bytes': int(analysis.temp_size_in_bytes)}
   row['total_bytes'] = sum(row.values())
   return row
-
-
-def adapter_tree(model, params) -> dict:
-  """The leaves a LoRA trainer pushes per version: the ``nnx.LoRAParam`` leaves of
-  ``params`` (every adapter's ``a`` and ``b``), as a nested dict."""
-  marks = traverse_util.flatten_dict(lora_lib.trainable_mask(model))
-  flat = traverse_util.flatten_dict(params)
-  return traverse_util.unflatten_dict({k: v for k, v in flat.items() if marks[k]})
 
 
 def pulled_bytes(server: ParameterServer, version: int, base_version: int = -1) -> dict:
@@ -240,7 +232,7 @@ def main() -> None:
   reference = torch_model(base, params0, lora)
   theirs = TorchStep(reference, batch, args.micro_batches, lr)
   server = ParameterServer(keep=2)
-  server.push(0, adapter_tree(model, trainer.params))
+  server.push(0, lora_lib.adapter_tree(trainer.params))
   compile_s = timed(functools.partial(trainer.step, batch))
   theirs()
   ours_s, theirs_s = [], []
@@ -254,14 +246,14 @@ def main() -> None:
       'ratio': statistics.median(ratios), 'ratios': [round(r, 3) for r in ratios],
       'ours_step_s': [round(s, 3) for s in ours_s],
       'peft_step_s': [round(s, 3) for s in theirs_s], 'ours_first_step_s': compile_s,
-      'trained_params': tree_bytes(adapter_tree(model, trainer.params)) // 4,
+      'trained_params': tree_bytes(lora_lib.adapter_tree(trainer.params)) // 4,
       'peft_trained_params': sum(p.numel() for p in theirs.trained)}
   out['memory'] = {'lora': lora_memory, 'peft': theirs.memory()}
   del theirs, reference
 
   # 3a. The adapters after the real steps above: version (1 + repeats) vs version 0.
   version = 1 + args.repeats
-  server.push(version, adapter_tree(model, trainer.params))
+  server.push(version, lora_lib.adapter_tree(trainer.params))
   lora_sync = pulled_bytes(server, version)
   lora_sync['from_previous'] = pulled_bytes(server, version, 0)
   del trainer, server
@@ -287,7 +279,7 @@ def main() -> None:
       'lora_over_bf16_delta': lora_sync['bytes'] / delta['bytes'],
       'bf16_delta_over_full_fp32': delta['bytes'] / full_fp32,
       'adapter_bytes_by_rank': {
-          r: tree_bytes(adapter_tree(m, m.abstract_params()))
+          r: tree_bytes(lora_lib.adapter_tree(m.abstract_params()))
           for r in (1, 2, 4, 8, 16)
           for m in [dataclasses.replace(model, lora=lora_lib.LoRAConfig(r, args.alpha))]}}
   out['load_average_end'] = os.getloadavg()[0]
