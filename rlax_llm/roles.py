@@ -246,22 +246,28 @@ def rollout_memory_bytes(model: DecoderConfig, config: ml_collections.ConfigDict
   """A lower-bound estimate of one rollout batch's device memory on the inference mesh.
 
   KV cache ``2 * layers * B * (P + N) * kv_heads * head_dim`` in the compute dtype
-  (``presets.kv_cache_bytes``), the params (in the workers' dtype, ``inference_model``), and
-  a few ``[B, vocab]`` float32 logit buffers,
-  with the batch split over the mesh's ``data * fsdp`` devices and the params over
-  ``fsdp * tensor``.
+  (``presets.kv_cache_bytes``), the params a worker keeps (``presets.worker_param_bytes``,
+  as the memory plan counts them: in the workers' dtype, ``inference_model``; quantised with
+  ``model.inference_quant='int8'``; with LoRA's adapter-only sync the base beside the merged
+  weights), and a few ``[B, vocab]`` float32 logit buffers, with the batch split over the
+  mesh's ``data * fsdp`` devices and the params placed by the sharding rules. Returns
+  ``{'kv_cache_bytes', 'params_bytes', 'logits_bytes'}`` of the whole batch and model, and
+  ``'per_device_bytes'``.
   """
   batch = config.rl.prompts_per_step * config.rl.group_size
   length = config.sampling.max_prompt_len + config.sampling.max_new_tokens
   kv = presets.kv_cache_bytes(model, slots=batch, length=length)
-  params = (presets.count_params(model)
-            * jnp.dtype(DTYPES[config_lib.inference_param_dtype(config)]).itemsize)
   logits = 4 * batch * model.vocab_size * 4
-  mesh = config.mesh.inference
-  sizes = {k: (v if v > 0 else 1) for k, v in mesh.items()}
+  sizes = {k: (v if v > 0 else 1) for k, v in config.mesh.inference.items()}
+  inference = model.with_execution(
+      param_dtype=DTYPES[config_lib.inference_param_dtype(config)])
+  def params_on(mesh: dict[str, int]) -> float:
+    held = presets.worker_param_bytes(inference, mesh, quant=config.model.inference_quant,
+                                      lora=lora_lib.from_config(config))
+    return held['params'] + held['base']
+  params = params_on({axis: 1 for axis in sizes})
   batch_shards = sizes['data'] * sizes['fsdp']
-  param_shards = sizes['fsdp'] * sizes['tensor']
-  per_device = (kv + logits) / batch_shards + params / param_shards
+  per_device = (kv + logits) / batch_shards + params_on(sizes)
   return {'kv_cache_bytes': float(kv), 'params_bytes': float(params),
           'logits_bytes': float(logits), 'per_device_bytes': float(per_device)}
 
