@@ -37,6 +37,7 @@ from rlax_llm.cli import DEFAULT_CONFIG_PATH, flat_keys, load_config_file, looku
 from rlax_llm.errors import ConfigError
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.schedule import SCHEDULES, ControllerSettings, EpisodeSettings
+from rlax_llm.serve.harness import is_harness, load_harness
 from rlax_llm.tokenization import CharTokenizer
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ CHOICES = {
     'model.param_dtype': ('float32', 'bfloat16'),
     'model.inference_param_dtype': ('', 'float32', 'bfloat16'),  # '': model.param_dtype
     'model.inference_quant': ('none', 'int8'),  # rlax_llm.models.quant.QUANT_MODES
+    'lora.sync': ('adapters', 'merged'),  # rlax_llm.models.lora.SYNCS
     'model.dtype': ('float32', 'bfloat16'),
     'rollout.on_swap': ('continue', 'discard'),
     'rollout.short_batches': ('pad', 'wait'),
@@ -354,6 +356,10 @@ def _validate_episodes(config: ml_collections.ConfigDict) -> None:
         'episodes in flight at a checkpoint are regenerated on resume, with the weights of '
         'the version that sampled them, but a checkpoint holds only the trainer\'s; set '
         'staleness.k=1 (and j=1), or checkpoint.every_steps=0 and checkpoint.every_seconds=0.')
+  if is_harness(config.env):  # an agent harness plays the episodes (docs/serving.md)
+    with _naming(''):
+      load_harness(config.env)
+    return
   with _naming('env.'):
     env = envs.make_env(config.env)
   if config.warmup.steps > 0 and not callable(getattr(env, 'oracle_action', None)):

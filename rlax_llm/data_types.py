@@ -280,8 +280,9 @@ def make_train_batch(rollouts: Rollouts, advantages: np.ndarray) -> TrainBatch:
 
 # Why an episode ended (rlax_llm.rollout.episodes): the environment said done; it reached its
 # turn limit; its wall-clock timeout passed; its prompt or conversation no longer fit the
-# context; its environment raised (rewards 0).
-TERMINATIONS = ('done', 'turn_limit', 'timeout', 'context_full', 'env_error')
+# context; its environment raised (rewards 0); an agent harness ended it without a reward
+# (rlax_llm.serve.harness_runner; reward 0).
+TERMINATIONS = ('done', 'turn_limit', 'timeout', 'context_full', 'env_error', 'no_reward')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -103,13 +103,22 @@ def policy_worker(config: ml_collections.ConfigDict, checkpoint: str | None = No
                   ) -> tuple[config_lib.RunSpec, Task, InferenceWorker]:
   """``(spec, task, worker)``: the validated config's run spec, its task, and one inference
   worker holding the params the config loads, or ``checkpoint``'s when given (as version 0).
-  What an evaluation and the OpenAI-compatible endpoint (``python -m rlax_llm.serve``) run."""
+  A LoRA run's checkpoint (``lora.rank > 0``: the base and the adapters) is read onto the
+  LoRA params' structure and merged (``lora.merge_program``): the worker holds the merged
+  weights, as a run's workers sample with. What an evaluation and the OpenAI-compatible
+  endpoint (``python -m rlax_llm.serve``) run."""
   # pylint: disable=import-outside-toplevel  # jax and the model code: after validation
   from rlax_llm import roles
+  from rlax_llm.models import lora as lora_lib
   from rlax_llm.models.model import cast_params
   spec = config_lib.validate_config(config)
   task, model, params, tokenizer = roles.prepare(config)
-  if checkpoint:
+  lora = lora_lib.from_config(config)
+  if checkpoint and lora is not None:
+    # The adapters' values come from the checkpoint; create() only gives their structure.
+    lora_model, template = lora_lib.create(model, params, lora, seed=config.seed)
+    params = lora_lib.merge_program(lora_model)(load_policy_params(checkpoint, template))
+  elif checkpoint:
     params = load_policy_params(checkpoint, params)
   worker = roles.build_worker(config, model, tokenizer, roles.meshes(config)['inference'][0])
   worker.load(0, cast_params(params, worker.model))  # the workers' dtype, as a run's pushes

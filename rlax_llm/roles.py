@@ -39,8 +39,9 @@ from rlax_llm.models.files import hub
 from rlax_llm.models.files.tokenizer import HFTokenizer
 from rlax_llm.models.model import Model, Params, create_model, split_module, with_param_dtype
 from rlax_llm.rollout.episodes import request_episodes
-from rlax_llm.rollout.worker import InferenceWorker
+from rlax_llm.rollout.worker import FetchBase, InferenceWorker
 from rlax_llm.schedule import EpisodeSettings
+from rlax_llm.serve.harness import is_harness
 from rlax_llm.sharding import role_meshes
 from rlax_llm.tasks import Task, make_task
 from rlax_llm.tasks.files import FileTask
@@ -245,22 +246,28 @@ def rollout_memory_bytes(model: DecoderConfig, config: ml_collections.ConfigDict
   """A lower-bound estimate of one rollout batch's device memory on the inference mesh.
 
   KV cache ``2 * layers * B * (P + N) * kv_heads * head_dim`` in the compute dtype
-  (``presets.kv_cache_bytes``), the params (in the workers' dtype, ``inference_model``), and
-  a few ``[B, vocab]`` float32 logit buffers,
-  with the batch split over the mesh's ``data * fsdp`` devices and the params over
-  ``fsdp * tensor``.
+  (``presets.kv_cache_bytes``), the params a worker keeps (``presets.worker_param_bytes``,
+  as the memory plan counts them: in the workers' dtype, ``inference_model``; quantised with
+  ``model.inference_quant='int8'``; with LoRA's adapter-only sync the base beside the merged
+  weights), and a few ``[B, vocab]`` float32 logit buffers, with the batch split over the
+  mesh's ``data * fsdp`` devices and the params placed by the sharding rules. Returns
+  ``{'kv_cache_bytes', 'params_bytes', 'logits_bytes'}`` of the whole batch and model, and
+  ``'per_device_bytes'``.
   """
   batch = config.rl.prompts_per_step * config.rl.group_size
   length = config.sampling.max_prompt_len + config.sampling.max_new_tokens
   kv = presets.kv_cache_bytes(model, slots=batch, length=length)
-  params = (presets.count_params(model)
-            * jnp.dtype(DTYPES[config_lib.inference_param_dtype(config)]).itemsize)
   logits = 4 * batch * model.vocab_size * 4
-  mesh = config.mesh.inference
-  sizes = {k: (v if v > 0 else 1) for k, v in mesh.items()}
+  sizes = {k: (v if v > 0 else 1) for k, v in config.mesh.inference.items()}
+  inference = model.with_execution(
+      param_dtype=DTYPES[config_lib.inference_param_dtype(config)])
+  def params_on(mesh: dict[str, int]) -> float:
+    held = presets.worker_param_bytes(inference, mesh, quant=config.model.inference_quant,
+                                      lora=lora_lib.from_config(config))
+    return held['params'] + held['base']
+  params = params_on({axis: 1 for axis in sizes})
   batch_shards = sizes['data'] * sizes['fsdp']
-  param_shards = sizes['fsdp'] * sizes['tensor']
-  per_device = (kv + logits) / batch_shards + params / param_shards
+  per_device = (kv + logits) / batch_shards + params_on(sizes)
   return {'kv_cache_bytes': float(kv), 'params_bytes': float(params),
           'logits_bytes': float(logits), 'per_device_bytes': float(per_device)}
 
@@ -269,8 +276,9 @@ def run_memory_plan(model: DecoderConfig, config: ml_collections.ConfigDict,
                     trainer_mesh: dict[str, int], inference_mesh: dict[str, int], *,
                     shared: bool) -> presets.MemoryPlan:
   """``presets.memory_plan`` of a run: its batch, lengths, micro-batches, KV-cache slots,
-  workers, the workers' params dtype (``model.inference_param_dtype``) and KL reference from
-  ``config``; the meshes resolved (``sharding.mesh_shape``). ``shared``: the trainer and the
+  workers, the workers' params dtype (``model.inference_param_dtype``) and quantisation
+  (``model.inference_quant``), LoRA adapters (``lora``) and KL reference from ``config``; the
+  meshes resolved (``sharding.mesh_shape``). ``shared``: the trainer and the
   workers share chips (the local backend without ``mesh.disjoint``; every worker's mesh then
   starts at the first chip)."""
   rl, s = config.rl, config.sampling
@@ -282,7 +290,8 @@ def run_memory_plan(model: DecoderConfig, config: ml_collections.ConfigDict,
       train_length=length, micro_batches=rl.micro_batches, logprob_chunk=rl.logprob_chunk,
       slots=config.rollout.slots, cache_length=length,
       workers_per_chip=config.rollout.workers if shared else 1, shared=shared,
-      reference=(rl.kl_beta or 0) > 0)
+      reference=(rl.kl_beta or 0) > 0, lora=lora_lib.from_config(config),
+      inference_quant=config.model.inference_quant)
 
 
 def available_memory_bytes() -> float:
@@ -403,15 +412,23 @@ def inference_model(config: ml_collections.ConfigDict, model: Model) -> Model:
 
 
 def build_worker(config: ml_collections.ConfigDict, model: Model, tokenizer: Tokenizer,
-                 mesh: jax.sharding.Mesh) -> InferenceWorker:
+                 mesh: jax.sharding.Mesh, fetch_base: FetchBase | None = None
+                 ) -> InferenceWorker:
   """An inference worker of ``model`` on ``mesh``, holding the params in the dtype of
   ``inference_model``: it loads and pulls params of that dtype (the trainer's pushes,
-  already cast), and samples with an int8 copy of each when ``model.inference_quant='int8'``."""
+  already cast), and samples with an int8 copy of each when ``model.inference_quant='int8'``.
+  ``fetch_base``: a run's way to pull the base a LoRA trainer pushes once; given, and with
+  ``lora.rank > 0`` and ``lora.sync='adapters'``, the worker pulls adapter versions and
+  merges them into that base (``InferenceWorker``'s ``lora``); else it loads whole params."""
+  lora = lora_lib.from_config(config)
+  adapters = lora is not None and lora.sync == 'adapters' and fetch_base is not None
   return InferenceWorker(inference_model(config, model), tokenizer, mesh,
                          max_prompt_len=config.sampling.max_prompt_len,
                          max_new_tokens=config.sampling.max_new_tokens,
                          slots=config.rollout.slots, on_swap=config.rollout.on_swap,
-                         quant=config.model.inference_quant)
+                         quant=config.model.inference_quant,
+                         lora=lora if adapters else None,
+                         fetch_base=fetch_base if adapters else None)
 
 
 def play_requests(worker: InferenceWorker, fetch, requests: Sequence[GenerationRequest],
@@ -426,6 +443,13 @@ def play_requests(worker: InferenceWorker, fetch, requests: Sequence[GenerationR
   specs = {request.sampling for request in requests}
   if len(specs) != 1:
     raise ValueError(f'play_requests: the requests mix sampling specs {specs}; send one.')
+  if is_harness(episodes.env):  # an agent harness plays them, through the endpoint
+    # Imported here: the serve extra (fastapi, uvicorn, openai) only a harness run needs.
+    from rlax_llm.serve.harness_runner import (  # pylint: disable=import-outside-toplevel
+      play_harness,
+    )
+    return play_harness(worker, fetch, requests, rng_data, version, first, specs.pop(),
+                        episodes)
   played = request_episodes(requests, make_env, jax.random.wrap_key_data(rng_data), first)
   return worker.play_at(version, fetch, played, specs.pop(), **episodes.runner_kwargs())
 

@@ -8,7 +8,7 @@ CPU device as on a Colab CPU runtime.
 The notebooks are saved with the outputs of exactly such a run; to re-save them after a
 change (all, or the ones named):
 
-    .venv/bin/python tests/test_colabs.py [quickstart losses staleness smollm2_grpo]
+    .venv/bin/python tests/test_colabs.py [quickstart losses staleness smollm2_grpo ...]
 """
 
 import os
@@ -22,7 +22,8 @@ import pytest
 from nbclient import NotebookClient
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-NOTEBOOKS = ('quickstart', 'losses', 'staleness', 'smollm2_grpo')
+NOTEBOOKS = ('quickstart', 'losses', 'staleness', 'smollm2_grpo', 'agent_calculator',
+             'lora_grpo')
 
 
 def _execute(name: str, tmp_path: pathlib.Path, timeout: int) -> nbformat.NotebookNode:
@@ -49,6 +50,16 @@ def _outputs(notebook, kind: str) -> list:
   return [o for cell in notebook.cells if cell.cell_type == 'code'
           for o in cell.get('outputs', []) if o.get('output_type') == kind or
           kind in o.get('data', {})]
+
+
+def _stream_text(notebook) -> str:
+  """Everything the notebook's cells printed."""
+  return ''.join(o.get('text', '') for o in _outputs(notebook, 'stream'))
+
+
+def _assert_one_run_written(tmp_path: pathlib.Path) -> None:
+  (run,) = (tmp_path / 'runs').iterdir()
+  assert (run / 'metrics.jsonl').is_file() and (run / 'summary.json').is_file()
 
 
 MAX_NOTEBOOK_BYTES = 400_000  # outputs stay small: text and a few figures, no arrays
@@ -84,28 +95,48 @@ def test_every_notebook_installs_from_the_one_source_named_in_its_first_cell():
 def test_quickstart_runs_and_plots_the_curves(tmp_path):
   notebook = _execute('quickstart', tmp_path, timeout=120)
   assert len(_outputs(notebook, 'image/png')) == 1
-  (run,) = (tmp_path / 'runs').iterdir()
-  assert (run / 'metrics.jsonl').is_file() and (run / 'summary.json').is_file()
+  _assert_one_run_written(tmp_path)
 
 
 def test_losses_notebook_plots_what_each_loss_keeps(tmp_path):
   notebook = _execute('losses', tmp_path, timeout=120)
   assert len(_outputs(notebook, 'image/png')) == 2
-  text = ''.join(o.get('text', '') for o in _outputs(notebook, 'stream'))
+  text = _stream_text(notebook)
   assert 'grpo:' in text and 'gspo:' in text and 'm2po:' in text
 
 
 def test_staleness_notebook_runs_an_async_run_and_plots_its_histogram(tmp_path):
   notebook = _execute('staleness', tmp_path, timeout=120)
   assert len(_outputs(notebook, 'image/png')) == 1
-  text = ''.join(o.get('text', '') for o in _outputs(notebook, 'stream'))
+  text = _stream_text(notebook)
   assert 'mean staleness per step: [0.0, 1.0, 2.0, 2.0, 2.0]' in text
+
+
+def test_agent_notebook_shows_the_tool_an_episodes_masks_and_trains(tmp_path):
+  # About 40 s of CPU time (XLA compiles, mostly); a busy machine takes longer in wall time.
+  notebook = _execute('agent_calculator', tmp_path, timeout=300)
+  assert len(_outputs(notebook, 'image/png')) == 1
+  text = _stream_text(notebook)
+  assert '"name": "calculate"' in text and 'reward 1.0  done True' in text
+  assert '[prompt: ' in text and 'loss mask 1]' in text and 'held-out greedy episode success' in text
+  _assert_one_run_written(tmp_path)
+
+
+def test_lora_notebook_plans_a_model_only_lora_fits_on_a_v5e_chip_and_trains(tmp_path):
+  notebook = _execute('lora_grpo', tmp_path, timeout=300)
+  assert len(_outputs(notebook, 'image/png')) == 1
+  text = _stream_text(notebook)
+  full, lora = text.split('LoRA rank 16 (')[:2]
+  assert 'of 16.00 GiB HBM per chip' in full and 'the merged LoRA push' in lora
+  need = [float(t.split('trainer + inference: ')[1].split(' GiB')[0]) for t in (full, lora)]
+  assert need[0] > 16 > need[1], need
+  assert 'LoRA rank 4' in text and 'held-out greedy accuracy' in text
 
 
 @pytest.mark.slow  # SmolLM2's 30 layers compile for about a minute on a CPU
 def test_smollm2_notebook_answers_before_and_after(tmp_path):
   notebook = _execute('smollm2_grpo', tmp_path, timeout=600)
-  text = ''.join(o.get('text', '') for o in _outputs(notebook, 'stream'))
+  text = _stream_text(notebook)
   assert text.count('before: ') == 4 and text.count('after: ') == 4
 
 

@@ -15,6 +15,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from rlax_llm import roles
 from rlax_llm import sharding as sharding_lib
@@ -22,8 +23,10 @@ from rlax_llm.cli import load_config
 from rlax_llm.config import run_spec
 from rlax_llm.configs import gsm8k
 from rlax_llm.launch_help import help_text
+from rlax_llm.models import lora as lora_lib
 from rlax_llm.models import presets
-from rlax_llm.models.model import abstract_model
+from rlax_llm.models.decoder import Decoder
+from rlax_llm.models.model import abstract_model, describe
 from rlax_llm.trainer import trainer as trainer_lib
 from rlax_llm.trainer.objectives import loss_totals, rl_objective
 from rlax_llm.trainer.scoring import Policy
@@ -136,21 +139,29 @@ def test_memory_plan_of_qwen3_0_6b_on_v5e_8_matches_a_hand_calculation():
                              f'{params / GIB:.2f} GiB, optimizer {optimizer / GIB:.2f} GiB')
 
 
-def _compiled_step_bytes(decoder, config) -> float:
+def _compiled_step_bytes(decoder, config, lora=None) -> float:
   """Bytes XLA:CPU's compiled train step holds on its one device (arguments, outputs not
   aliased to donated arguments, scratch), lowered from abstract params and optimizer state:
   nothing of the model's size is allocated. The step is the trainer's (``roles.build_trainer``
-  without the ``Trainer`` around it, which would place the params)."""
+  without the ``Trainer`` around it, which would place the params); with ``lora`` (a
+  ``LoRAConfig``) it trains the adapters alone, as ``build_trainer`` does."""
   rl, spec = config.rl, run_spec(config)
-  model = abstract_model(decoder)
+  model, trainable = abstract_model(decoder), None
+  if lora is not None:
+    graphdef, _, _ = describe(lambda: lora_lib.add_adapters(
+        Decoder(decoder, rngs=nnx.Rngs(0)), lora, nnx.Rngs(0)))
+    model = lora_lib.LoRAModel(config=decoder, graphdef=graphdef, lora=lora)
+    trainable = lora_lib.trainable_mask(model)
   optimizer = trainer_lib.make_optimizer(
       trainer_lib.learning_rate_schedule(rl.learning_rate, rl.lr_decay_steps),
       weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm)
   objective = functools.partial(rl_objective, Policy(model, spec.sampling), spec.loss,
                                 logprob_chunk=rl.logprob_chunk)
   step = jax.jit(functools.partial(trainer_lib._update, optimizer, objective,  # pylint: disable=protected-access
-                                   rl.micro_batches, loss_totals, None), donate_argnums=(0, 1))
+                                   rl.micro_batches, loss_totals, trainable),
+                 donate_argnums=(0, 1))
   params = model.abstract_params()
+  trained = trainer_lib._trained(params, trainable)  # pylint: disable=protected-access
   rows = rl.prompts_per_step * rl.group_size
   length = config.sampling.max_prompt_len + config.sampling.max_new_tokens
   rng = np.random.RandomState(0)
@@ -160,7 +171,8 @@ def _compiled_step_bytes(decoder, config) -> float:
       np.int32), mask, decoder.vocab_size, group=rl.group_size)
   mesh = sharding_lib.make_mesh({'data': 1}, jax.devices()[:1])
   with sharding_lib.activation_sharding(mesh, sharding_lib.LOGICAL_RULES):
-    compiled = step.lower(params, jax.eval_shape(optimizer.init, params), batch, None).compile()
+    compiled = step.lower(params, jax.eval_shape(optimizer.init, trained), batch,
+                          None).compile()
   m = compiled.memory_analysis()
   return float(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
                + m.temp_size_in_bytes)
@@ -181,6 +193,29 @@ def test_the_planned_train_step_is_within_15_percent_of_the_compiled_one(name, l
                              logprob_chunk=chunk, slots=1, cache_length=1)
   compiled = _compiled_step_bytes(decoder, config)
   assert plan.trainer_bytes == pytest.approx(compiled, rel=0.15), (plan, compiled)
+
+
+def test_the_planned_lora_step_is_within_15_percent_of_the_compiled_one():
+  """As above with LoRA rank 16 on every projection of SmolLM2's widths (2 layers): the
+  compiled step holds the frozen base, the adapters' optimizer state, gradients and update,
+  and the activations. The merged copy the trainer makes for a push is made between steps,
+  outside this program. Measured with 1, 2 and 4 layers: the plan was 0.82-0.83 of the
+  compiled step without the adapted projections' products in ``activation_bytes``, 0.85-0.88
+  with them; the rest is a constant of about 0.1 GB over what the full fine-tuning step's
+  plan leaves uncounted."""
+  decoder = dataclasses.replace(presets.get_preset('smollm2-135m'), num_layers=2)
+  config = smoke_config(rl__prompts_per_step=2, rl__group_size=4,
+                        sampling__max_prompt_len=64, sampling__max_new_tokens=64)
+  lora = lora_lib.LoRAConfig(16, 32.0)
+  one = {'data': 1, 'fsdp': 1, 'tensor': 1}
+  plan = presets.memory_plan(decoder, one, one, train_rows=8, train_length=128, slots=1,
+                             cache_length=1, lora=lora)
+  step = plan.params + plan.optimizer + plan.gradients + max(plan.activations, plan.update)
+  compiled = _compiled_step_bytes(decoder, config, lora)
+  assert step == pytest.approx(compiled, rel=0.15), (plan, compiled)
+  full = presets.memory_plan(decoder, one, one, train_rows=8, train_length=128, slots=1,
+                             cache_length=1)
+  assert compiled < _compiled_step_bytes(decoder, config) and step < full.trainer_bytes
 
 
 @pytest.mark.parametrize('variant', gsm8k.VARIANTS)

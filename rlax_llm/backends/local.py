@@ -19,7 +19,10 @@ process, but only the roles call it: the trainer pushes each new version from it
 when its update is done (and its starting version when it is built or restored), cast to the
 workers' dtype (``model.inference_param_dtype``) on its devices first, and each
 worker pulls the version a ``generate`` call names from its own thread
-(``InferenceWorker.generate_at``). The controller passes version numbers only.
+(``InferenceWorker.generate_at``). The controller passes version numbers only. A LoRA run
+with ``lora.sync='adapters'`` has a second server, keeping one version: the base, pushed once
+by the trainer when it is built (after restoring), pulled once by each worker before its
+first adapter version; the versions are then the adapter trees (``lora.pushed_params``).
 
 Checkpoints: the trainer's handle (``LocalTrainer``) owns the ``Checkpointer``; it restores
 the trainer's params and optimizer state when built and writes each save the controller
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import jax
@@ -40,8 +44,8 @@ import numpy as np
 from rlax_llm import config as config_lib
 from rlax_llm import roles
 from rlax_llm.backends.assembly import Run, assemble
-from rlax_llm.models.lora import pushed_params
-from rlax_llm.models.model import Model, abstract_model, cast_params
+from rlax_llm.models import lora as lora_lib
+from rlax_llm.models.model import Model, abstract_model
 from rlax_llm.paramserver import ParameterServer
 from rlax_llm.trainer.trainer import host_arrays
 
@@ -74,18 +78,27 @@ class LocalTrainer:
   the ``step`` that made it, cast to the dtypes of ``inference`` (the workers' model,
   ``roles.inference_model``; default the trainer's own: pushed as they are). With a
   ``checkpointer`` it first restores the trainer from its latest checkpoint (``resume``: what
-  the controller continues from, or None) and writes the saves the controller asks for."""
+  the controller continues from, or None) and writes the saves the controller asks for. A
+  LoRA trainer with adapter-only sync (``lora.syncs_adapters``) pushes its base to
+  ``base_server`` once, then adapter versions to ``server`` (``lora.pushed_params``)."""
 
   def __init__(self, trainer, threaded: bool, server: ParameterServer, checkpointer=None,
-               inference: Model | None = None):
+               inference: Model | None = None, base_server: ParameterServer | None = None):
     self.trainer = trainer
     self.server = server
+    self.base_server = base_server
     self.inference = (abstract_model(trainer.model.config) if inference is None  # a LoRA
-                      else inference)  # trainer pushes merged params (lora.pushed_params)
+                      else inference)  # trainer's workers hold the base model
     self.checkpointer = checkpointer
     self.resume = (roles.resume_trainer(checkpointer, trainer)
                    if checkpointer is not None else None)
     self._serial = Serial('trainer', threaded)
+    base = lora_lib.pushed_base(trainer.model, trainer.params, self.inference)
+    if (base is None) != (base_server is None):
+      raise ValueError('a LoRA trainer syncing adapters needs a base_server, and only it '
+                       f'(lora.sync); got base_server={base_server!r} for {trainer.model}.')
+    if base is not None:
+      self._push(base_server, 0, base)
     self._publish()
 
   @property
@@ -96,13 +109,15 @@ class LocalTrainer:
     """Pushes the trainer's params as its version unless the server has it (a skipped,
     non-finite update makes no new version)."""
     if self.server.latest_version() < self.trainer.version:
-      # Cast on the trainer's devices once per version (a no-op when the dtypes agree). One
-      # process: its arrays, shard by shard (one copy). Several: each process's server holds
-      # the whole params, gathered by host_arrays (process_allgather).
-      params = cast_params(pushed_params(self.trainer.model, self.trainer.params),
-                           self.inference)
-      self.server.push(self.trainer.version,
-                       params if jax.process_count() == 1 else host_arrays(params))
+      # Cast on the trainer's devices once per version (a no-op when the dtypes agree).
+      self._push(self.server, self.trainer.version, lora_lib.pushed_params(
+          self.trainer.model, self.trainer.params, self.inference))
+
+  @staticmethod
+  def _push(server: ParameterServer, version: int, params) -> None:
+    """One process: its arrays, shard by shard (one copy). Several: each process's server
+    holds the whole params, gathered by host_arrays (process_allgather)."""
+    server.push(version, params if jax.process_count() == 1 else host_arrays(params))
 
   def _step(self, batch):
     metrics = self.trainer.step(batch)
@@ -184,12 +199,16 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   trainer, warmup_metrics = roles.warm_trainer(config, spec, task, model, params, tokenizer,
                                                meshes['trainer'], checkpointer, stop)
   server = ParameterServer(keep=spec.keep_versions)
+  # LoRA with adapter-only sync: the base goes through a server of its own, once.
+  base_server = (ParameterServer(keep=1) if lora_lib.syncs_adapters(trainer.model) else None)
   # Restores the latest checkpoint into the trainer, then pushes its version (in the
   # workers' dtype).
   trainer = LocalTrainer(trainer, threaded, server, checkpointer,
-                         inference=roles.inference_model(config, model))
-  workers = [LocalWorker(roles.build_worker(config, model, tokenizer, mesh), threaded, server,
-                         spec.controller.episodes, roles.env_factory(config, tokenizer))
+                         inference=roles.inference_model(config, model), base_server=base_server)
+  fetch_base = None if base_server is None else functools.partial(base_server.update, 0)
+  workers = [LocalWorker(roles.build_worker(config, model, tokenizer, mesh, fetch_base),
+                         threaded, server, spec.controller.episodes,
+                         roles.env_factory(config, tokenizer))
              for mesh in meshes['inference']]
   try:
     with assemble(config, spec.controller, workdir, task, trainer, workers, warmup_metrics,

@@ -15,7 +15,10 @@ ref, read zero-copy, not serialised again). Between actors of one machine
 copies each version straight into a reused shared-memory slot the server names, the server
 commits it by reference, and a worker maps the slot read-only (``rlax_llm.paramserver.shm``;
 actors on other nodes, and a trainer of several processes, keep the object store). The
-driver sends version numbers and receives rollouts.
+driver sends version numbers and receives rollouts. A LoRA run with ``lora.sync='adapters'``
+has a second server actor keeping the base alone: the trainer actor pushes the base there
+once when it starts (after restoring), each worker actor pulls it before its first adapter
+version (a restarted one again), and the versions are the adapter trees.
 
 Checkpoints: the trainer actor owns the ``Checkpointer``. When built it restores its params
 and optimizer state from the workdir's latest checkpoint itself and hands the driver only
@@ -93,8 +96,7 @@ from rlax_llm.backends import tpu_env
 from rlax_llm.backends.assembly import Run, assemble
 from rlax_llm.checkpoint import latest_step
 from rlax_llm.errors import ConfigError, RlaxError
-from rlax_llm.models.lora import pushed_params
-from rlax_llm.models.model import cast_params
+from rlax_llm.models import lora as lora_lib
 from rlax_llm.paramserver import ParameterServer, ShardPush, local_shards, shm
 from rlax_llm.paramserver.delta import Delta, LeafUpdate
 from rlax_llm.trainer.trainer import host_arrays
@@ -389,10 +391,11 @@ class TrainerRole:
       return f'{_node()["NodeManagerAddress"]}:{s.getsockname()[1]}'
 
   def start(self, payload: str, server, workdir: str, coordinator: str | None = None,
-            process_index: int = 0, addresses: tuple[str, ...] = ()):
+            process_index: int = 0, addresses: tuple[str, ...] = (), base_server=None):
     """Builds the trainer and returns ``(warm-up metrics, Resume or None, version)``: what the
     driver needs to start (the restored checkpoint's controller state and rollouts' arrays,
-    no weights). With several processes (``addresses``: every trainer host's, in process
+    no weights). A LoRA trainer syncing adapters (``lora.syncs_adapters``) first pushes its
+    base to ``base_server`` (a ``ServerRole`` keeping it alone), once. With several processes (``addresses``: every trainer host's, in process
     order) this one is process ``process_index``: on a TPU host it first sets the variables
     of the slice's multi-host bring-up (``tpu_env.slice_environment``), then joins the job at
     ``coordinator``."""
@@ -417,6 +420,13 @@ class TrainerRole:
               if self.checkpointer is not None else None)
     self.server = server
     self.inference = roles.inference_model(config, model)  # the workers' dtypes
+    base = lora_lib.pushed_base(self.trainer.model, self.trainer.params, self.inference)
+    if (base is None) != (base_server is None):
+      raise ValueError('a LoRA trainer syncing adapters needs a base_server, and only it '
+                       f'(lora.sync); got base_server={base_server!r}.')
+    if base is not None:  # once, before the first version (workers pull it first)
+      push_shards(base_server, 0, local_shards(base, to_host=True), self.process_index,
+                  self.process_count)
     self._pushed = -1
     self._publish()
     return warmup_metrics, resume, self.trainer.version
@@ -427,8 +437,7 @@ class TrainerRole:
     pushed (bytes: this process -> a shared-memory slot of the server on its machine, else
     the object store -> the server's process)."""
     if self._pushed < self.trainer.version:
-      params = cast_params(pushed_params(self.trainer.model, self.trainer.params),
-                           self.inference)
+      params = lora_lib.pushed_params(self.trainer.model, self.trainer.params, self.inference)
       push_shards(self.server, self.trainer.version,  # each block to host on its own
                   local_shards(params, to_host=True), self.process_index,
                   self.process_count)
@@ -460,13 +469,17 @@ class WorkerRole:
   """An inference worker actor; pulls the versions it is asked for from the server actor
   ``server`` itself."""
 
-  def __init__(self, payload: str, index: int, server):
+  def __init__(self, payload: str, index: int, server, base_server=None):
     pin_tpu_chips()
     config = _config_from(payload)
     task = roles.build_task(config)
     model, _, tokenizer = roles.build_model(config, task)
     mesh = roles.meshes(config)['inference'][index]
-    self.worker = roles.build_worker(config, model, tokenizer, mesh)
+    # LoRA with adapter-only sync: the base from its server, on the first pull (a restarted
+    # actor pulls it again).
+    fetch_base = (None if base_server is None
+                  else lambda: fetch_update(base_server, 0, -1))
+    self.worker = roles.build_worker(config, model, tokenizer, mesh, fetch_base)
     self.episodes = config_lib.run_spec(config).controller.episodes
     self.make_env = roles.env_factory(config, tokenizer)
     self.server = server
@@ -572,12 +585,15 @@ class RayTrainer:
   process order; each is sent every call, and process 0's result is the call's);
   ``version`` follows the updates it applied (``version``: the one it started at).
   ``workdir``: where the actors checkpoint (named in the error that stops a run whose
-  trainer actor was lost)."""
+  trainer actor was lost). ``server``, ``base_server``: the server actors it pushes to (the
+  base's: LoRA with adapter-only sync, else None), for inspecting a run (e.g. their
+  ``received``); the controller never calls them."""
 
-  def __init__(self, actors, version: int, workdir):
+  def __init__(self, actors, version: int, workdir, server=None, base_server=None):
     self.actors = list(actors)
     self.version = version
     self.workdir = storage.path(workdir)
+    self.server, self.base_server = server, base_server
     self._lost_one = False
 
   @property
@@ -718,8 +734,12 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   # Threads for the trainer's processes pushing a version at once beside workers' pulls.
   server_cls = ray.remote(num_cpus=0, max_concurrency=max(4, processes + 2))(ServerRole)
   server_actor = server_cls.remote(spec.keep_versions, spec.transport)
+  lora = lora_lib.from_config(config)
+  # LoRA with adapter-only sync: the base in a server actor of its own, pushed once.
+  base_actor = (server_cls.remote(1, spec.transport)
+                if lora is not None and lora.sync == 'adapters' else None)
   trainer_actors = [trainer_cls.remote() for _ in range(processes)]
-  worker_actors = [worker_cls.remote(payload, n, server_actor)
+  worker_actors = [worker_cls.remote(payload, n, server_actor, base_actor)
                    for n in range(config.rollout.workers)]
   trainer = None
   try:
@@ -729,11 +749,11 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
       coordinator = ray.get(trainer_actors[0].coordinator_address.remote())
       addresses = tuple(report.address for report in reports)
     starts = _get_each([actor.start.remote(payload, server_actor, str(workdir), coordinator,
-                                           p, addresses)
+                                           p, addresses, base_actor)
                         for p, actor in enumerate(trainer_actors)], None)
     _same_start(starts)
     warmup_metrics, resume, version = starts[0]
-    trainer = RayTrainer(trainer_actors, version, workdir)
+    trainer = RayTrainer(trainer_actors, version, workdir, server_actor, base_actor)
     with assemble(config, spec.controller, workdir, task, trainer,
                   [RayWorker(actor) for actor in worker_actors], warmup_metrics,
                   resume=resume, stop=stop) as run:
@@ -741,9 +761,10 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   finally:
     if trainer is not None:
       trainer.close()
+    servers = [server_actor] + ([base_actor] if base_actor is not None else [])
     with contextlib.suppress(Exception):
-      ray.get(server_actor.close.remote(), timeout=30)
-    for actor in [*trainer_actors, *worker_actors, server_actor]:
+      ray.get([server.close.remote() for server in servers], timeout=30)
+    for actor in [*trainer_actors, *worker_actors, *servers]:
       with contextlib.suppress(Exception):
         ray.kill(actor)
     if started:

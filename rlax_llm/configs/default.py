@@ -48,8 +48,11 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   ))
   # LoRA (rlax_llm/models/lora.py, docs/models.md "LoRA"): rank 0 = off (full fine-tuning);
   # rank > 0 trains only low-rank adapters (scale alpha / rank) on the comma-separated targets
-  # (of q, k, v, o, gate, up, down) over the frozen base; the workers receive merged weights.
-  c.lora = ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets='q,k,v,o,gate,up,down'))
+  # (of q, k, v, o, gate, up, down) over the frozen base. sync: what the trainer pushes per
+  # version, 'adapters' (the adapters alone; the base once, merged by the workers on pull)
+  # or 'merged' (the merged weights).
+  c.lora = ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets='q,k,v,o,gate,up,down',
+                                          sync='adapters'))
   c.task = ml_collections.ConfigDict(dict(
       name='arithmetic', max_operand=99, operations='+', num_eval=200, demo_error_rate=0.6,
       format='plain', answer_format='exact',

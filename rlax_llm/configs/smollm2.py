@@ -8,6 +8,18 @@ Variants (``--config=configs/smollm2.py:VARIANT``):
   smoke: two RL steps on a few prompts (checks the real-model path end to end, minutes).
   add3: 3-digit addition (same prompt and strict reward, longer budget).
   countdown: reach a target from three numbers with + - * / (answer in <answer> tags).
+  lora: the recipe below with LoRA instead of full fine-tuning: rank-16 adapters on all seven
+    projections (q, k, v, o, gate, up, down), alpha 32, learning rate 1e-4 (10x the full
+    recipe's, as "LoRA Without Regret", Thinking Machines 2025, finds for RL); the base frozen.
+  int8_tis: the recipe with rollouts sampled from an int8 weight-only copy of each version
+    (model.inference_quant='int8'); the trainer recomputes the fp32 log-probs
+    (rl.old_logprobs='recompute') and weights each token by min(pi_fp32 / pi_int8, 2) (TIS,
+    rl.mismatch.enabled); the mismatch/* metrics measure the gap.
+  int8: int8 rollouts with no correction (the PPO ratio against the int8 log-probs), to show
+    what the correction buys.
+  The three keep the recipe's budget (steps, batch, schedule) and seed; the learning
+  comparisons: benchmarks/lora_learning.py, benchmarks/RESULTS.md "LoRA and int8 rollouts:
+  learning".
 The recipe: 4 prompts x 8 samples per update, 16 prompts asked per batch (groups with equal
 rewards are filtered; an update waits for 4 informative groups), each group's prompt run
 once in the update (rl.shared_prefix), the 128 samples of a batch decoded at once (128
@@ -21,7 +33,7 @@ from ml_collections.config_dict import placeholder
 
 from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config_file
 
-VARIANTS = ('smoke', 'add3', 'countdown')
+VARIANTS = ('smoke', 'add3', 'countdown', 'lora', 'int8_tis', 'int8')
 
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
@@ -91,6 +103,20 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.reward = ml_collections.ConfigDict(dict(
         task=ml_collections.ConfigDict(dict(weight=1.0)),
         format=ml_collections.ConfigDict(dict(weight=0.1))))
+  elif variant == 'lora':
+    # "LoRA Without Regret" (Thinking Machines, 2025): adapters on every projection, alpha 32,
+    # about 10x the full fine-tune's learning rate; budget, seed and schedule unchanged.
+    c.name = 'smollm2_lora'
+    c.lora.update(dict(rank=16, alpha=32.0, targets='q,k,v,o,gate,up,down'))
+    c.rl.learning_rate = 1e-4
+  elif variant in ('int8_tis', 'int8'):
+    # Rollouts from an int8 weight-only copy; the trainer recomputes in fp32. int8_tis
+    # reweights each token by min(pi_fp32 / pi_int8, 2) (TIS); int8 trains on them as sampled.
+    c.name = f'smollm2_{variant}'
+    c.model.inference_quant = 'int8'
+    if variant == 'int8_tis':
+      c.rl.old_logprobs = 'recompute'
+      c.rl.mismatch.enabled = True
   elif variant is not None:
     raise ValueError(f'Unknown variant {variant!r} of configs/smollm2.py; valid: '
                      f'{", ".join(VARIANTS)}.')

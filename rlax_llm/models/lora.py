@@ -16,6 +16,13 @@ the adapters (by their ``nnx.LoRAParam`` type) for ``Trainer(trainable=...)``. `
 folds them into the base (``W + s * A @ B``); ``save_merged`` writes that as a Hugging Face
 checkpoint and ``save_peft`` the adapters alone in PEFT's format
 (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+Weight sync (``LoRAConfig.sync``, ``lora.sync``): with ``'adapters'`` a trainer pushes
+``pushed_base`` once (the base, in the workers' dtype) and ``pushed_params`` per version,
+``adapter_tree(params)`` alone; the workers merge each version into the base they hold
+(``merge_program``; ``rlax_llm.rollout.worker``). With ``'merged'`` ``pushed_params`` is the
+merged weights. ``delta`` computes ``s * A @ B`` with the same bits on any device and
+sharding, so both give the same weights.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from rlax_llm.models.decoder import Decoder
 from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.files import hf
 from rlax_llm.models.files.pretrained import save_pretrained
-from rlax_llm.models.model import Model, Params, abstract_model, describe
+from rlax_llm.models.model import Model, Params, abstract_model, cast_params, describe
 
 TARGETS = ('q', 'k', 'v', 'o', 'gate', 'up', 'down')
 # target -> (module in a block, weight name, how many leading (in_out) axes are inputs,
@@ -52,15 +59,21 @@ _WEIGHTS = {
     'down': ('mlp', 'w_down', 1, 'mlp.down_proj'),
 }
 SUFFIX = '_lora'  # an adapter's attribute: f'{weight}{SUFFIX}' (decoder.low_rank reads it)
+# How a LoRA trainer sends each version to the workers (``lora.sync``): the adapters alone
+# (the base once), or the merged weights.
+SYNCS = ('adapters', 'merged')
 
 
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
-  """Which projections are adapted, at what rank, and the scale ``alpha / rank``."""
+  """Which projections are adapted, at what rank, the scale ``alpha / rank``, and how a
+  trainer sends each version to the workers (``sync``, one of ``SYNCS``: ``'adapters'``, the
+  adapter tree alone over a base pushed once; ``'merged'``, the merged weights)."""
 
   rank: int
   alpha: float
   targets: tuple[str, ...] = TARGETS
+  sync: str = 'adapters'
 
   def __post_init__(self):
     if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -71,6 +84,8 @@ class LoRAConfig:
     if unknown or not self.targets:
       raise ConfigError(f'lora.targets={self.targets!r}: {unknown or "empty"}; choose a '
                         f'non-empty subset of {TARGETS}.')
+    if self.sync not in SYNCS:
+      raise ConfigError(f'lora.sync={self.sync!r}; choose one of {SYNCS}.')
     object.__setattr__(self, 'targets', tuple(t for t in TARGETS if t in self.targets))
 
   @property
@@ -182,17 +197,30 @@ def _adapted(model: LoRAModel, params: Params):
       yield i, target, node, name, node[name + SUFFIX]
 
 
+def delta(model: LoRAModel, a: jax.Array, b: jax.Array) -> jax.Array:
+  """An adapter's ``s * A @ B`` as float32 ``[K, N]`` (``A [in..., r]`` flattened to ``K``
+  rows, ``B [r, out...]`` to ``N`` columns), summed over the rank in a fixed order of
+  elementwise products: the same bits on whichever devices and shardings it runs (a dot's
+  summation order, and on TPU its precision, depend on both), so a worker merging the
+  adapters it pulls gets the weights a trainer merging them would."""
+  a, b = _pair(a, b, model.lora.scale, jnp.float32)
+  out = a[:, :1] * b[:1, :]
+  for i in range(1, a.shape[1]):
+    out = out + a[:, i:i + 1] * b[i:i + 1, :]
+  return out
+
+
 def merge(model: LoRAModel, params: Params) -> tuple[Model, Params]:
-  """The base model and its params with every adapter folded in: ``W + s * A @ B`` (computed
-  in float32, stored in ``W``'s dtype; ``W``'s layout). Host or device arrays alike."""
+  """The base model and its params with every adapter folded in: ``W + s * A @ B``
+  (``delta``, in float32, stored in ``W``'s dtype; ``W``'s layout). Host or device arrays
+  alike (``merge_program`` is the jitted form)."""
   out = jax.tree.map(lambda x: x, params)  # fresh containers; leaves shared
   for _, _, node, name, adapter in _adapted(model, out):
     weight = node[name]
-    a, b = _pair(adapter['a'], adapter['b'], model.lora.scale, jnp.float32)
-    delta = a @ b
+    change = delta(model, adapter['a'], adapter['b'])
     if model.config.execution.weight_layout == 'out_in':
-      delta = delta.T
-    node[name] = (weight.astype(jnp.float32) + delta.reshape(weight.shape)).astype(weight.dtype)
+      change = change.T
+    node[name] = (weight.astype(jnp.float32) + change.reshape(weight.shape)).astype(weight.dtype)
   for _, _, node, name, _ in list(_adapted(model, out)):
     del node[name + SUFFIX]
   return abstract_model(model.config), out
@@ -201,8 +229,9 @@ def merge(model: LoRAModel, params: Params) -> tuple[Model, Params]:
 def save_merged(model: LoRAModel, params: Params, tokenizer: Any, out_dir: str | pathlib.Path,
                 *, base_model: str = '') -> None:
   """The merged model (``merge``) as a Hugging Face directory (``save_pretrained``)."""
-  base, merged = merge(model, params)
-  save_pretrained(nnx.merge(base.graphdef, merged), tokenizer, out_dir, base_model=base_model)
+  merged = merge_program(model)(params)
+  save_pretrained(nnx.merge(abstract_model(model.config).graphdef, merged), tokenizer, out_dir,
+                  base_model=base_model)
 
 
 def peft_tensors(model: LoRAModel, params: Params) -> dict[str, np.ndarray]:
@@ -244,15 +273,83 @@ def save_peft(model: LoRAModel, params: Params, out_dir: str | pathlib.Path, *,
 
 
 @functools.cache
-def _merge_program(model: LoRAModel):
+def merge_program(model: LoRAModel) -> Any:
+  """``merge(model, params)[1]`` as one jitted program (compiled once per model)."""
   return jax.jit(lambda params: merge(model, params)[1])
 
 
-def pushed_params(model: Model, params: Params) -> Params:
-  """What a trainer of ``model`` pushes to the inference workers: a ``LoRAModel``'s params
-  merged (``merge``, one jitted program on the trainer's devices; the workers hold the base
-  model), any other model's params as they are."""
-  return _merge_program(model)(params) if isinstance(model, LoRAModel) else params
+def lora_model(model: Model, lora: LoRAConfig) -> LoRAModel:
+  """The ``LoRAModel`` of base ``model`` (any dtypes and layout) with ``lora``'s adapters."""
+  return LoRAModel(config=model.config, graphdef=_abstract(model.config, lora)[0], lora=lora)
+
+
+def _split(tree: Params, adapters: bool) -> Params:
+  """The adapters' subtrees of ``tree`` (``adapters``) or everything else, same nesting."""
+  out = {}
+  for key, value in tree.items():
+    if str(key).endswith(SUFFIX):
+      if adapters:
+        out[key] = value
+    elif isinstance(value, dict):
+      part = _split(value, adapters)
+      if part or not adapters:
+        out[key] = part
+    elif not adapters:
+      out[key] = value
+  return out
+
+
+def adapter_tree(params: Params) -> Params:
+  """The adapters of a ``LoRAModel``'s params alone, nested as in ``params``
+  (``{'blocks': {i: {'attn': {'wq_lora': {'a': A, 'b': B}, ...}, 'mlp': {...}}}}``; ``A``
+  float32 ``[in..., r]``, ``B`` float32 ``[r, out...]``, the same arrays): the tree a LoRA
+  trainer pushes per version with ``lora.sync='adapters'``."""
+  return _split(params, adapters=True)
+
+
+def base_tree(params: Params) -> Params:
+  """A ``LoRAModel``'s params without the adapters: the frozen base (the same arrays)."""
+  return _split(params, adapters=False)
+
+
+def with_adapters(base: Params, adapters: Params) -> Params:
+  """``base`` (``base_tree``) and ``adapters`` (``adapter_tree``) as one ``LoRAModel`` params
+  tree (fresh containers, the same arrays)."""
+  out = jax.tree.map(lambda x: x, base)
+  def put(node: dict, part: dict) -> None:
+    for key, value in part.items():
+      if str(key).endswith(SUFFIX):
+        node[key] = value
+      else:
+        put(node[key], value)
+  put(out, adapters)
+  return out
+
+
+def syncs_adapters(model: Model) -> bool:
+  """Whether a trainer of ``model`` pushes adapter versions over a base pushed once (a
+  ``LoRAModel`` with ``lora.sync='adapters'``)."""
+  return isinstance(model, LoRAModel) and model.lora.sync == 'adapters'
+
+
+def pushed_params(model: Model, params: Params, inference: Model) -> Params:
+  """What a trainer of ``model`` pushes to the workers as each version, whose model is
+  ``inference`` (the base model in the workers' dtypes, ``roles.inference_model``):
+  ``adapter_tree(params)`` as trained (float32) when ``syncs_adapters(model)``; else the
+  params, a ``LoRAModel``'s merged first (``merge_program``, on the trainer's devices), cast
+  to ``inference``'s dtypes (``cast_params``)."""
+  if syncs_adapters(model):
+    return adapter_tree(params)
+  if isinstance(model, LoRAModel):
+    params = merge_program(model)(params)
+  return cast_params(params, inference)
+
+
+def pushed_base(model: Model, params: Params, inference: Model) -> Params | None:
+  """What a trainer of ``model`` pushes to the workers once, before its first version: the
+  base (``base_tree``) cast to ``inference``'s dtypes when ``syncs_adapters(model)``, else
+  None (every version carries the whole weights)."""
+  return cast_params(base_tree(params), inference) if syncs_adapters(model) else None
 
 
 def from_config(config: Any) -> LoRAConfig | None:
@@ -260,4 +357,4 @@ def from_config(config: Any) -> LoRAConfig | None:
   if config.lora.rank == 0:
     return None
   targets = tuple(t.strip() for t in config.lora.targets.split(',') if t.strip())
-  return LoRAConfig(config.lora.rank, float(config.lora.alpha), targets)
+  return LoRAConfig(config.lora.rank, float(config.lora.alpha), targets, config.lora.sync)

@@ -7,12 +7,14 @@ hub terms: ``vocab_size``, ``num_hidden_layers``, ``hidden_size``, ``num_attenti
 ``tie_word_embeddings``, ``max_position_embeddings``). ``memory_per_device`` uses
 ``jax.eval_shape`` (nothing is allocated) and the logical-axis sharding rules to report the
 bytes of params and optimizer state each device holds; ``memory_plan`` adds the rest of a
-run's bytes per chip (gradients, activations, the inference copy, its KV cache).
+run's bytes per chip (gradients, activations, the inference copy, its KV cache), with LoRA
+(``models.lora``) and int8 workers (``models.quant``) counted as those modules build them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -20,12 +22,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+from flax import nnx
+from jax.sharding import AbstractMesh, Mesh
 
 from rlax_llm import sharding as sharding_lib
+from rlax_llm.errors import ConfigError
+from rlax_llm.models import lora as lora_lib
+from rlax_llm.models.decoder import Decoder
 from rlax_llm.models.decoder_config import DecoderConfig, RopeScaling
 from rlax_llm.models.files.gguf import smollm2_gguf_path
-from rlax_llm.models.model import abstract_model
+from rlax_llm.models.model import abstract_model, describe
+from rlax_llm.models.quant import QUANT_MODES, quantize_params, quantized_shardings
 
 _QWEN3 = dict(vocab_size=151_936, head_dim=128, rope_theta=1_000_000.0, norm_eps=1e-6,
               qk_norm=True, family='qwen3', max_seq_len=40_960)
@@ -112,26 +119,108 @@ def count_params(config: DecoderConfig) -> int:
   return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
 
 
+def _leaf_shards(abstract: Any, shardings: Any) -> list[tuple[tuple, int, int]]:
+  """``(path, elements, bytes)`` of each leaf of ``abstract`` (``ShapeDtypeStruct`` leaves)
+  on one device of its ``NamedSharding`` (``shardings``, the same tree), the most loaded one:
+  shards are equal-sized under the logical rules, and a replicated leaf is whole on each."""
+  leaves, _ = jax.tree_util.tree_flatten_with_path(abstract)
+  out = []
+  for (path, leaf), sharding in zip(leaves, jax.tree.leaves(shardings), strict=True):
+    elements = math.prod(sharding.shard_shape(leaf.shape))
+    out.append((path, elements, elements * jnp.dtype(leaf.dtype).itemsize))
+  return out
+
+
+def _abstract_mesh(axis_sizes: Mapping[str, int]) -> AbstractMesh:
+  return AbstractMesh(tuple(axis_sizes[a] for a in sharding_lib.MESH_AXES),
+                      sharding_lib.MESH_AXES)
+
+
+def _param_shards(config: DecoderConfig, axis_sizes: Mapping[str, int],
+                  rules: Sequence[tuple[str, Any]], *, lora: lora_lib.LoRAConfig | None = None,
+                  quant: str = 'none') -> list[tuple[tuple, int, int]]:
+  """``_leaf_shards`` of ``config``'s params on a mesh of ``axis_sizes`` (``{'data': n,
+  'fsdp': n, 'tensor': n}``), placed by the logical ``rules`` as ``sharding.param_shardings``
+  places them: with ``lora`` the base and its adapters (``lora.add_adapters``; adapter paths
+  satisfy ``lora.is_adapter_path``), with ``quant='int8'`` as ``quant.quantize_params``
+  makes them and ``quant.quantized_shardings`` places them (int8 ``q`` like the weight, the
+  float32 scales replicated)."""
+  model = abstract_model(config)
+  abstract, logical = ((model.abstract_params(), model.logical_axes()) if lora is None
+                       else _with_adapters(config, lora))
+  shardings = sharding_lib.param_shardings(abstract, logical, _abstract_mesh(axis_sizes), rules)
+  if quant == 'int8':
+    abstract = jax.eval_shape(functools.partial(quantize_params, model=model), abstract)
+    shardings = quantized_shardings(shardings, model)
+  return _leaf_shards(abstract, shardings)
+
+
+@functools.cache
+def _with_adapters(config: DecoderConfig, lora: lora_lib.LoRAConfig) -> tuple[Any, Any]:
+  """``(abstract params, logical axes)`` of ``config``'s decoder with ``lora``'s adapters,
+  traced (nothing allocated)."""
+  _, abstract, logical = describe(
+      lambda: lora_lib.add_adapters(Decoder(config, rngs=nnx.Rngs(0)), lora, nnx.Rngs(0)))
+  return abstract, logical
+
+
+def _base_cast_bytes(config: DecoderConfig, inference: DecoderConfig,
+                     axis_sizes: Mapping[str, int], rules: Sequence[tuple[str, Any]]) -> int:
+  """Bytes on the most loaded device of ``config``'s params cast to ``inference``'s dtypes
+  where the trainer holds them (``model.cast_params`` keeps each leaf's sharding, and returns
+  a leaf already in its dtype as it is: only the others make a copy)."""
+  model = abstract_model(config)
+  source, target = model.abstract_params(), abstract_model(inference).abstract_params()
+  shardings = sharding_lib.param_shardings(source, model.logical_axes(),
+                                           _abstract_mesh(axis_sizes), rules)
+  cast = [s.dtype != t.dtype for s, t in zip(jax.tree.leaves(source), jax.tree.leaves(target),
+                                             strict=True)]
+  return sum(b for (_, _, b), copied in zip(_leaf_shards(target, shardings), cast, strict=True)
+             if copied)
+
+
+def worker_param_bytes(config: DecoderConfig, mesh: Mapping[str, int], *, quant: str = 'none',
+                       lora: lora_lib.LoRAConfig | None = None,
+                       rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES
+                       ) -> dict[str, float]:
+  """Bytes of the params one inference worker keeps on its most loaded device (nothing is
+  allocated): the one definition the memory plan (``memory_plan``) and the pre-run fit check
+  (``roles.rollout_memory_bytes``) share.
+
+  Args:
+    config: the workers' model (its ``param_dtype``: the dtype of the copy they pull,
+      ``model.inference_param_dtype``).
+    mesh: the worker's axis sizes (``{'data', 'fsdp', 'tensor'}``; all 1: the whole copy).
+    quant: ``model.inference_quant``. ``'int8'``: the copy the engine samples with is
+      ``quant.quantize_params``' tree (one byte per projection weight, a float32 scale per
+      output channel, replicated; the embedding, lm head and norms in ``param_dtype``), as
+      ``quant.quantized_shardings`` places it; the unquantised version the worker applies
+      deltas to is on its host (``rollout.worker``), not counted.
+    lora: the trainer's adapters (None: no LoRA). With ``sync='adapters'`` the worker also
+      keeps the base it pulled once on its devices, unquantised, and merges each version's
+      adapters into it (``lora.merge_program``); its host then keeps the adapters alone. With
+      ``sync='merged'`` it holds the merged weights as without LoRA.
+  Returns:
+    ``{'params': the copy the engine samples with, 'base': the LoRA base (0 without
+    adapter-only sync)}``. A pull briefly holds the new version beside the old one (with
+    int8 and adapter-only sync also the merged weights before they are quantised); that
+    transient is not counted.
+  """
+  if quant not in QUANT_MODES:
+    raise ConfigError(f'inference_quant={quant!r}; choose one of {QUANT_MODES} '
+                      '(model.inference_quant).')
+  unquantised = sum(b for _, _, b in _param_shards(config, mesh, rules))
+  params = (unquantised if quant == 'none'
+            else sum(b for _, _, b in _param_shards(config, mesh, rules, quant=quant)))
+  base = unquantised if lora is not None and lora.sync == 'adapters' else 0
+  return {'params': float(params), 'base': float(base)}
+
+
 def _param_shard_bytes(config: DecoderConfig, axis_sizes: Mapping[str, int],
                        rules: Sequence[tuple[str, Any]]) -> tuple[int, int]:
-  """``(elements, bytes)`` of the params on the most loaded device of a mesh of
-  ``axis_sizes`` (``{'data': n, 'fsdp': n, 'tensor': n}``), placed by the logical ``rules``
-  as ``sharding.param_shardings`` places them (shards are equal-sized under these rules)."""
-  model = abstract_model(config)
-  mesh = AbstractMesh(tuple(axis_sizes[a] for a in sharding_lib.MESH_AXES),
-                      sharding_lib.MESH_AXES)
-  elements = nbytes = 0
-  for leaf, logical in zip(jax.tree.leaves(model.abstract_params()),
-                           jax.tree.leaves(model.logical_axes(),
-                                           is_leaf=lambda x: isinstance(x, PartitionSpec))):
-    spec = sharding_lib.logical_to_spec(logical, leaf.shape, mesh, rules)
-    shard = 1
-    for dim, axes in zip(leaf.shape, tuple(spec) + (None,) * (len(leaf.shape) - len(spec))):
-      axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-      shard *= dim // math.prod(axis_sizes[a] for a in axes)
-    elements += shard
-    nbytes += shard * jnp.dtype(leaf.dtype).itemsize
-  return elements, nbytes
+  """``(elements, bytes)`` of the params on the most loaded device (``_param_shards``)."""
+  shards = _param_shards(config, axis_sizes, rules)
+  return sum(e for _, e, _ in shards), sum(b for _, _, b in shards)
 
 
 def memory_per_device(config: DecoderConfig, mesh: Mesh, *, optimizer_moments: int = 2,
@@ -174,7 +263,8 @@ _SAVED_PER_TOKEN = {
 
 
 def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: int = 1,
-                     logprob_chunk: int = 0) -> dict[str, float]:
+                     logprob_chunk: int = 0, lora: lora_lib.LoRAConfig | None = None
+                     ) -> dict[str, float]:
   """Activation bytes of one micro-batch's forward and backward pass on one device.
 
   ``rows`` and ``length``: the device's rows of one micro-batch and their length (tokens
@@ -191,7 +281,11 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
 
   where ``S('none') = 5 d + 3 q + 4 kv + 4 mlp``, ``S('dots') = 2 d + q + 2 kv + 2 mlp``,
   ``S('full') = d`` (``d`` the embedding width, ``q = heads * head_dim / tensor``,
-  ``kv = kv_heads * head_dim / tensor``, ``mlp = mlp_dim / tensor``). Returns
+  ``kv = kv_heads * head_dim / tensor``, ``mlp = mlp_dim / tensor``). With ``lora`` (not with
+  remat 'full'), ``saved`` adds one ``[t, N]`` per adapted projection of ``N`` outputs
+  (``q``: q, ``k``/``v``: kv, ``o``/``down``: d, ``gate``/``up``: mlp): the base product beside
+  its sum with the low-rank one (``decoder.linear``), which XLA:CPU's compiled step kept
+  (tests/test_configs_real_sizes.py). Returns
   ``{'saved_bytes', 'work_bytes', 'logits_bytes', 'total_bytes'}``. With ``memory_plan``'s
   other parts, checked on XLA:CPU against the compiled train step's memory analysis
   (tests/test_configs_real_sizes.py, remat 'none').
@@ -205,7 +299,9 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
   tokens = rows * length
   probs = 4 * rows * heads * length * length
   remat = c.execution.remat
-  saved = c.num_layers * (tokens * itemsize * _SAVED_PER_TOKEN[remat](d, q, kv, mlp)
+  outputs = {'q': q, 'k': kv, 'v': kv, 'o': d, 'gate': mlp, 'up': mlp, 'down': d}
+  adapted = 0 if lora is None or remat == 'full' else sum(outputs[t] for t in lora.targets)
+  saved = c.num_layers * (tokens * itemsize * (_SAVED_PER_TOKEN[remat](d, q, kv, mlp) + adapted)
                           + (0 if remat == 'full' else probs))
   work = tokens * itemsize * _SAVED_PER_TOKEN['none'](d, q, kv, mlp) + probs
   logits = 3 * 4 * rows * (logprob_chunk or length) * split(c.vocab_size)
@@ -225,15 +321,33 @@ class MemoryPlan:
   """Bytes per chip of a run's roles (``memory_plan``), each part on its most loaded device.
 
   Attributes:
-    params, optimizer, gradients: the trainer's params (``param_dtype``: the master copy),
-      its optimizer state and one gradient (plus the accumulator with micro-batches).
+    params, optimizer, gradients: the trainer's params (``param_dtype``: the master copy;
+      with LoRA the frozen base and the float32 adapters), the optimizer state and one
+      gradient (plus the accumulator with micro-batches) of the trained params (with LoRA the
+      adapters alone).
     reference: the KL reference copy of the params (0 without a KL penalty).
     activations: one micro-batch's forward and backward pass (``activation_bytes``).
-    update: the optimizer step's new params and optimizer state, held until the step's
-      finiteness check selects them over the old ones; it follows the backward pass, so the
-      trainer's peak holds the larger of ``activations`` and ``update``.
-    inference_params: one worker's copy of the params (in ``memory_plan``'s
-      ``inference_param_dtype``, by default ``param_dtype``), on its mesh.
+    update: the optimizer step's new trained params and optimizer state, held until the
+      step's finiteness check selects them over the old ones; it follows the backward pass,
+      so the trainer's peak holds the larger of ``activations`` and ``update``.
+    push: the trainer's device bytes for a push to the workers beyond what it holds, at a
+      time no gradient or activation is alive. With LoRA and ``lora.sync='merged'``: the
+      merged params (``lora.pushed_params``: the base's shapes in ``param_dtype``) made
+      between steps for each version. With ``lora.sync='adapters'`` (the default): the
+      larger of what a version's push makes and what the base's one push makes (at the
+      start, before any step: ``lora.pushed_base``), which is the base's. A version is
+      ``lora.adapter_tree`` of the trainer's params, its own adapter arrays (the server
+      copies them to its host), so it makes nothing; the base is cast to the workers' dtype,
+      a copy of the leaves whose dtype differs (``model.cast_params``; none when
+      ``inference_param_dtype`` is ``param_dtype``). 0 without LoRA (the params are pushed
+      as they are).
+    inference_params: one worker's copy of the params the engine samples with (in
+      ``memory_plan``'s ``inference_param_dtype``, by default ``param_dtype``; with int8
+      workers one byte per projection weight and its float32 scales, ``models.quant``), on
+      its mesh (``worker_param_bytes``).
+    inference_base: with LoRA and ``lora.sync='adapters'``, the base one worker keeps on its
+      mesh beside ``inference_params`` (unquantised, in ``inference_param_dtype``), into
+      which it merges each version's adapters; 0 otherwise.
     kv_cache: one worker's KV cache (``kv_cache_bytes``), on its mesh.
     inference_logits: a decode step's float32 ``[slots, vocab]`` logits (4 buffers).
     workers_per_chip: inference workers whose meshes share a chip (roles not disjoint:
@@ -251,15 +365,17 @@ class MemoryPlan:
   inference_logits: float
   workers_per_chip: int = 1
   shared: bool = True
+  push: float = 0.0
+  inference_base: float = 0.0
 
   @property
   def trainer_bytes(self) -> float:
-    return (self.params + self.optimizer + self.gradients + self.reference
-            + max(self.activations, self.update))
+    return (self.params + self.optimizer + self.reference
+            + max(self.gradients + max(self.activations, self.update), self.push))
 
   @property
   def inference_bytes(self) -> float:
-    return self.workers_per_chip * (self.inference_params + self.kv_cache
+    return self.workers_per_chip * (self.inference_base + self.inference_params + self.kv_cache
                                     + self.inference_logits)
 
   def needs(self, trainer_hbm_bytes: float, inference_hbm_bytes: float | None = None
@@ -280,10 +396,13 @@ class MemoryPlan:
     lines = [
         (f'trainer: params {gib(self.params)}, optimizer {gib(self.optimizer)}, gradients '
          f'{gib(self.gradients)}, KL reference {gib(self.reference)}, the larger of '
-         f'activations {gib(self.activations)} and the update {gib(self.update)} = '
-         f'{gib(self.trainer_bytes)}'),
+         f'activations {gib(self.activations)} and the update {gib(self.update)}'
+         + (f' (or, with no step running, the LoRA push {gib(self.push)})' if self.push
+            else '') + f' = {gib(self.trainer_bytes)}'),
         (f'inference: {self.workers_per_chip} worker(s) x (params '
-         f'{gib(self.inference_params)}, KV cache {gib(self.kv_cache)}, logits '
+         f'{gib(self.inference_params)}'
+         + (f', LoRA base {gib(self.inference_base)}' if self.inference_base else '')
+         + f', KV cache {gib(self.kv_cache)}, logits '
          f'{gib(self.inference_logits)}) = {gib(self.inference_bytes)}')]
     for chips, need, hbm in self.needs(trainer_hbm_bytes, inference_hbm_bytes):
       lines.append(f'{chips}: {gib(need)} of {gib(hbm)} HBM per chip ({100 * need / hbm:.0f}%)')
@@ -296,7 +415,8 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
                 cache_length: int, inference_param_dtype: Any = None,
                 workers_per_chip: int = 1, shared: bool = True,
                 reference: bool = False, optimizer_moments: int = 2,
-                optimizer_dtype: Any = jnp.float32,
+                optimizer_dtype: Any = jnp.float32, lora: lora_lib.LoRAConfig | None = None,
+                inference_quant: str = 'none',
                 rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES) -> MemoryPlan:
   """The bytes per chip a run's trainer and inference workers hold (nothing is allocated).
 
@@ -315,24 +435,47 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
     inference_param_dtype: the dtype of the workers' copy of the params (None:
       ``param_dtype``), e.g. bfloat16 beside float32 master weights.
     workers_per_chip, shared, reference: see ``MemoryPlan``.
-    optimizer_moments, optimizer_dtype: the optimizer state per param (AdamW: 2, float32).
+    optimizer_moments, optimizer_dtype: the optimizer state per trained param (AdamW: 2,
+      float32).
+    lora: the run's adapters (``lora.from_config``; None: full fine-tuning). The trainer
+      then holds the frozen base in ``param_dtype`` and the float32 adapters (``rank *
+      (in + out)`` params per adapted weight per layer), and optimizer state, gradients and
+      the update for the adapters alone; activations as without LoRA plus one product per
+      adapted projection (``activation_bytes``). The workers hold the merged weights, and
+      with ``lora.sync='adapters'`` the base too (``worker_param_bytes``); the trainer's push
+      is counted as ``MemoryPlan.push`` says.
+    inference_quant: ``model.inference_quant``: ``'int8'`` counts the workers' copy as
+      ``quant.quantize_params`` makes it (``worker_param_bytes``). Only the quantised copy
+      (and a LoRA base) is on the devices: the unquantised one a worker applies deltas to is
+      on its host.
   Returns:
-    The ``MemoryPlan``. Gradients are the params' shape in ``param_dtype``, twice with
-    micro-batches (the accumulator); the update holds new params and optimizer state (params
-    + optimizer again; XLA:CPU's compiled step held 2.25 x the params there, against the 3 x
+    The ``MemoryPlan``. Gradients are the trained params' shape in their dtype, twice with
+    micro-batches (the accumulator); the update holds new trained params and optimizer state
+    (XLA:CPU's compiled full fine-tuning step held 2.25 x the params there, against the 3 x
     counted for AdamW); XLA's other scratch and fragmentation are not counted.
   """
-  elements, params = _param_shard_bytes(config, trainer_mesh, rules)
-  optimizer = optimizer_moments * elements * jnp.dtype(optimizer_dtype).itemsize
-  gradients = params * (2 if micro_batches > 1 else 1)
+  inference = (config if inference_param_dtype is None
+               else config.with_execution(param_dtype=inference_param_dtype))
+  worker = worker_param_bytes(inference, inference_mesh, quant=inference_quant, lora=lora,
+                              rules=rules)
+  shards = _param_shards(config, trainer_mesh, rules, lora=lora)
+  trained = [(e, b) for path, e, b in shards if lora is None or lora_lib.is_adapter_path(path)]
+  params = sum(b for _, _, b in shards)
+  trained_bytes = sum(b for _, b in trained)
+  optimizer = (optimizer_moments * sum(e for e, _ in trained)
+               * jnp.dtype(optimizer_dtype).itemsize)
+  gradients = trained_bytes * (2 if micro_batches > 1 else 1)
   batch_shards = trainer_mesh['data'] * trainer_mesh['fsdp']
   rows = max(1, math.ceil(train_rows / micro_batches / batch_shards))
   activations = activation_bytes(config, rows=rows, length=train_length,
                                  tensor=trainer_mesh['tensor'],
-                                 logprob_chunk=logprob_chunk)['total_bytes']
-  inference = (config if inference_param_dtype is None
-               else config.with_execution(param_dtype=inference_param_dtype))
-  _, inference_params = _param_shard_bytes(inference, inference_mesh, rules)
+                                 logprob_chunk=logprob_chunk, lora=lora)['total_bytes']
+  if lora is None:
+    push = 0
+  elif lora.sync == 'adapters':
+    push = _base_cast_bytes(config, inference, trainer_mesh, rules)
+  else:
+    push = params - trained_bytes
   slot_shards = inference_mesh['data'] * inference_mesh['fsdp']
   kv_split = inference_mesh['tensor'] if config.num_kv_heads % inference_mesh['tensor'] == 0 \
       else 1
@@ -340,7 +483,7 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
   logits = 4 * math.ceil(slots / slot_shards) * config.vocab_size * 4
   return MemoryPlan(params=float(params), optimizer=float(optimizer),
                     gradients=float(gradients), reference=float(params if reference else 0),
-                    activations=activations, update=float(params + optimizer),
-                    inference_params=float(inference_params),
+                    activations=activations, update=float(trained_bytes + optimizer),
+                    inference_params=worker['params'], inference_base=worker['base'],
                     kv_cache=kv, inference_logits=float(logits),
-                    workers_per_chip=workers_per_chip, shared=shared)
+                    workers_per_chip=workers_per_chip, shared=shared, push=float(push))

@@ -248,7 +248,8 @@ class Driver:
 
   def run(self, jobs: Sequence[Job], stop_after: int | None = None,
           refresh: Callable[[], None] | None = None,
-          cancelled: Callable[[int], bool] | None = None) -> list[list[Sample]]:
+          cancelled: Callable[[int], bool] | None = None,
+          on_token: Callable[[int, int, Sample], None] | None = None) -> list[list[Sample]]:
     """Generates the samples of every job; ``result[j][i]`` is sample ``i`` of job ``j``.
 
     ``stop_after``: stop once that many jobs are complete (every sample finished); the
@@ -258,6 +259,9 @@ class Driver:
     it may set a new version there, which that step uses.
     ``cancelled``: ``cancelled(j)`` is asked before every decode step for each job ``j`` with
     unfinished samples; True ends them (``'cancelled'``) and frees their slots.
+    ``on_token``: ``on_token(j, i, sample)`` is called each time sample ``i`` of job ``j``
+    gains a token (``sample``: the growing ``Sample``, its finish reason set at its last
+    token), e.g. to stream it.
     """
     self.check(jobs)
     if stop_after is not None and not 1 <= stop_after <= len(jobs):
@@ -277,7 +281,7 @@ class Driver:
       if done is not None and done():
         break
       self._phase(spec, [j for j, job in enumerate(jobs) if job.sampling == spec], jobs,
-                  results, done, refresh, cancelled)
+                  results, done, refresh, cancelled, on_token)
     self.stats['unfinished_samples'] = sum(
         1 for samples in results for sample in samples if sample.finish_reason is None)
     self.stats['wall_s'] = time.perf_counter() - start
@@ -287,7 +291,8 @@ class Driver:
   def _phase(self, spec: SamplingSpec, job_ids: list[int], jobs: Sequence[Job],
              results: list[list[Sample]], done: Callable[[], bool] | None = None,
              refresh: Callable[[], None] | None = None,
-             cancelled: Callable[[int], bool] | None = None) -> None:
+             cancelled: Callable[[int], bool] | None = None,
+             on_token: Callable[[int, int, Sample], None] | None = None) -> None:
     """Runs the jobs of one sampling spec to completion (or until ``done()``).
 
     Steps are pipelined one deep: step ``t + 1`` is dispatched before the host reads step
@@ -308,7 +313,7 @@ class Driver:
     while pending or in_flight or any(s is not None for s in slots):
       if done is not None and done():
         if in_flight is not None:  # its tokens are final: keep them
-          self._collect(in_flight, slots, jobs, results)
+          self._collect(in_flight, slots, jobs, results, on_token)
         self.state = e.release_all(self.state)
         self.stats['stopped_early'] += 1
         return
@@ -331,7 +336,7 @@ class Driver:
           prefixes.clear()  # samples started from now on are prefilled with the new params
           if self.on_swap == 'discard':
             if in_flight is not None:  # its tokens are final before anything is dropped
-              self._collect(in_flight, slots, jobs, results)
+              self._collect(in_flight, slots, jobs, results, on_token)
               in_flight = None
             dropped = [occupant for occupant in slots if occupant is not None]
             for j, i in dropped:
@@ -354,7 +359,7 @@ class Driver:
         self.stats['steps'] += 1
         self.steps += 1
       if in_flight is not None:
-        self._collect(in_flight, slots, jobs, results)
+        self._collect(in_flight, slots, jobs, results, on_token)
       in_flight = dispatched
 
   def _cancel(self, cancelled, slots, pending, prefixes, to_insert, results
@@ -380,7 +385,7 @@ class Driver:
         del prefixes[key]
     return collections.deque((j, i) for j, i in pending if j not in stopped)
 
-  def _collect(self, in_flight, slots, jobs, results) -> None:
+  def _collect(self, in_flight, slots, jobs, results, on_token=None) -> None:
     """Appends a dispatched step's tokens to the samples it advanced; frees finished slots."""
     step, version, occupants = in_flight
     t0 = time.perf_counter()
@@ -400,6 +405,8 @@ class Driver:
       if host.done[slot]:
         sample.finish_reason = 'stop' if token in jobs[j].stop_ids else 'length'
         slots[slot] = None
+      if on_token is not None:
+        on_token(j, i, sample)
 
   def _fill(self, slots, pending, prefixes, to_insert, jobs, results, params, version,
             spec) -> None:

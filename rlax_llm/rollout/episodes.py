@@ -82,8 +82,9 @@ class PlainRenderer:
     self.tokenizer = tokenizer
 
   def prompt(self, messages: Sequence[Message]) -> list[int]:
-    """The ids of the first (user) message's text."""
-    return self.tokenizer.encode(str(messages[-1]['content']),
+    """The ids of the messages' texts, concatenated (an episode's first prompt: the first
+    user message's), with bos if the model expects one."""
+    return self.tokenizer.encode(''.join(str(m.get('content') or '') for m in messages),
                                  add_bos=self.tokenizer.add_bos_token)
 
   def between_turns(self, history: Sequence[Message], new: Sequence[Message],
@@ -147,12 +148,13 @@ class ChatRenderer:
     return ids
 
 
-def renderer_for(tokenizer: Tokenizer, env: Environment) -> ChatRenderer | PlainRenderer:
-  """How ``env``'s conversation becomes ids: ``tokenizer``'s chat template with ``env``'s
-  tools (``ChatRenderer``) if it has one, else ``PlainRenderer``."""
+def make_renderer(tokenizer: Tokenizer, tools: Sequence[Mapping[str, Any]] | None = None
+                  ) -> ChatRenderer | PlainRenderer:
+  """How a conversation with ``tools`` becomes ``tokenizer``'s ids: its chat template with the
+  tools (``ChatRenderer``), or the texts alone (``PlainRenderer``) when it has none."""
   if tokenizer.chat_template is None:
     return PlainRenderer(tokenizer)
-  return ChatRenderer(tokenizer, getattr(env, 'tools', None))
+  return ChatRenderer(tokenizer, tools)
 
 
 def first_messages(observation: str) -> list[Message]:
@@ -187,7 +189,7 @@ def demonstration(env: Environment, seed: int, tokenizer: Tokenizer,
   if not callable(getattr(env, 'oracle_action', None)):
     raise TypeError(f'environment {env.name!r} ({type(env).__name__}) has no oracle_action(); '
                     'a warm-up on demonstrations needs one (docs/environments.md).')
-  renderer = renderer_for(tokenizer, env)
+  renderer = make_renderer(tokenizer, getattr(env, 'tools', None))
   messages = first_messages(env.reset(seed))
   ids = renderer.prompt(messages)
   mask = [False] * len(ids)
@@ -332,6 +334,10 @@ class EpisodeRunner:
     self.state = engine.init_decode_state() if state is None else state
     self.stats: dict[str, float] = {}
 
+  def renderer(self, env: Environment) -> ChatRenderer | PlainRenderer:
+    """How ``env``'s conversation becomes ids (``make_renderer`` with its tools)."""
+    return make_renderer(self.tokenizer, getattr(env, 'tools', None))
+
   def run(self, episodes: Sequence[Episode], spec: SamplingSpec) -> list[Trajectory]:
     """Plays every episode to its end; ``result[i]`` is ``episodes[i]``'s trajectory.
 
@@ -426,8 +432,7 @@ class EpisodeRunner:
         self._finish(live, error, slots, results)
         continue
       observation, key = value
-      renderer = renderers.setdefault(live.index, renderer_for(self.tokenizer,
-                                                                live.episode.env))
+      renderer = renderers.setdefault(live.index, self.renderer(live.episode.env))
       live.messages = first_messages(observation)
       try:
         ids = renderer.prompt(live.messages)

@@ -20,6 +20,14 @@ batch is generated enters it mid-sequence (the driver's per-step swap; every tok
 version that drew it). ``load`` swaps the weights
 the driver reads before every decode step. Params live on the worker's own ``inference``
 mesh with the shardings the logical-axis rules give there (the same rules as the trainer's).
+
+LoRA with adapter-only sync (``lora``, ``lora.sync='adapters'``; ``rlax_llm.models.lora``):
+the versions the worker pulls are adapter trees (``lora.adapter_tree``). Before its first
+one it pulls the base once through ``fetch_base`` (whole leaves, checked against the base
+server's checksums) and keeps it on its mesh; each version's adapters are merged into it
+(``lora.merge_program``: ``W + s * A @ B``, one jitted program per version, on the worker's
+devices) and the merged weights are what the engine samples with (an int8 engine quantises
+them). Deltas are of the adapters, from the adapters held.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from jax.sharding import Mesh
 from rlax_llm import schedule
 from rlax_llm import sharding as sharding_lib
 from rlax_llm.data_types import FollowLatest, GenerationRequest, Rollouts, Trajectory
+from rlax_llm.models import lora as lora_lib
 from rlax_llm.models.model import Model
 from rlax_llm.paramserver import ParameterServer
 from rlax_llm.paramserver import delta as delta_lib
@@ -50,9 +59,21 @@ from rlax_llm.tokenization import Tokenizer, encode_prompts
 # ``fetch(version, base_version) -> Delta``: a backend's way to ask the parameter server for a
 # version (``ParameterServer.update`` in process, a call to the server's actor on Ray).
 Fetch = Callable[[int, int], delta_lib.Delta]
+# ``fetch_base() -> Delta``: a backend's way to ask for the base a LoRA trainer pushed once
+# (adapter-only sync: whole leaves with their checksums).
+FetchBase = Callable[[], delta_lib.Delta]
 # ``latest() -> int``: a backend's way to ask the parameter server for its newest version
 # (``ParameterServer.latest_version`` in process, a call to the server's actor on Ray).
 Latest = Callable[[], int]
+
+
+def _figures(update: delta_lib.Delta) -> dict[str, int]:
+  """An update's transfer figures: bytes moved, bytes of the leaves sent whole, elements
+  whose bits changed, and elements in all."""
+  return {'sync/bytes': update.nbytes,
+          'sync/full_bytes': sum(u.full.nbytes for b in update.buckets for u in b
+                                 if u.full is not None),
+          'sync/changed': update.changed, 'sync/elements': update.total}
 
 
 class InferenceWorker:
@@ -72,13 +93,21 @@ class InferenceWorker:
     quant: ``'none'`` or ``'int8'`` (``model.inference_quant``): the engine samples with an
       int8 copy of each version it loads (``Engine``); the worker still holds, verifies and
       applies deltas to the params it pulls, unquantised.
+    lora: with ``fetch_base``, the trainer's adapters (``lora.sync='adapters'``): the
+      versions pulled are adapter trees, merged into the base pulled once through
+      ``fetch_base`` (module docstring). None: the versions are the model's params.
+    fetch_base: the backend's way to pull that base (``FetchBase``).
   """
 
   def __init__(self, model: Model, tokenizer: Tokenizer, mesh: Mesh, *, max_prompt_len: int,
                max_new_tokens: int, slots: int = 32, on_swap: str = 'continue',
                prefill_buckets: Sequence[int] | None = None,
                rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES,
-               quant: str = 'none'):
+               quant: str = 'none', lora: lora_lib.LoRAConfig | None = None,
+               fetch_base: FetchBase | None = None):
+    if (lora is None) != (fetch_base is None):
+      raise ValueError('adapter-only sync needs both lora and fetch_base (the base pulled '
+                       f'once); got lora={lora!r}, fetch_base={fetch_base!r}.')
     self.model = model
     self.tokenizer = tokenizer
     self.mesh = mesh
@@ -91,7 +120,16 @@ class InferenceWorker:
     self.reloads = 0
     self._host_leaves: list[np.ndarray] | None = None  # the held version, for deltas
     abstract = model.abstract_params()
-    self._treedef = jax.tree_util.tree_structure(abstract)
+    self._fetch_base = fetch_base
+    self._base = None  # adapter-only sync: the base, on the mesh (pulled once)
+    if lora is not None:
+      self._lora_model = lora_lib.lora_model(model, lora)
+      self._base_treedef = jax.tree_util.tree_structure(abstract)
+      self._base_paths = list(leaf_specs(abstract))
+      self._base_shardings = sharding_lib.param_shardings(abstract, model.logical_axes(), mesh,
+                                                          rules)
+      abstract = lora_lib.adapter_tree(self._lora_model.abstract_params())
+    self._treedef = jax.tree_util.tree_structure(abstract)  # of the versions pulled
     self._leaf_paths = list(leaf_specs(abstract))  # names leaves in checksum errors
 
   @property
@@ -108,9 +146,33 @@ class InferenceWorker:
     driver uses them from its next decode step on. Params that are not the model's raise
     ValueError and leave the held version (and the base of the next delta) as it was."""
     placed = self.engine.place_params(params)
-    self._host_leaves = [np.asarray(leaf) for leaf in jax.tree.leaves(params)]
+    self._host_leaves = (None if self._fetch_base is not None  # no adapters to delta from
+                         else [np.asarray(leaf) for leaf in jax.tree.leaves(params)])
     self.holder.set(version, placed)
     self.reloads += 1
+
+  def _install(self, version: int, leaves: list[np.ndarray]) -> None:
+    """Installs a version's verified host leaves: the model's params (``load``), or with
+    adapter-only sync its adapters, merged into the base held (``lora.merge_program``)."""
+    tree = jax.tree_util.tree_unflatten(self._treedef, leaves)
+    if self._fetch_base is None:
+      self.load(version, tree)
+      return
+    merged = lora_lib.merge_program(self._lora_model)(lora_lib.with_adapters(self._base, tree))
+    self.load(version, merged)
+    self._host_leaves = leaves
+
+  def _pull_base(self) -> dict[str, int | float]:
+    """Pulls the base (adapter-only sync) through ``fetch_base``, checks its checksums and
+    places it on the mesh; returns the pull's figures (as ``pull``'s)."""
+    update = self._fetch_base()
+    leaves = delta_lib.apply([None] * update.num_leaves, update)
+    if update.checksums:
+      delta_lib.verify(leaves, update.checksums, self._base_paths, update.version)
+    base = jax.tree_util.tree_unflatten(self._base_treedef, leaves)
+    self.engine.check_params(base, placed=False)
+    self._base = jax.device_put(base, self._base_shardings)
+    return _figures(update)
 
   def apply_update(self, update: delta_lib.Delta) -> None:
     """Installs ``update`` (``ParameterServer.update``): a delta from the version held, or
@@ -120,25 +182,31 @@ class InferenceWorker:
     if update.base_version >= 0 and update.base_version != self.version:
       raise ValueError(f'the update is a delta from version {update.base_version} but this '
                        f'worker holds version {self.version}; ask for one from that version.')
+    if update.base_version >= 0 and self._host_leaves is None:
+      raise ValueError(f'the update is a delta from version {update.base_version} but this '
+                       'worker holds no leaves to apply it to; ask for whole leaves (-1).')
     leaves = delta_lib.apply(self._host_leaves or [None] * update.num_leaves, update)
     if update.checksums:
       delta_lib.verify(leaves, update.checksums, self._leaf_paths, update.version)
-    self.load(update.version, jax.tree_util.tree_unflatten(self._treedef, leaves))
+    self._install(update.version, leaves)
 
   def pull(self, version: int, fetch: Fetch) -> dict[str, int | float]:
     """Pulls ``version`` through ``fetch`` (a delta from the version held, or whole leaves
     when none is held) and installs it (``apply_update``). Returns the pull's figures:
     ``sync/updates`` (1), ``sync/bytes`` moved, ``sync/full_bytes`` of leaves sent whole,
     ``sync/changed`` and ``sync/elements`` (elements whose bits changed, of all), and
-    ``sync/pull_s`` (seconds)."""
+    ``sync/pull_s`` (seconds). With adapter-only sync, the first pull fetches the base
+    first (``fetch_base``; its figures are added)."""
     start = time.perf_counter()
-    update = fetch(version, self.version)
+    figures = collections.Counter()
+    if self._fetch_base is not None and self._base is None:
+      figures.update(self._pull_base())
+    update = fetch(version, self.version if self._host_leaves is not None else -1)
     self.apply_update(update)
-    return {'sync/updates': 1, 'sync/bytes': update.nbytes,
-            'sync/full_bytes': sum(u.full.nbytes for b in update.buckets for u in b
-                                   if u.full is not None),
-            'sync/changed': update.changed, 'sync/elements': update.total,
-            'sync/pull_s': time.perf_counter() - start}
+    figures.update(_figures(update))
+    figures['sync/updates'] = 1
+    figures['sync/pull_s'] = time.perf_counter() - start
+    return dict(figures)
 
   def generate_at(self, version: int | FollowLatest, fetch: Fetch,
                   requests: Sequence[GenerationRequest], rng: jax.Array,

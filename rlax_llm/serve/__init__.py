@@ -6,7 +6,11 @@
 * ``scheduler``: the thread that runs concurrent requests on the worker's driver.
 * ``recorder``: every call's token ids, log-probs and versions under an episode id, stitched
   into token-faithful trajectories when the episode is closed.
+* ``harness``, ``harness_runner``: a training run whose episodes an agent harness written
+  against the OpenAI API plays through the endpoint (``env.name='harness'``);
+  ``calculator_agent`` is an example harness.
 
 docs/serving.md describes the endpoint. This ``__init__`` imports nothing, so that
-``recorder`` is usable without the ``serve`` extra (fastapi, uvicorn).
+``recorder`` and ``harness`` are usable without the ``serve`` extra (fastapi, uvicorn,
+openai).
 """

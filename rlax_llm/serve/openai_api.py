@@ -5,7 +5,8 @@ default, optional bearer token):
 
 * ``GET /v1/models``: the one model served.
 * ``POST /v1/completions``: a text prompt, or token ids (a list of ints).
-* ``POST /v1/chat/completions``: messages rendered by the model's chat template; ``tools``
+* ``POST /v1/chat/completions``: messages rendered by the model's chat template (a tokenizer
+  without one: their texts concatenated, ``PlainRenderer``); ``tools``
   presented in the checkpoint's own tool format (``rlax_llm.envs.tool_calls``), tool calls in
   the reply parsed with that format's parser and returned as OpenAI ``tool_calls``
   (``finish_reason`` ``'tool_calls'``). A malformed call comes back as plain content, counted.
@@ -26,9 +27,9 @@ Sampling: ``temperature``, ``top_p``, ``top_k`` (a vLLM extension), ``max_tokens
 (``max_completion_tokens``), ``seed``, ``stop`` (strings that are one token each) and
 ``logprobs`` are honoured; what the sampler cannot do (``n`` > 1, penalties, ``logit_bias``,
 top alternatives, a forced tool call, a response format) is a 400 naming the parameter.
-``stream=true`` answers in OpenAI's streaming shape once the sample is complete (one chunk
-with the whole reply). A prompt longer than the engine's prefill length is a 400 with both
-lengths; an unknown model a 404.
+``stream=true`` answers in OpenAI's streaming shape token by token as the driver draws them
+(a chat with tools: once the reply is complete and its calls parsed). A prompt longer than
+the engine's prefill length is a 400 with both lengths; an unknown model a 404.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from rlax_llm.errors import ToolCallError
 from rlax_llm.models.files.chat_template import template_messages
 from rlax_llm.rollout.driver import Sample
 from rlax_llm.rollout.engine import MAX_STOP_IDS
-from rlax_llm.rollout.episodes import ChatRenderer
+from rlax_llm.rollout.episodes import make_renderer
 from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.serve.recorder import Call, EpisodeRecorder, RewardFn
@@ -79,6 +80,8 @@ _UNSUPPORTED = {'n': 1, 'presence_penalty': 0, 'frequency_penalty': 0, 'logit_bi
 _TOOL_CHOICES = (None, 'auto', 'none')
 # Seconds between two checks of whether a waiting client is still connected.
 _DISCONNECT_POLL_S = 0.05
+# Seconds between two looks at a streamed sample's tokens (a chunk's text at most this often).
+_STREAM_POLL_S = 0.02
 
 
 class ApiError(Exception):
@@ -94,6 +97,19 @@ class ApiError(Exception):
     return JSONResponse({'error': {'message': self.message, 'type': self.kind,
                                    'param': self.param, 'code': self.code}},
                         status_code=self.status)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+  """A completion request as parsed: its episode, body, kind, prompt ids, template messages
+  (chat) and whether its reply's tool calls are parsed."""
+
+  episode: str
+  body: Mapping[str, Any]
+  chat: bool
+  prompt_ids: list[int]
+  messages: list[dict[str, Any]] | None
+  parse_tools: bool
 
 
 @dataclasses.dataclass
@@ -118,25 +134,40 @@ class Endpoint:
     max_waiting: requests that may wait for the engine; more get a 429.
     seed: the root of the PRNG keys of requests without a ``seed``.
     refresh: called before every decode step (e.g. a pull of newer weights).
+    sampling: the policy every request samples with (a training run's: the trainer scores
+      the tokens under this transform), the requests' ``temperature``, ``top_p`` and
+      ``top_k`` ignored (counted in ``stats['sampling_overridden']``); None: each request's.
+    max_tokens: the length cap of a request that names none (None: the engine's
+      ``max_new_tokens``).
+    max_open_episodes, episode_ttl_s: the recorder's bounds on open episodes
+      (``EpisodeRecorder``).
   """
 
   def __init__(self, worker: InferenceWorker, *, model_name: str, api_key: str | None = None,
                host: str = '127.0.0.1', port: int = 0, reward_fn: RewardFn | None = None,
                max_waiting: int = 64, seed: int = 0,
-               refresh: Callable[[], None] | None = None):
+               refresh: Callable[[], None] | None = None, sampling: SamplingSpec | None = None,
+               max_tokens: int | None = None, max_open_episodes: int = 4096,
+               episode_ttl_s: float = 3600.0):
     self.worker = worker
     self.tokenizer = worker.tokenizer
     self.model_name = model_name
     self.api_key = api_key
     self.host, self.port = host, port
-    self.recorder = EpisodeRecorder(reward_fn)
+    self.recorder = EpisodeRecorder(reward_fn, max_open=max_open_episodes,
+                                    ttl_s=episode_ttl_s)
+    self.sampling = sampling
+    self.max_tokens = max_tokens
     self.scheduler = Scheduler(worker, max_waiting=max_waiting, refresh=refresh)
     self.tool_format = tool_format_for(self.tokenizer)
     self.stats: collections.Counter[str] = collections.Counter()
     self._root = jax.random.key(seed)
     self._counter = itertools.count()
-    self._chats: dict[str, _ChatState] = {}
     self._lock = threading.Lock()
+    # Episodes opened with a key (``open_episode``): name -> [key data, calls submitted].
+    self._keys: dict[str, list] = {}
+    self._abandoned: set[str] = set()
+    self._tickets: dict[str, list] = collections.defaultdict(list)  # in flight, per episode
     self._server: uvicorn.Server | None = None
     self._thread: threading.Thread | None = None
     self.app = self._build_app()
@@ -154,7 +185,9 @@ class Endpoint:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((self.host, self.port))
     self.port = sock.getsockname()[1]
-    config = uvicorn.Config(self.app, log_level='warning', lifespan='off')
+    # A connection still open 5 s after stop() (a client hung mid-call) is closed.
+    config = uvicorn.Config(self.app, log_level='warning', lifespan='off',
+                            timeout_graceful_shutdown=5)
     self._server = uvicorn.Server(config)
     self._thread = threading.Thread(target=self._server.run, kwargs={'sockets': [sock]},
                                     name='rlax-serve-http', daemon=True)
@@ -174,6 +207,27 @@ class Endpoint:
       self._thread.join()
       self._server = None
     self.scheduler.stop()
+
+  def open_episode(self, name: str, key_data: np.ndarray, *, episode_id: int | None = None,
+                   group_id: int | None = None, prompt_id: int = -1) -> None:
+    """Opens episode ``name`` before its first call (``EpisodeRecorder.open``, with these
+    ids): call ``n`` of it samples with the PRNG key ``fold_in(key, n)`` (``key_data``: uint32
+    key data), whatever ``seed`` it asks for, so its tokens depend on its key alone (a training
+    run's episodes)."""
+    self.recorder.open(name, episode_id=episode_id, group_id=group_id, prompt_id=prompt_id)
+    with self._lock:
+      self._keys[name] = [np.asarray(key_data, np.uint32), 0]
+
+  def abandon(self, name: str) -> None:
+    """Ends episode ``name`` from the server's side (its harness timed out): its requests in
+    flight are cancelled (their slots freed) and later ones answered 409
+    ``episode_abandoned``; what it recorded stays in the recorder."""
+    with self._lock:
+      self._abandoned.add(name)
+      tickets = list(self._tickets.get(name, ()))
+    for ticket in tickets:
+      ticket.cancel.set()
+    self.stats['abandoned'] += 1
 
   def __enter__(self) -> Self:
     return self.start()
@@ -235,8 +289,6 @@ class Endpoint:
                        'already.', code='episode_not_found') from None
       except ValueError as error:
         raise ApiError(400, str(error), param='reward') from None
-      with self._lock:
-        self._chats.pop(episode_id, None)
       return {'episode_id': episode_id, 'reward': episode.reward, 'calls': len(episode.calls),
               'trajectories': len(episode.trajectories), 'id': episode.episode_id}
 
@@ -268,6 +320,7 @@ class Endpoint:
     self._check_model(body.get('model'))
     episode = request.headers.get(EPISODE_HEADER) or body.get('user') or (
         f'episode-{uuid.uuid4().hex}')
+    self._check_abandoned(episode)
     sampling, max_new, stop_ids = self._sampling(body)
     tools = body.get('tools') or None
     parse_tools = chat and tools is not None and body.get('tool_choice') != 'none'
@@ -282,59 +335,172 @@ class Endpoint:
                      f'has {len(prompt_ids)} tokens. Shorten it (or serve with a larger '
                      'max_prompt_len).', param='messages' if chat else 'prompt',
                      code='context_length_exceeded')
-    seed = body.get('seed')
-    key = (jax.random.key(seed) if seed is not None
-           else jax.random.fold_in(self._root, next(self._counter)))
     try:
       ticket = self.scheduler.submit(prompt_ids, sampling, max_new, stop_ids,
-                                     np.asarray(jax.random.key_data(key)))
+                                     self._key_data(episode, body.get('seed')))
     except Busy as error:
       raise ApiError(429, str(error), code='server_busy', kind='rate_limit_error') from None
     except ValueError as error:
       raise ApiError(400, str(error)) from None
+    self._track(episode, ticket)
+    usage = bool((body.get('stream_options') or {}).get('include_usage'))
+    call = _Request(episode, body, chat, prompt_ids, messages, parse_tools)
+    if body.get('stream') and not parse_tools:  # token by token, as the driver samples them
+      return StreamingResponse(self._stream(call, ticket, usage), media_type='text/event-stream',
+                               headers={EPISODE_HEADER: episode,
+                                        'X-Params-Version': str(self.worker.version)})
     try:
       sample = await self._wait(request, ticket)
     except Exception as error:  # noqa: BLE001  (the batch failed: this request's error only)
       self.stats['generation_errors'] += 1
       raise ApiError(500, f'generation failed: {type(error).__name__}: {error}',
                      kind='server_error', code='generation_failed') from None
-    if sample is None:  # the client is gone
+    finally:
+      self._untrack(episode, ticket)
+    if sample is None or sample.finish_reason == 'cancelled':  # the client or episode is gone
+      self._check_abandoned(episode)
       return fastapi.Response(status_code=499)
-    text = self.tokenizer.decode(sample.tokens, stop_at_eos=True)
-    index = self.recorder.record(episode, Call(
-        tuple(prompt_ids), tuple(sample.tokens), tuple(sample.logprobs),
-        tuple(sample.supports), tuple(sample.versions), sample.finish_reason, text))
-    if not chat:
-      payload = self._completion_payload(body, sample, text)
-    else:
-      calls = self._tool_calls(text) if parse_tools else []
-      reply = self._reply(text, calls, episode, index)
-      if messages is not None:
-        state = _ChatState([_canonical(m, self.tool_format) for m in messages]
-                           + [_canonical(reply, self.tool_format)],
-                           list(prompt_ids) + list(sample.tokens),
-                           sample.tokens[-1] if sample.finish_reason == 'stop' else None)
-        with self._lock:
-          self._chats[episode] = state
-      payload = self._chat_payload(body, sample, reply, bool(calls))
-    payload['usage'] = {'prompt_tokens': len(prompt_ids),
-                        'completion_tokens': len(sample.tokens),
-                        'total_tokens': len(prompt_ids) + len(sample.tokens)}
+    payload = self._answer(call, sample)
     headers = {EPISODE_HEADER: episode,
                'X-Params-Version': str(max(sample.versions, default=self.worker.version))}
-    if body.get('stream'):
-      usage = bool((body.get('stream_options') or {}).get('include_usage'))
+    if body.get('stream'):  # with tools: whole, once the calls are parsed
       return StreamingResponse(_stream_events(payload, chat, usage), headers=headers,
                                media_type='text/event-stream')
     return JSONResponse(payload, headers=headers)
 
+  def _answer(self, call: _Request, sample: Sample) -> dict[str, Any]:
+    """Records ``sample`` under the call's episode (and the chat state its next call extends)
+    and returns the response's payload."""
+    text = self.tokenizer.decode(sample.tokens, stop_at_eos=True)
+    index = self.recorder.record(call.episode, Call(
+        tuple(call.prompt_ids), tuple(sample.tokens), tuple(sample.logprobs),
+        tuple(sample.supports), tuple(sample.versions), sample.finish_reason, text))
+    if not call.chat:
+      payload = self._completion_payload(call.body, sample, text)
+    else:
+      calls = self._tool_calls(text) if call.parse_tools else []
+      reply = self._reply(text, calls, call.episode, index)
+      if call.messages is not None:
+        state = _ChatState([_canonical(m, self.tool_format) for m in call.messages]
+                           + [_canonical(reply, self.tool_format)],
+                           list(call.prompt_ids) + list(sample.tokens),
+                           sample.tokens[-1] if sample.finish_reason == 'stop' else None)
+        try:
+          self.recorder.attach(call.episode, state)
+        except KeyError:  # closed (or evicted) while this call ran: nothing to extend
+          pass
+      payload = self._chat_payload(call.body, sample, reply, bool(calls))
+    payload['usage'] = {'prompt_tokens': len(call.prompt_ids),
+                        'completion_tokens': len(sample.tokens),
+                        'total_tokens': len(call.prompt_ids) + len(sample.tokens)}
+    return payload
+
+  async def _stream(self, call: _Request, ticket, usage: bool):
+    """Server-sent events of a sample as it is drawn: a chunk for each piece of text the
+    tokens decoded so far add (at most one per ``_STREAM_POLL_S``; text ending in a partial
+    character waits for its next token), then the finish reason, the usage if asked and
+    ``[DONE]``. The call is recorded once its sample is complete. A client that goes away
+    cancels the sample (its slot freed); a failed batch ends the stream with an error
+    event."""
+    head = {'id': f'{"chatcmpl" if call.chat else "cmpl"}-{uuid.uuid4().hex}',
+            'created': int(time.time()), 'model': self.model_name,
+            'object': 'chat.completion.chunk' if call.chat else 'text_completion'}
+    want_logprobs = bool(call.body.get('logprobs')) if call.chat else (
+        call.body.get('logprobs') is not None)
+    sent, covered = '', 0  # the text sent and the tokens it came from
+    future = asyncio.wrap_future(ticket.future)
+    try:
+      if call.chat:
+        yield _event(head, _choice(True, '', role=True))
+      while not future.done():
+        await asyncio.wait({future}, timeout=_STREAM_POLL_S)
+        live = ticket.live
+        if future.done() or live is None:
+          continue
+        n = len(live.versions)  # Sample.append adds versions last: tokens[:n] are complete
+        text = self.tokenizer.decode(live.tokens[:n], stop_at_eos=True)
+        if len(text) > len(sent) and text.startswith(sent) and not text.endswith('\ufffd'):
+          yield _event(head, _choice(call.chat, text[len(sent):], logprobs=self._piece_logprobs(
+              live, covered, n, call.chat) if want_logprobs else None))
+          sent, covered = text, n
+      if ticket.future.cancelled():
+        return
+      try:
+        sample = future.result()
+      except Exception as error:  # noqa: BLE001  (the batch failed: this request's error only)
+        self.stats['generation_errors'] += 1
+        failed = ApiError(500, f'generation failed: {type(error).__name__}: {error}',
+                          kind='server_error', code='generation_failed')
+        yield f'data: {failed.response().body.decode()}\n\n'
+        return
+      if sample.finish_reason == 'cancelled':
+        return
+      payload = self._answer(call, sample)
+      text = self.tokenizer.decode(sample.tokens, stop_at_eos=True)
+      if len(text) > len(sent) and text.startswith(sent):
+        yield _event(head, _choice(call.chat, text[len(sent):], logprobs=self._piece_logprobs(
+            sample, covered, len(sample.tokens), call.chat) if want_logprobs else None))
+      yield _event(head, _choice(call.chat, None, finish=_finish(sample)))
+      if usage:
+        yield f'data: {json.dumps({**head, "choices": [], "usage": payload["usage"]})}\n\n'
+      yield 'data: [DONE]\n\n'
+      self.stats['streamed'] += 1
+    finally:
+      if not ticket.future.done():  # the client went away mid-stream: free its slot
+        ticket.cancel.set()
+        self.stats['disconnects'] += 1
+      self._untrack(call.episode, ticket)
+
+  def _piece_logprobs(self, sample: Sample, lo: int, hi: int, chat: bool) -> dict[str, Any]:
+    """The log-probs of tokens ``[lo, hi)`` of ``sample`` in a stream chunk's shape."""
+    pairs = self._token_logprobs(sample, lo, hi)
+    if chat:
+      return {'content': [{'token': t, 'logprob': lp, 'bytes': list(t.encode()),
+                           'top_logprobs': []} for t, lp in pairs]}
+    return {'tokens': [t for t, _ in pairs], 'token_logprobs': [lp for _, lp in pairs],
+            'top_logprobs': None}
+
+  def _check_abandoned(self, episode: str) -> None:
+    with self._lock:
+      abandoned = episode in self._abandoned
+    if abandoned:
+      raise ApiError(409, f'episode {episode!r} was ended by the trainer (its harness ran past '
+                     'its timeout); start a new episode.', code='episode_abandoned')
+
+  def _key_data(self, episode: str, seed: int | None) -> np.ndarray:
+    """The PRNG key data of the episode's next call: ``fold_in(key, n)`` for an episode
+    opened with a key (``open_episode``), else ``key(seed)``, else the endpoint's root key
+    folded with a call counter."""
+    with self._lock:
+      entry = self._keys.get(episode)
+      if entry is not None:
+        entry[1] += 1
+        key = jax.random.fold_in(jax.random.wrap_key_data(entry[0]), entry[1] - 1)
+      elif seed is not None:
+        key = jax.random.key(seed)
+      else:
+        key = jax.random.fold_in(self._root, next(self._counter))
+    return np.asarray(jax.random.key_data(key))
+
+  def _track(self, episode: str, ticket) -> None:
+    with self._lock:
+      self._tickets[episode].append(ticket)
+
+  def _untrack(self, episode: str, ticket) -> None:
+    with self._lock:
+      tickets = self._tickets[episode]
+      tickets.remove(ticket)
+      if not tickets:
+        del self._tickets[episode]
+
   async def _wait(self, request: fastapi.Request, ticket) -> Sample | None:
-    """The ticket's sample, or None (its slot freed) if the client disconnects first."""
+    """The ticket's sample, or None (its slot freed) if the client disconnects first or the
+    ticket was cancelled before it started."""
     future = asyncio.wrap_future(ticket.future)
     while True:
       done, _ = await asyncio.wait({future}, timeout=_DISCONNECT_POLL_S)
       if done:
-        return future.result()
+        return None if ticket.future.cancelled() else future.result()
       if await request.is_disconnected():
         ticket.cancel.set()
         self.stats['disconnects'] += 1
@@ -363,14 +529,19 @@ class Endpoint:
                      'recorded (logprobs=0 for completions, true for chat), not top '
                      'alternatives.', param='logprobs', code='unsupported_parameter')
     get = lambda name, default: default if body.get(name) is None else body[name]
-    try:
-      spec = SamplingSpec(temperature=get('temperature', 1.0), top_k=get('top_k', 0),
-                          top_p=get('top_p', 1.0))
-    except ValueError as error:
-      raise ApiError(400, str(error), param='temperature', code='invalid_value') from None
+    if self.sampling is not None:  # the run's policy, whatever the request asks
+      spec = self.sampling
+      if any(body.get(name) is not None for name in ('temperature', 'top_p', 'top_k')):
+        self.stats['sampling_overridden'] += 1
+    else:
+      try:
+        spec = SamplingSpec(temperature=get('temperature', 1.0), top_k=get('top_k', 0),
+                            top_p=get('top_p', 1.0))
+      except ValueError as error:
+        raise ApiError(400, str(error), param='temperature', code='invalid_value') from None
     cap = self.worker.engine.max_decode_length
     max_new = body.get('max_completion_tokens', body.get('max_tokens'))
-    max_new = cap if max_new is None else max_new
+    max_new = (self.max_tokens or cap) if max_new is None else max_new
     if isinstance(max_new, bool) or not isinstance(max_new, int) or not 1 <= max_new <= cap:
       raise ApiError(400, f'max_tokens={max_new!r} must be an int in [1, {cap}] (the engine\'s '
                      'max_new_tokens).', param='max_tokens', code='invalid_value')
@@ -422,9 +593,6 @@ class Endpoint:
                    ) -> tuple[list[int], list[dict[str, Any]]]:
     """The prompt ids of a chat request and its template messages; spliced onto the
     episode's previous call where the messages extend it (the module docstring)."""
-    if self.tokenizer.chat_template is None:
-      raise ApiError(400, f'{self.model_name} has no chat template; use /v1/completions with '
-                     'a text prompt.', param='messages')
     raw = body.get('messages')
     if not isinstance(raw, list) or not raw or not all(isinstance(m, dict) for m in raw):
       raise ApiError(400, f'messages must be a non-empty list of objects; got {raw!r:.100}.',
@@ -435,7 +603,7 @@ class Endpoint:
                      param='tools')
     # The multi-turn runner's renderer: the tools in the checkpoint's format (with_tools),
     # the same ids for a conversation whichever of the two builds it.
-    renderer = ChatRenderer(self.tokenizer, tools)
+    renderer = make_renderer(self.tokenizer, tools)
     try:
       messages = template_messages([_template_message(m, self.tool_format) for m in raw])
       fresh = renderer.prompt(messages)
@@ -443,8 +611,7 @@ class Endpoint:
     except Exception as error:  # noqa: BLE001  (malformed messages, or a template that raises)
       raise ApiError(400, f'these messages cannot be rendered by the chat template: '
                      f'{type(error).__name__}: {error}', param='messages') from None
-    with self._lock:
-      state = self._chats.get(episode)
+    state = self.recorder.attached(episode)
     k = 0 if state is None else len(state.messages)
     if state is None or len(messages) <= k or canonical[:k] != state.messages:
       return fresh, messages
@@ -480,9 +647,11 @@ class Endpoint:
           for i, call in enumerate(calls)]
     return message
 
-  def _token_logprobs(self, sample: Sample) -> list[tuple[str, float]]:
+  def _token_logprobs(self, sample: Sample, lo: int = 0, hi: int | None = None
+                      ) -> list[tuple[str, float]]:
+    """``(token text, log-prob)`` of tokens ``[lo, hi)`` of ``sample``."""
     return [(self.tokenizer.decode([t], stop_at_eos=False), float(lp))
-            for t, lp in zip(sample.tokens, sample.logprobs)]
+            for t, lp in zip(sample.tokens[lo:hi], sample.logprobs[lo:hi])]
 
   def _completion_payload(self, body, sample: Sample, text: str) -> dict[str, Any]:
     logprobs = None
@@ -499,8 +668,7 @@ class Endpoint:
   def _chat_payload(self, body, sample: Sample, reply, tool_calls: bool) -> dict[str, Any]:
     logprobs = None
     if body.get('logprobs'):
-      logprobs = {'content': [{'token': t, 'logprob': lp, 'bytes': list(t.encode()),
-                               'top_logprobs': []} for t, lp in self._token_logprobs(sample)]}
+      logprobs = self._piece_logprobs(sample, 0, len(sample.tokens), chat=True)
     return {'id': f'chatcmpl-{uuid.uuid4().hex}', 'object': 'chat.completion',
             'created': int(time.time()), 'model': self.model_name,
             'choices': [{'index': 0, 'message': reply, 'logprobs': logprobs,
@@ -515,21 +683,33 @@ def _stream_events(payload: dict[str, Any], chat: bool, usage: bool):
           'object': 'chat.completion.chunk' if chat else 'text_completion'}
   if chat:
     message = choice['message']
-    delta = {'role': 'assistant', 'content': message.get('content')}
+    first = _choice(True, message.get('content'), role=True, logprobs=choice['logprobs'])
     if message.get('tool_calls'):
-      delta['tool_calls'] = [{'index': i, **call}
-                             for i, call in enumerate(message['tool_calls'])]
-    first = {'index': 0, 'delta': delta, 'logprobs': choice['logprobs'], 'finish_reason': None}
-    last = {'index': 0, 'delta': {}, 'logprobs': None, 'finish_reason': choice['finish_reason']}
+      first['delta']['tool_calls'] = [{'index': i, **call}
+                                      for i, call in enumerate(message['tool_calls'])]
   else:
     first = {**choice, 'finish_reason': None}
-    last = {'index': 0, 'text': '', 'logprobs': None, 'finish_reason': choice['finish_reason']}
-  chunks = [{**head, 'choices': [first]}, {**head, 'choices': [last]}]
+  yield _event(head, first)
+  yield _event(head, _choice(chat, None, finish=choice['finish_reason']))
   if usage:
-    chunks.append({**head, 'choices': [], 'usage': payload['usage']})
-  for chunk in chunks:
-    yield f'data: {json.dumps(chunk)}\n\n'
+    yield f'data: {json.dumps({**head, "choices": [], "usage": payload["usage"]})}\n\n'
   yield 'data: [DONE]\n\n'
+
+
+def _choice(chat: bool, text: str | None, *, role: bool = False, finish: str | None = None,
+            logprobs: Any = None) -> dict[str, Any]:
+  """One streamed choice: a chat ``delta`` (with the role in the first) or a completion's
+  ``text`` piece; the last carries the finish reason and no text."""
+  if chat:
+    delta = {} if text is None and not role else {'content': text}
+    if role:
+      delta = {'role': 'assistant', **delta}
+    return {'index': 0, 'delta': delta, 'logprobs': logprobs, 'finish_reason': finish}
+  return {'index': 0, 'text': text or '', 'logprobs': logprobs, 'finish_reason': finish}
+
+
+def _event(head: dict[str, Any], choice: dict[str, Any]) -> str:
+  return f'data: {json.dumps({**head, "choices": [choice]})}\n\n'
 
 
 def _finish(sample: Sample) -> str:

@@ -23,7 +23,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -59,7 +61,8 @@ class Call:
 
 def stitch(calls: Sequence[Call], *, episode_id: int = 0, group_id: int = 0,
            prompt_id: int = -1, reward: float = 0.0,
-           turn_rewards: Sequence[float] | None = None) -> list[Trajectory]:
+           turn_rewards: Sequence[float] | None = None, termination: str = 'done'
+           ) -> list[Trajectory]:
   """The trajectories of an episode's ``calls`` (in call order), stitched where each call's
   prompt extends the tokens so far and split where it does not (the module docstring).
 
@@ -67,7 +70,8 @@ def stitch(calls: Sequence[Call], *, episode_id: int = 0, group_id: int = 0,
   ``episode_id``, ``group_id``, ``prompt_id`` and ``episode_return=reward`` (an episode split
   in several gives each the episode's reward); ``turn_rewards``: one per call (default 0);
   every turn's ``turn_mask`` True; ``state_ids[n]``: ``state_id`` of the ids before turn
-  ``n`` (equal histories, equal states); ``termination`` 'done'. None for no calls: ``[]``.
+  ``n`` (equal histories, equal states); ``termination`` (``data_types.TERMINATIONS``) why
+  the episode ended. No calls: ``[]``.
   Raises ValueError when ``turn_rewards`` does not hold one value per call.
   """
   if turn_rewards is not None and len(turn_rewards) != len(calls):
@@ -78,11 +82,12 @@ def stitch(calls: Sequence[Call], *, episode_id: int = 0, group_id: int = 0,
   for call, turn_reward in zip(calls, rewards):
     if current is None or not _extends(call.prompt_ids, current['tokens']):
       if current is not None:
-        trajectories.append(_finish(current, episode_id, group_id, prompt_id, reward))
+        trajectories.append(_finish(current, episode_id, group_id, prompt_id, reward,
+                                    termination))
       current = collections.defaultdict(list)
     _add_turn(current, call.prompt_ids[len(current['tokens']):], call, turn_reward)
   if current is not None:
-    trajectories.append(_finish(current, episode_id, group_id, prompt_id, reward))
+    trajectories.append(_finish(current, episode_id, group_id, prompt_id, reward, termination))
   return trajectories
 
 
@@ -109,8 +114,8 @@ def _add_turn(parts, environment: Sequence[int], call: Call, turn_reward: float)
   parts['texts'].append(call.text)
 
 
-def _finish(parts, episode_id: int, group_id: int, prompt_id: int, reward: float
-            ) -> Trajectory:
+def _finish(parts, episode_id: int, group_id: int, prompt_id: int, reward: float,
+            termination: str) -> Trajectory:
   turns = len(parts['starts'])
   return Trajectory(
       episode_id=episode_id, group_id=group_id, prompt_id=prompt_id,
@@ -123,7 +128,7 @@ def _finish(parts, episode_id: int, group_id: int, prompt_id: int, reward: float
       turn_ends=np.asarray(parts['ends'], np.int32),
       turn_rewards=np.asarray(parts['rewards'], np.float32),
       turn_mask=np.ones(turns, bool), state_ids=np.asarray(parts['states'], np.int64),
-      episode_return=float(reward), termination='done', texts=tuple(parts['texts']))
+      episode_return=float(reward), termination=termination, texts=tuple(parts['texts']))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,50 +152,102 @@ class EpisodeRecorder:
 
   An episode is named by the harness (a string: the ``X-Episode-Id`` header or the ``user``
   field) and numbered by the recorder (``Trajectory.episode_id``: 0, 1, ... in order of each
-  episode's first call). ``close(name, reward)`` stitches it (``stitch``) and puts the
+  episode's first call), unless it was ``open``-ed beforehand with its ids (a training run's
+  harness episodes). ``close(name, reward)`` stitches it (``stitch``) and puts the
   ``RecordedEpisode`` on ``finished``, a queue the trainer's side drains with ``take``. With
   ``reward=None`` the reward is ``reward_fn(name, calls)``; a ``reward_fn`` that raises gives
   reward 0, counted in ``stats['reward_errors']``, never an exception in the endpoint.
+
+  Memory is bounded: at most ``max_open`` episodes are open at once; opening one more drops
+  the open episode whose last call is the oldest (its calls are lost, counted in
+  ``stats['evicted']``), and an episode with no call for ``ttl_s`` seconds is dropped the
+  same way the next time one opens (a harness that never posts its reward does not keep its
+  calls for ever).
   """
 
-  def __init__(self, reward_fn: RewardFn | None = None):
+  def __init__(self, reward_fn: RewardFn | None = None, *, max_open: int = 4096,
+               ttl_s: float = 3600.0):
+    if max_open < 1 or not ttl_s > 0:
+      raise ValueError(f'max_open={max_open} must be >= 1 and ttl_s={ttl_s} > 0.')
     self.reward_fn = reward_fn
+    self.max_open = max_open
+    self.ttl_s = float(ttl_s)
     self._lock = threading.Lock()
-    self._open: dict[str, tuple[int, list[Call]]] = {}
+    # name -> its episode; dict order: least recently called first.
+    self._open: dict[str, _Open] = {}
     self._next_id = 0
     self.finished: collections.deque[RecordedEpisode] = collections.deque()
     self.stats: collections.Counter[str] = collections.Counter()
 
+  def open(self, name: str, *, episode_id: int | None = None, group_id: int | None = None,
+           prompt_id: int = -1) -> int:
+    """Opens episode ``name`` before its first call, with the ids its trajectories get
+    (``episode_id`` None: the next number; ``group_id`` None: the episode's own id;
+    ``prompt_id``: the task instance). Returns its episode id; ValueError if it is open."""
+    with self._lock:
+      if name in self._open:
+        raise ValueError(f'episode {name!r} is open already; close it first.')
+      return self._admit(name, episode_id, group_id, prompt_id).episode_id
+
+  def _admit(self, name: str, episode_id: int | None, group_id: int | None, prompt_id: int
+             ) -> _Open:
+    """Opens ``name`` (the lock held), first dropping expired episodes and, at ``max_open``,
+    the least recently called one."""
+    now = time.monotonic()
+    for stale, episode in list(self._open.items()):
+      if now - episode.last_call <= self.ttl_s and len(self._open) < self.max_open:
+        break
+      del self._open[stale]
+      self.stats['evicted'] += 1
+    if episode_id is None:
+      episode_id = self._next_id
+      self._next_id += 1
+    episode = _Open(episode_id, episode_id if group_id is None else group_id, prompt_id, now)
+    self._open[name] = episode
+    return episode
+
   def record(self, name: str, call: Call) -> int:
     """Adds ``call`` to episode ``name`` (opening it); returns the call's index in it."""
     with self._lock:
-      if name not in self._open:
-        self._open[name] = (self._next_id, [])
-        self._next_id += 1
-      calls = self._open[name][1]
-      calls.append(call)
+      episode = self._open.pop(name, None) or self._admit(name, None, None, -1)
+      self._open[name] = episode  # the most recently called last
+      episode.calls.append(call)
+      episode.last_call = time.monotonic()
       self.stats['calls'] += 1
-      return len(calls) - 1
+      return len(episode.calls) - 1
+
+  def attach(self, name: str, value: Any) -> None:
+    """Keeps ``value`` with open episode ``name`` (the endpoint's chat state), dropped with
+    the episode; KeyError if none is open."""
+    with self._lock:
+      self._open[name].attached = value
+
+  def attached(self, name: str) -> Any:
+    """What was ``attach``-ed to open episode ``name`` (None: nothing, or no such episode)."""
+    with self._lock:
+      episode = self._open.get(name)
+      return None if episode is None else episode.attached
 
   def calls(self, name: str) -> tuple[Call, ...]:
     """The calls recorded so far in episode ``name`` (KeyError if none is open)."""
     with self._lock:
-      return tuple(self._open[name][1])
+      return tuple(self._open[name].calls)
 
   def close(self, name: str, reward: float | None = None,
             turn_rewards: Sequence[float] | None = None, *, group_id: int | None = None,
-            prompt_id: int = -1) -> RecordedEpisode:
+            prompt_id: int | None = None, termination: str = 'done') -> RecordedEpisode:
     """Closes episode ``name`` with ``reward`` (None: ``reward_fn``'s) and returns it.
 
     ``turn_rewards``: one per call. ``group_id``: the group whose returns are compared (GRPO;
-    default: the episode's own id, a group of one); ``prompt_id``: the task instance (-1:
-    none named). Raises KeyError when no such episode is open, ValueError when ``reward_fn``
-    is needed but missing or ``turn_rewards`` does not hold one value per call (the episode
-    stays open).
+    default: the one it was opened with, else the episode's own id, a group of one);
+    ``prompt_id``: the task instance (default: the one it was opened with, else -1);
+    ``termination``: why it ended (``data_types.TERMINATIONS``). Raises KeyError when no such
+    episode is open, ValueError when ``reward_fn`` is needed but missing or ``turn_rewards``
+    does not hold one value per call (the episode stays open).
     """
     with self._lock:
-      episode_id, calls = self._open[name]
-      calls = tuple(calls)
+      episode = self._open[name]
+      calls = tuple(episode.calls)
       if reward is None and self.reward_fn is None:
         raise ValueError(f'episode {name!r} was closed without a reward and the endpoint has '
                          'no reward_fn; post {"reward": <number>}.')
@@ -204,16 +261,18 @@ class EpisodeRecorder:
       except Exception:  # noqa: BLE001  (a user function never crashes the endpoint)
         reward = 0.0
         self.stats['reward_errors'] += 1
-    trajectories = stitch(calls, episode_id=episode_id,
-                          group_id=episode_id if group_id is None else group_id,
-                          prompt_id=prompt_id, reward=reward, turn_rewards=turn_rewards)
-    episode = RecordedEpisode(name, episode_id, calls, tuple(trajectories), float(reward))
+    trajectories = stitch(calls, episode_id=episode.episode_id,
+                          group_id=episode.group_id if group_id is None else group_id,
+                          prompt_id=episode.prompt_id if prompt_id is None else prompt_id,
+                          reward=reward, turn_rewards=turn_rewards, termination=termination)
+    closed = RecordedEpisode(name, episode.episode_id, calls, tuple(trajectories),
+                             float(reward))
     with self._lock:
-      self.finished.append(episode)
+      self.finished.append(closed)
       self.stats['episodes'] += 1
       self.stats['trajectories'] += len(trajectories)
-      self.stats['splits'] += len(trajectories) - 1
-    return episode
+      self.stats['splits'] += max(0, len(trajectories) - 1)
+    return closed
 
   def take(self) -> list[RecordedEpisode]:
     """The closed episodes not taken yet, oldest first."""
@@ -221,3 +280,16 @@ class EpisodeRecorder:
       taken = list(self.finished)
       self.finished.clear()
       return taken
+
+
+@dataclasses.dataclass
+class _Open:
+  """An open episode: its ids, when its last call was recorded (``time.monotonic``), its
+  calls so far and what the endpoint keeps with it (``EpisodeRecorder.attach``)."""
+
+  episode_id: int
+  group_id: int
+  prompt_id: int
+  last_call: float
+  calls: list[Call] = dataclasses.field(default_factory=list)
+  attached: Any = None

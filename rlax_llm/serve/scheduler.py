@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from rlax_llm.rollout.driver import Job
+from rlax_llm.rollout.driver import Job, Sample
 from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.sampling_spec import SamplingSpec
 
@@ -36,12 +36,15 @@ class Busy(RuntimeError):
 
 @dataclasses.dataclass
 class Ticket:
-  """A submitted request: its job, the future of its ``Sample`` and its cancel flag."""
+  """A submitted request: its job, the future of its ``Sample``, its cancel flag and the
+  sample while it is drawn (``live``: the driver's growing ``Sample``, set at its first
+  token)."""
 
   job: Job
   future: concurrent.futures.Future = dataclasses.field(
       default_factory=concurrent.futures.Future)
   cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
+  live: Sample | None = None  # the sample as it grows, token by token (for streaming)
 
 
 class Scheduler:
@@ -121,8 +124,10 @@ class Scheduler:
   def _run(self, batch: list[Ticket]) -> None:
     self.stats['batches'] += 1
     try:
-      results = self.worker.driver.run([t.job for t in batch], refresh=self.refresh,
-                                       cancelled=lambda j: batch[j].cancel.is_set())
+      results = self.worker.driver.run(
+          [t.job for t in batch], refresh=self.refresh,
+          cancelled=lambda j: batch[j].cancel.is_set(),
+          on_token=lambda j, i, sample: setattr(batch[j], 'live', sample))
     except Exception as error:  # noqa: BLE001  (a failed batch fails only its requests)
       self.stats['batch_errors'] += 1
       for ticket in batch:

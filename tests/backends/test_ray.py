@@ -137,6 +137,7 @@ def test_a_dead_worker_process_is_replaced(cluster, tmp_path):
   assert 'inference worker 1 was lost' in summary['events'][0]
 
 
+@pytest.mark.slow  # about 29 s; APRIL runs locally in tests/test_async.py (suite time)
 def test_partial_rollouts_on_ray_equal_local(cluster, tmp_path):
   """APRIL's unfinished groups travel to the worker actors inside requests (with their
   keys and tokens) and come back continued: the same run as the local backend."""
@@ -239,6 +240,8 @@ class DriverTraffic:
                if (tuple(a.shape), np.dtype(a.dtype)) in signatures)
 
 
+@pytest.mark.slow  # about 44 s; the default run checks the same traffic on the Ray
+# preempted-and-resumed run (test_ray_resume.py), with a lighter control (suite time)
 def test_the_driver_carries_no_weight_bytes(cluster, tmp_path, monkeypatch):
   """While a Ray run trains, is preempted (a checkpoint with a batch in flight) and resumes,
   every object crossing the driver through Ray is recorded: none holds an array shaped like

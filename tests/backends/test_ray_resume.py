@@ -13,6 +13,8 @@ import signal
 import subprocess
 import time
 
+import jax
+import numpy as np
 import pytest
 
 ray = pytest.importorskip('ray')
@@ -20,8 +22,12 @@ ray = pytest.importorskip('ray')
 from rlax_llm.backends import build_run  # noqa: E402
 from rlax_llm.backends.ray import TrainerLost  # noqa: E402
 from rlax_llm.checkpoint import latest_step  # noqa: E402
+from rlax_llm import roles  # noqa: E402
 from rlax_llm.config import run_spec  # noqa: E402
+from rlax_llm.data_types import Rollouts, TrainBatch  # noqa: E402
 from rlax_llm.errors import RlaxError  # noqa: E402
+
+from test_ray import DriverTraffic  # noqa: E402  (tests/backends/test_ray.py)
 
 from test_resume import (Preempt, _final_params, _launch, _wait_for_rows,  # noqa: E402
                          assert_same_params, read, run_once, smoke)
@@ -59,14 +65,33 @@ def preempted(config, workdir, seed, times):
     (1, 1, 0, 1),  # the default run's case (about 45 s here); three preemptions are slow
     pytest.param(1, 1, 0, 3, marks=pytest.mark.slow),
     pytest.param(4, 8, 1, 3, marks=pytest.mark.slow)])
-def test_ray_preempted_and_resumed_equals_an_uninterrupted_run(cluster, tmp_path, j, k, seed,
-                                                               times):
+def test_ray_preempted_and_resumed_equals_an_uninterrupted_run(cluster, tmp_path, monkeypatch,
+                                                               j, k, seed, times):
   """Stopped after random steps and relaunched each time, a Ray run's per-step metrics,
   ledger and final params equal the uninterrupted local run's; with three preemptions
   (slow) also an uninterrupted Ray run's (tests/backends/test_ray.py shows that an
-  uninterrupted Ray run equals the local one in the default run)."""
+  uninterrupted Ray run equals the local one in the default run).
+
+  The same launches also show that the driver carries no weight bytes: every object
+  crossing the driver through Ray while the runs train, checkpoint and resume is recorded
+  (``DriverTraffic``), and none is an array shaped like a param or an optimizer moment,
+  though rollouts and train batches crossed. The control: a param-shaped array the driver
+  puts into the object store is counted. (test_ray.py's slow
+  ``test_the_driver_carries_no_weight_bytes`` has the full control: the old checkpoint
+  path, the trainer's state fetched to the driver, counts at least twice the model.)"""
   steps = 5 if k == 1 else 7
-  preempted(ray_smoke(steps, j, k), tmp_path / 'ray', seed, times)
+  config = ray_smoke(steps, j, k)
+  _, params, _ = roles.build_model(config, roles.build_task(config))  # shapes only
+  leaves = jax.tree.leaves(params)
+  signatures = {(tuple(a.shape), np.dtype(a.dtype)) for a in leaves}
+  traffic = DriverTraffic(monkeypatch)
+  preempted(config, tmp_path / 'ray', seed, times)
+  assert any(isinstance(v, Rollouts) for v in traffic.values)  # received by the driver
+  assert any(isinstance(v, TrainBatch) for v in traffic.values)  # sent by it
+  assert traffic.weight_bytes(signatures) == 0
+  largest = max(leaves, key=lambda a: a.nbytes)
+  ray.get(ray.put(np.asarray(largest)))  # the control: weight bytes the driver does carry
+  assert traffic.weight_bytes(signatures) >= largest.nbytes
   local_summary, local_params = run_once(smoke(steps, j, k), tmp_path / 'local', None)
   assert local_summary['steps'] == steps
   metrics, ledger = read(tmp_path / 'ray')
@@ -78,10 +103,12 @@ def test_ray_preempted_and_resumed_equals_an_uninterrupted_run(cluster, tmp_path
     assert read(tmp_path / 'ray_whole') == (metrics, ledger)
 
 
-def test_a_lost_trainer_actor_stops_the_run_naming_the_checkpoint(cluster, tmp_path):
+@pytest.mark.parametrize('relaunch', [
+    False, pytest.param(True, marks=pytest.mark.slow)])  # resuming on Ray: the test above
+def test_a_lost_trainer_actor_stops_the_run_naming_the_checkpoint(cluster, tmp_path, relaunch):
   """The trainer actor's process dies in step 3 (checkpoint at step 2): the run stops
-  with an error naming step 2 and the workdir; relaunching resumes from step 2 and ends
-  equal to the uninterrupted local run."""
+  with an error naming step 2 and the workdir; (slow) relaunching resumes from step 2 and
+  ends equal to the uninterrupted local run."""
   config = ray_smoke(5)
 
   def kill_after_step_3(run):
@@ -104,6 +131,8 @@ def test_a_lost_trainer_actor_stops_the_run_naming_the_checkpoint(cluster, tmp_p
                      r'--workdir=.* to resume from it') as error:
     run_ray(config, tmp_path / 'ray', wrap=kill_after_step_3)
   assert isinstance(error.value, RlaxError)  # launch prints it as one 'error: ...' line
+  if not relaunch:
+    return
   assert run_ray(config, tmp_path / 'ray')['steps'] == 5
   run_once(smoke(5), tmp_path / 'local', None)
   assert read(tmp_path / 'ray') == read(tmp_path / 'local')

@@ -20,7 +20,7 @@ from rlax_llm.models import lora as lora_lib
 from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.files.pretrained import save_pretrained
 from rlax_llm.models.model import create_model
-from rlax_llm.sharding import make_mesh
+from rlax_llm.sharding import make_mesh, param_shardings
 from rlax_llm.trainer.trainer import Trainer
 
 CONFIG = DecoderConfig(vocab_size=48, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
@@ -166,7 +166,11 @@ def test_peft_export_loads_in_peft_and_transformers(tmp_path):
   np.testing.assert_allclose(exported, ours, atol=1e-4, rtol=0)
 
 
-def test_a_local_run_with_lora_trains_the_adapters_and_pushes_merged_weights(tmp_path):
+def test_a_local_run_with_lora_trains_the_adapters_and_pushes_them(tmp_path):
+  """lora.sync='adapters' (the default): the server's versions are the adapter trees alone
+  (bitwise the trainer's), the base server holds the frozen base; the worker samples with
+  the merged weights. (lora.sync='merged' pushes the merged weights:
+  tests/test_lora_run.py.)"""
   config = smoke_config(lora__rank=2, lora__targets='q,v,down', log__tensorboard=False,
                         eval__every_steps=0, total_steps=2)
   with local_backend.build_run(config, tmp_path, run_spec(config)) as r:
@@ -175,15 +179,54 @@ def test_a_local_run_with_lora_trains_the_adapters_and_pushes_merged_weights(tmp
     r.execute()
     trainer = handle.trainer
     end = handle.host_params().result()
-    server = handle.server
+    server, base_server = handle.server, handle.base_server
     pushed = server.get(server.latest_version()).params
+    worker = r.controller.workers[0].worker
+    held = worker.version, worker.engine, worker.params
   assert isinstance(trainer.model, lora_lib.LoRAModel) and trainer.version >= 1
   for (path, old), new in zip(jax.tree_util.tree_leaves_with_path(start), jax.tree.leaves(end)):
     if lora_lib.is_adapter_path(path) and path[-1].key == 'b':
       assert np.any(new), path  # B starts at zeros: the adapters trained
     elif not lora_lib.is_adapter_path(path):
       np.testing.assert_array_equal(old, new, err_msg=str(path))  # the base is frozen
-  # The workers receive the merged weights of the trainer's version.
-  want = lora_lib.merge(trainer.model, end)[1]
-  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(pushed), strict=True):
+  merged = lora_lib.merge(trainer.model, end)[1]
+  # The versions are the adapters alone, bitwise; the base went once, to its own server.
+  jax.tree.map(np.testing.assert_array_equal, pushed, lora_lib.adapter_tree(end))
+  assert base_server.versions() == [0]
+  jax.tree.map(np.testing.assert_array_equal, base_server.get(0).params,
+               lora_lib.base_tree(end))
+  # The worker merged the version it holds into the base: the merged weights, in its layout.
+  version, engine, params = held
+  assert version == trainer.version
+  want = engine.place_params(lora_lib.merge_program(trainer.model)(end))
+  jax.tree.map(np.testing.assert_array_equal, params, want)
+  for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(lora_lib.merge_program(
+      trainer.model)(end)), strict=True):  # the program is merge's (eager and jitted agree)
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
+
+
+def test_adapter_and_base_trees_split_and_join_the_params():
+  _, params = _lora(targets=('q', 'down'))
+  adapters, base = lora_lib.adapter_tree(params), lora_lib.base_tree(params)
+  paths = lambda tree: [jax.tree_util.keystr(p) for p, _ in
+                        jax.tree_util.tree_flatten_with_path(tree)[0]]
+  assert paths(adapters) == [p for p in paths(params) if '_lora' in p]
+  assert paths(base) == [p for p in paths(params) if '_lora' not in p]
+  assert set(adapters['blocks'][0]) == {'attn', 'mlp'}
+  assert set(adapters['blocks'][0]['attn']) == {'wq_lora'}
+  joined = lora_lib.with_adapters(base, adapters)
+  assert jax.tree.structure(joined) == jax.tree.structure(params)
+  assert all(a is b for a, b in zip(jax.tree.leaves(joined), jax.tree.leaves(params)))
+  with pytest.raises(ConfigError, match='sync'):
+    lora_lib.LoRAConfig(2, 1.0, sync='deltas')
+
+
+def test_the_merge_is_the_same_bits_on_any_mesh():
+  """``delta`` sums the rank's outer products in a fixed order: merging on one device or
+  sharded over eight gives the same bits (a worker merges what a trainer would)."""
+  model, params = _lora(rank=3)
+  program = lora_lib.merge_program(model)
+  one = program(params)
+  mesh = make_mesh({'data': 1, 'fsdp': 4, 'tensor': 2})
+  sharded = jax.device_put(params, param_shardings(params, model.logical_axes(), mesh))
+  jax.tree.map(np.testing.assert_array_equal, program(sharded), one)

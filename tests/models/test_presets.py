@@ -1,11 +1,26 @@
-"""Named model configs: published parameter counts; memory per device without allocation."""
+"""Named model configs: published parameter counts; memory per device without allocation; the
+memory plan with LoRA and int8 workers against the arrays those modules build and place."""
+
+import dataclasses
 
 import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
+from smoke_config import smoke_config  # tests/smoke_config.py
 
-from rlax_llm.models.decoder_config import Execution
+from rlax_llm import roles
+from rlax_llm.errors import ConfigError
+from rlax_llm.models import lora as lora_lib
+from rlax_llm.models import presets
+from rlax_llm.models.decoder import Decoder
+from rlax_llm.models.decoder_config import DecoderConfig, Execution
+from rlax_llm.models.model import abstract_model, create_model
 from rlax_llm.models.presets import PRESETS, count_params, get_preset, memory_per_device
-from rlax_llm.sharding import make_mesh
+from rlax_llm.models.quant import PROJECTIONS, QUANT_MODES, quantize_params, quantized_shardings
+from rlax_llm.paramserver import ParameterServer
+from rlax_llm.sharding import make_mesh, param_shardings
+from rlax_llm.trainer.trainer import Trainer, make_optimizer
 
 # Published sizes (model cards), in billions of parameters.
 PUBLISHED = {
@@ -37,3 +52,203 @@ def test_get_config_overrides_and_errors():
   assert get_preset('qwen3-0.6b', execution=Execution(remat='full')).execution.remat == 'full'
   with pytest.raises(ValueError, match="Unknown model 'gpt5'.*qwen3-8b"):
     get_preset('gpt5')
+
+
+# The memory plan with LoRA and int8 workers, against the trees those modules really build.
+PLAN_MODEL = DecoderConfig(vocab_size=96, num_layers=2, embed_dim=32, num_heads=4,
+                           num_kv_heads=2, head_dim=8, mlp_dim=64, max_seq_len=16,
+                           tie_embeddings=False)
+ONE = {'data': 1, 'fsdp': 1, 'tensor': 1}
+SHARDED = {'data': 2, 'fsdp': 2, 'tensor': 2}  # conftest's 8 CPU devices
+
+
+def _plan(config, mesh=ONE, **kw):
+  return presets.memory_plan(config, mesh, mesh, train_rows=4, train_length=8, slots=2,
+                     cache_length=8, **kw)
+
+
+def _per_device_bytes(tree) -> int:
+  """The most bytes any one device holds of the placed arrays of ``tree``."""
+  held = {}
+  for leaf in jax.tree.leaves(tree):
+    for shard in leaf.addressable_shards:
+      held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+  return max(held.values())
+
+
+@pytest.mark.parametrize('sync', lora_lib.SYNCS)
+@pytest.mark.parametrize('param_dtype', [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize('targets', [lora_lib.TARGETS, ('q', 'v', 'down')])
+def test_the_lora_plan_counts_the_adapters_the_module_builds(targets, param_dtype, sync):
+  config = PLAN_MODEL.with_execution(param_dtype=param_dtype)
+  lora = lora_lib.LoRAConfig(4, 8.0, targets, sync)
+  module = lora_lib.add_adapters(Decoder(config, rngs=nnx.Rngs(0)), lora, nnx.Rngs(1))
+  adapters = jax.tree.leaves(nnx.state(module, nnx.LoRAParam))
+  everything = jax.tree.leaves(nnx.state(module, nnx.Param))
+  n = sum(x.size for x in adapters)
+  # r * (in + out) per adapted matrix per layer, from the widths by hand.
+  d, q, kv, m = 32, 4 * 8, 2 * 8, 64
+  sides = {'q': (d, q), 'k': (d, kv), 'v': (d, kv), 'o': (q, d), 'gate': (d, m), 'up': (d, m),
+           'down': (m, d)}
+  assert n == 2 * sum(4 * sum(sides[t]) for t in targets)
+  plan = _plan(config, lora=lora)
+  full = _plan(config)
+  assert plan.params == sum(x.nbytes for x in everything)  # frozen base + float32 adapters
+  assert plan.params == full.params + 4 * n
+  assert plan.optimizer == 2 * 4 * n  # AdamW's two float32 moments, adapters only
+  assert plan.gradients == 4 * n
+  assert _plan(config, lora=lora, micro_batches=2).gradients == 2 * 4 * n  # + accumulator
+  assert plan.update == 3 * 4 * n
+  if sync == 'merged':
+    assert plan.push == full.params  # the merged base the trainer makes for each version
+    assert plan.inference_base == 0
+  else:  # the adapters are the trainer's own arrays; the base is pushed in its own dtype
+    assert plan.push == 0
+    assert plan.inference_base == full.inference_params  # the base the workers merge into
+  # One [t, N] more per adapted projection (t = 4 rows x 8 tokens) kept by the backward pass.
+  itemsize = jnp.dtype(config.execution.dtype).itemsize
+  assert plan.activations == full.activations + 2 * 32 * itemsize * sum(
+      sides[t][1] for t in targets)
+  assert plan.inference_params == full.inference_params  # the workers hold the merged base
+  assert plan.inference_bytes == full.inference_bytes + plan.inference_base
+  assert full.push == 0 and full.inference_base == 0 and full.optimizer == 2 * 4 * sum(
+      x.size for x in jax.tree.leaves(nnx.state(Decoder(config, rngs=nnx.Rngs(0)), nnx.Param)))
+
+
+def test_the_lora_plan_per_device_matches_the_trainers_placed_arrays():
+  """The trainer's real placement on 8 devices: params, adapters and optimizer state."""
+  base, params = create_model(PLAN_MODEL, seed=0)
+  lora = lora_lib.LoRAConfig(4, 8.0)
+  model, params = lora_lib.create(base, params, lora)
+  optimizer = make_optimizer(1e-3)
+  trainer = Trainer(model, params, optimizer, lambda *a: None, make_mesh(SHARDED),
+                    trainable=lora_lib.trainable_mask(model))
+  plan = _plan(PLAN_MODEL, SHARDED, lora=lora)
+  adapters = [x for path, x in jax.tree_util.tree_leaves_with_path(trainer.params)
+              if lora_lib.is_adapter_path(path)]
+  assert plan.params == _per_device_bytes(trainer.params)
+  assert plan.gradients == _per_device_bytes(adapters)
+  # The moments (params-shaped) plus AdamW's replicated step counts, not planned.
+  counts = sum(x.nbytes for x in jax.tree.leaves(trainer.opt_state) if x.ndim == 0)
+  assert plan.optimizer == _per_device_bytes(trainer.opt_state) - counts
+
+
+@pytest.mark.parametrize('inference_dtype', [jnp.float32, jnp.bfloat16])
+def test_the_adapter_sync_push_is_the_trainers_own_adapters_and_the_base_cast_once(
+    inference_dtype):
+  """The trainer's real pushes on 8 devices (``lora.pushed_params`` per version,
+  ``lora.pushed_base`` once): only arrays the trainer does not already hold are new device
+  memory, and the plan's push is theirs."""
+  base, params = create_model(PLAN_MODEL, seed=0)
+  lora = lora_lib.LoRAConfig(4, 8.0)
+  model, params = lora_lib.create(base, params, lora)
+  trainer = Trainer(model, params, make_optimizer(1e-3), lambda *a: None, make_mesh(SHARDED),
+                    trainable=lora_lib.trainable_mask(model))
+  inference = abstract_model(PLAN_MODEL.with_execution(param_dtype=inference_dtype))
+  held = {id(x) for x in jax.tree.leaves(trainer.params)}
+  version = lora_lib.pushed_params(model, trainer.params, inference)
+  pushed_once = lora_lib.pushed_base(model, trainer.params, inference)
+  plan = _plan(PLAN_MODEL, SHARDED, lora=lora, inference_param_dtype=inference_dtype)
+  assert all(id(x) in held for x in jax.tree.leaves(version))  # nothing new per version
+  assert _per_device_bytes(version) == plan.gradients  # the adapters, as trained
+  copies = [x for x in jax.tree.leaves(pushed_once) if id(x) not in held]
+  assert plan.push == (_per_device_bytes(copies) if copies else 0)
+  if inference_dtype == jnp.float32:
+    assert plan.push == 0
+  else:  # every base leaf cast to bfloat16: half the float32 base
+    assert plan.push == _per_device_bytes(lora_lib.base_tree(trainer.params)) / 2 > 0
+
+
+@pytest.mark.parametrize('quant', ['none', 'int8'])
+def test_an_adapter_sync_worker_holds_the_base_and_the_merged_weights_the_plan_counts(quant):
+  """A real worker pulling the base and a version (tests/test_lora_run.py's pattern): on its
+  devices the base it merges into and the copy its engine samples with (int8: quantised);
+  on its host the adapters alone. The plan and the pre-run fit check count those."""
+  config = smoke_config(lora__rank=2, lora__targets='q,v,o,down', model__inference_quant=quant)
+  task = roles.build_task(config)
+  model, params, tokenizer = roles.build_model(config, task)
+  lmodel, params = lora_lib.create(model, params, lora_lib.from_config(config))
+  base_server, server = ParameterServer(keep=1), ParameterServer(keep=1)
+  base_server.push(0, lora_lib.pushed_base(lmodel, params, model))
+  server.push(0, lora_lib.pushed_params(lmodel, params, model))
+  mesh = roles.meshes(config)['inference'][0]
+  worker = roles.build_worker(config, model, tokenizer, mesh, lambda: base_server.update(0))
+  worker.pull(0, server.update)
+  plan = roles.run_memory_plan(model.config, config, ONE, ONE, shared=True)
+  assert plan.inference_params == _per_device_bytes(worker.params)
+  assert plan.inference_base == _per_device_bytes(worker._base)  # pylint: disable=protected-access
+  assert plan.inference_base == sum(x.nbytes for x in jax.tree.leaves(
+      lora_lib.base_tree(params)))  # unquantised, in the workers' dtype
+  host = worker._host_leaves  # pylint: disable=protected-access
+  assert sum(x.nbytes for x in host) == sum(
+      x.nbytes for x in jax.tree.leaves(lora_lib.adapter_tree(params)))
+  assert roles.rollout_memory_bytes(model.config, config)['params_bytes'] == (
+      plan.inference_params + plan.inference_base)
+
+
+def test_the_fit_check_counts_the_int8_copy_as_the_plan_does():
+  """``roles.rollout_memory_bytes`` and the plan share ``presets.worker_param_bytes``: the
+  int8 copy, whole and per device of a sharded inference mesh."""
+  decoder = dataclasses.replace(presets.get_preset('smollm2-135m'), num_layers=2)
+  sharded = {'data': 1, 'fsdp': 2, 'tensor': 2}
+  estimates, plans = {}, {}
+  for quant in QUANT_MODES:
+    config = smoke_config(model__inference_quant=quant)
+    estimates[quant] = roles.rollout_memory_bytes(decoder, config)
+    plans[quant] = roles.run_memory_plan(decoder, config, ONE, ONE, shared=True)
+    assert estimates[quant]['params_bytes'] == plans[quant].inference_params
+    config.mesh.inference.update(sharded)
+    estimate = roles.rollout_memory_bytes(decoder, config)
+    unsplit = (estimate['kv_cache_bytes'] + estimate['logits_bytes']) / 2  # over fsdp
+    assert estimate['per_device_bytes'] - unsplit == pytest.approx(roles.run_memory_plan(
+        decoder, config, ONE, sharded, shared=True).inference_params, rel=1e-12)
+  # SmolLM2's projections, 2 layers: 1 byte a weight instead of 4, plus float32 scales.
+  weights = 2 * (576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536)
+  channels = 2 * (576 * 2 + 192 * 2 + 1536 * 2 + 576)
+  assert estimates['int8']['params_bytes'] == (
+      estimates['none']['params_bytes'] - 3 * weights + 4 * channels)
+
+
+@pytest.mark.parametrize('mesh', [ONE, SHARDED])
+@pytest.mark.parametrize('inference_dtype', [jnp.float32, jnp.bfloat16])
+def test_the_int8_plan_is_the_quantised_trees_bytes_on_a_worker(mesh, inference_dtype):
+  config = PLAN_MODEL.with_execution(param_dtype=inference_dtype)
+  model, params = create_model(config, seed=0)
+  quantised = quantize_params(params, model)
+  shardings = quantized_shardings(
+      param_shardings(model.abstract_params(), model.logical_axes(), make_mesh(mesh)), model)
+  placed = jax.device_put(quantised, shardings)
+  plan = _plan(PLAN_MODEL, mesh, inference_param_dtype=inference_dtype, inference_quant='int8')
+  assert plan.inference_params == _per_device_bytes(placed)
+  if mesh == ONE:
+    assert plan.inference_params == sum(x.nbytes for x in jax.tree.leaves(quantised))
+  # One byte per projection weight plus a float32 scale per output channel; the embedding,
+  # lm head and norms in the inference dtype.
+  projections = [x for p, x in jax.tree_util.tree_leaves_with_path(params)
+                 if p[-1].key in PROJECTIONS]
+  kept = sum(x.nbytes for p, x in jax.tree_util.tree_leaves_with_path(params)
+             if p[-1].key not in PROJECTIONS)
+  channels = 2 * (4 * 8 + 2 * 8 + 2 * 8 + 32 + 64 + 64 + 32)  # q k v o gate up down
+  if mesh == ONE:
+    assert plan.inference_params == sum(x.size for x in projections) + 4 * channels + kept
+  with pytest.raises(ConfigError, match="inference_quant='int4'"):
+    _plan(PLAN_MODEL, inference_quant='int4')
+
+
+def test_the_run_plan_reads_lora_and_inference_quant_from_the_config():
+  decoder = dataclasses.replace(presets.get_preset('smollm2-135m'), num_layers=2)
+  config = smoke_config()
+  full = roles.run_memory_plan(decoder, config, ONE, ONE, shared=True)
+  config = smoke_config(lora__rank=2, lora__alpha=4.0, lora__targets='q,v',
+                        model__inference_quant='int8')
+  got = roles.run_memory_plan(decoder, config, ONE, ONE, shared=True)
+  # SmolLM2's widths, 2 layers: d = q = 576, kv = 192; rank 2 on q (576 + 576), v (576 + 192).
+  adapters = 2 * 2 * ((576 + 576) + (576 + 192))
+  assert got.optimizer == 2 * 4 * adapters and got.gradients == 4 * adapters
+  assert got.params == full.params + 4 * adapters
+  assert got.push == 0  # lora.sync='adapters' (the default), float32 workers
+  assert got.inference_base == full.inference_params  # the base, unquantised
+  # int8 projections: 1 byte a weight instead of 4, plus a float32 scale per output channel.
+  weights = 2 * (576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536)
+  channels = 2 * (576 * 2 + 192 * 2 + 1536 * 2 + 576)
+  assert got.inference_params == full.inference_params - 3 * weights + 4 * channels
