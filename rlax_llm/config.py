@@ -66,6 +66,7 @@ CHOICES = {
     'model.param_dtype': ('float32', 'bfloat16'),
     'model.inference_param_dtype': ('', 'float32', 'bfloat16'),  # '': model.param_dtype
     'model.inference_quant': ('none', 'int8'),  # rlax_llm.models.quant.QUANT_MODES
+    'model.kv_cache_quant': ('none', 'int8'),  # rlax_llm.models.kv_cache.KV_CACHE_QUANT_MODES
     'lora.sync': ('adapters', 'merged'),  # rlax_llm.models.lora.SYNCS
     'model.dtype': ('float32', 'bfloat16'),
     'rollout.on_swap': ('continue', 'discard'),
@@ -655,6 +656,11 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
         f'config.model.batch_invariant=True makes sampler and trainer log-probs bitwise equal, '
         f'but model.inference_quant={m.inference_quant!r} samples with a quantised copy of the '
         'trainer\'s weights. Set model.inference_quant=\'none\' or turn batch_invariant off.')
+  if m.batch_invariant and m.kv_cache_quant != 'none':
+    raise ConfigError(
+        f'config.model.batch_invariant=True makes sampler and trainer log-probs bitwise equal, '
+        f'but model.kv_cache_quant={m.kv_cache_quant!r} samples attending to quantised keys '
+        'and values. Set model.kv_cache_quant=\'none\' or turn batch_invariant off.')
   s = config.sampling
   # An episode's last sampled token follows a full cache: its rows are one token longer.
   needed = s.max_prompt_len + s.max_new_tokens + (1 if config.env.name else 0)

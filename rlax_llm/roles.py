@@ -408,7 +408,8 @@ def build_worker(config: ml_collections.ConfigDict, model: Model, tokenizer: Tok
                  ) -> InferenceWorker:
   """An inference worker of ``model`` on ``mesh``, holding the params in the dtype of
   ``inference_model``: it loads and pulls params of that dtype (the trainer's pushes,
-  already cast), and samples with an int8 copy of each when ``model.inference_quant='int8'``.
+  already cast), and samples with an int8 copy of each when ``model.inference_quant='int8'``
+  (and an int8 KV cache when ``model.kv_cache_quant='int8'``).
   ``fetch_base``: a run's way to pull the base a LoRA trainer pushes once; given, and with
   ``lora.rank > 0`` and ``lora.sync='adapters'``, the worker pulls adapter versions and
   merges them into that base (``InferenceWorker``'s ``lora``); else it loads whole params."""
@@ -419,6 +420,7 @@ def build_worker(config: ml_collections.ConfigDict, model: Model, tokenizer: Tok
                          max_new_tokens=config.sampling.max_new_tokens,
                          slots=config.rollout.slots, on_swap=config.rollout.on_swap,
                          quant=config.model.inference_quant,
+                         kv_cache_quant=config.model.kv_cache_quant,
                          lora=lora if adapters else None,
                          fetch_base=fetch_base if adapters else None)
 

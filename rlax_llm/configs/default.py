@@ -41,6 +41,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       # 'int8': the workers sample with an int8 weight-only copy of each version (per-channel
       # scales, made on the pull; docs/rollout.md "Quantised rollouts (int8)"); 'none': not.
       inference_quant='none',
+      # 'int8': the workers' KV cache holds int8 keys and values with a float32 scale per
+      # (token, kv head), read dequantised (docs/rollout.md "Quantised rollouts (int8)").
+      kv_cache_quant='none',
       batch_invariant=False,  # True: sampler and trainer log-probs bitwise equal (docs/models.md)
       # With batch_invariant: 'chunks' (fastest for engines of up to 32 slots) or 'floor'
       # (no slower than the default numerics for 64 slots or more; needs mesh.*.data == 1).
