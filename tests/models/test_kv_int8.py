@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rlax_llm.config import validate_config
+from rlax_llm.errors import ConfigError
 from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.kv_cache import KVCache, dequantize_kv, quantize_kv
 from rlax_llm.models.model import create_model
@@ -156,6 +158,17 @@ def test_int8_cache_refuses_the_cpu_kernel_and_batch_invariance(model_and_params
   with pytest.raises(ValueError, match='batch_invariant'):
     Engine(invariant, MESH, slots=4, max_prefill_length=8, max_decode_length=8, pad_id=0,
            kv_cache_quant='int8')
+
+
+def test_the_config_validates_the_key():
+  config = smoke_config(model__kv_cache_quant='int8')
+  validate_config(config)
+  config.model.batch_invariant = True
+  with pytest.raises(ConfigError, match=r"model.kv_cache_quant='int8'.*Set "
+                                        r"model.kv_cache_quant='none'"):
+    validate_config(config)
+  with pytest.raises(ConfigError, match='kv_cache_quant'):
+    validate_config(smoke_config(model__kv_cache_quant='int4'))
 
 
 def test_a_run_samples_with_an_int8_cache_and_trains(tmp_path):
