@@ -29,7 +29,9 @@ import time
 import numpy as np
 
 
-def _batch(batch: int, length: int, vocab: int, seed: int = 0):
+def grpo_batch(batch: int, length: int, vocab: int, seed: int = 0):
+  """Random ``(tokens [B, T] int32, loss_mask, behaviour_logprobs [B, T] float32,
+  advantages [B] float32)``: the completion half of each row under the mask."""
   rng = np.random.RandomState(seed)
   tokens = rng.randint(0, vocab, (batch, length)).astype(np.int32)
   mask = np.zeros((batch, length), np.float32)
@@ -39,12 +41,37 @@ def _batch(batch: int, length: int, vocab: int, seed: int = 0):
   return tokens, mask, behaviour, advantages
 
 
+def train_batch(batch: int, length: int, vocab: int):
+  """``grpo_batch`` as our trainer's ``TrainBatch`` (groups of 4 rows)."""
+  # pylint: disable-next=import-outside-toplevel  # jax-heavy: the torch subprocess skips it
+  from rlax_llm.data_types import TrainBatch
+  tokens, mask, behaviour, advantages = grpo_batch(batch, length, vocab)
+  return TrainBatch(
+      tokens=tokens, loss_mask=mask, behaviour_logprobs=behaviour,
+      support_sizes=np.where(mask > 0, vocab, 0).astype(np.int32),
+      advantages=advantages, versions=np.where(mask > 0, 0, -1).astype(np.int32),
+      group_ids=np.repeat(np.arange(batch // 4), 4).astype(np.int32))
+
+
+def torch_grpo_losses(model, tokens, mask, behaviour, advantages):
+  """transformers ``model``'s GRPO clipped objective per row ``[B]`` (masked mean over the
+  completion) on torch tensors ``tokens [B, T]`` (long), ``mask``, ``behaviour [B, T]``,
+  ``advantages [B]``: the loss our ``rl_objective`` computes with ``loss='grpo'``."""
+  import torch  # pylint: disable=import-outside-toplevel
+  logits = model(input_ids=tokens).logits[:, :-1]  # [B, T-1, V] predicts tokens[:, 1:]
+  logp = torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
+  m = mask[:, 1:]
+  ratio = torch.exp(logp - behaviour[:, 1:])
+  adv = advantages[:, None]
+  surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 0.8, 1.28) * adv)
+  return -(surrogate * m).sum(1) / m.sum(1).clamp(min=1)
+
+
 def run_ours(args) -> dict:
   import functools  # pylint: disable=import-outside-toplevel
   import dataclasses
   import jax
   from rlax_llm import losses
-  from rlax_llm.data_types import TrainBatch
   from rlax_llm.models import presets
   from rlax_llm.models.model import create_model
   from rlax_llm.sampling_spec import SamplingSpec
@@ -56,12 +83,7 @@ def run_ours(args) -> dict:
   config = dataclasses.replace(presets.PRESETS['smollm2-135m'],
                                max_seq_len=args.length).with_execution(remat=args.remat)
   model, params = create_model(config, seed=0)
-  tokens, mask, behaviour, advantages = _batch(args.batch, args.length, config.vocab_size)
-  batch = TrainBatch(
-      tokens=tokens, loss_mask=mask, behaviour_logprobs=behaviour,
-      support_sizes=np.where(mask > 0, config.vocab_size, 0).astype(np.int32),
-      advantages=advantages, versions=np.where(mask > 0, 0, -1).astype(np.int32),
-      group_ids=np.repeat(np.arange(args.batch // 4), 4).astype(np.int32))
+  batch = train_batch(args.batch, args.length, config.vocab_size)
   mesh = make_mesh({'data': 1, 'fsdp': 1, 'tensor': 1}, jax.devices()[:1])
   loss = losses.LossConfig(loss='grpo').resolve()
   policy = Policy(model, SamplingSpec())
@@ -100,18 +122,12 @@ def run_torch(args) -> dict:
   model = transformers.LlamaForCausalLM(config).float().train()
   optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.99),
                                 weight_decay=0.0)
-  tokens, mask, behaviour, advantages = (torch.from_numpy(a) for a in _batch(
+  tokens, mask, behaviour, advantages = (torch.from_numpy(a) for a in grpo_batch(
       args.batch, args.length, config.vocab_size))
   tokens = tokens.long()
 
   def step():
-    logits = model(input_ids=tokens).logits[:, :-1]  # [B, T-1, V] predicts tokens[:, 1:]
-    logp = torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
-    m = mask[:, 1:]
-    ratio = torch.exp(logp - behaviour[:, 1:])
-    adv = advantages[:, None]
-    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 0.8, 1.28) * adv)
-    loss = -((surrogate * m).sum(1) / m.sum(1).clamp(min=1)).mean()
+    loss = torch_grpo_losses(model, tokens, mask, behaviour, advantages).mean()
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

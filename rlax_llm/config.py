@@ -332,7 +332,6 @@ _NOT_FOR_EPISODES = {
                            'episodes are played with the version the schedule names'),
     'eval.samples': (lambda v: v != 0,
                      'held-out episodes are evaluated greedily (eval/success)'),
-    'warmup.steps': (lambda v: v != 0, 'an environment has no demonstrations to warm up on'),
 }
 
 
@@ -363,7 +362,12 @@ def _validate_episodes(config: ml_collections.ConfigDict) -> None:
       load_harness(config.env)
     return
   with _naming('env.'):
-    envs.make_env(config.env)
+    env = envs.make_env(config.env)
+  if config.warmup.steps > 0 and not callable(getattr(env, 'oracle_action', None)):
+    raise ConfigError(f'config.warmup.steps={config.warmup.steps} warms up on the oracle\'s '
+                      f'episodes, but environment {config.env.name!r} ({type(env).__name__}) '
+                      'defines no oracle_action(); set warmup.steps=0 or implement it '
+                      '(docs/environments.md).')
 
 
 def validate_config(config: ml_collections.ConfigDict) -> RunSpec:

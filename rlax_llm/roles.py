@@ -26,6 +26,7 @@ import numpy as np
 
 from rlax_llm import config as config_lib
 from rlax_llm import console
+from rlax_llm.data import sft_batch
 from rlax_llm.data_types import GenerationRequest, Trajectory
 from rlax_llm.envs import Environment, make_env
 from rlax_llm.envs.seeds import env_seeds
@@ -49,7 +50,7 @@ from rlax_llm.tokenization import CharTokenizer, Tokenizer, encode_prompts
 from rlax_llm.trainer.objectives import loss_totals, rl_objective, shared_prefix_scoring
 from rlax_llm.trainer.scoring import Policy
 from rlax_llm.trainer.trainer import Trainer, learning_rate_schedule, make_optimizer
-from rlax_llm.trainer.warmup import supervised_warmup
+from rlax_llm.trainer.warmup import demo_batch, supervised_warmup
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
@@ -245,22 +246,28 @@ def rollout_memory_bytes(model: DecoderConfig, config: ml_collections.ConfigDict
   """A lower-bound estimate of one rollout batch's device memory on the inference mesh.
 
   KV cache ``2 * layers * B * (P + N) * kv_heads * head_dim`` in the compute dtype
-  (``presets.kv_cache_bytes``), the params (in the workers' dtype, ``inference_model``), and
-  a few ``[B, vocab]`` float32 logit buffers,
-  with the batch split over the mesh's ``data * fsdp`` devices and the params over
-  ``fsdp * tensor``.
+  (``presets.kv_cache_bytes``), the params a worker keeps (``presets.worker_param_bytes``,
+  as the memory plan counts them: in the workers' dtype, ``inference_model``; quantised with
+  ``model.inference_quant='int8'``; with LoRA's adapter-only sync the base beside the merged
+  weights), and a few ``[B, vocab]`` float32 logit buffers, with the batch split over the
+  mesh's ``data * fsdp`` devices and the params placed by the sharding rules. Returns
+  ``{'kv_cache_bytes', 'params_bytes', 'logits_bytes'}`` of the whole batch and model, and
+  ``'per_device_bytes'``.
   """
   batch = config.rl.prompts_per_step * config.rl.group_size
   length = config.sampling.max_prompt_len + config.sampling.max_new_tokens
   kv = presets.kv_cache_bytes(model, slots=batch, length=length)
-  params = (presets.count_params(model)
-            * jnp.dtype(DTYPES[config_lib.inference_param_dtype(config)]).itemsize)
   logits = 4 * batch * model.vocab_size * 4
-  mesh = config.mesh.inference
-  sizes = {k: (v if v > 0 else 1) for k, v in mesh.items()}
+  sizes = {k: (v if v > 0 else 1) for k, v in config.mesh.inference.items()}
+  inference = model.with_execution(
+      param_dtype=DTYPES[config_lib.inference_param_dtype(config)])
+  def params_on(mesh: dict[str, int]) -> float:
+    held = presets.worker_param_bytes(inference, mesh, quant=config.model.inference_quant,
+                                      lora=lora_lib.from_config(config))
+    return held['params'] + held['base']
+  params = params_on({axis: 1 for axis in sizes})
   batch_shards = sizes['data'] * sizes['fsdp']
-  param_shards = sizes['fsdp'] * sizes['tensor']
-  per_device = (kv + logits) / batch_shards + params / param_shards
+  per_device = (kv + logits) / batch_shards + params_on(sizes)
   return {'kv_cache_bytes': float(kv), 'params_bytes': float(params),
           'logits_bytes': float(logits), 'per_device_bytes': float(per_device)}
 
@@ -346,10 +353,17 @@ def warm_trainer(config: ml_collections.ConfigDict, spec: config_lib.RunSpec, ta
     params, metrics = restored
     logging.info('warm-up restored from its checkpoint')
   else:
+    if config.env.name:  # the oracle's episodes, as the episode runner records them
+      batches = functools.partial(demo_batch, env_factory(config, tokenizer), tokenizer,
+                                  max_turns=config.agent.max_turns or None)
+      source = f'{config.env.name!r} oracle episodes'
+    else:
+      batches = functools.partial(sft_batch, task, tokenizer)
+      source = "the task's demonstrations"
     params, metrics = supervised_warmup(
-        model, params, task, tokenizer, mesh, steps=w.steps, batch_size=w.batch_size,
+        model, params, batches, mesh, steps=w.steps, batch_size=w.batch_size,
         learning_rate=w.learning_rate, warmup_steps=w.warmup_steps,
-        max_nonfinite_updates=config.rl.max_nonfinite_updates, stop=stop)
+        max_nonfinite_updates=config.rl.max_nonfinite_updates, stop=stop, source=source)
     if checkpointer is not None and w.steps > 0:
       checkpointer.save_warmup(params, metrics)
   return build_trainer(config, spec, model, params, mesh), metrics

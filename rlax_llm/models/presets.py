@@ -164,6 +164,58 @@ def _with_adapters(config: DecoderConfig, lora: lora_lib.LoRAConfig) -> tuple[An
   return abstract, logical
 
 
+def _base_cast_bytes(config: DecoderConfig, inference: DecoderConfig,
+                     axis_sizes: Mapping[str, int], rules: Sequence[tuple[str, Any]]) -> int:
+  """Bytes on the most loaded device of ``config``'s params cast to ``inference``'s dtypes
+  where the trainer holds them (``model.cast_params`` keeps each leaf's sharding, and returns
+  a leaf already in its dtype as it is: only the others make a copy)."""
+  model = abstract_model(config)
+  source, target = model.abstract_params(), abstract_model(inference).abstract_params()
+  shardings = sharding_lib.param_shardings(source, model.logical_axes(),
+                                           _abstract_mesh(axis_sizes), rules)
+  cast = [s.dtype != t.dtype for s, t in zip(jax.tree.leaves(source), jax.tree.leaves(target),
+                                             strict=True)]
+  return sum(b for (_, _, b), copied in zip(_leaf_shards(target, shardings), cast, strict=True)
+             if copied)
+
+
+def worker_param_bytes(config: DecoderConfig, mesh: Mapping[str, int], *, quant: str = 'none',
+                       lora: lora_lib.LoRAConfig | None = None,
+                       rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES
+                       ) -> dict[str, float]:
+  """Bytes of the params one inference worker keeps on its most loaded device (nothing is
+  allocated): the one definition the memory plan (``memory_plan``) and the pre-run fit check
+  (``roles.rollout_memory_bytes``) share.
+
+  Args:
+    config: the workers' model (its ``param_dtype``: the dtype of the copy they pull,
+      ``model.inference_param_dtype``).
+    mesh: the worker's axis sizes (``{'data', 'fsdp', 'tensor'}``; all 1: the whole copy).
+    quant: ``model.inference_quant``. ``'int8'``: the copy the engine samples with is
+      ``quant.quantize_params``' tree (one byte per projection weight, a float32 scale per
+      output channel, replicated; the embedding, lm head and norms in ``param_dtype``), as
+      ``quant.quantized_shardings`` places it; the unquantised version the worker applies
+      deltas to is on its host (``rollout.worker``), not counted.
+    lora: the trainer's adapters (None: no LoRA). With ``sync='adapters'`` the worker also
+      keeps the base it pulled once on its devices, unquantised, and merges each version's
+      adapters into it (``lora.merge_program``); its host then keeps the adapters alone. With
+      ``sync='merged'`` it holds the merged weights as without LoRA.
+  Returns:
+    ``{'params': the copy the engine samples with, 'base': the LoRA base (0 without
+    adapter-only sync)}``. A pull briefly holds the new version beside the old one (with
+    int8 and adapter-only sync also the merged weights before they are quantised); that
+    transient is not counted.
+  """
+  if quant not in QUANT_MODES:
+    raise ConfigError(f'inference_quant={quant!r}; choose one of {QUANT_MODES} '
+                      '(model.inference_quant).')
+  unquantised = sum(b for _, _, b in _param_shards(config, mesh, rules))
+  params = (unquantised if quant == 'none'
+            else sum(b for _, _, b in _param_shards(config, mesh, rules, quant=quant)))
+  base = unquantised if lora is not None and lora.sync == 'adapters' else 0
+  return {'params': float(params), 'base': float(base)}
+
+
 def _param_shard_bytes(config: DecoderConfig, axis_sizes: Mapping[str, int],
                        rules: Sequence[tuple[str, Any]]) -> tuple[int, int]:
   """``(elements, bytes)`` of the params on the most loaded device (``_param_shards``)."""
@@ -278,13 +330,24 @@ class MemoryPlan:
     update: the optimizer step's new trained params and optimizer state, held until the
       step's finiteness check selects them over the old ones; it follows the backward pass,
       so the trainer's peak holds the larger of ``activations`` and ``update``.
-    push: with LoRA, the merged params (``lora.pushed_params``: the base's shapes in
-      ``param_dtype``) the trainer makes for each push to the workers, between steps (no
-      gradient or activation is alive then); 0 without LoRA (the params are pushed as
-      they are).
-    inference_params: one worker's copy of the params (in ``memory_plan``'s
-      ``inference_param_dtype``, by default ``param_dtype``; with int8 workers one byte per
-      projection weight and its float32 scales, ``models.quant``), on its mesh.
+    push: the trainer's device bytes for a push to the workers beyond what it holds, at a
+      time no gradient or activation is alive. With LoRA and ``lora.sync='merged'``: the
+      merged params (``lora.pushed_params``: the base's shapes in ``param_dtype``) made
+      between steps for each version. With ``lora.sync='adapters'`` (the default): the
+      larger of what a version's push makes and what the base's one push makes (at the
+      start, before any step: ``lora.pushed_base``), which is the base's. A version is
+      ``lora.adapter_tree`` of the trainer's params, its own adapter arrays (the server
+      copies them to its host), so it makes nothing; the base is cast to the workers' dtype,
+      a copy of the leaves whose dtype differs (``model.cast_params``; none when
+      ``inference_param_dtype`` is ``param_dtype``). 0 without LoRA (the params are pushed
+      as they are).
+    inference_params: one worker's copy of the params the engine samples with (in
+      ``memory_plan``'s ``inference_param_dtype``, by default ``param_dtype``; with int8
+      workers one byte per projection weight and its float32 scales, ``models.quant``), on
+      its mesh (``worker_param_bytes``).
+    inference_base: with LoRA and ``lora.sync='adapters'``, the base one worker keeps on its
+      mesh beside ``inference_params`` (unquantised, in ``inference_param_dtype``), into
+      which it merges each version's adapters; 0 otherwise.
     kv_cache: one worker's KV cache (``kv_cache_bytes``), on its mesh.
     inference_logits: a decode step's float32 ``[slots, vocab]`` logits (4 buffers).
     workers_per_chip: inference workers whose meshes share a chip (roles not disjoint:
@@ -303,6 +366,7 @@ class MemoryPlan:
   workers_per_chip: int = 1
   shared: bool = True
   push: float = 0.0
+  inference_base: float = 0.0
 
   @property
   def trainer_bytes(self) -> float:
@@ -311,7 +375,7 @@ class MemoryPlan:
 
   @property
   def inference_bytes(self) -> float:
-    return self.workers_per_chip * (self.inference_params + self.kv_cache
+    return self.workers_per_chip * (self.inference_base + self.inference_params + self.kv_cache
                                     + self.inference_logits)
 
   def needs(self, trainer_hbm_bytes: float, inference_hbm_bytes: float | None = None
@@ -333,10 +397,12 @@ class MemoryPlan:
         (f'trainer: params {gib(self.params)}, optimizer {gib(self.optimizer)}, gradients '
          f'{gib(self.gradients)}, KL reference {gib(self.reference)}, the larger of '
          f'activations {gib(self.activations)} and the update {gib(self.update)}'
-         + (f' (or, between steps, the merged LoRA push {gib(self.push)})' if self.push
+         + (f' (or, with no step running, the LoRA push {gib(self.push)})' if self.push
             else '') + f' = {gib(self.trainer_bytes)}'),
         (f'inference: {self.workers_per_chip} worker(s) x (params '
-         f'{gib(self.inference_params)}, KV cache {gib(self.kv_cache)}, logits '
+         f'{gib(self.inference_params)}'
+         + (f', LoRA base {gib(self.inference_base)}' if self.inference_base else '')
+         + f', KV cache {gib(self.kv_cache)}, logits '
          f'{gib(self.inference_logits)}) = {gib(self.inference_bytes)}')]
     for chips, need, hbm in self.needs(trainer_hbm_bytes, inference_hbm_bytes):
       lines.append(f'{chips}: {gib(need)} of {gib(hbm)} HBM per chip ({100 * need / hbm:.0f}%)')
@@ -375,21 +441,23 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
       then holds the frozen base in ``param_dtype`` and the float32 adapters (``rank *
       (in + out)`` params per adapted weight per layer), and optimizer state, gradients and
       the update for the adapters alone; activations as without LoRA plus one product per
-      adapted projection (``activation_bytes``). The workers hold the merged base.
+      adapted projection (``activation_bytes``). The workers hold the merged weights, and
+      with ``lora.sync='adapters'`` the base too (``worker_param_bytes``); the trainer's push
+      is counted as ``MemoryPlan.push`` says.
     inference_quant: ``model.inference_quant``: ``'int8'`` counts the workers' copy as
-      ``quant.quantize_params`` makes it (one byte per projection weight, a float32 scale per
-      output channel replicated on the mesh; the embedding, lm head and norms in
-      ``inference_param_dtype``). Only the quantised copy is on the devices: the unquantised
-      one a worker applies deltas to is on its host.
+      ``quant.quantize_params`` makes it (``worker_param_bytes``). Only the quantised copy
+      (and a LoRA base) is on the devices: the unquantised one a worker applies deltas to is
+      on its host.
   Returns:
     The ``MemoryPlan``. Gradients are the trained params' shape in their dtype, twice with
     micro-batches (the accumulator); the update holds new trained params and optimizer state
     (XLA:CPU's compiled full fine-tuning step held 2.25 x the params there, against the 3 x
     counted for AdamW); XLA's other scratch and fragmentation are not counted.
   """
-  if inference_quant not in QUANT_MODES:
-    raise ConfigError(f'inference_quant={inference_quant!r}; choose one of {QUANT_MODES} '
-                      '(model.inference_quant).')
+  inference = (config if inference_param_dtype is None
+               else config.with_execution(param_dtype=inference_param_dtype))
+  worker = worker_param_bytes(inference, inference_mesh, quant=inference_quant, lora=lora,
+                              rules=rules)
   shards = _param_shards(config, trainer_mesh, rules, lora=lora)
   trained = [(e, b) for path, e, b in shards if lora is None or lora_lib.is_adapter_path(path)]
   params = sum(b for _, _, b in shards)
@@ -402,10 +470,12 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
   activations = activation_bytes(config, rows=rows, length=train_length,
                                  tensor=trainer_mesh['tensor'],
                                  logprob_chunk=logprob_chunk, lora=lora)['total_bytes']
-  inference = (config if inference_param_dtype is None
-               else config.with_execution(param_dtype=inference_param_dtype))
-  inference_params = sum(b for _, _, b in _param_shards(inference, inference_mesh, rules,
-                                                         quant=inference_quant))
+  if lora is None:
+    push = 0
+  elif lora.sync == 'adapters':
+    push = _base_cast_bytes(config, inference, trainer_mesh, rules)
+  else:
+    push = params - trained_bytes
   slot_shards = inference_mesh['data'] * inference_mesh['fsdp']
   kv_split = inference_mesh['tensor'] if config.num_kv_heads % inference_mesh['tensor'] == 0 \
       else 1
@@ -414,7 +484,6 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
   return MemoryPlan(params=float(params), optimizer=float(optimizer),
                     gradients=float(gradients), reference=float(params if reference else 0),
                     activations=activations, update=float(trained_bytes + optimizer),
-                    inference_params=float(inference_params),
+                    inference_params=worker['params'], inference_base=worker['base'],
                     kv_cache=kv, inference_logits=float(logits),
-                    workers_per_chip=workers_per_chip, shared=shared,
-                    push=float(params - trained_bytes if lora is not None else 0))
+                    workers_per_chip=workers_per_chip, shared=shared, push=float(push))

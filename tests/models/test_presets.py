@@ -15,9 +15,10 @@ from rlax_llm.models import lora as lora_lib
 from rlax_llm.models import presets
 from rlax_llm.models.decoder import Decoder
 from rlax_llm.models.decoder_config import DecoderConfig, Execution
-from rlax_llm.models.model import create_model
+from rlax_llm.models.model import abstract_model, create_model
 from rlax_llm.models.presets import PRESETS, count_params, get_preset, memory_per_device
-from rlax_llm.models.quant import PROJECTIONS, quantize_params, quantized_shardings
+from rlax_llm.models.quant import PROJECTIONS, QUANT_MODES, quantize_params, quantized_shardings
+from rlax_llm.paramserver import ParameterServer
 from rlax_llm.sharding import make_mesh, param_shardings
 from rlax_llm.trainer.trainer import Trainer, make_optimizer
 
@@ -75,11 +76,12 @@ def _per_device_bytes(tree) -> int:
   return max(held.values())
 
 
+@pytest.mark.parametrize('sync', lora_lib.SYNCS)
 @pytest.mark.parametrize('param_dtype', [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize('targets', [lora_lib.TARGETS, ('q', 'v', 'down')])
-def test_the_lora_plan_counts_the_adapters_the_module_builds(targets, param_dtype):
+def test_the_lora_plan_counts_the_adapters_the_module_builds(targets, param_dtype, sync):
   config = PLAN_MODEL.with_execution(param_dtype=param_dtype)
-  lora = lora_lib.LoRAConfig(4, 8.0, targets)
+  lora = lora_lib.LoRAConfig(4, 8.0, targets, sync)
   module = lora_lib.add_adapters(Decoder(config, rngs=nnx.Rngs(0)), lora, nnx.Rngs(1))
   adapters = jax.tree.leaves(nnx.state(module, nnx.LoRAParam))
   everything = jax.tree.leaves(nnx.state(module, nnx.Param))
@@ -97,13 +99,19 @@ def test_the_lora_plan_counts_the_adapters_the_module_builds(targets, param_dtyp
   assert plan.gradients == 4 * n
   assert _plan(config, lora=lora, micro_batches=2).gradients == 2 * 4 * n  # + accumulator
   assert plan.update == 3 * 4 * n
-  assert plan.push == full.params  # the merged base the trainer pushes
+  if sync == 'merged':
+    assert plan.push == full.params  # the merged base the trainer makes for each version
+    assert plan.inference_base == 0
+  else:  # the adapters are the trainer's own arrays; the base is pushed in its own dtype
+    assert plan.push == 0
+    assert plan.inference_base == full.inference_params  # the base the workers merge into
   # One [t, N] more per adapted projection (t = 4 rows x 8 tokens) kept by the backward pass.
   itemsize = jnp.dtype(config.execution.dtype).itemsize
   assert plan.activations == full.activations + 2 * 32 * itemsize * sum(
       sides[t][1] for t in targets)
   assert plan.inference_params == full.inference_params  # the workers hold the merged base
-  assert full.push == 0 and full.optimizer == 2 * 4 * sum(
+  assert plan.inference_bytes == full.inference_bytes + plan.inference_base
+  assert full.push == 0 and full.inference_base == 0 and full.optimizer == 2 * 4 * sum(
       x.size for x in jax.tree.leaves(nnx.state(Decoder(config, rngs=nnx.Rngs(0)), nnx.Param)))
 
 
@@ -123,6 +131,82 @@ def test_the_lora_plan_per_device_matches_the_trainers_placed_arrays():
   # The moments (params-shaped) plus AdamW's replicated step counts, not planned.
   counts = sum(x.nbytes for x in jax.tree.leaves(trainer.opt_state) if x.ndim == 0)
   assert plan.optimizer == _per_device_bytes(trainer.opt_state) - counts
+
+
+@pytest.mark.parametrize('inference_dtype', [jnp.float32, jnp.bfloat16])
+def test_the_adapter_sync_push_is_the_trainers_own_adapters_and_the_base_cast_once(
+    inference_dtype):
+  """The trainer's real pushes on 8 devices (``lora.pushed_params`` per version,
+  ``lora.pushed_base`` once): only arrays the trainer does not already hold are new device
+  memory, and the plan's push is theirs."""
+  base, params = create_model(PLAN_MODEL, seed=0)
+  lora = lora_lib.LoRAConfig(4, 8.0)
+  model, params = lora_lib.create(base, params, lora)
+  trainer = Trainer(model, params, make_optimizer(1e-3), lambda *a: None, make_mesh(SHARDED),
+                    trainable=lora_lib.trainable_mask(model))
+  inference = abstract_model(PLAN_MODEL.with_execution(param_dtype=inference_dtype))
+  held = {id(x) for x in jax.tree.leaves(trainer.params)}
+  version = lora_lib.pushed_params(model, trainer.params, inference)
+  pushed_once = lora_lib.pushed_base(model, trainer.params, inference)
+  plan = _plan(PLAN_MODEL, SHARDED, lora=lora, inference_param_dtype=inference_dtype)
+  assert all(id(x) in held for x in jax.tree.leaves(version))  # nothing new per version
+  assert _per_device_bytes(version) == plan.gradients  # the adapters, as trained
+  copies = [x for x in jax.tree.leaves(pushed_once) if id(x) not in held]
+  assert plan.push == (_per_device_bytes(copies) if copies else 0)
+  if inference_dtype == jnp.float32:
+    assert plan.push == 0
+  else:  # every base leaf cast to bfloat16: half the float32 base
+    assert plan.push == _per_device_bytes(lora_lib.base_tree(trainer.params)) / 2 > 0
+
+
+@pytest.mark.parametrize('quant', ['none', 'int8'])
+def test_an_adapter_sync_worker_holds_the_base_and_the_merged_weights_the_plan_counts(quant):
+  """A real worker pulling the base and a version (tests/test_lora_run.py's pattern): on its
+  devices the base it merges into and the copy its engine samples with (int8: quantised);
+  on its host the adapters alone. The plan and the pre-run fit check count those."""
+  config = smoke_config(lora__rank=2, lora__targets='q,v,o,down', model__inference_quant=quant)
+  task = roles.build_task(config)
+  model, params, tokenizer = roles.build_model(config, task)
+  lmodel, params = lora_lib.create(model, params, lora_lib.from_config(config))
+  base_server, server = ParameterServer(keep=1), ParameterServer(keep=1)
+  base_server.push(0, lora_lib.pushed_base(lmodel, params, model))
+  server.push(0, lora_lib.pushed_params(lmodel, params, model))
+  mesh = roles.meshes(config)['inference'][0]
+  worker = roles.build_worker(config, model, tokenizer, mesh, lambda: base_server.update(0))
+  worker.pull(0, server.update)
+  plan = roles.run_memory_plan(model.config, config, ONE, ONE, shared=True)
+  assert plan.inference_params == _per_device_bytes(worker.params)
+  assert plan.inference_base == _per_device_bytes(worker._base)  # pylint: disable=protected-access
+  assert plan.inference_base == sum(x.nbytes for x in jax.tree.leaves(
+      lora_lib.base_tree(params)))  # unquantised, in the workers' dtype
+  host = worker._host_leaves  # pylint: disable=protected-access
+  assert sum(x.nbytes for x in host) == sum(
+      x.nbytes for x in jax.tree.leaves(lora_lib.adapter_tree(params)))
+  assert roles.rollout_memory_bytes(model.config, config)['params_bytes'] == (
+      plan.inference_params + plan.inference_base)
+
+
+def test_the_fit_check_counts_the_int8_copy_as_the_plan_does():
+  """``roles.rollout_memory_bytes`` and the plan share ``presets.worker_param_bytes``: the
+  int8 copy, whole and per device of a sharded inference mesh."""
+  decoder = dataclasses.replace(presets.get_preset('smollm2-135m'), num_layers=2)
+  sharded = {'data': 1, 'fsdp': 2, 'tensor': 2}
+  estimates, plans = {}, {}
+  for quant in QUANT_MODES:
+    config = smoke_config(model__inference_quant=quant)
+    estimates[quant] = roles.rollout_memory_bytes(decoder, config)
+    plans[quant] = roles.run_memory_plan(decoder, config, ONE, ONE, shared=True)
+    assert estimates[quant]['params_bytes'] == plans[quant].inference_params
+    config.mesh.inference.update(sharded)
+    estimate = roles.rollout_memory_bytes(decoder, config)
+    unsplit = (estimate['kv_cache_bytes'] + estimate['logits_bytes']) / 2  # over fsdp
+    assert estimate['per_device_bytes'] - unsplit == pytest.approx(roles.run_memory_plan(
+        decoder, config, ONE, sharded, shared=True).inference_params, rel=1e-12)
+  # SmolLM2's projections, 2 layers: 1 byte a weight instead of 4, plus float32 scales.
+  weights = 2 * (576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536)
+  channels = 2 * (576 * 2 + 192 * 2 + 1536 * 2 + 576)
+  assert estimates['int8']['params_bytes'] == (
+      estimates['none']['params_bytes'] - 3 * weights + 4 * channels)
 
 
 @pytest.mark.parametrize('mesh', [ONE, SHARDED])
@@ -162,7 +246,8 @@ def test_the_run_plan_reads_lora_and_inference_quant_from_the_config():
   adapters = 2 * 2 * ((576 + 576) + (576 + 192))
   assert got.optimizer == 2 * 4 * adapters and got.gradients == 4 * adapters
   assert got.params == full.params + 4 * adapters
-  assert got.push == full.params
+  assert got.push == 0  # lora.sync='adapters' (the default), float32 workers
+  assert got.inference_base == full.inference_params  # the base, unquantised
   # int8 projections: 1 byte a weight instead of 4, plus a float32 scale per output channel.
   weights = 2 * (576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536)
   channels = 2 * (576 * 2 + 192 * 2 + 1536 * 2 + 576)

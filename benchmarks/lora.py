@@ -1,0 +1,290 @@
+"""Benchmark: LoRA training (rank 16 on every projection) against transformers + peft, the
+trainer's memory with and without LoRA, and the bytes of a weight sync with LoRA.
+
+One process, one JSON object. The model (``--model``): SmolLM2-135M-Instruct (the packaged
+GGUF, loaded by ``from_pretrained``; the torch model is transformers' ``LlamaForCausalLM``
+built from the same config and holding the same weights, ``config_to_hf``/``params_to_hf``),
+or ``tiny`` (a 2-layer random decoder: the test's smoke run). A batch of ``--batch`` x
+``--length`` tokens (random; the completion half under the loss mask) with random behaviour
+log-probs and advantages, the GRPO clipped objective, AdamW with global-norm clipping, fp32.
+
+1. **Train step** (``train``): our ``Trainer`` over ``lora.create``'s adapters
+   (``trainable=lora.trainable_mask``) against ``peft.get_peft_model`` on the torch model
+   (same rank, alpha, targets ``q,k,v,o,gate,up,down``, no dropout; ``torch.optim.AdamW``
+   over the adapters, eager). Both split the batch into ``--micro_batches`` and accumulate
+   gradients (one update per batch). One warm-up step each (compilation), then ``--repeats``
+   timed steps, ours and theirs alternately (the machine is shared: each ratio compares
+   neighbouring runs); ``ratio`` is the median of the per-repeat ratios (goal >= 1.5).
+2. **Memory** (``memory``): the bytes of the trainer's state trees (params, optimizer state)
+   with LoRA and with full fine-tuning, and the step's temporaries (activations, gradients,
+   optimizer temporaries) from XLA's compiled memory analysis of the jitted step
+   (``temp_size_in_bytes``); for torch + peft: its parameters, its optimizer state after a
+   step, and the tensors autograd saves for the backward pass (``saved_tensors_hooks``, each
+   storage counted once) in one micro-batch's forward.
+3. **Weight sync** (``sync``): after the timed real optimizer steps, the adapter tree
+   (``lora.adapter_tree``: every ``A`` and ``B``, what a LoRA trainer pushes per version) is
+   pushed to an in-process ``ParameterServer`` and pulled whole (what a worker holding the
+   base pulls per version), and as an update from the previous version; against the full
+   fp32 params pulled whole, and against the bf16 sparse delta (``paramserver.delta``) of one
+   full fine-tuning step at the SmolLM2 recipe's learning rate (``configs/smollm2.py``:
+   ``rl.learning_rate``).
+   ``lora_over_full_fp32`` is the goal's figure (goal <= 0.01). ``adapter_bytes_by_rank``:
+   the adapter tree's fp32 bytes at other ranks (from the shapes, all seven targets).
+
+    .venv/bin/python benchmarks/lora.py [--model=smollm2] [--batch=16 --length=256]
+        [--micro_batches=4] [--repeats=3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+os.environ.setdefault('HF_HUB_OFFLINE', '1')
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peft
+import torch
+import transformers
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from train_step import torch_grpo_losses, train_batch  # this folder (sys.path[0])
+
+from rlax_llm import losses, sharding
+from rlax_llm.configs import smollm2 as smollm2_recipe
+from rlax_llm.data_types import TrainBatch
+from rlax_llm.models import from_pretrained, smollm2_gguf_path
+from rlax_llm.models import lora as lora_lib
+from rlax_llm.models.decoder_config import DecoderConfig
+from rlax_llm.models.files.hf import config_to_hf, params_to_hf
+from rlax_llm.models.model import create_model, split_module
+from rlax_llm.paramserver import ParameterServer
+from rlax_llm.sampling_spec import SamplingSpec
+from rlax_llm.trainer import objectives
+from rlax_llm.trainer.scoring import Policy
+from rlax_llm.trainer.trainer import Trainer, make_optimizer
+
+TINY = DecoderConfig(vocab_size=256, num_layers=2, embed_dim=64, mlp_dim=128, num_heads=4,
+                     num_kv_heads=2, head_dim=16, max_seq_len=256)
+TORCH_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
+
+
+def tree_bytes(tree) -> int:
+  """Bytes of every array leaf of ``tree``."""
+  return int(sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)
+                 if hasattr(x, 'dtype')))
+
+
+def load(name: str):
+  """``(model, params)``: SmolLM2-135M-Instruct's GGUF weights, or the tiny random decoder."""
+  if name == 'tiny':
+    return create_model(TINY, seed=0)
+  module, _ = from_pretrained(smollm2_gguf_path())
+  return split_module(module)
+
+
+def make_trainer(model, params, lr: float, args, trainable=None) -> Trainer:
+  mesh = sharding.make_mesh({'data': 1, 'fsdp': 1, 'tensor': 1}, jax.devices()[:1])
+  objective = functools.partial(objectives.rl_objective, Policy(model, SamplingSpec()),
+                                losses.LossConfig(loss='grpo').resolve(),
+                                logprob_chunk=args.logprob_chunk)
+  return Trainer(model, params, make_optimizer(lr), objective, mesh,
+                 micro_batches=args.micro_batches, totals_fn=objectives.loss_totals,
+                 trainable=trainable)
+
+
+def compiled_step(trainer: Trainer, batch: TrainBatch):
+  """The trainer's jitted step compiled for ``batch`` (AOT: its memory analysis), and the
+  batch placed as ``Trainer.step`` places it."""
+  placed = sharding.global_batch(batch, trainer.mesh, trainer.rules)
+  with sharding.activation_sharding(trainer.mesh, trainer.rules):
+    lowered = trainer._step.lower(  # pylint: disable=protected-access
+        trainer.params, trainer.opt_state, placed, trainer.reference_params)
+  return lowered.compile(), placed
+
+
+def memory_row(trainer: Trainer, compiled) -> dict:
+  analysis = compiled.memory_analysis()
+  row = {'params_bytes': tree_bytes(trainer.params),
+         'optimizer_bytes': tree_bytes(trainer.opt_state),
+         'step_temp_bytes': int(analysis.temp_size_in_bytes)}
+  row['total_bytes'] = sum(row.values())
+  return row
+
+
+def pulled_bytes(server: ParameterServer, version: int, base_version: int = -1) -> dict:
+  update = server.update(version, base_version)
+  return {'bytes': int(update.nbytes), 'changed_fraction': float(update.density)}
+
+
+# ----------------------------------------------------------------------------- torch + peft
+
+def torch_model(model, params, lora: lora_lib.LoRAConfig):
+  """transformers' model of ``model.config`` holding ``params``, with peft's adapters."""
+  config = transformers.AutoConfig.for_model(
+      **{k: v for k, v in config_to_hf(model.config).items() if k != 'architectures'})
+  config._attn_implementation = 'sdpa'  # pylint: disable=protected-access
+  reference = transformers.AutoModelForCausalLM.from_config(config).float()
+  state = {k: torch.from_numpy(np.array(v, np.float32))
+           for k, v in params_to_hf(params, model.config).items()}
+  missing, unexpected = reference.load_state_dict(state, strict=False)
+  assert not unexpected and set(missing) <= {'lm_head.weight'}, (missing, unexpected)
+  peft_config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0,
+                                target_modules=list(TORCH_TARGETS), bias='none')
+  return peft.get_peft_model(reference, peft_config).train()
+
+
+class TorchStep:
+  """peft's GRPO step: the same objective, micro-batches, AdamW and clipping as ours."""
+
+  def __init__(self, reference, batch: TrainBatch, micro_batches: int, lr: float):
+    self.model, self.micro_batches = reference, micro_batches
+    self.trained = [p for p in reference.parameters() if p.requires_grad]
+    self.optimizer = torch.optim.AdamW(self.trained, lr=lr, betas=(0.9, 0.99),
+                                       weight_decay=0.0)
+    self.batch = [torch.from_numpy(np.array(x)) for x in (
+        batch.tokens, batch.loss_mask, batch.behaviour_logprobs, batch.advantages)]
+    self.batch[0] = self.batch[0].long()
+
+  def loss(self, rows: slice):
+    """The rows' share of the whole batch's mean loss (their sum over all rows)."""
+    losses_ = torch_grpo_losses(self.model, *(x[rows] for x in self.batch))
+    return losses_.sum() / len(self.batch[0])
+
+  def __call__(self):
+    rows = len(self.batch[0])
+    self.optimizer.zero_grad(set_to_none=True)
+    for i in range(self.micro_batches):  # strided rows, as the trainer's micro-batches
+      self.loss(slice(i, rows, self.micro_batches)).backward()
+    torch.nn.utils.clip_grad_norm_(self.trained, 1.0)
+    self.optimizer.step()
+
+  def memory(self) -> dict:
+    """Parameter and optimizer-state bytes, and the bytes autograd saves for backward in one
+    micro-batch's forward (each storage once)."""
+    saved = {}
+
+    def pack(tensor):
+      storage = tensor.untyped_storage()
+      saved[storage.data_ptr()] = storage.nbytes()
+      return tensor
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+      loss = self.loss(slice(0, len(self.batch[0]), self.micro_batches))
+    del loss
+    params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+    optimizer = sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
+                    for t in state.values() if torch.is_tensor(t))
+    return {'params_bytes': params, 'optimizer_bytes': optimizer,
+            'saved_activation_bytes': sum(saved.values()),
+            'total_bytes': params + optimizer + sum(saved.values())}
+
+
+# ----------------------------------------------------------------------------- the benchmark
+
+def timed(fn) -> float:
+  start = time.perf_counter()
+  fn()
+  return time.perf_counter() - start
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument('--model', default='smollm2', choices=('smollm2', 'tiny'))
+  parser.add_argument('--batch', type=int, default=16)
+  parser.add_argument('--length', type=int, default=256)
+  parser.add_argument('--micro_batches', type=int, default=4)
+  parser.add_argument('--logprob_chunk', type=int, default=64)
+  parser.add_argument('--repeats', type=int, default=3)
+  parser.add_argument('--rank', type=int, default=16)
+  parser.add_argument('--alpha', type=float, default=32.0)
+  parser.add_argument('--torch_threads', type=int, default=0, help='0: torch default')
+  args = parser.parse_args()
+  if args.torch_threads:
+    torch.set_num_threads(args.torch_threads)
+  lr = float(smollm2_recipe.get_config().rl.learning_rate)
+  lora = lora_lib.LoRAConfig(args.rank, args.alpha)
+  base, params0 = load(args.model)
+  batch = train_batch(args.batch, args.length, base.config.vocab_size)
+  tokens = args.batch * args.length
+  out = {'benchmark': 'lora', 'model': args.model, 'batch': args.batch, 'length': args.length,
+         'micro_batches': args.micro_batches, 'logprob_chunk': args.logprob_chunk,
+         'rank': args.rank, 'alpha': args.alpha, 'targets': ','.join(lora.targets),
+         'learning_rate': lr, 'dtype': 'float32', 'torch_threads': torch.get_num_threads(),
+         'load_average_start': os.getloadavg()[0]}
+
+  # 1. The LoRA train step, ours and peft's alternately.
+  model, params = lora_lib.create(base, params0, lora, seed=0)
+  trainer = make_trainer(model, params, lr, args, lora_lib.trainable_mask(model))
+  compiled, _ = compiled_step(trainer, batch)
+  lora_memory = memory_row(trainer, compiled)
+  del compiled
+  reference = torch_model(base, params0, lora)
+  theirs = TorchStep(reference, batch, args.micro_batches, lr)
+  server = ParameterServer(keep=2)
+  server.push(0, lora_lib.adapter_tree(trainer.params))
+  compile_s = timed(functools.partial(trainer.step, batch))
+  theirs()
+  ours_s, theirs_s = [], []
+  for _ in range(args.repeats):
+    ours_s.append(timed(functools.partial(trainer.step, batch)))
+    theirs_s.append(timed(theirs))
+  ratios = [t / o for o, t in zip(ours_s, theirs_s)]
+  out['train'] = {
+      'ours_tok_s': tokens / statistics.median(ours_s),
+      'peft_tok_s': tokens / statistics.median(theirs_s),
+      'ratio': statistics.median(ratios), 'ratios': [round(r, 3) for r in ratios],
+      'ours_step_s': [round(s, 3) for s in ours_s],
+      'peft_step_s': [round(s, 3) for s in theirs_s], 'ours_first_step_s': compile_s,
+      'trained_params': tree_bytes(lora_lib.adapter_tree(trainer.params)) // 4,
+      'peft_trained_params': sum(p.numel() for p in theirs.trained)}
+  out['memory'] = {'lora': lora_memory, 'peft': theirs.memory()}
+  del theirs, reference
+
+  # 3a. The adapters after the real steps above: version (1 + repeats) vs version 0.
+  version = 1 + args.repeats
+  server.push(version, lora_lib.adapter_tree(trainer.params))
+  lora_sync = pulled_bytes(server, version)
+  lora_sync['from_previous'] = pulled_bytes(server, version, 0)
+  del trainer, server
+
+  # 2 (full) and 3b: full fine-tuning's memory, and one full step's bf16 delta.
+  full = make_trainer(base, params0, lr, args)
+  compiled, placed = compiled_step(full, batch)
+  out['memory']['full'] = memory_row(full, compiled)
+  fp32 = ParameterServer(keep=1)
+  fp32.push(0, full.params)
+  bf16 = ParameterServer(keep=2)
+  bf16.push(0, jax.tree.map(lambda x: x.astype(jnp.bfloat16), full.params))
+  full.params, full.opt_state, _ = compiled(full.params, full.opt_state, placed, None)
+  del compiled
+  bf16.push(1, jax.tree.map(lambda x: x.astype(jnp.bfloat16), full.params))
+  full_fp32 = pulled_bytes(fp32, 0)['bytes']
+  delta = pulled_bytes(bf16, 1, 0)
+  out['memory']['lora_over_full_total'] = (out['memory']['lora']['total_bytes']
+                                           / out['memory']['full']['total_bytes'])
+  out['sync'] = {
+      'lora_adapters': lora_sync, 'full_fp32_bytes': full_fp32,
+      'full_bf16_delta': delta, 'lora_over_full_fp32': lora_sync['bytes'] / full_fp32,
+      'lora_over_bf16_delta': lora_sync['bytes'] / delta['bytes'],
+      'bf16_delta_over_full_fp32': delta['bytes'] / full_fp32,
+      'adapter_bytes_by_rank': {
+          r: tree_bytes(lora_lib.adapter_tree(m.abstract_params()))
+          for r in (1, 2, 4, 8, 16)
+          for m in [dataclasses.replace(model, lora=lora_lib.LoRAConfig(r, args.alpha))]}}
+  out['load_average_end'] = os.getloadavg()[0]
+  print(json.dumps(out, indent=2))
+
+
+if __name__ == '__main__':
+  main()

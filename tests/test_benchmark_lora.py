@@ -1,0 +1,57 @@
+"""benchmarks/lora.py in tiny form: its JSON object's keys, and figures that make sense."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip('peft')
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope='module')
+def report():
+  result = subprocess.run(
+      [sys.executable, str(ROOT / 'benchmarks' / 'lora.py'), '--model=tiny', '--batch=4',
+       '--length=8', '--micro_batches=2', '--repeats=1', '--rank=4'],
+      check=False, cwd=ROOT, capture_output=True, text=True, timeout=900,
+      env=dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=str(ROOT)))
+  assert result.returncode == 0, result.stderr[-3000:]
+  return json.loads(result.stdout)
+
+
+def test_train_step_figures(report):
+  train = report['train']
+  assert report['rank'] == 4 and report['targets'] == 'q,k,v,o,gate,up,down'
+  assert train['ours_tok_s'] > 0 and train['peft_tok_s'] > 0 and train['ratio'] > 0
+  assert len(train['ratios']) == 1
+  # Same adapters on both sides: rank x (in + out) per adapted weight.
+  assert train['trained_params'] == train['peft_trained_params'] > 0
+
+
+def test_memory_figures(report):
+  memory = report['memory']
+  for side in ('lora', 'full', 'peft'):
+    row = memory[side]
+    assert all(v > 0 for v in row.values()), (side, row)
+    assert row['total_bytes'] == sum(v for k, v in row.items() if k != 'total_bytes')
+  # The adapters' optimizer state is smaller than the whole model's.
+  assert memory['lora']['optimizer_bytes'] < memory['full']['optimizer_bytes']
+  assert memory['lora']['params_bytes'] > memory['full']['params_bytes']  # base + adapters
+  assert 0 < memory['lora_over_full_total']
+
+
+def test_sync_figures(report):
+  sync = report['sync']
+  lora_bytes = sync['lora_adapters']['bytes']
+  assert 0 < lora_bytes < sync['full_fp32_bytes']
+  assert lora_bytes == sync['adapter_bytes_by_rank']['4']
+  assert 0 < sync['full_bf16_delta']['bytes'] < sync['full_fp32_bytes']
+  assert sync['lora_over_full_fp32'] == lora_bytes / sync['full_fp32_bytes']
+  assert sync['lora_over_bf16_delta'] > 0 and 0 < sync['bf16_delta_over_full_fp32'] < 1
+  sizes = [sync['adapter_bytes_by_rank'][r] for r in ('1', '2', '4', '8', '16')]
+  assert sizes == [sizes[0] * r for r in (1, 2, 4, 8, 16)]
