@@ -3,7 +3,8 @@
 ``prompt_dataset`` is a grain ``MapDataset`` whose element ``s`` holds the prompts of RL step
 ``s``; its iterator's state is the controller's data position (what a snapshot stores).
 ``sft_batch`` tokenizes a task's demonstrations with the model's tokenizer into
-teacher-forcing rows.
+teacher-forcing rows (``padded_rows``; an environment run's come from
+``trainer.warmup.demo_batch``).
 """
 
 from __future__ import annotations
@@ -37,9 +38,16 @@ def sft_batch(task: Task, tokenizer: Tokenizer, start: int, batch_size: int
     c = tokenizer.encode(completion, add_eos=True)
     rows.append(p + c)
     masks.append([0.0] * len(p) + [1.0] * len(c))
+  return padded_rows(rows, masks, tokenizer.pad_id)
+
+
+def padded_rows(rows: list[list[int]], masks: list[list[float]], pad_id: int
+                ) -> dict[str, np.ndarray]:
+  """``rows`` and their loss ``masks`` right-padded to the longest: ``tokens`` int32 [B, T]
+  (``pad_id``) and ``loss_mask`` float32 [B, T] (0)."""
   length = max(len(r) for r in rows)
-  tokens = np.full((batch_size, length), tokenizer.pad_id, np.int32)
-  loss_mask = np.zeros((batch_size, length), np.float32)
+  tokens = np.full((len(rows), length), pad_id, np.int32)
+  loss_mask = np.zeros((len(rows), length), np.float32)
   for i, (r, m) in enumerate(zip(rows, masks)):
     tokens[i, :len(r)] = r
     loss_mask[i, :len(m)] = m

@@ -26,6 +26,7 @@ import numpy as np
 
 from rlax_llm import config as config_lib
 from rlax_llm import console
+from rlax_llm.data import sft_batch
 from rlax_llm.data_types import GenerationRequest, Trajectory
 from rlax_llm.envs import Environment, make_env
 from rlax_llm.envs.seeds import env_seeds
@@ -49,7 +50,7 @@ from rlax_llm.tokenization import CharTokenizer, Tokenizer, encode_prompts
 from rlax_llm.trainer.objectives import loss_totals, rl_objective, shared_prefix_scoring
 from rlax_llm.trainer.scoring import Policy
 from rlax_llm.trainer.trainer import Trainer, learning_rate_schedule, make_optimizer
-from rlax_llm.trainer.warmup import supervised_warmup
+from rlax_llm.trainer.warmup import demo_batch, supervised_warmup
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
@@ -352,10 +353,17 @@ def warm_trainer(config: ml_collections.ConfigDict, spec: config_lib.RunSpec, ta
     params, metrics = restored
     logging.info('warm-up restored from its checkpoint')
   else:
+    if config.env.name:  # the oracle's episodes, as the episode runner records them
+      batches = functools.partial(demo_batch, env_factory(config, tokenizer), tokenizer,
+                                  max_turns=config.agent.max_turns or None)
+      source = f'{config.env.name!r} oracle episodes'
+    else:
+      batches = functools.partial(sft_batch, task, tokenizer)
+      source = "the task's demonstrations"
     params, metrics = supervised_warmup(
-        model, params, task, tokenizer, mesh, steps=w.steps, batch_size=w.batch_size,
+        model, params, batches, mesh, steps=w.steps, batch_size=w.batch_size,
         learning_rate=w.learning_rate, warmup_steps=w.warmup_steps,
-        max_nonfinite_updates=config.rl.max_nonfinite_updates, stop=stop)
+        max_nonfinite_updates=config.rl.max_nonfinite_updates, stop=stop, source=source)
     if checkpointer is not None and w.steps > 0:
       checkpointer.save_warmup(params, metrics)
   return build_trainer(config, spec, model, params, mesh), metrics

@@ -330,7 +330,6 @@ def _agent_smoke():
     ('rollout.oversample', 1.0, 'dynamic sampling'),
     ('rollout.replay', 0.5, 'replay pool'),
     ('eval.samples', 4, 'greedily'),
-    ('warmup.steps', 10, 'demonstrations'),
 ])
 def test_an_environment_run_refuses_single_turn_features(key, value, named):
   config = _agent_smoke()

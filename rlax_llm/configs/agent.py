@@ -9,6 +9,11 @@ Variants (``--config=configs/agent.py:VARIANT``):
   grid: a 4x4 FrozenLake text puzzle (rlax_llm.envs.GridEnv), one move a turn, GRPO over
     episode returns.
   grid_gigpo: the same with GiGPO's step-level credit (rl.advantage_estimator='gigpo').
+  grid_small: the same 4x4 puzzle (holes, 8 turns, reward only at the goal) for the tiny
+    character-level model of configs/default.py, GRPO over episode returns: the GRPO vs
+    GiGPO comparison of benchmarks/agent_grid.py (a SmolLM2 run per seed does not fit a
+    2-core machine).
+  grid_small_gigpo: the same with GiGPO.
   smoke: a tiny character-level model on a 2x2 grid for a few steps (tests; seconds).
   harness: the calculator task played by an agent harness written with the plain openai
     client (rlax_llm.serve.calculator_agent), served by the endpoint (docs/serving.md,
@@ -20,7 +25,8 @@ import ml_collections
 
 from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config_file
 
-VARIANTS = ('grid', 'grid_gigpo', 'smoke', 'harness', 'harness_smoke')
+VARIANTS = ('grid', 'grid_gigpo', 'grid_small', 'grid_small_gigpo', 'smoke', 'harness',
+            'harness_smoke')
 # The example agent harness (rlax_llm/serve/calculator_agent.py) of the harness variants.
 HARNESS = 'rlax_llm.serve.calculator_agent:calculator_agent'
 
@@ -52,6 +58,29 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.agent.max_turn_tokens = 16
     c.sampling.update(dict(max_prompt_len=128, max_new_tokens=448))
     if variant == 'grid_gigpo':
+      c.rl.advantage_estimator = 'gigpo'
+  elif variant in ('grid_small', 'grid_small_gigpo'):
+    c.name = f'agent_{variant}'
+    c.total_steps = 20
+    c.model = load_config_file(str(DEFAULT_CONFIG_PATH)).model
+    # The bare grid as the first prompt (the instruction is what a tiny model cannot read);
+    # 4x4, holes, 8 turns for a 6-move route, no shaping: only the goal pays, and one move
+    # into a hole loses the episode, so credit for the step matters.
+    c.env = ml_collections.ConfigDict(dict(name='grid', size=4, frozen_fraction=0.8,
+                                           max_turns=8, shaping=0.0, instruction='{grid}\n'))
+    # A short warm-up on the oracle's episodes, so that the model emits moves at all: it
+    # leaves the RL starting point well short of every held-out grid solved.
+    c.warmup.update(dict(steps=60, batch_size=16, warmup_steps=10))
+    c.agent.update(dict(max_turn_tokens=8, num_eval=32, timeout_s=120.0))
+    c.rl.update(dict(prompts_per_step=4, group_size=8, learning_rate=1e-3))
+    # Up to 8 turns of <= 8 tokens and their observations (~45 tokens after a move; an
+    # episode that runs past 384 ends as context_full).
+    c.sampling.update(dict(temperature=1.0, max_prompt_len=24, max_new_tokens=384))
+    c.model.max_seq_len = 409  # max_prompt_len + max_new_tokens + the last sampled token
+    c.rollout.slots = 32
+    c.eval.every_steps = 5
+    c.checkpoint.update(dict(every_steps=0, every_seconds=0.0))
+    if variant == 'grid_small_gigpo':
       c.rl.advantage_estimator = 'gigpo'
   elif variant == 'smoke':
     c.name = 'agent_smoke'

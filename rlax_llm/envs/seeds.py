@@ -7,6 +7,7 @@ position) and evaluates on ``eval_prompts()``. Here a prompt is an environment s
 ``text`` is the seed (``env_seed``), and the conversation is what ``env.reset(seed)`` gives.
 Train prompt ``index`` is seed ``index``; the held-out prompts are the seeds
 ``eval_seed_start + i``, ``i < num_eval``, above every seed of the stream (``2**40`` long).
+The warm-up's demonstrations (``DEMO_SEED_START``) play seeds disjoint from the held-out ones.
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ import string
 from typing import Any
 
 from rlax_llm.tasks.base import Prompt
+
+# The seed of the warm-up's demonstration 0 (``data.demo_batch``): demonstration ``i`` plays
+# seed ``DEMO_SEED_START + i``, below the held-out seeds (``>= 2**40``) and far above any train
+# step's seeds.
+DEMO_SEED_START = 2**39
 
 # A tiny character-level model's alphabet in an environment run: printable ASCII and newline
 # (what the built-in environments write).

@@ -53,7 +53,7 @@ import jax
 import numpy as np
 
 from rlax_llm.data_types import GenerationRequest, Trajectory
-from rlax_llm.envs.base import Environment, observation_messages
+from rlax_llm.envs.base import Environment, EnvStep, observation_messages
 from rlax_llm.envs.seeds import env_seed
 from rlax_llm.envs.tool_calls import tool_format_for, with_tools
 from rlax_llm.rollout.driver import VersionedParams
@@ -155,6 +155,57 @@ def make_renderer(tokenizer: Tokenizer, tools: Sequence[Mapping[str, Any]] | Non
   if tokenizer.chat_template is None:
     return PlainRenderer(tokenizer)
   return ChatRenderer(tokenizer, tools)
+
+
+def first_messages(observation: str) -> list[Message]:
+  """The conversation an episode starts with: ``env.reset``'s observation as a user turn."""
+  return [{'role': 'user', 'content': str(observation)}]
+
+
+def observe(renderer: ChatRenderer | PlainRenderer, messages: list[Message], text: str,
+            step: EnvStep, last_token: int | None) -> list[int]:
+  """The ids fed after the assistant turn ``text`` (sampled after ``messages``, ending with
+  ``last_token`` when a stop token ended it, else None) and before the next one: the turn's
+  end, ``step``'s observation messages (``observation_messages``) and the next assistant
+  header (``between_turns``). Appends the turn and the observation to ``messages``."""
+  new = observation_messages(step)
+  delta = renderer.between_turns(messages, new, last_token)
+  messages += [{'role': 'assistant', 'content': text}, *new]
+  return delta
+
+
+def demonstration(env: Environment, seed: int, tokenizer: Tokenizer,
+                  max_turns: int | None = None) -> tuple[list[int], list[bool]]:
+  """The episode of ``env`` from ``seed`` played by its oracle (``env.oracle_action()`` each
+  turn), as the token ids and loss mask ``EpisodeRunner`` records for a model that samples
+  exactly the oracle's actions: the prompt, then per turn the action's ids and the eos that
+  ends it (loss mask 1), then the observation's ids (loss mask 0; ``observe``), until the
+  episode is done or ``max_turns`` turns (the environment's own when None or larger) are
+  played. The supervised warm-up of an environment run trains on these rows.
+
+  Returns ``(ids, loss_mask)``, two lists of one length. Raises TypeError when ``env`` has no
+  ``oracle_action``.
+  """
+  if not callable(getattr(env, 'oracle_action', None)):
+    raise TypeError(f'environment {env.name!r} ({type(env).__name__}) has no oracle_action(); '
+                    'a warm-up on demonstrations needs one (docs/environments.md).')
+  renderer = make_renderer(tokenizer, getattr(env, 'tools', None))
+  messages = first_messages(env.reset(seed))
+  ids = renderer.prompt(messages)
+  mask = [False] * len(ids)
+  turns = min(int(env.max_turns), max_turns or int(env.max_turns))
+  for turn in range(turns):
+    text = env.oracle_action()
+    sampled = tokenizer.encode(text) + [tokenizer.eos_id]
+    ids += sampled
+    mask += [True] * len(sampled)
+    step = env.step(text)
+    if step.done or turn + 1 == turns:
+      break
+    delta = observe(renderer, messages, text, step, tokenizer.eos_id)
+    ids += delta
+    mask += [False] * len(delta)
+  return ids, mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,7 +433,7 @@ class EpisodeRunner:
         continue
       observation, key = value
       renderer = renderers.setdefault(live.index, self.renderer(live.episode.env))
-      live.messages = [{'role': 'user', 'content': str(observation)}]
+      live.messages = first_messages(observation)
       try:
         ids = renderer.prompt(live.messages)
       except Exception:  # pylint: disable=broad-except  # text the tokenizer cannot encode
@@ -475,9 +526,8 @@ class EpisodeRunner:
         continue
       turn = live.turn_tokens()
       try:
-        new = observation_messages(step)
-        delta = renderers[live.index].between_turns(
-            live.messages, new, turn[-1] if turn[-1] in self.stop_ids else None)
+        delta = observe(renderers[live.index], live.messages, live.texts[-1], step,
+                        turn[-1] if turn[-1] in self.stop_ids else None)
       except Exception:  # pylint: disable=broad-except  # an observation it cannot encode
         self._finish(live, 'env_error', slots, results)
         continue
@@ -485,7 +535,6 @@ class EpisodeRunner:
       if live.cached + len(turn) - 1 + len(fed) >= e.cache_length:
         self._finish(live, 'context_full', slots, results)
         continue
-      live.messages += [{'role': 'assistant', 'content': live.texts[-1]}, *new]
       start = live.cached + len(turn) - 1
       live.feed(delta)
       self.stats['env_tokens'] += len(delta)

@@ -1,8 +1,10 @@
-"""Supervised warm-up: teacher-forced training on a task's demonstrations.
+"""Supervised warm-up: teacher-forced training on a task's or an environment's demonstrations.
 
-Gives a tiny model partial competence before RL (the RL starting point of the default run).
-Uses the same ``Trainer`` (mesh, shardings, jitted step, non-finite guard) as RL with
-``sft_objective``; the batches come from ``rlax_llm.data.sft_batch``.
+Gives a model partial competence before RL (the RL starting point of the default run). Uses
+the same ``Trainer`` (mesh, shardings, jitted step, non-finite guard) as RL with
+``sft_objective``; the batches come from ``rlax_llm.data.sft_batch`` (a task's
+``sft_example``) or ``demo_batch`` (an environment's oracle episodes, rendered token for token
+as the episode runner records them).
 """
 
 from __future__ import annotations
@@ -10,27 +12,36 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 
+import numpy as np
 import optax
 from jax.sharding import Mesh
 
 from rlax_llm import console
-from rlax_llm.data import sft_batch
+from rlax_llm.data import padded_rows
+from rlax_llm.envs.base import Environment
+from rlax_llm.envs.seeds import DEMO_SEED_START
+from rlax_llm.errors import NonFiniteError, Preempted
 from rlax_llm.models.model import Model, Params
-from rlax_llm.tasks import Task
-from rlax_llm.errors import Preempted
+from rlax_llm.rollout.episodes import demonstration
 from rlax_llm.tokenization import Tokenizer
 from rlax_llm.trainer.objectives import sft_objective
-from rlax_llm.errors import NonFiniteError
 from rlax_llm.trainer.trainer import Trainer, make_optimizer
 
 
-def supervised_warmup(model: Model, params: Params, task: Task, tokenizer: Tokenizer,
-                      mesh: Mesh, *, steps: int, batch_size: int, learning_rate: float,
+def supervised_warmup(model: Model, params: Params,
+                      batches: Callable[[int, int], dict[str, np.ndarray]], mesh: Mesh, *,
+                      steps: int, batch_size: int, learning_rate: float,
                       warmup_steps: int = 0, log_every: int = 50,
-                      max_nonfinite_updates: int = 3, stop=None
+                      max_nonfinite_updates: int = 3, stop=None, source: str = 'demonstrations'
                       ) -> tuple[Params, dict[str, float]]:
   """Runs ``steps`` SFT updates (cosine-decayed AdamW). Returns ``(host params, metrics)``.
+
+  ``batches(start, batch_size)``: demonstrations ``start .. start + batch_size - 1`` as
+  ``tokens`` int32 [B, T] and ``loss_mask`` float32 [B, T] (``data.sft_batch`` or
+  ``demo_batch`` with its first arguments bound); step ``s`` trains on those from
+  ``s * batch_size``. ``source``: what they are, for the console.
 
   ``stop``: an event checked after every step; when set, raises ``checkpoint.Preempted`` (the
   warm-up is deterministic, so a preempted one is simply run again on relaunch; its result is
@@ -38,7 +49,7 @@ def supervised_warmup(model: Model, params: Params, task: Task, tokenizer: Token
   """
   if steps <= 0:
     return params, {}
-  console.phase(f'warm-up: {steps} supervised steps on the task\'s demonstrations')
+  console.phase(f'warm-up: {steps} supervised steps on {source}')
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, learning_rate, min(warmup_steps, steps // 2), steps, end_value=0.1 * learning_rate)
   trainer = Trainer(model, params, make_optimizer(schedule),
@@ -48,7 +59,7 @@ def supervised_warmup(model: Model, params: Params, task: Task, tokenizer: Token
   metrics: dict[str, float] = {}
   for step in range(steps):
     try:
-      metrics = trainer.step(sft_batch(task, tokenizer, step * batch_size, batch_size))
+      metrics = trainer.step(batches(step * batch_size, batch_size))
     except NonFiniteError as e:
       raise NonFiniteError(f'warm-up step {step + 1}: {e}') from None
     if stop is not None and stop.is_set():
@@ -60,3 +71,23 @@ def supervised_warmup(model: Model, params: Params, task: Task, tokenizer: Token
   metrics = {'warmup/loss': metrics['loss'], 'warmup/token_accuracy': metrics['accuracy'],
              'warmup/time_s': time.perf_counter() - start}
   return trainer.host_params(), metrics
+
+
+def demo_batch(make_env: Callable[[], Environment], tokenizer: Tokenizer, start: int,
+               batch_size: int, *, max_turns: int | None = None
+               ) -> dict[str, np.ndarray]:
+  """An environment run's warm-up rows: demonstrations ``start .. start + batch_size - 1``,
+  demonstration ``i`` the oracle's episode of a fresh ``make_env()`` from seed
+  ``DEMO_SEED_START + i`` (``episodes.demonstration``: the ids and loss mask the episode
+  runner records for those actions; ``max_turns`` caps its turns as ``agent.max_turns``
+  does).
+
+  Returns ``tokens`` int32 ``[B, T]`` and ``loss_mask`` float32 ``[B, T]`` (1 on the model's
+  turns and the eos ending each).
+  """
+  rows, masks = [], []
+  for i in range(start, start + batch_size):
+    ids, mask = demonstration(make_env(), DEMO_SEED_START + i, tokenizer, max_turns)
+    rows.append(ids)
+    masks.append([float(m) for m in mask])
+  return padded_rows(rows, masks, tokenizer.pad_id)
