@@ -159,7 +159,7 @@ def add_adapters(decoder: Decoder, lora: LoRAConfig, rngs: nnx.Rngs) -> Decoder:
 
 
 @functools.cache
-def _abstract(config: DecoderConfig, lora: LoRAConfig):
+def abstract_tree(config: DecoderConfig, lora: LoRAConfig):
   """``(graphdef, abstract params, logical axes)`` of the base with ``lora``'s adapters; with
   ``lora.base_quant='int8'`` each projection an ``Int8Weight`` (``q`` on the weight's axes,
   ``scale`` replicated)."""
@@ -182,10 +182,10 @@ class LoRAModel(Model):
   lora: LoRAConfig
 
   def logical_axes(self) -> dict[str, Any]:
-    return _abstract(self.config, self.lora)[2]
+    return abstract_tree(self.config, self.lora)[2]
 
   def abstract_params(self) -> Params:
-    return _abstract(self.config, self.lora)[1]
+    return abstract_tree(self.config, self.lora)[1]
 
 
 def create(model: Model, params: Params, lora: LoRAConfig, seed: int = 0
@@ -324,7 +324,7 @@ def merge_program(model: LoRAModel) -> Any:
 
 def lora_model(model: Model, lora: LoRAConfig) -> LoRAModel:
   """The ``LoRAModel`` of base ``model`` (any dtypes and layout) with ``lora``'s adapters."""
-  return LoRAModel(config=model.config, graphdef=_abstract(model.config, lora)[0], lora=lora)
+  return LoRAModel(config=model.config, graphdef=abstract_tree(model.config, lora)[0], lora=lora)
 
 
 def _split(tree: Params, adapters: bool) -> Params:

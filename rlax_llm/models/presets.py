@@ -22,17 +22,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import AbstractMesh, Mesh
 
 from rlax_llm import sharding as sharding_lib
 from rlax_llm.errors import ConfigError
 from rlax_llm.models import lora as lora_lib
-from rlax_llm.models.decoder import Decoder
 from rlax_llm.models.decoder_config import DecoderConfig, RopeScaling
 from rlax_llm.models.files.gguf import smollm2_gguf_path
-from rlax_llm.models.model import abstract_model, describe
-from rlax_llm.models.quant import QUANT_MODES, quantize_params, quantized_shardings
+from rlax_llm.models.model import abstract_model
+from rlax_llm.models.quant import QUANT_MODES, Int8Weight, quantize_params, quantized_shardings
 
 _QWEN3 = dict(vocab_size=151_936, head_dim=128, rope_theta=1_000_000.0, norm_eps=1e-6,
               qk_norm=True, family='qwen3', max_seq_len=40_960)
@@ -147,21 +145,12 @@ def _param_shards(config: DecoderConfig, axis_sizes: Mapping[str, int],
   float32 scales replicated)."""
   model = abstract_model(config)
   abstract, logical = ((model.abstract_params(), model.logical_axes()) if lora is None
-                       else _with_adapters(config, lora))
+                       else lora_lib.abstract_tree(config, lora)[1:])
   shardings = sharding_lib.param_shardings(abstract, logical, _abstract_mesh(axis_sizes), rules)
   if quant == 'int8':
     abstract = jax.eval_shape(functools.partial(quantize_params, model=model), abstract)
     shardings = quantized_shardings(shardings, model)
   return _leaf_shards(abstract, shardings)
-
-
-@functools.cache
-def _with_adapters(config: DecoderConfig, lora: lora_lib.LoRAConfig) -> tuple[Any, Any]:
-  """``(abstract params, logical axes)`` of ``config``'s decoder with ``lora``'s adapters,
-  traced (nothing allocated)."""
-  _, abstract, logical = describe(
-      lambda: lora_lib.add_adapters(Decoder(config, rngs=nnx.Rngs(0)), lora, nnx.Rngs(0)))
-  return abstract, logical
 
 
 def _base_cast_bytes(config: DecoderConfig, inference: DecoderConfig,
@@ -177,6 +166,22 @@ def _base_cast_bytes(config: DecoderConfig, inference: DecoderConfig,
                                              strict=True)]
   return sum(b for (_, _, b), copied in zip(_leaf_shards(target, shardings), cast, strict=True)
              if copied)
+
+
+def _dequantized_bytes(config: DecoderConfig, axis_sizes: Mapping[str, int],
+                       rules: Sequence[tuple[str, Any]]) -> int:
+  """Bytes on the most loaded device of the float32 weights ``lora.dequantized`` makes of
+  a QLoRA base's projections (``quant.quantize_params``' ``Int8Weight`` leaves), placed like
+  the weights."""
+  model = abstract_model(config.with_execution(param_dtype=jnp.float32))
+  abstract = model.abstract_params()
+  quantised = jax.eval_shape(functools.partial(quantize_params, model=model), abstract)
+  is_int8 = [isinstance(leaf, Int8Weight) for leaf in jax.tree.leaves(
+      quantised, is_leaf=lambda x: isinstance(x, Int8Weight))]
+  shardings = sharding_lib.param_shardings(abstract, model.logical_axes(),
+                                           _abstract_mesh(axis_sizes), rules)
+  return sum(b for (_, _, b), int8 in zip(_leaf_shards(abstract, shardings), is_int8,
+                                          strict=True) if int8)
 
 
 def worker_param_bytes(config: DecoderConfig, mesh: Mapping[str, int], *, quant: str = 'none',
@@ -474,6 +479,8 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
     push = 0
   elif lora.sync == 'adapters':
     push = _base_cast_bytes(config, inference, trainer_mesh, rules)
+    if lora.base_quant == 'int8':  # lora.pushed_base dequantises the projections (float32)
+      push += _dequantized_bytes(config, trainer_mesh, rules)
   else:
     push = params - trained_bytes
   slot_shards = inference_mesh['data'] * inference_mesh['fsdp']

@@ -133,6 +133,26 @@ def test_the_lora_plan_per_device_matches_the_trainers_placed_arrays():
   assert plan.optimizer == _per_device_bytes(trainer.opt_state) - counts
 
 
+def test_the_qlora_plan_counts_the_int8_base_and_its_dequantised_push():
+  """QLoRA (``lora.base_quant='int8'``), the trainer's real placement on 8 devices: the plan's
+  params are the int8 projections, their scales, the other base leaves and the adapters as
+  placed; its push is the float32 weights ``lora.pushed_base`` dequantises once (new device
+  arrays); the int8 base is less than the float32 one, the optimizer state the same."""
+  base, params = create_model(PLAN_MODEL, seed=0)
+  lora = lora_lib.LoRAConfig(4, 8.0, base_quant='int8')
+  model, params = lora_lib.create(base, params, lora)
+  trainer = Trainer(model, params, make_optimizer(1e-3), lambda *a: None, make_mesh(SHARDED),
+                    trainable=lora_lib.trainable_mask(model))
+  plan = _plan(PLAN_MODEL, SHARDED, lora=lora)
+  assert plan.params == _per_device_bytes(trainer.params)
+  held = {id(x) for x in jax.tree.leaves(trainer.params)}
+  pushed_once = lora_lib.pushed_base(model, trainer.params, abstract_model(PLAN_MODEL))
+  copies = [x for x in jax.tree.leaves(pushed_once) if id(x) not in held]
+  assert copies and plan.push == _per_device_bytes(copies)
+  full = _plan(PLAN_MODEL, SHARDED, lora=dataclasses.replace(lora, base_quant='none'))
+  assert plan.params < full.params and plan.optimizer == full.optimizer
+
+
 @pytest.mark.parametrize('inference_dtype', [jnp.float32, jnp.bfloat16])
 def test_the_adapter_sync_push_is_the_trainers_own_adapters_and_the_base_cast_once(
     inference_dtype):
