@@ -29,6 +29,7 @@ from rlax_llm.errors import ConfigError
 from rlax_llm.models import lora as lora_lib
 from rlax_llm.models.decoder_config import DecoderConfig, RopeScaling
 from rlax_llm.models.files.gguf import smollm2_gguf_path
+from rlax_llm.models.kv_cache import KV_CACHE_QUANT_MODES
 from rlax_llm.models.model import abstract_model
 from rlax_llm.models.quant import QUANT_MODES, Int8Weight, quantize_params, quantized_shardings
 
@@ -314,11 +315,18 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
           'total_bytes': float(saved + work + logits)}
 
 
-def kv_cache_bytes(config: DecoderConfig, *, slots: int, length: int) -> float:
+def kv_cache_bytes(config: DecoderConfig, *, slots: int, length: int,
+                   quant: str = 'none') -> float:
   """The KV cache of ``slots`` sequences of ``length`` positions, all devices together:
-  ``slots * length * layers * kv_heads * head_dim * 2 (keys, values) * itemsize(dtype)``."""
-  return float(slots * length * config.num_layers * config.num_kv_heads * config.head_dim * 2
-               * jnp.dtype(config.execution.dtype).itemsize)
+  ``slots * length * layers * kv_heads * 2 (keys, values)`` times ``head_dim *
+  itemsize(dtype)``, or with ``quant='int8'`` (``model.kv_cache_quant``, ``KVCache.init``)
+  ``head_dim`` int8 bytes and a float32 scale per (position, head)."""
+  if quant not in KV_CACHE_QUANT_MODES:
+    raise ConfigError(f'kv_cache_quant={quant!r}; choose one of {KV_CACHE_QUANT_MODES} '
+                      '(model.kv_cache_quant).')
+  per_head = (config.head_dim + 4 if quant == 'int8'
+              else config.head_dim * jnp.dtype(config.execution.dtype).itemsize)
+  return float(slots * length * config.num_layers * config.num_kv_heads * 2 * per_head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,7 +429,7 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
                 workers_per_chip: int = 1, shared: bool = True,
                 reference: bool = False, optimizer_moments: int = 2,
                 optimizer_dtype: Any = jnp.float32, lora: lora_lib.LoRAConfig | None = None,
-                inference_quant: str = 'none',
+                inference_quant: str = 'none', kv_cache_quant: str = 'none',
                 rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES) -> MemoryPlan:
   """The bytes per chip a run's trainer and inference workers hold (nothing is allocated).
 
@@ -449,6 +457,8 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
       adapted projection (``activation_bytes``). The workers hold the merged weights, and
       with ``lora.sync='adapters'`` the base too (``worker_param_bytes``); the trainer's push
       is counted as ``MemoryPlan.push`` says.
+    kv_cache_quant: ``model.kv_cache_quant``: ``'int8'`` counts the KV cache as int8 with a
+      float32 scale per (position, head) (``kv_cache_bytes``).
     inference_quant: ``model.inference_quant``: ``'int8'`` counts the workers' copy as
       ``quant.quantize_params`` makes it (``worker_param_bytes``). Only the quantised copy
       (and a LoRA base) is on the devices: the unquantised one a worker applies deltas to is
@@ -486,7 +496,8 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
   slot_shards = inference_mesh['data'] * inference_mesh['fsdp']
   kv_split = inference_mesh['tensor'] if config.num_kv_heads % inference_mesh['tensor'] == 0 \
       else 1
-  kv = kv_cache_bytes(config, slots=slots, length=cache_length) / (slot_shards * kv_split)
+  kv = (kv_cache_bytes(config, slots=slots, length=cache_length, quant=kv_cache_quant)
+        / (slot_shards * kv_split))
   logits = 4 * math.ceil(slots / slot_shards) * config.vocab_size * 4
   return MemoryPlan(params=float(params), optimizer=float(optimizer),
                     gradients=float(gradients), reference=float(params if reference else 0),
