@@ -66,7 +66,9 @@ CHOICES = {
     'model.param_dtype': ('float32', 'bfloat16'),
     'model.inference_param_dtype': ('', 'float32', 'bfloat16'),  # '': model.param_dtype
     'model.inference_quant': ('none', 'int8'),  # rlax_llm.models.quant.QUANT_MODES
+    'model.kv_cache_quant': ('none', 'int8'),  # rlax_llm.models.kv_cache.KV_CACHE_QUANT_MODES
     'lora.sync': ('adapters', 'merged'),  # rlax_llm.models.lora.SYNCS
+    'lora.base_quant': ('none', 'int8'),  # rlax_llm.models.quant.QUANT_MODES
     'model.dtype': ('float32', 'bfloat16'),
     'rollout.on_swap': ('continue', 'discard'),
     'rollout.short_batches': ('pad', 'wait'),
@@ -659,6 +661,22 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
         f'config.model.batch_invariant=True makes sampler and trainer log-probs bitwise equal, '
         f'but model.inference_quant={m.inference_quant!r} samples with a quantised copy of the '
         'trainer\'s weights. Set model.inference_quant=\'none\' or turn batch_invariant off.')
+  if m.batch_invariant and m.kv_cache_quant != 'none':
+    raise ConfigError(
+        f'config.model.batch_invariant=True makes sampler and trainer log-probs bitwise equal, '
+        f'but model.kv_cache_quant={m.kv_cache_quant!r} samples attending to quantised keys '
+        'and values. Set model.kv_cache_quant=\'none\' or turn batch_invariant off.')
+  if config.lora.base_quant != 'none' and config.lora.rank == 0:
+    raise ConfigError(
+        f'config.lora.base_quant={config.lora.base_quant!r} quantises the frozen base under LoRA '
+        'adapters, but lora.rank=0 trains the full model (whose weights cannot be int8). Set '
+        'lora.rank > 0 or lora.base_quant=\'none\'.')
+  if config.lora.base_quant != 'none' and m.batch_invariant:
+    raise ConfigError(
+        f'config.model.batch_invariant=True makes sampler and trainer log-probs bitwise equal, '
+        f'but lora.base_quant={config.lora.base_quant!r} has the trainer compute (x @ q) * scale '
+        'over an int8 base while the workers run its dequantised weights. Set '
+        'lora.base_quant=\'none\' or turn batch_invariant off.')
   s = config.sampling
   # An episode's last sampled token follows a full cache: its rows are one token longer.
   needed = s.max_prompt_len + s.max_new_tokens + (1 if config.env.name else 0)

@@ -245,8 +245,9 @@ def rollout_memory_bytes(model: DecoderConfig, config: ml_collections.ConfigDict
                          ) -> dict[str, float]:
   """A lower-bound estimate of one rollout batch's device memory on the inference mesh.
 
-  KV cache ``2 * layers * B * (P + N) * kv_heads * head_dim`` in the compute dtype
-  (``presets.kv_cache_bytes``), the params a worker keeps (``presets.worker_param_bytes``,
+  KV cache ``2 * layers * B * (P + N) * kv_heads * head_dim`` in the compute dtype, or int8
+  plus scales with ``model.kv_cache_quant='int8'`` (``presets.kv_cache_bytes``), the params
+  a worker keeps (``presets.worker_param_bytes``,
   as the memory plan counts them: in the workers' dtype, ``inference_model``; quantised with
   ``model.inference_quant='int8'``; with LoRA's adapter-only sync the base beside the merged
   weights), and a few ``[B, vocab]`` float32 logit buffers, with the batch split over the
@@ -256,7 +257,8 @@ def rollout_memory_bytes(model: DecoderConfig, config: ml_collections.ConfigDict
   """
   batch = config.rl.prompts_per_step * config.rl.group_size
   length = config.sampling.max_prompt_len + config.sampling.max_new_tokens
-  kv = presets.kv_cache_bytes(model, slots=batch, length=length)
+  kv = presets.kv_cache_bytes(model, slots=batch, length=length,
+                              quant=config.model.kv_cache_quant)
   logits = 4 * batch * model.vocab_size * 4
   sizes = {k: (v if v > 0 else 1) for k, v in config.mesh.inference.items()}
   inference = model.with_execution(
@@ -291,7 +293,8 @@ def run_memory_plan(model: DecoderConfig, config: ml_collections.ConfigDict,
       slots=config.rollout.slots, cache_length=length,
       workers_per_chip=config.rollout.workers if shared else 1, shared=shared,
       reference=(rl.kl_beta or 0) > 0, lora=lora_lib.from_config(config),
-      inference_quant=config.model.inference_quant)
+      inference_quant=config.model.inference_quant,
+      kv_cache_quant=config.model.kv_cache_quant)
 
 
 def available_memory_bytes() -> float:
@@ -416,7 +419,8 @@ def build_worker(config: ml_collections.ConfigDict, model: Model, tokenizer: Tok
                  ) -> InferenceWorker:
   """An inference worker of ``model`` on ``mesh``, holding the params in the dtype of
   ``inference_model``: it loads and pulls params of that dtype (the trainer's pushes,
-  already cast), and samples with an int8 copy of each when ``model.inference_quant='int8'``.
+  already cast), and samples with an int8 copy of each when ``model.inference_quant='int8'``
+  (and an int8 KV cache when ``model.kv_cache_quant='int8'``).
   ``fetch_base``: a run's way to pull the base a LoRA trainer pushes once; given, and with
   ``lora.rank > 0`` and ``lora.sync='adapters'``, the worker pulls adapter versions and
   merges them into that base (``InferenceWorker``'s ``lora``); else it loads whole params."""
@@ -427,6 +431,7 @@ def build_worker(config: ml_collections.ConfigDict, model: Model, tokenizer: Tok
                          max_new_tokens=config.sampling.max_new_tokens,
                          slots=config.rollout.slots, on_swap=config.rollout.on_swap,
                          quant=config.model.inference_quant,
+                         kv_cache_quant=config.model.kv_cache_quant,
                          lora=lora if adapters else None,
                          fetch_base=fetch_base if adapters else None)
 

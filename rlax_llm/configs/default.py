@@ -41,6 +41,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       # 'int8': the workers sample with an int8 weight-only copy of each version (per-channel
       # scales, made on the pull; docs/rollout.md "Quantised rollouts (int8)"); 'none': not.
       inference_quant='none',
+      # 'int8': the workers' KV cache holds int8 keys and values with a float32 scale per
+      # (token, kv head), read dequantised (docs/rollout.md "Quantised rollouts (int8)").
+      kv_cache_quant='none',
       batch_invariant=False,  # True: sampler and trainer log-probs bitwise equal (docs/models.md)
       # With batch_invariant: 'chunks' (fastest for engines of up to 32 slots) or 'floor'
       # (no slower than the default numerics for 64 slots or more; needs mesh.*.data == 1).
@@ -50,9 +53,11 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # rank > 0 trains only low-rank adapters (scale alpha / rank) on the comma-separated targets
   # (of q, k, v, o, gate, up, down) over the frozen base. sync: what the trainer pushes per
   # version, 'adapters' (the adapters alone; the base once, merged by the workers on pull)
-  # or 'merged' (the merged weights).
+  # or 'merged' (the merged weights). base_quant: how the trainer holds the frozen base,
+  # 'none' (model.param_dtype) or 'int8' (QLoRA-style: the seven projections int8 with a
+  # float32 scale per output channel; workers get it dequantised; needs rank > 0).
   c.lora = ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets='q,k,v,o,gate,up,down',
-                                          sync='adapters'))
+                                          sync='adapters', base_quant='none'))
   c.task = ml_collections.ConfigDict(dict(
       name='arithmetic', max_operand=99, operations='+', num_eval=200, demo_error_rate=0.6,
       format='plain', answer_format='exact',

@@ -61,7 +61,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       # float32 master weights and AdamW state in the trainer; the workers hold a bfloat16
       # copy, which the trainer pushes (half the bytes, sparse deltas between versions).
       param_dtype='float32', inference_param_dtype='bfloat16', inference_quant='none',
-      dtype='bfloat16', remat='full',
+      kv_cache_quant='none', dtype='bfloat16', remat='full',
       batch_invariant=False, invariant_rows='chunks',
   ))
   # Every argument of MathTask at its default (task_section) but these: GSM8K from the hub,

@@ -45,7 +45,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict(dict(
       name='smollm2-135m', path=placeholder(str), revision='', max_seq_len=placeholder(int),
       param_dtype='float32', dtype='float32', remat='none', inference_param_dtype='',
-      inference_quant='none',
+      inference_quant='none', kv_cache_quant='none',  # docs/rollout.md "Quantised rollouts"
       batch_invariant=False,  # True: sampler and trainer log-probs bitwise equal (docs/models.md)
       # With batch_invariant: 128 slots decode 128 rows a step, so 'floor' runs at the
       # default numerics' speed; it needs one data shard per role (else use 'chunks').

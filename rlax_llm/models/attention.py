@@ -2,7 +2,9 @@
 
 Every function takes queries ``q`` ``[B, kv_heads, M, head_dim]`` (a kv head's ``groups``
 query heads times ``T`` positions, ``M = groups * T``) and consecutive key and value blocks
-in the cache layouts (``kv_cache``), and returns ``[B, kv_heads, M, head_dim]``:
+in the cache layouts (``kv_cache``; an int8 cache's blocks arrive dequantised, as
+``kv_cache.layer_update`` returns them, so none of these reads int8), and returns
+``[B, kv_heads, M, head_dim]``:
 
 * ``xla_attention``: softmax attention as jnp products (the default);
 * ``invariant_attention``: the same, with batch-invariant numerics (``numerics``);

@@ -253,7 +253,8 @@ class Attention(nnx.Module):
                kv: tuple[tuple[Array, ...], tuple[Array, ...]] | None,
                starts: Array | None):
     """x: [B, T, E]; rope_cs: (cos, sin) tables; mask: bool [B, T, S]; kv: one layer's
-    cache blocks (keys, values) in the ``KVCache`` layouts, or None.
+    cache blocks (keys, values, and their scales in an int8 cache: ``KVCache.layer``) in
+    the ``KVCache`` layouts, or None.
 
     The queries of a kv head's group are ``[B, kv_heads, groups * T, head_dim]``, so both
     attention matmuls contract the cache in its stored layout (no per-step transposes of
@@ -275,8 +276,9 @@ class Attention(nnx.Module):
     k = apply_rope(k, *rope_cs)
     # The compiled kernel takes decode steps of two or more rows (one row keeps the
     # dynamic-update-slice path of ``layer_update``, which XLA handles best).
-    kernel = (run.decode_attention == 'cpu_kernel' and kv is not None and x.shape[1] == 1
-              and x.shape[0] > 1)
+    # It reads float blocks only: an int8 cache (four tuples) attends with XLA.
+    kernel = (run.decode_attention == 'cpu_kernel' and kv is not None and len(kv) == 2
+              and x.shape[1] == 1 and x.shape[0] > 1)
     if kv is None:  # keys as [B, kv, T, d]; batch-invariant attention takes them as cached
       ks = (to_block(k, KEY_BLOCK_AXES if run.batch_invariant else VALUE_BLOCK_AXES),)
       vs = (to_block(v, VALUE_BLOCK_AXES),)
@@ -443,20 +445,18 @@ class Decoder(nnx.Module):
       mask = key_pos[None, None, :] <= positions[:, :, None]
     rope_cs = rope_tables(positions, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
                           rope_table_length(c))
-    new_k, new_v = [], []
+    new_layers = []
     call = _REMAT_CALL[c.execution.remat]
     for i, block in enumerate(self.blocks):
-      kv = None if cache is None else (cache.k[i], cache.v[i])
+      kv = None if cache is None else cache.layer(i)
       x, layer_kv = call(block, x, rope_cs, mask, kv, starts)
       if layer_kv is not None:
-        new_k.append(layer_kv[0])
-        new_v.append(layer_kv[1])
+        new_layers.append(layer_kv)
     x = self.final_norm(x)
     out = x if features else constrain(self.head(x), ('batch', 'length', 'vocab'))
     if cache is None:
       return out
     if num_valid is None:
       num_valid = jnp.full((batch,), length, jnp.int32)
-    new_cache = KVCache(k=tuple(new_k), v=tuple(new_v),
-                        lengths=cache.lengths + num_valid.astype(jnp.int32))
+    new_cache = KVCache.from_layers(new_layers, cache.lengths + num_valid.astype(jnp.int32))
     return out, new_cache

@@ -18,11 +18,17 @@ With ``batch_invariant`` blocks must be a multiple of ``numerics.INVARIANT_KEYS`
 ``lengths[b] + t`` and attends to every cached position ``<=`` its own. Rows may be
 right-padded: positions past ``num_valid`` hold junk that later writes overwrite before any
 query can see it.
+
+An int8 cache (``KVCache.init(..., quant='int8')``, ``model.kv_cache_quant``) stores the
+blocks as int8 and, in ``k_scale`` and ``v_scale``, a float32 scale per (token, kv head) in
+the same block layouts with a ``head_dim`` of 1: symmetric, ``max |x| / 127`` over the head's
+``head_dim`` values (``quantize_kv``). Writes quantise the new keys and values; attention
+reads the blocks dequantised (``int8 * scale``, in the compute dtype).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import flax.struct
 import jax
@@ -31,7 +37,11 @@ import jax.numpy as jnp
 from rlax_llm.models.decoder_config import DecoderConfig
 
 Array = jax.Array
-LayerBlocks = tuple[tuple[Array, ...], tuple[Array, ...]]  # one layer's (keys, values)
+# One layer's (keys, values), or (keys, values, key scales, value scales) of an int8 cache.
+LayerBlocks = tuple[tuple[Array, ...], ...]
+
+KV_CACHE_QUANT_MODES = ('none', 'int8')
+_INT8_MAX = 127
 
 # The logical axes of the cache blocks, values ``[B, kv, S, d]`` and keys transposed
 # ``[B, kv, d, S]`` (see the module docstring), and their position axes.
@@ -44,12 +54,30 @@ _PROJECTED_AXES = ('batch', 'length', 'kv_heads', 'head_dim')
 
 
 def cache_block_shape(axes: tuple[str, ...], config: DecoderConfig, batch: int,
-                      block_length: int) -> tuple[int, ...]:
+                      block_length: int, *, scale: bool = False) -> tuple[int, ...]:
   """The shape of a cache block with logical ``axes`` (``VALUE_BLOCK_AXES`` or
-  ``KEY_BLOCK_AXES``) for ``batch`` slots of ``block_length`` positions."""
-  sizes = {'batch': batch, 'kv_heads': config.num_kv_heads, 'head_dim': config.head_dim,
-           'length': block_length}
+  ``KEY_BLOCK_AXES``) for ``batch`` slots of ``block_length`` positions (``scale``: an int8
+  cache's scale block, ``head_dim`` 1)."""
+  sizes = {'batch': batch, 'kv_heads': config.num_kv_heads,
+           'head_dim': 1 if scale else config.head_dim, 'length': block_length}
   return tuple(sizes[axis] for axis in axes)
+
+
+def quantize_kv(x: Array) -> tuple[Array, Array]:
+  """Keys or values ``x`` ``[..., head_dim]`` as int8 ``[..., head_dim]`` and a float32
+  scale ``[..., 1]``: symmetric, ``max |x| / 127`` over ``head_dim`` (1 for all zeros), so
+  ``|dequantize_kv(q, s) - x| <= s / 2`` elementwise."""
+  x32 = x.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+  scale = jnp.where(amax > 0, amax / _INT8_MAX, 1.0)
+  q = jnp.clip(jnp.round(x32 / scale), -_INT8_MAX, _INT8_MAX).astype(jnp.int8)
+  return q, scale
+
+
+def dequantize_kv(q: Array, scale: Array, dtype) -> Array:
+  """``q * scale`` in ``dtype``: int8 blocks and their scale blocks (which broadcast over
+  ``head_dim``), or ``quantize_kv``'s output."""
+  return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
 def to_block(x: Array, axes: tuple[str, ...]) -> Array:
@@ -64,22 +92,50 @@ class KVCache:
   k: tuple[tuple[Array, ...], ...]  # [layer][block]: [batch, kv_heads, head_dim, block_length]
   v: tuple[tuple[Array, ...], ...]  # [layer][block]: [batch, kv_heads, block_length, head_dim]
   lengths: Array  # int32 [batch]
+  # An int8 cache's float32 scales, [layer][block] like k and v with head_dim 1; () if not.
+  k_scale: tuple[tuple[Array, ...], ...] = ()
+  v_scale: tuple[tuple[Array, ...], ...] = ()
 
   @classmethod
   def init(cls, config: DecoderConfig, batch: int, max_len: int | None = None,
-           block_length: int | None = None) -> KVCache:
+           block_length: int | None = None, quant: str = 'none') -> KVCache:
     """An empty cache of at least ``max_len`` positions (default ``config.max_seq_len``) in
-    blocks of ``block_length`` (default: one block of ``max_len``)."""
+    blocks of ``block_length`` (default: one block of ``max_len``); ``quant='int8'``: int8
+    blocks with float32 scales (the module docstring)."""
+    if quant not in KV_CACHE_QUANT_MODES:
+      raise ValueError(f'KV cache quant={quant!r}; choose one of {KV_CACHE_QUANT_MODES}.')
     max_len = max_len or config.max_seq_len
     block = max_len if block_length is None else block_length
     if block < 1:
       raise ValueError(f'block_length must be >= 1, got {block_length}.')
-    dtype = config.execution.dtype
-    layer = lambda axes: tuple(jnp.zeros(cache_block_shape(axes, config, batch, block), dtype)
-                               for _ in range(-(-max_len // block)))
-    return cls(k=tuple(layer(KEY_BLOCK_AXES) for _ in range(config.num_layers)),
-               v=tuple(layer(VALUE_BLOCK_AXES) for _ in range(config.num_layers)),
-               lengths=jnp.zeros((batch,), jnp.int32))
+    int8 = quant == 'int8'
+    dtype = jnp.int8 if int8 else config.execution.dtype
+    layer = lambda axes, dt=dtype, scale=False: tuple(
+        jnp.zeros(cache_block_shape(axes, config, batch, block, scale=scale), dt)
+        for _ in range(-(-max_len // block)))
+    layers = lambda axes, **kw: tuple(layer(axes, **kw) for _ in range(config.num_layers))
+    scales = lambda axes: layers(axes, dt=jnp.float32, scale=True) if int8 else ()
+    return cls(k=layers(KEY_BLOCK_AXES), v=layers(VALUE_BLOCK_AXES),
+               lengths=jnp.zeros((batch,), jnp.int32), k_scale=scales(KEY_BLOCK_AXES),
+               v_scale=scales(VALUE_BLOCK_AXES))
+
+  @classmethod
+  def from_layers(cls, layers: Sequence[LayerBlocks], lengths: Array) -> KVCache:
+    """The cache of per-layer blocks (``layer``'s tuples) and ``lengths``."""
+    return cls(*(tuple(layer[i] for layer in layers) for i in range(2)), lengths=lengths,
+               k_scale=tuple(layer[2] for layer in layers if len(layer) == 4),
+               v_scale=tuple(layer[3] for layer in layers if len(layer) == 4))
+
+  @property
+  def quantized(self) -> bool:
+    """Whether the blocks are int8 with scales."""
+    return bool(self.k_scale)
+
+  def layer(self, i: int) -> LayerBlocks:
+    """Layer ``i``'s blocks: (keys, values), and their scales if ``quantized``."""
+    if self.quantized:
+      return self.k[i], self.v[i], self.k_scale[i], self.v_scale[i]
+    return self.k[i], self.v[i]
 
   @property
   def block_length(self) -> int:
@@ -106,8 +162,18 @@ def layer_update(kv: LayerBlocks, k: Array, v: Array, starts: Array, attend: int
   copy, of the buffer) and ``write(out)``, the layer's new blocks once attention's output
   ``out`` exists. With several blocks ``attend`` is a multiple of the block (the decoder
   rounds it up) and the new positions lie below it, so the blocks past it are neither read
-  nor written.
+  nor written. An int8 cache's layer (four tuples, ``KVCache.layer``) stores ``k`` and ``v``
+  quantised (``quantize_kv``) and returns the blocks attention reads dequantised, in
+  ``k``'s dtype.
   """
+  if len(kv) == 4:
+    (qk, sk), (qv, sv) = quantize_kv(k), quantize_kv(v)
+    ks, vs, write = layer_update(kv[:2], qk, qv, starts, attend, whole_buffer=whole_buffer)
+    kss, vss, write_scales = layer_update(kv[2:], sk, sv, starts, attend,
+                                          whole_buffer=whole_buffer)
+    return (tuple(dequantize_kv(q, s, k.dtype) for q, s in zip(ks, kss)),
+            tuple(dequantize_kv(q, s, k.dtype) for q, s in zip(vs, vss)),
+            lambda out: write(out) + write_scales(out))
   if len(kv[0]) == 1:
     new_kv = ((_write_positions(kv[0][0], to_block(k, KEY_BLOCK_AXES), starts,
                                 KEY_POSITION_AXIS),),

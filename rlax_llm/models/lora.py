@@ -23,6 +23,14 @@ Weight sync (``LoRAConfig.sync``, ``lora.sync``): with ``'adapters'`` a trainer 
 (``merge_program``; ``rlax_llm.rollout.worker``). With ``'merged'`` ``pushed_params`` is the
 merged weights. ``delta`` computes ``s * A @ B`` with the same bits on any device and
 sharding, so both give the same weights.
+
+QLoRA (``LoRAConfig.base_quant``, ``lora.base_quant='int8'``; Dettmers et al., "QLoRA:
+Efficient Finetuning of Quantized LLMs", arXiv 2305.14314, with int8 in place of NF4): ``create``
+stores the base's seven projection weights as ``quant.Int8Weight`` (``quant.quantize_params``:
+int8, a float32 scale per output channel), the adapters float32 on top; ``decoder.linear``
+computes ``(x @ q) * scale + x @ A @ (s * B)``. The policy is the dequantised base plus the
+adapters: ``merge`` and ``pushed_base`` dequantise (``quant.dequantize``), so workers sample with
+the weights the trainer differentiates.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from rlax_llm.errors import ConfigError
 from rlax_llm.models.decoder import Decoder
@@ -45,6 +54,7 @@ from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.files import hf
 from rlax_llm.models.files.pretrained import save_pretrained
 from rlax_llm.models.model import Model, Params, abstract_model, cast_params, describe
+from rlax_llm.models.quant import QUANT_MODES, Int8Weight, dequantize, quantize_params
 
 TARGETS = ('q', 'k', 'v', 'o', 'gate', 'up', 'down')
 # target -> (module in a block, weight name, how many leading (in_out) axes are inputs,
@@ -68,12 +78,15 @@ SYNCS = ('adapters', 'merged')
 class LoRAConfig:
   """Which projections are adapted, at what rank, the scale ``alpha / rank``, and how a
   trainer sends each version to the workers (``sync``, one of ``SYNCS``: ``'adapters'``, the
-  adapter tree alone over a base pushed once; ``'merged'``, the merged weights)."""
+  adapter tree alone over a base pushed once; ``'merged'``, the merged weights), and how the
+  frozen base is stored (``base_quant``, one of ``quant.QUANT_MODES``: ``'none'``, in the
+  model's param dtype; ``'int8'``, its projections as ``quant.Int8Weight``, QLoRA-style)."""
 
   rank: int
   alpha: float
   targets: tuple[str, ...] = TARGETS
   sync: str = 'adapters'
+  base_quant: str = 'none'
 
   def __post_init__(self):
     if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -86,6 +99,8 @@ class LoRAConfig:
                         f'non-empty subset of {TARGETS}.')
     if self.sync not in SYNCS:
       raise ConfigError(f'lora.sync={self.sync!r}; choose one of {SYNCS}.')
+    if self.base_quant not in QUANT_MODES:
+      raise ConfigError(f'lora.base_quant={self.base_quant!r}; choose one of {QUANT_MODES}.')
     object.__setattr__(self, 'targets', tuple(t for t in TARGETS if t in self.targets))
 
   @property
@@ -144,8 +159,20 @@ def add_adapters(decoder: Decoder, lora: LoRAConfig, rngs: nnx.Rngs) -> Decoder:
 
 
 @functools.cache
-def _abstract(config: DecoderConfig, lora: LoRAConfig):
-  return describe(lambda: add_adapters(Decoder(config, rngs=nnx.Rngs(0)), lora, nnx.Rngs(0)))
+def abstract_tree(config: DecoderConfig, lora: LoRAConfig):
+  """``(graphdef, abstract params, logical axes)`` of the base with ``lora``'s adapters; with
+  ``lora.base_quant='int8'`` each projection an ``Int8Weight`` (``q`` on the weight's axes,
+  ``scale`` replicated)."""
+  graphdef, abstract, axes = describe(
+      lambda: add_adapters(Decoder(config, rngs=nnx.Rngs(0)), lora, nnx.Rngs(0)))
+  if lora.base_quant == 'int8':
+    abstract = jax.eval_shape(functools.partial(quantize_params, model=abstract_model(config)),
+                              abstract)
+    axes = jax.tree.map(
+        lambda spec, value: (Int8Weight(q=spec, scale=PartitionSpec(None))
+                             if isinstance(value, Int8Weight) else spec),
+        axes, abstract, is_leaf=lambda x: isinstance(x, (PartitionSpec, Int8Weight)))
+  return graphdef, abstract, axes
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -155,21 +182,25 @@ class LoRAModel(Model):
   lora: LoRAConfig
 
   def logical_axes(self) -> dict[str, Any]:
-    return _abstract(self.config, self.lora)[2]
+    return abstract_tree(self.config, self.lora)[2]
 
   def abstract_params(self) -> Params:
-    return _abstract(self.config, self.lora)[1]
+    return abstract_tree(self.config, self.lora)[1]
 
 
 def create(model: Model, params: Params, lora: LoRAConfig, seed: int = 0
            ) -> tuple[LoRAModel, Params]:
-  """``model``'s params (the base, kept as they are: same arrays) with fresh adapters
-  (``A`` drawn from ``seed``, ``B`` zeros). Returns ``(LoRAModel, params)``."""
+  """``model``'s params (the base, kept as they are: same arrays; with
+  ``lora.base_quant='int8'`` its projections quantised, ``quant.quantize_params``) with fresh
+  adapters (``A`` drawn from ``seed``, ``B`` zeros). Returns ``(LoRAModel, params)``."""
   if isinstance(model, LoRAModel):
     raise ConfigError('create: the model already has LoRA adapters; pass its base model.')
   module = add_adapters(nnx.merge(model.graphdef, params), lora, nnx.Rngs(params=seed))
   graphdef, state = nnx.split(module, nnx.Param)
-  return LoRAModel(config=model.config, graphdef=graphdef, lora=lora), nnx.to_pure_dict(state)
+  params = nnx.to_pure_dict(state)
+  if lora.base_quant == 'int8':
+    params = jax.jit(functools.partial(quantize_params, model=model))(params)
+  return LoRAModel(config=model.config, graphdef=graphdef, lora=lora), params
 
 
 def is_adapter_path(path: tuple) -> bool:
@@ -179,7 +210,7 @@ def is_adapter_path(path: tuple) -> bool:
 
 def trainable_mask(model: LoRAModel) -> Params:
   """A params-shaped tree of bools: True at the adapters (the ``nnx.LoRAParam`` leaves), False
-  at the frozen base (``Trainer``'s ``trainable``)."""
+  at the frozen base (``Trainer``'s ``trainable``; one False for an ``Int8Weight``)."""
   abstract = nnx.eval_shape(
       lambda: add_adapters(Decoder(model.config, rngs=nnx.Rngs(0)), model.lora, nnx.Rngs(0)))
   mask = jax.tree.map(lambda v: isinstance(v, nnx.LoRAParam), nnx.state(abstract, nnx.Param),
@@ -210,20 +241,33 @@ def delta(model: LoRAModel, a: jax.Array, b: jax.Array) -> jax.Array:
   return out
 
 
+def dequantized(model: Model, params: Params, dtype: Any = jnp.float32) -> Params:
+  """``params`` with every ``Int8Weight`` (a QLoRA base, ``lora.base_quant='int8'``) as the
+  weight it stands for, ``q * scale`` (``quant.dequantize``, in float32, stored in ``dtype``;
+  ``model``'s layout); every other leaf as it is."""
+  layout = model.config.execution.weight_layout
+  return jax.tree.map(
+      lambda w: dequantize(w, layout).astype(dtype) if isinstance(w, Int8Weight) else w,
+      params, is_leaf=lambda x: isinstance(x, Int8Weight))
+
+
 def merge(model: LoRAModel, params: Params) -> tuple[Model, Params]:
   """The base model and its params with every adapter folded in: ``W + s * A @ B``
-  (``delta``, in float32, stored in ``W``'s dtype; ``W``'s layout). Host or device arrays
-  alike (``merge_program`` is the jitted form)."""
-  out = jax.tree.map(lambda x: x, params)  # fresh containers; leaves shared
+  (``delta``, in float32, stored in ``W``'s dtype, or the model's param dtype for an int8
+  base's dequantised ``W``; ``W``'s layout). Host or device arrays alike (``merge_program`` is
+  the jitted form)."""
+  out = jax.tree.map(lambda x: x, params, is_leaf=lambda x: isinstance(x, Int8Weight))
+  dtype = model.config.execution.param_dtype
   for _, _, node, name, adapter in _adapted(model, out):
-    weight = node[name]
+    weight = dequantized(model, node[name])
     change = delta(model, adapter['a'], adapter['b'])
     if model.config.execution.weight_layout == 'out_in':
       change = change.T
-    node[name] = (weight.astype(jnp.float32) + change.reshape(weight.shape)).astype(weight.dtype)
+    stored = dtype if isinstance(node[name], Int8Weight) else weight.dtype
+    node[name] = (weight.astype(jnp.float32) + change.reshape(weight.shape)).astype(stored)
   for _, _, node, name, _ in list(_adapted(model, out)):
     del node[name + SUFFIX]
-  return abstract_model(model.config), out
+  return abstract_model(model.config), dequantized(model, out, dtype)
 
 
 def save_merged(model: LoRAModel, params: Params, tokenizer: Any, out_dir: str | pathlib.Path,
@@ -280,7 +324,7 @@ def merge_program(model: LoRAModel) -> Any:
 
 def lora_model(model: Model, lora: LoRAConfig) -> LoRAModel:
   """The ``LoRAModel`` of base ``model`` (any dtypes and layout) with ``lora``'s adapters."""
-  return LoRAModel(config=model.config, graphdef=_abstract(model.config, lora)[0], lora=lora)
+  return LoRAModel(config=model.config, graphdef=abstract_tree(model.config, lora)[0], lora=lora)
 
 
 def _split(tree: Params, adapters: bool) -> Params:
@@ -347,9 +391,12 @@ def pushed_params(model: Model, params: Params, inference: Model) -> Params:
 
 def pushed_base(model: Model, params: Params, inference: Model) -> Params | None:
   """What a trainer of ``model`` pushes to the workers once, before its first version: the
-  base (``base_tree``) cast to ``inference``'s dtypes when ``syncs_adapters(model)``, else
-  None (every version carries the whole weights)."""
-  return cast_params(base_tree(params), inference) if syncs_adapters(model) else None
+  base (``base_tree``; an int8 base dequantised, ``dequantized``, the policy the trainer
+  differentiates) cast to ``inference``'s dtypes when ``syncs_adapters(model)``, else None
+  (every version carries the whole weights)."""
+  if not syncs_adapters(model):
+    return None
+  return cast_params(dequantized(model, base_tree(params)), inference)
 
 
 def from_config(config: Any) -> LoRAConfig | None:
@@ -357,4 +404,5 @@ def from_config(config: Any) -> LoRAConfig | None:
   if config.lora.rank == 0:
     return None
   targets = tuple(t.strip() for t in config.lora.targets.split(',') if t.strip())
-  return LoRAConfig(config.lora.rank, float(config.lora.alpha), targets, config.lora.sync)
+  return LoRAConfig(config.lora.rank, float(config.lora.alpha), targets, config.lora.sync,
+                    config.lora.base_quant)

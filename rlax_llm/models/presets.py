@@ -22,17 +22,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import AbstractMesh, Mesh
 
 from rlax_llm import sharding as sharding_lib
 from rlax_llm.errors import ConfigError
 from rlax_llm.models import lora as lora_lib
-from rlax_llm.models.decoder import Decoder
 from rlax_llm.models.decoder_config import DecoderConfig, RopeScaling
 from rlax_llm.models.files.gguf import smollm2_gguf_path
-from rlax_llm.models.model import abstract_model, describe
-from rlax_llm.models.quant import QUANT_MODES, quantize_params, quantized_shardings
+from rlax_llm.models.kv_cache import KV_CACHE_QUANT_MODES
+from rlax_llm.models.model import abstract_model
+from rlax_llm.models.quant import QUANT_MODES, Int8Weight, quantize_params, quantized_shardings
 
 _QWEN3 = dict(vocab_size=151_936, head_dim=128, rope_theta=1_000_000.0, norm_eps=1e-6,
               qk_norm=True, family='qwen3', max_seq_len=40_960)
@@ -147,21 +146,12 @@ def _param_shards(config: DecoderConfig, axis_sizes: Mapping[str, int],
   float32 scales replicated)."""
   model = abstract_model(config)
   abstract, logical = ((model.abstract_params(), model.logical_axes()) if lora is None
-                       else _with_adapters(config, lora))
+                       else lora_lib.abstract_tree(config, lora)[1:])
   shardings = sharding_lib.param_shardings(abstract, logical, _abstract_mesh(axis_sizes), rules)
   if quant == 'int8':
     abstract = jax.eval_shape(functools.partial(quantize_params, model=model), abstract)
     shardings = quantized_shardings(shardings, model)
   return _leaf_shards(abstract, shardings)
-
-
-@functools.cache
-def _with_adapters(config: DecoderConfig, lora: lora_lib.LoRAConfig) -> tuple[Any, Any]:
-  """``(abstract params, logical axes)`` of ``config``'s decoder with ``lora``'s adapters,
-  traced (nothing allocated)."""
-  _, abstract, logical = describe(
-      lambda: lora_lib.add_adapters(Decoder(config, rngs=nnx.Rngs(0)), lora, nnx.Rngs(0)))
-  return abstract, logical
 
 
 def _base_cast_bytes(config: DecoderConfig, inference: DecoderConfig,
@@ -177,6 +167,22 @@ def _base_cast_bytes(config: DecoderConfig, inference: DecoderConfig,
                                              strict=True)]
   return sum(b for (_, _, b), copied in zip(_leaf_shards(target, shardings), cast, strict=True)
              if copied)
+
+
+def _dequantized_bytes(config: DecoderConfig, axis_sizes: Mapping[str, int],
+                       rules: Sequence[tuple[str, Any]]) -> int:
+  """Bytes on the most loaded device of the float32 weights ``lora.dequantized`` makes of
+  a QLoRA base's projections (``quant.quantize_params``' ``Int8Weight`` leaves), placed like
+  the weights."""
+  model = abstract_model(config.with_execution(param_dtype=jnp.float32))
+  abstract = model.abstract_params()
+  quantised = jax.eval_shape(functools.partial(quantize_params, model=model), abstract)
+  is_int8 = [isinstance(leaf, Int8Weight) for leaf in jax.tree.leaves(
+      quantised, is_leaf=lambda x: isinstance(x, Int8Weight))]
+  shardings = sharding_lib.param_shardings(abstract, model.logical_axes(),
+                                           _abstract_mesh(axis_sizes), rules)
+  return sum(b for (_, _, b), int8 in zip(_leaf_shards(abstract, shardings), is_int8,
+                                          strict=True) if int8)
 
 
 def worker_param_bytes(config: DecoderConfig, mesh: Mapping[str, int], *, quant: str = 'none',
@@ -309,11 +315,18 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
           'total_bytes': float(saved + work + logits)}
 
 
-def kv_cache_bytes(config: DecoderConfig, *, slots: int, length: int) -> float:
+def kv_cache_bytes(config: DecoderConfig, *, slots: int, length: int,
+                   quant: str = 'none') -> float:
   """The KV cache of ``slots`` sequences of ``length`` positions, all devices together:
-  ``slots * length * layers * kv_heads * head_dim * 2 (keys, values) * itemsize(dtype)``."""
-  return float(slots * length * config.num_layers * config.num_kv_heads * config.head_dim * 2
-               * jnp.dtype(config.execution.dtype).itemsize)
+  ``slots * length * layers * kv_heads * 2 (keys, values)`` times ``head_dim *
+  itemsize(dtype)``, or with ``quant='int8'`` (``model.kv_cache_quant``, ``KVCache.init``)
+  ``head_dim`` int8 bytes and a float32 scale per (position, head)."""
+  if quant not in KV_CACHE_QUANT_MODES:
+    raise ConfigError(f'kv_cache_quant={quant!r}; choose one of {KV_CACHE_QUANT_MODES} '
+                      '(model.kv_cache_quant).')
+  per_head = (config.head_dim + 4 if quant == 'int8'
+              else config.head_dim * jnp.dtype(config.execution.dtype).itemsize)
+  return float(slots * length * config.num_layers * config.num_kv_heads * 2 * per_head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,7 +429,7 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
                 workers_per_chip: int = 1, shared: bool = True,
                 reference: bool = False, optimizer_moments: int = 2,
                 optimizer_dtype: Any = jnp.float32, lora: lora_lib.LoRAConfig | None = None,
-                inference_quant: str = 'none',
+                inference_quant: str = 'none', kv_cache_quant: str = 'none',
                 rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES) -> MemoryPlan:
   """The bytes per chip a run's trainer and inference workers hold (nothing is allocated).
 
@@ -444,6 +457,8 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
       adapted projection (``activation_bytes``). The workers hold the merged weights, and
       with ``lora.sync='adapters'`` the base too (``worker_param_bytes``); the trainer's push
       is counted as ``MemoryPlan.push`` says.
+    kv_cache_quant: ``model.kv_cache_quant``: ``'int8'`` counts the KV cache as int8 with a
+      float32 scale per (position, head) (``kv_cache_bytes``).
     inference_quant: ``model.inference_quant``: ``'int8'`` counts the workers' copy as
       ``quant.quantize_params`` makes it (``worker_param_bytes``). Only the quantised copy
       (and a LoRA base) is on the devices: the unquantised one a worker applies deltas to is
@@ -474,12 +489,15 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
     push = 0
   elif lora.sync == 'adapters':
     push = _base_cast_bytes(config, inference, trainer_mesh, rules)
+    if lora.base_quant == 'int8':  # lora.pushed_base dequantises the projections (float32)
+      push += _dequantized_bytes(config, trainer_mesh, rules)
   else:
     push = params - trained_bytes
   slot_shards = inference_mesh['data'] * inference_mesh['fsdp']
   kv_split = inference_mesh['tensor'] if config.num_kv_heads % inference_mesh['tensor'] == 0 \
       else 1
-  kv = kv_cache_bytes(config, slots=slots, length=cache_length) / (slot_shards * kv_split)
+  kv = (kv_cache_bytes(config, slots=slots, length=cache_length, quant=kv_cache_quant)
+        / (slot_shards * kv_split))
   logits = 4 * math.ceil(slots / slot_shards) * config.vocab_size * 4
   return MemoryPlan(params=float(params), optimizer=float(optimizer),
                     gradients=float(gradients), reference=float(params if reference else 0),

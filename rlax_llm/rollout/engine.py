@@ -57,7 +57,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rlax_llm import sharding as sharding_lib
 from rlax_llm.models import cpu_attention
 from rlax_llm.models.decoder import head_is_vocab_major
-from rlax_llm.models.kv_cache import (KEY_BLOCK_AXES, KEY_POSITION_AXIS, VALUE_BLOCK_AXES,
+from rlax_llm.models.kv_cache import (KEY_BLOCK_AXES, KEY_POSITION_AXIS,
+                                      KV_CACHE_QUANT_MODES, VALUE_BLOCK_AXES,
                                       VALUE_POSITION_AXIS, KVCache, cache_block_shape)
 from rlax_llm.models.model import Model, Params, to_weight_layout, with_weight_layout
 from rlax_llm.models.numerics import INVARIANT_KEYS
@@ -83,6 +84,10 @@ class Prefix:
   v: tuple[jax.Array, ...]
   lengths: jax.Array  # int32 [K]
   logits: jax.Array  # float32 [K, V]
+  # An int8 cache's (``kv_cache_quant='int8'``) float32 scales, per layer, like k and v
+  # with head_dim 1; () if not.
+  k_scale: tuple[jax.Array, ...] = ()
+  v_scale: tuple[jax.Array, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +210,12 @@ class Engine:
       into int8 with per-output-channel scales (``models.quant.quantize_params``; the
       embedding and lm head stay in the model's param dtype), and the engine samples, and
       records behaviour log-probs, with that quantised policy.
+    kv_cache_quant: ``'none'``, or ``'int8'``: the KV cache holds int8 keys and values with a
+      float32 scale per (token, kv head) (``models.kv_cache.quantize_kv``), written
+      quantised by prefill, extend and decode steps and read dequantised, so the behaviour
+      log-probs are those of attention over the dequantised keys and values. Decode steps
+      then attend with XLA (the CPU kernel reads float blocks only): unset
+      ``decode_attention`` falls back to it; ``'cpu_kernel'`` is refused.
   """
 
   def __init__(self, model: Model, mesh: Mesh, *, slots: int, max_prefill_length: int,
@@ -213,7 +224,15 @@ class Engine:
                block_align: int = BLOCK_ALIGN,
                rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES,
                weight_layout: str | None = None, decode_attention: str | None = None,
-               quant: str = 'none'):
+               quant: str = 'none', kv_cache_quant: str = 'none'):
+    if kv_cache_quant not in KV_CACHE_QUANT_MODES:
+      raise ValueError(f'kv_cache_quant={kv_cache_quant!r} is not a KV cache quantisation; '
+                       f'choose one of {list(KV_CACHE_QUANT_MODES)}.')
+    if kv_cache_quant != 'none' and model.config.execution.batch_invariant:
+      raise ValueError(f'kv_cache_quant={kv_cache_quant!r} attends to quantised keys and '
+                       'values, so a batch_invariant model\'s log-probs would not equal the '
+                       'trainer\'s; pass kv_cache_quant=\'none\'.')
+    self.kv_cache_quant = kv_cache_quant
     if quant not in QUANT_MODES:
       raise ValueError(f'quant={quant!r} is not an engine quantisation; choose one of '
                        f'{list(QUANT_MODES)}.')
@@ -293,6 +312,8 @@ class Engine:
       return wanted, f'{wanted!r}: asked for'
     problem = (
         ('one slot (one-row steps keep XLA\'s attention)' if self.slots == 1 else None)
+        or ('the KV cache is int8 (the kernel reads float blocks)'
+            if self.kv_cache_quant != 'none' else None)
         or ('the model is batch_invariant' if c.execution.batch_invariant else None)
         or (f'the mesh has {mesh.size} devices (XLA cannot split a custom call)'
             if mesh.size != 1 else None)
@@ -322,7 +343,7 @@ class Engine:
     c = self.model.config
     s = self.slots
     state = DecodeState(
-        cache=KVCache.init(c, s, self.cache_length, self.block_length),
+        cache=KVCache.init(c, s, self.cache_length, self.block_length, self.kv_cache_quant),
         tokens=jnp.full((s,), self.pad_id, jnp.int32),
         keys=jnp.zeros((s, self.key_size), jnp.uint32),
         positions=jnp.zeros((s,), jnp.int32), remaining=jnp.zeros((s,), jnp.int32),
@@ -545,21 +566,26 @@ class Engine:
     def named(logical, shape):
       return NamedSharding(mesh, sharding_lib.logical_to_spec(PartitionSpec(*logical), shape,
                                                               mesh, rules))
-    block = lambda axes: (named(axes, cache_block_shape(axes, c, self.slots,
-                                                        self.block_length)),) * self.num_blocks
+    block = lambda axes, scale=False: (named(axes, cache_block_shape(
+        axes, c, self.slots, self.block_length, scale=scale)),) * self.num_blocks
     k, v = block(KEY_BLOCK_AXES), block(VALUE_BLOCK_AXES)
+    int8 = self.kv_cache_quant == 'int8'
+    scales = lambda axes: (block(axes, scale=True),) * c.num_layers if int8 else ()
     per_slot = named(('batch',), (self.slots,))
     per_slot_2d = lambda width: named(('batch', None), (self.slots, width))
     return DecodeState(
-        cache=KVCache(k=(k,) * c.num_layers, v=(v,) * c.num_layers, lengths=per_slot),
+        cache=KVCache(k=(k,) * c.num_layers, v=(v,) * c.num_layers, lengths=per_slot,
+                      k_scale=scales(KEY_BLOCK_AXES), v_scale=scales(VALUE_BLOCK_AXES)),
         tokens=per_slot, keys=per_slot_2d(self.key_size), positions=per_slot,
         remaining=per_slot, stop_ids=per_slot_2d(MAX_STOP_IDS))
 
   def _prefill_impl(self, params, tokens, lengths):
-    cache = KVCache.init(self.model.config, tokens.shape[0], tokens.shape[1])
+    cache = KVCache.init(self.model.config, tokens.shape[0], tokens.shape[1],
+                         quant=self.kv_cache_quant)
     last, cache = self.model.prefill(params, tokens, lengths, cache)
-    return Prefix(k=tuple(k for (k,) in cache.k), v=tuple(v for (v,) in cache.v),
-                  lengths=lengths, logits=last)
+    only = lambda layers: tuple(x for (x,) in layers)  # each layer's one block
+    return Prefix(k=only(cache.k), v=only(cache.v), lengths=lengths, logits=last,
+                  k_scale=only(cache.k_scale), v_scale=only(cache.v_scale))
 
   def _insert_impl(self, prefix, state, rows, slots, keys, max_new, offsets, stop_ids, *,
                    spec):
@@ -576,13 +602,19 @@ class Engine:
           continue
         into = (slots, slice(None)) + (slice(None),) * (axis - 2) + (slice(0, size),)
         part = jax.lax.slice_in_dim(update, lo, lo + size, axis=axis)
+        if (part.dtype == jnp.int8) != (buffer.dtype == jnp.int8):  # a cast would not quantise
+          raise ValueError(f'prefix blocks of {part.dtype} cannot go into a {buffer.dtype} '
+                           'cache; prefill with this engine (its kv_cache_quant).')
         written.append(buffer.at[into].set(part.astype(buffer.dtype), mode='drop'))
       return tuple(written)
+    puts = lambda cached, prefixed, axis: tuple(put(c, p, axis)
+                                                for c, p in zip(cached, prefixed))
     cache = KVCache(
-        k=tuple(put(ck, pk, KEY_POSITION_AXIS)
-                for ck, pk in zip(state.cache.k, prefix.k)),
-        v=tuple(put(cv, pv, VALUE_POSITION_AXIS) for cv, pv in zip(state.cache.v, prefix.v)),
-        lengths=state.cache.lengths.at[slots].set(prefix.lengths[rows], mode='drop'))
+        k=puts(state.cache.k, prefix.k, KEY_POSITION_AXIS),
+        v=puts(state.cache.v, prefix.v, VALUE_POSITION_AXIS),
+        lengths=state.cache.lengths.at[slots].set(prefix.lengths[rows], mode='drop'),
+        k_scale=puts(state.cache.k_scale, prefix.k_scale, KEY_POSITION_AXIS),
+        v_scale=puts(state.cache.v_scale, prefix.v_scale, VALUE_POSITION_AXIS))
     return self._start_samples(state, cache, prefix.logits[rows], slots, keys, max_new,
                                offsets, stop_ids, spec)
 
@@ -620,9 +652,12 @@ class Engine:
       pad = [(0, 0)] * rows.ndim
       pad[axis] = (0, extra)
       return jnp.pad(rows, pad)
-    cache = KVCache(k=tuple((joined(k, KEY_POSITION_AXIS),) for k in state.cache.k),
-                    v=tuple((joined(v, VALUE_POSITION_AXIS),) for v in state.cache.v),
-                    lengths=state.cache.lengths[gather])
+    joins = lambda layers, axis: tuple((joined(x, axis),) for x in layers)
+    cache = KVCache(k=joins(state.cache.k, KEY_POSITION_AXIS),
+                    v=joins(state.cache.v, VALUE_POSITION_AXIS),
+                    lengths=state.cache.lengths[gather],
+                    k_scale=joins(state.cache.k_scale, KEY_POSITION_AXIS),
+                    v_scale=joins(state.cache.v_scale, VALUE_POSITION_AXIS))
     last, cache = self.model.prefill(params, tokens, lengths, cache)
 
     def split(buffers, new, axis):
@@ -632,11 +667,14 @@ class Engine:
                                                     axis=axis).astype(buffer.dtype),
                                mode='drop')
           for j, buffer in enumerate(buffers))
+    splits = lambda olds, news, axis: tuple(split(old, new, axis)
+                                            for old, new in zip(olds, news))
     new_cache = KVCache(
-        k=tuple(split(old, new, KEY_POSITION_AXIS) for old, new in zip(state.cache.k, cache.k)),
-        v=tuple(split(old, new, VALUE_POSITION_AXIS)
-                for old, new in zip(state.cache.v, cache.v)),
-        lengths=state.cache.lengths.at[slots].set(cache.lengths, mode='drop'))
+        k=splits(state.cache.k, cache.k, KEY_POSITION_AXIS),
+        v=splits(state.cache.v, cache.v, VALUE_POSITION_AXIS),
+        lengths=state.cache.lengths.at[slots].set(cache.lengths, mode='drop'),
+        k_scale=splits(state.cache.k_scale, cache.k_scale, KEY_POSITION_AXIS),
+        v_scale=splits(state.cache.v_scale, cache.v_scale, VALUE_POSITION_AXIS))
     return self._start_samples(state, new_cache, last, slots, keys, max_new, offsets,
                                stop_ids, spec)
 

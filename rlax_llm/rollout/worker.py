@@ -93,6 +93,8 @@ class InferenceWorker:
     quant: ``'none'`` or ``'int8'`` (``model.inference_quant``): the engine samples with an
       int8 copy of each version it loads (``Engine``); the worker still holds, verifies and
       applies deltas to the params it pulls, unquantised.
+    kv_cache_quant: ``'none'`` or ``'int8'`` (``model.kv_cache_quant``): the engine's KV
+      cache in int8 with per-(token, kv head) scales (``Engine``).
     lora: with ``fetch_base``, the trainer's adapters (``lora.sync='adapters'``): the
       versions pulled are adapter trees, merged into the base pulled once through
       ``fetch_base`` (module docstring). None: the versions are the model's params.
@@ -104,7 +106,7 @@ class InferenceWorker:
                prefill_buckets: Sequence[int] | None = None,
                rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES,
                quant: str = 'none', lora: lora_lib.LoRAConfig | None = None,
-               fetch_base: FetchBase | None = None):
+               fetch_base: FetchBase | None = None, kv_cache_quant: str = 'none'):
     if (lora is None) != (fetch_base is None):
       raise ValueError('adapter-only sync needs both lora and fetch_base (the base pulled '
                        f'once); got lora={lora!r}, fetch_base={fetch_base!r}.')
@@ -114,7 +116,8 @@ class InferenceWorker:
     self.max_prompt_len = max_prompt_len
     self.engine = Engine(model, mesh, slots=slots, max_prefill_length=max_prompt_len,
                          max_decode_length=max_new_tokens, pad_id=tokenizer.pad_id,
-                         prefill_buckets=prefill_buckets, rules=rules, quant=quant)
+                         prefill_buckets=prefill_buckets, rules=rules, quant=quant,
+                         kv_cache_quant=kv_cache_quant)
     self.holder = VersionedParams()
     self.driver = Driver(self.engine, self.holder, on_swap=on_swap)
     self.reloads = 0

@@ -15,6 +15,7 @@ from rlax_llm.models import lora as lora_lib
 from rlax_llm.models import presets
 from rlax_llm.models.decoder import Decoder
 from rlax_llm.models.decoder_config import DecoderConfig, Execution
+from rlax_llm.models.kv_cache import KVCache
 from rlax_llm.models.model import abstract_model, create_model
 from rlax_llm.models.presets import PRESETS, count_params, get_preset, memory_per_device
 from rlax_llm.models.quant import PROJECTIONS, QUANT_MODES, quantize_params, quantized_shardings
@@ -131,6 +132,41 @@ def test_the_lora_plan_per_device_matches_the_trainers_placed_arrays():
   # The moments (params-shaped) plus AdamW's replicated step counts, not planned.
   counts = sum(x.nbytes for x in jax.tree.leaves(trainer.opt_state) if x.ndim == 0)
   assert plan.optimizer == _per_device_bytes(trainer.opt_state) - counts
+
+
+@pytest.mark.parametrize('quant', ['none', 'int8'])
+def test_the_kv_cache_plan_is_the_caches_bytes(quant):
+  """``kv_cache_bytes`` against a real ``KVCache.init`` (``model.kv_cache_quant``): int8
+  blocks and their float32 scales, about a quarter of the float32 cache."""
+  config = PLAN_MODEL
+  cache = KVCache.init(config, batch=3, max_len=20, block_length=8, quant=quant)
+  held = sum(x.nbytes for x in jax.tree.leaves((cache.k, cache.v, cache.k_scale, cache.v_scale)))
+  planned = presets.kv_cache_bytes(config, slots=3, length=24, quant=quant)  # 3 blocks of 8
+  assert planned == held
+  if quant == 'int8':
+    assert planned < 0.5 * presets.kv_cache_bytes(config, slots=3, length=24)
+  with pytest.raises(ConfigError, match=r"kv_cache_quant='int4'; choose one of"):
+    presets.kv_cache_bytes(config, slots=3, length=24, quant='int4')
+
+
+def test_the_qlora_plan_counts_the_int8_base_and_its_dequantised_push():
+  """QLoRA (``lora.base_quant='int8'``), the trainer's real placement on 8 devices: the plan's
+  params are the int8 projections, their scales, the other base leaves and the adapters as
+  placed; its push is the float32 weights ``lora.pushed_base`` dequantises once (new device
+  arrays); the int8 base is less than the float32 one, the optimizer state the same."""
+  base, params = create_model(PLAN_MODEL, seed=0)
+  lora = lora_lib.LoRAConfig(4, 8.0, base_quant='int8')
+  model, params = lora_lib.create(base, params, lora)
+  trainer = Trainer(model, params, make_optimizer(1e-3), lambda *a: None, make_mesh(SHARDED),
+                    trainable=lora_lib.trainable_mask(model))
+  plan = _plan(PLAN_MODEL, SHARDED, lora=lora)
+  assert plan.params == _per_device_bytes(trainer.params)
+  held = {id(x) for x in jax.tree.leaves(trainer.params)}
+  pushed_once = lora_lib.pushed_base(model, trainer.params, abstract_model(PLAN_MODEL))
+  copies = [x for x in jax.tree.leaves(pushed_once) if id(x) not in held]
+  assert copies and plan.push == _per_device_bytes(copies)
+  full = _plan(PLAN_MODEL, SHARDED, lora=dataclasses.replace(lora, base_quant='none'))
+  assert plan.params < full.params and plan.optimizer == full.optimizer
 
 
 @pytest.mark.parametrize('inference_dtype', [jnp.float32, jnp.bfloat16])
