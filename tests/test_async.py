@@ -275,7 +275,7 @@ class Faulty:
     return future
 
 
-@pytest.mark.parametrize('kind', ['die', 'hang'])
+@pytest.mark.parametrize('kind', ['die', pytest.param('hang', marks=pytest.mark.slow)])  # hang: 27 s
 def test_a_lost_worker_is_replaced_and_the_run_completes(reference_1_1, tmp_path, kind):
   # The timeout covers the first calls' compilation on this machine, not a hang.
   config = smoke(rollout__workers=2, rollout__worker_timeout_s=20.0)

@@ -173,7 +173,7 @@ def test_rejects_j_above_k(tmp_path):
       pass
 
 
-@pytest.mark.parametrize('replay', [0.0, 0.5])
+@pytest.mark.parametrize('replay', [pytest.param(0.0, marks=pytest.mark.slow), 0.5])  # 0.5 covers it
 def test_state_restores_the_run_exactly(tmp_path, replay):
   """Run 3 steps; in another process-like fresh build, restore the state (and params) after
   step 1 and run on: steps 2-3 are identical to the uninterrupted run (timings aside, and the

@@ -249,6 +249,7 @@ def _launch_gcs(workdir, *extra):
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
 
 
+@pytest.mark.slow  # about 17 s; the SIGTERM-and-resume launch on gs:// stays in CI (suite time)
 def test_a_tiny_launch_into_gcs_writes_everything_that_reads_back(gs, tmp_path):
   """``--workdir=gs://...`` with no mount: config.json, metrics, ledger, summary,
   TensorBoard events and Orbax checkpoints, each read back; evaluating the checkpoint from

@@ -149,6 +149,7 @@ def test_partial_rollouts_on_ray_equal_local(cluster, tmp_path):
   assert sum(r['rollout/carried_groups'] for r in ray_rows) > 0
 
 
+@pytest.mark.slow  # about 21 s; free mode runs locally in tests/test_async.py (suite time)
 def test_free_running_on_ray_keeps_the_bound(cluster, tmp_path):
   """staleness.schedule='free': each worker actor asks the server actor for its latest
   version between decode steps (ServerRole.latest_version) and pulls it itself; the run
@@ -163,6 +164,7 @@ def test_free_running_on_ray_keeps_the_bound(cluster, tmp_path):
   assert all(r['version'] - 2 <= r['sampling_version'] <= r['version'] - 1 for r in rows)
 
 
+@pytest.mark.slow  # about 35 s; a dead worker process (retired) stays in CI above (suite time)
 def test_a_killed_worker_actor_restarts_and_carries_on(cluster, tmp_path):
   """The worker actor's process is killed just before its 3rd call (``no_restart=False``: a
   lost process, not a retirement): Ray restarts it and runs the call there, the new process
@@ -416,6 +418,7 @@ def test_on_one_machine_versions_move_through_the_servers_shared_memory(cluster)
   assert holders(tag) == []
 
 
+@pytest.mark.slow  # about 17 s; the same-node shared-memory path stays in CI (suite time)
 def test_processes_on_other_machines_keep_the_object_store(cluster):
   """A trainer or a worker whose node id differs from the server's (faked) pushes and pulls
   through the object store; a worker on the server's machine still maps the slots."""

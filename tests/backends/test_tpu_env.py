@@ -163,6 +163,7 @@ def test_two_actors_on_one_v5e_8_host_see_their_own_chips(fake_tpu_host):
   assert applied == {} and env == {}
 
 
+@pytest.mark.slow  # about 24 s; two actors on one host stay in CI above (suite time)
 def test_a_runs_worker_actors_sharing_a_host_see_their_own_chips(fake_tpu_host, tmp_path):
   """The roles themselves: a Ray run with two workers of ``ray.worker_resources={'TPU': 4}``
   on the 8-chip host; inside each worker actor's process (JAX already up, on CPU here) the
