@@ -40,10 +40,10 @@ def _random_b(params, seed):
       params, is_leaf=lambda x: isinstance(x, Int8Weight))
 
 
-def _qlora(seed=0):
+def _qlora(seed=0, config=CONFIG):
   """A tiny QLoRA model (int8 base, float32 adapters on ``TARGETS``, random B), and the same
   adapters over the dequantised base (a float32 ``LoRAModel``)."""
-  base, params = create_model(CONFIG, seed=seed)
+  base, params = create_model(config, seed=seed)
   lora = lora_lib.LoRAConfig(4, 8.0, TARGETS, base_quant='int8')
   model, quantised = lora_lib.create(base, params, lora)
   quantised = _random_b(quantised, seed + 1)
@@ -108,6 +108,25 @@ def test_forward_and_adapter_gradients_equal_the_dequantised_bases():
   got, want = adapter_grads(model, quantised), adapter_grads(reference, dequantised)
   assert jax.tree.leaves(got)
   jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-5), got, want)
+
+
+@pytest.mark.parametrize('policy', ['full', 'dots'])
+def test_remat_gives_the_same_adapter_gradients(policy):
+  """Rematerialised blocks (``decoder.recompute_after_cotangents``) recompute over the int8
+  base and the adapters alike."""
+  (model, params, _, _), (remat, same, _, _) = _qlora(), _qlora(
+      config=CONFIG.with_execution(remat=policy))
+  jax.tree.map(np.testing.assert_array_equal, params, same)
+
+  def adapter_grads(m):
+    base_part, adapters = lora_lib.base_tree(params), lora_lib.adapter_tree(params)
+    loss = lambda a: jnp.mean(jax.nn.log_softmax(
+        m.apply(lora_lib.with_adapters(base_part, a), TOKENS))[..., 3])
+    return jax.jit(jax.value_and_grad(loss))(adapters)
+  (l0, g0), (l1, g1) = adapter_grads(model), adapter_grads(remat)
+  np.testing.assert_allclose(l1, l0, rtol=1e-6)
+  assert jax.tree.leaves(g1)
+  jax.tree.map(functools.partial(np.testing.assert_allclose, atol=1e-6), g1, g0)
 
 
 def _trainer(model, params, optimizer=None):
