@@ -268,6 +268,13 @@ _SAVED_PER_TOKEN = {
 }
 
 
+# Attention-sized float32 buffers ``[rows, heads, T, T]`` per layer that the backward pass
+# reads (``activation_bytes``), as XLA:CPU's compiled train step kept them: the softmax's
+# exponentials, its normaliser broadcast to their shape and the probabilities without remat;
+# the scores (a dot's output) with 'dots'; none with 'full'.
+_SAVED_SCORES = {'none': 3, 'dots': 1, 'full': 0}
+
+
 def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: int = 1,
                      logprob_chunk: int = 0, lora: lora_lib.LoRAConfig | None = None
                      ) -> dict[str, float]:
@@ -278,15 +285,17 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
   divide. With ``remat`` (``config.execution.remat``) of ``'none'`` / ``'dots'`` / ``'full'``:
 
     saved  = layers * t * itemsize(dtype) * S(remat)      what the backward pass reads
-             + layers * 4 * rows * heads/tensor * length^2  float32 attention probabilities
-                                                            (not with 'full')
-    work   = t * itemsize(dtype) * S('none') + 4 * rows * heads/tensor * length^2
-                                                            one block recomputed / in flight
+             + layers * A(remat) * 4 * rows * heads/tensor * length^2
+                                                            float32 attention-sized buffers
+    work   = t * itemsize(dtype) * S('none')               one block recomputed / in flight
+             + (0 with 'none', else 3) * 4 * rows * heads/tensor * length^2
     logits = 3 * 4 * rows * L * vocab/tensor                float32 logits, log-softmax and
                                                             gradient, L = logprob_chunk or length
 
   where ``S('none') = 5 d + 3 q + 4 kv + 4 mlp``, ``S('dots') = 2 d + q + 2 kv + 2 mlp``,
-  ``S('full') = d`` (``d`` the embedding width, ``q = heads * head_dim / tensor``,
+  ``S('full') = d``, ``A('none') = 3`` (the softmax's exponentials, its normaliser broadcast
+  to their shape and the probabilities), ``A('dots') = 1`` (the scores), ``A('full') = 0``
+  (``d`` the embedding width, ``q = heads * head_dim / tensor``,
   ``kv = kv_heads * head_dim / tensor``, ``mlp = mlp_dim / tensor``). With ``lora`` (not with
   remat 'full'), ``saved`` adds one ``[t, N]`` per adapted projection of ``N`` outputs
   (``q``: q, ``k``/``v``: kv, ``o``/``down``: d, ``gate``/``up``: mlp): the base product beside
@@ -294,7 +303,8 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
   (tests/test_configs_real_sizes.py). Returns
   ``{'saved_bytes', 'work_bytes', 'logits_bytes', 'total_bytes'}``. With ``memory_plan``'s
   other parts, checked on XLA:CPU against the compiled train step's memory analysis
-  (tests/test_configs_real_sizes.py, remat 'none').
+  (tests/test_configs_real_sizes.py: remat 'none' at 128 positions, where the widths
+  dominate, and 'none' and 'full' with micro-batches at 512, where attention does).
   """
   c = config
   split = lambda n: n // tensor if n % tensor == 0 else n  # noqa: E731  (replicated else)
@@ -303,13 +313,14 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
       c.mlp_dim)
   itemsize = jnp.dtype(c.execution.dtype).itemsize
   tokens = rows * length
-  probs = 4 * rows * heads * length * length
+  scores = 4 * rows * heads * length * length  # one float32 [rows, heads, T, T]
   remat = c.execution.remat
   outputs = {'q': q, 'k': kv, 'v': kv, 'o': d, 'gate': mlp, 'up': mlp, 'down': d}
   adapted = 0 if lora is None or remat == 'full' else sum(outputs[t] for t in lora.targets)
   saved = c.num_layers * (tokens * itemsize * (_SAVED_PER_TOKEN[remat](d, q, kv, mlp) + adapted)
-                          + (0 if remat == 'full' else probs))
-  work = tokens * itemsize * _SAVED_PER_TOKEN['none'](d, q, kv, mlp) + probs
+                          + _SAVED_SCORES[remat] * scores)
+  work = (tokens * itemsize * _SAVED_PER_TOKEN['none'](d, q, kv, mlp)
+          + (0 if remat == 'none' else _SAVED_SCORES['none']) * scores)
   logits = 3 * 4 * rows * (logprob_chunk or length) * split(c.vocab_size)
   return {'saved_bytes': float(saved), 'work_bytes': float(work), 'logits_bytes': float(logits),
           'total_bytes': float(saved + work + logits)}
