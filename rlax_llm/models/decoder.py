@@ -377,7 +377,7 @@ def recompute_after_cotangents(fn):
     if not floats:
       return pullback(cotangent)
     zero = 0 * floats[0].reshape(-1)[0]
-    tie = lambda r: (r + zero.astype(r.dtype)  # noqa: E731
+    tie = lambda r: (r + zero.astype(r.dtype)
                      if jnp.issubdtype(r.dtype, jnp.inexact) else r)
     return jax.tree.map(tie, pullback)(cotangent)
 
