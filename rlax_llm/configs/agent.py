@@ -58,10 +58,13 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     # calculator tool"): a short supervised warm-up on the oracle's episodes
     # (docs/environments.md), 8 steps of 8 demonstrations, teaches the tool call without
     # solving the task for RL; then GRPO.
-    c.total_steps = 30
+    c.total_steps = 6
     c.warmup.update(dict(steps=8, batch_size=8, learning_rate=2e-5, warmup_steps=0))
-    c.rl.update(dict(learning_rate=2e-5, micro_batches=4))  # 8 rows of <= 545 tokens at once
-    c.eval.every_steps = 3
+    # 4 rows of <= 545 tokens at a time, the lm head 128 positions at a time: XLA:CPU's
+    # compiled step holds about 1.8 GB a row at this length (8 rows a micro-batch peaked at
+    # the 23 GiB machine's limit and was killed; 4 rows peak at 18.6 GB resident).
+    c.rl.update(dict(learning_rate=2e-5, micro_batches=8, logprob_chunk=128))
+    c.eval.every_steps = 2
     # A held-out evaluation of the untrained model (4 turns of 48 tokens, 50 episodes) took
     # over 10 minutes on a loaded 2-core machine: the worker's answer may take that long.
     c.rollout.worker_timeout_s = 3600.0
