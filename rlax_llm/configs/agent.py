@@ -60,9 +60,10 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     # solving the task for RL; then GRPO.
     c.total_steps = 6
     c.warmup.update(dict(steps=8, batch_size=8, learning_rate=2e-5, warmup_steps=0))
-    # 4 rows of <= 545 tokens at a time, the lm head 128 positions at a time: XLA:CPU's
-    # compiled step holds about 1.8 GB a row at this length (8 rows a micro-batch peaked at
-    # the 23 GiB machine's limit and was killed; 4 rows peak at 18.6 GB resident).
+    # 4 rows of <= 545 tokens at a time, the lm head 128 positions at a time: without remat
+    # XLA:CPU's compiled step holds about 1.8 GB a row at this length (8 rows a micro-batch
+    # hit the 23 GiB machine's limit and were killed; 4 rows peak at 18.6 GB resident, as
+    # measured). model.remat='full' brings 8 rows to 1.8 GB in all (not measured in a run).
     c.rl.update(dict(learning_rate=2e-5, micro_batches=8, logprob_chunk=128))
     c.eval.every_steps = 2
     # A held-out evaluation of the untrained model (4 turns of 48 tokens, 50 episodes) took
