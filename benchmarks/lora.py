@@ -27,9 +27,14 @@ log-probs and advantages, the GRPO clipped objective, AdamW with global-norm cli
    base pulls per version), and as an update from the previous version; against the full
    fp32 params pulled whole, and against the bf16 sparse delta (``paramserver.delta``) of one
    full fine-tuning step at the SmolLM2 recipe's learning rate (``configs/smollm2.py``:
-   ``rl.learning_rate``).
-   ``lora_over_full_fp32`` is the goal's figure (goal <= 0.01). ``adapter_bytes_by_rank``:
-   the adapter tree's fp32 bytes at other ranks (from the shapes, all seven targets).
+   ``rl.learning_rate``). ``lora_adapters_bf16``: the same with ``lora.sync_dtype='bfloat16'``
+   (``lora.synced_adapters``: the adapters rounded to bfloat16 for the wire), whole and as a
+   delta from the previous version (the elements whose bfloat16 bits changed).
+   ``lora_over_full_fp32`` and ``lora_bf16_over_full_fp32`` are the goal's figures (goal <=
+   0.01). ``adapter_bytes_by_rank``: the adapter tree's fp32 bytes at other ranks (from the
+   shapes, all seven targets; bfloat16 is half).
+   The LoRA trainer's learning rate is the ``configs/smollm2.py:lora`` variant's (10x the full
+   recipe's), the full trainer's the recipe's: the deltas depend on it.
 
     .venv/bin/python benchmarks/lora.py [--model=smollm2] [--batch=16 --length=256]
         [--micro_batches=4] [--repeats=3]
@@ -213,6 +218,7 @@ def main() -> None:
   if args.torch_threads:
     torch.set_num_threads(args.torch_threads)
   lr = float(smollm2_recipe.get_config().rl.learning_rate)
+  lora_lr = float(smollm2_recipe.get_config('lora').rl.learning_rate)
   lora = lora_lib.LoRAConfig(args.rank, args.alpha)
   base, params0 = load(args.model)
   batch = train_batch(args.batch, args.length, base.config.vocab_size)
@@ -220,19 +226,21 @@ def main() -> None:
   out = {'benchmark': 'lora', 'model': args.model, 'batch': args.batch, 'length': args.length,
          'micro_batches': args.micro_batches, 'logprob_chunk': args.logprob_chunk,
          'rank': args.rank, 'alpha': args.alpha, 'targets': ','.join(lora.targets),
-         'learning_rate': lr, 'dtype': 'float32', 'torch_threads': torch.get_num_threads(),
+         'learning_rate': lr, 'lora_learning_rate': lora_lr, 'dtype': 'float32', 'torch_threads': torch.get_num_threads(),
          'load_average_start': os.getloadavg()[0]}
 
   # 1. The LoRA train step, ours and peft's alternately.
   model, params = lora_lib.create(base, params0, lora, seed=0)
-  trainer = make_trainer(model, params, lr, args, lora_lib.trainable_mask(model))
+  trainer = make_trainer(model, params, lora_lr, args, lora_lib.trainable_mask(model))
   compiled, _ = compiled_step(trainer, batch)
   lora_memory = memory_row(trainer, compiled)
   del compiled
   reference = torch_model(base, params0, lora)
   theirs = TorchStep(reference, batch, args.micro_batches, lr)
-  server = ParameterServer(keep=2)
+  server, server_bf16 = ParameterServer(keep=2), ParameterServer(keep=2)
+  bf16_lora = dataclasses.replace(lora, sync_dtype='bfloat16')
   server.push(0, lora_lib.adapter_tree(trainer.params))
+  server_bf16.push(0, lora_lib.synced_adapters(bf16_lora, lora_lib.adapter_tree(trainer.params)))
   compile_s = timed(functools.partial(trainer.step, batch))
   theirs()
   ours_s, theirs_s = [], []
@@ -256,7 +264,11 @@ def main() -> None:
   server.push(version, lora_lib.adapter_tree(trainer.params))
   lora_sync = pulled_bytes(server, version)
   lora_sync['from_previous'] = pulled_bytes(server, version, 0)
-  del trainer, server
+  server_bf16.push(version, lora_lib.synced_adapters(bf16_lora,
+                                                     lora_lib.adapter_tree(trainer.params)))
+  lora_bf16 = pulled_bytes(server_bf16, version)
+  lora_bf16['from_previous'] = pulled_bytes(server_bf16, version, 0)
+  del trainer, server, server_bf16
 
   # 2 (full) and 3b: full fine-tuning's memory, and one full step's bf16 delta.
   full = make_trainer(base, params0, lr, args)
@@ -274,9 +286,12 @@ def main() -> None:
   out['memory']['lora_over_full_total'] = (out['memory']['lora']['total_bytes']
                                            / out['memory']['full']['total_bytes'])
   out['sync'] = {
-      'lora_adapters': lora_sync, 'full_fp32_bytes': full_fp32,
+      'lora_adapters': lora_sync, 'lora_adapters_bf16': lora_bf16,
+      'full_fp32_bytes': full_fp32,
       'full_bf16_delta': delta, 'lora_over_full_fp32': lora_sync['bytes'] / full_fp32,
       'lora_over_bf16_delta': lora_sync['bytes'] / delta['bytes'],
+      'lora_bf16_over_full_fp32': lora_bf16['bytes'] / full_fp32,
+      'lora_bf16_delta_over_full_fp32': lora_bf16['from_previous']['bytes'] / full_fp32,
       'bf16_delta_over_full_fp32': delta['bytes'] / full_fp32,
       'adapter_bytes_by_rank': {
           r: tree_bytes(lora_lib.adapter_tree(m.abstract_params()))

@@ -69,6 +69,7 @@ CHOICES = {
     'model.kv_cache_quant': ('none', 'int8'),  # rlax_llm.models.kv_cache.KV_CACHE_QUANT_MODES
     'lora.sync': ('adapters', 'merged'),  # rlax_llm.models.lora.SYNCS
     'lora.base_quant': ('none', 'int8'),  # rlax_llm.models.quant.QUANT_MODES
+    'lora.sync_dtype': ('float32', 'bfloat16'),  # rlax_llm.models.lora.SYNC_DTYPES
     'model.dtype': ('float32', 'bfloat16'),
     'rollout.on_swap': ('continue', 'discard'),
     'rollout.short_batches': ('pad', 'wait'),
@@ -671,6 +672,14 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
         f'config.lora.base_quant={config.lora.base_quant!r} quantises the frozen base under LoRA '
         'adapters, but lora.rank=0 trains the full model (whose weights cannot be int8). Set '
         'lora.rank > 0 or lora.base_quant=\'none\'.')
+  if config.lora.sync_dtype != 'float32' and (config.lora.rank == 0
+                                              or config.lora.sync != 'adapters'):
+    raise ConfigError(
+        f'config.lora.sync_dtype={config.lora.sync_dtype!r} rounds the adapter versions of '
+        f'adapter-only sync, but lora.rank={config.lora.rank} and lora.sync='
+        f'{config.lora.sync!r} push no adapters (whole weights travel in '
+        'model.inference_param_dtype). Set lora.rank > 0 with lora.sync=\'adapters\', or '
+        'lora.sync_dtype=\'float32\'.')
   if config.lora.base_quant != 'none' and m.batch_invariant:
     raise ConfigError(
         f'config.model.batch_invariant=True makes sampler and trainer log-probs bitwise equal, '

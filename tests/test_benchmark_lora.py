@@ -53,5 +53,12 @@ def test_sync_figures(report):
   assert 0 < sync['full_bf16_delta']['bytes'] < sync['full_fp32_bytes']
   assert sync['lora_over_full_fp32'] == lora_bytes / sync['full_fp32_bytes']
   assert sync['lora_over_bf16_delta'] > 0 and 0 < sync['bf16_delta_over_full_fp32'] < 1
+  # lora.sync_dtype='bfloat16': half the bytes whole; a delta from the previous version
+  # carries no more than the whole (it is sent whole when denser than pays).
+  bf16 = sync['lora_adapters_bf16']
+  assert bf16['bytes'] == lora_bytes // 2
+  assert sync['lora_bf16_over_full_fp32'] == bf16['bytes'] / sync['full_fp32_bytes']
+  assert 0 < bf16['from_previous']['bytes'] <= bf16['bytes']
+  assert 0 < bf16['from_previous']['changed_fraction'] <= 1
   sizes = [sync['adapter_bytes_by_rank'][r] for r in ('1', '2', '4', '8', '16')]
   assert sizes == [sizes[0] * r for r in (1, 2, 4, 8, 16)]

@@ -56,8 +56,11 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # or 'merged' (the merged weights). base_quant: how the trainer holds the frozen base,
   # 'none' (model.param_dtype) or 'int8' (QLoRA-style: the seven projections int8 with a
   # float32 scale per output channel; workers get it dequantised; needs rank > 0).
+  # sync_dtype: the dtype adapter versions travel in with sync='adapters', 'float32' (as
+  # trained) or 'bfloat16' (half the bytes; the workers merge the rounded adapters).
   c.lora = ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets='q,k,v,o,gate,up,down',
-                                          sync='adapters', base_quant='none'))
+                                          sync='adapters', base_quant='none',
+                                          sync_dtype='float32'))
   c.task = ml_collections.ConfigDict(dict(
       name='arithmetic', max_operand=99, operations='+', num_eval=200, demo_error_rate=0.6,
       format='plain', answer_format='exact',

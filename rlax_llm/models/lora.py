@@ -72,6 +72,10 @@ SUFFIX = '_lora'  # an adapter's attribute: f'{weight}{SUFFIX}' (decoder.low_ran
 # How a LoRA trainer sends each version to the workers (``lora.sync``): the adapters alone
 # (the base once), or the merged weights.
 SYNCS = ('adapters', 'merged')
+# The dtype adapter versions travel in (``lora.sync_dtype``, adapter-only sync): as trained, or
+# rounded to bfloat16 (half the bytes; the workers' policy is then the merge of the rounded
+# adapters, a mismatch the trainer's recompute and ``rl.mismatch`` see like any other).
+SYNC_DTYPES = ('float32', 'bfloat16')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +91,7 @@ class LoRAConfig:
   targets: tuple[str, ...] = TARGETS
   sync: str = 'adapters'
   base_quant: str = 'none'
+  sync_dtype: str = 'float32'
 
   def __post_init__(self):
     if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -99,6 +104,13 @@ class LoRAConfig:
                         f'non-empty subset of {TARGETS}.')
     if self.sync not in SYNCS:
       raise ConfigError(f'lora.sync={self.sync!r}; choose one of {SYNCS}.')
+    if self.sync_dtype not in SYNC_DTYPES:
+      raise ConfigError(f'lora.sync_dtype={self.sync_dtype!r}; choose one of {SYNC_DTYPES}.')
+    if self.sync_dtype != 'float32' and self.sync != 'adapters':
+      raise ConfigError(f'lora.sync_dtype={self.sync_dtype!r} rounds the adapter versions of '
+                        f'adapter-only sync, but lora.sync={self.sync!r} pushes merged weights '
+                        '(their dtype is model.inference_param_dtype). Set '
+                        "lora.sync='adapters' or lora.sync_dtype='float32'.")
     if self.base_quant not in QUANT_MODES:
       raise ConfigError(f'lora.base_quant={self.base_quant!r}; choose one of {QUANT_MODES}.')
     object.__setattr__(self, 'targets', tuple(t for t in TARGETS if t in self.targets))
@@ -376,14 +388,30 @@ def syncs_adapters(model: Model) -> bool:
   return isinstance(model, LoRAModel) and model.lora.sync == 'adapters'
 
 
+def synced_adapters(lora: LoRAConfig, adapters: Params) -> Params:
+  """An adapter tree (``adapter_tree``: arrays or ``jax.ShapeDtypeStruct``s) as a version
+  travels with adapter-only sync: every ``A`` and ``B`` in ``lora.sync_dtype`` (float32: the
+  trained arrays themselves; bfloat16: rounded to nearest even). The trainer's push
+  (``pushed_params``) and the worker's expected tree (``rollout.worker``) both come from it."""
+  dtype = jnp.dtype(lora.sync_dtype)
+  def cast(leaf):
+    if leaf.dtype == dtype:
+      return leaf
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=leaf.sharding)
+    return leaf.astype(dtype)
+  return jax.tree.map(cast, adapters)
+
+
 def pushed_params(model: Model, params: Params, inference: Model) -> Params:
   """What a trainer of ``model`` pushes to the workers as each version, whose model is
   ``inference`` (the base model in the workers' dtypes, ``roles.inference_model``):
-  ``adapter_tree(params)`` as trained (float32) when ``syncs_adapters(model)``; else the
-  params, a ``LoRAModel``'s merged first (``merge_program``, on the trainer's devices), cast
-  to ``inference``'s dtypes (``cast_params``)."""
+  ``adapter_tree(params)`` in ``lora.sync_dtype`` (``synced_adapters``; float32, the default:
+  as trained) when ``syncs_adapters(model)``; else the params, a ``LoRAModel``'s merged
+  first (``merge_program``, on the trainer's devices), cast to ``inference``'s dtypes
+  (``cast_params``)."""
   if syncs_adapters(model):
-    return adapter_tree(params)
+    return synced_adapters(model.lora, adapter_tree(params))
   if isinstance(model, LoRAModel):
     params = merge_program(model)(params)
   return cast_params(params, inference)
@@ -405,4 +433,4 @@ def from_config(config: Any) -> LoRAConfig | None:
     return None
   targets = tuple(t.strip() for t in config.lora.targets.split(',') if t.strip())
   return LoRAConfig(config.lora.rank, float(config.lora.alpha), targets, config.lora.sync,
-                    config.lora.base_quant)
+                    config.lora.base_quant, config.lora.sync_dtype)

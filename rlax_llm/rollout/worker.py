@@ -131,7 +131,8 @@ class InferenceWorker:
       self._base_paths = list(leaf_specs(abstract))
       self._base_shardings = sharding_lib.param_shardings(abstract, model.logical_axes(), mesh,
                                                           rules)
-      abstract = lora_lib.adapter_tree(self._lora_model.abstract_params())
+      abstract = lora_lib.synced_adapters(
+          lora, lora_lib.adapter_tree(self._lora_model.abstract_params()))
     self._treedef = jax.tree_util.tree_structure(abstract)  # of the versions pulled
     self._leaf_paths = list(leaf_specs(abstract))  # names leaves in checksum errors
 

@@ -14,7 +14,7 @@ from smoke_config import smoke_config  # tests/smoke_config.py
 
 from rlax_llm import checkpoint as checkpoint_lib
 from rlax_llm.backends import local as local_backend
-from rlax_llm.config import run_spec
+from rlax_llm.config import run_spec, validate_config
 from rlax_llm.errors import ConfigError
 from rlax_llm.models import lora as lora_lib
 from rlax_llm.models.decoder_config import DecoderConfig
@@ -46,6 +46,17 @@ def test_config_is_validated():
   with pytest.raises(ConfigError, match='targets'):
     lora_lib.LoRAConfig(2, 1.0, ('q', 'lm_head'))
   assert lora_lib.LoRAConfig(2, 4.0, ('down', 'q')).targets == ('q', 'down')
+  with pytest.raises(ConfigError, match='sync_dtype'):
+    lora_lib.LoRAConfig(2, 1.0, sync_dtype='float16')
+  with pytest.raises(ConfigError, match="lora.sync='merged' pushes merged"):
+    lora_lib.LoRAConfig(2, 1.0, sync='merged', sync_dtype='bfloat16')
+  # The run config's boundary says the same before anything is built.
+  for fields, seen in [({'lora__sync_dtype': 'bfloat16'}, 'lora.rank=0'),
+                       ({'lora__rank': 2, 'lora__sync': 'merged',
+                         'lora__sync_dtype': 'bfloat16'}, "lora.sync='merged'"),
+                       ({'lora__rank': 2, 'lora__sync_dtype': 'int8'}, 'sync_dtype')]:
+    with pytest.raises(ConfigError, match=seen):
+      validate_config(smoke_config(**fields))
 
 
 def test_fresh_adapters_leave_the_model_unchanged_and_init_like_peft():
@@ -166,13 +177,15 @@ def test_peft_export_loads_in_peft_and_transformers(tmp_path):
   np.testing.assert_allclose(exported, ours, atol=1e-4, rtol=0)
 
 
-def test_a_local_run_with_lora_trains_the_adapters_and_pushes_them(tmp_path):
+@pytest.mark.parametrize('sync_dtype', lora_lib.SYNC_DTYPES)
+def test_a_local_run_with_lora_trains_the_adapters_and_pushes_them(tmp_path, sync_dtype):
   """lora.sync='adapters' (the default): the server's versions are the adapter trees alone
-  (bitwise the trainer's), the base server holds the frozen base; the worker samples with
-  the merged weights. (lora.sync='merged' pushes the merged weights:
+  (bitwise the trainer's, or with lora.sync_dtype='bfloat16' their bfloat16 rounding, half
+  the bytes), the base server holds the frozen base; the worker samples with the base merged
+  with the adapters it received. (lora.sync='merged' pushes the merged weights:
   tests/test_lora_run.py.)"""
   config = smoke_config(lora__rank=2, lora__targets='q,v,down', log__tensorboard=False,
-                        eval__every_steps=0, total_steps=2)
+                        eval__every_steps=0, total_steps=2, lora__sync_dtype=sync_dtype)
   with local_backend.build_run(config, tmp_path, run_spec(config)) as r:
     handle = r.controller.trainer
     start = handle.host_params().result()
@@ -190,16 +203,27 @@ def test_a_local_run_with_lora_trains_the_adapters_and_pushes_them(tmp_path):
     elif not lora_lib.is_adapter_path(path):
       np.testing.assert_array_equal(old, new, err_msg=str(path))  # the base is frozen
   merged = lora_lib.merge(trainer.model, end)[1]
-  # The versions are the adapters alone, bitwise; the base went once, to its own server.
-  jax.tree.map(np.testing.assert_array_equal, pushed, lora_lib.adapter_tree(end))
+  # The versions are the adapters alone, bitwise (in the sync dtype); the base went once, to
+  # its own server.
+  trained = lora_lib.adapter_tree(end)
+  synced = jax.tree.map(lambda x: np.asarray(x).astype(jnp.dtype(sync_dtype)), trained)
+  jax.tree.map(np.testing.assert_array_equal, pushed, synced)
+  assert {np.asarray(x).dtype for x in jax.tree.leaves(pushed)} == {jnp.dtype(sync_dtype)}
+  assert sum(np.asarray(x).nbytes for x in jax.tree.leaves(pushed)) == sum(
+      x.nbytes for x in jax.tree.leaves(trained)) * jnp.dtype(sync_dtype).itemsize // 4
   assert base_server.versions() == [0]
   jax.tree.map(np.testing.assert_array_equal, base_server.get(0).params,
                lora_lib.base_tree(end))
   # The worker merged the version it holds into the base: the merged weights, in its layout.
   version, engine, params = held
   assert version == trainer.version
-  want = engine.place_params(lora_lib.merge_program(trainer.model)(end))
+  merge = lora_lib.merge_program(trainer.model)
+  want = engine.place_params(merge(lora_lib.with_adapters(lora_lib.base_tree(end), synced)))
   jax.tree.map(np.testing.assert_array_equal, params, want)
+  exact = engine.place_params(merge(end))
+  rounded = any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params),
+                                                        jax.tree.leaves(exact)))
+  assert rounded == (sync_dtype != 'float32')  # bfloat16 adapters: another policy
   for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(lora_lib.merge_program(
       trainer.model)(end)), strict=True):  # the program is merge's (eager and jitted agree)
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
