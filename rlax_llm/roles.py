@@ -313,6 +313,44 @@ def available_memory_bytes() -> float:
   return float(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_AVPHYS_PAGES'))
 
 
+def check_plan_fits(config: ml_collections.ConfigDict, model: DecoderConfig,
+                    meshes: dict[str, Any], *, held_bytes: float = 0.0) -> presets.MemoryPlan:
+  """Checks, before the trainer and the workers are built, that the run's memory plan
+  (``run_memory_plan`` on the resolved ``meshes``, ``roles.meshes``: the trainer's params,
+  optimizer state, gradients and activations, and every worker's params, KV cache and
+  logits) fits in memory: per chip against an accelerator's limit (``needs``), or, on CPU,
+  where every device is the host's memory, the sum over the devices each role uses against
+  the host's available memory plus ``held_bytes`` (what the process already holds that the
+  plan counts again: the loaded params). The plan is a lower bound of a process's memory on
+  CPU (XLA's scratch, the compiled programs, host copies and Python are not in it), so a run
+  it refuses could not have run. Returns the plan; raises ConfigError naming what to change.
+  """
+  trainer_mesh, inference = meshes['trainer'], meshes['inference']
+  shared = not config.mesh.disjoint
+  plan = run_memory_plan(model, config, dict(trainer_mesh.shape), dict(inference[0].shape),
+                         shared=shared)
+  available = available_memory_bytes()
+  if jax.devices()[0].platform == 'cpu':
+    trainer_devices = trainer_mesh.devices.size
+    inference_devices = sum(mesh.devices.size for mesh in inference)
+    # Shared meshes start at the first device: each worker's mesh on the trainer's devices.
+    need = (plan.trainer_bytes * trainer_devices
+            + (plan.inference_bytes / plan.workers_per_chip) * inference_devices)
+    rows = [('the host (every CPU device)', need, available + held_bytes)]
+  else:
+    rows = plan.needs(available)
+  for where, need, have in rows:
+    if need > have:
+      raise ConfigError(
+          f'the run needs at least {need / 2**30:.2f} GiB on {where} but '
+          f'{have / 2**30:.2f} GiB is available (memory plan per device: '
+          f'{"; ".join(plan.table(have)[:2])}); raise config.rl.micro_batches, set '
+          'config.model.remat=full or config.rl.logprob_chunk (e.g. 128), train LoRA adapters '
+          '(config.lora.rank), shorten sampling.max_new_tokens, or shard wider '
+          '(config.mesh.trainer.fsdp).')
+  return plan
+
+
 def build_trainer(config: ml_collections.ConfigDict, spec: config_lib.RunSpec, model: Model,
                   params: Params, mesh: jax.sharding.Mesh) -> Trainer:
   """The RL trainer: ``spec.loss`` through the rollout policy's transform

@@ -7,9 +7,11 @@ model's config and tokenizer (prompt lengths, memory) before the warm-up or any 
 import pathlib
 import time
 
+import jax
 import pytest
 
 from rlax_llm import roles
+from rlax_llm.backends import local as local_backend
 from rlax_llm.cli import load_config_file
 from rlax_llm.config import validate_config
 from rlax_llm.errors import ConfigError
@@ -263,3 +265,38 @@ def test_batch_invariant_with_int8_rollouts_is_refused():
     validate_config(config)
   config.model.batch_invariant = False
   validate_config(config)
+
+
+def test_a_run_whose_memory_plan_does_not_fit_is_refused_before_anything_is_built(
+    monkeypatch, tmp_path):
+  """``roles.check_plan_fits`` (the local backend calls it once the meshes are resolved,
+  before the trainer and workers exist): on CPU the plan's per-device bytes summed over the
+  devices each role uses, against the host's available memory plus the params already
+  loaded. Refused one byte short, accepted at the exact need; the message shows the plan
+  and names the keys that shrink it."""
+  config = _smoke()
+  spec = validate_config(config)
+  task, model, params, _ = roles.prepare(config)
+  meshes = roles.meshes(config)
+  held = sum(x.nbytes for x in jax.tree.leaves(params))
+  monkeypatch.setattr(roles, 'available_memory_bytes', lambda: 1e15)
+  plan = roles.check_plan_fits(config, model.config, meshes, held_bytes=held)
+  trainer_devices = meshes['trainer'].devices.size
+  inference_devices = sum(m.devices.size for m in meshes['inference'])
+  need = (plan.trainer_bytes * trainer_devices
+          + plan.inference_bytes / plan.workers_per_chip * inference_devices)
+  assert plan.trainer_bytes > plan.params > 0 and plan.inference_bytes > 0
+  monkeypatch.setattr(roles, 'available_memory_bytes', lambda: need - held)
+  roles.check_plan_fits(config, model.config, meshes, held_bytes=held)  # fits exactly
+  monkeypatch.setattr(roles, 'available_memory_bytes', lambda: need - held - 1)
+  with pytest.raises(ConfigError, match=r'needs at least .* GiB on the host .*trainer: params '
+                     r'.*inference: .*raise config.rl.micro_batches, set config.model.remat=full'):
+    roles.check_plan_fits(config, model.config, meshes, held_bytes=held)
+  # Through the local backend: refused before the trainer or any worker is built.
+  built = []
+  monkeypatch.setattr(roles, 'warm_trainer', lambda *a, **k: built.append('trainer'))
+  monkeypatch.setattr(roles, 'check_fits', lambda *a, **k: None)  # the rollout check's own
+  with pytest.raises(ConfigError, match='needs at least'):
+    with local_backend.build_run(config, tmp_path, spec):
+      pass
+  assert built == []

@@ -194,6 +194,8 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   event."""
   task, model, params, tokenizer = roles.prepare(config)
   meshes = roles.meshes(config)
+  roles.check_plan_fits(config, model.config, meshes,
+                        held_bytes=sum(x.nbytes for x in jax.tree.leaves(params)))
   threaded = config.local.concurrent
   checkpointer = roles.build_checkpointer(config, workdir)
   trainer, warmup_metrics = roles.warm_trainer(config, spec, task, model, params, tokenizer,
