@@ -58,7 +58,8 @@ TINY_ARMS = {
 SMOLLM2_STEPS, SMOLLM2_DECAY = 240, 176
 # Arms whose switches leave the warm-up alone (--share_warmup may start them from full's).
 SHARES_WARMUP = ('int8_tis', 'int8')
-MISMATCH_KEYS = ('mismatch/kl', 'mismatch/p95_abs_dlogp', 'mismatch/max_abs_dlogp',
+MISMATCH_KEYS = ('mismatch/kl', 'mismatch/ess_fraction', 'mismatch/p95_abs_dlogp',
+                 'mismatch/max_abs_dlogp',
                  'mismatch/weight_mean', 'mismatch/kept_fraction', 'is/ratio_mean')
 
 

@@ -89,14 +89,24 @@ def mismatch_diagnostics(trainer_logp: jax.Array, rollout_logp: jax.Array, mask:
 
   ``mismatch/kl``: k3 estimate of ``KL(pi_rollout || pi_trainer)`` (tokens are sampled from
   the rollout engine), ``>= 0``; ``mismatch/max_abs_dlogp`` and ``mismatch/p95_abs_dlogp``:
-  ``|trainer_logp - rollout_logp|``; ``mismatch/logp_corr``: Pearson correlation of the two.
+  ``|trainer_logp - rollout_logp|``; ``mismatch/logp_corr``: Pearson correlation of the two;
+  ``mismatch/ess_fraction``: the effective sample size of the per-token importance weights
+  ``w = pi_trainer / pi_rollout`` over the ``n`` masked tokens, as a fraction of ``n``:
+  ``(sum w)^2 / (n * sum w^2)`` in ``(0, 1]``, 1 when the two policies agree (Kong, "A Note on
+  Importance Sampling using Standardized Weights", 1992; the TIS/MIS papers in
+  docs/losses.md report it). Every statistic is 0 with no masked token.
   """
   trainer_logp = jax.lax.stop_gradient(trainer_logp).astype(jnp.float32)
   rollout_logp = jax.lax.stop_gradient(rollout_logp).astype(jnp.float32)
   abs_d = jnp.abs(trainer_logp - rollout_logp)
+  m = mask.astype(jnp.float32)
+  w = safe_exp(trainer_logp - rollout_logp) * m
+  w_sq = jnp.sum(w * w) * jnp.sum(m)
+  ess = jnp.where(w_sq > 0, jnp.square(jnp.sum(w)) / jnp.where(w_sq > 0, w_sq, 1.0), 0.0)
   return {
       'mismatch/kl': masked_token_mean(kl_penalty(rollout_logp, trainer_logp, 'k3'), mask),
       'mismatch/max_abs_dlogp': masked_max(abs_d, mask),
       'mismatch/p95_abs_dlogp': masked_quantile(abs_d, mask, 0.95),
       'mismatch/logp_corr': masked_correlation(trainer_logp, rollout_logp, mask),
+      'mismatch/ess_fraction': ess,
   }

@@ -84,6 +84,7 @@ def test_policy_loss_diagnostics_match_numpy(key, with_old_logp):
       'mismatch/p95_abs_dlogp': ref.nearest_rank_quantile(d_logp, 0.95),
       'mismatch/logp_corr': np.corrcoef(ref.f64(trainer)[m], x['rollout'][m])[0, 1],
       'mismatch/kl': ref.mismatch_kl(trainer, x['rollout'], x['mask']),
+      'mismatch/ess_fraction': ess_fraction(ref.f64(trainer)[m] - x['rollout'][m]),
   })
   if key.startswith('m2po'):
     log_r_all = ref.f64(x['logp']) - proximal
@@ -185,6 +186,12 @@ def test_masked_correlation_and_extrema():
     assert float(fn(x, empty)) == 0.0
 
 
+def ess_fraction(log_w):
+  """Kong's effective sample size of weights ``exp(log_w)``, over their number."""
+  w = np.exp(np.asarray(log_w, np.float64))
+  return w.sum() ** 2 / (w.size * np.sum(w ** 2))
+
+
 def test_ratio_and_mismatch_diagnostics_functions():
   x = ref.make_inputs(55, zero_row=1)
   m = x['mask'] > 0
@@ -198,8 +205,16 @@ def test_ratio_and_mismatch_diagnostics_functions():
   np.testing.assert_allclose(d['mismatch/kl'], np.mean(np.exp(t - r) - 1 - (t - r)),
                              rtol=1e-5)
   assert float(d['mismatch/kl']) > 0
-  # Identical log-probs: no mismatch, correlation 1.
+  np.testing.assert_allclose(d['mismatch/ess_fraction'], ess_fraction(t - r), rtol=1e-5)
+  assert 0 < float(d['mismatch/ess_fraction']) < 1
+  # By hand: weights 1 and 3 on the two masked tokens: (1 + 3)^2 / (2 * (1 + 9)) = 0.8; the
+  # unmasked token's weight (e^5) is left out.
+  hand = mismatch_diagnostics(jnp.log(jnp.array([[1.0, 3.0, 148.0]])), jnp.zeros((1, 3)),
+                              jnp.array([[True, True, False]]))
+  np.testing.assert_allclose(hand['mismatch/ess_fraction'], 0.8, rtol=1e-6)
+  # Identical log-probs: no mismatch, correlation 1, every token counts fully.
   d = mismatch_diagnostics(x['logp'], x['logp'], m)
+  np.testing.assert_allclose(d['mismatch/ess_fraction'], 1.0, rtol=1e-6)
   assert float(d['mismatch/kl']) == 0.0 and float(d['mismatch/max_abs_dlogp']) == 0.0
   np.testing.assert_allclose(d['mismatch/logp_corr'], 1.0, rtol=1e-5)
   # With no masked token every statistic is 0.
