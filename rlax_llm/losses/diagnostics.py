@@ -99,10 +99,10 @@ def mismatch_diagnostics(trainer_logp: jax.Array, rollout_logp: jax.Array, mask:
   trainer_logp = jax.lax.stop_gradient(trainer_logp).astype(jnp.float32)
   rollout_logp = jax.lax.stop_gradient(rollout_logp).astype(jnp.float32)
   abs_d = jnp.abs(trainer_logp - rollout_logp)
-  m = mask.astype(jnp.float32)
-  w = safe_exp(trainer_logp - rollout_logp) * m
-  w_sq = jnp.sum(w * w) * jnp.sum(m)
-  ess = jnp.where(w_sq > 0, jnp.square(jnp.sum(w)) / jnp.where(w_sq > 0, w_sq, 1.0), 0.0)
+  # (sum w)^2 / (n sum w^2) = mean(w)^2 / mean(w^2), both over the masked tokens.
+  w = safe_exp(trainer_logp - rollout_logp)
+  mean_w, mean_w2 = masked_token_mean(w, mask), masked_token_mean(w * w, mask)
+  ess = jnp.where(mean_w2 > 0, jnp.square(mean_w) / jnp.where(mean_w2 > 0, mean_w2, 1.0), 0.0)
   return {
       'mismatch/kl': masked_token_mean(kl_penalty(rollout_logp, trainer_logp, 'k3'), mask),
       'mismatch/max_abs_dlogp': masked_max(abs_d, mask),
