@@ -77,22 +77,21 @@ def step_bytes(config: DecoderConfig, mode: str, batch: int, context: int) -> di
   cfg = config.with_execution(param_dtype=jnp.dtype(dtype), dtype=jnp.dtype(dtype))
   model = abstract_model(cfg)
   params = model.abstract_params()
+  elements = sum(math.prod(x.shape) for x in jax.tree.leaves(params))  # presets.count_params
   if int8:
     params = jax.eval_shape(lambda p: quant.quantize_params(p, model), params)
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   nbytes = lambda x: math.prod(x.shape) * jnp.dtype(x.dtype).itemsize  # noqa: E731
   weights = int8_weights = 0
   for path, leaf in leaves:
-    keys = [getattr(k, 'key', getattr(k, 'name', None)) for k in path]
-    if keys[0] == 'embed' and not cfg.tie_embeddings:
+    if path[0].key == 'embed' and not cfg.tie_embeddings:
       weights += batch * nbytes(leaf) // leaf.shape[0]  # the batch's rows of the table
       continue
     weights += nbytes(leaf)
     if jnp.dtype(leaf.dtype) == jnp.int8:
       int8_weights += math.prod(leaf.shape)
   kv = presets.kv_cache_bytes(cfg, slots=batch, length=context, quant=kv_quant)
-  matmul_params = presets.count_params(cfg) - (0 if cfg.tie_embeddings
-                                               else cfg.vocab_size * cfg.embed_dim)
+  matmul_params = elements - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.embed_dim)
   flops = 2 * batch * matmul_params
   flops += 4 * batch * context * cfg.num_layers * cfg.num_heads * cfg.head_dim
   return {'weight_bytes': int(weights), 'kv_bytes': int(kv), 'flops': float(flops),
