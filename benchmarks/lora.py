@@ -209,7 +209,8 @@ def main() -> None:
   parser.add_argument('--batch', type=int, default=16)
   parser.add_argument('--length', type=int, default=256)
   parser.add_argument('--micro_batches', type=int, default=4)
-  parser.add_argument('--logprob_chunk', type=int, default=64)
+  parser.add_argument('--logprob_chunk', type=int, default=0,
+                      help='0: whole logits, as configs/smollm2.py and peft')
   parser.add_argument('--repeats', type=int, default=3)
   parser.add_argument('--rank', type=int, default=16)
   parser.add_argument('--alpha', type=float, default=32.0)

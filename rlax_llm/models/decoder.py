@@ -63,7 +63,15 @@ def linear(x: Array, w: Array | Int8Weight, config: DecoderConfig,
   ``Execution.batch_invariant``. ``low_rank``: a LoRA pair ``(A [K, r], B [r, N])`` (scale
   folded in, ``rlax_llm.models.lora``) whose ``x @ A @ B`` is added, each factor in the same
   layout and numerics as ``w``.
+
+  The products run on ``x`` flattened to 2-D rows ``[prod(...), K]`` and reshaped back. With
+  the leading ``[batch, length]`` kept, XLA:CPU's layout assignment transposed whole
+  activations (e.g. the SwiGLU gradient ``[1024, 1536]``) to feed the weight-gradient dots:
+  17% of a SmolLM2 LoRA train step (``benchmarks/lora.py``; benchmarks/LAB_NOTES.md).
   """
+  if x.ndim > 2:
+    return linear(x.reshape(-1, x.shape[-1]), w, config, low_rank).reshape(
+        *x.shape[:-1], -1)
   if low_rank is not None:
     a, b = low_rank
     if config.execution.weight_layout == 'out_in':
