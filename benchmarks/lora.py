@@ -6,7 +6,10 @@ GGUF, loaded by ``from_pretrained``; the torch model is transformers' ``LlamaFor
 built from the same config and holding the same weights, ``config_to_hf``/``params_to_hf``),
 or ``tiny`` (a 2-layer random decoder: the test's smoke run). A batch of ``--batch`` x
 ``--length`` tokens (random; the completion half under the loss mask) with random behaviour
-log-probs and advantages, the GRPO clipped objective, AdamW with global-norm clipping, fp32.
+log-probs and advantages, the GRPO clipped objective (whole logits: ``--logprob_chunk=0``, as
+``configs/smollm2.py`` and peft), AdamW with global-norm clipping, fp32; ``--dtype=bfloat16``:
+the LoRA step's frozen base and its matmuls in bfloat16 on both sides (the adapters and their
+optimizer state float32 on both: peft's ``autocast_adapter_dtype``), for 1. and 2.'s LoRA row.
 
 1. **Train step** (``train``): our ``Trainer`` over ``lora.create``'s adapters
    (``trainable=lora.trainable_mask``) against ``peft.get_peft_model`` on the torch model
@@ -37,7 +40,7 @@ log-probs and advantages, the GRPO clipped objective, AdamW with global-norm cli
    recipe's), the full trainer's the recipe's: the deltas depend on it.
 
     .venv/bin/python benchmarks/lora.py [--model=smollm2] [--batch=16 --length=256]
-        [--micro_batches=4] [--repeats=3]
+        [--micro_batches=4] [--repeats=3] [--dtype=float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ from rlax_llm.models import from_pretrained, smollm2_gguf_path
 from rlax_llm.models import lora as lora_lib
 from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.files.hf import config_to_hf, params_to_hf
-from rlax_llm.models.model import create_model, split_module
+from rlax_llm.models.model import abstract_model, cast_params, create_model, split_module
 from rlax_llm.paramserver import ParameterServer
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.trainer import objectives
@@ -97,6 +100,17 @@ def load(name: str):
     return create_model(TINY, seed=0)
   module, _ = from_pretrained(smollm2_gguf_path())
   return split_module(module)
+
+
+def in_dtype(model, params, dtype: str):
+  """``(model, params)`` computing and storing the base in ``dtype`` (``'bfloat16'``: the
+  frozen base of a LoRA run in bfloat16, its matmuls in bfloat16 with float32 accumulation;
+  ``lora.create``'s adapters stay float32)."""
+  if dtype == 'float32':
+    return model, params
+  target = abstract_model(model.config.with_execution(param_dtype=jnp.dtype(dtype),
+                                                      dtype=jnp.dtype(dtype)))
+  return target, cast_params(params, target)
 
 
 def make_trainer(model, params, lr: float, args, trainable=None) -> Trainer:
@@ -135,8 +149,9 @@ def pulled_bytes(server: ParameterServer, version: int, base_version: int = -1) 
 
 # ----------------------------------------------------------------------------- torch + peft
 
-def torch_model(model, params, lora: lora_lib.LoRAConfig):
-  """transformers' model of ``model.config`` holding ``params``, with peft's adapters."""
+def torch_model(model, params, lora: lora_lib.LoRAConfig, dtype: str = 'float32'):
+  """transformers' model of ``model.config`` holding ``params`` (in ``dtype``), with peft's
+  adapters (float32 either way: peft's ``autocast_adapter_dtype``)."""
   config = transformers.AutoConfig.for_model(
       **{k: v for k, v in config_to_hf(model.config).items() if k != 'architectures'})
   config._attn_implementation = 'sdpa'  # pylint: disable=protected-access
@@ -145,6 +160,7 @@ def torch_model(model, params, lora: lora_lib.LoRAConfig):
            for k, v in params_to_hf(params, model.config).items()}
   missing, unexpected = reference.load_state_dict(state, strict=False)
   assert not unexpected and set(missing) <= {'lm_head.weight'}, (missing, unexpected)
+  reference = reference.to(getattr(torch, dtype))
   peft_config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0,
                                 target_modules=list(TORCH_TARGETS), bias='none')
   return peft.get_peft_model(reference, peft_config).train()
@@ -212,6 +228,9 @@ def main() -> None:
   parser.add_argument('--logprob_chunk', type=int, default=0,
                       help='0: whole logits, as configs/smollm2.py and peft')
   parser.add_argument('--repeats', type=int, default=3)
+  parser.add_argument('--dtype', default='float32', choices=('float32', 'bfloat16'),
+                      help="the LoRA step's frozen base and matmuls, both sides (1. and 2.'s "
+                           'LoRA row; full fine-tuning and the sync stay float32)')
   parser.add_argument('--rank', type=int, default=16)
   parser.add_argument('--alpha', type=float, default=32.0)
   parser.add_argument('--torch_threads', type=int, default=0, help='0: torch default')
@@ -227,16 +246,16 @@ def main() -> None:
   out = {'benchmark': 'lora', 'model': args.model, 'batch': args.batch, 'length': args.length,
          'micro_batches': args.micro_batches, 'logprob_chunk': args.logprob_chunk,
          'rank': args.rank, 'alpha': args.alpha, 'targets': ','.join(lora.targets),
-         'learning_rate': lr, 'lora_learning_rate': lora_lr, 'dtype': 'float32', 'torch_threads': torch.get_num_threads(),
+         'learning_rate': lr, 'lora_learning_rate': lora_lr, 'dtype': args.dtype, 'torch_threads': torch.get_num_threads(),
          'load_average_start': os.getloadavg()[0]}
 
   # 1. The LoRA train step, ours and peft's alternately.
-  model, params = lora_lib.create(base, params0, lora, seed=0)
+  model, params = lora_lib.create(*in_dtype(base, params0, args.dtype), lora, seed=0)
   trainer = make_trainer(model, params, lora_lr, args, lora_lib.trainable_mask(model))
   compiled, _ = compiled_step(trainer, batch)
   lora_memory = memory_row(trainer, compiled)
   del compiled
-  reference = torch_model(base, params0, lora)
+  reference = torch_model(base, params0, lora, args.dtype)
   theirs = TorchStep(reference, batch, args.micro_batches, lr)
   server, server_bf16 = ParameterServer(keep=2), ParameterServer(keep=2)
   bf16_lora = dataclasses.replace(lora, sync_dtype='bfloat16')

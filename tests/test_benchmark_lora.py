@@ -13,15 +13,19 @@ pytest.importorskip('peft')
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope='module')
-def report():
+def run_tiny(*flags: str) -> dict:
   result = subprocess.run(
       [sys.executable, str(ROOT / 'benchmarks' / 'lora.py'), '--model=tiny', '--batch=4',
-       '--length=8', '--micro_batches=2', '--repeats=1', '--rank=4'],
+       '--length=8', '--micro_batches=2', '--repeats=1', '--rank=4', *flags],
       check=False, cwd=ROOT, capture_output=True, text=True, timeout=900,
       env=dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=str(ROOT)))
   assert result.returncode == 0, result.stderr[-3000:]
   return json.loads(result.stdout)
+
+
+@pytest.fixture(scope='module')
+def report():
+  return run_tiny()
 
 
 def test_train_step_figures(report):
@@ -62,3 +66,18 @@ def test_sync_figures(report):
   assert 0 < bf16['from_previous']['changed_fraction'] <= 1
   sizes = [sync['adapter_bytes_by_rank'][r] for r in ('1', '2', '4', '8', '16')]
   assert sizes == [sizes[0] * r for r in (1, 2, 4, 8, 16)]
+
+
+def test_bfloat16_base(report):
+  """--dtype=bfloat16: the LoRA step on a bfloat16 base on both sides; the base's bytes
+  halve, the adapters (and their optimizer state) stay float32."""
+  bf16 = run_tiny('--dtype=bfloat16')
+  assert report['dtype'] == 'float32' and bf16['dtype'] == 'bfloat16'
+  assert bf16['train']['ours_tok_s'] > 0 and bf16['train']['peft_tok_s'] > 0
+  assert bf16['train']['trained_params'] == report['train']['trained_params']
+  base = report['memory']['full']['params_bytes']  # the fp32 base alone
+  adapters = report['memory']['lora']['params_bytes'] - base
+  assert adapters == report['sync']['lora_adapters']['bytes']
+  assert bf16['memory']['lora']['params_bytes'] == base // 2 + adapters
+  assert bf16['memory']['lora']['optimizer_bytes'] == report['memory']['lora']['optimizer_bytes']
+  assert bf16['memory']['peft']['params_bytes'] == base // 2 + adapters
