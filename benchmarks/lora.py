@@ -36,7 +36,7 @@ optimizer state float32 on both: peft's ``autocast_adapter_dtype``), for 1. and 
    ``lora_over_full_fp32`` and ``lora_bf16_over_full_fp32`` are the goal's figures (goal <=
    0.01). ``adapter_bytes_by_rank``: the adapter tree's fp32 bytes at other ranks (from the
    shapes, all seven targets; bfloat16 is half).
-   The LoRA trainer's learning rate is the ``configs/smollm2.py:lora`` variant's (10x the full
+   The LoRA trainer's learning rate is the ``configs/smollm2.py:lora`` variant's (30x the full
    recipe's), the full trainer's the recipe's: the deltas depend on it.
 
     .venv/bin/python benchmarks/lora.py [--model=smollm2] [--batch=16 --length=256]

@@ -42,6 +42,10 @@ def test_commands_carry_each_arms_switches_and_shorten_smollm2s_schedule_alike(t
   assert full[3] == '--config=configs/smollm2.py' and lora[3] == '--config=configs/smollm2.py:lora'
   assert full[4:] == lora[4:] == ['--config.total_steps=160', '--config.rl.lr_decay_steps=117',
                                   '--config.eval.every_steps=20', f'--workdir={tmp_path / "f"}']
+  more = lora_learning.command('smollm2', 'lora', 1, 120, 20, tmp_path / 'g', num_eval=250)
+  assert more[4:] == ['--config.total_steps=120', '--config.rl.lr_decay_steps=88',
+                      '--config.eval.every_steps=20', '--config.task.num_eval=250',
+                      '--config.seed=1', f'--workdir={tmp_path / "g"}']
 
 
 def test_reads_curves_and_mismatch_and_judges_every_eval_from_the_step_on(tmp_path):
