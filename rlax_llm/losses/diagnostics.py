@@ -58,6 +58,13 @@ def masked_quantile(x: jax.Array, mask: jax.Array, q: float) -> jax.Array:
   return jnp.where(n > 0, values[index], 0.0)
 
 
+def _ratio_or_zero(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
+  """``numerator / denominator`` where ``denominator > 0``, else 0 (no NaN in either branch,
+  so gradients through ``jnp.where`` stay finite)."""
+  safe = jnp.where(denominator > 0, denominator, 1.0)
+  return jnp.where(denominator > 0, numerator / safe, 0.0)
+
+
 def masked_correlation(x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:
   """Pearson correlation of ``x`` and ``y`` over the mask (0 if either is constant)."""
   w = mask.astype(jnp.float32)
@@ -67,7 +74,7 @@ def masked_correlation(x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array
   dx = (x - jnp.sum(x * w) / n) * w
   dy = (y - jnp.sum(y * w) / n) * w
   denom = jnp.sqrt(jnp.sum(dx * dx) * jnp.sum(dy * dy))
-  return jnp.where(denom > 0, jnp.sum(dx * dy) / jnp.where(denom > 0, denom, 1.0), 0.0)
+  return _ratio_or_zero(jnp.sum(dx * dy), denom)
 
 
 def ratio_diagnostics(log_ratio: jax.Array, mask: jax.Array, prefix: str = 'is'
@@ -102,11 +109,10 @@ def mismatch_diagnostics(trainer_logp: jax.Array, rollout_logp: jax.Array, mask:
   # (sum w)^2 / (n sum w^2) = mean(w)^2 / mean(w^2), both over the masked tokens.
   w = safe_exp(trainer_logp - rollout_logp)
   mean_w, mean_w2 = masked_token_mean(w, mask), masked_token_mean(w * w, mask)
-  ess = jnp.where(mean_w2 > 0, jnp.square(mean_w) / jnp.where(mean_w2 > 0, mean_w2, 1.0), 0.0)
   return {
       'mismatch/kl': masked_token_mean(kl_penalty(rollout_logp, trainer_logp, 'k3'), mask),
       'mismatch/max_abs_dlogp': masked_max(abs_d, mask),
       'mismatch/p95_abs_dlogp': masked_quantile(abs_d, mask, 0.95),
       'mismatch/logp_corr': masked_correlation(trainer_logp, rollout_logp, mask),
-      'mismatch/ess_fraction': ess,
+      'mismatch/ess_fraction': _ratio_or_zero(jnp.square(mean_w), mean_w2),
   }
