@@ -37,7 +37,8 @@ from rlax_llm.models.attention import invariant_attention, xla_attention
 from rlax_llm.models.decoder_config import DecoderConfig, RopeScaling
 from rlax_llm.models.kv_cache import (KEY_BLOCK_AXES, VALUE_BLOCK_AXES, KVCache, layer_update,
                                       to_block)
-from rlax_llm.models.numerics import flipped_product, flips, invariant_matmul, invariant_sum
+from rlax_llm.models.numerics import (accumulated_product, flipped_product, flips, invariant_matmul,
+                                     invariant_sum, narrow)
 from rlax_llm.models.quant import Int8Weight
 from rlax_llm.sharding import constrain
 
@@ -62,7 +63,8 @@ def linear(x: Array, w: Array | Int8Weight, config: DecoderConfig,
   rows on XLA:CPU, else ``x @ w.T``); batch-invariant (``invariant_matmul``) with
   ``Execution.batch_invariant``. ``low_rank``: a LoRA pair ``(A [K, r], B [r, N])`` (scale
   folded in, ``rlax_llm.models.lora``) whose ``x @ A @ B`` is added, each factor in the same
-  layout and numerics as ``w``.
+  layout and numerics as ``w``. bfloat16 (or float16) ``x`` and ``w`` multiply as
+  ``accumulated_product`` (float32 sums, forward and backward).
 
   The products run on ``x`` flattened to 2-D rows ``[prod(...), K]`` and reshaped back. With
   the leading ``[batch, length]`` kept, XLA:CPU's layout assignment transposed whole
@@ -89,6 +91,8 @@ def linear(x: Array, w: Array | Int8Weight, config: DecoderConfig,
   w = w.reshape(-1, k) if out_in else w.reshape(k, -1)
   if run.batch_invariant:
     return invariant_matmul(x, w, 'ck,nk->cn' if out_in else 'ck,kn->cn', run.invariant_rows)
+  if narrow(x, w):
+    return accumulated_product(x, w, out_in)
   if not out_in:
     return x @ w
   if flips(math.prod(x.shape[:-1])):
@@ -416,11 +420,12 @@ _REMAT_CALL = {
 def head_is_vocab_major(config: DecoderConfig, rows: int) -> bool:
   """Whether ``head_logits`` of ``rows`` hidden states computes ``[V, rows]`` and returns
   its transpose (``flipped_product``): a ``[V, E]`` head (tied, or ``'out_in'``) of 2 to
-  ``FLIPPED_MAX_ROWS`` rows on XLA:CPU, without batch-invariant numerics. The sampler's
+  ``FLIPPED_MAX_ROWS`` rows on XLA:CPU, in float32 without batch-invariant numerics. The sampler's
   ``argmax(vocab_major=...)`` reads such logits in place."""
   run = config.execution
   vocab_first = config.tie_embeddings or run.weight_layout == 'out_in'
-  return vocab_first and not run.batch_invariant and rows > 1 and flips(rows)
+  return (vocab_first and not run.batch_invariant and jnp.dtype(run.dtype).itemsize >= 4
+          and rows > 1 and flips(rows))
 
 
 def head_logits(x: Array, weight: Array, config: DecoderConfig) -> Array:
@@ -429,7 +434,8 @@ def head_logits(x: Array, weight: Array, config: DecoderConfig) -> Array:
   ``config.tie_embeddings``, or the lm head in the ``'out_in'`` layout); in
   ``Execution.dtype``, batch-invariant (``invariant_matmul``) with
   ``Execution.batch_invariant``. On XLA:CPU a ``[V, E]`` head of 2 to ``FLIPPED_MAX_ROWS``
-  rows (a decode step's) runs as ``flipped_product``."""
+  rows (a decode step's) runs as ``flipped_product``. In bfloat16 (float16) the products
+  are ``accumulated_product``'s, the logits its float32 sums (not rounded to bfloat16)."""
   run = config.execution
   vocab_first = config.tie_embeddings or run.weight_layout == 'out_in'
   weight = weight.astype(run.dtype)
@@ -437,6 +443,9 @@ def head_logits(x: Array, weight: Array, config: DecoderConfig) -> Array:
   if run.batch_invariant:
     logits = invariant_matmul(x, weight, 'ce,ve->cv' if vocab_first else 'ce,ev->cv',
                               run.invariant_rows)
+  elif narrow(x, weight):
+    logits = accumulated_product(x.reshape(rows, x.shape[-1]), weight, vocab_first,
+                                 jnp.float32).reshape(*x.shape[:-1], -1)
   elif head_is_vocab_major(config, rows):
     logits = flipped_product(x, weight)
   elif vocab_first:

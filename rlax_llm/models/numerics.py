@@ -23,6 +23,9 @@ config refuses them with it).
 
 ``flipped_product``: the faster form of a decode step's few-row products with a weight
 stored ``[N, K]`` on XLA:CPU (not batch-invariant; its own rounding).
+
+``accumulated_product``: a bfloat16 (or float16) weight product accumulated in float32 in
+the forward and the backward, which XLA:CPU runs about twice as fast as its own bfloat16 dot.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import functools
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -122,6 +126,63 @@ def _plain_matmul_bwd(spec, rows, residuals, g):
 
 
 invariant_matmul.defvjp(_invariant_matmul_fwd, _plain_matmul_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def accumulated_product(x: Array, w: Array, out_in: bool = False,
+                        out_dtype: jnp.dtype | None = None) -> Array:
+  """``x [M, K]`` times ``w`` (``[K, N]``, or ``[N, K]`` with ``out_in``) -> ``[M, N]`` in
+  ``out_dtype`` (default ``x``'s), the products summed in float32; its gradient's two
+  products likewise (the cotangent taken in ``x``'s dtype first, as a cast back from
+  ``out_dtype`` would give it).
+
+  For ``x`` and ``w`` of one narrow dtype (bfloat16, float16). The values are those of a
+  bfloat16 dot on a TPU's matrix units, which sum in float32 and round the result once.
+  XLA:CPU lowers a ``bf16 x bf16 -> bf16`` dot as a float32 dot on converted operands plus
+  conversions it does not fuse, and differentiates it into more of them: asking for the
+  float32 result (``preferred_element_type``) took a ``[1024, 576] x [576, 1536]`` product
+  from 9.0 to 4.2 ms, and this gradient took a SwiGLU block's input gradient from 37.9 to
+  24.5 ms (benchmarks/LAB_NOTES.md, "LoRA train step"). One row takes a matrix-vector path
+  that is slower still (a decode step's ``[1, 576] x [576, 49152]`` head: 62 ms, against
+  3.4 ms for two rows), so on XLA:CPU a single row is padded to two.
+  """
+  chex.assert_rank([x, w], 2)
+  chex.assert_type(w, x.dtype)
+  rows = x.shape[0]
+  if rows == 1 and jax.default_backend() == 'cpu':  # see below
+    x = jnp.pad(x, ((0, 1), (0, 0)))
+  y = jax.lax.dot_general(x, w, (((1,), (1 if out_in else 0,)), ((), ())),
+                          preferred_element_type=jnp.float32)
+  return y[:rows].astype(out_dtype or x.dtype)
+
+
+def _accumulated_product_fwd(x, w, out_in, out_dtype):
+  return accumulated_product(x, w, out_in, out_dtype), (x, w)
+
+
+def _accumulated_product_bwd(out_in, out_dtype, residuals, g):
+  del out_dtype
+  x, w = residuals
+  g = g.astype(x.dtype)
+  f32 = jnp.float32
+  # x: [M, K]; g: [M, N]; w: [K, N] (in_out) or [N, K] (out_in).
+  dx = jax.lax.dot_general(g, w, (((1,), (0 if out_in else 1,)), ((), ())),
+                           preferred_element_type=f32)
+  if out_in:  # dw [N, K] = g.T @ x
+    dw = jax.lax.dot_general(g, x, (((0,), (0,)), ((), ())), preferred_element_type=f32)
+  else:  # dw [K, N] = x.T @ g
+    dw = jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())), preferred_element_type=f32)
+  return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+accumulated_product.defvjp(_accumulated_product_fwd, _accumulated_product_bwd)
+
+
+def narrow(x: Array, w: Array) -> bool:
+  """Whether ``x`` and ``w`` share a floating dtype narrower than float32 (the products
+  ``accumulated_product`` takes)."""
+  return (x.dtype == w.dtype and jnp.issubdtype(x.dtype, jnp.floating)
+          and jnp.dtype(x.dtype).itemsize < 4)
 
 
 def _halving(x: Array, op, fill) -> Array:

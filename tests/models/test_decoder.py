@@ -11,7 +11,7 @@ from rlax_llm.models.decoder import (ROPE_TABLE_MAX_ENTRIES, head_is_vocab_major
                                      linear, recompute_after_cotangents, rope, rope_inv_freq,
                                      rope_table_length, rope_tables)
 from rlax_llm.models.decoder_config import DecoderConfig, Execution
-from rlax_llm.models.numerics import FLIPPED_MAX_ROWS
+from rlax_llm.models.numerics import FLIPPED_MAX_ROWS, accumulated_product
 from rlax_llm.models.model import create_model, to_weight_layout, with_weight_layout
 
 CONFIG = DecoderConfig(vocab_size=19, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
@@ -124,6 +124,55 @@ def test_untied_embeddings_and_bf16_compute():
   assert params['embed'].dtype == jnp.float32  # param dtype stays fp32 (master weights)
   logits = model.apply(params, jnp.zeros((1, 4), jnp.int32))
   assert logits.dtype == jnp.float32 and np.isfinite(np.asarray(logits)).all()
+
+
+@pytest.mark.parametrize('out_in', [False, True], ids=['in_out', 'out_in'])
+@pytest.mark.parametrize('rows', [1, 5])
+@pytest.mark.parametrize('out_dtype', [None, jnp.float32], ids=['bf16 out', 'f32 out'])
+def test_accumulated_product_sums_in_float32_forward_and_backward(out_in, rows, out_dtype):
+  """bfloat16 products summed in float32 and rounded once, in the value and both gradients
+  (float64 references on the same bfloat16 inputs; a result rounded to bfloat16 before the
+  end, or a float32 output rounded through bfloat16, misses the tight tolerance)."""
+  rng = np.random.RandomState(rows)
+  bf16 = jnp.bfloat16
+  x = jnp.asarray(rng.randn(rows, 96), bf16)
+  w = jnp.asarray(rng.randn(*((40, 96) if out_in else (96, 40))), bf16)
+  g = jnp.asarray(rng.randn(rows, 40), out_dtype or bf16)
+  x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  w64 = w64.T if out_in else w64
+  g64 = np.asarray(g.astype(bf16), np.float64)  # the cotangent is taken in x's dtype
+  y, vjp = jax.vjp(lambda x, w: accumulated_product(x, w, out_in, out_dtype), x, w)
+  dx, dw = vjp(g)
+  assert y.dtype == (out_dtype or bf16) and dx.dtype == bf16 and dw.dtype == bf16
+  dw_ref = x64.T @ g64
+  for got, ref in ((y, x64 @ w64), (dx, g64 @ w64.T), (dw, dw_ref.T if out_in else dw_ref)):
+    # float32 sums of exact bfloat16 products: within 1e-5 before the final rounding.
+    exact = np.asarray(ref, np.float32).astype(got.dtype)
+    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(exact, np.float64),
+                               rtol=1e-5 if got.dtype == jnp.float32 else 8e-3, atol=1e-5)
+  if out_dtype is not None:  # not bfloat16-rounded: the float64 sums to float32 precision
+    np.testing.assert_allclose(np.asarray(y, np.float64), x64 @ w64, rtol=1e-5, atol=1e-4)
+
+
+def test_bfloat16_linear_and_head_take_the_accumulated_product():
+  """In bfloat16 ``linear`` and ``head_logits`` run ``accumulated_product`` (its float32 dots
+  in the forward and the gradient); in float32 the products are XLA's own."""
+  bf16 = CONFIG.with_execution(dtype=jnp.bfloat16)
+  x = jnp.ones((2, 3, 32), jnp.bfloat16)
+  w = jnp.ones((32, 4, 8), jnp.bfloat16)
+  embed = jnp.ones((50, 32), jnp.bfloat16)
+  for fn, weight in ((lambda x, w: linear(x, w, bf16), w),
+                     (lambda x, w: head_logits(x, w, bf16), embed)):
+    grad = jax.make_jaxpr(jax.grad(lambda x, w, fn=fn: fn(x, w).astype(jnp.float32).sum(),
+                                   argnums=(0, 1)))(x, weight)
+    assert str(grad).count('preferred_element_type=float32') >= 3, grad
+    assert 'custom_vjp_call' in str(jax.make_jaxpr(fn)(x, weight))
+  assert not head_is_vocab_major(dataclasses.replace(bf16, tie_embeddings=True), 8)
+  logits = head_logits(x, embed, bf16)
+  assert logits.dtype == jnp.float32
+  f32 = jax.make_jaxpr(lambda x, w: linear(x, w, CONFIG))(x.astype(jnp.float32),
+                                                          w.astype(jnp.float32))
+  assert 'custom_vjp_call' not in str(f32)
 
 
 @pytest.mark.parametrize('shape', [(1, 1), (2,), (3, 1), (8, 1), (FLIPPED_MAX_ROWS,),
