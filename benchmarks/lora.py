@@ -105,8 +105,8 @@ def load(name: str):
 def in_dtype(model, params, dtype: str):
   """``(model, params)`` computing and storing the base in ``dtype`` (``'bfloat16'``: the
   frozen base of a LoRA run in bfloat16 and its matmuls' operands and outputs in bfloat16,
-  which XLA:CPU runs as float32 dots on converted operands, benchmarks/RESULTS.md;
-  ``lora.create``'s adapters stay float32)."""
+  summed in float32, ``numerics.accumulated_product``; ``lora.create``'s adapters stay
+  float32)."""
   if dtype == 'float32':
     return model, params
   target = abstract_model(model.config.with_execution(param_dtype=jnp.dtype(dtype),
