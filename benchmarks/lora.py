@@ -10,6 +10,14 @@ log-probs and advantages, the GRPO clipped objective (whole logits: ``--logprob_
 ``configs/smollm2.py`` and peft), AdamW with global-norm clipping, fp32; ``--dtype=bfloat16``:
 the LoRA step's frozen base and its matmuls in bfloat16 on both sides (the adapters and their
 optimizer state float32 on both: peft's ``autocast_adapter_dtype``), for 1. and 2.'s LoRA row.
+``--shared_prefix``: the batch in the controller's layout instead (groups of 8 consecutive
+rows sharing a prompt of at most ``--length - --new_tokens`` tokens, then at most
+``--new_tokens`` completion tokens, ragged: ``shared_prefix.make_batch``), and our trainers
+score it as ``configs/smollm2.py`` does (``rl.shared_prefix``: each group's prompt once per
+micro-batch into a KV cache, the completion window alone scored; the same loss and gradients
+to rounding, ``tests/trainer/test_shared_prefix.py``); peft runs the whole rows, as a
+transformers model does. ``--batch=32 --length=64 --new_tokens=16 --micro_batches=1`` is the
+recipe's own step (4 prompts x 8 samples, 48 + 16 tokens, one pass).
 
 1. **Train step** (``train``): our ``Trainer`` over ``lora.create``'s adapters
    (``trainable=lora.trainable_mask``) against ``peft.get_peft_model`` on the torch model
@@ -41,6 +49,7 @@ optimizer state float32 on both: peft's ``autocast_adapter_dtype``), for 1. and 
 
     .venv/bin/python benchmarks/lora.py [--model=smollm2] [--batch=16 --length=256]
         [--micro_batches=4] [--repeats=3] [--dtype=float32|bfloat16]
+        [--shared_prefix [--new_tokens=N]]
 """
 
 from __future__ import annotations
@@ -67,7 +76,8 @@ import transformers
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from train_step import torch_grpo_losses, train_batch  # this folder (sys.path[0])
+from shared_prefix import make_batch  # this folder (sys.path[0])
+from train_step import torch_grpo_losses, train_batch
 
 from rlax_llm import losses, sharding
 from rlax_llm.configs import smollm2 as smollm2_recipe
@@ -85,6 +95,7 @@ from rlax_llm.trainer.trainer import Trainer, make_optimizer
 
 TINY = DecoderConfig(vocab_size=256, num_layers=2, embed_dim=64, mlp_dim=128, num_heads=4,
                      num_kv_heads=2, head_dim=16, max_seq_len=256)
+GROUP_SIZE = 8  # --shared_prefix: rows per group sharing a prompt (configs/smollm2.py's)
 TORCH_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
 
 
@@ -115,13 +126,34 @@ def in_dtype(model, params, dtype: str):
 
 
 def make_trainer(model, params, lr: float, args, trainable=None) -> Trainer:
+  """Our GRPO ``Trainer`` as the benchmark's flags say (``args.shared_prefix``: scoring the
+  ``args.new_tokens`` completion window of groups of ``GROUP_SIZE`` rows, ``rl.shared_prefix``)."""
   mesh = sharding.make_mesh({'data': 1, 'fsdp': 1, 'tensor': 1}, jax.devices()[:1])
+  scoring, check = {}, None
+  if getattr(args, 'shared_prefix', False):
+    scoring, check = objectives.shared_prefix_scoring(args.new_tokens, GROUP_SIZE,
+                                                      args.micro_batches)
   objective = functools.partial(objectives.rl_objective, Policy(model, SamplingSpec()),
                                 losses.LossConfig(loss='grpo').resolve(),
-                                logprob_chunk=args.logprob_chunk)
+                                logprob_chunk=args.logprob_chunk, **scoring)
   return Trainer(model, params, make_optimizer(lr), objective, mesh,
                  micro_batches=args.micro_batches, totals_fn=objectives.loss_totals,
-                 trainable=trainable)
+                 trainable=trainable, check_batch=check)
+
+
+def benchmark_batch(args, vocab: int) -> TrainBatch:
+  """The timed batch: ``--batch`` x ``--length`` random tokens, the completion half under the
+  loss mask (``train_step.train_batch``); with ``--shared_prefix``, the controller's layout
+  (``shared_prefix.make_batch``): groups of ``GROUP_SIZE`` consecutive rows sharing a prompt
+  of ``length - new_tokens`` tokens at most, ragged prompts and completions."""
+  if not args.shared_prefix:
+    return train_batch(args.batch, args.length, vocab)
+  if args.batch % GROUP_SIZE or not 0 < args.new_tokens < args.length:
+    raise ValueError(f'--shared_prefix needs --batch a multiple of {GROUP_SIZE} (got '
+                     f'{args.batch}) and 0 < --new_tokens < --length (got {args.new_tokens}, '
+                     f'{args.length})')
+  return make_batch(args.batch // GROUP_SIZE, GROUP_SIZE, args.length - args.new_tokens,
+                    args.new_tokens, vocab)
 
 
 def compiled_step(trainer: Trainer, batch: TrainBatch):
@@ -185,12 +217,17 @@ class TorchStep:
     return losses_.sum() / len(self.batch[0])
 
   def __call__(self):
+    """One step; returns the batch's loss (before the update)."""
     rows = len(self.batch[0])
     self.optimizer.zero_grad(set_to_none=True)
+    total = 0.0
     for i in range(self.micro_batches):  # strided rows, as the trainer's micro-batches
-      self.loss(slice(i, rows, self.micro_batches)).backward()
+      loss = self.loss(slice(i, rows, self.micro_batches))
+      loss.backward()
+      total += float(loss.detach())
     torch.nn.utils.clip_grad_norm_(self.trained, 1.0)
     self.optimizer.step()
+    return total
 
   def memory(self) -> dict:
     """Parameter and optimizer-state bytes, and the bytes autograd saves for backward in one
@@ -235,19 +272,28 @@ def main() -> None:
   parser.add_argument('--rank', type=int, default=16)
   parser.add_argument('--alpha', type=float, default=32.0)
   parser.add_argument('--torch_threads', type=int, default=0, help='0: torch default')
+  parser.add_argument('--shared_prefix', action='store_true',
+                      help='groups of 8 rows sharing a prompt, our step scoring the '
+                           "completions only (rl.shared_prefix, as configs/smollm2.py's)")
+  parser.add_argument('--new_tokens', type=int, default=0,
+                      help='--shared_prefix: completion tokens at most (0: half --length)')
   args = parser.parse_args()
+  args.new_tokens = args.new_tokens or args.length // 2
   if args.torch_threads:
     torch.set_num_threads(args.torch_threads)
   lr = float(smollm2_recipe.get_config().rl.learning_rate)
   lora_lr = float(smollm2_recipe.get_config('lora').rl.learning_rate)
   lora = lora_lib.LoRAConfig(args.rank, args.alpha)
   base, params0 = load(args.model)
-  batch = train_batch(args.batch, args.length, base.config.vocab_size)
+  batch = benchmark_batch(args, base.config.vocab_size)
   tokens = args.batch * args.length
   out = {'benchmark': 'lora', 'model': args.model, 'batch': args.batch, 'length': args.length,
          'micro_batches': args.micro_batches, 'logprob_chunk': args.logprob_chunk,
          'rank': args.rank, 'alpha': args.alpha, 'targets': ','.join(lora.targets),
-         'learning_rate': lr, 'lora_learning_rate': lora_lr, 'dtype': args.dtype, 'torch_threads': torch.get_num_threads(),
+         'learning_rate': lr, 'lora_learning_rate': lora_lr, 'dtype': args.dtype,
+         'shared_prefix': args.shared_prefix,
+         'new_tokens': args.new_tokens if args.shared_prefix else None,
+         'torch_threads': torch.get_num_threads(),
          'load_average_start': os.getloadavg()[0]}
 
   # 1. The LoRA train step, ours and peft's alternately.
@@ -262,8 +308,10 @@ def main() -> None:
   bf16_lora = dataclasses.replace(lora, sync_dtype='bfloat16')
   server.push(0, lora_lib.adapter_tree(trainer.params))
   server_bf16.push(0, lora_lib.synced_adapters(bf16_lora, lora_lib.adapter_tree(trainer.params)))
-  compile_s = timed(functools.partial(trainer.step, batch))
-  theirs()
+  start = time.perf_counter()
+  first_loss = float(trainer.step(batch)['loss'])
+  compile_s = time.perf_counter() - start
+  peft_first_loss = theirs()
   ours_s, theirs_s = [], []
   for _ in range(args.repeats):
     ours_s.append(timed(functools.partial(trainer.step, batch)))
@@ -275,6 +323,8 @@ def main() -> None:
       'ratio': statistics.median(ratios), 'ratios': [round(r, 3) for r in ratios],
       'ours_step_s': [round(s, 3) for s in ours_s],
       'peft_step_s': [round(s, 3) for s in theirs_s], 'ours_first_step_s': compile_s,
+      # The same objective on the same batch and weights (B = 0: the base model's loss).
+      'first_loss': first_loss, 'peft_first_loss': peft_first_loss,
       'trained_params': tree_bytes(lora_lib.adapter_tree(trainer.params)) // 4,
       'peft_trained_params': sum(p.numel() for p in theirs.trained)}
   out['memory'] = {'lora': lora_memory, 'peft': theirs.memory()}

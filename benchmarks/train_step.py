@@ -63,7 +63,7 @@ def torch_grpo_losses(model, tokens, mask, behaviour, advantages):
   m = mask[:, 1:]
   ratio = torch.exp(logp - behaviour[:, 1:])
   adv = advantages[:, None]
-  surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 0.8, 1.28) * adv)
+  surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv)  # eps 0.2
   return -(surrogate * m).sum(1) / m.sum(1).clamp(min=1)
 
 

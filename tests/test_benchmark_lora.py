@@ -1,8 +1,10 @@
 """benchmarks/lora.py in tiny form: its JSON object's keys, and figures that make sense."""
 
+import argparse
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -35,6 +37,8 @@ def test_train_step_figures(report):
   assert len(train['ratios']) == 1
   # Same adapters on both sides: rank x (in + out) per adapted weight.
   assert train['trained_params'] == train['peft_trained_params'] > 0
+  # One objective, batch and set of weights on both sides (B = 0 at the first step).
+  assert train['first_loss'] == pytest.approx(train['peft_first_loss'], rel=1e-5)
 
 
 def test_memory_figures(report):
@@ -81,3 +85,30 @@ def test_bfloat16_base(report):
   assert bf16['memory']['lora']['params_bytes'] == base // 2 + adapters
   assert bf16['memory']['lora']['optimizer_bytes'] == report['memory']['lora']['optimizer_bytes']
   assert bf16['memory']['peft']['params_bytes'] == base // 2 + adapters
+
+
+def test_shared_prefix_batch(report):
+  """--shared_prefix: groups of 8 rows sharing a prompt, our step scoring the completion
+  windows (rl.shared_prefix), peft the whole rows: the same loss on the same batch."""
+  shared = run_tiny('--shared_prefix', '--batch=8', '--new_tokens=4')
+  assert shared['shared_prefix'] and shared['new_tokens'] == 4 and shared['batch'] == 8
+  assert not report['shared_prefix'] and report['new_tokens'] is None
+  train = shared['train']
+  assert train['ratio'] > 0 and train['trained_params'] == report['train']['trained_params']
+  assert train['first_loss'] == pytest.approx(train['peft_first_loss'], rel=1e-5)
+  assert train['first_loss'] != pytest.approx(report['train']['first_loss'], rel=1e-3)
+
+
+@pytest.mark.parametrize('flags, message', [
+    (['--batch=12'], 'a multiple of 8 (got 12)'),
+    (['--batch=8', '--new_tokens=8'], '0 < --new_tokens < --length (got 8, 8)'),
+])
+def test_shared_prefix_batch_shape_errors(flags, message):
+  sys.path.insert(0, str(ROOT / 'benchmarks'))
+  import lora  # pylint: disable=import-outside-toplevel
+  args = argparse.Namespace(shared_prefix=True, batch=8, length=8, new_tokens=4)
+  for flag in flags:
+    key, value = flag[2:].split('=')
+    setattr(args, key, int(value))
+  with pytest.raises(ValueError, match=re.escape(message)):
+    lora.benchmark_batch(args, vocab=32)
