@@ -77,6 +77,7 @@ LONGEST_FILES = (
     'tests/trainer/test_efficiency.py',
     'tests/trainer/test_trainer.py',
     'tests/test_colabs.py',
+    'tests/test_benchmark_lora.py',
     'tests/models/test_hf_parity.py',
     'tests/losses/test_advantages.py',
     'tests/rollout/test_jetstream_adapter.py',
