@@ -149,7 +149,7 @@ def accumulated_product(x: Array, w: Array, out_in: bool = False,
   chex.assert_rank([x, w], 2)
   chex.assert_type(w, x.dtype)
   rows = x.shape[0]
-  if rows == 1 and jax.default_backend() == 'cpu':  # see below
+  if rows == 1 and jax.default_backend() == 'cpu':  # the slow one-row path (docstring)
     x = jnp.pad(x, ((0, 1), (0, 0)))
   y = jax.lax.dot_general(x, w, (((1,), (1 if out_in else 0,)), ((), ())),
                           preferred_element_type=jnp.float32)
