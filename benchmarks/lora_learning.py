@@ -18,7 +18,8 @@ with them); ``--model=tiny`` runs ``configs/default.py`` with the same switches 
 command-line overrides (its learning rate 3e-4, so LoRA's is 3e-3). Runs go to
 ``--root/<model>_<arm>_s<seed>``; a workdir that already holds a finished run
 (``summary.json``) is read, not run again, so runs launched by hand with the printed
-commands are collected the same way. Prints one JSON object: per comparison the commands,
+commands are collected the same way (``--arms`` keeps some arms only, e.g. one arm's
+extra seed against its reference). Prints one JSON object: per comparison the commands,
 each run's curve (``[step, accuracy]``, step 0 = the RL start), the seed-mean curves, the
 per-evaluation differences in points, the mismatch metrics and the goal flags.
 
@@ -216,12 +217,21 @@ def main() -> None:
                       help='tiny: the int8 arms start from the full run\'s warm-up (same '
                            'seed) instead of repeating it')
   parser.add_argument('--root', required=True, help='where the runs\' workdirs go')
+  parser.add_argument('--arms', default='',
+                      help="only these arms of the comparisons (e.g. 'full,int8_tis'); the "
+                           'others are neither run nor compared')
   args = parser.parse_args()
   comparisons = args.comparisons.split(',')
   arms = []
   for name in comparisons:
     base, others = COMPARISONS[name]
     arms += [a for a in (base, *others) if a not in arms]
+  if args.arms:
+    chosen = args.arms.split(',')
+    if unknown := sorted(set(chosen) - set(arms)):
+      parser.error(f'--arms={args.arms}: {", ".join(unknown)} not in the arms of '
+                   f'--comparisons={args.comparisons} ({", ".join(arms)})')
+    arms = [a for a in arms if a in chosen]
   root = pathlib.Path(args.root)
   seeds = [int(s) for s in args.seeds.split(',')]
   workdir = lambda arm, seed: root / f'{args.model}_{arm}_s{seed}'

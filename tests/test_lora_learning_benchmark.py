@@ -6,6 +6,8 @@ import json
 import pathlib
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location(
     'lora_learning', ROOT / 'benchmarks/lora_learning.py')
@@ -88,6 +90,26 @@ def test_main_reads_finished_runs_without_launching_and_prints_one_json(tmp_path
   assert report['comparisons']['lora']['lora']['goal_met']
   assert report['mean_curves']['lora'] == [[0, 0.3], [100, 0.9], [120, 0.92]]
   assert '--config.lora.rank=16' in report['commands']['lora/s0']
+
+
+def test_arms_keeps_some_arms_only_and_refuses_unknown_ones(tmp_path, monkeypatch, capsys):
+  """--arms=full,int8_tis reads those two (the int8 arm has no run and is not launched)."""
+  for arm in ('full', 'int8_tis'):
+    fake_run(tmp_path / f'tiny_{arm}_s1', {0: 0.3, 100: 0.9, 120: 0.92 if arm == 'full' else 0.85},
+             kl=1e-3)
+  argv = ['lora_learning.py', '--comparisons=int8', '--seeds=1', f'--root={tmp_path}']
+  monkeypatch.setattr(sys, 'argv', argv + ['--arms=full,int8_tis'])
+  monkeypatch.setattr(lora_learning.subprocess, 'Popen', None)  # a launch would fail here
+  lora_learning.main()
+  report = json.loads(capsys.readouterr().out)
+  assert set(report['runs']) == {'full', 'int8_tis'}
+  result = report['comparisons']['int8']
+  assert set(result) == {'int8_tis'} and not result['int8_tis']['goal_met']
+  assert result['int8_tis']['max_abs_diff_points'] == 7.0
+  monkeypatch.setattr(sys, 'argv', argv + ['--arms=full,lora'])
+  with pytest.raises(SystemExit):
+    lora_learning.main()
+  assert 'lora not in the arms of --comparisons=int8' in capsys.readouterr().err
 
 
 def test_an_int8_arm_starts_from_the_full_runs_warmup_with_its_own_config(tmp_path):
