@@ -38,7 +38,7 @@ from rlax_llm.models.decoder_config import DecoderConfig, RopeScaling
 from rlax_llm.models.kv_cache import (KEY_BLOCK_AXES, VALUE_BLOCK_AXES, KVCache, layer_update,
                                       to_block)
 from rlax_llm.models.numerics import (accumulated_product, flipped_product, flips, invariant_matmul,
-                                     invariant_sum, narrow)
+                                     invariant_sum, narrow, narrow_dtype)
 from rlax_llm.models.quant import Int8Weight
 from rlax_llm.sharding import constrain
 
@@ -420,11 +420,12 @@ _REMAT_CALL = {
 def head_is_vocab_major(config: DecoderConfig, rows: int) -> bool:
   """Whether ``head_logits`` of ``rows`` hidden states computes ``[V, rows]`` and returns
   its transpose (``flipped_product``): a ``[V, E]`` head (tied, or ``'out_in'``) of 2 to
-  ``FLIPPED_MAX_ROWS`` rows on XLA:CPU, in float32 without batch-invariant numerics. The sampler's
-  ``argmax(vocab_major=...)`` reads such logits in place."""
+  ``FLIPPED_MAX_ROWS`` rows on XLA:CPU, without batch-invariant numerics, in float32 (a
+  ``narrow_dtype`` head is ``accumulated_product``'s). The sampler's ``argmax(vocab_major=...)``
+  reads such logits in place."""
   run = config.execution
   vocab_first = config.tie_embeddings or run.weight_layout == 'out_in'
-  return (vocab_first and not run.batch_invariant and jnp.dtype(run.dtype).itemsize >= 4
+  return (vocab_first and not run.batch_invariant and not narrow_dtype(run.dtype)
           and rows > 1 and flips(rows))
 
 

@@ -178,11 +178,15 @@ def _accumulated_product_bwd(out_in, out_dtype, residuals, g):
 accumulated_product.defvjp(_accumulated_product_fwd, _accumulated_product_bwd)
 
 
+def narrow_dtype(dtype) -> bool:
+  """Whether ``dtype`` is a floating dtype narrower than float32 (bfloat16, float16)."""
+  return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4
+
+
 def narrow(x: Array, w: Array) -> bool:
-  """Whether ``x`` and ``w`` share a floating dtype narrower than float32 (the products
-  ``accumulated_product`` takes)."""
-  return (x.dtype == w.dtype and jnp.issubdtype(x.dtype, jnp.floating)
-          and jnp.dtype(x.dtype).itemsize < 4)
+  """Whether ``x`` and ``w`` share a ``narrow_dtype`` (the products ``accumulated_product``
+  takes)."""
+  return x.dtype == w.dtype and narrow_dtype(x.dtype)
 
 
 def _halving(x: Array, op, fill) -> Array:
