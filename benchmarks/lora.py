@@ -125,12 +125,37 @@ def in_dtype(model, params, dtype: str):
   return target, cast_params(params, target)
 
 
+def step_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+  """Adds the flags of the timed step (model, batch, objective, LoRA; shared by this script
+  and ``profile_step.py``, which profiles the same step) to ``parser`` and parses them;
+  ``--new_tokens=0`` becomes half ``--length``."""
+  parser.add_argument('--model', default='smollm2', choices=('smollm2', 'tiny'))
+  parser.add_argument('--batch', type=int, default=16)
+  parser.add_argument('--length', type=int, default=256)
+  parser.add_argument('--micro_batches', type=int, default=4)
+  parser.add_argument('--logprob_chunk', type=int, default=0,
+                      help='0: whole logits, as configs/smollm2.py and peft')
+  parser.add_argument('--dtype', default='float32', choices=('float32', 'bfloat16'),
+                      help="the LoRA step's frozen base and matmuls (both sides; full "
+                           'fine-tuning and the sync stay float32)')
+  parser.add_argument('--rank', type=int, default=16)
+  parser.add_argument('--alpha', type=float, default=32.0)
+  parser.add_argument('--shared_prefix', action='store_true',
+                      help='groups of 8 rows sharing a prompt, our step scoring the '
+                           "completions only (rl.shared_prefix, as configs/smollm2.py's)")
+  parser.add_argument('--new_tokens', type=int, default=0,
+                      help='--shared_prefix: completion tokens at most (0: half --length)')
+  args = parser.parse_args()
+  args.new_tokens = args.new_tokens or args.length // 2
+  return args
+
+
 def make_trainer(model, params, lr: float, args, trainable=None) -> Trainer:
   """Our GRPO ``Trainer`` as the benchmark's flags say (``args.shared_prefix``: scoring the
   ``args.new_tokens`` completion window of groups of ``GROUP_SIZE`` rows, ``rl.shared_prefix``)."""
   mesh = sharding.make_mesh({'data': 1, 'fsdp': 1, 'tensor': 1}, jax.devices()[:1])
   scoring, check = {}, None
-  if getattr(args, 'shared_prefix', False):
+  if args.shared_prefix:
     scoring, check = objectives.shared_prefix_scoring(args.new_tokens, GROUP_SIZE,
                                                       args.micro_batches)
   objective = functools.partial(objectives.rl_objective, Policy(model, SamplingSpec()),
@@ -259,26 +284,9 @@ def timed(fn) -> float:
 
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument('--model', default='smollm2', choices=('smollm2', 'tiny'))
-  parser.add_argument('--batch', type=int, default=16)
-  parser.add_argument('--length', type=int, default=256)
-  parser.add_argument('--micro_batches', type=int, default=4)
-  parser.add_argument('--logprob_chunk', type=int, default=0,
-                      help='0: whole logits, as configs/smollm2.py and peft')
   parser.add_argument('--repeats', type=int, default=3)
-  parser.add_argument('--dtype', default='float32', choices=('float32', 'bfloat16'),
-                      help="the LoRA step's frozen base and matmuls, both sides (1. and 2.'s "
-                           'LoRA row; full fine-tuning and the sync stay float32)')
-  parser.add_argument('--rank', type=int, default=16)
-  parser.add_argument('--alpha', type=float, default=32.0)
   parser.add_argument('--torch_threads', type=int, default=0, help='0: torch default')
-  parser.add_argument('--shared_prefix', action='store_true',
-                      help='groups of 8 rows sharing a prompt, our step scoring the '
-                           "completions only (rl.shared_prefix, as configs/smollm2.py's)")
-  parser.add_argument('--new_tokens', type=int, default=0,
-                      help='--shared_prefix: completion tokens at most (0: half --length)')
-  args = parser.parse_args()
-  args.new_tokens = args.new_tokens or args.length // 2
+  args = step_args(parser)
   if args.torch_threads:
     torch.set_num_threads(args.torch_threads)
   lr = float(smollm2_recipe.get_config().rl.learning_rate)

@@ -1,8 +1,9 @@
 """Profile: where one GRPO train step's time goes, by XLA operation.
 
-The step ``benchmarks/lora.py`` times (same model, batch, objective and trainer; LoRA rank 16
-on every projection, or ``--full`` fine-tuning), compiled and run once, timed once, then run
-once more under ``jax.profiler``. Each executed XLA operation of the traced step (the
+The step ``benchmarks/lora.py`` times (its flags, model, batch, objective and trainer; LoRA
+rank 16 on every projection, or ``--full`` fine-tuning): the trainer's jitted step compiled
+once (ahead of time, so that its program's text is the one that runs), run once, timed once,
+then run once more under ``jax.profiler``. Each executed XLA operation of the traced step (the
 profiler's ``hlo_op`` events on the host's XLA:CPU threads) is matched by name to its
 instruction in the compiled program (``Compiled.as_text()``), and the time summed:
 
@@ -20,7 +21,8 @@ rows). ``traced_step_s`` is slower than ``step_s`` (the profiler's own cost); th
 shares of one step, on this machine's XLA:CPU.
 
     .venv/bin/python benchmarks/profile_step.py [--model=smollm2] [--full]
-        [--dtype=float32|bfloat16] [--batch=16 --length=256 --micro_batches=4] [--top=15]
+        [--dtype=float32|bfloat16] [--batch=16 --length=256 --micro_batches=4]
+        [--shared_prefix [--new_tokens=N]] [--top=15]
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ import jax
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lora import compiled_step, in_dtype, load, make_trainer  # this folder (sys.path[0])
-from train_step import train_batch
+from lora import (benchmark_batch, compiled_step, in_dtype, load, make_trainer,  # this folder
+                  step_args)
 
 from rlax_llm.configs import smollm2 as smollm2_recipe
 from rlax_llm.models import lora as lora_lib
@@ -121,23 +123,14 @@ def summarise(times: list[tuple[str, float]], instructions: dict[str, tuple[str,
 
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument('--model', default='smollm2', choices=('smollm2', 'tiny'))
   parser.add_argument('--full', action='store_true', help='full fine-tuning instead of LoRA')
-  parser.add_argument('--dtype', default='float32', choices=('float32', 'bfloat16'),
-                      help="the LoRA step's frozen base and matmuls (as benchmarks/lora.py)")
-  parser.add_argument('--batch', type=int, default=16)
-  parser.add_argument('--length', type=int, default=256)
-  parser.add_argument('--micro_batches', type=int, default=4)
-  parser.add_argument('--logprob_chunk', type=int, default=0)
-  parser.add_argument('--rank', type=int, default=16)
-  parser.add_argument('--alpha', type=float, default=32.0)
   parser.add_argument('--top', type=int, default=15)
-  args = parser.parse_args()
+  args = step_args(parser)
   if args.full and args.dtype != 'float32':
     parser.error(f'--dtype={args.dtype} is for the LoRA step (frozen base); --full trains '
                  'float32 master weights: drop --dtype or --full')
   base, params = load(args.model)
-  batch = train_batch(args.batch, args.length, base.config.vocab_size)
+  batch = benchmark_batch(args, base.config.vocab_size)
   if args.full:
     trainer = make_trainer(base, params, float(smollm2_recipe.get_config().rl.learning_rate),
                            args)
@@ -147,24 +140,29 @@ def main() -> None:
     trainer = make_trainer(model, params,
                            float(smollm2_recipe.get_config('lora').rl.learning_rate), args,
                            lora_lib.trainable_mask(model))
-  compiled, _ = compiled_step(trainer, batch)
+  # The trainer's jitted step compiled once; its text names the operations the trace times.
+  compiled, placed = compiled_step(trainer, batch)
   instructions = hlo_instructions(compiled.as_text())
-  del compiled
-  trainer.step(batch)  # compiles
-  start = time.perf_counter()
-  trainer.step(batch)
-  step_s = time.perf_counter() - start
+
+  def step() -> float:
+    start = time.perf_counter()
+    trainer.params, trainer.opt_state, metrics = compiled(
+        trainer.params, trainer.opt_state, placed, trainer.reference_params)
+    jax.block_until_ready((trainer.params, metrics))
+    return time.perf_counter() - start
+
+  step()  # warm-up
+  step_s = step()
   with tempfile.TemporaryDirectory() as trace_dir:
     jax.profiler.start_trace(trace_dir)
-    start = time.perf_counter()
-    trainer.step(batch)
-    traced_s = time.perf_counter() - start
+    traced_s = step()
     jax.profiler.stop_trace()
     times = op_times(trace_dir)
   out = {'benchmark': 'profile_step', 'model': args.model,
          'mode': 'full' if args.full else f'lora rank {args.rank}', 'dtype': args.dtype,
          'batch': args.batch, 'length': args.length, 'micro_batches': args.micro_batches,
-         'logprob_chunk': args.logprob_chunk, 'step_s': step_s, 'traced_step_s': traced_s,
+         'logprob_chunk': args.logprob_chunk, 'shared_prefix': args.shared_prefix,
+         'step_s': step_s, 'traced_step_s': traced_s,
          **summarise(times, instructions, args.top)}
   print(json.dumps(out, indent=2))
 
