@@ -46,8 +46,8 @@ import jax
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lora import (benchmark_batch, compiled_step, in_dtype, load, make_trainer,  # this folder
-                  step_args)
+# this folder (sys.path[0])
+from lora import benchmark_batch, compiled_step, in_dtype, load, make_trainer, step_args
 
 from rlax_llm.configs import smollm2 as smollm2_recipe
 from rlax_llm.models import lora as lora_lib
