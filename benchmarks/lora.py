@@ -40,9 +40,12 @@ recipe's own step (4 prompts x 8 samples, 48 + 16 tokens, one pass).
    full fine-tuning step at the SmolLM2 recipe's learning rate (``configs/smollm2.py``:
    ``rl.learning_rate``). ``lora_adapters_bf16``: the same with ``lora.sync_dtype='bfloat16'``
    (``lora.synced_adapters``: the adapters rounded to bfloat16 for the wire), whole and as a
-   delta from the previous version (the elements whose bfloat16 bits changed).
-   ``lora_over_full_fp32`` and ``lora_bf16_over_full_fp32`` are the goal's figures (goal <=
-   0.01). ``adapter_bytes_by_rank``: the adapter tree's fp32 bytes at other ranks (from the
+   delta from the previous version (the elements whose bfloat16 bits changed);
+   ``lora_adapters_int8``: with ``lora.sync_dtype='int8'`` (each factor int8 with a float32
+   scale per rank component). Each wire row's ``weight_change_error`` is how far the weight
+   changes the workers merge are from the trained ones (``wire_error``).
+   ``lora_over_full_fp32``, ``lora_bf16_over_full_fp32`` and ``lora_int8_over_full_fp32`` are
+   the goal's figures (goal <= 0.01). ``adapter_bytes_by_rank``: the adapter tree's fp32 bytes at other ranks (from the
    shapes, all seven targets; bfloat16 is half).
    The LoRA trainer's learning rate is the ``configs/smollm2.py:lora`` variant's (30x the full
    recipe's), the full trainer's the recipe's: the deltas depend on it.
@@ -87,6 +90,7 @@ from rlax_llm.models import lora as lora_lib
 from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.files.hf import config_to_hf, params_to_hf
 from rlax_llm.models.model import abstract_model, cast_params, create_model, split_module
+from rlax_llm.models.quant import Int8Weight
 from rlax_llm.paramserver import ParameterServer
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.trainer import objectives
@@ -96,6 +100,8 @@ from rlax_llm.trainer.trainer import Trainer, make_optimizer
 TINY = DecoderConfig(vocab_size=256, num_layers=2, embed_dim=64, mlp_dim=128, num_heads=4,
                      num_kv_heads=2, head_dim=16, max_seq_len=256)
 GROUP_SIZE = 8  # --shared_prefix: rows per group sharing a prompt (configs/smollm2.py's)
+# The narrower wires (lora.sync_dtype) whose adapter versions the sync figures also measure.
+WIRE_DTYPES = ('bfloat16', 'int8')
 TORCH_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
 
 
@@ -198,6 +204,23 @@ def memory_row(trainer: Trainer, compiled) -> dict:
          'step_temp_bytes': int(analysis.temp_size_in_bytes)}
   row['total_bytes'] = sum(row.values())
   return row
+
+
+def wire_error(model: lora_lib.LoRAModel, params, synced) -> float:
+  """How far the weight changes the workers merge from ``synced`` (``lora.synced_adapters``)
+  are from the trained ones: ``||dW_wire - dW|| / ||dW||`` over every adapted weight
+  (``dW = s * A @ B``, ``lora.delta``; Frobenius norms summed over the adapters)."""
+  trained = jax.tree.leaves(lora_lib.adapter_tree(params))
+  wire = jax.tree_util.tree_leaves_with_path(synced,
+                                            is_leaf=lambda x: isinstance(x, Int8Weight))
+  wire = [lora_lib.wire_factor(x, path[-1].key) for path, x in wire]
+  error = total = 0.0
+  for i in range(0, len(trained), 2):
+    exact = lora_lib.delta(model, trained[i], trained[i + 1])
+    ours = lora_lib.delta(model, *(jnp.asarray(x, jnp.float32) for x in wire[i:i + 2]))
+    error += float(jnp.sum(jnp.square(ours - exact)))
+    total += float(jnp.sum(jnp.square(exact)))
+  return (error / total) ** 0.5 if total else 0.0
 
 
 def pulled_bytes(server: ParameterServer, version: int, base_version: int = -1) -> dict:
@@ -312,10 +335,12 @@ def main() -> None:
   del compiled
   reference = torch_model(base, params0, lora, args.dtype)
   theirs = TorchStep(reference, batch, args.micro_batches, lr)
-  server, server_bf16 = ParameterServer(keep=2), ParameterServer(keep=2)
-  bf16_lora = dataclasses.replace(lora, sync_dtype='bfloat16')
+  server = ParameterServer(keep=2)
   server.push(0, lora_lib.adapter_tree(trainer.params))
-  server_bf16.push(0, lora_lib.synced_adapters(bf16_lora, lora_lib.adapter_tree(trainer.params)))
+  wires = {dtype: (dataclasses.replace(lora, sync_dtype=dtype), ParameterServer(keep=2))
+           for dtype in WIRE_DTYPES}
+  for wire_lora, wire_server in wires.values():
+    wire_server.push(0, lora_lib.synced_adapters(wire_lora, lora_lib.adapter_tree(trainer.params)))
   start = time.perf_counter()
   first_loss = float(trainer.step(batch)['loss'])
   compile_s = time.perf_counter() - start
@@ -343,11 +368,14 @@ def main() -> None:
   server.push(version, lora_lib.adapter_tree(trainer.params))
   lora_sync = pulled_bytes(server, version)
   lora_sync['from_previous'] = pulled_bytes(server, version, 0)
-  server_bf16.push(version, lora_lib.synced_adapters(bf16_lora,
-                                                     lora_lib.adapter_tree(trainer.params)))
-  lora_bf16 = pulled_bytes(server_bf16, version)
-  lora_bf16['from_previous'] = pulled_bytes(server_bf16, version, 0)
-  del trainer, server, server_bf16
+  lora_wire = {}
+  for dtype, (wire_lora, wire_server) in wires.items():
+    synced = lora_lib.synced_adapters(wire_lora, lora_lib.adapter_tree(trainer.params))
+    wire_server.push(version, synced)
+    lora_wire[dtype] = pulled_bytes(wire_server, version)
+    lora_wire[dtype]['from_previous'] = pulled_bytes(wire_server, version, 0)
+    lora_wire[dtype]['weight_change_error'] = wire_error(model, trainer.params, synced)
+  del trainer, server, wires
 
   # 2 (full) and 3b: full fine-tuning's memory, and one full step's bf16 delta.
   full = make_trainer(base, params0, lr, args)
@@ -365,12 +393,16 @@ def main() -> None:
   out['memory']['lora_over_full_total'] = (out['memory']['lora']['total_bytes']
                                            / out['memory']['full']['total_bytes'])
   out['sync'] = {
-      'lora_adapters': lora_sync, 'lora_adapters_bf16': lora_bf16,
+      'lora_adapters': lora_sync, 'lora_adapters_bf16': lora_wire['bfloat16'],
+      'lora_adapters_int8': lora_wire['int8'],
       'full_fp32_bytes': full_fp32,
       'full_bf16_delta': delta, 'lora_over_full_fp32': lora_sync['bytes'] / full_fp32,
       'lora_over_bf16_delta': lora_sync['bytes'] / delta['bytes'],
-      'lora_bf16_over_full_fp32': lora_bf16['bytes'] / full_fp32,
-      'lora_bf16_delta_over_full_fp32': lora_bf16['from_previous']['bytes'] / full_fp32,
+      'lora_bf16_over_full_fp32': lora_wire['bfloat16']['bytes'] / full_fp32,
+      'lora_bf16_delta_over_full_fp32': (lora_wire['bfloat16']['from_previous']['bytes']
+                                         / full_fp32),
+      'lora_int8_over_full_fp32': lora_wire['int8']['bytes'] / full_fp32,
+      'lora_int8_delta_over_full_fp32': lora_wire['int8']['from_previous']['bytes'] / full_fp32,
       'bf16_delta_over_full_fp32': delta['bytes'] / full_fp32,
       'adapter_bytes_by_rank': {
           r: tree_bytes(lora_lib.adapter_tree(m.abstract_params()))

@@ -11,6 +11,8 @@ same budget and seed(s), only the arm's switches differing:
   trainer recomputes the fp32 log-probs, each token weighted by ``min(pi_fp32 / pi_int8, 2)``)
   and without any correction (``int8``), against fp32 rollouts; the same goal for
   ``int8_tis``, and the measured ``mismatch/*`` metrics of every run.
+* ``sync``: LoRA with its adapters sent to the workers in int8 (``lora_int8_sync``,
+  ``lora.sync_dtype='int8'``) against LoRA's float32 adapters; the same goal.
 
 ``--model=smollm2`` runs ``configs/smollm2.py`` and its ``lora`` / ``int8_tis`` / ``int8``
 variants (``--steps`` and ``--eval_every`` shorten every arm alike, the cosine decay scaled
@@ -46,12 +48,15 @@ sys.path.insert(0, str(ROOT))
 
 from rlax_llm.metrics import read_metrics
 
-COMPARISONS = {'lora': ('full', ['lora']), 'int8': ('full', ['int8_tis', 'int8'])}
+COMPARISONS = {'lora': ('full', ['lora']), 'int8': ('full', ['int8_tis', 'int8']),
+               'sync': ('lora', ['lora_int8_sync'])}
 # The switches of each arm on configs/default.py (configs/smollm2.py has them as variants).
 TINY_ARMS = {
     'full': [],
     'lora': ['--config.lora.rank=16', '--config.lora.alpha=32.0',
              '--config.rl.learning_rate=0.003'],
+    'lora_int8_sync': ['--config.lora.rank=16', '--config.lora.alpha=32.0',
+                       '--config.rl.learning_rate=0.003', '--config.lora.sync_dtype=int8'],
     'int8_tis': ['--config.model.inference_quant=int8', '--config.rl.old_logprobs=recompute',
                  '--config.rl.mismatch.enabled=true'],
     'int8': ['--config.model.inference_quant=int8'],

@@ -69,7 +69,7 @@ CHOICES = {
     'model.kv_cache_quant': ('none', 'int8'),  # rlax_llm.models.kv_cache.KV_CACHE_QUANT_MODES
     'lora.sync': ('adapters', 'merged'),  # rlax_llm.models.lora.SYNCS
     'lora.base_quant': ('none', 'int8'),  # rlax_llm.models.quant.QUANT_MODES
-    'lora.sync_dtype': ('float32', 'bfloat16'),  # rlax_llm.models.lora.SYNC_DTYPES
+    'lora.sync_dtype': ('float32', 'bfloat16', 'int8'),  # rlax_llm.models.lora.SYNC_DTYPES
     'model.dtype': ('float32', 'bfloat16'),
     'rollout.on_swap': ('continue', 'discard'),
     'rollout.short_batches': ('pad', 'wait'),

@@ -68,6 +68,16 @@ def test_sync_figures(report):
   assert sync['lora_bf16_over_full_fp32'] == bf16['bytes'] / sync['full_fp32_bytes']
   assert 0 < bf16['from_previous']['bytes'] <= bf16['bytes']
   assert 0 < bf16['from_previous']['changed_fraction'] <= 1
+  # lora.sync_dtype='int8': a quarter of the bytes, plus a float32 scale per rank component
+  # of every factor (rank 4, 2 factors per adapter); the merged changes off by under 1%
+  # (bfloat16's rounding: under 0.5%), and not exactly equal.
+  int8 = sync['lora_adapters_int8']
+  num_factors = 2 * 2 * 7  # the tiny model: 2 layers, all 7 targets
+  assert int8['bytes'] == lora_bytes // 4 + num_factors * 4 * 4
+  assert sync['lora_int8_over_full_fp32'] == int8['bytes'] / sync['full_fp32_bytes']
+  assert 0 < int8['from_previous']['bytes'] <= int8['bytes']
+  assert 0 < bf16['weight_change_error'] < 0.005
+  assert bf16['weight_change_error'] < int8['weight_change_error'] < 0.01
   sizes = [sync['adapter_bytes_by_rank'][r] for r in ('1', '2', '4', '8', '16')]
   assert sizes == [sizes[0] * r for r in (1, 2, 4, 8, 16)]
 

@@ -57,7 +57,8 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # 'none' (model.param_dtype) or 'int8' (QLoRA-style: the seven projections int8 with a
   # float32 scale per output channel; workers get it dequantised; needs rank > 0).
   # sync_dtype: the dtype adapter versions travel in with sync='adapters', 'float32' (as
-  # trained) or 'bfloat16' (half the bytes; the workers merge the rounded adapters).
+  # trained), 'bfloat16' (half the bytes) or 'int8' (a quarter, plus a float32 scale per rank
+  # component); the workers merge the rounded adapters.
   c.lora = ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets='q,k,v,o,gate,up,down',
                                           sync='adapters', base_quant='none',
                                           sync_dtype='float32'))

@@ -22,7 +22,10 @@ Weight sync (``LoRAConfig.sync``, ``lora.sync``): with ``'adapters'`` a trainer 
 ``adapter_tree(params)`` alone; the workers merge each version into the base they hold
 (``merge_program``; ``rlax_llm.rollout.worker``). With ``'merged'`` ``pushed_params`` is the
 merged weights. ``delta`` computes ``s * A @ B`` with the same bits on any device and
-sharding, so both give the same weights.
+sharding, so both give the same weights. ``LoRAConfig.sync_dtype`` (``lora.sync_dtype``) narrows
+the adapters for the wire (``synced_adapters``: bfloat16, or int8 with a scale per rank
+component); the workers then merge the rounded adapters (``wire_factor``), a policy a rounding
+away from the trainer's.
 
 QLoRA (``LoRAConfig.base_quant``, ``lora.base_quant='int8'``; Dettmers et al., "QLoRA:
 Efficient Finetuning of Quantized LLMs", arXiv 2305.14314, with int8 in place of NF4): ``create``
@@ -46,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from rlax_llm.errors import ConfigError
 from rlax_llm.models.decoder import Decoder
@@ -54,7 +57,7 @@ from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.files import hf
 from rlax_llm.models.files.pretrained import save_pretrained
 from rlax_llm.models.model import Model, Params, abstract_model, cast_params, describe
-from rlax_llm.models.quant import QUANT_MODES, Int8Weight, dequantize, quantize_params
+from rlax_llm.models.quant import QUANT_MODES, Int8Weight, dequantize, quantize, quantize_params
 
 TARGETS = ('q', 'k', 'v', 'o', 'gate', 'up', 'down')
 # target -> (module in a block, weight name, how many leading (in_out) axes are inputs,
@@ -72,10 +75,16 @@ SUFFIX = '_lora'  # an adapter's attribute: f'{weight}{SUFFIX}' (decoder.low_ran
 # How a LoRA trainer sends each version to the workers (``lora.sync``): the adapters alone
 # (the base once), or the merged weights.
 SYNCS = ('adapters', 'merged')
-# The dtype adapter versions travel in (``lora.sync_dtype``, adapter-only sync): as trained, or
-# rounded to bfloat16 (half the bytes; the workers' policy is then the merge of the rounded
-# adapters, a mismatch the trainer's recompute and ``rl.mismatch`` see like any other).
-SYNC_DTYPES = ('float32', 'bfloat16')
+# The dtype adapter versions travel in (``lora.sync_dtype``, adapter-only sync): as trained,
+# rounded to bfloat16 (half the bytes), or int8 with a float32 scale per rank component (a
+# quarter of the bytes; ``synced_adapters``). The workers' policy is then the merge of the
+# rounded adapters, a mismatch the trainer's recompute and ``rl.mismatch`` see like any other.
+SYNC_DTYPES = ('float32', 'bfloat16', 'int8')
+# How each adapter factor is quantised for the int8 wire (``quant.quantize``'s layout, one
+# output axis): ``A [in..., r]`` with a scale per rank column, ``B [r, out...]`` with one per
+# rank row, so the scales cost ``2 r`` floats per adapter (a scale per output of ``B`` would
+# add a quarter to its bytes at rank 16).
+_WIRE_LAYOUT = {'a': 'in_out', 'b': 'out_in'}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,7 +281,7 @@ def merge(model: LoRAModel, params: Params) -> tuple[Model, Params]:
   dtype = model.config.execution.param_dtype
   for _, _, node, name, adapter in _adapted(model, out):
     weight = dequantized(model, node[name])
-    change = delta(model, adapter['a'], adapter['b'])
+    change = delta(model, wire_factor(adapter['a'], 'a'), wire_factor(adapter['b'], 'b'))
     if model.config.execution.weight_layout == 'out_in':
       change = change.T
     stored = dtype if isinstance(node[name], Int8Weight) else weight.dtype
@@ -391,8 +400,15 @@ def syncs_adapters(model: Model) -> bool:
 def synced_adapters(lora: LoRAConfig, adapters: Params) -> Params:
   """An adapter tree (``adapter_tree``: arrays or ``jax.ShapeDtypeStruct``s) as a version
   travels with adapter-only sync: every ``A`` and ``B`` in ``lora.sync_dtype`` (float32: the
-  trained arrays themselves; bfloat16: rounded to nearest even). The trainer's push
-  (``pushed_params``) and the worker's expected tree (``rollout.worker``) both come from it."""
+  trained arrays themselves; bfloat16: rounded to nearest even; int8: an ``Int8Weight`` each,
+  ``quant.quantize`` with one float32 scale per rank component, ``_WIRE_LAYOUT``). The
+  trainer's push (``pushed_params``) and the worker's expected tree (``rollout.worker``) both
+  come from it; ``merge`` (the worker's ``merge_program``) takes its int8 factors as they come
+  (``wire_factor``)."""
+  if lora.sync_dtype == 'int8':
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(adapters)):
+      return _int8_wire(adapters)
+    return _int8_wire_program(adapters)
   dtype = jnp.dtype(lora.sync_dtype)
   def cast(leaf):
     if leaf.dtype == dtype:
@@ -401,6 +417,37 @@ def synced_adapters(lora: LoRAConfig, adapters: Params) -> Params:
       return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=leaf.sharding)
     return leaf.astype(dtype)
   return jax.tree.map(cast, adapters)
+
+
+def _int8_wire(adapters: Params) -> Params:
+  return jax.tree_util.tree_map_with_path(
+      lambda path, leaf: _int8_factor(leaf, _WIRE_LAYOUT[path[-1].key]), adapters)
+
+
+_int8_wire_program = jax.jit(_int8_wire)  # one program per version, not ~6 ops per factor
+
+
+def _int8_factor(leaf: Any, layout: str) -> Int8Weight:
+  """An adapter factor (array or ``jax.ShapeDtypeStruct``) on the int8 wire: ``quantize``
+  with the rank as its one output axis (``A``'s last, ``B``'s first); an abstract factor's
+  scales replicated."""
+  if not isinstance(leaf, jax.ShapeDtypeStruct):
+    return quantize(leaf, 1, layout)
+  rank = leaf.shape[-1 if layout == 'in_out' else 0]
+  sharding = leaf.sharding
+  if sharding is not None:
+    sharding = NamedSharding(sharding.mesh, PartitionSpec())
+  return Int8Weight(q=jax.ShapeDtypeStruct(leaf.shape, jnp.int8, sharding=leaf.sharding),
+                    scale=jax.ShapeDtypeStruct((rank,), jnp.float32, sharding=sharding))
+
+
+def wire_factor(factor: Any, name: str) -> jax.Array:
+  """An adapter factor (``name``: ``'a'`` or ``'b'``) as ``merge`` uses it: an ``Int8Weight``
+  from the int8 wire (``synced_adapters``) dequantised to float32 (``q * scale``), any other
+  array as it is."""
+  if isinstance(factor, Int8Weight):
+    return dequantize(factor, _WIRE_LAYOUT[name])
+  return factor
 
 
 def pushed_params(model: Model, params: Params, inference: Model) -> Params:

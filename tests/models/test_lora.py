@@ -1,6 +1,7 @@
 """LoRA: forward and gradients equal the merged model's, only adapters train, the PEFT export
 loads in peft + transformers with our merged logits, checkpoints round-trip bitwise."""
 
+import dataclasses
 import functools
 import json
 
@@ -20,6 +21,8 @@ from rlax_llm.models import lora as lora_lib
 from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.files.pretrained import save_pretrained
 from rlax_llm.models.model import create_model
+from rlax_llm.models.quant import Int8Weight
+from rlax_llm.paramserver.server import leaf_specs
 from rlax_llm.sharding import make_mesh, param_shardings
 from rlax_llm.trainer.trainer import Trainer
 
@@ -54,7 +57,7 @@ def test_config_is_validated():
   for fields, seen in [({'lora__sync_dtype': 'bfloat16'}, 'lora.rank=0'),
                        ({'lora__rank': 2, 'lora__sync': 'merged',
                          'lora__sync_dtype': 'bfloat16'}, "lora.sync='merged'"),
-                       ({'lora__rank': 2, 'lora__sync_dtype': 'int8'}, 'sync_dtype')]:
+                       ({'lora__rank': 2, 'lora__sync_dtype': 'float16'}, 'sync_dtype')]:
     with pytest.raises(ConfigError, match=seen):
       validate_config(smoke_config(**fields))
 
@@ -177,13 +180,26 @@ def test_peft_export_loads_in_peft_and_transformers(tmp_path):
   np.testing.assert_allclose(exported, ours, atol=1e-4, rtol=0)
 
 
+def _int8_wire(x: np.ndarray, factor: str) -> Int8Weight:
+  """numpy's int8 wire factor: the rank axis (A's last, B's first) gets one scale per
+  component, max |x| / 127 over the rest (1 where all are zero), q = round(x / scale)."""
+  axis = x.ndim - 1 if factor == 'a' else 0
+  moved = np.moveaxis(x, axis, 0)
+  flat = moved.reshape(moved.shape[0], -1)
+  amax = np.abs(flat).max(axis=1)
+  scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+  q = np.clip(np.round(flat / scale[:, None]), -127, 127).astype(np.int8)
+  return Int8Weight(q=np.moveaxis(q.reshape(moved.shape), 0, axis), scale=scale)
+
+
 @pytest.mark.parametrize('sync_dtype', lora_lib.SYNC_DTYPES)
 def test_a_local_run_with_lora_trains_the_adapters_and_pushes_them(tmp_path, sync_dtype):
   """lora.sync='adapters' (the default): the server's versions are the adapter trees alone
   (bitwise the trainer's, or with lora.sync_dtype='bfloat16' their bfloat16 rounding, half
-  the bytes), the base server holds the frozen base; the worker samples with the base merged
-  with the adapters it received. (lora.sync='merged' pushes the merged weights:
-  tests/test_lora_run.py.)"""
+  the bytes, or with 'int8' an int8 factor and a float32 scale per rank component, a quarter
+  of the bytes and 2 r floats), the base server holds the frozen base; the worker samples
+  with the base merged with the adapters it received. (lora.sync='merged' pushes the merged
+  weights: tests/test_lora_run.py.)"""
   config = smoke_config(lora__rank=2, lora__targets='q,v,down', log__tensorboard=False,
                         eval__every_steps=0, total_steps=2, lora__sync_dtype=sync_dtype)
   with local_backend.build_run(config, tmp_path, run_spec(config)) as r:
@@ -206,19 +222,32 @@ def test_a_local_run_with_lora_trains_the_adapters_and_pushes_them(tmp_path, syn
   # The versions are the adapters alone, bitwise (in the sync dtype); the base went once, to
   # its own server.
   trained = lora_lib.adapter_tree(end)
-  synced = jax.tree.map(lambda x: np.asarray(x).astype(jnp.dtype(sync_dtype)), trained)
-  jax.tree.map(np.testing.assert_array_equal, pushed, synced)
-  assert {np.asarray(x).dtype for x in jax.tree.leaves(pushed)} == {jnp.dtype(sync_dtype)}
+  if sync_dtype == 'int8':  # q = round(x / scale), scale = max |x| / 127 per rank component
+    synced = jax.tree_util.tree_map_with_path(lambda p, x: _int8_wire(np.asarray(x), p[-1].key),
+                                              trained)
+    scale_bytes = len(jax.tree.leaves(trained)) * 2 * 4  # rank 2: 2 float32 per factor
+  else:
+    synced = jax.tree.map(lambda x: np.asarray(x).astype(jnp.dtype(sync_dtype)), trained)
+    scale_bytes = 0
+  # (XLA's max / 127 may be a multiply by 1 / 127: an ulp apart from numpy's division.)
+  check = np.testing.assert_array_equal if sync_dtype != 'int8' else functools.partial(
+      np.testing.assert_allclose, rtol=3e-7, atol=0)
+  jax.tree.map(check, pushed, synced)
+  wire = {'float32': {np.float32}, 'bfloat16': {jnp.bfloat16}, 'int8': {np.int8, np.float32}}
+  assert {np.asarray(x).dtype for x in jax.tree.leaves(pushed)} == set(map(np.dtype,
+                                                                          wire[sync_dtype]))
   assert sum(np.asarray(x).nbytes for x in jax.tree.leaves(pushed)) == sum(
-      x.nbytes for x in jax.tree.leaves(trained)) * jnp.dtype(sync_dtype).itemsize // 4
+      x.nbytes for x in jax.tree.leaves(trained)) * jnp.dtype(sync_dtype).itemsize // 4 + (
+          scale_bytes)
   assert base_server.versions() == [0]
   jax.tree.map(np.testing.assert_array_equal, base_server.get(0).params,
                lora_lib.base_tree(end))
-  # The worker merged the version it holds into the base: the merged weights, in its layout.
+  # The worker merged the version it holds (as the server holds it) into the base: the merged
+  # weights, in its layout.
   version, engine, params = held
   assert version == trainer.version
   merge = lora_lib.merge_program(trainer.model)
-  want = engine.place_params(merge(lora_lib.with_adapters(lora_lib.base_tree(end), synced)))
+  want = engine.place_params(merge(lora_lib.with_adapters(lora_lib.base_tree(end), pushed)))
   jax.tree.map(np.testing.assert_array_equal, params, want)
   exact = engine.place_params(merge(end))
   rounded = any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params),
@@ -254,3 +283,49 @@ def test_the_merge_is_the_same_bits_on_any_mesh():
   mesh = make_mesh({'data': 1, 'fsdp': 4, 'tensor': 2})
   sharded = jax.device_put(params, param_shardings(params, model.logical_axes(), mesh))
   jax.tree.map(np.testing.assert_array_equal, program(sharded), one)
+
+
+def test_the_int8_wire_rounds_each_rank_component_within_half_a_step():
+  """lora.sync_dtype='int8': each factor travels as int8 with one float32 scale per rank
+  component (A's columns, B's rows), each element within half a step of the trained value; the
+  tree a worker expects (from the abstract params) is the one a trainer pushes; the policy the
+  workers merge is the rounded adapters', close to the trained one but not the same bits."""
+  model, params = _lora(rank=4)
+  node = params['blocks'][1]['mlp']['w_down_lora']
+  node['b'] = jnp.zeros_like(node['b'])  # an untrained B: all zeros travel exactly
+  lora = dataclasses.replace(model.lora, sync_dtype='int8')
+  trained = lora_lib.adapter_tree(params)
+  wire = lora_lib.synced_adapters(lora, trained)
+  factors = jax.tree_util.tree_leaves_with_path(
+      wire, is_leaf=lambda x: isinstance(x, Int8Weight))
+  assert len(factors) == len(jax.tree.leaves(trained)) == 2 * 2 * 7
+  for (path, w), x in zip(factors, jax.tree.leaves(trained), strict=True):
+    assert isinstance(w, Int8Weight) and w.q.dtype == jnp.int8 and w.q.shape == x.shape
+    rank_axis = x.ndim - 1 if path[-1].key == 'a' else 0
+    assert w.scale.shape == (4,) and w.scale.dtype == jnp.float32
+    scale = np.expand_dims(np.asarray(w.scale), [a for a in range(x.ndim) if a != rank_axis])
+    error = np.abs(np.asarray(w.q, np.float32) * scale - np.asarray(x))
+    assert np.all(error <= scale / 2 * (1 + 1e-6)), jax.tree_util.keystr(path)
+    peak = np.abs(np.asarray(w.q)).max(axis=tuple(a for a in range(x.ndim) if a != rank_axis))
+    assert np.all(peak == (127 if np.any(x) else 0)), jax.tree_util.keystr(path)
+  np.testing.assert_array_equal(wire['blocks'][1]['mlp']['w_down_lora']['b'].q, 0)
+  # The worker's expected tree (rollout.worker: from the abstract params) is the pushed one.
+  expected = lora_lib.synced_adapters(lora, lora_lib.adapter_tree(model.abstract_params()))
+  assert jax.tree.structure(expected) == jax.tree.structure(wire)
+  assert leaf_specs(expected) == leaf_specs(wire)
+  # A quarter of float32's bytes, plus 4 bytes per rank component of every factor.
+  assert sum(x.nbytes for x in jax.tree.leaves(wire)) == sum(
+      x.nbytes for x in jax.tree.leaves(trained)) // 4 + len(factors) * 4 * 4
+  # The workers' policy: the base merged with the dequantised adapters.
+  base = lora_lib.base_tree(params)
+  merged = lora_lib.merge_program(model)(lora_lib.with_adapters(base, wire))
+  dequantised = jax.tree_util.tree_map_with_path(
+      lambda path, w: lora_lib.wire_factor(w, path[-1].key), wire,
+      is_leaf=lambda x: isinstance(x, Int8Weight))
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-6, atol=1e-7), merged,
+               lora_lib.merge(model, lora_lib.with_adapters(base, dequantised))[1])
+  base_model = lora_lib.merge(model, params)[0]
+  ours, exact, untuned = (np.asarray(base_model.apply(p, TOKENS))
+                          for p in (merged, lora_lib.merge(model, params)[1], base))
+  # The rounding moves the logits, by a few percent of what the adapters move them.
+  assert 0 < np.abs(ours - exact).max() < 0.05 * np.abs(exact - untuned).max()
