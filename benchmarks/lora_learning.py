@@ -9,8 +9,9 @@ same budget and seed(s), only the arm's switches differing:
   greedy accuracy at every evaluation from ``--from_step`` on.
 * ``int8``: rollouts sampled from the int8 weight-only copy, with TIS (``int8_tis``: the
   trainer recomputes the fp32 log-probs, each token weighted by ``min(pi_fp32 / pi_int8, 2)``)
-  and without any correction (``int8``), against fp32 rollouts; the same goal for
-  ``int8_tis``, and the measured ``mismatch/*`` metrics of every run.
+  and without any correction (``int8``), and with the recompute but no TIS weight
+  (``int8_recompute``: what the recompute alone buys), against fp32 rollouts; the same goal
+  for ``int8_tis``, and the measured ``mismatch/*`` metrics of every run.
 * ``sync``: LoRA with its adapters sent to the workers in int8 (``lora_int8_sync``,
   ``lora.sync_dtype='int8'``) against LoRA's float32 adapters; the same goal.
 
@@ -48,7 +49,8 @@ sys.path.insert(0, str(ROOT))
 
 from rlax_llm.metrics import read_metrics
 
-COMPARISONS = {'lora': ('full', ['lora']), 'int8': ('full', ['int8_tis', 'int8']),
+COMPARISONS = {'lora': ('full', ['lora']),
+               'int8': ('full', ['int8_tis', 'int8', 'int8_recompute']),
                'sync': ('lora', ['lora_int8_sync'])}
 # The switches of each arm on configs/default.py (configs/smollm2.py has them as variants).
 TINY_ARMS = {
@@ -60,11 +62,13 @@ TINY_ARMS = {
     'int8_tis': ['--config.model.inference_quant=int8', '--config.rl.old_logprobs=recompute',
                  '--config.rl.mismatch.enabled=true'],
     'int8': ['--config.model.inference_quant=int8'],
+    'int8_recompute': ['--config.model.inference_quant=int8',
+                       '--config.rl.old_logprobs=recompute'],
 }
 # configs/smollm2.py: 240 steps, the learning rate decayed over 176 updates.
 SMOLLM2_STEPS, SMOLLM2_DECAY = 240, 176
 # Arms whose switches leave the warm-up alone (--share_warmup may start them from full's).
-SHARES_WARMUP = ('int8_tis', 'int8')
+SHARES_WARMUP = ('int8_tis', 'int8', 'int8_recompute')
 MISMATCH_KEYS = ('mismatch/kl', 'mismatch/ess_fraction', 'mismatch/p95_abs_dlogp',
                  'mismatch/max_abs_dlogp',
                  'mismatch/weight_mean', 'mismatch/kept_fraction', 'is/ratio_mean')

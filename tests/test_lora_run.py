@@ -206,3 +206,30 @@ def test_adapter_sync_on_ray_equals_merged_pushes_locally(tmp_path, monkeypatch)
   assert [(v, n) for v, _, _, n in pushed] == [(v, adapters) for v in range(4)]
   assert [(v, n) for v, _, _, n in pushed_base] == [(0, base)]
   assert {n for _, n in received['versions']} == {base}
+
+
+@pytest.mark.slow  # a Ray cluster and a local run
+def test_the_int8_adapter_wire_on_ray_equals_the_local_run(tmp_path, monkeypatch):
+  """lora.sync_dtype='int8' on Ray: the worker actors pull each version's int8 adapters and
+  their scales, dequantise and merge them as a local worker does: the same run (rewards,
+  versions, ledger, losses), and every version a quarter of the adapters' float32 bytes plus
+  a float32 scale per rank component of each factor."""
+  ray = pytest.importorskip('ray')
+  fields = {'lora__sync_dtype': 'int8'}
+  params, received, _, model = run_local(lora_smoke(**fields), tmp_path / 'local', monkeypatch)
+  config = lora_smoke(backend='ray', **fields)
+  started = init_ray(config)
+  try:
+    with build_run(config, tmp_path / 'ray', run_spec(config)) as r:
+      r.execute()
+      pushed = ray.get(r.controller.trainer.server.received.remote())
+  finally:
+    if started:
+      ray.shutdown()
+  assert read(tmp_path / 'ray') == read(tmp_path / 'local')
+  adapters = lora_lib.adapter_tree(params)
+  wire = nbytes(lora_lib.synced_adapters(model.lora, adapters))
+  factors = len(jax.tree.leaves(adapters))
+  assert wire == nbytes(adapters) // 4 + factors * model.lora.rank * 4
+  assert [(v, n) for v, _, _, n in pushed] == [(v, wire) for v in range(4)]
+  assert received['versions'] == [(v, wire) for v in range(4)]

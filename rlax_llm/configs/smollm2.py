@@ -21,7 +21,9 @@ Variants (``--config=configs/smollm2.py:VARIANT``):
     rl.mismatch.enabled); the mismatch/* metrics measure the gap.
   int8: int8 rollouts with no correction (the PPO ratio against the int8 log-probs), to show
     what the correction buys.
-  The three keep the recipe's budget (steps, batch, schedule) and seed; the learning
+  int8_recompute: int8 rollouts, the trainer recomputing the fp32 log-probs as int8_tis does
+    but with no TIS weight: separates what the recompute buys from what the weight buys.
+  These keep the recipe's budget (steps, batch, schedule) and seed; the learning
   comparisons: benchmarks/lora_learning.py, benchmarks/RESULTS.md "LoRA and int8 rollouts:
   learning".
 The recipe: 4 prompts x 8 samples per update, 16 prompts asked per batch (groups with equal
@@ -37,7 +39,8 @@ from ml_collections.config_dict import placeholder
 
 from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config_file
 
-VARIANTS = ('smoke', 'add3', 'countdown', 'lora', 'lora_int8_sync', 'int8_tis', 'int8')
+VARIANTS = ('smoke', 'add3', 'countdown', 'lora', 'lora_int8_sync', 'int8_tis', 'int8',
+            'int8_recompute')
 
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
@@ -118,14 +121,16 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       # The adapters travel to the workers in int8 (a quarter of the bytes), which sample the
       # base merged with that rounding of them; the update is lora's.
       c.lora.sync_dtype = 'int8'
-  elif variant in ('int8_tis', 'int8'):
-    # Rollouts from an int8 weight-only copy; the trainer recomputes in fp32. int8_tis
-    # reweights each token by min(pi_fp32 / pi_int8, 2) (TIS); int8 trains on them as sampled.
+  elif variant in ('int8_tis', 'int8', 'int8_recompute'):
+    # Rollouts from an int8 weight-only copy. int8_tis: the trainer recomputes the fp32
+    # log-probs (the PPO ratio's reference) and reweights each token by
+    # min(pi_fp32 / pi_int8, 2) (TIS); int8_recompute: the recompute alone; int8 trains on
+    # them as sampled (the ratio against the int8 log-probs).
     c.name = f'smollm2_{variant}'
     c.model.inference_quant = 'int8'
-    if variant == 'int8_tis':
+    if variant in ('int8_tis', 'int8_recompute'):
       c.rl.old_logprobs = 'recompute'
-      c.rl.mismatch.enabled = True
+      c.rl.mismatch.enabled = variant == 'int8_tis'
   elif variant is not None:
     raise ValueError(f'Unknown variant {variant!r} of configs/smollm2.py; valid: '
                      f'{", ".join(VARIANTS)}.')
