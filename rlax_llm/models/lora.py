@@ -420,6 +420,7 @@ def synced_adapters(lora: LoRAConfig, adapters: Params) -> Params:
 
 
 def _int8_wire(adapters: Params) -> Params:
+  """Every factor of ``adapters`` as ``_int8_factor`` makes it (its layout by its name)."""
   return jax.tree_util.tree_map_with_path(
       lambda path, leaf: _int8_factor(leaf, _WIRE_LAYOUT[path[-1].key]), adapters)
 
@@ -435,7 +436,7 @@ def _int8_factor(leaf: Any, layout: str) -> Int8Weight:
     return quantize(leaf, 1, layout)
   rank = leaf.shape[-1 if layout == 'in_out' else 0]
   sharding = leaf.sharding
-  if sharding is not None:
+  if isinstance(sharding, NamedSharding):
     sharding = NamedSharding(sharding.mesh, PartitionSpec())
   return Int8Weight(q=jax.ShapeDtypeStruct(leaf.shape, jnp.int8, sharding=leaf.sharding),
                     scale=jax.ShapeDtypeStruct((rank,), jnp.float32, sharding=sharding))
