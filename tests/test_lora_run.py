@@ -30,7 +30,8 @@ from rlax_llm.backends import local as local_backend
 from rlax_llm.backends.ray import init_ray
 from rlax_llm.config import run_spec
 from rlax_llm.models import lora as lora_lib
-from rlax_llm.paramserver import ParameterServer
+from rlax_llm.paramserver import ParameterServer, shm
+from rlax_llm.paramserver.server import leaf_specs
 
 LORA = {'lora__rank': 2, 'lora__targets': 'q,v,o,down'}
 
@@ -231,5 +232,8 @@ def test_the_int8_adapter_wire_on_ray_equals_the_local_run(tmp_path, monkeypatch
   wire = nbytes(lora_lib.synced_adapters(model.lora, adapters))
   factors = len(jax.tree.leaves(adapters))
   assert wire == nbytes(adapters) // 4 + factors * model.lora.rank * 4
-  assert [(v, n) for v, _, _, n in pushed] == [(v, wire) for v in range(4)]
   assert received['versions'] == [(v, wire) for v in range(4)]
+  # On Ray each version is a shared-memory slot of the same leaves, each leaf's start aligned.
+  slot = shm.layout(list(leaf_specs(lora_lib.synced_adapters(model.lora, adapters)).values()))[1]
+  assert wire <= slot < wire + 2 * factors * shm.ALIGN
+  assert [(v, n) for v, _, _, n in pushed] == [(v, slot) for v in range(4)]
