@@ -45,8 +45,8 @@ recipe's own step (4 prompts x 8 samples, 48 + 16 tokens, one pass).
    scale per rank component). Each wire row's ``weight_change_error`` is how far the weight
    changes the workers merge are from the trained ones (``wire_error``).
    ``lora_over_full_fp32``, ``lora_bf16_over_full_fp32`` and ``lora_int8_over_full_fp32`` are
-   the goal's figures (goal <= 0.01). ``adapter_bytes_by_rank``: the adapter tree's fp32 bytes at other ranks (from the
-   shapes, all seven targets; bfloat16 is half).
+   the goal's figures (goal <= 0.01). ``adapter_bytes_by_rank``: the adapter tree's fp32
+   bytes at other ranks (from the shapes, all seven targets; bfloat16 is half).
    The LoRA trainer's learning rate is the ``configs/smollm2.py:lora`` variant's (30x the full
    recipe's), the full trainer's the recipe's: the deltas depend on it.
 
@@ -217,7 +217,7 @@ def wire_error(model: lora_lib.LoRAModel, params, synced) -> float:
   error = total = 0.0
   for i in range(0, len(trained), 2):
     exact = lora_lib.delta(model, trained[i], trained[i + 1])
-    ours = lora_lib.delta(model, *(jnp.asarray(x, jnp.float32) for x in wire[i:i + 2]))
+    ours = lora_lib.delta(model, *wire[i:i + 2])  # in float32, whatever the wire dtype
     error += float(jnp.sum(jnp.square(ours - exact)))
     total += float(jnp.sum(jnp.square(exact)))
   return (error / total) ** 0.5 if total else 0.0

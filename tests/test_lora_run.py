@@ -229,11 +229,12 @@ def test_the_int8_adapter_wire_on_ray_equals_the_local_run(tmp_path, monkeypatch
       ray.shutdown()
   assert read(tmp_path / 'ray') == read(tmp_path / 'local')
   adapters = lora_lib.adapter_tree(params)
-  wire = nbytes(lora_lib.synced_adapters(model.lora, adapters))
+  synced = lora_lib.synced_adapters(model.lora, adapters)
+  wire = nbytes(synced)
   factors = len(jax.tree.leaves(adapters))
   assert wire == nbytes(adapters) // 4 + factors * model.lora.rank * 4
   assert received['versions'] == [(v, wire) for v in range(4)]
   # On Ray each version is a shared-memory slot of the same leaves, each leaf's start aligned.
-  slot = shm.layout(list(leaf_specs(lora_lib.synced_adapters(model.lora, adapters)).values()))[1]
+  slot = shm.layout(list(leaf_specs(synced).values()))[1]
   assert wire <= slot < wire + 2 * factors * shm.ALIGN
   assert [(v, n) for v, _, _, n in pushed] == [(v, slot) for v in range(4)]

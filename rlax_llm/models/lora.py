@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from rlax_llm.errors import ConfigError
 from rlax_llm.models.decoder import Decoder
@@ -407,7 +407,7 @@ def synced_adapters(lora: LoRAConfig, adapters: Params) -> Params:
   (``wire_factor``)."""
   if lora.sync_dtype == 'int8':
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(adapters)):
-      return _int8_wire(adapters)
+      return jax.eval_shape(_int8_wire, adapters)
     return _int8_wire_program(adapters)
   dtype = jnp.dtype(lora.sync_dtype)
   def cast(leaf):
@@ -420,26 +420,13 @@ def synced_adapters(lora: LoRAConfig, adapters: Params) -> Params:
 
 
 def _int8_wire(adapters: Params) -> Params:
-  """Every factor of ``adapters`` as ``_int8_factor`` makes it (its layout by its name)."""
+  """Every factor of ``adapters`` on the int8 wire: ``quantize`` with the rank as its one
+  output axis (``A``'s last, ``B``'s first; ``_WIRE_LAYOUT`` by the factor's name)."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, leaf: _int8_factor(leaf, _WIRE_LAYOUT[path[-1].key]), adapters)
+      lambda path, leaf: quantize(leaf, 1, _WIRE_LAYOUT[path[-1].key]), adapters)
 
 
 _int8_wire_program = jax.jit(_int8_wire)  # one program per version, not ~6 ops per factor
-
-
-def _int8_factor(leaf: Any, layout: str) -> Int8Weight:
-  """An adapter factor (array or ``jax.ShapeDtypeStruct``) on the int8 wire: ``quantize``
-  with the rank as its one output axis (``A``'s last, ``B``'s first); an abstract factor's
-  scales replicated."""
-  if not isinstance(leaf, jax.ShapeDtypeStruct):
-    return quantize(leaf, 1, layout)
-  rank = leaf.shape[-1 if layout == 'in_out' else 0]
-  sharding = leaf.sharding
-  if isinstance(sharding, NamedSharding):
-    sharding = NamedSharding(sharding.mesh, PartitionSpec())
-  return Int8Weight(q=jax.ShapeDtypeStruct(leaf.shape, jnp.int8, sharding=leaf.sharding),
-                    scale=jax.ShapeDtypeStruct((rank,), jnp.float32, sharding=sharding))
 
 
 def wire_factor(factor: Any, name: str) -> jax.Array:
