@@ -446,3 +446,24 @@ def test_reader_sees_gguf_paths_as_strings_or_paths(tiny_files):
   config_from_str, _, _ = gguf_lib.read_gguf(os.fspath(path))
   config_from_path, _, _ = gguf_lib.read_gguf(path)
   assert config_from_str == config_from_path
+
+
+def test_an_unchanged_file_is_parsed_once_and_a_rewritten_one_again(tmp_path):
+  """open_gguf keeps the parsed reader of a file while the file is the same one, unchanged;
+  the same path written again (here with the same size, other values) is parsed again, so a
+  re-exported checkpoint is never read from an old parse."""
+  path = tmp_path / 'model.gguf'
+  _write_gguf(path, 'qwen2', _tiny_hf_state('qwen2', tied=True, seed=0))
+  first = gguf_lib.open_gguf(path)
+  assert gguf_lib.open_gguf(os.fspath(path)) is first
+  _, state_before, _ = gguf_lib.read_gguf(path)
+  size = path.stat().st_size
+  _write_gguf(path, 'qwen2', _tiny_hf_state('qwen2', tied=True, seed=1))
+  assert path.stat().st_size == size
+  again = gguf_lib.open_gguf(path)
+  assert again is not first
+  _, state_after, _ = gguf_lib.read_gguf(path)
+  name = 'model.layers.0.self_attn.q_proj.weight'
+  np.testing.assert_array_equal(state_after[name],
+                                _tiny_hf_state('qwen2', tied=True, seed=1)[name])
+  assert not np.array_equal(state_before[name], state_after[name])
