@@ -7,8 +7,7 @@ The virtualenv (``venv --without-pip``) gets rlax_llm only from the wheel (``pip
 site-packages through a ``.pth`` line, which adds that directory to ``sys.path`` without
 running the ``.pth`` files there, so an editable install of the checkout stays out.
 
-Slow (a wheel build and two launches, about a minute on 2 CPU cores): ``scripts/test.sh`` run
-without arguments (the README's test command, and CI's) runs it alone before the parallel run.
+A wheel build and two launches: about 30 s on 2 CPU cores, in the default test run.
 """
 
 import importlib.util
@@ -22,8 +21,6 @@ import sysconfig
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-pytestmark = pytest.mark.slow
 
 
 def _run(args, cwd, timeout=300):
