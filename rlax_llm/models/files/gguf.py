@@ -40,12 +40,11 @@ Reference: GGUF format, https://github.com/ggml-org/ggml/blob/master/docs/gguf.m
 
 from __future__ import annotations
 
-import collections
+import functools
 import importlib.util
 import os
 import pathlib
 import re
-import threading
 import traceback
 from collections.abc import Mapping
 from typing import Any
@@ -224,14 +223,14 @@ def open_gguf(path: str | os.PathLike[str]) -> Any:
   its header, metadata and tensor-info table (its exceptions are re-raised naming the part of
   the file it was reading); every tensor's data lies inside the file (``_check_tensor_spans``).
   The parsed reader of the last two files is kept and returned again while the file's
-  identity and change times are the same (``_READERS``: parsing is seconds of Python).
+  identity and change times are the same (``_parse_gguf``: parsing is seconds of Python).
 
   Raises:
     ImportError: the ``gguf`` package is missing.
     FileNotFoundError: there is no such file.
     CheckpointError naming the file and what is wrong with it.
   """
-  gguf = _import_gguf()
+  _import_gguf()  # a missing package is the first error
   path = pathlib.Path(path)
   if not path.is_file():
     raise FileNotFoundError(f'no GGUF file at {path}: it does not exist or is not a file.')
@@ -249,32 +248,21 @@ def open_gguf(path: str | os.PathLike[str]) -> Any:
     raise CheckpointError(f'{path} is not a GGUF file: it starts with {head!r}, not the GGUF '
                           f'magic {_GGUF_MAGIC!r}. Pass a llama.cpp .gguf export, or a Hugging '
                           'Face model directory.')
-  key = (str(path.resolve()), stat.st_dev, stat.st_ino, size, stat.st_mtime_ns, stat.st_ctime_ns)
-  with _READERS_LOCK:
-    reader = _READERS.get(key)
-    if reader is None:
-      reader = _parse_gguf(gguf, path, size)
-      _READERS[key] = reader
-      while len(_READERS) > _MAX_CACHED_READERS:
-        _READERS.popitem(last=False)
-    else:
-      _READERS.move_to_end(key)
-  return reader
+  return _parse_gguf(path, size, (stat.st_dev, stat.st_ino, stat.st_mtime_ns, stat.st_ctime_ns))
 
 
 # gguf.GGUFReader parses the metadata in Python, one numpy view per value: 4 s for SmolLM2's
 # 49k-token vocabulary and merges (about 12 s for a 151k-token Qwen file), every time a file
-# is opened. The readers of the last few files are kept (read-only memory maps, so nothing
+# is opened. The readers of the last two files are kept (read-only memory maps, so nothing
 # is loaded until a tensor is read) under the file's identity and change times: a file
 # written again, or another file at the path, is parsed again.
-_MAX_CACHED_READERS = 2
-_READERS: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
-_READERS_LOCK = threading.Lock()
-
-
-def _parse_gguf(gguf: Any, path: pathlib.Path, size: int) -> Any:
+@functools.lru_cache(maxsize=2)
+def _parse_gguf(path: pathlib.Path, size: int, identity: tuple[int, ...]) -> Any:
   """``gguf.GGUFReader(path)`` with its tensor spans checked, a failure raised as one
-  ``CheckpointError`` naming the section of the file that could not be read."""
+  ``CheckpointError`` naming the section of the file that could not be read. ``identity``
+  (device, inode, change times) only keys the cache."""
+  del identity
+  gguf = _import_gguf()
   try:
     reader = gguf.GGUFReader(path)
   except (ValueError, IndexError, KeyError, OverflowError, TypeError) as error:
