@@ -2,14 +2,17 @@ r"""``python -m rlax_llm.serve``: the OpenAI-compatible endpoint over a config's
 
     python -m rlax_llm.serve --config=configs/smollm2.py [--checkpoint=WORKDIR] \
         [--host=127.0.0.1] [--port=8000] [--api_key_env=RLAX_API_KEY] \
-        [--episodes=episodes.jsonl]
+        [--allow_unauthenticated_network] [--max_request_mib=4] [--episodes=episodes.jsonl]
 
 serves the params the config loads (or a run's checkpoint, as ``python -m rlax_llm.evaluate``
 picks them: ``evaluate.policy_worker``) on one inference worker with the config's sampling
 limits (``sampling.max_prompt_len``, ``sampling.max_new_tokens``, ``rollout.slots``), prints
 one JSON line with the ``base_url``, and appends every closed episode's trajectories to
 ``--episodes`` (one JSON object per trajectory) until SIGTERM or SIGINT. The bearer token is
-read from the environment variable ``--api_key_env`` names, never from the command line.
+read from the environment variable ``--api_key_env`` names, never from the command line; a
+``--host`` other machines can reach without one is refused before the model loads, unless
+``--allow_unauthenticated_network`` says the network is trusted. Request bodies over
+``--max_request_mib`` MiB are refused (413).
 """
 
 from __future__ import annotations
@@ -43,20 +46,29 @@ def trajectory_record(name: str, trajectory) -> dict:
 
 def serve(config: ml_collections.ConfigDict, *, checkpoint: str | None = None,
           host: str = '127.0.0.1', port: int = 8000, api_key: str | None = None,
-          episodes: str | None = None, stop: threading.Event | None = None,
+          allow_unauthenticated_network: bool = False,
+          max_request_bytes: int | None = None, episodes: str | None = None,
+          stop: threading.Event | None = None,
           started: Callable[[str], None] | None = None) -> None:
   """Serves the config's policy until ``stop`` is set (default: SIGTERM or SIGINT), writing
-  closed episodes to the JSONL file ``episodes`` (``trajectory_record``). ``started(base_url)`` is called once the
-  endpoint accepts requests."""
+  closed episodes to the JSONL file ``episodes`` (``trajectory_record``).
+  ``started(base_url)`` is called once the endpoint accepts requests. A ``host`` that is not
+  loopback without an ``api_key`` is a ConfigError, before the model loads, unless
+  ``allow_unauthenticated_network``. ``max_request_bytes``: the largest request body taken
+  (None: ``Endpoint``'s default, 4 MiB)."""
   # pylint: disable=import-outside-toplevel  # jax, fastapi and the model: after validation
+  from rlax_llm.serve.http_server import check_exposure
   from rlax_llm.serve.openai_api import Endpoint
+  check_exposure(host, api_key, allow_unauthenticated_network)
   _, _, worker = evaluate.policy_worker(config, checkpoint)
   if stop is None:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
       signal.signal(signum, lambda *_: stop.set())
   endpoint = Endpoint(worker, model_name=config.model.name, api_key=api_key, host=host,
-                      port=port, seed=config.seed)
+                      port=port, allow_unauthenticated_network=allow_unauthenticated_network,
+                      seed=config.seed, **({} if max_request_bytes is None else
+                                           {'max_request_bytes': max_request_bytes}))
 
   def drain():
     closed = endpoint.recorder.take()
@@ -76,10 +88,12 @@ def serve(config: ml_collections.ConfigDict, *, checkpoint: str | None = None,
 _USAGE = """\
 usage: python -m rlax_llm.serve [--config=PATH[:VARIANT]] [--config.KEY=VALUE ...]
                                 [--checkpoint=PATH] [--host=127.0.0.1] [--port=8000]
-                                [--api_key_env=NAME] [--episodes=FILE.jsonl]
+                                [--api_key_env=NAME] [--allow_unauthenticated_network]
+                                [--max_request_mib=4] [--episodes=FILE.jsonl]
 
 Serves a policy behind an OpenAI-compatible API (docs/serving.md) and records every call's
-tokens, log-probs and versions under an episode id for RL."""
+tokens, log-probs and versions under an episode id for RL. A --host other machines can
+reach needs --api_key_env, or --allow_unauthenticated_network on a trusted network."""
 
 
 def main(argv: Sequence[str]) -> None:
@@ -97,6 +111,11 @@ def main(argv: Sequence[str]) -> None:
   port = flags.DEFINE_integer('port', 8000, 'Port to listen on.', flag_values=values)
   key_env = flags.DEFINE_string('api_key_env', None, 'Environment variable holding the bearer '
                                 'token clients must send.', flag_values=values)
+  trusted = flags.DEFINE_bool('allow_unauthenticated_network', False, 'Serve a --host that '
+                              'is not loopback without a token (a trusted network only).',
+                              flag_values=values)
+  max_mib = flags.DEFINE_float('max_request_mib', None, 'Largest request body taken, in MiB '
+                               '(larger: 413; default 4).', flag_values=values)
   episodes = flags.DEFINE_string('episodes', None, 'Append closed episodes\' trajectories '
                                  'to this JSONL file.', flag_values=values)
   try:
@@ -110,9 +129,13 @@ def main(argv: Sequence[str]) -> None:
       if not api_key:
         raise ConfigError(f'--api_key_env={key_env.value} names an environment variable that '
                           'is not set; export it with the bearer token clients will send.')
+    max_bytes = None if max_mib.value is None else int(max_mib.value * 2**20)
+    if max_bytes is not None and max_bytes < 1:
+      raise ConfigError(f'--max_request_mib={max_mib.value} must be > 0 (default 4).')
     config = evaluate.config_for(config_args, checkpoint.value)
     serve(config, checkpoint=checkpoint.value, host=host.value, port=port.value,
-          api_key=api_key, episodes=episodes.value,
+          api_key=api_key, allow_unauthenticated_network=trusted.value,
+          max_request_bytes=max_bytes, episodes=episodes.value,
           started=lambda url: print(json.dumps({'base_url': url}), flush=True))
   except RlaxError as e:
     raise SystemExit(f'error: {e}') from None

@@ -47,3 +47,40 @@ def test_an_api_key_variable_that_is_not_set_is_an_error(monkeypatch, capsys):
     serve_main.main(['serve', '--api_key_env=RLAX_TEST_KEY'])
   serve_main.main(['serve', '--help'])
   assert 'usage: python -m rlax_llm.serve' in capsys.readouterr().out
+
+
+def test_a_network_host_without_a_token_is_refused_before_the_model_loads(monkeypatch):
+  loaded = []
+  monkeypatch.setattr(serve_main.evaluate, 'policy_worker', lambda *a: loaded.append(a))
+  with pytest.raises(SystemExit) as raised:
+    serve_main.main(['serve', '--host=0.0.0.0'])
+  message = str(raised.value)
+  assert message == ('error: --host=0.0.0.0 is not a loopback address and no token is set, so '
+                     'anyone on the network could use the model: set a token '
+                     '(--api_key_env=NAME; Endpoint(api_key=...)), or, on a trusted network, '
+                     'pass --allow_unauthenticated_network '
+                     '(Endpoint(allow_unauthenticated_network=True)).')
+  assert not loaded
+  with pytest.raises(SystemExit, match='--max_request_mib=0.0 must be > 0'):
+    serve_main.main(['serve', '--max_request_mib=0'])
+
+
+def test_a_trusted_network_flag_serves_without_a_token(monkeypatch):
+  """--allow_unauthenticated_network: the endpoint is built on 0.0.0.0 with no token, with
+  the --max_request_mib cap."""
+  built = {}
+
+  class Stop(Exception):
+    pass
+
+  def endpoint(worker, **kwargs):
+    built.update(kwargs)
+    raise Stop
+
+  monkeypatch.setattr(serve_main.evaluate, 'policy_worker', lambda *a: (None, None, None))
+  monkeypatch.setattr('rlax_llm.serve.openai_api.Endpoint', endpoint)
+  with pytest.raises(Stop):
+    serve_main.main(['serve', '--host=0.0.0.0', '--allow_unauthenticated_network',
+                     '--max_request_mib=0.5'])
+  assert built['host'] == '0.0.0.0' and built['api_key'] is None
+  assert built['allow_unauthenticated_network'] and built['max_request_bytes'] == 2**19
