@@ -56,7 +56,8 @@ from rlax_llm.serve import chat_prompts, openai_responses as responses
 from rlax_llm.serve.http_server import (DEFAULT_MAX_REQUEST_BYTES, ApiError, ServerThread,
                                         check_exposure, read_json_body)
 from rlax_llm.serve.open_episodes import EPISODE_HEADER, OpenEpisodes
-from rlax_llm.serve.openai_requests import check_request, sampling_params, text_prompt
+from rlax_llm.serve.openai_requests import (check_request, reward_fields, sampling_params,
+                                            text_prompt)
 from rlax_llm.serve.recorder import Call, EpisodeRecorder, RewardFn
 from rlax_llm.serve.scheduler import Busy, Scheduler, Ticket
 
@@ -235,22 +236,10 @@ class Endpoint:
 
   def _close(self, episode_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
     """``POST /v1/episodes/{id}/reward``: closes the episode (``EpisodeRecorder.close``)."""
-    value, turns = body.get('reward'), body.get('turn_rewards')
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-      raise ApiError(400, f'reward must be a number (or null to use the endpoint\'s '
-                     f'reward_fn); got {value!r}.', param='reward')
-    if turns is not None and (not isinstance(turns, list) or not all(
-        isinstance(r, (int, float)) and not isinstance(r, bool) for r in turns)):
-      raise ApiError(400, f'turn_rewards must be a list of numbers, one per call; got '
-                     f'{turns!r:.100}.', param='turn_rewards')
-    ids = {name: body.get(name) for name in ('group_id', 'prompt_id')}
-    for name, given in ids.items():
-      if given is not None and (isinstance(given, bool) or not isinstance(given, int)):
-        raise ApiError(400, f'{name} must be an int; got {given!r}.', param=name)
+    value, turns, group_id, prompt_id = reward_fields(body)
     try:
-      episode = self.recorder.close(episode_id, value, turns, group_id=ids['group_id'],
-                                    prompt_id=-1 if ids['prompt_id'] is None
-                                    else ids['prompt_id'])
+      episode = self.recorder.close(episode_id, value, turns, group_id=group_id,
+                                    prompt_id=prompt_id)
     except KeyError:
       raise ApiError(404, f'no open episode {episode_id!r}: it has no calls or was closed '
                      'already.', code='episode_not_found') from None

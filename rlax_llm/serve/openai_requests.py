@@ -19,7 +19,7 @@ its sampling parameters, and a completion's prompt ids.
 
 ``sampling_params`` then turns the request into the engine's sampling spec, length cap and
 stop ids (what the sampler cannot do is a 400 naming the parameter); ``text_prompt`` a
-completion's prompt into ids.
+completion's prompt into ids; ``reward_fields`` checks an episode's closing request.
 """
 
 from __future__ import annotations
@@ -300,3 +300,22 @@ def text_prompt(body: Mapping[str, Any], tokenizer: Tokenizer, vocab_size: int) 
   if not ids:
     raise ApiError(400, 'the prompt is empty.', param='prompt')
   return ids
+
+
+def reward_fields(body: Mapping[str, Any]
+                  ) -> tuple[float | None, list[float] | None, int | None, int]:
+  """An episode's closing request (``POST /v1/episodes/{id}/reward``) checked: ``(reward or
+  None (the endpoint's reward_fn), turn_rewards or None, group_id or None, prompt_id (-1 when
+  absent))``; ApiError 400 naming a field of the wrong type."""
+  value, turns = body.get('reward'), body.get('turn_rewards')
+  if value is not None and not _is_number(value):
+    raise ApiError(400, f'reward must be a number (or null to use the endpoint\'s '
+                   f'reward_fn); got {value!r}.', param='reward')
+  if turns is not None and (not isinstance(turns, list) or not all(map(_is_number, turns))):
+    raise ApiError(400, f'turn_rewards must be a list of numbers, one per call; got '
+                   f'{turns!r:.100}.', param='turn_rewards')
+  for name in ('group_id', 'prompt_id'):
+    if body.get(name) is not None and not _is_int(body[name]):
+      raise ApiError(400, f'{name} must be an int; got {body[name]!r}.', param=name)
+  prompt_id = body.get('prompt_id')
+  return value, turns, body.get('group_id'), -1 if prompt_id is None else prompt_id

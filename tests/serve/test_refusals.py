@@ -122,6 +122,18 @@ def test_a_malformed_chat_field_is_a_400_naming_it(endpoint, fields, param):
   assert error['message'].startswith(param), error['message']
 
 
+@pytest.mark.parametrize('fields, param', [({'reward': 'high'}, 'reward'),
+                                           ({'reward': True}, 'reward'),
+                                           ({'turn_rewards': [1, 'x']}, 'turn_rewards'),
+                                           ({'group_id': 1.5}, 'group_id'),
+                                           ({'prompt_id': '3'}, 'prompt_id')])
+def test_a_malformed_reward_field_is_a_400_naming_it(endpoint, fields, param):
+  response = post(endpoint, fields, route='episodes/e/reward')
+  assert response.status_code == 400, response.text
+  assert response.json()['error']['param'] == param
+  assert post(endpoint, {'reward': 1}, route='episodes/e/reward').status_code == 404
+
+
 def test_the_openai_client_gets_its_own_error_naming_the_field(endpoint):
   chat = openai_client(endpoint).chat.completions
   with pytest.raises(openai.BadRequestError, match=r"messages\[1\]\.role: 'robot' is not a "
