@@ -7,6 +7,7 @@ malformed call. It is sampled by our engine (temperature 1, seeded), so the traj
 compares the recorded tokens with the ids the driver really returned.
 """
 
+import collections
 import concurrent.futures
 import json
 import threading
@@ -26,6 +27,8 @@ from rlax_llm.models.files.tokenizer import HFTokenizer
 from rlax_llm.models.model import create_model
 from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.sampling_spec import SamplingSpec
+from rlax_llm.serve import chat_prompts
+from rlax_llm.serve.http_server import ApiError
 from rlax_llm.serve.openai_api import Endpoint
 from rlax_llm.serve.recorder import Call, EpisodeRecorder, stitch
 from rlax_llm.serve.scheduler import Busy, Scheduler
@@ -497,3 +500,21 @@ def test_stitch_extends_where_prompts_match_and_splits_where_they_do_not():
   assert recorder.close('e', 1.0).trajectories[0].episode_return == 1.0
   with pytest.raises(ValueError, match='2 completion ids but 1 log-probs'):
     Call((1,), (2, 3), (0.0,), (1, 1), (0, 0), 'stop')
+
+
+def test_messages_the_template_refuses_are_a_400_naming_messages():
+  """Well-formed messages that the checkpoint's template itself raises on (a template that
+  wants the user first) are a 400 on ``messages`` with the template's reason."""
+  strict = ("{%- if messages[0].role != 'user' %}{{- raise_exception('the user speaks "
+            "first') }}{%- endif %}" + TEMPLATE)
+  tok = HFTokenizer(make_tokenizer().backend, eos_token='<|im_end|>', pad_token='<pad>',
+                    unk_token='[UNK]', chat_template=strict)
+  stats = collections.Counter()
+  ids, _ = chat_prompts.chat_prompt(tok, 'qwen', QUESTION, None, None, stats)
+  assert ids == tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True)
+  with pytest.raises(ApiError, match='cannot be rendered by the chat template: .*the user '
+                     'speaks first') as raised:
+    chat_prompts.chat_prompt(tok, 'qwen', [{'role': 'system', 'content': 'hi'}] + QUESTION,
+                             None, None, stats)
+  assert (raised.value.status, raised.value.param) == (400, 'messages')
+  assert not stats  # nothing spliced: no episode state
