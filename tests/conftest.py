@@ -67,6 +67,8 @@ LONGEST_FILES = (
     'tests/backends/test_ray_resume.py',
     'tests/backends/test_ray_gang.py',
     'tests/test_multihost.py',
+    'tests/test_default_run.py',
+    'tests/test_lora_resume.py',
     'tests/test_resume.py',
     'tests/test_storage.py',
     'tests/rollout/test_worker.py',

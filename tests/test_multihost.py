@@ -4,9 +4,9 @@
 Every process runs the same command on the same workdir (``rlax_llm/distributed.py``):
 process 0 claims the workdir and writes the run's files, every process writes its part of the
 Orbax checkpoints, the trainer's mesh spans all 4 devices. The runs are subprocesses; the
-ones that train are ``slow`` (a minute or more each on a 2-core machine) and run one at a
-time; the default run keeps the fast cases (a job that starts and evaluates, a second job
-refused).
+4-step runs that train and checkpoint are ``slow`` (a minute or more each on a 2-core
+machine) and run one at a time; the default run keeps a 2-step job against 1 process and a
+second job refused.
 """
 
 import json
@@ -112,18 +112,27 @@ def _assert_job_files(workdir: pathlib.Path, results) -> None:
   assert json.loads((workdir / 'summary.json').read_text())['steps'] >= 0
 
 
-def test_a_two_process_job_starts_on_one_workdir_and_evaluates(tmp_path):
+# The CI case: 2 RL steps, no checkpoints (the slow tests below run 4 steps with checkpoints).
+SHORT = ('--config.total_steps=2', '--config.checkpoint.every_steps=0')
+
+
+def test_two_processes_train_two_steps_as_one_process_with_four_devices(tmp_path):
   """Both processes run the same command on the same workdir: process 0 claims it for the
-  job (process 1 is not refused), the trainer (mesh over both processes) pushes its version
-  (gathered for each process's worker), every process evaluates the same accuracy."""
-  workdir = tmp_path / 'wd'
-  results = _launch(workdir, 2, '--config.total_steps=0', '--config.warmup.steps=0',
-                    '--config.checkpoint.every_steps=0', timeout=240)
+  job (process 1 is not refused), the trainer (mesh over both processes) pushes its versions
+  (gathered for each process's worker), every process evaluates the same accuracy; the 2
+  steps' rewards equal those of 1 process x 4 devices, the losses within 1e-6, the ledger
+  (prompts, versions) is the same."""
+  two, one = tmp_path / 'two', tmp_path / 'one'
+  results = _launch(two, 2, *SHORT)
   _ok(results)
   assert 'jax.distributed: process 1 of 2, 2 local / 4 global devices' in results[1][2]
   assert "trainer mesh {'data': 4" in results[1][2]
-  assert json.loads((workdir / 'config.json').read_text())['distributed']['num_processes'] == 2
-  _assert_job_files(workdir, results)
+  assert json.loads((two / 'config.json').read_text())['distributed']['num_processes'] == 2
+  _assert_job_files(two, results)
+  _ok(_launch(one, 1, *SHORT))
+  assert [row['step'] for row in _rows(two)] == [1, 2]
+  _assert_same_training(_rows(two), _rows(one), steps={1, 2})
+  assert _ledger(two) == _ledger(one)
 
 
 def test_a_second_job_on_a_busy_workdir_fails_in_every_process(tmp_path):
@@ -161,7 +170,9 @@ def runs(tmp_path_factory):
 @pytest.mark.slow
 def test_two_processes_train_as_one_process_with_four_devices(runs):
   """(a) The 2-process run's per-step rewards equal the 1-process x 4-device run's, its
-  losses agree within 1e-6, its ledger (prompts, versions) is the same."""
+  losses agree within 1e-6, its ledger (prompts, versions) is the same. More than the CI
+  case above: 4 steps with a batch in flight (k=2) and checkpoints written by both processes
+  every 2 steps (the runs the other slow tests resume from)."""
   two, one = runs('two'), runs('one')
   assert [row['step'] for row in _rows(two)] == [1, 2, 3, 4]
   _assert_same_training(_rows(two), _rows(one), steps={1, 2, 3, 4})

@@ -21,6 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from rlax_llm import storage
 from rlax_llm.backends import local as local_backend
 from rlax_llm.config import run_spec
 from rlax_llm.errors import Preempted
@@ -206,7 +207,7 @@ def _wait_for_rows(workdir, rows, proc, timeout=60):
 def _final_params(workdir):
   steps = workdir / 'checkpoints' / 'steps'
   last = max(int(p.name) for p in steps.iterdir() if p.name.isdigit())
-  return ocp.StandardCheckpointer().restore((steps / str(last) / 'params').absolute())
+  return ocp.StandardCheckpointer().restore(storage.absolute(steps / str(last) / 'params'))
 
 
 def assert_same_params(params, ref):

@@ -5,27 +5,21 @@ benchmarks (``pytest -m slow``), not in the default test command.
 """
 
 import json
-import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from one_device import ROOT, one_device_env  # tests/one_device.py
 
 
 @pytest.mark.slow
 def test_smollm2_smoke_run(tmp_path):
-  env = dict(os.environ, PYTHONPATH=str(ROOT))
   # One CPU device, as a user runs it: the suite's 8 fake devices would make the trainer
   # mesh data=8 and replicate the 135M params and their Adam moments 8 times (over 24 GB).
-  env['XLA_FLAGS'] = ' '.join(flag for flag in env.get('XLA_FLAGS', '').split()
-                              if not flag.startswith('--xla_force_host_platform_device_count'))
   result = subprocess.run(
       [sys.executable, '-m', 'rlax_llm.launch', '--config=configs/smollm2.py:smoke',
-       f'--workdir={tmp_path / "wd"}'], cwd=ROOT, env=env, capture_output=True, text=True,
-      timeout=600)
+       f'--workdir={tmp_path / "wd"}'], cwd=ROOT, env=one_device_env(), capture_output=True,
+      text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   summary = json.loads((tmp_path / 'wd' / 'summary.json').read_text())
   assert summary['steps'] == 2

@@ -19,7 +19,17 @@ import gcs_emulator  # tests/gcs_emulator.py
 import jax
 import numpy as np
 import pytest
-from test_resume import WARMUP, Preempt, _launch, _wait_for_rows, read, run_once, smoke
+from test_resume import (
+  WARMUP,
+  Preempt,
+  _final_params,
+  _launch,
+  _wait_for_rows,
+  assert_same_params,
+  read,
+  run_once,
+  smoke,
+)
 
 from rlax_llm import storage
 from rlax_llm import workdir as workdir_lib
@@ -320,20 +330,21 @@ def test_a_second_launch_on_a_held_gcs_workdir_is_refused(gs):
 def test_sigterm_then_relaunch_on_gcs_resumes(gs, tmp_path):
   """A real SIGTERM to ``python -m rlax_llm.launch --workdir=gs://...``: it exits 0 with a
   checkpoint on gs:// and its lease released; the same command again resumes and ends equal
-  to the uninterrupted (local) run."""
-  proc = _launch(gs)
-  run_once(smoke(), tmp_path, None)  # the reference, meanwhile
-  ref_metrics, ref_ledger = read(tmp_path)
+  to the uninterrupted (local) run: per-step metrics, ledger and the final checkpoint's params
+  bit for bit. (The CI counterpart of the slow test above, which also preempts in the warm-up
+  and resumes twice.)"""
   workdir = storage.path(gs)
-  _wait_for_rows(workdir, 1, proc, timeout=120)
+  proc = _launch(gs)
+  _wait_for_rows(workdir, 1, proc, timeout=300)
   proc.send_signal(signal.SIGTERM)
-  out, _ = proc.communicate(timeout=120)
+  out, _ = proc.communicate(timeout=300)
   assert proc.returncode == 0, out[-3000:]
   assert storage.read_lease(f'{gs}/.lock') is None  # released on the way out
   steps = len(read_metrics(workdir))
-  proc = _launch(gs)
-  out, _ = proc.communicate(timeout=120)
-  assert proc.returncode == 0, out[-3000:]
-  metrics, ledger = read(workdir)
-  assert metrics == ref_metrics and ledger == ref_ledger
   assert steps < 5, 'the SIGTERM came after the last step: nothing was resumed'
+  proc = _launch(gs)
+  _, ref_params = run_once(smoke(), tmp_path, None)  # the reference, meanwhile
+  out, _ = proc.communicate(timeout=300)
+  assert proc.returncode == 0, out[-3000:]
+  assert read(workdir) == read(tmp_path)
+  assert_same_params(_final_params(workdir), ref_params)

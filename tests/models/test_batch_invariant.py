@@ -19,8 +19,11 @@ from rlax_llm.models.numerics import INVARIANT_KEYS, invariant_matmul
 from rlax_llm.models.model import create_model
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.trainer.scoring import Policy
+from rlax_llm.rollout.driver import Driver, Job, VersionedParams
 from rlax_llm.rollout.engine import Engine
 from rlax_llm.sharding import activation_sharding, make_mesh, param_shardings
+
+from parity import trainer_logprobs  # tests/parity.py
 
 # SmolLM2-135M's layer shapes (GQA, 3 query heads per kv head), two layers.
 GQA = DecoderConfig(vocab_size=1000, num_layers=2, embed_dim=576, num_heads=9, num_kv_heads=3,
@@ -103,6 +106,32 @@ FLOOR = dict(invariant_rows='floor')  # weight matmuls of at least 64 rows inste
 def test_logits_are_bitwise_equal_across_batches_padding_and_caches(config):
   gaps = _comparisons(config)
   assert all(g == 0.0 for g in gaps.values()), str(gaps)
+
+
+def test_behaviour_logprobs_equal_the_trainer_bitwise_on_smollm2_shapes():
+  """The default ``'chunks'`` rows on SmolLM2-135M's layer shapes (GQA; the slow case of
+  tests/rollout/test_engine_smollm2.py runs it on the real 30-layer model): 8 prompts of 5
+  to 40 tokens sampled at temperature 1 in 8 slots, sequences crossing into the cache's
+  second block; the trainer's recompute of the 8 rows in one batch padded to 96 positions
+  gives the worker's behaviour log-probs bit for bit."""
+  model, params = create_model(GQA, seed=0)
+  assert model.config.execution.invariant_rows == 'chunks'  # the default
+  rng = np.random.RandomState(6)
+  prompts = [tuple(rng.randint(1, GQA.vocab_size, n)) for n in (5, 9, 13, 17, 25, 29, 33, 40)]
+  engine = Engine(model, make_mesh({'data': 1}, jax.devices()[:1]), slots=8,
+                  max_prefill_length=40, max_decode_length=40, pad_id=0)
+  assert engine.model is model and engine.block_length == INVARIANT_KEYS
+  holder = VersionedParams()
+  holder.set(0, engine.place_params(params))
+  spec = SamplingSpec(1.0)
+  keys = [np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(1), i)))[None]
+          for i in range(len(prompts))]
+  jobs = [Job(p, 1, spec, 40, (), k) for p, k in zip(prompts, keys)]
+  pairs = [(p, samples[0]) for p, samples in zip(prompts, Driver(engine, holder).run(jobs))]
+  assert sum(len(p) + len(s.tokens) > INVARIANT_KEYS for p, s in pairs) == 4  # 40 tokens each
+  score = jax.jit(Policy(model, spec).sequence_log_probs)
+  for (_, sample), trainer in zip(pairs, trainer_logprobs(score, params, pairs, 96)):
+    np.testing.assert_array_equal(trainer, np.asarray(sample.logprobs, np.float32))
 
 
 def test_the_default_numerics_differ_on_the_same_comparisons():
