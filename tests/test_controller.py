@@ -27,6 +27,7 @@ from rlax_llm.trainer.trainer import Trainer
 from rlax_llm.verifiers import as_reward, score_completions
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+CONTROLLER = pathlib.Path(controller_lib.__file__).parent  # the package's modules
 
 
 def _smoke_config(steps=2):
@@ -122,8 +123,8 @@ def test_no_parameter_bytes_pass_through_the_controller(tmp_path, monkeypatch):
 
   def spy(name, method):
     def wrapped(*args, **kwargs):
-      stack = {frame.filename for frame in traceback.extract_stack()}
-      calls.append((name, threading.current_thread().name, controller_lib.__file__ in stack))
+      stack = {pathlib.Path(frame.filename).parent for frame in traceback.extract_stack()}
+      calls.append((name, threading.current_thread().name, CONTROLLER in stack))
       return method(*args, **kwargs)
     return wrapped
 
@@ -185,7 +186,7 @@ def test_state_restores_the_run_exactly(tmp_path, replay):
   full_config.rollout.replay = replay
   with build_run(full_config, tmp_path / 'full', run_spec(full_config)) as run:
     if replay:
-      run.controller.task = _CoinTask(num_eval=16)
+      run.controller.kind.task = _CoinTask(num_eval=16)
     run.execute()
   full = read_metrics(tmp_path / 'full' / 'metrics.jsonl')
 
@@ -193,7 +194,7 @@ def test_state_restores_the_run_exactly(tmp_path, replay):
   config.rollout.replay = replay
   with build_run(config, tmp_path / 'first', run_spec(config)) as run:
     if replay:
-      run.controller.task = _CoinTask(num_eval=16)
+      run.controller.kind.task = _CoinTask(num_eval=16)
     run.execute()
     state = ControllerState.from_dict(run.controller.state().to_dict())  # a JSON round trip
     params = run.controller.trainer.host_params().result()
@@ -206,7 +207,7 @@ def test_state_restores_the_run_exactly(tmp_path, replay):
   with build_run(config, tmp_path / 'second', run_spec(config)) as run:
     ctl = run.controller
     if replay:
-      ctl.task = _CoinTask(num_eval=16)
+      ctl.kind.task = _CoinTask(num_eval=16)
     trainer = ctl.trainer.trainer
     ctl.trainer.load(jax.device_put(params, trainer.param_shardings),
                      jax.device_put(opt_state),
@@ -229,7 +230,7 @@ def test_a_diverging_rl_run_stops_naming_the_step(tmp_path):
   config = _smoke_config(steps=20)
   config.rl.learning_rate = 1e10
   with build_run(config, tmp_path, run_spec(config)) as run:
-    run.controller.task = _CoinTask(num_eval=16)
+    run.controller.kind.task = _CoinTask(num_eval=16)
     with pytest.raises(NonFiniteError, match=r'RL step \d+: 3 consecutive updates were '
                                              r'non-finite'):
       run.execute()
@@ -250,7 +251,7 @@ def test_dynamic_sampling_pads_short_batches_to_one_shape(tmp_path):
   config = _smoke_config(steps=6)
   config.rollout.oversample = 0.5  # 6 prompts per batch for 4 trained groups
   with build_run(config, tmp_path, run_spec(config)) as run:
-    run.controller.task = _SparseTask(num_eval=16)
+    run.controller.kind.task = _SparseTask(num_eval=16)
     run.execute()
   rows = read_metrics(tmp_path / 'metrics.jsonl')
   updates = [r for r in rows if r['rollout/trained_groups']]
@@ -269,9 +270,9 @@ def test_replay_reasks_prompts_whose_groups_had_unequal_rewards(tmp_path):
   config = _smoke_config(steps=6)
   config.rollout.replay = 0.5  # at most 2 of the 4 prompts per batch
   with build_run(config, tmp_path, run_spec(config)) as run:
-    run.controller.task = _SparseTask(num_eval=16)
+    run.controller.kind.task = _SparseTask(num_eval=16)
     run.execute()
-    pool = list(run.controller._replay)  # pylint: disable=protected-access
+    pool = list(run.controller.kind.replay)
   rows = read_metrics(tmp_path / 'metrics.jsonl')
   ledger = [json.loads(line) for line in (tmp_path / 'ledger.jsonl').read_text().splitlines()]
   seen, stream = set(), []
