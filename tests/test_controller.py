@@ -121,10 +121,13 @@ def test_no_parameter_bytes_pass_through_the_controller(tmp_path, monkeypatch):
   config.checkpoint.every_steps, config.checkpoint.every_seconds = 2, 0.0
   calls, generate_args = [], []
 
+  def from_controller():  # a frame of the controller package's modules on the stack
+    return CONTROLLER in {pathlib.Path(frame.filename).parent
+                          for frame in traceback.extract_stack()}
+
   def spy(name, method):
     def wrapped(*args, **kwargs):
-      stack = {pathlib.Path(frame.filename).parent for frame in traceback.extract_stack()}
-      calls.append((name, threading.current_thread().name, CONTROLLER in stack))
+      calls.append((name, threading.current_thread().name, from_controller()))
       return method(*args, **kwargs)
     return wrapped
 
@@ -138,7 +141,9 @@ def test_no_parameter_bytes_pass_through_the_controller(tmp_path, monkeypatch):
     monkeypatch.setattr(Checkpointer, 'save', spy('checkpoint', Checkpointer.save))
     ctl.workers = [ArgsSpy(w, generate_args) for w in ctl.workers]
     trainer_save = ctl.trainer.save
-    ctl.trainer.save = lambda *args: save_args.append(args) or trainer_save(*args)
+    # The controller asks for saves: the check above sees its frames (it is not vacuous).
+    ctl.trainer.save = lambda *args: (save_args.append((*args, from_controller()))
+                                      or trainer_save(*args))
     run.execute()
     server = ctl.trainer.server
   rows = read_metrics(tmp_path / 'metrics.jsonl')
@@ -154,8 +159,9 @@ def test_no_parameter_bytes_pass_through_the_controller(tmp_path, monkeypatch):
   assert sum(name == 'update' for name, _, _ in calls) == rows[-1]['sync/updates'] > 4
   # Checkpoints after steps 2 and 4, written by the trainer's thread; the controller handed
   # over its step, its JSON state and the rollouts' arrays (the batch in flight: k = 2).
-  assert [step for step, _, _ in save_args] == [2, 4] and checkpoint.latest_step(tmp_path) == 4
-  for _, state, rollouts in save_args:
+  assert [step for step, *_ in save_args] == [2, 4] and checkpoint.latest_step(tmp_path) == 4
+  assert all(asked for *_, asked in save_args)
+  for _, state, rollouts, _ in save_args:
     assert set(state) == set(ControllerState.__dataclass_fields__)
     assert json.loads(json.dumps(state)) == state
     assert set(rollouts) == {f'inflight_{n}' for n in range(len(state['inflight']))}
