@@ -7,7 +7,9 @@ r"""``python -m rlax_llm.evaluate``: evaluates a policy on a task's held-out spl
 evaluates the params the config loads (an HF directory, hub id or GGUF file at
 ``model.path``, or the seeded init of the tiny model), or with ``--checkpoint`` the params saved there
 (``load_policy_params``, the one function that reads a checkpoint), and prints the metrics of
-``rlax_llm.evaluation.evaluate_policy`` as one JSON line.
+``rlax_llm.evaluation`` as one JSON line: a task's ``evaluate_policy``, an environment run's
+(``env.name``) ``evaluate_episodes`` (greedy held-out episodes, ``eval/success``), as the
+run's own evaluation computes them (``evaluate_config``).
 
 The config: with ``--checkpoint`` inside a run's workdir and no ``--config``, the run's own
 ``config.json`` (the model, task and sampling it trained with); ``--config.KEY=VALUE``
@@ -125,20 +127,72 @@ def policy_worker(config: ml_collections.ConfigDict, checkpoint: str | None = No
   return spec, task, worker
 
 
+class HeldPolicy:
+  """One in-process inference worker as the ``WorkerHandle`` of ``rlax_llm.controller``: it
+  holds the evaluated params as its only version (0, ``policy_worker``), so it pulls nothing;
+  each call runs at once. ``episodes`` and ``make_env``: an environment run's
+  ``EpisodeSettings`` and ``roles.env_factory`` (to ``play`` with)."""
+
+  def __init__(self, worker: InferenceWorker, episodes, make_env):
+    self.worker = worker
+    self.episodes = episodes
+    self.make_env = make_env
+
+  def generate(self, requests, rng_data, version, stop_after=None, first=0):
+    """``InferenceWorker.generate`` with the held params (``version`` is 0)."""
+    # pylint: disable=import-outside-toplevel  # jax and the model code: after validation
+    import jax
+
+    from rlax_llm.controller.protocols import done
+    self._check(version)
+    return done(self.worker.generate(requests, jax.random.wrap_key_data(rng_data), stop_after,
+                                     first))
+
+  def play(self, requests, rng_data, version, first=0):
+    """``roles.play_requests`` with the held params (``version`` is 0)."""
+    # pylint: disable=import-outside-toplevel  # jax and the model code: after validation
+    from rlax_llm import roles
+    from rlax_llm.controller.protocols import done
+    self._check(version)
+    return done(roles.play_requests(self.worker, self._no_pull, requests, rng_data, version,
+                                    first, self.episodes, self.make_env))
+
+  def retire(self) -> None:
+    """Nothing to stop: the calls ran in this thread."""
+
+  def _check(self, version) -> None:
+    if version != self.worker.version:
+      raise ValueError(f'the evaluated policy holds version {self.worker.version} only; a '
+                       f'call named version {version!r}.')
+
+  def _no_pull(self, version: int, held: int):
+    raise RuntimeError(f'the evaluated policy holds version {self.worker.version} only and '
+                       f'has no parameter server to pull version {version} from (held: {held}).')
+
+
 def evaluate_config(config: ml_collections.ConfigDict, checkpoint: str | None = None
                     ) -> dict[str, float]:
   """Builds the config's task, model and one inference worker, loads ``checkpoint`` when
-  given, and returns ``evaluate_policy``'s metrics on the held-out split."""
+  given, and returns the held-out metrics of the run's rollout kind
+  (``rlax_llm.controller.rollout_kind``: a task's ``evaluation.evaluate_policy``, an
+  environment run's ``evaluation.evaluate_episodes``), evaluated as a run evaluates: same
+  prompts, requests and keys (the root key of ``config.seed``)."""
   # pylint: disable=import-outside-toplevel  # jax and the model code: after validation
   import jax
+  import numpy as np
 
-  from rlax_llm.evaluation import evaluate_policy
+  from rlax_llm import roles
+  from rlax_llm.controller import rollout_kind
   spec, task, worker = policy_worker(config, checkpoint)
   settings = spec.controller
-  return evaluate_policy(
-      task, task.eval_prompts(), worker.generate, sampling=settings.sampling,
-      samples=settings.eval_samples, max_new_tokens=settings.max_new_tokens,
-      key=jax.random.key(config.seed))
+  kind = rollout_kind(settings, task)
+  policy = HeldPolicy(worker, settings.episodes, roles.env_factory(config, worker.tokenizer))
+
+  def run(requests, key):
+    rng_data = np.asarray(jax.random.key_data(key))
+    return kind.merge([kind.submit(policy, requests, rng_data, worker.version, None, 0).result()])
+
+  return kind.evaluate(run, task.eval_prompts(), jax.random.key(config.seed))
 
 
 _USAGE = """\

@@ -1,8 +1,10 @@
-"""Held-out evaluation of a policy: greedy accuracy, mean@k and unbiased pass@k.
+"""Held-out evaluation of a policy: greedy accuracy, mean@k and unbiased pass@k of a task's
+completions; greedy episode success of an environment's episodes.
 
-``evaluate_policy`` is pure over a generate function (the controller routes it to a live
-inference worker every ``eval.every_steps`` steps and at the end; ``python -m
-rlax_llm.evaluate`` gives it a worker of its own). Metrics:
+Every evaluation is computed here, over a function that runs requests with the policy: the
+controller's rollout kind (``rlax_llm.controller``) routes it to a live inference worker every
+``eval.every_steps`` steps and at the end; ``python -m rlax_llm.evaluate`` gives it a worker
+of its own, through the same kind. Metrics of ``evaluate_policy`` (a task):
 
 * ``eval/accuracy``: mean verifier reward of one greedy completion per held-out prompt.
 * with ``eval.samples = n > 0``, ``n`` completions per prompt drawn with the rollout sampling
@@ -10,6 +12,11 @@ rlax_llm.evaluate`` gives it a worker of its own). Metrics:
   ``pass_ks(n)``: the unbiased estimator of Chen et al. (2021, "Evaluating Large Language
   Models Trained on Code", arXiv 2107.03374, eq. 1) averaged over prompts, a sample counting
   as correct when its reward is at least ``CORRECT_REWARD``.
+
+Metrics of ``evaluate_episodes`` (an environment run, ``env.name``): one greedy episode per
+held-out environment seed (``agent.num_eval`` from ``agent.eval_seed_start``),
+``eval/success``, ``eval/return``, ``eval/turns``, ``eval/env_tokens`` (``episode_metrics``),
+and ``eval/accuracy``, equal to ``eval/success`` (what a run's summary reports).
 
 The draws are keyed by the run's seed, so an evaluation is deterministic given the seed and
 the params.
@@ -25,13 +32,14 @@ import jax
 import numpy as np
 
 from rlax_llm import console
-from rlax_llm.data_types import GenerationRequest, Rollouts
+from rlax_llm.data_types import GenerationRequest, Rollouts, Trajectory
 from rlax_llm.sampling_spec import GREEDY, SamplingSpec
 from rlax_llm.tasks import Prompt, Task
 from rlax_llm.verifiers import score_rollouts
 
 CORRECT_REWARD = 1.0  # a sample is correct for pass@k when its reward reaches this
 _SAMPLED_STREAM = 0x5A3E  # folded into the seed key for the sampled draws
+_EPISODE_FIGURES = ('return', 'turns', 'success', 'env_tokens')  # episode_metrics' names
 
 
 # --------------------------------------------------------------------------- estimators
@@ -104,6 +112,7 @@ def sampled_metrics(rewards: np.ndarray, group_ids: np.ndarray, samples: int
 # ------------------------------------------------------------------------------ harness
 
 Generate = Callable[[list[GenerationRequest], jax.Array], Rollouts]
+Play = Callable[[list[GenerationRequest], jax.Array], list[Trajectory]]
 
 
 def evaluate_policy(task: Task, prompts: Sequence[Prompt], generate: Generate, *,
@@ -138,3 +147,44 @@ def evaluate_policy(task: Task, prompts: Sequence[Prompt], generate: Generate, *
     metrics.update(sampled_metrics(sampled.rewards, sampled.group_ids, samples))
     metrics['eval/verifier_errors'] += sampled.verifier_errors
   return metrics
+
+
+def evaluate_episodes(prompts: Sequence[Prompt], play: Play, *, max_new_tokens: int,
+                      key: jax.Array) -> dict[str, float]:
+  """Held-out metrics of one policy on an environment (see the module docstring).
+
+  prompts: the held-out environment seeds (``EnvSeeds.eval_prompts``).
+  play: ``(requests, key) -> trajectories``, one per request in order, with the policy's
+    params (``WorkerHandle.play``).
+  max_new_tokens: the sampling budget of each request (the run's ``sampling``).
+  key: the greedy episodes' key (greedy decoding draws nothing from it; environments may).
+  Returns ``eval/accuracy`` (``eval/success``) and ``episode_metrics`` under ``eval/``.
+  """
+  prompts = list(prompts)
+  if not prompts:
+    logging.warning('no held-out environment seeds (agent.num_eval=0): eval metrics are NaN.')
+    return {'eval/accuracy': float('nan'),
+            **{f'eval/{name}': float('nan') for name in _EPISODE_FIGURES}}
+  console.phase(f'evaluating on {len(prompts)} held-out environment seeds (greedy episodes)')
+  trajectories = play([GenerationRequest(p, 1, GREEDY, max_new_tokens) for p in prompts], key)
+  if len(trajectories) != len(prompts):
+    raise ValueError(f'play returned {len(trajectories)} trajectories for {len(prompts)} '
+                     'held-out seeds; it must return one greedy episode per request.')
+  metrics = episode_metrics(trajectories, 'eval/')
+  return {'eval/accuracy': metrics['eval/success'], **metrics}
+
+
+def episode_metrics(trajectories: Sequence[Trajectory], prefix: str) -> dict[str, float]:
+  """Episodes in figures, each under ``prefix``: ``return``, ``turns`` and ``success`` (means
+  over the episodes) and ``env_tokens`` (the mean count of tokens fed between turns, with
+  loss mask 0)."""
+  if not trajectories:
+    raise ValueError(f'episode_metrics needs at least one trajectory (for {prefix!r}), got none.')
+  first_turn = [int(x.turn_starts[0]) if x.num_turns else len(x.tokens) for x in trajectories]
+  return {
+      f'{prefix}return': float(np.mean([x.episode_return for x in trajectories])),
+      f'{prefix}turns': float(np.mean([x.num_turns for x in trajectories])),
+      f'{prefix}success': float(np.mean([x.success for x in trajectories])),
+      f'{prefix}env_tokens': float(np.mean([
+          int((~x.loss_mask[start:]).sum()) for x, start in zip(trajectories, first_turn)])),
+  }

@@ -1,5 +1,6 @@
 """Training on an environment through ``python -m rlax_llm.launch --config=configs/agent.py``:
-the smoke variant trains and is reproducible bit for bit, a checkpointed run resumed equals
+the smoke variant trains and is reproducible bit for bit, ``python -m rlax_llm.evaluate`` on
+its checkpoint scores the held-out episodes as the run did, a checkpointed run resumed equals
 the uninterrupted one, per-token (multi-turn) advantages reach the trainer's objective."""
 
 import json
@@ -58,11 +59,11 @@ class LowercaseEnv:
     return f'{self.seed}:{self.turn}'
 
 
-def _launch(*args, timeout=300):
+def _launch(*args, timeout=300, module='rlax_llm.launch'):
   env = dict(os.environ)
   env['PYTHONPATH'] = os.pathsep.join([str(ROOT), str(ROOT / 'tests'),
                                        env.get('PYTHONPATH', '')])
-  result = subprocess.run([sys.executable, '-m', 'rlax_llm.launch', *args], cwd=ROOT, env=env,
+  result = subprocess.run([sys.executable, '-m', module, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   return result
@@ -77,8 +78,9 @@ def _metrics(workdir):
 @pytest.fixture(scope='module')
 def smoke_runs(tmp_path_factory):
   workdirs = [tmp_path_factory.mktemp('agent') / f'run{n}' for n in range(2)]
-  for workdir in workdirs:
-    _launch('--config=configs/agent.py:smoke', f'--workdir={workdir}')
+  for workdir in workdirs:  # a checkpoint after the last step (python -m rlax_llm.evaluate)
+    _launch('--config=configs/agent.py:smoke', f'--workdir={workdir}',
+            '--config.checkpoint.every_steps=3', '--config.checkpoint.async_save=False')
   return workdirs
 
 
@@ -104,6 +106,21 @@ def test_the_smoke_variant_trains_on_episodes(smoke_runs):
 def test_two_smoke_runs_are_equal_bit_for_bit(smoke_runs):
   first, second = (_metrics(w) for w in smoke_runs)
   assert first == second
+
+
+def test_evaluate_cli_scores_the_episodes_as_the_run_did(smoke_runs):
+  """``python -m rlax_llm.evaluate --config=configs/agent.py:smoke --checkpoint=...`` plays
+  the held-out seeds' greedy episodes (``evaluation.evaluate_episodes``, through the run's
+  rollout kind), not the seeds as prompts: its figures are the run's own last evaluation."""
+  workdir = smoke_runs[0]
+  result = _launch('--config=configs/agent.py:smoke', f'--checkpoint={workdir}',
+                   module='rlax_llm.evaluate')
+  record = json.loads(result.stdout.strip().splitlines()[-1])
+  last = read_metrics(workdir / 'metrics.jsonl')[-1]
+  names = ('eval/accuracy', 'eval/success', 'eval/return', 'eval/turns', 'eval/env_tokens')
+  assert {k: record[k] for k in names} == {k: last[k] for k in names}
+  assert record['eval/accuracy'] == record['eval/success']
+  assert record['eval/env_tokens'] > 0  # the episodes got past their first turn
 
 
 def test_a_resumed_multi_turn_run_equals_the_uninterrupted_one(tmp_path):

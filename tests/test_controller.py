@@ -27,6 +27,7 @@ from rlax_llm.trainer.trainer import Trainer
 from rlax_llm.verifiers import as_reward, score_completions
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+CONTROLLER = pathlib.Path(controller_lib.__file__).parent  # the package's modules
 
 
 def _smoke_config(steps=2):
@@ -120,10 +121,13 @@ def test_no_parameter_bytes_pass_through_the_controller(tmp_path, monkeypatch):
   config.checkpoint.every_steps, config.checkpoint.every_seconds = 2, 0.0
   calls, generate_args = [], []
 
+  def from_controller():  # a frame of the controller package's modules on the stack
+    return CONTROLLER in {pathlib.Path(frame.filename).parent
+                          for frame in traceback.extract_stack()}
+
   def spy(name, method):
     def wrapped(*args, **kwargs):
-      stack = {frame.filename for frame in traceback.extract_stack()}
-      calls.append((name, threading.current_thread().name, controller_lib.__file__ in stack))
+      calls.append((name, threading.current_thread().name, from_controller()))
       return method(*args, **kwargs)
     return wrapped
 
@@ -137,7 +141,9 @@ def test_no_parameter_bytes_pass_through_the_controller(tmp_path, monkeypatch):
     monkeypatch.setattr(Checkpointer, 'save', spy('checkpoint', Checkpointer.save))
     ctl.workers = [ArgsSpy(w, generate_args) for w in ctl.workers]
     trainer_save = ctl.trainer.save
-    ctl.trainer.save = lambda *args: save_args.append(args) or trainer_save(*args)
+    # The controller asks for saves: the check above sees its frames (it is not vacuous).
+    ctl.trainer.save = lambda *args: (save_args.append((*args, from_controller()))
+                                      or trainer_save(*args))
     run.execute()
     server = ctl.trainer.server
   rows = read_metrics(tmp_path / 'metrics.jsonl')
@@ -153,8 +159,9 @@ def test_no_parameter_bytes_pass_through_the_controller(tmp_path, monkeypatch):
   assert sum(name == 'update' for name, _, _ in calls) == rows[-1]['sync/updates'] > 4
   # Checkpoints after steps 2 and 4, written by the trainer's thread; the controller handed
   # over its step, its JSON state and the rollouts' arrays (the batch in flight: k = 2).
-  assert [step for step, _, _ in save_args] == [2, 4] and checkpoint.latest_step(tmp_path) == 4
-  for _, state, rollouts in save_args:
+  assert [step for step, *_ in save_args] == [2, 4] and checkpoint.latest_step(tmp_path) == 4
+  assert all(asked for *_, asked in save_args)
+  for _, state, rollouts, _ in save_args:
     assert set(state) == set(ControllerState.__dataclass_fields__)
     assert json.loads(json.dumps(state)) == state
     assert set(rollouts) == {f'inflight_{n}' for n in range(len(state['inflight']))}
@@ -185,7 +192,7 @@ def test_state_restores_the_run_exactly(tmp_path, replay):
   full_config.rollout.replay = replay
   with build_run(full_config, tmp_path / 'full', run_spec(full_config)) as run:
     if replay:
-      run.controller.task = _CoinTask(num_eval=16)
+      run.controller.kind.task = _CoinTask(num_eval=16)
     run.execute()
   full = read_metrics(tmp_path / 'full' / 'metrics.jsonl')
 
@@ -193,7 +200,7 @@ def test_state_restores_the_run_exactly(tmp_path, replay):
   config.rollout.replay = replay
   with build_run(config, tmp_path / 'first', run_spec(config)) as run:
     if replay:
-      run.controller.task = _CoinTask(num_eval=16)
+      run.controller.kind.task = _CoinTask(num_eval=16)
     run.execute()
     state = ControllerState.from_dict(run.controller.state().to_dict())  # a JSON round trip
     params = run.controller.trainer.host_params().result()
@@ -206,7 +213,7 @@ def test_state_restores_the_run_exactly(tmp_path, replay):
   with build_run(config, tmp_path / 'second', run_spec(config)) as run:
     ctl = run.controller
     if replay:
-      ctl.task = _CoinTask(num_eval=16)
+      ctl.kind.task = _CoinTask(num_eval=16)
     trainer = ctl.trainer.trainer
     ctl.trainer.load(jax.device_put(params, trainer.param_shardings),
                      jax.device_put(opt_state),
@@ -229,7 +236,7 @@ def test_a_diverging_rl_run_stops_naming_the_step(tmp_path):
   config = _smoke_config(steps=20)
   config.rl.learning_rate = 1e10
   with build_run(config, tmp_path, run_spec(config)) as run:
-    run.controller.task = _CoinTask(num_eval=16)
+    run.controller.kind.task = _CoinTask(num_eval=16)
     with pytest.raises(NonFiniteError, match=r'RL step \d+: 3 consecutive updates were '
                                              r'non-finite'):
       run.execute()
@@ -250,7 +257,7 @@ def test_dynamic_sampling_pads_short_batches_to_one_shape(tmp_path):
   config = _smoke_config(steps=6)
   config.rollout.oversample = 0.5  # 6 prompts per batch for 4 trained groups
   with build_run(config, tmp_path, run_spec(config)) as run:
-    run.controller.task = _SparseTask(num_eval=16)
+    run.controller.kind.task = _SparseTask(num_eval=16)
     run.execute()
   rows = read_metrics(tmp_path / 'metrics.jsonl')
   updates = [r for r in rows if r['rollout/trained_groups']]
@@ -269,9 +276,9 @@ def test_replay_reasks_prompts_whose_groups_had_unequal_rewards(tmp_path):
   config = _smoke_config(steps=6)
   config.rollout.replay = 0.5  # at most 2 of the 4 prompts per batch
   with build_run(config, tmp_path, run_spec(config)) as run:
-    run.controller.task = _SparseTask(num_eval=16)
+    run.controller.kind.task = _SparseTask(num_eval=16)
     run.execute()
-    pool = list(run.controller._replay)  # pylint: disable=protected-access
+    pool = list(run.controller.kind.replay)
   rows = read_metrics(tmp_path / 'metrics.jsonl')
   ledger = [json.loads(line) for line in (tmp_path / 'ledger.jsonl').read_text().splitlines()]
   seen, stream = set(), []

@@ -1,9 +1,11 @@
 """Held-out evaluation: unbiased pass@k against brute force and its closed form, mean@k, the
-harness (deterministic with a seed), and the eval metrics a run writes."""
+harness (deterministic with a seed), greedy episode success, and the eval metrics a run
+writes."""
 
 import itertools
 import math
 import pathlib
+import types
 
 import jax
 import numpy as np
@@ -12,9 +14,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scored_rows import Rows  # tests/scored_rows.py
 
-from rlax_llm.evaluation import evaluate_policy, pass_at_k, pass_ks, sampled_metrics
-from rlax_llm.sampling_spec import SamplingSpec
-from rlax_llm.tasks import ArithmeticTask
+from rlax_llm.evaluation import (
+  episode_metrics,
+  evaluate_episodes,
+  evaluate_policy,
+  pass_at_k,
+  pass_ks,
+  sampled_metrics,
+)
+from rlax_llm.sampling_spec import GREEDY, SamplingSpec
+from rlax_llm.tasks import ArithmeticTask, Prompt
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -170,3 +179,56 @@ def test_no_held_out_prompts_gives_nan_not_a_crash():
                             sampling=SamplingSpec(), samples=2, max_new_tokens=4,
                             key=jax.random.key(0))
   assert math.isnan(metrics['eval/accuracy']) and metrics['eval/verifier_errors'] == 0
+
+
+def _episode(seed: int, turns: int, fed: int, success: bool):
+  """A trajectory's figures as ``episode_metrics`` reads them: a 3-token first prompt, then
+  ``turns`` turns of 2 sampled tokens, with ``fed`` observation tokens after each but the last
+  (loss mask 0), return ``seed / 10``."""
+  mask, starts = [False] * 3, []
+  for turn in range(turns):
+    starts.append(len(mask))
+    mask += [True, True] + ([False] * fed if turn < turns - 1 else [])
+  return types.SimpleNamespace(episode_return=seed / 10, num_turns=turns, success=success,
+                               turn_starts=np.asarray(starts, np.int32),
+                               tokens=np.zeros(len(mask), np.int32),
+                               loss_mask=np.asarray(mask, bool))
+
+
+def test_evaluate_episodes_plays_one_greedy_episode_per_held_out_seed():
+  prompts = [Prompt(prompt_id=-1 - i, text=str(100 + i), answer='') for i in range(4)]
+  seen = []
+
+  def play(requests, key):
+    seen.append((requests, key))
+    return [_episode(int(r.prompt.text) - 100, turns=1 + i % 2, fed=3, success=i < 1)
+            for i, r in enumerate(requests)]
+
+  key = jax.random.key(7)
+  metrics = evaluate_episodes(prompts, play, max_new_tokens=5, key=key)
+  (requests, passed_key), = seen
+  assert passed_key is key
+  assert [(r.prompt, r.num_samples, r.sampling, r.max_new_tokens) for r in requests] == [
+      (p, 1, GREEDY, 5) for p in prompts]
+  assert metrics == {'eval/accuracy': 0.25, 'eval/return': pytest.approx(0.15),
+                     'eval/turns': 1.5, 'eval/success': 0.25, 'eval/env_tokens': 1.5}
+
+
+def test_episode_metrics_count_the_fed_tokens_after_the_first_turn():
+  episodes = [_episode(1, turns=3, fed=4, success=True), _episode(3, turns=1, fed=4,
+                                                                   success=False)]
+  assert episode_metrics(episodes, 'episode/') == {
+      'episode/return': pytest.approx(0.2), 'episode/turns': 2.0, 'episode/success': 0.5,
+      'episode/env_tokens': 4.0}  # 8 fed tokens in the first episode, none in the second
+
+
+def test_evaluate_episodes_refuses_a_play_that_drops_episodes_and_has_nan_without_seeds():
+  prompts = [Prompt(prompt_id=-1, text='1', answer='')]
+  with pytest.raises(ValueError, match='play returned 0 trajectories for 1 held-out seeds'):
+    evaluate_episodes(prompts, lambda requests, key: [], max_new_tokens=4,
+                      key=jax.random.key(0))
+  empty = evaluate_episodes([], lambda requests, key: [], max_new_tokens=4,
+                            key=jax.random.key(0))
+  assert set(empty) == {'eval/accuracy', 'eval/return', 'eval/turns', 'eval/success',
+                        'eval/env_tokens'}
+  assert all(math.isnan(v) for v in empty.values())
