@@ -88,7 +88,7 @@ def test_versions_and_server_advance(tmp_path):
     assert ctl.trainer.server.latest_version() == 3  # the trainer pushed every version
     assert ctl.workers[0].worker.version == 3  # evaluated the final pushed version
     np.testing.assert_array_equal(
-        ctl.trainer.server.pull().params['embed'],
+        ctl.trainer.server.get(3).params['embed'],
         np.asarray(ctl.trainer.trainer.params['embed']))
 
 
