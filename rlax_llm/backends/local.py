@@ -15,12 +15,15 @@ inference 4); otherwise every role's mesh starts at device 0.
 
 Weights: the parameter server (``rlax_llm.paramserver.ParameterServer``, keeping
 ``RunSpec.keep_versions`` versions: ``paramserver.keep_versions``) is an object of this
-process, but only the roles call it: the trainer pushes each new version from its own thread
-when its update is done (and its starting version when it is built or restored), cast to the
-workers' dtype (``model.inference_param_dtype``) on its devices first, and each
-worker pulls the version a ``generate`` call names from its own thread
-(``InferenceWorker.generate_at``). The controller passes version numbers only. A LoRA run
-with ``lora.sync='adapters'`` has a second server, keeping one version: the base, pushed once
+process, but only the roles call it: the trainer's publisher
+(``paramserver.publisher.Publisher``, with this backend's transport: ``ParameterServer.push``)
+pushes each new version from the trainer's thread when its update is done (and its starting
+version when it is built or restored), cast to the workers' dtype
+(``model.inference_param_dtype``) on its devices first, and each worker's receiver
+(``paramserver.receiver.Receiver``, fetching with ``ParameterServer.update``) pulls the
+version a ``generate`` call names from the worker's thread (``InferenceWorker.generate_at``).
+The controller passes version numbers only. A LoRA run with adapter-only sync
+(``publisher.adapter_sync``) has a second server, keeping one version: the base, pushed once
 by the trainer when it is built (after restoring), pulled once by each worker before its
 first adapter version; the versions are then the adapter trees (``lora.pushed_params``).
 

@@ -4,21 +4,23 @@ actor of its own.
 The controller (``rlax_llm.controller``) stays in the launching process (the driver); roles
 are actors whose method calls return object refs, wrapped as the futures the controller
 waits on, so the controller code is the one the local backend runs. Weights never pass
-through the driver: the trainer actor pushes each new version to the server actor itself
-(``push_shards``: the trainer writes its shards into Ray's object store once and passes the
-server their ref; the server reads them zero-copy and keeps whole leaves as they are), and
-each worker actor pulls the version a ``generate`` call names from the server actor itself
-(``fetch_update``: a sparse delta from the version it holds, or whole leaves, with per-leaf
-checksums the worker verifies; a whole leaf the server kept comes as the trainer's object's
-ref, read zero-copy, not serialised again). Between actors of one machine
-(``paramserver.transport='auto'``, the default) the object store is skipped: the trainer
-copies each version straight into a reused shared-memory slot the server names, the server
-commits it by reference, and a worker maps the slot read-only (``rlax_llm.paramserver.shm``;
-actors on other nodes, and a trainer of several processes, keep the object store). The
-driver sends version numbers and receives rollouts. A LoRA run with ``lora.sync='adapters'``
-has a second server actor keeping the base alone: the trainer actor pushes the base there
-once when it starts (after restoring), each worker actor pulls it before its first adapter
-version (a restarted one again), and the versions are the adapter trees.
+through the driver: the trainer actor publishes each new version to the server actor itself
+(``paramserver.publisher.Publisher`` with this backend's transport, ``push_shards``: the
+trainer writes its shards into Ray's object store once and passes the server their ref; the
+server reads them zero-copy and keeps whole leaves as they are), and each worker actor's
+receiver (``paramserver.receiver.Receiver``) pulls the version a ``generate`` call names from
+the server actor itself (``fetch_update``: a sparse delta from the version it holds, or whole
+leaves, with per-leaf checksums the receiver verifies; a whole leaf the server kept comes as
+the trainer's object's ref, read zero-copy, not serialised again). Between actors of one
+machine (``paramserver.transport='auto'``, the default) the object store is skipped: the
+trainer copies each version straight into a reused shared-memory slot the server names, the
+server commits it by reference, and a worker maps the slot read-only
+(``rlax_llm.paramserver.shm``; actors on other nodes, and a trainer of several processes,
+keep the object store). The driver sends version numbers and receives rollouts. A LoRA run
+with adapter-only sync (``publisher.adapter_sync``) has a second server actor keeping the
+base alone: the trainer actor pushes the base there once when it starts (after restoring),
+each worker actor pulls it before its first adapter version (a restarted one again), and the
+versions are the adapter trees.
 
 Checkpoints: the trainer actor owns the ``Checkpointer``. When built it restores its params
 and optimizer state from the workdir's latest checkpoint itself and hands the driver only
