@@ -64,7 +64,7 @@ class InferenceWorker:
     prefill_buckets: prompt length buckets (default: ``engine.default_buckets``).
     rules: logical-axis rules placing the params on ``mesh``.
     quant: ``'none'`` or ``'int8'`` (``model.inference_quant``): the engine samples with an
-      int8 copy of each version it loads (``Engine``); the worker still holds, verifies and
+      int8 copy of each version it loads (``Engine``); its receiver still holds, verifies and
       applies deltas to the params it pulls, unquantised.
     kv_cache_quant: ``'none'`` or ``'int8'`` (``model.kv_cache_quant``): the engine's KV
       cache in int8 with per-(token, kv head) scales (``Engine``).
