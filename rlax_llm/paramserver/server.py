@@ -295,11 +295,6 @@ class ParameterServer:
       )
 
   @property
-  def keep(self) -> int:
-    """How many of the newest versions the server holds."""
-    return self._keep
-
-  @property
   def template(self) -> dict[str, LeafSpec] | None:
     """Leaf path -> ``(shape, dtype name)`` every push must match; ``None`` until fixed."""
     with self._lock:
