@@ -109,7 +109,7 @@ class ArgsSpy:
 def test_no_parameter_bytes_pass_through_the_controller(tmp_path, monkeypatch):
   """The controller moves version numbers, never weights. While an asynchronous run with two
   workers trains and checkpoints, every call that reads or moves params (the trainer's
-  ``host_params``, the server's ``push``/``update``/``pull``/``get``, the checkpointer's
+  ``host_params``, the server's ``push``/``update``/``get``, the checkpointer's
   ``save``) is made on the trainer's or a worker's own thread with no controller frame on the
   stack; the controller's ``generate`` calls carry a version number (an int) and the sampling
   key as their only array; its ``save`` calls carry its own state and rollouts, no
@@ -131,7 +131,7 @@ def test_no_parameter_bytes_pass_through_the_controller(tmp_path, monkeypatch):
   with build_run(config, tmp_path, run_spec(config)) as run:
     ctl = run.controller
     assert not any(isinstance(v, ParameterServer | Checkpointer) for v in vars(ctl).values())
-    for name in ('push', 'update', 'pull', 'get'):
+    for name in ('push', 'update', 'get'):
       monkeypatch.setattr(ParameterServer, name, spy(name, getattr(ParameterServer, name)))
     monkeypatch.setattr(Trainer, 'host_params', spy('host_params', Trainer.host_params))
     monkeypatch.setattr(Checkpointer, 'save', spy('checkpoint', Checkpointer.save))
