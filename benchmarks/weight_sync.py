@@ -7,7 +7,7 @@ for the bf16 copy, as a delta from the version the worker holds, along the two r
 
 * ``local``: in one process (one CPU device), the objects the local backend uses
   (``ParameterServer.push`` of the trainer's arrays, shard by shard; ``update``,
-  ``delta.apply`` and ``delta.verify`` as ``InferenceWorker.apply_update`` runs them);
+  ``delta.apply`` and ``delta.verify`` as ``paramserver.receiver.Receiver.apply`` runs them);
 * ``ray``: three Ray actors, trainer -> server -> worker, the trainer (its params split over
   ``--trainer_devices`` CPU devices of its own) pushing ``local_shards(params, to_host=True)``
   to the backend's own ``ServerRole`` (``push_shards``; ``full``; ``full_host_params``: the
@@ -148,8 +148,8 @@ def device_params(size: str, dtype, changed: float = 0.0, devices: int = 1):
 
 
 def pull(fetch, version: int, base_version: int, base: list | None, paths: list[str]):
-  """What ``InferenceWorker.apply_update`` does with a fetched update, without the engine:
-  returns ``(leaves, update, {fetch_s, apply_s, verify_s})``."""
+  """What ``Receiver.apply`` (``rlax_llm.paramserver.receiver``) does with a fetched update,
+  without the engine: returns ``(leaves, update, {fetch_s, apply_s, verify_s})``."""
   fetch_s, update = timed(lambda: fetch(version, base_version))
   apply_s, leaves = timed(lambda: delta_lib.apply(base or [None] * update.num_leaves, update))
   verify_s, _ = timed(lambda: delta_lib.verify(leaves, update.checksums, paths, version))
@@ -250,7 +250,7 @@ class RayTrainer:
 
 
 class RayWorker:
-  """The worker's end: pulls from the server actor and checks, as ``InferenceWorker.pull``."""
+  """The worker's end: pulls from the server actor and checks, as ``Receiver.pull``."""
 
   def __init__(self, servers, size):
     self.servers = servers

@@ -38,8 +38,10 @@ from rlax_llm.models.decoder_config import DecoderConfig, Execution
 from rlax_llm.models.files import hub
 from rlax_llm.models.files.tokenizer import HFTokenizer
 from rlax_llm.models.model import Model, Params, create_model, split_module, with_param_dtype
+from rlax_llm.paramserver.publisher import adapter_sync
+from rlax_llm.paramserver.receiver import FetchBase
 from rlax_llm.rollout.episodes import request_episodes
-from rlax_llm.rollout.worker import FetchBase, InferenceWorker
+from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.schedule import EpisodeSettings
 from rlax_llm.serve.harness import is_harness
 from rlax_llm.sharding import role_meshes
@@ -460,18 +462,16 @@ def build_worker(config: ml_collections.ConfigDict, model: Model, tokenizer: Tok
   already cast), and samples with an int8 copy of each when ``model.inference_quant='int8'``
   (and an int8 KV cache when ``model.kv_cache_quant='int8'``).
   ``fetch_base``: a run's way to pull the base a LoRA trainer pushes once; given, and with
-  ``lora.rank > 0`` and ``lora.sync='adapters'``, the worker pulls adapter versions and
+  adapter-only sync (``publisher.adapter_sync``), the worker pulls adapter versions and
   merges them into that base (``InferenceWorker``'s ``lora``); else it loads whole params."""
-  lora = lora_lib.from_config(config)
-  adapters = lora is not None and lora.sync == 'adapters' and fetch_base is not None
+  lora = adapter_sync(config) if fetch_base is not None else None
   return InferenceWorker(inference_model(config, model), tokenizer, mesh,
                          max_prompt_len=config.sampling.max_prompt_len,
                          max_new_tokens=config.sampling.max_new_tokens,
                          slots=config.rollout.slots, on_swap=config.rollout.on_swap,
                          quant=config.model.inference_quant,
                          kv_cache_quant=config.model.kv_cache_quant,
-                         lora=lora if adapters else None,
-                         fetch_base=fetch_base if adapters else None)
+                         lora=lora, fetch_base=None if lora is None else fetch_base)
 
 
 def play_requests(worker: InferenceWorker, fetch, requests: Sequence[GenerationRequest],

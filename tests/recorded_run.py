@@ -22,7 +22,8 @@ def recorded_run(config, tmp_path):
     def recording(*args, **kwargs):
       rollouts = generate(*args, **kwargs)
       # pylint: disable-next=protected-access
-      held = jax.tree_util.tree_unflatten(worker._treedef, worker._host_leaves)
+      held = jax.tree_util.tree_unflatten(worker.receiver._treedef,
+                                          worker.receiver._host_leaves)
       sampled.append((held, worker.params, rollouts))
       return rollouts
     worker.generate = recording

@@ -89,7 +89,7 @@ def test_versions_and_server_advance(tmp_path):
     assert ctl.trainer.server.latest_version() == 3  # the trainer pushed every version
     assert ctl.workers[0].worker.version == 3  # evaluated the final pushed version
     np.testing.assert_array_equal(
-        ctl.trainer.server.pull().params['embed'],
+        ctl.trainer.server.get(3).params['embed'],
         np.asarray(ctl.trainer.trainer.params['embed']))
 
 
@@ -110,7 +110,7 @@ class ArgsSpy:
 def test_no_parameter_bytes_pass_through_the_controller(tmp_path, monkeypatch):
   """The controller moves version numbers, never weights. While an asynchronous run with two
   workers trains and checkpoints, every call that reads or moves params (the trainer's
-  ``host_params``, the server's ``push``/``update``/``pull``/``get``, the checkpointer's
+  ``host_params``, the server's ``push``/``update``/``get``, the checkpointer's
   ``save``) is made on the trainer's or a worker's own thread with no controller frame on the
   stack; the controller's ``generate`` calls carry a version number (an int) and the sampling
   key as their only array; its ``save`` calls carry its own state and rollouts, no
@@ -135,7 +135,7 @@ def test_no_parameter_bytes_pass_through_the_controller(tmp_path, monkeypatch):
   with build_run(config, tmp_path, run_spec(config)) as run:
     ctl = run.controller
     assert not any(isinstance(v, ParameterServer | Checkpointer) for v in vars(ctl).values())
-    for name in ('push', 'update', 'pull', 'get'):
+    for name in ('push', 'update', 'get'):
       monkeypatch.setattr(ParameterServer, name, spy(name, getattr(ParameterServer, name)))
     monkeypatch.setattr(Trainer, 'host_params', spy('host_params', Trainer.host_params))
     monkeypatch.setattr(Checkpointer, 'save', spy('checkpoint', Checkpointer.save))

@@ -136,7 +136,7 @@ def test_a_fresh_worker_pulls_the_base_once_then_adapter_versions(quant):
     return bases[-1]
   mesh = roles.meshes(config)['inference'][0]
   worker = roles.build_worker(config, model, tokenizer, mesh, fetch_base)
-  figures = [worker.pull(0, server.update), worker.pull(1, server.update)]
+  figures = [worker.receiver.pull(v, server.update) for v in (0, 1)]
   assert len(bases) == 1 and worker.version == 1
   adapters, base = nbytes(lora_lib.adapter_tree(first)), nbytes(lora_lib.base_tree(first))
   assert figures[0]['sync/bytes'] == base + adapters
@@ -155,7 +155,7 @@ def test_a_fresh_worker_pulls_the_base_once_then_adapter_versions(quant):
         (dataclasses.replace(flipped, full=full), *rest), *buckets))
   fresh = roles.build_worker(config, model, tokenizer, mesh, corrupted)
   with pytest.raises(ValueError, match='fails its checksum'):
-    fresh.pull(1, server.update)
+    fresh.receiver.pull(1, server.update)
   assert fresh.version == -1
 
 

@@ -15,12 +15,15 @@ inference 4); otherwise every role's mesh starts at device 0.
 
 Weights: the parameter server (``rlax_llm.paramserver.ParameterServer``, keeping
 ``RunSpec.keep_versions`` versions: ``paramserver.keep_versions``) is an object of this
-process, but only the roles call it: the trainer pushes each new version from its own thread
-when its update is done (and its starting version when it is built or restored), cast to the
-workers' dtype (``model.inference_param_dtype``) on its devices first, and each
-worker pulls the version a ``generate`` call names from its own thread
-(``InferenceWorker.generate_at``). The controller passes version numbers only. A LoRA run
-with ``lora.sync='adapters'`` has a second server, keeping one version: the base, pushed once
+process, but only the roles call it: the trainer's publisher
+(``paramserver.publisher.Publisher``, with this backend's transport: ``ParameterServer.push``)
+pushes each new version from the trainer's thread when its update is done (and its starting
+version when it is built or restored), cast to the workers' dtype
+(``model.inference_param_dtype``) on its devices first, and each worker's receiver
+(``paramserver.receiver.Receiver``, fetching with ``ParameterServer.update``) pulls the
+version a ``generate`` call names from the worker's thread (``InferenceWorker.generate_at``).
+The controller passes version numbers only. A LoRA run with adapter-only sync
+(``publisher.adapter_sync``) has a second server, keeping one version: the base, pushed once
 by the trainer when it is built (after restoring), pulled once by each worker before its
 first adapter version; the versions are then the adapter trees (``lora.pushed_params``).
 
@@ -44,9 +47,9 @@ import numpy as np
 from rlax_llm import config as config_lib
 from rlax_llm import roles
 from rlax_llm.backends.assembly import Run, assemble
-from rlax_llm.models import lora as lora_lib
 from rlax_llm.models.model import Model, abstract_model
 from rlax_llm.paramserver import ParameterServer
+from rlax_llm.paramserver.publisher import Publisher, adapter_sync
 from rlax_llm.trainer.trainer import host_arrays
 
 
@@ -72,33 +75,35 @@ class Serial:
       self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _push(server: ParameterServer, version: int, params) -> None:
+  """The local transport (``publisher.Push``): one process pushes its arrays, shard by shard
+  (one copy); with several, each process's server holds the whole params, gathered by
+  ``host_arrays`` (``process_allgather``)."""
+  server.push(version, params if jax.process_count() == 1 else host_arrays(params))
+
+
 class LocalTrainer:
-  """``TrainerHandle`` over an in-process ``Trainer`` that pushes each of its versions to
-  ``server`` itself: its current one when built (or ``load``ed), each new one at the end of
-  the ``step`` that made it, cast to the dtypes of ``inference`` (the workers' model,
-  ``roles.inference_model``; default the trainer's own: pushed as they are). With a
-  ``checkpointer`` it first restores the trainer from its latest checkpoint (``resume``: what
-  the controller continues from, or None) and writes the saves the controller asks for. A
-  LoRA trainer with adapter-only sync (``lora.syncs_adapters``) pushes its base to
-  ``base_server`` once, then adapter versions to ``server`` (``lora.pushed_params``)."""
+  """``TrainerHandle`` over an in-process ``Trainer`` that publishes each of its versions to
+  ``server`` itself (``paramserver.publisher.Publisher``): its current one when built (or
+  ``load``ed), each new one at the end of the ``step`` that made it, cast to the dtypes of
+  ``inference`` (the workers' model, ``roles.inference_model``; default the trainer's own:
+  pushed as they are). With a ``checkpointer`` it first restores the trainer from its latest
+  checkpoint (``resume``: what the controller continues from, or None) and writes the saves
+  the controller asks for. A LoRA trainer with adapter-only sync (``publisher.adapter_sync``)
+  publishes its base to ``base_server`` once, before its first version."""
 
   def __init__(self, trainer, threaded: bool, server: ParameterServer, checkpointer=None,
                inference: Model | None = None, base_server: ParameterServer | None = None):
     self.trainer = trainer
     self.server = server
     self.base_server = base_server
-    self.inference = (abstract_model(trainer.model.config) if inference is None  # a LoRA
-                      else inference)  # trainer's workers hold the base model
+    inference = (abstract_model(trainer.model.config) if inference is None  # a LoRA
+                 else inference)  # trainer's workers hold the base model
     self.checkpointer = checkpointer
     self.resume = (roles.resume_trainer(checkpointer, trainer)
                    if checkpointer is not None else None)
     self._serial = Serial('trainer', threaded)
-    base = lora_lib.pushed_base(trainer.model, trainer.params, self.inference)
-    if (base is None) != (base_server is None):
-      raise ValueError('a LoRA trainer syncing adapters needs a base_server, and only it '
-                       f'(lora.sync); got base_server={base_server!r} for {trainer.model}.')
-    if base is not None:
-      self._push(base_server, 0, base)
+    self.publisher = Publisher(trainer.model, inference, _push, server, base_server)
     self._publish()
 
   @property
@@ -106,18 +111,7 @@ class LocalTrainer:
     return self.trainer.version
 
   def _publish(self) -> None:
-    """Pushes the trainer's params as its version unless the server has it (a skipped,
-    non-finite update makes no new version)."""
-    if self.server.latest_version() < self.trainer.version:
-      # Cast on the trainer's devices once per version (a no-op when the dtypes agree).
-      self._push(self.server, self.trainer.version, lora_lib.pushed_params(
-          self.trainer.model, self.trainer.params, self.inference))
-
-  @staticmethod
-  def _push(server: ParameterServer, version: int, params) -> None:
-    """One process: its arrays, shard by shard (one copy). Several: each process's server
-    holds the whole params, gathered by host_arrays (process_allgather)."""
-    server.push(version, params if jax.process_count() == 1 else host_arrays(params))
+    self.publisher.publish(self.trainer.version, self.trainer.params)
 
   def _step(self, batch):
     metrics = self.trainer.step(batch)
@@ -202,7 +196,7 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
                                                meshes['trainer'], checkpointer, stop)
   server = ParameterServer(keep=spec.keep_versions)
   # LoRA with adapter-only sync: the base goes through a server of its own, once.
-  base_server = (ParameterServer(keep=1) if lora_lib.syncs_adapters(trainer.model) else None)
+  base_server = ParameterServer(keep=1) if adapter_sync(config) is not None else None
   # Restores the latest checkpoint into the trainer, then pushes its version (in the
   # workers' dtype).
   trainer = LocalTrainer(trainer, threaded, server, checkpointer,

@@ -4,21 +4,23 @@ actor of its own.
 The controller (``rlax_llm.controller``) stays in the launching process (the driver); roles
 are actors whose method calls return object refs, wrapped as the futures the controller
 waits on, so the controller code is the one the local backend runs. Weights never pass
-through the driver: the trainer actor pushes each new version to the server actor itself
-(``push_shards``: the trainer writes its shards into Ray's object store once and passes the
-server their ref; the server reads them zero-copy and keeps whole leaves as they are), and
-each worker actor pulls the version a ``generate`` call names from the server actor itself
-(``fetch_update``: a sparse delta from the version it holds, or whole leaves, with per-leaf
-checksums the worker verifies; a whole leaf the server kept comes as the trainer's object's
-ref, read zero-copy, not serialised again). Between actors of one machine
-(``paramserver.transport='auto'``, the default) the object store is skipped: the trainer
-copies each version straight into a reused shared-memory slot the server names, the server
-commits it by reference, and a worker maps the slot read-only (``rlax_llm.paramserver.shm``;
-actors on other nodes, and a trainer of several processes, keep the object store). The
-driver sends version numbers and receives rollouts. A LoRA run with ``lora.sync='adapters'``
-has a second server actor keeping the base alone: the trainer actor pushes the base there
-once when it starts (after restoring), each worker actor pulls it before its first adapter
-version (a restarted one again), and the versions are the adapter trees.
+through the driver: the trainer actor publishes each new version to the server actor itself
+(``paramserver.publisher.Publisher`` with this backend's transport, ``push_shards``: the
+trainer writes its shards into Ray's object store once and passes the server their ref; the
+server reads them zero-copy and keeps whole leaves as they are), and each worker actor's
+receiver (``paramserver.receiver.Receiver``) pulls the version a ``generate`` call names from
+the server actor itself (``fetch_update``: a sparse delta from the version it holds, or whole
+leaves, with per-leaf checksums the receiver verifies; a whole leaf the server kept comes as
+the trainer's object's ref, read zero-copy, not serialised again). Between actors of one
+machine (``paramserver.transport='auto'``, the default) the object store is skipped: the
+trainer copies each version straight into a reused shared-memory slot the server names, the
+server commits it by reference, and a worker maps the slot read-only
+(``rlax_llm.paramserver.shm``; actors on other nodes, and a trainer of several processes,
+keep the object store). The driver sends version numbers and receives rollouts. A LoRA run
+with adapter-only sync (``publisher.adapter_sync``) has a second server actor keeping the
+base alone: the trainer actor pushes the base there once when it starts (after restoring),
+each worker actor pulls it before its first adapter version (a restarted one again), and the
+versions are the adapter trees.
 
 Checkpoints: the trainer actor owns the ``Checkpointer``. When built it restores its params
 and optimizer state from the workdir's latest checkpoint itself and hands the driver only
@@ -96,9 +98,9 @@ from rlax_llm.backends import tpu_env
 from rlax_llm.backends.assembly import Run, assemble
 from rlax_llm.checkpoint import latest_step
 from rlax_llm.errors import ConfigError, RlaxError
-from rlax_llm.models import lora as lora_lib
 from rlax_llm.paramserver import ParameterServer, ShardPush, local_shards, shm
 from rlax_llm.paramserver.delta import Delta, LeafUpdate
+from rlax_llm.paramserver.publisher import Publisher, adapter_sync
 from rlax_llm.trainer.trainer import host_arrays
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -394,11 +396,12 @@ class TrainerRole:
             process_index: int = 0, addresses: tuple[str, ...] = (), base_server=None):
     """Builds the trainer and returns ``(warm-up metrics, Resume or None, version)``: what the
     driver needs to start (the restored checkpoint's controller state and rollouts' arrays,
-    no weights). A LoRA trainer syncing adapters (``lora.syncs_adapters``) first pushes its
-    base to ``base_server`` (a ``ServerRole`` keeping it alone), once. With several processes (``addresses``: every trainer host's, in process
-    order) this one is process ``process_index``: on a TPU host it first sets the variables
-    of the slice's multi-host bring-up (``tpu_env.slice_environment``), then joins the job at
-    ``coordinator``."""
+    no weights), having published its version (``paramserver.publisher.Publisher``; a LoRA
+    trainer syncing adapters publishes its base to ``base_server``, a ``ServerRole`` keeping
+    it alone, first). With several processes (``addresses``: every trainer host's, in
+    process order) this one is process ``process_index``: on a TPU host it first sets the
+    variables of the slice's multi-host bring-up (``tpu_env.slice_environment``), then joins
+    the job at ``coordinator``."""
     self.process_index, self.process_count = process_index, max(1, len(addresses))
     if self.process_count > 1:
       chips, host_chips = _tpu_chips()
@@ -418,30 +421,20 @@ class TrainerRole:
         config, spec, task, model, params, tokenizer, mesh, self.checkpointer)
     resume = (roles.resume_trainer(self.checkpointer, self.trainer)
               if self.checkpointer is not None else None)
-    self.server = server
-    self.inference = roles.inference_model(config, model)  # the workers' dtypes
-    base = lora_lib.pushed_base(self.trainer.model, self.trainer.params, self.inference)
-    if (base is None) != (base_server is None):
-      raise ValueError('a LoRA trainer syncing adapters needs a base_server, and only it '
-                       f'(lora.sync); got base_server={base_server!r}.')
-    if base is not None:  # once, before the first version (workers pull it first)
-      push_shards(base_server, 0, local_shards(base, to_host=True), self.process_index,
-                  self.process_count)
-    self._pushed = -1
+    self.publisher = Publisher(self.trainer.model, roles.inference_model(config, model),
+                               self._push, server, base_server)
     self._publish()
     return warmup_metrics, resume, self.trainer.version
 
+  def _push(self, server, version: int, params) -> None:
+    """The Ray transport (``publisher.Push``): this process's blocks of ``params``, each
+    brought to host on its own, to the server actor ``server`` (``push_shards``: a
+    shared-memory slot of the server on its machine, else the object store)."""
+    push_shards(server, version, local_shards(params, to_host=True), self.process_index,
+                self.process_count)
+
   def _publish(self) -> None:
-    """Pushes this process's blocks of the trainer's params, cast to the workers' dtypes on
-    its devices (``cast_params``: a no-op when they agree), as its version unless already
-    pushed (bytes: this process -> a shared-memory slot of the server on its machine, else
-    the object store -> the server's process)."""
-    if self._pushed < self.trainer.version:
-      params = lora_lib.pushed_params(self.trainer.model, self.trainer.params, self.inference)
-      push_shards(self.server, self.trainer.version,  # each block to host on its own
-                  local_shards(params, to_host=True), self.process_index,
-                  self.process_count)
-      self._pushed = self.trainer.version
+    self.publisher.publish(self.trainer.version, self.trainer.params)
 
   def step(self, batch) -> tuple[dict[str, float], int]:
     metrics = self.trainer.step(batch)
@@ -734,10 +727,9 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   # Threads for the trainer's processes pushing a version at once beside workers' pulls.
   server_cls = ray.remote(num_cpus=0, max_concurrency=max(4, processes + 2))(ServerRole)
   server_actor = server_cls.remote(spec.keep_versions, spec.transport)
-  lora = lora_lib.from_config(config)
   # LoRA with adapter-only sync: the base in a server actor of its own, pushed once.
-  base_actor = (server_cls.remote(1, spec.transport)
-                if lora is not None and lora.sync == 'adapters' else None)
+  base_actor = (server_cls.remote(1, spec.transport) if adapter_sync(config) is not None
+                else None)
   trainer_actors = [trainer_cls.remote() for _ in range(processes)]
   worker_actors = [worker_cls.remote(payload, n, server_actor, base_actor)
                    for n in range(config.rollout.workers)]

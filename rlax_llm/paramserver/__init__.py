@@ -1,5 +1,6 @@
 """Parameter server: versioned weight snapshots shared by the trainer and inference workers,
-and lossless sparse deltas between versions."""
+lossless sparse deltas between versions, and the two ends every backend uses: the trainer's
+``publisher`` and the workers' ``receiver``."""
 
 from rlax_llm.paramserver import delta
 from rlax_llm.paramserver.server import (

@@ -1,12 +1,13 @@
 """Versioned parameter server: the store behind the parameter-server role.
 
 The trainer pushes its params after every update as version ``n`` (the number of updates
-applied) itself; each inference worker pulls the version it is asked to sample with
-(``update``: a lossless delta from the version it holds, or whole leaves) itself, and checks
-every leaf against the checksum the server computed at push time. The controller never calls
-it: it passes version numbers only. The server keeps the latest ``keep`` versions as
-read-only host numpy copies, so a snapshot handed out never changes, whatever the trainer or
-a reader does afterwards. Where it runs is the backend's choice (``rlax_llm.backends``: in
+applied) itself (``rlax_llm.paramserver.publisher``); each inference worker pulls the version
+it is asked to sample with (``update``: a lossless delta from the version it holds, or whole
+leaves, a ``delta.Delta``) itself, and checks every leaf against the checksum the server
+computed at push time (``rlax_llm.paramserver.receiver``). The controller never calls it: it
+passes version numbers only. The server keeps the latest ``keep`` versions as read-only host
+numpy copies, so an update or snapshot handed out never changes, whatever the trainer or a
+reader does afterwards. Where it runs is the backend's choice (``rlax_llm.backends``: in
 the process of the local backend's roles, or in an actor of its own on Ray).
 
 Guarantees:
@@ -68,7 +69,8 @@ LeafSpec = tuple[tuple[int, ...], str]
 
 @dataclasses.dataclass(frozen=True)
 class WeightSnapshot:
-  """One stored version of the params.
+  """One stored version of the params, whole (``ParameterServer.get``: for inspecting a
+  server; workers receive ``delta.Delta`` updates).
 
   Attributes:
       version: number of trainer updates behind these params (0 = the initial params).
@@ -255,8 +257,9 @@ class ParameterServer:
 
       server = ParameterServer(keep=2)
       server.push(0, params)              # trainer, after n updates: push(n, params)
-      snap = server.pull(min_version=0)   # inference worker
-      snap.version, snap.params
+      update = server.update(0, -1)       # inference worker holding no version: whole leaves
+      server.push(1, params1)
+      update = server.update(1, 0)        # holding version 0: a delta from it
   """
 
   def __init__(self, keep: int = 2, template: Any = None):
@@ -274,7 +277,7 @@ class ParameterServer:
         'use keep=1 to hold only the latest version.'
       )
     self._keep = int(keep)
-    self._cond = threading.Condition()
+    self._lock = threading.Lock()
     # version -> (treedef, leaves, checksums); dict order is ascending version order.
     self._store: dict[int, tuple[Any, list[np.ndarray], tuple[int, ...]]] = {}
     self._latest = -1
@@ -292,24 +295,18 @@ class ParameterServer:
       )
 
   @property
-  def keep(self) -> int:
-    """How many of the newest versions the server holds."""
-    return self._keep
-
-  @property
   def template(self) -> dict[str, LeafSpec] | None:
     """Leaf path -> ``(shape, dtype name)`` every push must match; ``None`` until fixed."""
-    with self._cond:
+    with self._lock:
       if self._template is None:
         return None
       _, paths, specs = self._template
       return dict(zip(paths, specs))
 
   def push(self, version: int, params: Any, adopt: bool = False) -> None:
-    """Stores ``params`` as ``version`` and wakes every waiting ``pull``: the one-process case
-    of ``push_shards`` (``push_shards(version, local_shards(params))``; ``params`` may also
-    be a ``ShardPush`` already, e.g. ``local_shards(params, to_host=True)`` sent from another
-    process).
+    """Stores ``params`` as ``version``: the one-process case of ``push_shards``
+    (``push_shards(version, local_shards(params))``; ``params`` may also be a ``ShardPush``
+    already, e.g. ``local_shards(params, to_host=True)`` sent from another process).
 
     Args:
         version: int strictly greater than ``latest_version()`` (so the first push may use
@@ -328,7 +325,7 @@ class ParameterServer:
             unchanged after a failed push.
     """
     version = _check_int('version', version)
-    with self._cond:
+    with self._lock:
       # Cheap early rejection before touching the params; push_shards checks again.
       self._check_version_order(version)
     self.push_shards(version, params if isinstance(params, ShardPush) else local_shards(params),
@@ -378,7 +375,7 @@ class ParameterServer:
                        'jax.process_count()).')
     paths, specs = list(shards.paths), list(shards.specs)
     self._check_shards(shards)
-    with self._cond:
+    with self._lock:
       self._check_version_order(version)
       if self._template is not None:
         self._check_matches_template(shards.treedef, paths, specs)
@@ -409,11 +406,11 @@ class ParameterServer:
     try:
       self._write(pending, shards, adopt)
     except BaseException:
-      with self._cond:  # a copy failed (e.g. out of memory): the version cannot complete
+      with self._lock:  # a copy failed (e.g. out of memory): the version cannot complete
         if self._pending is not None and self._pending[1] is pending:
           self._pending = None
       raise
-    with self._cond:
+    with self._lock:
       pending.finished += 1
       if pending.finished < pending.process_count:
         return False
@@ -451,7 +448,7 @@ class ParameterServer:
       else:
         target[tuple(slice(start, stop) for start, stop in shard.box)] = np.asarray(shard.data)
       written[shard.leaf] += int(np.prod(_box_shape(shard.box)))
-    with self._cond:
+    with self._lock:
       completed = []
       for i, n in enumerate(written):
         if n:
@@ -522,7 +519,6 @@ class ParameterServer:
       for leaf in dropped:
         if leaf.flags.owndata:  # an array this server allocated
           self._spare.setdefault(_leaf_spec(leaf), []).append(leaf)
-    self._cond.notify_all()
 
   def _check_version_order(self, version: int) -> None:
     if version <= self._latest:
@@ -560,39 +556,6 @@ class ParameterServer:
           f'cast it with .astype({exp_dtype!r}) before pushing.'
         )
 
-  def pull(self, min_version: int = 0, timeout: float | None = 0.0) -> WeightSnapshot:
-    """Returns the latest snapshot, waiting for one with ``version >= min_version``.
-
-    Args:
-        min_version: the oldest version the caller accepts.
-        timeout: seconds to wait for a push while the latest version is older than
-            ``min_version`` (0 = do not wait, ``None`` = wait forever).
-
-    Returns:
-        The newest held ``WeightSnapshot``. Its leaves are shared read-only host arrays;
-        its containers are fresh, so the caller may rearrange them freely.
-
-    Raises:
-        LookupError: nothing was ever pushed and ``timeout`` is 0.
-        TimeoutError: no version ``>= min_version`` arrived within ``timeout`` seconds.
-    """
-    min_version = _check_int('min_version', min_version)
-    if timeout is not None and not timeout >= 0:
-      raise ValueError(f'timeout must be >= 0 seconds or None (wait forever), got {timeout!r}.')
-    with self._cond:
-      if not self._cond.wait_for(lambda: self._latest >= min_version, timeout=timeout):
-        if self._latest < 0 and timeout == 0:
-          raise LookupError(
-            'the parameter server is empty: nothing has been pushed yet. Push '
-            'version 0 first, or pull with timeout > 0 (or None) to wait for it.'
-          )
-        raise TimeoutError(
-          f'no version >= {min_version} arrived within {timeout} s; the latest '
-          f'version is {self._latest}. Wait longer (timeout=None waits forever) or '
-          'lower min_version.'
-        )
-      return self._snapshot(self._latest)
-
   def get(self, version: int) -> WeightSnapshot:
     """Returns the held snapshot of exactly ``version``.
 
@@ -600,7 +563,7 @@ class ParameterServer:
         KeyError: ``version`` was dropped or never pushed; the message lists held versions.
     """
     version = _check_int('version', version)
-    with self._cond:
+    with self._lock:
       if version not in self._store:
         raise self._not_held(version)
       return self._snapshot(version)
@@ -637,7 +600,7 @@ class ParameterServer:
     Raises KeyError when ``version`` is not held (dropped, or not pushed yet).
     """
     version = _check_int('version', version)
-    with self._cond:
+    with self._lock:
       target = self._store.get(version)
       if target is None:
         raise self._not_held(version)
@@ -656,17 +619,17 @@ class ParameterServer:
   @property
   def treedef(self) -> Any:
     """The tree structure of every version (None until the first push)."""
-    with self._cond:
+    with self._lock:
       return None if self._template is None else self._template[0]
 
   def latest_version(self) -> int:
     """The newest pushed version, or -1 when nothing has been pushed."""
-    with self._cond:
+    with self._lock:
       return self._latest
 
   def versions(self) -> list[int]:
     """The held versions, ascending."""
-    with self._cond:
+    with self._lock:
       return list(self._store)
 
   def _snapshot(self, version: int) -> WeightSnapshot:

@@ -2,32 +2,27 @@
 generates.
 
 The worker is passive (the controller calls it) and speaks typed requests and results only:
-``generate(requests, rng) -> Rollouts``; ``generate_at(version, fetch, ...)`` first pulls the
-version the controller names (a version number, never weights) from the parameter server
-itself, through ``fetch`` (the backend's way to reach the server), and checks every leaf
-against the checksum the server took when the trainer pushed it. It tokenizes prompts with
-the model's tokenizer (chat messages through the checkpoint's chat template), runs them
+``generate(requests, rng) -> Rollouts``; ``generate_at(version, fetch, ...)`` first holds the
+version the controller names (a version number, never weights), which its ``receiver``
+(``rlax_llm.paramserver.receiver.Receiver``) pulls from the parameter server unless held,
+through ``fetch`` (the backend's way to reach the server), checking every leaf against the
+checksum the server took when the trainer pushed it; under LoRA's adapter-only sync it
+merges each version's adapters into the base it pulled once. The worker tokenizes prompts
+with the model's tokenizer (chat messages through the checkpoint's chat template), runs them
 through the continuous-batching driver (``rlax_llm.rollout.driver``) over the JetStream-API
 engine (``rlax_llm.rollout.engine``), and returns each completion whole: tokens, behaviour
 log-probs, the version of every token, finish reason, restarts, decoded text and timings.
 
-Reload staleness ``j`` (RLAX, docs/architecture.md): ``maybe_reload`` pulls new weights when
-the server is at least ``j`` versions ahead of the weights held (the deterministic schedule
-names the version instead: ``generate_at``). In free-running mode (``generate_at`` given
-``FollowLatest(j)`` and the backend's ``latest`` callable) the worker applies that rule
-itself, before generating and between any two decode steps, so a version pushed while a
-batch is generated enters it mid-sequence (the driver's per-step swap; every token keeps the
-version that drew it). ``load`` swaps the weights
-the driver reads before every decode step. Params live on the worker's own ``inference``
-mesh with the shardings the logical-axis rules give there (the same rules as the trainer's).
-
-LoRA with adapter-only sync (``lora``, ``lora.sync='adapters'``; ``rlax_llm.models.lora``):
-the versions the worker pulls are adapter trees (``lora.adapter_tree``). Before its first
-one it pulls the base once through ``fetch_base`` (whole leaves, checked against the base
-server's checksums) and keeps it on its mesh; each version's adapters are merged into it
-(``lora.merge_program``: ``W + s * A @ B``, one jitted program per version, on the worker's
-devices) and the merged weights are what the engine samples with (an int8 engine quantises
-them). Deltas are of the adapters, from the adapters held.
+Reload staleness ``j`` (RLAX, docs/architecture.md): the deterministic schedule names the
+version (``generate_at(version)``). In free-running mode (``generate_at`` given
+``FollowLatest(j)`` and the backend's ``latest`` callable) the receiver pulls the server's
+newest version whenever it is at least ``j`` versions ahead of the one held
+(``Receiver.follow``), before generating and between any two decode steps, so a version
+pushed while a batch is generated enters it mid-sequence (the driver's per-step swap; every
+token keeps the version that drew it). ``load`` installs whole params directly (a version
+that no server holds: evaluation, serving a checkpoint); the driver reads the params before
+every decode step. Params live on the worker's own ``inference`` mesh with the shardings the
+logical-axis rules give there (the same rules as the trainer's).
 """
 
 from __future__ import annotations
@@ -42,38 +37,16 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from rlax_llm import schedule
 from rlax_llm import sharding as sharding_lib
 from rlax_llm.data_types import FollowLatest, GenerationRequest, Rollouts, Trajectory
 from rlax_llm.models import lora as lora_lib
 from rlax_llm.models.model import Model
-from rlax_llm.paramserver import ParameterServer
-from rlax_llm.paramserver import delta as delta_lib
-from rlax_llm.paramserver.server import leaf_specs
+from rlax_llm.paramserver.receiver import Fetch, FetchBase, Latest, Receiver
 from rlax_llm.rollout.driver import Driver, Job, Sample, VersionedParams
 from rlax_llm.rollout.engine import Engine
 from rlax_llm.rollout.episodes import Episode, EpisodeRunner
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.tokenization import Tokenizer, encode_prompts
-
-# ``fetch(version, base_version) -> Delta``: a backend's way to ask the parameter server for a
-# version (``ParameterServer.update`` in process, a call to the server's actor on Ray).
-Fetch = Callable[[int, int], delta_lib.Delta]
-# ``fetch_base() -> Delta``: a backend's way to ask for the base a LoRA trainer pushed once
-# (adapter-only sync: whole leaves with their checksums).
-FetchBase = Callable[[], delta_lib.Delta]
-# ``latest() -> int``: a backend's way to ask the parameter server for its newest version
-# (``ParameterServer.latest_version`` in process, a call to the server's actor on Ray).
-Latest = Callable[[], int]
-
-
-def _figures(update: delta_lib.Delta) -> dict[str, int]:
-  """An update's transfer figures: bytes moved, bytes of the leaves sent whole, elements
-  whose bits changed, and elements in all."""
-  return {'sync/bytes': update.nbytes,
-          'sync/full_bytes': sum(u.full.nbytes for b in update.buckets for u in b
-                                 if u.full is not None),
-          'sync/changed': update.changed, 'sync/elements': update.total}
 
 
 class InferenceWorker:
@@ -91,13 +64,14 @@ class InferenceWorker:
     prefill_buckets: prompt length buckets (default: ``engine.default_buckets``).
     rules: logical-axis rules placing the params on ``mesh``.
     quant: ``'none'`` or ``'int8'`` (``model.inference_quant``): the engine samples with an
-      int8 copy of each version it loads (``Engine``); the worker still holds, verifies and
+      int8 copy of each version it loads (``Engine``); its receiver still holds, verifies and
       applies deltas to the params it pulls, unquantised.
     kv_cache_quant: ``'none'`` or ``'int8'`` (``model.kv_cache_quant``): the engine's KV
       cache in int8 with per-(token, kv head) scales (``Engine``).
-    lora: with ``fetch_base``, the trainer's adapters (``lora.sync='adapters'``): the
-      versions pulled are adapter trees, merged into the base pulled once through
-      ``fetch_base`` (module docstring). None: the versions are the model's params.
+    lora: with ``fetch_base``, the trainer's adapters under adapter-only sync
+      (``paramserver.publisher.adapter_sync``): the versions pulled are adapter trees, merged
+      into the base pulled once through ``fetch_base`` (``Receiver``). None: the versions
+      are the model's params.
     fetch_base: the backend's way to pull that base (``FetchBase``).
   """
 
@@ -107,9 +81,6 @@ class InferenceWorker:
                rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES,
                quant: str = 'none', lora: lora_lib.LoRAConfig | None = None,
                fetch_base: FetchBase | None = None, kv_cache_quant: str = 'none'):
-    if (lora is None) != (fetch_base is None):
-      raise ValueError('adapter-only sync needs both lora and fetch_base (the base pulled '
-                       f'once); got lora={lora!r}, fetch_base={fetch_base!r}.')
     self.model = model
     self.tokenizer = tokenizer
     self.mesh = mesh
@@ -121,20 +92,16 @@ class InferenceWorker:
     self.holder = VersionedParams()
     self.driver = Driver(self.engine, self.holder, on_swap=on_swap)
     self.reloads = 0
-    self._host_leaves: list[np.ndarray] | None = None  # the held version, for deltas
-    abstract = model.abstract_params()
-    self._fetch_base = fetch_base
-    self._base = None  # adapter-only sync: the base, on the mesh (pulled once)
+    place_base = None
     if lora is not None:
-      self._lora_model = lora_lib.lora_model(model, lora)
-      self._base_treedef = jax.tree_util.tree_structure(abstract)
-      self._base_paths = list(leaf_specs(abstract))
-      self._base_shardings = sharding_lib.param_shardings(abstract, model.logical_axes(), mesh,
-                                                          rules)
-      abstract = lora_lib.synced_adapters(
-          lora, lora_lib.adapter_tree(self._lora_model.abstract_params()))
-    self._treedef = jax.tree_util.tree_structure(abstract)  # of the versions pulled
-    self._leaf_paths = list(leaf_specs(abstract))  # names leaves in checksum errors
+      shardings = sharding_lib.param_shardings(model.abstract_params(), model.logical_axes(),
+                                               mesh, rules)
+
+      def place_base(base):
+        self.engine.check_params(base, placed=False)
+        return jax.device_put(base, shardings)
+    self.receiver = Receiver(model, self._swap_in, lora=lora, fetch_base=fetch_base,
+                             place_base=place_base)
 
   @property
   def version(self) -> int:
@@ -145,84 +112,33 @@ class InferenceWorker:
   def params(self):
     return None if self.holder.version < 0 else self.holder.get()[1]
 
-  def load(self, version: int, params) -> None:
-    """Installs weights (host or device arrays) of ``version``, sharded on the mesh; the
-    driver uses them from its next decode step on. Params that are not the model's raise
-    ValueError and leave the held version (and the base of the next delta) as it was."""
+  def _swap_in(self, version: int, params) -> None:
+    """The receiver's ``Install``: ``params`` sharded on the mesh (checked first: a tree that
+    is not the model's raises ValueError and changes nothing), used by the driver from its
+    next decode step on."""
     placed = self.engine.place_params(params)
-    self._host_leaves = (None if self._fetch_base is not None  # no adapters to delta from
-                         else [np.asarray(leaf) for leaf in jax.tree.leaves(params)])
     self.holder.set(version, placed)
     self.reloads += 1
 
-  def _install(self, version: int, leaves: list[np.ndarray]) -> None:
-    """Installs a version's verified host leaves: the model's params (``load``), or with
-    adapter-only sync its adapters, merged into the base held (``lora.merge_program``)."""
-    tree = jax.tree_util.tree_unflatten(self._treedef, leaves)
-    if self._fetch_base is None:
-      self.load(version, tree)
-      return
-    merged = lora_lib.merge_program(self._lora_model)(lora_lib.with_adapters(self._base, tree))
-    self.load(version, merged)
-    self._host_leaves = leaves
-
-  def _pull_base(self) -> dict[str, int | float]:
-    """Pulls the base (adapter-only sync) through ``fetch_base``, checks its checksums and
-    places it on the mesh; returns the pull's figures (as ``pull``'s)."""
-    update = self._fetch_base()
-    leaves = delta_lib.apply([None] * update.num_leaves, update)
-    if update.checksums:
-      delta_lib.verify(leaves, update.checksums, self._base_paths, update.version)
-    base = jax.tree_util.tree_unflatten(self._base_treedef, leaves)
-    self.engine.check_params(base, placed=False)
-    self._base = jax.device_put(base, self._base_shardings)
-    return _figures(update)
-
-  def apply_update(self, update: delta_lib.Delta) -> None:
-    """Installs ``update`` (``ParameterServer.update``): a delta from the version held, or
-    whole leaves, checked leaf by leaf against ``update.checksums`` when it has them (the
-    server's always do). Raises ValueError if it was computed from another base version, or
-    naming the leaf whose checksum differs; the held version stays as it was."""
-    if update.base_version >= 0 and update.base_version != self.version:
-      raise ValueError(f'the update is a delta from version {update.base_version} but this '
-                       f'worker holds version {self.version}; ask for one from that version.')
-    if update.base_version >= 0 and self._host_leaves is None:
-      raise ValueError(f'the update is a delta from version {update.base_version} but this '
-                       'worker holds no leaves to apply it to; ask for whole leaves (-1).')
-    leaves = delta_lib.apply(self._host_leaves or [None] * update.num_leaves, update)
-    if update.checksums:
-      delta_lib.verify(leaves, update.checksums, self._leaf_paths, update.version)
-    self._install(update.version, leaves)
-
-  def pull(self, version: int, fetch: Fetch) -> dict[str, int | float]:
-    """Pulls ``version`` through ``fetch`` (a delta from the version held, or whole leaves
-    when none is held) and installs it (``apply_update``). Returns the pull's figures:
-    ``sync/updates`` (1), ``sync/bytes`` moved, ``sync/full_bytes`` of leaves sent whole,
-    ``sync/changed`` and ``sync/elements`` (elements whose bits changed, of all), and
-    ``sync/pull_s`` (seconds). With adapter-only sync, the first pull fetches the base
-    first (``fetch_base``; its figures are added)."""
-    start = time.perf_counter()
-    figures = collections.Counter()
-    if self._fetch_base is not None and self._base is None:
-      figures.update(self._pull_base())
-    update = fetch(version, self.version if self._host_leaves is not None else -1)
-    self.apply_update(update)
-    figures.update(_figures(update))
-    figures['sync/updates'] = 1
-    figures['sync/pull_s'] = time.perf_counter() - start
-    return dict(figures)
+  def load(self, version: int, params) -> None:
+    """Installs whole params (host or device arrays) of ``version`` (``Receiver.load``):
+    weights no server holds, e.g. a checkpoint to evaluate or serve. Params that are not the
+    model's raise ValueError and leave the held version (and the base of the next delta) as
+    it was."""
+    self.receiver.load(version, params)
 
   def generate_at(self, version: int | FollowLatest, fetch: Fetch,
                   requests: Sequence[GenerationRequest], rng: jax.Array,
                   stop_after: int | None = None, first: int = 0,
                   latest: Latest | None = None) -> Rollouts:
-    """``generate`` with the weights of ``version``, pulled first (``pull``) unless held.
+    """``generate`` with the weights of ``version``, pulled first unless held
+    (``Receiver.ensure``).
 
     ``version=FollowLatest(j)`` (free-running mode; needs ``latest``): pulls the server's
-    latest version whenever it is ``j`` or more ahead of the one held
-    (``schedule.reload_due``): before generating and before every decode step, where the
-    driver swaps it in. The pulls' figures are added up into the rollouts' ``timings``
-    (their ``sync/`` keys; none when no pull was needed)."""
+    latest version whenever it is ``j`` or more ahead of the one held (``Receiver.follow``):
+    before generating and before every decode step, where the driver swaps it in. The
+    pulls' figures (``Receiver.pull``) are added up into the rollouts' ``timings`` (their
+    ``sync/`` keys; none when no pull was needed)."""
     pulled = collections.Counter()
     refresh = None
     if isinstance(version, FollowLatest):
@@ -231,12 +147,10 @@ class InferenceWorker:
                          "parameter server for its newest version (the backend's).")
 
       def refresh():
-        newest = latest()
-        if schedule.reload_due(newest, self.version, version.j):
-          pulled.update(self.pull(newest, fetch))
+        pulled.update(self.receiver.follow(latest, version.j, fetch))
       refresh()
-    elif version != self.version:
-      pulled.update(self.pull(version, fetch))
+    else:
+      pulled.update(self.receiver.ensure(version, fetch))
     rollouts = self.generate(requests, rng, stop_after, first, refresh=refresh)
     return dataclasses.replace(rollouts, timings={**rollouts.timings, **pulled})
 
@@ -245,11 +159,11 @@ class InferenceWorker:
               timeout_s: float, max_turns: int | None = None
               ) -> tuple[list[Trajectory], dict[str, float]]:
     """Plays multi-turn ``episodes`` (``rlax_llm.rollout.episodes.EpisodeRunner``, its
-    arguments) with the weights of ``version``, pulled first (``pull``) unless held, in this
-    worker's engine slots and KV cache. Returns one ``Trajectory`` per episode, in order,
-    and the runner's ``stats`` plus the pull's figures (``sync/`` keys; none when no pull
-    was needed)."""
-    pulled = {} if version == self.version else self.pull(version, fetch)
+    arguments) with the weights of ``version``, pulled first unless held
+    (``Receiver.ensure``), in this worker's engine slots and KV cache. Returns one
+    ``Trajectory`` per episode, in order, and the runner's ``stats`` plus the pull's figures
+    (``sync/`` keys; none when no pull was needed)."""
+    pulled = self.receiver.ensure(version, fetch)
     runner = EpisodeRunner(self.engine, self.holder, self.tokenizer,
                            max_concurrent_episodes=max_concurrent_episodes,
                            max_turn_tokens=max_turn_tokens, timeout_s=timeout_s,
@@ -259,22 +173,6 @@ class InferenceWorker:
     finally:
       self.driver.state = runner.state  # the engine donated the driver's: one cache
     return trajectories, {**runner.stats, **pulled}
-
-  def maybe_reload(self, server: ParameterServer, j: int) -> bool:
-    """Pulls the latest weights if the server is ``>= j`` versions ahead (or none are held;
-    ``schedule.reload_due``).
-
-    Returns True if it reloaded.
-    """
-    if isinstance(j, bool) or not isinstance(j, int) or j < 1:
-      raise ValueError(f'reload threshold j={j!r} must be an int >= 1.')
-    latest = server.latest_version()
-    if latest < 0:
-      raise LookupError('the parameter server holds no weights yet; push version 0 first.')
-    if schedule.reload_due(latest, self.version, j):
-      self.pull(latest, server.update)
-      return True
-    return False
 
   def encode(self, request: GenerationRequest) -> list[int]:
     """The prompt's ids; raises ValueError naming the prompt when it is empty or longer than
@@ -308,7 +206,8 @@ class InferenceWorker:
     which the driver swaps in from that step on (free-running mode, ``generate_at``).
     """
     if self.version < 0:
-      raise RuntimeError('InferenceWorker has no weights; call load() or maybe_reload() first.')
+      raise RuntimeError('InferenceWorker has no weights; load() or pull them first '
+                         '(generate_at, receiver.pull).')
     if not requests:
       raise ValueError('generate needs at least one request.')
     if isinstance(first, bool) or not isinstance(first, int) or first < 0:

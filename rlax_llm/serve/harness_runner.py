@@ -58,8 +58,9 @@ import numpy as np
 import openai
 
 from rlax_llm.data_types import GenerationRequest, Trajectory
+from rlax_llm.paramserver.receiver import Fetch
 from rlax_llm.rollout.episodes import Episode, request_episodes
-from rlax_llm.rollout.worker import Fetch, InferenceWorker
+from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.schedule import EpisodeSettings
 from rlax_llm.serve.harness import Harness, load_harness
@@ -229,9 +230,9 @@ def play_harness(worker: InferenceWorker, fetch: Fetch, requests: Sequence[Gener
   """``roles.play_requests`` for a harness run, in a worker's process: the episodes of
   ``requests`` (``request_episodes``: keys and group ids as an environment run's) played by
   the harness ``episodes.env`` names, with the weights of ``version`` (pulled through
-  ``fetch`` unless held). Returns the trajectories in order and the runner's figures (plus
-  the pull's, ``sync/``)."""
-  pulled = {} if version == worker.version else worker.pull(version, fetch)
+  ``fetch`` unless held: ``Receiver.ensure``). Returns the trajectories in order and the
+  runner's figures (plus the pull's, ``sync/``)."""
+  pulled = worker.receiver.ensure(version, fetch)
   played = request_episodes(requests, lambda: None, jax.random.wrap_key_data(rng_data), first)
   runner = HarnessRunner(worker, load_harness(episodes.env),
                          max_concurrent_episodes=episodes.max_concurrent_episodes,

@@ -96,17 +96,17 @@ def test_a_pull_after_a_delta_equals_the_cast_of_the_whole_float32_version():
   def worker():
     return InferenceWorker(inference, tokenizer, mesh, max_prompt_len=8, max_new_tokens=4)
   held = worker()
-  held.pull(0, server.update)
-  delta = held.pull(1, server.update)
+  held.receiver.pull(0, server.update)
+  delta = held.receiver.pull(1, server.update)
   whole = worker()
-  full = whole.pull(1, server.update)
+  full = whole.receiver.pull(1, server.update)
   assert full['sync/bytes'] == 2 * sum(x.size for x in jax.tree.leaves(params))
   assert delta['sync/changed'] < 0.2 * delta['sync/elements']
   assert delta['sync/bytes'] < 0.5 * full['sync/bytes']
   want = _bf16_of(version_1)
   for w in (held, whole):
     assert w.version == 1
-    _assert_bits_equal(w._host_leaves, want)  # pylint: disable=protected-access
+    _assert_bits_equal(w.receiver._host_leaves, want)  # pylint: disable=protected-access
   # The two sample alike: the same weights, the same tokens and log-probs.
   request = [GenerationRequest(Prompt(0, '1+2=', ''), 4, SamplingSpec(1.0), 4)]
   a = held.generate(request, jax.random.key(0))

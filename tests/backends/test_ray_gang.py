@@ -46,9 +46,8 @@ def launch(config, workdir, stop=None, wrap=None):
     if wrap is not None:
       wrap(run)
     summary = run.execute()
-    # The server actor's handle, as the trainer actor of process 0 holds it.
-    server = ray.get(run.controller.trainer.actor.__ray_call__.remote(lambda role: role.server))
-    pushes = ray.get(server.received.remote())
+    # The server actor the trainer actors push to (RayTrainer.server, for inspection).
+    pushes = ray.get(run.controller.trainer.server.received.remote())
   return summary, pushes
 
 

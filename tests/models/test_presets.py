@@ -209,13 +209,14 @@ def test_an_adapter_sync_worker_holds_the_base_and_the_merged_weights_the_plan_c
   server.push(0, lora_lib.pushed_params(lmodel, params, model))
   mesh = roles.meshes(config)['inference'][0]
   worker = roles.build_worker(config, model, tokenizer, mesh, lambda: base_server.update(0))
-  worker.pull(0, server.update)
+  worker.receiver.pull(0, server.update)
   plan = roles.run_memory_plan(model.config, config, ONE, ONE, shared=True)
   assert plan.inference_params == _per_device_bytes(worker.params)
-  assert plan.inference_base == _per_device_bytes(worker._base)  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  assert plan.inference_base == _per_device_bytes(worker.receiver._base)
   assert plan.inference_base == sum(x.nbytes for x in jax.tree.leaves(
       lora_lib.base_tree(params)))  # unquantised, in the workers' dtype
-  host = worker._host_leaves  # pylint: disable=protected-access
+  host = worker.receiver._host_leaves  # pylint: disable=protected-access
   assert sum(x.nbytes for x in host) == sum(
       x.nbytes for x in jax.tree.leaves(lora_lib.adapter_tree(params)))
   assert roles.rollout_memory_bytes(model.config, config)['params_bytes'] == (

@@ -178,7 +178,8 @@ def test_a_tiny_run_trains_samples_the_trainers_policy_and_round_trips(tmp_path)
     elif not lora_lib.is_adapter_path(path):
       np.testing.assert_array_equal(old, new, err_msg=str(path))  # the int8 base is frozen
   # The worker's base is the dequantised int8 base (float32), pulled once.
-  jax.tree.map(np.testing.assert_array_equal, worker._base,  # pylint: disable=protected-access
+  jax.tree.map(np.testing.assert_array_equal,
+               worker.receiver._base,  # pylint: disable=protected-access
                lora_lib.dequantized(model, lora_lib.base_tree(start)))
   # Sampler and trainer agree on the policy: the trainer's recompute (int8 base, adapters of
   # the version sampled) of the worker's tokens is its behaviour log-probs.

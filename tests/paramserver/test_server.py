@@ -1,8 +1,6 @@
 """Tests for rlax_llm.paramserver.server."""
 
 import re
-import threading
-import time
 
 import hypothesis
 import hypothesis.strategies as st
@@ -41,11 +39,11 @@ def _push_error(server: ParameterServer, version) -> str:
   return str(info.value)
 
 
-def test_push_pull_round_trip():
+def test_push_get_round_trip():
   server = ParameterServer()
   params = make_params()
   server.push(0, params)
-  snap = server.pull()
+  snap = server.get(0)
   assert isinstance(snap, WeightSnapshot)
   assert snap.version == 0
   assert_tree_equal(snap.params, params)
@@ -59,12 +57,12 @@ def test_push_pull_round_trip():
   assert server.versions() == [0]
 
 
-def test_pull_returns_latest_and_get_returns_exact_version():
+def test_get_returns_the_exact_version():
   server = ParameterServer(keep=3)
   for v in range(3):
     server.push(v, make_params(scale=v + 1.0))
-  assert server.pull(min_version=1).version == 2
-  np.testing.assert_array_equal(server.pull().params['layer']['w'], [6.0, 6.0, 6.0])
+  assert server.latest_version() == 2 and server.get(2).version == 2
+  np.testing.assert_array_equal(server.get(2).params['layer']['w'], [6.0, 6.0, 6.0])
   np.testing.assert_array_equal(server.get(1).params['layer']['w'], [4.0, 4.0, 4.0])
 
 
@@ -74,7 +72,7 @@ def test_non_finite_values_are_stored_as_is():
   params['embed'][0, 0] = np.nan
   params['embed'][1, 2] = -np.inf
   server.push(0, params)
-  embed = server.pull().params['embed']
+  embed = server.get(0).params['embed']
   assert np.isnan(embed[0, 0]) and embed[1, 2] == -np.inf
 
 
@@ -90,7 +88,7 @@ def test_push_with_old_version_raises_and_changes_nothing(bad_version):
     server.push(bad_version, make_params(scale=5.0))
   assert server.latest_version() == 2
   assert server.versions() == [0, 2]
-  np.testing.assert_array_equal(server.pull().params['layer']['w'], [2.0, 2.0, 2.0])
+  np.testing.assert_array_equal(server.get(2).params['layer']['w'], [2.0, 2.0, 2.0])
 
 
 @pytest.mark.parametrize('bad_version', [True, 1.0, '3', None])
@@ -105,7 +103,7 @@ def test_push_accepts_numpy_integer_version():
   server = ParameterServer()
   server.push(np.int64(3), make_params())
   assert server.latest_version() == 3
-  assert type(server.pull().version) is int
+  assert type(server.get(3).version) is int
 
 
 def _bad_shape(p):
@@ -195,7 +193,7 @@ def test_stored_arrays_are_read_only_copies():
   params['embed'][:] = -1.0
   params['layer']['step'][...] = 99
   params['layer']['w'] = jnp.zeros((3,), jnp.float32)  # replacing a leaf in the caller's tree
-  snap = server.pull()
+  snap = server.get(0)
   assert_tree_equal(snap.params, make_params())
   for leaf in jax.tree_util.tree_leaves(snap.params):
     assert not leaf.flags.writeable
@@ -204,128 +202,12 @@ def test_stored_arrays_are_read_only_copies():
     snap.params['embed'][0, 0] = 5.0
   # Rearranging one snapshot's containers leaves the stored version intact.
   snap.params['layer'].clear()
-  assert_tree_equal(server.pull().params, make_params())
+  assert_tree_equal(server.get(0).params, make_params())
 
 
-def test_pull_empty_without_wait_raises_lookup_error():
-  server = ParameterServer()
-  with pytest.raises(LookupError, match='nothing has been pushed'):
-    server.pull()
-
-
-def test_pull_future_version_times_out():
+def test_updates_carry_the_checksums_taken_at_push_time():
   server = ParameterServer()
   server.push(0, make_params())
-  start = time.monotonic()
-  with pytest.raises(TimeoutError, match=r'no version >= 3 .*latest version is 0'):
-    server.pull(min_version=3, timeout=0.05)
-  assert 0.04 <= time.monotonic() - start < 1.0
-
-
-def test_pull_empty_with_timeout_raises_timeout_error():
-  server = ParameterServer()
-  with pytest.raises(TimeoutError, match='latest version is -1'):
-    server.pull(timeout=0.01)
-
-
-def test_pull_rejects_negative_timeout():
-  with pytest.raises(ValueError, match='timeout must be >= 0'):
-    ParameterServer().pull(timeout=-1.0)
-
-
-def test_push_wakes_waiting_pull():
-  server = ParameterServer()
-  server.push(0, make_params())
-  waiting = threading.Event()
-  result = {}
-
-  def waiter():
-    waiting.set()
-    try:
-      result['snap'] = server.pull(min_version=1, timeout=5)
-    except Exception as e:  # surfaced by the assertion below
-      result['error'] = e
-
-  thread = threading.Thread(target=waiter)
-  thread.start()
-  assert waiting.wait(timeout=5)
-  time.sleep(0.01)  # let the waiter block on the condition
-  start = time.monotonic()
-  server.push(1, make_params(scale=2.0))
-  thread.join(timeout=5)
-  assert not thread.is_alive()
-  assert time.monotonic() - start < 1.0
-  assert 'error' not in result, result.get('error')
-  assert result['snap'].version == 1
-  np.testing.assert_array_equal(result['snap'].params['layer']['w'], [4.0, 4.0, 4.0])
-
-
-@hypothesis.settings(max_examples=30, deadline=None)
-@hypothesis.given(st.lists(st.integers(min_value=-3, max_value=20), max_size=12))
-def test_latest_version_is_monotone_and_equals_max_accepted(versions):
-  server = ParameterServer(keep=3)
-  params = {'w': np.zeros((2,), np.float32)}
-  accepted = []
-  previous = server.latest_version()
-  assert previous == -1
-  for v in versions:
-    try:
-      server.push(v, params)
-      accepted.append(v)
-      ok = True
-    except ValueError:
-      ok = False
-    assert ok == (v >= 0 and v > previous), (v, previous)  # every newer version is taken
-    latest = server.latest_version()
-    assert latest >= previous
-    previous = latest
-  assert server.latest_version() == max(accepted, default=-1)
-  assert accepted == sorted(set(accepted))
-  assert server.versions() == accepted[-3:]
-
-
-def test_a_pull_of_a_dropped_version_names_it_the_kept_range_and_the_fix():
-  server = ParameterServer(keep=2)
-  for v in (0, 1, 2):
-    server.push(v, make_params(scale=float(v)))
-  with pytest.raises(KeyError, match=r'version 0 is not held: it was dropped: the server keeps '
-                     r'the newest 2 versions, now 1\.\.2\. .*paramserver\.keep_versions'):
-    server.update(0)
-  with pytest.raises(KeyError, match=r'version 3 is not held: it has not been pushed yet '
-                     r'\(the latest is 2\)'):
-    server.update(3, base_version=2)
-
-
-def test_readers_never_block_the_writer(monkeypatch):
-  """A pull stuck in encoding its delta holds no lock: pushes (and other pulls) go on."""
-  server = ParameterServer(keep=3)
-  server.push(0, make_params(scale=1.0))
-  server.push(1, make_params(scale=2.0))
-  entered, release = threading.Event(), threading.Event()
-  encode = delta_lib.encode
-
-  def stuck_encode(*args, **kwargs):
-    entered.set()
-    release.wait(10)
-    return encode(*args, **kwargs)
-
-  monkeypatch.setattr(delta_lib, 'encode', stuck_encode)
-  result = {}
-  reader = threading.Thread(target=lambda: result.update(d=server.update(1, base_version=0)))
-  reader.start()
-  assert entered.wait(10)
-  start = time.perf_counter()
-  server.push(2, make_params(scale=3.0))  # while the reader is mid-pull
-  assert server.update(2).version == 2  # another reader (whole leaves) is not blocked either
-  assert time.perf_counter() - start < 5 and reader.is_alive()
-  release.set()
-  reader.join(10)
-  assert result['d'].version == 1 and server.versions() == [0, 1, 2]
-
-
-def test_every_update_carries_the_checksums_taken_at_push():
-  server = ParameterServer(keep=2)
-  server.push(0, make_params(scale=1.0))
   server.push(1, make_params(scale=2.0))
   leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(make_params(scale=2.0))]
   for base_version in (-1, 0):
@@ -340,7 +222,7 @@ def test_a_dropped_versions_buffers_are_reused_only_when_nobody_holds_them():
     return {leaf.ctypes.data for leaf in jax.tree_util.tree_leaves(server.get(version).params)}
 
   server.push(0, make_params(scale=1.0))
-  held = server.pull()  # a reader keeps version 0
+  held = server.get(0)  # a reader keeps version 0
   view = held.params['embed'].reshape(-1)  # and a view of one of its leaves
   server.push(1, make_params(scale=2.0))  # drops 0
   v1 = addresses(1)

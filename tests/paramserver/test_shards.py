@@ -81,9 +81,10 @@ def test_two_processes_commit_the_version_when_every_block_arrived(params):
   first, second = halves(local_shards(params))
   assert first.shards and second.shards
   assert not server.push_shards(1, first, process_index=0, process_count=2)
-  # Not visible until complete: the latest, pulls and updates still see version 0.
+  # Not visible until complete: the latest, gets and updates still see version 0.
   assert server.latest_version() == 0 and server.versions() == [0]
-  assert server.pull().version == 0
+  with pytest.raises(KeyError, match='version 1 is not held: it is still being pushed'):
+    server.get(1)
   with pytest.raises(KeyError, match=r'version 1 is not held: it is still being pushed '
                      r'\(processes \[0\] of 2 pushed; 3 of 4 leaves lack blocks'):
     server.update(1, base_version=0)

@@ -48,6 +48,14 @@ def make_worker(model, params, mesh_axes=None, version=5):
   return worker
 
 
+def held_tree(worker):
+  """The host params of the version ``worker``'s receiver holds: what its next delta
+  applies to."""
+  receiver = worker.receiver
+  # pylint: disable-next=protected-access
+  return jax.tree_util.tree_unflatten(receiver._treedef, receiver._host_leaves)
+
+
 def requests(spec, n=4, prompts=PROMPTS):
   return [GenerationRequest(p, n, spec, MAX_NEW) for p in prompts]
 
@@ -175,35 +183,37 @@ def test_a_failed_load_keeps_the_held_version(model_and_params):
   leaves, treedef = jax.tree_util.tree_flatten(params)
   changed = jax.tree_util.tree_unflatten(treedef, [leaves[0] + 1.0] + leaves[1:])
   server.push(6, changed)  # one leaf changed: the others come from the worker's base
-  worker.apply_update(server.update(6, base_version=5))
+  worker.receiver.apply(server.update(6, base_version=5))
   assert worker.version == 6
-  jax.tree.map(np.testing.assert_array_equal,
-               jax.tree_util.tree_unflatten(worker._treedef, worker._host_leaves), changed)
+  jax.tree.map(np.testing.assert_array_equal, held_tree(worker), changed)
 
 
 def test_reload_threshold_j(model_and_params):
+  """``Receiver.follow(latest, j, fetch)``, the free-running rule: pull the server's newest
+  version when nothing is held or it is j or more versions ahead."""
   model, params = model_and_params
   mesh = make_mesh({'data': 1}, jax.devices()[:1])
   worker = InferenceWorker(model, TOKENIZER, mesh, max_prompt_len=8, max_new_tokens=MAX_NEW)
   server = ParameterServer(keep=2)
+  follow = lambda j: worker.receiver.follow(server.latest_version, j, server.update)
   with pytest.raises(LookupError, match='holds no weights'):
-    worker.maybe_reload(server, 1)
+    follow(1)
   server.push(0, params)
-  assert worker.maybe_reload(server, 3) and worker.version == 0  # nothing held: always load
+  assert follow(3)['sync/updates'] == 1 and worker.version == 0  # nothing held: always load
   for version in (1, 2):
     server.push(version, params)
-    assert not worker.maybe_reload(server, 3), version  # only 1, 2 versions ahead
+    assert not follow(3), version  # only 1, 2 versions ahead
   assert worker.version == 0 and worker.reloads == 1
   server.push(3, params)
-  assert worker.maybe_reload(server, 3) and worker.version == 3  # 3 ahead: reload
-  assert not worker.maybe_reload(server, 1) and worker.reloads == 2
+  assert follow(3) and worker.version == 3  # 3 ahead: reload
+  assert not follow(1) and worker.reloads == 2
   server.push(4, params)
-  assert worker.maybe_reload(server, 1) and worker.version == 4
+  assert follow(1) and worker.version == 4
   rollouts = worker.generate(requests(SamplingSpec(1.0), n=1), jax.random.key(0))
   assert set(rollouts.versions[rollouts.completion_mask].tolist()) == {4}
-  for bad in (0, -1, 1.5):
+  for bad in (0, -1, 1.5, True):
     with pytest.raises(ValueError, match='reload threshold j='):
-      worker.maybe_reload(server, bad)
+      follow(bad)
 
 
 def test_params_are_sharded_on_the_inference_mesh(model_and_params, monkeypatch):
@@ -324,9 +334,9 @@ def test_a_corrupted_update_names_the_leaf_and_changes_nothing(model_and_params)
   bad = dataclasses.replace(update, buckets=tuple(tuple(b) for b in buckets))
   path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(params)[0][0][0])
   with pytest.raises(ValueError, match=re.escape(f'leaf {path} of version 6 fails its checksum')):
-    worker.apply_update(bad)
+    worker.receiver.apply(bad)
   assert worker.version == 5
-  worker.apply_update(update)
+  worker.receiver.apply(update)
   assert worker.version == 6
 
 
@@ -357,9 +367,7 @@ def test_generate_at_pulls_the_named_version_itself(model_and_params):
   out = worker.generate_at(2, server.update, requests(SamplingSpec(1.0), n=1),
                            jax.random.key(0))
   assert not any(key.startswith('sync/') for key in out.timings)  # held: no pull
-  jax.tree.map(np.testing.assert_array_equal,
-               jax.tree_util.tree_unflatten(worker._treedef, worker._host_leaves),
-               server.get(2).params)
+  jax.tree.map(np.testing.assert_array_equal, held_tree(worker), server.get(2).params)
 
 
 def test_free_running_pulls_between_decode_steps(model_and_params):
