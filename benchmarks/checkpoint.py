@@ -46,7 +46,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # pylint: disable=wrong-import-position
-from train_step import model_config, train_batch  # this folder (sys.path[0])
+from train_step import model_config, timed, train_batch  # this folder (sys.path[0])
 
 from rlax_llm import losses
 from rlax_llm.checkpoint import Checkpointer
@@ -56,12 +56,6 @@ from rlax_llm.sharding import make_mesh
 from rlax_llm.trainer import objectives
 from rlax_llm.trainer.scoring import Policy
 from rlax_llm.trainer.trainer import Trainer, make_optimizer
-
-
-def timed(fn) -> float:
-  start = time.perf_counter()
-  fn()
-  return time.perf_counter() - start
 
 
 def main() -> None:

@@ -198,16 +198,18 @@ class TorchStep:
             'total_bytes': params + optimizer + sum(saved.values())}
 
 
+def timed(fn) -> float:
+  """Seconds ``fn()`` takes."""
+  start = time.perf_counter()
+  fn()
+  return time.perf_counter() - start
+
+
 def timed_steps(step, steps: int) -> tuple[float, list[float]]:
   """``(first step's result, [seconds of each of the next steps])``: one untimed step
   (compilation / warm-up), then ``steps`` timed ones."""
   first = step()
-  times = []
-  for _ in range(steps):
-    start = time.perf_counter()
-    step()
-    times.append(time.perf_counter() - start)
-  return first, times
+  return first, [timed(step) for _ in range(steps)]
 
 
 def run_ours(args) -> dict:
@@ -245,7 +247,8 @@ def run_ours(args) -> dict:
     trainer = Trainer(model, params, make_optimizer(1e-6),
                       functools.partial(objective, chunk=chunk), mesh,
                       micro_batches=args.micro_batches, totals_fn=objectives.loss_totals)
-    lowered = trainer._step.lower(trainer.params, trainer.opt_state, batch, None)  # pylint: disable=protected-access
+    lowered = trainer._step.lower(  # pylint: disable=protected-access
+        trainer.params, trainer.opt_state, batch, None)
     memory = lowered.compile().memory_analysis()
     out[f'ours_temp_bytes_chunk{chunk}'] = int(memory.temp_size_in_bytes)
     if chunk != args.logprob_chunk:
