@@ -6,8 +6,9 @@ GGUF, loaded by ``from_pretrained``; the torch model is transformers' ``LlamaFor
 built from the same config and holding the same weights, ``config_to_hf``/``params_to_hf``),
 or ``tiny`` (a 2-layer random decoder: the test's smoke run). A batch of ``--batch`` x
 ``--length`` tokens (random; the completion half under the loss mask) with random behaviour
-log-probs and advantages, the GRPO clipped objective (whole logits: ``--logprob_chunk=0``, as
-``configs/smollm2.py`` and peft), AdamW with global-norm clipping, fp32; ``--dtype=bfloat16``:
+log-probs and advantages, the GRPO clipped objective (``--logprob_chunk`` on both sides,
+``train_step.TorchStep``; default 0: whole logits, as ``configs/smollm2.py``), AdamW with
+global-norm clipping, fp32; ``--dtype=bfloat16``:
 the LoRA step's frozen base and its matmuls in bfloat16 on both sides (the adapters and their
 optimizer state float32 on both: peft's ``autocast_adapter_dtype``), for 1. and 2.'s LoRA row.
 ``--shared_prefix``: the batch in the controller's layout instead (groups of 8 consecutive
@@ -80,14 +81,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from shared_prefix import make_batch  # this folder (sys.path[0])
-from train_step import torch_grpo_losses, train_batch
+from train_step import TorchStep, model_config, timed, train_batch
 
 from rlax_llm import losses, sharding
 from rlax_llm.configs import smollm2 as smollm2_recipe
 from rlax_llm.data_types import TrainBatch
 from rlax_llm.models import from_pretrained, smollm2_gguf_path
 from rlax_llm.models import lora as lora_lib
-from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.files.hf import config_to_hf, params_to_hf
 from rlax_llm.models.model import abstract_model, cast_params, create_model, split_module
 from rlax_llm.models.quant import Int8Weight
@@ -97,8 +97,7 @@ from rlax_llm.trainer import objectives
 from rlax_llm.trainer.scoring import Policy
 from rlax_llm.trainer.trainer import Trainer, make_optimizer
 
-TINY = DecoderConfig(vocab_size=256, num_layers=2, embed_dim=64, mlp_dim=128, num_heads=4,
-                     num_kv_heads=2, head_dim=16, max_seq_len=256)
+TINY = model_config('tiny', 256)
 GROUP_SIZE = 8  # --shared_prefix: rows per group sharing a prompt (configs/smollm2.py's)
 # The narrower wires (lora.sync_dtype) whose adapter versions the sync figures also measure.
 WIRE_DTYPES = ('bfloat16', 'int8')
@@ -140,7 +139,7 @@ def step_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
   parser.add_argument('--length', type=int, default=256)
   parser.add_argument('--micro_batches', type=int, default=4)
   parser.add_argument('--logprob_chunk', type=int, default=0,
-                      help='0: whole logits, as configs/smollm2.py and peft')
+                      help='both sides; 0: whole logits, as configs/smollm2.py')
   parser.add_argument('--dtype', default='float32', choices=('float32', 'bfloat16'),
                       help="the LoRA step's frozen base and matmuls (both sides; full "
                            'fine-tuning and the sync stay float32)')
@@ -247,63 +246,7 @@ def torch_model(model, params, lora: lora_lib.LoRAConfig, dtype: str = 'float32'
   return peft.get_peft_model(reference, peft_config).train()
 
 
-class TorchStep:
-  """peft's GRPO step: the same objective, micro-batches, AdamW and clipping as ours."""
-
-  def __init__(self, reference, batch: TrainBatch, micro_batches: int, lr: float):
-    self.model, self.micro_batches = reference, micro_batches
-    self.trained = [p for p in reference.parameters() if p.requires_grad]
-    self.optimizer = torch.optim.AdamW(self.trained, lr=lr, betas=(0.9, 0.99),
-                                       weight_decay=0.0)
-    self.batch = [torch.from_numpy(np.array(x)) for x in (
-        batch.tokens, batch.loss_mask, batch.behaviour_logprobs, batch.advantages)]
-    self.batch[0] = self.batch[0].long()
-
-  def loss(self, rows: slice):
-    """The rows' share of the whole batch's mean loss (their sum over all rows)."""
-    losses_ = torch_grpo_losses(self.model, *(x[rows] for x in self.batch))
-    return losses_.sum() / len(self.batch[0])
-
-  def __call__(self):
-    """One step; returns the batch's loss (before the update)."""
-    rows = len(self.batch[0])
-    self.optimizer.zero_grad(set_to_none=True)
-    total = 0.0
-    for i in range(self.micro_batches):  # strided rows, as the trainer's micro-batches
-      loss = self.loss(slice(i, rows, self.micro_batches))
-      loss.backward()
-      total += float(loss.detach())
-    torch.nn.utils.clip_grad_norm_(self.trained, 1.0)
-    self.optimizer.step()
-    return total
-
-  def memory(self) -> dict:
-    """Parameter and optimizer-state bytes, and the bytes autograd saves for backward in one
-    micro-batch's forward (each storage once)."""
-    saved = {}
-
-    def pack(tensor):
-      storage = tensor.untyped_storage()
-      saved[storage.data_ptr()] = storage.nbytes()
-      return tensor
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-      loss = self.loss(slice(0, len(self.batch[0]), self.micro_batches))
-    del loss
-    params = sum(p.numel() * p.element_size() for p in self.model.parameters())
-    optimizer = sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
-                    for t in state.values() if torch.is_tensor(t))
-    return {'params_bytes': params, 'optimizer_bytes': optimizer,
-            'saved_activation_bytes': sum(saved.values()),
-            'total_bytes': params + optimizer + sum(saved.values())}
-
-
 # ----------------------------------------------------------------------------- the benchmark
-
-def timed(fn) -> float:
-  start = time.perf_counter()
-  fn()
-  return time.perf_counter() - start
-
 
 def main() -> None:
   parser = argparse.ArgumentParser()
@@ -334,7 +277,7 @@ def main() -> None:
   lora_memory = memory_row(trainer, compiled)
   del compiled
   reference = torch_model(base, params0, lora, args.dtype)
-  theirs = TorchStep(reference, batch, args.micro_batches, lr)
+  theirs = TorchStep(reference, batch, args.micro_batches, lr, args.logprob_chunk)
   server = ParameterServer(keep=2)
   server.push(0, lora_lib.adapter_tree(trainer.params))
   wires = {dtype: (dataclasses.replace(lora, sync_dtype=dtype), ParameterServer(keep=2))

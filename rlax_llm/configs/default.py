@@ -171,7 +171,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # Reward shaping (rlax_llm/rewards.py, docs/tasks.md): named components {weight, kind
   # (default: the name), parameters}; the weighted sum is trained on and each component is
   # logged as reward/<name>. Kinds: task (the verifier), format (the task's format_ok, or
-  # pattern=REGEX), overlong (DAPO's soft overlong penalty over the last `cache` tokens).
+  # pattern=REGEX), overlong (DAPO's soft overlong penalty over the last `cache` tokens of
+  # max_length, default sampling.max_new_tokens), function (fn='module.path:name', your
+  # reward(prompt, completion) -> float, run in the verifier pool within timeout_s).
   c.reward = ml_collections.ConfigDict(dict(
       task=ml_collections.ConfigDict(dict(weight=1.0))))
   # Axis sizes per role; -1 takes the remaining devices.
