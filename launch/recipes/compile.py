@@ -176,7 +176,9 @@ def tpu_devices(slice_: SliceType) -> tuple[Any, ...]:
   """Compile-only devices of ``slice_``'s chips (``get_topology_desc``), in the order a
   run's ``jax.devices()`` has them. libtpu reads ``TPU_ACCELERATOR_TYPE`` and
   ``TPU_WORKER_HOSTNAMES``; they are set so that it neither probes for a TPU nor asks a
-  metadata server. Raises SliceError when libtpu is not installed."""
+  metadata server. Raises SliceError when libtpu is not installed, and for v4 (see below).
+  libtpu describes a 2x4 slice as two hosts of four chips (the single-host v5e-8 and v6e-8
+  VMs have the same chips and links); the meshes take the devices in order either way."""
   os.environ['TPU_ACCELERATOR_TYPE'] = slice_.accelerator_type
   os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
   # Compiling uses no chip: other processes may compile at the same time (libtpu otherwise
@@ -191,6 +193,12 @@ def tpu_devices(slice_: SliceType) -> tuple[Any, ...]:
                      "pip install -e '.[tpu]' (jax[tpu] at the version pyproject.toml pins)."
                      ) from None
   devices = tuple(topology.devices)
+  if slice_.generation == 'v4' and len(devices) == 2 * slice_.chips:
+    raise SliceError(f'{slice_.name}: libtpu\'s compile-only description of {slice_.topology} '
+                     f'has {len(devices)} devices, one per TensorCore, while a v4 run\'s JAX '
+                     f'sees one (megacore) device per chip ({slice_.chips}); compiling for it '
+                     'would not be the run\'s program. Compile for a v5p slice of as many '
+                     'chips (the same HBM class, a megacore chip) instead.')
   if len(devices) != slice_.chips:
     raise SliceError(f'{slice_.topology} describes {len(devices)} chips, the slice table '
                      f'{slice_.chips} ({slice_.name}); fix its row in launch/recipes/slices.py.')
@@ -228,6 +236,7 @@ class _Compiled:
 
 
 def _compile(lower) -> _Compiled:
+  """Lowers (``_as_on_tpu``) and compiles, timing each."""
   start = time.perf_counter()
   with _as_on_tpu():
     lowered = lower()
@@ -454,7 +463,7 @@ def compile_run(config: ml_collections.ConfigDict, plan: Plan, trainer_slice: Sl
       ``beside`` then holds the other role's resident bytes.
     programs: which of ``PROGRAMS`` to compile (``push`` only when the workers' dtype
       differs from the trainer's and LoRA is off; ``decode_int8`` only when the run samples
-      with float weights).
+      with float weights and is not batch-invariant).
     model: the architecture (default: ``checks.run_model``, the preset ``config.model.name``
       with the run's dtypes and remat); e.g. fewer layers for a quick check.
     log: optional ``str -> None`` told when each program starts compiling.
@@ -513,7 +522,9 @@ def compile_run(config: ml_collections.ConfigDict, plan: Plan, trainer_slice: Sl
         beside=state_bytes + ((trainer_held + (workers - 1) * worker_held) if shared else 0.0)))
   if decode is not None:
     reports.append(decode)
-  if 'decode_int8' in programs and config.model.inference_quant != 'int8':
+  # (A batch-invariant run cannot sample with int8 weights: the Engine refuses them.)
+  if ('decode_int8' in programs and config.model.inference_quant != 'int8'
+      and not config.model.batch_invariant):
     log('decode_int8')
     int8 = copy.deepcopy(config)
     int8.model.inference_quant = 'int8'
