@@ -89,7 +89,12 @@ class ProgramReport:
     tokens_per_s_per_chip: tokens the program handles per second per chip at ``step_s``
       (trainer: rows x length; prefill: rows x bucket; decode: one per slot).
     mfu: model FLOPs (``2 N`` per token forward, ``6 N`` forward and backward; ``N`` the
-      params) per chip over the chip's peak for ``step_s``. None for the push.
+      params) per chip over the chip's peak for ``step_s``. None for the push, and for a
+      program with loops.
+    loops: ``while`` loops in the optimized program (micro-batches, log-prob chunks, a
+      scanned layer stack). XLA's cost analysis counts a loop's body once, not once per
+      trip, so with loops ``flops``, ``bytes_accessed`` and ``step_s`` are lower bounds and
+      ``tokens_per_s_per_chip`` an upper bound (``mfu`` is then not given).
     notes: what else the report says (e.g. the int8 operands of the decode's products).
   """
   program: str
@@ -111,6 +116,7 @@ class ProgramReport:
   bound: str
   tokens_per_s_per_chip: float | None
   mfu: float | None
+  loops: int = 0
   notes: list[str] = dataclasses.field(default_factory=list)
 
   @property
@@ -148,6 +154,7 @@ class ProgramReport:
         'gb_accessed_per_chip': self.bytes_accessed / 1e9,
         'compiler_model': {
             'step_ms': round(1e3 * self.step_s, 4), 'bound': self.bound,
+            'loops_counted_once': self.loops,
             'tokens_per_s_per_chip': (None if self.tokens_per_s_per_chip is None
                                       else round(self.tokens_per_s_per_chip, 1)),
             'mfu': None if self.mfu is None else round(self.mfu, 4)},
@@ -161,6 +168,9 @@ class ProgramReport:
     rate = ('' if self.tokens_per_s_per_chip is None
             else f', {self.tokens_per_s_per_chip:,.0f} tokens/s/chip')
     mfu = '' if self.mfu is None else f', MFU {100 * self.mfu:.1f}%'
+    if self.loops:
+      mfu += (f' (lower bound: {self.loops} loop(s), each body counted once; '
+              'tokens/s an upper bound)')
     beside = f' + {gib(self.beside)} beside' if self.beside else ''
     return (f'{self.program} on {self.slice} {self.mesh}: {gib(self.per_chip)} GiB per chip '
             f'(arguments {gib(self.arguments)}, temporaries {gib(self.temporaries)}, outputs '
@@ -233,6 +243,7 @@ class _Compiled:
   compiled: Any
   lower_s: float
   compile_s: float
+  hlo: str  # the optimized program as text
 
 
 def _compile(lower) -> _Compiled:
@@ -242,7 +253,8 @@ def _compile(lower) -> _Compiled:
     lowered = lower()
   lowered_at = time.perf_counter()
   compiled = lowered.compile()
-  return _Compiled(compiled, lowered_at - start, time.perf_counter() - lowered_at)
+  done = time.perf_counter()
+  return _Compiled(compiled, lowered_at - start, done - lowered_at, compiled.as_text())
 
 
 def _report(program: str, done: _Compiled, slice_: SliceType, mesh: jax.sharding.Mesh, *,
@@ -261,7 +273,8 @@ def _report(program: str, done: _Compiled, slice_: SliceType, mesh: jax.sharding
   step_s = max(compute_s, memory_s)
   chips = mesh.devices.size
   rate = None if tokens is None or step_s == 0 else tokens / chips / step_s
-  mfu = (None if model_flops is None or step_s == 0
+  loops = sum(' while(' in line for line in done.hlo.splitlines())
+  mfu = (None if model_flops is None or step_s == 0 or loops
          else model_flops / chips / (step_s * slice_.peak_tflops * 1e12))
   return ProgramReport(
       program=program, slice=slice_.name, mesh=dict(mesh.shape),
@@ -271,7 +284,7 @@ def _report(program: str, done: _Compiled, slice_: SliceType, mesh: jax.sharding
       hbm=slice_.hbm_gib * GIB, plan=plan, lower_s=done.lower_s, compile_s=done.compile_s,
       flops=flops, bytes_accessed=accessed, step_s=step_s,
       bound='compute' if compute_s >= memory_s else 'memory', tokens_per_s_per_chip=rate,
-      mfu=mfu)
+      mfu=mfu, loops=loops)
 
 
 _DEFINITION = re.compile(r'^\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=\s*(\w+)\[')
@@ -389,7 +402,7 @@ def compile_engine_decode(engine: Engine, sampling: SamplingSpec, slice_: SliceT
   count = presets.count_params(engine.model.config)
   report = _report(program, done, slice_, engine.mesh, plan=plan, beside=beside,
                    tokens=engine.slots, model_flops=2 * count * engine.slots)
-  hlo = done.compiled.as_text()
+  hlo = done.hlo
   if engine.quant == 'int8':
     s8 = s8_dot_lines(hlo)
     report.notes.append(f'{len(s8)} dot/convolution(s) take s8 operands'
