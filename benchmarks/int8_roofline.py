@@ -31,8 +31,15 @@ projection weight is read (1 byte), written as float32 (4) and read back (4) per
 ratio a bandwidth-bound CPU could reach with that program (the measured 0.14x is lower still:
 the convert loop is also compute-bound on 2 cores).
 
+``--tpu-compiler`` (needs libtpu: ``pip install -e '.[tpu]'``): the bytes and FLOPs are not
+counted by hand but read from the TPU compiler's cost analysis of the engine's real decode
+step (``launch.recipes.compile.compile_engine_decode``: one v5e chip, ``batch`` slots, a cache
+of ``context`` positions rounded up to the engine's blocks, read whole), which also says how
+many of the step's products take the int8 weights as ``s8`` operands; the TPU chips' rows
+then use those bytes (the H100 row too: the same program's bytes, a TPU's layouts).
+
     PYTHONPATH=. .venv/bin/python benchmarks/int8_roofline.py [--models=smollm2-135m,...]
-        [--batches=1,32] [--context=64]
+        [--batches=1,32] [--context=64] [--tpu-compiler]
 """
 
 from __future__ import annotations
@@ -98,11 +105,39 @@ def step_bytes(config: DecoderConfig, mode: str, batch: int, context: int) -> di
           'int8_weights': int(int8_weights)}
 
 
+def compiled_step(config: DecoderConfig, mode: str, batch: int, context: int) -> dict:
+  """``step_bytes``' figures from the TPU compiler: the engine's decode step in ``mode``
+  compiled for one TPU v5e chip; ``bytes_accessed`` and ``flops`` from its cost analysis,
+  ``s8_products`` the products that take int8 operands."""
+  # The TPU compile path (launch/, libtpu): imported only when asked for.
+  from launch.recipes import compile as compile_lib  # pylint: disable=import-outside-toplevel
+  from launch.recipes.slices import get_slice  # pylint: disable=import-outside-toplevel
+  from rlax_llm import sharding  # pylint: disable=import-outside-toplevel
+  from rlax_llm.rollout.engine import Engine  # pylint: disable=import-outside-toplevel
+  from rlax_llm.sampling_spec import SamplingSpec  # pylint: disable=import-outside-toplevel
+  dtype, int8, kv_quant = MODES[mode]
+  cfg = config.with_execution(param_dtype=jnp.dtype(dtype), dtype=jnp.dtype(dtype))
+  slice_ = get_slice('v5e-4')
+  mesh = sharding.make_mesh({'data': 1}, list(compile_lib.tpu_devices(slice_))[:1])
+  run = cfg.execution
+  engine = Engine(abstract_model(cfg), mesh, slots=batch, max_prefill_length=context,
+                  max_decode_length=1, pad_id=0, quant='int8' if int8 else 'none',
+                  kv_cache_quant=kv_quant, weight_layout=run.weight_layout,
+                  decode_attention=run.decode_attention)
+  report, hlo = compile_lib.compile_engine_decode(engine, SamplingSpec(), slice_)
+  return {'bytes_accessed': report.bytes_accessed, 'flops': report.flops,
+          's8_products': len(compile_lib.s8_dot_lines(hlo)),
+          'cache_positions': engine.attend_buckets[-1], 'compile_s': round(report.compile_s, 1)}
+
+
 def roofline(row: dict, mode: str, chip: dict, batch: int) -> dict:
-  """Tokens/s of one step on ``chip`` (``max`` of its memory and compute times)."""
+  """Tokens/s of one step on ``chip`` (``max`` of its memory and compute times): the bytes
+  ``row`` counts (weights and KV cache), or the compiler's ``bytes_accessed`` when it has
+  them (``compiled_step``)."""
   rate = {'fp32': chip['bf16_flops'] / FP32_PASSES, 'bf16': chip['bf16_flops']}.get(
       mode, chip['int8_ops'])
-  memory_s = (row['weight_bytes'] + row['kv_bytes']) / chip['hbm_bytes_s']
+  total = row.get('bytes_accessed', row.get('weight_bytes', 0) + row.get('kv_bytes', 0))
+  memory_s = total / chip['hbm_bytes_s']
   compute_s = row['flops'] / rate
   return {'tokens_s': batch / max(memory_s, compute_s),
           'bound': 'memory' if memory_s >= compute_s else 'compute'}
@@ -114,17 +149,22 @@ def main() -> None:
   parser.add_argument('--batches', default='1,32')
   parser.add_argument('--context', type=int, default=64,
                       help='positions in the KV cache (the SmolLM2 recipe: 64)')
+  parser.add_argument('--tpu-compiler', action='store_true',
+                      help='bytes and FLOPs from the TPU compiler (libtpu) instead of by hand')
   args = parser.parse_args()
   out = {'benchmark': 'int8_roofline', 'kind': 'model (no measurement)',
+         'bytes': 'TPU compiler (v5e cost analysis)' if args.tpu_compiler else 'counted by hand',
          'context': args.context, 'chips': CHIPS, 'models': {}}
   for name in args.models.split(','):
     config = presets.get_preset(name)
     per_batch = {}
     for batch in (int(b) for b in args.batches.split(',')):
       rows = {mode: step_bytes(config, mode, batch, args.context) for mode in MODES}
+      compiled = ({mode: compiled_step(config, mode, batch, args.context) for mode in MODES}
+                  if args.tpu_compiler else None)
       chips = {}
       for chip_name, chip in CHIPS.items():
-        rates = {mode: roofline(rows[mode], mode, chip, batch) for mode in MODES}
+        rates = {mode: roofline((compiled or rows)[mode], mode, chip, batch) for mode in MODES}
         chips[chip_name] = {
             'tokens_s': {m: round(r['tokens_s'], 1) for m, r in rates.items()},
             'bound': {m: r['bound'] for m, r in rates.items()},
@@ -134,7 +174,7 @@ def main() -> None:
       unfused = (fp32['weight_bytes'] - 4 * int8['int8_weights']  # what stays float32
                  + 9 * int8['int8_weights'] + fp32['kv_bytes'])
       per_batch[batch] = {
-          'bytes': rows, 'chips': chips,
+          'bytes': rows, 'compiled': compiled, 'chips': chips,
           'int8_over_fp32_bytes': ((int8['weight_bytes'] + int8['kv_bytes'])
                                    / (fp32['weight_bytes'] + fp32['kv_bytes'])),
           'cpu_unfused_int8_over_fp32': ((fp32['weight_bytes'] + fp32['kv_bytes'])

@@ -199,6 +199,13 @@ def test_own_model_and_data_commands_load_and_quote_the_printed_plan():
   dataset was checked offline against a stand-in cache, as tests/hub_cache.py lays it out.)"""
   doc = ROOT / 'docs' / 'own_model_and_data.md'
   commands = [c for c in _bash_commands(doc) if c[:2] == ['python', '-m']]
+  compiles = [c for c in commands if c[2:4] == ['launch.recipes', 'compile']]
+  for command in compiles:  # "Before you book a TPU": the options and the config load
+    opts, rest = recipes_cli.build_parser().parse_known_args(command[3:])
+    assert opts.recipe == 'compile' and not rest, command
+    load_config([f'--config={opts.config}'])
+  commands = [c for c in commands if c not in compiles]
+  assert len(compiles) == 2
   assert [c[2] for c in commands] == ['rlax_llm.launch', 'launch.recipes'], commands
   launch, recipe = commands
   config = load_config([a for a in launch[3:] if a.startswith('--config')])

@@ -88,6 +88,27 @@ def test_slice_table_counts_chips_and_hosts():
     get_slice('v9-8')
   table = slice_table()
   assert 'v5p-128  v5p-128       64     16' in table, table
+  assert (get_slice('v5p-64').chips, get_slice('v5p-64').hosts) == (32, 8)
+  # The names the TPU compiler's topology description takes (launch/recipes/compile.py).
+  assert get_slice('v5e-8').topology == 'v5e:2x4'
+  assert get_slice('v5p-16').topology == 'v5p:2x2x2'
+
+
+@pytest.mark.parametrize('variant', ['Qwen3-8B', 'Qwen3-32B'])
+def test_the_8b_and_32b_recipes_fit_their_trainer_and_inference_slices(variant):
+  from launch.recipes.checks import memory_check  # pylint: disable=import-outside-toplevel
+  from rlax_llm.configs import gsm8k_large  # pylint: disable=import-outside-toplevel
+  config = load_config([f'--config={ROOT / "configs/gsm8k_large.py"}:{variant}'])
+  trainer, inference = (get_slice(name) for name in gsm8k_large.SLICES[variant])
+  assert config.backend == 'ray' and trainer.multi_host and not inference.multi_host
+  assert config.model.name == gsm8k_large.MODELS[variant][0]
+  plan = check_ray(config, trainer, inference, inference_slices=1)
+  assert plan.trainer_mesh == {'data': 1, 'fsdp': trainer.chips, 'tensor': 1}
+  lines = memory_check(config, plan, trainer.hbm_gib, inference.hbm_gib, shared=False)
+  for role, slice_ in (('trainer', trainer), ('inference', inference)):
+    line = next(x for x in lines if f': {role}: ' in x and 'HBM per chip' in x)
+    need = float(line.split(f'{role}: ')[1].split(' GiB')[0])
+    assert 0 < need <= 0.6 * slice_.hbm_gib, line  # headroom for what the plan leaves out
 
 
 # --------------------------------------------------------------------------- slice checks

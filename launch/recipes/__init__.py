@@ -26,6 +26,11 @@ script runs under ``bash``, which needs ``gcloud`` (or ``kubectl``) with credent
 here talks to the cloud. A config that does not fit fails with ``error: ...`` naming the key,
 the value seen and the fix.
 
+``python -m launch.recipes compile`` compiles the run's programs for the slice's chips with
+the TPU compiler (libtpu) on this machine and reports memory per chip, compile time and a
+roofline estimate (``compile``).
+
 Modules: ``slices`` (the slice table), ``checks`` (config against slices), ``scripts`` (the
-gcloud recipes as bash), ``manifests`` (the GKE manifests), ``cli`` (the command line).
+gcloud recipes as bash), ``manifests`` (the GKE manifests), ``compile`` (the programs
+compiled for TPU), ``cli`` (the command line).
 """

@@ -17,6 +17,7 @@ from launch.recipes.slices import SLICES, SliceError, SliceType, with_chips
 from rlax_llm import roles
 from rlax_llm.config import validate_config
 from rlax_llm.models import presets
+from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.files import hub
 from rlax_llm.sharding import mesh_shape
 
@@ -270,6 +271,22 @@ def validate_on_devices(config: ml_collections.ConfigDict, devices: int) -> list
   return notes
 
 
+def run_model(config: ml_collections.ConfigDict, num_layers: int | None = None
+              ) -> DecoderConfig:
+  """The preset ``config.model.name`` with the run's dtypes and remat (``num_layers``: that
+  many of its layers instead, for a quick compile). Raises SliceError for a model that is not
+  a named preset (its architecture is in its checkpoint)."""
+  name = config.model.name
+  if name not in presets.PRESETS:
+    raise SliceError(f'config.model.name={name!r} is not a named preset '
+                     f'({sorted(presets.PRESETS)}); the architecture is then known only from '
+                     'its checkpoint.')
+  preset = presets.get_preset(name, **({} if num_layers is None else
+                                        {'num_layers': num_layers}))
+  return preset.with_execution(param_dtype=roles.DTYPES[config.model.param_dtype],
+                               dtype=roles.DTYPES[config.model.dtype], remat=config.model.remat)
+
+
 def memory_check(config: ml_collections.ConfigDict, plan: Plan, trainer_hbm: float,
                  inference_hbm: float, shared: bool) -> list[str] | None:
   """The memory plan per chip against HBM (GiB per chip); returns its lines.
@@ -284,9 +301,7 @@ def memory_check(config: ml_collections.ConfigDict, plan: Plan, trainer_hbm: flo
   name = config.model.name
   if name not in presets.PRESETS:
     return None
-  model = presets.get_preset(name).with_execution(
-      param_dtype=roles.DTYPES[config.model.param_dtype], dtype=roles.DTYPES[config.model.dtype],
-      remat=config.model.remat)
+  model = run_model(config)
   memory = roles.run_memory_plan(model, config, plan.trainer_mesh, plan.inference_mesh,
                                  shared=shared)
   trainer_bytes, inference_bytes = trainer_hbm * 2**30, inference_hbm * 2**30

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import re
@@ -13,12 +14,15 @@ from collections.abc import Sequence
 
 import ml_collections
 
+from launch.recipes import compile as compile_lib
 from launch.recipes import manifests, scripts
-from launch.recipes.checks import check_local, check_ray, memory_check, validate_on_devices
+from launch.recipes.checks import (check_local, check_ray, memory_check, run_model,
+                                   validate_on_devices)
 from launch.recipes.scripts import RAY_OVERRIDES, REMOTE_DIR, ROOT, Raw
 from launch.recipes.slices import SLICES, SliceError, SliceType, get_slice, slice_table
 from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config
 from rlax_llm.errors import ConfigError, RlaxError
+from rlax_llm.models import presets
 
 COORDINATOR_PORT = 8476
 RAY_REQUIREMENT = 'ray[default]==2.60.0'  # launch/host_setup.sh installs the same
@@ -198,7 +202,69 @@ def build_parser() -> argparse.ArgumentParser:
                  help='the head pod\'s memory request (host copies of weight versions)')
   p.add_argument('--output', help='also write the manifest to this file')
   _kubernetes(p)
+  p = sub.add_parser('compile', allow_abbrev=False,
+                     help='compile the run\'s programs for its TPU slice(s) on this machine '
+                     '(libtpu, no TPU): memory per chip, compile time, a roofline model')
+  p.add_argument('--config', default=str(DEFAULT_CONFIG_PATH),
+                 help='config file PATH[:VARIANT]; --config.KEY=VALUE overrides follow it')
+  p.add_argument('--tpu-type', help='the one slice of a backend=\'local\' run (e.g. v5e-8)')
+  p.add_argument('--trainer-tpu-type', help='the trainer\'s slice of a ray run (e.g. v5p-16)')
+  p.add_argument('--inference-tpu-type', help='one worker\'s slice of a ray run (e.g. v5e-8)')
+  p.add_argument('--inference-slices', type=int, default=1)
+  p.add_argument('--programs', default=','.join(compile_lib.PROGRAMS),
+                 help=f'comma-separated, of {",".join(compile_lib.PROGRAMS)} (default: all)')
+  p.add_argument('--layers', type=int,
+                 help='compile the preset with this many layers (a quick check of the '
+                 'programs; memory and time are then not the run\'s)')
+  p.add_argument('--json', action='store_true', help='print the reports as JSON')
   return parser
+
+
+def run_compile(opts, overrides: Sequence[str]) -> int:
+  """``compile``: checks the config against the slice(s) as the recipes do, then compiles
+  its programs there (``compile.compile_run``); exits non-zero, with the numbers, when one
+  does not fit."""
+  ray = opts.trainer_tpu_type is not None or opts.inference_tpu_type is not None
+  if ray == (opts.tpu_type is not None) or (ray and not (opts.trainer_tpu_type
+                                                         and opts.inference_tpu_type)):
+    raise SliceError('compile takes --tpu-type=SLICE (a backend=\'local\' run) or both '
+                     '--trainer-tpu-type and --inference-tpu-type (a backend=\'ray\' run).')
+  config = load_config([f'--config={opts.config}', *overrides,
+                        *(RAY_OVERRIDES if ray else ())])
+  if ray:
+    trainer, inference = get_slice(opts.trainer_tpu_type), get_slice(opts.inference_tpu_type)
+    plan = check_ray(config, trainer, inference, opts.inference_slices)
+    shared = False
+  else:
+    trainer = inference = get_slice(opts.tpu_type)
+    plan = check_local(config, trainer, 'multihost' if trainer.multi_host else 'tpu-vm')
+    shared = not config.mesh.disjoint
+  plan.notes += validate_on_devices(config, plan.devices)
+  model = run_model(config, opts.layers)
+  if opts.layers is not None:
+    plan.notes.append(f'--layers={opts.layers}: {config.model.name} with {opts.layers} of its '
+                      f'{presets.PRESETS[config.model.name].num_layers} layers; the figures '
+                      'are not the run\'s.')
+  programs = [p.strip() for p in opts.programs.split(',') if p.strip()]
+  say = (lambda text: print(f'# {text}', file=sys.stderr, flush=True))
+  for line in plan.checked + plan.notes:
+    say(line)
+  reports = compile_lib.compile_run(config, plan, trainer, inference, shared=shared,
+                                    programs=programs, model=model,
+                                    log=lambda name: say(f'compiling {name} ...'))
+  if opts.json:
+    print(json.dumps([r.as_dict() for r in reports], indent=1))
+  else:
+    print(f'# {config.name}: compiled for trainer {trainer.describe()}'
+          + ('' if trainer is inference else f', inference {inference.describe()}')
+          + '; the step times are the compiler model (FLOPs / peak, bytes / HBM bandwidth), '
+          'not a measurement')
+    for report in reports:
+      print(report.line())
+      for note in report.notes:
+        print(f'#   {note}')
+  compile_lib.refuse_unless_fits(reports)
+  return 0
 
 
 def _split_overrides(rest: Sequence[str]) -> list[str]:
@@ -220,6 +286,8 @@ def run(argv: Sequence[str]) -> int:
     print(slice_table())
     return 0
   overrides = _split_overrides(rest)
+  if opts.recipe == 'compile':
+    return run_compile(opts, overrides)
   strict = not opts.dry_run
   spec, notes = _remote_spec(opts.config, getattr(opts, 'ref', None), strict)
   recipe_overrides: list[str] = []

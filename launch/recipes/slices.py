@@ -25,6 +25,10 @@ class SliceType:
     hbm_gib: high-bandwidth memory per chip.
     gke_accelerator: the node label ``cloud.google.com/gke-tpu-accelerator``.
     gke_topology: the node label ``cloud.google.com/gke-tpu-topology``.
+    peak_tflops: the chip's dense bfloat16 peak (TFLOP/s), as Cloud TPU's system
+      architecture pages state it; the compile report's roofline divides FLOPs by it.
+    hbm_gbps: the chip's HBM bandwidth (GB/s, same source); the roofline divides bytes
+      accessed by it.
   """
   name: str
   accelerator_type: str
@@ -34,6 +38,18 @@ class SliceType:
   hbm_gib: float
   gke_accelerator: str
   gke_topology: str
+  peak_tflops: float = 0.0
+  hbm_gbps: float = 0.0
+
+  @property
+  def generation(self) -> str:
+    """``v4``, ``v5e``, ``v5p`` or ``v6e``."""
+    return self.name.split('-')[0]
+
+  @property
+  def topology(self) -> str:
+    """The name ``jax.experimental.topologies.get_topology_desc`` takes (``v5e:2x4``)."""
+    return f'{self.generation}:{self.gke_topology}'
 
   @property
   def chips_per_host(self) -> int:
@@ -49,12 +65,13 @@ class SliceType:
             f'{self.hbm_gib:g} GiB HBM per chip)')
 
 
-# generation -> (gcloud accelerator type pattern, runtime version, HBM GiB/chip, GKE label)
+# generation -> (gcloud accelerator type pattern, runtime version, HBM GiB/chip, GKE label,
+# bf16 peak TFLOP/s per chip, HBM GB/s per chip)
 _GENERATIONS = {
-    'v4': ('v4-{n}', 'tpu-ubuntu2204-base', 32, 'tpu-v4-podslice'),
-    'v5e': ('v5litepod-{n}', 'v2-alpha-tpuv5-lite', 16, 'tpu-v5-lite-podslice'),
-    'v5p': ('v5p-{n}', 'v2-alpha-tpuv5', 95, 'tpu-v5p-slice'),
-    'v6e': ('v6e-{n}', 'v2-alpha-tpuv6e', 32, 'tpu-v6e-slice'),
+    'v4': ('v4-{n}', 'tpu-ubuntu2204-base', 32, 'tpu-v4-podslice', 275, 1228),
+    'v5e': ('v5litepod-{n}', 'v2-alpha-tpuv5-lite', 16, 'tpu-v5-lite-podslice', 197, 819),
+    'v5p': ('v5p-{n}', 'v2-alpha-tpuv5', 95, 'tpu-v5p-slice', 459, 2765),
+    'v6e': ('v6e-{n}', 'v2-alpha-tpuv6e', 32, 'tpu-v6e-slice', 918, 1640),
 }
 # (generation, size in the name, chips, hosts, topology)
 _SHAPES = (
@@ -62,7 +79,7 @@ _SHAPES = (
     ('v5e', 4, 4, 1, '2x2'), ('v5e', 8, 8, 1, '2x4'), ('v5e', 16, 16, 4, '4x4'),
     ('v5e', 32, 32, 8, '4x8'),
     ('v5p', 8, 4, 1, '2x2x1'), ('v5p', 16, 8, 2, '2x2x2'), ('v5p', 32, 16, 4, '2x2x4'),
-    ('v5p', 128, 64, 16, '4x4x4'),
+    ('v5p', 64, 32, 8, '2x4x4'), ('v5p', 128, 64, 16, '4x4x4'),
     ('v6e', 4, 4, 1, '2x2'), ('v6e', 8, 8, 1, '2x4'), ('v6e', 16, 16, 4, '4x4'),
     ('v6e', 32, 32, 8, '4x8'),
 )
@@ -71,9 +88,9 @@ _SHAPES = (
 def _make_slices() -> dict[str, SliceType]:
   out = {}
   for gen, n, chips, hosts, topology in _SHAPES:
-    pattern, runtime, hbm, gke = _GENERATIONS[gen]
+    pattern, runtime, hbm, gke, tflops, gbps = _GENERATIONS[gen]
     out[f'{gen}-{n}'] = SliceType(f'{gen}-{n}', pattern.format(n=n), chips, hosts, runtime,
-                                  hbm, gke, topology)
+                                  hbm, gke, topology, tflops, gbps)
   return out
 
 

@@ -118,7 +118,9 @@ class Trainer:
                              else self._place_copy(reference_params))
     # Param-shaped optimizer leaves (moments) are sharded like their params; the rest
     # (step counts) is replicated on the mesh.
-    opt_shardings = optax.tree_utils.tree_map_params(
+    # (Kept as an attribute: a compile-only lowering of the step places its abstract
+    # optimizer state by them, launch/recipes/compile.py.)
+    self.opt_shardings = opt_shardings = optax.tree_utils.tree_map_params(
         optimizer, lambda _, sharding: sharding,
         jax.eval_shape(optimizer.init, _trained(self.params, trainable)),
         _trained(self.param_shardings, trainable),

@@ -1,0 +1,566 @@
+"""A run's programs compiled for its Cloud TPU slice on this machine (no TPU, no network).
+
+``python -m launch.recipes compile --tpu-type=v5e-8 --config=...`` (or ``--trainer-tpu-type``
+and ``--inference-tpu-type`` for the Ray backend's separate slices) builds, with abstract
+params (``jax.ShapeDtypeStruct``: nothing is allocated) and a compile-only description of the
+slice's chips (``jax.experimental.topologies.get_topology_desc``, from libtpu), the programs
+a run executes, as the run builds them:
+
+- ``trainer_step``: the ``Trainer``'s jitted update as ``roles.build_trainer`` makes it
+  (micro-batches, chunked log-probs, remat, the optimizer update, LoRA adapters when on), on
+  the trainer mesh, with the params and optimizer state donated;
+- ``push``: the trainer's cast of its params to the workers' dtype before each push
+  (``models.model.cast_params``, where the params lie); only when the dtypes differ;
+- ``prefill`` and ``decode``: the ``Engine``'s prefill of a full batch of the longest prompts
+  and its decode step over every slot reading the whole cache, on one worker's mesh, with the
+  run's slots, lengths, KV-cache quantisation and weights (``decode_int8``: int8 weights too
+  when the run samples with bfloat16 ones, so a run can see what ``inference_quant='int8'``
+  would change).
+
+The transfer of a version to the workers goes through the parameter server's host copy, not
+a compiled program.
+
+For each program ``ProgramReport`` holds XLA's memory analysis per chip (arguments,
+temporaries, outputs, aliased donations) against the chip's HBM and against the part of
+``presets.memory_plan`` (``roles.run_memory_plan``) it stands for, the compile time, and the
+compiler's cost analysis (FLOPs and bytes accessed per chip) turned into a roofline estimate:
+``max(FLOPs / peak FLOP/s, bytes / HBM bandwidth)`` with the chip's published peaks
+(``slices.SliceType.peak_tflops``, ``hbm_gbps``). That estimate is a model from the
+compiler's counts, not a measurement (no overlap, no collectives' time, no host work).
+
+The tracing runs with ``jax.default_backend()`` reporting ``'tpu'`` (``_as_on_tpu``): the
+library picks XLA:CPU-only forms of some products by the default backend, and the programs
+compiled here must be the ones a TPU host traces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import math
+import os
+import re
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from launch.recipes.checks import Plan, run_model
+from launch.recipes.slices import SliceError, SliceType
+from rlax_llm import config as config_lib
+from rlax_llm import roles
+from rlax_llm import sharding as sharding_lib
+from rlax_llm.data_types import TrainBatch
+from rlax_llm.models import lora as lora_lib
+from rlax_llm.models import presets
+from rlax_llm.models.decoder_config import DecoderConfig
+from rlax_llm.models.model import abstract_model, cast_params
+from rlax_llm.models.quant import quantize_params
+from rlax_llm.rollout.engine import Engine
+from rlax_llm.sampling_spec import SamplingSpec
+
+PROGRAMS = ('trainer_step', 'push', 'prefill', 'decode', 'decode_int8')
+GIB = 2**30
+
+
+@dataclasses.dataclass
+class ProgramReport:
+  """One compiled program on one chip of its slice.
+
+  Attributes:
+    program: ``PROGRAMS`` entry.
+    slice: the slice it compiled for (``v5e-8``); ``mesh``: its mesh's axis sizes.
+    arguments, temporaries, outputs, aliased, code: XLA's memory analysis per chip (bytes);
+      ``aliased``: outputs written into donated arguments (counted once).
+    beside: bytes per chip that other parts of the run hold on the same chips while this
+      program runs (the other role's resident state when the roles share chips; the decode
+      state during a prefill).
+    hbm: the chip's HBM (bytes).
+    plan: ``presets.memory_plan``'s figure for the same part (bytes), or None where the plan
+      has none.
+    lower_s, compile_s: seconds to trace and lower, and to compile.
+    flops, bytes_accessed: the compiler's cost analysis per chip.
+    step_s: the roofline step time (seconds); ``bound``: ``'compute'`` or ``'memory'``.
+    tokens_per_s_per_chip: tokens the program handles per second per chip at ``step_s``
+      (trainer: rows x length; prefill: rows x bucket; decode: one per slot).
+    mfu: model FLOPs (``2 N`` per token forward, ``6 N`` forward and backward; ``N`` the
+      params) per chip over the chip's peak for ``step_s``. None for the push, and for a
+      program with loops.
+    loops: ``while`` loops in the optimized program (micro-batches, log-prob chunks, a
+      scanned layer stack). XLA's cost analysis counts a loop's body once, not once per
+      trip, so with loops ``flops``, ``bytes_accessed`` and ``step_s`` are lower bounds and
+      ``tokens_per_s_per_chip`` an upper bound (``mfu`` is then not given).
+    notes: what else the report says (e.g. the int8 operands of the decode's products).
+  """
+  program: str
+  slice: str
+  mesh: dict[str, int]
+  arguments: float
+  temporaries: float
+  outputs: float
+  aliased: float
+  code: float
+  beside: float
+  hbm: float
+  plan: float | None
+  lower_s: float
+  compile_s: float
+  flops: float
+  bytes_accessed: float
+  step_s: float
+  bound: str
+  tokens_per_s_per_chip: float | None
+  mfu: float | None
+  loops: int = 0
+  notes: list[str] = dataclasses.field(default_factory=list)
+
+  @property
+  def per_chip(self) -> float:
+    """The program's peak bytes per chip: arguments, temporaries and the outputs not
+    written into donated arguments, and its code."""
+    return self.arguments + self.temporaries + self.outputs - self.aliased + self.code
+
+  @property
+  def need(self) -> float:
+    """What the chip must hold while it runs: ``per_chip`` and ``beside``."""
+    return self.per_chip + self.beside
+
+  @property
+  def fits(self) -> bool:
+    return self.need <= self.hbm
+
+  @property
+  def plan_ratio(self) -> float | None:
+    """``per_chip / plan`` (None without a plan figure)."""
+    return None if not self.plan else self.per_chip / self.plan
+
+  def as_dict(self) -> dict[str, Any]:
+    """JSON-ready: the fields in GiB (memory) and seconds, and the derived figures."""
+    gib = lambda n: None if n is None else round(n / GIB, 3)  # noqa: E731
+    return {
+        'program': self.program, 'slice': self.slice, 'mesh': self.mesh,
+        'gib_per_chip': gib(self.per_chip), 'arguments_gib': gib(self.arguments),
+        'temporaries_gib': gib(self.temporaries), 'outputs_gib': gib(self.outputs),
+        'aliased_gib': gib(self.aliased), 'beside_gib': gib(self.beside),
+        'need_gib': gib(self.need), 'hbm_gib': gib(self.hbm), 'plan_gib': gib(self.plan),
+        'compiled_over_plan': None if self.plan_ratio is None else round(self.plan_ratio, 3),
+        'fits': self.fits, 'lower_s': round(self.lower_s, 2),
+        'compile_s': round(self.compile_s, 2), 'tflops_per_chip': self.flops / 1e12,
+        'gb_accessed_per_chip': self.bytes_accessed / 1e9,
+        'compiler_model': {
+            'step_ms': round(1e3 * self.step_s, 4), 'bound': self.bound,
+            'loops_counted_once': self.loops,
+            'tokens_per_s_per_chip': (None if self.tokens_per_s_per_chip is None
+                                      else round(self.tokens_per_s_per_chip, 1)),
+            'mfu': None if self.mfu is None else round(self.mfu, 4)},
+        'notes': self.notes}
+
+  def line(self) -> str:
+    """One line of the text report."""
+    gib = lambda n: f'{n / GIB:.2f}'  # noqa: E731
+    plan = ('plan n/a' if self.plan is None else
+            f'plan {gib(self.plan)} GiB ({100 * (self.plan_ratio - 1):+.0f}%)')
+    rate = ('' if self.tokens_per_s_per_chip is None
+            else f', {self.tokens_per_s_per_chip:,.0f} tokens/s/chip')
+    mfu = '' if self.mfu is None else f', MFU {100 * self.mfu:.1f}%'
+    if self.loops:
+      mfu += (f' (lower bound: {self.loops} loop(s), each body counted once; '
+              'tokens/s an upper bound)')
+    beside = f' + {gib(self.beside)} beside' if self.beside else ''
+    return (f'{self.program} on {self.slice} {self.mesh}: {gib(self.per_chip)} GiB per chip '
+            f'(arguments {gib(self.arguments)}, temporaries {gib(self.temporaries)}, outputs '
+            f'{gib(self.outputs)}, aliased {gib(self.aliased)}){beside} of '
+            f'{gib(self.hbm)} GiB HBM ({100 * self.need / self.hbm:.0f}%), {plan}; '
+            f'compiled in {self.compile_s:.1f} s (lowered in {self.lower_s:.1f} s); compiler '
+            f'model: {self.flops / 1e12:.3g} TFLOP and {self.bytes_accessed / 1e9:.3g} GB '
+            f'per chip -> {1e3 * self.step_s:.3g} ms ({self.bound}-bound){rate}{mfu}')
+
+
+@functools.cache
+def tpu_devices(slice_: SliceType) -> tuple[Any, ...]:
+  """Compile-only devices of ``slice_``'s chips (``get_topology_desc``), in the order a
+  run's ``jax.devices()`` has them. libtpu reads ``TPU_ACCELERATOR_TYPE`` and
+  ``TPU_WORKER_HOSTNAMES``; they are set so that it neither probes for a TPU nor asks a
+  metadata server. Raises SliceError when libtpu is not installed, and for v4 (see below).
+  libtpu describes a 2x4 slice as two hosts of four chips (the single-host v5e-8 and v6e-8
+  VMs have the same chips and links); the meshes take the devices in order either way."""
+  os.environ['TPU_ACCELERATOR_TYPE'] = slice_.accelerator_type
+  os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
+  # Compiling uses no chip: other processes may compile at the same time (libtpu otherwise
+  # takes /tmp/libtpu_lockfile and refuses a second process).
+  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  try:
+    topology = topologies.get_topology_desc(topology_name=slice_.topology, platform='tpu')
+  except (RuntimeError, ValueError) as e:
+    raise SliceError(f'cannot describe {slice_.name} ({slice_.topology}) for compilation: '
+                     f'{str(e).splitlines()[0]}; the TPU compiler comes with libtpu: '
+                     "pip install -e '.[tpu]' (jax[tpu] at the version pyproject.toml pins)."
+                     ) from None
+  devices = tuple(topology.devices)
+  if slice_.generation == 'v4' and len(devices) == 2 * slice_.chips:
+    raise SliceError(f'{slice_.name}: libtpu\'s compile-only description of {slice_.topology} '
+                     f'has {len(devices)} devices, one per TensorCore, while a v4 run\'s JAX '
+                     f'sees one (megacore) device per chip ({slice_.chips}); compiling for it '
+                     'would not be the run\'s program. Compile for a v5p slice of as many '
+                     'chips (the same HBM class, a megacore chip) instead.')
+  if len(devices) != slice_.chips:
+    raise SliceError(f'{slice_.topology} describes {len(devices)} chips, the slice table '
+                     f'{slice_.chips} ({slice_.name}); fix its row in launch/recipes/slices.py.')
+  return devices
+
+
+@contextlib.contextmanager
+def _as_on_tpu() -> Iterator[None]:
+  """Within: ``jax.default_backend()`` says ``'tpu'`` (read while tracing by
+  ``numerics.flips`` and the CPU attention kernel's check)."""
+  real = jax.default_backend
+  jax.default_backend = lambda: 'tpu'
+  try:
+    yield
+  finally:
+    jax.default_backend = real
+
+
+def _with_shardings(abstract: Any, shardings: Any) -> Any:
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      abstract, shardings)
+
+
+def _bytes_per_chip(abstract: Any) -> float:
+  """Bytes of ``abstract`` (sharded ``ShapeDtypeStruct`` leaves) on its most loaded chip."""
+  return float(sum(math.prod(a.sharding.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
+                   for a in jax.tree.leaves(abstract)))
+
+
+@dataclasses.dataclass
+class _Compiled:
+  compiled: Any
+  lower_s: float
+  compile_s: float
+  hlo: str  # the optimized program as text
+
+
+def _compile(lower) -> _Compiled:
+  """Lowers (``_as_on_tpu``) and compiles, timing each."""
+  start = time.perf_counter()
+  with _as_on_tpu():
+    lowered = lower()
+  lowered_at = time.perf_counter()
+  compiled = lowered.compile()
+  done = time.perf_counter()
+  return _Compiled(compiled, lowered_at - start, done - lowered_at, compiled.as_text())
+
+
+def _report(program: str, done: _Compiled, slice_: SliceType, mesh: jax.sharding.Mesh, *,
+            plan: float | None, beside: float = 0.0, tokens: float | None = None,
+            model_flops: float | None = None) -> ProgramReport:
+  """``ProgramReport`` of a compiled program; ``tokens`` and ``model_flops``: the whole
+  mesh's per execution (divided over its chips here)."""
+  memory = done.compiled.memory_analysis()
+  cost = done.compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else {}
+  cost = cost or {}
+  flops, accessed = float(cost.get('flops', 0.0)), float(cost.get('bytes accessed', 0.0))
+  compute_s = flops / (slice_.peak_tflops * 1e12)
+  memory_s = accessed / (slice_.hbm_gbps * 1e9)
+  step_s = max(compute_s, memory_s)
+  chips = mesh.devices.size
+  rate = None if tokens is None or step_s == 0 else tokens / chips / step_s
+  loops = sum(' while(' in line for line in done.hlo.splitlines())
+  mfu = (None if model_flops is None or step_s == 0 or loops
+         else model_flops / chips / (step_s * slice_.peak_tflops * 1e12))
+  return ProgramReport(
+      program=program, slice=slice_.name, mesh=dict(mesh.shape),
+      arguments=float(memory.argument_size_in_bytes), temporaries=float(memory.temp_size_in_bytes),
+      outputs=float(memory.output_size_in_bytes), aliased=float(memory.alias_size_in_bytes),
+      code=float(memory.generated_code_size_in_bytes), beside=float(beside),
+      hbm=slice_.hbm_gib * GIB, plan=plan, lower_s=done.lower_s, compile_s=done.compile_s,
+      flops=flops, bytes_accessed=accessed, step_s=step_s,
+      bound='compute' if compute_s >= memory_s else 'memory', tokens_per_s_per_chip=rate,
+      mfu=mfu, loops=loops)
+
+
+_DEFINITION = re.compile(r'^\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=\s*(\w+)\[')
+_OPERAND = re.compile(r'%[\w.\-]+')
+
+
+def s8_dot_lines(hlo: str) -> list[str]:
+  """The lines of optimized HLO text whose dot or convolution takes an ``s8`` operand: the
+  int8 weights reaching the matrix unit as int8, without a conversion to floating point
+  first. An operand is named (``%fusion.137``); its type is read from the instruction that
+  defines it (names are unique in an HLO module)."""
+  lines = hlo.splitlines()
+  types = {m[1]: m[2] for m in map(_DEFINITION.match, lines) if m}
+  out = []
+  for line in lines:
+    for op in (' dot(', ' convolution('):
+      if op in line:
+        operands = line.split(op, 1)[1].split(')', 1)[0]
+        if 's8[' in operands or any(types.get(name) == 's8'
+                                    for name in _OPERAND.findall(operands)):
+          out.append(line.strip())
+  return out
+
+
+def _train_batch(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> TrainBatch:
+  """The run's ``TrainBatch`` (``prompts_per_step x group_size`` rows of prompt + completion
+  positions) as sharded ``ShapeDtypeStruct`` leaves, as ``sharding.global_batch`` places it."""
+  rows = config.rl.prompts_per_step * config.rl.group_size
+  length = config.sampling.max_prompt_len + config.sampling.max_new_tokens
+  shape = lambda dtype, *dims: jax.ShapeDtypeStruct(dims, dtype)  # noqa: E731
+  batch = TrainBatch(tokens=shape(np.int32, rows, length),
+                     loss_mask=shape(np.float32, rows, length),
+                     behaviour_logprobs=shape(np.float32, rows, length),
+                     support_sizes=shape(np.int32, rows, length),
+                     advantages=shape(np.float32, rows), versions=shape(np.int32, rows, length),
+                     group_ids=shape(np.int32, rows))
+  return _with_shardings(batch, sharding_lib.batch_sharding(mesh, batch))
+
+
+def compile_trainer(config: ml_collections.ConfigDict, model: DecoderConfig,
+                    mesh: jax.sharding.Mesh, slice_: SliceType, *, plan: float | None,
+                    beside: float = 0.0) -> tuple[ProgramReport, float]:
+  """The trainer's step (``roles.build_trainer`` on abstract params: ``jax.eval_shape``
+  runs its placement and optimizer initialisation without allocating), lowered with its
+  params, optimizer state, batch and KL reference and compiled for ``mesh``'s chips.
+  Returns the report and the bytes per chip the trainer holds between steps (params,
+  optimizer state, reference)."""
+  spec = config_lib.run_spec(config)
+  built = {}
+
+  def build(params):
+    trainer = roles.build_trainer(config, spec, abstract_model(model), params, mesh)
+    built['trainer'] = trainer
+    return trainer.params, trainer.opt_state, trainer.reference_params
+
+  with _as_on_tpu():
+    params, opt_state, reference = jax.eval_shape(build, abstract_model(model).abstract_params())
+  trainer = built['trainer']
+  params = _with_shardings(params, trainer.param_shardings)
+  opt_state = _with_shardings(opt_state, trainer.opt_shardings)
+  if reference is not None:
+    reference = _with_shardings(reference, trainer.param_shardings)
+  batch = _train_batch(config, mesh)
+
+  def lower():
+    with sharding_lib.activation_sharding(mesh, trainer.rules):
+      # The jitted step the Trainer runs (its public step() executes it).
+      # pylint: disable-next=protected-access
+      return trainer._step.lower(params, opt_state, batch, reference)
+
+  done = _compile(lower)
+  tokens = batch.tokens.shape[0] * batch.tokens.shape[1]
+  report = _report('trainer_step', done, slice_, mesh, plan=plan, beside=beside, tokens=tokens,
+                   model_flops=6 * presets.count_params(model) * tokens)
+  if config.rl.micro_batches > 1:
+    report.notes.append(f'{config.rl.micro_batches} micro-batches of '
+                        f'{batch.tokens.shape[0] // config.rl.micro_batches} rows')
+  resident = _bytes_per_chip((params, opt_state, reference))
+  return report, resident
+
+
+def make_engine(config: ml_collections.ConfigDict, model: DecoderConfig,
+                mesh: jax.sharding.Mesh, quant: str) -> Engine:
+  """The engine an inference worker of the run builds (``roles.build_worker``: the workers'
+  dtype, slots, lengths, KV-cache quantisation), with ``quant`` weights and the layout and
+  decode attention a TPU host gets (the model's own)."""
+  inference = roles.inference_model(config, abstract_model(model))
+  run = inference.config.execution
+  s = config.sampling
+  return Engine(inference, mesh, slots=config.rollout.slots, max_prefill_length=s.max_prompt_len,
+                max_decode_length=s.max_new_tokens, pad_id=0, quant=quant,
+                kv_cache_quant=config.model.kv_cache_quant, weight_layout=run.weight_layout,
+                decode_attention=run.decode_attention)
+
+
+def _engine_params(engine: Engine) -> Any:
+  abstract = engine.model.abstract_params()
+  if engine.quant == 'int8':
+    abstract = jax.eval_shape(functools.partial(quantize_params, model=engine.model), abstract)
+  return _with_shardings(abstract, engine.param_shardings)
+
+
+def compile_engine_decode(engine: Engine, sampling: SamplingSpec, slice_: SliceType, *,
+                          program: str = 'decode', plan: float | None = None,
+                          beside: float = 0.0) -> tuple[ProgramReport, str]:
+  """``engine``'s decode step over every slot, attending to the whole cache (its largest
+  program), with the decode state donated, compiled for ``slice_`` (``engine.mesh`` made of
+  ``tpu_devices(slice_)``). Returns the report and the optimized HLO text; with int8 weights
+  the report notes how many products take them as ``s8`` operands (``s8_dot_lines``)."""
+  params = _engine_params(engine)
+  with _as_on_tpu():
+    state = _with_shardings(jax.eval_shape(engine.init_decode_state), engine.state_shardings)
+  done = _compile(lambda: engine._generate.lower(  # pylint: disable=protected-access
+      params, state, spec=sampling, attend=engine.attend_buckets[-1]))
+  count = presets.count_params(engine.model.config)
+  report = _report(program, done, slice_, engine.mesh, plan=plan, beside=beside,
+                   tokens=engine.slots, model_flops=2 * count * engine.slots)
+  hlo = done.hlo
+  if engine.quant == 'int8':
+    s8 = s8_dot_lines(hlo)
+    report.notes.append(f'{len(s8)} dot/convolution(s) take s8 operands'
+                        + (f', e.g. {s8[0][:200]}' if s8 else ''))
+  return report, hlo
+
+
+def compile_decode(config: ml_collections.ConfigDict, model: DecoderConfig,
+                   mesh: jax.sharding.Mesh, slice_: SliceType, *, quant: str,
+                   plan: float | None, beside: float = 0.0) -> tuple[ProgramReport, str]:
+  """The run's engine (``make_engine``) with ``quant`` weights: ``compile_engine_decode``
+  with the run's sampling transform. The program is ``decode``, or ``decode_int8`` for int8
+  weights in a run that samples with float ones."""
+  engine = make_engine(config, model, mesh, quant)
+  name = 'decode_int8' if quant == 'int8' and config.model.inference_quant != 'int8' else 'decode'
+  return compile_engine_decode(engine, config_lib.run_spec(config).sampling, slice_,
+                               program=name, plan=plan, beside=beside)
+
+
+def compile_prefill(config: ml_collections.ConfigDict, model: DecoderConfig,
+                    mesh: jax.sharding.Mesh, slice_: SliceType, *, beside: float = 0.0
+                    ) -> ProgramReport:
+  """The engine's prefill of the most rows it takes at once (``slots`` rounded up to a power
+  of two) at its longest bucket (``sampling.max_prompt_len``). ``beside``: what stays held
+  meanwhile (the decode state)."""
+  engine = make_engine(config, model, mesh, config.model.inference_quant)
+  params = _engine_params(engine)
+  rows = 1 << (engine.slots - 1).bit_length()
+  bucket = engine.prefill_buckets[-1]
+  replicated = sharding_lib.replicated(mesh)
+  tokens = jax.ShapeDtypeStruct((rows, bucket), np.int32, sharding=replicated)
+  lengths = jax.ShapeDtypeStruct((rows,), np.int32, sharding=replicated)
+  # pylint: disable-next=protected-access
+  done = _compile(lambda: engine._prefill.lower(params, tokens, lengths))
+  return _report('prefill', done, slice_, mesh, plan=None, beside=beside, tokens=rows * bucket,
+                 model_flops=2 * presets.count_params(model) * rows * bucket)
+
+
+def compile_push(config: ml_collections.ConfigDict, model: DecoderConfig,
+                 mesh: jax.sharding.Mesh, slice_: SliceType, *, beside: float = 0.0
+                 ) -> ProgramReport:
+  """The trainer's cast of its params to the workers' dtype before a push
+  (``cast_params``, each leaf where it lies), on the trainer mesh."""
+  source = abstract_model(model)
+  inference = roles.inference_model(config, source)
+  shardings = sharding_lib.param_shardings(source.abstract_params(), source.logical_axes(),
+                                           mesh)
+  params = _with_shardings(source.abstract_params(), shardings)
+  push = jax.jit(functools.partial(cast_params, model=inference), out_shardings=shardings)
+  done = _compile(lambda: push.lower(params))
+  return _report('push', done, slice_, mesh, plan=None, beside=beside)
+
+
+def _devices_of_first_host(devices: Sequence[Any]) -> list[Any]:
+  first = min(d.process_index for d in devices)
+  return [d for d in devices if d.process_index == first]
+
+
+def compile_run(config: ml_collections.ConfigDict, plan: Plan, trainer_slice: SliceType,
+                inference_slice: SliceType, *, shared: bool,
+                programs: Sequence[str] = PROGRAMS, model: DecoderConfig | None = None,
+                log=None) -> list[ProgramReport]:
+  """Compiles ``programs`` of the run ``config`` describes for its slices.
+
+  Args:
+    config: the run's config (validated).
+    plan: the meshes ``checks.check_local`` / ``check_ray`` resolved on the slices.
+    trainer_slice, inference_slice: where the trainer and one worker run (the same slice on
+      the local backend).
+    shared: the roles share chips (local backend without ``mesh.disjoint``): each program's
+      ``beside`` then holds the other role's resident bytes.
+    programs: which of ``PROGRAMS`` to compile (``push`` only when the workers' dtype
+      differs from the trainer's and LoRA is off; ``decode_int8`` only when the run samples
+      with float weights and is not batch-invariant).
+    model: the architecture (default: ``checks.run_model``, the preset ``config.model.name``
+      with the run's dtypes and remat); e.g. fewer layers for a quick check.
+    log: optional ``str -> None`` told when each program starts compiling.
+  Returns:
+    One ``ProgramReport`` per program compiled, in ``PROGRAMS`` order.
+  """
+  unknown = sorted(set(programs) - set(PROGRAMS))
+  if unknown:
+    raise SliceError(f'unknown program(s) {unknown}; choose from {list(PROGRAMS)}.')
+  model = model or run_model(config)
+  log = log or (lambda _: None)
+  trainer_devices = tpu_devices(trainer_slice)
+  inference_devices = (_devices_of_first_host(trainer_devices) if shared and
+                       trainer_slice.multi_host else tpu_devices(inference_slice))
+  if config.mesh.disjoint:
+    inference_devices = trainer_devices[math.prod(plan.trainer_mesh.values()):]
+  trainer_mesh = sharding_lib.make_mesh(plan.trainer_mesh, list(trainer_devices))
+  worker_mesh = sharding_lib.make_mesh(plan.inference_mesh, list(inference_devices))
+  memory = roles.run_memory_plan(model, config, plan.trainer_mesh, plan.inference_mesh,
+                                 shared=shared)
+  workers = memory.workers_per_chip
+  lora = lora_lib.from_config(config)
+  reports: list[ProgramReport] = []
+  # The decode program's arguments (the worker's params and decode state) are what a worker
+  # holds; compiled first so the trainer's report can count them beside it.
+  decode, worker_held = None, 0.0
+  if 'decode' in programs:
+    log('decode')
+    quant = config.model.inference_quant
+    decode, _ = compile_decode(config, model, worker_mesh, inference_slice, quant=quant,
+                               plan=memory.inference_bytes / workers)
+    worker_held = decode.arguments
+  trainer_held = 0.0
+  if 'trainer_step' in programs:
+    log('trainer_step')
+    step, trainer_held = compile_trainer(config, model, trainer_mesh, trainer_slice,
+                                         plan=memory.trainer_bytes,
+                                         beside=workers * worker_held if shared else 0.0)
+    reports.append(step)
+  dtypes_differ = config_lib.inference_param_dtype(config) != config.model.param_dtype
+  if 'push' in programs and dtypes_differ and lora is None:
+    log('push')
+    reports.append(compile_push(config, model, trainer_mesh, trainer_slice,
+                                beside=(trainer_held + workers * worker_held) if shared
+                                else trainer_held))
+  if decode is not None:
+    decode.beside = (trainer_held + (workers - 1) * worker_held) if shared else 0.0
+  if 'prefill' in programs:
+    log('prefill')
+    engine = make_engine(config, model, worker_mesh, config.model.inference_quant)
+    with _as_on_tpu():
+      state = _with_shardings(jax.eval_shape(engine.init_decode_state), engine.state_shardings)
+    state_bytes = _bytes_per_chip(state)
+    reports.append(compile_prefill(
+        config, model, worker_mesh, inference_slice,
+        beside=state_bytes + ((trainer_held + (workers - 1) * worker_held) if shared else 0.0)))
+  if decode is not None:
+    reports.append(decode)
+  # (A batch-invariant run cannot sample with int8 weights: the Engine refuses them.)
+  if ('decode_int8' in programs and config.model.inference_quant != 'int8'
+      and not config.model.batch_invariant):
+    log('decode_int8')
+    int8 = copy.deepcopy(config)
+    int8.model.inference_quant = 'int8'
+    int8_plan = roles.run_memory_plan(model, int8, plan.trainer_mesh, plan.inference_mesh,
+                                      shared=shared)
+    report, _ = compile_decode(config, model, worker_mesh, inference_slice, quant='int8',
+                               plan=int8_plan.inference_bytes / workers,
+                               beside=(trainer_held + (workers - 1) * worker_held) if shared
+                               else 0.0)
+    reports.append(report)
+  return reports
+
+
+def refuse_unless_fits(reports: Sequence[ProgramReport]) -> None:
+  """Raises SliceError with the numbers when a program does not fit its chips' HBM."""
+  over = [r for r in reports if not r.fits]
+  if over:
+    raise SliceError(
+        'the compiler says ' + '; '.join(
+            f'{r.program} needs {r.need / GIB:.2f} GiB per chip on {r.slice} '
+            f'({r.per_chip / GIB:.2f} GiB its own + {r.beside / GIB:.2f} GiB held beside it) '
+            f'but a chip has {r.hbm / GIB:g} GiB of HBM' for r in over)
+        + '; shard more (config.mesh.trainer.fsdp, config.mesh.inference.tensor), save '
+        'activations (config.model.remat=full, config.rl.micro_batches, '
+        'config.rl.logprob_chunk), lower config.rollout.slots or the sampling lengths, or pick '
+        'a bigger slice.')

@@ -1,0 +1,53 @@
+"""GRPO on GSM8K at 8B and 32B (Qwen3-8B, Qwen3-32B), trainer and inference on separate slices.
+
+configs/gsm8k.py's recipe (32 questions x 8 samples per update, 384 prompt + 640 completion
+tokens, the math scorer, float32 master weights and AdamW state, bfloat16 compute and worker
+copies, remat 'full', 8 micro-batches, log-probs 128 positions at a time) on models that do
+not fit one host: the variant is the model's hub name (``--config=configs/gsm8k_large.py:
+VARIANT``), and ``SLICES[VARIANT]`` the slices it is sized for, on the Ray backend (the
+trainer spans every host of its slice in one ``jax.distributed`` job; each inference worker
+is one host):
+
+  Qwen3-8B (the default): trainer v5p-16 (8 chips on 2 hosts, fsdp 8), inference v5e-8
+    (data 2 x tensor 4 per worker);
+  Qwen3-32B: trainer v5p-64 (32 chips on 8 hosts, fsdp 32), inference v5p-8 (tensor 4).
+
+Check and compile before booking the slices (docs/own_model_and_data.md, "Before you book a
+TPU")::
+
+  python -m launch.recipes compile --config=configs/gsm8k_large.py:Qwen3-8B \\
+      --trainer-tpu-type=v5p-16 --inference-tpu-type=v5e-8
+"""
+
+import ml_collections
+
+from rlax_llm.cli import CONFIG_DIR, load_config_file
+
+# Hub name -> (preset in rlax_llm.models.presets, hub repo id, inference tensor parallelism).
+MODELS = {
+    'Qwen3-8B': ('qwen3-8b', 'Qwen/Qwen3-8B', 4),
+    'Qwen3-32B': ('qwen3-32b', 'Qwen/Qwen3-32B', 4),
+}
+VARIANTS = tuple(MODELS)
+# Hub name -> (trainer slice, inference slice): python -m launch.recipes ray / compile.
+SLICES = {
+    'Qwen3-8B': ('v5p-16', 'v5e-8'),
+    'Qwen3-32B': ('v5p-64', 'v5p-8'),
+}
+
+
+def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
+  if variant is None:
+    variant = VARIANTS[0]
+  if variant not in MODELS:
+    raise ValueError(f'Unknown variant {variant!r} of configs/gsm8k_large.py; valid: '
+                     f'{", ".join(VARIANTS)}.')
+  preset, repo, tensor = MODELS[variant]
+  # configs/gsm8k.py's recipe (its default variant); what differs follows.
+  c = load_config_file(str(CONFIG_DIR / 'gsm8k.py'))
+  c.name = f'gsm8k_{preset}'
+  c.backend = 'ray'
+  c.model.update(dict(name=preset, path=repo))
+  c.mesh.trainer.update(dict(data=1, fsdp=-1, tensor=1))
+  c.mesh.inference.update(dict(data=-1, fsdp=1, tensor=tensor))
+  return c
