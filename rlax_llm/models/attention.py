@@ -103,11 +103,11 @@ def invariant_attention(q: Array, ks: tuple[Array, ...], vs: tuple[Array, ...],
   out = 0.0
   for i, v in enumerate(value_pieces):
     weight = weights[..., i * INVARIANT_KEYS:(i + 1) * INVARIANT_KEYS].astype(v.dtype)
-    if dim % 64:  # as [M, d], the product's rounding depended on M for these head dims
-      # (measured: 24, 32, 48, 80, 96); as [d, M] behind a barrier (else XLA turns it back)
-      # it does not, but runs about 4x slower.
-      part = jnp.swapaxes(jax.lax.optimization_barrier(
-          jnp.einsum('bksd,bkqs->bkdq', v, weight)), 2, 3)
+    if dim % 64:  # as a product, the rounding depended on M for these head dims (24, 32,
+      # 48, 80, 96) on some CPUs whichever operand order; elementwise products summed over
+      # the piece's positions by a fixed tree (``invariant_sum``) round alike everywhere.
+      products = weight[..., None].astype(jnp.float32) * v[:, :, None].astype(jnp.float32)
+      part = invariant_sum(jnp.swapaxes(products, -1, -2))[..., 0]
     else:
       part = jnp.einsum('bkqs,bksd->bkqd', weight, v)
     out = out + part.astype(jnp.float32)
