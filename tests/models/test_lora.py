@@ -231,7 +231,8 @@ def test_a_local_run_with_lora_trains_the_adapters_and_pushes_them(tmp_path, syn
   if sync_dtype == 'int8':  # q = round(x / scale), scale = max |x| / 127 per rank component
     synced = jax.tree_util.tree_map_with_path(lambda p, x: _int8_wire(np.asarray(x), p[-1].key),
                                               trained)
-    scale_bytes = len(jax.tree.leaves(trained)) * 2 * 4  # rank 2: 2 float32 per factor
+    # rank 2: 2 float32 per factor and layer (the factors are stacked over the layers)
+    scale_bytes = sum(x.shape[0] for x in jax.tree.leaves(trained)) * 2 * 4
   else:
     synced = jax.tree.map(lambda x: np.asarray(x).astype(jnp.dtype(sync_dtype)), trained)
     scale_bytes = 0
@@ -325,7 +326,7 @@ def test_the_int8_wire_rounds_each_rank_component_within_half_a_step():
   assert leaf_specs(expected) == leaf_specs(wire)
   # A quarter of float32's bytes, plus 4 bytes per rank component of every factor.
   assert sum(x.nbytes for x in jax.tree.leaves(wire)) == sum(
-      x.nbytes for x in jax.tree.leaves(trained)) // 4 + len(factors) * 4 * 4
+      x.nbytes for x in jax.tree.leaves(trained)) // 4 + len(factors) * CONFIG.num_layers * 4 * 4
   # The workers' policy: the base merged with the dequantised adapters.
   base = lora_lib.base_tree(params)
   merged = lora_lib.merge_program(model)(lora_lib.with_adapters(base, wire))

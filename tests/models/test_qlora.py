@@ -169,9 +169,11 @@ def test_a_tiny_run_trains_samples_the_trainers_policy_and_round_trips(tmp_path)
   """configs/default.py:smoke with lora.rank=2 and lora.base_quant='int8' (adapter-only sync,
   float32 workers): the base pushed once is the dequantised int8 base, and the behaviour
   log-probs the worker records are the trainer's recompute on the same tokens (1e-5)."""
+  # Three steps: with the stacked layers' draws of this seed, both versions a two-step run
+  # samples still have B = 0 (nothing trained yet is sampled).
   config = smoke_config(lora__rank=2, lora__base_quant='int8', log__tensorboard=False,
                         eval__every_steps=0, checkpoint__every_steps=1,
-                        checkpoint__async_save=False, total_steps=2)
+                        checkpoint__async_save=False, total_steps=3)
   worker, sampled, start, final, model = recorded_run(config, tmp_path)
   assert isinstance(model, lora_lib.LoRAModel) and model.lora.base_quant == 'int8'
   assert all(isinstance(w, Int8Weight) and w.q.dtype == np.int8 for w in _projections(final))
