@@ -24,6 +24,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 fi
 # The CPU decode-attention kernel (rlax_llm/models/cpu_attention.py), compiled once per
 # machine into ~/.cache/rlax_llm/kernels; without a C++ compiler the engine keeps XLA's
-# attention, and this line says so.
-.venv/bin/python -c "from rlax_llm.models import cpu_attention as k; why = k.unavailable_reason()
+# attention, and this line says so. On the CPU: the test install's libtpu (for the TPU
+# compile tests) would otherwise spend ~14 s probing for a TPU chip.
+JAX_PLATFORMS="${JAX_PLATFORMS-cpu}" .venv/bin/python -c "from rlax_llm.models import cpu_attention as k; why = k.unavailable_reason()
 if why: print('setup: the CPU attention kernel is unavailable (XLA attention is used):', why)" >&2
