@@ -107,6 +107,12 @@ def test_greedy_equals_transformers_up_to_float_ties(smollm2, record_property):
   assert compared >= 8 * NEW // 2, (compared, ties)  # most tokens are compared, not tied away
 
 
+# The trainer against itself, the same tokens padded to 96 and to 128 positions (max |dlogp|)
+# where XLA:CPU's kernels round the two widths differently: the float32 rounding scale of this
+# 30-layer model.
+SELF_GAP = 3e-5
+
+
 @pytest.mark.parametrize('spec', [SamplingSpec(1.0), SamplingSpec(0.7, top_k=20, top_p=0.9)],
                          ids=['T=1', 'T=0.7,top_k=20,top_p=0.9'])
 def test_behaviour_logprobs_equal_the_trainer_recompute(smollm2, record_property, spec):
@@ -118,7 +124,10 @@ def test_behaviour_logprobs_equal_the_trainer_recompute(smollm2, record_property
   tokens padded to 96 and to 128 positions, differs by ~3e-5 at most. The engine must not be
   further from the trainer than three times that (a real mismatch, e.g. a wrong position or
   normaliser, is orders of magnitude larger). Measured: 5.4e-5 with the cache in blocks
-  (attention sums one partial product per block), 3.5e-5 with one block."""
+  (attention sums one partial product per block), 3.5e-5 with one block. On some CPUs (an
+  AMD EPYC without AVX-512, 2026-12-06) the trainer agrees with itself bit for bit at both
+  widths, so the rounding scale is at least ``SELF_GAP`` (engine against trainer there:
+  3.2e-5 / 3.8e-5)."""
   model, params, _, prompts, driver = smollm2
   worst, self_worst, diffs = 0.0, 0.0, []
   pairs = list(zip(prompts, run(driver, prompts, spec, seed=1)))
@@ -134,7 +143,7 @@ def test_behaviour_logprobs_equal_the_trainer_recompute(smollm2, record_property
   record_property('mean_abs_dlogp', float(diffs.mean()))
   record_property('trainer_width_96_vs_128_max_abs_dlogp', self_worst)
   assert worst < 1e-4 and diffs.mean() < 1e-5, (worst, diffs.mean())
-  assert worst <= 3 * self_worst, (worst, self_worst)
+  assert worst <= 3 * max(self_worst, SELF_GAP), (worst, self_worst)
 
 
 @pytest.mark.parametrize('rows,spec,width', [
