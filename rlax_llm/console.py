@@ -10,7 +10,13 @@
     ``/dev/vfio/<n>``); on a TPU host it stays, since there it explains a CPU fallback;
   - the supervised warm-up's progress every 50 steps (40 lines in the default run); its
     phase line and its last line (``warmup step N/N``, the warm-up's result) stay;
-  - Orbax's INFO and DEBUG records (dozens per checkpoint save; its warnings stay).
+  - Orbax's INFO and DEBUG records (dozens per checkpoint save; its warnings stay);
+  - libtpu's start-up errors (``could not determine TPU worker hostnames``, printed by the
+    library itself, not a logger) where libtpu is installed (the ``tpu`` and ``test`` extras)
+    but the machine has no TPU chips: there, with ``JAX_PLATFORMS`` unset and no GPU plugin
+    installed, ``JAX_PLATFORMS`` is set to ``cpu`` (no TPU backend can come up without chips;
+    jax would load libtpu, let it print, then fall back to the CPU anyway). Set
+    ``JAX_PLATFORMS`` yourself to choose otherwise.
 
 * ``phase(text)``: one line on stderr when a phase that takes noticeable time starts
   (loading the model, the warm-up, an evaluation, compiling the first RL step), logged at
@@ -25,8 +31,11 @@ Imports no JAX: the entry points set the console up before the heavy imports.
 from __future__ import annotations
 
 import glob
+import importlib.metadata
+import importlib.util
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -56,6 +65,20 @@ def phase(text: str) -> None:
 def _has_tpu_devices() -> bool:
   """Whether this machine has TPU chips (device files of the TPU driver, v2-v6)."""
   return bool(glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*'))
+
+
+def _cpu_where_no_accelerator() -> None:
+  """``JAX_PLATFORMS=cpu`` where libtpu is installed but no TPU chip or GPU plugin is present
+  and the user chose nothing (module docstring)."""
+  if ('JAX_PLATFORMS' in os.environ or 'JAX_FORCE_TPU_INIT' in os.environ
+      or _has_tpu_devices() or importlib.util.find_spec('libtpu') is None):
+    return
+  if (importlib.util.find_spec('jax_plugins') is not None  # jax[cuda], jax[rocm]
+      or importlib.metadata.entry_points(group='jax_plugins')):
+    return
+  os.environ['JAX_PLATFORMS'] = 'cpu'
+  if 'jax' in sys.modules:  # imported already: its config read the variable at import
+    sys.modules['jax'].config.update('jax_platforms', 'cpu')
 
 
 def _tpu_backend_missing(record: logging.LogRecord) -> bool:
@@ -104,6 +127,7 @@ class _PhaseHandler(logging.StreamHandler):
 
 def setup_logging() -> None:
   """Sets up the console of a command-line run (module docstring). Idempotent."""
+  _cpu_where_no_accelerator()
   for name, drop in _DROPPED.items():
     logger = logging.getLogger(name)
     if not any(isinstance(f, _Drop) and f.drop is drop for f in logger.filters):

@@ -40,6 +40,7 @@ def _shipped_hub_datasets_offline(_hub_cache):
     yield
 
 
+REAL_SIZE_CONFIGS = ('gsm8k.py', 'gsm8k_large.py')
 CASES = [(path, variant) for path in CONFIGS for variant in (None, *config_variants(path))]
 
 
@@ -47,9 +48,10 @@ CASES = [(path, variant) for path in CONFIGS for variant in (None, *config_varia
                          ids=lambda x: x.name if isinstance(x, pathlib.Path) else str(x))
 def test_every_config_and_variant_validates_and_prepares(path, variant):
   """Every shipped config passes every check a launch makes before compute, model files and
-  tokenizer included (roles.prepare). configs/gsm8k.py's checkpoints are real-size hub models
-  (1-7 GB, not in the test's hub cache): its task is built from the GSM8K stand-in instead,
-  and tests/test_configs_real_sizes.py checks its presets and memory plan."""
+  tokenizer included (roles.prepare). configs/gsm8k.py's and configs/gsm8k_large.py's
+  checkpoints are real-size hub models (1-65 GB, not in the test's hub cache): their task is
+  built from the GSM8K stand-in instead (tests/test_configs_real_sizes.py checks gsm8k.py's
+  presets and memory plan)."""
   from rlax_llm import roles  # pylint: disable=import-outside-toplevel
   config = load_config_file(f'{path}:{variant}' if variant else str(path))
   spec = validate_config(config)
@@ -62,7 +64,7 @@ def test_every_config_and_variant_validates_and_prepares(path, variant):
     node = config
     for part in key.split('.'):
       node = node[part]
-  if path.name == 'gsm8k.py':
+  if path.name in REAL_SIZE_CONFIGS:
     assert len(roles.build_task(config).eval_prompts()) == config.task.num_eval
     return
   roles.prepare(config)

@@ -104,6 +104,35 @@ def test_the_dropped_records_are_exactly_the_noise(monkeypatch):
   assert not drop['absl'](_record('absl', 'slow', level=logging.WARNING, pathname=orbax))
 
 
+@pytest.mark.parametrize('case, expected', [
+    ('no chips, libtpu installed', 'cpu'),
+    ('user chose', 'tpu'),  # JAX_PLATFORMS set: left as it is
+    ('tpu chips', None),
+    ('no libtpu', None),
+    ('gpu plugin', None),
+])
+def test_cpu_is_chosen_only_where_libtpu_could_only_print_errors(monkeypatch, case, expected):
+  """libtpu installed on a machine without TPU chips prints start-up errors before jax falls
+  back to the CPU: there (and only there, with nothing chosen by the user) the entry points
+  set JAX_PLATFORMS=cpu."""
+  monkeypatch.delenv('JAX_PLATFORMS', raising=False)
+  monkeypatch.delenv('JAX_FORCE_TPU_INIT', raising=False)
+  if case == 'user chose':
+    monkeypatch.setenv('JAX_PLATFORMS', 'tpu')
+  monkeypatch.setattr(console, '_has_tpu_devices', lambda: case == 'tpu chips')
+  real_find_spec = console.importlib.util.find_spec
+  def find_spec(name):
+    if name == 'libtpu':
+      return None if case == 'no libtpu' else object()
+    if name == 'jax_plugins':
+      return object() if case == 'gpu plugin' else None
+    return real_find_spec(name)
+  monkeypatch.setattr(console.importlib.util, 'find_spec', find_spec)
+  monkeypatch.setattr(console.importlib.metadata, 'entry_points', lambda group: [])
+  console._cpu_where_no_accelerator()  # pylint: disable=protected-access  (in this process jax runs on the CPU already: conftest)
+  assert os.environ.get('JAX_PLATFORMS') == expected
+
+
 def test_phase_is_an_info_record_of_the_phase_logger(caplog):
   with caplog.at_level(logging.INFO, logger=console.PHASE_LOGGER):
     console.phase('loading the model tiny')

@@ -23,10 +23,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def tpu_variables(environ):
-  """The TPU topology variables of an environment. (TPU_SKIP_MDS_QUERY is left out: `import
-  jax` sets it on a machine without TPU chips.)"""
+  """The TPU topology variables of an environment. Left out: TPU_SKIP_MDS_QUERY (`import jax`
+  sets it on a machine without TPU chips) and TPU_LIBRARY_PATH (`import libtpu` sets it where
+  libtpu is installed); neither says which chips a process owns."""
   return {k: v for k, v in environ.items()
-          if k.startswith(('TPU_', 'CLOUD_TPU_')) and k != 'TPU_SKIP_MDS_QUERY'}
+          if k.startswith(('TPU_', 'CLOUD_TPU_'))
+          and k not in ('TPU_SKIP_MDS_QUERY', 'TPU_LIBRARY_PATH')}
 
 
 def split(host_chips, per_process):
