@@ -1,7 +1,8 @@
 """Docs that must follow the code: every config key is in docs/config.md, the README's
 algorithms table is the loss table, the README's results are RESULTS.md's headline, links
-resolve."""
+resolve, and every module, file, function, method and config key docs/*.md names exists."""
 
+import ast
 import importlib.util
 import pathlib
 import re
@@ -221,3 +222,198 @@ def test_own_model_and_data_commands_load_and_quote_the_printed_plan():
   plan = memory_check(config, check_local(config, slice_, opts.recipe), slice_.hbm_gib,
                       slice_.hbm_gib, shared=True)
   assert f'# checked: {plan[-1]}\n' in doc.read_text(), plan[-1]
+
+
+# --- Names in docs/*.md that must exist in the code -------------------------------------------
+# Each docs page names modules, files, functions, methods and config keys in backticks; a
+# rename or a deletion leaves those names stale. These checks read the code with `ast` (no
+# imports: the Ray backend's module imports ray), so they run in a second.
+
+DOCS = sorted((ROOT / 'docs').glob('*.md'))
+PACKAGE = ROOT / 'rlax_llm'
+# Groups whose fields vary per config (a task's and an environment's keyword arguments, reward
+# components, Ray resources and environment variables); their keys are checked elsewhere.
+_OPEN_KEYS = ('reward.', 'ray.trainer_resources.', 'ray.worker_resources.', 'ray.trainer_env.')
+# Libraries' names that read like ours (`ray` is also a config group and a backend module).
+_NOT_OURS = ('ray.put', 'ray.get', 'ray.init', 'ray.remote')
+
+
+def _code_spans(text: str) -> list[str]:
+  """The inline code spans of a markdown text (fenced blocks left out)."""
+  text = re.sub(r'^```.*?^```', '', text, flags=re.MULTILINE | re.DOTALL)
+  return re.findall(r'`([^`\n]+)`', text)
+
+
+def _names_of(body: list[ast.stmt]) -> set[str]:
+  """Names a module or class body defines: functions, classes, assignments, imports."""
+  names = set()
+  for node in body:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      names.add(node.name)
+    elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+      targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+      names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    elif isinstance(node, (ast.Import, ast.ImportFrom)):
+      names |= {(a.asname or a.name).split('.')[0] for a in node.names}
+    elif isinstance(node, (ast.If, ast.Try)):
+      names |= _names_of(node.body + node.orelse)
+  return names
+
+
+class _Code:
+  """What rlax_llm defines: each module's names, each class's attributes (its methods,
+  fields and the ``self.x`` it assigns) and bases, each module's classes."""
+
+  def __init__(self):
+    self.modules: dict[str, set[str]] = {}  # dotted module name -> names it defines
+    self.classes: dict[str, list[tuple[set[str], list[str]]]] = {}  # name -> (attrs, bases)
+    self.module_classes: dict[str, list[str]] = {}
+    self.init_args: dict[str, set[str]] = {}  # 'tasks' / 'envs' -> __init__ parameters
+    for folder in (PACKAGE, ROOT / 'launch'):  # packages with or without an __init__.py
+      for sub in [folder, *folder.rglob('*/')]:
+        if sub.is_dir() and '__pycache__' not in sub.parts:
+          self.modules['.'.join(sub.relative_to(ROOT).parts)] = set()
+          self.module_classes['.'.join(sub.relative_to(ROOT).parts)] = []
+    for path in [*PACKAGE.rglob('*.py'), *(ROOT / 'launch').rglob('*.py')]:
+      parts = path.relative_to(ROOT).with_suffix('').parts
+      name = '.'.join(parts[:-1] if parts[-1] == '__init__' else parts)
+      tree = ast.parse(path.read_text())
+      self.modules[name] = _names_of(tree.body)
+      self.module_classes[name] = []
+      for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef):
+          continue
+        attrs = _names_of(node.body) | {
+            n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+            and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
+            and n.value.id == 'self'}
+        bases = [b.id if isinstance(b, ast.Name) else getattr(b, 'attr', '') for b in node.bases]
+        self.classes.setdefault(node.name, []).append((attrs, bases))
+        self.module_classes[name].append(node.name)
+        if parts[:2] in (('rlax_llm', 'tasks'), ('rlax_llm', 'envs')):
+          # `task.path`: a field; `env.state_key()`: a method of an environment
+          self.init_args.setdefault(parts[1], set()).update(attrs)
+          for item in node.body:
+            if isinstance(item, ast.FunctionDef) and item.name == '__init__':
+              args = item.args.args + item.args.kwonlyargs
+              self.init_args[parts[1]].update(a.arg for a in args)
+    self.basenames: dict[str, list[str]] = {}  # 'receiver' -> ['rlax_llm.paramserver.receiver']
+    for name in self.modules:
+      self.basenames.setdefault(name.rsplit('.', 1)[-1], []).append(name)
+
+  def class_has(self, cls: str, attr: str, seen: frozenset = frozenset()) -> bool:
+    return any(attr in attrs or any(self.class_has(b, attr, seen | {cls}) for b in bases
+                                    if b in self.classes and b not in seen)
+               for attrs, bases in self.classes.get(cls, []))
+
+  def module_has(self, module: str, attr: str) -> bool:
+    """``module.attr`` exists: a name of the module, a submodule, or an attribute of one of
+    its classes (``driver.run`` for ``Driver.run``, ``engine.compilations()``)."""
+    return (attr in self.modules[module] or f'{module}.{attr}' in self.modules
+            or any(self.class_has(c, attr) for c in self.module_classes[module]))
+
+  def resolve(self, dotted: list[str], modules: list[str]) -> bool:
+    """Whether ``dotted`` (the parts after a module's name) names something in one of
+    ``modules``: a module's name, then a class's attribute."""
+    for module in modules:
+      if not dotted:
+        return True
+      if f'{module}.{dotted[0]}' in self.modules:  # a submodule: files.gguf.read_gguf
+        if self.resolve(dotted[1:], [f'{module}.{dotted[0]}']):
+          return True
+      elif self.module_has(module, dotted[0]):
+        if len(dotted) == 1 or dotted[0] not in self.classes:
+          return True  # attributes of values (not classes) are not followed
+        if self.class_has(dotted[0], dotted[1]):
+          return True
+    return False
+
+
+@pytest.fixture(scope='module')
+def code() -> _Code:
+  return _Code()
+
+
+@pytest.fixture(scope='module')
+def config_keys() -> set[str]:
+  """Every key and group of the shipped configs ('rl', 'rl.mismatch', 'rl.mismatch.mode')."""
+  keys = set()
+  for path in sorted((ROOT / 'configs').glob('*.py')):
+    for leaf in _leaves(load_config_file(str(path))):
+      parts = leaf.split('.')
+      keys |= {'.'.join(parts[:i]) for i in range(1, len(parts) + 1)}
+  return keys
+
+
+def _is_config_key(name: str, code: _Code, config_keys: set[str]) -> bool:
+  """A key or group of the shipped configs, a key of an open group, or a task's or an
+  environment's field (an argument or attribute of one of its classes)."""
+  parts = name.split('.')
+  return (name in config_keys or name.startswith(_OPEN_KEYS)
+          or (parts[0] in ('task', 'env') and len(parts) == 2
+              and parts[1] in code.init_args[f'{parts[0]}s'] | {'name', 'harness'}))
+
+
+def stale_names(text: str, code: _Code, config_keys: set[str]) -> list[str]:
+  """The code names in ``text``'s inline code that do not exist: ``rlax_llm.a.b`` dotted
+  names, ``module.name`` (a module of rlax_llm by its last name, e.g. ``receiver.Receiver``),
+  ``Class.attribute`` of a class of rlax_llm, config keys (``rl.loss``, ``--config.rl.loss``,
+  ``config.rl.loss``; a task's or an environment's fields are its class's arguments) and
+  repository paths (``rlax_llm/x.py``, ``tests/...``, ``benchmarks/...``)."""
+  stale = []
+  sections = {k for k in config_keys if '.' not in k}
+  for span in _code_spans(text):
+    for path in re.findall(r'(?<![\w./-])((?:rlax_llm|tests|benchmarks|launch|scripts|configs|'
+                           r'docs|colabs)/[\w./-]*\w)', span):
+      if not (ROOT / path).exists() and not re.search(r'\b[A-Z]+\b', path):  # FILE: a placeholder
+        stale.append(path)
+    for match in re.finditer(r'(?<![\w/-])(--config\.|config\.)?([A-Za-z_]\w*(?:\.\w+)*)'
+                             r'(?![\w/-])', span):
+      prefix, name = match.groups()
+      if ((not prefix and '.' not in name) or name.startswith(_NOT_OURS) or name.endswith('_')
+          or any(part.isupper() for part in name.split('.'))):
+        continue  # a word; a library's function; `rl.turn_*`; KEY: a placeholder
+      if re.search(r'\.(py|md|json|jsonl|txt|gguf|safetensors|jinja|cc|ipynb|sh|png)\b', name):
+        continue  # a file name
+      parts = name.split('.')
+      if prefix == 'config.' and parts[0] not in sections:
+        continue  # `config.with_execution(...)`: another object called config
+      if prefix or (parts[0] in sections and parts[0] not in code.basenames):
+        if not _is_config_key(name, code, config_keys):
+          stale.append(match.group(0))
+        continue
+      if parts[0] in ('rlax_llm', 'launch') and f'{parts[0]}.{parts[1]}' in code.modules:
+        if not code.resolve(parts[1:], [parts[0]]):
+          stale.append(name)
+      elif parts[0] in code.basenames:  # `receiver.Receiver`, or a key: `lora.sync`
+        if not (code.resolve(parts[1:], code.basenames[parts[0]])
+                or _is_config_key(name, code, config_keys)):
+          stale.append(name)
+      elif parts[0] in code.classes and not code.class_has(parts[0], parts[1]):
+        stale.append(name)
+  return stale
+
+
+@pytest.mark.parametrize('doc', DOCS, ids=lambda p: p.name)
+def test_docs_name_only_code_and_config_keys_that_exist(doc, code, config_keys):
+  stale = stale_names(doc.read_text(), code, config_keys)
+  assert not stale, f'docs/{doc.name} names what the code does not have: {stale}'
+
+
+def test_stale_names_finds_what_went_stale(code, config_keys):
+  """The check above fails on names the docs really held after the code moved (the
+  controller became a package; `InferenceWorker.maybe_reload` and `ParameterServer.pull`
+  were deleted), on a misspelled key and on a task field no task takes, and passes the
+  names that replaced them."""
+  stale = ('`rlax_llm/controller.py`; `worker.maybe_reload`; `ParameterServer.pull(v)`; '
+           '`--config.rl.los=m2po`; `rlax_llm.paramserver.publisher.Publish`; '
+           '`task.question_fields`; `Receiver.ensure_version`')
+  assert stale_names(stale, code, config_keys) == [
+      'rlax_llm/controller.py', 'worker.maybe_reload', 'ParameterServer.pull',
+      '--config.rl.los', 'rlax_llm.paramserver.publisher.Publish', 'task.question_fields',
+      'Receiver.ensure_version']
+  fresh = ('`rlax_llm/controller/loop.py`; `worker.receiver.pull`; `ParameterServer.update`; '
+           '`--config.rl.loss=m2po`; `rlax_llm.paramserver.publisher.Publisher`; '
+           '`task.question_field`; `Receiver.ensure`; `lora.sync`; `lora.pushed_params`; '
+           '`files.gguf.read_gguf`; `env.state_key()`; `config.with_execution(remat=...)`')
+  assert stale_names(fresh, code, config_keys) == []
