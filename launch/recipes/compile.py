@@ -91,10 +91,10 @@ class ProgramReport:
     mfu: model FLOPs (``2 N`` per token forward, ``6 N`` forward and backward; ``N`` the
       params) per chip over the chip's peak for ``step_s``. None for the push, and for a
       program with loops.
-    loops: ``while`` loops in the optimized program (micro-batches, log-prob chunks, a
-      scanned layer stack). XLA's cost analysis counts a loop's body once, not once per
-      trip, so with loops ``flops``, ``bytes_accessed`` and ``step_s`` are lower bounds and
-      ``tokens_per_s_per_chip`` an upper bound (``mfu`` is then not given).
+    loops: ``while`` loops in the optimized program (micro-batches, log-prob chunks; the
+      layers are a Python loop, unrolled). XLA's cost analysis counts a loop's body once,
+      not once per trip, so with loops ``flops``, ``bytes_accessed`` and ``step_s`` are
+      lower bounds and ``tokens_per_s_per_chip`` an upper bound (``mfu`` is then not given).
     notes: what else the report says (e.g. the int8 operands of the decode's products).
   """
   program: str
