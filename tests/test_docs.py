@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))  # the recipes' tooling lives in the checkout, not
 
 # pylint: disable=wrong-import-position
 from launch.recipes import cli as recipes_cli
-from launch.recipes.checks import check_local, memory_check
+from launch.recipes.checks import check_local, memory_check, run_model
 from launch.recipes.slices import get_slice
 
 
@@ -222,6 +222,26 @@ def test_own_model_and_data_commands_load_and_quote_the_printed_plan():
   plan = memory_check(config, check_local(config, slice_, opts.recipe), slice_.hbm_gib,
                       slice_.hbm_gib, shared=True)
   assert f'# checked: {plan[-1]}\n' in doc.read_text(), plan[-1]
+
+
+def test_own_model_and_data_quotes_the_cpu_runs_memory_plan():
+  """docs/own_model_and_data.md's CPU run: the memory it says the run wants, with remat and
+  chunked log-probs and without them, is the memory plan's for its command (one device,
+  the roles sharing it), in whole GiB."""
+  from rlax_llm import roles  # pylint: disable=import-outside-toplevel
+  doc = ROOT / 'docs' / 'own_model_and_data.md'
+  launch = next(c for c in _bash_commands(doc) if c[:3] == ['python', '-m', 'rlax_llm.launch'])
+  overrides = [a for a in launch[3:] if a.startswith('--config')]
+  quoted = re.search(r'wants\s+about (\d+) GiB .*? without the two, about\s+(\d+) GiB',
+                     doc.read_text(), re.DOTALL)
+  assert quoted, 'own_model_and_data.md no longer quotes the CPU run\'s memory'
+  one = {'data': 1, 'fsdp': 1, 'tensor': 1}
+  planned = []
+  for without in ([], ['--config.model.remat=none', '--config.rl.logprob_chunk=0']):
+    config = load_config([*overrides, '--config.model.name=qwen2.5-0.5b', *without])
+    plan = roles.run_memory_plan(run_model(config), config, one, one, shared=True)
+    planned.append(round((plan.trainer_bytes + plan.inference_bytes) / 2**30))
+  assert [int(g) for g in quoted.groups()] == planned, planned
 
 
 # --- Names in docs/*.md that must exist in the code -------------------------------------------
