@@ -420,6 +420,19 @@ def test_docs_name_only_code_and_config_keys_that_exist(doc, code, config_keys):
   assert not stale, f'docs/{doc.name} names what the code does not have: {stale}'
 
 
+@pytest.mark.parametrize('doc', DOCS, ids=lambda p: p.name)
+def test_docs_name_only_config_variants_that_exist(doc):
+  """Every `configs/FILE.py:VARIANT` a page names (in a command, a table or the text) loads."""
+  named = set(re.findall(r'(configs/[a-z0-9_]+\.py):([\w.-]*\w)', doc.read_text()))
+  missing = []
+  for path, variant in sorted(named - {(p, v) for p, v in named if v.isupper()}):  # VARIANT
+    try:
+      load_config_file(f'{ROOT / path}:{variant}')
+    except ValueError as e:
+      missing.append(f'{path}:{variant} ({e})')
+  assert not missing, f'docs/{doc.name} names variants that do not load: {missing}'
+
+
 def test_stale_names_finds_what_went_stale(code, config_keys):
   """The check above fails on names the docs really held after the code moved (the
   controller became a package; `InferenceWorker.maybe_reload` and `ParameterServer.pull`
