@@ -17,7 +17,7 @@ from typing import Any
 
 from rlax_llm.tasks.base import Prompt
 
-# The seed of the warm-up's demonstration 0 (``data.demo_batch``): demonstration ``i`` plays
+# The seed of the warm-up's demonstration 0 (``trainer.warmup.demo_batch``): demonstration ``i`` plays
 # seed ``DEMO_SEED_START + i``, below the held-out seeds (``>= 2**40``) and far above any train
 # step's seeds.
 DEMO_SEED_START = 2**39
