@@ -286,3 +286,13 @@ def test_a_ray_launch_without_ray_fails_in_one_line(tmp_path):
       "error: backend='ray' needs the ray extra: pip install 'rlax_llm[ray]'"), result.stderr
   assert 'Traceback' not in result.stderr, result.stderr
   assert not (tmp_path / 'run').exists()  # refused before the workdir is claimed
+
+
+def test_the_endpoint_without_the_serve_extra_fails_in_one_line():
+  result = _run_without(['fastapi'], 'rlax_llm.serve', '--config=configs/default.py:smoke',
+                        timeout=120)
+  assert result.returncode == 1, (result.stdout, result.stderr[-3000:])
+  assert result.stderr.splitlines()[-1] == (
+      "error: the OpenAI-compatible endpoint needs the serve extra: "
+      "pip install 'rlax_llm[serve]'"), result.stderr
+  assert 'Traceback' not in result.stderr, result.stderr
