@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs on each machine a Cloud TPU recipe uses (TPU VM hosts, the Ray head, a GKE image
-# build): creates rlax_llm/.venv with Python >= 3.11 and installs this checkout into it.
+# build): creates rlax_llm/.venv with Python >= 3.11 and installs this checkout into it, with
+# the gcs, envs and math extras always (the recipes' workdirs are gs://; gymnasium and
+# math-verify are small, and configs/agent.py and configs/gsm8k.py need them).
 #
 #   bash rlax_llm/launch/host_setup.sh [--tpu] [--data] [--ray] [--smollm2]
 #
@@ -43,13 +45,12 @@ if [ -z "$python" ]; then
   python=python3.11
 fi
 
-# The tpu extra: jax[tpu] (libtpu) at the jax version pyproject.toml pins; the data extra:
-# pyarrow (Parquet).
-extras=()
+# Always gcs (gcsfs: gs:// workdirs), envs (gymnasium) and math (math-verify); the tpu extra:
+# jax[tpu] (libtpu) at the jax version pyproject.toml pins; the data extra: pyarrow (Parquet).
+extras=(gcs envs math)
 if [ "$tpu" = 1 ]; then extras+=(tpu); fi
 if [ "$data" = 1 ]; then extras+=(data); fi
-requirements=(-e .)
-if [ "${#extras[@]}" -gt 0 ]; then requirements=(-e ".[$(IFS=,; echo "${extras[*]}")]"); fi
+requirements=(-e ".[$(IFS=,; echo "${extras[*]}")]")
 if [ "$ray" = 1 ]; then requirements+=("$RAY_REQUIREMENT"); fi
 
 stamp=.venv/.rlax_llm_host_setup

@@ -13,6 +13,7 @@ not a failure (the run saved a checkpoint and stops on purpose).
     │   └── WorkdirHasRun it holds a finished or different run
     ├── NonFiniteError    the updates diverged (NaN/Inf) past the configured tolerance
     ├── ToolCallError     a model's tool call that does not parse (rlax_llm.envs.tool_calls)
+    ├── MissingExtra      an optional package the run needs is not installed (rlax_llm.extras)
     └── Preempted         SIGTERM/SIGINT: a checkpoint was saved, relaunch to resume
 """
 
@@ -53,6 +54,11 @@ class ToolCallError(RlaxError, ValueError):
   arguments that are not an object, an unclosed tag, more calls or a longer call than the caps.
   The message says what was wrong, where (the character position) and shows the text there;
   an environment turns it into the observation the model sees next."""
+
+
+class MissingExtra(RlaxError, ImportError):
+  """An optional dependency that this run needs is not installed: the message names the
+  ``pip install 'rlax_llm[EXTRA]'`` that installs it (``rlax_llm.extras``)."""
 
 
 class Preempted(RlaxError):

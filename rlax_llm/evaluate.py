@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import ml_collections
 
-from rlax_llm import cli, console, launch_help, storage
+from rlax_llm import cli, console, extras, launch_help, storage
 from rlax_llm import config as config_lib
 from rlax_llm.errors import ConfigError, Preempted, RlaxError
 
@@ -109,6 +109,7 @@ def policy_worker(config: ml_collections.ConfigDict, checkpoint: str | None = No
   LoRA params' structure and merged (``lora.merge_program``): the worker holds the merged
   weights, as a run's workers sample with. What an evaluation and the OpenAI-compatible
   endpoint (``python -m rlax_llm.serve``) run."""
+  extras.check_config(config, [checkpoint], backend=False)  # one local worker: not Ray
   # pylint: disable=import-outside-toplevel  # jax and the model code: after validation
   from rlax_llm import roles
   from rlax_llm.models import lora as lora_lib

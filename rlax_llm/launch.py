@@ -41,7 +41,7 @@ import time
 import ml_collections
 from absl import app, flags
 
-from rlax_llm import cli, console, distributed, launch_help, storage
+from rlax_llm import cli, console, distributed, extras, launch_help, storage
 from rlax_llm import workdir as workdir_lib
 from rlax_llm.config import check_resume_config, checkpointing, validate_config
 from rlax_llm.errors import ConfigError, NonFiniteError, Preempted, RlaxError
@@ -66,11 +66,12 @@ def main(config: ml_collections.ConfigDict) -> None:
   Raises:
     RlaxError: what the user must fix (``run_cli`` prints it as one line).
   """
+  workdir_flag = _FLAGS['workdir'].value
+  extras.check_config(config, [workdir_flag])  # a missing extra: one line, before any compute
   # Multi-host: join the other hosts before JAX sees a device (validation builds meshes
   # over jax.devices(), after which jax.distributed.initialize refuses to run).
   joined = distributed.initialize(config)
   spec = validate_config(config)
-  workdir_flag = _FLAGS['workdir'].value
   # pylint: disable=import-outside-toplevel
   import jax  # lazy: this module stays light to import (--help); validation has started JAX
   process = jax.process_index()

@@ -5,7 +5,8 @@ A workdir is a URL: a local path or ``gs://BUCKET/...``. Everything a run writes
 evaluation outputs, the workdir's claim) goes through this module; checkpoints go through
 Orbax, which writes ``gs://`` itself (TensorStore for the arrays, ``etils.epath`` for the
 rest). Paths are ``etils.epath.Path`` values, the path type Orbax uses: local paths behave as
-``pathlib`` paths, ``gs://`` paths go through ``gcsfs`` (fsspec).
+``pathlib`` paths, ``gs://`` paths go through ``gcsfs`` (fsspec; the ``gcs`` extra,
+``pip install 'rlax_llm[gcs]'``).
 
 * ``path(url)``: the path of a URL or local path; ``is_gcs(path)``: whether it is ``gs://``.
 * ``write_text_atomic(path, text)``: a reader sees the old content or the new one, never a
@@ -53,6 +54,7 @@ from typing import Any
 
 from etils import epath
 
+from rlax_llm import extras
 from rlax_llm.errors import WorkdirInUse
 
 GCS_SCHEME = 'gs://'
@@ -96,9 +98,9 @@ def _gcs() -> Any:
   emulator = _emulator()
   with _FS_LOCK:
     if emulator not in _FS:
-      # Lazy: gcsfs (aiohttp, google-auth) is needed only for gs:// paths.
+      # Lazy: gcsfs (aiohttp, google-auth; the gcs extra) is needed only for gs:// paths.
       import fsspec  # pylint: disable=import-outside-toplevel
-      import gcsfs.core  # pylint: disable=import-outside-toplevel
+      gcsfs_core = extras.require('gcsfs.core', f'a {GCS_SCHEME} path')
       kwargs: dict[str, Any] = {'use_listings_cache': False}
       # Other processes and TensorStore (Orbax's array writer) write the workdir, so epath's
       # gcsfs (Orbax's, made by fsspec) must not answer from a cached listing either; a
@@ -112,9 +114,9 @@ def _gcs() -> Any:
         # which an emulator does not serve (a minute's wait per bucket). epath (and so Orbax)
         # looks the class up by protocol, so it gets the same one.
         for protocol in _GCS_PROTOCOLS:
-          fsspec.register_implementation(protocol, gcsfs.core.GCSFileSystem, clobber=True)
+          fsspec.register_implementation(protocol, gcsfs_core.GCSFileSystem, clobber=True)
         kwargs.update(token='anon', endpoint_url=emulator)
-      _FS[emulator] = (gcsfs.core.GCSFileSystem(**kwargs) if emulator is not None
+      _FS[emulator] = (gcsfs_core.GCSFileSystem(**kwargs) if emulator is not None
                        else fsspec.filesystem('gs', **kwargs))
     return _FS[emulator]
 

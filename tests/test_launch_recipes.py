@@ -669,7 +669,7 @@ def test_host_setup_installs_what_its_flags_ask_for_once(host_setup):
   result = run('--tpu', '--ray', '--smollm2')
   assert result.returncode == 0, result.stderr
   lines = log.read_text().splitlines()
-  assert lines[1] == '-m pip install -q -e .[tpu] ray[default]==2.60.0'
+  assert lines[1] == '-m pip install -q -e .[gcs,envs,math,tpu] ray[default]==2.60.0'
   # The extras install jax's accelerator builds at the version the CPU install pins.
   project = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']
   jax_cpu = next(r for r in project['dependencies'] if r.startswith('jax[cpu]'))
@@ -687,9 +687,9 @@ def test_host_setup_data_installs_the_data_extra(host_setup):
   """--data: pyarrow (the data extra) for hub datasets and Parquet files, beside jax[tpu]."""
   run, log = host_setup
   assert run('--tpu', '--data').returncode == 0
-  assert log.read_text().splitlines()[1] == '-m pip install -q -e .[tpu,data]'
+  assert log.read_text().splitlines()[1] == '-m pip install -q -e .[gcs,envs,math,tpu,data]'
   assert run('--data').returncode == 0  # other flags: installed again
-  assert log.read_text().splitlines()[3] == '-m pip install -q -e .[data]'
+  assert log.read_text().splitlines()[3] == '-m pip install -q -e .[gcs,envs,math,data]'
   project = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']
   assert any(r.startswith('pyarrow') for r in project['optional-dependencies']['data'])
 

@@ -93,7 +93,7 @@ import ml_collections
 import numpy as np
 
 from rlax_llm import config as config_lib
-from rlax_llm import roles, storage
+from rlax_llm import extras, roles, storage
 from rlax_llm.backends import tpu_env
 from rlax_llm.backends.assembly import Run, assemble
 from rlax_llm.checkpoint import latest_step
@@ -107,11 +107,7 @@ _ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _ray():
-  try:
-    import ray  # pylint: disable=import-outside-toplevel
-  except ImportError as e:
-    raise ImportError('backend=ray needs the ray package (pip install ray).') from e
-  return ray
+  return extras.require('ray', "backend='ray'")
 
 
 def _node() -> dict[str, Any]:

@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import collections
 import re
+import types
+from typing import TYPE_CHECKING
 
-from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv, generate_random_map
-
+from rlax_llm import extras
 from rlax_llm.envs.base import EnvStep, TextEnv
 from rlax_llm.tasks._util import check_int, stable_hash
+
+if TYPE_CHECKING:  # gymnasium is the envs extra, imported when a GridEnv is made
+  from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv
 
 # gymnasium's FrozenLake action ids and the (row, column) offset of each move.
 MOVES = {'left': (0, (0, -1)), 'down': (1, (1, 0)), 'right': (2, (0, 1)), 'up': (3, (-1, 0))}
@@ -35,6 +39,11 @@ DEFAULT_INSTRUCTION = (
     'You are on a frozen lake (P = you, G = goal, H = hole, . = ice). Reach G without stepping '
     'into a hole. Each turn, reply with one move: up, down, left or right.\n\n{grid}')
 _MOVE_RE = re.compile(r'\b(up|down|left|right)\b', re.IGNORECASE)
+
+
+def _frozen_lake() -> types.ModuleType:
+  """gymnasium's FrozenLake module, or MissingExtra naming the envs extra."""
+  return extras.require('gymnasium.envs.toy_text.frozen_lake', "env.name='grid'")
 
 
 def goal_distances(desc: list[str]) -> dict[tuple[int, int], int]:
@@ -72,9 +81,11 @@ class GridEnv(TextEnv):
       shaping: the per-move reward for getting one step closer to the goal (>= 0; 0: only
         the goal pays).
       instruction: the first user message, a ``str.format`` template over ``{grid}``.
-    Raises ValueError for an invalid argument.
+    Raises ValueError for an invalid argument; MissingExtra without gymnasium (the envs
+    extra).
     """
     super().__init__(max_turns)
+    _frozen_lake()
     owner = type(self).__name__
     self.size = check_int(owner, 'size', size, 2, 12)
     if (isinstance(frozen_fraction, bool) or not isinstance(frozen_fraction, (int, float))
@@ -96,12 +107,13 @@ class GridEnv(TextEnv):
     self._lake: FrozenLakeEnv | None = None
 
   def _reset(self, seed: int) -> str:
-    self.desc = generate_random_map(self.size, p=self.frozen_fraction, seed=seed)
+    frozen_lake = _frozen_lake()
+    self.desc = frozen_lake.generate_random_map(self.size, p=self.frozen_fraction, seed=seed)
     self._distances = goal_distances(self.desc)
     if (0, 0) not in self._distances:  # gymnasium redraws until solvable: never happens
       raise RuntimeError(f'grid of seed {seed} is not solvable: {self.desc}')
     self.grid_id = f'{stable_hash(*self.desc):016x}'
-    self._lake = FrozenLakeEnv(desc=self.desc, is_slippery=False)
+    self._lake = frozen_lake.FrozenLakeEnv(desc=self.desc, is_slippery=False)
     self._lake.reset(seed=seed % (1 << 32))
     self.position = (0, 0)
     return self.instruction.format(grid=self.render())

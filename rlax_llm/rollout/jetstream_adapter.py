@@ -47,13 +47,23 @@ from typing import Any
 import jax
 import numpy as np
 
+from rlax_llm import extras
 from rlax_llm.sampling_spec import GREEDY, SamplingSpec
 from rlax_llm.rollout.driver import VersionedParams
 from rlax_llm.rollout.engine import Engine, Insert
 
 
+_WHY = 'the JetStream adapter'
+# The JetStream modules the adapter uses (``import_jetstream``'s namespace: by last part).
+_JETSTREAM_MODULES = (
+    'core.config_lib', 'core.orchestrator', 'core.server_lib', 'core.proto.jetstream_pb2',
+    'core.proto.jetstream_pb2_grpc', 'engine.engine_api', 'engine.tokenizer_api',
+    'engine.tokenizer_pb2', 'engine.token_utils')
+
+
 def import_jetstream() -> types.SimpleNamespace:
-  """Imports JetStream 0.2.2 with the shims it needs (see the module docstring)."""
+  """Imports JetStream 0.2.2 with the shims it needs (see the module docstring); raises
+  MissingExtra naming the jetstream extra and google-jetstream's install without it."""
   try:
     import seqio.vocabularies  # noqa: F401 pylint: disable=import-outside-toplevel,unused-import
   except ImportError:
@@ -69,26 +79,15 @@ def import_jetstream() -> types.SimpleNamespace:
     jax.tree_map = jax.tree.map
   root = logging.getLogger()
   level, handlers = root.level, list(root.handlers)
-  try:
-    # pylint: disable=import-outside-toplevel
-    from jetstream.core import config_lib, orchestrator, server_lib
-    from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
-    from jetstream.engine import engine_api, tokenizer_api, tokenizer_pb2, token_utils
-  except ImportError as e:
-    raise ImportError(
-        f'the JetStream adapter needs google-jetstream 0.2.2 and its runtime dependencies '
-        f'({e}); install them with `pip install "rlax_llm[jetstream]"` and '
-        '`pip install --no-deps google-jetstream==0.2.2`.') from e
+  try:  # MissingExtra without google-jetstream or the jetstream extra's packages
+    modules = {name.rpartition('.')[2]: extras.require(f'jetstream.{name}', _WHY)
+               for name in _JETSTREAM_MODULES}
   finally:
     root.setLevel(level)
     for handler in list(root.handlers):
       if handler not in handlers:
         root.removeHandler(handler)
-  return types.SimpleNamespace(
-      config_lib=config_lib, orchestrator=orchestrator, server_lib=server_lib,
-      jetstream_pb2=jetstream_pb2, jetstream_pb2_grpc=jetstream_pb2_grpc,
-      engine_api=engine_api, tokenizer_api=tokenizer_api, tokenizer_pb2=tokenizer_pb2,
-      token_utils=token_utils)
+  return types.SimpleNamespace(**modules)
 
 
 def _jetstream_bos(tokenizer) -> int:
@@ -259,8 +258,8 @@ def serve(checkpoint: str, port: int, *, host: str = 'localhost', slots: int = 8
   ``host:port``; returns JetStream's server object (``.stop()``,
   ``.wait_for_termination()``)."""
   js = import_jetstream()
+  grpc = extras.require('grpc', _WHY)
   # pylint: disable=import-outside-toplevel
-  import grpc
   from rlax_llm.models import from_pretrained, split_module
   from rlax_llm.sharding import make_mesh
   module, tokenizer = from_pretrained(checkpoint)

@@ -55,8 +55,8 @@ from typing import Any
 
 import jax
 import numpy as np
-import openai
 
+from rlax_llm import extras
 from rlax_llm.data_types import GenerationRequest, Trajectory
 from rlax_llm.paramserver.receiver import Fetch
 from rlax_llm.rollout.episodes import Episode, request_episodes
@@ -66,6 +66,8 @@ from rlax_llm.schedule import EpisodeSettings
 from rlax_llm.serve.harness import Harness, load_harness
 from rlax_llm.serve.openai_api import EPISODE_HEADER, Endpoint
 from rlax_llm.serve.recorder import RecordedEpisode, stitch
+
+openai = extras.require('openai', "env.name='harness'")  # the serve extra
 
 # The model id the harness is given (and the endpoint serves).
 MODEL_NAME = 'policy'

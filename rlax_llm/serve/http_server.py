@@ -21,11 +21,14 @@ import threading
 import time
 from typing import Any
 
-import fastapi
-import uvicorn
-from fastapi.responses import JSONResponse
-
+from rlax_llm import extras
 from rlax_llm.errors import ConfigError
+
+# The serve extra's packages (MissingExtra without them).
+ENDPOINT = 'the OpenAI-compatible endpoint'
+fastapi = extras.require('fastapi', ENDPOINT)
+uvicorn = extras.require('uvicorn', ENDPOINT)
+JSONResponse = fastapi.responses.JSONResponse
 
 # The default cap on a request body: a chat of a few hundred thousand words, far above any
 # prompt the engine's prefill takes, far below what would hurt the host's memory.

@@ -44,22 +44,25 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, Self
 
-import fastapi
 import numpy as np
-from fastapi.responses import JSONResponse, StreamingResponse
 
+from rlax_llm import extras
 from rlax_llm.envs.tool_calls import tool_format_for
 from rlax_llm.rollout.driver import Sample
 from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.serve import chat_prompts, openai_responses as responses
-from rlax_llm.serve.http_server import (DEFAULT_MAX_REQUEST_BYTES, ApiError, ServerThread,
-                                        check_exposure, read_json_body)
+from rlax_llm.serve.http_server import (DEFAULT_MAX_REQUEST_BYTES, ENDPOINT, ApiError,
+                                        ServerThread, check_exposure, read_json_body)
 from rlax_llm.serve.open_episodes import EPISODE_HEADER, OpenEpisodes
 from rlax_llm.serve.openai_requests import (check_request, reward_fields, sampling_params,
                                             text_prompt)
 from rlax_llm.serve.recorder import Call, EpisodeRecorder, RewardFn
 from rlax_llm.serve.scheduler import Busy, Scheduler, Ticket
+
+fastapi = extras.require('fastapi', ENDPOINT)  # the serve extra
+JSONResponse = fastapi.responses.JSONResponse
+StreamingResponse = fastapi.responses.StreamingResponse
 
 # Seconds between two checks of whether a waiting client is still connected.
 _DISCONNECT_POLL_S = 0.05

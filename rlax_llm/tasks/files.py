@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from rlax_llm import extras
 from rlax_llm.tasks._util import check_format, check_int, stable_hash
 from rlax_llm.tasks.base import Prompt, chat_messages
 from rlax_llm.tasks.hub_datasets import HubDataset, is_hub_url
@@ -80,8 +81,8 @@ def load_records(paths: str | os.PathLike | Sequence[str | os.PathLike],
   unused columns take no memory (Parquet does not read them).
 
   Raises ValueError naming the file (and line) of a bad record or a table lacking a column
-  (listing those it has), or past ``MAX_RECORDS`` records; ImportError with the install
-  command when Parquet needs ``pyarrow`` and it is missing.
+  (listing those it has), or past ``MAX_RECORDS`` records; MissingExtra (an ImportError)
+  naming the data extra when Parquet needs ``pyarrow`` and it is missing.
   """
   records: list[dict[str, Any]] = []
   for path in resolve_paths(paths):
@@ -133,12 +134,7 @@ def _read_parquet(path: pathlib.Path, required: Sequence[str], fields: Sequence[
                   room: int):
   """Rows of a Parquet file (only the ``fields`` columns), after checking its schema holds
   ``required`` and its row count fits in ``room``."""
-  try:
-    import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    raise ImportError(f'{path}: reading Parquet needs pyarrow, which is not installed; run '
-                      "`pip install pyarrow` (or install rlax_llm with the 'data' extra), or "
-                      'convert the file to JSONL.') from None
+  pq = extras.require('pyarrow.parquet', f'reading the Parquet file {path}')
   with pq.ParquetFile(path) as table:
     names = table.schema_arrow.names
     missing = [f for f in required if f not in names]

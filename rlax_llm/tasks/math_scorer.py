@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from rlax_llm import sandbox
+from rlax_llm import extras, sandbox
 from rlax_llm.tasks._util import clean_text
 
 DEFAULT_MATH_TIMEOUT_S = 5.0
@@ -238,7 +238,7 @@ class _MathWorker:
     if not reply.get('ready'):
       self.close()
       raise RuntimeError(f'the math-verify worker did not start: {reply.get("error")}; '
-                         "install it with `pip install math-verify`.")
+                         f'install the math extra: {extras.install_command("math")}.')
 
   def ask(self, gold: str, pred: str, timeout_s: float) -> bool | None:
     """math-verify's verdict, or None if it is late or the worker died.
