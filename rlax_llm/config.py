@@ -1,27 +1,20 @@
 """Config schema and validation (docs/config.md).
 
 The schema is defined once: the packaged default config (``rlax_llm/configs/default.py``,
-``rlax_llm.cli.DEFAULT_CONFIG_PATH``) names every key and its default; the tables here add only
-what a default cannot say (choices, ranges, groups whose fields vary per config). Loading a
-config file, its variant and ``--config.KEY=VALUE`` overrides is ``rlax_llm.cli``'s job.
+``rlax_llm.cli.DEFAULT_CONFIG_PATH``, which ``rlax_llm.cli`` loads with its variants and
+overrides) names every key and its default; the tables here add only what a default cannot
+say (choices, ranges, groups whose fields vary per config).
 
-``validate_config`` runs before any compute: it walks the schema (every key, the choices,
-ints and floats) and builds the run's typed values, each of which validates its own fields
-where it is defined: ``LossConfig`` (``rlax_llm.loss_spec``), ``SamplingSpec``
-(``rlax_llm.sampling_spec``), ``ControllerSettings`` and ``EpisodeSettings``
-(``rlax_llm.schedule``), the task (``rlax_llm.tasks``), the environment (``rlax_llm.envs``),
-the reward components (``rlax_llm.rewards``) and the model (``rlax_llm.model_spec``). This
-module says where in the config a bad value sits: messages name the key, the value seen and
-the fix. ``run_spec`` builds the run's typed values (``RunSpec``: the loss, the rollout
-sampling, the controller's settings) in one place; ``validate_config`` returns the
-``RunSpec`` it validated, and the launcher hands it on to the backend, the roles and the
-controller, which read their typed values from it instead of rebuilding them.
+``validate_config`` runs before any compute: it walks the schema and builds the run's typed
+values, each validating its own fields where it is defined (``LossConfig`` in ``loss_spec``,
+``SamplingSpec``, ``ControllerSettings`` and ``EpisodeSettings`` in ``schedule``, the task,
+the environment, the reward components, the model in ``model_spec``); this module adds where
+in the config a bad value sits (messages name the key, the value seen and the fix). It
+returns the ``RunSpec`` (``run_spec``) that the launcher hands to the backend, the roles and
+the controller.
 
-A leaf: importing or running this module loads no JAX, Flax or model code (the loss's and the
-model's names and checks live in the JAX-free ``loss_spec`` and ``model_spec``). What needs
-JAX's devices or a model's files is checked by ``rlax_llm.roles.prepare`` before any compute:
-the meshes against the devices and the batch sizes (``roles.check_meshes``), the prompts'
-lengths and the memory.
+A leaf: it loads no JAX, Flax or model code. What needs the devices or a model's files (the
+meshes, prompt lengths, memory) is checked by ``rlax_llm.roles.prepare`` before any compute.
 """
 
 from __future__ import annotations
@@ -30,7 +23,6 @@ import contextlib
 import dataclasses
 import difflib
 import functools
-import json
 import math
 
 import ml_collections
@@ -106,20 +98,10 @@ FLOATS = {
     'agent.timeout_s': (0.0, False),
 }
 
-# Keys a resumed run may change (``check_resume_config``): how long it runs, how it is watched,
-# checkpointed and placed (the mesh: checkpoints reshard on restore), how many weight
-# versions the server keeps, how often a lost Ray worker restarts, over how many processes the
-# Ray trainer runs (and their environment), and rollout.fault (a removed test knob: runs
-# saved with it resume). Every other key decides what the run computes and must equal the
-# checkpointed run's.
-RESUMABLE_CHANGES = ('total_steps', 'checkpoint.', 'log.', 'eval.every_steps', 'mesh.',
-                     'local.', 'rollout.worker_timeout_s', 'rollout.fault.', 'distributed.',
-                     'paramserver.', 'ray.worker_restarts', 'ray.trainer_processes',
-                     'ray.trainer_env.', 'name')
 
-
-def _matches(key: str, prefixes: tuple[str, ...]) -> bool:
-  """Whether ``key`` is one of ``prefixes`` or, for a prefix ending in '.', under it."""
+def in_groups(key: str, prefixes: tuple[str, ...]) -> bool:
+  """Whether ``key`` is one of ``prefixes`` or under one (a prefix ending in '.': any key
+  that starts with it; another: the key itself or a key below it)."""
   return any(key == p or (p.endswith('.') and key.startswith(p))
              or (not p.endswith('.') and key.startswith(p + '.')) for p in prefixes)
 
@@ -128,7 +110,7 @@ def _matches(key: str, prefixes: tuple[str, ...]) -> bool:
 def _schema() -> tuple[str, ...]:
   """Every key of the packaged default config outside ``OPEN_GROUPS``."""
   return tuple(key for key in flat_keys(load_config_file(str(DEFAULT_CONFIG_PATH)))
-               if not _matches(key, OPEN_GROUPS))
+               if not in_groups(key, OPEN_GROUPS))
 
 
 def _check_schema(config: ml_collections.ConfigDict) -> None:
@@ -137,7 +119,7 @@ def _check_schema(config: ml_collections.ConfigDict) -> None:
     lookup(config, key)
   schema = set(_schema())
   for key in flat_keys(config):
-    if key not in schema and not _matches(key, OPEN_GROUPS):
+    if key not in schema and not in_groups(key, OPEN_GROUPS):
       close = difflib.get_close_matches(key, sorted(schema), n=3)
       hint = f' Did you mean {" or ".join(close)}?' if close else ''
       raise ConfigError(f'config key {key!r} is not a config field (the schema is '
@@ -252,24 +234,20 @@ def _controller_settings(config: ml_collections.ConfigDict, loss: LossConfig,
       raise ConfigError(f'config.{key}={value!r} must be an int >= 1 (RLAX staleness: j is '
                         'the reload threshold, k the acceptance window; (1, 1) is lockstep).')
   _validate_group_size(config, loss)
+  r = config.rollout
   with naming(''):
-    settings = ControllerSettings(
+    return ControllerSettings(
         total_steps=config.total_steps, prompts_per_step=config.rl.prompts_per_step,
         group_size=config.rl.group_size, staleness_j=config.staleness.j,
         staleness_k=config.staleness.k, eval_every=config.eval.every_steps, seed=config.seed,
         sampling=sampling, max_new_tokens=config.sampling.max_new_tokens,
-        advantage_estimator=loss.estimator,
-        oversample=config.rollout.oversample,
-        worker_timeout_s=config.rollout.worker_timeout_s,
-        stop_after_groups=config.rollout.stop_after_groups,
-        short_batches=config.rollout.short_batches,
-        replay=config.rollout.replay,
-        schedule=config.staleness.schedule,
+        advantage_estimator=loss.estimator, oversample=r.oversample,
+        worker_timeout_s=r.worker_timeout_s, stop_after_groups=r.stop_after_groups,
+        short_batches=r.short_batches, replay=r.replay, schedule=config.staleness.schedule,
         eval_samples=config.eval.samples,
         reward=(config.reward.to_dict() if config.get('reward') and not config.env.name
                 else None),
         episodes=_episode_settings(config) if config.env.name else None)
-  return settings
 
 
 def _episode_settings(config: ml_collections.ConfigDict) -> EpisodeSettings:
@@ -473,87 +451,6 @@ def _validate_free_running(config: ml_collections.ConfigDict) -> None:
         'cannot be resumed exactly; set checkpoint.every_steps=0 and '
         "checkpoint.every_seconds=0, or use staleness.schedule='deterministic' (which "
         'checkpoints and resumes bit for bit).')
-
-
-def _flatten(tree, prefix=''):
-  out = {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      out.update(_flatten(value, f'{prefix}{key}.'))
-    else:
-      out[f'{prefix}{key}'] = value
-  return out
-
-
-def config_changes(saved: dict, config: ml_collections.ConfigDict,
-                   may_change: tuple[str, ...]) -> list[str]:
-  """How ``config`` differs from ``saved`` (a run's ``config.json``) in what it computes:
-  ``'key: before -> now'`` for every key outside ``may_change`` (prefixes as in
-  ``RESUMABLE_CHANGES``), ``[]`` when none does.
-
-  A key the saved config lacks was added to rlax_llm after the run was saved; it passes at
-  the packaged default config's value (a new key's default keeps what the code did before it
-  existed) and is listed at any other, naming that value."""
-  now = _flatten(json.loads(config.to_json_best_effort()))
-  before = _flatten(saved)
-  fixed = lambda key: not _matches(key, may_change)
-  added = {key for key in now.keys() - before.keys() if fixed(key)}
-  defaults = _flatten(json.loads(load_config_file(str(DEFAULT_CONFIG_PATH))
-                                 .to_json_best_effort())) if added else {}
-  expected = before | {key: defaults.get(key, '<absent>') for key in added}
-  differ = [key for key in sorted(now.keys() | before.keys())
-            if fixed(key) and now.get(key, '<absent>') != expected.get(key, '<absent>')]
-
-  def change(key):
-    if key not in added:
-      return f'{key}: {before.get(key, "<absent>")!r} -> {now.get(key, "<absent>")!r}'
-    default = (f'its default {defaults[key]!r} resumes' if key in defaults
-               else 'not in the default config')
-    return f'{key}: added since the run was saved, {now[key]!r} ({default})'
-  return [change(key) for key in differ]
-
-
-def check_resume_config(saved: dict, config: ml_collections.ConfigDict) -> None:
-  """Raises ``ConfigError`` when ``config`` may not resume a run checkpointed with ``saved``
-  (its ``config.json``): every key outside ``RESUMABLE_CHANGES`` must be equal
-  (``config_changes``)."""
-  differ = config_changes(saved, config, RESUMABLE_CHANGES)
-  if differ:
-    shown = ', '.join(differ[:5])
-    raise ConfigError(
-        f'this workdir holds a checkpointed run whose config differs in what it computes '
-        f'({shown}{", ..." if len(differ) > 5 else ""}). Resume with the same config (only '
-        f'{", ".join(RESUMABLE_CHANGES)} may change), or pass a new --workdir. Nothing was '
-        'overwritten.')
-
-
-def saved_config(saved: dict) -> ml_collections.ConfigDict:
-  """A run's ``config.json`` as a ``ConfigDict`` that takes ``--config.KEY=VALUE`` overrides.
-
-  The packaged default config supplies the types of fields saved as ``null`` (an override of
-  ``model.path`` is then a string) and keys added since the run was saved (at their default,
-  as ``config_changes`` assumes); ``OPEN_GROUPS`` are taken as saved, and keys retired since
-  (no longer in the schema, so no longer read) are left out.
-  """
-  config = load_config_file(str(DEFAULT_CONFIG_PATH))
-
-  def overlay(node: ml_collections.ConfigDict, values: dict, prefix: str) -> None:
-    for key, value in values.items():
-      name = f'{prefix}{key}'
-      if _matches(name, OPEN_GROUPS):
-        node[key] = ml_collections.ConfigDict(value) if isinstance(value, dict) else value
-      elif key not in node:
-        continue
-      elif isinstance(value, dict) and isinstance(node[key], ml_collections.ConfigDict):
-        overlay(node[key], value, name + '.')
-      else:
-        node[key] = value
-    for key in set(node.keys()) - set(values):
-      if _matches(f'{prefix}{key}', OPEN_GROUPS):
-        del node[key]
-
-  overlay(config, saved, '')
-  return config
 
 
 def effective_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

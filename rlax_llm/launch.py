@@ -26,7 +26,7 @@ every process trains and writes its checkpoint shards (``rlax_llm.distributed``)
 
 Preemption and resume: SIGTERM or SIGINT makes the run save a checkpoint after the current
 step and exit 0; launching again with the same ``--workdir`` (and the same config; only the
-keys in ``config.RESUMABLE_CHANGES`` may differ) resumes from the latest checkpoint.
+keys in ``run_config.RESUMABLE_CHANGES`` may differ) resumes from the latest checkpoint.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ from absl import app, flags
 
 from rlax_llm import cli, console, distributed, launch_help, storage
 from rlax_llm import workdir as workdir_lib
-from rlax_llm.config import check_resume_config, checkpointing, validate_config
+from rlax_llm.config import checkpointing, validate_config
 from rlax_llm.errors import ConfigError, NonFiniteError, Preempted, RlaxError
+from rlax_llm.run_config import check_resume_config
 
 _FLAGS: dict[str, flags.FlagHolder] = {}
 

@@ -13,8 +13,9 @@ from hub_cache import cache_shipped_datasets  # tests/hub_cache.py
 
 from rlax_llm.cli import (DEFAULT_CONFIG_PATH, check_config_spec, check_override_keys,
                           config_variants, load_config, load_config_file, task_section)
-from rlax_llm.config import REQUIRED_KEYS, RunSpec, check_resume_config, run_spec, validate_config
+from rlax_llm.config import REQUIRED_KEYS, RunSpec, run_spec, validate_config
 from rlax_llm.errors import ConfigError
+from rlax_llm.run_config import check_resume_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = sorted(ROOT.glob('configs/*.py'))
@@ -407,8 +408,8 @@ def test_validating_a_config_loads_no_jax_flax_optax_or_model_code():
   assert result.stdout.strip() == '[]', result.stdout
 
 
-@pytest.mark.parametrize('module', ['config', 'loss_spec', 'model_spec', 'sampling_spec',
-                                    'schedule'])
+@pytest.mark.parametrize('module', ['config', 'run_config', 'loss_spec', 'model_spec',
+                                    'sampling_spec', 'schedule'])
 def test_the_config_boundary_imports_only_at_module_level(module):
   """No import inside a function: every import of the boundary's modules is visible at their
   top (a function-level import is how a heavy module crept back in before)."""
