@@ -67,13 +67,13 @@ def main(config: ml_collections.ConfigDict) -> None:
   Raises:
     RlaxError: what the user must fix (``run_cli`` prints it as one line).
   """
-  # Multi-host: join the other hosts before JAX sees a device (validation builds meshes
-  # over jax.devices(), after which jax.distributed.initialize refuses to run).
+  # Multi-host: join the other hosts before JAX sees a device (the process index below and
+  # the roles' meshes start its backend, after which jax.distributed.initialize refuses to run).
   joined = distributed.initialize(config)
   spec = validate_config(config)
   workdir_flag = _FLAGS['workdir'].value
   # pylint: disable=import-outside-toplevel
-  import jax  # lazy: this module stays light to import (--help); validation has started JAX
+  import jax  # lazy: this module stays light to import (--help); validation loads no JAX
   process = jax.process_index()
   if joined and jax.process_count() > 1 and not workdir_flag:
     raise ConfigError(f'process {process} of a {jax.process_count()}-process job has no '
