@@ -327,7 +327,7 @@ def load_config(argv: Sequence[str], base: ml_collections.ConfigDict | None = No
     argv: config arguments (``split_config_args``): ``--config=path[:variant]`` (default:
       ``DEFAULT_CONFIG_PATH``) and ``--config.KEY=VALUE`` overrides.
     base: start from this config instead of a file (``argv`` then names no ``--config``
-      file, only overrides): a run's own ``config.json`` (``rlax_llm.config.saved_config``).
+      file, only overrides): a run's own ``config.json`` (``rlax_llm.run_config.saved_config``).
 
   A ``--config.task.name=`` naming another task than the config's replaces its task group
   with that task's ``task_section`` before the other overrides apply.

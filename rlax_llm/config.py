@@ -1,22 +1,20 @@
 """Config schema and validation (docs/config.md).
 
 The schema is defined once: the packaged default config (``rlax_llm/configs/default.py``,
-``rlax_llm.cli.DEFAULT_CONFIG_PATH``) names every key and its default; the tables here add only
-what a default cannot say (choices, ranges, groups whose fields vary per config). Loading a
-config file, its variant and ``--config.KEY=VALUE`` overrides is ``rlax_llm.cli``'s job.
+``rlax_llm.cli.DEFAULT_CONFIG_PATH``, which ``rlax_llm.cli`` loads with its variants and
+overrides) names every key and its default; the tables here add only what a default cannot
+say (choices, ranges, groups whose fields vary per config).
 
-``validate_config`` runs before any compute: it checks every field (every key of the schema,
-choices, numbers, the loss, the sampling transform, the task, the model's length, the meshes
-against the devices and batch sizes) and fails with a message naming the key, the value seen
-and the fix. Typed objects validate their own fields (``LossConfig``, ``SamplingSpec``, the
-task, ``DecoderConfig``); this module builds them from the config and says where in the
-config a bad value sits. ``run_spec`` builds the run's typed values (``RunSpec``: the loss,
-the rollout sampling, the controller's settings) in one place; ``validate_config`` returns
-the ``RunSpec`` it validated, and the launcher hands it on to the backend, the roles and the
-controller, which read their typed values from it instead of rebuilding them.
+``validate_config`` runs before any compute: it walks the schema and builds the run's typed
+values, each validating its own fields where it is defined (``LossConfig`` in ``loss_spec``,
+``SamplingSpec``, ``ControllerSettings`` and ``EpisodeSettings`` in ``schedule``, the task,
+the environment, the reward components, the model in ``model_spec``); this module adds where
+in the config a bad value sits (messages name the key, the value seen and the fix). It
+returns the ``RunSpec`` (``run_spec``) that the launcher hands to the backend, the roles and
+the controller.
 
-Importing this module loads no JAX, Flax or model code: the checks that need them (the loss
-table, the decoder's fields, the meshes) import them inside the function that runs them.
+A leaf: it loads no JAX, Flax or model code. What needs the devices or a model's files (the
+meshes, prompt lengths, memory) is checked by ``rlax_llm.roles.prepare`` before any compute.
 """
 
 from __future__ import annotations
@@ -25,23 +23,22 @@ import contextlib
 import dataclasses
 import difflib
 import functools
-import json
 import math
-import pathlib
-from typing import TYPE_CHECKING
 
 import ml_collections
 
-from rlax_llm import plugins
+from rlax_llm import envs, loss_spec, model_spec, plugins, rewards, tasks
 from rlax_llm.cli import DEFAULT_CONFIG_PATH, flat_keys, load_config_file, lookup
+from rlax_llm.envs.seeds import env_seeds
 from rlax_llm.errors import ConfigError
+from rlax_llm.loss_spec import LossConfig, MismatchConfig
+from rlax_llm.model_spec import inference_param_dtype
 from rlax_llm.sampling_spec import SamplingSpec
-from rlax_llm.schedule import SCHEDULES, ControllerSettings, EpisodeSettings
+from rlax_llm.schedule import (ON_SWAP, SCHEDULES, SHORT_BATCHES, ControllerSettings,
+                               EpisodeSettings)
 from rlax_llm.serve.harness import is_harness, load_harness
+from rlax_llm.tasks.prompt_length import OVERLONG_POLICIES
 from rlax_llm.tokenization import CharTokenizer
-
-if TYPE_CHECKING:
-  from rlax_llm.losses import LossConfig
 
 # Keys every config must have (docs, scripts and users rely on them).
 REQUIRED_KEYS = (
@@ -59,24 +56,24 @@ REQUIRED_KEYS = (
 OPEN_GROUPS = ('task.', 'env.', 'ray.trainer_resources.', 'ray.worker_resources.',
                'ray.trainer_env.', 'reward', 'model.tiny')
 
-# Choice fields -> valid values (the loss's, sampling's, task's and model's come from their
-# own types).
+# Choice fields -> valid values, each named by the module that uses the value (the loss's,
+# the sampling's and the task's other fields are checked by their own types).
 CHOICES = {
     'backend': ('local', 'ray'),
-    'model.param_dtype': ('float32', 'bfloat16'),
-    'model.inference_param_dtype': ('', 'float32', 'bfloat16'),  # '': model.param_dtype
-    'model.inference_quant': ('none', 'int8'),  # rlax_llm.models.quant.QUANT_MODES
-    'model.kv_cache_quant': ('none', 'int8'),  # rlax_llm.models.kv_cache.KV_CACHE_QUANT_MODES
-    'lora.sync': ('adapters', 'merged'),  # rlax_llm.models.lora.SYNCS
-    'lora.base_quant': ('none', 'int8'),  # rlax_llm.models.quant.QUANT_MODES
-    'lora.sync_dtype': ('float32', 'bfloat16', 'int8'),  # rlax_llm.models.lora.SYNC_DTYPES
-    'model.dtype': ('float32', 'bfloat16'),
-    'rollout.on_swap': ('continue', 'discard'),
-    'rollout.short_batches': ('pad', 'wait'),
+    'model.param_dtype': model_spec.DTYPES,
+    'model.dtype': model_spec.DTYPES,
+    'model.inference_param_dtype': ('', *model_spec.DTYPES),  # '': model.param_dtype
+    'model.inference_quant': model_spec.QUANT_MODES,
+    'model.kv_cache_quant': model_spec.KV_CACHE_QUANT_MODES,
+    'model.remat': model_spec.REMAT_POLICIES,
+    'model.invariant_rows': model_spec.INVARIANT_ROWS_MODES,
+    'lora.sync': model_spec.LORA_SYNCS,
+    'lora.base_quant': model_spec.QUANT_MODES,
+    'lora.sync_dtype': model_spec.LORA_SYNC_DTYPES,
+    'rollout.on_swap': ON_SWAP,
+    'rollout.short_batches': SHORT_BATCHES,
     'staleness.schedule': SCHEDULES,
-    # rlax_llm.tasks.prompt_length.OVERLONG_POLICIES (a test keeps them equal; the tasks
-    # package stays off this module's imports).
-    'sampling.overlong_prompts': ('error', 'drop'),
+    'sampling.overlong_prompts': OVERLONG_POLICIES,
 }
 
 POSITIVE_INTS = ('rl.group_size', 'rl.prompts_per_step', 'rl.max_nonfinite_updates',
@@ -101,20 +98,10 @@ FLOATS = {
     'agent.timeout_s': (0.0, False),
 }
 
-# Keys a resumed run may change (``check_resume_config``): how long it runs, how it is watched,
-# checkpointed and placed (the mesh: checkpoints reshard on restore), how many weight
-# versions the server keeps, how often a lost Ray worker restarts, over how many processes the
-# Ray trainer runs (and their environment), and rollout.fault (a removed test knob: runs
-# saved with it resume). Every other key decides what the run computes and must equal the
-# checkpointed run's.
-RESUMABLE_CHANGES = ('total_steps', 'checkpoint.', 'log.', 'eval.every_steps', 'mesh.',
-                     'local.', 'rollout.worker_timeout_s', 'rollout.fault.', 'distributed.',
-                     'paramserver.', 'ray.worker_restarts', 'ray.trainer_processes',
-                     'ray.trainer_env.', 'name')
 
-
-def _matches(key: str, prefixes: tuple[str, ...]) -> bool:
-  """Whether ``key`` is one of ``prefixes`` or, for a prefix ending in '.', under it."""
+def in_groups(key: str, prefixes: tuple[str, ...]) -> bool:
+  """Whether ``key`` is one of ``prefixes`` or under one (a prefix ending in '.': any key
+  that starts with it; another: the key itself or a key below it)."""
   return any(key == p or (p.endswith('.') and key.startswith(p))
              or (not p.endswith('.') and key.startswith(p + '.')) for p in prefixes)
 
@@ -123,7 +110,7 @@ def _matches(key: str, prefixes: tuple[str, ...]) -> bool:
 def _schema() -> tuple[str, ...]:
   """Every key of the packaged default config outside ``OPEN_GROUPS``."""
   return tuple(key for key in flat_keys(load_config_file(str(DEFAULT_CONFIG_PATH)))
-               if not _matches(key, OPEN_GROUPS))
+               if not in_groups(key, OPEN_GROUPS))
 
 
 def _check_schema(config: ml_collections.ConfigDict) -> None:
@@ -132,7 +119,7 @@ def _check_schema(config: ml_collections.ConfigDict) -> None:
     lookup(config, key)
   schema = set(_schema())
   for key in flat_keys(config):
-    if key not in schema and not _matches(key, OPEN_GROUPS):
+    if key not in schema and not in_groups(key, OPEN_GROUPS):
       close = difflib.get_close_matches(key, sorted(schema), n=3)
       hint = f' Did you mean {" or ".join(close)}?' if close else ''
       raise ConfigError(f'config key {key!r} is not a config field (the schema is '
@@ -140,7 +127,7 @@ def _check_schema(config: ml_collections.ConfigDict) -> None:
 
 
 @contextlib.contextmanager
-def _naming(prefix: str):
+def naming(prefix: str):
   """Re-raises a ValueError from a typed object's validation as a ConfigError under
   ``config.<prefix>``: the types validate their fields (once, in one place), messages start
   with the field, and this adds where in the config it sits."""
@@ -218,86 +205,55 @@ def _keep_versions(config: ml_collections.ConfigDict, settings: ControllerSettin
 
 def _loss_config(config: ml_collections.ConfigDict) -> LossConfig:
   """The ``LossConfig`` of ``config.rl`` (its fields by name; ``rl.mismatch`` when enabled)."""
-  from rlax_llm import losses  # pylint: disable=import-outside-toplevel  # jax: kept off import
   rl = config.rl
-  fields = {f.name: rl[f.name] for f in dataclasses.fields(losses.LossConfig)
-            if f.name != 'mismatch'}
+  fields = {f.name: rl[f.name] for f in dataclasses.fields(LossConfig) if f.name != 'mismatch'}
   mismatch = None
   if rl.mismatch.enabled:
-    with _naming('rl.'):
-      mismatch = losses.MismatchConfig(**{k: v for k, v in rl.mismatch.items()
-                                          if k != 'enabled'})
-  with _naming('rl.'):
-    return losses.LossConfig(**fields, mismatch=mismatch)
+    with naming('rl.'):
+      mismatch = MismatchConfig(**{k: v for k, v in rl.mismatch.items() if k != 'enabled'})
+  with naming('rl.'):
+    return LossConfig(**fields, mismatch=mismatch)
 
 
 def _sampling_spec(config: ml_collections.ConfigDict) -> SamplingSpec:
   """The rollout ``SamplingSpec`` of ``config.sampling`` (greedy is refused for rollouts)."""
   s = config.sampling
-  with _naming('sampling.'):
+  with naming('sampling.'):
     return SamplingSpec(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p
                         ).check_for_rollouts()
 
 
 def _controller_settings(config: ml_collections.ConfigDict, loss: LossConfig,
                          sampling: SamplingSpec) -> ControllerSettings:
-  """The controller's ``ControllerSettings`` (schedule, staleness, rollout sampling), after
-  the checks that name the config's keys better than its own would (staleness, a group of
-  one)."""
-  from rlax_llm.losses import (  # pylint: disable=import-outside-toplevel  # jax
-      BASELINE_FREE,
-      ESTIMATORS,
-      TURN_ESTIMATORS,
-  )
-  if loss.estimator in TURN_ESTIMATORS and not config.env.name:
-    raise ConfigError(
-        f'config.rl.advantage_estimator={loss.estimator!r} is a multi-turn estimator: it needs '
-        "a trajectory batch's turn_rewards, turn_mask, state_ids and token_turn (docs/losses.md, "
-        f'"Multi-turn credit"), but config.task.name={config.task.name!r} gives single-turn '
-        f'rollouts, which carry none; choose one of {list(ESTIMATORS)}, or train on an '
-        'environment (env.name, docs/environments.md).')
+  """The controller's ``ControllerSettings`` (schedule, staleness, rollout sampling, the
+  estimator's fit to the rollouts: validated by the type), after the checks that name the
+  config's keys better than its own would (staleness, a group of one)."""
   for key in ('staleness.j', 'staleness.k'):
     value = lookup(config, key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ConfigError(f'config.{key}={value!r} must be an int >= 1 (RLAX staleness: j is '
                         'the reload threshold, k the acceptance window; (1, 1) is lockstep).')
   _validate_group_size(config, loss)
-  with _naming(''):
-    settings = ControllerSettings(
+  r = config.rollout
+  with naming(''):
+    return ControllerSettings(
         total_steps=config.total_steps, prompts_per_step=config.rl.prompts_per_step,
         group_size=config.rl.group_size, staleness_j=config.staleness.j,
         staleness_k=config.staleness.k, eval_every=config.eval.every_steps, seed=config.seed,
         sampling=sampling, max_new_tokens=config.sampling.max_new_tokens,
-        advantage_estimator=loss.estimator,
-        oversample=config.rollout.oversample,
-        worker_timeout_s=config.rollout.worker_timeout_s,
-        stop_after_groups=config.rollout.stop_after_groups,
-        short_batches=config.rollout.short_batches,
-        replay=config.rollout.replay,
-        schedule=config.staleness.schedule,
+        advantage_estimator=loss.estimator, oversample=r.oversample,
+        worker_timeout_s=r.worker_timeout_s, stop_after_groups=r.stop_after_groups,
+        short_batches=r.short_batches, replay=r.replay, schedule=config.staleness.schedule,
         eval_samples=config.eval.samples,
         reward=(config.reward.to_dict() if config.get('reward') and not config.env.name
                 else None),
         episodes=_episode_settings(config) if config.env.name else None)
-  if settings.oversample and settings.advantage_estimator in BASELINE_FREE:
-    raise ConfigError(
-        f'config.rollout.oversample={settings.oversample!r} drops groups whose rewards are all '
-        f'equal, but under the {settings.advantage_estimator!r} advantage estimator (no group '
-        'baseline) those groups train too (an all-wrong group is pushed down); set '
-        'rollout.oversample=0 or use a group-relative estimator.')
-  return settings
 
 
 def _episode_settings(config: ml_collections.ConfigDict) -> EpisodeSettings:
-  """The ``EpisodeSettings`` of an environment run (``env.*``, ``agent.*``, ``rl.turn_*``)."""
-  from rlax_llm.losses.multi_turn import NORMS  # pylint: disable=import-outside-toplevel  # jax
+  """The ``EpisodeSettings`` of an environment run (``env.*``, ``agent.*``, ``rl.turn_*``;
+  the type checks the turn estimators' knobs)."""
   a, rl, s = config.agent, config.rl, config.sampling
-  _check_choice('rl.turn_norm', rl.turn_norm, tuple(NORMS))
-  for key, high in (('rl.turn_gamma', 1.0), ('rl.turn_omega', math.inf)):
-    value = lookup(config, key)
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)
-        or not 0.0 <= value <= high):
-      raise ConfigError(f'config.{key}={value!r} must be a number in [0, {high}].')
   turn_tokens = a.max_turn_tokens or s.max_new_tokens
   if turn_tokens > s.max_new_tokens:
     raise ConfigError(
@@ -310,12 +266,13 @@ def _episode_settings(config: ml_collections.ConfigDict) -> EpisodeSettings:
         f'config.agent.max_concurrent_episodes={concurrent} exceeds rollout.slots='
         f'{config.rollout.slots} (an episode holds a KV-cache slot for its whole life); lower '
         'it or raise rollout.slots.')
-  return EpisodeSettings(
-      env=config.env.to_dict(), max_turns=a.max_turns or None,
-      max_concurrent_episodes=concurrent, timeout_s=float(a.timeout_s),
-      max_turn_tokens=turn_tokens, length=s.max_prompt_len + s.max_new_tokens + 1,
-      num_eval=a.num_eval, eval_seed_start=a.eval_seed_start, gamma=float(rl.turn_gamma),
-      omega=float(rl.turn_omega), norm=rl.turn_norm)
+  with naming(''):
+    return EpisodeSettings(
+        env=config.env.to_dict(), max_turns=a.max_turns or None,
+        max_concurrent_episodes=concurrent, timeout_s=float(a.timeout_s),
+        max_turn_tokens=turn_tokens, length=s.max_prompt_len + s.max_new_tokens + 1,
+        num_eval=a.num_eval, eval_seed_start=a.eval_seed_start, gamma=rl.turn_gamma,
+        omega=rl.turn_omega, norm=rl.turn_norm)
 
 
 # What an environment run refuses: key -> (its value that does not apply, why). Each is a
@@ -342,7 +299,6 @@ def _validate_episodes(config: ml_collections.ConfigDict) -> None:
   checkpointed run samples every batch with the trainer's own version (``staleness.k = 1``):
   episodes in flight at a save are regenerated on resume, with weights the checkpoint
   holds."""
-  from rlax_llm import envs  # pylint: disable=import-outside-toplevel  # gymnasium: kept off
   for key, (applies, why) in _NOT_FOR_EPISODES.items():
     value = lookup(config, key)
     if applies(value):
@@ -360,10 +316,10 @@ def _validate_episodes(config: ml_collections.ConfigDict) -> None:
         'the version that sampled them, but a checkpoint holds only the trainer\'s; set '
         'staleness.k=1 (and j=1), or checkpoint.every_steps=0 and checkpoint.every_seconds=0.')
   if is_harness(config.env):  # an agent harness plays the episodes (docs/serving.md)
-    with _naming(''):
+    with naming(''):
       load_harness(config.env)
     return
-  with _naming('env.'):
+  with naming('env.'):
     env = envs.make_env(config.env)
   if config.warmup.steps > 0 and not callable(getattr(env, 'oracle_action', None)):
     raise ConfigError(f'config.warmup.steps={config.warmup.steps} warms up on the oracle\'s '
@@ -376,12 +332,13 @@ def validate_config(config: ml_collections.ConfigDict) -> RunSpec:
   """The run's typed values (``run_spec``), built once here with every check; raises
   ``ConfigError`` naming the first key that is missing or invalid.
 
-  Checks everything that needs no model file: every key of the schema (the packaged default
-  config's), choices, ints and floats, the loss, the sampling transform, staleness and the
-  controller's settings (``run_spec``), the task's own fields (it is built), the tiny model's
-  architecture and sequence length, and the meshes against the devices and the batch sizes.
-  What needs a checkpoint's config or tokenizer (prompt lengths, memory) is checked by
-  ``rlax_llm.roles`` before any compute.
+  Checks everything that needs neither JAX nor a model file: every key of the schema (the
+  packaged default config's), choices, ints and floats, the loss, the sampling transform,
+  staleness and the controller's settings (``run_spec``), the task's own fields (it is built)
+  and its reward components, the environment, the model's name, path, combinations and (the
+  tiny model's) architecture and sequence length (``model_spec.check_config``). What needs
+  the devices (the meshes) or a checkpoint's config or tokenizer (prompt lengths, memory) is
+  checked by ``rlax_llm.roles.prepare`` before any compute.
   """
   for key in REQUIRED_KEYS:
     lookup(config, key)
@@ -412,11 +369,9 @@ def validate_config(config: ml_collections.ConfigDict) -> RunSpec:
     _validate_episodes(config)
   task = _validate_task(config)
   if settings.reward:
-    from rlax_llm import rewards  # pylint: disable=import-outside-toplevel  # jax: kept off import
-    with _naming(''):
+    with naming(''):
       rewards.make_components(settings.reward, task, settings.max_new_tokens)
-  _validate_model(config)
-  _validate_meshes(config)
+  model_spec.check_config(config)
   return spec
 
 
@@ -427,14 +382,13 @@ def _check_choice(key: str, value, valid) -> None:
 
 def _validate_group_size(config: ml_collections.ConfigDict, loss: LossConfig) -> None:
   """A group of one has no group baseline to compare with: every advantage would be 0."""
-  from rlax_llm.losses import BASELINE_FREE  # pylint: disable=import-outside-toplevel  # jax
-  if config.rl.group_size == 1 and loss.estimator not in BASELINE_FREE:
+  if config.rl.group_size == 1 and loss.estimator not in loss_spec.BASELINE_FREE:
     raise ConfigError(
         f'config.rl.group_size=1 with the {loss.estimator!r} advantage estimator (rl.loss='
         f'{config.rl.loss!r}): it compares each sample with the others of its group, so a '
         'group of one gets advantage 0 and the run would train nothing. Set rl.group_size >= 2, '
         f'or an estimator without a group baseline (rl.advantage_estimator in '
-        f'{list(BASELINE_FREE)}).')
+        f'{list(loss_spec.BASELINE_FREE)}).')
 
 
 def _validate_micro_batches(config: ml_collections.ConfigDict, loss: LossConfig) -> None:
@@ -499,87 +453,6 @@ def _validate_free_running(config: ml_collections.ConfigDict) -> None:
         'checkpoints and resumes bit for bit).')
 
 
-def _flatten(tree, prefix=''):
-  out = {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      out.update(_flatten(value, f'{prefix}{key}.'))
-    else:
-      out[f'{prefix}{key}'] = value
-  return out
-
-
-def config_changes(saved: dict, config: ml_collections.ConfigDict,
-                   may_change: tuple[str, ...]) -> list[str]:
-  """How ``config`` differs from ``saved`` (a run's ``config.json``) in what it computes:
-  ``'key: before -> now'`` for every key outside ``may_change`` (prefixes as in
-  ``RESUMABLE_CHANGES``), ``[]`` when none does.
-
-  A key the saved config lacks was added to rlax_llm after the run was saved; it passes at
-  the packaged default config's value (a new key's default keeps what the code did before it
-  existed) and is listed at any other, naming that value."""
-  now = _flatten(json.loads(config.to_json_best_effort()))
-  before = _flatten(saved)
-  fixed = lambda key: not _matches(key, may_change)
-  added = {key for key in now.keys() - before.keys() if fixed(key)}
-  defaults = _flatten(json.loads(load_config_file(str(DEFAULT_CONFIG_PATH))
-                                 .to_json_best_effort())) if added else {}
-  expected = before | {key: defaults.get(key, '<absent>') for key in added}
-  differ = [key for key in sorted(now.keys() | before.keys())
-            if fixed(key) and now.get(key, '<absent>') != expected.get(key, '<absent>')]
-
-  def change(key):
-    if key not in added:
-      return f'{key}: {before.get(key, "<absent>")!r} -> {now.get(key, "<absent>")!r}'
-    default = (f'its default {defaults[key]!r} resumes' if key in defaults
-               else 'not in the default config')
-    return f'{key}: added since the run was saved, {now[key]!r} ({default})'
-  return [change(key) for key in differ]
-
-
-def check_resume_config(saved: dict, config: ml_collections.ConfigDict) -> None:
-  """Raises ``ConfigError`` when ``config`` may not resume a run checkpointed with ``saved``
-  (its ``config.json``): every key outside ``RESUMABLE_CHANGES`` must be equal
-  (``config_changes``)."""
-  differ = config_changes(saved, config, RESUMABLE_CHANGES)
-  if differ:
-    shown = ', '.join(differ[:5])
-    raise ConfigError(
-        f'this workdir holds a checkpointed run whose config differs in what it computes '
-        f'({shown}{", ..." if len(differ) > 5 else ""}). Resume with the same config (only '
-        f'{", ".join(RESUMABLE_CHANGES)} may change), or pass a new --workdir. Nothing was '
-        'overwritten.')
-
-
-def saved_config(saved: dict) -> ml_collections.ConfigDict:
-  """A run's ``config.json`` as a ``ConfigDict`` that takes ``--config.KEY=VALUE`` overrides.
-
-  The packaged default config supplies the types of fields saved as ``null`` (an override of
-  ``model.path`` is then a string) and keys added since the run was saved (at their default,
-  as ``config_changes`` assumes); ``OPEN_GROUPS`` are taken as saved, and keys retired since
-  (no longer in the schema, so no longer read) are left out.
-  """
-  config = load_config_file(str(DEFAULT_CONFIG_PATH))
-
-  def overlay(node: ml_collections.ConfigDict, values: dict, prefix: str) -> None:
-    for key, value in values.items():
-      name = f'{prefix}{key}'
-      if _matches(name, OPEN_GROUPS):
-        node[key] = ml_collections.ConfigDict(value) if isinstance(value, dict) else value
-      elif key not in node:
-        continue
-      elif isinstance(value, dict) and isinstance(node[key], ml_collections.ConfigDict):
-        overlay(node[key], value, name + '.')
-      else:
-        node[key] = value
-    for key in set(node.keys()) - set(values):
-      if _matches(f'{prefix}{key}', OPEN_GROUPS):
-        del node[key]
-
-  overlay(config, saved, '')
-  return config
-
-
 def effective_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """``config`` with the values a run uses in place of the placeholders it fills in: the
   loss's own defaults (``LossConfig.resolve``: e.g. DAPO's ``eps_high=0.28``) in ``rl``."""
@@ -596,17 +469,15 @@ def _validate_task(config: ml_collections.ConfigDict):
   ConfigError naming the field when it cannot, or when the run needs what the task lacks: a
   ``charset`` for ``model.name='tiny'`` (its character tokenizer's alphabet), ``sft_example``
   for a warm-up."""
-  from rlax_llm import tasks  # pylint: disable=import-outside-toplevel  # jax: kept off import
-  from rlax_llm.envs.seeds import env_seeds  # pylint: disable=import-outside-toplevel
   name = lookup(config, 'task.name')
   if config.env.name:  # an environment run: its prompts are the environment's seeds
-    with _naming('agent.'):
+    with naming('agent.'):
       return env_seeds(config)
   if name not in tasks.TASKS and not plugins.is_import_path(name):
     raise ConfigError(f'config.task.name={name!r} is not valid; choose one of '
                       f'{sorted(tasks.TASKS)}, or a task class of yours as '
                       '"module.path:ClassName" (docs/custom_tasks.md).')
-  with _naming('task: '):
+  with naming('task: '):
     task = tasks.make_task(config.task.to_dict() | {'seed': config.seed})
   if config.model.name == 'tiny':
     if not task.charset:
@@ -615,141 +486,10 @@ def _validate_task(config: ml_collections.ConfigDict):
           f'charset, but task {name!r} has none (charset={task.charset!r}); use a pretrained '
           'model (e.g. --config=configs/smollm2.py), or give the task a charset property '
           '(docs/custom_tasks.md).')
-    with _naming(f'task: {name!r} charset: '):
+    with naming(f'task: {name!r} charset: '):
       CharTokenizer(task.charset)
   if config.warmup.steps > 0 and not tasks.defines(type(task), 'sft_example'):
     raise ConfigError(f'config.warmup.steps={config.warmup.steps} needs warm-up demonstrations '
                       f'but task {name!r} defines no sft_example(index); set warmup.steps=0 '
                       'or implement it (docs/custom_tasks.md).')
   return task
-
-
-def inference_param_dtype(config: ml_collections.ConfigDict) -> str:
-  """The name of the dtype the inference workers hold the params in:
-  ``model.inference_param_dtype``, or ``model.param_dtype`` when it is ''."""
-  return config.model.inference_param_dtype or config.model.param_dtype
-
-
-def _validate_model(config: ml_collections.ConfigDict) -> None:
-  # pylint: disable-next=import-outside-toplevel  # jax, flax: kept off import
-  from rlax_llm.models import presets  # pylint: disable=import-outside-toplevel
-  from rlax_llm.models.decoder_config import INVARIANT_ROWS_MODES, REMAT_POLICIES, DecoderConfig
-  from rlax_llm.models.files import hub  # pylint: disable=import-outside-toplevel
-  m = config.model
-  _check_choice('model.remat', m.remat, REMAT_POLICIES)
-  _check_choice('model.invariant_rows', m.invariant_rows, INVARIANT_ROWS_MODES)
-  valid = ('tiny', 'auto', *sorted(presets.PRESETS))
-  if m.name not in valid:
-    raise ConfigError(f'config.model.name={m.name!r} is not valid; choose one of '
-                      f'{list(valid)}.')
-  split = {f'mesh.{role}.{axis}': config.mesh[role][axis]
-           for role in ('trainer', 'inference') for axis in ('fsdp', 'tensor')}
-  if m.batch_invariant and any(size != 1 for size in split.values()):
-    raise ConfigError(
-        'config.model.batch_invariant=True makes sampler and trainer log-probs equal only when '
-        'no role splits a matmul\'s contraction across devices (fsdp and tensor both do), but '
-        + ', '.join(f'{k}={v}' for k, v in split.items() if v != 1)
-        + '; shard with the data axis only or turn batch_invariant off.')
-  if m.batch_invariant and inference_param_dtype(config) != m.param_dtype:
-    raise ConfigError(
-        f'config.model.batch_invariant=True makes sampler and trainer log-probs bitwise equal, '
-        f'but the workers hold the params in model.inference_param_dtype='
-        f'{m.inference_param_dtype!r} and the trainer in model.param_dtype={m.param_dtype!r}: '
-        'the sampler would not run the trainer\'s weights. Set model.inference_param_dtype=\'\' '
-        '(the same dtype) or turn batch_invariant off.')
-  if m.batch_invariant and m.inference_quant != 'none':
-    raise ConfigError(
-        f'config.model.batch_invariant=True makes sampler and trainer log-probs bitwise equal, '
-        f'but model.inference_quant={m.inference_quant!r} samples with a quantised copy of the '
-        'trainer\'s weights. Set model.inference_quant=\'none\' or turn batch_invariant off.')
-  if m.batch_invariant and m.kv_cache_quant != 'none':
-    raise ConfigError(
-        f'config.model.batch_invariant=True makes sampler and trainer log-probs bitwise equal, '
-        f'but model.kv_cache_quant={m.kv_cache_quant!r} samples attending to quantised keys '
-        'and values. Set model.kv_cache_quant=\'none\' or turn batch_invariant off.')
-  if config.lora.base_quant != 'none' and config.lora.rank == 0:
-    raise ConfigError(
-        f'config.lora.base_quant={config.lora.base_quant!r} quantises the frozen base under LoRA '
-        'adapters, but lora.rank=0 trains the full model (whose weights cannot be int8). Set '
-        'lora.rank > 0 or lora.base_quant=\'none\'.')
-  if config.lora.sync_dtype != 'float32' and (config.lora.rank == 0
-                                              or config.lora.sync != 'adapters'):
-    raise ConfigError(
-        f'config.lora.sync_dtype={config.lora.sync_dtype!r} rounds the adapter versions of '
-        f'adapter-only sync, but lora.rank={config.lora.rank} and lora.sync='
-        f'{config.lora.sync!r} push no adapters (whole weights travel in '
-        'model.inference_param_dtype). Set lora.rank > 0 with lora.sync=\'adapters\', or '
-        'lora.sync_dtype=\'float32\'.')
-  if config.lora.base_quant != 'none' and m.batch_invariant:
-    raise ConfigError(
-        f'config.model.batch_invariant=True makes sampler and trainer log-probs bitwise equal, '
-        f'but lora.base_quant={config.lora.base_quant!r} has the trainer compute (x @ q) * scale '
-        'over an int8 base while the workers run its dequantised weights. Set '
-        'lora.base_quant=\'none\' or turn batch_invariant off.')
-  s = config.sampling
-  # An episode's last sampled token follows a full cache: its rows are one token longer.
-  needed = s.max_prompt_len + s.max_new_tokens + (1 if config.env.name else 0)
-  if m.name == 'tiny':
-    if m.path is not None:
-      raise ConfigError(f'config.model.path={m.path!r} is set but model.name=\'tiny\' builds '
-                        'a model from scratch; set model.name to the checkpoint\'s preset (or '
-                        '\'auto\') or clear model.path.')
-    with _naming('model.tiny.'):
-      tiny = m.tiny.to_dict()
-      DecoderConfig(vocab_size=1, max_seq_len=m.max_seq_len, **tiny)
-    if m.max_seq_len < needed:
-      raise ConfigError(
-          f'config.model.max_seq_len={m.max_seq_len} is shorter than sampling.max_prompt_len '
-          f'({s.max_prompt_len}) + sampling.max_new_tokens ({s.max_new_tokens})'
-          + (' + 1 (an episode\'s last sampled token)' if config.env.name else '')
-          + f' = {needed}; raise model.max_seq_len or shorten the prompts/completions.')
-  elif m.path is None and m.name not in presets.PACKAGED_CHECKPOINTS:
-    raise ConfigError(
-        f'config.model.name={m.name!r} needs config.model.path (an HF directory, a .gguf file '
-        f'or a hub id ORG/NAME of the model): no checkpoint of it ships with rlax_llm '
-        f'(packaged: {sorted(presets.PACKAGED_CHECKPOINTS)}).')
-  elif m.path is not None and not (pathlib.Path(m.path).exists() or hub.is_hub_id(m.path)):
-    raise ConfigError(f'config.model.path={m.path!r} does not exist and is not a Hugging Face '
-                      'hub id (ORG/NAME); pass an HF directory, a .gguf file or a hub id of '
-                      'the model.')
-  elif m.revision and (m.path is None or not hub.is_hub_id(m.path)):
-    raise ConfigError(f'config.model.revision={m.revision!r} picks a revision of a hub model, '
-                      f'but config.model.path={m.path!r} is not a hub id (ORG/NAME); clear '
-                      'model.revision.')
-  elif m.max_seq_len is not None and m.max_seq_len < needed:
-    raise ConfigError(
-        f'config.model.max_seq_len={m.max_seq_len} is shorter than sampling.max_prompt_len + '
-        'sampling.max_new_tokens' + (' + 1 (an episode\'s last sampled token)'
-                                     if config.env.name else '') + f' = {needed}.')
-
-
-def _validate_meshes(config: ml_collections.ConfigDict) -> None:
-  import jax  # pylint: disable=import-outside-toplevel  # kept off import: it starts a backend
-
-  from rlax_llm.sharding import role_meshes  # pylint: disable=import-outside-toplevel
-  with _naming('mesh.'):
-    meshes = role_meshes(lookup(config, 'mesh.trainer').to_dict(),
-                         lookup(config, 'mesh.inference').to_dict(),
-                         workers=config.rollout.workers, disjoint=config.mesh.disjoint)
-  m = config.model
-  data = {'mesh.trainer.data': meshes['trainer'].shape['data'],
-          'mesh.inference.data': meshes['inference'][0].shape['data']}
-  if m.batch_invariant and m.invariant_rows == 'floor' and any(v > 1 for v in data.values()):
-    raise ConfigError(
-        'config.model.invariant_rows=\'floor\' pads each weight matmul to 64 rows, but a '
-        'data-parallel mesh gives each device a slice of them, which may be fewer: '
-        + ', '.join(f'{k} resolves to {v}' for k, v in data.items() if v > 1)
-        + '; use invariant_rows=\'chunks\' or one data shard per role.')
-  rollout_batch = config.rl.prompts_per_step * config.rl.group_size
-  checks = [('trainer', meshes['trainer'], 'rl.prompts_per_step * rl.group_size',
-             rollout_batch)]
-  if config.warmup.steps > 0:
-    checks.append(('trainer', meshes['trainer'], 'warmup.batch_size', config.warmup.batch_size))
-  checks.append(('inference', meshes['inference'][0], 'rollout.slots', config.rollout.slots))
-  for role, mesh, name, size in checks:
-    shards = mesh.shape['data'] * mesh.shape['fsdp']
-    if size % shards:
-      raise ConfigError(
-          f'config.mesh.{role}: the batch axis is split over data x fsdp = {shards} devices '
-          f'but {name} = {size} does not divide by {shards} (of {jax.device_count()} '
-          f'devices); make it a multiple of {shards} or change mesh.{role}.')

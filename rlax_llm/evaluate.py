@@ -14,7 +14,7 @@ run's own evaluation computes them (``evaluate_config``).
 The config: with ``--checkpoint`` inside a run's workdir and no ``--config``, the run's own
 ``config.json`` (the model, task and sampling it trained with); ``--config.KEY=VALUE``
 overrides apply to it (``--config.eval.samples=8``). With both, ``--config`` must agree with
-the run's config in what it computes (``rlax_llm.config.config_changes``: only the keys of
+the run's config in what it computes (``rlax_llm.run_config.config_changes``: only the keys of
 ``EVAL_CHANGES`` may differ), else the evaluation is refused naming the keys. Without
 ``--checkpoint``, ``--config`` (default: the packaged ``configs/default.py``).
 """
@@ -31,6 +31,7 @@ import ml_collections
 
 from rlax_llm import cli, console, extras, launch_help, storage
 from rlax_llm import config as config_lib
+from rlax_llm import run_config
 from rlax_llm.errors import ConfigError, Preempted, RlaxError
 
 if TYPE_CHECKING:  # for the hints only: this entry point imports no jax before validation
@@ -51,7 +52,7 @@ def load_policy_params(path: str | os.PathLike, template: Any) -> Any:
 
 # Keys an evaluation may set apart from the run it evaluates: the held-out split's size and
 # the eval knobs, besides what a resumed run may change (how it is placed and logged).
-EVAL_CHANGES = (*config_lib.RESUMABLE_CHANGES, 'eval.', 'task.num_eval')
+EVAL_CHANGES = (*run_config.RESUMABLE_CHANGES, 'eval.', 'task.num_eval')
 
 
 def run_workdir(checkpoint: str | os.PathLike) -> storage.Path | None:
@@ -88,9 +89,9 @@ def config_for(argv: Sequence[str], checkpoint: str | None) -> ml_collections.Co
                       'config the run trained with.') from None
   if not named:
     console.phase(f'evaluating with the run\'s own config, {path}')
-    return cli.load_config(argv, base=config_lib.saved_config(saved))
+    return cli.load_config(argv, base=run_config.saved_config(saved))
   config = cli.load_config(argv)
-  differ = config_lib.config_changes(saved, config, EVAL_CHANGES)
+  differ = run_config.config_changes(saved, config, EVAL_CHANGES)
   if differ:
     raise ConfigError(
         f'--config={cli.config_spec(argv)} differs from the config the checkpoint\'s run '

@@ -26,7 +26,7 @@ every process trains and writes its checkpoint shards (``rlax_llm.distributed``)
 
 Preemption and resume: SIGTERM or SIGINT makes the run save a checkpoint after the current
 step and exit 0; launching again with the same ``--workdir`` (and the same config; only the
-keys in ``config.RESUMABLE_CHANGES`` may differ) resumes from the latest checkpoint.
+keys in ``run_config.RESUMABLE_CHANGES`` may differ) resumes from the latest checkpoint.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ from absl import app, flags
 
 from rlax_llm import cli, console, distributed, extras, launch_help, storage
 from rlax_llm import workdir as workdir_lib
-from rlax_llm.config import check_resume_config, checkpointing, validate_config
+from rlax_llm.config import checkpointing, validate_config
 from rlax_llm.errors import ConfigError, NonFiniteError, Preempted, RlaxError
+from rlax_llm.run_config import check_resume_config
 
 _FLAGS: dict[str, flags.FlagHolder] = {}
 
@@ -68,12 +69,12 @@ def main(config: ml_collections.ConfigDict) -> None:
   """
   workdir_flag = _FLAGS['workdir'].value
   extras.check_config(config, [workdir_flag])  # a missing extra: one line, before any compute
-  # Multi-host: join the other hosts before JAX sees a device (validation builds meshes
-  # over jax.devices(), after which jax.distributed.initialize refuses to run).
+  # Multi-host: join the other hosts before JAX sees a device (the process index below and
+  # the roles' meshes start its backend, after which jax.distributed.initialize refuses to run).
   joined = distributed.initialize(config)
   spec = validate_config(config)
   # pylint: disable=import-outside-toplevel
-  import jax  # lazy: this module stays light to import (--help); validation has started JAX
+  import jax  # lazy: this module stays light to import (--help); validation loads no JAX
   process = jax.process_index()
   if joined and jax.process_count() > 1 and not workdir_flag:
     raise ConfigError(f'process {process} of a {jax.process_count()}-process job has no '

@@ -111,13 +111,18 @@ def help_text() -> str:
 
 
 def print_config(config: ml_collections.ConfigDict) -> None:
-  """Validates ``config`` and prints its ``effective_config`` as JSON (sorted keys).
+  """Validates ``config`` (and its meshes, ``roles.check_meshes``) and prints its
+  ``effective_config`` as JSON (sorted keys).
 
   Raises:
     SystemExit: ``'error: ...'`` (status 1) naming the invalid key, as a launch would.
   """
   try:
     validate_config(config)
+    # The meshes over this process's devices, as a launch's roles.prepare checks them first
+    # (JAX and the roles' code load only now, once the JAX-free validation passed).
+    from rlax_llm import roles  # pylint: disable=import-outside-toplevel
+    roles.check_meshes(config)
   except ConfigError as e:
     raise SystemExit(f'error: {e}') from None
   print(effective_config(config).to_json_best_effort(indent=2, sort_keys=True))

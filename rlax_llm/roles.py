@@ -232,7 +232,9 @@ def prepare(config: ml_collections.ConfigDict
             ) -> tuple[Task, Model, Params, Tokenizer]:
   """Task, model, initial params and tokenizer, the task's prompts measured
   (``fit_prompts``) and checked to fit (``check_fits``): everything a run needs before its
-  first compute. ``config`` must have passed ``validate_config``."""
+  first compute. ``config`` must have passed ``validate_config``; the meshes are checked
+  against this process's devices first (``check_meshes``)."""
+  check_meshes(config)
   path, revision = config.model.path, config.model.revision
   console.phase(f'loading the model {config.model.name}' + (f' from {path}' if path else '')
                 + (f' at revision {revision}' if revision else ''))
@@ -495,6 +497,39 @@ def play_requests(worker: InferenceWorker, fetch, requests: Sequence[GenerationR
                         episodes)
   played = request_episodes(requests, make_env, jax.random.wrap_key_data(rng_data), first)
   return worker.play_at(version, fetch, played, specs.pop(), **episodes.runner_kwargs())
+
+
+def check_meshes(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The meshes ``config.mesh`` resolves to on this process's devices (``role_meshes``),
+  checked before any compute against what they split: every batch axis divides by its mesh's
+  data x fsdp shards, and batch-invariant 'floor' rows are not split. The checks of a config
+  that need JAX's devices (``rlax_llm.config`` stays JAX-free); ConfigError naming the key,
+  the value and the fix."""
+  with config_lib.naming('mesh.'):
+    out = role_meshes(config.mesh.trainer.to_dict(), config.mesh.inference.to_dict(),
+                      workers=config.rollout.workers, disjoint=config.mesh.disjoint)
+  m = config.model
+  data = {'mesh.trainer.data': out['trainer'].shape['data'],
+          'mesh.inference.data': out['inference'][0].shape['data']}
+  if m.batch_invariant and m.invariant_rows == 'floor' and any(v > 1 for v in data.values()):
+    raise ConfigError(
+        'config.model.invariant_rows=\'floor\' pads each weight matmul to 64 rows, but a '
+        'data-parallel mesh gives each device a slice of them, which may be fewer: '
+        + ', '.join(f'{k} resolves to {v}' for k, v in data.items() if v > 1)
+        + '; use invariant_rows=\'chunks\' or one data shard per role.')
+  checks = [('trainer', out['trainer'], 'rl.prompts_per_step * rl.group_size',
+             config.rl.prompts_per_step * config.rl.group_size)]
+  if config.warmup.steps > 0:
+    checks.append(('trainer', out['trainer'], 'warmup.batch_size', config.warmup.batch_size))
+  checks.append(('inference', out['inference'][0], 'rollout.slots', config.rollout.slots))
+  for role, mesh, name, size in checks:
+    shards = mesh.shape['data'] * mesh.shape['fsdp']
+    if size % shards:
+      raise ConfigError(
+          f'config.mesh.{role}: the batch axis is split over data x fsdp = {shards} devices '
+          f'but {name} = {size} does not divide by {shards} (of {jax.device_count()} '
+          f'devices); make it a multiple of {shards} or change mesh.{role}.')
+  return out
 
 
 def meshes(config: ml_collections.ConfigDict) -> dict[str, Any]:

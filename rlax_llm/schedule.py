@@ -76,12 +76,19 @@ import math
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
+from rlax_llm.loss_spec import BASELINE_FREE, ESTIMATORS, NORMS, TURN_ESTIMATORS
 from rlax_llm.sampling_spec import SamplingSpec
 
 T = TypeVar('T')
 
 
 SCHEDULES = ('deterministic', 'free')
+# What a worker does when the weights change under a rollout in flight (``rollout.on_swap``):
+# continue it with the new version (PipelineRL) or discard it and start over (RLAX).
+ON_SWAP = ('continue', 'discard')
+# A batch with fewer informative groups than ``prompts_per_step`` (``rollout.short_batches``):
+# train it padded, or wait for more groups.
+SHORT_BATCHES = ('pad', 'wait')
 
 
 def sampling_version(i: int, j: int, k: int) -> int:
@@ -122,6 +129,17 @@ class EpisodeSettings:
   omega: float = 1.0
   norm: str = 'std'
 
+  def __post_init__(self):
+    """Messages name the config keys (``rl.turn_gamma``, ``rl.turn_omega``, ...)."""
+    for key, value, high in (('rl.turn_gamma', self.gamma, 1.0),
+                             ('rl.turn_omega', self.omega, math.inf)):
+      if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)
+          or not 0.0 <= value <= high):
+        raise ValueError(f'{key}={value!r} must be a number in [0, {high}].')
+    if self.norm not in NORMS:
+      raise ValueError(f'rl.turn_norm={self.norm!r} is not valid; choose one of '
+                       f'{list(NORMS)}.')
+
   def runner_kwargs(self) -> dict[str, Any]:
     """The ``InferenceWorker.play_at`` keywords these settings fix."""
     return {'max_concurrent_episodes': self.max_concurrent_episodes,
@@ -131,9 +149,10 @@ class EpisodeSettings:
 
 @dataclasses.dataclass(frozen=True)
 class ControllerSettings:
-  """What the controller schedules (validated by ``rlax_llm.config`` before any compute;
-  whether ``oversample`` suits ``advantage_estimator`` is checked there, where the losses
-  are known)."""
+  """What the controller schedules, validated when built (``rlax_llm.config`` builds it before
+  any compute): staleness, rollouts, evaluation, and whether the advantage estimator suits
+  the rollouts (a multi-turn estimator needs episodes; ``oversample`` drops only groups a
+  group baseline ignores)."""
 
   total_steps: int
   prompts_per_step: int
@@ -199,9 +218,10 @@ class ControllerSettings:
     if self.schedule not in SCHEDULES:
       raise ValueError(f'staleness.schedule={self.schedule!r} is not valid; choose one of '
                        f'{list(SCHEDULES)} (deterministic: reproducible, the default).')
-    if self.short_batches not in ('pad', 'wait'):
+    if self.short_batches not in SHORT_BATCHES:
       raise ValueError(f"rollout.short_batches={self.short_batches!r} is not valid; choose "
                        "'pad' or 'wait'.")
+    self._check_estimator()
     n = self.stop_after_groups
     if isinstance(n, bool) or not isinstance(n, int) or (
         n != 0 and not self.prompts_per_step <= n <= self.requested_groups):
@@ -210,6 +230,23 @@ class ControllerSettings:
           f', groups requested per batch] = [{self.prompts_per_step}, '
           f'{self.requested_groups}]; raise rollout.oversample to request more groups.')
     self.sampling.check_for_rollouts()
+
+
+  def _check_estimator(self) -> None:
+    estimator = self.advantage_estimator
+    if estimator in TURN_ESTIMATORS and self.episodes is None:
+      raise ValueError(
+          f'rl.advantage_estimator={estimator!r} is a multi-turn estimator: it needs a '
+          "trajectory batch's turn_rewards, turn_mask, state_ids and token_turn (docs/losses.md, "
+          '"Multi-turn credit"), but a task (no env.name) gives single-turn rollouts, which '
+          f'carry none; choose one of {list(ESTIMATORS)}, or train on an environment '
+          '(env.name, docs/environments.md).')
+    if self.oversample and estimator in BASELINE_FREE:
+      raise ValueError(
+          f'rollout.oversample={self.oversample!r} drops groups whose rewards are all equal, '
+          f'but under the {estimator!r} advantage estimator (no group baseline) those groups '
+          'train too (an all-wrong group is pushed down); set rollout.oversample=0 or use a '
+          'group-relative estimator.')
 
 
 def launch_due(index: int, step: int, s: ControllerSettings) -> bool:

@@ -9,8 +9,9 @@ import sys
 import pytest
 
 from rlax_llm import cli
-from rlax_llm.config import config_changes, saved_config, validate_config
+from rlax_llm.config import validate_config
 from rlax_llm.errors import ConfigError
+from rlax_llm.run_config import config_changes, saved_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

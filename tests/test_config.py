@@ -1,5 +1,6 @@
 """Config contract: every config in configs/ has the keys users rely on and validates."""
 
+import ast
 import os
 import pathlib
 import re
@@ -12,8 +13,9 @@ from hub_cache import cache_shipped_datasets  # tests/hub_cache.py
 
 from rlax_llm.cli import (DEFAULT_CONFIG_PATH, check_config_spec, check_override_keys,
                           config_variants, load_config, load_config_file, task_section)
-from rlax_llm.config import REQUIRED_KEYS, RunSpec, check_resume_config, run_spec, validate_config
+from rlax_llm.config import REQUIRED_KEYS, RunSpec, run_spec, validate_config
 from rlax_llm.errors import ConfigError
+from rlax_llm.run_config import check_resume_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = sorted(ROOT.glob('configs/*.py'))
@@ -66,6 +68,7 @@ def test_every_config_and_variant_validates_and_prepares(path, variant):
       node = node[part]
   if path.name in REAL_SIZE_CONFIGS:
     assert len(roles.build_task(config).eval_prompts()) == config.task.num_eval
+    roles.check_meshes(config)  # the rest of prepare loads the real-size checkpoint
     return
   roles.prepare(config)
 
@@ -380,3 +383,38 @@ def test_an_environment_run_validates_its_environment_and_knobs():
   with pytest.raises(ConfigError, match=r"config.model.max_seq_len=128 is shorter.* \+ 1 "
                                         r"\(an episode's last sampled token\) = 129"):
     validate_config(bad)
+
+
+_VALIDATE_IN_A_FRESH_PROCESS = r'''
+import sys
+from rlax_llm.cli import load_config_file
+from rlax_llm.config import validate_config
+for spec in sys.argv[1:]:
+  validate_config(load_config_file(spec))
+print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'optax')
+             or m.startswith(('rlax_llm.models', 'rlax_llm.losses', 'rlax_llm.sharding'))))
+'''
+
+
+def test_validating_a_config_loads_no_jax_flax_optax_or_model_code():
+  """The config boundary is a leaf: validating the packaged default config, a task run with
+  reward components and an environment run (every check ``validate_config`` makes) loads
+  neither JAX, Flax, optax nor the model, loss or sharding modules."""
+  specs = [str(DEFAULT_CONFIG_PATH), 'configs/default.py:smoke', 'configs/agent.py:smoke',
+           'configs/math.py']
+  result = subprocess.run([sys.executable, '-c', _VALIDATE_IN_A_FRESH_PROCESS, *specs],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.strip() == '[]', result.stdout
+
+
+@pytest.mark.parametrize('module', ['config', 'run_config', 'loss_spec', 'model_spec',
+                                    'sampling_spec', 'schedule'])
+def test_the_config_boundary_imports_only_at_module_level(module):
+  """No import inside a function: every import of the boundary's modules is visible at their
+  top (a function-level import is how a heavy module crept back in before)."""
+  tree = ast.parse((ROOT / 'rlax_llm' / f'{module}.py').read_text())
+  nested = [f'line {node.lineno}' for top in tree.body
+            if isinstance(top, (ast.FunctionDef, ast.ClassDef))
+            for node in ast.walk(top) if isinstance(node, (ast.Import, ast.ImportFrom))]
+  assert not nested, f'rlax_llm/{module}.py imports inside a function at {nested}'

@@ -1,7 +1,8 @@
 """Every bad config value fails before any compute, in seconds, naming the key.
 
-``validate_config`` checks what needs no model file; ``roles.prepare`` checks what needs the
-model's config and tokenizer (prompt lengths, memory) before the warm-up or any compilation.
+``validate_config`` checks what needs neither JAX nor a model file; ``roles.prepare`` checks
+what needs the devices (the meshes) or the model's config and tokenizer (prompt lengths,
+memory) before the warm-up or any compilation.
 """
 
 import pathlib
@@ -177,12 +178,14 @@ def test_invariant_rows_floor_with_data_parallelism_is_refused():
   config.model.batch_invariant = True
   config.model.invariant_rows = 'floor'
   config.mesh.trainer.data = 1
-  validate_config(config)  # one data shard per role
+  validate_config(config)
+  roles.check_meshes(config)  # one data shard per role
   config.mesh.inference.data = 2
   config.mesh.disjoint = False
+  validate_config(config)  # the meshes are resolved on the devices, at launch
   with pytest.raises(ConfigError, match=r"invariant_rows='floor' pads each weight matmul to "
                                         r'64 rows.*mesh.inference.data resolves to 2'):
-    validate_config(config)
+    roles.check_meshes(config)
   config.model.invariant_rows = 'rows'
   with pytest.raises(ConfigError, match=r"invariant_rows='rows' is not valid; choose one of"):
     validate_config(config)

@@ -268,6 +268,7 @@ def validate_on_devices(config: ml_collections.ConfigDict, devices: int) -> list
     notes.append(f'config.model.path={path!r} is not on this machine: it must exist on every '
                  'host (checked there by the launch).')
   validate_config(checked)
+  roles.check_meshes(checked)  # the meshes on the launch's devices (roles.prepare's first check)
   return notes
 
 

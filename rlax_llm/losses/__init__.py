@@ -7,23 +7,32 @@ Public API:
   ``m2po_mask(log_ratio, loss_mask, tau=0.04)`` -> bool kept mask;
   ``turn_advantages(name, ...)`` -> per-turn advantages of multi-turn episodes (GiGPO and
   the others in ``TURN_ESTIMATORS``), ``broadcast_turn_advantages`` -> per-token ones.
-See ``docs/losses.md`` for the formulas, defaults and references.
+See ``docs/losses.md`` for the formulas, defaults and references. The names and
+``LossConfig`` are ``rlax_llm.loss_spec``'s (a leaf module: the config boundary validates a
+loss without importing JAX), re-exported here.
 """
 
-from rlax_llm.losses.advantages import (
+from rlax_llm.loss_spec import (
+                                        AGGREGATIONS,
                                         BASELINE_FREE,
                                         ESTIMATORS,
+                                        KL_ESTIMATORS,
+                                        LOSSES,
+                                        M2PO_VARIANTS,
+                                        LossConfig,
+                                        LossSpec,
+                                        MismatchConfig,
+)
+from rlax_llm.losses.advantages import (
                                         POSITIVE_WEIGHT,
                                         batch_normalize,
                                         group_advantages,
                                         grpo_advantages,
 )
 from rlax_llm.losses.components import (
-                                        AGGREGATIONS,
                                         aggregate,
                                         m2po_mask,
                                         m2po_trust_region_candidates,
-                                        MismatchConfig,
                                         Totals,
                                         batch_totals,
                                         masked_token_mean,
@@ -34,7 +43,7 @@ from rlax_llm.losses.components import (
 )
 from rlax_llm.losses.diagnostics import (LOG_RATIO_BIN_EDGES, log_ratio_histogram,
                                          mismatch_diagnostics, ratio_diagnostics)
-from rlax_llm.losses.kl import KL_ESTIMATORS, kl_penalty
+from rlax_llm.losses.kl import kl_penalty
 from rlax_llm.losses.multi_turn import (
                                         TURN_ESTIMATORS,
                                         broadcast_turn_advantages,
@@ -46,10 +55,6 @@ from rlax_llm.losses.multi_turn import (
                                         turn_grpo_advantages,
 )
 from rlax_llm.losses.policy import (
-                                        LOSSES,
-                                        M2PO_VARIANTS,
-                                        LossConfig,
-                                        LossSpec,
                                         grpo_loss,
                                         m2po_loss,
                                         policy_loss,

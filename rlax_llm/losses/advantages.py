@@ -41,13 +41,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rlax_llm.loss_spec import BASELINE_FREE, ESTIMATORS
+
 _CONSTANT_RTOL = 1e-5
-ESTIMATORS = ('grpo', 'drgrpo', 'rloo', 'median', 'gdpo', 'reinforce', 'reinforce_pp',
-              'w_reinforce')
 POSITIVE_WEIGHT = 0.1  # w_reinforce's lambda (Zhu et al. 2025)
-# Estimators without a group baseline: a group whose rewards are all equal still gets
-# non-zero advantages (dynamic sampling must not drop it).
-BASELINE_FREE = ('reinforce', 'w_reinforce')
 
 
 def _dense_ids(group_ids: jax.Array) -> jax.Array:

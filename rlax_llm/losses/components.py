@@ -15,17 +15,15 @@ float32 (``as_float``: bf16 inputs in float32, float64 inputs in float64).
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from rlax_llm.loss_spec import AGGREGATIONS, MismatchConfig
+
 _LOG_RATIO_CAP = 20.0
 
-AGGREGATIONS = ('token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum',
-                'seq-mean-token-sum-norm')
 
 
 def as_float(x: jax.Array) -> jax.Array:
@@ -162,42 +160,6 @@ def m2po_trust_region_candidates(log_ratio: jax.Array, advantages: jax.Array,
   """
   lr = jax.lax.stop_gradient(log_ratio)
   return loss_mask.astype(bool) & (((advantages > 0) & (lr > 0)) | ((advantages < 0) & (lr < 0)))
-
-
-MISMATCH_LEVELS = ('token', 'sequence')
-MISMATCH_MODES = ('truncate', 'mask')
-
-
-@dataclasses.dataclass(frozen=True)
-class MismatchConfig:
-  """Train-inference mismatch correction (see ``mismatch_weights``), validated here.
-
-  level: ``MISMATCH_LEVELS``; mode: ``MISMATCH_MODES``; threshold: finite > 0;
-  veto_threshold: None or finite > 0.
-  """
-
-  level: str = 'token'
-  mode: str = 'truncate'
-  threshold: float = 2.0
-  veto_threshold: float | None = None
-
-  def __post_init__(self):
-    if self.level not in MISMATCH_LEVELS:
-      raise ValueError(f'mismatch.level={self.level!r} is not valid; choose one of '
-                       f'{MISMATCH_LEVELS}.')
-    if self.mode not in MISMATCH_MODES:
-      raise ValueError(f'mismatch.mode={self.mode!r} is not valid; choose one of '
-                       f'{MISMATCH_MODES}.')
-    if not _positive_finite(self.threshold):
-      raise ValueError(f'mismatch.threshold={self.threshold!r} must be > 0 and finite.')
-    if self.veto_threshold is not None and not _positive_finite(self.veto_threshold):
-      raise ValueError(f'mismatch.veto_threshold={self.veto_threshold!r} must be None or > 0 '
-                       'and finite.')
-
-
-def _positive_finite(value) -> bool:
-  return (not isinstance(value, bool) and isinstance(value, (int, float))
-          and math.isfinite(value) and value > 0)
 
 
 def mismatch_weights(old_logp: jax.Array, rollout_logp: jax.Array, loss_mask: jax.Array,

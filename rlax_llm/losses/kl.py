@@ -12,9 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rlax_llm.loss_spec import KL_ESTIMATORS
 from rlax_llm.losses.components import as_float
 
-KL_ESTIMATORS = ('k1', 'k2', 'k3')
 _K3_LINEAR_FROM = 20.0
 
 

@@ -67,12 +67,12 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from rlax_llm import loss_spec
+from rlax_llm.loss_spec import NORMS
 from rlax_llm.losses.advantages import group_advantages
 
 GAMMA = 0.95  # GiGPO's discount of later turns' rewards (arXiv 2505.10978, Sec. 5)
 OMEGA = 1.0  # GiGPO's weight of the step-level advantage (arXiv 2505.10978, Eq. 8)
-# F_norm -> the group normalisation that applies it (advantages.ESTIMATORS).
-NORMS = {'std': 'grpo', 'mean': 'drgrpo'}
 
 
 def _check_turns(group_ids, turn_mask, **per_turn):
@@ -273,13 +273,17 @@ def _turn_grpo(episode_returns, group_ids, turn_rewards, turn_mask, state_ids, g
   return turn_grpo_advantages(group_ids, turn_rewards, turn_mask, gamma, norm, eps)
 
 
-# Multi-turn advantage estimators: name -> function of the trajectory batch's turn arrays,
-# all called the same way (``turn_advantages``). Selectable as ``rl.advantage_estimator``.
-TURN_ESTIMATORS: dict[str, TurnEstimator] = {
+_TURN_FUNCTIONS: dict[str, TurnEstimator] = {
     'trajectory_grpo': _trajectory,
     'turn_grpo': _turn_grpo,
     'gigpo': gigpo_advantages,
 }
+# Multi-turn advantage estimators: name -> function of the trajectory batch's turn arrays,
+# all called the same way (``turn_advantages``). Selectable as ``rl.advantage_estimator``;
+# the names are ``loss_spec.TURN_ESTIMATORS`` (a name there without a function here fails on
+# import).
+TURN_ESTIMATORS: dict[str, TurnEstimator] = {
+    name: _TURN_FUNCTIONS[name] for name in loss_spec.TURN_ESTIMATORS}
 
 
 def turn_advantages(estimator: str, *, episode_returns: jax.Array, group_ids: jax.Array,

@@ -3,7 +3,9 @@
 ``policy_loss(LossConfig(loss=name, ...), logp, behaviour_logp, advantages, loss_mask, ...)``
 returns ``(loss, diagnostics)``: ``loss`` is a scalar to *minimise* (float32; float64 for
 float64 inputs), for every algorithm in ``LOSSES``. ``LossConfig`` holds the loss's name and
-all its knobs and validates them once, when built. The table of formulas, defaults and references is ``docs/losses.md``; in short, with
+all its knobs and validates them once, when built (both are defined in the leaf module
+``rlax_llm.loss_spec``). The table of formulas, defaults and references is
+``docs/losses.md``; in short, with
 ``r = exp(logp - sg[old])`` (``old`` = ``old_logp`` if given, else ``behaviour_logp``):
 
 =============  ============================================  ====================  =========
@@ -31,161 +33,15 @@ stop-gradient inputs.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import jax
 import jax.numpy as jnp
 
+# The loss table and LossConfig are declarative (no JAX): ``loss_spec`` defines them, for the
+# config boundary to validate a loss without loading this module; they are re-exported here.
+from rlax_llm.loss_spec import LOSSES, M2PO_VARIANTS, LossConfig, LossSpec  # noqa: F401
 from rlax_llm.losses import components as C
-from rlax_llm.losses.advantages import ESTIMATORS
 from rlax_llm.losses import diagnostics as D
-from rlax_llm.losses.kl import KL_ESTIMATORS, kl_penalty
-from rlax_llm.losses.multi_turn import TURN_ESTIMATORS
-
-
-@dataclasses.dataclass(frozen=True)
-class LossSpec:
-  """How a named algorithm composes the shared parts, and its defaults."""
-
-  reference: str
-  advantage_estimator: str
-  ratio: str  # 'token' | 'sequence'
-  objective: str  # 'ppo_clip' | 'pg' | 'cispo' | 'm2po'
-  aggregation: str
-  eps_low: float = 0.2
-  eps_high: float = 0.2
-  kl_estimator: str = 'k3'
-
-
-LOSSES: dict[str, LossSpec] = {
-    'ppo': LossSpec('Schulman et al., PPO, arXiv 1707.06347', 'grpo', 'token', 'ppo_clip',
-                    'token-mean'),
-    'grpo': LossSpec('Shao et al., DeepSeekMath (GRPO), arXiv 2402.03300', 'grpo', 'token',
-                     'ppo_clip', 'seq-mean-token-mean'),
-    'dapo': LossSpec('Yu et al., DAPO, arXiv 2503.14476', 'grpo', 'token', 'ppo_clip',
-                     'token-mean', eps_low=0.2, eps_high=0.28),
-    'drgrpo': LossSpec('Liu et al., Understanding R1-Zero-Like Training (Dr. GRPO), '
-                       'arXiv 2503.20783', 'drgrpo', 'token', 'ppo_clip',
-                       'seq-mean-token-sum-norm'),
-    'gspo': LossSpec('Zheng et al., GSPO, arXiv 2507.18071', 'grpo', 'sequence', 'ppo_clip',
-                     'seq-mean-token-mean', eps_low=3e-4, eps_high=4e-4),
-    'cispo': LossSpec('MiniMax, MiniMax-M1 (CISPO), arXiv 2506.13585', 'grpo', 'token',
-                      'cispo', 'token-mean', eps_low=1.0, eps_high=0.28),
-    'reinforce': LossSpec('Williams, REINFORCE (1992)', 'reinforce', 'token', 'pg',
-                          'seq-mean-token-sum'),
-    'rloo': LossSpec('Ahmadian et al., Back to Basics (RLOO), arXiv 2402.14740', 'rloo',
-                     'token', 'pg', 'seq-mean-token-sum'),
-    'reinforce_pp': LossSpec('Hu, REINFORCE++, arXiv 2501.03262', 'reinforce_pp', 'token',
-                             'ppo_clip', 'token-mean', kl_estimator='k2'),
-    'm2po': LossSpec('Zheng, Zhao & Chen, Prosperity before Collapse (M2PO), '
-                     'arXiv 2510.01161', 'grpo', 'token', 'm2po', 'token-mean'),
-}
-
-M2PO_VARIANTS = ('paper', 'areal', 'adaptive_clip')
-OLD_LOGPROBS = ('behaviour', 'recompute')
-
-
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-  """The policy loss and every knob of it: the one object that travels from ``config.rl`` to
-  ``policy_loss``, validated here (and nowhere else) when it is built.
-
-  ``None`` fields take the named loss's defaults (``LOSSES[loss]``); ``resolve()`` fills them.
-
-  Attributes:
-    loss: a key of ``LOSSES``.
-    advantage_estimator: ``advantages.ESTIMATORS``, ``multi_turn.TURN_ESTIMATORS`` (per-turn
-      advantages of multi-turn episodes) or None.
-    eps_low, eps_high: clip range of ``ppo_clip``/``cispo`` objectives (finite >= 0) or None.
-    aggregation: ``components.AGGREGATIONS`` or None.
-    kl_beta: KL penalty weight (finite >= 0); > 0 needs reference log-probs.
-    kl_estimator: ``KL_ESTIMATORS`` or None.
-    m2po_tau, m2po_variant: M2PO's second-moment threshold (finite > 0) and variant.
-    old_logprobs: the proximal policy of the ratio. ``'behaviour'``: the rollout engine's
-      log-probs of the tokens under the version that sampled them (RLAX; what stale data
-      needs). ``'recompute'``: the trainer's own log-probs of the batch under its params
-      before the update (decoupled PPO: Hilton et al., arXiv 2110.00641; AReaL,
-      arXiv 2505.24298). The ratio then measures only this update, and the gap to the
-      behaviour policy (staleness and train-inference numerics) goes to the ``mismatch``
-      weights. Refused with M2PO: its second moment would be identically 0 and it would
-      mask nothing.
-    mismatch: an optional ``MismatchConfig`` (TIS/MIS weights ``pi_old / pi_behaviour``);
-      needs ``old_logprobs='recompute'``.
-  """
-
-  loss: str = 'grpo'
-  advantage_estimator: str | None = None
-  eps_low: float | None = None
-  eps_high: float | None = None
-  aggregation: str | None = None
-  kl_beta: float = 0.0
-  kl_estimator: str | None = None
-  m2po_tau: float = 0.04
-  m2po_variant: str = 'paper'
-  old_logprobs: str = 'behaviour'
-  mismatch: C.MismatchConfig | None = None
-
-  def __post_init__(self):
-    _choice('loss', self.loss, sorted(LOSSES))
-    _choice('advantage_estimator', self.advantage_estimator,
-            ESTIMATORS + tuple(TURN_ESTIMATORS), optional=True)
-    _choice('aggregation', self.aggregation, C.AGGREGATIONS, optional=True)
-    _choice('kl_estimator', self.kl_estimator, KL_ESTIMATORS, optional=True)
-    _choice('m2po_variant', self.m2po_variant, M2PO_VARIANTS)
-    _choice('old_logprobs', self.old_logprobs, OLD_LOGPROBS)
-    for name in ('eps_low', 'eps_high'):
-      value = getattr(self, name)
-      if value is not None and not _finite_at_least(value, 0.0):
-        raise ValueError(f'{name}={value!r} must be a finite number >= 0 (or None for the '
-                         "loss's default).")
-    if not _finite_at_least(self.kl_beta, 0.0):
-      raise ValueError(f'kl_beta={self.kl_beta!r} must be a finite number >= 0.')
-    if not _finite_at_least(self.m2po_tau, 0.0) or self.m2po_tau == 0:
-      raise ValueError(f'm2po_tau={self.m2po_tau!r} must be a finite number > 0.')
-    if self.mismatch is not None and not isinstance(self.mismatch, C.MismatchConfig):
-      raise ValueError(f'mismatch={self.mismatch!r} must be a MismatchConfig or None.')
-    if self.mismatch is not None and self.old_logprobs != 'recompute':
-      raise ValueError("mismatch: the correction needs old_logprobs='recompute' (it compares "
-                       "the trainer's log-probs with the rollout engine's).")
-    if self.loss == 'm2po' and self.old_logprobs == 'recompute':
-      raise ValueError(
-          "old_logprobs='recompute' cannot be used with loss='m2po': M2PO bounds the second "
-          'moment of log(pi_theta / pi_behaviour) over stale rollouts (arXiv 2510.01161), but '
-          "the trainer's recomputed log-probs of its current params make that ratio exactly "
-          '1, so M2 would be identically 0 and M2PO would mask nothing. Use '
-          "old_logprobs='behaviour'.")
-
-  @property
-  def spec(self) -> LossSpec:
-    return LOSSES[self.loss]
-
-  def resolve(self) -> 'LossConfig':
-    """This config with every ``None`` replaced by the named loss's default."""
-    spec = self.spec
-    pick = lambda value, default: default if value is None else value
-    return dataclasses.replace(
-        self, advantage_estimator=pick(self.advantage_estimator, spec.advantage_estimator),
-        eps_low=pick(self.eps_low, spec.eps_low), eps_high=pick(self.eps_high, spec.eps_high),
-        aggregation=pick(self.aggregation, spec.aggregation),
-        kl_estimator=pick(self.kl_estimator, spec.kl_estimator))
-
-  @property
-  def estimator(self) -> str:
-    """The advantage estimator: the configured one, else the loss's default."""
-    return self.advantage_estimator or self.spec.advantage_estimator
-
-
-def _choice(name, value, valid, optional=False):
-  if optional and value is None:
-    return
-  if value not in valid:
-    raise ValueError(f'{name}={value!r} is not valid; choose one of {list(valid)}.')
-
-
-def _finite_at_least(value, low) -> bool:
-  return (not isinstance(value, bool) and isinstance(value, (int, float))
-          and math.isfinite(value) and value >= low)
+from rlax_llm.losses.kl import kl_penalty
 
 
 def _check(logp, behaviour_logp, advantages, loss_mask, old_logp, ref_logp):

@@ -7,25 +7,17 @@ from typing import Any
 
 import jax.numpy as jnp
 
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-  """Llama 3.x RoPE frequency scaling (Hugging Face ``rope_type='llama3'``)."""
-
-  factor: float = 8.0
-  low_freq_factor: float = 1.0
-  high_freq_factor: float = 4.0
-  original_max_position_embeddings: int = 8192
-
-
-REMAT_POLICIES = ('none', 'full', 'dots')
-FAMILIES = ('llama', 'qwen2', 'qwen3')
-# Execution.invariant_rows (see numerics.invariant_matmul).
-INVARIANT_ROWS_MODES = ('chunks', 'floor')
-# Execution.weight_layout (see decoder.linear).
-WEIGHT_LAYOUTS = ('in_out', 'out_in')
-# Execution.decode_attention (see decoder.Attention).
-DECODE_ATTENTIONS = ('xla', 'cpu_kernel')
+# The declarative parts (the architecture, its checks and the choices' names) are the leaf
+# module ``model_spec``'s, for the config boundary to check a model without JAX.
+from rlax_llm.model_spec import (  # noqa: F401  (re-exported)
+    DECODE_ATTENTIONS,
+    FAMILIES,
+    INVARIANT_ROWS_MODES,
+    REMAT_POLICIES,
+    WEIGHT_LAYOUTS,
+    Architecture,
+    RopeScaling,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,44 +56,18 @@ class Execution:
 
 
 @dataclasses.dataclass(frozen=True)
-class DecoderConfig:
-  """Architecture of a decoder (what a checkpoint's ``config.json`` says), and ``execution``,
-  how it runs. Sizes are per model, not per device."""
+class DecoderConfig(Architecture):
+  """Architecture of a decoder (``model_spec.Architecture``: what a checkpoint's
+  ``config.json`` says), and ``execution``, how it runs. Sizes are per model, not per
+  device."""
 
-  vocab_size: int
-  num_layers: int = 2
-  embed_dim: int = 64
-  num_heads: int = 4
-  num_kv_heads: int = 2
-  head_dim: int = 16
-  mlp_dim: int = 256
-  rope_theta: float = 10_000.0
-  rope_scaling: RopeScaling | None = None
-  norm_eps: float = 1e-6
-  tie_embeddings: bool = True
-  qkv_bias: bool = False  # Qwen2 / Qwen2.5
-  qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on queries and keys, before RoPE
-  max_seq_len: int = 64
-  family: str = 'llama'  # the Hugging Face architecture it exports to
   execution: Execution = Execution()
 
   def __post_init__(self):
-    if self.family not in FAMILIES:
-      raise ValueError(f'DecoderConfig.family={self.family!r}; choose one of {FAMILIES}.')
+    super().__post_init__()
     if not isinstance(self.execution, Execution):
       raise ValueError(f'DecoderConfig.execution must be an Execution, got '
                        f'{self.execution!r}; build one with Execution(...).')
-    for name in ('vocab_size', 'num_layers', 'embed_dim', 'num_heads', 'num_kv_heads',
-                 'head_dim', 'mlp_dim', 'max_seq_len'):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value <= 0:
-        raise ValueError(f'DecoderConfig.{name} must be a positive int, got {value!r}.')
-    if self.num_heads % self.num_kv_heads:
-      raise ValueError(
-          f'num_heads ({self.num_heads}) must be a multiple of num_kv_heads '
-          f'({self.num_kv_heads}) for grouped-query attention.')
-    if self.head_dim % 2:
-      raise ValueError(f'head_dim must be even for RoPE, got {self.head_dim}.')
 
   def with_execution(self, **changes: Any) -> DecoderConfig:
     """This architecture with ``changes`` to its ``Execution`` fields."""

@@ -34,13 +34,14 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from rlax_llm import model_spec
 from rlax_llm.models.decoder_config import DecoderConfig
 
 Array = jax.Array
 # One layer's (keys, values), or (keys, values, key scales, value scales) of an int8 cache.
 LayerBlocks = tuple[tuple[Array, ...], ...]
 
-KV_CACHE_QUANT_MODES = ('none', 'int8')
+KV_CACHE_QUANT_MODES = model_spec.KV_CACHE_QUANT_MODES
 _INT8_MAX = 127
 
 # The logical axes of the cache blocks, values ``[B, kv, S, d]`` and keys transposed

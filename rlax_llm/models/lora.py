@@ -51,6 +51,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from rlax_llm import model_spec
 from rlax_llm.errors import ConfigError
 from rlax_llm.models.decoder import Decoder
 from rlax_llm.models.decoder_config import DecoderConfig
@@ -72,14 +73,10 @@ _WEIGHTS = {
     'down': ('mlp', 'w_down', 1, 'mlp.down_proj'),
 }
 SUFFIX = '_lora'  # an adapter's attribute: f'{weight}{SUFFIX}' (decoder.low_rank reads it)
-# How a LoRA trainer sends each version to the workers (``lora.sync``): the adapters alone
-# (the base once), or the merged weights.
-SYNCS = ('adapters', 'merged')
-# The dtype adapter versions travel in (``lora.sync_dtype``, adapter-only sync): as trained,
-# rounded to bfloat16 (half the bytes), or int8 with a float32 scale per rank component (a
-# quarter of the bytes; ``synced_adapters``). The workers' policy is then the merge of the
-# rounded adapters, a mismatch the trainer's recompute and ``rl.mismatch`` see like any other.
-SYNC_DTYPES = ('float32', 'bfloat16', 'int8')
+# How a LoRA trainer sends each version (``lora.sync``) and the dtype adapter versions travel
+# in (``lora.sync_dtype``): named in ``model_spec``, where they are described.
+SYNCS = model_spec.LORA_SYNCS
+SYNC_DTYPES = model_spec.LORA_SYNC_DTYPES
 # How each adapter factor is quantised for the int8 wire (``quant.quantize``'s layout, one
 # output axis): ``A [in..., r]`` with a scale per rank column, ``B [r, out...]`` with one per
 # rank row, so the scales cost ``2 r`` floats per adapter (a scale per output of ``B`` would

@@ -1,5 +1,7 @@
 """Named model presets (architectures of the real targets), and memory per device on a mesh.
 
+The architectures are ``model_spec.PRESET_ARCHITECTURES`` (a leaf module, so that the config
+boundary checks ``model.name`` without JAX); ``PRESETS`` holds them as ``DecoderConfig``s.
 Sizes follow each model's published ``config.json`` on the Hugging Face hub (the fields, in
 hub terms: ``vocab_size``, ``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``,
 ``num_key_value_heads``, ``head_dim`` (else ``hidden_size / num_attention_heads``),
@@ -24,71 +26,27 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 
+from rlax_llm import model_spec
 from rlax_llm import sharding as sharding_lib
 from rlax_llm.errors import ConfigError
 from rlax_llm.models import lora as lora_lib
-from rlax_llm.models.decoder_config import DecoderConfig, RopeScaling
+from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.files.gguf import smollm2_gguf_path
 from rlax_llm.models.kv_cache import KV_CACHE_QUANT_MODES
 from rlax_llm.models.model import abstract_model
 from rlax_llm.models.quant import QUANT_MODES, Int8Weight, quantize_params, quantized_shardings
 
-_QWEN3 = dict(vocab_size=151_936, head_dim=128, rope_theta=1_000_000.0, norm_eps=1e-6,
-              qk_norm=True, family='qwen3', max_seq_len=40_960)
-# What the small Qwen2.5 checkpoints' config.json files share.
-_QWEN25_SMALL = dict(vocab_size=151_936, rope_theta=1_000_000.0, norm_eps=1e-6,
-                     tie_embeddings=True, qkv_bias=True, max_seq_len=32_768, family='qwen2')
-# What Llama 3.1 and 3.2 share (their rope_scaling: low_freq_factor 1, high_freq_factor 4,
-# original_max_position_embeddings 8192, RopeScaling's defaults; the factor differs).
-_LLAMA3 = dict(vocab_size=128_256, rope_theta=500_000.0, norm_eps=1e-5, max_seq_len=131_072,
-               family='llama')
-
+# The presets' architectures are ``model_spec.PRESET_ARCHITECTURES`` (a leaf module: the
+# config boundary checks ``model.name`` without JAX); here each runs with the default
+# ``Execution``.
 PRESETS: dict[str, DecoderConfig] = {
-    'smollm2-135m': DecoderConfig(
-        vocab_size=49_152, num_layers=30, embed_dim=576, num_heads=9, num_kv_heads=3,
-        head_dim=64, mlp_dim=1536, rope_theta=100_000.0, norm_eps=1e-5, tie_embeddings=True,
-        max_seq_len=8192, family='llama'),
-    'qwen3-0.6b': DecoderConfig(num_layers=28, embed_dim=1024, num_heads=16, num_kv_heads=8,
-                                mlp_dim=3072, tie_embeddings=True, **_QWEN3),
-    'qwen3-1.7b': DecoderConfig(num_layers=28, embed_dim=2048, num_heads=16, num_kv_heads=8,
-                                mlp_dim=6144, tie_embeddings=True, **_QWEN3),
-    'qwen3-8b': DecoderConfig(num_layers=36, embed_dim=4096, num_heads=32, num_kv_heads=8,
-                              mlp_dim=12_288, tie_embeddings=False, **_QWEN3),
-    'qwen3-32b': DecoderConfig(num_layers=64, embed_dim=5120, num_heads=64, num_kv_heads=8,
-                               mlp_dim=25_600, tie_embeddings=False, **_QWEN3),
-    # Qwen/Qwen2.5-0.5B-Instruct config.json: hidden_size 896, intermediate_size 4864, 24
-    # layers, 14 heads, 2 kv heads (head_dim 896 / 14 = 64), vocab 151936, rope_theta 1e6,
-    # rms_norm_eps 1e-6, tie_word_embeddings true, max_position_embeddings 32768.
-    'qwen2.5-0.5b': DecoderConfig(num_layers=24, embed_dim=896, num_heads=14, num_kv_heads=2,
-                                  head_dim=64, mlp_dim=4864, **_QWEN25_SMALL),
-    # Qwen/Qwen2.5-1.5B-Instruct config.json: hidden_size 1536, intermediate_size 8960, 28
-    # layers, 12 heads, 2 kv heads (head_dim 1536 / 12 = 128), vocab 151936, rope_theta 1e6,
-    # rms_norm_eps 1e-6, tie_word_embeddings true, max_position_embeddings 32768.
-    'qwen2.5-1.5b': DecoderConfig(num_layers=28, embed_dim=1536, num_heads=12, num_kv_heads=2,
-                                  head_dim=128, mlp_dim=8960, **_QWEN25_SMALL),
-    'qwen2.5-7b': DecoderConfig(
-        vocab_size=152_064, num_layers=28, embed_dim=3584, num_heads=28, num_kv_heads=4,
-        head_dim=128, mlp_dim=18_944, rope_theta=1_000_000.0, norm_eps=1e-6,
-        tie_embeddings=False, qkv_bias=True, max_seq_len=32_768, family='qwen2'),
-    'llama-3.1-8b': DecoderConfig(num_layers=32, embed_dim=4096, num_heads=32, num_kv_heads=8,
-                                  head_dim=128, mlp_dim=14_336, tie_embeddings=False,
-                                  rope_scaling=RopeScaling(factor=8.0), **_LLAMA3),
-    # meta-llama/Llama-3.2-1B-Instruct config.json: hidden_size 2048, intermediate_size 8192,
-    # 16 layers, 32 heads, 8 kv heads, head_dim 64, vocab 128256, rope_theta 5e5, rope_scaling
-    # llama3 (factor 32, low_freq_factor 1, high_freq_factor 4, original 8192), rms_norm_eps
-    # 1e-5, tie_word_embeddings true, max_position_embeddings 131072.
-    'llama-3.2-1b': DecoderConfig(num_layers=16, embed_dim=2048, num_heads=32, num_kv_heads=8,
-                                  head_dim=64, mlp_dim=8192, tie_embeddings=True,
-                                  rope_scaling=RopeScaling(factor=32.0), **_LLAMA3),
-    'qwq-32b': DecoderConfig(
-        vocab_size=152_064, num_layers=64, embed_dim=5120, num_heads=40, num_kv_heads=8,
-        head_dim=128, mlp_dim=27_648, rope_theta=1_000_000.0, norm_eps=1e-5,
-        tie_embeddings=False, qkv_bias=True, max_seq_len=40_960, family='qwen2'),
-}
+    name: DecoderConfig(**architecture.fields())
+    for name, architecture in model_spec.PRESET_ARCHITECTURES.items()}
 
-
-# Presets whose checkpoint ships as a pip package (nothing is downloaded at run time).
-PACKAGED_CHECKPOINTS = {'smollm2-135m': smollm2_gguf_path}
+# Presets whose checkpoint ships as a pip package (``model_spec.PACKAGED_CHECKPOINTS``): the
+# function that finds its file.
+_PACKAGED_FILES = {'smollm2-135m': smollm2_gguf_path}
+PACKAGED_CHECKPOINTS = {name: _PACKAGED_FILES[name] for name in model_spec.PACKAGED_CHECKPOINTS}
 
 
 def packaged_checkpoint(name: str):

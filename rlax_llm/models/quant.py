@@ -25,13 +25,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from rlax_llm import model_spec
+
 # A model (``rlax_llm.models.model.Model``) and its params, named loosely: model.py imports
 # the decoder, which imports this module.
 Model = Any
 Params = Any
 
 INT8_MAX = 127
-QUANT_MODES = ('none', 'int8')
+QUANT_MODES = model_spec.QUANT_MODES
 # The decoder's projection weights (the attention's and the MLP's): what ``quantize_params``
 # quantises; LoRA adapters (``{name}_lora``), norms, the embedding and the lm head are kept.
 PROJECTIONS = ('wq', 'wk', 'wv', 'wo', 'w_gate', 'w_up', 'w_down')

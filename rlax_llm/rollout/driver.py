@@ -55,8 +55,7 @@ import numpy as np
 
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.rollout.engine import MAX_STOP_IDS, Engine, Insert
-
-ON_SWAP = ('continue', 'discard')
+from rlax_llm.schedule import ON_SWAP  # rollout.on_swap's choices, named once
 
 
 class VersionedParams:

@@ -23,7 +23,7 @@ tokenizers = pytest.importorskip('tokenizers')
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from fake_hub import FakeHub, hub_environment  # noqa: E402
 
-from rlax_llm import roles  # noqa: E402
+from rlax_llm import model_spec, roles  # noqa: E402
 from rlax_llm.config import load_config_file, validate_config  # noqa: E402
 from rlax_llm.errors import CheckpointError, ConfigError  # noqa: E402
 from rlax_llm.models import presets  # noqa: E402
@@ -269,6 +269,7 @@ def test_auto_and_a_matching_preset_load_a_hub_model_a_mismatch_is_named(served,
       vocab_size=64, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2, head_dim=8,
       mlp_dim=48, tie_embeddings=True, qk_norm=True, family='qwen3')
   monkeypatch.setitem(presets.PRESETS, 'test-qwen3', tiny_qwen3)
+  monkeypatch.setitem(model_spec.PRESET_ARCHITECTURES, 'test-qwen3', tiny_qwen3)  # validation's
   with hub_environment(fake, tmp_path):
     for name in ('auto', 'test-qwen3'):
       config = _config(name=name, path='org/tiny-qwen3', max_seq_len=None)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from rlax_llm import config as config_lib
-from rlax_llm import roles
+from rlax_llm import roles, run_config
 from rlax_llm.backends.assembly import Run
 from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config_file
 from rlax_llm.data import prompt_dataset
@@ -188,10 +188,10 @@ def test_resume_sees_the_same_stream_and_may_not_change_the_policy(tmp_path, tok
   saved = json.loads(config.to_json_best_effort())
   config.sampling.overlong_prompts = 'drop'
   with pytest.raises(ConfigError, match=r"sampling.overlong_prompts: 'error' -> 'drop'"):
-    config_lib.check_resume_config(saved, config)
+    run_config.check_resume_config(saved, config)
   del saved['sampling']['overlong_prompts']  # a run saved before the key: its default resumes
   config.sampling.overlong_prompts = 'error'
-  config_lib.check_resume_config(saved, config)
+  run_config.check_resume_config(saved, config)
 
 
 def test_generated_tasks_keep_the_workers_check(tokenizer):

@@ -15,10 +15,11 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
-import re
 import shlex
 
 from rlax_llm.errors import CheckpointError, ConfigError
+# The syntactic check of ``ORG/NAME`` is the leaf module's (the config boundary uses it too).
+from rlax_llm.model_spec import is_hub_id
 
 # The files ``from_pretrained`` reads from a Hugging Face model directory: the architecture,
 # the generation defaults, the weights as safetensors (one file, or shards and their index)
@@ -29,22 +30,6 @@ ALLOW_PATTERNS = ('config.json', 'generation_config.json', '*.safetensors',
 # Sub-folders (``original/``, ``onnx/``, ...) hold other formats of the same weights; the
 # patterns above would match their ``*.safetensors`` too (``*`` spans ``/`` there).
 IGNORE_PATTERNS = ('*/*',)
-
-# ORG/NAME as the hub spells repository ids (letters, digits, '-', '_', '.'; at most 96
-# characters each side).
-_REPO_ID = re.compile(r'[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}')
-
-
-def is_hub_id(path: str | os.PathLike[str]) -> bool:
-  """Whether ``path`` names a hub model repository: ``ORG/NAME``, not a path on this machine.
-
-  Syntactic only (nothing is fetched): a relative ``dir/file`` that does not exist here reads
-  as a hub id too, which ``resolve_model_path`` reports as such when the hub lacks it.
-  """
-  text = os.fspath(path)
-  return (bool(_REPO_ID.fullmatch(text)) and '--' not in text and '..' not in text
-          and not text.endswith(('.', '.gguf')) and not os.path.exists(text))
-
 
 def resolve_model_path(path: str | os.PathLike[str], revision: str = '') -> pathlib.Path:
   """The local path of model ``path`` (an HF directory, a ``.gguf`` file, or a hub id).
