@@ -149,13 +149,13 @@ class HeldPolicy:
                                      first))
 
   def play(self, requests, rng_data, version, first=0):
-    """``roles.play_requests`` with the held params (``version`` is 0)."""
+    """``backends.play.play_requests`` with the held params (``version`` is 0)."""
     # pylint: disable=import-outside-toplevel  # jax and the model code: after validation
-    from rlax_llm import roles
+    from rlax_llm.backends.play import play_requests
     from rlax_llm.controller.protocols import done
     self._check(version)
-    return done(roles.play_requests(self.worker, self._no_pull, requests, rng_data, version,
-                                    first, self.episodes, self.make_env))
+    return done(play_requests(self.worker, self._no_pull, requests, rng_data, version, first,
+                              self.episodes, self.make_env))
 
   def retire(self) -> None:
     """Nothing to stop: the calls ran in this thread."""

@@ -94,8 +94,9 @@ import numpy as np
 
 from rlax_llm import config as config_lib
 from rlax_llm import roles, storage
-from rlax_llm.backends import tpu_env
+from rlax_llm.backends import checkpoints, tpu_env
 from rlax_llm.backends.assembly import Run, assemble
+from rlax_llm.backends.play import play_requests
 from rlax_llm.checkpoint import latest_step
 from rlax_llm.errors import ConfigError, RlaxError
 from rlax_llm.paramserver import ParameterServer, ShardPush, local_shards, shm
@@ -414,12 +415,12 @@ class TrainerRole:
     # that validate_config ran in the driver builds the run's typed values again.
     spec = config_lib.run_spec(config)
     task, model, params, tokenizer = roles.prepare(config)
-    self.checkpointer = roles.build_checkpointer(config, workdir)
+    self.checkpointer = checkpoints.build_checkpointer(config, workdir)
     mesh = (roles.meshes(config)['trainer'] if self.process_count == 1
             else roles.trainer_mesh(config))
     self.trainer, warmup_metrics = roles.warm_trainer(
         config, spec, task, model, params, tokenizer, mesh, self.checkpointer)
-    resume = (roles.resume_trainer(self.checkpointer, self.trainer)
+    resume = (checkpoints.resume_trainer(self.checkpointer, self.trainer)
               if self.checkpointer is not None else None)
     self.publisher = Publisher(self.trainer.model, roles.inference_model(config, model),
                                self._push, server, base_server)
@@ -442,8 +443,8 @@ class TrainerRole:
     return metrics, self.trainer.version
 
   def save(self, step: int, controller, rollouts) -> None:
-    """Writes step ``step`` (this process's part of it: ``roles.save_checkpoint``)."""
-    roles.save_checkpoint(self.checkpointer, self.trainer, step, controller, rollouts)
+    """Writes step ``step`` (this process's part of it: ``checkpoints.save_checkpoint``)."""
+    checkpoints.save_checkpoint(self.checkpointer, self.trainer, step, controller, rollouts)
 
   def close(self) -> None:
     """Waits until every started checkpoint write is on disk."""
@@ -500,10 +501,10 @@ class WorkerRole:
 
 
   def play(self, requests, rng_data: np.ndarray, version: int, first: int = 0):
-    """``roles.play_requests`` in this actor: the environments are built here, and what
+    """``play_requests`` in this actor: the environments are built here, and what
     comes back is the trajectories' host arrays (small; weights never pass the driver)."""
-    trajectories, stats = roles.play_requests(self.worker, self._fetch, requests, rng_data,
-                                              version, first, self.episodes, self.make_env)
+    trajectories, stats = play_requests(self.worker, self._fetch, requests, rng_data, version,
+                                        first, self.episodes, self.make_env)
     if self._restarted:
       self._restarted = False
       stats = {**stats, 'workers/restarts': 1}

@@ -26,6 +26,9 @@ INVARIANT_ROWS_MODES = ('chunks', 'floor')
 WEIGHT_LAYOUTS = ('in_out', 'out_in')
 # Execution.decode_attention (see decoder.Attention).
 DECODE_ATTENTIONS = ('xla', 'cpu_kernel')
+# Execution.param_dtype and dtype by the name a config gives them (model.param_dtype,
+# model.dtype, model.inference_param_dtype).
+DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)
