@@ -75,7 +75,7 @@ from rlax_llm.models.model import abstract_model, cast_params, split_module, wit
 from rlax_llm.models.presets import get_preset
 from rlax_llm.paramserver import ParameterServer, local_shards
 from rlax_llm.paramserver import delta as delta_lib
-from rlax_llm.paramserver.server import leaf_specs
+from rlax_llm.paramserver.shards import leaf_specs
 from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.sharding import make_mesh

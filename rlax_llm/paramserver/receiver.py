@@ -34,7 +34,7 @@ from rlax_llm import schedule
 from rlax_llm.models import lora as lora_lib
 from rlax_llm.models.model import Model, Params
 from rlax_llm.paramserver import delta as delta_lib
-from rlax_llm.paramserver.server import leaf_specs
+from rlax_llm.paramserver.shards import leaf_specs
 
 # ``fetch(version, base_version) -> Delta``: a backend's way to ask the parameter server for a
 # version (``ParameterServer.update`` in process, a call to the server's actor on Ray).
