@@ -66,7 +66,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rlax_llm.backends.ray import ServerRole, fetch_update, push_shards
+from rlax_llm.backends.ray_actors import ServerRole, fetch_update, push_shards
 from rlax_llm.data_types import GenerationRequest, make_train_batch
 from rlax_llm.losses import LossConfig, group_advantages
 from rlax_llm.models import from_pretrained, smollm2_gguf_path

@@ -3,7 +3,7 @@ it, merge adapters.
 
 An inference worker owns a ``Receiver`` (``InferenceWorker.receiver``). A backend supplies only
 the transport, as callables: ``Fetch`` (``ParameterServer.update`` in process; a call to the
-server actor on Ray, ``backends.ray.fetch_update``), ``Latest`` for free-running mode and,
+server actor on Ray, ``backends.ray_actors.fetch_update``), ``Latest`` for free-running mode and,
 with LoRA's adapter-only sync, ``FetchBase``. The receiver asks for a version as a lossless
 delta from the version it holds (or whole leaves when it holds none), rebuilds the leaves
 (``delta.apply``), checks every leaf against the checksum the server took when the trainer

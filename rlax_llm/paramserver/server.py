@@ -248,7 +248,7 @@ class ParameterServer:
     its writer took (``Shard.checksum``). Only for memory nothing can write to while the
     server holds it: the arrays Ray deserialised from its object store for a server actor
     (zero-copy views of immutable shared memory, valid while referenced;
-    ``rlax_llm.backends.ray.ServerRole``), or a shared-memory slot the server's ring lends
+    ``rlax_llm.backends.ray_actors.ServerRole``), or a shared-memory slot the server's ring lends
     to no writer while the version is held (``rlax_llm.paramserver.shm``). Adopted memory
     is never reused for a later version by this server (only buffers it allocated are).
     Other shards are copied.
