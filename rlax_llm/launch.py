@@ -43,10 +43,10 @@ import time
 import ml_collections
 from absl import app, flags
 
-from rlax_llm import cli, console, distributed, launch_help, storage
+from rlax_llm import cli, console, distributed, launch_help, storage, workdir_claim
 from rlax_llm import workdir as workdir_lib
 from rlax_llm.config import check_resume_config, checkpointing, validate_config
-from rlax_llm.errors import ConfigError, NonFiniteError, Preempted
+from rlax_llm.errors import ConfigError, NonFiniteError, Preempted, WorkdirError
 
 def define_flags(values: flags.FlagValues) -> dict[str, flags.FlagHolder]:
   """Defines ``--workdir`` and ``--print_config`` on ``values`` (``--config`` is
@@ -81,8 +81,8 @@ def main(config: ml_collections.ConfigDict, workdir_flag: str | None = None) -> 
   workdir = (storage.path(workdir_flag) if workdir_flag
              else storage.path(workdir_lib.default_workdir(config.name)))
   # Process 0 claims the workdir for the job; the others learn whether it could
-  # (workdir.claim_for_job).
-  claim = workdir_lib.claim_for_job(
+  # (workdir_claim.claim_for_job).
+  claim = workdir_claim.claim_for_job(
       workdir, process, distributed.agree if jax.process_count() > 1 else None)
 
   # Model, trainer and data imports only after validation: a bad flag fails in seconds.
@@ -96,7 +96,7 @@ def main(config: ml_collections.ConfigDict, workdir_flag: str | None = None) -> 
       try:
         saved = json.loads(storage.read_text(workdir / 'config.json'))
       except (OSError, ValueError) as e:
-        raise workdir_lib.WorkdirError(
+        raise WorkdirError(
             f'workdir {workdir} holds checkpoints but its config.json cannot be read ({e}); '
             'pass a new --workdir.') from None
       check_resume_config(saved, config)

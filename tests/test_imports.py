@@ -167,7 +167,8 @@ def test_every_module_imports_first_in_a_fresh_package():
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # Text, errors, files and the pure schedule: no model, no config.
     ('foundation', ('rlax_llm', 'rlax_llm.errors', 'rlax_llm.console', 'rlax_llm.storage',
-                    'rlax_llm.workdir', 'rlax_llm.plugins', 'rlax_llm.sandbox',
+                    'rlax_llm.workdir', 'rlax_llm.workdir_claim', 'rlax_llm.plugins',
+                    'rlax_llm.sandbox',
                     'rlax_llm._sandbox_child', 'rlax_llm.tokenization', 'rlax_llm.sharding',
                     'rlax_llm.sampling_spec', 'rlax_llm.schedule',
                     'rlax_llm.serve')),  # the serve package's __init__ imports nothing
