@@ -66,7 +66,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rlax_llm.backends.ray import ServerRole, fetch_update, push_shards
+from rlax_llm.backends.ray_actors import ServerRole, fetch_update, push_shards
 from rlax_llm.data_types import GenerationRequest, make_train_batch
 from rlax_llm.losses import LossConfig, group_advantages
 from rlax_llm.models import from_pretrained, smollm2_gguf_path
@@ -75,7 +75,7 @@ from rlax_llm.models.model import abstract_model, cast_params, split_module, wit
 from rlax_llm.models.presets import get_preset
 from rlax_llm.paramserver import ParameterServer, local_shards
 from rlax_llm.paramserver import delta as delta_lib
-from rlax_llm.paramserver.server import leaf_specs
+from rlax_llm.paramserver.shards import leaf_specs
 from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.sharding import make_mesh

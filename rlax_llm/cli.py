@@ -1,7 +1,7 @@
 """The command-line boundary: config files, their variants and ``--config.KEY=VALUE`` overrides.
 
-Every entry point (``python -m rlax_llm.launch``, ``python -m rlax_llm.evaluate``, the Cloud
-TPU tooling in ``launch/``) turns its command line into a config here, before absl parses
+Every entry point (``python -m rlax_llm.launch``, ``rlax_llm.evaluate``, ``rlax_llm.serve``,
+the Cloud TPU tooling in ``launch/``) turns its command line into a config here, before absl parses
 its own flags and before anything imports JAX: a missing file, a syntax error, an unknown
 variant, a misspelled key or a value of the wrong type fails in a second with one line.
 
@@ -14,6 +14,14 @@ variant, a misspelled key or a value of the wrong type fails in a second with on
   over from the new task's ``task_section`` (the file's task fields configured another task),
   and the other ``--config.task.*`` overrides apply on top of it.
 
+The three command lines (``python -m rlax_llm.launch``, ``rlax_llm.evaluate``,
+``rlax_llm.serve``) read their arguments on one path: ``command_line(argv, usage, define)``
+prints the usage for ``-h``/``--help`` (before the config loads, so help works with a broken
+one), separates the config arguments (``split_config_args``; ``load_config`` loads them) and
+parses the entry point's own flags (``define``; ``checkpoint_flag`` is the ``--checkpoint``
+of evaluate and serve), one ``error: ...`` line for a bad one; ``one_line_errors`` turns an
+``RlaxError`` raised while the command runs into that same line and exit status 1.
+
 The config files ship inside the package (``rlax_llm/configs/``, ``DEFAULT_CONFIG_PATH``);
 the repository's ``configs/`` is a link to that directory, so ``--config=configs/X.py``
 works from a checkout and an installed wheel finds the same files.
@@ -21,23 +29,28 @@ works from a checkout and an installed wheel finds the same files.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import difflib
 import importlib.machinery
 import importlib.util
 import os
 import pathlib
+import sys
 import traceback
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import ml_collections
 from ml_collections.config_dict import placeholder
 
-from rlax_llm.errors import ConfigError
+from rlax_llm.errors import ConfigError, Preempted, RlaxError
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent / 'configs'
 DEFAULT_CONFIG_PATH = CONFIG_DIR / 'default.py'
+HELP_FLAGS = ('-h', '--help', '-help')
 
 
 def lookup(config: ml_collections.ConfigDict, dotted: str):
@@ -359,3 +372,81 @@ def load_config(argv: Sequence[str], base: ml_collections.ConfigDict | None = No
     raise SystemExit(f'error: {e}') from None
   return holder.value
 
+
+# ------------------------------------------------------------------- the command lines
+
+
+@dataclasses.dataclass(frozen=True)
+class CommandLine:
+  """A command line read by ``command_line``: ``config_args`` for ``load_config``, the
+  entry point's own flags' ``values`` by name, and ``rest``: the arguments its flags do not
+  name (``known_only``: for absl's ``app.run``), else ``[]``."""
+
+  config_args: list[str]
+  values: dict[str, Any]
+  rest: list[str]
+
+
+def wants_help(argv: Sequence[str]) -> bool:
+  """Whether ``argv`` (without the program name) asks for ``--help`` before any ``--``."""
+  for arg in argv:
+    if arg == '--':
+      return False
+    if arg in HELP_FLAGS:
+      return True
+  return False
+
+
+def checkpoint_flag(values, verb: str):
+  """Defines ``--checkpoint`` on the absl ``FlagValues`` ``values``: the params to ``verb``
+  (evaluate, serve), a run's workdir or one of its checkpoint directories."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  return flags.DEFINE_string(
+      'checkpoint', None, f'Params to {verb}: a run\'s workdir (its latest checkpoint) or a '
+      "checkpoint directory, local or gs:// (default: the config's own: model.path or the "
+      'seeded init).', flag_values=values)
+
+
+def command_line(argv: Sequence[str], usage: Callable[[], str],
+                 define: Callable[[Any], dict[str, Any]], *, known_only: bool = False
+                 ) -> CommandLine | None:
+  """Reads ``argv`` (with the program name) as every entry point does.
+
+  Args:
+    argv: ``sys.argv``.
+    usage: the ``--help`` text (printed to stdout, and None returned, when ``argv`` asks for
+      help: before anything else, so it works with a broken config).
+    define: defines the entry point's own flags on the absl ``FlagValues`` it is given and
+      returns their holders by name.
+    known_only: leave the arguments no flag of ``define`` names in ``CommandLine.rest``
+      (absl's own flags, which ``app.run`` parses), instead of refusing them.
+
+  Raises:
+    SystemExit: ``'error: ...'``: a flag is unknown or its value does not parse.
+  """
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  if wants_help(argv[1:]):
+    sys.stdout.write(usage())
+    return None
+  config_args, rest = split_config_args(argv[1:])
+  values = flags.FlagValues()
+  holders = define(values)
+  try:
+    unparsed = values([argv[0], *rest], known_only=known_only)
+  except flags.Error as e:
+    raise SystemExit(f'error: {e}') from None
+  return CommandLine(config_args, {name: holder.value for name, holder in holders.items()},
+                     list(unparsed[1:]) if known_only else [])
+
+
+@contextlib.contextmanager
+def one_line_errors() -> Iterator[None]:
+  """Runs a command's body: an ``RlaxError`` (what the user must fix) exits with one
+  ``error: ...`` line and status 1; ``Preempted`` (a checkpoint was saved) prints its
+  message and returns, status 0."""
+  try:
+    yield
+  except Preempted as e:
+    print(e)
+  except RlaxError as e:
+    raise SystemExit(f'error: {e}') from None

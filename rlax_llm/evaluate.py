@@ -5,11 +5,11 @@ r"""``python -m rlax_llm.evaluate``: evaluates a policy on a task's held-out spl
     python -m rlax_llm.evaluate --config=configs/smollm2.py --config.eval.samples=8
 
 evaluates the params the config loads (an HF directory, hub id or GGUF file at
-``model.path``, or the seeded init of the tiny model), or with ``--checkpoint`` the params saved there
-(``load_policy_params``, the one function that reads a checkpoint), and prints the metrics of
-``rlax_llm.evaluation`` as one JSON line: a task's ``evaluate_policy``, an environment run's
-(``env.name``) ``evaluate_episodes`` (greedy held-out episodes, ``eval/success``), as the
-run's own evaluation computes them (``evaluate_config``).
+``model.path``, or the seeded init of the tiny model), or with ``--checkpoint`` the params
+saved there (``load_policy_params``, the one function that reads a checkpoint), and prints
+the metrics of ``rlax_llm.evaluation`` as one JSON line: a task's ``evaluate_policy``, an
+environment run's (``env.name``) ``evaluate_episodes`` (greedy held-out episodes,
+``eval/success``), as the run's own evaluation computes them (``evaluate_config``).
 
 The config: with ``--checkpoint`` inside a run's workdir and no ``--config``, the run's own
 ``config.json`` (the model, task and sampling it trained with); ``--config.KEY=VALUE``
@@ -32,7 +32,7 @@ import ml_collections
 from rlax_llm import cli, console, extras, launch_help, storage
 from rlax_llm import config as config_lib
 from rlax_llm import run_config
-from rlax_llm.errors import ConfigError, Preempted, RlaxError
+from rlax_llm.errors import ConfigError
 
 if TYPE_CHECKING:  # for the hints only: this entry point imports no jax before validation
   from rlax_llm.rollout.worker import InferenceWorker
@@ -151,13 +151,13 @@ class HeldPolicy:
                                      first))
 
   def play(self, requests, rng_data, version, first=0):
-    """``roles.play_requests`` with the held params (``version`` is 0)."""
+    """``backends.play.play_requests`` with the held params (``version`` is 0)."""
     # pylint: disable=import-outside-toplevel  # jax and the model code: after validation
-    from rlax_llm import roles
+    from rlax_llm.backends.play import play_requests
     from rlax_llm.controller.protocols import done
     self._check(version)
-    return done(roles.play_requests(self.worker, self._no_pull, requests, rng_data, version,
-                                    first, self.episodes, self.make_env))
+    return done(play_requests(self.worker, self._no_pull, requests, rng_data, version, first,
+                              self.episodes, self.make_env))
 
   def retire(self) -> None:
     """Nothing to stop: the calls ran in this thread."""
@@ -216,6 +216,18 @@ flags:
   -h, --help               this text"""
 
 
+def _help_text() -> str:
+  return f'{_USAGE}\n\n{launch_help.config_listing()}\n'
+
+
+def _define_flags(values) -> dict:
+  """``--checkpoint`` and ``--output`` on the absl ``FlagValues`` ``values``."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  return {'checkpoint': cli.checkpoint_flag(values, 'evaluate'),
+          'output': flags.DEFINE_string('output', None, 'Also append the metrics to this JSONL '
+                                        'file.', flag_values=values)}
+
+
 def main(argv: Sequence[str]) -> None:
   """``python -m rlax_llm.evaluate [--config=PATH[:VARIANT]] [--config.a.b=v]
   [--checkpoint=PATH] [--output=FILE.jsonl]``: prints the metrics as JSON (and appends them
@@ -224,34 +236,20 @@ def main(argv: Sequence[str]) -> None:
   Raises:
     SystemExit: ``'error: ...'`` (status 1) for any ``RlaxError``, with its fix.
   """
-  from absl import flags  # pylint: disable=import-outside-toplevel
-  if launch_help.wants_help(argv[1:]):  # before any flag parsing: absl does not know --help
-    sys.stdout.write(f'{_USAGE}\n\n{launch_help.config_listing()}\n')
+  command = cli.command_line(argv, _help_text, _define_flags)
+  if command is None:  # --help
     return
-  config_args, rest = cli.split_config_args(argv[1:])
-  values = flags.FlagValues()
-  checkpoint = flags.DEFINE_string('checkpoint', None, 'Params to evaluate: a run\'s workdir '
-                                   '(its latest checkpoint) or a checkpoint directory '
-                                   "(default: the config's own: model.path or the seeded init).",
-                                   flag_values=values)
-  output = flags.DEFINE_string('output', None, 'Also append the metrics to this JSONL file.',
-                               flag_values=values)
-  try:
-    values([argv[0], *rest])
-  except flags.Error as e:
-    raise SystemExit(f'error: {e}') from None
-  try:
-    config = config_for(config_args, checkpoint.value)
-    metrics = evaluate_config(config, checkpoint.value)
-  except Preempted as e:
-    print(e)
+  checkpoint, output = command.values['checkpoint'], command.values['output']
+  metrics = None
+  with cli.one_line_errors():
+    config = config_for(command.config_args, checkpoint)
+    metrics = evaluate_config(config, checkpoint)
+  if metrics is None:  # preempted
     return
-  except RlaxError as e:
-    raise SystemExit(f'error: {e}') from None
-  record = {'config': config.name, 'checkpoint': checkpoint.value, **metrics}
+  record = {'config': config.name, 'checkpoint': checkpoint, **metrics}
   line = json.dumps(record, sort_keys=True)
-  if output.value:  # a local file or a gs:// object, appended whole lines (rlax_llm.storage)
-    log = storage.AppendLog(output.value)
+  if output:  # a local file or a gs:// object, appended whole lines (rlax_llm.storage)
+    log = storage.AppendLog(output)
     try:
       log.append(line + '\n')
     finally:

@@ -11,10 +11,12 @@ which ships in the package), ``--config.a.b=value`` overrides a field (``rlax_ll
 both before absl parses the other flags), ``--workdir`` is where the run writes
 ``config.json``, ``metrics.jsonl``, ``summary.json``, ``ledger.jsonl``, TensorBoard events and
 ``checkpoints/`` (a local path or a ``gs://BUCKET/...`` URL, written through
-``rlax_llm.storage`` without a mount; default ``./runs/<name>-<timestamp>-<hex>``). The config is validated
-(``rlax_llm.config.validate_config``) before any compute. ``--print_config`` prints the
-resolved, validated config as JSON (with the values a loss fills in) and exits; ``--help``
-lists the packaged configs with their variants (``rlax_llm.launch_help``).
+``rlax_llm.storage`` without a mount; default ``./runs/<name>-<timestamp>-<hex>``). The
+config is validated (``rlax_llm.config.validate_config``) before any compute.
+``--print_config`` prints the resolved, validated config as JSON (with the values a loss
+fills in) and exits; ``--help`` lists the packaged configs with their variants
+(``rlax_llm.launch_help``). The flags are read as every entry point reads them
+(``rlax_llm.cli.command_line``).
 
 A failure the user can fix (``rlax_llm.errors.RlaxError``: a bad config, an unreadable
 checkpoint or model file, a busy workdir, a diverged run) prints one ``error: ...`` line with
@@ -41,33 +43,32 @@ import time
 import ml_collections
 from absl import app, flags
 
-from rlax_llm import cli, console, distributed, extras, launch_help, storage
+from rlax_llm import cli, console, distributed, extras, launch_help, storage, workdir_claim
 from rlax_llm import workdir as workdir_lib
 from rlax_llm.config import checkpointing, validate_config
-from rlax_llm.errors import ConfigError, NonFiniteError, Preempted, RlaxError
+from rlax_llm.errors import ConfigError, NonFiniteError, Preempted, WorkdirError
 from rlax_llm.run_config import check_resume_config
 
-_FLAGS: dict[str, flags.FlagHolder] = {}
+
+def define_flags(values: flags.FlagValues) -> dict[str, flags.FlagHolder]:
+  """Defines ``--workdir`` and ``--print_config`` on ``values`` (``--config`` is
+  ``rlax_llm.cli``'s)."""
+  return {
+      'workdir': flags.DEFINE_string(
+          'workdir', None, 'Run directory: a local path or gs://BUCKET/... (default '
+          './runs/<config name>-<timestamp>-<hex>).', flag_values=values),
+      'print_config': flags.DEFINE_bool(
+          'print_config', False, 'Print the resolved, validated config as JSON and exit.',
+          flag_values=values)}
 
 
-def define_flags() -> None:
-  """Defines ``--workdir`` and ``--print_config`` (``--config`` is ``rlax_llm.cli``'s)."""
-  if _FLAGS:
-    return
-  _FLAGS['workdir'] = flags.DEFINE_string(
-      'workdir', None, 'Run directory: a local path or gs://BUCKET/... (default '
-      './runs/<config name>-<timestamp>-<hex>).')
-  _FLAGS['print_config'] = flags.DEFINE_bool(
-      'print_config', False, 'Print the resolved, validated config as JSON and exit.')
-
-
-def main(config: ml_collections.ConfigDict) -> None:
-  """Validates ``config``, claims the workdir and runs (or resumes) the job.
+def main(config: ml_collections.ConfigDict, workdir_flag: str | None = None) -> None:
+  """Validates ``config``, claims the workdir (``workdir_flag``: ``--workdir``, default
+  ``./runs/<name>-<timestamp>-<hex>``) and runs (or resumes) the job.
 
   Raises:
     RlaxError: what the user must fix (``run_cli`` prints it as one line).
   """
-  workdir_flag = _FLAGS['workdir'].value
   extras.check_config(config, [workdir_flag])  # a missing extra: one line, before any compute
   # Multi-host: join the other hosts before JAX sees a device (the process index below and
   # the roles' meshes start its backend, after which jax.distributed.initialize refuses to run).
@@ -83,8 +84,8 @@ def main(config: ml_collections.ConfigDict) -> None:
   workdir = (storage.path(workdir_flag) if workdir_flag
              else storage.path(workdir_lib.default_workdir(config.name)))
   # Process 0 claims the workdir for the job; the others learn whether it could
-  # (workdir.claim_for_job).
-  claim = workdir_lib.claim_for_job(
+  # (workdir_claim.claim_for_job).
+  claim = workdir_claim.claim_for_job(
       workdir, process, distributed.agree if jax.process_count() > 1 else None)
 
   # Model, trainer and data imports only after validation: a bad flag fails in seconds.
@@ -98,7 +99,7 @@ def main(config: ml_collections.ConfigDict) -> None:
       try:
         saved = json.loads(storage.read_text(workdir / 'config.json'))
       except (OSError, ValueError) as e:
-        raise workdir_lib.WorkdirError(
+        raise WorkdirError(
             f'workdir {workdir} holds checkpoints but its config.json cannot be read ({e}); '
             'pass a new --workdir.') from None
       check_resume_config(saved, config)
@@ -131,30 +132,24 @@ def main(config: ml_collections.ConfigDict) -> None:
 def run_cli() -> None:
   """``python -m rlax_llm.launch``: one ``error: ...`` line and status 1 for an ``RlaxError``;
   status 0 when preempted (a checkpoint was saved)."""
-  argv = sys.argv[1:]
-  if launch_help.wants_help(argv):  # before the config loads: help works with a broken one
-    sys.stdout.write(launch_help.help_text())
+  # absl's own flags (--helpfull, --verbosity) are left to app.run.
+  command = cli.command_line(sys.argv, launch_help.help_text, define_flags, known_only=True)
+  if command is None:  # --help
     raise SystemExit(0)
   console.setup_logging()
-  config_args, rest = cli.split_config_args(argv)
-  config = cli.load_config(config_args)
-  define_flags()
+  config = cli.load_config(command.config_args)
 
   def run(argv) -> None:
     del argv
-    try:
-      if _FLAGS['print_config'].value:
+    with cli.one_line_errors():
+      if command.values['print_config']:
         for name in ('absl', 'jax'):  # stdout is the config; stderr stays quiet unless it fails
           logging.getLogger(name).setLevel(logging.WARNING)
         launch_help.print_config(config)
       else:
-        main(config)
-    except Preempted as e:
-      print(f'{e}')
-    except RlaxError as e:
-      raise SystemExit(f'error: {e}') from None
+        main(config, command.values['workdir'])
 
-  app.run(run, argv=[sys.argv[0], *rest])
+  app.run(run, argv=[sys.argv[0], *command.rest])
 
 
 if __name__ == '__main__':

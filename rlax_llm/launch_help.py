@@ -15,15 +15,11 @@ import ast
 import os
 import pathlib
 import textwrap
-from collections.abc import Sequence
 
 import ml_collections
 
 from rlax_llm.cli import CONFIG_DIR, DEFAULT_CONFIG_PATH, config_variants
 from rlax_llm.config import effective_config, validate_config
-from rlax_llm.errors import ConfigError
-
-HELP_FLAGS = ('-h', '--help', '-help')
 
 _USAGE = """\
 usage: python -m rlax_llm.launch [--config=PATH[:VARIANT]] [--config.KEY=VALUE ...]
@@ -48,16 +44,6 @@ examples:
   python -m rlax_llm.launch --config=configs/smollm2.py --config.rl.loss=dapo --print_config
 
 Cloud TPU recipes (TPU VM, multi-host slice, Ray on separate slices, GKE): launch/README.md."""
-
-
-def wants_help(argv: Sequence[str]) -> bool:
-  """Whether ``argv`` (without the program name) asks for ``--help`` before any ``--``."""
-  for arg in argv:
-    if arg == '--':
-      return False
-    if arg in HELP_FLAGS:
-      return True
-  return False
 
 
 def _display(path: pathlib.Path) -> str:
@@ -115,14 +101,11 @@ def print_config(config: ml_collections.ConfigDict) -> None:
   ``effective_config`` as JSON (sorted keys).
 
   Raises:
-    SystemExit: ``'error: ...'`` (status 1) naming the invalid key, as a launch would.
+    ConfigError: the invalid key (the command line prints it as one ``error: ...`` line).
   """
-  try:
-    validate_config(config)
-    # The meshes over this process's devices, as a launch's roles.prepare checks them first
-    # (JAX and the roles' code load only now, once the JAX-free validation passed).
-    from rlax_llm import roles  # pylint: disable=import-outside-toplevel
-    roles.check_meshes(config)
-  except ConfigError as e:
-    raise SystemExit(f'error: {e}') from None
+  validate_config(config)
+  # The meshes over this process's devices, as a launch's roles.prepare checks them first
+  # (JAX and the roles' code load only now, once the JAX-free validation passed).
+  from rlax_llm import roles  # pylint: disable=import-outside-toplevel
+  roles.check_meshes(config)
   print(effective_config(config).to_json_best_effort(indent=2, sort_keys=True))

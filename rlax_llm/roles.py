@@ -1,12 +1,18 @@
 """Builds each role of a run from a validated config; backends decide where roles run.
 
+The run's task, model and tokenizer (``prepare``), the trainer (``build_trainer``, after the
+supervised warm-up: ``warm_trainer``), an inference worker (``build_worker``) and the
+devices each takes (``meshes``). Whether the run fits in memory is ``rlax_llm.memory_fit``'s;
+the trainer's checkpoints are ``rlax_llm.backends.checkpoints``'; what a worker's process
+runs for an environment run's requests is ``rlax_llm.backends.play``'s.
+
 ``rlax_llm.config.validate_config`` has checked every field that needs no model file. The
 builders here check the rest before any compute (after reading a checkpoint's config and
 tokenizer, before the warm-up or the first compilation): every prompt fits
 ``sampling.max_prompt_len`` (a file-backed task's every record is measured, and one that does
 not fit is an error or left out, ``sampling.overlong_prompts``), prompt + completion fit the
-model, and the rollout batch fits in memory. Backends (``rlax_llm.backends``) compose these builders; the Ray backend builds the
-same roles inside actors.
+model, and the rollout batch fits in memory. Backends (``rlax_llm.backends``) compose these
+builders; the Ray backend builds the same roles inside actors.
 """
 
 from __future__ import annotations
@@ -14,36 +20,29 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import os
 import pathlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
-import numpy as np
 
 from rlax_llm import config as config_lib
-from rlax_llm import console
+from rlax_llm import console, memory_fit
 from rlax_llm.data import sft_batch
-from rlax_llm.data_types import GenerationRequest, Trajectory
 from rlax_llm.envs import Environment, make_env
 from rlax_llm.envs.seeds import env_seeds
 from rlax_llm.envs.tool_calls import tool_format_for
 from rlax_llm.errors import ConfigError
 from rlax_llm.models import from_pretrained, presets
 from rlax_llm.models import lora as lora_lib
-from rlax_llm.models.decoder_config import DecoderConfig, Execution
+from rlax_llm.models.decoder_config import DTYPES, DecoderConfig, Execution
 from rlax_llm.models.files import hub
 from rlax_llm.models.files.tokenizer import HFTokenizer
 from rlax_llm.models.model import Model, Params, create_model, split_module, with_param_dtype
 from rlax_llm.paramserver.publisher import adapter_sync
 from rlax_llm.paramserver.receiver import FetchBase
-from rlax_llm.rollout.episodes import request_episodes
 from rlax_llm.rollout.worker import InferenceWorker
-from rlax_llm.schedule import EpisodeSettings
-from rlax_llm.serve.harness import is_harness
 from rlax_llm.sharding import role_meshes
 from rlax_llm.tasks import Task, make_task
 from rlax_llm.tasks.files import FileTask
@@ -53,9 +52,6 @@ from rlax_llm.trainer.objectives import loss_totals, rl_objective, shared_prefix
 from rlax_llm.trainer.scoring import Policy
 from rlax_llm.trainer.trainer import Trainer, learning_rate_schedule, make_optimizer
 from rlax_llm.trainer.warmup import demo_batch, supervised_warmup
-
-DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
-
 
 # The architecture fields a checkpoint must share with the preset it is loaded as.
 _ARCHITECTURE_FIELDS = ('vocab_size', 'num_layers', 'embed_dim', 'num_heads', 'num_kv_heads',
@@ -155,8 +151,8 @@ def check_fits(config: ml_collections.ConfigDict, task: Task, model: Model,
         f'config.sampling.max_prompt_len ({s.max_prompt_len}) + sampling.max_new_tokens '
         f'({s.max_new_tokens}) exceeds the model\'s max_seq_len ({m.max_seq_len}); shorten '
         'them (or raise model.max_seq_len where the model allows).')
-  estimate = rollout_memory_bytes(model.config, config)
-  available = available_memory_bytes()
+  estimate = memory_fit.rollout_memory_bytes(model.config, config)
+  available = memory_fit.available_memory_bytes()
   if estimate['per_device_bytes'] > available:
     raise ConfigError(
         f'the rollout batch needs about {estimate["per_device_bytes"] / 2**30:.2f} GiB per '
@@ -245,114 +241,12 @@ def prepare(config: ml_collections.ConfigDict
   return task, model, params, tokenizer
 
 
-def rollout_memory_bytes(model: DecoderConfig, config: ml_collections.ConfigDict
-                         ) -> dict[str, float]:
-  """A lower-bound estimate of one rollout batch's device memory on the inference mesh.
-
-  KV cache ``2 * layers * B * (P + N) * kv_heads * head_dim`` in the compute dtype, or int8
-  plus scales with ``model.kv_cache_quant='int8'`` (``presets.kv_cache_bytes``), the params
-  a worker keeps (``presets.worker_param_bytes``,
-  as the memory plan counts them: in the workers' dtype, ``inference_model``; quantised with
-  ``model.inference_quant='int8'``; with LoRA's adapter-only sync the base beside the merged
-  weights), and a few ``[B, vocab]`` float32 logit buffers, with the batch split over the
-  mesh's ``data * fsdp`` devices and the params placed by the sharding rules. Returns
-  ``{'kv_cache_bytes', 'params_bytes', 'logits_bytes'}`` of the whole batch and model, and
-  ``'per_device_bytes'``.
-  """
-  batch = config.rl.prompts_per_step * config.rl.group_size
-  length = config.sampling.max_prompt_len + config.sampling.max_new_tokens
-  kv = presets.kv_cache_bytes(model, slots=batch, length=length,
-                              quant=config.model.kv_cache_quant)
-  logits = 4 * batch * model.vocab_size * 4
-  sizes = {k: (v if v > 0 else 1) for k, v in config.mesh.inference.items()}
-  inference = model.with_execution(
-      param_dtype=DTYPES[config_lib.inference_param_dtype(config)])
-  def params_on(mesh: dict[str, int]) -> float:
-    held = presets.worker_param_bytes(inference, mesh, quant=config.model.inference_quant,
-                                      lora=lora_lib.from_config(config))
-    return held['params'] + held['base']
-  params = params_on({axis: 1 for axis in sizes})
-  batch_shards = sizes['data'] * sizes['fsdp']
-  per_device = (kv + logits) / batch_shards + params_on(sizes)
-  return {'kv_cache_bytes': float(kv), 'params_bytes': float(params),
-          'logits_bytes': float(logits), 'per_device_bytes': float(per_device)}
 
 
-def run_memory_plan(model: DecoderConfig, config: ml_collections.ConfigDict,
-                    trainer_mesh: dict[str, int], inference_mesh: dict[str, int], *,
-                    shared: bool) -> presets.MemoryPlan:
-  """``presets.memory_plan`` of a run: its batch, lengths, micro-batches, KV-cache slots,
-  workers, the workers' params dtype (``model.inference_param_dtype``) and quantisation
-  (``model.inference_quant``), LoRA adapters (``lora``) and KL reference from ``config``; the
-  meshes resolved (``sharding.mesh_shape``). ``shared``: the trainer and the
-  workers share chips (the local backend without ``mesh.disjoint``; every worker's mesh then
-  starts at the first chip)."""
-  rl, s = config.rl, config.sampling
-  length = s.max_prompt_len + s.max_new_tokens
-  return presets.memory_plan(
-      model, trainer_mesh, inference_mesh,
-      inference_param_dtype=DTYPES[config_lib.inference_param_dtype(config)],
-      train_rows=rl.prompts_per_step * rl.group_size,
-      train_length=length, micro_batches=rl.micro_batches, logprob_chunk=rl.logprob_chunk,
-      slots=config.rollout.slots, cache_length=length,
-      workers_per_chip=config.rollout.workers if shared else 1, shared=shared,
-      reference=(rl.kl_beta or 0) > 0, lora=lora_lib.from_config(config),
-      inference_quant=config.model.inference_quant,
-      kv_cache_quant=config.model.kv_cache_quant)
 
 
-def available_memory_bytes() -> float:
-  """Memory one device can use: the accelerator's limit, or the host's available RAM (CPU)."""
-  device = jax.local_devices()[0]  # multi-host: another host's device has no stats here
-  stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
-  if stats and 'bytes_limit' in stats:
-    return float(stats['bytes_limit'])
-  try:
-    with open('/proc/meminfo', encoding='ascii') as f:
-      for line in f:
-        if line.startswith('MemAvailable:'):
-          return float(line.split()[1]) * 1024
-  except OSError:
-    pass
-  return float(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_AVPHYS_PAGES'))
 
 
-def check_plan_fits(config: ml_collections.ConfigDict, model: DecoderConfig,
-                    meshes: dict[str, Any], *, held_bytes: float = 0.0) -> presets.MemoryPlan:
-  """Checks, before the trainer and the workers are built, that the run's memory plan
-  (``run_memory_plan`` on the resolved ``meshes``, ``roles.meshes``: the trainer's params,
-  optimizer state, gradients and activations, and every worker's params, KV cache and
-  logits) fits in memory: per chip against an accelerator's limit (``needs``), or, on CPU,
-  where every device is the host's memory, the sum over the devices each role uses against
-  the host's available memory plus ``held_bytes`` (what the process already holds that the
-  plan counts again: the loaded params). The plan is a lower bound of a process's memory on
-  CPU (XLA's scratch, the compiled programs, host copies and Python are not in it), so a run
-  it refuses could not have run. Returns the plan; raises ConfigError naming what to change.
-  """
-  trainer_mesh, inference = meshes['trainer'], meshes['inference']
-  shared = not config.mesh.disjoint
-  plan = run_memory_plan(model, config, dict(trainer_mesh.shape), dict(inference[0].shape),
-                         shared=shared)
-  available = available_memory_bytes()
-  if jax.devices()[0].platform == 'cpu':
-    trainer_devices = trainer_mesh.devices.size
-    inference_devices = sum(mesh.devices.size for mesh in inference)
-    # Shared meshes start at the first device: each worker's mesh on the trainer's devices.
-    need = (plan.trainer_bytes * trainer_devices
-            + (plan.inference_bytes / plan.workers_per_chip) * inference_devices)
-    rows = [('the host (every CPU device)', need, available + held_bytes)]
-  else:
-    rows = plan.needs(available)
-  for where, need, have in rows:
-    if need > have:
-      raise ConfigError(
-          f'the run needs at least {need / 2**30:.2f} GiB on {where} but '
-          f'{have / 2**30:.2f} GiB is available (memory plan per device: '
-          f'{"; ".join(plan.table(have)[:2])}); raise config.rl.micro_batches, set '
-          'config.model.remat=full or config.rl.logprob_chunk (e.g. 128), train LoRA adapters '
-          '(config.lora.rank), shorten sampling.max_new_tokens, or shard wider '
-          '(config.mesh.trainer.fsdp).')
-  return plan
 
 
 def build_trainer(config: ml_collections.ConfigDict, spec: config_lib.RunSpec, model: Model,
@@ -414,38 +308,10 @@ def warm_trainer(config: ml_collections.ConfigDict, spec: config_lib.RunSpec, ta
   return build_trainer(config, spec, model, params, mesh), metrics
 
 
-def build_checkpointer(config: ml_collections.ConfigDict, workdir):
-  """The run's ``Checkpointer`` (for the trainer's process, which writes and restores), or
-  None when ``checkpoint.every_steps`` and ``checkpoint.every_seconds`` are both 0 (no
-  checkpoints)."""
-  if not config_lib.checkpointing(config):
-    return None
-  c = config.checkpoint
-  # orbax is heavy: imported only by runs that checkpoint.
-  from rlax_llm.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
-  return Checkpointer(workdir, keep=c.keep, async_save=c.async_save)
 
 
-def save_checkpoint(checkpointer, trainer: Trainer, step: int, controller: dict[str, Any],
-                    rollouts: dict[str, dict[str, Any]]) -> None:
-  """In the trainer's process: saves step ``step`` with ``checkpointer`` (a
-  ``rlax_llm.checkpoint.Checkpointer``): the trainer's params, optimizer state and counters,
-  and the controller's state (``ControllerState.to_dict()``) and rollouts' arrays it was
-  handed, as one Orbax step. Returns once the arrays are copied off the devices (the files
-  are written in the background)."""
-  checkpointer.save(step, params=trainer.params, opt_state=trainer.opt_state,
-                    trainer=trainer.counters(), controller=controller, rollouts=rollouts)
 
 
-def resume_trainer(checkpointer, trainer: Trainer):
-  """In the trainer's process: restores the latest readable checkpoint of ``checkpointer``
-  into ``trainer`` (params and optimizer state onto its shardings, its counters) and returns
-  the rest, the controller's ``rlax_llm.checkpoint.Resume``; None when there is none."""
-  restored = checkpointer.restore(trainer.params, trainer.opt_state)
-  if restored is None:
-    return None
-  trainer.load(restored.params, restored.opt_state, restored.trainer)
-  return restored.resume()
 
 
 def inference_model(config: ml_collections.ConfigDict, model: Model) -> Model:
@@ -476,27 +342,6 @@ def build_worker(config: ml_collections.ConfigDict, model: Model, tokenizer: Tok
                          lora=lora, fetch_base=None if lora is None else fetch_base)
 
 
-def play_requests(worker: InferenceWorker, fetch, requests: Sequence[GenerationRequest],
-                  rng_data: np.ndarray, version: int, first: int, episodes: EpisodeSettings,
-                  make_env: Callable[[], Environment]
-                  ) -> tuple[list[Trajectory], dict[str, float]]:
-  """In a worker's process: plays the episodes of an environment run's ``requests``
-  (``episodes.request_episodes``: ``num_samples`` per request, keys from ``rng_data`` and
-  ``first`` as ``generate`` draws them) with the weights of ``version``, pulled through
-  ``fetch`` unless held (``InferenceWorker.play_at``), with the requests' sampling spec (one
-  for all). Returns the trajectories in order and the runner's figures."""
-  specs = {request.sampling for request in requests}
-  if len(specs) != 1:
-    raise ValueError(f'play_requests: the requests mix sampling specs {specs}; send one.')
-  if is_harness(episodes.env):  # an agent harness plays them, through the endpoint
-    # Imported here: the serve extra (fastapi, uvicorn, openai) only a harness run needs.
-    from rlax_llm.serve.harness_runner import (  # pylint: disable=import-outside-toplevel
-      play_harness,
-    )
-    return play_harness(worker, fetch, requests, rng_data, version, first, specs.pop(),
-                        episodes)
-  played = request_episodes(requests, make_env, jax.random.wrap_key_data(rng_data), first)
-  return worker.play_at(version, fetch, played, specs.pop(), **episodes.runner_kwargs())
 
 
 def check_meshes(config: ml_collections.ConfigDict) -> dict[str, Any]:

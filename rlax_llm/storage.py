@@ -21,7 +21,7 @@ rest). Paths are ``etils.epath.Path`` values, the path type Orbax uses: local pa
   upload is all or nothing, so is a compose): a reader never sees a torn line. The part it
   leaves behind is removed by the next ``AppendLog`` on that file.
 * ``create_exclusive``, ``read_lease``, ``renew_lease``, ``delete_if_generation``: the object
-  primitives of the workdir's lease on GCS (``rlax_llm.workdir``): an object created only if
+  primitives of the workdir's lease on GCS (``rlax_llm.workdir_claim``): an object created only if
   absent (``ifGenerationMatch=0``), its metadata renewed and deleted only while its generation
   is the one the holder created.
 * ``listdir``, ``read_bytes``, ``upload_file``, ``rename_dir``, ``absolute``: what the

@@ -10,7 +10,7 @@ import pytest
 
 from rlax_llm import cli
 from rlax_llm.config import validate_config
-from rlax_llm.errors import ConfigError
+from rlax_llm.errors import ConfigError, Preempted
 from rlax_llm.run_config import config_changes, saved_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -86,3 +86,49 @@ def test_a_config_file_missing_a_schema_key_or_with_an_unknown_one_is_refused():
   with pytest.raises(ConfigError, match=r"config key 'rl.group_sise' is not a config field.*"
                                         r'Did you mean rl.group_size'):
     validate_config(config)
+
+
+def _define(values):
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  return {'checkpoint': cli.checkpoint_flag(values, 'evaluate'),
+          'port': flags.DEFINE_integer('port', 8000, 'Port.', flag_values=values)}
+
+
+def test_a_command_line_splits_config_arguments_from_the_entry_points_flags():
+  command = cli.command_line(['prog', '--config=configs/default.py:smoke', '--port=9',
+                              '--config.seed=3', '--checkpoint=/tmp/run'],
+                             lambda: 'usage', _define)
+  assert command.config_args == ['--config=configs/default.py:smoke', '--config.seed=3']
+  assert command.values == {'checkpoint': '/tmp/run', 'port': 9}
+  assert command.rest == []
+
+
+def test_a_command_line_asking_for_help_prints_the_usage_before_reading_anything(capsys):
+  assert cli.command_line(['prog', '--config=no_such_file.py', '--port=x', '-h'],
+                          lambda: 'usage: prog\n', _define) is None
+  assert capsys.readouterr().out == 'usage: prog\n'
+  assert cli.command_line(['prog', '--', '--help'], lambda: 'usage', _define,
+                          known_only=True).rest == ['--', '--help']
+
+
+def test_a_bad_flag_exits_with_one_line_unless_left_to_absl():
+  with pytest.raises(SystemExit, match=r"^error: flag --port=x: invalid literal for int"):
+    cli.command_line(['prog', '--port=x'], lambda: 'usage', _define)
+  with pytest.raises(SystemExit, match=r"^error: .*Unknown command line flag 'workdirr'"):
+    cli.command_line(['prog', '--workdirr=/tmp'], lambda: 'usage', _define)
+  command = cli.command_line(['prog', '--verbosity=1', '--port=9'], lambda: 'usage', _define,
+                             known_only=True)
+  assert command.rest == ['--verbosity=1'] and command.values['port'] == 9
+
+
+def test_one_line_errors_turns_an_rlax_error_into_exit_1_and_prints_a_preemption(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    with cli.one_line_errors():
+      raise ConfigError('config.rl.loss is wrong; set it to grpo.')
+  assert exit_info.value.code == 'error: config.rl.loss is wrong; set it to grpo.'
+  with cli.one_line_errors():
+    raise Preempted('preempted after step 3.')
+  assert capsys.readouterr().out == 'preempted after step 3.\n'
+  with pytest.raises(ValueError, match='not ours'):  # anything else is a bug: a traceback
+    with cli.one_line_errors():
+      raise ValueError('not ours')

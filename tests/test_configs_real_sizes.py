@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rlax_llm import roles
+from rlax_llm import memory_fit, roles
 from rlax_llm import sharding as sharding_lib
 from rlax_llm.cli import load_config
 from rlax_llm.config import run_spec
@@ -26,6 +26,7 @@ from rlax_llm.launch_help import help_text
 from rlax_llm.models import lora as lora_lib
 from rlax_llm.models import presets
 from rlax_llm.models.decoder import Decoder
+from rlax_llm.models.decoder_config import DTYPES
 from rlax_llm.models.model import abstract_model, describe
 from rlax_llm.trainer import trainer as trainer_lib
 from rlax_llm.trainer.objectives import loss_totals, rl_objective
@@ -127,9 +128,9 @@ def test_memory_plan_of_qwen3_0_6b_on_v5e_8_matches_a_hand_calculation():
               activations=saved + work + logits, update=update,
               inference_params=inference_params, kv_cache=kv, inference_logits=inference_logits)
   model = presets.get_preset('qwen3-0.6b').with_execution(
-      param_dtype=roles.DTYPES['float32'], dtype=roles.DTYPES['bfloat16'], remat='full')
-  got = roles.run_memory_plan(model, config, plan.trainer_mesh, plan.inference_mesh,
-                              shared=True)
+      param_dtype=DTYPES['float32'], dtype=DTYPES['bfloat16'], remat='full')
+  got = memory_fit.run_memory_plan(model, config, plan.trainer_mesh, plan.inference_mesh,
+                                   shared=True)
   for field, value in want.items():
     assert getattr(got, field) == pytest.approx(value, rel=1e-9), field
   total = sum(want.values()) - min(update, saved + work + logits)  # the larger of the two

@@ -228,7 +228,7 @@ def test_own_model_and_data_quotes_the_cpu_runs_memory_plan():
   """docs/own_model_and_data.md's CPU run: the memory it says the run wants, with remat and
   chunked log-probs and without them, is the memory plan's for its command (one device,
   the roles sharing it), in whole GiB."""
-  from rlax_llm import roles  # pylint: disable=import-outside-toplevel
+  from rlax_llm import memory_fit  # pylint: disable=import-outside-toplevel
   doc = ROOT / 'docs' / 'own_model_and_data.md'
   launch = next(c for c in _bash_commands(doc) if c[:3] == ['python', '-m', 'rlax_llm.launch'])
   overrides = [a for a in launch[3:] if a.startswith('--config')]
@@ -239,7 +239,7 @@ def test_own_model_and_data_quotes_the_cpu_runs_memory_plan():
   planned = []
   for without in ([], ['--config.model.remat=none', '--config.rl.logprob_chunk=0']):
     config = load_config([*overrides, '--config.model.name=qwen2.5-0.5b', *without])
-    plan = roles.run_memory_plan(run_model(config), config, one, one, shared=True)
+    plan = memory_fit.run_memory_plan(run_model(config), config, one, one, shared=True)
     planned.append(round((plan.trainer_bytes + plan.inference_bytes) / 2**30))
   assert [int(g) for g in quoted.groups()] == planned, planned
 

@@ -120,7 +120,7 @@ def test_ray_backend_without_ray(monkeypatch):
   from rlax_llm.backends import ray as ray_backend
   _block(monkeypatch, 'ray')
   with pytest.raises(MissingExtra) as caught:
-    ray_backend._ray()  # pylint: disable=protected-access
+    ray_backend.import_ray()
   assert _one_line(caught.value) == (
       "backend='ray' needs the ray extra: pip install 'rlax_llm[ray]'")
 

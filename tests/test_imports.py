@@ -158,3 +158,87 @@ def test_every_module_imports_first_in_a_fresh_package():
                           cwd=PACKAGE.parent, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   assert not result.stdout.strip(), result.stdout[-5000:]
+
+
+# The package's layers, lowest first: a module imports only from its own layer or lower ones
+# (``test_no_module_imports_from_a_higher_layer``). A module belongs to the layer of the
+# longest pattern naming it: ``'a.b'`` names ``a.b`` and everything under it, ``'a.b.'`` only
+# what is under it (a package whose ``__init__`` belongs lower than its modules).
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # Text, errors, files and the pure schedule: no model, no config.
+    ('foundation', ('rlax_llm', 'rlax_llm.errors', 'rlax_llm.console', 'rlax_llm.storage',
+                    'rlax_llm.workdir', 'rlax_llm.workdir_claim', 'rlax_llm.plugins',
+                    'rlax_llm.sandbox',
+                    'rlax_llm._sandbox_child', 'rlax_llm.tokenization', 'rlax_llm.sharding',
+                    'rlax_llm.sampling_spec', 'rlax_llm.schedule',
+                    'rlax_llm.serve')),  # the serve package's __init__ imports nothing
+    # What a run is about: prompts, scores, environments and their conversations' ids, the
+    # agent harnesses a config may name; text only.
+    ('tasks and environments', ('rlax_llm.tasks', 'rlax_llm.verifiers', 'rlax_llm.rewards',
+                                'rlax_llm.data_types', 'rlax_llm.data', 'rlax_llm.evaluation',
+                                'rlax_llm.envs', 'rlax_llm.serve.harness')),
+    # The decoder, its files and its numerics (models.numerics: batch-invariant reductions
+    # and products on jax alone, the lower layer of the logits math in policy.py).
+    ('models', ('rlax_llm.models',)),
+    ('policy and losses', ('rlax_llm.policy', 'rlax_llm.losses')),
+    # Config files, overrides and validation: validation checks a config against the model
+    # presets and the losses, so it sits above them; nothing below imports a config.
+    ('config', ('rlax_llm.cli', 'rlax_llm.config', 'rlax_llm.configs', 'rlax_llm.distributed')),
+    # The trainer (and what its process writes) never reaches into the inference side: the
+    # backends connect it to the parameter server, whose workers' engine pulls from it.
+    ('trainer', ('rlax_llm.trainer', 'rlax_llm.checkpoint', 'rlax_llm.metrics',
+                 'rlax_llm.tensorboard_writer')),
+    ('parameter server', ('rlax_llm.paramserver',)),
+    ('rollout', ('rlax_llm.rollout',)),
+    ('endpoint', ('rlax_llm.serve.',)),
+    ('controller and role builders', ('rlax_llm.controller', 'rlax_llm.roles',
+                                      'rlax_llm.memory_fit')),
+    # Backends place the roles the builders make and run the controller's loop over them.
+    ('backends', ('rlax_llm.backends',)),
+    ('command lines', ('rlax_llm.launch', 'rlax_llm.launch_help', 'rlax_llm.evaluate',
+                       'rlax_llm.serve.__main__')),
+)
+
+
+def layer_of(module: str, layers=LAYERS) -> int | None:
+  """The index in ``layers`` of the longest pattern naming ``module``, or None."""
+  best, found = -1, None
+  for index, (_, patterns) in enumerate(layers):
+    for pattern in patterns:
+      named = (module.startswith(pattern) if pattern.endswith('.')
+               else module == pattern or module.startswith(pattern + '.'))
+      if named and len(pattern) > best:
+        best, found = len(pattern), index
+  return found
+
+
+def layer_violations(graph: dict[str, dict[str, str]], layers=LAYERS) -> list[str]:
+  """Every import of ``graph`` from a higher layer, and every module in no layer, described."""
+  found = [f'{module} is in no layer; add it to LAYERS' for module in sorted(graph)
+           if layer_of(module, layers) is None]
+  for module in sorted(graph):
+    here = layer_of(module, layers)
+    for imported, where in sorted(graph[module].items()):
+      there = layer_of(imported, layers)
+      if here is not None and there is not None and there > here:
+        found.append(f'{module} ({layers[here][0]}) imports {imported} ({layers[there][0]}; '
+                     f'{where})')
+  return found
+
+
+def test_no_module_imports_from_a_higher_layer():
+  """Function-level imports and package ``__init__`` edges included (``import_graph``)."""
+  violations = layer_violations(import_graph(_modules()))
+  assert not violations, 'imports from a higher layer:\n' + '\n'.join(violations)
+
+
+def test_the_layer_check_sees_an_upward_import_and_an_unplaced_module():
+  layers = (('low', ('rlax_llm', 'rlax_llm.serve')), ('high', ('rlax_llm.serve.',)))
+  graph = {'rlax_llm': {}, 'rlax_llm.serve': {},
+           'rlax_llm.tokenization': {'rlax_llm.serve.api': 'function, line 3'},
+           'rlax_llm.serve.api': {'rlax_llm.serve': 'top'}}
+  assert layer_of('rlax_llm.serve', layers) == 0
+  assert layer_of('rlax_llm.serve.api', layers) == 1
+  assert layer_violations(graph, layers) == [
+      'rlax_llm.tokenization (low) imports rlax_llm.serve.api (high; function, line 3)']
+  assert layer_violations({'other': {}}, layers) == ['other is in no layer; add it to LAYERS']

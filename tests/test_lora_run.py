@@ -31,7 +31,7 @@ from rlax_llm.backends.ray import init_ray
 from rlax_llm.config import run_spec
 from rlax_llm.models import lora as lora_lib
 from rlax_llm.paramserver import ParameterServer, shm
-from rlax_llm.paramserver.server import leaf_specs
+from rlax_llm.paramserver.shards import leaf_specs
 
 LORA = {'lora__rank': 2, 'lora__targets': 'q,v,o,down'}
 

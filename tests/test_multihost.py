@@ -23,6 +23,7 @@ import time
 import pytest
 
 from rlax_llm import workdir as workdir_lib
+from rlax_llm import workdir_claim
 from rlax_llm.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -139,7 +140,7 @@ def test_a_second_job_on_a_busy_workdir_fails_in_every_process(tmp_path):
   """A workdir another run holds: the second job's process 0 is refused as one process would
   be, and its process 1 stops with it (it does not wait for a process 0 that has gone)."""
   workdir = tmp_path / 'wd'
-  with workdir_lib.claim(workdir):
+  with workdir_claim.claim(workdir):
     results = _launch(workdir, 2, '--config.total_steps=0', '--config.warmup.steps=0',
                       timeout=240)
   assert [code for code, _, _ in results] == [1, 1], [err[-2000:] for _, _, err in results]

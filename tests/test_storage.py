@@ -33,6 +33,7 @@ from test_resume import (
 
 from rlax_llm import storage
 from rlax_llm import workdir as workdir_lib
+from rlax_llm import workdir_claim
 from rlax_llm.errors import WorkdirHasRun, WorkdirInUse
 from rlax_llm.metrics import MetricsWriter, read_metrics
 from rlax_llm.storage import write_text_atomic
@@ -179,37 +180,37 @@ def test_a_second_writer_on_the_same_object_is_refused(gs):
 def test_the_lease_refuses_while_live_and_is_taken_over_when_expired(gs):
   """A holder renews its lease (a claim after several lease lengths is still refused); a
   holder that died (stopped renewing, never released) loses it once it expires."""
-  holder = workdir_lib.claim(gs, lease_s=1.0)
-  other = workdir_lib.GcsLease(storage.path(gs) / '.lock', {'pid': 1}, 1.0)
+  holder = workdir_claim.claim(gs, lease_s=1.0)
+  other = workdir_claim.GcsLease(storage.path(gs) / '.lock', {'pid': 1}, 1.0)
   with pytest.raises(WorkdirInUse, match='in use by another run .*lease expires in'):
     other.acquire(gs)
   with pytest.raises(WorkdirInUse, match='already claimed by this process'):
-    workdir_lib.claim(gs)
+    workdir_claim.claim(gs)
   time.sleep(2.5)
   with pytest.raises(WorkdirInUse):
     other.acquire(gs)  # renewed
   holder.close()
   assert storage.listdir(gs) == []  # released: the lease object is deleted
-  dead = workdir_lib.GcsLease(storage.path(gs) / '.lock', {'pid': 2}, 1.0)
+  dead = workdir_claim.GcsLease(storage.path(gs) / '.lock', {'pid': 2}, 1.0)
   dead.acquire(gs)
   dead._stop.set()  # pylint: disable=protected-access  # dies: no renewal, no release
   dead._thread.join()  # pylint: disable=protected-access
   with pytest.raises(WorkdirInUse):
-    workdir_lib.claim(gs, lease_s=1.0)
+    workdir_claim.claim(gs, lease_s=1.0)
   time.sleep(1.2)
-  taken = workdir_lib.claim(gs, lease_s=1.0)
+  taken = workdir_claim.claim(gs, lease_s=1.0)
   assert taken.held and storage.read_lease(f'{gs}/.lock')[1]['owner'] == taken.holder['owner']
   assert not storage.renew_lease(f'{gs}/.lock', dead.generation, {})  # the dead one's is gone
   taken.close()
 
 
 def test_racing_claimers_of_an_expired_lease_one_wins(gs):
-  dead = workdir_lib.GcsLease(storage.path(gs) / '.lock', {'pid': 2}, 0.5)
+  dead = workdir_claim.GcsLease(storage.path(gs) / '.lock', {'pid': 2}, 0.5)
   dead.acquire(gs)
   dead._stop.set()  # pylint: disable=protected-access
   dead._thread.join()  # pylint: disable=protected-access
   time.sleep(0.7)
-  leases = [workdir_lib.GcsLease(storage.path(gs) / '.lock', {'pid': n}, 30.0) for n in range(4)]
+  leases = [workdir_claim.GcsLease(storage.path(gs) / '.lock', {'pid': n}, 30.0) for n in range(4)]
   outcomes = []
 
   def take(lease):
@@ -236,13 +237,13 @@ def test_claim_for_job_and_a_run_without_checkpoint_on_gcs(gs):
     agreed.append(value)
     return value
 
-  with workdir_lib.claim_for_job(gs, 0, agree) as claim:
+  with workdir_claim.claim_for_job(gs, 0, agree) as claim:
     assert claim.held and agreed == [0]
-    member = workdir_lib.claim_for_job(gs, 1, lambda value: 0)
+    member = workdir_claim.claim_for_job(gs, 1, lambda value: 0)
     assert not member.held and str(member.workdir) == gs
   write_text_atomic(f'{gs}/metrics.jsonl', '{"step": 1}\n')
   with pytest.raises(WorkdirHasRun):
-    workdir_lib.claim_for_job(gs, 0, agree)
+    workdir_claim.claim_for_job(gs, 0, agree)
   assert agreed == [0, 2] and storage.read_lease(f'{gs}/.lock') is None  # released on refusal
 
 
@@ -318,7 +319,7 @@ def test_preempted_run_resumes_from_gcs_equal_to_the_uninterrupted_one(gs, tmp_p
 def test_a_second_launch_on_a_held_gcs_workdir_is_refused(gs):
   """While another process holds the workdir's lease, ``python -m rlax_llm.launch`` on it
   exits 1 naming the holder, and writes nothing."""
-  with workdir_lib.claim(gs) as holder:
+  with workdir_claim.claim(gs) as holder:
     second = _launch(gs)
     out, _ = second.communicate(timeout=120)
     assert second.returncode == 1, out[-3000:]

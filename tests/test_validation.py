@@ -11,7 +11,7 @@ import time
 import jax
 import pytest
 
-from rlax_llm import roles
+from rlax_llm import memory_fit, roles
 from rlax_llm.backends import local as local_backend
 from rlax_llm.cli import load_config_file
 from rlax_llm.config import validate_config
@@ -272,7 +272,7 @@ def test_batch_invariant_with_int8_rollouts_is_refused():
 
 def test_a_run_whose_memory_plan_does_not_fit_is_refused_before_anything_is_built(
     monkeypatch, tmp_path):
-  """``roles.check_plan_fits`` (the local backend calls it once the meshes are resolved,
+  """``memory_fit.check_plan_fits`` (the local backend calls it once the meshes are resolved,
   before the trainer and workers exist): on CPU the plan's per-device bytes summed over the
   devices each role uses, against the host's available memory plus the params already
   loaded. Refused one byte short, accepted at the exact need; the message shows the plan
@@ -282,19 +282,19 @@ def test_a_run_whose_memory_plan_does_not_fit_is_refused_before_anything_is_buil
   task, model, params, _ = roles.prepare(config)
   meshes = roles.meshes(config)
   held = sum(x.nbytes for x in jax.tree.leaves(params))
-  monkeypatch.setattr(roles, 'available_memory_bytes', lambda: 1e15)
-  plan = roles.check_plan_fits(config, model.config, meshes, held_bytes=held)
+  monkeypatch.setattr(memory_fit, 'available_memory_bytes', lambda: 1e15)
+  plan = memory_fit.check_plan_fits(config, model.config, meshes, held_bytes=held)
   trainer_devices = meshes['trainer'].devices.size
   inference_devices = sum(m.devices.size for m in meshes['inference'])
   need = (plan.trainer_bytes * trainer_devices
           + plan.inference_bytes / plan.workers_per_chip * inference_devices)
   assert plan.trainer_bytes > plan.params > 0 and plan.inference_bytes > 0
-  monkeypatch.setattr(roles, 'available_memory_bytes', lambda: need - held)
-  roles.check_plan_fits(config, model.config, meshes, held_bytes=held)  # fits exactly
-  monkeypatch.setattr(roles, 'available_memory_bytes', lambda: need - held - 1)
+  monkeypatch.setattr(memory_fit, 'available_memory_bytes', lambda: need - held)
+  memory_fit.check_plan_fits(config, model.config, meshes, held_bytes=held)  # fits exactly
+  monkeypatch.setattr(memory_fit, 'available_memory_bytes', lambda: need - held - 1)
   with pytest.raises(ConfigError, match=r'needs at least .* GiB on the host .*trainer: params '
                      r'.*inference: .*raise config.rl.micro_batches, set config.model.remat=full'):
-    roles.check_plan_fits(config, model.config, meshes, held_bytes=held)
+    memory_fit.check_plan_fits(config, model.config, meshes, held_bytes=held)
   # Through the local backend: refused before the trainer or any worker is built.
   built = []
   monkeypatch.setattr(roles, 'warm_trainer', lambda *a, **k: built.append('trainer'))

@@ -15,10 +15,10 @@ import types
 import pytest
 
 from rlax_llm import workdir as workdir_lib
+from rlax_llm.errors import WorkdirError, WorkdirHasRun, WorkdirInUse
 from rlax_llm.storage import write_text_atomic
-from rlax_llm.workdir import (JobMember, WorkdirClaim, WorkdirError, WorkdirHasRun,
-                              WorkdirInUse, claim, claim_for_job, default_workdir,
-                              truncate_rows, existing_steps)
+from rlax_llm.workdir import default_workdir, existing_steps, truncate_rows
+from rlax_llm.workdir_claim import JobMember, WorkdirClaim, claim, claim_for_job
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -37,7 +37,7 @@ class _Holder:
     self.proc = _python(f'''
         import sys
         from rlax_llm.storage import write_text_atomic
-        from rlax_llm.workdir import claim
+        from rlax_llm.workdir_claim import claim
         c = claim({str(workdir)!r})
         write_text_atomic(c.workdir / 'config.json', 'holder config')
         print('ready', flush=True)
@@ -238,7 +238,7 @@ def test_truncate_rows_keeps_steps_up_to_the_restored_one(tmp_path):
 
 def test_claim_refuses_a_file(tmp_path):
   (tmp_path / 'f').write_text('')
-  with pytest.raises(workdir_lib.WorkdirError, match='exists but is not a directory'):
+  with pytest.raises(WorkdirError, match='exists but is not a directory'):
     claim(tmp_path / 'f')
 
 

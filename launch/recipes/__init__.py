@@ -17,7 +17,7 @@ Each recipe
    (``check_local``, ``check_ray``, sized by ``rlax_llm.sharding.mesh_shape``), then
    ``rlax_llm.config.validate_config`` with as many devices as the launch will see (CPU
    stand-ins, so it works offline), then the memory plan per chip against the chip's HBM
-   (``rlax_llm.roles.run_memory_plan``; named presets only);
+   (``rlax_llm.memory_fit.run_memory_plan``; named presets only);
 3. renders the exact commands (``scripts``: ``gcloud``, ``ray``) or the manifest
    (``manifests``: a JobSet, a KubeRay RayJob; needs PyYAML).
 

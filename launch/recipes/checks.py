@@ -14,10 +14,10 @@ import ml_collections
 from jax._src import xla_bridge
 
 from launch.recipes.slices import SLICES, SliceError, SliceType, with_chips
-from rlax_llm import roles
+from rlax_llm import memory_fit, roles
 from rlax_llm.config import validate_config
 from rlax_llm.models import presets
-from rlax_llm.models.decoder_config import DecoderConfig
+from rlax_llm.models.decoder_config import DTYPES, DecoderConfig
 from rlax_llm.models.files import hub
 from rlax_llm.sharding import mesh_shape
 
@@ -284,27 +284,28 @@ def run_model(config: ml_collections.ConfigDict, num_layers: int | None = None
                      'its checkpoint.')
   preset = presets.get_preset(name, **({} if num_layers is None else
                                         {'num_layers': num_layers}))
-  return preset.with_execution(param_dtype=roles.DTYPES[config.model.param_dtype],
-                               dtype=roles.DTYPES[config.model.dtype], remat=config.model.remat)
+  return preset.with_execution(param_dtype=DTYPES[config.model.param_dtype],
+                               dtype=DTYPES[config.model.dtype], remat=config.model.remat)
 
 
 def memory_check(config: ml_collections.ConfigDict, plan: Plan, trainer_hbm: float,
                  inference_hbm: float, shared: bool) -> list[str] | None:
   """The memory plan per chip against HBM (GiB per chip); returns its lines.
 
-  ``rlax_llm.roles.run_memory_plan`` on the meshes ``plan`` resolved: the trainer's params
-  (the master copy), AdamW state, gradients, KL reference and activations; each worker's
-  params (in ``model.inference_param_dtype``), KV cache and logits. ``shared``: the roles share chips (local backend without
-  ``mesh.disjoint``), so the two add up. XLA's scratch space and fragmentation are not
-  counted: leave some headroom. Named presets only: returns ``None`` for another model.
-  Raises SliceError naming the keys that shrink it when a chip's HBM is too small.
+  ``rlax_llm.memory_fit.run_memory_plan`` on the meshes ``plan`` resolved: the trainer's
+  params (the master copy), AdamW state, gradients, KL reference and activations; each
+  worker's params (in ``model.inference_param_dtype``), KV cache and logits. ``shared``: the
+  roles share chips (local backend without ``mesh.disjoint``), so the two add up. XLA's
+  scratch space and fragmentation are not counted: leave some headroom. Named presets only:
+  returns ``None`` for another model. Raises SliceError naming the keys that shrink it when a
+  chip's HBM is too small.
   """
   name = config.model.name
   if name not in presets.PRESETS:
     return None
   model = run_model(config)
-  memory = roles.run_memory_plan(model, config, plan.trainer_mesh, plan.inference_mesh,
-                                 shared=shared)
+  memory = memory_fit.run_memory_plan(model, config, plan.trainer_mesh, plan.inference_mesh,
+                                      shared=shared)
   trainer_bytes, inference_bytes = trainer_hbm * 2**30, inference_hbm * 2**30
   lines = memory.table(trainer_bytes, inference_bytes)
   for chips, need, hbm in memory.needs(trainer_bytes, inference_bytes):

@@ -22,8 +22,8 @@ a compiled program.
 
 For each program ``ProgramReport`` holds XLA's memory analysis per chip (arguments,
 temporaries, outputs, aliased donations) against the chip's HBM and against the part of
-``presets.memory_plan`` (``roles.run_memory_plan``) it stands for, the compile time, and the
-compiler's cost analysis (FLOPs and bytes accessed per chip) turned into a roofline estimate:
+``presets.memory_plan`` (``memory_fit.run_memory_plan``) it stands for, the compile time, and
+the compiler's cost analysis (FLOPs and bytes accessed per chip) turned into a roofline estimate:
 ``max(FLOPs / peak FLOP/s, bytes / HBM bandwidth)`` with the chip's published peaks
 (``slices.SliceType.peak_tflops``, ``hbm_gbps``). That estimate is a model from the
 compiler's counts, not a measurement (no overlap, no collectives' time, no host work).
@@ -53,7 +53,7 @@ import numpy as np
 from launch.recipes.checks import Plan, run_model
 from launch.recipes.slices import SliceError, SliceType
 from rlax_llm import config as config_lib
-from rlax_llm import roles
+from rlax_llm import memory_fit, roles
 from rlax_llm import sharding as sharding_lib
 from rlax_llm.data_types import TrainBatch
 from rlax_llm.models import lora as lora_lib
@@ -495,8 +495,8 @@ def compile_run(config: ml_collections.ConfigDict, plan: Plan, trainer_slice: Sl
     inference_devices = trainer_devices[math.prod(plan.trainer_mesh.values()):]
   trainer_mesh = sharding_lib.make_mesh(plan.trainer_mesh, list(trainer_devices))
   worker_mesh = sharding_lib.make_mesh(plan.inference_mesh, list(inference_devices))
-  memory = roles.run_memory_plan(model, config, plan.trainer_mesh, plan.inference_mesh,
-                                 shared=shared)
+  memory = memory_fit.run_memory_plan(model, config, plan.trainer_mesh, plan.inference_mesh,
+                                      shared=shared)
   workers = memory.workers_per_chip
   lora = lora_lib.from_config(config)
   reports: list[ProgramReport] = []
@@ -541,8 +541,8 @@ def compile_run(config: ml_collections.ConfigDict, plan: Plan, trainer_slice: Sl
     log('decode_int8')
     int8 = copy.deepcopy(config)
     int8.model.inference_quant = 'int8'
-    int8_plan = roles.run_memory_plan(model, int8, plan.trainer_mesh, plan.inference_mesh,
-                                      shared=shared)
+    int8_plan = memory_fit.run_memory_plan(model, int8, plan.trainer_mesh,
+                                           plan.inference_mesh, shared=shared)
     report, _ = compile_decode(config, model, worker_mesh, inference_slice, quant='int8',
                                plan=int8_plan.inference_bytes / workers,
                                beside=(trainer_held + (workers - 1) * worker_held) if shared

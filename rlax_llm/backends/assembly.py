@@ -71,7 +71,7 @@ def assemble(config: ml_collections.ConfigDict, settings: ControllerSettings, wo
       The run checkpoints when ``config.checkpoint.every_steps`` or ``every_seconds`` is set
       (the controller's ``SaveSchedule``; the trainer's process writes).
     resume: what the trainer's process handed back from the checkpoint it restored
-      (``roles.resume_trainer``), or None: the controller continues from its state, the
+      (``checkpoints.resume_trainer``), or None: the controller continues from its state, the
       writer from its step.
     stop: the preemption event (or None).
   """

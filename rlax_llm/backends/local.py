@@ -45,8 +45,10 @@ import ml_collections
 import numpy as np
 
 from rlax_llm import config as config_lib
-from rlax_llm import roles
+from rlax_llm import memory_fit, roles
+from rlax_llm.backends import checkpoints
 from rlax_llm.backends.assembly import Run, assemble
+from rlax_llm.backends.play import play_requests
 from rlax_llm.models.model import Model, abstract_model
 from rlax_llm.paramserver import ParameterServer
 from rlax_llm.paramserver.publisher import Publisher, adapter_sync
@@ -100,7 +102,7 @@ class LocalTrainer:
     inference = (abstract_model(trainer.model.config) if inference is None  # a LoRA
                  else inference)  # trainer's workers hold the base model
     self.checkpointer = checkpointer
-    self.resume = (roles.resume_trainer(checkpointer, trainer)
+    self.resume = (checkpoints.resume_trainer(checkpointer, trainer)
                    if checkpointer is not None else None)
     self._serial = Serial('trainer', threaded)
     self.publisher = Publisher(trainer.model, inference, _push, server, base_server)
@@ -122,9 +124,9 @@ class LocalTrainer:
     return self._serial.submit(self._step, batch)
 
   def save(self, step: int, controller, rollouts):
-    """Saves step ``step`` on the trainer's thread (``roles.save_checkpoint``)."""
-    return self._serial.submit(roles.save_checkpoint, self.checkpointer, self.trainer, step,
-                               controller, rollouts)
+    """Saves step ``step`` on the trainer's thread (``checkpoints.save_checkpoint``)."""
+    return self._serial.submit(checkpoints.save_checkpoint, self.checkpointer, self.trainer,
+                               step, controller, rollouts)
 
   def load(self, params, opt_state, counters: dict[str, int]) -> None:
     """Continues from a checkpoint (``Trainer.load``) and pushes the restored version."""
@@ -163,8 +165,8 @@ class LocalWorker:
     self._serial = Serial('inference', threaded)
 
   def play(self, requests, rng_data: np.ndarray, version: int, first: int = 0):
-    """``roles.play_requests`` on this worker's thread."""
-    return self._serial.submit(roles.play_requests, self.worker, self.server.update, requests,
+    """``play_requests`` on this worker's thread."""
+    return self._serial.submit(play_requests, self.worker, self.server.update, requests,
                                rng_data, version, first, self.episodes, self.make_env)
 
   def generate(self, requests, rng_data: np.ndarray, version: int, stop_after=None, first=0):
@@ -188,10 +190,10 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   event."""
   task, model, params, tokenizer = roles.prepare(config)
   meshes = roles.meshes(config)
-  roles.check_plan_fits(config, model.config, meshes,
+  memory_fit.check_plan_fits(config, model.config, meshes,
                         held_bytes=sum(x.nbytes for x in jax.tree.leaves(params)))
   threaded = config.local.concurrent
-  checkpointer = roles.build_checkpointer(config, workdir)
+  checkpointer = checkpoints.build_checkpointer(config, workdir)
   trainer, warmup_metrics = roles.warm_trainer(config, spec, task, model, params, tokenizer,
                                                meshes['trainer'], checkpointer, stop)
   server = ParameterServer(keep=spec.keep_versions)

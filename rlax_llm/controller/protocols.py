@@ -65,7 +65,7 @@ class WorkerHandle(Protocol):
 
   def play(self, requests: Sequence[GenerationRequest], rng_data: np.ndarray, version: int,
            first: int = 0) -> Future:  # -> (list[Trajectory], dict[str, float])
-    """An environment run's ``generate`` (``roles.play_requests``): plays each request's
+    """An environment run's ``generate`` (``backends.play.play_requests``): plays each request's
     ``num_samples`` episodes of the environment seed its prompt stands for with weights
     ``version`` (pulled by the worker itself), keys as ``generate`` draws them; returns the
     trajectories and the runner's figures (``sync/`` keys: the pull's)."""

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 # The declarative parts (the architecture, its checks and the choices' names) are the leaf
 # module ``model_spec``'s, for the config boundary to check a model without JAX.
+from rlax_llm import model_spec
 from rlax_llm.model_spec import (  # noqa: F401  (re-exported)
     DECODE_ATTENTIONS,
     FAMILIES,
@@ -18,6 +19,10 @@ from rlax_llm.model_spec import (  # noqa: F401  (re-exported)
     Architecture,
     RopeScaling,
 )
+
+# Execution.param_dtype and dtype by the name a config gives them (model.param_dtype,
+# model.dtype, model.inference_param_dtype; the names are model_spec.DTYPES).
+DTYPES = {name: getattr(jnp, name) for name in model_spec.DTYPES}
 
 
 @dataclasses.dataclass(frozen=True)

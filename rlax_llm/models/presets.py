@@ -149,7 +149,7 @@ def worker_param_bytes(config: DecoderConfig, mesh: Mapping[str, int], *, quant:
                        ) -> dict[str, float]:
   """Bytes of the params one inference worker keeps on its most loaded device (nothing is
   allocated): the one definition the memory plan (``memory_plan``) and the pre-run fit check
-  (``roles.rollout_memory_bytes``) share.
+  (``memory_fit.rollout_memory_bytes``) share.
 
   Args:
     config: the workers' model (its ``param_dtype``: the dtype of the copy they pull,

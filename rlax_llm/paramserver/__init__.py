@@ -3,12 +3,7 @@ lossless sparse deltas between versions, and the two ends every backend uses: th
 ``publisher`` and the workers' ``receiver``."""
 
 from rlax_llm.paramserver import delta
-from rlax_llm.paramserver.server import (
-                                         ParameterServer,
-                                         Shard,
-                                         ShardPush,
-                                         WeightSnapshot,
-                                         local_shards,
-)
+from rlax_llm.paramserver.server import ParameterServer, WeightSnapshot
+from rlax_llm.paramserver.shards import Shard, ShardPush, local_shards
 
 __all__ = ['ParameterServer', 'Shard', 'ShardPush', 'WeightSnapshot', 'delta', 'local_shards']

@@ -3,7 +3,7 @@ once (whole params, which the server hands out as deltas, or LoRA adapters).
 
 A backend supplies only the transport, a ``Push`` and its servers: the local backend pushes to
 a ``ParameterServer`` of its process (``backends.local``), Ray to a server actor through a
-shared-memory slot or the object store (``backends.ray.push_shards``). The ``Publisher`` owns
+shared-memory slot or the object store (``backends.ray_actors.push_shards``). The ``Publisher`` owns
 the rules: what a version is (``lora.pushed_params``: the trainer's params cast to the
 workers' dtypes on the trainer's devices, a LoRA model's merged, or under adapter-only sync
 its adapters alone), that under adapter-only sync the base (``lora.pushed_base``) goes first,

@@ -3,7 +3,7 @@ it, merge adapters.
 
 An inference worker owns a ``Receiver`` (``InferenceWorker.receiver``). A backend supplies only
 the transport, as callables: ``Fetch`` (``ParameterServer.update`` in process; a call to the
-server actor on Ray, ``backends.ray.fetch_update``), ``Latest`` for free-running mode and,
+server actor on Ray, ``backends.ray_actors.fetch_update``), ``Latest`` for free-running mode and,
 with LoRA's adapter-only sync, ``FetchBase``. The receiver asks for a version as a lossless
 delta from the version it holds (or whole leaves when it holds none), rebuilds the leaves
 (``delta.apply``), checks every leaf against the checksum the server took when the trainer
@@ -34,7 +34,7 @@ from rlax_llm import schedule
 from rlax_llm.models import lora as lora_lib
 from rlax_llm.models.model import Model, Params
 from rlax_llm.paramserver import delta as delta_lib
-from rlax_llm.paramserver.server import leaf_specs
+from rlax_llm.paramserver.shards import leaf_specs
 
 # ``fetch(version, base_version) -> Delta``: a backend's way to ask the parameter server for a
 # version (``ParameterServer.update`` in process, a call to the server's actor on Ray).

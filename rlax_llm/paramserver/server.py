@@ -33,11 +33,12 @@ the version a puller holds (``rlax_llm.paramserver.delta``: per leaf, the change
 indices and values, or the whole leaf when that is smaller), so a worker pulls only what
 changed.
 
-Pushes by shard. A trainer pushes ``local_shards(params)``: per leaf, the distinct blocks of
-its sharded ``jax.Array`` (``replica_id == 0``) it holds; ``push_shards`` copies each block
-once, from its device straight into the version's host leaf (no gather of the whole model
-onto one host, no intermediate copy), and takes a leaf's checksum once the leaf is complete.
-A trainer spanning ``P`` hosts pushes from each process (``process_index``, ``P``); the
+Pushes by shard. A trainer pushes ``local_shards(params)``
+(``rlax_llm.paramserver.shards``): per leaf, the distinct blocks of its sharded
+``jax.Array`` (``replica_id == 0``) it holds; ``push_shards`` copies each block once, from
+its device straight into the version's host leaf (no gather of the whole model onto one
+host, no intermediate copy), and takes a leaf's checksum once the leaf is complete. A
+trainer spanning ``P`` hosts pushes from each process (``process_index``, ``P``); the
 version is committed, and visible, once the blocks of all ``P`` pushes cover every leaf
 exactly once. ``push(version, params)`` is the one-process case. With ``adopt=True`` (the
 Ray server actor: arrays Ray deserialised from its immutable object store) a whole-leaf
@@ -53,7 +54,6 @@ template checks hold for every transport alike.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 import threading
 from typing import Any
@@ -62,10 +62,17 @@ import jax
 import numpy as np
 
 from rlax_llm.paramserver import delta as delta_lib
-
-# A leaf's static description: (shape, dtype name), e.g. ((2, 3), 'float32').
-LeafSpec = tuple[tuple[int, ...], str]
-
+from rlax_llm.paramserver.shards import (
+  Box,
+  LeafSpec,
+  ShardPush,
+  box_shape,
+  dtype_name,
+  leaf_spec,
+  leaf_specs,
+  local_shards,
+  overlap,
+)
 
 @dataclasses.dataclass(frozen=True)
 class WeightSnapshot:
@@ -85,114 +92,6 @@ class WeightSnapshot:
   def metadata(self) -> dict[str, LeafSpec]:
     """Leaf path (``jax.tree_util.keystr``) -> ``(shape, dtype name)``, in tree order."""
     return leaf_specs(self.params)
-
-
-def leaf_specs(tree: Any) -> dict[str, LeafSpec]:
-  """Leaf path (``jax.tree_util.keystr``) -> ``(shape, dtype name)`` of every leaf of
-  ``tree`` (arrays, ``jax.ShapeDtypeStruct``s or Python scalars), in tree order."""
-  leaves_with_path, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return {jax.tree_util.keystr(path): _leaf_spec(leaf) for path, leaf in leaves_with_path}
-
-
-@functools.cache
-def _dtype_name(dtype: Any) -> str:
-  """``str(np.dtype(dtype))``, remembered (numpy computes it afresh each time, slowly)."""
-  return str(np.dtype(dtype))
-
-
-def _leaf_spec(leaf: Any) -> LeafSpec:
-  """(shape, dtype name) of an array, a ``jax.ShapeDtypeStruct`` or a Python scalar."""
-  if hasattr(leaf, 'shape') and hasattr(leaf, 'dtype'):
-    return tuple(int(d) for d in leaf.shape), _dtype_name(leaf.dtype)
-  arr = np.asarray(leaf)
-  return arr.shape, str(arr.dtype)
-
-
-# A shard's place in its leaf: (start, stop) per dimension.
-Box = tuple[tuple[int, int], ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Shard:
-  """One block of leaf number ``leaf`` (tree order): the elements ``box`` (``(start, stop)``
-  per dimension) with the values ``data`` (an array of the box's shape and the leaf's dtype:
-  numpy, or a single-device ``jax.Array`` the server copies from). ``checksum``: the
-  ``delta.checksum`` of ``data`` when its writer already took it (a whole leaf written into a
-  shared-memory slot, ``rlax_llm.paramserver.shm``), used when the server adopts it."""
-
-  leaf: int
-  box: Box
-  data: Any
-  checksum: int | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardPush:
-  """What one process pushes of one version: the whole tree's description (structure, leaf
-  paths, global ``(shape, dtype)`` of each leaf) and the shards of it this process holds.
-  Built by ``local_shards``; picklable (shards of numpy arrays), so it can cross processes."""
-
-  treedef: Any
-  paths: tuple[str, ...]
-  specs: tuple[LeafSpec, ...]
-  shards: tuple[Shard, ...]
-
-  @property
-  def nbytes(self) -> int:
-    return sum(int(np.prod(_box_shape(s.box))) * np.dtype(self.specs[s.leaf][1]).itemsize
-               for s in self.shards)
-
-
-def _box_shape(box: Box) -> tuple[int, ...]:
-  return tuple(stop - start for start, stop in box)
-
-
-def _box_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
-  """A ``jax.Shard.index`` (slices, ``None`` bounds allowed) as a box of ``shape``."""
-  box = []
-  for sl, dim in zip(index, shape):
-    start, stop, step = sl.indices(dim)
-    if step != 1:
-      raise ValueError(f'shard index {index} has a step; shards must be contiguous blocks.')
-    box.append((start, stop))
-  return tuple(box)
-
-
-def _overlap(a: Box, b: Box) -> bool:
-  return all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(a, b))
-
-
-def local_shards(params: Any, to_host: bool = False) -> ShardPush:
-  """The shards of ``params`` this process holds, ready for ``ParameterServer.push_shards``.
-
-  A leaf that is a ``jax.Array`` contributes one shard per distinct block among its
-  addressable shards (those with ``replica_id == 0``; the block's device data, copied by the
-  server straight into its host leaf, never gathered whole first); other leaves (numpy
-  arrays, Python scalars) one shard covering the whole leaf. On a multi-host trainer each
-  process pushes its own ``local_shards``; the blocks of all processes together cover every
-  leaf exactly once. Device-to-host copies of all shards start here, asynchronously.
-
-  ``to_host``: the shards' data as host numpy arrays (each block brought to host on its own;
-  zero-copy views on CPU devices), for a push that crosses processes (pickled; on Ray into
-  the object store). Otherwise single-device ``jax.Array`` s, for a server in this process.
-  """
-  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
-  paths, specs, blocks = [], [], []  # blocks: (leaf, box, data)
-  for i, (path, leaf) in enumerate(leaves_with_path):
-    paths.append(jax.tree_util.keystr(path))
-    if isinstance(leaf, jax.Array):
-      shape = tuple(int(d) for d in leaf.shape)
-      specs.append((shape, _dtype_name(leaf.dtype)))
-      for shard in leaf.addressable_shards:
-        if shard.replica_id == 0:
-          shard.data.copy_to_host_async()  # every block's transfer starts before any is read
-          blocks.append((i, _box_of(shard.index, shape), shard.data))
-    else:
-      arr = np.asarray(leaf)
-      specs.append((arr.shape, _dtype_name(arr.dtype)))
-      blocks.append((i, tuple((0, d) for d in arr.shape), arr))
-  shards = [Shard(i, box, np.asarray(data) if to_host else data) for i, box, data in blocks]
-  return ShardPush(treedef, tuple(paths), tuple(specs), tuple(shards))
 
 
 class _Pending:
@@ -291,7 +190,7 @@ class ParameterServer:
       self._template = (
         treedef,
         [jax.tree_util.keystr(path) for path, _ in leaves_with_path],
-        [_leaf_spec(leaf) for _, leaf in leaves_with_path],
+        [leaf_spec(leaf) for _, leaf in leaves_with_path],
       )
 
   @property
@@ -349,7 +248,7 @@ class ParameterServer:
     its writer took (``Shard.checksum``). Only for memory nothing can write to while the
     server holds it: the arrays Ray deserialised from its object store for a server actor
     (zero-copy views of immutable shared memory, valid while referenced;
-    ``rlax_llm.backends.ray.ServerRole``), or a shared-memory slot the server's ring lends
+    ``rlax_llm.backends.ray_actors.ServerRole``), or a shared-memory slot the server's ring lends
     to no writer while the version is held (``rlax_llm.paramserver.shm``). Adopted memory
     is never reused for a later version by this server (only buffers it allocated are).
     Other shards are copied.
@@ -391,7 +290,7 @@ class ParameterServer:
         self._check_same_push(pending, shards, process_index, process_count, version)
       reserved = [list(boxes) for boxes in pending.boxes]
       for shard in shards.shards:
-        clash = next((b for b in reserved[shard.leaf] if _overlap(b, shard.box)), None)
+        clash = next((b for b in reserved[shard.leaf] if overlap(b, shard.box)), None)
         if clash is not None:
           raise ValueError(
               f'push of version {version} by process {process_index} rejected: its shard '
@@ -436,18 +335,18 @@ class ParameterServer:
       target = pending.leaves[shard.leaf]
       if target.size == 0:
         continue
-      if adopt and _box_shape(shard.box) == target.shape and _adoptable(shard.data):
+      if adopt and box_shape(shard.box) == target.shape and _adoptable(shard.data):
         # A view: never owndata, so a dropped version never hands it to _take_spare. The
         # leaf is covered by this one shard only (overlaps were refused), so no other push
         # writes to pending.leaves[shard.leaf].
         pending.leaves[shard.leaf] = shard.data.view()
         whole[shard.leaf] = (delta_lib.checksum(shard.data) if shard.checksum is None
                              else shard.checksum)
-      elif _box_shape(shard.box) == target.shape:  # copied and summed in one pass
+      elif box_shape(shard.box) == target.shape:  # copied and summed in one pass
         whole[shard.leaf] = delta_lib.copy_with_checksum(target, np.asarray(shard.data))
       else:
         target[tuple(slice(start, stop) for start, stop in shard.box)] = np.asarray(shard.data)
-      written[shard.leaf] += int(np.prod(_box_shape(shard.box)))
+      written[shard.leaf] += int(np.prod(box_shape(shard.box)))
     with self._lock:
       completed = []
       for i, n in enumerate(written):
@@ -470,10 +369,10 @@ class ParameterServer:
           not 0 <= start <= stop <= dim for (start, stop), dim in zip(shard.box, shape)):
         raise ValueError(f'the shard {shard.box} of leaf {path} lies outside its shape '
                          f'{shape}; a block is (start, stop) per dimension within it.')
-      seen = (tuple(int(d) for d in shard.data.shape), _dtype_name(shard.data.dtype))
-      if seen != (_box_shape(shard.box), dtype):
+      seen = (tuple(int(d) for d in shard.data.shape), dtype_name(shard.data.dtype))
+      if seen != (box_shape(shard.box), dtype):
         raise ValueError(f'the shard {shard.box} of leaf {path} holds {seen[0]} {seen[1]}; '
-                         f'its block needs {_box_shape(shard.box)} {dtype}.')
+                         f'its block needs {box_shape(shard.box)} {dtype}.')
 
   def _check_same_push(self, pending: _Pending, shards: ShardPush, process_index: int,
                        process_count: int, version: int) -> None:
@@ -502,7 +401,7 @@ class ParameterServer:
               checksums: tuple[int, ...]) -> None:
     """Checks order and template, then stores complete read-only host leaves (with their
     ``delta.checksum`` s) atomically (the transport seam). Call with the lock held."""
-    specs = [_leaf_spec(leaf) for leaf in leaves]
+    specs = [leaf_spec(leaf) for leaf in leaves]
     self._check_version_order(version)
     if self._template is None:
       template = (treedef, paths, specs)
@@ -518,7 +417,7 @@ class ParameterServer:
       self._spare = {}
       for leaf in dropped:
         if leaf.flags.owndata:  # an array this server allocated
-          self._spare.setdefault(_leaf_spec(leaf), []).append(leaf)
+          self._spare.setdefault(leaf_spec(leaf), []).append(leaf)
 
   def _check_version_order(self, version: int) -> None:
     if version <= self._latest:

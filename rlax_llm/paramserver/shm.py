@@ -56,7 +56,8 @@ from typing import Any
 import numpy as np
 
 from rlax_llm.paramserver import delta as delta_lib
-from rlax_llm.paramserver.server import LeafSpec, ParameterServer, Shard, ShardPush
+from rlax_llm.paramserver.server import ParameterServer
+from rlax_llm.paramserver.shards import LeafSpec, Shard, ShardPush
 
 TRANSPORTS = ('auto', 'object_store')
 PREFIX = 'rlax_ps_'

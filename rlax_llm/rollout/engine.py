@@ -63,7 +63,7 @@ from rlax_llm.models.kv_cache import (KEY_BLOCK_AXES, KEY_POSITION_AXIS,
 from rlax_llm.models.model import Model, Params, to_weight_layout, with_weight_layout
 from rlax_llm.models.numerics import INVARIANT_KEYS
 from rlax_llm.models.quant import QUANT_MODES, quantize_params, quantized_shardings
-from rlax_llm.paramserver.server import leaf_specs
+from rlax_llm.paramserver.shards import leaf_specs
 from rlax_llm.policy import sample_rows
 from rlax_llm.sampling_spec import SamplingSpec
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import ml_collections
 
 from rlax_llm import cli, console, evaluate
-from rlax_llm.errors import ConfigError, RlaxError
+from rlax_llm.errors import ConfigError
 
 # Seconds between two writes of the closed episodes to --episodes.
 _DRAIN_S = 1.0
@@ -96,49 +96,50 @@ tokens, log-probs and versions under an episode id for RL. A --host other machin
 reach needs --api_key_env, or --allow_unauthenticated_network on a trusted network."""
 
 
+def _define_flags(values) -> dict:
+  """The endpoint's flags (module docstring) on the absl ``FlagValues`` ``values``."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  return {
+      'checkpoint': cli.checkpoint_flag(values, 'serve'),
+      'host': flags.DEFINE_string('host', '127.0.0.1', 'Address to listen on.',
+                                  flag_values=values),
+      'port': flags.DEFINE_integer('port', 8000, 'Port to listen on.', flag_values=values),
+      'api_key_env': flags.DEFINE_string('api_key_env', None, 'Environment variable holding '
+                                         'the bearer token clients must send.',
+                                         flag_values=values),
+      'allow_unauthenticated_network': flags.DEFINE_bool(
+          'allow_unauthenticated_network', False, 'Serve a --host that is not loopback '
+          'without a token (a trusted network only).', flag_values=values),
+      'max_request_mib': flags.DEFINE_float('max_request_mib', None, 'Largest request body '
+                                            'taken, in MiB (larger: 413; default 4).',
+                                            flag_values=values),
+      'episodes': flags.DEFINE_string('episodes', None, 'Append closed episodes\' '
+                                      'trajectories to this JSONL file.', flag_values=values)}
+
+
 def main(argv: Sequence[str]) -> None:
   """The command line (module docstring). Raises SystemExit ``'error: ...'`` for any
   ``RlaxError``, with its fix."""
-  from absl import flags  # pylint: disable=import-outside-toplevel
-  if any(a in ('-h', '--help', '-help') for a in argv[1:]):
-    sys.stdout.write(_USAGE + '\n')
+  command = cli.command_line(argv, lambda: _USAGE + '\n', _define_flags)
+  if command is None:  # --help
     return
-  config_args, rest = cli.split_config_args(argv[1:])
-  values = flags.FlagValues()
-  checkpoint = flags.DEFINE_string('checkpoint', None, 'Params to serve: a run\'s workdir or '
-                                   'a checkpoint directory.', flag_values=values)
-  host = flags.DEFINE_string('host', '127.0.0.1', 'Address to listen on.', flag_values=values)
-  port = flags.DEFINE_integer('port', 8000, 'Port to listen on.', flag_values=values)
-  key_env = flags.DEFINE_string('api_key_env', None, 'Environment variable holding the bearer '
-                                'token clients must send.', flag_values=values)
-  trusted = flags.DEFINE_bool('allow_unauthenticated_network', False, 'Serve a --host that '
-                              'is not loopback without a token (a trusted network only).',
-                              flag_values=values)
-  max_mib = flags.DEFINE_float('max_request_mib', None, 'Largest request body taken, in MiB '
-                               '(larger: 413; default 4).', flag_values=values)
-  episodes = flags.DEFINE_string('episodes', None, 'Append closed episodes\' trajectories '
-                                 'to this JSONL file.', flag_values=values)
-  try:
-    values([argv[0], *rest])
-  except flags.Error as e:
-    raise SystemExit(f'error: {e}') from None
-  try:
+  flag = command.values
+  with cli.one_line_errors():
     api_key = None
-    if key_env.value:
-      api_key = os.environ.get(key_env.value)
+    if flag['api_key_env']:
+      api_key = os.environ.get(flag['api_key_env'])
       if not api_key:
-        raise ConfigError(f'--api_key_env={key_env.value} names an environment variable that '
-                          'is not set; export it with the bearer token clients will send.')
-    max_bytes = None if max_mib.value is None else int(max_mib.value * 2**20)
+        raise ConfigError(f'--api_key_env={flag["api_key_env"]} names an environment variable '
+                          'that is not set; export it with the bearer token clients will send.')
+    max_mib = flag['max_request_mib']
+    max_bytes = None if max_mib is None else int(max_mib * 2**20)
     if max_bytes is not None and max_bytes < 1:
-      raise ConfigError(f'--max_request_mib={max_mib.value} must be > 0 (default 4).')
-    config = evaluate.config_for(config_args, checkpoint.value)
-    serve(config, checkpoint=checkpoint.value, host=host.value, port=port.value,
-          api_key=api_key, allow_unauthenticated_network=trusted.value,
-          max_request_bytes=max_bytes, episodes=episodes.value,
+      raise ConfigError(f'--max_request_mib={max_mib} must be > 0 (default 4).')
+    config = evaluate.config_for(command.config_args, flag['checkpoint'])
+    serve(config, checkpoint=flag['checkpoint'], host=flag['host'], port=flag['port'],
+          api_key=api_key, allow_unauthenticated_network=flag['allow_unauthenticated_network'],
+          max_request_bytes=max_bytes, episodes=flag['episodes'],
           started=lambda url: print(json.dumps({'base_url': url}), flush=True))
-  except RlaxError as e:
-    raise SystemExit(f'error: {e}') from None
 
 
 if __name__ == '__main__':

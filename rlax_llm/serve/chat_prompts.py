@@ -24,7 +24,7 @@ from typing import Any
 
 from rlax_llm.envs.tool_calls import format_tool_result, render_tool_call
 from rlax_llm.models.files.chat_template import template_messages
-from rlax_llm.rollout.episodes import make_renderer
+from rlax_llm.envs.conversation import make_renderer
 from rlax_llm.serve.http_server import ApiError
 from rlax_llm.tokenization import Tokenizer
 

@@ -229,7 +229,7 @@ def _empty(index: int, episode: Episode, reward: float, termination: str) -> Tra
 def play_harness(worker: InferenceWorker, fetch: Fetch, requests: Sequence[GenerationRequest],
                  rng_data: np.ndarray, version: int, first: int, spec: SamplingSpec,
                  episodes: EpisodeSettings) -> tuple[list[Trajectory], dict[str, float]]:
-  """``roles.play_requests`` for a harness run, in a worker's process: the episodes of
+  """``backends.play.play_requests`` for a harness run, in a worker's process: the episodes of
   ``requests`` (``request_episodes``: keys and group ids as an environment run's) played by
   the harness ``episodes.env`` names, with the weights of ``version`` (pulled through
   ``fetch`` unless held: ``Receiver.ensure``). Returns the trajectories in order and the

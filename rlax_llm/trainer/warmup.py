@@ -4,7 +4,7 @@ Gives a model partial competence before RL (the RL starting point of the default
 the same ``Trainer`` (mesh, shardings, jitted step, non-finite guard) as RL with
 ``sft_objective``; the batches come from ``rlax_llm.data.sft_batch`` (a task's
 ``sft_example``) or ``demo_batch`` (an environment's oracle episodes, rendered token for token
-as the episode runner records them).
+as the episode runner records them, ``rlax_llm.envs.conversation``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from rlax_llm.envs.base import Environment
 from rlax_llm.envs.seeds import DEMO_SEED_START
 from rlax_llm.errors import NonFiniteError, Preempted
 from rlax_llm.models.model import Model, Params
-from rlax_llm.rollout.episodes import demonstration
+from rlax_llm.envs.conversation import demonstration
 from rlax_llm.tokenization import Tokenizer
 from rlax_llm.trainer.objectives import sft_objective
 from rlax_llm.trainer.trainer import Trainer, make_optimizer
@@ -78,8 +78,8 @@ def demo_batch(make_env: Callable[[], Environment], tokenizer: Tokenizer, start:
                ) -> dict[str, np.ndarray]:
   """An environment run's warm-up rows: demonstrations ``start .. start + batch_size - 1``,
   demonstration ``i`` the oracle's episode of a fresh ``make_env()`` from seed
-  ``DEMO_SEED_START + i`` (``episodes.demonstration``: the ids and loss mask the episode
-  runner records for those actions; ``max_turns`` caps its turns as ``agent.max_turns``
+  ``DEMO_SEED_START + i`` (``envs.conversation.demonstration``: the ids and loss mask the
+  episode runner records for those actions; ``max_turns`` caps its turns as ``agent.max_turns``
   does).
 
   Returns ``tokens`` int32 ``[B, T]`` and ``loss_mask`` float32 ``[B, T]`` (1 on the model's

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from rlax_llm import roles
+from rlax_llm import memory_fit, roles
 from rlax_llm.data_types import GenerationRequest, make_train_batch
 from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.model import cast_params, create_model, with_param_dtype
@@ -123,12 +123,12 @@ def test_the_worker_and_the_plan_hold_the_inference_copy_at_its_dtype():
   config.model.inference_param_dtype = ''
   assert roles.inference_model(config, model) is model
   one = {'data': 1, 'fsdp': 1, 'tensor': 1}
-  fp32 = roles.run_memory_plan(model.config, config, one, one, shared=True)
+  fp32 = memory_fit.run_memory_plan(model.config, config, one, one, shared=True)
   config.model.inference_param_dtype = 'bfloat16'
-  bf16 = roles.run_memory_plan(model.config, config, one, one, shared=True)
+  bf16 = memory_fit.run_memory_plan(model.config, config, one, one, shared=True)
   assert bf16.inference_params == fp32.inference_params / 2
   assert bf16.params == fp32.params  # the trainer's master copy stays float32
-  assert roles.rollout_memory_bytes(model.config, config)['params_bytes'] == (
+  assert memory_fit.rollout_memory_bytes(model.config, config)['params_bytes'] == (
       bf16.inference_params)
   worker = roles.build_worker(config, model, tokenizer, make_mesh({'data': 1},
                                                                    jax.devices()[:1]))

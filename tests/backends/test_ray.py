@@ -18,6 +18,7 @@ ray = pytest.importorskip('ray')
 from rlax_llm.backends import build_run  # noqa: E402
 from rlax_llm import roles  # noqa: E402
 from rlax_llm.backends import ray as ray_backend  # noqa: E402
+from rlax_llm.backends import ray_actors  # noqa: E402
 from rlax_llm.checkpoint import PreemptionGuard  # noqa: E402
 from rlax_llm.config import run_spec  # noqa: E402
 from rlax_llm.data_types import Rollouts, TrainBatch  # noqa: E402
@@ -308,10 +309,10 @@ def test_the_server_actor_keeps_the_object_stores_arrays_and_they_never_change(c
     def push(self, server, version: int, seed: int) -> None:
       rng = np.random.default_rng(seed)
       params = {'a': rng.random((512, 512), np.float32), 'b': rng.random((7,), np.float32)}
-      ray_backend.push_shards(server, version, local_shards(params, to_host=True))
+      ray_actors.push_shards(server, version, local_shards(params, to_host=True))
 
   before = _plasma_objects()
-  server = ray.remote(num_cpus=0, max_concurrency=4)(ray_backend.ServerRole).remote(
+  server = ray.remote(num_cpus=0, max_concurrency=4)(ray_actors.ServerRole).remote(
       2, 'object_store')
   pusher = ray.remote(num_cpus=0)(Pusher).remote()
   try:
@@ -330,7 +331,7 @@ def test_the_server_actor_keeps_the_object_stores_arrays_and_they_never_change(c
         # The big leaf comes as the trainer's object's ref, not serialised by the server.
         sent, refs = ray.get(server.update.remote(held, -1))
         assert len(refs) == 1 and sent.nbytes < 1024
-        update = ray_backend.fetch_update(server, held, -1)
+        update = ray_actors.fetch_update(server, held, -1)
         leaves = delta_lib.apply([None, None], update)
         rng = np.random.default_rng(held)
         np.testing.assert_array_equal(leaves[0], rng.random((512, 512), np.float32))
@@ -360,16 +361,16 @@ def peer(node: str | None = None):
   class Peer:
     def __init__(self):
       if node is not None:
-        ray_backend._node_id = lambda: node  # pylint: disable=protected-access
+        ray_actors._node_id = lambda: node  # pylint: disable=protected-access
       self.kept = {}
 
     def push(self, server, version: int) -> None:
-      ray_backend.push_shards(server, version, local_shards(params(version), to_host=True))
+      ray_actors.push_shards(server, version, local_shards(params(version), to_host=True))
 
     def pull(self, server, version: int, keep: bool = False) -> list[bool]:
       """Pulls ``version`` whole; returns, per leaf, whether it is a read-only view (no copy
       in this process); ``keep``: holds it until ``check``."""
-      update = ray_backend.fetch_update(server, version, -1)
+      update = ray_actors.fetch_update(server, version, -1)
       leaves = delta_lib.apply([None, None], update)
       delta_lib.verify(leaves, update.checksums, ['a', 'b'], version)
       for got, want in zip(leaves, jax.tree.leaves(params(version))):
@@ -393,7 +394,7 @@ def test_on_one_machine_versions_move_through_the_servers_shared_memory(cluster)
   worker holding version 0 while 6 more pass (keep 2) keeps its bytes: its slot is never
   reused; the ring stays small. The actors killed, no process holds the ring's memory."""
   before = _plasma_objects()
-  server = ray.remote(num_cpus=0, max_concurrency=4)(ray_backend.ServerRole).remote(2)
+  server = ray.remote(num_cpus=0, max_concurrency=4)(ray_actors.ServerRole).remote(2)
   trainer, worker = peer(), peer()
   try:
     for version in range(7):
@@ -422,7 +423,7 @@ def test_on_one_machine_versions_move_through_the_servers_shared_memory(cluster)
 def test_processes_on_other_machines_keep_the_object_store(cluster):
   """A trainer or a worker whose node id differs from the server's (faked) pushes and pulls
   through the object store; a worker on the server's machine still maps the slots."""
-  server = ray.remote(num_cpus=0, max_concurrency=4)(ray_backend.ServerRole).remote(2)
+  server = ray.remote(num_cpus=0, max_concurrency=4)(ray_actors.ServerRole).remote(2)
   remote_peer = peer('another-node')
   local_peer = peer()
   try:
@@ -436,7 +437,7 @@ def test_processes_on_other_machines_keep_the_object_store(cluster):
       ray.get(local_peer.pull.remote(server, version))
     sent, _ = ray.get(server.update.remote(1, -1, ('another-node', 'reader', [])))
     assert sent.nbytes == (512 * 512 + 7) * 4  # whole
-    sent, refs = ray.get(server.update.remote(1, -1, (ray_backend._node_id(), 'reader', [])))  # pylint: disable=protected-access
+    sent, refs = ray.get(server.update.remote(1, -1, (ray_actors._node_id(), 'reader', [])))  # pylint: disable=protected-access
     assert sent.nbytes == 0 and refs == []  # slot markers only
   finally:
     for actor in (server, remote_peer, local_peer):

@@ -14,6 +14,7 @@ from smoke_config import smoke_config  # tests/smoke_config.py
 
 from rlax_llm.backends import build_run
 from rlax_llm.backends import ray as ray_backend
+from rlax_llm.backends import ray_actors
 from rlax_llm.backends.tpu_env import (HostReport, chip_environment, host_worker_id,
                                        process_order, slice_environment)
 from rlax_llm.config import run_spec
@@ -149,7 +150,7 @@ def test_two_actors_on_one_v5e_8_host_see_their_own_chips(fake_tpu_host):
       # Importing the backend (as an actor's process does) must not start a JAX backend:
       # libtpu reads the variables when it does.
       self.jax_up_before = xla_bridge.backends_are_initialized()
-      self.applied = ray_backend.pin_tpu_chips()
+      self.applied = ray_actors.pin_tpu_chips()
 
     def environment(self):
       return self.jax_up_before, self.applied, tpu_variables(os.environ)
@@ -258,7 +259,7 @@ def test_the_driver_orders_trainer_actors_by_the_worker_id_each_reads_on_its_hos
   driver (``order_trainers``) makes process p the actor of worker id p. Duplicate and
   missing ids stop the launch with the error naming them."""
   ray = fake_tpu_host
-  role = ray.remote(num_cpus=0)(ray_backend.TrainerRole)
+  role = ray.remote(num_cpus=0)(ray_actors.TrainerRole)
 
   def actors(*ids):
     return [role.options(runtime_env={'env_vars': {'TPU_WORKER_ID': str(i)}}).remote()

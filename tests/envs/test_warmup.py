@@ -1,9 +1,10 @@
 """The supervised warm-up of an environment run (rlax_llm.trainer.warmup.demo_batch).
 
-Writer and reader agree: a demonstration's ids and loss mask (``episodes.demonstration``) are
-what the episode runner records for a model that samples the oracle's actions; the warm-up's
-rows mask exactly the oracle's turns, on seeds disjoint from the held-out ones; a warm-up on
-them trains; a run asks for an oracle only when it warms up.
+Writer and reader agree: a demonstration's ids and loss mask
+(``envs.conversation.demonstration``) are what the episode runner records for a model that
+samples the oracle's actions; the warm-up's rows mask exactly the oracle's turns, on seeds
+disjoint from the held-out ones; a warm-up on them trains; a run asks for an oracle only
+when it warms up.
 """
 
 import dataclasses
@@ -22,7 +23,8 @@ from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.model import create_model
 from rlax_llm.rollout.driver import VersionedParams
 from rlax_llm.rollout.engine import Engine
-from rlax_llm.rollout.episodes import Episode, EpisodeRunner, demonstration
+from rlax_llm.envs.conversation import demonstration
+from rlax_llm.rollout.episodes import Episode, EpisodeRunner
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.sharding import make_mesh
 from rlax_llm.tokenization import CharTokenizer

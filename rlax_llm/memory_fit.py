@@ -1,0 +1,134 @@
+"""Whether a run fits in memory: its memory estimates and the checks made before any compute.
+
+``rollout_memory_bytes`` is a lower bound of one rollout batch on the inference mesh (what
+``roles.check_fits`` checks once the model is read); ``run_memory_plan`` is the run's
+``presets.memory_plan`` (trainer and workers, per chip) from its config and meshes, and
+``check_plan_fits`` refuses a run whose plan does not fit before the trainer and the workers
+are built (the local backend calls it once the meshes are resolved). Both compare against
+``available_memory_bytes``: an accelerator's limit, or the host's available RAM on CPU.
+The Cloud TPU recipes (``launch/recipes``) size their slices with ``run_memory_plan``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import ml_collections
+
+from rlax_llm import config as config_lib
+from rlax_llm.errors import ConfigError
+from rlax_llm.models import lora as lora_lib
+from rlax_llm.models import presets
+from rlax_llm.models.decoder_config import DTYPES, DecoderConfig
+
+
+def rollout_memory_bytes(model: DecoderConfig, config: ml_collections.ConfigDict
+                         ) -> dict[str, float]:
+  """A lower-bound estimate of one rollout batch's device memory on the inference mesh.
+
+  KV cache ``2 * layers * B * (P + N) * kv_heads * head_dim`` in the compute dtype, or int8
+  plus scales with ``model.kv_cache_quant='int8'`` (``presets.kv_cache_bytes``), the params
+  a worker keeps (``presets.worker_param_bytes``,
+  as the memory plan counts them: in the workers' dtype, ``inference_model``; quantised with
+  ``model.inference_quant='int8'``; with LoRA's adapter-only sync the base beside the merged
+  weights), and a few ``[B, vocab]`` float32 logit buffers, with the batch split over the
+  mesh's ``data * fsdp`` devices and the params placed by the sharding rules. Returns
+  ``{'kv_cache_bytes', 'params_bytes', 'logits_bytes'}`` of the whole batch and model, and
+  ``'per_device_bytes'``.
+  """
+  batch = config.rl.prompts_per_step * config.rl.group_size
+  length = config.sampling.max_prompt_len + config.sampling.max_new_tokens
+  kv = presets.kv_cache_bytes(model, slots=batch, length=length,
+                              quant=config.model.kv_cache_quant)
+  logits = 4 * batch * model.vocab_size * 4
+  sizes = {k: (v if v > 0 else 1) for k, v in config.mesh.inference.items()}
+  inference = model.with_execution(
+      param_dtype=DTYPES[config_lib.inference_param_dtype(config)])
+  def params_on(mesh: dict[str, int]) -> float:
+    held = presets.worker_param_bytes(inference, mesh, quant=config.model.inference_quant,
+                                      lora=lora_lib.from_config(config))
+    return held['params'] + held['base']
+  params = params_on({axis: 1 for axis in sizes})
+  batch_shards = sizes['data'] * sizes['fsdp']
+  per_device = (kv + logits) / batch_shards + params_on(sizes)
+  return {'kv_cache_bytes': float(kv), 'params_bytes': float(params),
+          'logits_bytes': float(logits), 'per_device_bytes': float(per_device)}
+
+
+def run_memory_plan(model: DecoderConfig, config: ml_collections.ConfigDict,
+                    trainer_mesh: dict[str, int], inference_mesh: dict[str, int], *,
+                    shared: bool) -> presets.MemoryPlan:
+  """``presets.memory_plan`` of a run: its batch, lengths, micro-batches, KV-cache slots,
+  workers, the workers' params dtype (``model.inference_param_dtype``) and quantisation
+  (``model.inference_quant``), LoRA adapters (``lora``) and KL reference from ``config``; the
+  meshes resolved (``sharding.mesh_shape``). ``shared``: the trainer and the
+  workers share chips (the local backend without ``mesh.disjoint``; every worker's mesh then
+  starts at the first chip)."""
+  rl, s = config.rl, config.sampling
+  length = s.max_prompt_len + s.max_new_tokens
+  return presets.memory_plan(
+      model, trainer_mesh, inference_mesh,
+      inference_param_dtype=DTYPES[config_lib.inference_param_dtype(config)],
+      train_rows=rl.prompts_per_step * rl.group_size,
+      train_length=length, micro_batches=rl.micro_batches, logprob_chunk=rl.logprob_chunk,
+      slots=config.rollout.slots, cache_length=length,
+      workers_per_chip=config.rollout.workers if shared else 1, shared=shared,
+      reference=(rl.kl_beta or 0) > 0, lora=lora_lib.from_config(config),
+      inference_quant=config.model.inference_quant,
+      kv_cache_quant=config.model.kv_cache_quant)
+
+
+def available_memory_bytes() -> float:
+  """Memory one device can use: the accelerator's limit, or the host's available RAM (CPU)."""
+  device = jax.local_devices()[0]  # multi-host: another host's device has no stats here
+  stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
+  if stats and 'bytes_limit' in stats:
+    return float(stats['bytes_limit'])
+  try:
+    with open('/proc/meminfo', encoding='ascii') as f:
+      for line in f:
+        if line.startswith('MemAvailable:'):
+          return float(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return float(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_AVPHYS_PAGES'))
+
+
+def check_plan_fits(config: ml_collections.ConfigDict, model: DecoderConfig,
+                    meshes: dict[str, Any], *, held_bytes: float = 0.0) -> presets.MemoryPlan:
+  """Checks, before the trainer and the workers are built, that the run's memory plan
+  (``run_memory_plan`` on the resolved ``meshes``, ``roles.meshes``: the trainer's params,
+  optimizer state, gradients and activations, and every worker's params, KV cache and
+  logits) fits in memory: per chip against an accelerator's limit (``needs``), or, on CPU,
+  where every device is the host's memory, the sum over the devices each role uses against
+  the host's available memory plus ``held_bytes`` (what the process already holds that the
+  plan counts again: the loaded params). The plan is a lower bound of a process's memory on
+  CPU (XLA's scratch, the compiled programs, host copies and Python are not in it), so a run
+  it refuses could not have run. Returns the plan; raises ConfigError naming what to change.
+  """
+  trainer_mesh, inference = meshes['trainer'], meshes['inference']
+  shared = not config.mesh.disjoint
+  plan = run_memory_plan(model, config, dict(trainer_mesh.shape), dict(inference[0].shape),
+                         shared=shared)
+  available = available_memory_bytes()
+  if jax.devices()[0].platform == 'cpu':
+    trainer_devices = trainer_mesh.devices.size
+    inference_devices = sum(mesh.devices.size for mesh in inference)
+    # Shared meshes start at the first device: each worker's mesh on the trainer's devices.
+    need = (plan.trainer_bytes * trainer_devices
+            + (plan.inference_bytes / plan.workers_per_chip) * inference_devices)
+    rows = [('the host (every CPU device)', need, available + held_bytes)]
+  else:
+    rows = plan.needs(available)
+  for where, need, have in rows:
+    if need > have:
+      raise ConfigError(
+          f'the run needs at least {need / 2**30:.2f} GiB on {where} but '
+          f'{have / 2**30:.2f} GiB is available (memory plan per device: '
+          f'{"; ".join(plan.table(have)[:2])}); raise config.rl.micro_batches, set '
+          'config.model.remat=full or config.rl.logprob_chunk (e.g. 128), train LoRA adapters '
+          '(config.lora.rank), shorten sampling.max_new_tokens, or shard wider '
+          '(config.mesh.trainer.fsdp).')
+  return plan
