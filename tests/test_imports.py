@@ -170,20 +170,24 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                     'rlax_llm.workdir', 'rlax_llm.workdir_claim', 'rlax_llm.plugins',
                     'rlax_llm.sandbox',
                     'rlax_llm._sandbox_child', 'rlax_llm.tokenization', 'rlax_llm.sharding',
-                    'rlax_llm.sampling_spec', 'rlax_llm.schedule',
+                    'rlax_llm.sampling_spec', 'rlax_llm.loss_spec', 'rlax_llm.model_spec',
+                    'rlax_llm.schedule',
                     'rlax_llm.serve')),  # the serve package's __init__ imports nothing
     # What a run is about: prompts, scores, environments and their conversations' ids, the
     # agent harnesses a config may name; text only.
     ('tasks and environments', ('rlax_llm.tasks', 'rlax_llm.verifiers', 'rlax_llm.rewards',
                                 'rlax_llm.data_types', 'rlax_llm.data', 'rlax_llm.evaluation',
                                 'rlax_llm.envs', 'rlax_llm.serve.harness')),
+    # Config files, overrides and validation (config.py, a leaf: it reads the typed values'
+    # JAX-free specs, loss_spec, model_spec, sampling_spec, schedule, in the foundation, and
+    # the task and environment registries, and imports no JAX); a run's saved config.
+    # Nothing below imports a config.
+    ('config', ('rlax_llm.cli', 'rlax_llm.config', 'rlax_llm.run_config', 'rlax_llm.configs',
+                'rlax_llm.distributed')),
     # The decoder, its files and its numerics (models.numerics: batch-invariant reductions
     # and products on jax alone, the lower layer of the logits math in policy.py).
     ('models', ('rlax_llm.models',)),
     ('policy and losses', ('rlax_llm.policy', 'rlax_llm.losses')),
-    # Config files, overrides and validation: validation checks a config against the model
-    # presets and the losses, so it sits above them; nothing below imports a config.
-    ('config', ('rlax_llm.cli', 'rlax_llm.config', 'rlax_llm.configs', 'rlax_llm.distributed')),
     # The trainer (and what its process writes) never reaches into the inference side: the
     # backends connect it to the parameter server, whose workers' engine pulls from it.
     ('trainer', ('rlax_llm.trainer', 'rlax_llm.checkpoint', 'rlax_llm.metrics',
