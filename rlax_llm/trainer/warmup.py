@@ -43,7 +43,7 @@ def supervised_warmup(model: Model, params: Params,
   ``demo_batch`` with its first arguments bound); step ``s`` trains on those from
   ``s * batch_size``. ``source``: what they are, for the console.
 
-  ``stop``: an event checked after every step; when set, raises ``checkpoint.Preempted`` (the
+  ``stop``: an event checked after every step; when set, raises ``errors.Preempted`` (the
   warm-up is deterministic, so a preempted one is simply run again on relaunch; its result is
   checkpointed once it ends).
   """
