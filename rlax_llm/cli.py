@@ -102,6 +102,22 @@ def config_variants(path: str | os.PathLike) -> tuple[str, ...]:
   return tuple(getattr(module, 'VARIANTS', ()))
 
 
+def unknown_variant(variant: str, config_file: str, variants: Sequence[str]) -> ValueError:
+  """The error a config file's ``get_config`` raises for a variant it does not declare
+  (``load_config_file`` turns it into a ``ConfigError`` naming the file)."""
+  return ValueError(f'Unknown variant {variant!r} of {config_file}; valid: '
+                    f'{", ".join(variants)}.')
+
+
+def variant_entry(variant: str | None, table: dict[str, Any], config_file: str) -> Any:
+  """For a config file whose variants are the keys of ``table``: the entry of ``variant``
+  (the first key's when None), or ``unknown_variant``'s error."""
+  name = next(iter(table)) if variant is None else variant
+  if name not in table:
+    raise unknown_variant(name, config_file, tuple(table))
+  return table[name]
+
+
 def load_config_file(spec: str) -> ml_collections.ConfigDict:
   """Loads ``path[:variant]`` the way ``config_flags`` does (``get_config(variant)``).
 

@@ -25,7 +25,7 @@ Variants (``--config=configs/agent.py:VARIANT``):
 
 import ml_collections
 
-from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config_file
+from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config_file, unknown_variant
 
 VARIANTS = ('calculator_no_tool', 'grid', 'grid_gigpo', 'grid_small', 'grid_small_gigpo',
             'smoke', 'harness', 'harness_smoke')
@@ -137,6 +137,5 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.sampling.update(dict(max_prompt_len=80, max_new_tokens=16))
     c.model.max_seq_len = 97  # max_prompt_len + max_new_tokens + the last sampled token
   elif variant is not None:
-    raise ValueError(f'Unknown variant {variant!r} of configs/agent.py; valid: '
-                     f'{", ".join(VARIANTS)}.')
+    raise unknown_variant(variant, 'configs/agent.py', VARIANTS)
   return c

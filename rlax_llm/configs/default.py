@@ -13,6 +13,8 @@ Variants (``--config=configs/default.py:VARIANT``):
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from rlax_llm.cli import unknown_variant
+
 VARIANTS = ('smoke',)
 
 
@@ -196,6 +198,5 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.task.num_eval = 16
     c.eval.every_steps = 2
   elif variant is not None:
-    raise ValueError(f'Unknown variant {variant!r} of configs/default.py; valid: '
-                     f'{", ".join(VARIANTS)}.')
+    raise unknown_variant(variant, 'configs/default.py', VARIANTS)
   return c

@@ -29,7 +29,7 @@ against the chip's HBM (docs/models.md).
 import ml_collections
 from ml_collections.config_dict import placeholder
 
-from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config_file, task_section
+from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config_file, task_section, variant_entry
 
 # Hub name -> (preset in rlax_llm.models.presets, hub repo id, inference tensor parallelism:
 # a divisor of the model's heads and kv heads where it can be).
@@ -44,12 +44,7 @@ VARIANTS = tuple(MODELS)
 
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
-  if variant is None:
-    variant = VARIANTS[0]
-  if variant not in MODELS:
-    raise ValueError(f'Unknown variant {variant!r} of configs/gsm8k.py; valid: '
-                     f'{", ".join(VARIANTS)}.')
-  preset, repo, tensor = MODELS[variant]
+  preset, repo, tensor = variant_entry(variant, MODELS, 'configs/gsm8k.py')
   # The packaged default config (the schema, with every key's meaning); what differs follows.
   c = load_config_file(str(DEFAULT_CONFIG_PATH))
   c.name = f'gsm8k_{preset}'

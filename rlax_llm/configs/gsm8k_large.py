@@ -21,7 +21,7 @@ TPU")::
 
 import ml_collections
 
-from rlax_llm.cli import CONFIG_DIR, load_config_file
+from rlax_llm.cli import CONFIG_DIR, load_config_file, variant_entry
 
 # Hub name -> (preset in rlax_llm.models.presets, hub repo id, inference tensor parallelism).
 MODELS = {
@@ -37,12 +37,7 @@ SLICES = {
 
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
-  if variant is None:
-    variant = VARIANTS[0]
-  if variant not in MODELS:
-    raise ValueError(f'Unknown variant {variant!r} of configs/gsm8k_large.py; valid: '
-                     f'{", ".join(VARIANTS)}.')
-  preset, repo, tensor = MODELS[variant]
+  preset, repo, tensor = variant_entry(variant, MODELS, 'configs/gsm8k_large.py')
   # configs/gsm8k.py's recipe (its default variant); what differs follows.
   c = load_config_file(str(CONFIG_DIR / 'gsm8k.py'))
   c.name = f'gsm8k_{preset}'

@@ -15,7 +15,7 @@ scale (``--config.model.name`` / ``model.path``).
 
 import ml_collections
 
-from rlax_llm.cli import CONFIG_DIR, load_config_file, task_section
+from rlax_llm.cli import CONFIG_DIR, load_config_file, task_section, unknown_variant
 
 VARIANTS = ('gsm8k', 'math500')
 
@@ -47,6 +47,5 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
                        answer_field='answer'))
     c.sampling.update(dict(max_prompt_len=768, max_new_tokens=512))
   elif variant is not None:
-    raise ValueError(f'Unknown variant {variant!r} of configs/math.py; valid: '
-                     f'{", ".join(VARIANTS)}.')
+    raise unknown_variant(variant, 'configs/math.py', VARIANTS)
   return c

@@ -15,7 +15,7 @@ Variants (``--config=configs/python.py:VARIANT``):
 
 import ml_collections
 
-from rlax_llm.cli import CONFIG_DIR, load_config_file, task_section
+from rlax_llm.cli import CONFIG_DIR, load_config_file, task_section, unknown_variant
 
 VARIANTS = ('smoke',)
 
@@ -40,8 +40,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   if variant == 'smoke':
     _smoke(c)
   elif variant is not None:
-    raise ValueError(f'Unknown variant {variant!r} of configs/python.py; valid: '
-                     f'{", ".join(VARIANTS)}.')
+    raise unknown_variant(variant, 'configs/python.py', VARIANTS)
   return c
 
 

@@ -37,7 +37,7 @@ benchmarks/RESULTS.md were measured with.
 import ml_collections
 from ml_collections.config_dict import placeholder
 
-from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config_file
+from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config_file, unknown_variant
 
 VARIANTS = ('smoke', 'add3', 'countdown', 'lora', 'lora_int8_sync', 'int8_tis', 'int8',
             'int8_recompute')
@@ -132,8 +132,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       c.rl.old_logprobs = 'recompute'
       c.rl.mismatch.enabled = variant == 'int8_tis'
   elif variant is not None:
-    raise ValueError(f'Unknown variant {variant!r} of configs/smollm2.py; valid: '
-                     f'{", ".join(VARIANTS)}.')
+    raise unknown_variant(variant, 'configs/smollm2.py', VARIANTS)
   return c
 
 
