@@ -53,7 +53,7 @@ MODULES: dict[str, tuple[str, ...]] = {
 
 # google-jetstream's own declared dependencies pull TensorFlow: it is installed without them.
 _JETSTREAM_PACKAGE = "pip install --no-deps 'google-jetstream==0.2.2'"
-# storage.GCS_SCHEME (storage imports this module; tests/test_extras.py checks they agree).
+# The prefix of a gs:// URL (storage.GCS_SCHEME is this one: storage imports this module).
 GCS_SCHEME = 'gs://'
 
 

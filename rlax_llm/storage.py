@@ -57,7 +57,7 @@ from etils import epath
 from rlax_llm import extras
 from rlax_llm.errors import WorkdirInUse
 
-GCS_SCHEME = 'gs://'
+GCS_SCHEME = extras.GCS_SCHEME  # 'gs://': where a path needs the gcs extra is decided there
 _GCS_PROTOCOLS = ('gs', 'gcs')  # the names fsspec (and so epath) looks gcsfs up by
 _PART_PREFIX = '.part-'  # leftover-append objects: .NAME.part-<hex> beside NAME
 

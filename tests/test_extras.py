@@ -59,8 +59,9 @@ def test_every_extra_is_in_pyproject_and_the_core_holds_none_of_them():
   assert 'rlax_llm[all]' in optional['test']  # the tests exercise every optional feature
 
 
-def test_the_scheme_and_the_math_default_agree_with_their_owners():
-  assert extras.GCS_SCHEME == storage.GCS_SCHEME
+def test_gcs_paths_and_the_math_default_agree_with_their_owners():
+  for url in ('gs://bucket/run', 'gcs://bucket/run', '/tmp/run', 'runs/gs://x'):
+    assert storage.is_gcs(url) == ('gcs' in extras.needed({}, [url])), url
   assert inspect.signature(MathTask).parameters['scorer'].default == 'math'
 
 
