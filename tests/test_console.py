@@ -129,7 +129,8 @@ def test_cpu_is_chosen_only_where_libtpu_could_only_print_errors(monkeypatch, ca
     return real_find_spec(name)
   monkeypatch.setattr(console.importlib.util, 'find_spec', find_spec)
   monkeypatch.setattr(console.importlib.metadata, 'entry_points', lambda group: [])
-  console._cpu_where_no_accelerator()  # pylint: disable=protected-access  (in this process jax runs on the CPU already: conftest)
+  # In this process jax runs on the CPU already (tests/conftest.py): a config update is a no-op.
+  console._cpu_where_no_accelerator()  # pylint: disable=protected-access
   assert os.environ.get('JAX_PLATFORMS') == expected
 
 
