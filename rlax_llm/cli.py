@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import ml_collections
+from absl import flags
 from ml_collections.config_dict import placeholder
 
 from rlax_llm.errors import ConfigError, Preempted, RlaxError
@@ -365,7 +366,6 @@ def load_config(argv: Sequence[str], base: ml_collections.ConfigDict | None = No
     SystemExit: ``'error: ...'``: the file cannot be loaded, an override names no field or
       its value does not parse, or ``--config.task.name`` names no task class.
   """
-  from absl import flags  # pylint: disable=import-outside-toplevel
   from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
   argv = list(argv)
   loaded = base if base is not None else check_config_spec(argv)
@@ -416,7 +416,6 @@ def wants_help(argv: Sequence[str]) -> bool:
 def checkpoint_flag(values, verb: str):
   """Defines ``--checkpoint`` on the absl ``FlagValues`` ``values``: the params to ``verb``
   (evaluate, serve), a run's workdir or one of its checkpoint directories."""
-  from absl import flags  # pylint: disable=import-outside-toplevel
   return flags.DEFINE_string(
       'checkpoint', None, f'Params to {verb}: a run\'s workdir (its latest checkpoint) or a '
       "checkpoint directory, local or gs:// (default: the config's own: model.path or the "
@@ -440,7 +439,6 @@ def command_line(argv: Sequence[str], usage: Callable[[], str],
   Raises:
     SystemExit: ``'error: ...'``: a flag is unknown or its value does not parse.
   """
-  from absl import flags  # pylint: disable=import-outside-toplevel
   if wants_help(argv[1:]):
     sys.stdout.write(usage())
     return None

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import ml_collections
+from absl import flags
 
 from rlax_llm import cli, console, extras, launch_help, storage
 from rlax_llm import config as config_lib
@@ -222,7 +223,6 @@ def _help_text() -> str:
 
 def _define_flags(values) -> dict:
   """``--checkpoint`` and ``--output`` on the absl ``FlagValues`` ``values``."""
-  from absl import flags  # pylint: disable=import-outside-toplevel
   return {'checkpoint': cli.checkpoint_flag(values, 'evaluate'),
           'output': flags.DEFINE_string('output', None, 'Also append the metrics to this JSONL '
                                         'file.', flag_values=values)}

@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 import ml_collections
+from absl import flags
 
 from rlax_llm import cli, console, evaluate
 from rlax_llm.errors import ConfigError
@@ -98,7 +99,6 @@ reach needs --api_key_env, or --allow_unauthenticated_network on a trusted netwo
 
 def _define_flags(values) -> dict:
   """The endpoint's flags (module docstring) on the absl ``FlagValues`` ``values``."""
-  from absl import flags  # pylint: disable=import-outside-toplevel
   return {
       'checkpoint': cli.checkpoint_flag(values, 'serve'),
       'host': flags.DEFINE_string('host', '127.0.0.1', 'Address to listen on.',
