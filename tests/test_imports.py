@@ -171,7 +171,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                     'rlax_llm.sandbox',
                     'rlax_llm._sandbox_child', 'rlax_llm.tokenization', 'rlax_llm.sharding',
                     'rlax_llm.sampling_spec', 'rlax_llm.loss_spec', 'rlax_llm.model_spec',
-                    'rlax_llm.schedule',
+                    'rlax_llm.transport_spec', 'rlax_llm.schedule',
                     'rlax_llm.serve')),  # the serve package's __init__ imports nothing
     # What a run is about: prompts, scores, environments and their conversations' ids, the
     # agent harnesses a config may name; text only.
