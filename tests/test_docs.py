@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))  # the recipes' tooling lives in the checkout, not
 from launch.recipes import cli as recipes_cli
 from launch.recipes.checks import check_local, memory_check, run_model
 from launch.recipes.slices import get_slice
+from notebook_code import notebook_code  # tests/notebook_code.py
 
 
 def _leaves(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:
@@ -457,15 +458,6 @@ def test_stale_names_finds_what_went_stale(code, config_keys):
 # --- the notebooks' code ---
 
 COLABS = sorted((ROOT / 'colabs').glob('*.ipynb'))
-
-
-def notebook_code(path: pathlib.Path) -> str:
-  """The code cells of a notebook as one Python source, its shell and magic lines (``!pip``,
-  ``%matplotlib``) left out."""
-  cells = json.loads(path.read_text())['cells']
-  return '\n'.join(line for cell in cells if cell['cell_type'] == 'code'
-                   for line in ''.join(cell['source']).splitlines()
-                   if not line.lstrip().startswith(('!', '%')))
 
 
 def _chain(node: ast.Attribute) -> tuple[str, list[str]] | None:
