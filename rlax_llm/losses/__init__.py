@@ -59,8 +59,9 @@ from rlax_llm.losses.policy import (
 
 __all__ = [
     'AGGREGATIONS', 'BASELINE_FREE', 'ESTIMATORS', 'KL_ESTIMATORS', 'LOSSES', 'M2PO_VARIANTS',
-    'LossConfig', 'LossSpec', 'MismatchConfig', 'POSITIVE_WEIGHT', 'Totals', 'aggregate', 'batch_normalize', 'batch_totals',
-    'group_advantages', 'kl_penalty', 'm2po_mask', 'm2po_trust_region_candidates',
+    'LossConfig', 'LossSpec', 'MismatchConfig', 'POSITIVE_WEIGHT', 'Totals', 'aggregate',
+    'batch_normalize', 'batch_totals', 'group_advantages', 'kl_penalty', 'm2po_mask',
+    'm2po_trust_region_candidates',
     'LOG_RATIO_BIN_EDGES', 'log_ratio_histogram',
     'masked_token_mean', 'mismatch_diagnostics', 'mismatch_weights', 'policy_loss',
     'ppo_clip_objective', 'ratio_diagnostics', 'sequence_log_ratio', 'token_log_ratio',
