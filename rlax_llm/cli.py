@@ -434,7 +434,9 @@ def command_line(argv: Sequence[str], usage: Callable[[], str],
     define: defines the entry point's own flags on the absl ``FlagValues`` it is given and
       returns their holders by name.
     known_only: leave the arguments no flag of ``define`` names in ``CommandLine.rest``
-      (absl's own flags, which ``app.run`` parses), instead of refusing them.
+      (absl's own flags, which ``app.run`` parses), instead of refusing them; the entry
+      point's flags, and ``--config``, are then listed by absl's ``--helpfull`` too
+      (``_list_in_absl_help``).
 
   Raises:
     SystemExit: ``'error: ...'``: a flag is unknown or its value does not parse.
@@ -449,8 +451,27 @@ def command_line(argv: Sequence[str], usage: Callable[[], str],
     unparsed = values([argv[0], *rest], known_only=known_only)
   except flags.Error as e:
     raise SystemExit(f'error: {e}') from None
+  if known_only:
+    module = sys.modules[define.__module__]  # '__main__' under ``python -m``: its real name
+    _list_in_absl_help(values, getattr(module.__spec__, 'name', None) or module.__name__)
   return CommandLine(config_args, {name: holder.value for name, holder in holders.items()},
                      list(unparsed[1:]) if known_only else [])
+
+
+def _list_in_absl_help(values: flags.FlagValues, module: str) -> None:
+  """Adds the entry point's flags (parsed already, on their own ``values``) and a ``--config``
+  entry to absl's ``flags.FLAGS`` under ``module``, so that ``--helpfull``, which ``app.run``
+  answers from ``flags.FLAGS``, lists them beside absl's own. ``--config`` is never parsed by
+  absl (``split_config_args`` takes it out first); its entry is there to be listed."""
+  flags.DEFINE_string(
+      'config', None, 'Config file, PATH[:VARIANT] (default: the packaged '
+      'rlax_llm/configs/default.py); --config.KEY=VALUE overrides a field (both read by '
+      'rlax_llm.cli before the other flags).',
+      flag_values=values)
+  for name in list(values):
+    if name not in flags.FLAGS:
+      flags.FLAGS[name] = values[name]
+      flags.FLAGS.register_flag_by_module(module, values[name])
 
 
 @contextlib.contextmanager

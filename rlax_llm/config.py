@@ -39,6 +39,7 @@ from rlax_llm.schedule import (ON_SWAP, SCHEDULES, SHORT_BATCHES, ControllerSett
 from rlax_llm.serve.harness import is_harness, load_harness
 from rlax_llm.tasks.prompt_length import OVERLONG_POLICIES
 from rlax_llm.tokenization import CharTokenizer
+from rlax_llm.transport_spec import check_transport
 
 # Keys every config must have (docs, scripts and users rely on them).
 REQUIRED_KEYS = (
@@ -176,13 +177,9 @@ def run_spec(config: ml_collections.ConfigDict) -> RunSpec:
 
 
 def _transport(config: ml_collections.ConfigDict) -> str:
-  """``paramserver.transport``, one of ``'auto'`` and ``'object_store'``."""
-  transport = config.paramserver.transport
-  if transport not in ('auto', 'object_store'):
-    raise ConfigError(f"config.paramserver.transport={transport!r} must be 'auto' (shared "
-                      "memory between the Ray actors of one machine, the object store between "
-                      "machines) or 'object_store' (always the object store).")
-  return transport
+  """``paramserver.transport``, one of ``transport_spec.TRANSPORTS``."""
+  with naming(''):
+    return check_transport(config.paramserver.transport)
 
 
 def _keep_versions(config: ml_collections.ConfigDict, settings: ControllerSettings) -> int:
@@ -459,7 +456,7 @@ def effective_config(config: ml_collections.ConfigDict) -> ml_collections.Config
   effective = config.copy_and_resolve_references()
   effective.unlock()
   resolved = _loss_config(config).resolve()
-  for field in ('advantage_estimator', 'eps_low', 'eps_high', 'aggregation', 'kl_estimator'):
+  for field in loss_spec.RESOLVED_FIELDS:
     effective.rl[field] = getattr(resolved, field)
   return effective
 

@@ -19,8 +19,9 @@ the extra to install:
 ``check_config`` finds what a config needs (``needed``) and refuses a launch, an evaluation
 or an endpoint in one line, before JAX starts, when any of it is missing; it looks packages
 up without importing them (``importlib.util.find_spec``: math-verify's sympy and Ray take
-seconds to import). Parquet files need no entry there: the task reads its files while the
-config is validated, before any compute, and ``require`` names the data extra then.
+seconds to import). Task data read through pyarrow counts too (Parquet files, and datasets
+on the Hugging Face hub, whose splits are Parquet files or the hub's Parquet conversion):
+refused before the task downloads or reads anything.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ MODULES: dict[str, tuple[str, ...]] = {
 _JETSTREAM_PACKAGE = "pip install --no-deps 'google-jetstream==0.2.2'"
 # The prefix of a gs:// URL (storage.GCS_SCHEME is this one: storage imports this module).
 GCS_SCHEME = 'gs://'
+# Task data that needs the data extra (pyarrow): files with these suffixes
+# (rlax_llm.tasks.files reads them as Parquet) and hub datasets, paths with this prefix
+# (rlax_llm.tasks.hub_datasets; the tasks import both from here).
+PARQUET_SUFFIXES = ('.parquet', '.pq')
+HUB_PREFIX = 'hf://'
 
 
 def install_command(*extras: str) -> str:
@@ -137,7 +143,9 @@ def needed(config: Any, paths: Iterable[str | None] = (), *,
   config: a run config (``ml_collections.ConfigDict`` or a mapping with the default config's
     groups; a group it lacks needs nothing).
   paths: the command's paths outside the config (``--workdir``, ``--checkpoint``; None
-    ignored); a ``gs://`` one needs gcs, as does a ``gs://`` string in the config.
+    ignored); a ``gs://`` one needs gcs, as does a ``gs://`` string in the config. A task or
+    environment string naming Parquet data (``PARQUET_SUFFIXES``) or a hub dataset
+    (``HUB_PREFIX``) needs data.
   backend: whether the roles are placed by ``config.backend`` (a launch) rather than on one
     local worker (evaluation, the endpoint).
   """
@@ -156,6 +164,11 @@ def needed(config: Any, paths: Iterable[str | None] = (), *,
     why['math'] = "task.name='math' with scorer='math'"
   if _get(env, 'name') == 'harness':
     why['serve'] = "env.name='harness' (the endpoint its agent harness calls)"
+  data = [text for text in [*_strings(task), *_strings(env)]
+          if text.startswith(HUB_PREFIX) or text.endswith(PARQUET_SUFFIXES)]
+  if data:
+    kind = 'hub dataset' if data[0].startswith(HUB_PREFIX) else 'Parquet data'
+    why['data'] = f'the {kind} {data[0]!r}'
   return {extra: why[extra] for extra in MODULES if extra in why}
 
 

@@ -32,6 +32,8 @@ M2PO_VARIANTS = ('paper', 'areal', 'adaptive_clip')
 OLD_LOGPROBS = ('behaviour', 'recompute')
 MISMATCH_LEVELS = ('token', 'sequence')
 MISMATCH_MODES = ('truncate', 'mask')
+# The ``LossConfig`` fields whose ``None`` means "the named loss's default" (``resolve``).
+RESOLVED_FIELDS = ('advantage_estimator', 'eps_low', 'eps_high', 'aggregation', 'kl_estimator')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,12 +196,9 @@ class LossConfig:
   def resolve(self) -> LossConfig:
     """This config with every ``None`` replaced by the named loss's default."""
     spec = self.spec
-    pick = lambda value, default: default if value is None else value
-    return dataclasses.replace(
-        self, advantage_estimator=pick(self.advantage_estimator, spec.advantage_estimator),
-        eps_low=pick(self.eps_low, spec.eps_low), eps_high=pick(self.eps_high, spec.eps_high),
-        aggregation=pick(self.aggregation, spec.aggregation),
-        kl_estimator=pick(self.kl_estimator, spec.kl_estimator))
+    return dataclasses.replace(self, **{
+        field: getattr(spec, field) if getattr(self, field) is None else getattr(self, field)
+        for field in RESOLVED_FIELDS})
 
   @property
   def estimator(self) -> str:

@@ -1,9 +1,11 @@
 """Docs that must follow the code: every config key is in docs/config.md, the README's
 algorithms table is the loss table, the README's results are RESULTS.md's headline, links
-resolve, and every module, file, function, method and config key docs/*.md names exists."""
+resolve, every module, file, function, method and config key docs/*.md names exists, and
+the notebooks' code (colabs/*.ipynb) imports and uses only what exists."""
 
 import ast
 import importlib.util
+import json
 import pathlib
 import re
 import shlex
@@ -21,6 +23,7 @@ sys.path.insert(0, str(ROOT))  # the recipes' tooling lives in the checkout, not
 from launch.recipes import cli as recipes_cli
 from launch.recipes.checks import check_local, memory_check, run_model
 from launch.recipes.slices import get_slice
+from notebook_code import notebook_code  # tests/notebook_code.py
 
 
 def _leaves(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:
@@ -450,3 +453,107 @@ def test_stale_names_finds_what_went_stale(code, config_keys):
            '`task.question_field`; `Receiver.ensure`; `lora.sync`; `lora.pushed_params`; '
            '`files.gguf.read_gguf`; `env.state_key()`; `config.with_execution(remat=...)`')
   assert stale_names(fresh, code, config_keys) == []
+
+
+# --- the notebooks' code ---
+
+COLABS = sorted((ROOT / 'colabs').glob('*.ipynb'))
+
+
+def _chain(node: ast.Attribute) -> tuple[str, list[str]] | None:
+  """``('name', ['a', 'b'])`` for ``name.a.b``; None when the chain starts elsewhere (a call)."""
+  attrs = []
+  while isinstance(node, ast.Attribute):
+    attrs.append(node.attr)
+    node = node.value
+  return (node.id, attrs[::-1]) if isinstance(node, ast.Name) else None
+
+
+def stale_code_names(source: str, code: _Code, config_keys: set[str]) -> list[str]:
+  """What ``source`` (Python) imports from or uses of rlax_llm and launch that does not
+  exist: imported modules and names, attributes of an imported module (``roles.plan_memory``)
+  or class (``Episode.turns``), and the config keys read or set on a config that
+  ``load_config_file`` / ``load_config`` returned (``config.rl.loss``). Values the code
+  computes (a run, a model) are not followed."""
+  tree = ast.parse(source)
+  modules: dict[str, str] = {}  # local name -> dotted module
+  classes: dict[str, str] = {}  # local name -> class name
+  configs: set[str] = set()  # local names holding a config
+  stale = []
+  ours = ('rlax_llm', 'launch')
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for alias in node.names:
+        if alias.name.split('.')[0] in ours:
+          if alias.name not in code.modules:
+            stale.append(alias.name)
+          elif alias.asname:
+            modules[alias.asname] = alias.name
+          else:
+            modules[alias.name.split('.')[0]] = alias.name.split('.')[0]
+    elif isinstance(node, ast.ImportFrom) and (node.module or '').split('.')[0] in ours:
+      if node.module not in code.modules:
+        stale.append(node.module)
+        continue
+      for alias in node.names:
+        local = alias.asname or alias.name
+        if f'{node.module}.{alias.name}' in code.modules:
+          modules[local] = f'{node.module}.{alias.name}'
+        elif not code.module_has(node.module, alias.name):
+          stale.append(f'{node.module}.{alias.name}')
+        elif alias.name in code.module_classes[node.module]:
+          classes[local] = alias.name
+    elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+      called = node.value.func
+      name = called.id if isinstance(called, ast.Name) else getattr(called, 'attr', '')
+      if name in ('load_config_file', 'load_config'):
+        configs |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+  sections = {k for k in config_keys if '.' not in k}
+  called = {id(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+  for node in ast.walk(tree):
+    found = _chain(node) if isinstance(node, ast.Attribute) else None
+    if found is None:
+      continue
+    name, attrs = found
+    if name in modules:
+      if not code.resolve(attrs, [modules[name]]):
+        stale.append('.'.join([modules[name], *attrs]))
+    elif name in classes:
+      if not code.class_has(classes[name], attrs[0]):
+        stale.append(f'{classes[name]}.{attrs[0]}')
+    elif name in configs and attrs[0] in sections:
+      key = attrs[:-1] if id(node) in called else attrs  # config.rl.get(...): a method
+      if key and not _is_config_key('.'.join(key), code, config_keys):
+        stale.append(f'{name}.{".".join(attrs)}')
+  return sorted(set(stale))
+
+
+@pytest.mark.parametrize('notebook', COLABS, ids=lambda p: p.name)
+def test_notebooks_use_only_code_and_config_keys_that_exist(notebook, code, config_keys):
+  stale = stale_code_names(notebook_code(notebook), code, config_keys)
+  assert not stale, f'colabs/{notebook.name} uses what the code does not have: {stale}'
+
+
+def test_the_notebook_check_finds_a_planted_wrong_name(tmp_path, code, config_keys):
+  """A copy of a real notebook with a wrong import, a wrong module attribute, a wrong class
+  attribute and a misspelled config key: each is found; the copy as it was passes."""
+  notebook = json.loads((ROOT / 'colabs' / 'agent_calculator.ipynb').read_text())
+  copy = tmp_path / 'planted.ipynb'
+  copy.write_text(json.dumps(notebook))
+  assert stale_code_names(notebook_code(copy), code, config_keys) == []
+  notebook['cells'].append({'cell_type': 'code', 'metadata': {}, 'outputs': [],
+                            'execution_count': None, 'source': [
+      'from rlax_llm.metrics import read_metric\n',
+      'from rlax_llm.rollout.epsiodes import Episode as E\n',
+      'import rlax_llm.evaluation as ev\n',
+      'ev.no_such_function()\n',
+      'roles.plan_memry(config)\n',
+      'Episode.no_such_field\n',
+      'config = load_config_file("configs/agent.py")\n',
+      'config.rl.los = "grpo"\n',
+      'config.rl.loss = "grpo"\n',
+      '!pip install nothing\n']})
+  copy.write_text(json.dumps(notebook))
+  assert stale_code_names(notebook_code(copy), code, config_keys) == [
+      'Episode.no_such_field', 'config.rl.los', 'rlax_llm.evaluation.no_such_function',
+      'rlax_llm.metrics.read_metric', 'rlax_llm.roles.plan_memry', 'rlax_llm.rollout.epsiodes']

@@ -217,6 +217,33 @@ def test_needed_follows_the_config():
   assert extras.needed(math) == {}
 
 
+def test_parquet_data_and_hub_datasets_need_the_data_extra():
+  def task(**fields):
+    return {'backend': 'local', 'task': {'name': 'math', 'scorer': 'exact', **fields}}
+
+  assert extras.needed(task(path='data/train-*.parquet', eval_path='test.jsonl')) == {
+      'data': "the Parquet data 'data/train-*.parquet'"}
+  # A list of files: any Parquet one counts.
+  assert extras.needed(task(path=['a.jsonl', 'b.pq'])) == {'data': "the Parquet data 'b.pq'"}
+  assert extras.needed(task(path='hf://datasets/org/mbpp@main')) == {
+      'data': "the hub dataset 'hf://datasets/org/mbpp@main'"}
+  assert extras.needed(task(path='train.jsonl.gz', eval_path='test.json')) == {}
+  from rlax_llm.tasks import files, hub_datasets  # the suffixes and prefix the tasks read
+  assert hub_datasets.is_hub_url('hf://datasets/org/mbpp')
+  assert not any(name.endswith(extras.PARQUET_SUFFIXES) for name in files.JSONL_SUFFIXES)
+
+
+def test_check_config_refuses_parquet_data_without_pyarrow(monkeypatch):
+  _block(monkeypatch, 'pyarrow')
+  config = smoke_config()
+  config.task = {'name': 'math', 'scorer': 'exact', 'path': 'hf://datasets/org/gsm8k'}
+  with pytest.raises(MissingExtra) as caught:
+    extras.check_config(config)
+  assert _one_line(caught.value) == (
+      "the hub dataset 'hf://datasets/org/gsm8k' needs the data extra: "
+      "pip install 'rlax_llm[data]'")
+
+
 def test_check_config_refuses_every_missing_extra_in_one_line(monkeypatch):
   _block(monkeypatch, 'ray', 'gymnasium', 'math_verify')
   config = smoke_config(backend='ray', env__name='grid')

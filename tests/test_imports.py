@@ -6,15 +6,18 @@ A cycle between modules works only in the import orders that happen to be tried,
 function-level import that closes one hides it from every import-time check: so the static
 graph here counts imports inside functions too. Importing ``a.b.c`` runs ``a/b/__init__.py``
 first, so an import of a submodule from outside its package is also an edge to the package.
+And no public function or class of the package is code that only tests use.
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
+from notebook_code import notebook_code  # tests/notebook_code.py
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / 'rlax_llm'
 
@@ -171,7 +174,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                     'rlax_llm.sandbox',
                     'rlax_llm._sandbox_child', 'rlax_llm.tokenization', 'rlax_llm.sharding',
                     'rlax_llm.sampling_spec', 'rlax_llm.loss_spec', 'rlax_llm.model_spec',
-                    'rlax_llm.schedule',
+                    'rlax_llm.transport_spec', 'rlax_llm.schedule',
                     'rlax_llm.serve')),  # the serve package's __init__ imports nothing
     # What a run is about: prompts, scores, environments and their conversations' ids, the
     # agent harnesses a config may name; text only.
@@ -246,3 +249,82 @@ def test_the_layer_check_sees_an_upward_import_and_an_unplaced_module():
   assert layer_violations(graph, layers) == [
       'rlax_llm.tokenization (low) imports rlax_llm.serve.api (high; function, line 3)']
   assert layer_violations({'other': {}}, layers) == ['other is in no layer; add it to LAYERS']
+
+
+# --- no library function that only tests call ---
+
+
+def _used_names(source: str) -> set[str]:
+  """The names ``source`` uses: names and attributes it reads or calls, and the words of its
+  string constants (``'module.path:function'`` registries, ``getattr`` by name), docstrings
+  and ``__all__`` left out."""
+  tree = ast.parse(source)
+  skipped = set()
+  for node in ast.walk(tree):
+    body = getattr(node, 'body', None)
+    if (isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)):
+      skipped.add(id(body[0].value))
+    if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == '__all__'
+                                            for t in node.targets):
+      skipped |= {id(n) for n in ast.walk(node.value)}
+  used = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Name):
+      used.add(node.id)
+    elif isinstance(node, ast.Attribute):
+      used.add(node.attr)
+    elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+          and id(node) not in skipped):
+      used |= set(re.findall(r'\w+', node.value))
+  return used
+
+
+def unused_definitions(package: pathlib.Path, users: list[pathlib.Path],
+                       docs: list[pathlib.Path]) -> list[str]:
+  """``path:line name`` of each public top-level function and class of ``package`` that no
+  module or notebook under ``users`` (the package included) uses and no page of ``docs``
+  names: code only tests call (``tests/`` is never among ``users``)."""
+  used: set[str] = set()
+  for root in users:
+    for path in sorted(root.rglob('*.py')):
+      used |= _used_names(path.read_text(encoding='utf-8'))
+    for path in sorted(root.rglob('*.ipynb')):
+      used |= _used_names(notebook_code(path))
+  documented = set(re.findall(r'\w+', ' '.join(p.read_text(encoding='utf-8') for p in docs)))
+  found = []
+  for path in sorted(package.rglob('*.py')):
+    for node in ast.parse(path.read_text(encoding='utf-8')).body:
+      if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+          and not node.name.startswith('_') and node.name not in used | documented):
+        found.append(f'{path.relative_to(package.parent)}:{node.lineno} {node.name}')
+  return found
+
+
+def test_no_library_function_or_class_is_used_only_by_tests():
+  """Public API a page of docs/ (or the README) names counts as used."""
+  root = PACKAGE.parent
+  users = [root / name for name in ('rlax_llm', 'launch', 'benchmarks', 'colabs', 'configs',
+                                     'scripts')]
+  docs = [*sorted((root / 'docs').glob('*.md')), root / 'README.md']
+  unused = unused_definitions(PACKAGE, users, docs)
+  assert not unused, ('only tests call these (delete them and their tests, or name the public '
+                      'API in docs/):\n' + '\n'.join(unused))
+
+
+def test_the_unused_check_finds_code_only_tests_call(tmp_path):
+  package = tmp_path / 'rlax_llm'
+  package.mkdir()
+  (package / 'lib.py').write_text(
+      '"""Mentions dead_in_docstring."""\n__all__ = ["exported_only"]\n'
+      'def called(): pass\ndef registered(): pass\ndef documented(): pass\n'
+      'def exported_only(): pass\ndef dead_in_docstring(): pass\nclass Dead: pass\n'
+      'def _private(): pass\n')
+  (package / 'user.py').write_text("from rlax_llm import lib\nlib.called()\n"
+                                   "FN = 'rlax_llm.lib:registered'\n")
+  (tmp_path / 'tests').mkdir()
+  (tmp_path / 'tests' / 'test_lib.py').write_text('lib.exported_only(); lib.Dead()\n')
+  (tmp_path / 'api.md').write_text('`lib.documented()` is public.\n')
+  assert unused_definitions(package, [package], [tmp_path / 'api.md']) == [
+      'rlax_llm/lib.py:6 exported_only', 'rlax_llm/lib.py:7 dead_in_docstring',
+      'rlax_llm/lib.py:8 Dead']

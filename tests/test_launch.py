@@ -159,6 +159,17 @@ def test_help_lists_every_config_with_its_variants_and_the_flags():
     assert flag in out, flag
 
 
+def test_helpfull_lists_the_launchers_own_flags_beside_absls():
+  """``--helpfull`` is absl's (app.run answers it from flags.FLAGS); the launcher's flags,
+  parsed on their own FlagValues by cli.command_line, are listed there too."""
+  result = _launch('--helpfull', timeout=60)
+  assert result.returncode == 1, result.stderr[-2000:]  # absl's help flags exit 1
+  ours = result.stdout.split('\nrlax_llm.launch:\n')[1].split('\n\n')[0]
+  for flag in ('--config: Config file, PATH[:VARIANT]', '--[no]print_config', '--workdir'):
+    assert flag in ours, ours
+  assert 'absl.logging:' in result.stdout  # absl's own flags are still listed
+
+
 def test_help_works_even_when_the_config_is_broken():
   result = _launch('--config=configs/no_such_file.py', '-h', timeout=60)
   assert result.returncode == 0, result.stderr[-2000:]

@@ -27,7 +27,6 @@ from rlax_llm.losses.advantages import (
                                         POSITIVE_WEIGHT,
                                         batch_normalize,
                                         group_advantages,
-                                        grpo_advantages,
 )
 from rlax_llm.losses.components import (
                                         aggregate,
@@ -55,15 +54,14 @@ from rlax_llm.losses.multi_turn import (
                                         turn_grpo_advantages,
 )
 from rlax_llm.losses.policy import (
-                                        grpo_loss,
-                                        m2po_loss,
                                         policy_loss,
 )
 
 __all__ = [
     'AGGREGATIONS', 'BASELINE_FREE', 'ESTIMATORS', 'KL_ESTIMATORS', 'LOSSES', 'M2PO_VARIANTS',
-    'LossConfig', 'LossSpec', 'MismatchConfig', 'POSITIVE_WEIGHT', 'Totals', 'aggregate', 'batch_normalize', 'batch_totals',
-    'group_advantages', 'grpo_advantages', 'grpo_loss', 'kl_penalty', 'm2po_loss', 'm2po_mask', 'm2po_trust_region_candidates',
+    'LossConfig', 'LossSpec', 'MismatchConfig', 'POSITIVE_WEIGHT', 'Totals', 'aggregate',
+    'batch_normalize', 'batch_totals', 'group_advantages', 'kl_penalty', 'm2po_mask',
+    'm2po_trust_region_candidates',
     'LOG_RATIO_BIN_EDGES', 'log_ratio_histogram',
     'masked_token_mean', 'mismatch_diagnostics', 'mismatch_weights', 'policy_loss',
     'ppo_clip_objective', 'ratio_diagnostics', 'sequence_log_ratio', 'token_log_ratio',

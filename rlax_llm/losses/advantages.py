@@ -174,8 +174,3 @@ def group_advantages(rewards: jax.Array, group_ids: jax.Array, estimator: str = 
   if estimator == 'reinforce_pp':
     adv = batch_normalize(adv, valid, eps)
   return adv
-
-
-def grpo_advantages(rewards: jax.Array, group_ids: jax.Array, eps: float = 1e-6) -> jax.Array:
-  """GRPO group-normalised advantages; ``group_advantages(..., estimator='grpo')``."""
-  return group_advantages(rewards, group_ids, 'grpo', eps=eps)

@@ -195,25 +195,3 @@ def _m2po(log_r, adv, mask, tau, variant):
     agg_mask = kept.astype(jnp.float32) if variant == 'areal' else mask
   diagnostics['m2po/masked_fraction'] = C.masked_token_mean(removed, bmask)
   return objective, removed, agg_mask, diagnostics
-
-
-def grpo_loss(logp: jax.Array, behaviour_logp: jax.Array, advantages: jax.Array,
-              loss_mask: jax.Array, *, clip_eps: float = 0.2, kl_beta: float = 0.0,
-              ref_logp: jax.Array | None = None, kl_estimator: str = 'k3'):
-  """GRPO loss (DeepSeekMath, arXiv 2402.03300, eq. 3); ``policy_loss`` with ``loss='grpo'``.
-
-  ``L = -1/G sum_i 1/|o_i| sum_t [min(r A, clip(r, 1-eps, 1+eps) A) - beta KL_it]``.
-  """
-  config = LossConfig(loss='grpo', eps_low=clip_eps, eps_high=clip_eps, kl_beta=kl_beta,
-                      kl_estimator=kl_estimator)
-  return policy_loss(config, logp, behaviour_logp, advantages, loss_mask, ref_logp=ref_logp)
-
-
-def m2po_loss(logp: jax.Array, behaviour_logp: jax.Array, advantages: jax.Array,
-              loss_mask: jax.Array, *, tau: float = 0.04, variant: str = 'paper'):
-  """M2PO loss (arXiv 2510.01161); ``policy_loss`` with ``loss='m2po'``.
-
-  ``L = -sum_it M_it r_it A_i / sum_i |o_i|``, ``M`` the second-moment mask (``m2po_mask``).
-  """
-  config = LossConfig(loss='m2po', m2po_tau=tau, m2po_variant=variant)
-  return policy_loss(config, logp, behaviour_logp, advantages, loss_mask)

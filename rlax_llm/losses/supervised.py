@@ -31,9 +31,3 @@ def token_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array,
   denominator = jnp.sum(mask) if total_tokens is None else total_tokens
   loss = jnp.sum(nll * mask) / jnp.maximum(denominator, 1.0)
   return loss, {'accuracy': masked_token_mean(correct, mask)}
-
-
-def entropy_from_logits(logits: jax.Array) -> jax.Array:
-  """Entropy of ``softmax(logits)`` per position: float ``[..., V]`` -> float32 ``[...]``."""
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return -jnp.sum(jnp.exp(logp) * logp, axis=-1)

@@ -40,7 +40,8 @@ its device straight into the version's host leaf (no gather of the whole model o
 host, no intermediate copy), and takes a leaf's checksum once the leaf is complete. A
 trainer spanning ``P`` hosts pushes from each process (``process_index``, ``P``); the
 version is committed, and visible, once the blocks of all ``P`` pushes cover every leaf
-exactly once. ``push(version, params)`` is the one-process case. With ``adopt=True`` (the
+exactly once (the version being assembled: ``rlax_llm.paramserver.assembly``).
+``push(version, params)`` is the one-process case. With ``adopt=True`` (the
 Ray server actor: arrays Ray deserialised from its immutable object store) a whole-leaf
 read-only shard is kept as it is, not copied; its checksum is still taken at push time.
 
@@ -54,25 +55,15 @@ template checks hold for every transport alike.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import threading
 from typing import Any
 
 import jax
 import numpy as np
 
+from rlax_llm.paramserver import assembly
 from rlax_llm.paramserver import delta as delta_lib
-from rlax_llm.paramserver.shards import (
-  Box,
-  LeafSpec,
-  ShardPush,
-  box_shape,
-  dtype_name,
-  leaf_spec,
-  leaf_specs,
-  local_shards,
-  overlap,
-)
+from rlax_llm.paramserver.shards import LeafSpec, ShardPush, leaf_spec, leaf_specs, local_shards
 
 @dataclasses.dataclass(frozen=True)
 class WeightSnapshot:
@@ -94,49 +85,10 @@ class WeightSnapshot:
     return leaf_specs(self.params)
 
 
-class _Pending:
-  """A version being assembled from the shards of ``process_count`` processes: its host
-  leaves (allocated, filled block by block), the blocks reserved per leaf, the elements
-  still missing per leaf, the processes that pushed and finished, each complete leaf's
-  checksum."""
-
-  def __init__(self, process_count: int, treedef: Any, paths: list[str],
-               specs: list[LeafSpec], spare: dict[LeafSpec, list[np.ndarray]]):
-    self.process_count = process_count
-    self.treedef, self.paths, self.specs = treedef, paths, specs
-    self.leaves = [_take_spare(spare, spec) for spec in specs]
-    self.boxes: list[list[Box]] = [[] for _ in specs]
-    self.missing = [leaf.size for leaf in self.leaves]
-    self.pushed: set[int] = set()
-    self.finished = 0
-    self.checksums: list[int | None] = [None] * len(specs)
-    for i, leaf in enumerate(self.leaves):
-      if leaf.size == 0:  # complete from the start: it has no element to wait for
-        leaf.setflags(write=False)
-        self.checksums[i] = delta_lib.checksum(leaf)
 
 
-def _take_spare(spare: dict[LeafSpec, list[np.ndarray]], spec: LeafSpec) -> np.ndarray:
-  """A writable array of ``spec``: a leaf of a dropped version that nothing references any
-  more (no snapshot, view, delta or device buffer of it is alive), taken out of ``spare``,
-  else a new one. Writing into memory already touched copies about twice as fast as into
-  fresh pages (14 vs 6 GB/s on the 2-core dev machine). Unshared means the pool's reference
-  and the argument's are the only ones: every view of a numpy array references its owner,
-  and a zero-copy device buffer references the array it aliases."""
-  arrays = spare.get(spec, [])
-  for i in range(len(arrays)):
-    if sys.getrefcount(arrays[i]) == 2:
-      leaf = arrays.pop(i)
-      leaf.setflags(write=True)
-      return leaf
-  return np.empty(*spec)
 
 
-def _adoptable(data: Any) -> bool:
-  """Whether ``push_shards(adopt=True)`` may keep ``data`` (a shard's values, shape and
-  dtype already checked) instead of copying it: a read-only, C-contiguous numpy array."""
-  return (isinstance(data, np.ndarray) and not data.flags.writeable
-          and data.flags.c_contiguous)
 
 
 def _check_int(name: str, value: Any) -> int:
@@ -181,7 +133,7 @@ class ParameterServer:
     self._store: dict[int, tuple[Any, list[np.ndarray], tuple[int, ...]]] = {}
     self._latest = -1
     self._template: tuple[Any, list[str], list[LeafSpec]] | None = None
-    self._pending: tuple[int, _Pending] | None = None  # the version being assembled
+    self._pending: tuple[int, assembly.PendingVersion] | None = None  # the version being assembled
     # The leaves of the last dropped version, by spec: the next version's buffers when no
     # reader holds them any more (the peak stays keep + 1 versions, as without reuse).
     self._spare: dict[LeafSpec, list[np.ndarray]] = {}
@@ -273,7 +225,7 @@ class ParameterServer:
                        '0 <= process_index < process_count (jax.process_index() of '
                        'jax.process_count()).')
     paths, specs = list(shards.paths), list(shards.specs)
-    self._check_shards(shards)
+    assembly.check_shards(shards)
     with self._lock:
       self._check_version_order(version)
       if self._template is not None:
@@ -281,29 +233,18 @@ class ParameterServer:
       if self._pending is not None and self._pending[0] != version:
         raise ValueError(
             f'push of version {version} rejected: version {self._pending[0]} is incomplete '
-            f'({self._describe_pending()}). Push its missing shards first (every trainer '
+            f'({self._pending[1].describe()}). Push its missing shards first (every trainer '
             'process pushes each version).')
       if self._pending is None:
-        pending = _Pending(process_count, shards.treedef, paths, specs, self._spare)
+        pending = assembly.PendingVersion(process_count, shards.treedef, paths, specs,
+                                          self._spare)
       else:
         pending = self._pending[1]
-        self._check_same_push(pending, shards, process_index, process_count, version)
-      reserved = [list(boxes) for boxes in pending.boxes]
-      for shard in shards.shards:
-        clash = next((b for b in reserved[shard.leaf] if overlap(b, shard.box)), None)
-        if clash is not None:
-          raise ValueError(
-              f'push of version {version} by process {process_index} rejected: its shard '
-              f'{shard.box} of leaf {paths[shard.leaf]} overlaps the block {clash} already '
-              'pushed. Push each block once: the shards with replica_id == 0 '
-              '(local_shards).')
-        reserved[shard.leaf].append(shard.box)
-      # Accepted: reserve the blocks; the copies run outside the lock.
-      pending.boxes = reserved
-      pending.pushed.add(process_index)
+        pending.check_joins(shards, process_index, process_count, version)
+      pending.reserve(shards, process_index, version)  # the copies run outside the lock
       self._pending = (version, pending)
     try:
-      self._write(pending, shards, adopt)
+      pending.write(shards, adopt, self._lock)
     except BaseException:
       with self._lock:  # a copy failed (e.g. out of memory): the version cannot complete
         if self._pending is not None and self._pending[1] is pending:
@@ -325,77 +266,9 @@ class ParameterServer:
       self._commit(version, pending.treedef, paths, pending.leaves, tuple(pending.checksums))
       return True
 
-  def _write(self, pending: _Pending, shards: ShardPush, adopt: bool) -> None:
-    """Copies the (reserved) shards into the pending leaves (or, with ``adopt``, keeps a
-    whole-leaf read-only shard as its leaf), then checksums the leaves this push completed
-    (outside the lock: a complete leaf is never written again)."""
-    written = [0] * len(pending.leaves)
-    whole = {}  # leaf -> checksum, for the leaves this push sends as one block
-    for shard in shards.shards:
-      target = pending.leaves[shard.leaf]
-      if target.size == 0:
-        continue
-      if adopt and box_shape(shard.box) == target.shape and _adoptable(shard.data):
-        # A view: never owndata, so a dropped version never hands it to _take_spare. The
-        # leaf is covered by this one shard only (overlaps were refused), so no other push
-        # writes to pending.leaves[shard.leaf].
-        pending.leaves[shard.leaf] = shard.data.view()
-        whole[shard.leaf] = (delta_lib.checksum(shard.data) if shard.checksum is None
-                             else shard.checksum)
-      elif box_shape(shard.box) == target.shape:  # copied and summed in one pass
-        whole[shard.leaf] = delta_lib.copy_with_checksum(target, np.asarray(shard.data))
-      else:
-        target[tuple(slice(start, stop) for start, stop in shard.box)] = np.asarray(shard.data)
-      written[shard.leaf] += int(np.prod(box_shape(shard.box)))
-    with self._lock:
-      completed = []
-      for i, n in enumerate(written):
-        if n:
-          pending.missing[i] -= n
-          if pending.missing[i] == 0:
-            completed.append(i)
-    for i in completed:
-      pending.leaves[i].setflags(write=False)
-      pending.checksums[i] = whole[i] if i in whole else delta_lib.checksum(pending.leaves[i])
 
-  def _check_shards(self, shards: ShardPush) -> None:
-    """Each shard lies inside its leaf and has its block's shape and the leaf's dtype."""
-    for shard in shards.shards:
-      if not 0 <= shard.leaf < len(shards.specs):
-        raise ValueError(f'a shard names leaf {shard.leaf}; the tree has '
-                         f'{len(shards.specs)} leaves.')
-      path, (shape, dtype) = shards.paths[shard.leaf], shards.specs[shard.leaf]
-      if len(shard.box) != len(shape) or any(
-          not 0 <= start <= stop <= dim for (start, stop), dim in zip(shard.box, shape)):
-        raise ValueError(f'the shard {shard.box} of leaf {path} lies outside its shape '
-                         f'{shape}; a block is (start, stop) per dimension within it.')
-      seen = (tuple(int(d) for d in shard.data.shape), dtype_name(shard.data.dtype))
-      if seen != (box_shape(shard.box), dtype):
-        raise ValueError(f'the shard {shard.box} of leaf {path} holds {seen[0]} {seen[1]}; '
-                         f'its block needs {box_shape(shard.box)} {dtype}.')
 
-  def _check_same_push(self, pending: _Pending, shards: ShardPush, process_index: int,
-                       process_count: int, version: int) -> None:
-    """A later process's push of a pending version agrees with the first one's."""
-    if process_count != pending.process_count:
-      raise ValueError(f'process {process_index} pushes version {version} as one of '
-                       f'{process_count} processes; the first push said '
-                       f'{pending.process_count}. Every process passes jax.process_count().')
-    if process_index in pending.pushed:
-      raise ValueError(f'process {process_index} already pushed version {version}; each '
-                       'process pushes its shards of a version once.')
-    if (shards.treedef, list(shards.paths), list(shards.specs)) != (
-        pending.treedef, pending.paths, pending.specs):
-      raise ValueError(f'process {process_index} pushes version {version} with another tree, '
-                       'leaf shapes or dtypes than the first push; every process pushes the '
-                       "same params' shards.")
 
-  def _describe_pending(self) -> str:
-    """What the version being assembled still lacks (call with the lock held)."""
-    _, pending = self._pending
-    waiting = [p for p, n in zip(pending.paths, pending.missing) if n]
-    return (f'processes {sorted(pending.pushed)} of {pending.process_count} pushed; '
-            f'{len(waiting)} of {len(pending.paths)} leaves lack blocks, e.g. {waiting[:3]}')
 
   def _commit(self, version: int, treedef: Any, paths: list[str], leaves: list[np.ndarray],
               checksums: tuple[int, ...]) -> None:
@@ -476,7 +349,7 @@ class ParameterServer:
              f'{held[0]}..{held[-1]}. Pull a version before {self._keep} newer ones are '
              'pushed, or keep more (config paramserver.keep_versions)')
     elif self._pending is not None and version == self._pending[0]:
-      why = f'it is still being pushed ({self._describe_pending()}); pull it once complete'
+      why = f'it is still being pushed ({self._pending[1].describe()}); pull it once complete'
     elif version > self._latest:
       why = (f'it has not been pushed yet (the latest is {self._latest}); pull it after the '
              'trainer pushed it')

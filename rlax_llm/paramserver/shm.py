@@ -58,8 +58,8 @@ import numpy as np
 from rlax_llm.paramserver import delta as delta_lib
 from rlax_llm.paramserver.server import ParameterServer
 from rlax_llm.paramserver.shards import LeafSpec, Shard, ShardPush
+from rlax_llm.transport_spec import check_transport
 
-TRANSPORTS = ('auto', 'object_store')
 PREFIX = 'rlax_ps_'
 # Each leaf starts at a multiple of this many bytes in its slot (cache lines, SIMD loads).
 ALIGN = 64
@@ -71,11 +71,7 @@ def use_slots(transport: str, server_node: str, client_node: str,
   slots (on node ``server_node``): ``transport`` is ``'auto'``, both are on one machine, the
   writer is a whole trainer (``process_count`` 1; the processes of a trainer spanning hosts
   push through the object store) and this machine has memory files (Linux)."""
-  if transport not in TRANSPORTS:
-    raise ValueError(f'paramserver.transport={transport!r}: expected one of {TRANSPORTS} '
-                     "('auto': shared memory between processes of one machine, else the "
-                     "object store; 'object_store': always the object store).")
-  return (transport == 'auto' and server_node == client_node and process_count == 1
+  return (check_transport(transport) == 'auto' and server_node == client_node and process_count == 1
           and hasattr(os, 'memfd_create') and os.path.isdir('/proc/self/fd'))
 
 

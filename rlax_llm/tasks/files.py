@@ -31,13 +31,13 @@ from typing import Any
 import numpy as np
 
 from rlax_llm import extras
+from rlax_llm.extras import PARQUET_SUFFIXES
 from rlax_llm.tasks._util import check_format, check_int, stable_hash
 from rlax_llm.tasks.base import Prompt, chat_messages
 from rlax_llm.tasks.hub_datasets import HubDataset, is_hub_url
 
 DATA_DIR = pathlib.Path(__file__).with_name('data')
 JSONL_SUFFIXES = ('.jsonl', '.json', '.jsonl.gz', '.json.gz')
-PARQUET_SUFFIXES = ('.parquet', '.pq')
 # Records are Python dicts of the task's fields, about 1-3 KB each for a math or code problem
 # (GSM8K's 7.5k train records: ~15 MB; MATH's 12.5k: ~40 MB), so a million is a few GB: a
 # larger data set needs a streaming reader, which this is not.

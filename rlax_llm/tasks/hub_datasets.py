@@ -29,7 +29,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-HUB_PREFIX = 'hf://'
+from rlax_llm.extras import HUB_PREFIX
+
 PARQUET_REVISION = 'refs/convert/parquet'
 DEFAULT_CONFIG = 'default'
 

@@ -26,7 +26,7 @@ from loss_api import call
 from rlax_llm.losses import components
 from rlax_llm.losses.kl import kl_penalty
 from rlax_llm.losses import LossConfig, MismatchConfig, policy_loss
-from rlax_llm.losses.policy import LOSSES, M2PO_VARIANTS, grpo_loss, m2po_loss
+from rlax_llm.losses.policy import LOSSES, M2PO_VARIANTS
 
 # Every named loss, the three M2PO variants separately: key -> (name, static options).
 CONFIGS = {name: (name, ()) for name in LOSSES if name != 'm2po'}
@@ -120,19 +120,20 @@ def test_ppo_family_hand_case(key):
                              HAND_EXPECTED[key], rtol=1e-6)
 
 
-def test_grpo_hand_case_and_wrapper():
+def test_grpo_hand_case():
   # One sequence, two loss tokens, A = 1, eps = 0.2.
   # token 0: r = 1.5 -> min(1.5, 1.2) = 1.2 (clipped); token 1: r = 0.5 -> min(0.5, 0.8) = 0.5.
   # loss = -(1.2 + 0.5) / 2 = -0.85; clip_fraction = 1/2. The third token is masked out.
   logp = jnp.log(jnp.array([[1.5, 0.5, 9.0]]))
   behaviour = jnp.zeros((1, 3))
-  loss, diags = grpo_loss(logp, behaviour, jnp.array([1.0]), jnp.array([[1, 1, 0]]),
-                          clip_eps=0.2)
+  loss, diags = call('grpo', logp, behaviour, jnp.array([1.0]), jnp.array([[1, 1, 0]]),
+                     eps_low=0.2, eps_high=0.2)
   np.testing.assert_allclose(loss, -0.85, rtol=1e-6)
   np.testing.assert_allclose(diags['clip_fraction'], 0.5)
   np.testing.assert_allclose(diags['is/ratio_max'], 1.5, rtol=1e-6)
-  # clip_eps is honoured: with eps = 0.6 nothing is clipped, -(1.5 + 0.5) / 2.
-  loss, _ = grpo_loss(logp, behaviour, jnp.array([1.0]), jnp.array([[1, 1, 0]]), clip_eps=0.6)
+  # eps is honoured: with eps = 0.6 nothing is clipped, -(1.5 + 0.5) / 2.
+  loss, _ = call('grpo', logp, behaviour, jnp.array([1.0]), jnp.array([[1, 1, 0]]),
+                 eps_low=0.6, eps_high=0.6)
   np.testing.assert_allclose(loss, -1.0, rtol=1e-6)
 
 
@@ -177,10 +178,11 @@ def test_reinforce_and_rloo_hand_case():
     np.testing.assert_allclose(loss, -2.0, rtol=1e-6, err_msg=name)
 
 
-def test_m2po_wrapper_matches_policy_loss():
+def test_m2po_jitted_matches_the_reference_for_every_variant():
   x = ref.make_inputs(40)
   for variant in M2PO_VARIANTS:
-    loss, _ = jax.jit(functools.partial(m2po_loss, tau=0.05, variant=variant))(*args(x))
+    loss, _ = jax.jit(functools.partial(call, 'm2po', m2po_tau=0.05, m2po_variant=variant))(
+        *args(x))
     np.testing.assert_allclose(
         loss, ref.policy_loss('m2po', *args(x), tau=0.05, variant=variant), rtol=1e-5,
         atol=1e-6, err_msg=variant)
@@ -736,8 +738,6 @@ def test_missing_inputs_raise():
   x = ref.make_inputs(22)
   with pytest.raises(ValueError, match='kl_beta=0.1 > 0 needs ref_logp'):
     call('grpo', *args(x), kl_beta=0.1)
-  with pytest.raises(ValueError, match='kl_beta.*needs ref_logp'):
-    grpo_loss(*args(x), kl_beta=0.1)
   with pytest.raises(ValueError, match="old_logprobs='recompute' but old_logp was not given"):
     policy_loss(LossConfig(loss='dapo', old_logprobs='recompute'), *args(x))
   with pytest.raises(ValueError, match="old_logprobs='behaviour' but old_logp was given"):

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlax_llm.losses.supervised import entropy_from_logits, token_cross_entropy
+from rlax_llm.losses.supervised import token_cross_entropy
 
 
 def np_log_softmax(logits):
@@ -80,20 +80,3 @@ def test_token_cross_entropy_shape_checks():
     token_cross_entropy(logits[0], targets[0], mask[0])
   with pytest.raises(AssertionError):
     token_cross_entropy(logits, targets, mask[:, :-1])
-
-
-def test_entropy_from_logits_matches_numpy():
-  rng = np.random.RandomState(6)
-  logits = (2.0 * rng.normal(size=(2, 3, 9))).astype(np.float32)
-  logp = np_log_softmax(logits)
-  expected = -(np.exp(logp) * logp).sum(-1)
-  out = jax.jit(entropy_from_logits)(logits)
-  assert out.shape == (2, 3) and out.dtype == jnp.float32
-  np.testing.assert_allclose(out, expected, rtol=1e-5)
-
-
-def test_entropy_limits():
-  # Uniform over V has entropy log V; a huge logit gap gives entropy ~0, not NaN.
-  out = entropy_from_logits(jnp.array([[0.0] * 7, [0.0, 200.0, 0.0, 0.0, 0.0, 0.0, 0.0]]))
-  np.testing.assert_allclose(out[0], np.log(7.0), rtol=1e-6)
-  assert np.isfinite(out[1]) and abs(float(out[1])) < 1e-6

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from rlax_llm.models.files import gguf as gguf_lib
+from rlax_llm.models.files import gguf_layout
 
 gguf = pytest.importorskip('gguf')
 
@@ -185,21 +186,21 @@ def test_unpermute_rope_rows_inverts_llama_cpp_permute():
   for heads, head_dim in ((9, 64), (3, 64), (4, 16), (1, 2)):
     weight = rng.standard_normal((heads * head_dim, 5)).astype(np.float32)
     np.testing.assert_array_equal(
-        gguf_lib.unpermute_rope_rows(_llama_cpp_permute(weight, heads), heads), weight)
+        gguf_layout.unpermute_rope_rows(_llama_cpp_permute(weight, heads), heads), weight)
     bias = rng.standard_normal(heads * head_dim).astype(np.float32)
     np.testing.assert_array_equal(
-        gguf_lib.unpermute_rope_rows(_llama_cpp_permute(bias, heads), heads), bias)
+        gguf_layout.unpermute_rope_rows(_llama_cpp_permute(bias, heads), heads), bias)
 
 
 def test_unpermute_rope_rows_explicit_order():
   # One head of head_dim 6: GGUF rows are HF rows [0, 3, 1, 4, 2, 5] (interleaved halves).
   gguf_rows = np.array([0, 3, 1, 4, 2, 5], dtype=np.float32)
-  np.testing.assert_array_equal(gguf_lib.unpermute_rope_rows(gguf_rows, 1), np.arange(6))
+  np.testing.assert_array_equal(gguf_layout.unpermute_rope_rows(gguf_rows, 1), np.arange(6))
   # Two heads are unpermuted independently.
   two = np.concatenate([gguf_rows, gguf_rows + 6])
-  np.testing.assert_array_equal(gguf_lib.unpermute_rope_rows(two, 2), np.arange(12))
+  np.testing.assert_array_equal(gguf_layout.unpermute_rope_rows(two, 2), np.arange(12))
   with pytest.raises(ValueError, match='Cannot unpermute 12 rows into 4 heads'):
-    gguf_lib.unpermute_rope_rows(two, 4)
+    gguf_layout.unpermute_rope_rows(two, 4)
 
 
 # --- tiny files written here ------------------------------------------------------------------
@@ -384,7 +385,7 @@ def test_unsupported_architecture(tmp_path):
                      r"'qwen2', 'qwen3'"):
     gguf_lib.read_gguf(path)
   with pytest.raises(ValueError, match="architecture None is not supported"):
-    gguf_lib.hf_config_from_metadata({}, {})
+    gguf_layout.hf_config_from_metadata({}, {})
 
 
 def test_shape_mismatch_names_the_tensor(tmp_path):
@@ -423,7 +424,7 @@ def test_missing_tensor(tmp_path):
 def test_missing_required_metadata():
   metadata = {'general.architecture': 'qwen2', 'qwen2.embedding_length': 64}
   with pytest.raises(ValueError, match="lacks the required field 'qwen2.attention.head_count'"):
-    gguf_lib.hf_config_from_metadata(metadata, {'token_embd.weight': (VOCAB, HIDDEN)})
+    gguf_layout.hf_config_from_metadata(metadata, {'token_embd.weight': (VOCAB, HIDDEN)})
 
 
 def test_rope_scaling_fields():
@@ -434,7 +435,7 @@ def test_rope_scaling_fields():
       'qwen2.rope.scaling.type': 'yarn', 'qwen2.rope.scaling.factor': 4.0,
       'qwen2.rope.scaling.original_context_length': 32768,
   }
-  config = gguf_lib.hf_config_from_metadata(metadata, {'token_embd.weight': (VOCAB, HIDDEN)})
+  config = gguf_layout.hf_config_from_metadata(metadata, {'token_embd.weight': (VOCAB, HIDDEN)})
   assert config['rope_scaling'] == {'rope_type': 'yarn', 'factor': 4.0,
                                     'original_max_position_embeddings': 32768}
   assert config['num_key_value_heads'] == 4 and config['head_dim'] == 16

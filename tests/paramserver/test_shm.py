@@ -16,7 +16,11 @@ import numpy as np
 import pytest
 from memfd import holders  # (tests/memfd.py)
 
+from rlax_llm.cli import load_config_file
+from rlax_llm.config import validate_config
+from rlax_llm.errors import ConfigError
 from rlax_llm.paramserver import ParameterServer, Shard, ShardPush, delta, local_shards, shm
+from rlax_llm.transport_spec import TRANSPORTS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -192,3 +196,17 @@ def test_which_processes_use_the_slots(transport, server, client, processes, exp
 def test_an_unknown_transport_is_refused():
   with pytest.raises(ValueError, match="paramserver.transport='plasma'"):
     shm.use_slots('plasma', 'a', 'a')
+
+
+def test_the_config_refuses_a_transport_as_the_slots_do():
+  """One list of transports (rlax_llm.transport_spec) for the config and the slots."""
+  config = load_config_file('configs/default.py:smoke')
+  config.paramserver.transport = 'plasma'
+  with pytest.raises(ConfigError) as refused_by_config:
+    validate_config(config)
+  with pytest.raises(ValueError) as refused_by_slots:
+    shm.use_slots('plasma', 'a', 'a')
+  assert str(refused_by_config.value) == f'config.{refused_by_slots.value}'
+  for transport in TRANSPORTS:
+    config.paramserver.transport = transport
+    assert validate_config(config).transport == transport

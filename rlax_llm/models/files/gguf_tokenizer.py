@@ -151,3 +151,76 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str],
       AddedToken(token, special=False, normalized=False) for token, kind in typed
       if kind == _GGUF_USER_DEFINED and token in vocab])
   return backend
+
+
+def read_gguf_tokenizer(path_or_reader: str | os.PathLike | Any
+                        ) -> tuple[tokenizers.Tokenizer, dict[str, Any]]:
+  """``(backend, arguments)``: the tokenizer a GGUF checkpoint's metadata describes, as
+  ``HFTokenizer(backend, **arguments)`` takes it (``HFTokenizer.from_gguf``).
+
+  Supports ``tokenizer.ggml.model == 'gpt2'`` (byte-level BPE; see ``byte_level_bpe``).
+  bos / eos / unk / pad come from ``tokenizer.ggml.{bos,eos,unknown,padding}_token_id``, the
+  chat template from ``tokenizer.chat_template``, ``model_max_length`` from
+  ``{general.architecture}.context_length``, and the post-processor adds bos / eos to
+  ``add_special_tokens=True`` encodings iff ``tokenizer.ggml.add_{bos,eos}_token`` say so --
+  the tokenizer transformers builds with ``AutoTokenizer.from_pretrained(dir, gguf_file=...)``.
+
+  Args:
+    path_or_reader: path to a ``.gguf`` file, or a ``gguf.GGUFReader`` already open on one.
+  Raises ValueError naming the model for other ``tokenizer.ggml.model`` values, and
+  CheckpointError naming the file when it is empty, not GGUF, truncated or corrupt.
+  """
+  get, source = gguf_fields(path_or_reader)
+  model = get('tokenizer.ggml.model')
+  if model not in GGUF_TOKENIZER_MODELS:
+    raise ValueError(f'{source} has tokenizer.ggml.model={model!r}; HFTokenizer.from_gguf '
+                     f'supports {list(GGUF_TOKENIZER_MODELS)} (byte-level '
+                     'BPE). For other models load the original tokenizer directory with '
+                     'from_directory.')
+  tokens = get('tokenizer.ggml.tokens')
+  merges = get('tokenizer.ggml.merges')
+  if not tokens or merges is None:
+    missing = 'tokenizer.ggml.tokens' if not tokens else 'tokenizer.ggml.merges'
+    raise ValueError(f'{source} has no {missing}; a byte-level BPE vocabulary needs both '
+                     'tokenizer.ggml.tokens and tokenizer.ggml.merges.')
+  token_types = get('tokenizer.ggml.token_type') or []
+  backend = byte_level_bpe(tokens, merges, token_types,
+                                          get('tokenizer.ggml.pre'), source)
+  special = {}
+  for name, key in (('bos_token', 'bos_token_id'), ('eos_token', 'eos_token_id'),
+                    ('unk_token', 'unknown_token_id'), ('pad_token', 'padding_token_id')):
+    token_id = get(f'tokenizer.ggml.{key}')
+    if token_id is not None and not 0 <= token_id < len(tokens):
+      raise ValueError(f'tokenizer.ggml.{key}={token_id} in {source} is outside the '
+                       f'vocabulary of {len(tokens)} tokens.')
+    special[name] = None if token_id is None else backend.id_to_token(token_id)
+  frame = {}
+  for name in ('bos', 'eos'):
+    token = special[f'{name}_token']
+    if get(f'tokenizer.ggml.add_{name}_token') and token is not None:
+      frame[name] = (token, backend.token_to_id(token))
+  backend.post_processor = template_post_processor(frame.get('bos'), frame.get('eos'))
+  architecture = get('general.architecture')
+  context = get(f'{architecture}.context_length') if architecture else None
+  return backend, dict(**special, chat_template=get('tokenizer.chat_template'),
+                       model_max_length=int(context) if context else None, source=source)
+
+
+def template_post_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> Any:
+  """transformers' post-processor for ``add_bos_token`` / ``add_eos_token``.
+
+  ``[bos] $A [eos]`` for one sequence and ``[bos] $A [eos] [bos] $B [eos]`` for a pair, each
+  bracket present when that ``(token, id)`` is given.
+  """
+  from tokenizers import processors
+
+  def frame(sequence: str, type_id: int) -> str:
+    parts = [f'{bos[0]}:{type_id}'] if bos else []
+    parts.append(f'{sequence}:{type_id}')
+    if eos:
+      parts.append(f'{eos[0]}:{type_id}')
+    return ' '.join(parts)
+
+  return processors.TemplateProcessing(
+      single=frame('$A', 0), pair=f"{frame('$A', 0)} {frame('$B', 1)}",
+      special_tokens=[token for token in (bos, eos) if token])

@@ -7,7 +7,9 @@ with the checkpoint's chat template rendered the way ``transformers`` renders it
 (``rlax_llm.models.files.chat_template``). It gives the same ids as ``transformers.AutoTokenizer``
 on the same files, and ``save`` writes a directory ``AutoTokenizer.from_pretrained`` loads
 back. ``encode`` adds bos / eos only when asked (``add_bos`` / ``add_eos``), never because the
-checkpoint's post-processor would.
+checkpoint's post-processor would. Where its arguments come from is
+``tokenizer_directory.read_directory`` (a Hugging Face directory) and
+``gguf_tokenizer.read_gguf_tokenizer`` (GGUF metadata).
 """
 
 from __future__ import annotations
@@ -21,75 +23,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rlax_llm import tokenization
-from rlax_llm.errors import CheckpointError
 from rlax_llm.models.files import chat_template as chat_template_lib
 from rlax_llm.models.files import gguf_tokenizer
-from rlax_llm.models.files import hf
+from rlax_llm.models.files import tokenizer_directory
 
 if TYPE_CHECKING:
   import tokenizers
-
-
-# The named special tokens, as ``tokenizer_config.json`` and chat templates call them.
-_SPECIAL_TOKEN_NAMES = ('bos_token', 'eos_token', 'unk_token', 'pad_token')
-# transformers writes ``model_max_length = int(1e30)`` for "no limit".
-_NO_MAX_LENGTH = 10**29
-
-
-def _token_content(value: Any, name: str, source: str) -> str | None:
-  """A special token's text from a config entry: a string, an AddedToken dict, or None."""
-  if value is None or isinstance(value, str):
-    return value
-  if isinstance(value, Mapping) and isinstance(value.get('content'), str):
-    return value['content']
-  raise ValueError(f'{name} in {source} is {value!r}; expected a string, null, or an '
-                   'AddedToken dict with a string "content" field.')
-
-
-def _select_chat_template(value: Any, name: str, source: str) -> str | None:
-  """The template called ``name`` from a ``chat_template`` config entry.
-
-  The entry is a single template string, a list of ``{'name': ..., 'template': ...}`` dicts, or
-  a mapping from names to templates; a single string is used whatever ``name`` is.
-  """
-  if value is None or isinstance(value, str):
-    return value
-  if isinstance(value, Mapping):
-    named = dict(value)
-  elif isinstance(value, list) and all(isinstance(entry, Mapping) and 'name' in entry
-                                       and 'template' in entry for entry in value):
-    named = {entry['name']: entry['template'] for entry in value}
-  else:
-    raise ValueError(f'chat_template in {source} is a {type(value).__name__}; expected a '
-                     "template string or a list of {'name': ..., 'template': ...} dicts.")
-  if name not in named:
-    raise ValueError(f'{source} has chat templates {sorted(named)} but none named {name!r}; '
-                     'pass chat_template_name= one of those names.')
-  return named[name]
-
-
-def _read_json_object(path: pathlib.Path) -> dict[str, Any]:
-  """The JSON object in ``path``, or ``{}`` if there is no such file.
-
-  Raises CheckpointError naming the file if it is empty, not JSON, or not a JSON object.
-  """
-  if not path.is_file():
-    return {}
-  return hf.read_json_object(path)
-
-
-def _tokenizer_from_file(path: pathlib.Path) -> tokenizers.Tokenizer:
-  """``tokenizers.Tokenizer.from_file``; CheckpointError naming the file if it cannot load it."""
-  import tokenizers
-  try:
-    return tokenizers.Tokenizer.from_file(str(path))
-  except Exception as error:  # pylint: disable=broad-except
-    # tokenizers raises a bare Exception ('expected value at line 1 column 1', ...).
-    failure = error
-  hf.read_json_object(path)  # Says so when the file is not even a JSON object.
-  raise CheckpointError(f'{path} is JSON but not a tokenizer the `tokenizers` library can load '
-                        f'({failure}); check that it is a Hugging Face tokenizer.json.'
-                        ) from failure
 
 
 def _clean_up_tokenization(text: str) -> str:
@@ -103,26 +42,6 @@ def _clean_up_tokenization(text: str) -> str:
                         (" 're", "'re")):
     text = text.replace(before, after)
   return text
-
-
-def _template_post_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> Any:
-  """transformers' post-processor for ``add_bos_token`` / ``add_eos_token``.
-
-  ``[bos] $A [eos]`` for one sequence and ``[bos] $A [eos] [bos] $B [eos]`` for a pair, each
-  bracket present when that ``(token, id)`` is given.
-  """
-  from tokenizers import processors
-
-  def frame(sequence: str, type_id: int) -> str:
-    parts = [f'{bos[0]}:{type_id}'] if bos else []
-    parts.append(f'{sequence}:{type_id}')
-    if eos:
-      parts.append(f'{eos[0]}:{type_id}')
-    return ' '.join(parts)
-
-  return processors.TemplateProcessing(
-      single=frame('$A', 0), pair=f"{frame('$A', 0)} {frame('$B', 1)}",
-      special_tokens=[token for token in (bos, eos) if token])
 
 
 class HFTokenizer:
@@ -228,104 +147,23 @@ class HFTokenizer:
   @classmethod
   def from_directory(cls, path: str | os.PathLike, chat_template_name: str = 'default'
                      ) -> HFTokenizer:
-    """Loads a Hugging Face tokenizer directory.
-
-    Reads ``tokenizer.json`` (required), ``tokenizer_config.json`` (special tokens as strings
-    or AddedToken dicts, ``chat_template``, ``model_max_length``,
-    ``clean_up_tokenization_spaces``) and, for special tokens the config leaves out,
-    ``special_tokens_map.json``. A ``chat_template.jinja`` file takes precedence over the
-    config's template, as in transformers; a config holding a list of named templates gives the
-    one called ``chat_template_name``.
-
-    Raises FileNotFoundError naming the path when there is no ``tokenizer.json``, and
-    CheckpointError naming the file when one of these files is not valid JSON (or not an
-    object), or ``tokenizer.json`` is not a tokenizer ``tokenizers`` can load.
+    """Loads a Hugging Face tokenizer directory: ``tokenizer.json`` (required),
+    ``tokenizer_config.json``, ``special_tokens_map.json``, ``chat_template.jinja``, read as
+    transformers reads them (``tokenizer_directory.read_directory``: which file gives what,
+    what a config with several named templates gives, and the errors).
     """
-    directory = pathlib.Path(path)
-    tokenizer_file = directory / 'tokenizer.json'
-    if not tokenizer_file.is_file():
-      raise FileNotFoundError(f'no tokenizer.json at {tokenizer_file}; from_directory needs a '
-                              'Hugging Face tokenizer directory (tokenizer.json, '
-                              'tokenizer_config.json). For a .gguf checkpoint use '
-                              'HFTokenizer.from_gguf.')
-    config_file = directory / 'tokenizer_config.json'
-    config = _read_json_object(config_file)
-    special_map = _read_json_object(directory / 'special_tokens_map.json')
-    special = {}
-    for name in _SPECIAL_TOKEN_NAMES:
-      if config.get(name) is not None:
-        special[name] = _token_content(config[name], name, str(config_file))
-      else:
-        special[name] = _token_content(special_map.get(name), name,
-                                       str(directory / 'special_tokens_map.json'))
-    template_file = directory / 'chat_template.jinja'
-    if template_file.is_file():
-      chat_template = template_file.read_text(encoding='utf-8')
-    else:
-      chat_template = _select_chat_template(config.get('chat_template'), chat_template_name,
-                                            str(config_file))
-    max_length = config.get('model_max_length')
-    if isinstance(max_length, float) and max_length.is_integer():
-      max_length = int(max_length)
-    if not isinstance(max_length, int) or not 0 < max_length < _NO_MAX_LENGTH:
-      max_length = None
-    return cls(_tokenizer_from_file(tokenizer_file), **special,
-               chat_template=chat_template, model_max_length=max_length,
-               clean_up_tokenization_spaces=bool(config.get('clean_up_tokenization_spaces',
-                                                            False)),
-               source=str(directory))
+    backend, arguments = tokenizer_directory.read_directory(path, chat_template_name)
+    return cls(backend, **arguments)
 
   @classmethod
   def from_gguf(cls, path_or_reader: str | os.PathLike | Any) -> HFTokenizer:
-    """Builds the tokenizer a GGUF checkpoint's metadata describes.
-
-    Supports ``tokenizer.ggml.model == 'gpt2'`` (byte-level BPE; see
-    ``gguf_tokenizer.byte_level_bpe``).
-    bos / eos / unk / pad come from ``tokenizer.ggml.{bos,eos,unknown,padding}_token_id``, the
-    chat template from ``tokenizer.chat_template``, ``model_max_length`` from
-    ``{general.architecture}.context_length``, and the post-processor adds bos / eos to
-    ``add_special_tokens=True`` encodings iff ``tokenizer.ggml.add_{bos,eos}_token`` say so --
-    the tokenizer transformers builds with ``AutoTokenizer.from_pretrained(dir, gguf_file=...)``.
-
-    Args:
-      path_or_reader: path to a ``.gguf`` file, or a ``gguf.GGUFReader`` already open on one.
-    Raises ValueError naming the model for other ``tokenizer.ggml.model`` values, and
-    CheckpointError naming the file when it is empty, not GGUF, truncated or corrupt.
+    """Builds the tokenizer a GGUF checkpoint's metadata describes (``path_or_reader``: a
+    ``.gguf`` path or a ``gguf.GGUFReader`` open on one); the tokenizer transformers builds
+    with ``AutoTokenizer.from_pretrained(dir, gguf_file=...)``
+    (``gguf_tokenizer.read_gguf_tokenizer``: the fields read, the models supported, the errors).
     """
-    get, source = gguf_tokenizer.gguf_fields(path_or_reader)
-    model = get('tokenizer.ggml.model')
-    if model not in gguf_tokenizer.GGUF_TOKENIZER_MODELS:
-      raise ValueError(f'{source} has tokenizer.ggml.model={model!r}; HFTokenizer.from_gguf '
-                       f'supports {list(gguf_tokenizer.GGUF_TOKENIZER_MODELS)} (byte-level '
-                       'BPE). For other models load the original tokenizer directory with '
-                       'from_directory.')
-    tokens = get('tokenizer.ggml.tokens')
-    merges = get('tokenizer.ggml.merges')
-    if not tokens or merges is None:
-      missing = 'tokenizer.ggml.tokens' if not tokens else 'tokenizer.ggml.merges'
-      raise ValueError(f'{source} has no {missing}; a byte-level BPE vocabulary needs both '
-                       'tokenizer.ggml.tokens and tokenizer.ggml.merges.')
-    token_types = get('tokenizer.ggml.token_type') or []
-    backend = gguf_tokenizer.byte_level_bpe(tokens, merges, token_types,
-                                            get('tokenizer.ggml.pre'), source)
-    special = {}
-    for name, key in (('bos_token', 'bos_token_id'), ('eos_token', 'eos_token_id'),
-                      ('unk_token', 'unknown_token_id'), ('pad_token', 'padding_token_id')):
-      token_id = get(f'tokenizer.ggml.{key}')
-      if token_id is not None and not 0 <= token_id < len(tokens):
-        raise ValueError(f'tokenizer.ggml.{key}={token_id} in {source} is outside the '
-                         f'vocabulary of {len(tokens)} tokens.')
-      special[name] = None if token_id is None else backend.id_to_token(token_id)
-    frame = {}
-    for name in ('bos', 'eos'):
-      token = special[f'{name}_token']
-      if get(f'tokenizer.ggml.add_{name}_token') and token is not None:
-        frame[name] = (token, backend.token_to_id(token))
-    backend.post_processor = _template_post_processor(frame.get('bos'), frame.get('eos'))
-    architecture = get('general.architecture')
-    context = get(f'{architecture}.context_length') if architecture else None
-    return cls(backend, **special, chat_template=get('tokenizer.chat_template'),
-               model_max_length=int(context) if context else None, source=source)
+    backend, arguments = gguf_tokenizer.read_gguf_tokenizer(path_or_reader)
+    return cls(backend, **arguments)
 
   def save(self, out_dir: str | os.PathLike) -> pathlib.Path:
     """Writes a directory ``transformers.AutoTokenizer.from_pretrained`` loads.
