@@ -52,6 +52,9 @@ from rlax_llm.errors import ConfigError, Preempted, RlaxError
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent / 'configs'
 DEFAULT_CONFIG_PATH = CONFIG_DIR / 'default.py'
 HELP_FLAGS = ('-h', '--help', '-help')
+# absl's: ``app.run`` answers them where an entry point runs under it (``known_only``); the
+# others have only their own usage to print.
+ABSL_HELP_FLAGS = ('--helpfull', '-helpfull', '--helpshort', '-helpshort')
 
 
 def lookup(config: ml_collections.ConfigDict, dotted: str):
@@ -403,12 +406,13 @@ class CommandLine:
   rest: list[str]
 
 
-def wants_help(argv: Sequence[str]) -> bool:
-  """Whether ``argv`` (without the program name) asks for ``--help`` before any ``--``."""
+def wants_help(argv: Sequence[str], also: Sequence[str] = ()) -> bool:
+  """Whether ``argv`` (without the program name) asks for ``--help`` (or a flag in
+  ``also``) before any ``--``."""
   for arg in argv:
     if arg == '--':
       return False
-    if arg in HELP_FLAGS:
+    if arg in HELP_FLAGS or arg in also:
       return True
   return False
 
@@ -430,7 +434,8 @@ def command_line(argv: Sequence[str], usage: Callable[[], str],
   Args:
     argv: ``sys.argv``.
     usage: the ``--help`` text (printed to stdout, and None returned, when ``argv`` asks for
-      help: before anything else, so it works with a broken config).
+      help: before anything else, so it works with a broken config; also for absl's
+      ``--helpfull``/``--helpshort`` unless ``known_only`` leaves those to ``app.run``).
     define: defines the entry point's own flags on the absl ``FlagValues`` it is given and
       returns their holders by name.
     known_only: leave the arguments no flag of ``define`` names in ``CommandLine.rest``
@@ -441,7 +446,7 @@ def command_line(argv: Sequence[str], usage: Callable[[], str],
   Raises:
     SystemExit: ``'error: ...'``: a flag is unknown or its value does not parse.
   """
-  if wants_help(argv[1:]):
+  if wants_help(argv[1:], also=() if known_only else ABSL_HELP_FLAGS):
     sys.stdout.write(usage())
     return None
   config_args, rest = split_config_args(argv[1:])

@@ -111,6 +111,16 @@ def test_a_command_line_asking_for_help_prints_the_usage_before_reading_anything
                           known_only=True).rest == ['--', '--help']
 
 
+@pytest.mark.parametrize('flag', ['--helpfull', '--helpshort'])
+def test_absls_help_flags_print_the_usage_where_app_run_does_not_answer_them(capsys, flag):
+  """evaluate and serve run without absl's app.run: its help flags print their usage
+  (they were refused as unknown flags); launch (known_only) leaves them to app.run."""
+  assert cli.command_line(['prog', flag], lambda: 'usage: prog\n', _define) is None
+  assert capsys.readouterr().out == 'usage: prog\n'
+  assert cli.command_line(['prog', flag], lambda: 'usage', _define,
+                          known_only=True).rest == [flag]
+
+
 def test_a_bad_flag_exits_with_one_line_unless_left_to_absl():
   with pytest.raises(SystemExit, match=r"^error: flag --port=x: invalid literal for int"):
     cli.command_line(['prog', '--port=x'], lambda: 'usage', _define)

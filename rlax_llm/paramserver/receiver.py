@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import numpy as np
