@@ -30,9 +30,15 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONTROLLER = pathlib.Path(controller_lib.__file__).parent  # the package's modules
 
 
-def _smoke_config(steps=2):
+def _smoke_config(steps=2, warmup=True):
+  """The smoke config for ``steps`` RL steps. ``warmup=False``: without its warm-up, for runs
+  whose rewards do not need a competent model (a test task's, e.g. _CoinTask, or a
+  length-dependent shaping): the warm-up's 80 steps and its train step's compile are
+  skipped."""
   config = load_config_file(str(ROOT / 'configs/default.py') + ':smoke')
   config.total_steps = steps
+  if not warmup:
+    config.warmup.steps = 0
   config.log.tensorboard = False
   return config
 
@@ -85,8 +91,7 @@ def test_batch_invariant_run_trains_exactly_on_policy(tmp_path, invariant, rows)
   exactly 1. The default numerics (the control) differ by rounding. No warm-up: what is
   checked needs no competence, and _CoinTask's rewards give every step a gradient (the
   params move between steps)."""
-  config = _smoke_config(steps=3)
-  config.warmup.steps = 0
+  config = _smoke_config(steps=3, warmup=False)
   config.model.batch_invariant = invariant
   config.model.invariant_rows = rows
   if rows == 'floor':
@@ -253,7 +258,7 @@ class _CoinTask(ArithmeticTask):
 
 
 def test_a_diverging_rl_run_stops_naming_the_step(tmp_path):
-  config = _smoke_config(steps=20)
+  config = _smoke_config(steps=20, warmup=False)  # rewards by _CoinTask
   config.rl.learning_rate = 1e10
   with build_run(config, tmp_path, run_spec(config)) as run:
     run.controller.kind.task = _CoinTask(num_eval=16)
@@ -274,7 +279,7 @@ class _SparseTask(ArithmeticTask):
 def test_dynamic_sampling_pads_short_batches_to_one_shape(tmp_path):
   """With few informative groups, updates are topped up with filtered groups: every update
   has prompts_per_step groups (one compiled shape), and every group is counted once."""
-  config = _smoke_config(steps=6)
+  config = _smoke_config(steps=6, warmup=False)  # rewards by _SparseTask
   config.rollout.oversample = 0.5  # 6 prompts per batch for 4 trained groups
   with build_run(config, tmp_path, run_spec(config)) as run:
     run.controller.kind.task = _SparseTask(num_eval=16)
@@ -293,7 +298,7 @@ def test_replay_reasks_prompts_whose_groups_had_unequal_rewards(tmp_path):
   """``rollout.replay``: a share of each batch re-asks prompts whose last group had unequal
   rewards (only ids divisible by 3 can, under _SparseTask), ahead of new stream prompts; the
   ledger keeps them apart, so the stream's prompts stay consecutive."""
-  config = _smoke_config(steps=6)
+  config = _smoke_config(steps=6, warmup=False)  # rewards by _SparseTask
   config.rollout.replay = 0.5  # at most 2 of the 4 prompts per batch
   with build_run(config, tmp_path, run_spec(config)) as run:
     run.controller.kind.task = _SparseTask(num_eval=16)
@@ -365,7 +370,7 @@ def test_shared_prefix_scoring_trains_like_full_scoring(tmp_path):
   and each update equals the fully scored one to float rounding (2 steps, 2 micro-batches)."""
   rows = {}
   for shared in (False, True):
-    config = _smoke_config(steps=2)
+    config = _smoke_config(steps=2, warmup=False)  # rewards by length (below)
     config.rl.shared_prefix = shared
     config.rl.micro_batches = 2
     # A length-dependent reward: the smoke model is never right yet, this gives advantages.
