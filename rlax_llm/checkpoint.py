@@ -169,6 +169,21 @@ def _handlers(*arrays: str, json: tuple[str, ...] = ()) -> dict[str, Any]:
           | {name: ocp.JsonCheckpointHandler() for name in json})
 
 
+def _save_whole_replicas_on_one_cpu_host() -> None:
+  """On the CPU backend in one process, makes Orbax save a replicated array from one replica
+  (its ``ArrayHandler`` with ``use_replica_parallel=False``, registered for ``jax.Array``).
+
+  Replica-parallel saving (Orbax's default) splits a replicated array among its replicas, each
+  copying and writing a slice: that spreads device-to-host copies over accelerators and writes
+  over hosts, at the cost of one eager ``slice`` program per array shape and replica (56 for
+  the smoke config's params and optimizer state on 8 CPU devices). CPU devices in one process
+  share the host's memory, so there the slices gain nothing and only compile. Elsewhere
+  (accelerators, several processes) Orbax's default is kept."""
+  if jax.default_backend() == 'cpu' and jax.process_count() == 1:
+    ocp.type_handlers.register_type_handler(
+        jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+
+
 class Checkpointer:
   """Saves and restores a run's steps under ``workdir/checkpoints`` (module docstring).
 
@@ -185,6 +200,7 @@ class Checkpointer:
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
       raise ValueError(f'checkpoint.keep={keep!r} must be an int >= 1.')
     self.directory = storage.absolute(workdir) / workdir_lib.CHECKPOINT_DIRNAME
+    _save_whole_replicas_on_one_cpu_host()
     self._manager = ocp.CheckpointManager(
         self.directory / STEPS_DIRNAME,
         options=ocp.CheckpointManagerOptions(

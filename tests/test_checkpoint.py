@@ -111,6 +111,22 @@ def test_save_schedule_by_time(monkeypatch):
   assert not schedule.due(2) and not SaveSchedule().due(1)
 
 
+def test_replicated_arrays_save_without_a_slice_program_on_one_cpu_host(tmp_path, caplog):
+  """Params replicated over 8 CPU devices (the smoke config's trainer) save from one replica:
+  Orbax's replica-parallel default compiles a ``slice`` per shape and replica (the test
+  fails with it); they restore exactly."""
+  trainer = _trainer({'data': 8, 'fsdp': 1, 'tensor': 1})
+  assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(trainer.params))
+  checkpointer = Checkpointer(tmp_path, async_save=False)
+  with jax.log_compiles(), caplog.at_level('WARNING'):
+    _save(checkpointer, trainer, 1)
+  compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith('Compiling')]
+  assert not compiled, compiled
+  restored = checkpointer.restore(trainer.params, trainer.opt_state)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               (restored.params, restored.opt_state), (trainer.params, trainer.opt_state))
+
+
 def test_warmup_checkpoint_round_trip(tmp_path):
   trainer = _trainer({'data': 1, 'fsdp': 1, 'tensor': 1})
   checkpointer = Checkpointer(tmp_path)

@@ -30,31 +30,57 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONTROLLER = pathlib.Path(controller_lib.__file__).parent  # the package's modules
 
 
-def _smoke_config(steps=2):
+def _smoke_config(steps=2, warmup=True):
+  """The smoke config for ``steps`` RL steps. ``warmup=False``: without its warm-up, for runs
+  whose rewards do not need a competent model (a test task's, e.g. _CoinTask, or a
+  length-dependent shaping): the warm-up's 80 steps and its train step's compile are
+  skipped."""
   config = load_config_file(str(ROOT / 'configs/default.py') + ':smoke')
   config.total_steps = steps
+  if not warmup:
+    config.warmup.steps = 0
   config.log.tensorboard = False
   return config
 
 
-def _run(workdir):
-  config = _smoke_config()
+def _run(workdir, steps=3):
+  """Runs the smoke config for ``steps`` steps in ``workdir``. Returns its summary, metrics
+  rows, the controller's state, and the versions and ``embed`` params that
+  ``test_versions_and_server_advance`` checks, read while the run is open, and the
+  controller (closed: for what needs no running roles)."""
+  config = _smoke_config(steps)
   with build_run(config, workdir, run_spec(config)) as run:
     summary = run.execute()
-    state = run.controller.state()
-  return summary, read_metrics(workdir / 'metrics.jsonl'), state
+    ctl = run.controller
+    server = ctl.trainer.server
+    versions = dict(trainer=ctl.trainer.version, server=server.latest_version(),
+                    worker=ctl.workers[0].worker.version)
+    embed = dict(server=np.asarray(server.get(versions['server']).params['embed']),
+                 trainer=np.asarray(ctl.trainer.trainer.params['embed']))
+    state = ctl.state()
+  return dict(summary=summary, rows=read_metrics(workdir / 'metrics.jsonl'), state=state,
+              versions=versions, embed=embed, controller=ctl)
 
 
-def test_same_seed_same_run(tmp_path):
+@pytest.fixture(scope='module')
+def smoke_run(tmp_path_factory):
+  """The smoke config run for 3 steps once for the module: the tests that check an
+  unchanged config's run (its determinism, its versions, the refusal of a state of another
+  version) share it."""
+  return _run(tmp_path_factory.mktemp('smoke_run'))
+
+
+def test_same_seed_same_run(smoke_run, tmp_path):
   """Replaying a run from the same seed selects identical prompts and samples."""
-  s1, rows1, state1 = _run(tmp_path / 'a')
-  s2, rows2, state2 = _run(tmp_path / 'b')
+  again = _run(tmp_path)
   strip = lambda r: {k: v for k, v in r.items() if not k.startswith('time/')}
-  assert [strip(r) for r in rows1] == [strip(r) for r in rows2]
-  assert state1.data == state2.data == {'next_index': 2 * 4}  # prompts consumed
-  assert state1.step == 2 and state1.trainer_version == 2 and state1.worker_version == 2
+  assert [strip(r) for r in smoke_run['rows']] == [strip(r) for r in again['rows']]
+  state1, state2 = smoke_run['state'], again['state']
+  assert state1.data == state2.data == {'next_index': 3 * 4}  # prompts consumed
+  assert state1.step == 3 and state1.trainer_version == 3 and state1.worker_version == 3
   np.testing.assert_array_equal(state1.rng, state2.rng)
-  assert s1['eval/final_accuracy'] == s2['eval/final_accuracy']
+  assert (smoke_run['summary']['eval/final_accuracy']
+          == again['summary']['eval/final_accuracy'])
 
 
 @pytest.mark.parametrize('invariant,rows', [(True, 'chunks'), (True, 'floor'),
@@ -62,16 +88,20 @@ def test_same_seed_same_run(tmp_path):
 def test_batch_invariant_run_trains_exactly_on_policy(tmp_path, invariant, rows):
   """With model.batch_invariant (either invariant_rows) the trainer's log-probs of a
   synchronous run's rollouts equal the workers' bit for bit: every importance ratio is
-  exactly 1. The default numerics (the control) differ by rounding."""
-  config = _smoke_config(steps=3)
+  exactly 1. The default numerics (the control) differ by rounding. No warm-up: what is
+  checked needs no competence, and _CoinTask's rewards give every step a gradient (the
+  params move between steps)."""
+  config = _smoke_config(steps=3, warmup=False)
   config.model.batch_invariant = invariant
   config.model.invariant_rows = rows
   if rows == 'floor':
     config.mesh.trainer.data = 1  # it needs every row of a matmul on one device
   with build_run(config, tmp_path, run_spec(config)) as run:
+    run.controller.kind.task = _CoinTask(num_eval=16)
     run.execute()
   rows = read_metrics(tmp_path / 'metrics.jsonl')
   assert len(rows) == 3
+  assert all(row['grad_norm'] > 0 and not row['update/skipped'] for row in rows), rows
   gaps = [row['mismatch/max_abs_dlogp'] for row in rows]
   if invariant:
     assert gaps == [0.0] * 3
@@ -80,17 +110,12 @@ def test_batch_invariant_run_trains_exactly_on_policy(tmp_path, invariant, rows)
     assert 0.0 < max(gaps) < 1e-5, gaps
 
 
-def test_versions_and_server_advance(tmp_path):
-  config = _smoke_config(steps=3)
-  with build_run(config, tmp_path, run_spec(config)) as run:
-    run.execute()
-    ctl = run.controller
-    assert ctl.trainer.version == 3
-    assert ctl.trainer.server.latest_version() == 3  # the trainer pushed every version
-    assert ctl.workers[0].worker.version == 3  # evaluated the final pushed version
-    np.testing.assert_array_equal(
-        ctl.trainer.server.get(3).params['embed'],
-        np.asarray(ctl.trainer.trainer.params['embed']))
+def test_versions_and_server_advance(smoke_run):
+  """After 3 steps the trainer, the server and the worker are at version 3, and the server's
+  version 3 holds the trainer's params."""
+  # The trainer pushed every version; the worker evaluated the final pushed one.
+  assert smoke_run['versions'] == dict(trainer=3, server=3, worker=3)
+  np.testing.assert_array_equal(smoke_run['embed']['server'], smoke_run['embed']['trainer'])
 
 
 class ArgsSpy:
@@ -233,7 +258,7 @@ class _CoinTask(ArithmeticTask):
 
 
 def test_a_diverging_rl_run_stops_naming_the_step(tmp_path):
-  config = _smoke_config(steps=20)
+  config = _smoke_config(steps=20, warmup=False)  # rewards by _CoinTask
   config.rl.learning_rate = 1e10
   with build_run(config, tmp_path, run_spec(config)) as run:
     run.controller.kind.task = _CoinTask(num_eval=16)
@@ -254,7 +279,7 @@ class _SparseTask(ArithmeticTask):
 def test_dynamic_sampling_pads_short_batches_to_one_shape(tmp_path):
   """With few informative groups, updates are topped up with filtered groups: every update
   has prompts_per_step groups (one compiled shape), and every group is counted once."""
-  config = _smoke_config(steps=6)
+  config = _smoke_config(steps=6, warmup=False)  # rewards by _SparseTask
   config.rollout.oversample = 0.5  # 6 prompts per batch for 4 trained groups
   with build_run(config, tmp_path, run_spec(config)) as run:
     run.controller.kind.task = _SparseTask(num_eval=16)
@@ -273,7 +298,7 @@ def test_replay_reasks_prompts_whose_groups_had_unequal_rewards(tmp_path):
   """``rollout.replay``: a share of each batch re-asks prompts whose last group had unequal
   rewards (only ids divisible by 3 can, under _SparseTask), ahead of new stream prompts; the
   ledger keeps them apart, so the stream's prompts stay consecutive."""
-  config = _smoke_config(steps=6)
+  config = _smoke_config(steps=6, warmup=False)  # rewards by _SparseTask
   config.rollout.replay = 0.5  # at most 2 of the 4 prompts per batch
   with build_run(config, tmp_path, run_spec(config)) as run:
     run.controller.kind.task = _SparseTask(num_eval=16)
@@ -295,13 +320,11 @@ def test_replay_reasks_prompts_whose_groups_had_unequal_rewards(tmp_path):
   assert rows[-1]['rollout/replay_pool'] == len(pool)
 
 
-def test_restore_refuses_a_state_of_another_version(tmp_path):
-  config = _smoke_config(steps=1)
-  with build_run(config, tmp_path, run_spec(config)) as run:
-    state = run.controller.state()
-    state.trainer_version = 7
-    with pytest.raises(ValueError, match='expects 7'):
-      run.controller.restore(state)
+def test_restore_refuses_a_state_of_another_version(smoke_run):
+  state = ControllerState.from_dict(smoke_run['state'].to_dict())  # a copy: the run is shared
+  state.trainer_version = 7
+  with pytest.raises(ValueError, match='holds version 3 but the controller state expects 7'):
+    smoke_run['controller'].restore(state)
 
 
 class _FlakyTask(ArithmeticTask):
@@ -347,7 +370,7 @@ def test_shared_prefix_scoring_trains_like_full_scoring(tmp_path):
   and each update equals the fully scored one to float rounding (2 steps, 2 micro-batches)."""
   rows = {}
   for shared in (False, True):
-    config = _smoke_config(steps=2)
+    config = _smoke_config(steps=2, warmup=False)  # rewards by length (below)
     config.rl.shared_prefix = shared
     config.rl.micro_batches = 2
     # A length-dependent reward: the smoke model is never right yet, this gives advantages.

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import chex
 import numpy as np
 import optax
 from jax.sharding import Mesh
@@ -41,7 +42,11 @@ def supervised_warmup(model: Model, params: Params,
   ``batches(start, batch_size)``: demonstrations ``start .. start + batch_size - 1`` as
   ``tokens`` int32 [B, T] and ``loss_mask`` float32 [B, T] (``data.sft_batch`` or
   ``demo_batch`` with its first arguments bound); step ``s`` trains on those from
-  ``s * batch_size``. ``source``: what they are, for the console.
+  ``s * batch_size``. ``source``: what they are, for the console. Each batch is right-padded
+  (``widened``) to the longest seen so far in this warm-up, so the jitted step compiles once
+  per new longest batch instead of once per distinct length (the smoke config's 80 batches
+  are 7 or 8 tokens wide: one train-step program instead of two); the padding is masked out
+  of the loss, and a causal model's real positions never see it.
 
   ``stop``: an event checked after every step; when set, raises ``errors.Preempted`` (the
   warm-up is deterministic, so a preempted one is simply run again on relaunch; its result is
@@ -57,9 +62,12 @@ def supervised_warmup(model: Model, params: Params,
                     max_nonfinite_updates=max_nonfinite_updates)
   start = time.perf_counter()
   metrics: dict[str, float] = {}
+  width = 0
   for step in range(steps):
+    batch = batches(step * batch_size, batch_size)
+    width = max(width, batch['tokens'].shape[1])
     try:
-      metrics = trainer.step(batches(step * batch_size, batch_size))
+      metrics = trainer.step(widened(batch, width))
     except NonFiniteError as e:
       raise NonFiniteError(f'warm-up step {step + 1}: {e}') from None
     if stop is not None and stop.is_set():
@@ -71,6 +79,20 @@ def supervised_warmup(model: Model, params: Params,
   metrics = {'warmup/loss': metrics['loss'], 'warmup/token_accuracy': metrics['accuracy'],
              'warmup/time_s': time.perf_counter() - start}
   return trainer.host_params(), metrics
+
+
+def widened(batch: dict[str, np.ndarray], width: int) -> dict[str, np.ndarray]:
+  """``batch`` (``tokens`` int32 [B, T], ``loss_mask`` float32 [B, T]) right-padded to
+  ``width >= T`` columns: ``tokens`` repeats each row's last id, ``loss_mask`` is 0 there."""
+  tokens, loss_mask = batch['tokens'], batch['loss_mask']
+  chex.assert_rank([tokens, loss_mask], 2)
+  chex.assert_equal_shape([tokens, loss_mask])
+  pad = width - tokens.shape[1]
+  if pad < 0:
+    raise ValueError(f'cannot widen a batch of {tokens.shape[1]} columns to {width}: the '
+                     'width must be at least the batch\'s own.')
+  return dict(batch, tokens=np.pad(tokens, ((0, 0), (0, pad)), mode='edge'),
+              loss_mask=np.pad(loss_mask, ((0, 0), (0, pad))))
 
 
 def demo_batch(make_env: Callable[[], Environment], tokenizer: Tokenizer, start: int,
