@@ -241,14 +241,6 @@ def prepare(config: ml_collections.ConfigDict
   return task, model, params, tokenizer
 
 
-
-
-
-
-
-
-
-
 def build_trainer(config: ml_collections.ConfigDict, spec: config_lib.RunSpec, model: Model,
                   params: Params, mesh: jax.sharding.Mesh) -> Trainer:
   """The RL trainer: ``spec.loss`` through the rollout policy's transform
@@ -308,12 +300,6 @@ def warm_trainer(config: ml_collections.ConfigDict, spec: config_lib.RunSpec, ta
   return build_trainer(config, spec, model, params, mesh), metrics
 
 
-
-
-
-
-
-
 def inference_model(config: ml_collections.ConfigDict, model: Model) -> Model:
   """The model as the inference workers hold it: its params in
   ``config_lib.inference_param_dtype(config)`` (``model.inference_param_dtype``, default
@@ -340,8 +326,6 @@ def build_worker(config: ml_collections.ConfigDict, model: Model, tokenizer: Tok
                          quant=config.model.inference_quant,
                          kv_cache_quant=config.model.kv_cache_quant,
                          lora=lora, fetch_base=None if lora is None else fetch_base)
-
-
 
 
 def check_meshes(config: ml_collections.ConfigDict) -> dict[str, Any]:
