@@ -25,7 +25,6 @@ from rlax_llm.loss_spec import AGGREGATIONS, MismatchConfig
 _LOG_RATIO_CAP = 20.0
 
 
-
 def as_float(x: jax.Array) -> jax.Array:
   """``x`` in at least float32: bf16/fp16/ints become float32, float64 stays float64."""
   return x.astype(jnp.promote_types(x.dtype, jnp.float32))

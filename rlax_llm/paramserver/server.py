@@ -85,12 +85,6 @@ class WeightSnapshot:
     return leaf_specs(self.params)
 
 
-
-
-
-
-
-
 def _check_int(name: str, value: Any) -> int:
   """Returns ``value`` as a Python int; rejects bools, floats and other types."""
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -265,9 +259,6 @@ class ParameterServer:
             'push every block of every leaf (each process its addressable shards).')
       self._commit(version, pending.treedef, paths, pending.leaves, tuple(pending.checksums))
       return True
-
-
-
 
 
   def _commit(self, version: int, treedef: Any, paths: list[str], leaves: list[np.ndarray],

@@ -162,7 +162,6 @@ class _Mappings:
       return _owner(self._maps[slot.name])
 
 
-
 class SlotWriter:
   """The writer's end (the trainer's process): copies a version's shards into a slot."""
 

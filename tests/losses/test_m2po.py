@@ -31,7 +31,6 @@ def jitted_m2po(variant, tau=0.04):
   return jax.jit(functools.partial(call, 'm2po', m2po_variant=variant, m2po_tau=tau))
 
 
-
 # ---------------------------------------------------------------------------------------------
 # m2po_mask.
 

@@ -282,8 +282,6 @@ def test_make_task_unknown_field_and_missing_name():
 # --- Imperfect demonstrations (demo_error_rate) -------------------------------------------
 
 
-
-
 def _no_carry_reference(a, op, b):
   """Column arithmetic on zero-padded digit strings, dropping carries/borrows."""
   if op == '-' and a < b:

@@ -144,7 +144,6 @@ def test_math_task_rejects_bad_records_with_the_record_and_fix(tmp_path):
     MathTask(math_timeout_s=0)
 
 
-
 def test_math_task_scorer_choice(tmp_path):
   rows = [{'question': 'Reverse "abc".', 'answer': 'cba'},
           {'question': 'Which day follows Sunday?', 'answer': '\\boxed{\\text{Monday}}'},
