@@ -48,11 +48,10 @@ def lora_params(model, params, rank: int, seed: int = 0):
                                     seed=seed)
   adapters = lora_lib.adapter_tree(lparams)
   key = jax.random.key(seed + 1)
-  for block in adapters['blocks'].values():
-    for part in block.values():
-      for adapter in part.values():
-        key, draw = jax.random.split(key)
-        adapter['b'] = 0.01 * jax.random.normal(draw, adapter['b'].shape, adapter['b'].dtype)
+  for part in adapters['blocks'].values():  # each adapter stacked over the layers
+    for adapter in part.values():
+      key, draw = jax.random.split(key)
+      adapter['b'] = 0.01 * jax.random.normal(draw, adapter['b'].shape, adapter['b'].dtype)
   return lmodel, lora_lib.with_adapters(lora_lib.base_tree(lparams), adapters)
 
 

@@ -2,9 +2,9 @@
 
 Every other role (trainer, parameter server, sampler) sees a model as ``Model`` (static,
 hashable by identity, safe as a ``jax.jit`` static argument) and ``params``: a nested
-``dict`` of arrays (``flax.nnx.to_pure_dict`` layout, e.g.
-``params['blocks'][0]['attn']['wq']``). Keeping params a plain pytree lets optax update them,
-the parameter server validate and copy them, and ``NamedSharding`` trees mirror them.
+``dict`` of arrays (``flax.nnx.to_pure_dict`` layout, e.g. ``params['blocks']['attn']['wq']``,
+the blocks stacked over a leading layer axis). Keeping params a plain pytree lets optax update
+them, the parameter server validate and copy them, and ``NamedSharding`` trees mirror them.
 """
 
 from __future__ import annotations

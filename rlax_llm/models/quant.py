@@ -46,7 +46,9 @@ class Int8Weight:
 
   Attributes:
     q: int8, the weight's shape (``Execution.weight_layout`` order).
-    scale: float32 ``[N]``, one per output channel (the weight's outputs flattened).
+    scale: float32 ``[N]``, one per output channel (the weight's outputs flattened); a
+      weight stacked over the decoder's layers (``q`` ``[layers, ...]``) has
+      ``[layers, N]``, one per layer and output channel.
   """
   q: jax.Array
   scale: jax.Array
@@ -77,10 +79,15 @@ def _channels(axes: tuple[str, ...], layout: str) -> int:
   return len(axes) - 1 if reads_embed else 1
 
 
-def quantize(w: jax.Array, num_outputs: int, layout: str) -> Int8Weight:
+def quantize(w: jax.Array, num_outputs: int, layout: str, *, stacked: bool = False
+             ) -> Int8Weight:
   """``w`` (``[K..., N...]`` for ``'in_out'``, ``[N..., K...]`` for ``'out_in'``, its last or
   first ``num_outputs`` axes the outputs) in int8 with a float32 scale per output channel
-  (``max |w| / 127`` over its inputs; 1 for an all-zero channel)."""
+  (``max |w| / 127`` over its inputs; 1 for an all-zero channel). ``stacked``: ``w`` has a
+  leading layer axis (the decoder's stacked blocks), each layer quantised on its own
+  (``scale`` ``[layers, N]``)."""
+  if stacked:
+    return jax.vmap(lambda layer: quantize(layer, num_outputs, layout))(w)
   w32 = jnp.asarray(w, jnp.float32)
   if layout == 'in_out':
     flat = w32.reshape(-1, math.prod(w32.shape[w32.ndim - num_outputs:]))
@@ -95,7 +102,10 @@ def quantize(w: jax.Array, num_outputs: int, layout: str) -> Int8Weight:
 
 
 def dequantize(w: Int8Weight, layout: str) -> jax.Array:
-  """``q * scale`` in float32, ``w.q``'s shape (``layout``: the weight's order)."""
+  """``q * scale`` in float32, ``w.q``'s shape (``layout``: the weight's order; a stacked
+  weight, ``scale`` ``[layers, N]``, layer by layer)."""
+  if w.scale.ndim > 1:
+    return jax.vmap(lambda layer: dequantize(layer, layout))(w)
   if layout == 'in_out':
     flat = w.q.reshape(-1, w.scale.shape[0]).astype(jnp.float32) * w.scale[None, :]
   else:
@@ -105,14 +115,15 @@ def dequantize(w: Int8Weight, layout: str) -> jax.Array:
 
 def _projections(model: Model) -> dict[str, int]:
   """Leaf path (``jax.tree_util.keystr``) -> number of output axes of every projection the
-  int8 copy quantises (``PROJECTIONS``)."""
+  int8 copy quantises (``PROJECTIONS``; all stacked over the layers, ``quantize``'s
+  ``stacked``)."""
   layout = model.config.execution.weight_layout
   axes, _ = jax.tree_util.tree_flatten_with_path(
       model.logical_axes(), is_leaf=lambda x: isinstance(x, PartitionSpec))
   out = {}
   for path, spec in axes:
     if path[0].key == 'blocks' and path[-1].key in PROJECTIONS:
-      out[jax.tree_util.keystr(path)] = _channels(tuple(spec), layout)
+      out[jax.tree_util.keystr(path)] = _channels(tuple(spec)[1:], layout)
   return out
 
 
@@ -124,7 +135,7 @@ def quantize_params(params: Params, model: Model) -> Params:
 
   def visit(path, value):
     outputs = projections.get(jax.tree_util.keystr(path))
-    return value if outputs is None else quantize(value, outputs, layout)
+    return value if outputs is None else quantize(value, outputs, layout, stacked=True)
   return jax.tree_util.tree_map_with_path(visit, params)
 
 

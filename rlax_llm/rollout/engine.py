@@ -56,9 +56,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlax_llm import sharding as sharding_lib
 from rlax_llm.models import cpu_attention
-from rlax_llm.models.decoder import head_is_vocab_major
+from rlax_llm.models.decoder import LAYERS_AXIS, head_is_vocab_major
 from rlax_llm.models.kv_cache import (KEY_BLOCK_AXES, KEY_POSITION_AXIS,
-                                      KV_CACHE_QUANT_MODES, VALUE_BLOCK_AXES,
+                                      KV_CACHE_QUANT_MODES, LAYERED, VALUE_BLOCK_AXES,
                                       VALUE_POSITION_AXIS, KVCache, cache_block_shape)
 from rlax_llm.models.model import Model, Params, to_weight_layout, with_weight_layout
 from rlax_llm.models.numerics import INVARIANT_KEYS
@@ -76,18 +76,18 @@ BLOCK_ALIGN = 32
 
 @flax.struct.dataclass
 class Prefix:
-  """``K`` prefilled prompts (rows): per layer keys ``[K, kv_heads, head_dim, bucket]`` and
-  values ``[K, kv_heads, bucket, head_dim]`` (the ``KVCache`` layouts), true lengths and
-  the float32 logits ``[K, V]`` of each prompt's last token."""
+  """``K`` prefilled prompts (rows): keys ``[layers, K, kv_heads, head_dim, bucket]`` and
+  values ``[layers, K, kv_heads, bucket, head_dim]`` (a one-block ``KVCache``'s layouts),
+  true lengths and the float32 logits ``[K, V]`` of each prompt's last token."""
 
-  k: tuple[jax.Array, ...]
-  v: tuple[jax.Array, ...]
+  k: jax.Array
+  v: jax.Array
   lengths: jax.Array  # int32 [K]
   logits: jax.Array  # float32 [K, V]
-  # An int8 cache's (``kv_cache_quant='int8'``) float32 scales, per layer, like k and v
-  # with head_dim 1; () if not.
-  k_scale: tuple[jax.Array, ...] = ()
-  v_scale: tuple[jax.Array, ...] = ()
+  # An int8 cache's (``kv_cache_quant='int8'``) float32 scales, like k and v with head_dim
+  # 1; None if not.
+  k_scale: jax.Array | None = None
+  v_scale: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -566,15 +566,16 @@ class Engine:
     def named(logical, shape):
       return NamedSharding(mesh, sharding_lib.logical_to_spec(PartitionSpec(*logical), shape,
                                                               mesh, rules))
-    block = lambda axes, scale=False: (named(axes, cache_block_shape(
-        axes, c, self.slots, self.block_length, scale=scale)),) * self.num_blocks
+    block = lambda axes, scale=False: (named((LAYERS_AXIS,) + axes, (c.num_layers,) + (
+        cache_block_shape(axes, c, self.slots, self.block_length, scale=scale))),
+                                       ) * self.num_blocks
     k, v = block(KEY_BLOCK_AXES), block(VALUE_BLOCK_AXES)
     int8 = self.kv_cache_quant == 'int8'
-    scales = lambda axes: (block(axes, scale=True),) * c.num_layers if int8 else ()
+    scales = lambda axes: block(axes, scale=True) if int8 else ()
     per_slot = named(('batch',), (self.slots,))
     per_slot_2d = lambda width: named(('batch', None), (self.slots, width))
     return DecodeState(
-        cache=KVCache(k=(k,) * c.num_layers, v=(v,) * c.num_layers, lengths=per_slot,
+        cache=KVCache(k=k, v=v, lengths=per_slot,
                       k_scale=scales(KEY_BLOCK_AXES), v_scale=scales(VALUE_BLOCK_AXES)),
         tokens=per_slot, keys=per_slot_2d(self.key_size), positions=per_slot,
         remaining=per_slot, stop_ids=per_slot_2d(MAX_STOP_IDS))
@@ -583,38 +584,38 @@ class Engine:
     cache = KVCache.init(self.model.config, tokens.shape[0], tokens.shape[1],
                          quant=self.kv_cache_quant)
     last, cache = self.model.prefill(params, tokens, lengths, cache)
-    only = lambda layers: tuple(x for (x,) in layers)  # each layer's one block
+    only = lambda blocks: blocks[0] if blocks else None  # the one block
     return Prefix(k=only(cache.k), v=only(cache.v), lengths=lengths, logits=last,
                   k_scale=only(cache.k_scale), v_scale=only(cache.v_scale))
 
   def _insert_impl(self, prefix, state, rows, slots, keys, max_new, offsets, stop_ids, *,
                    spec):
     # Entries with slot == S are padding: scatters drop them (mode='drop').
-    bucket = prefix.v[0].shape[VALUE_POSITION_AXIS]
+    bucket = prefix.v.shape[LAYERED + VALUE_POSITION_AXIS]
 
-    def put(blocks, source, axis):  # axis: the blocks' position axis
-      update = source[rows]  # [S, kv, bucket, d] or [S, kv, d, bucket]
+    def put(blocks, source, axis):  # axis: a layer's blocks' position axis
+      if source is None:  # a float cache has no scales
+        return blocks
+      update = source[:, rows]  # [L, S, kv, bucket, d] or [L, S, kv, d, bucket]
       written = []
       for j, buffer in enumerate(blocks):  # the part of the prompt each block holds
         lo, size = j * self.block_length, min(self.block_length, bucket - j * self.block_length)
         if size <= 0:
           written.append(buffer)
           continue
-        into = (slots, slice(None)) + (slice(None),) * (axis - 2) + (slice(0, size),)
-        part = jax.lax.slice_in_dim(update, lo, lo + size, axis=axis)
+        into = (slice(None), slots) + (slice(None),) * (axis - 1) + (slice(0, size),)
+        part = jax.lax.slice_in_dim(update, lo, lo + size, axis=LAYERED + axis)
         if (part.dtype == jnp.int8) != (buffer.dtype == jnp.int8):  # a cast would not quantise
           raise ValueError(f'prefix blocks of {part.dtype} cannot go into a {buffer.dtype} '
                            'cache; prefill with this engine (its kv_cache_quant).')
         written.append(buffer.at[into].set(part.astype(buffer.dtype), mode='drop'))
       return tuple(written)
-    puts = lambda cached, prefixed, axis: tuple(put(c, p, axis)
-                                                for c, p in zip(cached, prefixed))
     cache = KVCache(
-        k=puts(state.cache.k, prefix.k, KEY_POSITION_AXIS),
-        v=puts(state.cache.v, prefix.v, VALUE_POSITION_AXIS),
+        k=put(state.cache.k, prefix.k, KEY_POSITION_AXIS),
+        v=put(state.cache.v, prefix.v, VALUE_POSITION_AXIS),
         lengths=state.cache.lengths.at[slots].set(prefix.lengths[rows], mode='drop'),
-        k_scale=puts(state.cache.k_scale, prefix.k_scale, KEY_POSITION_AXIS),
-        v_scale=puts(state.cache.v_scale, prefix.v_scale, VALUE_POSITION_AXIS))
+        k_scale=put(state.cache.k_scale, prefix.k_scale, KEY_POSITION_AXIS),
+        v_scale=put(state.cache.v_scale, prefix.v_scale, VALUE_POSITION_AXIS))
     return self._start_samples(state, cache, prefix.logits[rows], slots, keys, max_new,
                                offsets, stop_ids, spec)
 
@@ -640,19 +641,20 @@ class Engine:
 
   def _extend_impl(self, params, state, tokens, lengths, slots, keys, max_new, offsets,
                    stop_ids, *, spec):
-    # The slots' blocks joined into one contiguous cache per layer, with room past its end
+    # The slots' blocks joined into one contiguous cache (all layers), with room past its end
     # for the new tokens wherever they start (a one-block write clamps at the end), run
     # as a prefill over it, then split back into blocks and scattered to the slots.
     block = self.block_length
     extra = -(-tokens.shape[1] // block) * block
     gather = jnp.minimum(slots, self.slots - 1)
 
-    def joined(blocks, axis):
-      rows = jnp.concatenate([b[gather] for b in blocks], axis=axis)
+    def joins(blocks, axis):  # axis: a layer's blocks' position axis
+      if not blocks:
+        return ()
+      rows = jnp.concatenate([b[:, gather] for b in blocks], axis=LAYERED + axis)
       pad = [(0, 0)] * rows.ndim
-      pad[axis] = (0, extra)
-      return jnp.pad(rows, pad)
-    joins = lambda layers, axis: tuple((joined(x, axis),) for x in layers)
+      pad[LAYERED + axis] = (0, extra)
+      return (jnp.pad(rows, pad),)
     cache = KVCache(k=joins(state.cache.k, KEY_POSITION_AXIS),
                     v=joins(state.cache.v, VALUE_POSITION_AXIS),
                     lengths=state.cache.lengths[gather],
@@ -660,15 +662,15 @@ class Engine:
                     v_scale=joins(state.cache.v_scale, VALUE_POSITION_AXIS))
     last, cache = self.model.prefill(params, tokens, lengths, cache)
 
-    def split(buffers, new, axis):
+    def splits(buffers, new, axis):
+      if not buffers:
+        return ()
       (whole,) = new
       return tuple(
-          buffer.at[slots].set(jax.lax.slice_in_dim(whole, j * block, (j + 1) * block,
-                                                    axis=axis).astype(buffer.dtype),
-                               mode='drop')
+          buffer.at[:, slots].set(jax.lax.slice_in_dim(
+              whole, j * block, (j + 1) * block, axis=LAYERED + axis).astype(buffer.dtype),
+                                  mode='drop')
           for j, buffer in enumerate(buffers))
-    splits = lambda olds, news, axis: tuple(split(old, new, axis)
-                                            for old, new in zip(olds, news))
     new_cache = KVCache(
         k=splits(state.cache.k, cache.k, KEY_POSITION_AXIS),
         v=splits(state.cache.v, cache.v, VALUE_POSITION_AXIS),

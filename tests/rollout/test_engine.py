@@ -87,9 +87,10 @@ def test_cache_blocks_and_attend_buckets():
   engine = make(block_align=4)
   assert engine.block_length == 8 and engine.attend_buckets == (8, 16, 24, 32)
   state = engine.init_decode_state()
-  assert len(state.cache.k[0]) == 4
-  assert state.cache.k[0][0].shape == (2, CONFIG.num_kv_heads, CONFIG.head_dim, 8)
-  assert state.cache.v[0][0].shape == (2, CONFIG.num_kv_heads, 8, CONFIG.head_dim)
+  assert len(state.cache.k) == 4  # blocks, each stacked over the layers
+  layers = CONFIG.num_layers
+  assert state.cache.k[0].shape == (layers, 2, CONFIG.num_kv_heads, CONFIG.head_dim, 8)
+  assert state.cache.v[0].shape == (layers, 2, CONFIG.num_kv_heads, 8, CONFIG.head_dim)
   assert make(attend_buckets=3, block_align=1).attend_buckets == (10, 20, 30)
   assert make(attend_buckets=1, block_align=1).attend_buckets == (28,)
   with pytest.raises(ValueError, match='block_align'):
@@ -142,8 +143,8 @@ def test_engine_keeps_params_in_its_weight_layout(models):
   plain = make_driver(model, params, engine_kwargs=dict(weight_layout='in_out'))
   assert default.engine.model.config.execution.weight_layout == ('out_in' if cpu else 'in_out')
   assert plain.engine.model is model
-  wq = default.holder.get()[1]['blocks'][0]['attn']['wq']
-  assert wq.shape == ((4, 8, 32) if cpu else (32, 4, 8))
+  wq = default.holder.get()[1]['blocks']['attn']['wq']
+  assert wq.shape == (CONFIG.num_layers,) + ((4, 8, 32) if cpu else (32, 4, 8))
   jobs = jobs_for(SamplingSpec(1.0), n=2, stops=())
   for ours, theirs in zip(default.run(jobs), plain.run(jobs)):
     for a, b in zip(ours, theirs):
