@@ -361,16 +361,16 @@ LAYERS_AXIS = 'layers'  # the stacked blocks' leading logical axis (never sharde
 
 def stack_layers(build, num_layers: int, rngs: nnx.Rngs) -> nnx.Module:
   """``num_layers`` modules ``build(rngs)`` as one module whose every variable has a leading
-  layer axis (``nnx.vmap`` over ``rngs`` split per layer, ``nnx.split_rngs``): layer ``i``'s
-  values are ``[i]`` of each. ``LAYERS_AXIS`` is prefixed to every variable's logical axes.
-  One seed gives the same stack however it is later run."""
+  layer axis: layer ``i``'s values are ``[i]`` of each. ``LAYERS_AXIS`` is prefixed to every
+  variable's logical axes.
 
-  @nnx.split_rngs(splits=num_layers)
-  @nnx.vmap(in_axes=(0,), out_axes=0)
-  def build_all(layer_rngs: nnx.Rngs) -> nnx.Module:
-    return build(layer_rngs)
-
-  stacked = build_all(rngs)
+  The layers are drawn one after another from ``rngs``, as a Python list of them would be,
+  then stacked: one seed gives the weights an unrolled stack of the same layers gets (the
+  runs, tests and figures of a seed keep their starting points)."""
+  layers = [build(rngs) for _ in range(num_layers)]
+  graphdef, _ = nnx.split(layers[0])
+  states = [nnx.state(layer) for layer in layers]
+  stacked = nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
   for _, variable in nnx.iter_graph(stacked):
     if isinstance(variable, nnx.Variable):
       axes = variable.get_metadata().get('logical_axes')
