@@ -34,7 +34,7 @@ from flax import nnx
 
 from rlax_llm.models import cpu_attention
 from rlax_llm.models.attention import invariant_attention, xla_attention
-from rlax_llm.models.decoder_config import DecoderConfig, RopeScaling
+from rlax_llm.models.decoder_config import LAYERS_AXIS, DecoderConfig, RopeScaling
 from rlax_llm.models.kv_cache import (KEY_BLOCK_AXES, VALUE_BLOCK_AXES, KVCache, LayerBlocks,
                                       layer_update, to_block)
 from rlax_llm.models.numerics import (accumulated_product, flipped_product, flips, invariant_matmul,
@@ -356,9 +356,6 @@ class Block(nnx.Module):
     return x + self.mlp(self.mlp_norm(x)), new_kv
 
 
-LAYERS_AXIS = 'layers'  # the stacked blocks' leading logical axis (never sharded)
-
-
 def stack_layers(build, num_layers: int, rngs: nnx.Rngs) -> nnx.Module:
   """``num_layers`` modules ``build(rngs)`` as one module whose every variable has a leading
   layer axis: layer ``i``'s values are ``[i]`` of each. ``LAYERS_AXIS`` is prefixed to every
@@ -385,34 +382,47 @@ _REMAT_POLICY = {
 }
 
 
-def run_layers(blocks: Block, x: Array, rope_cs: tuple[Array, Array], mask: Array,
-               kv: LayerBlocks | None, starts: Array | None, remat: str
-               ) -> tuple[Array, LayerBlocks | None]:
-  """``x`` ``[B, T, E]`` through the stacked ``blocks`` (``stack_layers``) in order, as one
-  ``jax.lax.scan`` over their layer axis: one layer is compiled, whatever the depth.
+def run_layers(blocks: Block | nnx.List, x: Array, rope_cs: tuple[Array, Array], mask: Array,
+               kv: LayerBlocks | tuple[LayerBlocks, ...] | None, starts: Array | None,
+               remat: str) -> tuple[Array, LayerBlocks | tuple[LayerBlocks, ...] | None]:
+  """``x`` ``[B, T, E]`` through the decoder's ``blocks`` in order (``Execution.layer_loop``).
 
-  ``kv``: the cache blocks the layers read and write (``KVCache.layers``: tuples of
-  ``[layers, ...]`` blocks), carried through the scan and updated in place, layer ``i``
-  reading and writing its own ``[i]``; None without a cache. ``remat`` (``Execution.remat``,
-  ``'none'``, ``'full'`` or ``'dots'``): the scan body is a ``jax.checkpoint`` that keeps
-  only what the policy saves for the backward pass, which recomputes the rest layer by
-  layer (the backward scan runs after the forward one, so XLA cannot merge the two).
-  Returns ``(x, the new cache blocks or None)``.
+  Stacked ``blocks`` (``stack_layers``, ``'scan'``): one ``jax.lax.scan`` over their layer
+  axis, so one layer is compiled whatever the depth; ``kv``, the cache blocks the layers
+  read and write (``KVCache.layers``: tuples of ``[layers, ...]`` blocks), is carried
+  through the scan and updated in place, layer ``i`` reading and writing its own ``[i]``.
+  A list of blocks (``'unrolled'``): a Python loop, layer ``i`` reading its own weight
+  buffers and ``kv[i]`` (its own blocks). None without a cache.
+
+  ``remat`` (``Execution.remat``, ``'none'``, ``'full'`` or ``'dots'``): each layer is a
+  ``jax.checkpoint`` that keeps only what the policy saves for the backward pass, which
+  recomputes the rest layer by layer (in a scan the backward scan runs after the forward
+  one, so XLA cannot merge the two; the unrolled loop is the engine's, which has no backward
+  pass). Returns ``(x, the new cache blocks, in ``kv``'s layout, or None)``.
   """
+  def layer(graphdef):  # a layer of ``graphdef``: (its state, x, its cache blocks) -> (x, kv)
+    def call(state, x, kv):
+      return nnx.merge(graphdef, state)(x, rope_cs, mask, kv, starts)
+    if remat == 'none':
+      return call
+    return jax.checkpoint(call, policy=_REMAT_POLICY[remat], prevent_cse=False)
+
+  if isinstance(blocks, nnx.List):
+    new = []
+    for i, block in enumerate(blocks):
+      graphdef, state = nnx.split(block)
+      x, layer_kv = layer(graphdef)(state, x, None if kv is None else kv[i])
+      new.append(layer_kv)
+    return x, None if kv is None else tuple(new)
   graphdef, state = nnx.split(blocks)
-
-  def layer(state, x, kv):
-    return nnx.merge(graphdef, state)(x, rope_cs, mask, kv, starts)
-
-  if remat != 'none':
-    layer = jax.checkpoint(layer, policy=_REMAT_POLICY[remat], prevent_cse=False)
+  step = layer(graphdef)
   num_layers = jax.tree.leaves(state)[0].shape[0]
 
   def body(carry, xs):
     x, cache = carry
     state, i = xs
     at = lambda b: jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False)
-    x, new = layer(state, x, None if cache is None else jax.tree.map(at, cache))
+    x, new = step(state, x, None if cache is None else jax.tree.map(at, cache))
     if cache is not None:
       cache = jax.tree.map(lambda b, n: jax.lax.dynamic_update_index_in_dim(b, n, i, 0),
                            cache, new)
@@ -476,8 +486,12 @@ class Decoder(nnx.Module):
     run = c.execution
     self.embed = _param(rngs, (c.vocab_size, c.embed_dim), ('vocab', 'embed'), run.param_dtype,
                         c.embed_dim ** -0.5)
-    # Every layer's params stacked on a leading layer axis, run by one scan (``run_layers``).
-    self.blocks = stack_layers(lambda r: Block(c, rngs=r), c.num_layers, rngs)
+    # 'scan': every layer's params stacked on a leading layer axis, run by one scan;
+    # 'unrolled': a list of per-layer blocks (``run_layers``). One seed draws the same weights.
+    if run.layer_loop == 'scan':
+      self.blocks = stack_layers(lambda r: Block(c, rngs=r), c.num_layers, rngs)
+    else:
+      self.blocks = nnx.List([Block(c, rngs=rngs) for _ in range(c.num_layers)])
     self.final_norm = RMSNorm(c.embed_dim, c.norm_eps, run.param_dtype, rngs=rngs,
                               invariant=run.batch_invariant)
     if not c.tie_embeddings:

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rlax_llm import model_spec
+from rlax_llm.models.decoder_config import LAYERS_AXIS
 
 # A model (``rlax_llm.models.model.Model``) and its params, named loosely: model.py imports
 # the decoder, which imports this module.
@@ -113,17 +114,19 @@ def dequantize(w: Int8Weight, layout: str) -> jax.Array:
   return flat.reshape(w.q.shape)
 
 
-def _projections(model: Model) -> dict[str, int]:
-  """Leaf path (``jax.tree_util.keystr``) -> number of output axes of every projection the
-  int8 copy quantises (``PROJECTIONS``; all stacked over the layers, ``quantize``'s
-  ``stacked``)."""
+def _projections(model: Model) -> dict[str, tuple[int, bool]]:
+  """Leaf path (``jax.tree_util.keystr``) -> (number of output axes, stacked over the layers)
+  of every projection the int8 copy quantises (``PROJECTIONS``; stacked, ``quantize``'s
+  ``stacked``, in a ``layer_loop='scan'`` model, one leaf per layer in an ``'unrolled'``
+  one)."""
   layout = model.config.execution.weight_layout
   axes, _ = jax.tree_util.tree_flatten_with_path(
       model.logical_axes(), is_leaf=lambda x: isinstance(x, PartitionSpec))
   out = {}
   for path, spec in axes:
     if path[0].key == 'blocks' and path[-1].key in PROJECTIONS:
-      out[jax.tree_util.keystr(path)] = _channels(tuple(spec)[1:], layout)
+      stacked = tuple(spec)[0] == LAYERS_AXIS
+      out[jax.tree_util.keystr(path)] = (_channels(tuple(spec)[stacked:], layout), stacked)
   return out
 
 
@@ -134,8 +137,11 @@ def quantize_params(params: Params, model: Model) -> Params:
   projections = _projections(model)
 
   def visit(path, value):
-    outputs = projections.get(jax.tree_util.keystr(path))
-    return value if outputs is None else quantize(value, outputs, layout, stacked=True)
+    found = projections.get(jax.tree_util.keystr(path))
+    if found is None:
+      return value
+    outputs, stacked = found
+    return quantize(value, outputs, layout, stacked=stacked)
   return jax.tree_util.tree_map_with_path(visit, params)
 
 

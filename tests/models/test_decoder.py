@@ -270,6 +270,38 @@ def test_weight_layouts_are_one_model(tie):
     to_weight_layout(params, model, with_weight_layout(other, 'out_in'))
 
 
+@pytest.mark.parametrize('layout', ['in_out', 'out_in'])
+def test_unrolled_layers_are_the_scanned_model(layout):
+  """``layer_loop='unrolled'`` (a list of per-layer blocks, the CPU engine's) is the scanned
+  model: one seed draws the same weights, ``to_weight_layout`` unstacks them (and stacks them
+  back) exactly, and the logits with and without a cache (per-layer blocks) are the same."""
+  model, params = create_model(CONFIG, seed=4)
+  unrolled = with_weight_layout(model, layout, layer_loop='unrolled')
+  converted = to_weight_layout(params, model, unrolled)
+  assert sorted(converted['blocks']) == list(range(CONFIG.num_layers))
+  jax.tree.map(np.testing.assert_array_equal, converted,
+               create_model(unrolled.config, seed=4)[1])
+  jax.tree.map(np.testing.assert_array_equal, to_weight_layout(converted, unrolled, model),
+               params)
+  tokens = jnp.asarray(np.random.RandomState(2).randint(0, 19, (3, 9)), jnp.int32)
+  np.testing.assert_allclose(unrolled.apply(converted, tokens), model.apply(params, tokens),
+                             atol=2e-5, rtol=0)
+  lengths = jnp.array([9, 4, 6], jnp.int32)
+  outs = []
+  for m, p in ((model, params), (unrolled, converted)):
+    cache = m.init_cache(3, 16, block_length=8)
+    last, cache = m.prefill(p, tokens, lengths, cache)
+    step, cache = m.decode_step(p, jnp.array([1, 2, 3], jnp.int32), cache)
+    outs.append((last, step, cache))
+  assert outs[0][2].stacked and not outs[1][2].stacked
+  assert len(outs[1][2].k) == CONFIG.num_layers and outs[1][2].num_blocks == 2
+  for got, want in zip(outs[1][:2], outs[0][:2]):
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+  for i in range(CONFIG.num_layers):  # layer i's blocks are [i] of the stacked ones
+    for got, want in zip(outs[1][2].v[i], outs[0][2].v):
+      np.testing.assert_allclose(got, want[i], atol=2e-5, rtol=0)
+
+
 def test_rope_matches_numpy_reference():
   rng = np.random.RandomState(0)
   x = rng.randn(1, 3, 2, 8).astype(np.float32)

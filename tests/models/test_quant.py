@@ -83,6 +83,20 @@ def test_quantised_params_are_the_same_in_either_layout():
   np.testing.assert_allclose(model.apply(a, tokens), flipped.apply(b, tokens), atol=1e-5)
 
 
+def test_an_unrolled_models_int8_layers_are_the_stacked_ones_layer_by_layer():
+  """A ``layer_loop='unrolled'`` model (per-layer leaves, the CPU engine's) quantises each
+  layer's weight as the stacked model quantises its slice: the same int8 values and scales."""
+  model, params = create_model(CONFIG, seed=0)
+  unrolled = with_weight_layout(model, 'in_out', layer_loop='unrolled')
+  stacked = quantize_params(params, model)
+  per_layer = quantize_params(to_weight_layout(params, model, unrolled), unrolled)
+  for i in range(CONFIG.num_layers):
+    wo = per_layer['blocks'][i]['attn']['wo']
+    assert isinstance(wo, Int8Weight) and wo.scale.shape == (CONFIG.embed_dim,)
+    jax.tree.map(lambda got, want, i=i: np.testing.assert_array_equal(got, want[i]),
+                 per_layer['blocks'][i], stacked['blocks'])
+
+
 def test_the_int8_engine_records_the_quantised_policys_logprobs():
   model, params = create_model(CONFIG, seed=0)
   spec = SamplingSpec(1.0)
