@@ -80,7 +80,8 @@ def main() -> None:
   lmodel, lparams = lora_params(model, params, args.rank)
   merged = lora_lib.merge_program(lmodel)(lparams)
   own = {'weight_layout': model.config.execution.weight_layout,
-         'decode_attention': model.config.execution.decode_attention}
+         'decode_attention': model.config.execution.decode_attention,
+         'layer_loop': model.config.execution.layer_loop}  # the LoRAModel runs as it is
   n = args.new_tokens
   batches = {}
   for batch in [int(b) for b in args.batches.split(',')]:
