@@ -9,14 +9,19 @@ earlier tree is a ``git worktree add --detach`` of ``--ref`` (default: the merge
 median time of a step run after a warm-up. Prints one JSON object::
 
     {"ref": ..., "model": ..., "train": {"scanned": {...}, "unrolled": {...},
-     "compile_ratio": scanned / unrolled, ...}, "decode": {...}}
+     "compile_ratio": scanned / unrolled, ...},
+     "decode": {"scan": {"scanned": ..., "unrolled": ..., ...}, "unrolled": {...}}}
 
     .venv/bin/python benchmarks/compile_time.py [--model=smollm2-135m --batch=8 --length=256
-        --slots=32 --prompt=64 --new=192 --steps=3]
+        --slots=32 --prompt=64 --new=192 --steps=3 --layer_loop=both]
 
 The train step is ``benchmarks/train_step.py``'s (GRPO objective, AdamW, chunked log-probs,
 ``--remat``), the decode step ``Engine.generate``'s program over ``--slots`` slots reading the
-whole cache. Weights are random (their values do not change the cost).
+whole cache. Weights are random (their values do not change the cost). ``--layer_loop``: the
+engine's layer loop in this tree (``Engine(layer_loop=...)``): ``'scan'``, ``'unrolled'``,
+``'auto'`` (the engine's choice) or ``'both'`` (default: ``decode`` then holds one comparison
+per loop); the earlier tree's engine always runs its own way (before ``layer_loop`` existed:
+its per-layer blocks). "scanned" in a comparison names this tree, "unrolled" the earlier one.
 """
 
 from __future__ import annotations
@@ -108,8 +113,9 @@ def measure_decode(args) -> dict[str, float]:
   config = model_config(args.model, args.prompt + args.new, 'none')
   model, params = create_model(config, seed=0)
   mesh = make_mesh({'data': 1, 'fsdp': 1, 'tensor': 1}, jax.devices()[:1])
+  loop = {} if args.layer_loop == 'auto' else {'layer_loop': args.layer_loop}
   engine = Engine(model, mesh, slots=args.slots, max_prefill_length=args.prompt,
-                  max_decode_length=args.new, pad_id=0)
+                  max_decode_length=args.new, pad_id=0, **loop)
   placed = engine.place_params(params)
   state = engine.init_decode_state()
   spec = SamplingSpec(1.0)
@@ -126,7 +132,8 @@ def measure_decode(args) -> dict[str, float]:
   step()  # warm-up (its own jit call)
   seconds = _median_step(step, args.steps)
   return {'lower_s': lowered_at - start, 'compile_s': compiled_at - lowered_at,
-          'step_s': seconds, 'tokens_per_s': args.slots / seconds}
+          'step_s': seconds, 'tokens_per_s': args.slots / seconds,
+          'layer_loop': getattr(engine, 'layer_loop', 'unrolled (no layer_loop)')}
 
 
 def child_command(program: str, args) -> list[str]:
@@ -134,12 +141,13 @@ def child_command(program: str, args) -> list[str]:
   return [sys.executable, __file__, f'--child={program}', f'--model={args.model}',
           f'--batch={args.batch}', f'--length={args.length}', f'--remat={args.remat}',
           f'--logprob_chunk={args.logprob_chunk}', f'--slots={args.slots}',
-          f'--prompt={args.prompt}', f'--new={args.new}', f'--steps={args.steps}']
+          f'--prompt={args.prompt}', f'--new={args.new}', f'--steps={args.steps}',
+          f'--layer_loop={args.layer_loop}']
 
 
 def run_child(program: str, tree: pathlib.Path, args) -> dict[str, float]:
   """``program`` measured in a fresh process importing ``rlax_llm`` from ``tree``, with an
-  empty persistent compilation cache."""
+  empty persistent compilation cache (``args.layer_loop``: one loop, or ``'auto'``)."""
   with tempfile.TemporaryDirectory(prefix='compile_cache_') as cache:
     env = dict(os.environ, PYTHONPATH=str(tree), JAX_COMPILATION_CACHE_DIR=cache,
                JAX_PLATFORMS=os.environ.get('JAX_PLATFORMS', 'cpu'))
@@ -188,6 +196,9 @@ def main() -> None:
   parser.add_argument('--prompt', type=int, default=64)
   parser.add_argument('--new', type=int, default=192)
   parser.add_argument('--steps', type=int, default=3)
+  parser.add_argument('--layer_loop', default='both',
+                      choices=('both', 'auto', 'scan', 'unrolled'),
+                      help="this tree's engine layer loop(s) for the decode step")
   parser.add_argument('--only', choices=PROGRAMS, help='measure one program alone')
   parser.add_argument('--child', choices=PROGRAMS, help=argparse.SUPPRESS)
   args = parser.parse_args()
@@ -202,8 +213,16 @@ def main() -> None:
     before = add_worktree(ref, pathlib.Path(parent) / 'before')
     try:
       for program in (args.only,) if args.only else PROGRAMS:
-        result[program] = compare(run_child(program, ROOT, args),
-                                  run_child(program, before, args))
+        if program == 'train':
+          result[program] = compare(run_child(program, ROOT, args),
+                                    run_child(program, before, args))
+          continue
+        loops = ('scan', 'unrolled') if args.layer_loop == 'both' else (args.layer_loop,)
+        earlier = run_child(program, before, argparse.Namespace(**{**vars(args),
+                                                                   'layer_loop': 'auto'}))
+        result[program] = {
+            loop: compare(run_child(program, ROOT, argparse.Namespace(
+                **{**vars(args), 'layer_loop': loop})), earlier) for loop in loops}
     finally:
       remove_worktree(before)
   print(json.dumps(result))

@@ -14,7 +14,7 @@ import compile_time  # pylint: disable=wrong-import-position
 
 def _args(**overrides) -> argparse.Namespace:
   fields = dict(model='tiny', batch=4, length=16, remat='full', logprob_chunk=8, slots=2,
-                prompt=8, new=8, steps=1)
+                prompt=8, new=8, steps=1, layer_loop='auto')
   fields.update(overrides)
   return argparse.Namespace(**fields)
 
@@ -50,3 +50,5 @@ def test_each_program_is_measured_in_a_fresh_process():
     assert out['compile_s'] > 0 and out['lower_s'] > 0, out
     assert out['step_s'] > 0 and out['tokens_per_s'] > 0, out
   assert out['tokens_per_s'] == 2 / out['step_s']  # decode: one token per slot per step
+  for loop in ('scan', 'unrolled'):  # this tree's engine in the layer loop asked for
+    assert compile_time.run_child('decode', ROOT, _args(layer_loop=loop))['layer_loop'] == loop
