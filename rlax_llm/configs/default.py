@@ -128,7 +128,8 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # from a pool of prompts whose last group had unequal rewards; 0: off); how long a silent
   # worker is waited for before its requests go to another.
   # layer_loop: how the workers' engines run the decoder's layers: 'auto' ('unrolled' on CPU
-  # devices, 'scan' on accelerators), 'scan' or 'unrolled' (docs/models.md "The layer loop").
+  # devices, 'scan' on accelerators or with model.batch_invariant), 'scan' or 'unrolled'
+  # (docs/models.md "The layer loop").
   c.rollout = ml_collections.ConfigDict(dict(
       workers=1, slots=256, on_swap='continue', oversample=0.0,
       short_batches='pad', stop_after_groups=0, replay=0.0,

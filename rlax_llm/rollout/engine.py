@@ -227,8 +227,10 @@ class Engine:
       (``place_params`` unstacks each version once). ``'auto'`` (default): ``'unrolled'``
       when the mesh's devices are CPUs (XLA:CPU copies every per-layer slice of a stacked
       weight inside the scan's loop before its dot: a SmolLM2-135M decode step ran 1.8-1.95x
-      slower scanned, docs/models.md "The layer loop"), else ``'scan'`` (accelerators read
-      the slice in the dot; compile time independent of depth matters there).
+      slower scanned, docs/models.md "The layer loop") unless the model is
+      ``batch_invariant`` (its log-probs must equal the trainer's scanned forward's bit for
+      bit, and the two loops compile to different fusions); else ``'scan'`` (accelerators
+      read the slice in the dot; compile time independent of depth matters there).
   """
 
   def __init__(self, model: Model, mesh: Mesh, *, slots: int, max_prefill_length: int,
@@ -272,7 +274,8 @@ class Engine:
                        f'{["auto", *LAYER_LOOPS]}.')
     if layer_loop == 'auto':
       cpu = all(device.platform == 'cpu' for device in mesh.devices.flat)
-      layer_loop = 'unrolled' if cpu else 'scan'
+      invariant = model.config.execution.batch_invariant
+      layer_loop = 'unrolled' if cpu and not invariant else 'scan'
     self.layer_loop = layer_loop
     if weight_layout is None:
       cpu_decode = jax.default_backend() == 'cpu' and not model.config.execution.batch_invariant

@@ -67,7 +67,8 @@ def conversation(engine, raw):
   return turn1, [turn2[slot] for slot in SLOTS]
 
 
-def test_default_is_unrolled_on_cpu_and_the_choice_is_checked(model_and_params):
+def test_default_is_unrolled_on_cpu_but_batch_invariant_and_the_choice_is_checked(
+    model_and_params):
   model, raw = model_and_params
   engine = Engine(model, MESH, slots=2, max_prefill_length=8, max_decode_length=8, pad_id=PAD)
   cpu = all(d.platform == 'cpu' for d in MESH.devices.flat)
@@ -79,6 +80,10 @@ def test_default_is_unrolled_on_cpu_and_the_choice_is_checked(model_and_params):
     np.testing.assert_array_equal(placed['blocks'][2]['mlp_norm']['scale'],
                                   raw['blocks']['mlp_norm']['scale'][2])
     assert len(engine.init_decode_state().cache.k) == CONFIG.num_layers
+  # A batch-invariant model's log-probs must be the (scanned) trainer's bit for bit.
+  invariant = create_model(CONFIG.with_execution(batch_invariant=True))[0]
+  assert Engine(invariant, MESH, slots=2, max_prefill_length=8, max_decode_length=8,
+                pad_id=PAD).layer_loop == 'scan'
   with pytest.raises(ValueError, match="layer_loop='loop' is not a layer loop"):
     Engine(model, MESH, slots=2, max_prefill_length=8, max_decode_length=8, pad_id=PAD,
            layer_loop='loop')
