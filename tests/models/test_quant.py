@@ -135,7 +135,8 @@ def test_a_run_samples_int8_and_trains_the_float32_master(tmp_path):
   held, placed, rollouts = next(x for x in sampled if not x[2].sampling.greedy)
   # The worker holds (and verifies deltas of) the float32 pull, and samples with int8.
   assert {leaf.dtype for leaf in jax.tree.leaves(held)} == {np.dtype(np.float32)}
-  wq = placed['blocks']['attn']['wq']
+  blocks = placed['blocks']  # per layer where the engine runs its layers unrolled (CPU)
+  wq = (blocks[0] if worker.engine.layer_loop == 'unrolled' else blocks)['attn']['wq']
   assert isinstance(wq, Int8Weight) and wq.q.dtype == jnp.int8
   batch = make_train_batch(rollouts, np.zeros(len(rollouts), np.float32))
   mask = np.asarray(batch.loss_mask[:, 1:]) > 0
