@@ -48,11 +48,10 @@ def lora_params(model, params, rank: int, seed: int = 0):
                                     seed=seed)
   adapters = lora_lib.adapter_tree(lparams)
   key = jax.random.key(seed + 1)
-  for block in adapters['blocks'].values():
-    for part in block.values():
-      for adapter in part.values():
-        key, draw = jax.random.split(key)
-        adapter['b'] = 0.01 * jax.random.normal(draw, adapter['b'].shape, adapter['b'].dtype)
+  for part in adapters['blocks'].values():  # each adapter stacked over the layers
+    for adapter in part.values():
+      key, draw = jax.random.split(key)
+      adapter['b'] = 0.01 * jax.random.normal(draw, adapter['b'].shape, adapter['b'].dtype)
   return lmodel, lora_lib.with_adapters(lora_lib.base_tree(lparams), adapters)
 
 
@@ -81,7 +80,8 @@ def main() -> None:
   lmodel, lparams = lora_params(model, params, args.rank)
   merged = lora_lib.merge_program(lmodel)(lparams)
   own = {'weight_layout': model.config.execution.weight_layout,
-         'decode_attention': model.config.execution.decode_attention}
+         'decode_attention': model.config.execution.decode_attention,
+         'layer_loop': model.config.execution.layer_loop}  # the LoRAModel runs as it is
   n = args.new_tokens
   batches = {}
   for batch in [int(b) for b in args.batches.split(',')]:

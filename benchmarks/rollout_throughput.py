@@ -155,8 +155,8 @@ def gemm_step_seconds(config: DecoderConfig, rows: int, steps: int = 5,
            ('mlp', 'w_up'), ('mlp', 'w_down')]
   keys = iter(jax.random.split(jax.random.key(0), len(names) * c.num_layers + 2))
   normal = lambda shape: 0.02 * jax.random.normal(next(keys), shape, c.execution.dtype)
-  layers = [[normal(abstract['blocks'][i][block][name].shape) for block, name in names]
-            for i in range(c.num_layers)]
+  layers = [[normal(abstract['blocks'][block][name].shape[1:]) for block, name in names]
+            for _ in range(c.num_layers)]
   head = normal(abstract['embed' if c.tie_embeddings else 'lm_head'].shape)
 
   @jax.jit

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import signal
 import threading
 import time
@@ -144,12 +145,25 @@ def _leaf_specs(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
           (tuple(leaf.shape), str(np.dtype(leaf.dtype))) for path, leaf in flat}
 
 
+def _per_layer(specs: dict[str, Any]) -> bool:
+  """Whether leaf paths (``_leaf_specs``) hold the decoder's blocks layer by layer
+  (``.../blocks/0/...``, before the blocks were stacked over a leading layer axis)."""
+  return any(re.search(r'(^|/)blocks/\d+/', key) for key in specs)
+
+
 def _check_matches(item: str, metadata: Any, target: Any, directory: storage.Path) -> None:
   """Raises CheckpointError when the saved leaves' paths, shapes or dtypes differ."""
   tree = getattr(metadata, 'tree', metadata)
   saved, want = _leaf_specs(tree), _leaf_specs(target)
   if saved == want:
     return
+  if _per_layer(saved) and not _per_layer(want):
+    raise CheckpointError(
+        f'the checkpoint in {directory} stores the decoder\'s layers one by one (blocks/0/...), '
+        'as rlax_llm wrote them before the layers were stacked for the scanned layer stack; '
+        'this version cannot read it: resume it with the rlax_llm version that wrote it, or '
+        'export its params there (rlax_llm.models.save_pretrained) and start a new --workdir '
+        'from that Hugging Face directory. Nothing was overwritten.')
   missing = sorted(set(want) - set(saved))[:3]
   extra = sorted(set(saved) - set(want))[:3]
   changed = [f'{k}: saved {saved[k][0]} {saved[k][1]}, this run {want[k][0]} {want[k][1]}'

@@ -72,6 +72,7 @@ CHOICES = {
     'lora.base_quant': model_spec.QUANT_MODES,
     'lora.sync_dtype': model_spec.LORA_SYNC_DTYPES,
     'rollout.on_swap': ON_SWAP,
+    'rollout.layer_loop': ('auto', *model_spec.LAYER_LOOPS),  # rollout.engine.Engine
     'rollout.short_batches': SHORT_BATCHES,
     'staleness.schedule': SCHEDULES,
     'sampling.overlong_prompts': OVERLONG_POLICIES,

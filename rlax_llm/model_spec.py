@@ -24,6 +24,7 @@ REMAT_POLICIES = ('none', 'full', 'dots')  # what each block rematerialises in t
 INVARIANT_ROWS_MODES = ('chunks', 'floor')  # numerics.invariant_matmul
 WEIGHT_LAYOUTS = ('in_out', 'out_in')  # decoder.linear
 DECODE_ATTENTIONS = ('xla', 'cpu_kernel')  # decoder.Attention
+LAYER_LOOPS = ('scan', 'unrolled')  # decoder_config.Execution.layer_loop
 # Hugging Face architectures a decoder exports to.
 FAMILIES = ('llama', 'qwen2', 'qwen3')
 # The dtypes params are stored and computed in, by name (``model.param_dtype``,

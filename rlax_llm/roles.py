@@ -325,6 +325,7 @@ def build_worker(config: ml_collections.ConfigDict, model: Model, tokenizer: Tok
                          slots=config.rollout.slots, on_swap=config.rollout.on_swap,
                          quant=config.model.inference_quant,
                          kv_cache_quant=config.model.kv_cache_quant,
+                         layer_loop=config.rollout.layer_loop,
                          lora=lora, fetch_base=None if lora is None else fetch_base)
 
 

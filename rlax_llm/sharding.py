@@ -30,6 +30,8 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ('mlp', 'tensor'),
     ('head_dim', None),
     ('length', None),
+    ('layers', None),  # the stacked blocks' layer axis (decoder.stack_layers): the scan
+    # reads one layer at a time, so it is never sharded.
 )
 
 

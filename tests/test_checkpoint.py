@@ -76,9 +76,30 @@ def test_checkpoint_of_another_model_is_refused_before_anything_changes(tmp_path
   other = _trainer({'data': 1, 'fsdp': 1, 'tensor': 1},
                    dataclasses.replace(CONFIG, embed_dim=48))
   with pytest.raises(CheckpointError, match=r'does not fit this run\'s params \(.*'
-                     r'blocks/0/attn/wk: saved \(32, 2, 8\) float32, this run \(48, 2, 8\) float32.*Nothing was '
+                     r'blocks/attn/wk: saved \(2, 32, 2, 8\) float32, this run \(2, 48, 2, 8\) '
+                     r'float32.*Nothing was '
                      r'overwritten'):
     Checkpointer(tmp_path).restore(other.params, other.opt_state)
+  assert sorted(str(p) for p in tmp_path.rglob('*')) == listing
+
+
+
+def test_checkpoint_with_the_layers_one_by_one_is_refused_saying_how_to_convert(tmp_path):
+  """A checkpoint written before the blocks were stacked (``blocks/0/...``, one leaf per
+  layer) is refused with one line naming the layout and the way out; nothing changes."""
+  trainer = _trainer({'data': 1, 'fsdp': 1, 'tensor': 1})
+  blocks = trainer.params['blocks']
+  per_layer = dict(trainer.params, blocks={
+      i: jax.tree.map(lambda x, i=i: x[i], blocks) for i in range(CONFIG.num_layers)})
+  checkpointer = Checkpointer(tmp_path)
+  checkpointer.save(2, params=per_layer, opt_state=trainer.opt_state,
+                    trainer=trainer.counters(), controller={'step': 2}, rollouts={})
+  checkpointer.wait()
+  listing = sorted(str(p) for p in tmp_path.rglob('*'))
+  with pytest.raises(CheckpointError, match=r'one by one \(blocks/0/\.\.\.\).*'
+                     r'rlax_llm\.models\.save_pretrained') as error:
+    Checkpointer(tmp_path).restore(trainer.params, trainer.opt_state)
+  assert '\n' not in str(error.value)
   assert sorted(str(p) for p in tmp_path.rglob('*')) == listing
 
 

@@ -127,10 +127,13 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # batch; 0: off); replay (> 0: that fraction of each batch's new prompts is re-asked
   # from a pool of prompts whose last group had unequal rewards; 0: off); how long a silent
   # worker is waited for before its requests go to another.
+  # layer_loop: how the workers' engines run the decoder's layers: 'auto' ('unrolled' on CPU
+  # devices, 'scan' on accelerators or with model.batch_invariant), 'scan' or 'unrolled'
+  # (docs/models.md "The layer loop").
   c.rollout = ml_collections.ConfigDict(dict(
       workers=1, slots=256, on_swap='continue', oversample=0.0,
       short_batches='pad', stop_after_groups=0, replay=0.0,
-      worker_timeout_s=600.0))
+      worker_timeout_s=600.0, layer_loop='auto'))
   # RLAX staleness: j = inference reload threshold, k = trainer acceptance window.
   # schedule: 'deterministic' (the controller names the version of every batch: reproducible
   # and resumable bit for bit) or 'free' (workers pull the latest version between decode

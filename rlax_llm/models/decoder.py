@@ -34,9 +34,9 @@ from flax import nnx
 
 from rlax_llm.models import cpu_attention
 from rlax_llm.models.attention import invariant_attention, xla_attention
-from rlax_llm.models.decoder_config import DecoderConfig, RopeScaling
-from rlax_llm.models.kv_cache import (KEY_BLOCK_AXES, VALUE_BLOCK_AXES, KVCache, layer_update,
-                                      to_block)
+from rlax_llm.models.decoder_config import LAYERS_AXIS, DecoderConfig, RopeScaling
+from rlax_llm.models.kv_cache import (KEY_BLOCK_AXES, VALUE_BLOCK_AXES, KVCache, LayerBlocks,
+                                      layer_update, to_block)
 from rlax_llm.models.numerics import (accumulated_product, flipped_product, flips, invariant_matmul,
                                      invariant_sum, narrow, narrow_dtype)
 from rlax_llm.models.quant import Int8Weight
@@ -265,8 +265,8 @@ class Attention(nnx.Module):
                kv: tuple[tuple[Array, ...], tuple[Array, ...]] | None,
                starts: Array | None):
     """x: [B, T, E]; rope_cs: (cos, sin) tables; mask: bool [B, T, S]; kv: one layer's
-    cache blocks (keys, values, and their scales in an int8 cache: ``KVCache.layer``) in
-    the ``KVCache`` layouts, or None.
+    cache blocks (keys, values, and their scales in an int8 cache: layer ``i``'s ``[i]`` of
+    ``KVCache.layers``) in the ``KVCache`` layouts, or None.
 
     The queries of a kv head's group are ``[B, kv_heads, groups * T, head_dim]``, so both
     attention matmuls contract the cache in its stored layout (no per-step transposes of
@@ -356,65 +356,80 @@ class Block(nnx.Module):
     return x + self.mlp(self.mlp_norm(x)), new_kv
 
 
-def _block_call(block, *args):
-  return block(*args)
+def stack_layers(build, num_layers: int, rngs: nnx.Rngs) -> nnx.Module:
+  """``num_layers`` modules ``build(rngs)`` as one module whose every variable has a leading
+  layer axis: layer ``i``'s values are ``[i]`` of each. ``LAYERS_AXIS`` is prefixed to every
+  variable's logical axes.
+
+  The layers are drawn one after another from ``rngs``, as a Python list of them would be,
+  then stacked: one seed gives the weights an unrolled stack of the same layers gets (the
+  runs, tests and figures of a seed keep their starting points)."""
+  layers = [build(rngs) for _ in range(num_layers)]
+  graphdef, _ = nnx.split(layers[0])
+  states = [nnx.state(layer) for layer in layers]
+  stacked = nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+  for _, variable in nnx.iter_graph(stacked):
+    if isinstance(variable, nnx.Variable):
+      axes = variable.get_metadata().get('logical_axes')
+      if axes is not None:
+        variable.set_metadata('logical_axes', (LAYERS_AXIS,) + tuple(axes))
+  return stacked
 
 
-def recompute_after_cotangents(fn):
-  """``fn`` (a function of array pytrees, e.g. a ``jax.checkpoint``) whose backward pass
-  starts from residuals that depend on the incoming cotangent, so XLA can neither merge the
-  backward pass's recomputation with the forward pass (CSE) nor run it before the cotangent
-  arrives.
-
-  ``jax.checkpoint``'s own guard, an optimization barrier over the residuals and the
-  cotangents, does not survive XLA:CPU: its pipeline expands the barrier away before a later
-  CSE pass, which then merges each recomputed block into the forward pass, so every
-  intermediate is kept as if nothing were rematerialised (measured: the same compiled temp
-  bytes with ``remat='full'`` as with ``'none'``, ``tests/models/test_decoder.py``). Here each
-  floating residual becomes ``r + 0 * c`` (``c`` one element of the cotangent): the same
-  value for a finite cotangent (XLA keeps ``0 * c`` for floats, as ``c`` may be NaN), a
-  non-finite gradient for a non-finite one, as before. Returns a function with ``fn``'s
-  signature and values.
-  """
-
-  @jax.custom_vjp
-  def tied(*args):
-    return fn(*args)
-
-  def forward(*args):
-    return jax.vjp(fn, *args)
-
-  def backward(pullback, cotangent):
-    floats = [c for c in jax.tree.leaves(cotangent) if jnp.issubdtype(c.dtype, jnp.inexact)]
-    if not floats:
-      return pullback(cotangent)
-    zero = 0 * floats[0].reshape(-1)[0]
-    tie = lambda r: (r + zero.astype(r.dtype)
-                     if jnp.issubdtype(r.dtype, jnp.inexact) else r)
-    return jax.tree.map(tie, pullback)(cotangent)
-
-  tied.defvjp(forward, backward)
-  return tied
-
-
-def _remat_block_call(policy):
-  """A block call that keeps only what ``policy`` saves for the backward pass
-  (``jax.checkpoint``) and recomputes the rest there (``recompute_after_cotangents``)."""
-
-  def call(block, *args):
-    graphdef, state = nnx.split(block)
-    apply = jax.checkpoint(lambda state, *args: nnx.merge(graphdef, state)(*args),
-                           policy=policy, prevent_cse=False)
-    return recompute_after_cotangents(apply)(state, *args)
-
-  return call
-
-
-_REMAT_CALL = {
-    'none': _block_call,
-    'full': _remat_block_call(jax.checkpoint_policies.nothing_saveable),
-    'dots': _remat_block_call(jax.checkpoint_policies.checkpoint_dots),
+_REMAT_POLICY = {
+    'full': jax.checkpoint_policies.nothing_saveable,
+    'dots': jax.checkpoint_policies.checkpoint_dots,
 }
+
+
+def run_layers(blocks: Block | nnx.List, x: Array, rope_cs: tuple[Array, Array], mask: Array,
+               kv: LayerBlocks | tuple[LayerBlocks, ...] | None, starts: Array | None,
+               remat: str) -> tuple[Array, LayerBlocks | tuple[LayerBlocks, ...] | None]:
+  """``x`` ``[B, T, E]`` through the decoder's ``blocks`` in order (``Execution.layer_loop``).
+
+  Stacked ``blocks`` (``stack_layers``, ``'scan'``): one ``jax.lax.scan`` over their layer
+  axis, so one layer is compiled whatever the depth; ``kv``, the cache blocks the layers
+  read and write (``KVCache.layers``: tuples of ``[layers, ...]`` blocks), is carried
+  through the scan and updated in place, layer ``i`` reading and writing its own ``[i]``.
+  A list of blocks (``'unrolled'``): a Python loop, layer ``i`` reading its own weight
+  buffers and ``kv[i]`` (its own blocks). None without a cache.
+
+  ``remat`` (``Execution.remat``, ``'none'``, ``'full'`` or ``'dots'``): each layer is a
+  ``jax.checkpoint`` that keeps only what the policy saves for the backward pass, which
+  recomputes the rest layer by layer (in a scan the backward scan runs after the forward
+  one, so XLA cannot merge the two; the unrolled loop is the engine's, which has no backward
+  pass). Returns ``(x, the new cache blocks, in ``kv``'s layout, or None)``.
+  """
+  def layer(graphdef):  # a layer of ``graphdef``: (its state, x, its cache blocks) -> (x, kv)
+    def call(state, x, kv):
+      return nnx.merge(graphdef, state)(x, rope_cs, mask, kv, starts)
+    if remat == 'none':
+      return call
+    return jax.checkpoint(call, policy=_REMAT_POLICY[remat], prevent_cse=False)
+
+  if isinstance(blocks, nnx.List):
+    new = []
+    for i, block in enumerate(blocks):
+      graphdef, state = nnx.split(block)
+      x, layer_kv = layer(graphdef)(state, x, None if kv is None else kv[i])
+      new.append(layer_kv)
+    return x, None if kv is None else tuple(new)
+  graphdef, state = nnx.split(blocks)
+  step = layer(graphdef)
+  num_layers = jax.tree.leaves(state)[0].shape[0]
+
+  def body(carry, xs):
+    x, cache = carry
+    state, i = xs
+    at = lambda b: jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False)
+    x, new = step(state, x, None if cache is None else jax.tree.map(at, cache))
+    if cache is not None:
+      cache = jax.tree.map(lambda b, n: jax.lax.dynamic_update_index_in_dim(b, n, i, 0),
+                           cache, new)
+    return (x, cache), None
+
+  (x, kv), _ = jax.lax.scan(body, (x, kv), (state, jnp.arange(num_layers)))
+  return x, kv
 
 
 def head_is_vocab_major(config: DecoderConfig, rows: int) -> bool:
@@ -471,7 +486,12 @@ class Decoder(nnx.Module):
     run = c.execution
     self.embed = _param(rngs, (c.vocab_size, c.embed_dim), ('vocab', 'embed'), run.param_dtype,
                         c.embed_dim ** -0.5)
-    self.blocks = nnx.List([Block(c, rngs=rngs) for _ in range(c.num_layers)])
+    # 'scan': every layer's params stacked on a leading layer axis, run by one scan;
+    # 'unrolled': a list of per-layer blocks (``run_layers``). One seed draws the same weights.
+    if run.layer_loop == 'scan':
+      self.blocks = stack_layers(lambda r: Block(c, rngs=r), c.num_layers, rngs)
+    else:
+      self.blocks = nnx.List([Block(c, rngs=rngs) for _ in range(c.num_layers)])
     self.final_norm = RMSNorm(c.embed_dim, c.norm_eps, run.param_dtype, rngs=rngs,
                               invariant=run.batch_invariant)
     if not c.tie_embeddings:
@@ -513,18 +533,15 @@ class Decoder(nnx.Module):
       mask = key_pos[None, None, :] <= positions[:, :, None]
     rope_cs = rope_tables(positions, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
                           rope_table_length(c))
-    new_layers = []
-    call = _REMAT_CALL[c.execution.remat]
-    for i, block in enumerate(self.blocks):
-      kv = None if cache is None else cache.layer(i)
-      x, layer_kv = call(block, x, rope_cs, mask, kv, starts)
-      if layer_kv is not None:
-        new_layers.append(layer_kv)
+    used = None if cache is None else cache.used_blocks(mask.shape[-1])
+    x, new_kv = run_layers(self.blocks, x, rope_cs, mask,
+                           None if cache is None else cache.layers(used), starts,
+                           c.execution.remat)
     x = self.final_norm(x)
     out = x if features else constrain(self.head(x), ('batch', 'length', 'vocab'))
     if cache is None:
       return out
     if num_valid is None:
       num_valid = jnp.full((batch,), length, jnp.int32)
-    new_cache = KVCache.from_layers(new_layers, cache.lengths + num_valid.astype(jnp.int32))
+    new_cache = cache.with_layers(new_kv, used, cache.lengths + num_valid.astype(jnp.int32))
     return out, new_cache

@@ -14,6 +14,7 @@ from rlax_llm.model_spec import (  # noqa: F401  (re-exported)
     DECODE_ATTENTIONS,
     FAMILIES,
     INVARIANT_ROWS_MODES,
+    LAYER_LOOPS,
     REMAT_POLICIES,
     WEIGHT_LAYOUTS,
     Architecture,
@@ -23,6 +24,14 @@ from rlax_llm.model_spec import (  # noqa: F401  (re-exported)
 # Execution.param_dtype and dtype by the name a config gives them (model.param_dtype,
 # model.dtype, model.inference_param_dtype; the names are model_spec.DTYPES).
 DTYPES = {name: getattr(jnp, name) for name in model_spec.DTYPES}
+
+# How the decoder runs its layers (``Execution.layer_loop``, one of LAYER_LOOPS): 'scan', the
+# blocks' params stacked over a leading ``LAYERS_AXIS`` and run by one ``jax.lax.scan`` (one
+# layer compiled whatever the depth: the trainer, and the engine on accelerators), or
+# 'unrolled', a Python list of per-layer blocks run one after another (the engine on
+# XLA:CPU, where a scan's per-layer weight slices are copies: docs/models.md "The layer
+# loop").
+LAYERS_AXIS = 'layers'  # the stacked blocks' leading logical axis (never sharded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +56,15 @@ class Execution:
   # only, float32, one device; the inference engine picks it where it applies). The
   # trainer, the prefill and one-row steps always use 'xla'.
   decode_attention: str = 'xla'
+  # LAYER_LOOPS: 'scan' everywhere params are trained, saved or loaded; an inference engine
+  # on XLA:CPU runs 'unrolled' (``rlax_llm.models.model.with_weight_layout``).
+  layer_loop: str = 'scan'
 
   def __post_init__(self):
     for name, choices in (('remat', REMAT_POLICIES), ('invariant_rows', INVARIANT_ROWS_MODES),
                           ('weight_layout', WEIGHT_LAYOUTS),
-                          ('decode_attention', DECODE_ATTENTIONS)):
+                          ('decode_attention', DECODE_ATTENTIONS),
+                          ('layer_loop', LAYER_LOOPS)):
       if getattr(self, name) not in choices:
         raise ValueError(f'Execution.{name}={getattr(self, name)!r}; choose one of '
                          f'{choices}.')

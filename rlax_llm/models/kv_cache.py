@@ -1,8 +1,11 @@
 """The decoder's fixed-size KV cache: its layout (``KVCache``) and how a layer writes it.
 
-KV cache contract (``KVCache``): ``k[i]`` and ``v[i]`` for layer ``i`` are tuples of
-*blocks*; block ``j`` holds positions ``j * block_length .. (j + 1) * block_length - 1``,
-values as ``[batch, kv_heads, block_length, head_dim]`` and keys transposed,
+KV cache contract (``KVCache``): ``k`` and ``v`` are tuples of *blocks*, each stacked over
+the layers (leading axis ``num_layers``, the decoder's scan reads and writes layer ``i``'s
+``[i]``), or, for a decoder that runs its layers unrolled (``Execution.layer_loop``,
+``KVCache.stacked`` False), tuples of each layer's own tuple of blocks (separate buffers: on
+XLA:CPU a slice of a stacked buffer is a copy); block ``j`` holds positions
+``j * block_length .. (j + 1) * block_length - 1``, a layer's values as ``[batch, kv_heads, block_length, head_dim]`` and its keys transposed,
 ``[batch, kv_heads, head_dim, block_length]``: the layouts in which both attention matmuls
 of a decode step read the cache as their plain (untransposed) right-hand operand (with keys
 stored like values, XLA:CPU's score matmul ran at less than half the speed of the value
@@ -28,7 +31,8 @@ reads the blocks dequantised (``int8 * scale``, in the compute dtype).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from typing import Any
 
 import flax.struct
 import jax
@@ -38,18 +42,21 @@ from rlax_llm import model_spec
 from rlax_llm.models.decoder_config import DecoderConfig
 
 Array = jax.Array
-# One layer's (keys, values), or (keys, values, key scales, value scales) of an int8 cache.
+# (keys, values), or (keys, values, key scales, value scales) of an int8 cache: tuples of
+# blocks, one layer's or (``KVCache.layers``) all layers' stacked.
 LayerBlocks = tuple[tuple[Array, ...], ...]
 
 KV_CACHE_QUANT_MODES = model_spec.KV_CACHE_QUANT_MODES
 _INT8_MAX = 127
 
-# The logical axes of the cache blocks, values ``[B, kv, S, d]`` and keys transposed
-# ``[B, kv, d, S]`` (see the module docstring), and their position axes.
+# The logical axes of one layer's cache blocks, values ``[B, kv, S, d]`` and keys transposed
+# ``[B, kv, d, S]`` (see the module docstring), and their position axes; the cache stores
+# them behind a leading ``layers`` axis (``LAYERED``).
 VALUE_BLOCK_AXES = ('batch', 'kv_heads', 'length', 'head_dim')
 VALUE_POSITION_AXIS = VALUE_BLOCK_AXES.index('length')
 KEY_BLOCK_AXES = ('batch', 'kv_heads', 'head_dim', 'length')
 KEY_POSITION_AXIS = KEY_BLOCK_AXES.index('length')
+LAYERED = 1  # how many axes the stored blocks have before a layer's block axes
 # The axes of the keys and values the attention projections produce, ``[B, T, kv, d]``.
 _PROJECTED_AXES = ('batch', 'length', 'kv_heads', 'head_dim')
 
@@ -88,14 +95,20 @@ def to_block(x: Array, axes: tuple[str, ...]) -> Array:
 
 @flax.struct.dataclass
 class KVCache:
-  """Fixed-size per-layer key/value cache in blocks (see the module docstring)."""
+  """Fixed-size key/value cache in blocks stacked over the layers, or per layer (the module
+  docstring)."""
 
-  k: tuple[tuple[Array, ...], ...]  # [layer][block]: [batch, kv_heads, head_dim, block_length]
-  v: tuple[tuple[Array, ...], ...]  # [layer][block]: [batch, kv_heads, block_length, head_dim]
+  # stacked: [block]: [layers, batch, kv_heads, head_dim, block_length]; per layer:
+  # [layer][block]: [batch, kv_heads, head_dim, block_length]
+  k: tuple[Any, ...]
+  v: tuple[Any, ...]  # as k, values [..., block_length, head_dim]
   lengths: Array  # int32 [batch]
-  # An int8 cache's float32 scales, [layer][block] like k and v with head_dim 1; () if not.
-  k_scale: tuple[tuple[Array, ...], ...] = ()
-  v_scale: tuple[tuple[Array, ...], ...] = ()
+  # An int8 cache's float32 scales, like k and v with head_dim 1; () if not.
+  k_scale: tuple[Any, ...] = ()
+  v_scale: tuple[Any, ...] = ()
+  # Whether the blocks are stacked over the layers (a decoder whose ``Execution.layer_loop``
+  # is 'scan') or each layer's own (its 'unrolled').
+  stacked: bool = flax.struct.field(pytree_node=False, default=True)
 
   @classmethod
   def init(cls, config: DecoderConfig, batch: int, max_len: int | None = None,
@@ -111,40 +124,72 @@ class KVCache:
       raise ValueError(f'block_length must be >= 1, got {block_length}.')
     int8 = quant == 'int8'
     dtype = jnp.int8 if int8 else config.execution.dtype
+    stacked = config.execution.layer_loop == 'scan'
+    lead = (config.num_layers,) if stacked else ()
     layer = lambda axes, dt=dtype, scale=False: tuple(
-        jnp.zeros(cache_block_shape(axes, config, batch, block, scale=scale), dt)
+        jnp.zeros(lead + cache_block_shape(axes, config, batch, block, scale=scale), dt)
         for _ in range(-(-max_len // block)))
-    layers = lambda axes, **kw: tuple(layer(axes, **kw) for _ in range(config.num_layers))
-    scales = lambda axes: layers(axes, dt=jnp.float32, scale=True) if int8 else ()
-    return cls(k=layers(KEY_BLOCK_AXES), v=layers(VALUE_BLOCK_AXES),
+    blocks = lambda axes, **kw: layer(axes, **kw) if stacked else tuple(
+        layer(axes, **kw) for _ in range(config.num_layers))
+    scales = lambda axes: blocks(axes, dt=jnp.float32, scale=True) if int8 else ()
+    return cls(k=blocks(KEY_BLOCK_AXES), v=blocks(VALUE_BLOCK_AXES),
                lengths=jnp.zeros((batch,), jnp.int32), k_scale=scales(KEY_BLOCK_AXES),
-               v_scale=scales(VALUE_BLOCK_AXES))
-
-  @classmethod
-  def from_layers(cls, layers: Sequence[LayerBlocks], lengths: Array) -> KVCache:
-    """The cache of per-layer blocks (``layer``'s tuples) and ``lengths``."""
-    return cls(*(tuple(layer[i] for layer in layers) for i in range(2)), lengths=lengths,
-               k_scale=tuple(layer[2] for layer in layers if len(layer) == 4),
-               v_scale=tuple(layer[3] for layer in layers if len(layer) == 4))
+               v_scale=scales(VALUE_BLOCK_AXES), stacked=stacked)
 
   @property
   def quantized(self) -> bool:
     """Whether the blocks are int8 with scales."""
     return bool(self.k_scale)
 
-  def layer(self, i: int) -> LayerBlocks:
-    """Layer ``i``'s blocks: (keys, values), and their scales if ``quantized``."""
-    if self.quantized:
-      return self.k[i], self.v[i], self.k_scale[i], self.v_scale[i]
-    return self.k[i], self.v[i]
+  def used_blocks(self, attend: int) -> int:
+    """How many leading blocks a step that attends to ``attend`` positions reads and writes
+    (all of a one-block cache; with several, ``attend`` is a multiple of the block)."""
+    return 1 if self.num_blocks == 1 else attend // self.block_length
+
+  @property
+  def lead(self) -> int:
+    """How many axes the stored blocks have before a layer's block axes (``LAYERED`` if
+    ``stacked``, else 0)."""
+    return LAYERED if self.stacked else 0
+
+  def layers(self, used: int) -> LayerBlocks | tuple[LayerBlocks, ...]:
+    """The first ``used`` blocks: (keys, values), and their scales if ``quantized``,
+    stacked over the layers (the decoder's scan carries them; layer ``i`` reads each one's
+    ``[i]``), or, unstacked, one such tuple per layer."""
+    parts = (self.k, self.v) + ((self.k_scale, self.v_scale) if self.quantized else ())
+    if self.stacked:
+      return tuple(part[:used] for part in parts)
+    return tuple(tuple(part[i][:used] for part in parts) for i in range(len(self.k)))
+
+  def with_layers(self, layers: LayerBlocks | tuple[LayerBlocks, ...], used: int,
+                  lengths: Array) -> KVCache:
+    """The cache with its first ``used`` blocks replaced by ``layers`` (``layers``' layout)
+    and ``lengths``; the blocks past them as they are."""
+    olds = (self.k, self.v, self.k_scale, self.v_scale)
+    if self.stacked:
+      parts = tuple(new + old[used:] for new, old in zip(layers, olds))
+    else:
+      parts = tuple(tuple(layer[p] + old[i][used:] for i, layer in enumerate(layers))
+                    for p, old in enumerate(olds[:len(layers[0])]))
+    return KVCache(*parts[:2], lengths=lengths, k_scale=parts[2] if self.quantized else (),
+                   v_scale=parts[3] if self.quantized else (), stacked=self.stacked)
+
+  def repeat(self, times: int) -> KVCache:
+    """Every slot repeated ``times`` times in place (slot ``b`` becomes slots
+    ``b * times .. (b + 1) * times - 1``), e.g. one prefix's cache for each row sharing it."""
+    rows = lambda x, axis: jnp.repeat(x, times, axis=axis)
+    blocks = lambda part: jax.tree.map(lambda x: rows(x, self.lead), part)
+    return KVCache(blocks(self.k), blocks(self.v), rows(self.lengths, 0),
+                   blocks(self.k_scale), blocks(self.v_scale), stacked=self.stacked)
 
   @property
   def block_length(self) -> int:
-    return self.v[0][0].shape[VALUE_POSITION_AXIS]
+    first = self.v[0] if self.stacked else self.v[0][0]
+    return first.shape[self.lead + VALUE_POSITION_AXIS]
 
   @property
   def num_blocks(self) -> int:
-    return len(self.k[0])
+    return len(self.k if self.stacked else self.k[0])
 
   @property
   def max_len(self) -> int:
@@ -163,7 +208,7 @@ def layer_update(kv: LayerBlocks, k: Array, v: Array, starts: Array, attend: int
   copy, of the buffer) and ``write(out)``, the layer's new blocks once attention's output
   ``out`` exists. With several blocks ``attend`` is a multiple of the block (the decoder
   rounds it up) and the new positions lie below it, so the blocks past it are neither read
-  nor written. An int8 cache's layer (four tuples, ``KVCache.layer``) stores ``k`` and ``v``
+  nor written. An int8 cache's layer (four tuples, ``KVCache.layers``) stores ``k`` and ``v``
   quantised (``quantize_kv``) and returns the blocks attention reads dequantised, in
   ``k``'s dtype.
   """

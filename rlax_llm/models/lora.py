@@ -10,8 +10,9 @@ fresh adapter leaves the model unchanged. ``A`` keeps the adapted weight's input
 replicated). The adapters live on the decoder's ``Attention``/``MLP`` modules as
 ``{weight}_lora`` (an ``Adapter``); ``decoder.linear`` applies them (its ``low_rank``).
 
-A ``LoRAModel`` is a ``Model`` whose params hold the base and the adapters
-(``params['blocks'][i]['attn']['wq_lora'] = {'a': ..., 'b': ...}``); ``trainable_mask`` marks
+A ``LoRAModel`` is a ``Model`` whose params hold the base and the adapters, stacked over the
+layers like the weights they adapt (``params['blocks']['attn']['wq_lora'] = {'a': A [layers,
+in..., r], 'b': B [layers, r, out...]}``); ``trainable_mask`` marks
 the adapters (by their ``nnx.LoRAParam`` type) for ``Trainer(trainable=...)``. ``merge``
 folds them into the base (``W + s * A @ B``); ``save_merged`` writes that as a Hugging Face
 checkpoint and ``save_peft`` the adapters alone in PEFT's format
@@ -53,7 +54,7 @@ from jax.sharding import PartitionSpec
 
 from rlax_llm import model_spec
 from rlax_llm.errors import ConfigError
-from rlax_llm.models.decoder import Decoder
+from rlax_llm.models.decoder import Decoder, stack_layers
 from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.files import hf
 from rlax_llm.models.files.pretrained import save_pretrained
@@ -153,8 +154,9 @@ def _pair(a, b, scale: float, dtype: Any):
 
 
 def _sides(weight: nnx.Param, num_in: int, layout: str):
-  """The ``(size, logical axis)`` pairs of a weight's inputs and outputs."""
-  pairs = tuple(zip(weight.shape, weight.get_metadata()['logical_axes']))
+  """The ``(size, logical axis)`` pairs of a stacked weight's inputs and outputs (its
+  leading layer axis left out)."""
+  pairs = tuple(zip(weight.shape, weight.get_metadata()['logical_axes']))[1:]
   if layout == 'in_out':
     return pairs[:num_in], pairs[num_in:]
   return pairs[-num_in:], pairs[:-num_in]
@@ -162,17 +164,18 @@ def _sides(weight: nnx.Param, num_in: int, layout: str):
 
 def add_adapters(decoder: Decoder, lora: LoRAConfig, rngs: nnx.Rngs) -> Decoder:
   """Attaches a fresh ``Adapter`` to each of ``lora.targets`` in every block of ``decoder``
-  (in place; returned for convenience). Adapters are float32 whatever the base's
+  (in place; returned for convenience): one per target stacked over the layers
+  (``decoder.stack_layers``), as the blocks are. Adapters are float32 whatever the base's
   ``param_dtype`` (a bfloat16 base keeps float32 trained state, as PEFT does)."""
   run = decoder.config.execution
-  for block in decoder.blocks:
-    for target in lora.targets:
-      part, name, num_in, _ = _WEIGHTS[target]
-      module = getattr(block, part)
-      weight = getattr(module, name)
-      inputs, outputs = _sides(weight, num_in, run.weight_layout)
-      setattr(module, name + SUFFIX, Adapter(inputs, outputs, lora.rank, lora.scale,
-                                             jnp.float32, rngs=rngs))
+  for target in lora.targets:
+    part, name, num_in, _ = _WEIGHTS[target]
+    module = getattr(decoder.blocks, part)
+    inputs, outputs = _sides(getattr(module, name), num_in, run.weight_layout)
+    setattr(module, name + SUFFIX, stack_layers(
+        lambda r, inputs=inputs, outputs=outputs: Adapter(inputs, outputs, lora.rank, lora.scale,
+                                                          jnp.float32, rngs=r),
+        decoder.config.num_layers, rngs))
   return decoder
 
 
@@ -237,13 +240,12 @@ def trainable_mask(model: LoRAModel) -> Params:
 
 
 def _adapted(model: LoRAModel, params: Params):
-  """``(layer, target, layer params dict of its part, weight name, adapter params)`` of every
-  adapted weight."""
-  for i in sorted(params['blocks']):
-    for target in model.lora.targets:
-      part, name, _, _ = _WEIGHTS[target]
-      node = params['blocks'][i][part]
-      yield i, target, node, name, node[name + SUFFIX]
+  """``(target, the blocks' params dict of its part, weight name, adapter params)`` of every
+  adapted weight (all stacked over the layers)."""
+  for target in model.lora.targets:
+    part, name, _, _ = _WEIGHTS[target]
+    node = params['blocks'][part]
+    yield target, node, name, node[name + SUFFIX]
 
 
 def delta(model: LoRAModel, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -276,14 +278,15 @@ def merge(model: LoRAModel, params: Params) -> tuple[Model, Params]:
   the jitted form)."""
   out = jax.tree.map(lambda x: x, params, is_leaf=lambda x: isinstance(x, Int8Weight))
   dtype = model.config.execution.param_dtype
-  for _, _, node, name, adapter in _adapted(model, out):
+  for _, node, name, adapter in _adapted(model, out):
     weight = dequantized(model, node[name])
-    change = delta(model, wire_factor(adapter['a'], 'a'), wire_factor(adapter['b'], 'b'))
+    change = jax.vmap(functools.partial(delta, model))(  # layer by layer: [layers, K, N]
+        wire_factor(adapter['a'], 'a'), wire_factor(adapter['b'], 'b'))
     if model.config.execution.weight_layout == 'out_in':
-      change = change.T
+      change = jnp.swapaxes(change, 1, 2)
     stored = dtype if isinstance(node[name], Int8Weight) else weight.dtype
     node[name] = (weight.astype(jnp.float32) + change.reshape(weight.shape)).astype(stored)
-  for _, _, node, name, _ in list(_adapted(model, out)):
+  for _, node, name, _ in list(_adapted(model, out)):
     del node[name + SUFFIX]
   return abstract_model(model.config), dequantized(model, out, dtype)
 
@@ -305,12 +308,14 @@ def peft_tensors(model: LoRAModel, params: Params) -> dict[str, np.ndarray]:
                       f'weight_layout={model.config.execution.weight_layout!r}.')
   tensors = {}
   rank = model.lora.rank
-  for i, target, _, _, adapter in _adapted(model, params):
-    prefix = f'base_model.model.model.layers.{i}.{_WEIGHTS[target][3]}'
-    a = np.asarray(jax.device_get(adapter['a'])).reshape(-1, rank)
-    b = np.asarray(jax.device_get(adapter['b'])).reshape(rank, -1)
-    tensors[f'{prefix}.lora_A.weight'] = np.ascontiguousarray(a.T)
-    tensors[f'{prefix}.lora_B.weight'] = np.ascontiguousarray(b.T)
+  stacked = {target: (np.asarray(jax.device_get(adapter['a'])),
+                      np.asarray(jax.device_get(adapter['b'])))
+             for target, _, _, adapter in _adapted(model, params)}
+  for i in range(model.config.num_layers):
+    for target, (a, b) in stacked.items():
+      prefix = f'base_model.model.model.layers.{i}.{_WEIGHTS[target][3]}'
+      tensors[f'{prefix}.lora_A.weight'] = np.ascontiguousarray(a[i].reshape(-1, rank).T)
+      tensors[f'{prefix}.lora_B.weight'] = np.ascontiguousarray(b[i].reshape(rank, -1).T)
   return tensors
 
 
@@ -363,9 +368,9 @@ def _split(tree: Params, adapters: bool) -> Params:
 
 def adapter_tree(params: Params) -> Params:
   """The adapters of a ``LoRAModel``'s params alone, nested as in ``params``
-  (``{'blocks': {i: {'attn': {'wq_lora': {'a': A, 'b': B}, ...}, 'mlp': {...}}}}``; ``A``
-  float32 ``[in..., r]``, ``B`` float32 ``[r, out...]``, the same arrays): the tree a LoRA
-  trainer pushes per version with ``lora.sync='adapters'``."""
+  (``{'blocks': {'attn': {'wq_lora': {'a': A, 'b': B}, ...}, 'mlp': {...}}}``; ``A``
+  float32 ``[layers, in..., r]``, ``B`` float32 ``[layers, r, out...]``, the same arrays):
+  the tree a LoRA trainer pushes per version with ``lora.sync='adapters'``."""
   return _split(params, adapters=True)
 
 
@@ -418,9 +423,10 @@ def synced_adapters(lora: LoRAConfig, adapters: Params) -> Params:
 
 def _int8_wire(adapters: Params) -> Params:
   """Every factor of ``adapters`` on the int8 wire: ``quantize`` with the rank as its one
-  output axis (``A``'s last, ``B``'s first; ``_WIRE_LAYOUT`` by the factor's name)."""
+  output axis (``A``'s last, ``B``'s first; ``_WIRE_LAYOUT`` by the factor's name), layer by
+  layer (the factors are stacked)."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, leaf: quantize(leaf, 1, _WIRE_LAYOUT[path[-1].key]), adapters)
+      lambda path, leaf: quantize(leaf, 1, _WIRE_LAYOUT[path[-1].key], stacked=True), adapters)
 
 
 _int8_wire_program = jax.jit(_int8_wire)  # one program per version, not ~6 ops per factor

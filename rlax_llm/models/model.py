@@ -2,9 +2,9 @@
 
 Every other role (trainer, parameter server, sampler) sees a model as ``Model`` (static,
 hashable by identity, safe as a ``jax.jit`` static argument) and ``params``: a nested
-``dict`` of arrays (``flax.nnx.to_pure_dict`` layout, e.g.
-``params['blocks'][0]['attn']['wq']``). Keeping params a plain pytree lets optax update them,
-the parameter server validate and copy them, and ``NamedSharding`` trees mirror them.
+``dict`` of arrays (``flax.nnx.to_pure_dict`` layout, e.g. ``params['blocks']['attn']['wq']``,
+the blocks stacked over a leading layer axis). Keeping params a plain pytree lets optax update
+them, the parameter server validate and copy them, and ``NamedSharding`` trees mirror them.
 """
 
 from __future__ import annotations
@@ -115,17 +115,20 @@ def abstract_model(config: DecoderConfig) -> Model:
   return Model(config=config, graphdef=_abstract(config)[0])
 
 
-def with_weight_layout(model: Model, layout: str, decode_attention: str | None = None
-                       ) -> Model:
+def with_weight_layout(model: Model, layout: str, decode_attention: str | None = None,
+                       layer_loop: str | None = None) -> Model:
   """``model`` with its weights stored in ``layout`` (``Execution.weight_layout``) and, if
-  given, decoding with ``decode_attention`` (``Execution.decode_attention``): how the same
-  params run, not what they are."""
+  given, decoding with ``decode_attention`` (``Execution.decode_attention``) and running its
+  layers as ``layer_loop`` (``Execution.layer_loop``: 'unrolled' keeps each layer's blocks
+  in their own buffers): how the same params run, not what they are."""
   run = model.config.execution
   attention = run.decode_attention if decode_attention is None else decode_attention
-  if (layout, attention) == (run.weight_layout, run.decode_attention):
+  loop = run.layer_loop if layer_loop is None else layer_loop
+  if (layout, attention, loop) == (run.weight_layout, run.decode_attention, run.layer_loop):
     return model
   return abstract_model(model.config.with_execution(weight_layout=layout,
-                                                    decode_attention=attention))
+                                                    decode_attention=attention,
+                                                    layer_loop=loop))
 
 
 def with_param_dtype(model: Model, dtype: Any) -> Model:
@@ -151,26 +154,52 @@ def cast_params(params: Params, model: Model) -> Params:
 
 
 def to_weight_layout(params: Params, source: Model, target: Model) -> Params:
-  """``source``'s params in ``target``'s weight layout (the models otherwise equal, but for
-  ``decode_attention``, which does not touch the params).
+  """``source``'s params in ``target``'s weight layout and layer loop (the models otherwise
+  equal, but for ``decode_attention``, which does not touch the params).
 
   Each weight is transposed so that its logical axes (``Model.logical_axes``, which record
-  the layout) come in ``target``'s order; every other param is passed through. One
-  definition for both directions: the engine converts the trainer's params with it, and a
-  round trip is the identity (tested).
+  the layout) come in ``target``'s order; every other param is passed through. Blocks
+  stacked over the layers (``layer_loop='scan'``) going to an ``'unrolled'`` model become one
+  tree per layer (``params['blocks'][i]``), leaf by leaf: each leaf's layers are sliced out
+  and transposed one at a time (the only transient copy: one layer's slice), so nothing is
+  built beyond the per-layer copy; the other way they are stacked. One definition for both
+  directions: the engine converts the trainer's params with it, and a round trip is the
+  identity (tested).
   """
   target_run = target.config.execution
   if source.config.with_execution(weight_layout=target_run.weight_layout,
-                                  decode_attention=target_run.decode_attention) != target.config:
+                                  decode_attention=target_run.decode_attention,
+                                  layer_loop=target_run.layer_loop) != target.config:
     raise ValueError('to_weight_layout converts between models that differ only in '
-                     f'weight_layout; got {source.config} and {target.config}.')
+                     f'weight_layout and layer_loop; got {source.config} and {target.config}.')
 
   def move(value, axes_from: PartitionSpec, axes_to: PartitionSpec):
     axes_from, axes_to = tuple(axes_from), tuple(axes_to)
     if axes_from == axes_to:
       return value
     return jnp.transpose(value, [axes_from.index(axis) for axis in axes_to])
-  return jax.tree.map(move, params, source.logical_axes(), target.logical_axes())
+  axes_from, axes_to = source.logical_axes(), target.logical_axes()
+  loops = (source.config.execution.layer_loop, target_run.layer_loop)
+  if loops[0] == loops[1]:
+    return jax.tree.map(move, params, axes_from, axes_to)
+  out = {name: jax.tree.map(move, value, axes_from[name], axes_to[name])
+         for name, value in params.items() if name != 'blocks'}
+  layers = range(source.config.num_layers)
+  if loops == ('scan', 'unrolled'):
+    unstack = lambda value, spec_from, spec_to: [
+        move(value[i], PartitionSpec(*tuple(spec_from)[1:]), spec_to) for i in layers]
+    per_leaf = jax.tree.map(unstack, params['blocks'], axes_from['blocks'], axes_to['blocks'][0])
+    out['blocks'] = {i: jax.tree.map(lambda leaf, i=i: leaf[i], per_leaf,
+                                     is_leaf=lambda x: isinstance(x, list)) for i in layers}
+  else:
+    stack = lambda *values: jnp.stack(values)
+    moved = [jax.tree.map(move, params['blocks'][i], axes_from['blocks'][i],
+                          jax.tree.map(lambda s: PartitionSpec(*tuple(s)[1:]),
+                                       axes_to['blocks'],
+                                       is_leaf=lambda x: isinstance(x, PartitionSpec)))
+             for i in layers]
+    out['blocks'] = jax.tree.map(stack, *moved)
+  return out
 
 
 def create_model(config: DecoderConfig, seed: int = 0) -> tuple[Model, Params]:

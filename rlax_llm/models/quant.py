@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rlax_llm import model_spec
+from rlax_llm.models.decoder_config import LAYERS_AXIS
 
 # A model (``rlax_llm.models.model.Model``) and its params, named loosely: model.py imports
 # the decoder, which imports this module.
@@ -46,7 +47,9 @@ class Int8Weight:
 
   Attributes:
     q: int8, the weight's shape (``Execution.weight_layout`` order).
-    scale: float32 ``[N]``, one per output channel (the weight's outputs flattened).
+    scale: float32 ``[N]``, one per output channel (the weight's outputs flattened); a
+      weight stacked over the decoder's layers (``q`` ``[layers, ...]``) has
+      ``[layers, N]``, one per layer and output channel.
   """
   q: jax.Array
   scale: jax.Array
@@ -77,10 +80,15 @@ def _channels(axes: tuple[str, ...], layout: str) -> int:
   return len(axes) - 1 if reads_embed else 1
 
 
-def quantize(w: jax.Array, num_outputs: int, layout: str) -> Int8Weight:
+def quantize(w: jax.Array, num_outputs: int, layout: str, *, stacked: bool = False
+             ) -> Int8Weight:
   """``w`` (``[K..., N...]`` for ``'in_out'``, ``[N..., K...]`` for ``'out_in'``, its last or
   first ``num_outputs`` axes the outputs) in int8 with a float32 scale per output channel
-  (``max |w| / 127`` over its inputs; 1 for an all-zero channel)."""
+  (``max |w| / 127`` over its inputs; 1 for an all-zero channel). ``stacked``: ``w`` has a
+  leading layer axis (the decoder's stacked blocks), each layer quantised on its own
+  (``scale`` ``[layers, N]``)."""
+  if stacked:
+    return jax.vmap(lambda layer: quantize(layer, num_outputs, layout))(w)
   w32 = jnp.asarray(w, jnp.float32)
   if layout == 'in_out':
     flat = w32.reshape(-1, math.prod(w32.shape[w32.ndim - num_outputs:]))
@@ -95,7 +103,10 @@ def quantize(w: jax.Array, num_outputs: int, layout: str) -> Int8Weight:
 
 
 def dequantize(w: Int8Weight, layout: str) -> jax.Array:
-  """``q * scale`` in float32, ``w.q``'s shape (``layout``: the weight's order)."""
+  """``q * scale`` in float32, ``w.q``'s shape (``layout``: the weight's order; a stacked
+  weight, ``scale`` ``[layers, N]``, layer by layer)."""
+  if w.scale.ndim > 1:
+    return jax.vmap(lambda layer: dequantize(layer, layout))(w)
   if layout == 'in_out':
     flat = w.q.reshape(-1, w.scale.shape[0]).astype(jnp.float32) * w.scale[None, :]
   else:
@@ -103,16 +114,19 @@ def dequantize(w: Int8Weight, layout: str) -> jax.Array:
   return flat.reshape(w.q.shape)
 
 
-def _projections(model: Model) -> dict[str, int]:
-  """Leaf path (``jax.tree_util.keystr``) -> number of output axes of every projection the
-  int8 copy quantises (``PROJECTIONS``)."""
+def _projections(model: Model) -> dict[str, tuple[int, bool]]:
+  """Leaf path (``jax.tree_util.keystr``) -> (number of output axes, stacked over the layers)
+  of every projection the int8 copy quantises (``PROJECTIONS``; stacked, ``quantize``'s
+  ``stacked``, in a ``layer_loop='scan'`` model, one leaf per layer in an ``'unrolled'``
+  one)."""
   layout = model.config.execution.weight_layout
   axes, _ = jax.tree_util.tree_flatten_with_path(
       model.logical_axes(), is_leaf=lambda x: isinstance(x, PartitionSpec))
   out = {}
   for path, spec in axes:
     if path[0].key == 'blocks' and path[-1].key in PROJECTIONS:
-      out[jax.tree_util.keystr(path)] = _channels(tuple(spec), layout)
+      stacked = tuple(spec)[0] == LAYERS_AXIS
+      out[jax.tree_util.keystr(path)] = (_channels(tuple(spec)[stacked:], layout), stacked)
   return out
 
 
@@ -123,8 +137,11 @@ def quantize_params(params: Params, model: Model) -> Params:
   projections = _projections(model)
 
   def visit(path, value):
-    outputs = projections.get(jax.tree_util.keystr(path))
-    return value if outputs is None else quantize(value, outputs, layout)
+    found = projections.get(jax.tree_util.keystr(path))
+    if found is None:
+      return value
+    outputs, stacked = found
+    return quantize(value, outputs, layout, stacked=stacked)
   return jax.tree_util.tree_map_with_path(visit, params)
 
 

@@ -57,8 +57,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rlax_llm import sharding as sharding_lib
 from rlax_llm.models import cpu_attention
 from rlax_llm.models.decoder import head_is_vocab_major
+from rlax_llm.models.decoder_config import LAYER_LOOPS, LAYERS_AXIS
 from rlax_llm.models.kv_cache import (KEY_BLOCK_AXES, KEY_POSITION_AXIS,
-                                      KV_CACHE_QUANT_MODES, VALUE_BLOCK_AXES,
+                                      KV_CACHE_QUANT_MODES, LAYERED, VALUE_BLOCK_AXES,
                                       VALUE_POSITION_AXIS, KVCache, cache_block_shape)
 from rlax_llm.models.model import Model, Params, to_weight_layout, with_weight_layout
 from rlax_llm.models.numerics import INVARIANT_KEYS
@@ -76,18 +77,21 @@ BLOCK_ALIGN = 32
 
 @flax.struct.dataclass
 class Prefix:
-  """``K`` prefilled prompts (rows): per layer keys ``[K, kv_heads, head_dim, bucket]`` and
-  values ``[K, kv_heads, bucket, head_dim]`` (the ``KVCache`` layouts), true lengths and
-  the float32 logits ``[K, V]`` of each prompt's last token."""
+  """``K`` prefilled prompts (rows): keys ``[layers, K, kv_heads, head_dim, bucket]`` and
+  values ``[layers, K, kv_heads, bucket, head_dim]`` (a one-block ``KVCache``'s layouts),
+  true lengths and the float32 logits ``[K, V]`` of each prompt's last token. An engine
+  whose layers run unrolled (``Engine.layer_loop``) holds the keys and values per layer
+  instead: tuples of ``[K, kv_heads, head_dim, bucket]`` and ``[K, kv_heads, bucket,
+  head_dim]``."""
 
-  k: tuple[jax.Array, ...]
-  v: tuple[jax.Array, ...]
+  k: jax.Array | tuple[jax.Array, ...]
+  v: jax.Array | tuple[jax.Array, ...]
   lengths: jax.Array  # int32 [K]
   logits: jax.Array  # float32 [K, V]
-  # An int8 cache's (``kv_cache_quant='int8'``) float32 scales, per layer, like k and v
-  # with head_dim 1; () if not.
-  k_scale: tuple[jax.Array, ...] = ()
-  v_scale: tuple[jax.Array, ...] = ()
+  # An int8 cache's (``kv_cache_quant='int8'``) float32 scales, like k and v with head_dim
+  # 1; None (per layer: ()) if not.
+  k_scale: jax.Array | tuple[jax.Array, ...] | None = None
+  v_scale: jax.Array | tuple[jax.Array, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +124,8 @@ class Extend:
 class DecodeState:
   """What ``generate`` transforms; ``S`` slots, cache length ``L``."""
 
-  cache: KVCache  # per layer, per block: k [S, kv, d, block] ([S, kv, block, d] if
-  # batch_invariant), v [S, kv, block, d]
+  cache: KVCache  # per block, stacked over the layers (or per layer, then per block):
+  # k [(L,) S, kv, d, block] ([.., S, kv, block, d] if batch_invariant), v [(L,) S, kv, block, d]
   tokens: jax.Array  # int32 [S]: the token each slot feeds next
   keys: jax.Array  # uint32 [S, key_size]: each slot's sample key data
   positions: jax.Array  # int32 [S]: tokens the slot's sample has drawn so far
@@ -216,6 +220,17 @@ class Engine:
       log-probs are those of attention over the dequantised keys and values. Decode steps
       then attend with XLA (the CPU kernel reads float blocks only): unset
       ``decode_attention`` falls back to it; ``'cpu_kernel'`` is refused.
+    layer_loop: how the engine runs the decoder's layers (``Execution.layer_loop``):
+      ``'scan'``, the params' stacked blocks and a KV cache stacked over the layers, run by
+      one ``jax.lax.scan`` (one layer compiled, whatever the depth); ``'unrolled'``: each
+      layer's weights and cache blocks in their own buffers, a Python loop over the layers
+      (``place_params`` unstacks each version once). ``'auto'`` (default): ``'unrolled'``
+      when the mesh's devices are CPUs (XLA:CPU copies every per-layer slice of a stacked
+      weight inside the scan's loop before its dot: a SmolLM2-135M decode step ran 1.8-1.95x
+      slower scanned, docs/models.md "The layer loop") unless the model is
+      ``batch_invariant`` (its log-probs must equal the trainer's scanned forward's bit for
+      bit, and the two loops compile to different fusions); else ``'scan'`` (accelerators
+      read the slice in the dot; compile time independent of depth matters there).
   """
 
   def __init__(self, model: Model, mesh: Mesh, *, slots: int, max_prefill_length: int,
@@ -224,7 +239,7 @@ class Engine:
                block_align: int = BLOCK_ALIGN,
                rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES,
                weight_layout: str | None = None, decode_attention: str | None = None,
-               quant: str = 'none', kv_cache_quant: str = 'none'):
+               quant: str = 'none', kv_cache_quant: str = 'none', layer_loop: str = 'auto'):
     if kv_cache_quant not in KV_CACHE_QUANT_MODES:
       raise ValueError(f'kv_cache_quant={kv_cache_quant!r} is not a KV cache quantisation; '
                        f'choose one of {list(KV_CACHE_QUANT_MODES)}.')
@@ -254,6 +269,14 @@ class Engine:
           f'max_prefill_length ({max_prefill_length}) + max_decode_length '
           f'({max_decode_length}) = {self.cache_length} exceeds the model max_seq_len '
           f'({model.config.max_seq_len}).')
+    if layer_loop not in ('auto',) + LAYER_LOOPS:
+      raise ValueError(f'layer_loop={layer_loop!r} is not a layer loop; choose one of '
+                       f'{["auto", *LAYER_LOOPS]}.')
+    if layer_loop == 'auto':
+      cpu = all(device.platform == 'cpu' for device in mesh.devices.flat)
+      invariant = model.config.execution.batch_invariant
+      layer_loop = 'unrolled' if cpu and not invariant else 'scan'
+    self.layer_loop = layer_loop
     if weight_layout is None:
       cpu_decode = jax.default_backend() == 'cpu' and not model.config.execution.batch_invariant
       weight_layout = 'out_in' if cpu_decode else model.config.execution.weight_layout
@@ -278,7 +301,7 @@ class Engine:
     decode_attention, self.decode_attention_note = self._decode_attention(
         model, mesh, decode_attention)
     self.source_model = model  # the layout of the params place_params takes
-    self.model = with_weight_layout(model, weight_layout, decode_attention)
+    self.model = with_weight_layout(model, weight_layout, decode_attention, layer_loop)
     self.pad_id = int(pad_id)
     self.quant = quant
     self.param_shardings = sharding_lib.param_shardings(
@@ -376,8 +399,16 @@ class Engine:
 
   def place_params(self, params: Params) -> Params:
     """``params`` of the model the engine was given (host or device), in the engine's
-    weight layout, sharded on the inference mesh (checked first: ``check_params``); with
-    ``quant='int8'``, its projections quantised (``models.quant.quantize_params``)."""
+    weight layout and layer loop, sharded on the inference mesh (checked first:
+    ``check_params``); with ``quant='int8'``, its projections quantised
+    (``models.quant.quantize_params``, per layer when unrolled).
+
+    With ``layer_loop='unrolled'`` the stacked blocks become per-layer buffers here, once per
+    weight version (``models.model.to_weight_layout``: each layer's slice of a leaf is
+    transposed as it is cut, so the one transient copy is a single layer's slice); the
+    engine keeps only the per-layer copy. ``params`` stay the caller's (a worker's receiver
+    holds the stacked version it pulled to apply the next delta, as it held it beside the
+    engine's ``'out_in'`` copy before)."""
     self.check_params(params, placed=False)
     if self.model is not self.source_model:  # eager: op by op, compiled once per shape
       params = to_weight_layout(params, self.source_model, self.model)
@@ -566,16 +597,20 @@ class Engine:
     def named(logical, shape):
       return NamedSharding(mesh, sharding_lib.logical_to_spec(PartitionSpec(*logical), shape,
                                                               mesh, rules))
-    block = lambda axes, scale=False: (named(axes, cache_block_shape(
+    stacked = self.layer_loop == 'scan'
+    lead_axes, lead = ((LAYERS_AXIS,), (c.num_layers,)) if stacked else ((), ())
+    layer = lambda axes, scale=False: (named(lead_axes + axes, lead + cache_block_shape(
         axes, c, self.slots, self.block_length, scale=scale)),) * self.num_blocks
+    block = lambda axes, scale=False: (layer(axes, scale) if stacked
+                                       else (layer(axes, scale),) * c.num_layers)
     k, v = block(KEY_BLOCK_AXES), block(VALUE_BLOCK_AXES)
     int8 = self.kv_cache_quant == 'int8'
-    scales = lambda axes: (block(axes, scale=True),) * c.num_layers if int8 else ()
+    scales = lambda axes: block(axes, scale=True) if int8 else ()
     per_slot = named(('batch',), (self.slots,))
     per_slot_2d = lambda width: named(('batch', None), (self.slots, width))
     return DecodeState(
-        cache=KVCache(k=(k,) * c.num_layers, v=(v,) * c.num_layers, lengths=per_slot,
-                      k_scale=scales(KEY_BLOCK_AXES), v_scale=scales(VALUE_BLOCK_AXES)),
+        cache=KVCache(k=k, v=v, lengths=per_slot, k_scale=scales(KEY_BLOCK_AXES),
+                      v_scale=scales(VALUE_BLOCK_AXES), stacked=stacked),
         tokens=per_slot, keys=per_slot_2d(self.key_size), positions=per_slot,
         remaining=per_slot, stop_ids=per_slot_2d(MAX_STOP_IDS))
 
@@ -583,38 +618,54 @@ class Engine:
     cache = KVCache.init(self.model.config, tokens.shape[0], tokens.shape[1],
                          quant=self.kv_cache_quant)
     last, cache = self.model.prefill(params, tokens, lengths, cache)
-    only = lambda layers: tuple(x for (x,) in layers)  # each layer's one block
+    only = lambda part: self._layer_groups(  # the one block
+        lambda blocks, lead: blocks[0] if blocks else None, part)
     return Prefix(k=only(cache.k), v=only(cache.v), lengths=lengths, logits=last,
                   k_scale=only(cache.k_scale), v_scale=only(cache.v_scale))
+
+  def _layer_groups(self, fn, *parts):
+    """``fn(*blocks, lead=...)`` over the layer groups of cache ``parts`` (a ``KVCache``'s
+    ``k``, ``v``, ... or a ``Prefix``'s, taken together): with ``layer_loop='scan'`` the one
+    group of every layer, stacked (``lead=LAYERED`` axes before a layer's block axes); with
+    ``'unrolled'`` each layer's own (``lead=0``), as a tuple over the layers."""
+    if self.layer_loop == 'scan':
+      return fn(*parts, lead=LAYERED)
+    return tuple(fn(*group, lead=0) for group in zip(*parts))
 
   def _insert_impl(self, prefix, state, rows, slots, keys, max_new, offsets, stop_ids, *,
                    spec):
     # Entries with slot == S are padding: scatters drop them (mode='drop').
-    bucket = prefix.v[0].shape[VALUE_POSITION_AXIS]
+    stacked = self.layer_loop == 'scan'
+    bucket = (prefix.v if stacked else prefix.v[0]).shape[
+        (LAYERED if stacked else 0) + VALUE_POSITION_AXIS]
 
-    def put(blocks, source, axis):  # axis: the blocks' position axis
-      update = source[rows]  # [S, kv, bucket, d] or [S, kv, d, bucket]
+    def put(blocks, source, axis, lead):  # axis: a layer's blocks' position axis
+      if source is None:  # a float cache has no scales
+        return blocks
+      pre = (slice(None),) * lead  # the layers, when stacked
+      update = source[pre + (rows,)]  # [(L,) S, kv, bucket, d] or [(L,) S, kv, d, bucket]
       written = []
       for j, buffer in enumerate(blocks):  # the part of the prompt each block holds
         lo, size = j * self.block_length, min(self.block_length, bucket - j * self.block_length)
         if size <= 0:
           written.append(buffer)
           continue
-        into = (slots, slice(None)) + (slice(None),) * (axis - 2) + (slice(0, size),)
-        part = jax.lax.slice_in_dim(update, lo, lo + size, axis=axis)
+        into = pre + (slots,) + (slice(None),) * (axis - 1) + (slice(0, size),)
+        part = jax.lax.slice_in_dim(update, lo, lo + size, axis=lead + axis)
         if (part.dtype == jnp.int8) != (buffer.dtype == jnp.int8):  # a cast would not quantise
           raise ValueError(f'prefix blocks of {part.dtype} cannot go into a {buffer.dtype} '
                            'cache; prefill with this engine (its kv_cache_quant).')
         written.append(buffer.at[into].set(part.astype(buffer.dtype), mode='drop'))
       return tuple(written)
-    puts = lambda cached, prefixed, axis: tuple(put(c, p, axis)
-                                                for c, p in zip(cached, prefixed))
+    puts = lambda cached, prefixed, axis: self._layer_groups(
+        functools.partial(put, axis=axis), cached, prefixed)
     cache = KVCache(
         k=puts(state.cache.k, prefix.k, KEY_POSITION_AXIS),
         v=puts(state.cache.v, prefix.v, VALUE_POSITION_AXIS),
         lengths=state.cache.lengths.at[slots].set(prefix.lengths[rows], mode='drop'),
         k_scale=puts(state.cache.k_scale, prefix.k_scale, KEY_POSITION_AXIS),
-        v_scale=puts(state.cache.v_scale, prefix.v_scale, VALUE_POSITION_AXIS))
+        v_scale=puts(state.cache.v_scale, prefix.v_scale, VALUE_POSITION_AXIS),
+        stacked=stacked)
     return self._start_samples(state, cache, prefix.logits[rows], slots, keys, max_new,
                                offsets, stop_ids, spec)
 
@@ -640,41 +691,50 @@ class Engine:
 
   def _extend_impl(self, params, state, tokens, lengths, slots, keys, max_new, offsets,
                    stop_ids, *, spec):
-    # The slots' blocks joined into one contiguous cache per layer, with room past its end
+    # The slots' blocks joined into one contiguous cache (all layers), with room past its end
     # for the new tokens wherever they start (a one-block write clamps at the end), run
     # as a prefill over it, then split back into blocks and scattered to the slots.
     block = self.block_length
     extra = -(-tokens.shape[1] // block) * block
     gather = jnp.minimum(slots, self.slots - 1)
 
-    def joined(blocks, axis):
-      rows = jnp.concatenate([b[gather] for b in blocks], axis=axis)
+    stacked = self.layer_loop == 'scan'
+
+    def join(blocks, axis, lead):  # axis: a layer's blocks' position axis
+      if not blocks:
+        return ()
+      pre = (slice(None),) * lead  # the layers, when stacked
+      rows = jnp.concatenate([b[pre + (gather,)] for b in blocks], axis=lead + axis)
       pad = [(0, 0)] * rows.ndim
-      pad[axis] = (0, extra)
-      return jnp.pad(rows, pad)
-    joins = lambda layers, axis: tuple((joined(x, axis),) for x in layers)
+      pad[lead + axis] = (0, extra)
+      return (jnp.pad(rows, pad),)
+    joins = lambda part, axis: self._layer_groups(functools.partial(join, axis=axis), part)
     cache = KVCache(k=joins(state.cache.k, KEY_POSITION_AXIS),
                     v=joins(state.cache.v, VALUE_POSITION_AXIS),
                     lengths=state.cache.lengths[gather],
                     k_scale=joins(state.cache.k_scale, KEY_POSITION_AXIS),
-                    v_scale=joins(state.cache.v_scale, VALUE_POSITION_AXIS))
+                    v_scale=joins(state.cache.v_scale, VALUE_POSITION_AXIS), stacked=stacked)
     last, cache = self.model.prefill(params, tokens, lengths, cache)
 
-    def split(buffers, new, axis):
+    def split(buffers, new, axis, lead):
+      if not buffers:
+        return ()
       (whole,) = new
+      pre = (slice(None),) * lead
       return tuple(
-          buffer.at[slots].set(jax.lax.slice_in_dim(whole, j * block, (j + 1) * block,
-                                                    axis=axis).astype(buffer.dtype),
-                               mode='drop')
+          buffer.at[pre + (slots,)].set(jax.lax.slice_in_dim(
+              whole, j * block, (j + 1) * block, axis=lead + axis).astype(buffer.dtype),
+                                        mode='drop')
           for j, buffer in enumerate(buffers))
-    splits = lambda olds, news, axis: tuple(split(old, new, axis)
-                                            for old, new in zip(olds, news))
+    splits = lambda olds, news, axis: self._layer_groups(functools.partial(split, axis=axis),
+                                                         olds, news)
     new_cache = KVCache(
         k=splits(state.cache.k, cache.k, KEY_POSITION_AXIS),
         v=splits(state.cache.v, cache.v, VALUE_POSITION_AXIS),
         lengths=state.cache.lengths.at[slots].set(cache.lengths, mode='drop'),
         k_scale=splits(state.cache.k_scale, cache.k_scale, KEY_POSITION_AXIS),
-        v_scale=splits(state.cache.v_scale, cache.v_scale, VALUE_POSITION_AXIS))
+        v_scale=splits(state.cache.v_scale, cache.v_scale, VALUE_POSITION_AXIS),
+        stacked=stacked)
     return self._start_samples(state, new_cache, last, slots, keys, max_new, offsets,
                                stop_ids, spec)
 

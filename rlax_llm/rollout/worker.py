@@ -68,6 +68,8 @@ class InferenceWorker:
       applies deltas to the params it pulls, unquantised.
     kv_cache_quant: ``'none'`` or ``'int8'`` (``model.kv_cache_quant``): the engine's KV
       cache in int8 with per-(token, kv head) scales (``Engine``).
+    layer_loop: how the engine runs the layers, ``'auto'``, ``'scan'`` or ``'unrolled'``
+      (``rollout.layer_loop``, ``Engine``).
     lora: with ``fetch_base``, the trainer's adapters under adapter-only sync
       (``paramserver.publisher.adapter_sync``): the versions pulled are adapter trees, merged
       into the base pulled once through ``fetch_base`` (``Receiver``). None: the versions
@@ -80,7 +82,8 @@ class InferenceWorker:
                prefill_buckets: Sequence[int] | None = None,
                rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES,
                quant: str = 'none', lora: lora_lib.LoRAConfig | None = None,
-               fetch_base: FetchBase | None = None, kv_cache_quant: str = 'none'):
+               fetch_base: FetchBase | None = None, kv_cache_quant: str = 'none',
+               layer_loop: str = 'auto'):
     self.model = model
     self.tokenizer = tokenizer
     self.mesh = mesh
@@ -88,7 +91,7 @@ class InferenceWorker:
     self.engine = Engine(model, mesh, slots=slots, max_prefill_length=max_prompt_len,
                          max_decode_length=max_new_tokens, pad_id=tokenizer.pad_id,
                          prefill_buckets=prefill_buckets, rules=rules, quant=quant,
-                         kv_cache_quant=kv_cache_quant)
+                         kv_cache_quant=kv_cache_quant, layer_loop=layer_loop)
     self.holder = VersionedParams()
     self.driver = Driver(self.engine, self.holder, on_swap=on_swap)
     self.reloads = 0

@@ -115,7 +115,7 @@ class Policy:
     # The hidden state of each prefix's last token predicts the window's first token.
     last = jnp.take_along_axis(hidden, jnp.maximum(lead - 1, 0)[:, None, None], axis=1)
     repeat = lambda x: jnp.repeat(x, share, axis=0)
-    cache = jax.tree.map(repeat, cache)
+    cache = cache.repeat(share)
     index = jnp.minimum(starts[:, None] + jnp.arange(width, dtype=jnp.int32), length - 1)
     window = jnp.take_along_axis(tokens, index, axis=1)
     hidden, _ = self.model.apply(params, window, cache=cache, features=True)

@@ -257,5 +257,5 @@ def test_cache_blocks_must_be_whole_pieces_and_the_engine_keeps_them_so():
   assert engine.attend_buckets == (40, 80, 120, 160)
   assert engine.block_length == INVARIANT_KEYS and engine.num_blocks == 3
   state = engine.init_decode_state()
-  assert [k.shape for k in state.cache.k[0]] == [(2, small.num_kv_heads, small.head_dim,
-                                                  INVARIANT_KEYS)] * 3
+  assert [k.shape for k in state.cache.k] == [(small.num_layers, 2, small.num_kv_heads,
+                                               small.head_dim, INVARIANT_KEYS)] * 3

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rlax_llm.models.decoder import (ROPE_TABLE_MAX_ENTRIES, head_is_vocab_major, head_logits,
-                                     linear, recompute_after_cotangents, rope, rope_inv_freq,
+                                     linear, rope, rope_inv_freq,
                                      rope_table_length, rope_tables)
 from rlax_llm.models.decoder_config import DecoderConfig, Execution
 from rlax_llm.models.numerics import FLIPPED_MAX_ROWS, accumulated_product
@@ -84,10 +84,8 @@ def test_cache_in_blocks_equals_full_forward(model_and_params, block_length, bat
     logits, cache = step(params, tokens[rows, pos][:, None], cache, attend)
     np.testing.assert_allclose(logits[:, 0], full[rows, pos], atol=1e-5)
     used = -(-attend // block_length)
-    for layer in range(len(cache.k)):
-      for j in range(used, cache.num_blocks):  # not read, not written
-        assert cache.k[layer][j] is before.k[layer][j] or np.array_equal(
-            cache.k[layer][j], before.k[layer][j])
+    for j in range(used, cache.num_blocks):  # not read, not written (all layers)
+      assert cache.k[j] is before.k[j] or np.array_equal(cache.k[j], before.k[j])
 
 
 def test_one_row_decode_step_updates_the_cache_in_place(model_and_params):
@@ -98,7 +96,7 @@ def test_one_row_decode_step_updates_the_cache_in_place(model_and_params):
   step = jax.jit(lambda p, t, c: model.apply(p, t, cache=c, attend=8), donate_argnums=2)
   hlo = step.lower(params, jnp.zeros((1, 1), jnp.int32), cache).compile().as_text()
   entry = hlo[hlo.index('\nENTRY'):]
-  block_shapes = {f'f32[{",".join(map(str, b.shape))}]' for b in cache.k[0] + cache.v[0]}
+  block_shapes = {f'f32[{",".join(map(str, b.shape))}]' for b in cache.k + cache.v}
   copies = [line for line in entry.splitlines()
             if ' copy(' in line and any(f'= {s}' in line for s in block_shapes)]
   assert not copies, copies[:4]
@@ -257,8 +255,8 @@ def test_weight_layouts_are_one_model(tie):
   flipped = with_weight_layout(model, 'out_in')
   assert with_weight_layout(model, 'in_out') is model
   converted = to_weight_layout(params, model, flipped)
-  assert converted['blocks'][0]['attn']['wq'].shape == (4, 8, 32)
-  assert converted['blocks'][0]['mlp']['w_down'].shape == (32, 64)
+  assert converted['blocks']['attn']['wq'].shape == (2, 4, 8, 32)
+  assert converted['blocks']['mlp']['w_down'].shape == (2, 32, 64)
   jax.tree.map(np.testing.assert_array_equal, converted,
                create_model(flipped.config, seed=4)[1])
   jax.tree.map(np.testing.assert_array_equal, to_weight_layout(converted, flipped, model),
@@ -270,6 +268,38 @@ def test_weight_layouts_are_one_model(tie):
   other = create_model(dataclasses.replace(config, num_layers=1))[0]
   with pytest.raises(ValueError, match='differ only in weight_layout'):
     to_weight_layout(params, model, with_weight_layout(other, 'out_in'))
+
+
+@pytest.mark.parametrize('layout', ['in_out', 'out_in'])
+def test_unrolled_layers_are_the_scanned_model(layout):
+  """``layer_loop='unrolled'`` (a list of per-layer blocks, the CPU engine's) is the scanned
+  model: one seed draws the same weights, ``to_weight_layout`` unstacks them (and stacks them
+  back) exactly, and the logits with and without a cache (per-layer blocks) are the same."""
+  model, params = create_model(CONFIG, seed=4)
+  unrolled = with_weight_layout(model, layout, layer_loop='unrolled')
+  converted = to_weight_layout(params, model, unrolled)
+  assert sorted(converted['blocks']) == list(range(CONFIG.num_layers))
+  jax.tree.map(np.testing.assert_array_equal, converted,
+               create_model(unrolled.config, seed=4)[1])
+  jax.tree.map(np.testing.assert_array_equal, to_weight_layout(converted, unrolled, model),
+               params)
+  tokens = jnp.asarray(np.random.RandomState(2).randint(0, 19, (3, 9)), jnp.int32)
+  np.testing.assert_allclose(unrolled.apply(converted, tokens), model.apply(params, tokens),
+                             atol=2e-5, rtol=0)
+  lengths = jnp.array([9, 4, 6], jnp.int32)
+  outs = []
+  for m, p in ((model, params), (unrolled, converted)):
+    cache = m.init_cache(3, 16, block_length=8)
+    last, cache = m.prefill(p, tokens, lengths, cache)
+    step, cache = m.decode_step(p, jnp.array([1, 2, 3], jnp.int32), cache)
+    outs.append((last, step, cache))
+  assert outs[0][2].stacked and not outs[1][2].stacked
+  assert len(outs[1][2].k) == CONFIG.num_layers and outs[1][2].num_blocks == 2
+  for got, want in zip(outs[1][:2], outs[0][:2]):
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+  for i in range(CONFIG.num_layers):  # layer i's blocks are [i] of the stacked ones
+    for got, want in zip(outs[1][2].v[i], outs[0][2].v):
+      np.testing.assert_allclose(got, want[i], atol=2e-5, rtol=0)
 
 
 def test_rope_matches_numpy_reference():
@@ -320,8 +350,8 @@ def test_logical_axes_cover_every_param(model_and_params):
   assert len(flat_params) == len(flat_axes)
   for p, spec in zip(flat_params, flat_axes):
     assert len(spec) == p.ndim
-  assert axes['blocks'][0]['attn']['wq'] == jax.sharding.PartitionSpec('embed', 'heads',
-                                                                       'head_dim')
+  assert axes['blocks']['attn']['wq'] == jax.sharding.PartitionSpec('layers', 'embed', 'heads',
+                                                                    'head_dim')
 
 
 @pytest.mark.parametrize('kwargs, message', [
@@ -394,29 +424,23 @@ def _compiled_gradient_scratch_bytes(config: DecoderConfig, rows: int, length: i
 def test_remat_full_keeps_only_the_block_inputs_for_the_backward_pass():
   """Attention-dominated (4 heads, 256 positions): without remat each layer keeps its
   float32 attention-sized buffers for the backward pass; with remat 'full' a layer more
-  adds only its block input (``[rows, T, E]``), the recomputation of one block at a time
-  being the same for any depth. Measured on XLA:CPU before ``recompute_after_cotangents``:
-  'full' compiled to the same bytes as 'none' (the recomputation merged into the forward)."""
+  adds only its block input (``[rows, T, E]``, the scan's saved carry) and a few buffers of
+  its params' size (the gradients the backward scan stacks), the recomputation of one block
+  at a time being the same for any depth. Before the layer scan (a Python loop over the
+  blocks) XLA:CPU merged each block's recomputation into the forward pass: 'full' compiled
+  to the same bytes as 'none' unless the recomputation was tied to the cotangents; the
+  backward scan is a loop of its own that XLA does not merge."""
   rows, length = 2, 256
   attention = 4 * rows * CONFIG.num_heads * length ** 2  # one float32 [rows, H, T, T]
   block_input = 4 * rows * length * CONFIG.embed_dim
+  _, params = create_model(CONFIG, seed=0)
+  layer_params = sum(x.nbytes for x in jax.tree.leaves(params['blocks'])) // CONFIG.num_layers
   scratch = {(remat, layers): _compiled_gradient_scratch_bytes(
       dataclasses.replace(CONFIG.with_execution(remat=remat), num_layers=layers), rows,
       length) for remat in ('none', 'full') for layers in (1, 4)}
   assert scratch['none', 4] - scratch['none', 1] > 3 * 2 * attention
-  assert scratch['full', 4] - scratch['full', 1] <= 3 * 2 * block_input
+  assert scratch['full', 4] - scratch['full', 1] <= 3 * (block_input + 4 * layer_params)
   assert scratch['full', 4] < scratch['none', 4] / 3
-
-
-def test_recompute_after_cotangents_keeps_values_and_non_finite_cotangents():
-  x = jnp.linspace(-2.0, 2.0, 7)
-  tied = recompute_after_cotangents(jnp.sin)
-  np.testing.assert_array_equal(tied(x), jnp.sin(x))
-  for cotangent in (jnp.linspace(0.5, 3.0, 7), jnp.full(7, jnp.nan), jnp.full(7, jnp.inf)):
-    want = jax.vjp(jnp.sin, x)[1](cotangent)[0]
-    got = jax.jit(lambda x, c: jax.vjp(tied, x)[1](c)[0])(x, cotangent)
-    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
-    np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=1e-6)
 
 
 def test_prefill_and_decode_step_api(model_and_params):

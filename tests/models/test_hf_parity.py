@@ -158,9 +158,9 @@ def test_sharded_forward_on_fsdp_tensor_mesh_matches_one_device(tmp_path_factory
   single, _ = from_pretrained(directory)
   mesh = make_mesh({'fsdp': 4, 'tensor': 2})
   sharded, _ = from_pretrained(directory, mesh=mesh)
-  wq = sharded.blocks[0].attn.wq[...]
-  assert wq.sharding.spec == jax.sharding.PartitionSpec('fsdp', 'tensor', None)
-  assert wq.addressable_shards[0].data.shape == (64 // 4, 4 // 2, 16)
+  wq = sharded.blocks.attn.wq[...]  # stacked over the layers: never sharded
+  assert wq.sharding.spec == jax.sharding.PartitionSpec(None, 'fsdp', 'tensor', None)
+  assert wq.addressable_shards[0].data.shape == (wq.shape[0], 64 // 4, 4 // 2, 16)
   tokens = jnp.asarray(_tokens(4, batch=8), jnp.int32)
 
   from flax import nnx
@@ -240,11 +240,11 @@ def test_bf16_compute_with_fp32_master_weights(tmp_path_factory):
   _, directory = _reference('qwen3_qknorm', tmp_path_factory)
   fp32, _ = from_pretrained(directory)
   bf16, _ = from_pretrained(directory, dtype=jnp.bfloat16)
-  assert bf16.blocks[0].attn.wq[...].dtype == jnp.float32  # storage stays fp32
+  assert bf16.blocks.attn.wq[...].dtype == jnp.float32  # storage stays fp32
   tokens = jnp.asarray(_tokens(5), jnp.int32)
   low = np.asarray(bf16(tokens))
   assert low.dtype == np.float32 and np.isfinite(low).all()
   high = np.asarray(fp32(tokens))
   assert 0 < np.abs(low - high).max() < 0.1  # bf16 rounding, not a different model
   stored, _ = from_pretrained(directory, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
-  assert stored.blocks[0].attn.wq[...].dtype == jnp.bfloat16
+  assert stored.blocks.attn.wq[...].dtype == jnp.bfloat16

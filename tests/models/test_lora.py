@@ -66,15 +66,15 @@ def test_fresh_adapters_leave_the_model_unchanged_and_init_like_peft():
   base, params = create_model(CONFIG)
   model, lparams = lora_lib.create(base, params, lora_lib.LoRAConfig(4, 8.0, ('q', 'o')))
   np.testing.assert_array_equal(model.apply(lparams, TOKENS), base.apply(params, TOKENS))
-  adapter = lparams['blocks'][0]['attn']['wo_lora']
-  assert adapter['a'].shape == (4, 8, 4) and adapter['b'].shape == (4, 32)
+  adapter = lparams['blocks']['attn']['wo_lora']  # stacked over the layers, as the blocks
+  assert adapter['a'].shape == (2, 4, 8, 4) and adapter['b'].shape == (2, 4, 32)
   bound = (4 * 8) ** -0.5  # kaiming_uniform(a=sqrt(5)) over fan_in = heads * head_dim
   assert 0.5 * bound < np.abs(adapter['a']).max() <= bound
   assert not np.any(adapter['b'])
-  axes = model.logical_axes()['blocks'][0]['attn']
-  assert tuple(axes['wo_lora']['a']) == ('heads', 'head_dim', None)
-  assert tuple(axes['wo_lora']['b']) == (None, 'embed')
-  assert tuple(axes['wq_lora']['b']) == (None, 'heads', 'head_dim')
+  axes = model.logical_axes()['blocks']['attn']
+  assert tuple(axes['wo_lora']['a']) == ('layers', 'heads', 'head_dim', None)
+  assert tuple(axes['wo_lora']['b']) == ('layers', None, 'embed')
+  assert tuple(axes['wq_lora']['b']) == ('layers', None, 'heads', 'head_dim')
   assert 'wk_lora' not in axes
 
 
@@ -94,11 +94,11 @@ def test_forward_and_gradient_equal_the_merged_models(targets):
   for i in range(CONFIG.num_layers):
     for target in targets:
       part, name, _, _ = lora_lib._WEIGHTS[target]
-      adapter = params['blocks'][i][part][name + lora_lib.SUFFIX]
-      a = adapter['a'].reshape(-1, 4)
-      b = adapter['b'].reshape(4, -1)
-      g_w = merged_grads['blocks'][i][part][name].reshape(a.shape[0], b.shape[1])
-      got = grads['blocks'][i][part][name + lora_lib.SUFFIX]
+      adapter = params['blocks'][part][name + lora_lib.SUFFIX]
+      a = adapter['a'][i].reshape(-1, 4)
+      b = adapter['b'][i].reshape(4, -1)
+      g_w = merged_grads['blocks'][part][name][i].reshape(a.shape[0], b.shape[1])
+      got = jax.tree.map(lambda x, i=i: x[i], grads['blocks'][part][name + lora_lib.SUFFIX])
       # d/dA <G, s A B> = s G B^T; d/dB = s A^T G.
       np.testing.assert_allclose(got['a'].reshape(a.shape), scale * g_w @ b.T,
                                  rtol=1e-4, atol=1e-5)
@@ -181,7 +181,13 @@ def test_peft_export_loads_in_peft_and_transformers(tmp_path):
 
 
 def _int8_wire(x: np.ndarray, factor: str) -> Int8Weight:
-  """numpy's int8 wire factor: the rank axis (A's last, B's first) gets one scale per
+  """numpy's int8 wire factor, layer by layer (``x`` is stacked over the layers)."""
+  layers = [_int8_wire_layer(layer, factor) for layer in x]
+  return Int8Weight(q=np.stack([w.q for w in layers]), scale=np.stack([w.scale for w in layers]))
+
+
+def _int8_wire_layer(x: np.ndarray, factor: str) -> Int8Weight:
+  """One layer's int8 wire factor: the rank axis (A's last, B's first) gets one scale per
   component, max |x| / 127 over the rest (1 where all are zero), q = round(x / scale)."""
   axis = x.ndim - 1 if factor == 'a' else 0
   moved = np.moveaxis(x, axis, 0)
@@ -225,7 +231,8 @@ def test_a_local_run_with_lora_trains_the_adapters_and_pushes_them(tmp_path, syn
   if sync_dtype == 'int8':  # q = round(x / scale), scale = max |x| / 127 per rank component
     synced = jax.tree_util.tree_map_with_path(lambda p, x: _int8_wire(np.asarray(x), p[-1].key),
                                               trained)
-    scale_bytes = len(jax.tree.leaves(trained)) * 2 * 4  # rank 2: 2 float32 per factor
+    # rank 2: 2 float32 per factor and layer (the factors are stacked over the layers)
+    scale_bytes = sum(x.shape[0] for x in jax.tree.leaves(trained)) * 2 * 4
   else:
     synced = jax.tree.map(lambda x: np.asarray(x).astype(jnp.dtype(sync_dtype)), trained)
     scale_bytes = 0
@@ -265,8 +272,8 @@ def test_adapter_and_base_trees_split_and_join_the_params():
                         jax.tree_util.tree_flatten_with_path(tree)[0]]
   assert paths(adapters) == [p for p in paths(params) if '_lora' in p]
   assert paths(base) == [p for p in paths(params) if '_lora' not in p]
-  assert set(adapters['blocks'][0]) == {'attn', 'mlp'}
-  assert set(adapters['blocks'][0]['attn']) == {'wq_lora'}
+  assert set(adapters['blocks']) == {'attn', 'mlp'}
+  assert set(adapters['blocks']['attn']) == {'wq_lora'}
   joined = lora_lib.with_adapters(base, adapters)
   assert jax.tree.structure(joined) == jax.tree.structure(params)
   assert all(a is b for a, b in zip(jax.tree.leaves(joined), jax.tree.leaves(params)))
@@ -291,31 +298,35 @@ def test_the_int8_wire_rounds_each_rank_component_within_half_a_step():
   tree a worker expects (from the abstract params) is the one a trainer pushes; the policy the
   workers merge is the rounded adapters', close to the trained one but not the same bits."""
   model, params = _lora(rank=4)
-  node = params['blocks'][1]['mlp']['w_down_lora']
-  node['b'] = jnp.zeros_like(node['b'])  # an untrained B: all zeros travel exactly
+  node = params['blocks']['mlp']['w_down_lora']
+  node['b'] = node['b'].at[1].set(0)  # layer 1's B untrained: all zeros travel exactly
   lora = dataclasses.replace(model.lora, sync_dtype='int8')
   trained = lora_lib.adapter_tree(params)
   wire = lora_lib.synced_adapters(lora, trained)
   factors = jax.tree_util.tree_leaves_with_path(
       wire, is_leaf=lambda x: isinstance(x, Int8Weight))
-  assert len(factors) == len(jax.tree.leaves(trained)) == 2 * 2 * 7
+  assert len(factors) == len(jax.tree.leaves(trained)) == 2 * 7  # factors stacked over layers
   for (path, w), x in zip(factors, jax.tree.leaves(trained), strict=True):
     assert isinstance(w, Int8Weight) and w.q.dtype == jnp.int8 and w.q.shape == x.shape
-    rank_axis = x.ndim - 1 if path[-1].key == 'a' else 0
-    assert w.scale.shape == (4,) and w.scale.dtype == jnp.float32
-    scale = np.expand_dims(np.asarray(w.scale), [a for a in range(x.ndim) if a != rank_axis])
+    # Stacked over the layers: a scale per layer and rank component.
+    rank_axis = x.ndim - 1 if path[-1].key == 'a' else 1
+    assert w.scale.shape == (x.shape[0], 4) and w.scale.dtype == jnp.float32
+    scale = np.expand_dims(np.asarray(w.scale),
+                           [a for a in range(1, x.ndim) if a != rank_axis])
     error = np.abs(np.asarray(w.q, np.float32) * scale - np.asarray(x))
     assert np.all(error <= scale / 2 * (1 + 1e-6)), jax.tree_util.keystr(path)
-    peak = np.abs(np.asarray(w.q)).max(axis=tuple(a for a in range(x.ndim) if a != rank_axis))
-    assert np.all(peak == (127 if np.any(x) else 0)), jax.tree_util.keystr(path)
-  np.testing.assert_array_equal(wire['blocks'][1]['mlp']['w_down_lora']['b'].q, 0)
+    peak = np.abs(np.asarray(w.q)).max(
+        axis=tuple(a for a in range(1, x.ndim) if a != rank_axis))
+    nonzero = np.any(np.asarray(x).reshape(x.shape[0], -1), axis=1)[:, None]
+    assert np.all(peak == np.where(nonzero, 127, 0)), jax.tree_util.keystr(path)
+  np.testing.assert_array_equal(wire['blocks']['mlp']['w_down_lora']['b'].q[1], 0)
   # The worker's expected tree (rollout.worker: from the abstract params) is the pushed one.
   expected = lora_lib.synced_adapters(lora, lora_lib.adapter_tree(model.abstract_params()))
   assert jax.tree.structure(expected) == jax.tree.structure(wire)
   assert leaf_specs(expected) == leaf_specs(wire)
   # A quarter of float32's bytes, plus 4 bytes per rank component of every factor.
   assert sum(x.nbytes for x in jax.tree.leaves(wire)) == sum(
-      x.nbytes for x in jax.tree.leaves(trained)) // 4 + len(factors) * 4 * 4
+      x.nbytes for x in jax.tree.leaves(trained)) // 4 + len(factors) * CONFIG.num_layers * 4 * 4
   # The workers' policy: the base merged with the dequantised adapters.
   base = lora_lib.base_tree(params)
   merged = lora_lib.merge_program(model)(lora_lib.with_adapters(base, wire))

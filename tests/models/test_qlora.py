@@ -52,8 +52,8 @@ def _qlora(seed=0, config=CONFIG):
 
 
 def _projections(params):
-  return [w for block in params['blocks'].values() for part in block.values()
-          for name, w in part.items() if name in PROJECTIONS]
+  return [w for part in params['blocks'].values() for name, w in part.items()
+          if name in PROJECTIONS]
 
 
 def test_config_is_validated():
@@ -74,19 +74,21 @@ def test_create_quantises_every_projection_and_keeps_the_rest():
   model, quantised = lora_lib.create(base, params, lora_lib.LoRAConfig(2, 4.0, ('v',),
                                                                        base_quant='int8'))
   layout = CONFIG.execution.weight_layout
-  for block, source in zip(quantised['blocks'].values(), params['blocks'].values()):
-    for part in ('attn', 'mlp'):
-      for name, w in block[part].items():
-        if name in PROJECTIONS:
-          assert isinstance(w, Int8Weight) and w.q.dtype == jnp.int8, name
-          assert w.scale.dtype == jnp.float32 and w.scale.ndim == 1
-          # Per output channel: within half a step of the float32 weight.
-          err = np.abs(np.asarray(dequantize(w, layout)) - np.asarray(source[part][name]))
-          assert err.max() <= np.asarray(w.scale).max() / 2 + 1e-7
+  block, source = quantised['blocks'], params['blocks']
+  for part in ('attn', 'mlp'):
+    for name, w in block[part].items():
+      if name in PROJECTIONS:
+        assert isinstance(w, Int8Weight) and w.q.dtype == jnp.int8, name
+        # One scale per layer and output channel.
+        assert w.scale.dtype == jnp.float32 and w.scale.shape[0] == CONFIG.num_layers
+        assert w.scale.ndim == 2
+        # Per output channel: within half a step of the float32 weight.
+        err = np.abs(np.asarray(dequantize(w, layout)) - np.asarray(source[part][name]))
+        assert err.max() <= np.asarray(w.scale).max() / 2 + 1e-7
   np.testing.assert_array_equal(quantised['embed'], params['embed'])
   # The model's abstract params and logical axes describe the int8 tree (sharding, restore).
   assert jax.tree.structure(model.abstract_params()) == jax.tree.structure(quantised)
-  wq_axes = model.logical_axes()['blocks'][0]['attn']['wq']
+  wq_axes = model.logical_axes()['blocks']['attn']['wq']
   assert isinstance(wq_axes, Int8Weight)
 
 
@@ -112,7 +114,7 @@ def test_forward_and_adapter_gradients_equal_the_dequantised_bases():
 
 @pytest.mark.parametrize('policy', ['full', 'dots'])
 def test_remat_gives_the_same_adapter_gradients(policy):
-  """Rematerialised blocks (``decoder.recompute_after_cotangents``) recompute over the int8
+  """Rematerialised blocks (the scan body a ``jax.checkpoint``) recompute over the int8
   base and the adapters alike."""
   (model, params, _, _), (remat, same, _, _) = _qlora(), _qlora(
       config=CONFIG.with_execution(remat=policy))
@@ -141,7 +143,8 @@ def test_the_trainer_holds_an_int8_base_and_trains_only_the_adapters():
   float_base = lora_lib.dequantized(model, quantised)
   trainer = _trainer(model, quantised)
   projections = _projections(trainer.params)
-  assert len(projections) == 7 * CONFIG.num_layers
+  assert len(projections) == 7  # each stacked over the layers
+  assert all(w.q.shape[0] == CONFIG.num_layers for w in projections)
   for w in projections:  # one byte per weight, four per output channel's scale
     assert isinstance(w, Int8Weight) and w.q.dtype == jnp.int8
     assert w.q.nbytes == w.q.size and w.scale.nbytes == 4 * w.scale.size
@@ -166,9 +169,11 @@ def test_a_tiny_run_trains_samples_the_trainers_policy_and_round_trips(tmp_path)
   """configs/default.py:smoke with lora.rank=2 and lora.base_quant='int8' (adapter-only sync,
   float32 workers): the base pushed once is the dequantised int8 base, and the behaviour
   log-probs the worker records are the trainer's recompute on the same tokens (1e-5)."""
+  # Three steps: with the stacked layers' draws of this seed, both versions a two-step run
+  # samples still have B = 0 (nothing trained yet is sampled).
   config = smoke_config(lora__rank=2, lora__base_quant='int8', log__tensorboard=False,
                         eval__every_steps=0, checkpoint__every_steps=1,
-                        checkpoint__async_save=False, total_steps=2)
+                        checkpoint__async_save=False, total_steps=3)
   worker, sampled, start, final, model = recorded_run(config, tmp_path)
   assert isinstance(model, lora_lib.LoRAModel) and model.lora.base_quant == 'int8'
   assert all(isinstance(w, Int8Weight) and w.q.dtype == np.int8 for w in _projections(final))

@@ -73,13 +73,28 @@ def test_quantised_params_are_the_same_in_either_layout():
   flipped = with_weight_layout(model, 'out_in')
   a = quantize_params(params, model)
   b = quantize_params(to_weight_layout(params, model, flipped), flipped)
-  wq = a['blocks'][0]['attn']['wq']
+  wq = a['blocks']['attn']['wq']
   assert isinstance(wq, Int8Weight) and wq.q.dtype == jnp.int8
+  assert wq.scale.shape == (CONFIG.num_layers, CONFIG.num_heads * CONFIG.head_dim)
   assert not isinstance(a['embed'], Int8Weight)  # embedding (and lm head) stay as they are
-  np.testing.assert_array_equal(a['blocks'][0]['mlp']['w_down'].scale,
-                                b['blocks'][0]['mlp']['w_down'].scale)
+  np.testing.assert_array_equal(a['blocks']['mlp']['w_down'].scale,
+                                b['blocks']['mlp']['w_down'].scale)
   tokens = jnp.array([[3, 4, 5, 6, 7]])
   np.testing.assert_allclose(model.apply(a, tokens), flipped.apply(b, tokens), atol=1e-5)
+
+
+def test_an_unrolled_models_int8_layers_are_the_stacked_ones_layer_by_layer():
+  """A ``layer_loop='unrolled'`` model (per-layer leaves, the CPU engine's) quantises each
+  layer's weight as the stacked model quantises its slice: the same int8 values and scales."""
+  model, params = create_model(CONFIG, seed=0)
+  unrolled = with_weight_layout(model, 'in_out', layer_loop='unrolled')
+  stacked = quantize_params(params, model)
+  per_layer = quantize_params(to_weight_layout(params, model, unrolled), unrolled)
+  for i in range(CONFIG.num_layers):
+    wo = per_layer['blocks'][i]['attn']['wo']
+    assert isinstance(wo, Int8Weight) and wo.scale.shape == (CONFIG.embed_dim,)
+    jax.tree.map(lambda got, want, i=i: np.testing.assert_array_equal(got, want[i]),
+                 per_layer['blocks'][i], stacked['blocks'])
 
 
 def test_the_int8_engine_records_the_quantised_policys_logprobs():
@@ -120,7 +135,8 @@ def test_a_run_samples_int8_and_trains_the_float32_master(tmp_path):
   held, placed, rollouts = next(x for x in sampled if not x[2].sampling.greedy)
   # The worker holds (and verifies deltas of) the float32 pull, and samples with int8.
   assert {leaf.dtype for leaf in jax.tree.leaves(held)} == {np.dtype(np.float32)}
-  wq = placed['blocks'][0]['attn']['wq']
+  blocks = placed['blocks']  # per layer where the engine runs its layers unrolled (CPU)
+  wq = (blocks[0] if worker.engine.layer_loop == 'unrolled' else blocks)['attn']['wq']
   assert isinstance(wq, Int8Weight) and wq.q.dtype == jnp.int8
   batch = make_train_batch(rollouts, np.zeros(len(rollouts), np.float32))
   mask = np.asarray(batch.loss_mask[:, 1:]) > 0

@@ -86,10 +86,16 @@ def test_cache_blocks_and_attend_buckets():
   assert make().attend_buckets == (32,)  # 28 positions: one block of 32
   engine = make(block_align=4)
   assert engine.block_length == 8 and engine.attend_buckets == (8, 16, 24, 32)
-  state = engine.init_decode_state()
-  assert len(state.cache.k[0]) == 4
-  assert state.cache.k[0][0].shape == (2, CONFIG.num_kv_heads, CONFIG.head_dim, 8)
-  assert state.cache.v[0][0].shape == (2, CONFIG.num_kv_heads, 8, CONFIG.head_dim)
+  state = engine.init_decode_state()  # CPU: layers unrolled, each with its own blocks
+  layers = CONFIG.num_layers
+  assert engine.layer_loop == 'unrolled' and len(state.cache.k) == layers
+  assert all(len(blocks) == 4 for blocks in state.cache.k)
+  assert state.cache.k[1][0].shape == (2, CONFIG.num_kv_heads, CONFIG.head_dim, 8)
+  assert state.cache.v[1][0].shape == (2, CONFIG.num_kv_heads, 8, CONFIG.head_dim)
+  state = make(block_align=4, layer_loop='scan').init_decode_state()
+  assert len(state.cache.k) == 4  # blocks, each stacked over the layers
+  assert state.cache.k[0].shape == (layers, 2, CONFIG.num_kv_heads, CONFIG.head_dim, 8)
+  assert state.cache.v[0].shape == (layers, 2, CONFIG.num_kv_heads, 8, CONFIG.head_dim)
   assert make(attend_buckets=3, block_align=1).attend_buckets == (10, 20, 30)
   assert make(attend_buckets=1, block_align=1).attend_buckets == (28,)
   with pytest.raises(ValueError, match='block_align'):
@@ -139,11 +145,13 @@ def test_engine_keeps_params_in_its_weight_layout(models):
   model, params, _ = models
   cpu = jax.default_backend() == 'cpu'
   default = make_driver(model, params)
-  plain = make_driver(model, params, engine_kwargs=dict(weight_layout='in_out'))
+  plain = make_driver(model, params, engine_kwargs=dict(weight_layout='in_out',
+                                                        layer_loop='scan'))
   assert default.engine.model.config.execution.weight_layout == ('out_in' if cpu else 'in_out')
   assert plain.engine.model is model
-  wq = default.holder.get()[1]['blocks'][0]['attn']['wq']
-  assert wq.shape == ((4, 8, 32) if cpu else (32, 4, 8))
+  blocks = default.holder.get()[1]['blocks']
+  wq = blocks[1]['attn']['wq'] if cpu else blocks['attn']['wq']  # CPU: per-layer buffers
+  assert wq.shape == ((4, 8, 32) if cpu else (CONFIG.num_layers, 32, 4, 8))
   jobs = jobs_for(SamplingSpec(1.0), n=2, stops=())
   for ours, theirs in zip(default.run(jobs), plain.run(jobs)):
     for a, b in zip(ours, theirs):
@@ -151,7 +159,7 @@ def test_engine_keeps_params_in_its_weight_layout(models):
       np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
   invariant = create_model(CONFIG.with_execution(batch_invariant=True))[0]
   engine = Engine(invariant, MESH, slots=2, max_prefill_length=16, max_decode_length=4,
-                  pad_id=PAD)
+                  pad_id=PAD, layer_loop='scan')
   assert engine.model is invariant
 
 
@@ -467,7 +475,8 @@ def test_params_that_are_not_the_engines_are_refused(models):
   placed = engine.place_params(params)
   cases = [(jax.tree.map(lambda x: x.astype(jnp.bfloat16), placed),
             r'is bfloat16\[.*\]; this engine needs float32'),
-           (wider, 'this engine needs')]
+           # another model's (stacked) tree, or its shapes in the engine's tree
+           (wider, 'this engine needs|do not have the model\'s tree')]
   if engine.model is not engine.source_model:  # XLA:CPU keeps the params as 'out_in'
     cases.append((params, 'in the engine\'s layout \\(pass them through place_params'))
   for version, (bad, message) in enumerate(cases, start=1):

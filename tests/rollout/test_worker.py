@@ -224,10 +224,14 @@ def test_params_are_sharded_on_the_inference_mesh(model_and_params, monkeypatch)
   monkeypatch.setattr(policy_lib, 'SORTED_PREFIXES', (2, 5))
   model, params = model_and_params
   sharded = make_worker(model, params, {'fsdp': 2, 'tensor': 2})
-  wq = sharded.params['blocks'][0]['attn']['wq']
-  axes = tuple(sharded.engine.model.logical_axes()['blocks'][0]['attn']['wq'])
-  expected = {('embed', 'heads', 'head_dim'): ('fsdp', 'tensor', None),  # 'in_out'
-              ('heads', 'head_dim', 'embed'): ('tensor', None, 'fsdp')}  # 'out_in' (CPU)
+  unrolled = sharded.engine.layer_loop == 'unrolled'  # CPU: per-layer buffers
+  layer = lambda blocks: blocks[1] if unrolled else blocks
+  wq = layer(sharded.params['blocks'])['attn']['wq']
+  axes = tuple(layer(sharded.engine.model.logical_axes()['blocks'])['attn']['wq'])
+  expected = {('layers', 'embed', 'heads', 'head_dim'): (None, 'fsdp', 'tensor', None),  # in_out
+              ('layers', 'heads', 'head_dim', 'embed'): (None, 'tensor', None, 'fsdp'),  # out_in
+              ('embed', 'heads', 'head_dim'): ('fsdp', 'tensor', None),  # unrolled
+              ('heads', 'head_dim', 'embed'): ('tensor', None, 'fsdp')}
   assert wq.sharding.spec == jax.sharding.PartitionSpec(*expected[axes])
   single = make_worker(model, params)
   for spec in (GREEDY, SamplingSpec(0.2, top_p=0.9)):

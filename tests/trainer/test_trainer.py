@@ -100,12 +100,12 @@ def test_bfloat16_sharded_step_matches_single_device():
 
 def test_params_are_actually_sharded():
   trainer = _make_trainer({'fsdp': 4, 'tensor': 2})
-  wq = trainer.params['blocks'][0]['attn']['wq']  # ('embed', 'heads', 'head_dim')
-  assert wq.sharding.spec == jax.sharding.PartitionSpec('fsdp', 'tensor', None)
+  wq = trainer.params['blocks']['attn']['wq']  # ('layers', 'embed', 'heads', 'head_dim')
+  assert wq.sharding.spec == jax.sharding.PartitionSpec(None, 'fsdp', 'tensor', None)
   assert len(wq.addressable_shards) == 8
-  assert wq.addressable_shards[0].data.shape == (32 // 4, 4 // 2, 8)
+  assert wq.addressable_shards[0].data.shape == (wq.shape[0], 32 // 4, 4 // 2, 8)
   # Optimizer state follows the params' shardings.
-  mu = trainer.opt_state[1][0].mu['blocks'][0]['attn']['wq']
+  mu = trainer.opt_state[1][0].mu['blocks']['attn']['wq']
   assert mu.sharding.spec == wq.sharding.spec
 
 

@@ -21,6 +21,7 @@ import pathlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -149,7 +150,9 @@ _QK_NORM_WEIGHTS = (
 
 
 def weight_layout(config: DecoderConfig) -> Iterator[tuple[tuple, str, str]]:
-  """Yields ``(our param path, HF tensor name, kind)`` for every tensor of the model."""
+  """Yields ``(our param path, HF tensor name, kind)`` for every tensor of the model; a
+  layer's path is ``('blocks', i, ...)``: layer ``i`` of the stacked leaf ``('blocks', ...)``
+  (``layer_of``)."""
   yield ('embed',), 'model.embed_tokens.weight', 'embed'
   per_layer = _LAYER_WEIGHTS + (_BIAS_WEIGHTS if config.qkv_bias else ()) + (
       _QK_NORM_WEIGHTS if config.qk_norm else ())
@@ -191,6 +194,15 @@ def _to_hf(kind: str, array: np.ndarray) -> np.ndarray:
   return array
 
 
+def layer_of(path: tuple) -> tuple[tuple, int | None]:
+  """``(the params path, layer)`` of a ``weight_layout`` path: ``('blocks', i, ...)`` is
+  ``[i]`` of the leaf at ``('blocks', ...)`` (the blocks are stacked over the layers); any
+  other path is its own leaf (layer None)."""
+  if path[0] == 'blocks':
+    return ('blocks',) + path[2:], path[1]
+  return path, None
+
+
 def _set(tree: dict, path: tuple, value) -> None:
   node = tree
   for key in path[:-1]:
@@ -215,8 +227,8 @@ def params_from_hf(get_tensor: Callable[[str], np.ndarray], names: set[str],
     names: the tensor names the checkpoint holds.
     config: the target architecture.
     abstract_params: ``Model.abstract_params()`` (shapes and dtypes of our params).
-    place: turns a host array for one of our params into its final form (e.g. a sharded
-      device array); identity by default.
+    place: turns a host array for one of our params (a stacked leaf: all its layers) into
+      its final form (e.g. a sharded device array); identity by default.
   Raises:
     CheckpointError naming the missing, unexpected or mis-shaped tensor.
   """
@@ -234,21 +246,41 @@ def params_from_hf(get_tensor: Callable[[str], np.ndarray], names: set[str],
                           f'config does not use, e.g. {unexpected[:5]}; check the config '
                           '(qkv_bias / qk_norm / tie_word_embeddings).')
   params: dict = {}
-  for path, name, kind in layout:
+  # A stacked leaf's layers are read one after another into one host array, placed when full.
+  leaves = {}
+  for path, _, _ in layout:
+    leaves.setdefault(layer_of(path)[0], len(leaves))
+  stacking: dict[tuple, np.ndarray] = {}
+  for path, name, kind in sorted(layout, key=lambda entry: leaves[layer_of(entry[0])[0]]):
+    path, layer = layer_of(path)
     target = get_path(abstract_params, path)
+    shape = tuple(target.shape)[1:] if layer is not None else tuple(target.shape)
     array = np.asarray(get_tensor(name))
-    want = _hf_shape(kind, tuple(target.shape))
+    want = _hf_shape(kind, shape)
     if tuple(array.shape) != want:
       raise CheckpointError(f'tensor {name!r} has shape {tuple(array.shape)}; the config '
                             f'implies {want}.')
-    value = _from_hf(kind, array, tuple(target.shape)).astype(target.dtype)
-    _set(params, path, place(path, value))
+    value = _from_hf(kind, array, shape).astype(target.dtype)
+    if layer is None:
+      _set(params, path, place(path, value))
+      continue
+    stacked = stacking.setdefault(path, np.empty(target.shape, target.dtype))
+    stacked[layer] = value
+    if layer == config.num_layers - 1:
+      _set(params, path, place(path, stacking.pop(path)))
   return params
 
 
 def params_to_hf(params: Any, config: DecoderConfig) -> dict[str, np.ndarray]:
-  """HF-named host arrays for every tensor of ``params`` (in their stored dtype)."""
-  return {name: np.ascontiguousarray(_to_hf(kind, np.asarray(get_path(params, path))))
+  """HF-named host arrays for every tensor of ``params`` (in their stored dtype; each layer
+  of the stacked blocks its own tensor, ``model.layers.{i}.*``)."""
+  host = jax.device_get(params)
+
+  def tensor(path):
+    path, layer = layer_of(path)
+    value = np.asarray(get_path(host, path))
+    return value if layer is None else value[layer]
+  return {name: np.ascontiguousarray(_to_hf(kind, tensor(path)))
           for path, name, kind in weight_layout(config)}
 
 
