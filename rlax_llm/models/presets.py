@@ -231,11 +231,15 @@ _SAVED_PER_TOKEN = {
 # exponentials, its normaliser broadcast to their shape and the probabilities without remat;
 # the scores (a dot's output) with 'dots'; none with 'full'.
 _SAVED_SCORES = {'none': 3, 'dots': 1, 'full': 0}
+# XLA:TPU's step without remat keeps about one (benchmarks/RESULTS.md, "Compiled for TPU at
+# real depth": configs/math.py's 416 positions, a float32 and a bfloat16 copy of the
+# probabilities, 0.94 of one float32 buffer per layer in all).
+_TPU_SAVED_SCORES = {'none': 1, 'dots': 1, 'full': 0}
 
 
 def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: int = 1,
-                     logprob_chunk: int = 0, lora: lora_lib.LoRAConfig | None = None
-                     ) -> dict[str, float]:
+                     logprob_chunk: int = 0, lora: lora_lib.LoRAConfig | None = None,
+                     platform: str = 'cpu') -> dict[str, float]:
   """Activation bytes of one micro-batch's forward and backward pass on one device.
 
   ``rows`` and ``length``: the device's rows of one micro-batch and their length (tokens
@@ -252,7 +256,8 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
 
   where ``S('none') = 5 d + 3 q + 4 kv + 4 mlp``, ``S('dots') = 2 d + q + 2 kv + 2 mlp``,
   ``S('full') = d``, ``A('none') = 3`` (the softmax's exponentials, its normaliser broadcast
-  to their shape and the probabilities), ``A('dots') = 1`` (the scores), ``A('full') = 0``
+  to their shape and the probabilities; 1 with ``platform='tpu'``, as XLA:TPU keeps them),
+  ``A('dots') = 1`` (the scores), ``A('full') = 0``
   (``d`` the embedding width, ``q = heads * head_dim / tensor``,
   ``kv = kv_heads * head_dim / tensor``, ``mlp = mlp_dim / tensor``). With ``lora`` (not with
   remat 'full'), ``saved`` adds one ``[t, N]`` per adapted projection of ``N`` outputs
@@ -275,8 +280,9 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
   remat = c.execution.remat
   outputs = {'q': q, 'k': kv, 'v': kv, 'o': d, 'gate': mlp, 'up': mlp, 'down': d}
   adapted = 0 if lora is None or remat == 'full' else sum(outputs[t] for t in lora.targets)
+  kept = (_TPU_SAVED_SCORES if platform == 'tpu' else _SAVED_SCORES)[remat]
   saved = c.num_layers * (tokens * itemsize * (_SAVED_PER_TOKEN[remat](d, q, kv, mlp) + adapted)
-                          + _SAVED_SCORES[remat] * scores)
+                          + kept * scores)
   work = (tokens * itemsize * _SAVED_PER_TOKEN['none'](d, q, kv, mlp)
           + (0 if remat == 'none' else _SAVED_SCORES['none']) * scores)
   logits = 3 * 4 * rows * (logprob_chunk or length) * split(c.vocab_size)
@@ -508,8 +514,8 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
       (and a LoRA base) is on the devices: the unquantised one a worker applies deltas to is
       on its host.
     platform: whose compiled trainer step the trainer's peak follows (``PLATFORMS``):
-      ``'cpu'`` (XLA:CPU) or ``'tpu'`` (XLA:TPU: ``tpu_trainer_terms`` and
-      ``MemoryPlan.trainer_bytes``), e.g. ``'tpu'`` for a TPU slice's dry run.
+      ``'cpu'`` (XLA:CPU) or ``'tpu'`` (XLA:TPU: ``tpu_trainer_terms``, and the attention
+      buffers ``activation_bytes`` counts for it).
   Returns:
     The ``MemoryPlan``. Gradients are the trained params' shape in their dtype, twice with
     micro-batches (the accumulator); the update holds new trained params and optimizer state
@@ -533,8 +539,8 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
   batch_shards = trainer_mesh['data'] * trainer_mesh['fsdp']
   rows = max(1, math.ceil(train_rows / micro_batches / batch_shards))
   activations = activation_bytes(config, rows=rows, length=train_length,
-                                 tensor=trainer_mesh['tensor'],
-                                 logprob_chunk=logprob_chunk, lora=lora)['total_bytes']
+                                 tensor=trainer_mesh['tensor'], logprob_chunk=logprob_chunk,
+                                 lora=lora, platform=platform)['total_bytes']
   if lora is None:
     push = 0
   elif lora.sync == 'adapters':

@@ -322,3 +322,16 @@ def test_the_tpu_plan_counts_the_embeddings_update_and_fsdps_gathered_table(
 def test_the_plan_refuses_an_unknown_platform():
   with pytest.raises(ConfigError, match=r"platform='gpu'.*choose one of \('cpu', 'tpu'\)"):
     _plan(PLAN_MODEL, platform='gpu')
+
+
+def test_the_tpu_plan_keeps_one_attention_sized_buffer_per_layer_without_remat():
+  # XLA:CPU's step keeps three float32 [rows, heads, T, T] per layer without remat, XLA:TPU's
+  # about one (configs/math.py's step on v5e-8); with remat 'full' neither keeps any.
+  decoder = presets.get_preset('smollm2-135m', num_layers=2)
+  scores = 4 * 2 * 9 * 416 * 416  # float32 [2 rows, 9 heads, 416, 416]
+  for remat, fewer in (('none', 2), ('full', 0)):
+    config = decoder.with_execution(remat=remat)
+    cpu, tpu = (presets.activation_bytes(config, rows=2, length=416, platform=p)
+                for p in presets.PLATFORMS)
+    assert cpu['saved_bytes'] - tpu['saved_bytes'] == fewer * 2 * scores
+    assert cpu['work_bytes'] == tpu['work_bytes'] and cpu['logits_bytes'] == tpu['logits_bytes']
