@@ -111,6 +111,7 @@ def compiled_step(config: DecoderConfig, mode: str, batch: int, context: int) ->
   ``s8_products`` the products that take int8 operands."""
   # The TPU compile path (launch/, libtpu): imported only when asked for.
   from launch.recipes import compile as compile_lib  # pylint: disable=import-outside-toplevel
+  from launch.recipes import program_report  # pylint: disable=import-outside-toplevel
   from launch.recipes.slices import get_slice  # pylint: disable=import-outside-toplevel
   from rlax_llm import sharding  # pylint: disable=import-outside-toplevel
   from rlax_llm.rollout.engine import Engine  # pylint: disable=import-outside-toplevel
@@ -126,7 +127,7 @@ def compiled_step(config: DecoderConfig, mode: str, batch: int, context: int) ->
                   decode_attention=run.decode_attention)
   report, hlo = compile_lib.compile_engine_decode(engine, SamplingSpec(), slice_)
   return {'bytes_accessed': report.bytes_accessed, 'flops': report.flops,
-          's8_products': len(compile_lib.s8_dot_lines(hlo)),
+          's8_products': len(program_report.s8_dot_lines(hlo)),
           'cache_positions': engine.attend_buckets[-1], 'compile_s': round(report.compile_s, 1)}
 
 

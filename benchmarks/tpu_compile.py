@@ -12,10 +12,12 @@ not a measurement). Needs the TPU compiler: ``pip install -e '.[tpu]'`` (or ``.[
     PYTHONPATH=. python benchmarks/tpu_compile.py [--recipes=NAME,...] [--programs=...]
         [--layers=N]
 
-``--layers`` compiles each preset with that many layers (a quick look: compile time grows
-with depth while the layer stack is a Python loop; memory and time are then not the run's).
-Recipes (``RECIPES``): the shipped SmolLM2 and GSM8K configs on v5e-8, a four-host v5e-16,
-and the 8B/32B recipes (configs/gsm8k_large.py) on their trainer and inference slices.
+``--layers`` compiles each preset with that many layers (a quick look; memory and time are
+then not the run's). Without it every program compiles at the model's real depth: the
+trainer's layer stack and the engine's are scans, so compile time does not grow with depth.
+Recipes (``RECIPES``): the shipped SmolLM2, math and GSM8K configs on v5e-8, a four-host
+v5e-16, and the 8B/32B recipes (configs/gsm8k_large.py) on their trainer and inference
+slices.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ RECIPES = {
     'gsm8k_qwen2.5-0.5b': ('configs/gsm8k.py:Qwen2.5-0.5B-Instruct', 'v5e-8', None),
     'gsm8k_qwen3-1.7b': ('configs/gsm8k.py:Qwen3-1.7B', 'v5e-8', None),
     'gsm8k_qwen3-0.6b_v5e-16': ('configs/gsm8k.py:Qwen3-0.6B', 'v5e-16', None),
+    'math': ('configs/math.py', 'v5e-8', None),
     'gsm8k_large_qwen3-8b': ('configs/gsm8k_large.py:Qwen3-8B', 'v5p-16', 'v5e-8'),
     'gsm8k_large_qwen3-32b': ('configs/gsm8k_large.py:Qwen3-32B', 'v5p-64', 'v5p-8'),
 }

@@ -59,13 +59,14 @@ def rollout_memory_bytes(model: DecoderConfig, config: ml_collections.ConfigDict
 
 def run_memory_plan(model: DecoderConfig, config: ml_collections.ConfigDict,
                     trainer_mesh: dict[str, int], inference_mesh: dict[str, int], *,
-                    shared: bool) -> presets.MemoryPlan:
+                    shared: bool, platform: str = 'cpu') -> presets.MemoryPlan:
   """``presets.memory_plan`` of a run: its batch, lengths, micro-batches, KV-cache slots,
   workers, the workers' params dtype (``model.inference_param_dtype``) and quantisation
   (``model.inference_quant``), LoRA adapters (``lora``) and KL reference from ``config``; the
   meshes resolved (``sharding.mesh_shape``). ``shared``: the trainer and the
   workers share chips (the local backend without ``mesh.disjoint``; every worker's mesh then
-  starts at the first chip)."""
+  starts at the first chip). ``platform``: whose compiled trainer step the plan follows
+  (``presets.PLATFORMS``: ``'tpu'`` for a TPU's XLA:TPU, else ``'cpu'``)."""
   rl, s = config.rl, config.sampling
   length = s.max_prompt_len + s.max_new_tokens
   return presets.memory_plan(
@@ -77,7 +78,7 @@ def run_memory_plan(model: DecoderConfig, config: ml_collections.ConfigDict,
       workers_per_chip=config.rollout.workers if shared else 1, shared=shared,
       reference=(rl.kl_beta or 0) > 0, lora=lora_lib.from_config(config),
       inference_quant=config.model.inference_quant,
-      kv_cache_quant=config.model.kv_cache_quant)
+      kv_cache_quant=config.model.kv_cache_quant, platform=platform)
 
 
 def available_memory_bytes() -> float:
@@ -110,10 +111,11 @@ def check_plan_fits(config: ml_collections.ConfigDict, model: DecoderConfig,
   """
   trainer_mesh, inference = meshes['trainer'], meshes['inference']
   shared = not config.mesh.disjoint
+  platform = jax.devices()[0].platform
   plan = run_memory_plan(model, config, dict(trainer_mesh.shape), dict(inference[0].shape),
-                         shared=shared)
+                         shared=shared, platform='tpu' if platform == 'tpu' else 'cpu')
   available = available_memory_bytes()
-  if jax.devices()[0].platform == 'cpu':
+  if platform == 'cpu':
     trainer_devices = trainer_mesh.devices.size
     inference_devices = sum(mesh.devices.size for mesh in inference)
     # Shared meshes start at the first device: each worker's mesh on the trainer's devices.

@@ -28,9 +28,10 @@ the value seen and the fix.
 
 ``python -m launch.recipes compile`` compiles the run's programs for the slice's chips with
 the TPU compiler (libtpu) on this machine and reports memory per chip, compile time and a
-roofline estimate (``compile``).
+roofline estimate (``compile``, ``program_report``).
 
 Modules: ``slices`` (the slice table), ``checks`` (config against slices), ``scripts`` (the
 gcloud recipes as bash), ``manifests`` (the GKE manifests), ``compile`` (the programs
-compiled for TPU), ``cli`` (the command line).
+compiled for TPU), ``program_report`` (each compiled program's memory and roofline, and the
+refusal of one that does not fit), ``cli`` (the command line).
 """

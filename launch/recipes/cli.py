@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import ml_collections
 
 from launch.recipes import compile as compile_lib
-from launch.recipes import manifests, scripts
+from launch.recipes import manifests, program_report, scripts
 from launch.recipes.checks import (check_local, check_ray, memory_check, run_model,
                                    validate_on_devices)
 from launch.recipes.scripts import RAY_OVERRIDES, REMOTE_DIR, ROOT, Raw
@@ -263,7 +263,7 @@ def run_compile(opts, overrides: Sequence[str]) -> int:
       print(report.line())
       for note in report.notes:
         print(f'#   {note}')
-  compile_lib.refuse_unless_fits(reports)
+  program_report.refuse_unless_fits(reports)
   return 0
 
 

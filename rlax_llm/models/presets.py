@@ -231,11 +231,15 @@ _SAVED_PER_TOKEN = {
 # exponentials, its normaliser broadcast to their shape and the probabilities without remat;
 # the scores (a dot's output) with 'dots'; none with 'full'.
 _SAVED_SCORES = {'none': 3, 'dots': 1, 'full': 0}
+# XLA:TPU's step without remat keeps about one (benchmarks/RESULTS.md, "Compiled for TPU at
+# real depth": configs/math.py's 416 positions, a float32 and a bfloat16 copy of the
+# probabilities, 0.94 of one float32 buffer per layer in all).
+_TPU_SAVED_SCORES = {'none': 1, 'dots': 1, 'full': 0}
 
 
 def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: int = 1,
-                     logprob_chunk: int = 0, lora: lora_lib.LoRAConfig | None = None
-                     ) -> dict[str, float]:
+                     logprob_chunk: int = 0, lora: lora_lib.LoRAConfig | None = None,
+                     platform: str = 'cpu') -> dict[str, float]:
   """Activation bytes of one micro-batch's forward and backward pass on one device.
 
   ``rows`` and ``length``: the device's rows of one micro-batch and their length (tokens
@@ -252,7 +256,8 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
 
   where ``S('none') = 5 d + 3 q + 4 kv + 4 mlp``, ``S('dots') = 2 d + q + 2 kv + 2 mlp``,
   ``S('full') = d``, ``A('none') = 3`` (the softmax's exponentials, its normaliser broadcast
-  to their shape and the probabilities), ``A('dots') = 1`` (the scores), ``A('full') = 0``
+  to their shape and the probabilities; 1 with ``platform='tpu'``, as XLA:TPU keeps them),
+  ``A('dots') = 1`` (the scores), ``A('full') = 0``
   (``d`` the embedding width, ``q = heads * head_dim / tensor``,
   ``kv = kv_heads * head_dim / tensor``, ``mlp = mlp_dim / tensor``). With ``lora`` (not with
   remat 'full'), ``saved`` adds one ``[t, N]`` per adapted projection of ``N`` outputs
@@ -275,8 +280,9 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
   remat = c.execution.remat
   outputs = {'q': q, 'k': kv, 'v': kv, 'o': d, 'gate': mlp, 'up': mlp, 'down': d}
   adapted = 0 if lora is None or remat == 'full' else sum(outputs[t] for t in lora.targets)
+  kept = (_TPU_SAVED_SCORES if platform == 'tpu' else _SAVED_SCORES)[remat]
   saved = c.num_layers * (tokens * itemsize * (_SAVED_PER_TOKEN[remat](d, q, kv, mlp) + adapted)
-                          + _SAVED_SCORES[remat] * scores)
+                          + kept * scores)
   work = (tokens * itemsize * _SAVED_PER_TOKEN['none'](d, q, kv, mlp)
           + (0 if remat == 'none' else _SAVED_SCORES['none']) * scores)
   logits = 3 * 4 * rows * (logprob_chunk or length) * split(c.vocab_size)
@@ -335,6 +341,11 @@ class MemoryPlan:
     workers_per_chip: inference workers whose meshes share a chip (roles not disjoint:
       every worker's mesh starts at the first chip).
     shared: whether the trainer and the workers share chips (one sum) or not (two).
+    lookup: XLA:TPU's update of the embedding table in the lookup's layout, beside the
+      gradients instead of the update when larger (``tpu_trainer_terms``; 0 for XLA:CPU,
+      ``memory_plan(platform='cpu')``).
+    gathered: XLA:TPU with FSDP: the largest weight gathered whole for the forward and
+      backward passes (``tpu_trainer_terms``; 0 for XLA:CPU).
   """
   params: float
   optimizer: float
@@ -349,11 +360,16 @@ class MemoryPlan:
   shared: bool = True
   push: float = 0.0
   inference_base: float = 0.0
+  lookup: float = 0.0
+  gathered: float = 0.0
 
   @property
   def trainer_bytes(self) -> float:
-    return (self.params + self.optimizer + self.reference
-            + max(self.gradients + max(self.activations, self.update), self.push))
+    """The trainer's peak per chip: what it holds between steps, then the gradients beside
+    the largest of the activations, the update and the embedding's update (``lookup``), plus
+    the weights FSDP gathers (``gathered``); or, with no step running, the LoRA push."""
+    step = self.gradients + max(self.activations, self.update, self.lookup) + self.gathered
+    return self.params + self.optimizer + self.reference + max(step, self.push)
 
   @property
   def inference_bytes(self) -> float:
@@ -379,6 +395,8 @@ class MemoryPlan:
         (f'trainer: params {gib(self.params)}, optimizer {gib(self.optimizer)}, gradients '
          f'{gib(self.gradients)}, KL reference {gib(self.reference)}, the larger of '
          f'activations {gib(self.activations)} and the update {gib(self.update)}'
+         + (f' (XLA:TPU: and the embedding\'s update {gib(self.lookup)}; FSDP\'s gathered '
+            f'weights {gib(self.gathered)})' if self.lookup or self.gathered else '')
          + (f' (or, with no step running, the LoRA push {gib(self.push)})' if self.push
             else '') + f' = {gib(self.trainer_bytes)}'),
         (f'inference: {self.workers_per_chip} worker(s) x (params '
@@ -391,6 +409,68 @@ class MemoryPlan:
     return lines
 
 
+PLATFORMS = ('cpu', 'tpu')
+
+# XLA:TPU's tiles: the minor dimension of an array in HBM is padded to 128 lanes and the
+# second-minor to 8 sublanes (float32; 16 for 2-byte types).
+_TPU_LANES, _TPU_SUBLANES = 128, 8
+# Table-sized buffers XLA:TPU's trainer step holds at once while it updates the embedding
+# (benchmarks/RESULTS.md, "Compiled for TPU at real depth": the buffer assignment of
+# SmolLM2-135M's step on v5e-4, tied and untied, data 4 and fsdp 4): the table in the
+# lookup's row-major layout, the lookup's gradient (two scatters, then their sum), the two
+# moments copied into that layout and the new moments and table.
+_LOOKUP_COPIES = 6
+
+
+def tpu_trainer_terms(config: DecoderConfig, trainer_mesh: Mapping[str, int],
+                      rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES, *,
+                      trained_table: bool = True, optimizer_moments: int = 2
+                      ) -> dict[str, float]:
+  """What XLA:TPU's compiled trainer step holds beyond ``memory_plan``'s XLA:CPU terms.
+
+  Read from the buffer assignment of the step compiled for v5e (``launch.recipes.compile``):
+
+  - ``lookup``: the embedding table's update. The table's parameter lies vocabulary-minor
+    (``{0,1}``) and the lookup (a gather of rows) wants it embedding-minor, so the update of
+    the ``[vocab, embed]`` shard runs in a row-major copy, padded to XLA:TPU's tiles (the
+    embedding shard to a multiple of 128: 576 -> 640 for SmolLM2, 144 -> 256 for its fsdp 4
+    shard), ``_LOOKUP_COPIES`` at once (with ``optimizer_moments`` other than 2, two fewer or
+    more per moment). 0 without a trained table (LoRA).
+  - ``gathered``: with ``fsdp > 1``, the weights the forward and backward passes gather whole
+    before their products: at most the largest leaf whole (the embedding or lm head; with the
+    scanned layer stack one layer's slice of a stacked weight), in ``param_dtype``. 0 without
+    FSDP.
+
+  Args:
+    config: the model (``param_dtype``: the trainer's master copy).
+    trainer_mesh: axis sizes (``{'data', 'fsdp', 'tensor'}``).
+    rules: the logical sharding rules.
+    trained_table: whether the embedding is trained (False under LoRA: frozen).
+    optimizer_moments: float32 state tensors per param (AdamW: 2).
+  Returns:
+    ``{'lookup', 'gathered'}`` in bytes per chip.
+  """
+  model = abstract_model(config)
+  abstract, logical = model.abstract_params(), model.logical_axes()
+  shardings = sharding_lib.param_shardings(abstract, logical, _abstract_mesh(trainer_mesh),
+                                           rules)
+  itemsize = jnp.dtype(config.execution.param_dtype).itemsize
+  lookup = 0.0
+  if trained_table:
+    rows, cols = shardings['embed'].shard_shape(abstract['embed'].shape)
+    sublanes = _TPU_SUBLANES * max(1, 4 // itemsize)
+    padded = (math.ceil(rows / sublanes) * sublanes * math.ceil(cols / _TPU_LANES) * _TPU_LANES)
+    lookup = float((_LOOKUP_COPIES + 2 * (optimizer_moments - 2)) * padded * itemsize)
+  gathered = 0.0
+  if trainer_mesh['fsdp'] > 1:
+    flat = jax.tree.leaves(abstract)
+    axes = jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    whole = [math.prod(leaf.shape[1:] if spec and spec[0] == 'layers' else leaf.shape)
+             * jnp.dtype(leaf.dtype).itemsize for leaf, spec in zip(flat, axes, strict=True)]
+    gathered = float(max(whole))
+  return {'lookup': lookup, 'gathered': gathered}
+
+
 def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
                 inference_mesh: Mapping[str, int], *, train_rows: int, train_length: int,
                 micro_batches: int = 1, logprob_chunk: int = 0, slots: int,
@@ -399,7 +479,8 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
                 reference: bool = False, optimizer_moments: int = 2,
                 optimizer_dtype: Any = jnp.float32, lora: lora_lib.LoRAConfig | None = None,
                 inference_quant: str = 'none', kv_cache_quant: str = 'none',
-                rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES) -> MemoryPlan:
+                rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES,
+                platform: str = 'cpu') -> MemoryPlan:
   """The bytes per chip a run's trainer and inference workers hold (nothing is allocated).
 
   Args:
@@ -432,12 +513,18 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
       ``quant.quantize_params`` makes it (``worker_param_bytes``). Only the quantised copy
       (and a LoRA base) is on the devices: the unquantised one a worker applies deltas to is
       on its host.
+    platform: whose compiled trainer step the trainer's peak follows (``PLATFORMS``):
+      ``'cpu'`` (XLA:CPU) or ``'tpu'`` (XLA:TPU: ``tpu_trainer_terms``, and the attention
+      buffers ``activation_bytes`` counts for it).
   Returns:
     The ``MemoryPlan``. Gradients are the trained params' shape in their dtype, twice with
     micro-batches (the accumulator); the update holds new trained params and optimizer state
     (XLA:CPU's compiled full fine-tuning step held 2.25 x the params there, against the 3 x
     counted for AdamW); XLA's other scratch and fragmentation are not counted.
   """
+  if platform not in PLATFORMS:
+    raise ConfigError(f'memory_plan(platform={platform!r}); choose one of {PLATFORMS} (the '
+                      'compiler whose trainer step the plan follows).')
   inference = (config if inference_param_dtype is None
                else config.with_execution(param_dtype=inference_param_dtype))
   worker = worker_param_bytes(inference, inference_mesh, quant=inference_quant, lora=lora,
@@ -452,8 +539,8 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
   batch_shards = trainer_mesh['data'] * trainer_mesh['fsdp']
   rows = max(1, math.ceil(train_rows / micro_batches / batch_shards))
   activations = activation_bytes(config, rows=rows, length=train_length,
-                                 tensor=trainer_mesh['tensor'],
-                                 logprob_chunk=logprob_chunk, lora=lora)['total_bytes']
+                                 tensor=trainer_mesh['tensor'], logprob_chunk=logprob_chunk,
+                                 lora=lora, platform=platform)['total_bytes']
   if lora is None:
     push = 0
   elif lora.sync == 'adapters':
@@ -468,9 +555,13 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
   kv = (kv_cache_bytes(config, slots=slots, length=cache_length, quant=kv_cache_quant)
         / (slot_shards * kv_split))
   logits = 4 * math.ceil(slots / slot_shards) * config.vocab_size * 4
+  tpu = (tpu_trainer_terms(config, trainer_mesh, rules, trained_table=lora is None,
+                           optimizer_moments=optimizer_moments)
+         if platform == 'tpu' else {'lookup': 0.0, 'gathered': 0.0})
   return MemoryPlan(params=float(params), optimizer=float(optimizer),
                     gradients=float(gradients), reference=float(params if reference else 0),
                     activations=activations, update=float(trained_bytes + optimizer),
                     inference_params=worker['params'], inference_base=worker['base'],
                     kv_cache=kv, inference_logits=float(logits),
-                    workers_per_chip=workers_per_chip, shared=shared, push=float(push))
+                    workers_per_chip=workers_per_chip, shared=shared, push=float(push),
+                    lookup=tpu['lookup'], gathered=tpu['gathered'])

@@ -289,3 +289,49 @@ def test_the_run_plan_reads_lora_and_inference_quant_from_the_config():
   weights = 2 * (576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536)
   channels = 2 * (576 * 2 + 192 * 2 + 1536 * 2 + 576)
   assert got.inference_params == full.inference_params - 3 * weights + 4 * channels
+
+
+@pytest.mark.parametrize('mesh, embed_shard, gathered', [
+    ({'data': 4, 'fsdp': 1, 'tensor': 1}, 640, 0),  # 576 padded to 5 x 128 lanes
+    # FSDP splits the embedding dimension: 144 padded to 256; the table gathered whole.
+    ({'data': 1, 'fsdp': 4, 'tensor': 1}, 256, 49152 * 576 * 4),
+])
+def test_the_tpu_plan_counts_the_embeddings_update_and_fsdps_gathered_table(
+    mesh, embed_shard, gathered):
+  # SmolLM2-135M's tied 49152 x 576 float32 table, one layer (benchmarks/RESULTS.md,
+  # "Compiled for TPU at real depth": six such buffers in the compiled step's temporaries).
+  decoder = presets.get_preset('smollm2-135m', num_layers=1)
+  terms = presets.tpu_trainer_terms(decoder, mesh)
+  assert terms == {'lookup': 6 * 49152 * embed_shard * 4, 'gathered': gathered}
+  cpu = presets.memory_plan(decoder, mesh, ONE, train_rows=8, train_length=60, slots=2,
+                            cache_length=8)
+  tpu = presets.memory_plan(decoder, mesh, ONE, train_rows=8, train_length=60, slots=2,
+                            cache_length=8, platform='tpu')
+  assert cpu.lookup == cpu.gathered == 0
+  # At one layer the table's update is larger than every param's: it takes the update's place.
+  assert terms['lookup'] > tpu.update
+  assert tpu.trainer_bytes - cpu.trainer_bytes == pytest.approx(
+      terms['lookup'] - max(tpu.activations, tpu.update) + gathered)
+  assert "embedding's update" in tpu.table(16 * 2**30)[0]
+  # Under LoRA the table is frozen: no update of it.
+  lora = presets.memory_plan(decoder, mesh, ONE, train_rows=8, train_length=60, slots=2,
+                             cache_length=8, platform='tpu', lora=lora_lib.LoRAConfig(4, 8.0))
+  assert lora.lookup == 0 and lora.gathered == gathered
+
+
+def test_the_plan_refuses_an_unknown_platform():
+  with pytest.raises(ConfigError, match=r"platform='gpu'.*choose one of \('cpu', 'tpu'\)"):
+    _plan(PLAN_MODEL, platform='gpu')
+
+
+def test_the_tpu_plan_keeps_one_attention_sized_buffer_per_layer_without_remat():
+  # XLA:CPU's step keeps three float32 [rows, heads, T, T] per layer without remat, XLA:TPU's
+  # about one (configs/math.py's step on v5e-8); with remat 'full' neither keeps any.
+  decoder = presets.get_preset('smollm2-135m', num_layers=2)
+  scores = 4 * 2 * 9 * 416 * 416  # float32 [2 rows, 9 heads, 416, 416]
+  for remat, fewer in (('none', 2), ('full', 0)):
+    config = decoder.with_execution(remat=remat)
+    cpu, tpu = (presets.activation_bytes(config, rows=2, length=416, platform=p)
+                for p in presets.PLATFORMS)
+    assert cpu['saved_bytes'] - tpu['saved_bytes'] == fewer * 2 * scores
+    assert cpu['work_bytes'] == tpu['work_bytes'] and cpu['logits_bytes'] == tpu['logits_bytes']
