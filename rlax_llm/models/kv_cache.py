@@ -40,6 +40,7 @@ import jax.numpy as jnp
 
 from rlax_llm import model_spec
 from rlax_llm.models.decoder_config import DecoderConfig
+from rlax_llm.models.numerics import INVARIANT_KEYS
 
 Array = jax.Array
 # (keys, values), or (keys, values, key scales, value scales) of an int8 cache: tuples of
@@ -59,6 +60,27 @@ KEY_POSITION_AXIS = KEY_BLOCK_AXES.index('length')
 LAYERED = 1  # how many axes the stored blocks have before a layer's block axes
 # The axes of the keys and values the attention projections produce, ``[B, T, kv, d]``.
 _PROJECTED_AXES = ('batch', 'length', 'kv_heads', 'head_dim')
+# KV-cache blocks hold a multiple of this many positions: XLA:CPU's batched attention
+# matmuls read the cache at memory bandwidth when the positions dimension is a multiple of
+# 32, and at about half of it otherwise (benchmarks/RESULTS.md, engine section).
+BLOCK_ALIGN = 32
+ATTEND_BUCKETS = 4  # the engine's default: at most this many blocks per cache
+
+
+def block_layout(cache_length: int, *, batch_invariant: bool,
+                 attend_buckets: int = ATTEND_BUCKETS, block_align: int = BLOCK_ALIGN
+                 ) -> tuple[int, int, int]:
+  """How an engine keeps a cache of ``cache_length`` positions: ``(step, block_length,
+  num_blocks)``. A decode step attends to a multiple of ``step`` positions (at most
+  ``attend_buckets`` of them, each a multiple of ``block_align``); the cache is kept in
+  ``num_blocks`` blocks of ``block_length`` positions (``step``, or ``INVARIANT_KEYS`` for a
+  batch-invariant model, which reads its cache in pieces of that many). The cache holds
+  ``block_length * num_blocks >= cache_length`` positions: the engine allocates that many and
+  the memory plan (``presets.memory_plan``) counts them."""
+  size = -(-cache_length // attend_buckets)
+  step = -(-size // block_align) * block_align
+  block_length = INVARIANT_KEYS if batch_invariant else step
+  return step, block_length, -(-cache_length // block_length)
 
 
 def cache_block_shape(axes: tuple[str, ...], config: DecoderConfig, batch: int,

@@ -32,7 +32,7 @@ from rlax_llm.errors import ConfigError
 from rlax_llm.models import lora as lora_lib
 from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.files.gguf import smollm2_gguf_path
-from rlax_llm.models.kv_cache import KV_CACHE_QUANT_MODES
+from rlax_llm.models.kv_cache import KV_CACHE_QUANT_MODES, block_layout
 from rlax_llm.models.model import abstract_model
 from rlax_llm.models.quant import QUANT_MODES, Int8Weight, quantize_params, quantized_shardings
 
@@ -494,7 +494,8 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
       ``data * fsdp`` devices and into ``micro_batches``.
     logprob_chunk: positions whose logits are made at once (0: all).
     slots, cache_length: one worker's KV-cache slots (split over its ``data * fsdp``
-      devices) and positions.
+      devices) and positions (counted as the whole blocks the engine allocates for them,
+      ``kv_cache.block_layout``).
     inference_param_dtype: the dtype of the workers' copy of the params (None:
       ``param_dtype``), e.g. bfloat16 beside float32 master weights.
     workers_per_chip, shared, reference: see ``MemoryPlan``.
@@ -552,8 +553,12 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
   slot_shards = inference_mesh['data'] * inference_mesh['fsdp']
   kv_split = inference_mesh['tensor'] if config.num_kv_heads % inference_mesh['tensor'] == 0 \
       else 1
-  kv = (kv_cache_bytes(config, slots=slots, length=cache_length, quant=kv_cache_quant)
-        / (slot_shards * kv_split))
+  # The positions the engine allocates: whole blocks (kv_cache.block_layout), which can be
+  # more than cache_length (configs/math.py: 512 for 416).
+  _, block_length, num_blocks = block_layout(
+      cache_length, batch_invariant=config.execution.batch_invariant)
+  kv = (kv_cache_bytes(config, slots=slots, length=block_length * num_blocks,
+                       quant=kv_cache_quant) / (slot_shards * kv_split))
   logits = 4 * math.ceil(slots / slot_shards) * config.vocab_size * 4
   tpu = (tpu_trainer_terms(config, trainer_mesh, rules, trained_table=lora is None,
                            optimizer_moments=optimizer_moments)

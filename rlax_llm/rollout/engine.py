@@ -58,21 +58,17 @@ from rlax_llm import sharding as sharding_lib
 from rlax_llm.models import cpu_attention
 from rlax_llm.models.decoder import head_is_vocab_major
 from rlax_llm.models.decoder_config import LAYER_LOOPS, LAYERS_AXIS
-from rlax_llm.models.kv_cache import (KEY_BLOCK_AXES, KEY_POSITION_AXIS,
-                                      KV_CACHE_QUANT_MODES, LAYERED, VALUE_BLOCK_AXES,
-                                      VALUE_POSITION_AXIS, KVCache, cache_block_shape)
+from rlax_llm.models.kv_cache import (ATTEND_BUCKETS, BLOCK_ALIGN, KEY_BLOCK_AXES,
+                                      KEY_POSITION_AXIS, KV_CACHE_QUANT_MODES, LAYERED,
+                                      VALUE_BLOCK_AXES, VALUE_POSITION_AXIS, KVCache,
+                                      block_layout, cache_block_shape)
 from rlax_llm.models.model import Model, Params, to_weight_layout, with_weight_layout
-from rlax_llm.models.numerics import INVARIANT_KEYS
 from rlax_llm.models.quant import QUANT_MODES, quantize_params, quantized_shardings
 from rlax_llm.paramserver.shards import leaf_specs
 from rlax_llm.policy import sample_rows
 from rlax_llm.sampling_spec import SamplingSpec
 
 MAX_STOP_IDS = 8  # stop tokens per request (eos included)
-# KV-cache blocks hold a multiple of this many positions: XLA:CPU's batched attention
-# matmuls read the cache at memory bandwidth when the positions dimension is a multiple of
-# 32, and at about half of it otherwise (benchmarks/RESULTS.md, engine section).
-BLOCK_ALIGN = 32
 
 
 @flax.struct.dataclass
@@ -235,7 +231,8 @@ class Engine:
 
   def __init__(self, model: Model, mesh: Mesh, *, slots: int, max_prefill_length: int,
                max_decode_length: int, pad_id: int,
-               prefill_buckets: Sequence[int] | None = None, attend_buckets: int = 4,
+               prefill_buckets: Sequence[int] | None = None,
+               attend_buckets: int = ATTEND_BUCKETS,
                block_align: int = BLOCK_ALIGN,
                rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES,
                weight_layout: str | None = None, decode_attention: str | None = None,
@@ -292,12 +289,11 @@ class Engine:
     # positions; the cache is kept in blocks of that step, read whole. A batch-invariant
     # model reads its cache in pieces of INVARIANT_KEYS positions: its blocks are exactly
     # those pieces, which it then reads without copying them out.
-    size = -(-self.cache_length // attend_buckets)
-    step = -(-size // block_align) * block_align
+    step, self.block_length, self.num_blocks = block_layout(
+        self.cache_length, batch_invariant=model.config.execution.batch_invariant,
+        attend_buckets=attend_buckets, block_align=block_align)
     self.attend_buckets = tuple(
         step * (i + 1) for i in range(-(-self.cache_length // step)))
-    self.block_length = INVARIANT_KEYS if model.config.execution.batch_invariant else step
-    self.num_blocks = -(-self.cache_length // self.block_length)
     decode_attention, self.decode_attention_note = self._decode_attention(
         model, mesh, decode_attention)
     self.source_model = model  # the layout of the params place_params takes
