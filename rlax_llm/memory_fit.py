@@ -7,10 +7,17 @@
 are built (the local backend calls it once the meshes are resolved). Both compare against
 ``available_memory_bytes``: an accelerator's limit, or the host's available RAM on CPU.
 The Cloud TPU recipes (``launch/recipes``) size their slices with ``run_memory_plan``.
+
+A plan or a compiled program against a chip's HBM falls in one of three bands
+(``fit_band``), the same in the recipes' dry run, the TPU-compile report and a run's own
+check on a TPU: it fits with headroom (at most ``HEADROOM`` of HBM), fits above it (a
+warning naming the keys that make room: XLA's scratch space and fragmentation are not in a
+plan), or does not fit (refused).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -22,6 +29,28 @@ from rlax_llm.errors import ConfigError
 from rlax_llm.models import lora as lora_lib
 from rlax_llm.models import presets
 from rlax_llm.models.decoder_config import DTYPES, DecoderConfig
+
+HEADROOM = 0.8  # of a chip's HBM; above it a plan fits only with a warning
+# What makes room on a TPU slice, for every refusal and warning of the memory bands.
+SHRINK_HINT = ('shard more (config.mesh.trainer.fsdp, config.mesh.inference.tensor), save '
+               'activations (config.model.remat=full, config.rl.micro_batches, '
+               'config.rl.logprob_chunk), lower config.rollout.slots or the sampling lengths, '
+               'or pick a bigger slice')
+
+
+def fit_band(need: float, hbm: float) -> str:
+  """``'fits'`` (``need <= HEADROOM * hbm``), ``'tight'`` (above that, at most ``hbm``) or
+  ``'over'`` (more than ``hbm``); ``need`` and ``hbm`` in the same unit."""
+  if need > hbm:
+    return 'over'
+  return 'tight' if need > HEADROOM * hbm else 'fits'
+
+
+def tight_warning(where: str, need: float, hbm: float) -> str:
+  """The warning of the ``'tight'`` band (bytes in, GiB out)."""
+  return (f'{where} need {need / 2**30:.2f} GiB each, {100 * need / hbm:.0f}% of the '
+          f'{hbm / 2**30:g} GiB of HBM (above {100 * HEADROOM:.0f}%: XLA\'s scratch space and '
+          f'fragmentation are not counted, so it may not fit); to make room: {SHRINK_HINT}.')
 
 
 def rollout_memory_bytes(model: DecoderConfig, config: ml_collections.ConfigDict
@@ -124,6 +153,9 @@ def check_plan_fits(config: ml_collections.ConfigDict, model: DecoderConfig,
     rows = [('the host (every CPU device)', need, available + held_bytes)]
   else:
     rows = plan.needs(available)
+    for where, need, have in rows:
+      if fit_band(need, have) == 'tight':
+        logging.warning('memory: %s', tight_warning(f'the {where} chips', need, have))
   for where, need, have in rows:
     if need > have:
       raise ConfigError(

@@ -111,6 +111,38 @@ def test_the_8b_and_32b_recipes_fit_their_trainer_and_inference_slices(variant):
     assert 0 < need <= 0.6 * slice_.hbm_gib, line  # headroom for what the plan leaves out
 
 
+
+def test_the_memory_check_warns_above_80_percent_of_hbm_and_refuses_above_it():
+  """The three bands (memory_fit.fit_band): the 8B recipe's trainer plan against a chip just
+  big enough for it (91%: a warning naming the keys that make room), and against one too
+  small (refused with the same keys); the same thresholds as the compile report's."""
+  from launch.recipes.checks import memory_check  # pylint: disable=import-outside-toplevel
+  from launch.recipes.program_report import ProgramReport  # pylint: disable=import-outside-toplevel
+  from rlax_llm import memory_fit  # pylint: disable=import-outside-toplevel
+  from rlax_llm.configs import gsm8k_large  # pylint: disable=import-outside-toplevel
+  config = load_config([f'--config={ROOT / "configs/gsm8k_large.py"}:Qwen3-8B'])
+  trainer, inference = (get_slice(name) for name in gsm8k_large.SLICES['Qwen3-8B'])
+  plan = check_ray(config, trainer, inference, inference_slices=1)
+  lines = memory_check(config, plan, trainer.hbm_gib, inference.hbm_gib, shared=False)
+  assert not any('warning' in line for line in lines), lines
+  line = next(x for x in lines if ': trainer: ' in x and 'HBM per chip' in x)
+  need = float(line.split('trainer: ')[1].split(' GiB')[0])
+  tight = memory_check(config, plan, need / 0.91, inference.hbm_gib, shared=False)
+  assert tight[-1].startswith('memory: warning: the trainer chips need '), tight
+  assert '91% of the' in tight[-1] and 'config.mesh.trainer.fsdp' in tight[-1], tight[-1]
+  with pytest.raises(SliceError, match=r'memory: the trainer chips need .*shard more '
+                     r'\(config\.mesh\.trainer\.fsdp'):
+    memory_check(config, plan, need / 1.05, inference.hbm_gib, shared=False)
+  assert [memory_fit.fit_band(n, 100.0) for n in (80.0, 80.5, 100.0, 100.5)] == [
+      'fits', 'tight', 'tight', 'over']
+  report = ProgramReport(
+      program='trainer_step', slice='v5e-8', mesh={}, arguments=9.0, temporaries=0.0,
+      outputs=0.0, aliased=0.0, code=0.0, beside=0.0, hbm=10.0, plan=None, lower_s=0.0,
+      compile_s=0.0, flops=0.0, bytes_accessed=0.0, step_s=1.0, bound='memory',
+      tokens_per_s_per_chip=None, mfu=None)
+  assert report.band == 'tight' and report.fits and 'warning: its chips need' in report.line()
+
+
 # --------------------------------------------------------------------------- slice checks
 
 

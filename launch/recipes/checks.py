@@ -296,24 +296,28 @@ def memory_check(config: ml_collections.ConfigDict, plan: Plan, trainer_hbm: flo
   params (the master copy), AdamW state, gradients, KL reference and activations; each
   worker's params (in ``model.inference_param_dtype``), KV cache and logits. ``shared``: the
   roles share chips (local backend without ``mesh.disjoint``), so the two add up. XLA's
-  scratch space and fragmentation are not counted: leave some headroom. Named presets only:
-  returns ``None`` for another model. Raises SliceError naming the keys that shrink it when a
-  chip's HBM is too small.
+  scratch space and fragmentation are not counted: above ``memory_fit.HEADROOM`` of a chip's
+  HBM a warning line (naming the keys that make room) ends the lines. The plan is XLA:TPU's
+  (``platform='tpu'``: what ``python -m launch.recipes compile`` holds its programs against).
+  Named presets only: returns ``None`` for another model. Raises SliceError naming the keys
+  that shrink it when a chip's HBM is too small.
   """
   name = config.model.name
   if name not in presets.PRESETS:
     return None
   model = run_model(config)
   memory = memory_fit.run_memory_plan(model, config, plan.trainer_mesh, plan.inference_mesh,
-                                      shared=shared)
+                                      shared=shared, platform='tpu')
   trainer_bytes, inference_bytes = trainer_hbm * 2**30, inference_hbm * 2**30
   lines = memory.table(trainer_bytes, inference_bytes)
+  warnings = []
   for chips, need, hbm in memory.needs(trainer_bytes, inference_bytes):
-    if need > hbm:
+    band = memory_fit.fit_band(need, hbm)
+    if band == 'over':
       raise SliceError(
           f'memory: the {chips} chips need {need / 2**30:.2f} GiB each for {name} but a chip '
-          f'has {hbm / 2**30:g} GiB of HBM ({"; ".join(lines)}); shard more '
-          '(config.mesh.trainer.fsdp, config.mesh.inference.tensor), save activations '
-          '(config.model.remat=full, config.rl.micro_batches, config.rl.logprob_chunk), '
-          'lower config.rollout.slots or the sampling lengths, or pick a bigger slice.')
-  return [f'memory plan per chip ({name}): {line}' for line in lines]
+          f'has {hbm / 2**30:g} GiB of HBM ({"; ".join(lines)}); {memory_fit.SHRINK_HINT}.')
+    if band == 'tight':
+      warnings.append('memory: warning: ' + memory_fit.tight_warning(f'the {chips} chips',
+                                                                    need, hbm))
+  return [f'memory plan per chip ({name}): {line}' for line in lines] + warnings

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 
 from launch.recipes.slices import SliceError, SliceType
+from rlax_llm import memory_fit
 
 GIB = 2**30
 
@@ -93,7 +94,12 @@ class ProgramReport:
 
   @property
   def fits(self) -> bool:
-    return self.need <= self.hbm
+    return self.band != 'over'
+
+  @property
+  def band(self) -> str:
+    """``memory_fit.fit_band`` of ``need`` against ``hbm``: fits / tight / over."""
+    return memory_fit.fit_band(self.need, self.hbm)
 
   @property
   def plan_ratio(self) -> float | None:
@@ -110,7 +116,7 @@ class ProgramReport:
         'aliased_gib': gib(self.aliased), 'beside_gib': gib(self.beside),
         'need_gib': gib(self.need), 'hbm_gib': gib(self.hbm), 'plan_gib': gib(self.plan),
         'compiled_over_plan': None if self.plan_ratio is None else round(self.plan_ratio, 3),
-        'fits': self.fits, 'lower_s': round(self.lower_s, 2),
+        'fits': self.fits, 'band': self.band, 'lower_s': round(self.lower_s, 2),
         'compile_s': round(self.compile_s, 2), 'tflops_per_chip': self.flops / 1e12,
         'gb_accessed_per_chip': self.bytes_accessed / 1e9,
         'compiler_model': {
@@ -139,7 +145,9 @@ class ProgramReport:
             f'{gib(self.hbm)} GiB HBM ({100 * self.need / self.hbm:.0f}%), {plan}; '
             f'compiled in {self.compile_s:.1f} s (lowered in {self.lower_s:.1f} s); compiler '
             f'model: {self.flops / 1e12:.3g} TFLOP and {self.bytes_accessed / 1e9:.3g} GB '
-            f'per chip -> {1e3 * self.step_s:.3g} ms ({self.bound}-bound){rate}{mfu}')
+            f'per chip -> {1e3 * self.step_s:.3g} ms ({self.bound}-bound){rate}{mfu}'
+            + ('; warning: ' + memory_fit.tight_warning('its chips', self.need, self.hbm)
+               if self.band == 'tight' else ''))
 
 
 @dataclasses.dataclass
@@ -213,7 +221,4 @@ def refuse_unless_fits(reports: Sequence[ProgramReport]) -> None:
             f'{r.program} needs {r.need / GIB:.2f} GiB per chip on {r.slice} '
             f'({r.per_chip / GIB:.2f} GiB its own + {r.beside / GIB:.2f} GiB held beside it) '
             f'but a chip has {r.hbm / GIB:g} GiB of HBM' for r in over)
-        + '; shard more (config.mesh.trainer.fsdp, config.mesh.inference.tensor), save '
-        'activations (config.model.remat=full, config.rl.micro_batches, '
-        'config.rl.logprob_chunk), lower config.rollout.slots or the sampling lengths, or pick '
-        'a bigger slice.')
+        + f'; {memory_fit.SHRINK_HINT}.')
