@@ -94,9 +94,13 @@ def test_chunked_log_prob_memory_does_not_grow_with_vocab_times_length():
   for t in (64, 256):
     assert full[t] >= logits_growth[t], (t, full, chunked)
   assert full[256] - full[64] >= logits_growth[256] - logits_growth[64]
-  assert abs(chunked[256] - chunked[64]) < 0.05 * (logits_growth[256] - logits_growth[64]), (
+  # One-sided: with the scanned layer stack XLA:CPU's buffer assignment reuses more at the
+  # longer length (growth 2.1 MB at 64 positions, 0 at 256); what must not happen is growth
+  # that scales with the length.
+  assert chunked[256] - chunked[64] < 0.05 * (logits_growth[256] - logits_growth[64]), (
       full, chunked)
-  assert chunked[256] < 0.5 * full[256], (full, chunked)
+  for t in (64, 256):
+    assert chunked[t] < 0.5 * full[t], (t, full, chunked)
 
 
 def _trainer(loss_config, micro_batches, mesh_shape=None, seed=0):
