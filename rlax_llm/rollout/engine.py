@@ -285,10 +285,8 @@ class Engine:
     # Continuations prefill a prompt plus the tokens drawn so far (< cache_length).
     self.continuation_buckets = tuple(
         b for b in default_buckets(self.cache_length) if b > max_prefill_length)
-    # A decode step attends to the first of at most attend_buckets multiples of block_align
-    # positions; the cache is kept in blocks of that step, read whole. A batch-invariant
-    # model reads its cache in pieces of INVARIANT_KEYS positions: its blocks are exactly
-    # those pieces, which it then reads without copying them out.
+    # A decode step attends to the fewest leading multiples of step that hold its rows; the
+    # cache is kept in whole blocks (kv_cache.block_layout: the memory plan counts the same).
     step, self.block_length, self.num_blocks = block_layout(
         self.cache_length, batch_invariant=model.config.execution.batch_invariant,
         attend_buckets=attend_buckets, block_align=block_align)
