@@ -3,7 +3,10 @@
 XLA reads the flag when the backend initialises, so it must be set before jax is imported.
 """
 
+import json
 import os
+import resource
+import time
 
 import pytest
 
@@ -91,3 +94,33 @@ def pytest_collection_modifyitems(session, config, items):
   del session, config
   rank = {path: i for i, path in enumerate(LONGEST_FILES)}
   items.sort(key=lambda item: rank.get(item.nodeid.split('::', 1)[0], len(rank)))
+
+
+def _cpu_seconds() -> tuple[float, float]:
+  """(this process's, its waited-for children's) user + system CPU seconds so far."""
+  own = resource.getrusage(resource.RUSAGE_SELF)
+  children = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  """With ``RLAX_TEST_COSTS=FILE`` set, appends each test's cost to FILE as a JSON line.
+
+  The cost is set-up + call + tear-down: wall seconds, and CPU seconds of the pytest process
+  (XLA's compile and run threads included) and of the subprocesses it waited for. CPU seconds
+  are what the suite's time on a 2-core machine is made of, and they change far less with the
+  machine's load than wall seconds: ``python scripts/test_costs.py FILE`` sums them per file.
+  """
+  del nextitem
+  path = os.environ.get('RLAX_TEST_COSTS')
+  if not path:
+    yield
+    return
+  wall, (own, children) = time.perf_counter(), _cpu_seconds()
+  yield
+  own_after, children_after = _cpu_seconds()
+  row = {'test': item.nodeid, 'wall_s': round(time.perf_counter() - wall, 3),
+         'cpu_s': round(own_after - own, 3), 'child_cpu_s': round(children_after - children, 3)}
+  with open(path, 'a', encoding='utf-8') as f:  # one short line per write: xdist-safe append
+    f.write(json.dumps(row) + '\n')
