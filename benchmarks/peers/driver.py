@@ -116,10 +116,9 @@ def summarise(job: dict[str, Any], root: pathlib.Path, sides: list[str],
   return out
 
 
-def consistency(job: dict[str, Any], num_eval: int, log: pathlib.Path) -> float | None:
+def consistency(num_eval: int, log: pathlib.Path) -> float | None:
   """rlax_llm's own evaluation (``python -m rlax_llm.evaluate``) of the shipped model on the
   first ``num_eval`` held-out prompts: the evaluator's step 0 must equal it."""
-  del job
   status = run([str(python_of('rlax_llm')), '-m', 'rlax_llm.evaluate',
                 '--config=configs/smollm2.py', f'--config.task.num_eval={num_eval}'], log)
   if status:
@@ -199,7 +198,7 @@ def main() -> None:
     raise SystemExit(f'evaluate.py failed; see {root / "evaluate.log"}.')
   evaluation = json.loads(eval_json.read_text())
   result = summarise(job, root, sides, evaluation, args.target)
-  own = consistency(job, evaluation['num_eval'], root / 'consistency.log')
+  own = consistency(evaluation['num_eval'], root / 'consistency.log')
   result['evaluator_check'] = {
       'rlax_llm_evaluate_shipped_model': own, 'evaluator_step0': evaluation['start'],
       'equal': own is not None and abs(own - evaluation['start']) < 1e-9}
