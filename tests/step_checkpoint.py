@@ -8,13 +8,19 @@ from rlax_llm import evaluate
 from rlax_llm.checkpoint import Checkpointer
 
 
-def write_step_checkpoint(workdir, config, step: int, version: int):
+def perturbed(params):
+  """``params`` plus a small deterministic pattern (so that every leaf differs from the
+  seeded init, zeros included)."""
+  return jax.tree.map(lambda x: x + 0.01 * jnp.sin(jnp.arange(x.size, dtype=x.dtype)
+                                                   .reshape(x.shape)), params)
+
+
+def write_step_checkpoint(workdir, config, step: int, version: int, params=None):
   """Writes ``config.json`` and step ``step`` (trainer params version ``version``) of
-  ``config``'s model into ``workdir``, its params the config's seeded init perturbed (so that
-  they differ from what the config loads). Returns ``(model, params)``."""
-  _, _, model, params, _ = evaluate.policy_params(config)
-  params = jax.tree.map(lambda x: x + 0.01 * jnp.sin(jnp.arange(x.size, dtype=x.dtype)
-                                                     .reshape(x.shape)), params)
+  ``config``'s model into ``workdir``: ``params``, default the config's seeded init
+  ``perturbed``. Returns ``(model, params)``."""
+  _, _, model, init, _ = evaluate.policy_params(config)
+  params = perturbed(init) if params is None else params
   (workdir / 'config.json').write_text(config.to_json_best_effort(indent=2))
   checkpointer = Checkpointer(workdir)
   checkpointer.save(step, params=params, opt_state={'count': jnp.zeros(())},

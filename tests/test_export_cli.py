@@ -13,9 +13,10 @@ transformers = pytest.importorskip('transformers')
 
 from flax import nnx  # noqa: E402
 from smoke_config import smoke_config  # noqa: E402  # tests/smoke_config.py
-from step_checkpoint import write_step_checkpoint  # noqa: E402  # tests/step_checkpoint.py
+from step_checkpoint import perturbed, write_step_checkpoint  # noqa: E402
 
-from rlax_llm import export  # noqa: E402
+from rlax_llm import evaluate, export  # noqa: E402
+from rlax_llm.models import lora as lora_lib  # noqa: E402
 
 
 @pytest.fixture(scope='module')
@@ -26,22 +27,51 @@ def run(tmp_path_factory):
   return (workdir, *write_step_checkpoint(workdir, smoke_config(), step=5, version=5))
 
 
+TOKENS = np.random.RandomState(0).randint(3, 14, (2, 7))
+
+
+def _logits(model, params):
+  """Our model's logits of ``TOKENS`` (float32 [2, 7, vocab])."""
+  return np.asarray(nnx.merge(model.graphdef, params)(jnp.asarray(TOKENS, jnp.int32)))
+
+
+def _transformers_logits(out):
+  """transformers' logits of ``TOKENS`` from the directory ``out``."""
+  reference = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  with torch.no_grad():
+    return reference(torch.tensor(TOKENS)).logits.float().numpy()
+
+
 def test_export_loads_in_transformers_with_the_same_logits(run, tmp_path):
   workdir, model, params = run
   out = tmp_path / 'hf'
   export.main(['export', f'--checkpoint={workdir}', f'--out={out}'])
   assert {'config.json', 'model.safetensors', 'generation_config.json', 'README.md'} <= {
       p.name for p in out.iterdir()}
-  reference = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-  tokens = np.random.RandomState(0).randint(3, 14, (2, 7))
-  with torch.no_grad():
-    theirs = reference(torch.tensor(tokens)).logits.float().numpy()
-  ours = np.asarray(nnx.merge(model.graphdef, params)(jnp.asarray(tokens, jnp.int32)))
-  np.testing.assert_allclose(theirs, ours, atol=1e-4)
+  np.testing.assert_allclose(_transformers_logits(out), _logits(model, params), atol=1e-4)
   card = (out / 'README.md').read_text()
   assert f'Exported from step 5 (params version 5) of `{workdir}/checkpoints/steps/5`' in card
   assert '| `model.name` | `"tiny"` |' in card and '| `total_steps` | `3` |' in card
   assert 'the `tiny` preset (seeded init)' in card
+
+
+@pytest.mark.slow  # the plain export is the default run's; lora.merge_program has its own tests
+def test_a_lora_checkpoint_exports_its_merged_weights(tmp_path):
+  """A LoRA run's checkpoint (base + adapters, the adapters nonzero) exports a plain model
+  whose logits are the merged weights', and its card says so."""
+  config = smoke_config(lora__rank=2)
+  _, _, model, base, _ = evaluate.policy_params(config)
+  lora_model, template = lora_lib.create(model, base, lora_lib.from_config(config),
+                                         seed=config.seed)
+  write_step_checkpoint(tmp_path, config, step=2, version=2, params=perturbed(template))
+  out = tmp_path / 'hf'
+  export.main(['export', f'--checkpoint={tmp_path}', f'--out={out}'])
+  merged = lora_lib.merge_program(lora_model)(perturbed(template))
+  ours = _logits(model, merged)
+  assert not np.allclose(ours, _logits(model, base), atol=1e-3)  # the adapters count
+  np.testing.assert_allclose(_transformers_logits(out), ours, atol=1e-4)
+  assert 'LoRA run: the adapters are merged into the base weights' in (
+      out / 'README.md').read_text()
 
 
 def test_export_errors_are_one_line(run, tmp_path):
