@@ -30,7 +30,11 @@ never pairs weights with the wrong data position::
   optimizer raises ``CheckpointError`` before anything is read or overwritten.
 * ``PreemptionGuard`` turns SIGTERM/SIGINT into a flag the run checks after each step: the
   run saves a checkpoint and exits 0 (Cloud TPU gives about 30 s notice); relaunching with
-  the same ``--workdir`` resumes.
+  the same ``--workdir`` resumes. A step that would overrun the notice
+  (``checkpoint.preemption_notice_s``) is abandoned instead: while the controller holds an
+  abandon window (``PreemptionGuard.abandon_window``: from a step's start until its update is
+  submitted) the signal handler raises ``StepAbandoned`` in the main thread, and the
+  controller saves the state it had before the step (docs/checkpoints.md, "Preemption").
 
 Who does what: the controller decides *when* to save (``SaveSchedule``: every_steps,
 every_seconds, the last step, a preemption) and hands its own small state and the in-flight
@@ -51,12 +55,15 @@ uninterrupted one bit for bit (``tests/test_resume.py``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import logging
 import re
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -104,9 +111,12 @@ class SaveSchedule:
   time). The run also saves after its last step and when preempted (``Controller.run``).
   Holds no checkpoint manager: the trainer's process writes (``Checkpointer``)."""
 
-  def __init__(self, every_steps: int = 0, every_seconds: float = 0.0):
+  def __init__(self, every_steps: int = 0, every_seconds: float = 0.0,
+               preemption_notice_s: float = 0.0):
     self.every_steps = every_steps
     self.every_seconds = every_seconds
+    # The seconds between a preemption signal and the kill (0: never abandon a step).
+    self.preemption_notice_s = preemption_notice_s
     self._last_save = time.monotonic()
 
   def due(self, step: int) -> bool:
@@ -330,14 +340,26 @@ class Checkpointer:
     return out['params'], dict(out['metrics'])
 
 
-def read_params(path: str | storage.Path, template: Any) -> Any:
-  """The params of a checkpoint, restored onto ``template``'s shapes, dtypes and shardings.
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+  """Which checkpoint a path names (``checkpoint_step``).
 
-  ``path``: a run's workdir (its latest step), ``<workdir>/checkpoints``, a step directory
-  (``checkpoints/steps/<s>``) or the warm-up's (``checkpoints/warmup``); local or ``gs://``. What
-  ``python -m rlax_llm.evaluate --checkpoint`` reads. Raises CheckpointError when there is
-  no checkpoint at ``path`` or its params do not fit ``template``.
+  Attributes:
+    path: the step's directory (``checkpoints/steps/<s>`` or ``checkpoints/warmup``).
+    step: the RL step it was saved after (None: the warm-up's).
+    version: the policy version its params are (the trainer's count of applied updates, which
+      the run's workers sampled with; the step unless updates were skipped; 0: the warm-up).
   """
+
+  path: storage.Path
+  step: int | None
+  version: int
+
+
+def checkpoint_step(path: str | storage.Path) -> StepInfo:
+  """The checkpoint ``path`` names: a run's workdir (its latest step), ``<workdir>/checkpoints``,
+  a step directory (``checkpoints/steps/<s>``) or the warm-up's (``checkpoints/warmup``); local
+  or ``gs://``. Raises CheckpointError when there is no checkpoint at ``path``."""
   path = storage.absolute(path)
   if (path / workdir_lib.CHECKPOINT_DIRNAME).is_dir():
     path = path / workdir_lib.CHECKPOINT_DIRNAME
@@ -348,10 +370,28 @@ def read_params(path: str | storage.Path, template: Any) -> Any:
     if not steps:
       raise CheckpointError(f'{path} holds no finished checkpoint.')
     path = path / str(steps[-1])
-  item = path / 'params'
-  if not item.is_dir():
+  if not (path / 'params').is_dir():
     raise CheckpointError(f'no checkpoint at {path}: pass a run\'s workdir or a '
                           'checkpoints/steps/<step> directory.')
+  if path.parent.name == WARMUP_DIRNAME:
+    return StepInfo(path, None, 0)
+  step = int(path.name) if path.name.isdigit() else None
+  try:  # the trainer item: Orbax's JSON of TrainerHandle counters ({"version": ...})
+    version = int(json.loads(storage.read_text(path / 'trainer' / 'metadata'))['version'])
+  except (OSError, ValueError, KeyError, TypeError):
+    version = step or 0
+  return StepInfo(path, step, version)
+
+
+def read_params(path: str | storage.Path, template: Any) -> Any:
+  """The params of a checkpoint, restored onto ``template``'s shapes, dtypes and shardings.
+
+  ``path``: what ``checkpoint_step`` takes (a run's workdir: its latest step). What
+  ``python -m rlax_llm.evaluate --checkpoint`` reads. Raises CheckpointError when there is
+  no checkpoint at ``path`` or its params do not fit ``template``.
+  """
+  path = checkpoint_step(path).path
+  item = path / 'params'
   target = abstract_like(template)
   # The item's own metadata: a Checkpointer's would look for a step's _CHECKPOINT_METADATA
   # inside the item and warn that it is missing.
@@ -359,38 +399,83 @@ def read_params(path: str | storage.Path, template: Any) -> Any:
   return ocp.StandardCheckpointer().restore(item, target)
 
 
+class StepAbandoned(BaseException):
+  """Raised in the main thread by ``PreemptionGuard``'s signal handler inside an abandon
+  window (``PreemptionGuard.abandon_window``) whose test says the step would overrun the
+  preemption notice: the controller drops the step and saves the state it had before it.
+
+  A ``BaseException`` (like ``KeyboardInterrupt``), so that no ``except Exception`` on the way
+  (a lost worker's handling, a reward function) takes it for a failure."""
+
+
 class PreemptionGuard:
   """While active, SIGTERM and SIGINT set ``requested`` instead of killing the process.
 
-  The run checks ``requested`` after each step, saves a checkpoint and exits 0. A second
-  SIGINT (Ctrl-C twice) raises ``KeyboardInterrupt`` at once. Only the main thread can install
-  handlers; elsewhere the guard is inert (``installed`` is False).
+  The run checks ``requested`` after each step, saves a checkpoint and exits 0. Inside an
+  ``abandon_window`` whose ``overruns()`` is True at the signal, the handler raises
+  ``StepAbandoned`` in the main thread instead of waiting for the step. A second SIGINT
+  (Ctrl-C twice) raises ``KeyboardInterrupt`` at once. Only the main thread can install
+  handlers; elsewhere the guard is inert (``installed`` is False). ``PreemptionGuard.active()``
+  is the installed guard.
   """
+
+  _installed: list[PreemptionGuard] = []  # the guards whose handlers are installed, newest last
 
   def __init__(self):
     self.requested = threading.Event()
     self.signal_name: str | None = None
     self._previous: dict[int, Any] = {}
     self.installed = False
+    self._overruns: Callable[[], bool] | None = None
+
+  @classmethod
+  def active(cls) -> PreemptionGuard | None:
+    """The guard whose handlers this process runs now, or None."""
+    return cls._installed[-1] if cls._installed else None
+
+  @contextlib.contextmanager
+  def abandon_window(self, overruns: Callable[[], bool]) -> Iterator[None]:
+    """Within it, a preemption signal calls ``overruns()`` (from the handler, in the main
+    thread: it must be quick and must not block) and, when True, raises ``StepAbandoned``
+    wherever the main thread is; when False, the step goes on and the run saves after it. A
+    signal that came before the window opened raises at once when ``overruns()`` is True.
+    ``StepAbandoned`` may also surface as the window closes; the caller handles it around the
+    window, not inside."""
+    self._overruns = overruns
+    try:
+      if self.requested.is_set() and overruns():
+        raise StepAbandoned
+      yield
+    finally:
+      self._overruns = None
 
   def _handle(self, signum, frame):
     del frame
     if self.requested.is_set() and signum == signal.SIGINT:
       raise KeyboardInterrupt
     self.signal_name = signal.Signals(signum).name
+    self.requested.set()
+    overruns = self._overruns
+    if overruns is not None and overruns():
+      logging.warning('%s received: the current step would overrun the preemption notice; '
+                      'abandoning it and saving the state before it, then exiting.',
+                      self.signal_name)
+      raise StepAbandoned
     logging.warning('%s received: saving a checkpoint after the current step, then exiting.',
                     self.signal_name)
-    self.requested.set()
 
   def __enter__(self) -> PreemptionGuard:
     if threading.current_thread() is threading.main_thread():
       for signum in (signal.SIGTERM, signal.SIGINT):
         self._previous[signum] = signal.signal(signum, self._handle)
       self.installed = True
+      PreemptionGuard._installed.append(self)
     return self
 
   def __exit__(self, *exc_info) -> None:
     for signum, handler in self._previous.items():
       signal.signal(signum, handler)
     self._previous.clear()
+    if self.installed:
+      PreemptionGuard._installed.remove(self)
     self.installed = False

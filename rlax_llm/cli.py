@@ -38,6 +38,7 @@ import importlib.util
 import os
 import pathlib
 import sys
+import textwrap
 import traceback
 import typing
 from collections.abc import Callable, Iterator, Sequence
@@ -461,6 +462,22 @@ def command_line(argv: Sequence[str], usage: Callable[[], str],
     _list_in_absl_help(values, getattr(module.__spec__, 'name', None) or module.__name__)
   return CommandLine(config_args, {name: holder.value for name, holder in holders.items()},
                      list(unparsed[1:]) if known_only else [])
+
+
+def flags_help(define: Callable[[Any], dict[str, Any]],
+               entries: Sequence[tuple[str, str]] = ()) -> list[str]:
+  """``--help`` lines for an entry point's flags: ``entries`` (``(flag, text)`` pairs, e.g.
+  ``--config``) first, then every flag ``define`` defines (as ``command_line`` takes it) with
+  its help string and its default, each wrapped to 100 columns. Read from the definitions,
+  so the list cannot fall behind them."""
+  values = flags.FlagValues()
+  entries = list(entries)
+  for name in define(values):
+    flag = values[name]
+    default = '' if flag.default in (None, False) else f' (default: {flag.default})'
+    entries.append((f'--{name}', flag.help + default))
+  return [textwrap.fill(f'{flag}: {text}', 100, initial_indent='  ', subsequent_indent='      ')
+          for flag, text in entries]
 
 
 def _list_in_absl_help(values: flags.FlagValues, module: str) -> None:

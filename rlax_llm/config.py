@@ -97,6 +97,7 @@ FLOATS = {
     'lora.alpha': (0.0, False),
     'warmup.learning_rate': (0.0, False),
     'checkpoint.every_seconds': (0.0, True),
+    'checkpoint.preemption_notice_s': (0.0, True),
     'agent.timeout_s': (0.0, False),
 }
 

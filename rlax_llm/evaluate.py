@@ -67,8 +67,11 @@ def run_workdir(checkpoint: str | os.PathLike) -> storage.Path | None:
   return None
 
 
-def config_for(argv: Sequence[str], checkpoint: str | None) -> ml_collections.ConfigDict:
-  """The config to evaluate with (see the module docstring), from the config arguments.
+def config_for(argv: Sequence[str], checkpoint: str | None, doing: str = 'evaluating'
+               ) -> ml_collections.ConfigDict:
+  """The config to evaluate with (see the module docstring), from the config arguments;
+  ``doing``: what the caller does with it, for the line that says which config it took
+  (``python -m rlax_llm.serve``: which checkpoint step it serves).
 
   Raises:
     ConfigError: ``--config`` differs from the run's own config in what it computes, or the
@@ -79,7 +82,7 @@ def config_for(argv: Sequence[str], checkpoint: str | None) -> ml_collections.Co
   named = any(a.partition('=')[0] in ('--config', '-config') for a in argv)
   if workdir is None:
     if checkpoint and not named:
-      console.phase(f'no run config.json beside {checkpoint}: evaluating with the packaged '
+      console.phase(f'no run config.json beside {checkpoint}: {doing} with the packaged '
                     f'{cli.DEFAULT_CONFIG_PATH} (pass --config with the config the run used)')
     return cli.load_config(argv)
   path = workdir / 'config.json'
@@ -89,7 +92,7 @@ def config_for(argv: Sequence[str], checkpoint: str | None) -> ml_collections.Co
     raise ConfigError(f'{path} cannot be read ({e}); pass --config=PATH[:VARIANT] with the '
                       'config the run trained with.') from None
   if not named:
-    console.phase(f'evaluating with the run\'s own config, {path}')
+    console.phase(f'{doing} with the run\'s own config, {path}')
     return cli.load_config(argv, base=run_config.saved_config(saved))
   config = cli.load_config(argv)
   differ = run_config.config_changes(saved, config, EVAL_CHANGES)
@@ -103,19 +106,18 @@ def config_for(argv: Sequence[str], checkpoint: str | None) -> ml_collections.Co
   return config
 
 
-def policy_worker(config: ml_collections.ConfigDict, checkpoint: str | None = None
-                  ) -> tuple[config_lib.RunSpec, Task, InferenceWorker]:
-  """``(spec, task, worker)``: the validated config's run spec, its task, and one inference
-  worker holding the params the config loads, or ``checkpoint``'s when given (as version 0).
-  A LoRA run's checkpoint (``lora.rank > 0``: the base and the adapters) is read onto the
-  LoRA params' structure and merged (``lora.merge_program``): the worker holds the merged
-  weights, as a run's workers sample with. What an evaluation and the OpenAI-compatible
-  endpoint (``python -m rlax_llm.serve``) run."""
+def policy_params(config: ml_collections.ConfigDict, checkpoint: str | None = None
+                  ) -> tuple[config_lib.RunSpec, Task, Any, Any, Any]:
+  """``(spec, task, model, params, tokenizer)``: the validated config's run spec, its task,
+  model and tokenizer, and the params the config loads, or ``checkpoint``'s when given. A
+  LoRA run's checkpoint (``lora.rank > 0``: the base and the adapters) is read onto the LoRA
+  params' structure and merged (``lora.merge_program``): the params are the merged weights,
+  as a run's workers sample with. What ``policy_worker`` and ``python -m rlax_llm.export``
+  read."""
   extras.check_config(config, [checkpoint], backend=False)  # one local worker: not Ray
   # pylint: disable=import-outside-toplevel  # jax and the model code: after validation
   from rlax_llm import roles
   from rlax_llm.models import lora as lora_lib
-  from rlax_llm.models.model import cast_params
   spec = config_lib.validate_config(config)
   task, model, params, tokenizer = roles.prepare(config)
   lora = lora_lib.from_config(config)
@@ -125,8 +127,21 @@ def policy_worker(config: ml_collections.ConfigDict, checkpoint: str | None = No
     params = lora_lib.merge_program(lora_model)(load_policy_params(checkpoint, template))
   elif checkpoint:
     params = load_policy_params(checkpoint, params)
+  return spec, task, model, params, tokenizer
+
+
+def policy_worker(config: ml_collections.ConfigDict, checkpoint: str | None = None,
+                  version: int = 0) -> tuple[config_lib.RunSpec, Task, InferenceWorker]:
+  """``(spec, task, worker)``: the validated config's run spec, its task, and one inference
+  worker holding ``policy_params`` (the config's params, or ``checkpoint``'s merged ones) as
+  ``version`` (an evaluation: 0; the endpoint: the checkpoint's params version). What an
+  evaluation and the OpenAI-compatible endpoint (``python -m rlax_llm.serve``) run."""
+  # pylint: disable=import-outside-toplevel  # jax and the model code: after validation
+  from rlax_llm import roles
+  from rlax_llm.models.model import cast_params
+  spec, task, model, params, tokenizer = policy_params(config, checkpoint)
   worker = roles.build_worker(config, model, tokenizer, roles.meshes(config)['inference'][0])
-  worker.load(0, cast_params(params, worker.model))  # the workers' dtype, as a run's pushes
+  worker.load(version, cast_params(params, worker.model))  # the workers' dtype, as pushed
   return spec, task, worker
 
 

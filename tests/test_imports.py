@@ -203,7 +203,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # Backends place the roles the builders make and run the controller's loop over them.
     ('backends', ('rlax_llm.backends',)),
     ('command lines', ('rlax_llm.launch', 'rlax_llm.launch_help', 'rlax_llm.evaluate',
-                       'rlax_llm.serve.__main__')),
+                       'rlax_llm.serve.__main__', 'rlax_llm.export')),
 )
 
 

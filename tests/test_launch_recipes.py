@@ -13,6 +13,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 import tomllib
 
 import ml_collections
@@ -298,13 +299,118 @@ def test_tpu_vm_dry_run_prints_the_commands_for_a_small_slice(tmp_path):
       "--command='tar xzf rlax_llm.tar.gz && bash rlax_llm/launch/host_setup.sh --tpu "
       "--smollm2'",
       'gcloud compute tpus tpu-vm ssh rlax-smollm2-smoke --zone=us-west4-a --worker=all '
-      "--command='cd rlax_llm && .venv/bin/python -m rlax_llm.launch "
+      "--command='cd rlax_llm && { setsid nohup .venv/bin/python -m rlax_llm.launch "
       '--config=configs/smollm2.py:smoke --config.rl.learning_rate=1e-5 '
-      "--workdir=gs://my-bucket/runs/smoke'",
+      '--workdir=gs://my-bucket/runs/smoke >> ~/rlax_llm-launch.log 2>&1 < /dev/null & '
+      "echo $! > ~/rlax_llm-launch.pid; }'",
   ]
   assert not tarball.exists()  # a dry run runs nothing
   assert 'gcsfuse' not in out and 'mount' not in out  # gs:// is written directly, no note
   _check_shell(out, tmp_path)
+
+
+def _stand_in_venv(tmp_path: pathlib.Path) -> pathlib.Path:
+  """A home directory whose ~/rlax_llm/.venv/bin/python stands in for the hosts' (for
+  ``-m``: prints its arguments, its session id and the length of $RLAX_API_KEY, then waits
+  for SIGTERM and says so; for ``-c``: this machine's python3)."""
+  home = tmp_path / 'home'
+  python = home / 'rlax_llm' / '.venv' / 'bin' / 'python'
+  python.parent.mkdir(parents=True)
+  python.write_text('#!/usr/bin/env bash\nif [ "$1" = -c ]; then exec python3 "$@"; fi\n'
+                    'trap \'echo "got TERM"; exit 0\' TERM\n'
+                    'echo "args: $*"; echo "key ${#RLAX_API_KEY}"; echo "sid $(ps -o sid= -p $$)"\n'
+                    'while true; do sleep 0.05; done\n')
+  python.chmod(0o755)
+  return home
+
+
+def _run_detached(remote: str, home: pathlib.Path, log: pathlib.Path) -> int:
+  """Runs a recipe's remote command here in ``home``: it must return at once, the stand-in
+  (``_stand_in_venv``) running on in a session of its own and writing ``log``. Returns the
+  pid the command wrote."""
+  started = time.monotonic()
+  subprocess.run(['bash', '-c', remote], cwd=home, env=dict(os.environ, HOME=str(home)),
+                 check=True, timeout=10)
+  assert time.monotonic() - started < 5  # it does not wait for the process it started
+  deadline = time.monotonic() + 10
+  while 'sid' not in (log.read_text() if log.exists() else '') and time.monotonic() < deadline:
+    time.sleep(0.05)
+  pid = int(log.with_suffix('.pid').read_text())
+  assert int(log.read_text().split('sid ')[1].split()[0]) == pid  # its own session
+  return pid
+
+
+def _stopped(stop_command: str, home: pathlib.Path, log: pathlib.Path) -> bool:
+  """Runs a footer's stop command (its ``--command=``) here; whether the stand-in got
+  SIGTERM."""
+  subprocess.run(['bash', '-c', _remote(stop_command)], cwd=home,
+                 env=dict(os.environ, HOME=str(home)), check=True, timeout=10)
+  deadline = time.monotonic() + 10
+  while 'got TERM' not in log.read_text() and time.monotonic() < deadline:
+    time.sleep(0.05)
+  return 'got TERM' in log.read_text()
+
+
+def test_the_tpu_vm_launch_runs_detached_with_a_log_a_pid_and_a_resume_path(tmp_path):
+  """Step 3's remote command, run here with a stand-in .venv/bin/python: it returns at once,
+  the launch runs on in a session of its own (a dropped ssh session does not stop it), its
+  output goes to ~/rlax_llm-launch.log and the footer's stop command (SIGTERM to the pid in
+  ~/rlax_llm-launch.pid) reaches it. The footer also says how to follow the log and how to
+  bring back a preempted Spot VM (delete it when PREEMPTED, then create it again)."""
+  result = _recipes('tpu-vm', '--tpu-type=v5e-8', '--zone=z', '--spot', '--name=rlax-t',
+                    '--workdir=gs://b/r', '--config=configs/default.py:smoke', '--dry-run',
+                    env={'TMPDIR': str(tmp_path)})
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = result.stdout
+  assert ('# Follow the log (host 0): gcloud compute tpus tpu-vm ssh rlax-t --zone=z '
+          "--worker=0 --command='tail -f ~/rlax_llm-launch.log'") in out
+  stop = ('# Stop it (SIGTERM: it saves a checkpoint and exits 0): gcloud compute tpus tpu-vm '
+          "ssh rlax-t --zone=z --worker=all --command='kill -TERM $(cat ~/rlax_llm-launch.pid)'")
+  assert stop in out
+  assert ('#   if [ "$(gcloud compute tpus tpu-vm describe rlax-t --zone=z '
+          "--format='value(state)')\" = PREEMPTED ]; then gcloud compute tpus tpu-vm delete "
+          'rlax-t --zone=z --quiet; fi') in out
+  assert 'delete it, then rerun steps 1-3' in out
+  home = _stand_in_venv(tmp_path)
+  log = home / 'rlax_llm-launch.log'
+  _run_detached(_remote(_commands(out)[-1]), home, log)
+  assert 'args: -m rlax_llm.launch --config=configs/default.py:smoke --workdir=gs://b/r' in \
+      log.read_text()
+  assert _stopped(stop.partition(': ')[2].partition(': ')[2], home, log)
+
+
+def test_serve_tpu_vm_serves_a_checkpoint_detached_behind_a_token_and_a_tunnel(tmp_path):
+  """serve-tpu-vm: the endpoint starts detached on host 0, on the VM's loopback, with a
+  bearer token made on the VM (mode 600, in the environment, not the command line); the
+  footer says how to open the tunnel, fetch the token, follow the log and stop it."""
+  result = _recipes('serve-tpu-vm', '--tpu-type=v5e-4', '--zone=z', '--name=rlax-s',
+                    '--checkpoint=gs://b/runs/smoke', '--config=configs/default.py:smoke',
+                    '--model-name=mine', '--dry-run', env={'TMPDIR': str(tmp_path)})
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = result.stdout
+  commands = _commands(out)
+  assert commands[1] == ('gcloud compute tpus tpu-vm create rlax-s --zone=z '
+                         '--accelerator-type=v5litepod-4 --version=v2-alpha-tpuv5-lite')
+  assert commands[-1].startswith('gcloud compute tpus tpu-vm ssh rlax-s --zone=z --worker=0 '
+                                 '--command=')
+  ssh0 = 'gcloud compute tpus tpu-vm ssh rlax-s --zone=z --worker=0'
+  assert f'#   {ssh0} -- -N -L 8000:127.0.0.1:8000\n' in out
+  assert f"# The token (clients send it as \"Authorization: Bearer TOKEN\"): {ssh0} " \
+         "--command='cat ~/rlax_llm-serve.token'" in out
+  stop = f"# Stop it: {ssh0} --command='kill -TERM $(cat ~/rlax_llm-serve.pid)'"
+  assert stop in out
+  _check_shell(out, tmp_path)
+  home = _stand_in_venv(tmp_path)
+  log = home / 'rlax_llm-serve.log'
+  _run_detached(_remote(commands[-1]), home, log)
+  token = home / 'rlax_llm-serve.token'
+  assert stat.S_IMODE(token.stat().st_mode) == 0o600
+  assert f'key {len(token.read_text().strip())}' in log.read_text()
+  assert len(token.read_text().strip()) >= 32 and token.read_text().strip() not in out
+  assert ('args: -m rlax_llm.serve --config=configs/default.py:smoke '
+          '--checkpoint=gs://b/runs/smoke --host=127.0.0.1 --port=8000 '
+          '--api_key_env=RLAX_API_KEY --model_name=mine') in log.read_text()
+  assert _stopped(stop.partition(': ')[2], home, log)
 
 
 def test_dry_run_notes_a_relative_workdir_and_not_a_gs_one(tmp_path):
@@ -335,7 +441,7 @@ def test_multihost_dry_run_runs_one_command_on_every_host_with_jax_distributed(t
   assert run.startswith('gcloud compute tpus tpu-vm ssh rlax-smollm2 --zone=us-east5-a '
                         '--worker=all --command=')
   remote = _remote(run)
-  args = shlex.split(remote.rpartition(' && ')[2])
+  args = shlex.split(remote.rpartition(' && { setsid nohup ')[2].partition(' >> ')[0])
   assert args[:4] == ['.venv/bin/python', '-m', 'rlax_llm.launch', '--config=configs/smollm2.py']
   assert args[-5:] == ['--config.distributed.initialize=true',
                        '--config.distributed.coordinator_address=$COORDINATOR:8476',
@@ -598,8 +704,10 @@ def test_without_dry_run_the_script_runs_the_gcloud_commands(tmp_path):
   # The configs ship in the package; configs/ links there, so the hosts' --config=configs/...
   assert 'rlax_llm/rlax_llm/configs/default.py' in listing and 'rlax_llm/configs' in listing
   (command,) = [a for a in calls[3] if a.startswith('--command=')]
-  assert command == ('--command=cd rlax_llm && .venv/bin/python -m rlax_llm.launch '
-                     '--config=configs/default.py:smoke --workdir=gs://b/r')
+  assert command == ('--command=cd rlax_llm && { setsid nohup .venv/bin/python -m '
+                     'rlax_llm.launch --config=configs/default.py:smoke --workdir=gs://b/r '
+                     '>> ~/rlax_llm-launch.log 2>&1 < /dev/null & '
+                     'echo $! > ~/rlax_llm-launch.pid; }')
 
 
 def test_without_dry_run_the_ray_script_expands_the_head_address(tmp_path):

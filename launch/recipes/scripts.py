@@ -22,6 +22,14 @@ RAY_PORT = 6379
 # What the ray recipes set: the backend. Checkpoints stay as the config says (the trainer
 # actors write them into the workdir, which must be storage the head and the trainer hosts see).
 RAY_OVERRIDES = ('--config.backend=ray',)
+# Where a detached launch writes on each host (its home directory, outside the checkout that
+# a rerun of the copy step replaces): its output, appended, and its process id.
+LAUNCH_LOG = '~/rlax_llm-launch.log'
+LAUNCH_PID = '~/rlax_llm-launch.pid'
+# The same for the endpoint the serve-tpu-vm recipe starts on host 0, and its bearer token.
+SERVE_LOG = '~/rlax_llm-serve.log'
+SERVE_PID = '~/rlax_llm-serve.pid'
+SERVE_TOKEN = '~/rlax_llm-serve.token'
 
 
 class Raw(str):
@@ -147,12 +155,41 @@ def launch_args(spec: str, overrides: Sequence[str], workdir: str) -> list[str]:
           f'--workdir={workdir}']
 
 
+def detached(command: str, log: str = LAUNCH_LOG, pid: str = LAUNCH_PID) -> str:
+  """``command`` (a remote shell command) started in a session of its own (``setsid nohup``,
+  stdin closed), so that the ssh session ending (a closed laptop, a dropped connection) does
+  not stop it: output appended to ``log``, its process id written to ``pid`` (for a SIGTERM
+  that checkpoints); returns at once."""
+  return f'{{ setsid nohup {command} >> {log} 2>&1 < /dev/null & echo $! > {pid}; }}'
+
+
 def preemption_footer(relaunch: str) -> list[str]:
   """What a preempted launch does, and ``relaunch``: how to resume it (comment lines)."""
   return [
       'Preemption (spot/preemptible): the launch gets SIGTERM, saves a checkpoint',
-      '(config.checkpoint.*) and exits 0; a relaunch with the same --workdir resumes:',
+      '(config.checkpoint.*; a step that would overrun config.checkpoint.preemption_notice_s',
+      'is abandoned and the state before it saved) and exits 0; a relaunch with the same',
+      '--workdir resumes:',
       relaunch,
+  ]
+
+
+def tpu_vm_footer(name: str, opts: argparse.Namespace, what: str, rerun: str) -> list[str]:
+  """Comment lines for a detached command on TPU VM ``name``: how to follow its log, stop it
+  with SIGTERM (``what`` it does then), and bring back a preempted Spot VM (which stays
+  listed as PREEMPTED and must be deleted before ``create`` can run again), then ``rerun``."""
+  tpu = ['gcloud', 'compute', 'tpus', 'tpu-vm']
+  ssh = lambda worker, command: (shell_join([*tpu, 'ssh', name, *_gcloud_flags(opts),
+                                             f'--worker={worker}'])
+                                 + ' --command=' + shlex.quote(command))
+  describe = shell_join([*tpu, 'describe', name, *_gcloud_flags(opts)]) + \
+      " --format='value(state)'"
+  delete = shell_join([*tpu, 'delete', name, *_gcloud_flags(opts), '--quiet'])
+  return [
+      f'Follow the log (host 0): {ssh(0, f"tail -f {LAUNCH_LOG}")}',
+      f'Stop it ({what}): {ssh("all", f"kill -TERM $(cat {LAUNCH_PID})")}',
+      f'A preempted Spot VM stays listed as PREEMPTED: delete it, then {rerun}:',
+      f'  if [ "$({describe})" = PREEMPTED ]; then {delete}; fi',
   ]
 
 
@@ -171,7 +208,7 @@ def render_tpu_vm(config: ml_collections.ConfigDict, plan: Plan, slice_: SliceTy
                 f' && PROCESS_ID=$({get} "$MD/agent-worker-number")'
                 f' && COORDINATOR=$({get} "$MD/worker-network-endpoints"'
                 ' | cut -d, -f1 | rev | cut -d: -f1 | rev)')
-  remote = f'{prelude} && {shell_join(run)}'
+  remote = f'{prelude} && {detached(shell_join(run))}'
   title = (f'rlax_llm {"multihost" if multi else "tpu-vm"} recipe: {spec} on '
            f'{slice_.describe()}')
   steps = [
@@ -183,13 +220,70 @@ def render_tpu_vm(config: ml_collections.ConfigDict, plan: Plan, slice_: SliceTy
            name, opts, setup_flags(config, tpu=True, ray=False), _tarball(name))]),
       ('Run the launch on every host' + (
           ' (the same command; each host reads its process id and worker 0\'s address '
-          'from the TPU metadata server).' if multi else '.'),
+          'from the TPU metadata server)' if multi else '') +
+       f', detached (setsid nohup: it outlives this ssh session), output appended to '
+       f'{LAUNCH_LOG} on each host, its process id in {LAUNCH_PID}.',
        [_tpu_ssh(name, opts, shlex.quote(remote))]),
   ]
-  footer = preemption_footer('recreate the TPU VM (same name) and rerun steps 2-3.')
+  footer = preemption_footer('rerun steps 1-3 (same --workdir; a workdir on the VM\'s own disk '
+                             'is lost with the VM: use gs://).')
+  footer += tpu_vm_footer(name, opts, 'SIGTERM: it saves a checkpoint and exits 0',
+                          'rerun steps 1-3')
   delete = ['gcloud', 'compute', 'tpus', 'tpu-vm', 'delete', name, *_gcloud_flags(opts), '--quiet']
   footer.append(f'When done: {shell_join(delete)}')
   return Recipe(title, header(config, plan, spec, overrides), steps, footer)
+
+
+def render_serve_tpu_vm(config: ml_collections.ConfigDict, plan: Plan, slice_: SliceType,
+                        opts: argparse.Namespace, spec: str | None,
+                        overrides: Sequence[str]) -> Recipe:
+  """``python -m rlax_llm.serve`` of ``opts.checkpoint`` on host 0 of a TPU VM, detached,
+  listening on the VM's loopback at ``opts.port`` with a bearer token made on the VM (the
+  endpoint refuses a reachable host without one; the token stays on the VM until fetched);
+  reached through an ssh tunnel. ``spec``: the ``--config`` the hosts pass (None: the run's
+  own ``config.json``, serve's default)."""
+  name = opts.name
+  gflags = _gcloud_flags(opts)
+  tpu = ['gcloud', 'compute', 'tpus', 'tpu-vm']
+  args = [Raw('.venv/bin/python'), '-m', 'rlax_llm.serve',
+          *([f'--config={spec}'] if spec else []), *overrides,
+          f'--checkpoint={opts.checkpoint}', '--host=127.0.0.1', f'--port={opts.port}',
+          '--api_key_env=RLAX_API_KEY', *([f'--model_name={opts.model_name}']
+                                          if opts.model_name else [])]
+  token = (f'( umask 077; [ -s {SERVE_TOKEN} ] || .venv/bin/python -c '
+           f'"import secrets; print(secrets.token_urlsafe(32))" > {SERVE_TOKEN} )')
+  remote = (f'cd {REMOTE_DIR} && {token} && export RLAX_API_KEY="$(cat {SERVE_TOKEN})" && '
+            + detached(shell_join(args), SERVE_LOG, SERVE_PID))
+  ssh0 = shell_join([*tpu, 'ssh', name, *gflags, '--worker=0'])
+  steps = [
+      (f'Create the TPU VM {name}.', [_tpu_create(name, slice_, opts)]),
+      ((f'Copy this checkout ({opts.ref}, via git archive) to the VM and install it (Python '
+        '3.11 venv, rlax_llm, jax[tpu]).'),
+       [_archive(name, opts), *_copy_and_setup_tpu(
+           name, opts, setup_flags(config, tpu=True, ray=False), _tarball(name))]),
+      ((f'Start the endpoint on host 0, detached (setsid nohup: it outlives this ssh session), '
+        f'on the VM\'s loopback port {opts.port} with a bearer token made there '
+        f'({SERVE_TOKEN}); output in {SERVE_LOG} (its first lines: the step served, then '
+        f'the base_url), its process id in {SERVE_PID}.'),
+       [ssh0 + ' --command=' + shlex.quote(remote)]),
+  ]
+  footer = [
+      f'Reach it: an ssh tunnel from this machine\'s port {opts.port} to the VM\'s loopback '
+      '(leave it running):',
+      f'  {ssh0} -- -N -L {opts.port}:127.0.0.1:{opts.port}',
+      f'The token (clients send it as "Authorization: Bearer TOKEN"): {ssh0} --command='
+      + shlex.quote(f'cat {SERVE_TOKEN}'),
+      f'  curl -H "Authorization: Bearer $TOKEN" http://127.0.0.1:{opts.port}/v1/models',
+      f'  openai.OpenAI(base_url="http://127.0.0.1:{opts.port}/v1", api_key=TOKEN)',
+      f'Follow the log: {ssh0} --command=' + shlex.quote(f'tail -f {SERVE_LOG}'),
+      f'Stop it: {ssh0} --command=' + shlex.quote(f'kill -TERM $(cat {SERVE_PID})'),
+      'Listening on the VM\'s loopback only, the endpoint is reachable through the tunnel '
+      '(or from the VM); a --host other machines reach needs the token as well (docs/serving.md).',
+      'When done: ' + shell_join([*tpu, 'delete', name, *gflags, '--quiet']),
+  ]
+  title = f'rlax_llm serve-tpu-vm recipe: {opts.checkpoint} on {slice_.describe()}'
+  return Recipe(title, header(config, plan, spec or '(the run\'s config.json)', overrides),
+                steps, footer)
 
 
 def render_ray(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceType,

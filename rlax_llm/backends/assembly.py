@@ -76,7 +76,7 @@ def assemble(config: ml_collections.ConfigDict, settings: ControllerSettings, wo
     stop: the preemption event (or None).
   """
   c = config.checkpoint
-  checkpoints = (SaveSchedule(c.every_steps, c.every_seconds)
+  checkpoints = (SaveSchedule(c.every_steps, c.every_seconds, c.preemption_notice_s)
                  if config_lib.checkpointing(config) else None)
   resume_step = (resume.step if resume is not None else
                  0 if checkpoints is not None else None)

@@ -161,9 +161,11 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c.paramserver = ml_collections.ConfigDict(dict(keep_versions=0, transport='auto'))
   # Orbax checkpoints in workdir/checkpoints (0 and 0: none): after steps that are multiples
   # of every_steps, and when every_seconds have passed; the newest `keep` are kept. SIGTERM or
-  # SIGINT saves one and exits 0; relaunching with the same --workdir resumes.
+  # SIGINT saves one and exits 0; relaunching with the same --workdir resumes. A step that
+  # would end past preemption_notice_s seconds after the signal (Cloud TPU: about 30) is
+  # abandoned and the state before it saved (0: always finish the step; docs/checkpoints.md).
   c.checkpoint = ml_collections.ConfigDict(dict(
-      every_steps=50, every_seconds=600.0, keep=3, async_save=True))
+      every_steps=50, every_seconds=600.0, keep=3, async_save=True, preemption_notice_s=30.0))
   # Multi-host JAX (TPU pods): jax.distributed.initialize before anything else. On Cloud TPU
   # the arguments are discovered; elsewhere give coordinator_address, num_processes, process_id.
   c.distributed = ml_collections.ConfigDict(dict(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -15,6 +16,7 @@ import jax
 import numpy as np
 
 from rlax_llm import console, schedule
+from rlax_llm.checkpoint import PreemptionGuard, StepAbandoned
 from rlax_llm.controller.completions import Completions
 from rlax_llm.controller.episodes import Episodes
 from rlax_llm.controller.protocols import Batch, Made, RolloutKind, TrainerHandle, WorkerHandle
@@ -47,7 +49,9 @@ class Controller(Snapshots):
       due, after the last step, and when ``stop`` is set.
     stop: an event (set by ``checkpoint.PreemptionGuard`` on SIGTERM/SIGINT): after the
       current step the controller saves a checkpoint and returns, ``summary['preempted']``
-      True.
+      True. A step that would overrun the notice (``SaveSchedule.preemption_notice_s``) is
+      abandoned instead (``_abandon_window``): the controller saves the state it had before
+      the step and returns.
   """
 
   def __init__(self, settings: ControllerSettings, task: Task, trainer: TrainerHandle,
@@ -82,6 +86,11 @@ class Controller(Snapshots):
     # The oldest version whose weights exist after a restore (the checkpoint holds only the
     # trainer's); -1: no restore, every version the schedule names was pushed.
     self._oldest_held = -1
+    # Preemption (``_abandon_window``): the last step's wall seconds and the last save's
+    # (None: not measured in this process yet), and the step the last save was made after.
+    self._step_s: float | None = None
+    self._save_s = 0.0
+    self._saved_step: int | None = None
 
   # ------------------------------------------------------------------------ scheduling
 
@@ -248,11 +257,22 @@ class Controller(Snapshots):
       console.phase('compiling the first RL step (this takes a minute on CPU for a real model)')
     while self.step < s.total_steps:
       started = time.perf_counter()
-      # Launch every batch whose sampling params exist (at most k ahead: the schedule).
-      while schedule.launch_due(next_batch, self.step, s):
-        in_flight.append(self._launch_step(next_batch))
-        next_batch += 1
-      metrics = self._train_step(in_flight.popleft(), queued=len(in_flight), started=started)
+      guard, pending = self._abandon_window(in_flight)
+      try:
+        with (guard.abandon_window(lambda: self._overruns(started)) if guard is not None
+              else contextlib.nullcontext()):
+          # Launch every batch whose sampling params exist (at most k ahead: the schedule).
+          while schedule.launch_due(next_batch, self.step, s):
+            in_flight.append(self._launch_step(next_batch))
+            next_batch += 1
+          batch = in_flight.popleft()
+          made = self.kind.make(batch, self.kind.merge(self._gather(
+              batch, self._sampling_root(batch.index))), self.trainer.version)
+      except StepAbandoned:
+        self._abandon(pending, started)
+        preempted = True
+        break
+      metrics = self._train_step(batch, made, queued=len(in_flight), started=started)
       self.writer.write(self.step, metrics)
       preempted = self.stop is not None and self.stop.is_set()
       if self.checkpoints is not None and (
@@ -281,18 +301,69 @@ class Controller(Snapshots):
     """Checkpoints the run after ``self.step``: the trainer's process writes its params and
     optimizer state with the controller's state and the rollouts in flight, as one step
     (``TrainerHandle.save``); the controller hands over only its own state."""
-    state, arrays = self.snapshot(in_flight)
-    self.trainer.save(self.step, state.to_dict(), arrays).result()
-    self.checkpoints.saved()
+    self._save_snapshot(*self.snapshot(in_flight))
 
-  def _train_step(self, batch: Batch, queued: int, started: float) -> dict[str, float]:
-    """Trains on ``batch``; ``started``: when this step's launches began. Its ``time/``
-    metrics are wall seconds of this loop iteration: ``rollout_s`` from ``started`` until
-    the kind made the batch's training rows (launching, which in the inline local backend is
-    the generation itself, waiting, scoring), ``train_s`` the update (and the trainer's push
-    of the new version), ``step_s`` the whole iteration (evaluation included)."""
-    made = self.kind.make(batch, self.kind.merge(self._gather(
-        batch, self._sampling_root(batch.index))), self.trainer.version)
+  def _save_snapshot(self, state, arrays: dict[str, dict[str, np.ndarray]]) -> None:
+    """Has the trainer save ``state`` (a ``ControllerState`` of step ``state.step``, which
+    must be the trainer's step: its params are saved beside it) with ``arrays``; records how
+    long the hand-over took (``_overruns``)."""
+    began = time.perf_counter()
+    self.trainer.save(state.step, state.to_dict(), arrays).result()
+    self.checkpoints.saved()
+    self._save_s = time.perf_counter() - began
+    self._saved_step = state.step
+
+  # ------------------------------------------------------------------------- preemption
+
+  def _abandon_window(self, in_flight: Sequence[Batch]):
+    """``(guard, pending)`` for the step about to start: ``guard`` the installed
+    ``PreemptionGuard`` when this step may be abandoned on a preemption signal, else None;
+    ``pending`` the snapshot to save then (``snapshot(in_flight)`` now, before the step
+    launches or draws anything; None when the checkpoint of this step already exists).
+
+    A step may be abandoned when the run checkpoints with a notice
+    (``SaveSchedule.preemption_notice_s`` > 0), a guard's handlers are installed (the
+    launch's) and the job is one process (on several, every process would have to abandon
+    at the same point: they finish the step instead). Until its update is submitted a step
+    has changed nothing the trainer holds, so the snapshot taken before it, saved with the
+    trainer's params, is the checkpoint the step before wrote or would have written: the
+    relaunch regenerates the abandoned step's rollouts with the same keys and version."""
+    guard = PreemptionGuard.active()
+    if (guard is None or self.checkpoints is None or self.stop is None
+        or not self.checkpoints.preemption_notice_s or jax.process_count() > 1):
+      return None, None
+    return guard, (None if self._saved_step == self.step else self.snapshot(in_flight))
+
+  def _overruns(self, started: float) -> bool:
+    """Whether the step that began at ``started`` (``time.perf_counter()``), finished and
+    then saved, would end later than the preemption notice from now: its expected rest (the
+    last step's wall time minus what it has run; unknown for a process's first step, which
+    compiles: True) plus the last save's hand-over time."""
+    if self._step_s is None:
+      return True
+    rest = max(0.0, started + self._step_s - time.perf_counter())
+    return rest + self._save_s > self.checkpoints.preemption_notice_s
+
+  def _abandon(self, pending, started: float) -> None:
+    """Saves ``pending`` (``_abandon_window``'s snapshot; None: saved already) after the
+    step in progress since ``started`` was abandoned."""
+    if pending is not None:
+      self._save_snapshot(*pending)
+    message = (f'preempted: abandoned step {self.step + 1} of {self.settings.total_steps} '
+               f'after {time.perf_counter() - started:.1f} s (it would have overrun the '
+               f'{self.checkpoints.preemption_notice_s:g} s preemption notice); the '
+               f'checkpoint after step {self.step} is saved, relaunch with the same '
+               '--workdir to resume (the step is generated again).')
+    logging.warning(message)
+
+  def _train_step(self, batch: Batch, made: Made, queued: int, started: float
+                  ) -> dict[str, float]:
+    """Trains on ``made``, the kind's training rows of ``batch`` (``RolloutKind.make``);
+    ``started``: when this step's launches began. Its ``time/`` metrics are wall seconds of
+    this loop iteration: ``rollout_s`` from ``started`` until the kind made the batch's
+    training rows (launching, which in the inline local backend is the generation itself,
+    waiting, scoring), ``train_s`` the update (and the trainer's push of the new version),
+    ``step_s`` the whole iteration (evaluation included)."""
     t_rollout = time.perf_counter() - started
     metrics = {**made.metrics, **self._start_eval}
     self._start_eval = {}
@@ -331,6 +402,7 @@ class Controller(Snapshots):
         'time/step_s': time.perf_counter() - started,
         'time/rollout_tokens_per_s': made.tokens_per_s,
     })
+    self._step_s = metrics['time/step_s']
     return metrics
 
   def _update(self, made: Made, metrics: dict[str, float]) -> np.ndarray:

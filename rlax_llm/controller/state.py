@@ -107,4 +107,5 @@ class Snapshots:
     self.step_versions = list(state.step_versions)
     self.counters = collections.Counter(state.counters)
     self.events = list(state.events)
+    self._saved_step = state.step  # the checkpoint restored: abandoning the next step saves none
     self._restored_inflight = self.kind.restore(state, arrays or {})

@@ -1,6 +1,7 @@
 """``python -m rlax_llm.serve``: a config's policy served, its closed episodes written."""
 
 import json
+import logging
 import queue
 import threading
 
@@ -10,7 +11,9 @@ import pytest
 openai = pytest.importorskip('openai')
 
 from smoke_config import smoke_config  # tests/smoke_config.py
+from step_checkpoint import write_step_checkpoint  # tests/step_checkpoint.py
 
+from rlax_llm import console
 from rlax_llm.serve import __main__ as serve_main
 
 
@@ -45,13 +48,59 @@ def test_an_api_key_variable_that_is_not_set_is_an_error(monkeypatch, capsys):
   monkeypatch.delenv('RLAX_TEST_KEY', raising=False)
   with pytest.raises(SystemExit, match='--api_key_env=RLAX_TEST_KEY names an environment'):
     serve_main.main(['serve', '--api_key_env=RLAX_TEST_KEY'])
+
+
+def test_help_documents_every_flag_with_its_help_string(capsys):
   serve_main.main(['serve', '--help'])
-  assert 'usage: python -m rlax_llm.serve' in capsys.readouterr().out
+  out = ' '.join(capsys.readouterr().out.split())
+  assert out.startswith('usage: python -m rlax_llm.serve')
+  values = serve_main.flags.FlagValues()
+  for name in serve_main._define_flags(values):  # pylint: disable=protected-access
+    assert values[name].help and f' --{name}: {values[name].help}' in out, name
+  assert '--model_name: The model name clients ask for' in out
+  assert '--port: Port to listen on (0: a free one; the base_url line says which). (default: ' \
+         '8000)' in out
+
+
+def test_a_checkpoint_is_served_as_its_step_and_version_under_model_name(tmp_path, caplog,
+                                                                        monkeypatch):
+  """--checkpoint of a step-5 checkpoint (params version 4: one update was skipped): the
+  first log line names the step and version, X-Params-Version and the recorded tokens carry
+  the version, and --model_name is what /v1/models lists."""
+  config = smoke_config(rollout__slots=2)
+  write_step_checkpoint(tmp_path, config, step=5, version=4)
+  what, version = serve_main.serving_what(str(tmp_path))
+  assert what == f'serving step 5 (params version 4) of {tmp_path}/checkpoints/steps/5'
+  assert version == 4 and serve_main.serving_what(None)[1] == 0
+  called = {}
+  with monkeypatch.context() as patch:
+    patch.setattr(serve_main, 'serve', lambda config, **kwargs: called.update(kwargs))
+    with caplog.at_level(logging.INFO, logger=console.PHASE_LOGGER):
+      serve_main.main(['serve', f'--checkpoint={tmp_path}', '--model_name=mine'])
+  phases = [r.getMessage() for r in caplog.records if r.name == console.PHASE_LOGGER]
+  assert phases == [what, f'serving with the run\'s own config, {tmp_path}/config.json']
+  assert called['model_name'] == 'mine' and called['checkpoint'] == str(tmp_path)
+  stop, urls = threading.Event(), queue.Queue()
+  thread = threading.Thread(target=serve_main.serve, args=(config,), kwargs={
+      'checkpoint': str(tmp_path), 'port': 0, 'model_name': 'mine', 'stop': stop,
+      'started': urls.put})
+  thread.start()
+  try:
+    url = urls.get(timeout=60)
+    assert httpx.get(f'{url}/models').json()['data'][0]['id'] == 'mine'
+    response = httpx.post(f'{url}/completions', json={
+        'model': 'mine', 'prompt': '1+2=', 'max_tokens': 2, 'seed': 0,
+        'logprobs': 0}, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.headers['x-params-version'] == '4'
+  finally:
+    stop.set()
+    thread.join(60)
 
 
 def test_a_network_host_without_a_token_is_refused_before_the_model_loads(monkeypatch):
   loaded = []
-  monkeypatch.setattr(serve_main.evaluate, 'policy_worker', lambda *a: loaded.append(a))
+  monkeypatch.setattr(serve_main.evaluate, 'policy_worker', lambda *a, **k: loaded.append(a))
   with pytest.raises(SystemExit) as raised:
     serve_main.main(['serve', '--host=0.0.0.0'])
   message = str(raised.value)
@@ -77,7 +126,7 @@ def test_a_trusted_network_flag_serves_without_a_token(monkeypatch):
     built.update(kwargs)
     raise Stop
 
-  monkeypatch.setattr(serve_main.evaluate, 'policy_worker', lambda *a: (None, None, None))
+  monkeypatch.setattr(serve_main.evaluate, 'policy_worker', lambda *a, **k: (None, None, None))
   monkeypatch.setattr('rlax_llm.serve.openai_api.Endpoint', endpoint)
   with pytest.raises(Stop):
     serve_main.main(['serve', '--host=0.0.0.0', '--allow_unauthenticated_network',
