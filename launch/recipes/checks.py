@@ -14,7 +14,7 @@ import ml_collections
 from jax._src import xla_bridge
 
 from launch.recipes.slices import SLICES, SliceError, SliceType, with_chips
-from rlax_llm import memory_fit, roles
+from rlax_llm import hub_check, memory_fit, roles
 from rlax_llm.config import validate_config
 from rlax_llm.models import presets
 from rlax_llm.models.decoder_config import DTYPES, DecoderConfig
@@ -246,8 +246,9 @@ def validate_on_devices(config: ml_collections.ConfigDict, devices: int) -> list
   JAX gets ``devices`` CPU devices, so this must run before anything in the process
   initialises a JAX backend (``python -m launch.recipes`` does). A ``model.path``
   that is not on this machine (a path on the hosts, ``gs://``) is checked on the hosts; a
-  Hugging Face hub id (``ORG/NAME``) is checked syntactically here (nothing is downloaded)
-  and fetched on the hosts.
+  Hugging Face hub id (``ORG/NAME``) and a hub dataset (``hf://``) are checked on the hub when
+  it is reachable (``rlax_llm.hub_check``: exist at their revision; no weights downloaded)
+  and fetched on the hosts; offline, a note says they were not verified.
   """
   if not xla_bridge.backends_are_initialized():
     jax.config.update('jax_platforms', 'cpu')
@@ -267,7 +268,9 @@ def validate_on_devices(config: ml_collections.ConfigDict, devices: int) -> list
     checked.model.path = os.devnull
     notes.append(f'config.model.path={path!r} is not on this machine: it must exist on every '
                  'host (checked there by the launch).')
-  validate_config(checked)
+  online, lines = hub_check.verify(config)
+  notes += lines
+  validate_config(checked, read_hub=online)
   roles.check_meshes(checked)  # the meshes on the launch's devices (roles.prepare's first check)
   return notes
 
