@@ -30,7 +30,10 @@ rest). Paths are ``etils.epath.Path`` values, the path type Orbax uses: local pa
   them, write the workdir).
 
 GCS credentials are Google's application default credentials (a TPU VM's service account,
-``gcloud auth application-default login``); ``gcsfs`` and TensorStore both read them. Against a
+``gcloud auth application-default login``); ``gcsfs`` and TensorStore both read them. The
+first ``path`` of a bucket checks them and the bucket once (``check_bucket``: one listing, no
+retries), so a command given a bucket it cannot use (no credentials, no such bucket, no
+permission, no network) fails in seconds with one ``WorkdirError`` naming the fix. Against a
 local emulator set ``STORAGE_EMULATOR_HOST`` (gcsfs) and ``TENSORSTORE_GCS_HTTP_URL``
 (TensorStore, Orbax's array storage) to its URL: this module then talks to it anonymously and
 turns off gcsfs's first probe of a bucket's type over gRPC (an emulator does not answer it and

@@ -17,7 +17,7 @@ import requests
 
 import gcs_emulator  # tests/gcs_emulator.py
 from one_device import ROOT, one_device_env
-from rlax_llm import storage
+from rlax_llm import evaluate, storage
 from rlax_llm.errors import WorkdirError
 
 BUCKET = 'access-bucket'
@@ -119,6 +119,15 @@ def test_gcs_out_of_reach_is_one_line_not_a_minute_of_retries(real_gcs, monkeypa
                      r'.googleapis.com\) could not be reached \(ConnectionError\); check the '
                      r'network.$'):
     storage.path('gs://my-bucket/runs/a')
+
+
+def test_evaluate_and_serve_reach_the_check_through_the_run_workdir(emulator):
+  """``evaluate`` and ``serve`` find a --checkpoint's run through ``evaluate.config_for`` ->
+  ``run_workdir`` (a storage path): the same one line, inside their ``one_line_errors``."""
+  del emulator
+  with pytest.raises(WorkdirError, match=r"^gs://gone-bucket/runs/a: the bucket 'gone-bucket' "
+                     'does not exist'):
+    evaluate.config_for([], 'gs://gone-bucket/runs/a')
 
 
 def test_launch_on_a_missing_bucket_prints_one_error_line(emulator, tmp_path):
