@@ -94,8 +94,9 @@ def _closest(api: Any, item: HubId) -> list[str]:
   return difflib.get_close_matches(item.repo_id, ids, n=1, cutoff=0.8)
 
 
-def _check(api: Any, item: HubId) -> str:
-  """One id asked of the hub: the line saying it was found, or ConfigError."""
+def _check(api: Any, item: HubId) -> tuple[str, bool]:
+  """One id asked of the hub: ``(line, answered)``, the line saying it was found (or that the
+  hub did not answer: ``answered`` False), or ConfigError."""
   from huggingface_hub import errors  # pylint: disable=import-outside-toplevel
   info = api.model_info if item.kind == 'model' else api.dataset_info
   at = item.revision or 'its default branch'
@@ -103,7 +104,7 @@ def _check(api: Any, item: HubId) -> str:
     found = info(item.repo_id, revision=item.revision, timeout=REQUEST_TIMEOUT_S)
   except errors.GatedRepoError:
     return (f'{item.key}={item.shown!r} is on the hub and gated: accept its conditions on its '
-            'hub page and set HF_TOKEN on the hosts to a token of that account.')
+            'hub page and set HF_TOKEN on the hosts to a token of that account.'), True
   except errors.RevisionNotFoundError:
     key = 'config.model.revision' if item.kind == 'model' else item.key
     raise ConfigError(f'{key}: the hub {item.kind} {item.repo_id} has no revision '
@@ -117,10 +118,10 @@ def _check(api: Any, item: HubId) -> str:
                       ) from None
   except (errors.HfHubHTTPError, OSError) as e:
     return (f'{item.key}={item.shown!r} not verified: the hub did not answer '
-            f'({type(e).__name__}); the hosts fetch it.')
+            f'({type(e).__name__}); the run fetches it when it starts.'), False
   sha = getattr(found, 'sha', None)
   return (f'{item.key}={item.shown!r}: the hub {item.kind} exists at {at}'
-          + (f' (commit {sha[:12]})' if sha else '') + '; nothing was downloaded.')
+          + (f' (commit {sha[:12]})' if sha else '') + '; nothing was downloaded.'), True
 
 
 def verify(config: ml_collections.ConfigDict, api: Any = None,
@@ -133,7 +134,7 @@ def verify(config: ml_collections.ConfigDict, api: Any = None,
     offline: why the hub cannot be asked (a str), None when it can, or False (the default)
       to find out (``offline_reason``).
   Returns:
-    ``(online, lines)``: whether the hub was asked (so ``validate_config`` may read the hub
+    ``(online, lines)``: whether the hub answered (so ``validate_config`` may read the hub
     dataset: ``read_hub=online``), and one line per id checked, or one line saying what was
     not verified.
   Raises:
@@ -157,4 +158,5 @@ def verify(config: ml_collections.ConfigDict, api: Any = None,
   if api is None:
     from huggingface_hub import HfApi  # pylint: disable=import-outside-toplevel
     api = HfApi()
-  return True, [_check(api, item) for item in ids]
+  checked = [_check(api, item) for item in ids]
+  return all(answered for _, answered in checked), [line for line, _ in checked]

@@ -142,6 +142,21 @@ def test_a_missing_revision_or_dataset_is_refused_and_a_gated_model_noted():
   assert 'is on the hub and gated' in lines[0] and 'HF_TOKEN' in lines[0]
 
 
+def test_a_hub_that_stops_answering_leaves_the_dataset_unread(gsm8k):
+  """The probe connected but a request failed: noted, and validation then reads no dataset
+  (it would retry the hub for 25 s)."""
+  api = _hub()
+
+  def down(repo_id, revision=None, timeout=None):
+    raise errors.HfHubHTTPError('503 Server Error', response=httpx2.Response(
+        503, request=httpx2.Request('GET', 'https://huggingface.co/api/datasets/x')))
+  api.dataset_info = down
+  online, lines = hub_check.verify(gsm8k, api, offline=None)
+  assert not online
+  assert lines[1] == ("config.task.path='hf://datasets/openai/gsm8k' not verified: the hub did "
+                      'not answer (HfHubHTTPError); the run fetches it when it starts.')
+
+
 def test_a_config_without_hub_ids_asks_nothing():
   config = load_config(['--config=configs/default.py:smoke'])
   assert hub_check.verify(config, FakeApi(), offline=False) == (True, [])
