@@ -247,19 +247,26 @@ def test_own_model_and_data_quotes_the_cpu_runs_memory_plan():
   assert [int(g) for g in quoted.groups()] == planned, planned
 
 
-def resumable_keys_sentence() -> str:
-  """docs/checkpoints.md's list of the keys a resume may change, rendered from
-  ``run_config.RESUMABLE_CHANGES`` (the list the resume's refusal prints)."""
+def resumable_keys() -> tuple[list[str], list[str]]:
+  """``run_config.RESUMABLE_CHANGES`` as docs/checkpoints.md lists them (the list the resume's
+  refusal prints): the sentence naming the keys of the schema, and the removed keys (absent
+  from the packaged default config, kept so that old runs resume), named without backticks
+  (the docs' stale-name check would flag them)."""
   from rlax_llm.run_config import RESUMABLE_CHANGES  # pylint: disable=import-outside-toplevel
-  keys = [f'`{k}*`' if k.endswith('.') else f'`{k}`' for k in RESUMABLE_CHANGES]
-  return f'only {", ".join(keys[:-1])} and {keys[-1]} may change'
+  schema = _leaves(load_config_file(str(ROOT / 'configs' / 'default.py')))
+  live = [k for k in RESUMABLE_CHANGES
+          if any(s == k.rstrip('.') or s.startswith(k) for s in schema)]
+  keys = [f'`{k}*`' if k.endswith('.') else f'`{k}`' for k in live]
+  removed = [k.rstrip('.') for k in RESUMABLE_CHANGES if k not in live]
+  return [f'only {", ".join(keys[:-1])} and {keys[-1]} may change'], removed
 
 
 def test_checkpoints_doc_lists_the_keys_the_resume_error_lists():
   text = ' '.join((ROOT / 'docs' / 'checkpoints.md').read_text().split())
-  assert resumable_keys_sentence() in text, (
-      'docs/checkpoints.md\'s resumable keys differ from run_config.RESUMABLE_CHANGES; '
-      'write: ' + resumable_keys_sentence())
+  (sentence,), removed = resumable_keys()
+  assert sentence in text, ('docs/checkpoints.md\'s resumable keys differ from '
+                            'run_config.RESUMABLE_CHANGES; write: ' + sentence)
+  assert all(f'{k} (a removed' in text for k in removed), removed
 
 
 def test_gsm8k_docstring_names_the_worker_meshes_the_recipes_check():
