@@ -52,6 +52,9 @@ SKIPPED = {
     'done; wait': 'the loop above',
 }
 RUNNABLE = ('--dry-run', '--print_config', '--help', 'launch.recipes slices')
+# Placeholders the reader replaces, where the command checks the value's form: an example
+# value (BUCKET, IMAGE and the like pass as they are).
+PLACEHOLDERS = {'@PROJECT.iam.gserviceaccount.com': '@my-project.iam.gserviceaccount.com'}
 # Wrappers of the recipes: the recipe each runs (their scripts exec python -m launch.recipes).
 WRAPPERS = {'bash launch/tpu_vm/launch.sh': 'tpu-vm', 'bash launch/multihost/launch.sh':
             'multihost', 'bash launch/ray/launch.sh': 'ray',
@@ -148,7 +151,10 @@ def test_every_runnable_doc_command_parses(command):
 def _run(command: Command) -> subprocess.CompletedProcess:
   """``command`` as a user runs it from the checkout, offline (HF_HUB_OFFLINE: the hub is
   never asked), on one CPU device."""
-  args = command.args
+  text = command.text
+  for placeholder, example in PLACEHOLDERS.items():
+    text = text.replace(placeholder, example)
+  args = shlex.split(text)
   env = dict(one_device_env(), HF_HUB_OFFLINE='1', PYTHON=sys.executable)
   if args[0] == 'python':
     args = [sys.executable, *args[1:]]
