@@ -2,7 +2,8 @@
 config imports that git archive would not copy (untracked, or outside the checkout: only on
 this machine's PYTHONPATH) and task data the hosts cannot see are refused with the fix.
 
-Against a throwaway git checkout in tmp_path (cheap, in-process); one dry run end to end."""
+Against a throwaway git checkout in tmp_path (cheap, in-process); one dry run end to end
+(slow)."""
 
 import os
 import pathlib
@@ -87,6 +88,8 @@ def test_hub_datasets_and_bundled_files_need_no_shipping(checkout):
     assert check_shipped(config, [], checkout, 'HEAD').endswith('committed at HEAD')
 
 
+@pytest.mark.slow  # a dry run (20 s here); the default run sees the check's line in the
+# newcomer path's dry run (tests/test_doc_commands.py), and the check's cases above
 def test_dry_run_refuses_a_task_class_only_on_the_local_pythonpath(tmp_path):
   """End to end: the task class comes from a module on PYTHONPATH outside the checkout (the
   dry run used to approve it, and the hosts would fail to import it)."""
