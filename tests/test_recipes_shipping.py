@@ -59,6 +59,24 @@ def test_an_untracked_module_the_config_imports_is_refused_with_git_add(checkout
                           'add scratch_reward.py and commit it.')
 
 
+def test_a_committed_module_found_through_pythonpath_is_refused(checkout):
+  """docs/examples/my_task.py imported as my_task (PYTHONPATH=docs/examples): committed, but
+  on the hosts the launch runs in the checkout's root with no PYTHONPATH."""
+  (checkout / 'examples').mkdir()
+  (checkout / 'examples' / 'my_task.py').write_text('')
+  (checkout / 'examples' / '__init__.py').write_text('')
+  _git(checkout, 'add', 'examples')
+  _git(checkout, '-c', 'user.name=t', '-c', 'user.email=t@t', 'commit', '-q', '-m', 'y')
+  with pytest.raises(SliceError, match=r"^the config imports my_task from examples/my_task.py, "
+                     r"found through this machine's PYTHONPATH: .* where my_task does not "
+                     r"import; move the module to the checkout's root"):
+    check_shipped(smoke_config(), [_module('my_task', checkout / 'examples' / 'my_task.py')],
+                  checkout, 'HEAD')
+  assert check_shipped(smoke_config(), [
+      _module('examples.my_task', checkout / 'examples' / 'my_task.py'),
+      _module('examples', checkout / 'examples' / '__init__.py')], checkout, 'HEAD')
+
+
 def test_a_module_only_on_the_local_pythonpath_is_refused(checkout, tmp_path):
   elsewhere = tmp_path / 'mine' / 'rewards.py'
   with pytest.raises(SliceError, match=r'the config imports rewards from .*/mine/rewards.py, '

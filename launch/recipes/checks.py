@@ -375,7 +375,8 @@ def check_shipped(config: ml_collections.ConfigDict, modules: Iterable[types.Mod
 
   ``modules``: those loading and validating the config imported (a task or reward class by
   import path, what a config file imports). One under ``root`` must be committed at ``ref``
-  (an untracked file is not archived); one elsewhere that is not an installed package or the
+  (an untracked file is not archived) and import by its path from ``root`` (the launch runs
+  there with no ``PYTHONPATH``); one elsewhere that is not an installed package or the
   standard library is only on this machine's ``PYTHONPATH``. A task's local data path
   (``_data_paths``) must be a file of ``ref`` given relative to the checkout (the launch runs
   in the hosts' copy of it), or a hub dataset. Returns the line saying what was checked.
@@ -402,8 +403,17 @@ def check_shipped(config: ml_collections.ConfigDict, modules: Iterable[types.Mod
           f'the config imports {module.__name__} from {path}, outside {root}: the hosts get '
           'only this checkout and the packages their setup installs; move the module into the '
           'checkout and commit it, or make it a package installed on every host.')
-    elif (committed is not None
-          and (rel := path.resolve().relative_to(root.resolve())).as_posix() not in committed):
+      continue
+    rel = path.resolve().relative_to(root.resolve())
+    parts = rel.with_suffix('').parts
+    if (parts[:-1] if parts[-1] == '__init__' else parts) != tuple(module.__name__.split('.')):
+      problems.append(
+          f'the config imports {module.__name__} from {rel}, found through this machine\'s '
+          'PYTHONPATH: the launch on the hosts runs in the root of their copy of the checkout '
+          f'with no PYTHONPATH, where {module.__name__} does not import; move the module to '
+          'the checkout\'s root (or into a package there) and name it by its path from the '
+          'root.')
+    elif committed is not None and rel.as_posix() not in committed:
       problems.append(f'the config imports {module.__name__} from {rel}, which is not committed '
                       f'at {ref}: git archive does not copy it to the hosts; git add {rel} and '
                       'commit it.')
