@@ -77,6 +77,14 @@ def test_a_committed_module_found_through_pythonpath_is_refused(checkout):
       _module('examples', checkout / 'examples' / '__init__.py')], checkout, 'HEAD')
 
 
+def test_the_config_file_loaded_as_a_module_is_left_to_the_config_check(checkout):
+  config_file = checkout / 'my_reward.py'  # any committed file: ml_collections' module name
+  module = _module('config_config', config_file)
+  with pytest.raises(SliceError, match='found through this machine'):
+    check_shipped(smoke_config(), [module], checkout, 'HEAD')
+  assert check_shipped(smoke_config(), [module], checkout, 'HEAD', config_file)
+
+
 def test_a_module_only_on_the_local_pythonpath_is_refused(checkout, tmp_path):
   elsewhere = tmp_path / 'mine' / 'rewards.py'
   with pytest.raises(SliceError, match=r'the config imports rewards from .*/mine/rewards.py, '

@@ -368,7 +368,8 @@ def _data_paths(config: ml_collections.ConfigDict) -> list[tuple[str, str]]:
 
 
 def check_shipped(config: ml_collections.ConfigDict, modules: Iterable[types.ModuleType],
-                  root: pathlib.Path, ref: str | None) -> list[str]:
+                  root: pathlib.Path, ref: str | None,
+                  config_file: pathlib.Path | None = None) -> str:
   """Refuses what the run needs but the hosts would not get: the hosts get the files of git
   ref ``ref`` of the checkout ``root`` (``git archive``; ``ref=None``: the whole working tree,
   as the GKE image copies it) plus the packages their setup installs.
@@ -379,7 +380,9 @@ def check_shipped(config: ml_collections.ConfigDict, modules: Iterable[types.Mod
   there with no ``PYTHONPATH``); one elsewhere that is not an installed package or the
   standard library is only on this machine's ``PYTHONPATH``. A task's local data path
   (``_data_paths``) must be a file of ``ref`` given relative to the checkout (the launch runs
-  in the hosts' copy of it), or a hub dataset. Returns the line saying what was checked.
+  in the hosts' copy of it), or a hub dataset. ``config_file``: the ``--config`` file, which
+  ml_collections loads as a module too and the recipes check as the config. Returns the line
+  saying what was checked.
 
   Raises:
     SliceError: every such module or path, each with its fix.
@@ -396,7 +399,8 @@ def check_shipped(config: ml_collections.ConfigDict, modules: Iterable[types.Mod
     if not file:
       continue
     path = pathlib.Path(file).absolute()
-    if any(under(path, d) for d in library):
+    if any(under(path, d) for d in library) or (
+        config_file is not None and path.resolve() == config_file.resolve()):
       continue
     if not under(path, root):
       problems.append(

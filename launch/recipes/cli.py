@@ -325,7 +325,7 @@ def run(argv: Sequence[str]) -> int:
   # config file imports) must reach the hosts, as must the task's local data.
   plan.checked.append(check_shipped(
       config, [sys.modules[m] for m in set(sys.modules) - imported_before], ROOT,
-      getattr(opts, 'ref', None)))
+      getattr(opts, 'ref', None), pathlib.Path(opts.config.partition(':')[0])))
   memory = memory_check(config, plan, *hbm, shared=shared)
   if memory:
     plan.checked += memory
