@@ -24,6 +24,7 @@ import difflib
 import os
 import socket
 import urllib.parse
+import urllib.request
 from typing import Any
 
 import ml_collections
@@ -67,13 +68,18 @@ def hub_ids(config: ml_collections.ConfigDict) -> list[HubId]:
 
 def offline_reason(timeout_s: float = CONNECT_TIMEOUT_S) -> str | None:
   """Why the hub cannot be asked, or None when it can: ``HF_HUB_OFFLINE`` set (as
-  huggingface_hub reads it), or no TCP connection to its endpoint (``HF_ENDPOINT``) within
-  ``timeout_s``."""
+  huggingface_hub reads it), or no TCP connection to its endpoint (``HF_ENDPOINT``), or to the
+  proxy the environment names for it, within ``timeout_s``."""
   from huggingface_hub import constants  # pylint: disable=import-outside-toplevel  # heavy
   if constants.HF_HUB_OFFLINE or os.environ.get('HF_HUB_OFFLINE', '').lower() in ('1', 'true',
                                                                                  'yes', 'on'):
     return 'HF_HUB_OFFLINE is set'
   endpoint = urllib.parse.urlsplit(constants.ENDPOINT)
+  # Behind a proxy (HTTPS_PROXY and the like, as huggingface_hub's client reads them) the
+  # connection that must open is the proxy's.
+  proxy = urllib.request.getproxies().get(endpoint.scheme)
+  if proxy and not urllib.request.proxy_bypass(endpoint.hostname):
+    endpoint = urllib.parse.urlsplit(proxy if '://' in proxy else f'http://{proxy}')
   port = endpoint.port or (443 if endpoint.scheme == 'https' else 80)
   try:
     with socket.create_connection((endpoint.hostname, port), timeout=timeout_s):

@@ -100,9 +100,24 @@ def test_no_network_is_found_in_one_short_connect(monkeypatch):
   monkeypatch.setattr(constants, 'HF_HUB_OFFLINE', False)
   monkeypatch.delenv('HF_HUB_OFFLINE', raising=False)
   monkeypatch.setattr(constants, 'ENDPOINT', f'http://127.0.0.1:{port}')
+  for proxy in ('HTTP_PROXY', 'http_proxy', 'HTTPS_PROXY', 'https_proxy'):
+    monkeypatch.delenv(proxy, raising=False)
   start = time.perf_counter()
   assert hub_check.offline_reason() == 'no network'
   assert time.perf_counter() - start < hub_check.CONNECT_TIMEOUT_S + 1
+
+
+def test_behind_a_proxy_the_proxy_is_what_must_answer(monkeypatch):
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    s.listen()
+    monkeypatch.setattr(constants, 'HF_HUB_OFFLINE', False)
+    monkeypatch.delenv('HF_HUB_OFFLINE', raising=False)
+    monkeypatch.setattr(constants, 'ENDPOINT', 'https://hub.invalid')
+    monkeypatch.setenv('HTTPS_PROXY', f'http://127.0.0.1:{s.getsockname()[1]}')
+    monkeypatch.delenv('NO_PROXY', raising=False)
+    monkeypatch.delenv('no_proxy', raising=False)
+    assert hub_check.offline_reason() is None
 
 
 def test_online_the_ids_are_checked_at_their_revision_without_downloading(gsm8k):
