@@ -37,6 +37,7 @@ from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.schedule import (ON_SWAP, SCHEDULES, SHORT_BATCHES, ControllerSettings,
                                EpisodeSettings)
 from rlax_llm.serve.harness import is_harness, load_harness
+from rlax_llm.tasks.hub_datasets import is_hub_url, parse_dataset_url
 from rlax_llm.tasks.prompt_length import OVERLONG_POLICIES
 from rlax_llm.tokenization import CharTokenizer
 from rlax_llm.transport_spec import check_transport
@@ -327,9 +328,14 @@ def _validate_episodes(config: ml_collections.ConfigDict) -> None:
                       '(docs/environments.md).')
 
 
-def validate_config(config: ml_collections.ConfigDict) -> RunSpec:
+def validate_config(config: ml_collections.ConfigDict, *, read_hub: bool = True) -> RunSpec:
   """The run's typed values (``run_spec``), built once here with every check; raises
   ``ConfigError`` naming the first key that is missing or invalid.
+
+  ``read_hub=False`` (a dry run without the network, ``rlax_llm.hub_check``): a task whose
+  ``task.path`` is a hub dataset (``hf://``) is not built, since that reads the dataset; its
+  class and fields are checked (``tasks.task_fields``), its data and reward components on
+  the hosts.
 
   Checks everything that needs neither JAX nor a model file: every key of the schema (the
   packaged default config's), choices, ints and floats, the loss, the sampling transform,
@@ -366,8 +372,8 @@ def validate_config(config: ml_collections.ConfigDict) -> RunSpec:
   _validate_free_running(config)
   if config.env.name:
     _validate_episodes(config)
-  task = _validate_task(config)
-  if settings.reward:
+  task = _validate_task(config, read_hub)
+  if settings.reward and task is not None:
     with naming(''):
       rewards.make_components(settings.reward, task, settings.max_new_tokens)
   model_spec.check_config(config)
@@ -463,11 +469,12 @@ def effective_config(config: ml_collections.ConfigDict) -> ml_collections.Config
   return effective
 
 
-def _validate_task(config: ml_collections.ConfigDict):
+def _validate_task(config: ml_collections.ConfigDict, read_hub: bool = True):
   """The task ``config.task`` builds (a built-in name or a task class by import path);
   ConfigError naming the field when it cannot, or when the run needs what the task lacks: a
   ``charset`` for ``model.name='tiny'`` (its character tokenizer's alphabet), ``sft_example``
-  for a warm-up."""
+  for a warm-up. None, with only the class and fields checked, for a hub dataset task when
+  not ``read_hub``."""
   name = lookup(config, 'task.name')
   if config.env.name:  # an environment run: its prompts are the environment's seeds
     with naming('agent.'):
@@ -476,8 +483,15 @@ def _validate_task(config: ml_collections.ConfigDict):
     raise ConfigError(f'config.task.name={name!r} is not valid; choose one of '
                       f'{sorted(tasks.TASKS)}, or a task class of yours as '
                       '"module.path:ClassName" (docs/custom_tasks.md).')
+  fields = config.task.to_dict() | {'seed': config.seed}
+  if not read_hub and is_hub_url(fields.get('path')):
+    with naming('task: '):
+      task_cls, _ = tasks.task_fields(fields)
+      parse_dataset_url(fields['path'])
+    _check_warmup(config, name, task_cls)
+    return None
   with naming('task: '):
-    task = tasks.make_task(config.task.to_dict() | {'seed': config.seed})
+    task = tasks.make_task(fields)
   if config.model.name == 'tiny':
     if not task.charset:
       raise ConfigError(
@@ -487,8 +501,12 @@ def _validate_task(config: ml_collections.ConfigDict):
           '(docs/custom_tasks.md).')
     with naming(f'task: {name!r} charset: '):
       CharTokenizer(task.charset)
-  if config.warmup.steps > 0 and not tasks.defines(type(task), 'sft_example'):
+  _check_warmup(config, name, type(task))
+  return task
+
+
+def _check_warmup(config: ml_collections.ConfigDict, name: str, task_cls: type) -> None:
+  if config.warmup.steps > 0 and not tasks.defines(task_cls, 'sft_example'):
     raise ConfigError(f'config.warmup.steps={config.warmup.steps} needs warm-up demonstrations '
                       f'but task {name!r} defines no sft_example(index); set warmup.steps=0 '
                       'or implement it (docs/custom_tasks.md).')
-  return task

@@ -150,6 +150,13 @@ def _format_value(value: Scalar) -> str:
   return str(value) if isinstance(value, int) else f'{value:.4g}'
 
 
+def format_metrics(values: Mapping[str, Any]) -> str:
+  """Metrics as one console line: ``eval/accuracy 0.25, eval/pass@k 0.5`` (numbers as the
+  progress line shows them, anything else as it prints)."""
+  return ', '.join(f'{k} {_format_value(v) if isinstance(v, (int, float)) else v}'
+                   for k, v in values.items())
+
+
 def _format_duration(seconds: float) -> str:
   """``41s``, ``3m05s``, ``2h07m``."""
   seconds = max(0, int(round(seconds)))

@@ -14,12 +14,15 @@ from __future__ import annotations
 import ast
 import os
 import pathlib
+import sys
 import textwrap
 
 import ml_collections
 
+from rlax_llm import hub_check
 from rlax_llm.cli import CONFIG_DIR, DEFAULT_CONFIG_PATH, config_variants
 from rlax_llm.config import effective_config, validate_config
+from rlax_llm.errors import ConfigError
 
 _USAGE = """\
 usage: python -m rlax_llm.launch [--config=PATH[:VARIANT]] [--config.KEY=VALUE ...]
@@ -97,15 +100,33 @@ def help_text() -> str:
 
 
 def print_config(config: ml_collections.ConfigDict) -> None:
-  """Validates ``config`` (and its meshes, ``roles.check_meshes``) and prints its
-  ``effective_config`` as JSON (sorted keys).
+  """Validates ``config`` and prints its ``effective_config`` as JSON (sorted keys) on stdout.
+
+  The hub ids it names are checked as a dry run checks them (``rlax_llm.hub_check``; offline,
+  one note on stderr says they were not verified). The meshes are checked over this
+  process's devices, as a launch here would check them (``roles.check_meshes``); a config
+  sized for a TPU slice fails that on a laptop's one device, and the error then says how to
+  check it for the slice's chips here (CPU devices standing in for them) or with the recipes.
 
   Raises:
     ConfigError: the invalid key (the command line prints it as one ``error: ...`` line).
   """
-  validate_config(config)
+  online, notes = hub_check.verify(config)
+  validate_config(config, read_hub=online)
   # The meshes over this process's devices, as a launch's roles.prepare checks them first
   # (JAX and the roles' code load only now, once the JAX-free validation passed).
+  import jax  # pylint: disable=import-outside-toplevel
   from rlax_llm import roles  # pylint: disable=import-outside-toplevel
-  roles.check_meshes(config)
+  try:
+    roles.check_meshes(config)
+  except ConfigError as e:
+    raise ConfigError(
+        f'{str(e).rstrip(".")} (this machine has {roles.device_count_text()}, '
+        f'{jax.default_backend().upper()}). For a TPU slice, check the config for its chips '
+        'here with CPU devices standing in for them: JAX_PLATFORMS=cpu '
+        'JAX_NUM_CPU_DEVICES=CHIPS python -m rlax_llm.launch ... --print_config, or with the '
+        'recipes: python -m launch.recipes tpu-vm --tpu-type=SLICE --config=... --dry-run.'
+        ) from None
+  for note in notes:
+    print(f'note: {note}', file=sys.stderr)
   print(effective_config(config).to_json_best_effort(indent=2, sort_keys=True))

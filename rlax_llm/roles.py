@@ -362,6 +362,12 @@ def check_meshes(config: ml_collections.ConfigDict) -> dict[str, Any]:
   return out
 
 
+def device_count_text() -> str:
+  """'1 device' / 'N devices': this process's JAX device count, for the log."""
+  count = jax.device_count()
+  return f'{count} device{"s" * (count != 1)}'
+
+
 def meshes(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """``{'trainer': Mesh, 'inference': [Mesh per worker]}``.
 
@@ -370,7 +376,7 @@ def meshes(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """
   out = role_meshes(config.mesh.trainer.to_dict(), config.mesh.inference.to_dict(),
                     workers=config.rollout.workers, disjoint=config.mesh.disjoint)
-  logging.info('%d devices; trainer mesh %s; %d inference mesh(es) %s', jax.device_count(),
+  logging.info('%s; trainer mesh %s; %d inference mesh(es) %s', device_count_text(),
                dict(out['trainer'].shape), len(out['inference']),
                dict(out['inference'][0].shape))
   return out
@@ -382,5 +388,5 @@ def trainer_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
   form one ``jax.distributed`` job (its mesh spans every one of their devices)."""
   mesh = role_meshes(config.mesh.trainer.to_dict(), config.mesh.inference.to_dict(),
                      workers=0)['trainer']
-  logging.info('%d devices; trainer mesh %s', jax.device_count(), dict(mesh.shape))
+  logging.info('%s; trainer mesh %s', device_count_text(), dict(mesh.shape))
   return mesh

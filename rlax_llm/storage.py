@@ -30,7 +30,10 @@ rest). Paths are ``etils.epath.Path`` values, the path type Orbax uses: local pa
   them, write the workdir).
 
 GCS credentials are Google's application default credentials (a TPU VM's service account,
-``gcloud auth application-default login``); ``gcsfs`` and TensorStore both read them. Against a
+``gcloud auth application-default login``); ``gcsfs`` and TensorStore both read them. The
+first ``path`` of a bucket checks them and the bucket once (``check_bucket``: one listing, no
+retries), so a command given a bucket it cannot use (no credentials, no such bucket, no
+permission, no network) fails in seconds with one ``WorkdirError`` naming the fix. Against a
 local emulator set ``STORAGE_EMULATOR_HOST`` (gcsfs) and ``TENSORSTORE_GCS_HTTP_URL``
 (TensorStore, Orbax's array storage) to its URL: this module then talks to it anonymously and
 turns off gcsfs's first probe of a bucket's type over gRPC (an emulator does not answer it and
@@ -55,7 +58,7 @@ from typing import Any
 from etils import epath
 
 from rlax_llm import extras
-from rlax_llm.errors import WorkdirInUse
+from rlax_llm.errors import WorkdirError, WorkdirInUse
 
 GCS_SCHEME = extras.GCS_SCHEME  # 'gs://': where a path needs the gcs extra is decided there
 _GCS_PROTOCOLS = ('gs', 'gcs')  # the names fsspec (and so epath) looks gcsfs up by
@@ -68,9 +71,13 @@ _FS: dict[str | None, Any] = {}  # gcsfs filesystems by emulator URL (None: GCS)
 
 
 def path(url: str | os.PathLike) -> epath.Path:
-  """The path of ``url``: a local path (relative or absolute) or a ``gs://BUCKET/...`` URL."""
+  """The path of ``url``: a local path (relative or absolute) or a ``gs://BUCKET/...`` URL.
+
+  The first ``gs://`` path of a bucket in a process checks that the bucket can be used
+  (``check_bucket``), so a command given an unusable one fails in seconds with the fix."""
   text = os.fspath(url)
   if text.startswith(GCS_SCHEME):
+    check_bucket(text)  # first: gcsfs's own search for credentials takes 15 s when there are none
     _gcs()  # configures gcsfs for epath before its first gs:// use (emulator, gRPC probe)
   return epath.Path(text)
 
@@ -93,6 +100,18 @@ def _emulator() -> str | None:
   return host if host.startswith(('http://', 'https://')) else f'http://{host}'
 
 
+def _gcsfs_banner(record: logging.LogRecord) -> bool:
+  """False for gcsfs's import-time INFO line ``gcsfs experimental features enabled ...``."""
+  return not record.getMessage().startswith('gcsfs experimental features enabled')
+
+
+def _require_gcsfs() -> Any:
+  """``gcsfs.core`` (MissingExtra naming the gcs extra without it), imported without the
+  banner gcsfs logs at import on every run (``_gcsfs_banner``)."""
+  logging.getLogger('gcsfs').addFilter(_gcsfs_banner)
+  return extras.require('gcsfs.core', f'a {GCS_SCHEME} path')
+
+
 def _gcs() -> Any:
   """The gcsfs filesystem (listings uncached) of GCS or of the configured emulator."""
   emulator = _emulator()
@@ -100,7 +119,7 @@ def _gcs() -> Any:
     if emulator not in _FS:
       # Lazy: gcsfs (aiohttp, google-auth; the gcs extra) is needed only for gs:// paths.
       import fsspec  # pylint: disable=import-outside-toplevel
-      gcsfs_core = extras.require('gcsfs.core', f'a {GCS_SCHEME} path')
+      gcsfs_core = _require_gcsfs()
       kwargs: dict[str, Any] = {'use_listings_cache': False}
       # Other processes and TensorStore (Orbax's array writer) write the workdir, so epath's
       # gcsfs (Orbax's, made by fsspec) must not answer from a cached listing either; a
@@ -119,6 +138,88 @@ def _gcs() -> Any:
       _FS[emulator] = (gcsfs_core.GCSFileSystem(**kwargs) if emulator is not None
                        else fsspec.filesystem('gs', **kwargs))
     return _FS[emulator]
+
+
+_CHECKED: set[tuple[str | None, str]] = set()  # (emulator URL, bucket) found usable
+GCS_API = 'https://storage.googleapis.com'
+_GCS_SCOPE = 'https://www.googleapis.com/auth/devstorage.read_write'
+BUCKET_CHECK_TIMEOUT_S = 10.0  # the one request that checks a bucket (no retries)
+
+
+def check_bucket(url: str | os.PathLike) -> None:
+  """Checks that ``url``'s bucket can be used from this machine, once per bucket and process:
+  credentials (Google's application default credentials; none against an emulator) and one
+  listing of at most one object under the URL's prefix, without retries, within
+  ``BUCKET_CHECK_TIMEOUT_S``. gcsfs would otherwise retry each failing request for about a
+  minute and end in pages of aiohttp tracebacks.
+
+  Raises:
+    WorkdirError: one line naming the fix: no credentials or expired ones (``gcloud auth
+      application-default login``), a bucket that does not exist, one the credentials may
+      not read, or GCS not reachable.
+  """
+  bucket, prefix = _bucket_object(url)
+  emulator = _emulator()
+  if (emulator, bucket) in _CHECKED:
+    return
+  _require_gcsfs()
+  # Lazy: google-auth and requests come with gcsfs (the gcs extra, which _gcs required).
+  import requests  # pylint: disable=import-outside-toplevel
+  where = f'{GCS_SCHEME}{bucket}'
+  login = ('run `gcloud auth application-default login` (on a VM or in a pod: give it a '
+           f'service account with read and write on {where})')
+  headers = {}
+  if emulator is None:
+    import google.auth  # pylint: disable=import-outside-toplevel
+    import google.auth.exceptions  # pylint: disable=import-outside-toplevel
+    import google.auth.transport.requests  # pylint: disable=import-outside-toplevel
+    try:
+      credentials, _ = google.auth.default(scopes=[_GCS_SCOPE])
+      credentials.refresh(google.auth.transport.requests.Request())
+    except google.auth.exceptions.DefaultCredentialsError:
+      raise WorkdirError(f'{url}: this machine has no Google credentials for GCS; {login}.'
+                         ) from None
+    except google.auth.exceptions.RefreshError as e:
+      raise WorkdirError(f'{url}: the Google credentials were refused ({_first_line(e)}); '
+                         f'{login}.') from None
+    except google.auth.exceptions.TransportError as e:
+      raise WorkdirError(f'{url}: GCS could not be reached to sign in ({_first_line(e)}); '
+                         'check the network.') from None
+    headers['Authorization'] = f'Bearer {credentials.token}'
+  api = emulator or GCS_API
+  try:
+    answer = requests.get(f'{api}/storage/v1/b/{bucket}/o', headers=headers,
+                          params={'maxResults': '1', 'prefix': prefix, 'fields': 'kind'},
+                          timeout=BUCKET_CHECK_TIMEOUT_S)
+  except requests.RequestException as e:
+    raise WorkdirError(f'{url}: GCS ({api}) could not be reached ({type(e).__name__}); check '
+                       'the network.') from None
+  if answer.status_code == 404:
+    raise WorkdirError(f'{url}: the bucket {bucket!r} does not exist; create it (`gcloud '
+                       f'storage buckets create {where} --location=REGION`, in the TPU\'s '
+                       'region) or fix the name.')
+  if answer.status_code in (401, 403):
+    refused = 'refused the credentials' if answer.status_code == 401 else 'refused access'
+    raise WorkdirError(f'{url}: GCS {refused} to bucket {bucket!r} (HTTP {answer.status_code}'
+                       f'{": " + _first_line(_message(answer)) if _message(answer) else ""}); '
+                       f'grant this account read and write there (roles/storage.objectUser '
+                       f'on {where}), or {login}.')
+  if answer.status_code >= 400:
+    raise WorkdirError(f'{url}: GCS answered HTTP {answer.status_code} listing bucket '
+                       f'{bucket!r} ({_first_line(_message(answer))}).')
+  _CHECKED.add((emulator, bucket))
+
+
+def _message(answer: Any) -> str:
+  """The ``error.message`` of a GCS JSON error answer, else its text."""
+  try:
+    return str(answer.json()['error']['message'])
+  except (ValueError, KeyError, TypeError):
+    return answer.text or ''
+
+
+def _first_line(error: object) -> str:
+  return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def _key(p: str | os.PathLike) -> str:

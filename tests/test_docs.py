@@ -247,6 +247,44 @@ def test_own_model_and_data_quotes_the_cpu_runs_memory_plan():
   assert [int(g) for g in quoted.groups()] == planned, planned
 
 
+def resumable_keys() -> tuple[list[str], list[str]]:
+  """``run_config.RESUMABLE_CHANGES`` as docs/checkpoints.md lists them (the list the resume's
+  refusal prints): the sentence naming the keys of the schema, and the removed keys (absent
+  from the packaged default config, kept so that old runs resume), named without backticks
+  (the docs' stale-name check would flag them)."""
+  from rlax_llm.run_config import RESUMABLE_CHANGES  # pylint: disable=import-outside-toplevel
+  schema = _leaves(load_config_file(str(ROOT / 'configs' / 'default.py')))
+  live = [k for k in RESUMABLE_CHANGES
+          if any(s == k.rstrip('.') or s.startswith(k) for s in schema)]
+  keys = [f'`{k}*`' if k.endswith('.') else f'`{k}`' for k in live]
+  removed = [k.rstrip('.') for k in RESUMABLE_CHANGES if k not in live]
+  return [f'only {", ".join(keys[:-1])} and {keys[-1]} may change'], removed
+
+
+def test_checkpoints_doc_lists_the_keys_the_resume_error_lists():
+  text = ' '.join((ROOT / 'docs' / 'checkpoints.md').read_text().split())
+  (sentence,), removed = resumable_keys()
+  assert sentence in text, ('docs/checkpoints.md\'s resumable keys differ from '
+                            'run_config.RESUMABLE_CHANGES; write: ' + sentence)
+  assert all(f'{k} (a removed' in text for k in removed), removed
+
+
+def test_gsm8k_docstring_names_the_worker_meshes_the_recipes_check():
+  """configs/gsm8k.py's docstring: the inference meshes it names on v5e-8 and on the 4-chip
+  slices are the ones the recipes' check resolves for its variants."""
+  from rlax_llm.configs import gsm8k  # pylint: disable=import-outside-toplevel
+  doc = ' '.join(gsm8k.__doc__.split())
+  named = set(re.findall(r'data (\d) x tensor (\d)', doc))
+  resolved = set()
+  for variant in gsm8k.VARIANTS:
+    config = load_config([f'--config={ROOT / "configs" / "gsm8k.py"}:{variant}'])
+    for slice_name in ('v5e-8', 'v4-8', 'v5p-8'):
+      mesh = check_local(config, get_slice(slice_name), 'tpu-vm').inference_mesh
+      resolved.add((str(mesh['data']), str(mesh['tensor'])))
+  assert named == resolved, (named, resolved)
+  assert 'on v5e-8 the worker mesh is data 4 x tensor 2 (Qwen2.5)' in doc
+
+
 # --- Names in docs/*.md that must exist in the code -------------------------------------------
 # Each docs page names modules, files, functions, methods and config keys in backticks; a
 # rename or a deletion leaves those names stale. These checks read the code with `ast` (no

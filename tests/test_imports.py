@@ -183,10 +183,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                                 'rlax_llm.envs', 'rlax_llm.serve.harness')),
     # Config files, overrides and validation (config.py, a leaf: it reads the typed values'
     # JAX-free specs, loss_spec, model_spec, sampling_spec, schedule, in the foundation, and
-    # the task and environment registries, and imports no JAX); a run's saved config.
-    # Nothing below imports a config.
+    # the task and environment registries, and imports no JAX); a run's saved config; the
+    # check of its hub ids (hub_check). Nothing below imports a config.
     ('config', ('rlax_llm.cli', 'rlax_llm.config', 'rlax_llm.run_config', 'rlax_llm.configs',
-                'rlax_llm.distributed')),
+                'rlax_llm.distributed', 'rlax_llm.hub_check')),
     # The decoder, its files and its numerics (models.numerics: batch-invariant reductions
     # and products on jax alone, the lower layer of the logits math in policy.py).
     ('models', ('rlax_llm.models',)),

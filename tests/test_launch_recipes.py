@@ -43,7 +43,8 @@ def _config(**fields) -> ml_collections.ConfigDict:
 
 def _recipes(*args: str, env: dict | None = None, timeout: int = 120
              ) -> subprocess.CompletedProcess:
-  full_env = dict(os.environ, **(env or {}))
+  # HF_HUB_OFFLINE: the dry run's hub check (rlax_llm.hub_check) never asks the real hub here.
+  full_env = dict(os.environ, HF_HUB_OFFLINE='1', **(env or {}))
   full_env['PYTHONPATH'] = str(ROOT) + os.pathsep + full_env.get('PYTHONPATH', '')
   return subprocess.run([sys.executable, '-m', 'launch.recipes', *args], cwd=ROOT,
                         env=full_env, capture_output=True, text=True, timeout=timeout)

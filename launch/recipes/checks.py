@@ -7,19 +7,26 @@ import dataclasses
 import math
 import os
 import pathlib
-from collections.abc import Mapping
+import shutil
+import site
+import subprocess
+import sysconfig
+import types
+from collections.abc import Iterable, Mapping
 
 import jax
 import ml_collections
 from jax._src import xla_bridge
 
 from launch.recipes.slices import SLICES, SliceError, SliceType, with_chips
-from rlax_llm import memory_fit, roles
+from rlax_llm import hub_check, memory_fit, roles
 from rlax_llm.config import validate_config
 from rlax_llm.models import presets
 from rlax_llm.models.decoder_config import DTYPES, DecoderConfig
 from rlax_llm.models.files import hub
 from rlax_llm.sharding import mesh_shape
+from rlax_llm.tasks.files import DATA_DIR
+from rlax_llm.tasks.hub_datasets import is_hub_url
 
 # Chips a Ray TPU actor can be given on one host (ray._private.accelerators.tpu).
 RAY_TPU_CHIP_OPTIONS = (1, 2, 4, 8)
@@ -246,8 +253,9 @@ def validate_on_devices(config: ml_collections.ConfigDict, devices: int) -> list
   JAX gets ``devices`` CPU devices, so this must run before anything in the process
   initialises a JAX backend (``python -m launch.recipes`` does). A ``model.path``
   that is not on this machine (a path on the hosts, ``gs://``) is checked on the hosts; a
-  Hugging Face hub id (``ORG/NAME``) is checked syntactically here (nothing is downloaded)
-  and fetched on the hosts.
+  Hugging Face hub id (``ORG/NAME``) and a hub dataset (``hf://``) are checked on the hub when
+  it is reachable (``rlax_llm.hub_check``: exist at their revision; no weights downloaded)
+  and fetched on the hosts; offline, a note says they were not verified.
   """
   if not xla_bridge.backends_are_initialized():
     jax.config.update('jax_platforms', 'cpu')
@@ -267,7 +275,9 @@ def validate_on_devices(config: ml_collections.ConfigDict, devices: int) -> list
     checked.model.path = os.devnull
     notes.append(f'config.model.path={path!r} is not on this machine: it must exist on every '
                  'host (checked there by the launch).')
-  validate_config(checked)
+  online, lines = hub_check.verify(config)
+  notes += lines
+  validate_config(checked, read_hub=online)
   roles.check_meshes(checked)  # the meshes on the launch's devices (roles.prepare's first check)
   return notes
 
@@ -321,3 +331,110 @@ def memory_check(config: ml_collections.ConfigDict, plan: Plan, trainer_hbm: flo
       warnings.append('memory: warning: ' + memory_fit.tight_warning(f'the {chips} chips',
                                                                     need, hbm))
   return [f'memory plan per chip ({name}): {line}' for line in lines] + warnings
+
+
+def _library_dirs() -> tuple[pathlib.Path, ...]:
+  """Where installed packages and the standard library live (the hosts install their own)."""
+  dirs = {sysconfig.get_paths()[k] for k in ('stdlib', 'platstdlib', 'purelib', 'platlib')}
+  dirs.update(site.getsitepackages() + [site.getusersitepackages()])
+  return tuple({p for d in dirs for p in (pathlib.Path(d), pathlib.Path(d).resolve())})
+
+
+def _committed(root: pathlib.Path, ref: str) -> set[str]:
+  """The files of git ref ``ref`` of the checkout ``root`` (what git archive copies), as
+  paths relative to it."""
+  listing = subprocess.run(['git', '-C', str(root), 'ls-tree', '-r', '--name-only', '-z', ref],
+                           capture_output=True, text=True, check=False)
+  if listing.returncode:
+    raise SliceError(f'--ref={ref}: git ls-tree in {root} failed ({listing.stderr.strip()}); '
+                     'pass a ref of this checkout.')
+  return set(listing.stdout.split('\0')) - {''}
+
+
+def _data_paths(config: ml_collections.ConfigDict) -> list[tuple[str, str]]:
+  """``(key, path)`` of every local data path of the task (``task.path``, ``task.eval_path``,
+  any ``task.*_path``; each entry of a list): neither a hub dataset nor a bundled file name."""
+  out = []
+  for field, value in config.task.items():
+    if field != 'path' and not field.endswith('_path'):
+      continue
+    for entry in value if isinstance(value, (list, tuple)) else [value]:
+      if not isinstance(entry, str) or not entry or is_hub_url(entry):
+        continue
+      if os.sep not in entry and (DATA_DIR / entry).is_file():
+        continue  # a bundled file, in the package the hosts install
+      out.append((f'config.task.{field}', entry))
+  return out
+
+
+def check_shipped(config: ml_collections.ConfigDict, modules: Iterable[types.ModuleType],
+                  root: pathlib.Path, ref: str | None,
+                  config_file: pathlib.Path | None = None) -> str:
+  """Refuses what the run needs but the hosts would not get: the hosts get the files of git
+  ref ``ref`` of the checkout ``root`` (``git archive``; ``ref=None``: the whole working tree,
+  as the GKE image copies it) plus the packages their setup installs.
+
+  ``modules``: those loading and validating the config imported (a task or reward class by
+  import path, what a config file imports). One under ``root`` must be committed at ``ref``
+  (an untracked file is not archived) and import by its path from ``root`` (the launch runs
+  there with no ``PYTHONPATH``); one elsewhere that is not an installed package or the
+  standard library is only on this machine's ``PYTHONPATH``. A task's local data path
+  (``_data_paths``) must be a file of ``ref`` given relative to the checkout (the launch runs
+  in the hosts' copy of it), or a hub dataset. ``config_file``: the ``--config`` file, which
+  ml_collections loads as a module too and the recipes check as the config. Returns the line
+  saying what was checked.
+
+  Raises:
+    SliceError: every such module or path, each with its fix.
+  """
+  problems = []
+  library = _library_dirs()
+  committed = _committed(root, ref) if ref is not None and shutil.which('git') else None
+
+  def under(path: pathlib.Path, base: pathlib.Path) -> bool:
+    return path.is_relative_to(base) or path.resolve().is_relative_to(base.resolve())
+
+  for module in sorted(modules, key=lambda m: m.__name__):
+    file = getattr(module, '__file__', None)
+    if not file:
+      continue
+    path = pathlib.Path(file).absolute()
+    if any(under(path, d) for d in library) or (
+        config_file is not None and path.resolve() == config_file.resolve()):
+      continue
+    if not under(path, root):
+      problems.append(
+          f'the config imports {module.__name__} from {path}, outside {root}: the hosts get '
+          'only this checkout and the packages their setup installs; move the module into the '
+          'checkout and commit it, or make it a package installed on every host.')
+      continue
+    rel = path.resolve().relative_to(root.resolve())
+    parts = rel.with_suffix('').parts
+    if (parts[:-1] if parts[-1] == '__init__' else parts) != tuple(module.__name__.split('.')):
+      problems.append(
+          f'the config imports {module.__name__} from {rel}, found through this machine\'s '
+          'PYTHONPATH: the launch on the hosts runs in the root of their copy of the checkout '
+          f'with no PYTHONPATH, where {module.__name__} does not import; move the module to '
+          'the checkout\'s root (or into a package there) and name it by its path from the '
+          'root.')
+    elif committed is not None and rel.as_posix() not in committed:
+      problems.append(f'the config imports {module.__name__} from {rel}, which is not committed '
+                      f'at {ref}: git archive does not copy it to the hosts; git add {rel} and '
+                      'commit it.')
+  for key, value in _data_paths(config):
+    glob_ = any(c in value for c in '*?[')
+    path = pathlib.Path(os.path.expanduser(value))
+    if path.is_absolute():
+      where = ('inside this checkout, but the hosts\' copy is elsewhere (~/rlax_llm): give it '
+               f'relative to the checkout ({path.relative_to(root)})' if under(path, root) else
+               'on this machine only: commit the data into the checkout and give its path '
+               'relative to it, or publish it as a hub dataset (hf://datasets/ORG/NAME)')
+      problems.append(f'{key}={value!r} is {where}.')
+    elif committed is not None and not glob_ and path.as_posix() not in committed:
+      problems.append(f'{key}={value!r} is not a file committed at {ref} in {root} (the launch '
+                      'reads it relative to the hosts\' copy of the checkout); commit it there, '
+                      'or use a hub dataset (hf://datasets/ORG/NAME).')
+  if problems:
+    raise SliceError(' '.join(problems))
+  return ('the hosts get what the config imports and reads: '
+          + (f'committed at {ref}' if committed is not None else 'in the checkout'))

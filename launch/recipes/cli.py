@@ -16,8 +16,8 @@ import ml_collections
 
 from launch.recipes import compile as compile_lib
 from launch.recipes import manifests, program_report, scripts
-from launch.recipes.checks import (check_local, check_ray, memory_check, run_model,
-                                   validate_on_devices)
+from launch.recipes.checks import (check_local, check_ray, check_shipped, memory_check,
+                                   run_model, validate_on_devices)
 from launch.recipes.scripts import RAY_OVERRIDES, REMOTE_DIR, ROOT, Raw
 from launch.recipes.slices import SLICES, SliceError, SliceType, get_slice, slice_table
 from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config
@@ -293,6 +293,7 @@ def run(argv: Sequence[str]) -> int:
   recipe_overrides: list[str] = []
   if opts.recipe in ('ray', 'gke-ray'):
     recipe_overrides = list(RAY_OVERRIDES)
+  imported_before = set(sys.modules)
   config = load_config([f'--config={opts.config}', *overrides, *recipe_overrides])
   opts.name = opts.name or _default_name(config)
   if not _NAME.fullmatch(opts.name):
@@ -320,6 +321,11 @@ def run(argv: Sequence[str]) -> int:
   except ConfigError as e:
     raise ConfigError(f'{e} (checked with the {plan.devices} devices the launch sees there)'
                       ) from None
+  # What loading and validating the config imported (its task and reward code, what the
+  # config file imports) must reach the hosts, as must the task's local data.
+  plan.checked.append(check_shipped(
+      config, [sys.modules[m] for m in set(sys.modules) - imported_before], ROOT,
+      getattr(opts, 'ref', None), pathlib.Path(opts.config.partition(':')[0])))
   memory = memory_check(config, plan, *hbm, shared=shared)
   if memory:
     plan.checked += memory

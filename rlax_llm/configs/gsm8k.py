@@ -16,9 +16,10 @@ docs/rollout.md); bfloat16 compute, activations and KV cache; each block recompu
 backward pass (remat 'full'), the batch in 8 micro-batches, log-probs 128 positions at a
 time.
 Meshes: the trainer shards params, gradients and AdamW state over every chip (fsdp = -1);
-each host's inference worker splits heads over 2 or 4 chips (tensor) and its KV-cache slots
-over the host's other chips (data = -1). So one config fits every slice of the recipes'
-table: on v5e-8 the worker mesh is data 2 x tensor 4, on v4-8 and v5p-8 (4 chips) data 1 x
+each host's inference worker splits heads over 2 chips (Qwen2.5) or 4 (Qwen3, Llama 3.2)
+(tensor) and its KV-cache slots over the host's other chips (data = -1). So one config fits
+every slice of the recipes' table: on v5e-8 the worker mesh is data 4 x tensor 2 (Qwen2.5)
+or data 2 x tensor 4 (the others), on v4-8 and v5p-8 (4 chips) data 2 x tensor 2 or data 1 x
 tensor 4, on a multi-host slice every host runs such a worker while the trainer spans all
 hosts. Every variant fits v5e-8, v4-8, v5p-8, v6e-8 and the multi-host slices; v5e-4 holds
 only the three smaller models. ``python -m launch.recipes tpu-vm --tpu-type=v5e-8 ...

@@ -243,7 +243,7 @@ class Controller(Snapshots):
     if self.start_accuracy is None:
       start = self.evaluate()
       self.start_accuracy = self.accuracy = start['eval/accuracy']
-      logging.info('RL starting point: %s', start)
+      logging.info('RL starting point: %s', console.format_metrics(start))
       # Logged with the first step's metrics as eval/start_accuracy, eval/start_pass@k, ...
       self._start_eval = {k.replace('eval/', 'eval/start_', 1): v for k, v in start.items()}
     self._run_start = time.perf_counter()

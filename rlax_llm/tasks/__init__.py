@@ -96,16 +96,11 @@ def _takes_any_keyword(task_cls: type) -> bool:
   return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(task_cls).parameters.values())
 
 
-def make_task(config: Any) -> Task:
-  """Builds the task ``task_class(config.name)`` with the remaining config fields as kwargs.
-
-  config: an ``ml_collections.ConfigDict`` (or any object with attributes, or a mapping)
-    holding ``name`` plus the task constructor's keyword arguments, e.g.
-    ``ConfigDict(dict(name='arithmetic', seed=0, max_operand=99, operations='+'))``.
-  Raises ValueError for an unknown name (listing the valid ones), a class that is not a task
-  class, unknown fields, a required argument left unset, or an object that lacks what a task
-  has (``Task``'s members, a str ``name``).
-  """
+def task_fields(config: Any) -> tuple[type, dict[str, Any]]:
+  """``(task class, constructor kwargs)`` of a task config, checked as ``make_task`` checks
+  them but without building the task (nothing is read): the class of ``config.name``, no
+  field it does not take, every argument without a default set. Raises ValueError as
+  ``make_task`` does."""
   if hasattr(config, 'to_dict'):
     fields = dict(config.to_dict())
   elif isinstance(config, Mapping):
@@ -128,6 +123,21 @@ def make_task(config: Any) -> Task:
   if unset:
     raise ValueError(f'task {name!r}: {task_cls.__name__} requires {unset} (no default); set '
                      + ', '.join(f'--config.task.{p}=VALUE' for p in unset) + '.')
+  return task_cls, fields
+
+
+def make_task(config: Any) -> Task:
+  """Builds the task ``task_class(config.name)`` with the remaining config fields as kwargs.
+
+  config: an ``ml_collections.ConfigDict`` (or any object with attributes, or a mapping)
+    holding ``name`` plus the task constructor's keyword arguments, e.g.
+    ``ConfigDict(dict(name='arithmetic', seed=0, max_operand=99, operations='+'))``.
+  Raises ValueError for an unknown name (listing the valid ones), a class that is not a task
+  class, unknown fields, a required argument left unset (``task_fields``), or an object that
+  lacks what a task has (``Task``'s members, a str ``name``).
+  """
+  task_cls, fields = task_fields(config)
+  name = config['name'] if isinstance(config, Mapping) else getattr(config, 'name')
   task = task_cls(**fields)
   if not isinstance(task, Task) or not isinstance(getattr(task, 'name', None), str):
     lacking = [m for m in ('name', 'charset', 'train_prompt', 'eval_prompts', 'score',
