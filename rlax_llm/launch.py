@@ -27,7 +27,8 @@ Several hosts (``config.distributed``): every process runs the same command with
 every process trains and writes its checkpoint shards (``rlax_llm.distributed``).
 
 Preemption and resume: SIGTERM or SIGINT makes the run save a checkpoint after the current
-step and exit 0; launching again with the same ``--workdir`` (and the same config; only the
+step (or, when that step would overrun ``checkpoint.preemption_notice_s``, abandon it and save
+the state before it) and exit 0; launching again with the same ``--workdir`` (and the same config; only the
 keys in ``run_config.RESUMABLE_CHANGES`` may differ) resumes from the latest checkpoint.
 """
 
