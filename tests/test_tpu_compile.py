@@ -6,9 +6,9 @@ XLA:TPU compile of a one-layer SmolLM2-135M at the smoke recipe's batch, slots a
 shared by the tests that read it (module-scoped fixtures): the tied model on a one-host v5e-4
 (2x2, data 4), its trainer step and decode step as one run; the untied one on a four-host
 v5e-16 (4x4), its trainer step on data 16 and its decode step; and (slow) the tied one's
-trainer step on fsdp 4 (FSDP's gathered table). At one layer the 49152 x 576 table is nine tenths of the
-params, so the plan's XLA:TPU terms for it (``presets.tpu_trainer_terms``: the table's update
-in the lookup's layout, FSDP's gathered table) decide whether the plan holds
+trainer step on fsdp 4 (FSDP's gathered table). At one layer the 49152 x 576 table is nine
+tenths of the params, so the plan's XLA:TPU terms for it (``presets.tpu_trainer_terms``: the
+table's update in the lookup's layout, FSDP's gathered table) decide whether the plan holds
 (benchmarks/RESULTS.md, "Compiled for TPU at real depth"). A narrower or smaller model is
 hardly cheaper to compile (24 s of CPU for the trainer step at 49152 x 256 against 32 s) and
 XLA:TPU then keeps none of those buffers, so the plan would not be honest there (0.35x).
