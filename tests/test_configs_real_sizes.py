@@ -283,17 +283,28 @@ def test_the_tpu_plan_of_an_fsdp_step_is_within_15_percent_of_the_compiled_one()
       memory.table(16 * GIB))
 
 
+# Variants that fit a slice above memory_fit.HEADROOM of its HBM: Qwen3-1.7B on 16 GiB v5e
+# chips, 82% (v5e-8) and 86% (v5e-16) by the plan with the log-prob chunks' backward; the
+# compiler's v5e-8 step with the workers beside it: 82% (benchmarks/RESULTS.md).
+TIGHT = {('Qwen3-1.7B', 'v5e-8'), ('Qwen3-1.7B', 'v5e-16')}
+
+
 @pytest.mark.parametrize('variant', gsm8k.VARIANTS)
 def test_every_variant_fits_the_chips_of_every_slice_it_is_meant_for(variant):
   config = _config(variant)
   for name in SLICE_NAMES:
     _, lines = _plan_lines(config, name)
-    total = float(lines[-1].split('trainer + inference: ')[1].split(' GiB')[0])
-    assert 0 < total <= SLICES[name].hbm_gib * 0.8, (name, lines)  # 20% headroom for XLA
+    total = float(next(line for line in lines if ': trainer + inference: ' in line).split(
+        'trainer + inference: ')[1].split(' GiB')[0])
+    if (variant, name) in TIGHT:  # above the headroom: the dry run warns, naming the fixes
+      assert memory_fit.HEADROOM * SLICES[name].hbm_gib < total <= SLICES[name].hbm_gib
+      assert 'memory: warning: ' in lines[-1], lines[-1]
+    else:
+      assert 0 < total <= SLICES[name].hbm_gib * memory_fit.HEADROOM, (name, lines)
 
 
 def test_a_plan_that_exceeds_hbm_is_refused_naming_the_fixes():
-  with pytest.raises(SliceError, match=r'memory: the trainer \+ inference chips need 22\.36 '
+  with pytest.raises(SliceError, match=r'memory: the trainer \+ inference chips need 23\.06 '
                                        r'GiB each for qwen3-1\.7b but a chip has 16 GiB of HBM'
                                        r' \(trainer: params .*; shard more'):
     _plan_lines(_config('Qwen3-1.7B'), 'v5e-4')

@@ -451,14 +451,15 @@ def tpu_trainer_terms(config: DecoderConfig, trainer_mesh: Mapping[str, int],
     scanned layer stack one layer's slice of a stacked weight), in ``param_dtype``. 0 without
     FSDP.
   - ``head``: with ``fsdp > 1`` and log-probs in chunks (``chunked``: ``logprob_chunk``
-    shorter than the rows), what the chunks' backward pass holds of the head's weight (the
+    shorter than the rows' length), what the chunks' backward pass holds of the head's weight (the
     tied table or the lm head): the weight gathered whole in the compute dtype, the chunk's
     gradient of it whole in float32 and that gradient all-reduced over the batch's chips in
     the compute dtype, ``vocab / tensor * embed * (4 + 2 * itemsize(dtype))`` bytes (the
     buffer assignment of Qwen3-1.7B's and Qwen2.5-0.5B's steps on v5e-8, fsdp 8:
     ``convolution_bitcast_fusion``, ``all-gather``, ``all-reduce``, benchmarks/RESULTS.md
     "TPU compile: the 1.7B plan"). Each chunk makes its gradient of the whole weight and
-    all-reduces it instead of reduce-scattering it. 0 otherwise.
+    all-reduces it instead of reduce-scattering it. 0 otherwise, and without a trained table
+    (LoRA: the head is frozen, no gradient of it; ``gathered`` counts the weight).
 
   Args:
     config: the model (``param_dtype``: the trainer's master copy).
@@ -489,7 +490,7 @@ def tpu_trainer_terms(config: DecoderConfig, trainer_mesh: Mapping[str, int],
              * jnp.dtype(leaf.dtype).itemsize for leaf, spec in zip(flat, axes, strict=True)]
     gathered = float(max(whole))
   head = 0.0
-  if trainer_mesh['fsdp'] > 1 and chunked:
+  if trainer_mesh['fsdp'] > 1 and chunked and trained_table:
     tensor = trainer_mesh['tensor']
     vocab = config.vocab_size // tensor if config.vocab_size % tensor == 0 else config.vocab_size
     head = float(vocab * config.embed_dim

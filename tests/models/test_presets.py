@@ -348,6 +348,8 @@ def test_the_tpu_plan_counts_the_log_prob_chunks_backward_under_fsdp():
   assert plan(logprob_chunk=0).head == 0
   assert plan(logprob_chunk=128, trainer_mesh={'data': 8, 'fsdp': 1, 'tensor': 1}).head == 0
   assert plan(logprob_chunk=128, platform='cpu').head == 0
+  # Under LoRA the table is frozen: no gradient of it.
+  assert plan(logprob_chunk=128, lora=lora_lib.LoRAConfig(4, 8.0)).head == 0
 
 
 def test_the_plan_refuses_an_unknown_platform():
