@@ -6,8 +6,9 @@ the engine's prefill and its decode step (with the run's weights, and with int8 
 run builds them, and prints JSON: per program the compiled GiB per chip (arguments,
 temporaries, outputs) against the chip's HBM and ``presets.memory_plan``'s figure for the same
 part, the compile time, and the roofline step time, tokens/s per chip and MFU from the
-compiler's FLOPs and bytes accessed (``compiler_model``: a model from the compiler's counts,
-not a measurement). Needs the TPU compiler: ``pip install -e '.[tpu]'`` (or ``.[test]``).
+compiler's FLOPs and bytes accessed, each loop's body counted once per trip
+(``program_report.loop_counted_costs``; ``compiler_model``: a model from the compiler's
+counts, not a measurement). Needs the TPU compiler: ``pip install -e '.[tpu]'`` (or ``.[test]``).
 
     PYTHONPATH=. python benchmarks/tpu_compile.py [--recipes=NAME,...] [--programs=...]
         [--layers=N]

@@ -40,7 +40,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the recipes' tooling lives in the checkout, not the package
 
 # pylint: disable=wrong-import-position
-from launch.recipes.checks import check_local, memory_check
+from launch.recipes.checks import check_local, memory_check, run_model
 from launch.recipes.slices import SLICES, SliceError
 
 GIB = 2**30
@@ -248,17 +248,63 @@ def test_the_planned_lora_step_is_within_15_percent_of_the_compiled_one():
   assert compiled < _compiled_step_bytes(decoder, config) and step < full.trainer_bytes
 
 
+# gsm8k.py's tied-table recipes (FSDP 8 on v5e-8, log-probs in 128-position chunks) with one
+# of their layers, their trainer step compiled by XLA:TPU (GiB per chip, benchmarks/RESULTS.md
+# "TPU compile: the 1.7B plan"): the plan's log-prob chunks' backward (``MemoryPlan.head``)
+# brought Qwen3-1.7B from 1.27x its plan to 1.03x. Every recipe at real depth is in that
+# section (one trace of a real-depth model takes seconds, several per plan).
+COMPILED_ONE_LAYER_STEPS = [('Qwen2.5-0.5B-Instruct', 2.35), ('Qwen3-1.7B', 5.055)]
+# SmolLM2-135M, one layer, tied, the smoke recipe's batch on v5e-4 with the trainer on fsdp 4:
+# its step compiled to 0.49 GiB per chip (tests/test_tpu_compile.py's slow test compiles it).
+SMOLLM2_FSDP_COMPILED_GIB = 0.49
+
+
+@pytest.mark.parametrize('variant, compiled', COMPILED_ONE_LAYER_STEPS)
+def test_the_tpu_plan_of_a_chunked_fsdp_step_is_within_15_percent_of_the_compiled_one(
+    variant, compiled):
+  config = _config(variant)
+  plan = check_local(config, SLICES['v5e-8'], 'tpu-vm')
+  memory = memory_fit.run_memory_plan(run_model(config, 1), config, plan.trainer_mesh,
+                                      plan.inference_mesh, shared=True, platform='tpu')
+  assert memory.head > 0
+  assert abs(compiled * GIB / memory.trainer_bytes - 1) <= 0.15, memory.table(16 * GIB)
+
+
+def test_the_tpu_plan_of_an_fsdp_step_is_within_15_percent_of_the_compiled_one():
+  # FSDP's gathered table beside the table's update in the lookup's layout.
+  config = load_config([f'--config={ROOT / "configs/smollm2.py"}:smoke',
+                        '--config.mesh.trainer.data=1', '--config.mesh.trainer.fsdp=4'])
+  plan = check_local(config, SLICES['v5e-4'], 'tpu-vm')
+  assert plan.trainer_mesh == {'data': 1, 'fsdp': 4, 'tensor': 1}
+  memory = memory_fit.run_memory_plan(run_model(config, 1), config, plan.trainer_mesh,
+                                      plan.inference_mesh, shared=True, platform='tpu')
+  assert memory.gathered > 0 and memory.lookup > 0
+  assert abs(SMOLLM2_FSDP_COMPILED_GIB * GIB / memory.trainer_bytes - 1) <= 0.15, (
+      memory.table(16 * GIB))
+
+
+# Variants that fit a slice above memory_fit.HEADROOM of its HBM: Qwen3-1.7B on 16 GiB v5e
+# chips, 82% (v5e-8) and 86% (v5e-16) by the plan with the log-prob chunks' backward; the
+# compiler's v5e-8 step with the workers beside it: 82% (benchmarks/RESULTS.md).
+TIGHT = {('Qwen3-1.7B', 'v5e-8'), ('Qwen3-1.7B', 'v5e-16')}
+
+
 @pytest.mark.parametrize('variant', gsm8k.VARIANTS)
 def test_every_variant_fits_the_chips_of_every_slice_it_is_meant_for(variant):
   config = _config(variant)
   for name in SLICE_NAMES:
     _, lines = _plan_lines(config, name)
-    total = float(lines[-1].split('trainer + inference: ')[1].split(' GiB')[0])
-    assert 0 < total <= SLICES[name].hbm_gib * 0.8, (name, lines)  # 20% headroom for XLA
+    total = float(next(line for line in lines if ': trainer + inference: ' in line).split(
+        'trainer + inference: ')[1].split(' GiB')[0])
+    if (variant, name) in TIGHT:  # above the headroom: the dry run warns, naming the fixes
+      assert memory_fit.HEADROOM * SLICES[name].hbm_gib < total <= SLICES[name].hbm_gib
+      assert 'memory: warning: ' in lines[-1], lines[-1]
+    else:
+      assert 0 < total <= SLICES[name].hbm_gib * memory_fit.HEADROOM, (name, lines)
 
 
 def test_a_plan_that_exceeds_hbm_is_refused_naming_the_fixes():
-  with pytest.raises(SliceError, match=r'memory: the trainer \+ inference chips need 22\.36 '
+  with pytest.raises(SliceError, match=r'memory: the trainer \+ inference chips need 23\.06 '
                                        r'GiB each for qwen3-1\.7b but a chip has 16 GiB of HBM'
                                        r' \(trainer: params .*; shard more'):
     _plan_lines(_config('Qwen3-1.7B'), 'v5e-4')

@@ -1,22 +1,33 @@
 """launch/recipes/compile.py and program_report.py: a run's programs compiled for TPU slices on
 this CPU machine, and what the compiler says of them.
 
-The TPU compiler comes with libtpu (``jax[tpu]``, in the test extra); these tests compile a
-one-layer SmolLM2-135M (the smoke recipe's batch, slots and lengths) for a one-host v5e-4
-(2x2), with its tied table on data 4 and on fsdp 4, and with an untied one for a four-host
-v5e-16 (4x4), and check the report's refusal and its HLO reading. At one layer the
-49152 x 576 table is nine tenths of the params, so the plan's XLA:TPU terms for it
-(``presets.tpu_trainer_terms``: the table's update in the lookup's layout, FSDP's gathered
-table) decide whether the plan holds (benchmarks/RESULTS.md, "Compiled for TPU at real
-depth").
+The TPU compiler comes with libtpu (``jax[tpu]``, in the test extra). Each compile is one
+XLA:TPU compile of a one-layer SmolLM2-135M at the smoke recipe's batch, slots and lengths,
+shared by the tests that read it (module-scoped fixtures): the tied model on a one-host v5e-4
+(2x2, data 4), its trainer step and decode step as one run; the untied one on a four-host
+v5e-16 (4x4), its trainer step on data 16 and its decode step; and (slow) the tied one's
+trainer step on fsdp 4 (FSDP's gathered table). At one layer the 49152 x 576 table is nine
+tenths of the params, so the plan's XLA:TPU terms for it (``presets.tpu_trainer_terms``: the
+table's update in the lookup's layout, FSDP's gathered table) decide whether the plan holds
+(benchmarks/RESULTS.md, "Compiled for TPU at real depth"). A narrower or smaller model is
+hardly cheaper to compile (24 s of CPU for the trainer step at 49152 x 256 against 32 s) and
+XLA:TPU then keeps none of those buffers, so the plan would not be honest there (0.35x).
+Where it leaves the memory as it is, XLA spends less time on the programs' speed
+(``_effort``), which nearly halves a compile.
 """
 
+import contextlib
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 pytest.importorskip('libtpu', reason='the TPU compiler (libtpu) is not installed: '
                     "pip install -e '.[test]' brings it")
+
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from launch.recipes import checks, cli  # noqa: E402
 from launch.recipes import compile as compile_lib  # noqa: E402
@@ -25,49 +36,133 @@ from launch.recipes.slices import SLICES, SliceError, get_slice  # noqa: E402
 from rlax_llm.cli import load_config  # noqa: E402
 
 SMOKE = 'configs/smollm2.py:smoke'
-PROGRAMS = ('trainer_step', 'decode')
+PLAN_TOLERANCE = 0.15  # compiled / planned, the trainer step (issue 58)
 
 
-def _compile(tpu_type: str, *overrides: str, tied: bool = True, programs=PROGRAMS):
+@contextlib.contextmanager
+def _effort(effort: float):
+  """XLA's ``exec_time_optimization_effort`` within (0: the default). At -1 XLA spends less
+  time optimising the programs' speed: the tied step on v5e-4 (data 4) compiled in 18 s of
+  CPU instead of 32 and held 1.2% less; on fsdp 4 it held 18% less (0.40 GiB against 0.49:
+  it gathers the weights differently), so the FSDP step compiles as a run compiles it."""
+  before = jax.config.values['jax_exec_time_optimization_effort']
+  jax.config.update('jax_exec_time_optimization_effort', effort)
+  try:
+    yield
+  finally:
+    jax.config.update('jax_exec_time_optimization_effort', before)
+
+
+def _compile(tpu_type: str, *overrides: str, tied: bool = True,
+             programs=('trainer_step', 'decode'), effort: float = -1.0):
+  """``(plan, {program: report}, model)`` of the one-layer model on ``tpu_type``."""
   config = load_config([f'--config={SMOKE}', *overrides])
   slice_ = get_slice(tpu_type)
   plan = checks.check_local(config, slice_, 'multihost' if slice_.multi_host else 'tpu-vm')
   model = dataclasses.replace(checks.run_model(config, num_layers=1), tie_embeddings=tied)
-  reports = compile_lib.compile_run(config, plan, slice_, slice_, shared=True,
-                                    programs=programs, model=model)
-  return plan, reports
+  with _effort(effort):
+    reports = compile_lib.compile_run(config, plan, slice_, slice_, shared=True,
+                                      programs=programs, model=model)
+  return plan, {r.program: r for r in reports}, model
 
 
-@pytest.mark.parametrize('tpu_type, overrides, tied', [
-    ('v5e-4', (), True),
-    # 16 chips, 4 hosts: 16 rows (one per chip); each host's worker on its own 4 chips.
-    ('v5e-16', ('--config.rl.prompts_per_step=4',), False),
-])
-def test_trainer_step_and_decode_compile_fit_and_match_the_plan(tpu_type, overrides, tied):
-  plan, reports = _compile(tpu_type, *overrides, tied=tied)
-  reports = {r.program: r for r in reports}
-  assert set(reports) == set(PROGRAMS)
-  step, decode = reports['trainer_step'], reports['decode']
-  assert step.mesh == {'data': get_slice(tpu_type).chips, 'fsdp': 1, 'tensor': 1}
-  assert decode.mesh == plan.inference_mesh
-  for report in (step, decode):
-    assert report.fits and 0 < report.need < report.hbm == 16 * 2**30
-    assert report.flops > 0 and report.bytes_accessed > 0 and report.step_s > 0
-  # The roles share the chips: each program counts the other role's arrays beside it.
-  assert step.beside == decode.arguments and decode.beside > 0
+@pytest.fixture(scope='module')
+def one_host():
+  """The tied model on v5e-4 (data 4): its trainer step and decode step, as one run."""
+  return _compile('v5e-4')
+
+
+@pytest.fixture(scope='module')
+def four_hosts_step():
+  """The untied model's trainer step on a four-host v5e-16: 16 rows, one per chip."""
+  return _compile('v5e-16', '--config.rl.prompts_per_step=4', tied=False,
+                  programs=('trainer_step',))
+
+
+@pytest.fixture(scope='module')
+def four_hosts_decode():
+  """Its decode step: each host runs its workers on its own chips."""
+  return _compile('v5e-16', '--config.rl.prompts_per_step=4', tied=False, programs=('decode',))
+
+
+def _assert_fits(report):
+  assert report.fits and 0 < report.need < report.hbm == 16 * 2**30
+  assert report.flops > 0 and report.bytes_accessed > 0 and report.step_s > 0
+
+
+def _assert_the_step_matches_the_plan(step, mesh):
+  assert step.mesh == mesh
+  _assert_fits(step)
   # Params and optimizer state are donated: the step writes them in place.
   assert step.aliased > 0.9 * step.outputs
-  assert abs(step.plan_ratio - 1) <= 0.15, step.line()
+  assert abs(step.plan_ratio - 1) <= PLAN_TOLERANCE, step.line()
 
 
+def test_the_tied_trainer_step_on_one_host_fits_and_matches_the_plan(one_host):
+  _, reports, _ = one_host
+  step = reports['trainer_step']
+  _assert_the_step_matches_the_plan(step, {'data': 4, 'fsdp': 1, 'tensor': 1})
+  # Its loops (micro-batches, shared-prefix scoring) counted once per trip, it has an MFU.
+  assert step.loops and step.per_trip and 0 < step.mfu < 1
+
+
+def test_the_decode_step_on_one_host_fits_beside_the_trainer(one_host):
+  plan, reports, _ = one_host
+  step, decode = reports['trainer_step'], reports['decode']
+  assert decode.mesh == plan.inference_mesh
+  _assert_fits(decode)
+  # The roles share the chips: each program counts the other role's arrays beside it.
+  assert step.beside == decode.arguments and decode.beside > 0
+
+
+def test_the_untied_trainer_step_on_four_hosts_fits_and_matches_the_plan(four_hosts_step):
+  _, reports, _ = four_hosts_step
+  _assert_the_step_matches_the_plan(reports['trainer_step'],
+                                    {'data': 16, 'fsdp': 1, 'tensor': 1})
+
+
+def test_the_decode_step_on_four_hosts_fits(four_hosts_decode):
+  plan, reports, _ = four_hosts_decode
+  assert reports['decode'].mesh == plan.inference_mesh
+  _assert_fits(reports['decode'])
+
+
+# 32 s of CPU to compile (at effort -1 it gathers differently: 0.80x the plan); its CI
+# counterpart is tests/test_configs_real_sizes.py's check of the plan against this compile's
+# figure (0.49 GiB).
+@pytest.mark.slow
 def test_the_fsdp_trainer_step_matches_the_plan_with_the_gathered_table():
-  plan, (step,) = _compile('v5e-4', '--config.mesh.trainer.data=1',
-                           '--config.mesh.trainer.fsdp=4', programs=('trainer_step',))
-  assert plan.trainer_mesh == step.mesh == {'data': 1, 'fsdp': 4, 'tensor': 1}
-  assert step.fits and step.aliased > 0.9 * step.outputs
+  _, reports, _ = _compile('v5e-4', '--config.mesh.trainer.data=1',
+                           '--config.mesh.trainer.fsdp=4', programs=('trainer_step',),
+                           effort=0.0)
   # Without the table's update and the gathered table the plan was 0.21 GiB against the
   # compiled 0.49 (+137%).
-  assert abs(step.plan_ratio - 1) <= 0.15, step.line()
+  _assert_the_step_matches_the_plan(reports['trainer_step'],
+                                    {'data': 1, 'fsdp': 4, 'tensor': 1})
+
+
+def test_the_report_counts_each_loops_body_once_per_trip():
+  # A scan of 6 products inside a loop of 3 (XLA's cost analysis counts each body once):
+  # 3 x 6 [16, 256] x [256, 256] products per chip of v5e-4, the batch split 4 ways.
+  mesh = jax.sharding.Mesh(np.array(compile_lib.tpu_devices(get_slice('v5e-4'))), ('d',))
+
+  def f(w, x):
+    def outer(total, rows):
+      y, _ = jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), rows, w)
+      return total + y.sum(), None
+    return jax.lax.scan(outer, 0.0, x)[0]
+
+  w = jax.ShapeDtypeStruct((6, 256, 256), jnp.float32,
+                           sharding=NamedSharding(mesh, PartitionSpec()))
+  x = jax.ShapeDtypeStruct((3, 64, 256), jnp.float32,
+                           sharding=NamedSharding(mesh, PartitionSpec(None, 'd')))
+  compiled = jax.jit(f).lower(w, x).compile()
+  cost = compiled.cost_analysis()
+  products = 3 * 6 * 2 * 16 * 256 * 256
+  assert cost['flops'] < products / 10  # XLA's own count: one trip of each
+  flops, _, loops = program_report.loop_counted_costs(compiled.as_text(), cost['flops'],
+                                                      cost['bytes accessed'])
+  assert loops == 2 and products <= flops <= 1.05 * products
 
 
 def test_a_program_that_does_not_fit_is_refused_with_its_numbers():

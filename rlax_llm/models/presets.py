@@ -346,6 +346,10 @@ class MemoryPlan:
       ``memory_plan(platform='cpu')``).
     gathered: XLA:TPU with FSDP: the largest weight gathered whole for the forward and
       backward passes (``tpu_trainer_terms``; 0 for XLA:CPU).
+    head: XLA:TPU with FSDP and log-probs in chunks: the peak of the chunks' backward pass
+      (``tpu_trainer_terms``' ``head`` and what lies beside it: the blocks' saved inputs,
+      the chunk's logits, with a tied table its lookup's gradient, ``lookup``); the
+      trainer's peak holds it instead of the rest of the step when larger. 0 otherwise.
   """
   params: float
   optimizer: float
@@ -362,13 +366,16 @@ class MemoryPlan:
   inference_base: float = 0.0
   lookup: float = 0.0
   gathered: float = 0.0
+  head: float = 0.0
 
   @property
   def trainer_bytes(self) -> float:
     """The trainer's peak per chip: what it holds between steps, then the gradients beside
     the largest of the activations, the update and the embedding's update (``lookup``), plus
-    the weights FSDP gathers (``gathered``); or, with no step running, the LoRA push."""
-    step = self.gradients + max(self.activations, self.update, self.lookup) + self.gathered
+    the weights FSDP gathers (``gathered``), or beside the log-prob chunks' backward
+    (``head``) when larger; or, with no step running, the LoRA push."""
+    step = self.gradients + max(max(self.activations, self.update, self.lookup) + self.gathered,
+                                self.head)
     return self.params + self.optimizer + self.reference + max(step, self.push)
 
   @property
@@ -396,7 +403,10 @@ class MemoryPlan:
          f'{gib(self.gradients)}, KL reference {gib(self.reference)}, the larger of '
          f'activations {gib(self.activations)} and the update {gib(self.update)}'
          + (f' (XLA:TPU: and the embedding\'s update {gib(self.lookup)}; FSDP\'s gathered '
-            f'weights {gib(self.gathered)})' if self.lookup or self.gathered else '')
+            f'weights {gib(self.gathered)}'
+            + (f'; or the log-prob chunks\' backward {gib(self.head)}' if self.head else '')
+            + ')'
+            if self.lookup or self.gathered else '')
          + (f' (or, with no step running, the LoRA push {gib(self.push)})' if self.push
             else '') + f' = {gib(self.trainer_bytes)}'),
         (f'inference: {self.workers_per_chip} worker(s) x (params '
@@ -424,8 +434,8 @@ _LOOKUP_COPIES = 6
 
 def tpu_trainer_terms(config: DecoderConfig, trainer_mesh: Mapping[str, int],
                       rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES, *,
-                      trained_table: bool = True, optimizer_moments: int = 2
-                      ) -> dict[str, float]:
+                      trained_table: bool = True, optimizer_moments: int = 2,
+                      chunked: bool = False) -> dict[str, float]:
   """What XLA:TPU's compiled trainer step holds beyond ``memory_plan``'s XLA:CPU terms.
 
   Read from the buffer assignment of the step compiled for v5e (``launch.recipes.compile``):
@@ -440,6 +450,16 @@ def tpu_trainer_terms(config: DecoderConfig, trainer_mesh: Mapping[str, int],
     before their products: at most the largest leaf whole (the embedding or lm head; with the
     scanned layer stack one layer's slice of a stacked weight), in ``param_dtype``. 0 without
     FSDP.
+  - ``head``: with ``fsdp > 1`` and log-probs in chunks (``chunked``: ``logprob_chunk``
+    shorter than the rows' length), what the chunks' backward pass holds of the head's weight (the
+    tied table or the lm head): the weight gathered whole in the compute dtype, the chunk's
+    gradient of it whole in float32 and that gradient all-reduced over the batch's chips in
+    the compute dtype, ``vocab / tensor * embed * (4 + 2 * itemsize(dtype))`` bytes (the
+    buffer assignment of Qwen3-1.7B's and Qwen2.5-0.5B's steps on v5e-8, fsdp 8:
+    ``convolution_bitcast_fusion``, ``all-gather``, ``all-reduce``, benchmarks/RESULTS.md
+    "TPU compile: the 1.7B plan"). Each chunk makes its gradient of the whole weight and
+    all-reduces it instead of reduce-scattering it. 0 otherwise, and without a trained table
+    (LoRA: the head is frozen, no gradient of it; ``gathered`` counts the weight).
 
   Args:
     config: the model (``param_dtype``: the trainer's master copy).
@@ -447,8 +467,9 @@ def tpu_trainer_terms(config: DecoderConfig, trainer_mesh: Mapping[str, int],
     rules: the logical sharding rules.
     trained_table: whether the embedding is trained (False under LoRA: frozen).
     optimizer_moments: float32 state tensors per param (AdamW: 2).
+    chunked: whether the step makes its log-probs in chunks (``logprob_chunk``).
   Returns:
-    ``{'lookup', 'gathered'}`` in bytes per chip.
+    ``{'lookup', 'gathered', 'head'}`` in bytes per chip.
   """
   model = abstract_model(config)
   abstract, logical = model.abstract_params(), model.logical_axes()
@@ -468,7 +489,13 @@ def tpu_trainer_terms(config: DecoderConfig, trainer_mesh: Mapping[str, int],
     whole = [math.prod(leaf.shape[1:] if spec and spec[0] == 'layers' else leaf.shape)
              * jnp.dtype(leaf.dtype).itemsize for leaf, spec in zip(flat, axes, strict=True)]
     gathered = float(max(whole))
-  return {'lookup': lookup, 'gathered': gathered}
+  head = 0.0
+  if trainer_mesh['fsdp'] > 1 and chunked and trained_table:
+    tensor = trainer_mesh['tensor']
+    vocab = config.vocab_size // tensor if config.vocab_size % tensor == 0 else config.vocab_size
+    head = float(vocab * config.embed_dim
+                 * (4 + 2 * jnp.dtype(config.execution.dtype).itemsize))
+  return {'lookup': lookup, 'gathered': gathered, 'head': head}
 
 
 def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
@@ -539,9 +566,9 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
   gradients = trained_bytes * (2 if micro_batches > 1 else 1)
   batch_shards = trainer_mesh['data'] * trainer_mesh['fsdp']
   rows = max(1, math.ceil(train_rows / micro_batches / batch_shards))
-  activations = activation_bytes(config, rows=rows, length=train_length,
-                                 tensor=trainer_mesh['tensor'], logprob_chunk=logprob_chunk,
-                                 lora=lora, platform=platform)['total_bytes']
+  activation = activation_bytes(config, rows=rows, length=train_length,
+                                tensor=trainer_mesh['tensor'], logprob_chunk=logprob_chunk,
+                                lora=lora, platform=platform)
   if lora is None:
     push = 0
   elif lora.sync == 'adapters':
@@ -561,12 +588,19 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
                        quant=kv_cache_quant) / (slot_shards * kv_split))
   logits = 4 * math.ceil(slots / slot_shards) * config.vocab_size * 4
   tpu = (tpu_trainer_terms(config, trainer_mesh, rules, trained_table=lora is None,
-                           optimizer_moments=optimizer_moments)
-         if platform == 'tpu' else {'lookup': 0.0, 'gathered': 0.0})
+                           optimizer_moments=optimizer_moments,
+                           chunked=0 < logprob_chunk < train_length)
+         if platform == 'tpu' else {'lookup': 0.0, 'gathered': 0.0, 'head': 0.0})
+  # The log-prob chunks' backward (XLA:TPU, FSDP): the blocks' saved inputs, the chunk's
+  # logits and the head's whole weight and gradients; a tied table's lookup gradient is made
+  # in the same pass.
+  head = (activation['saved_bytes'] + activation['logits_bytes'] + tpu['head']
+          + (tpu['lookup'] if config.tie_embeddings else 0.0)) if tpu['head'] else 0.0
   return MemoryPlan(params=float(params), optimizer=float(optimizer),
                     gradients=float(gradients), reference=float(params if reference else 0),
-                    activations=activations, update=float(trained_bytes + optimizer),
+                    activations=activation['total_bytes'],
+                    update=float(trained_bytes + optimizer),
                     inference_params=worker['params'], inference_base=worker['base'],
                     kv_cache=kv, inference_logits=float(logits),
                     workers_per_chip=workers_per_chip, shared=shared, push=float(push),
-                    lookup=tpu['lookup'], gathered=tpu['gathered'])
+                    lookup=tpu['lookup'], gathered=tpu['gathered'], head=head)

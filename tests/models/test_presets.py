@@ -2,6 +2,7 @@
 memory plan with LoRA and int8 workers against the arrays those modules build and place."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -302,7 +303,7 @@ def test_the_tpu_plan_counts_the_embeddings_update_and_fsdps_gathered_table(
   # "Compiled for TPU at real depth": six such buffers in the compiled step's temporaries).
   decoder = presets.get_preset('smollm2-135m', num_layers=1)
   terms = presets.tpu_trainer_terms(decoder, mesh)
-  assert terms == {'lookup': 6 * 49152 * embed_shard * 4, 'gathered': gathered}
+  assert terms == {'lookup': 6 * 49152 * embed_shard * 4, 'gathered': gathered, 'head': 0}
   cpu = presets.memory_plan(decoder, mesh, ONE, train_rows=8, train_length=60, slots=2,
                             cache_length=8)
   tpu = presets.memory_plan(decoder, mesh, ONE, train_rows=8, train_length=60, slots=2,
@@ -317,6 +318,38 @@ def test_the_tpu_plan_counts_the_embeddings_update_and_fsdps_gathered_table(
   lora = presets.memory_plan(decoder, mesh, ONE, train_rows=8, train_length=60, slots=2,
                              cache_length=8, platform='tpu', lora=lora_lib.LoRAConfig(4, 8.0))
   assert lora.lookup == 0 and lora.gathered == gathered
+
+
+def test_the_tpu_plan_counts_the_log_prob_chunks_backward_under_fsdp():
+  # Qwen3-1.7B's step on gsm8k's v5e-8 (fsdp 8, 8 micro-batches of 4 rows of 1024 positions
+  # per chip, log-probs 128 at a time, bfloat16 compute): each chunk's backward holds the tied
+  # 151,936 x 2,048 table gathered whole in bfloat16, its gradient whole in float32 and that
+  # gradient all-reduced in bfloat16 (benchmarks/RESULTS.md, "TPU compile: the 1.7B plan").
+  decoder = presets.get_preset('qwen3-1.7b', num_layers=1).with_execution(
+      param_dtype=jnp.float32, dtype=jnp.bfloat16, remat='full')
+  fsdp = {'data': 1, 'fsdp': 8, 'tensor': 1}
+  plan = functools.partial(presets.memory_plan, decoder, trainer_mesh=fsdp, inference_mesh=ONE,
+                           train_rows=256, train_length=1024, micro_batches=8, slots=2,
+                           cache_length=8, platform='tpu')
+  head = 151_936 * 2048 * (4 + 2 + 2)
+  assert presets.tpu_trainer_terms(decoder, fsdp, chunked=True)['head'] == head
+  chunked = plan(logprob_chunk=128)
+  parts = presets.activation_bytes(decoder, rows=4, length=1024, logprob_chunk=128,
+                                   platform='tpu')
+  # Beside it: the blocks' saved inputs, the chunk's logits and the tied table's lookup
+  # gradient; the step's peak is that phase, not the activations with one gathered table.
+  assert chunked.head == parts['saved_bytes'] + parts['logits_bytes'] + head + chunked.lookup
+  assert chunked.head > max(chunked.activations, chunked.update, chunked.lookup) + \
+      chunked.gathered
+  assert chunked.trainer_bytes == (chunked.params + chunked.optimizer + chunked.gradients
+                                   + chunked.head)
+  assert "the log-prob chunks' backward" in chunked.table(16 * 2**30)[0]
+  # The whole rows' log-probs at once, the data axis, or XLA:CPU: no such phase.
+  assert plan(logprob_chunk=0).head == 0
+  assert plan(logprob_chunk=128, trainer_mesh={'data': 8, 'fsdp': 1, 'tensor': 1}).head == 0
+  assert plan(logprob_chunk=128, platform='cpu').head == 0
+  # Under LoRA the table is frozen: no gradient of it.
+  assert plan(logprob_chunk=128, lora=lora_lib.LoRAConfig(4, 8.0)).head == 0
 
 
 def test_the_plan_refuses_an_unknown_platform():
