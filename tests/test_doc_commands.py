@@ -19,6 +19,7 @@ import sys
 import pytest
 
 from launch.recipes import cli as recipes_cli
+from launch.recipes import serve_tpu_vm
 from one_device import ROOT, one_device_env
 from rlax_llm.cli import load_config
 
@@ -50,7 +51,11 @@ SKIPPED = {
     'for id in 0 1; do': 'two local processes of a multi-host run (training)',
     'XLA_FLAGS=--xla_force_host_platform_device_count=2': 'the loop above: a training run',
     'done; wait': 'the loop above',
+    'python -m rlax_llm.export': "exports a run's checkpoint (tests/test_export_cli.py runs it)",
+    'if [ $(gcloud ': 'Google Cloud (network and credentials)',
 }
+# Lines that only close a shell construct opened on an earlier line (matched whole).
+CLOSERS = {'fi', 'done', 'esac'}
 RUNNABLE = ('--dry-run', '--print_config', '--help', 'launch.recipes slices')
 # Placeholders the reader replaces, where the command checks the value's form: an example
 # value (BUCKET, IMAGE and the like pass as they are).
@@ -109,6 +114,8 @@ def _runnable(command: Command) -> bool:
 
 
 def _skip_reason(command: Command) -> str | None:
+  if command.text in CLOSERS:
+    return 'closes the shell construct above'
   return next((why for start, why in SKIPPED.items() if command.text.startswith(start)), None)
 
 
@@ -139,9 +146,12 @@ def test_every_runnable_doc_command_parses(command):
   --config.KEY=VALUE load (what breaks when a flag, key or variant is renamed)."""
   argv = _recipe_argv(command)
   if argv is not None:
-    opts, rest = recipes_cli.build_parser().parse_known_args(argv)
+    parser = recipes_cli.build_parser()
+    if argv[:1] == ['serve-tpu-vm']:
+      parser, argv = serve_tpu_vm.build_parser(), argv[1:]
+    opts, rest = parser.parse_known_args(argv)
     overrides = recipes_cli._split_overrides(rest)  # pylint: disable=protected-access
-    if opts.recipe != 'slices':
+    if getattr(opts, 'recipe', None) != 'slices':
       load_config([f'--config={opts.config}', *overrides])
     return
   assert command.args[:3] == ['python', '-m', 'rlax_llm.launch'], command

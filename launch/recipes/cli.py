@@ -202,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help='the head pod\'s memory request (host copies of weight versions)')
   p.add_argument('--output', help='also write the manifest to this file')
   _kubernetes(p)
+  # Listed here for --help; its own parser is serve_tpu_vm's (run() hands it the arguments).
+  sub.add_parser('serve-tpu-vm', add_help=False,
+                 help='serve a run\'s checkpoint on a single-host TPU VM (serve-tpu-vm --help)')
   p = sub.add_parser('compile', allow_abbrev=False,
                      help='compile the run\'s programs for its TPU slice(s) on this machine '
                      '(libtpu, no TPU): memory per chip, compile time, a roofline model')
@@ -280,6 +283,10 @@ def _split_overrides(rest: Sequence[str]) -> list[str]:
 
 def run(argv: Sequence[str]) -> int:
   """The CLI; returns the exit status (raises SystemExit('error: ...') on a bad config)."""
+  if list(argv[:1]) == ['serve-tpu-vm']:
+    # pylint: disable-next=import-outside-toplevel (serve_tpu_vm imports this module)
+    from launch.recipes import serve_tpu_vm
+    return serve_tpu_vm.run(argv[1:])
   parser = build_parser()
   opts, rest = parser.parse_known_args(argv)
   if opts.recipe == 'slices':

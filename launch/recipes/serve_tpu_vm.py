@@ -24,7 +24,6 @@ from launch.recipes import cli, scripts
 from launch.recipes.checks import check_local, validate_on_devices
 from launch.recipes.slices import SliceError, get_slice
 from rlax_llm.cli import load_config
-from rlax_llm.errors import RlaxError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,11 +82,3 @@ def run(argv: Sequence[str]) -> int:
                      'login, or pass --dry-run to print the commands.')
   sys.stdout.flush()
   return subprocess.run(['bash', '-c', script], check=False).returncode
-
-
-def main(argv: Sequence[str]) -> None:
-  try:
-    status = run(argv)
-  except RlaxError as e:
-    raise SystemExit(f'error: {e}') from None
-  raise SystemExit(status)
