@@ -15,9 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_resume import run_once
 from train_batches import random_train_batch  # tests/train_batches.py
 
 from rlax_llm import losses
+from rlax_llm.cli import load_config_file
 from rlax_llm.data_types import TERMINATIONS, GenerationRequest
 from rlax_llm.envs.base import EnvStep
 from rlax_llm.losses import LossConfig
@@ -125,10 +127,16 @@ def test_evaluate_cli_scores_the_episodes_as_the_run_did(smoke_runs):
 
 def test_a_resumed_multi_turn_run_equals_the_uninterrupted_one(tmp_path):
   """GiGPO on an environment of the test's own (unequal returns: every step learns): a run
-  checkpointed after each step, stopped after 2 and resumed to 3, equals 3 steps at once."""
+  checkpointed after each step, stopped after 2 and resumed to 3 (two launches), equals 3
+  steps at once (run in this process first: one process start fewer, and its compiled
+  programs are in the persistent cache when the launches ask for them)."""
   common = ['--config=configs/agent.py:smoke', '--config.env.name=test_agent_run:LowercaseEnv',
             '--config.env.max_turns=2', '--config.rl.advantage_estimator=gigpo']
-  _launch(*common, f'--workdir={tmp_path / "whole"}')
+  config = load_config_file(str(ROOT / 'configs' / 'agent.py') + ':smoke')
+  config.env.name, config.env.max_turns = 'test_agent_run:LowercaseEnv', 2
+  config.rl.advantage_estimator = 'gigpo'
+  summary, _ = run_once(config, tmp_path / 'whole', None)
+  assert summary['steps'] == 3
   resumed = tmp_path / 'resumed'
   checkpoints = ['--config.checkpoint.every_steps=1', '--config.checkpoint.async_save=False']
   _launch(*common, *checkpoints, '--config.total_steps=2', f'--workdir={resumed}')
