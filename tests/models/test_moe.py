@@ -158,3 +158,15 @@ def test_moe_execution_and_aux_loss_misuse_are_refused(model_and_params):
                                      num_kv_heads=1, head_dim=4, mlp_dim=8))
   with pytest.raises(ValueError, match='but num_experts=0'):
     dense[0].apply(dense[1], TOKENS % 8, aux_loss=True)
+
+
+def test_lora_adapts_the_attention_of_a_mixture_of_experts_and_refuses_its_mlp():
+  from flax import nnx
+  from rlax_llm.errors import ConfigError
+  from rlax_llm.models import lora
+  from rlax_llm.models.decoder import Decoder
+  decoder = Decoder(CONFIG, rngs=nnx.Rngs(0))
+  with pytest.raises(ConfigError, match=r"lora.targets includes \['down', 'gate', 'up'\]"):
+    lora.add_adapters(decoder, lora.LoRAConfig(rank=2, alpha=4.0), nnx.Rngs(1))
+  lora.add_adapters(decoder, lora.LoRAConfig(rank=2, alpha=4.0, targets=('q', 'o')), nnx.Rngs(1))
+  assert decoder.blocks.attn.wq_lora.a[...].shape[:2] == (CONFIG.num_layers, CONFIG.embed_dim)
