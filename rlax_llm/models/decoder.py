@@ -32,12 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rlax_llm.models import cpu_attention
+from rlax_llm.models import cpu_attention, moe
 from rlax_llm.models.attention import invariant_attention, xla_attention
 from rlax_llm.models.decoder_config import LAYERS_AXIS, DecoderConfig, RopeScaling
 from rlax_llm.models.kv_cache import (KEY_BLOCK_AXES, VALUE_BLOCK_AXES, KVCache, LayerBlocks,
                                       layer_update, to_block)
-from rlax_llm.models.moe import MoE, load_balancing_loss
 from rlax_llm.models.numerics import (accumulated_product, flipped_product, flips, invariant_matmul,
                                      invariant_sum, narrow, narrow_dtype)
 from rlax_llm.models.quant import Int8Weight
@@ -339,9 +338,45 @@ class MLP(nnx.Module):
                             low_rank(self, 'w_down', dt)), ('batch', 'length', 'embed'))
 
 
+class MoE(nnx.Module):
+  """Sparse mixture of SwiGLU experts with a top-k softmax router (dropless;
+  ``rlax_llm.models.moe``).
+
+  Params: ``router [embed, experts]`` (in ``Execution.weight_layout`` order), and
+  ``experts_gate``/``experts_up [experts, embed, moe_mlp]``, ``experts_down [experts,
+  moe_mlp, embed]`` (logical axes ``expert``, ``embed``, ``mlp``; inputs first whatever the
+  weight layout).
+  """
+
+  def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+    c = config
+    dt = c.execution.param_dtype
+    e, d, f = c.num_experts, c.embed_dim, c.moe_mlp_dim
+    self.router = _kernel(rngs, c, ((d, 'embed'),), ((e, moe.EXPERT_AXIS),), d ** -0.5)
+    self.experts_gate = _param(rngs, (e, d, f), (moe.EXPERT_AXIS, 'embed', 'mlp'), dt, d ** -0.5)
+    self.experts_up = _param(rngs, (e, d, f), (moe.EXPERT_AXIS, 'embed', 'mlp'), dt, d ** -0.5)
+    self.experts_down = _param(rngs, (e, f, d), (moe.EXPERT_AXIS, 'mlp', 'embed'), dt, f ** -0.5)
+    self.config = c
+
+  def __call__(self, x: Array) -> tuple[Array, Array]:
+    """x ``[batch, length, embed]`` -> ``(out [batch, length, embed] in Execution.dtype,
+    moe.router_stats float32 [2, experts])``."""
+    c = self.config
+    dt = c.execution.dtype
+    chex.assert_rank(x, 3)
+    flat = x.reshape(-1, x.shape[-1]).astype(dt)
+    probs, gates, experts = moe.route(linear(flat, self.router[...].astype(dt), c),
+                                      c.num_experts_per_tok, c.norm_topk_prob)
+    weights = [w[...].astype(dt) for w in (self.experts_gate, self.experts_up,
+                                           self.experts_down)]
+    out = moe.EXPERT_IMPLS[c.execution.moe_impl](flat, experts, gates, *weights).astype(dt)
+    return (constrain(out.reshape(x.shape), ('batch', 'length', 'embed')),
+            moe.router_stats(probs, experts))
+
+
 class Block(nnx.Module):
   """Pre-norm transformer block: attention, then a SwiGLU ``mlp`` or, in a mixture of
-  experts (``config.num_experts > 0``), a ``moe`` (``rlax_llm.models.moe.MoE``)."""
+  experts (``config.num_experts > 0``), a ``moe`` (``MoE``)."""
 
   def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
     run = config.execution
@@ -433,8 +468,8 @@ def run_layers(blocks: Block | nnx.List, x: Array, rope_cs: tuple[Array, Array],
   graphdef, state = nnx.split(blocks)
   step = layer(graphdef)
   num_layers = jax.tree.leaves(state)[0].shape[0]
-  moe = getattr(blocks, 'moe', None)
-  total = None if moe is None else jnp.zeros((2, moe.config.num_experts), jnp.float32)
+  experts = getattr(blocks, 'moe', None)
+  total = None if experts is None else jnp.zeros((2, experts.config.num_experts), jnp.float32)
 
   def body(carry, xs):
     x, cache, total = carry
@@ -566,7 +601,7 @@ class Decoder(nnx.Module):
     x = self.final_norm(x)
     out = x if features else constrain(self.head(x), ('batch', 'length', 'vocab'))
     if cache is None:
-      return (out, load_balancing_loss(stats, c.num_experts_per_tok)) if aux_loss else out
+      return (out, moe.load_balancing_loss(stats, c.num_experts_per_tok)) if aux_loss else out
     if num_valid is None:
       num_valid = jnp.full((batch,), length, jnp.int32)
     new_cache = cache.with_layers(new_kv, used, cache.lengths + num_valid.astype(jnp.int32))

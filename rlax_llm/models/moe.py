@@ -1,5 +1,6 @@
-"""Mixture-of-experts feed-forward block (Qwen3-MoE, Mixtral): a top-k softmax router over
-``num_experts`` SwiGLU experts, dropless.
+"""Mixture-of-experts routing and experts (Qwen3-MoE, Mixtral): a top-k softmax router over
+``num_experts`` SwiGLU experts, dropless. ``rlax_llm.models.decoder.MoE`` is the block's
+module (its params) built on these functions.
 
 Every token goes to the ``num_experts_per_tok`` experts of largest router probability, the
 output is their SwiGLU outputs weighted by those probabilities (renormalised over the top k
@@ -34,10 +35,6 @@ from __future__ import annotations
 import chex
 import jax
 import jax.numpy as jnp
-from flax import nnx
-
-from rlax_llm.models.decoder_config import DecoderConfig
-from rlax_llm.sharding import constrain
 
 Array = jax.Array
 
@@ -120,40 +117,7 @@ def _dense_experts(x: Array, experts: Array, gates: Array, w_gate: Array, w_up: 
   return jnp.einsum('etf,efd,te->td', hidden, w_down, combine)
 
 
-_IMPLS = {'ragged': _ragged_experts, 'dense': _dense_experts}
-
-
-class MoE(nnx.Module):
-  """Sparse mixture of SwiGLU experts with a top-k softmax router (dropless).
-
-  Params: ``router [embed, experts]`` (in ``Execution.weight_layout`` order), and
-  ``experts_gate``/``experts_up [experts, embed, moe_mlp]``, ``experts_down [experts,
-  moe_mlp, embed]`` (logical axes ``expert``, ``embed``, ``mlp``).
-  """
-
-  def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
-    from rlax_llm.models.decoder import _kernel, _param  # decoder imports this module
-    c = config
-    dt = c.execution.param_dtype
-    e, d, f = c.num_experts, c.embed_dim, c.moe_mlp_dim
-    self.router = _kernel(rngs, c, ((d, 'embed'),), ((e, EXPERT_AXIS),), d ** -0.5)
-    self.experts_gate = _param(rngs, (e, d, f), (EXPERT_AXIS, 'embed', 'mlp'), dt, d ** -0.5)
-    self.experts_up = _param(rngs, (e, d, f), (EXPERT_AXIS, 'embed', 'mlp'), dt, d ** -0.5)
-    self.experts_down = _param(rngs, (e, f, d), (EXPERT_AXIS, 'mlp', 'embed'), dt, f ** -0.5)
-    self.config = c
-
-  def __call__(self, x: Array) -> tuple[Array, Array]:
-    """x ``[batch, length, embed]`` -> ``(out [batch, length, embed] in Execution.dtype,
-    router_stats float32 [2, experts])``."""
-    from rlax_llm.models.decoder import linear  # decoder imports this module
-    c = self.config
-    dt = c.execution.dtype
-    chex.assert_rank(x, 3)
-    flat = x.reshape(-1, x.shape[-1]).astype(dt)
-    probs, gates, experts = route(linear(flat, self.router[...].astype(dt), c),
-                                  c.num_experts_per_tok, c.norm_topk_prob)
-    weights = [w[...].astype(dt) for w in (self.experts_gate, self.experts_up,
-                                           self.experts_down)]
-    out = _IMPLS[c.execution.moe_impl](flat, experts, gates, *weights).astype(dt)
-    return (constrain(out.reshape(x.shape), ('batch', 'length', 'embed')),
-            router_stats(probs, experts))
+# ``Execution.moe_impl`` -> how the experts run: ``(x [tokens, embed], experts int32
+# [tokens, k], gates [tokens, k], w_gate, w_up [experts, embed, moe_mlp], w_down [experts,
+# moe_mlp, embed]) -> [tokens, embed]``.
+EXPERT_IMPLS = {'ragged': _ragged_experts, 'dense': _dense_experts}
