@@ -3,7 +3,8 @@
 One readable file (after nanoGPT): RMSNorm, rotary position embeddings (RoPE, the
 "rotate half" layout used by Hugging Face Llama), grouped-query attention (GQA) and a
 SwiGLU MLP. Every parameter carries its logical axis names in the ``logical_axes``
-metadata (``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``);
+metadata (``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``; ``expert``
+in a mixture of experts, whose block is ``MoE``);
 ``rlax_llm.sharding`` maps them to mesh axes.
 
 References:
