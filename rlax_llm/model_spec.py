@@ -25,8 +25,14 @@ INVARIANT_ROWS_MODES = ('chunks', 'floor')  # numerics.invariant_matmul
 WEIGHT_LAYOUTS = ('in_out', 'out_in')  # decoder.linear
 DECODE_ATTENTIONS = ('xla', 'cpu_kernel')  # decoder.Attention
 LAYER_LOOPS = ('scan', 'unrolled')  # decoder_config.Execution.layer_loop
+# How a mixture-of-experts block computes its experts (``models.moe``): 'ragged', a grouped
+# matmul (``jax.lax.ragged_dot``) over the tokens sorted by expert, or 'dense', every expert
+# on every token weighted by the sparse gates (exact, for tiny models and CPU).
+MOE_IMPLS = ('ragged', 'dense')
 # Hugging Face architectures a decoder exports to.
-FAMILIES = ('llama', 'qwen2', 'qwen3')
+FAMILIES = ('llama', 'qwen2', 'qwen3', 'qwen3_moe', 'mixtral')
+# The families whose MLPs are mixtures of experts (``Architecture.num_experts > 0``).
+MOE_FAMILIES = ('qwen3_moe', 'mixtral')
 # The dtypes params are stored and computed in, by name (``model.param_dtype``,
 # ``model.dtype``).
 DTYPES = ('float32', 'bfloat16')
@@ -74,10 +80,27 @@ class Architecture:
   qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on queries and keys, before RoPE
   max_seq_len: int = 64
   family: str = 'llama'  # the Hugging Face architecture it exports to
+  # Mixture of experts (``models.moe``; Qwen3-MoE and Mixtral ``config.json`` fields):
+  # ``num_experts`` experts per MoE layer (HF ``num_experts`` / ``num_local_experts``; 0 =
+  # dense), each token routed to ``num_experts_per_tok`` of them, each a SwiGLU of width
+  # ``moe_mlp_dim`` (HF ``moe_intermediate_size``; Mixtral's experts use
+  # ``intermediate_size``). ``norm_topk_prob``: the top-k gates renormalised to sum to 1
+  # (Qwen3-MoE's flag; Mixtral always does). Every ``decoder_sparse_step``-th layer not in
+  # ``mlp_only_layers`` is MoE (only homogeneous stacks are built: step 1, no dense layers).
+  # ``router_aux_loss_coef``: the weight of the router's load-balancing loss (Switch /
+  # Mixtral form) in the trainer's loss; 0 (off) in RL.
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_mlp_dim: int = 0
+  norm_topk_prob: bool = False
+  decoder_sparse_step: int = 1
+  mlp_only_layers: tuple[int, ...] = ()
+  router_aux_loss_coef: float = 0.0
 
   def __post_init__(self):
     if self.family not in FAMILIES:
       raise ValueError(f'DecoderConfig.family={self.family!r}; choose one of {FAMILIES}.')
+    self._check_moe()
     for name in ('vocab_size', 'num_layers', 'embed_dim', 'num_heads', 'num_kv_heads',
                  'head_dim', 'mlp_dim', 'max_seq_len'):
       value = getattr(self, name)
@@ -89,6 +112,50 @@ class Architecture:
           f'({self.num_kv_heads}) for grouped-query attention.')
     if self.head_dim % 2:
       raise ValueError(f'head_dim must be even for RoPE, got {self.head_dim}.')
+
+  def _check_moe(self) -> None:
+    """Raises ValueError naming the MoE field, its value and the fix."""
+    moe = self.family in MOE_FAMILIES
+    for name in ('num_experts', 'num_experts_per_tok', 'moe_mlp_dim', 'decoder_sparse_step'):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f'DecoderConfig.{name} must be a non-negative int, got {value!r}.')
+    if not moe:
+      if self.num_experts:
+        raise ValueError(
+            f'DecoderConfig.num_experts={self.num_experts} makes a mixture of experts, but '
+            f'family={self.family!r} is dense; set family to one of {MOE_FAMILIES} or '
+            'num_experts=0.')
+      return
+    if self.num_experts < 1:
+      raise ValueError(f'DecoderConfig.family={self.family!r} is a mixture of experts but '
+                       f'num_experts={self.num_experts}; set num_experts >= 1.')
+    if not 1 <= self.num_experts_per_tok <= self.num_experts:
+      raise ValueError(f'DecoderConfig.num_experts_per_tok={self.num_experts_per_tok} must be '
+                       f'in [1, num_experts={self.num_experts}]; set it to the experts each '
+                       'token is routed to (HF num_experts_per_tok).')
+    if self.moe_mlp_dim < 1:
+      raise ValueError(f'DecoderConfig.moe_mlp_dim={self.moe_mlp_dim} must be positive: each '
+                       'expert\'s SwiGLU width (HF moe_intermediate_size; Mixtral\'s '
+                       'intermediate_size).')
+    if self.family == 'mixtral' and not self.norm_topk_prob:
+      raise ValueError('DecoderConfig.norm_topk_prob=False, but family=\'mixtral\' always '
+                       'renormalises its top-k gates; set norm_topk_prob=True.')
+    if self.decoder_sparse_step != 1 or self.mlp_only_layers:
+      raise ValueError(
+          f'DecoderConfig.decoder_sparse_step={self.decoder_sparse_step} and mlp_only_layers='
+          f'{tuple(self.mlp_only_layers)} mix dense and MoE layers, which the scanned layer '
+          'stack does not build yet; only decoder_sparse_step=1 with mlp_only_layers=() (every '
+          'layer MoE) is supported.')
+    coef = self.router_aux_loss_coef
+    if not isinstance(coef, (int, float)) or isinstance(coef, bool) or coef < 0:
+      raise ValueError(f'DecoderConfig.router_aux_loss_coef={coef!r} must be a float >= 0 '
+                       '(0 turns the load-balancing loss off).')
+
+  @property
+  def is_moe(self) -> bool:
+    """Whether the MLPs are mixtures of experts (``num_experts > 0``)."""
+    return self.num_experts > 0
 
   def fields(self) -> dict:
     """The architecture's fields by name (``rope_scaling`` kept a ``RopeScaling``)."""
@@ -148,6 +215,25 @@ PRESET_ARCHITECTURES: dict[str, Architecture] = {
         vocab_size=152_064, num_layers=64, embed_dim=5120, num_heads=40, num_kv_heads=8,
         head_dim=128, mlp_dim=27_648, rope_theta=1_000_000.0, norm_eps=1e-5,
         tie_embeddings=False, qkv_bias=True, max_seq_len=40_960, family='qwen2'),
+    # Qwen/Qwen3-30B-A3B config.json: hidden_size 2048, 48 layers, 32 heads, 4 kv heads,
+    # head_dim 128, 128 experts, num_experts_per_tok 8, moe_intermediate_size 768,
+    # norm_topk_prob true, decoder_sparse_step 1, mlp_only_layers [], intermediate_size 6144
+    # (unused: every layer is MoE), vocab 151936, rope_theta 1e6, rms_norm_eps 1e-6,
+    # tie_word_embeddings false, max_position_embeddings 40960, router_aux_loss_coef 0.001
+    # (0 here: off in RL).
+    'qwen3-30b-a3b': Architecture(
+        num_layers=48, embed_dim=2048, num_heads=32, num_kv_heads=4, mlp_dim=6144,
+        tie_embeddings=False, num_experts=128, num_experts_per_tok=8, moe_mlp_dim=768,
+        norm_topk_prob=True, **{**_QWEN3, 'family': 'qwen3_moe'}),
+    # mistralai/Mixtral-8x7B-v0.1 config.json: hidden_size 4096, intermediate_size 14336 (each
+    # expert's), 32 layers, 32 heads, 8 kv heads (head_dim 128), num_local_experts 8,
+    # num_experts_per_tok 2, vocab 32000, rope_theta 1e6, rms_norm_eps 1e-5,
+    # tie_word_embeddings false, max_position_embeddings 32768.
+    'mixtral-8x7b': Architecture(
+        vocab_size=32_000, num_layers=32, embed_dim=4096, num_heads=32, num_kv_heads=8,
+        head_dim=128, mlp_dim=14_336, rope_theta=1_000_000.0, norm_eps=1e-5,
+        tie_embeddings=False, max_seq_len=32_768, family='mixtral', num_experts=8,
+        num_experts_per_tok=2, moe_mlp_dim=14_336, norm_topk_prob=True),
 }
 
 # Presets whose checkpoint ships as a pip package (nothing is downloaded at run time;

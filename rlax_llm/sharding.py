@@ -28,6 +28,10 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ('heads', 'tensor'),
     ('kv_heads', 'tensor'),
     ('mlp', 'tensor'),
+    # A mixture of experts' stacked experts (``models.moe``): expert parallelism over the
+    # data axis (GShard's layout: each data-parallel group holds its share of the experts,
+    # fsdp and tensor split each expert's matrices as the dense MLP's).
+    ('expert', 'data'),
     ('head_dim', None),
     ('length', None),
     ('layers', None),  # the stacked blocks' layer axis (decoder.stack_layers): the scan

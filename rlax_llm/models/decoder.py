@@ -3,7 +3,8 @@
 One readable file (after nanoGPT): RMSNorm, rotary position embeddings (RoPE, the
 "rotate half" layout used by Hugging Face Llama), grouped-query attention (GQA) and a
 SwiGLU MLP. Every parameter carries its logical axis names in the ``logical_axes``
-metadata (``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``);
+metadata (``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``; ``expert``
+in a mixture of experts, whose block is ``MoE``);
 ``rlax_llm.sharding`` maps them to mesh axes.
 
 References:
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rlax_llm.models import cpu_attention
+from rlax_llm.models import cpu_attention, moe
 from rlax_llm.models.attention import invariant_attention, xla_attention
 from rlax_llm.models.decoder_config import LAYERS_AXIS, DecoderConfig, RopeScaling
 from rlax_llm.models.kv_cache import (KEY_BLOCK_AXES, VALUE_BLOCK_AXES, KVCache, LayerBlocks,
@@ -338,8 +339,45 @@ class MLP(nnx.Module):
                             low_rank(self, 'w_down', dt)), ('batch', 'length', 'embed'))
 
 
+class MoE(nnx.Module):
+  """Sparse mixture of SwiGLU experts with a top-k softmax router (dropless;
+  ``rlax_llm.models.moe``).
+
+  Params: ``router [embed, experts]`` (in ``Execution.weight_layout`` order), and
+  ``experts_gate``/``experts_up [experts, embed, moe_mlp]``, ``experts_down [experts,
+  moe_mlp, embed]`` (logical axes ``expert``, ``embed``, ``mlp``; inputs first whatever the
+  weight layout).
+  """
+
+  def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+    c = config
+    dt = c.execution.param_dtype
+    e, d, f = c.num_experts, c.embed_dim, c.moe_mlp_dim
+    self.router = _kernel(rngs, c, ((d, 'embed'),), ((e, moe.EXPERT_AXIS),), d ** -0.5)
+    self.experts_gate = _param(rngs, (e, d, f), (moe.EXPERT_AXIS, 'embed', 'mlp'), dt, d ** -0.5)
+    self.experts_up = _param(rngs, (e, d, f), (moe.EXPERT_AXIS, 'embed', 'mlp'), dt, d ** -0.5)
+    self.experts_down = _param(rngs, (e, f, d), (moe.EXPERT_AXIS, 'mlp', 'embed'), dt, f ** -0.5)
+    self.config = c
+
+  def __call__(self, x: Array) -> tuple[Array, Array]:
+    """x ``[batch, length, embed]`` -> ``(out [batch, length, embed] in Execution.dtype,
+    moe.router_stats float32 [2, experts])``."""
+    c = self.config
+    dt = c.execution.dtype
+    chex.assert_rank(x, 3)
+    flat = x.reshape(-1, x.shape[-1]).astype(dt)
+    probs, gates, experts = moe.route(linear(flat, self.router[...].astype(dt), c),
+                                      c.num_experts_per_tok, c.norm_topk_prob)
+    weights = [w[...].astype(dt) for w in (self.experts_gate, self.experts_up,
+                                           self.experts_down)]
+    out = moe.EXPERT_IMPLS[c.execution.moe_impl](flat, experts, gates, *weights).astype(dt)
+    return (constrain(out.reshape(x.shape), ('batch', 'length', 'embed')),
+            moe.router_stats(probs, experts))
+
+
 class Block(nnx.Module):
-  """Pre-norm transformer block."""
+  """Pre-norm transformer block: attention, then a SwiGLU ``mlp`` or, in a mixture of
+  experts (``config.num_experts > 0``), a ``moe`` (``MoE``)."""
 
   def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
     run = config.execution
@@ -348,12 +386,20 @@ class Block(nnx.Module):
     self.attn_norm = norm()
     self.attn = Attention(config, rngs=rngs)
     self.mlp_norm = norm()
-    self.mlp = MLP(config, rngs=rngs)
+    if config.is_moe:
+      self.moe = MoE(config, rngs=rngs)
+    else:
+      self.mlp = MLP(config, rngs=rngs)
 
   def __call__(self, x, rope_cs, mask, kv, starts):
+    """``(x, the layer's new cache blocks or None, the MoE's ``router_stats`` float32
+    ``[2, experts]`` or None in a dense block)``."""
     h, new_kv = self.attn(self.attn_norm(x), rope_cs, mask, kv, starts)
     x = x + h
-    return x + self.mlp(self.mlp_norm(x)), new_kv
+    if hasattr(self, 'moe'):
+      h, stats = self.moe(self.mlp_norm(x))
+      return x + h, new_kv, stats
+    return x + self.mlp(self.mlp_norm(x)), new_kv, None
 
 
 def stack_layers(build, num_layers: int, rngs: nnx.Rngs) -> nnx.Module:
@@ -384,7 +430,8 @@ _REMAT_POLICY = {
 
 def run_layers(blocks: Block | nnx.List, x: Array, rope_cs: tuple[Array, Array], mask: Array,
                kv: LayerBlocks | tuple[LayerBlocks, ...] | None, starts: Array | None,
-               remat: str) -> tuple[Array, LayerBlocks | tuple[LayerBlocks, ...] | None]:
+               remat: str
+               ) -> tuple[Array, LayerBlocks | tuple[LayerBlocks, ...] | None, Array | None]:
   """``x`` ``[B, T, E]`` through the decoder's ``blocks`` in order (``Execution.layer_loop``).
 
   Stacked ``blocks`` (``stack_layers``, ``'scan'``): one ``jax.lax.scan`` over their layer
@@ -398,38 +445,45 @@ def run_layers(blocks: Block | nnx.List, x: Array, rope_cs: tuple[Array, Array],
   ``jax.checkpoint`` that keeps only what the policy saves for the backward pass, which
   recomputes the rest layer by layer (in a scan the backward scan runs after the forward
   one, so XLA cannot merge the two; the unrolled loop is the engine's, which has no backward
-  pass). Returns ``(x, the new cache blocks, in ``kv``'s layout, or None)``.
+  pass). Returns ``(x, the new cache blocks, in ``kv``'s layout, or None, the MoE layers'
+  ``moe.router_stats`` summed over the layers (float32 ``[2, experts]``) or None when
+  dense)``.
   """
-  def layer(graphdef):  # a layer of ``graphdef``: (its state, x, its cache blocks) -> (x, kv)
+  def layer(graphdef):  # a layer: (its state, x, its cache blocks) -> (x, kv, router stats)
     def call(state, x, kv):
       return nnx.merge(graphdef, state)(x, rope_cs, mask, kv, starts)
     if remat == 'none':
       return call
     return jax.checkpoint(call, policy=_REMAT_POLICY[remat], prevent_cse=False)
 
+  add = lambda total, stats: None if stats is None else (
+      stats if total is None else total + stats)
   if isinstance(blocks, nnx.List):
-    new = []
+    new, total = [], None
     for i, block in enumerate(blocks):
       graphdef, state = nnx.split(block)
-      x, layer_kv = layer(graphdef)(state, x, None if kv is None else kv[i])
+      x, layer_kv, stats = layer(graphdef)(state, x, None if kv is None else kv[i])
       new.append(layer_kv)
-    return x, None if kv is None else tuple(new)
+      total = add(total, stats)
+    return x, None if kv is None else tuple(new), total
   graphdef, state = nnx.split(blocks)
   step = layer(graphdef)
   num_layers = jax.tree.leaves(state)[0].shape[0]
+  experts = getattr(blocks, 'moe', None)
+  total = None if experts is None else jnp.zeros((2, experts.config.num_experts), jnp.float32)
 
   def body(carry, xs):
-    x, cache = carry
+    x, cache, total = carry
     state, i = xs
     at = lambda b: jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False)
-    x, new = step(state, x, None if cache is None else jax.tree.map(at, cache))
+    x, new, stats = step(state, x, None if cache is None else jax.tree.map(at, cache))
     if cache is not None:
       cache = jax.tree.map(lambda b, n: jax.lax.dynamic_update_index_in_dim(b, n, i, 0),
                            cache, new)
-    return (x, cache), None
+    return (x, cache, add(total, stats)), None
 
-  (x, kv), _ = jax.lax.scan(body, (x, kv), (state, jnp.arange(num_layers)))
-  return x, kv
+  (x, kv, total), _ = jax.lax.scan(body, (x, kv, total), (state, jnp.arange(num_layers)))
+  return x, kv, total
 
 
 def head_is_vocab_major(config: DecoderConfig, rows: int) -> bool:
@@ -506,13 +560,16 @@ class Decoder(nnx.Module):
 
   def __call__(self, tokens: Array, *, cache: KVCache | None = None,
                num_valid: Array | None = None, attend: int | None = None,
-               features: bool = False):
+               features: bool = False, aux_loss: bool = False):
     """``attend`` (static, with a cache): attention reads only the first ``attend`` cache
     positions; every row's ``lengths + T`` must be ``<= attend``. Decoding passes the
     smallest bucket that holds its longest row, so short sequences do not pay for the whole
     cache. ``features``: return the final-normed hidden states ``[B, T, E]`` instead of
     logits (``head`` turns them into logits, in chunks if wanted); with a cache, as
-    ``(hidden, new_cache)``."""
+    ``(hidden, new_cache)``. ``aux_loss`` (a mixture of experts, without a cache): return
+    ``(out, loss)``, ``loss`` the router's load-balancing loss over all layers and tokens
+    (``moe.load_balancing_loss``, float32 scalar, not yet scaled by
+    ``router_aux_loss_coef``)."""
     c = self.config
     chex.assert_rank(tokens, 2)
     batch, length = tokens.shape
@@ -534,13 +591,18 @@ class Decoder(nnx.Module):
     rope_cs = rope_tables(positions, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
                           rope_table_length(c))
     used = None if cache is None else cache.used_blocks(mask.shape[-1])
-    x, new_kv = run_layers(self.blocks, x, rope_cs, mask,
-                           None if cache is None else cache.layers(used), starts,
-                           c.execution.remat)
+    if aux_loss and (cache is not None or not c.is_moe):
+      raise ValueError(f'Decoder(aux_loss=True) returns the router\'s load-balancing loss of a '
+                       f'mixture of experts without a cache, but num_experts={c.num_experts} '
+                       f'and cache={"given" if cache is not None else None}; pass '
+                       'aux_loss=False.')
+    x, new_kv, stats = run_layers(self.blocks, x, rope_cs, mask,
+                                  None if cache is None else cache.layers(used), starts,
+                                  c.execution.remat)
     x = self.final_norm(x)
     out = x if features else constrain(self.head(x), ('batch', 'length', 'vocab'))
     if cache is None:
-      return out
+      return (out, moe.load_balancing_loss(stats, c.num_experts_per_tok)) if aux_loss else out
     if num_valid is None:
       num_valid = jnp.full((batch,), length, jnp.int32)
     new_cache = cache.with_layers(new_kv, used, cache.lengths + num_valid.astype(jnp.int32))

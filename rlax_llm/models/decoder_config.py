@@ -15,6 +15,7 @@ from rlax_llm.model_spec import (  # noqa: F401  (re-exported)
     FAMILIES,
     INVARIANT_ROWS_MODES,
     LAYER_LOOPS,
+    MOE_IMPLS,
     REMAT_POLICIES,
     WEIGHT_LAYOUTS,
     Architecture,
@@ -59,12 +60,18 @@ class Execution:
   # LAYER_LOOPS: 'scan' everywhere params are trained, saved or loaded; an inference engine
   # on XLA:CPU runs 'unrolled' (``rlax_llm.models.model.with_weight_layout``).
   layer_loop: str = 'scan'
+  # MOE_IMPLS: how a mixture-of-experts block computes its experts (``models.moe``; dropless
+  # either way, equal to rounding): 'ragged', a grouped matmul (``jax.lax.ragged_dot``, TPU's
+  # grouped-matmul kernel) over the tokens sorted by expert, or 'dense', every expert on
+  # every token weighted by the sparse gates (num_experts / top-k times the FLOPs; for tiny
+  # models and CPU). Dense models ignore it.
+  moe_impl: str = 'ragged'
 
   def __post_init__(self):
     for name, choices in (('remat', REMAT_POLICIES), ('invariant_rows', INVARIANT_ROWS_MODES),
                           ('weight_layout', WEIGHT_LAYOUTS),
                           ('decode_attention', DECODE_ATTENTIONS),
-                          ('layer_loop', LAYER_LOOPS)):
+                          ('layer_loop', LAYER_LOOPS), ('moe_impl', MOE_IMPLS)):
       if getattr(self, name) not in choices:
         raise ValueError(f'Execution.{name}={getattr(self, name)!r}; choose one of '
                          f'{choices}.')
@@ -86,6 +93,10 @@ class DecoderConfig(Architecture):
     if not isinstance(self.execution, Execution):
       raise ValueError(f'DecoderConfig.execution must be an Execution, got '
                        f'{self.execution!r}; build one with Execution(...).')
+    if self.is_moe and self.execution.batch_invariant:
+      raise ValueError(f'DecoderConfig.num_experts={self.num_experts} with '
+                       'Execution.batch_invariant=True: the experts\' grouped matmuls are not '
+                       'batch-invariant; turn batch_invariant off for a mixture of experts.')
 
   def with_execution(self, **changes: Any) -> DecoderConfig:
     """This architecture with ``changes`` to its ``Execution`` fields."""

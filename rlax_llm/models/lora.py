@@ -168,6 +168,11 @@ def add_adapters(decoder: Decoder, lora: LoRAConfig, rngs: nnx.Rngs) -> Decoder:
   (``decoder.stack_layers``), as the blocks are. Adapters are float32 whatever the base's
   ``param_dtype`` (a bfloat16 base keeps float32 trained state, as PEFT does)."""
   run = decoder.config.execution
+  dense_mlp = sorted(t for t in lora.targets if _WEIGHTS[t][0] == 'mlp')
+  if decoder.config.is_moe and dense_mlp:
+    raise ConfigError(f'lora.targets includes {dense_mlp}, but this mixture of experts has no '
+                      'dense MLP (adapters on the experts are not built yet); set lora.targets '
+                      'to attention weights only, e.g. \'q,k,v,o\'.')
   for target in lora.targets:
     part, name, num_in, _ = _WEIGHTS[target]
     module = getattr(decoder.blocks, part)

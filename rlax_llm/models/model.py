@@ -35,16 +35,20 @@ class Model:
 
   def apply(self, params: Params, tokens: jax.Array, *, cache: KVCache | None = None,
             num_valid: jax.Array | None = None, attend: int | None = None,
-            features: bool = False):
+            features: bool = False, aux_loss: bool = False):
     """Runs the decoder. tokens: int32 ``[batch, length]``.
 
     Returns float32 logits ``[batch, length, vocab]``, or ``(logits, new_cache)`` when a
     ``cache`` is given (see ``rlax_llm.models.kv_cache`` for the cache contract and
     ``attend``). With ``features`` the final-normed hidden states ``[batch, length, embed]``
-    take the logits' place (``logits`` makes them logits).
+    take the logits' place (``logits`` makes them logits). ``aux_loss`` (a mixture of
+    experts, no cache): ``(logits, the router's load-balancing loss)``, a float32 scalar
+    (``rlax_llm.models.moe.load_balancing_loss``; the trainer weighs it by
+    ``config.router_aux_loss_coef``).
     """
     module = nnx.merge(self.graphdef, params)
-    return module(tokens, cache=cache, num_valid=num_valid, attend=attend, features=features)
+    return module(tokens, cache=cache, num_valid=num_valid, attend=attend, features=features,
+                  **({'aux_loss': True} if aux_loss else {}))
 
   def logits(self, params: Params, hidden: jax.Array) -> jax.Array:
     """float32 logits ``[..., vocab]`` of final-normed hidden states ``[..., embed]`` (what

@@ -43,6 +43,17 @@ PRESETS: dict[str, DecoderConfig] = {
     name: DecoderConfig(**architecture.fields())
     for name, architecture in model_spec.PRESET_ARCHITECTURES.items()}
 
+# Tiny random mixtures of experts of each MoE family for tests and benchmarks (Qwen3-30B-A3B's
+# and Mixtral-8x7B's shapes scaled down: 8 experts, top-2, 2 layers); not model names.
+_TINY_MOE = dict(vocab_size=48, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
+                 head_dim=8, max_seq_len=64, tie_embeddings=False, num_experts=8,
+                 num_experts_per_tok=2, norm_topk_prob=True)
+TINY_MOE_PRESETS: dict[str, DecoderConfig] = {
+    'tiny-qwen3-moe': DecoderConfig(family='qwen3_moe', qk_norm=True, mlp_dim=64,
+                                    moe_mlp_dim=16, **_TINY_MOE),
+    'tiny-mixtral': DecoderConfig(family='mixtral', mlp_dim=16, moe_mlp_dim=16, **_TINY_MOE),
+}
+
 # Presets whose checkpoint ships as a pip package (``model_spec.PACKAGED_CHECKPOINTS``): the
 # function that finds its file.
 _PACKAGED_FILES = {'smollm2-135m': smollm2_gguf_path}

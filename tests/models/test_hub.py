@@ -208,7 +208,8 @@ def test_an_unsupported_architecture_names_the_supported_ones(served, tmp_path):
     from_pretrained('org/mistral')
   message = str(error.value)
   assert "['MistralForCausalLM']" in message and "'mistral'" in message
-  assert "['LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM']" in message
+  assert ("['LlamaForCausalLM', 'MixtralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM', "
+          "'Qwen3MoeForCausalLM']") in message
 
 
 @pytest.mark.parametrize('path, expected', [

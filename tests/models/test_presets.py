@@ -29,6 +29,7 @@ PUBLISHED = {
     'smollm2-135m': 0.1349, 'qwen3-0.6b': 0.596, 'qwen3-1.7b': 1.72, 'qwen3-8b': 8.19,
     'qwen3-32b': 32.76, 'qwen2.5-7b': 7.62, 'llama-3.1-8b': 8.03, 'qwq-32b': 32.76,
     'qwen2.5-0.5b': 0.49, 'qwen2.5-1.5b': 1.54, 'llama-3.2-1b': 1.23,
+    'qwen3-30b-a3b': 30.5, 'mixtral-8x7b': 46.7,
 }
 
 

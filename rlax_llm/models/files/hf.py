@@ -9,7 +9,9 @@ devices.
 
 Supported architectures: ``LlamaForCausalLM`` (Llama 3.x incl. ``llama3`` RoPE scaling,
 SmolLM2), ``Qwen2ForCausalLM`` (Qwen2/2.5, QwQ: q/k/v biases), ``Qwen3ForCausalLM`` (q/k
-RMSNorm).
+RMSNorm), ``Qwen3MoeForCausalLM`` and ``MixtralForCausalLM`` (mixtures of experts: each
+expert's ``gate/up/down`` (``w1/w3/w2``) tensors stacked ``[experts, ...]`` on load and split
+on export).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ ARCHITECTURES = {
     'LlamaForCausalLM': 'llama',
     'Qwen2ForCausalLM': 'qwen2',
     'Qwen3ForCausalLM': 'qwen3',
+    'Qwen3MoeForCausalLM': 'qwen3_moe',
+    'MixtralForCausalLM': 'mixtral',
 }
 _FAMILY_TO_ARCH = {v: k for k, v in ARCHITECTURES.items()}
 
@@ -77,6 +81,28 @@ def config_from_hf(hf: Mapping[str, Any], *, execution: Execution = Execution(),
   num_heads = need('num_attention_heads')
   hidden = need('hidden_size')
   head_dim = hf.get('head_dim') or hidden // num_heads
+  moe = {}
+  if family == 'qwen3_moe':  # transformers 5 writes num_local_experts, the hub num_experts
+    moe = dict(num_experts=hf.get('num_experts') or need('num_local_experts'),
+               moe_mlp_dim=need('moe_intermediate_size'),
+               norm_topk_prob=bool(hf.get('norm_topk_prob', False)),
+               decoder_sparse_step=int(hf.get('decoder_sparse_step', 1)),
+               mlp_only_layers=tuple(hf.get('mlp_only_layers') or ()))
+  elif family == 'mixtral':
+    moe = dict(num_experts=need('num_local_experts'), moe_mlp_dim=need('intermediate_size'),
+               norm_topk_prob=True)
+  if moe:
+    moe['num_experts_per_tok'] = need('num_experts_per_tok')
+  try:
+    return _decoder_config(hf, family, need, num_heads, hidden, head_dim, rope_theta, scaling,
+                           execution, max_seq_len, moe)
+  except ValueError as error:
+    raise CheckpointError(f'config.json describes a model rlax_llm cannot build: {error}'
+                          ) from None
+
+
+def _decoder_config(hf, family, need, num_heads, hidden, head_dim, rope_theta, scaling,
+                    execution, max_seq_len, moe) -> DecoderConfig:
   return DecoderConfig(
       vocab_size=need('vocab_size'), num_layers=need('num_hidden_layers'), embed_dim=hidden,
       num_heads=num_heads, num_kv_heads=hf.get('num_key_value_heads') or num_heads,
@@ -84,9 +110,9 @@ def config_from_hf(hf: Mapping[str, Any], *, execution: Execution = Execution(),
       rope_scaling=scaling, norm_eps=float(hf.get('rms_norm_eps', 1e-6)),
       tie_embeddings=bool(hf.get('tie_word_embeddings', False)),
       qkv_bias=family == 'qwen2' or bool(hf.get('attention_bias', False)),
-      qk_norm=family == 'qwen3',
+      qk_norm=family in ('qwen3', 'qwen3_moe'),
       max_seq_len=max_seq_len or int(hf.get('max_position_embeddings', 4096)),
-      family=family, execution=execution)
+      family=family, execution=execution, **moe)
 
 
 def config_to_hf(config: DecoderConfig, **extra: Any) -> dict[str, Any]:
@@ -118,6 +144,16 @@ def config_to_hf(config: DecoderConfig, **extra: Any) -> dict[str, Any]:
   }
   if config.rope_scaling is not None:
     hf['rope_scaling'] = {k: v for k, v in rope.items() if k != 'rope_theta'}
+  if config.family == 'qwen3_moe':
+    hf.update(num_experts=config.num_experts, moe_intermediate_size=config.moe_mlp_dim,
+              norm_topk_prob=config.norm_topk_prob,
+              decoder_sparse_step=config.decoder_sparse_step,
+              mlp_only_layers=list(config.mlp_only_layers))
+  elif config.family == 'mixtral':
+    hf.update(num_local_experts=config.num_experts, intermediate_size=config.moe_mlp_dim)
+  if config.is_moe:
+    hf.update(num_experts_per_tok=config.num_experts_per_tok,
+              router_aux_loss_coef=config.router_aux_loss_coef)
   hf.update(extra)
   return hf
 
@@ -147,18 +183,37 @@ _QK_NORM_WEIGHTS = (
     (('attn', 'q_norm', 'scale'), 'self_attn.q_norm.weight', 'vector'),
     (('attn', 'k_norm', 'scale'), 'self_attn.k_norm.weight', 'vector'),
 )
+# A mixture of experts' MLP per family: the router, then each expert's projections (the
+# ``{e}`` of the names is the expert; ours stack them ``[experts, ...]``, see ``layer_of``).
+_MOE_WEIGHTS = {
+    'qwen3_moe': ((('moe', 'router'), 'mlp.gate.weight', 'linear'),
+                  (('moe', 'experts_gate'), 'mlp.experts.{e}.gate_proj.weight', 'linear'),
+                  (('moe', 'experts_up'), 'mlp.experts.{e}.up_proj.weight', 'linear'),
+                  (('moe', 'experts_down'), 'mlp.experts.{e}.down_proj.weight', 'linear')),
+    'mixtral': ((('moe', 'router'), 'block_sparse_moe.gate.weight', 'linear'),
+                (('moe', 'experts_gate'), 'block_sparse_moe.experts.{e}.w1.weight', 'linear'),
+                (('moe', 'experts_up'), 'block_sparse_moe.experts.{e}.w3.weight', 'linear'),
+                (('moe', 'experts_down'), 'block_sparse_moe.experts.{e}.w2.weight', 'linear')),
+}
 
 
 def weight_layout(config: DecoderConfig) -> Iterator[tuple[tuple, str, str]]:
   """Yields ``(our param path, HF tensor name, kind)`` for every tensor of the model; a
-  layer's path is ``('blocks', i, ...)``: layer ``i`` of the stacked leaf ``('blocks', ...)``
-  (``layer_of``)."""
+  layer's path is ``('blocks', i, ...)``: layer ``i`` of the stacked leaf ``('blocks', ...)``;
+  an expert's ``('blocks', i, ..., e)``: expert ``e`` of layer ``i`` (``layer_of``)."""
   yield ('embed',), 'model.embed_tokens.weight', 'embed'
-  per_layer = _LAYER_WEIGHTS + (_BIAS_WEIGHTS if config.qkv_bias else ()) + (
-      _QK_NORM_WEIGHTS if config.qk_norm else ())
+  mlp = _LAYER_WEIGHTS[4:7] if not config.is_moe else ()
+  per_layer = _LAYER_WEIGHTS[:4] + mlp + _LAYER_WEIGHTS[7:] + (
+      _BIAS_WEIGHTS if config.qkv_bias else ()) + (_QK_NORM_WEIGHTS if config.qk_norm else ())
   for i in range(config.num_layers):
     for path, name, kind in per_layer:
       yield ('blocks', i) + path, f'model.layers.{i}.{name}', kind
+    for path, name, kind in _MOE_WEIGHTS.get(config.family, ()) if config.is_moe else ():
+      if '{e}' not in name:
+        yield ('blocks', i) + path, f'model.layers.{i}.{name}', kind
+        continue
+      for e in range(config.num_experts):
+        yield ('blocks', i) + path + (e,), f'model.layers.{i}.{name.format(e=e)}', kind
   yield ('final_norm', 'scale'), 'model.norm.weight', 'vector'
   if not config.tie_embeddings:
     yield ('lm_head',), 'lm_head.weight', 'linear'
@@ -194,12 +249,15 @@ def _to_hf(kind: str, array: np.ndarray) -> np.ndarray:
   return array
 
 
-def layer_of(path: tuple) -> tuple[tuple, int | None]:
-  """``(the params path, layer)`` of a ``weight_layout`` path: ``('blocks', i, ...)`` is
-  ``[i]`` of the leaf at ``('blocks', ...)`` (the blocks are stacked over the layers); any
-  other path is its own leaf (layer None)."""
+def layer_of(path: tuple) -> tuple[tuple, tuple[int, ...] | None]:
+  """``(the params path, index)`` of a ``weight_layout`` path: ``('blocks', i, ...)`` is
+  ``[i]`` of the leaf at ``('blocks', ...)`` (the blocks are stacked over the layers), and
+  an expert's ``('blocks', i, ..., e)`` is ``[i, e]`` of the leaf ``('blocks', ...)`` (the
+  experts stacked too); any other path is its own leaf (index None)."""
   if path[0] == 'blocks':
-    return ('blocks',) + path[2:], path[1]
+    if isinstance(path[-1], int):
+      return ('blocks',) + path[2:-1], (path[1], path[-1])
+    return ('blocks',) + path[2:], (path[1],)
   return path, None
 
 
@@ -244,17 +302,18 @@ def params_from_hf(get_tensor: Callable[[str], np.ndarray], names: set[str],
   if unexpected:
     raise CheckpointError(f'checkpoint has {len(unexpected)} tensor(s) this {config.family} '
                           f'config does not use, e.g. {unexpected[:5]}; check the config '
-                          '(qkv_bias / qk_norm / tie_word_embeddings).')
+                          '(qkv_bias / qk_norm / tie_word_embeddings / num_experts).')
   params: dict = {}
   # A stacked leaf's layers are read one after another into one host array, placed when full.
   leaves = {}
   for path, _, _ in layout:
     leaves.setdefault(layer_of(path)[0], len(leaves))
   stacking: dict[tuple, np.ndarray] = {}
+  filled: dict[tuple, int] = {}
   for path, name, kind in sorted(layout, key=lambda entry: leaves[layer_of(entry[0])[0]]):
     path, layer = layer_of(path)
     target = get_path(abstract_params, path)
-    shape = tuple(target.shape)[1:] if layer is not None else tuple(target.shape)
+    shape = tuple(target.shape)[len(layer or ()):]
     array = np.asarray(get_tensor(name))
     want = _hf_shape(kind, shape)
     if tuple(array.shape) != want:
@@ -266,7 +325,8 @@ def params_from_hf(get_tensor: Callable[[str], np.ndarray], names: set[str],
       continue
     stacked = stacking.setdefault(path, np.empty(target.shape, target.dtype))
     stacked[layer] = value
-    if layer == config.num_layers - 1:
+    filled[path] = filled.get(path, 0) + 1
+    if filled[path] == math.prod(target.shape[:len(layer)]):
       _set(params, path, place(path, stacking.pop(path)))
   return params
 
