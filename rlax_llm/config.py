@@ -222,8 +222,8 @@ def _loss_config(config: ml_collections.ConfigDict) -> LossConfig:
 
 def _distill_config(config: ml_collections.ConfigDict) -> DistillConfig:
   """The ``DistillConfig`` of ``rl.distill``, and the teacher it needs: ``teacher.enabled``
-  exactly when ``rl.distill.kind`` is not 'off', a teacher model name, and a backend and kind
-  of run that carry the teacher's scores (local, single-turn completions)."""
+  exactly when ``rl.distill.kind`` is not 'off', a teacher model name, and a backend and
+  schedule that carry the teacher's scores (local, deterministic)."""
   with naming('rl.'):
     distill = DistillConfig(**config.rl.distill.to_dict())
   t = config.teacher
@@ -253,10 +253,6 @@ def _distill_config(config: ml_collections.ConfigDict) -> DistillConfig:
   if config.backend != 'local':
     raise ConfigError(f'config.backend={config.backend!r} with rl.distill: the teacher role '
                       "runs on the local backend only so far; set backend='local'.")
-  if config.env.name:
-    raise ConfigError('config.env.name with rl.distill: distillation of multi-turn episodes is '
-                      'not wired yet (the teacher scores single-turn completions); set '
-                      "rl.distill.kind='off' or train on a task.")
   if config.staleness.schedule != 'deterministic':
     raise ConfigError("config.staleness.schedule='free' with rl.distill: the teacher scores "
                       "batches in the controller's deterministic order; use 'deterministic'.")

@@ -113,6 +113,26 @@ def _distill_config(steps):
                       staleness__j=2, staleness__k=2)
 
 
+def test_distill_batch_of_a_multi_turn_row_signals_only_the_sampled_tokens(tiny):
+  # An episode's row: turn 1 (model), an observation (environment), turn 2 (model), with
+  # per-token turn advantages [B, T] as Episodes gives them; only the model's tokens change.
+  tokenizer, model, params, tokens, _ = tiny
+  teacher = Teacher(model, params, tokenizer, tokenizer)
+  mask = np.zeros(tokens.shape, np.float32)
+  mask[:, 3:5] = 1.0  # turn 1
+  mask[:, 8:11] = 1.0  # turn 2; positions 5..7 are the observation
+  turn_adv = np.where(mask > 0, np.where(np.arange(12) < 6, 0.5, -0.25), 0.0).astype(np.float32)
+  batch = TrainBatch(tokens=tokens, loss_mask=mask,
+                     behaviour_logprobs=np.where(mask > 0, -2.0, 0.0).astype(np.float32),
+                     support_sizes=np.zeros_like(tokens), advantages=turn_adv,
+                     versions=np.zeros_like(tokens), group_ids=np.zeros(3, np.int32))
+  out, _ = distill_batch(batch, Distillation(teacher, DistillConfig('reverse_kl')))
+  teacher_logp = teacher.score(tokens, mask).logp
+  np.testing.assert_allclose(out.advantages, np.where(mask > 0, turn_adv + teacher_logp + 2.0,
+                                                      0.0), rtol=1e-6, atol=1e-6)
+  assert np.all(out.advantages[:, 5:8] == 0) and np.all(teacher_logp[:, 5:8] == 0)
+
+
 @pytest.mark.parametrize('fields, message', [
     (dict(rl__distill__kind='reverse_kl'), 'teacher.enabled=False'),
     (dict(teacher__enabled=True), "rl.distill.kind='off' but"),

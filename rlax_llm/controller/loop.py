@@ -31,9 +31,11 @@ from rlax_llm.tasks import Task
 
 def rollout_kind(settings: ControllerSettings, task: Task, teacher=None) -> RolloutKind:
   """The run's kind: ``Episodes`` for an environment run (``settings.episodes``), else
-  ``Completions`` of ``task``'s prompts (``teacher``: ``Completions``' on-policy
-  distillation)."""
-  return Completions(settings, task, teacher) if settings.episodes is None else Episodes(settings)
+  ``Completions`` of ``task``'s prompts; ``teacher``: on-policy distillation
+  (``completions.Distillation``)."""
+  if settings.episodes is None:
+    return Completions(settings, task, teacher)
+  return Episodes(settings, teacher)
 
 
 class Controller(Snapshots):
