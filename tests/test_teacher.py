@@ -3,6 +3,8 @@
 scores equal a direct forward of the teacher, a tokenizer mismatch is refused, a short
 distillation run lowers the measured student-teacher KL and stays deterministic."""
 
+import pathlib
+
 import jax
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from smoke_config import smoke_config
 
 from rlax_llm import roles
 from rlax_llm.backends.local import build_run
+from rlax_llm.cli import load_config_file
 from rlax_llm.config import run_spec, validate_config
 from rlax_llm.controller.completions import Distillation, distill_batch
 from rlax_llm.data_types import TrainBatch
@@ -23,6 +26,7 @@ from rlax_llm.tokenization import CharTokenizer
 from rlax_llm.trainer.teacher import Teacher, check_same_tokenizer
 
 ALPHABET = '0123456789+= '
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope='module')
@@ -157,6 +161,18 @@ def test_build_teacher_refuses_a_tiny_teacher_of_another_charset():
   other = CharTokenizer('0123456789+-=')
   with pytest.raises(ValueError, match="the teacher 'tiny' and the student 'tiny'"):
     roles.build_teacher(config, spec, task, other)
+
+
+@pytest.mark.parametrize('variant, with_reward', [('', False), (':reward', True),
+                                                  (':smoke', False)])
+def test_distill_recipe_validates(variant, with_reward):
+  config = load_config_file(str(ROOT / 'configs' / 'distill.py') + variant)
+  spec = validate_config(config, read_hub=False)
+  assert spec.distill == DistillConfig('reverse_kl', with_reward=with_reward)
+  assert config.teacher.enabled and config.teacher.name == config.model.name == 'smollm2-135m'
+  assert config.rollout.oversample == 0  # every group trains: the teacher's signal is dense
+  config.teacher.path = '/runs/teacher/export'  # the checkpoint the user passes
+  assert validate_config(config, read_hub=False).distill.enabled
 
 
 def _run(workdir, steps):
