@@ -190,7 +190,9 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   the run's typed values (``validate_config(config)``'s result); ``stop``: the preemption
   event."""
   task, model, params, tokenizer = roles.prepare(config)
-  teacher = roles.build_teacher(config, spec, task, tokenizer)  # before any compute
+  # On-policy distillation's teacher (None without): loaded before the memory check, so on
+  # CPU the host memory it holds is already out of what the plan is checked against.
+  teacher = roles.build_teacher(config, spec, task, tokenizer)
   meshes = roles.meshes(config)
   memory_fit.check_plan_fits(config, model.config, meshes,
                         held_bytes=sum(x.nbytes for x in jax.tree.leaves(params)))
