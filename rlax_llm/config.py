@@ -31,7 +31,7 @@ from rlax_llm import envs, loss_spec, model_spec, plugins, rewards, tasks
 from rlax_llm.cli import DEFAULT_CONFIG_PATH, flat_keys, load_config_file, lookup
 from rlax_llm.envs.seeds import env_seeds
 from rlax_llm.errors import ConfigError
-from rlax_llm.loss_spec import LossConfig, MismatchConfig
+from rlax_llm.loss_spec import DistillConfig, LossConfig, MismatchConfig
 from rlax_llm.model_spec import inference_param_dtype
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.schedule import (ON_SWAP, SCHEDULES, SHORT_BATCHES, ControllerSettings,
@@ -77,6 +77,8 @@ CHOICES = {
     'rollout.short_batches': SHORT_BATCHES,
     'staleness.schedule': SCHEDULES,
     'sampling.overlong_prompts': OVERLONG_POLICIES,
+    'teacher.dtype': model_spec.DTYPES,
+    'teacher.quant': model_spec.QUANT_MODES,
 }
 
 POSITIVE_INTS = ('rl.group_size', 'rl.prompts_per_step', 'rl.max_nonfinite_updates',
@@ -89,7 +91,7 @@ NON_NEGATIVE_INTS = ('seed', 'total_steps', 'rl.logprob_chunk', 'rl.lr_decay_ste
                      'eval.every_steps', 'checkpoint.every_steps', 'log.text_every',
                      'ray.worker_restarts', 'lora.rank', 'agent.max_turns',
                      'agent.max_concurrent_episodes', 'agent.max_turn_tokens',
-                     'agent.eval_seed_start')
+                     'agent.eval_seed_start', 'teacher.seed')
 # Floats: key -> (lowest valid value, whether the lowest value itself is valid).
 FLOATS = {
     'rl.learning_rate': (0.0, False),
@@ -157,6 +159,8 @@ class RunSpec:
       0 there: the schedule's ``versions_kept``, ``k + 2``).
     transport: how the Ray backend moves versions between processes of one machine
       (``paramserver.transport``: ``'auto'``, shared-memory slots; ``'object_store'``).
+    distill: on-policy distillation from ``config.teacher`` (``rl.distill``; kind 'off':
+      none).
   """
 
   loss: LossConfig
@@ -164,6 +168,7 @@ class RunSpec:
   controller: ControllerSettings
   keep_versions: int
   transport: str
+  distill: DistillConfig = DistillConfig()
 
 
 def run_spec(config: ml_collections.ConfigDict) -> RunSpec:
@@ -176,7 +181,7 @@ def run_spec(config: ml_collections.ConfigDict) -> RunSpec:
   controller = _controller_settings(config, loss, sampling)
   return RunSpec(loss=loss, sampling=sampling, controller=controller,
                  keep_versions=_keep_versions(config, controller),
-                 transport=_transport(config))
+                 transport=_transport(config), distill=_distill_config(config))
 
 
 def _transport(config: ml_collections.ConfigDict) -> str:
@@ -213,6 +218,45 @@ def _loss_config(config: ml_collections.ConfigDict) -> LossConfig:
       mismatch = MismatchConfig(**{k: v for k, v in rl.mismatch.items() if k != 'enabled'})
   with naming('rl.'):
     return LossConfig(**fields, mismatch=mismatch)
+
+
+def _distill_config(config: ml_collections.ConfigDict) -> DistillConfig:
+  """The ``DistillConfig`` of ``rl.distill``, and the teacher it needs: ``teacher.enabled``
+  exactly when ``rl.distill.kind`` is not 'off', a teacher model name, and a backend and
+  schedule that carry the teacher's scores (local, deterministic)."""
+  with naming('rl.'):
+    distill = DistillConfig(**config.rl.distill.to_dict())
+  t = config.teacher
+  if distill.enabled != t.enabled:
+    raise ConfigError(
+        f'config.rl.distill.kind={distill.kind!r} but config.teacher.enabled={t.enabled!r}: '
+        'on-policy distillation needs a teacher and a teacher is loaded only for it. Set '
+        "teacher.enabled=True with a distillation kind, or both off (kind='off').")
+  if not distill.enabled:
+    return distill
+  valid = ('tiny', 'auto', *sorted(model_spec.PRESET_ARCHITECTURES))
+  if t.name not in valid:
+    raise ConfigError(f'config.teacher.name={t.name!r} is not valid; choose one of {valid}.')
+  if t.name != 'tiny' and t.path is None and t.name not in model_spec.PACKAGED_CHECKPOINTS:
+    raise ConfigError(f'config.teacher.name={t.name!r} needs config.teacher.path (a checkpoint '
+                      'directory or a hub id): no checkpoint of it ships with rlax_llm.')
+  if (t.name == 'tiny') != (config.model.name == 'tiny'):
+    raise ConfigError(
+        f"config.teacher.name={t.name!r} with config.model.name={config.model.name!r}: a "
+        "'tiny' teacher has the tiny student's character tokenizer, so both are 'tiny' or "
+        'neither is (the teacher must share the student\'s tokenizer).')
+  if distill.kind == 'gkd':
+    raise ConfigError(
+        "config.rl.distill.kind='gkd': the GKD loss (losses.gkd_loss) and the teacher's top-k "
+        "scores (Teacher(top_k=...)) exist, but the trainer does not yet read the student's "
+        "distribution on the teacher's support; use kind='reverse_kl'.")
+  if config.backend != 'local':
+    raise ConfigError(f'config.backend={config.backend!r} with rl.distill: the teacher role '
+                      "runs on the local backend only so far; set backend='local'.")
+  if config.staleness.schedule != 'deterministic':
+    raise ConfigError("config.staleness.schedule='free' with rl.distill: the teacher scores "
+                      "batches in the controller's deterministic order; use 'deterministic'.")
+  return distill
 
 
 def _sampling_spec(config: ml_collections.ConfigDict) -> SamplingSpec:

@@ -32,6 +32,9 @@ M2PO_VARIANTS = ('paper', 'areal', 'adaptive_clip')
 OLD_LOGPROBS = ('behaviour', 'recompute')
 MISMATCH_LEVELS = ('token', 'sequence')
 MISMATCH_MODES = ('truncate', 'mask')
+# On-policy distillation (``losses.distill``; ``DistillConfig``): 'off', the per-token reverse
+# KL as an advantage, or GKD's generalised JSD over the teacher's top-k support.
+DISTILL_KINDS = ('off', 'reverse_kl', 'gkd')
 # The ``LossConfig`` fields whose ``None`` means "the named loss's default" (``resolve``).
 RESOLVED_FIELDS = ('advantage_estimator', 'eps_low', 'eps_high', 'aggregation', 'kl_estimator')
 
@@ -113,6 +116,54 @@ class MismatchConfig:
     if self.veto_threshold is not None and not _positive_finite(self.veto_threshold):
       raise ValueError(f'mismatch.veto_threshold={self.veto_threshold!r} must be None or > 0 '
                        'and finite.')
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+  """On-policy distillation from a frozen teacher (``rlax_llm.losses.distill``; docs/losses.md
+  "On-policy distillation"), validated here.
+
+  Attributes:
+    kind: ``DISTILL_KINDS``. ``'reverse_kl'``: per-token advantages ``A = A_task + weight *
+      (log pi_teacher - log pi_student)`` on the sampled tokens (``with_reward=False``: the
+      distillation term alone). ``'gkd'``: GKD's generalised JSD over the teacher's top
+      ``top_k`` tokens per position.
+    beta: GKD's interpolation, in ``[0, 1]`` (0: forward KL(teacher || student), 1: reverse
+      KL(student || teacher)); read with ``kind='gkd'`` only.
+    weight: lambda, finite >= 0: the distillation term's weight.
+    top_k: int >= 1 with ``kind='gkd'`` (the teacher's support per position); unused (0)
+      otherwise.
+    with_reward: add the task's group advantage (True) or train on the teacher alone.
+  """
+
+  kind: str = 'off'
+  beta: float = 0.5
+  weight: float = 1.0
+  top_k: int = 0
+  with_reward: bool = True
+
+  def __post_init__(self):
+    _choice('distill.kind', self.kind, DISTILL_KINDS)
+    if not _finite_at_least(self.beta, 0.0) or self.beta > 1:
+      raise ValueError(f'distill.beta={self.beta!r} must be a number in [0, 1] (0: forward '
+                       'KL(teacher || student), 1: reverse KL(student || teacher)).')
+    if not _finite_at_least(self.weight, 0.0):
+      raise ValueError(f'distill.weight={self.weight!r} must be a finite number >= 0 (lambda '
+                       'in A = A_task + lambda * A_distill).')
+    if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+      raise ValueError(f'distill.top_k={self.top_k!r} must be an int >= 0.')
+    if self.kind == 'gkd' and self.top_k < 1:
+      raise ValueError(f"distill.top_k={self.top_k} with distill.kind='gkd': GKD compares the "
+                       "distributions over the teacher's top-k tokens; set top_k >= 1 (e.g. 20).")
+    if not isinstance(self.with_reward, bool):
+      raise ValueError(f'distill.with_reward={self.with_reward!r} must be True or False.')
+    if self.kind != 'off' and not self.with_reward and self.weight == 0:
+      raise ValueError('distill.weight=0 with distill.with_reward=False trains on nothing; set '
+                       'weight > 0 or with_reward=True.')
+
+  @property
+  def enabled(self) -> bool:
+    return self.kind != 'off'
 
 
 def _positive_finite(value) -> bool:

@@ -1,7 +1,8 @@
 """Builds each role of a run from a validated config; backends decide where roles run.
 
 The run's task, model and tokenizer (``prepare``), the trainer (``build_trainer``, after the
-supervised warm-up: ``warm_trainer``), an inference worker (``build_worker``) and the
+supervised warm-up: ``warm_trainer``), on-policy distillation's frozen teacher
+(``build_teacher``), an inference worker (``build_worker``) and the
 devices each takes (``meshes``). Whether the run fits in memory is ``rlax_llm.memory_fit``'s;
 the trainer's checkpoints are ``rlax_llm.backends.checkpoints``'; what a worker's process
 runs for an environment run's requests is ``rlax_llm.backends.play``'s.
@@ -40,6 +41,7 @@ from rlax_llm.models.decoder_config import DTYPES, DecoderConfig, Execution
 from rlax_llm.models.files import hub
 from rlax_llm.models.files.tokenizer import HFTokenizer
 from rlax_llm.models.model import Model, Params, create_model, split_module, with_param_dtype
+from rlax_llm.models.quant import quantize_params
 from rlax_llm.paramserver.publisher import adapter_sync
 from rlax_llm.paramserver.receiver import FetchBase
 from rlax_llm.rollout.worker import InferenceWorker
@@ -50,6 +52,7 @@ from rlax_llm.tasks.prompt_length import fit_prompt_length
 from rlax_llm.tokenization import CharTokenizer, Tokenizer, encode_prompts
 from rlax_llm.trainer.objectives import loss_totals, rl_objective, shared_prefix_scoring
 from rlax_llm.trainer.scoring import Policy
+from rlax_llm.trainer.teacher import Teacher, check_same_tokenizer
 from rlax_llm.trainer.trainer import Trainer, learning_rate_schedule, make_optimizer
 from rlax_llm.trainer.warmup import demo_batch, supervised_warmup
 
@@ -298,6 +301,38 @@ def warm_trainer(config: ml_collections.ConfigDict, spec: config_lib.RunSpec, ta
     if checkpointer is not None and w.steps > 0:
       checkpointer.save_warmup(params, metrics)
   return build_trainer(config, spec, model, params, mesh), metrics
+
+
+def build_teacher(config: ml_collections.ConfigDict, spec: config_lib.RunSpec, task: Task,
+                  student_tokenizer: Tokenizer) -> Teacher | None:
+  """On-policy distillation's frozen teacher (``config.teacher``; None when
+  ``rl.distill.kind`` is 'off'), loaded once by ``build_model`` from the teacher's
+  name/path/revision in ``teacher.dtype`` (a 'tiny' teacher: ``model.tiny``'s architecture
+  initialised from ``teacher.seed``), its projections int8 with ``teacher.quant='int8'``.
+  Refuses, before any compute, a teacher whose tokenizer is not the student's."""
+  if not spec.distill.enabled:
+    return None
+  t = config.teacher
+  teacher_config = ml_collections.ConfigDict(config.to_dict())
+  teacher_config.seed = t.seed
+  teacher_config.model.update(name=t.name, path=t.path, revision=t.revision, dtype=t.dtype,
+                              param_dtype=t.dtype)
+  names = {'teacher_name': _shown(t), 'student_name': _shown(config.model)}
+  # The tokenizers first: a mismatch is refused before the teacher's weights are read.
+  check_same_tokenizer(load_tokenizer(teacher_config, task), student_tokenizer, **names)
+  console.phase(f'loading the teacher {t.name}' + (f' from {t.path}' if t.path else ''))
+  model, params, tokenizer = build_model(teacher_config, task)
+  if t.quant == 'int8':
+    params = quantize_params(params, model)
+  return Teacher(model, params, tokenizer, student_tokenizer,
+                 top_k=spec.distill.top_k if spec.distill.kind == 'gkd' else 0,
+                 chunk=config.rl.logprob_chunk, name=names['teacher_name'],
+                 student_name=names['student_name'])
+
+
+def _shown(section: ml_collections.ConfigDict) -> str:
+  """A model section (``config.model``, ``config.teacher``) as messages name it."""
+  return repr(section.name) + (f' ({section.path!r})' if section.path else '')
 
 
 def inference_model(config: ml_collections.ConfigDict, model: Model) -> Model:

@@ -58,7 +58,7 @@ class Run:
 def assemble(config: ml_collections.ConfigDict, settings: ControllerSettings, workdir,
              task: Task, trainer: TrainerHandle, workers: Sequence[WorkerHandle],
              warmup_metrics: dict[str, float], *, resume: Resume | None = None,
-             stop=None) -> Iterator[Run]:
+             stop=None, teacher=None) -> Iterator[Run]:
   """Yields the ``Run`` of the placed roles ``trainer`` and ``workers``.
 
   Args:
@@ -74,6 +74,8 @@ def assemble(config: ml_collections.ConfigDict, settings: ControllerSettings, wo
       (``checkpoints.resume_trainer``), or None: the controller continues from its state, the
       writer from its step.
     stop: the preemption event (or None).
+    teacher: on-policy distillation's teacher (``controller.completions.Distillation``), in
+      the controller's process, or None.
   """
   c = config.checkpoint
   checkpoints = (SaveSchedule(c.every_steps, c.every_seconds, c.preemption_notice_s)
@@ -82,7 +84,7 @@ def assemble(config: ml_collections.ConfigDict, settings: ControllerSettings, wo
                  0 if checkpoints is not None else None)
   with MetricsWriter.from_config(workdir, config, resume_step=resume_step) as writer:
     controller = Controller(settings, task, trainer, workers, writer,
-                            checkpoints=checkpoints, stop=stop)
+                            checkpoints=checkpoints, stop=stop, teacher=teacher)
     if resume is not None:
       controller.restore(ControllerState.from_dict(resume.controller), resume.rollouts)
     yield Run(controller, writer, warmup_metrics, prompt_length.dropped_metrics(task))

@@ -49,6 +49,7 @@ from rlax_llm import memory_fit, roles
 from rlax_llm.backends import checkpoints
 from rlax_llm.backends.assembly import Run, assemble
 from rlax_llm.backends.play import play_requests
+from rlax_llm.controller.completions import Distillation
 from rlax_llm.models.model import Model, abstract_model
 from rlax_llm.paramserver import ParameterServer
 from rlax_llm.paramserver.publisher import Publisher, adapter_sync
@@ -189,6 +190,9 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   the run's typed values (``validate_config(config)``'s result); ``stop``: the preemption
   event."""
   task, model, params, tokenizer = roles.prepare(config)
+  # On-policy distillation's teacher (None without): loaded before the memory check, so on
+  # CPU the host memory it holds is already out of what the plan is checked against.
+  teacher = roles.build_teacher(config, spec, task, tokenizer)
   meshes = roles.meshes(config)
   memory_fit.check_plan_fits(config, model.config, meshes,
                         held_bytes=sum(x.nbytes for x in jax.tree.leaves(params)))
@@ -210,7 +214,9 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
              for mesh in meshes['inference']]
   try:
     with assemble(config, spec.controller, workdir, task, trainer, workers, warmup_metrics,
-                  resume=trainer.resume, stop=stop) as run:
+                  resume=trainer.resume, stop=stop,
+                  teacher=None if teacher is None else Distillation(teacher, spec.distill)
+                  ) as run:
       yield run
   finally:
     trainer.close()

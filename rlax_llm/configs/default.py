@@ -108,7 +108,22 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       mismatch=ml_collections.ConfigDict(dict(
           enabled=False, level='token', mode='truncate', threshold=2.0,
           veto_threshold=placeholder(float))),
+      # On-policy distillation from config.teacher (docs/losses.md "On-policy distillation"):
+      # kind 'off', 'reverse_kl' (per-token A = A_task + weight * (log pi_teacher - log
+      # pi_student) on the sampled tokens; with_reward=False drops A_task) or 'gkd' (GKD's
+      # generalised JSD over the teacher's top_k tokens, beta in [0, 1]: 0 forward KL, 1
+      # reverse KL).
+      distill=ml_collections.ConfigDict(dict(
+          kind='off', beta=0.5, weight=1.0, top_k=0, with_reward=True)),
   ))
+  # The frozen teacher of on-policy distillation (enabled exactly when rl.distill.kind is not
+  # 'off'): name/path/revision as model.* ('tiny': model.tiny's architecture initialised from
+  # seed, for tests); it must share the student's tokenizer. dtype: its params' and compute
+  # dtype; quant 'int8': its projections held int8 (models/quant.py). It runs in the
+  # controller's process on the first device (docs/architecture.md, the role table).
+  c.teacher = ml_collections.ConfigDict(dict(
+      enabled=False, name='tiny', path=placeholder(str), revision='', dtype='float32',
+      quant='none', seed=1))
   # The policy's sampling transform (rollouts; evaluation is greedy) and lengths in tokens;
   # overlong_prompts: what a file/hub-dataset task's prompt longer than max_prompt_len does,
   # found when the run is prepared: 'error' (refuse the run) or 'drop' (leave it out of the

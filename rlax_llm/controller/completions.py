@@ -4,6 +4,11 @@ verifier (``RolloutKind`` of ``rlax_llm.controller.protocols``).
 It owns what only single-turn completions have (``rlax_llm.schedule``): the partial groups
 APRIL carries into the next batch (``unfinished``), the groups dynamic sampling recycles
 (``recycled``), the replay pool (``replay``) and the reward shaping of ``rlax_llm.rewards``.
+
+On-policy distillation (``Distillation``, issue 63): the teacher scores each trained batch's
+tokens in the controller's deterministic order, and the per-token advantages become
+``A_task + lambda * (log pi_teacher - log pi_behaviour)`` on the student's sampled tokens
+(``losses.distill``); the trainer's loss then applies its ratios, clipping and TIS to them.
 """
 
 from __future__ import annotations
@@ -17,21 +22,57 @@ import jax
 import numpy as np
 
 from rlax_llm import losses, rewards, schedule
+from rlax_llm.loss_spec import DistillConfig
 from rlax_llm.controller.protocols import Batch, Made, Run, WorkerHandle, done
 from rlax_llm.controller.state import ControllerState
-from rlax_llm.data_types import FollowLatest, GenerationRequest, Rollouts, make_train_batch
+from rlax_llm.data_types import (FollowLatest, GenerationRequest, Rollouts, TrainBatch,
+                                 make_train_batch)
 from rlax_llm.evaluation import evaluate_policy
 from rlax_llm.schedule import ControllerSettings
 from rlax_llm.tasks import Prompt, Task
 from rlax_llm.verifiers import score_rollouts
 
 
-class Completions:
-  """Completions of ``task``'s prompts under ``settings`` (see the module docstring)."""
+@dataclasses.dataclass(frozen=True)
+class Distillation:
+  """On-policy distillation's teacher as the controller holds it: ``teacher.score(tokens,
+  loss_mask)`` returns the teacher's per-token log-probs aligned with the tokens
+  (``trainer.teacher.Teacher``), ``config`` how they enter the advantages."""
 
-  def __init__(self, settings: ControllerSettings, task: Task):
+  teacher: Any
+  config: DistillConfig
+
+
+def distill_batch(batch: TrainBatch, distillation: Distillation
+                  ) -> tuple[TrainBatch, dict[str, float]]:
+  """``batch`` with per-token advantages ``[B, T]``: its task advantages (``[B]``; dropped with
+  ``with_reward=False``) plus ``weight`` times the reverse-KL advantages
+  ``log pi_teacher - log pi_behaviour`` on its loss tokens (``losses.mix_advantages``), and the
+  metrics ``distill/reverse_kl`` (the mean over the sampled tokens of ``log pi_behaviour -
+  log pi_teacher``: a Monte-Carlo estimate of the per-token KL(student || teacher)) and
+  ``distill/teacher_logp``."""
+  config = distillation.config
+  mask = np.asarray(batch.loss_mask)
+  teacher_logp = distillation.teacher.score(batch.tokens, mask).logp
+  distill = losses.reverse_kl_advantages(teacher_logp, batch.behaviour_logprobs, mask)
+  advantages = losses.mix_advantages(batch.advantages if config.with_reward else None,
+                                     distill, mask, config.weight)
+  on = mask > 0
+  metrics = {'distill/reverse_kl': float(-np.asarray(distill)[on].mean()) if on.any() else 0.0,
+             'distill/teacher_logp': float(teacher_logp[on].mean()) if on.any() else 0.0}
+  return (dataclasses.replace(batch, advantages=np.asarray(advantages, np.float32)),
+          metrics)
+
+
+class Completions:
+  """Completions of ``task``'s prompts under ``settings`` (see the module docstring);
+  ``teacher``: a ``Distillation`` (on-policy distillation) or None."""
+
+  def __init__(self, settings: ControllerSettings, task: Task,
+               teacher: Distillation | None = None):
     self.settings = settings
     self.task = task
+    self.teacher = teacher
     # Reward shaping (rlax_llm.rewards): None trains on the verifier's reward as it is.
     self._reward_components = (rewards.make_components(settings.reward, task,
                                                        settings.max_new_tokens)
@@ -119,8 +160,12 @@ class Completions:
                   rollouts=(batch.prompts, rollouts, None))
     advantages = np.asarray(losses.group_advantages(
         trained.rewards, trained.group_ids, s.advantage_estimator))
+    train_batch = make_train_batch(trained, advantages)
+    if self.teacher is not None:
+      train_batch, distill_metrics = distill_batch(train_batch, self.teacher)
+      metrics.update(distill_metrics)
     return Made(
-        metrics, make_train_batch(trained, advantages),
+        metrics, train_batch,
         trained_prompt_ids=[int(i) for i in dict.fromkeys(trained.prompt_ids.tolist())],
         trained_versions=sorted({int(v) for v in np.unique(trained.versions) if v >= 0}),
         tokens_per_s=rollouts.timings.get('tokens_per_s', 0.0),

@@ -7,7 +7,10 @@ environment's returns are the rewards (no verifier), advantages come from
 ``advantage_estimator`` (a group estimator over returns, or a multi-turn one broadcast to the
 turns' tokens, ``[B, T]``), and held-out evaluation is greedy episode success
 (``evaluation.evaluate_episodes``). Episodes in flight at a checkpoint are not stored: they
-are played again on resume with the same keys and version.
+are played again on resume with the same keys and version. With a teacher (on-policy
+distillation, ``completions.distill_batch``) the teacher reads whole conversations and only
+the model's sampled tokens (the loss mask; never the environment's observations) get the
+reverse-KL advantage, added to the per-token or per-episode task advantages.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import jax
 import numpy as np
 
 from rlax_llm import losses
+from rlax_llm.controller.completions import Distillation, distill_batch
 from rlax_llm.controller.protocols import Batch, Made, Run, WorkerHandle
 from rlax_llm.controller.state import ControllerState
 from rlax_llm.data_types import (
@@ -39,11 +43,12 @@ Played = tuple[list[Trajectory], dict[str, float]]  # the trajectories and the r
 class Episodes:
   """Episodes of an environment under ``settings`` (see the module docstring)."""
 
-  def __init__(self, settings: ControllerSettings):
+  def __init__(self, settings: ControllerSettings, teacher: Distillation | None = None):
     if settings.episodes is None:
       raise ValueError('Episodes needs settings.episodes (an environment run\'s '
                        'EpisodeSettings), got None; a task run uses Completions.')
     self.settings = settings
+    self.teacher = teacher
 
   def submit(self, worker: WorkerHandle, requests: list[GenerationRequest],
              rng_data: np.ndarray, version: int, stop_after: int | None, first: int):
@@ -83,8 +88,12 @@ class Episodes:
                                                           for x in trajectories]))
                   for reason in TERMINATIONS},
                'sampling_version': batch.version}
+    train_batch = self._train_batch(trajectories)
+    if self.teacher is not None:  # only the model's sampled tokens (the loss mask) get a signal
+      train_batch, distill_metrics = distill_batch(train_batch, self.teacher)
+      metrics.update(distill_metrics)
     return Made(
-        metrics, self._train_batch(trajectories),
+        metrics, train_batch,
         trained_prompt_ids=[int(i) for i in dict.fromkeys(x.prompt_id for x in trajectories)],
         trained_versions=sorted({int(v) for x in trajectories
                                  for v in np.unique(x.versions) if v >= 0}),

@@ -29,10 +29,13 @@ from rlax_llm.schedule import ControllerSettings
 from rlax_llm.tasks import Task
 
 
-def rollout_kind(settings: ControllerSettings, task: Task) -> RolloutKind:
+def rollout_kind(settings: ControllerSettings, task: Task, teacher=None) -> RolloutKind:
   """The run's kind: ``Episodes`` for an environment run (``settings.episodes``), else
-  ``Completions`` of ``task``'s prompts."""
-  return Completions(settings, task) if settings.episodes is None else Episodes(settings)
+  ``Completions`` of ``task``'s prompts; ``teacher``: on-policy distillation
+  (``completions.Distillation``)."""
+  if settings.episodes is None:
+    return Completions(settings, task, teacher)
+  return Episodes(settings, teacher)
 
 
 class Controller(Snapshots):
@@ -52,15 +55,16 @@ class Controller(Snapshots):
       True. A step that would overrun the notice (``SaveSchedule.preemption_notice_s``) is
       abandoned instead (``_abandon_window``): the controller saves the state it had before
       the step and returns.
+    teacher: the on-policy distillation teacher (``completions.Distillation``) or None.
   """
 
   def __init__(self, settings: ControllerSettings, task: Task, trainer: TrainerHandle,
                workers: Sequence[WorkerHandle], writer: MetricsWriter, checkpoints=None,
-               stop: threading.Event | None = None):
+               stop: threading.Event | None = None, teacher=None):
     if not workers:
       raise ValueError('the controller needs at least one inference worker.')
     self.settings = settings
-    self.kind = rollout_kind(settings, task)
+    self.kind = rollout_kind(settings, task, teacher)
     self.trainer = trainer
     self.workers = list(workers)
     self.alive = [True] * len(self.workers)

@@ -6,7 +6,9 @@ Public API:
   -> ``(loss, diagnostics)`` for every name in ``LOSSES``;
   ``m2po_mask(log_ratio, loss_mask, tau=0.04)`` -> bool kept mask;
   ``turn_advantages(name, ...)`` -> per-turn advantages of multi-turn episodes (GiGPO and
-  the others in ``TURN_ESTIMATORS``), ``broadcast_turn_advantages`` -> per-token ones.
+  the others in ``TURN_ESTIMATORS``), ``broadcast_turn_advantages`` -> per-token ones;
+  on-policy distillation (``losses.distill``): ``reverse_kl_advantages``, ``mix_advantages``,
+  ``generalized_jsd`` and ``gkd_loss`` (configured by ``DistillConfig``).
 See ``docs/losses.md`` for the formulas, defaults and references. The names and
 ``LossConfig`` are ``rlax_llm.loss_spec``'s (a leaf module: the config boundary validates a
 loss without importing JAX), re-exported here.
@@ -15,6 +17,8 @@ loss without importing JAX), re-exported here.
 from rlax_llm.loss_spec import (
                                         AGGREGATIONS,
                                         BASELINE_FREE,
+                                        DISTILL_KINDS,
+                                        DistillConfig,
                                         ESTIMATORS,
                                         KL_ESTIMATORS,
                                         LOSSES,
@@ -42,6 +46,12 @@ from rlax_llm.losses.components import (
 )
 from rlax_llm.losses.diagnostics import (LOG_RATIO_BIN_EDGES, log_ratio_histogram,
                                          mismatch_diagnostics, ratio_diagnostics)
+from rlax_llm.losses.distill import (
+                                        generalized_jsd,
+                                        gkd_loss,
+                                        mix_advantages,
+                                        reverse_kl_advantages,
+)
 from rlax_llm.losses.kl import kl_penalty
 from rlax_llm.losses.multi_turn import (
                                         TURN_ESTIMATORS,
@@ -58,7 +68,7 @@ from rlax_llm.losses.policy import (
 )
 
 __all__ = [
-    'AGGREGATIONS', 'BASELINE_FREE', 'ESTIMATORS', 'KL_ESTIMATORS', 'LOSSES', 'M2PO_VARIANTS',
+    'AGGREGATIONS', 'BASELINE_FREE', 'DISTILL_KINDS', 'DistillConfig', 'ESTIMATORS', 'KL_ESTIMATORS', 'LOSSES', 'M2PO_VARIANTS',
     'LossConfig', 'LossSpec', 'MismatchConfig', 'POSITIVE_WEIGHT', 'Totals', 'aggregate',
     'batch_normalize', 'batch_totals', 'group_advantages', 'kl_penalty', 'm2po_mask',
     'm2po_trust_region_candidates',
@@ -67,5 +77,6 @@ __all__ = [
     'ppo_clip_objective', 'ratio_diagnostics', 'sequence_log_ratio', 'token_log_ratio',
     'TURN_ESTIMATORS', 'broadcast_turn_advantages', 'discounted_turn_returns',
     'gigpo_advantages', 'step_group_ids', 'trajectory_advantages', 'turn_advantages',
-    'turn_grpo_advantages',
+    'turn_grpo_advantages', 'generalized_jsd', 'gkd_loss', 'mix_advantages',
+    'reverse_kl_advantages',
 ]

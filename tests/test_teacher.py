@@ -1,0 +1,207 @@
+"""The teacher role of on-policy distillation (rlax_llm/trainer/teacher.py) and its wiring
+(controller.completions.distill_batch, roles.build_teacher, rl.distill / teacher config): its
+scores equal a direct forward of the teacher, a tokenizer mismatch is refused, a short
+distillation run lowers the measured student-teacher KL and stays deterministic."""
+
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from smoke_config import smoke_config
+
+from rlax_llm import roles
+from rlax_llm.backends.local import build_run
+from rlax_llm.cli import load_config_file
+from rlax_llm.config import run_spec, validate_config
+from rlax_llm.controller.completions import Distillation, distill_batch
+from rlax_llm.data_types import TrainBatch
+from rlax_llm.errors import ConfigError
+from rlax_llm.loss_spec import DistillConfig
+from rlax_llm.metrics import read_metrics
+from rlax_llm.models.decoder_config import DecoderConfig
+from rlax_llm.models.model import create_model
+from rlax_llm.tokenization import CharTokenizer
+from rlax_llm.trainer.teacher import Teacher, check_same_tokenizer
+
+ALPHABET = '0123456789+= '
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope='module')
+def tiny():
+  tokenizer = CharTokenizer(ALPHABET)
+  config = DecoderConfig(vocab_size=tokenizer.vocab_size, num_layers=1, embed_dim=32,
+                         num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64, max_seq_len=12)
+  model, params = create_model(config, seed=3)
+  tokens = np.random.default_rng(0).integers(0, tokenizer.vocab_size, (3, 12)).astype(np.int32)
+  mask = np.zeros((3, 12), np.float32)
+  mask[:, 5:10] = 1.0
+  mask[2, 8:] = 0.0
+  return tokenizer, model, params, tokens, mask
+
+
+def _direct(model, params, tokens):
+  """log-softmax of the teacher's logits, position t predicting token t + 1."""
+  return np.asarray(jax.nn.log_softmax(model.apply(params, tokens)[:, :-1], axis=-1))
+
+
+def test_teacher_logprobs_equal_a_direct_forward(tiny):
+  tokenizer, model, params, tokens, mask = tiny
+  scores = Teacher(model, params, tokenizer, tokenizer, top_k=4).score(tokens, mask)
+  full = _direct(model, params, tokens)
+  want = np.take_along_axis(full, tokens[:, 1:, None], -1)[..., 0]
+  want = np.where(mask[:, 1:] > 0, want, 0.0)
+  assert scores.logp.shape == tokens.shape and np.all(scores.logp[:, 0] == 0)
+  np.testing.assert_allclose(scores.logp[:, 1:], want, rtol=1e-5, atol=1e-6)
+  on = mask[:, 1:] > 0
+  top = -np.sort(-full, axis=-1)[..., :4]
+  np.testing.assert_allclose(scores.top_logp[:, 1:][on], top[on], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+      np.take_along_axis(full, scores.top_ids[:, 1:], -1)[on], scores.top_logp[:, 1:][on],
+      rtol=1e-5, atol=1e-6)
+  assert np.all(scores.top_logp[:, 1:][~on] == 0) and np.all(scores.top_ids[:, 1:][~on] == 0)
+  # The chunked path (rl.logprob_chunk) gives the same log-probs.
+  chunked = Teacher(model, params, tokenizer, tokenizer, chunk=3).score(tokens, mask)
+  np.testing.assert_allclose(chunked.logp, scores.logp, rtol=1e-5, atol=1e-6)
+
+
+def test_tokenizer_mismatch_is_refused_naming_both():
+  student = CharTokenizer(ALPHABET)
+  with pytest.raises(ValueError, match=r"teacher 'big' and the student 'small' .*vocabulary "
+                                       r'sizes differ: 15 vs 16'):
+    check_same_tokenizer(CharTokenizer('0123456789+= '[:-1]), student, teacher_name="'big'",
+                         student_name="'small'")
+  with pytest.raises(ValueError, match=r"1 ids decode differently, e.g. id 15: ' ' vs '-'"):
+    check_same_tokenizer(student, CharTokenizer('0123456789+=-'), teacher_name='t',
+                         student_name='s')
+
+
+def test_teacher_refuses_another_tokenizer_before_compute(tiny):
+  tokenizer, model, params, _, _ = tiny
+  with pytest.raises(ValueError, match='different tokenizers'):
+    Teacher(model, params, tokenizer, CharTokenizer('0123456789+-='))
+
+
+def test_distill_batch_mixes_reverse_kl_advantages_on_the_loss_tokens(tiny):
+  tokenizer, model, params, tokens, mask = tiny
+  teacher = Teacher(model, params, tokenizer, tokenizer)
+  behaviour = np.where(mask > 0, -1.5, 0.0).astype(np.float32)
+  batch = TrainBatch(tokens=tokens, loss_mask=mask, behaviour_logprobs=behaviour,
+                     support_sizes=np.zeros_like(tokens), advantages=np.array([1., 0., -1.],
+                                                                                np.float32),
+                     versions=np.zeros_like(tokens), group_ids=np.zeros(3, np.int32))
+  teacher_logp = teacher.score(tokens, mask).logp
+  out, metrics = distill_batch(batch, Distillation(teacher, DistillConfig('reverse_kl',
+                                                                          weight=0.5)))
+  want = np.where(mask > 0, batch.advantages[:, None] + 0.5 * (teacher_logp + 1.5), 0.0)
+  np.testing.assert_allclose(out.advantages, want, rtol=1e-6, atol=1e-6)
+  again, _ = distill_batch(batch, Distillation(teacher, DistillConfig('reverse_kl',
+                                                                      weight=0.5)))
+  np.testing.assert_array_equal(again.advantages, out.advantages)  # bitwise, call to call
+  on = mask > 0
+  assert metrics['distill/reverse_kl'] == pytest.approx(float((-1.5 - teacher_logp[on]).mean()),
+                                                        rel=1e-5)
+  alone, _ = distill_batch(batch, Distillation(teacher, DistillConfig('reverse_kl',
+                                                                      with_reward=False)))
+  np.testing.assert_allclose(alone.advantages, np.where(on, teacher_logp + 1.5, 0.0),
+                             rtol=1e-6, atol=1e-6)
+
+
+def _distill_config(steps):
+  return smoke_config(total_steps=steps, rl__distill__kind='reverse_kl',
+                      rl__distill__with_reward=False, teacher__enabled=True,
+                      rl__learning_rate=3e-3, log__tensorboard=False, eval__every_steps=0,
+                      checkpoint__every_steps=0, checkpoint__every_seconds=0.0,
+                      staleness__j=2, staleness__k=2)
+
+
+def test_distill_batch_of_a_multi_turn_row_signals_only_the_sampled_tokens(tiny):
+  # An episode's row: turn 1 (model), an observation (environment), turn 2 (model), with
+  # per-token turn advantages [B, T] as Episodes gives them; only the model's tokens change.
+  tokenizer, model, params, tokens, _ = tiny
+  teacher = Teacher(model, params, tokenizer, tokenizer)
+  mask = np.zeros(tokens.shape, np.float32)
+  mask[:, 3:5] = 1.0  # turn 1
+  mask[:, 8:11] = 1.0  # turn 2; positions 5..7 are the observation
+  turn_adv = np.where(mask > 0, np.where(np.arange(12) < 6, 0.5, -0.25), 0.0).astype(np.float32)
+  batch = TrainBatch(tokens=tokens, loss_mask=mask,
+                     behaviour_logprobs=np.where(mask > 0, -2.0, 0.0).astype(np.float32),
+                     support_sizes=np.zeros_like(tokens), advantages=turn_adv,
+                     versions=np.zeros_like(tokens), group_ids=np.zeros(3, np.int32))
+  out, _ = distill_batch(batch, Distillation(teacher, DistillConfig('reverse_kl')))
+  teacher_logp = teacher.score(tokens, mask).logp
+  np.testing.assert_allclose(out.advantages, np.where(mask > 0, turn_adv + teacher_logp + 2.0,
+                                                      0.0), rtol=1e-6, atol=1e-6)
+  assert np.all(out.advantages[:, 5:8] == 0) and np.all(teacher_logp[:, 5:8] == 0)
+
+
+@pytest.mark.parametrize('fields, message', [
+    (dict(rl__distill__kind='reverse_kl'), 'teacher.enabled=False'),
+    (dict(teacher__enabled=True), "rl.distill.kind='off' but"),
+    (dict(rl__distill__kind='reverse_kl', teacher__enabled=True, teacher__name='qwen3-0.6b'),
+     'needs config.teacher.path'),
+    (dict(rl__distill__kind='reverse_kl', teacher__enabled=True, teacher__dtype='int4'),
+     "teacher.dtype='int4' is not valid"),
+    (dict(rl__distill__kind='reverse_kl', teacher__enabled=True, rl__distill__weight=-1.0),
+     'distill.weight=-1.0'),
+    (dict(rl__distill__kind='reverse_kl', teacher__enabled=True, backend='ray'),
+     'local backend only'),
+])
+def test_config_refuses(fields, message):
+  with pytest.raises(ConfigError, match=message):
+    validate_config(smoke_config(**fields))
+
+
+def test_build_teacher_refuses_a_tiny_teacher_of_another_charset():
+  config = _distill_config(1)
+  spec = validate_config(config)
+  task = roles.build_task(config)
+  other = CharTokenizer('0123456789+-=')
+  with pytest.raises(ValueError, match="the teacher 'tiny' and the student 'tiny'"):
+    roles.build_teacher(config, spec, task, other)
+
+
+@pytest.mark.parametrize('variant, with_reward', [('', False), (':reward', True),
+                                                  (':smoke', False)])
+def test_distill_recipe_validates(variant, with_reward):
+  config = load_config_file(str(ROOT / 'configs' / 'distill.py') + variant)
+  spec = validate_config(config, read_hub=False)
+  assert spec.distill == DistillConfig('reverse_kl', with_reward=with_reward)
+  assert config.teacher.enabled and config.teacher.name == config.model.name == 'smollm2-135m'
+  assert config.rollout.oversample == 0  # every group trains: the teacher's signal is dense
+  config.teacher.path = '/runs/teacher/export'  # the checkpoint the user passes
+  assert validate_config(config, read_hub=False).distill.enabled
+
+
+def _run(workdir, steps):
+  config = _distill_config(steps)
+  with build_run(config, workdir, run_spec(config)) as run:
+    run.execute()
+  return read_metrics(workdir / 'metrics.jsonl')
+
+
+# The two run tests are slow (a run compiles the warm-up, the engine and the trainer: about
+# 15 s warm, 60-120 s cold on a loaded 2-core machine). Their cheap counterparts in the default
+# run: tests/losses/test_distill.py's test_reverse_kl_advantages_lower_the_kl_by_gradient
+# descent (the signal lowers KL(student || teacher)) and
+# test_distill_batch_mixes_reverse_kl_advantages_on_the_loss_tokens (the teacher's scores
+# of a batch are a deterministic function of it).
+@pytest.fixture(scope='module')
+def distill_rows(tmp_path_factory):
+  return _run(tmp_path_factory.mktemp('distill'), 8)
+
+
+@pytest.mark.slow
+def test_distillation_lowers_the_student_teacher_kl(distill_rows):
+  kl = [row['distill/reverse_kl'] for row in distill_rows if 'distill/reverse_kl' in row]
+  assert len(kl) == 8
+  assert np.mean(kl[-2:]) < 0.7 * np.mean(kl[:2]), kl
+
+
+@pytest.mark.slow
+def test_distillation_run_with_async_schedule_is_deterministic(distill_rows, tmp_path):
+  again = _run(tmp_path, 8)
+  strip = lambda r: {k: v for k, v in r.items() if not k.startswith('time/')}
+  assert [strip(r) for r in again] == [strip(r) for r in distill_rows]
