@@ -38,7 +38,10 @@ def inputs(batch: int, length: int, vocab: int, seed: int) -> dict[str, np.ndarr
 
 def trl_side(data: dict[str, np.ndarray]) -> dict[float, np.ndarray]:
   import torch
-  from trl import GKDTrainer
+  try:
+    from trl import GKDTrainer
+  except ImportError:  # trl 1.x keeps it under trl.experimental
+    from trl.experimental.gkd import GKDTrainer
   student, teacher = (torch.from_numpy(data[k]) for k in ('student', 'teacher'))
   return {beta: GKDTrainer.generalized_jsd_loss(student, teacher, beta=beta,
                                                 reduction='none').sum(-1).numpy()
