@@ -369,9 +369,14 @@ def run(argv: Sequence[str]) -> int:
         coordinator=f'"$COORDINATOR:{getattr(opts, "coordinator_port", COORDINATOR_PORT)}"')
     plan.notes += more
     recipe = scripts.render_tpu_vm(config, plan, slice_, opts, spec, overrides, distributed)
-  script = recipe.script(opts.dry_run)
+  return print_or_run(recipe.script(opts.dry_run), opts.dry_run)
+
+
+def print_or_run(script: str, dry_run: bool) -> int:
+  """Prints a recipe's ``script``; unless ``dry_run``, runs it with bash (gcloud needed) and
+  returns its exit status."""
   sys.stdout.write(script)
-  if opts.dry_run:
+  if dry_run:
     return 0
   if not shutil.which('gcloud'):
     raise SliceError('gcloud is not on PATH; install the Google Cloud CLI and run gcloud auth '

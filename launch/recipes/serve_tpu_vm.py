@@ -15,9 +15,6 @@ how to reach it through an ssh tunnel, fetch the token, follow the log and stop 
 from __future__ import annotations
 
 import argparse
-import shutil
-import subprocess
-import sys
 from collections.abc import Sequence
 
 from launch.recipes import cli, scripts
@@ -73,12 +70,4 @@ def run(argv: Sequence[str]) -> int:
   plan = check_local(config, slice_, 'tpu-vm')
   plan.notes = notes + plan.notes + validate_on_devices(config, plan.devices)
   recipe = scripts.render_serve_tpu_vm(config, plan, slice_, opts, spec, overrides)
-  script = recipe.script(opts.dry_run)
-  sys.stdout.write(script)
-  if opts.dry_run:
-    return 0
-  if not shutil.which('gcloud'):
-    raise SliceError('gcloud is not on PATH; install the Google Cloud CLI and run gcloud auth '
-                     'login, or pass --dry-run to print the commands.')
-  sys.stdout.flush()
-  return subprocess.run(['bash', '-c', script], check=False).returncode
+  return cli.print_or_run(recipe.script(opts.dry_run), opts.dry_run)
