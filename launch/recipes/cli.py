@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help='the head pod\'s memory request (host copies of weight versions)')
   p.add_argument('--output', help='also write the manifest to this file')
   _kubernetes(p)
-  # Listed here for --help; its own parser is serve_tpu_vm's (run() hands it the arguments).
+  # Listed here for --help; its own parser and run are serve_tpu_vm's (launch/recipes/__main__).
   sub.add_parser('serve-tpu-vm', add_help=False,
                  help='serve a run\'s checkpoint on a single-host TPU VM (serve-tpu-vm --help)')
   p = sub.add_parser('compile', allow_abbrev=False,
@@ -283,10 +283,6 @@ def _split_overrides(rest: Sequence[str]) -> list[str]:
 
 def run(argv: Sequence[str]) -> int:
   """The CLI; returns the exit status (raises SystemExit('error: ...') on a bad config)."""
-  if list(argv[:1]) == ['serve-tpu-vm']:
-    # pylint: disable-next=import-outside-toplevel (serve_tpu_vm imports this module)
-    from launch.recipes import serve_tpu_vm
-    return serve_tpu_vm.run(argv[1:])
   parser = build_parser()
   opts, rest = parser.parse_known_args(argv)
   if opts.recipe == 'slices':
@@ -385,9 +381,10 @@ def print_or_run(script: str, dry_run: bool) -> int:
   return subprocess.run(['bash', '-c', script], check=False).returncode
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None, command=None) -> None:
+  """Runs ``command`` (default: ``run``) on ``argv``; a RlaxError becomes one error line."""
   try:
-    status = run(sys.argv[1:] if argv is None else argv)
+    status = (command or run)(sys.argv[1:] if argv is None else argv)
   except RlaxError as e:
     raise SystemExit(f'error: {e}') from None
   raise SystemExit(status)
