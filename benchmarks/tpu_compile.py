@@ -50,6 +50,7 @@ RECIPES = {
     'math': ('configs/math.py', 'v5e-8', None),
     'gsm8k_large_qwen3-8b': ('configs/gsm8k_large.py:Qwen3-8B', 'v5p-16', 'v5e-8'),
     'gsm8k_large_qwen3-32b': ('configs/gsm8k_large.py:Qwen3-32B', 'v5p-64', 'v5p-8'),
+    'gsm8k_large_qwen3-30b-a3b': ('configs/gsm8k_large.py:Qwen3-30B-A3B', 'v5p-32', 'v5p-8'),
 }
 
 

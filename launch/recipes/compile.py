@@ -179,7 +179,7 @@ def compile_trainer(config: ml_collections.ConfigDict, model: DecoderConfig,
   done = _compile(lower)
   tokens = batch.tokens.shape[0] * batch.tokens.shape[1]
   report = report_of('trainer_step', done, slice_, mesh, plan=plan, beside=beside, tokens=tokens,
-                   model_flops=6 * presets.count_params(model) * tokens)
+                   model_flops=6 * presets.active_params(model) * tokens)
   if config.rl.micro_batches > 1:
     report.notes.append(f'{config.rl.micro_batches} micro-batches of '
                         f'{batch.tokens.shape[0] // config.rl.micro_batches} rows')
@@ -220,7 +220,7 @@ def compile_engine_decode(engine: Engine, sampling: SamplingSpec, slice_: SliceT
     state = _with_shardings(jax.eval_shape(engine.init_decode_state), engine.state_shardings)
   done = _compile(lambda: engine._generate.lower(  # pylint: disable=protected-access
       params, state, spec=sampling, attend=engine.attend_buckets[-1]))
-  count = presets.count_params(engine.model.config)
+  count = presets.active_params(engine.model.config)
   report = report_of(program, done, slice_, engine.mesh, plan=plan, beside=beside,
                    tokens=engine.slots, model_flops=2 * count * engine.slots)
   hlo = done.hlo
@@ -259,7 +259,7 @@ def compile_prefill(config: ml_collections.ConfigDict, model: DecoderConfig,
   # pylint: disable-next=protected-access
   done = _compile(lambda: engine._prefill.lower(params, tokens, lengths))
   return report_of('prefill', done, slice_, mesh, plan=None, beside=beside, tokens=rows * bucket,
-                 model_flops=2 * presets.count_params(model) * rows * bucket)
+                 model_flops=2 * presets.active_params(model) * rows * bucket)
 
 
 def compile_push(config: ml_collections.ConfigDict, model: DecoderConfig,

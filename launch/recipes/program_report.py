@@ -53,7 +53,8 @@ class ProgramReport:
     tokens_per_s_per_chip: tokens the program handles per second per chip at ``step_s``
       (trainer: rows x length; prefill: rows x bucket; decode: one per slot).
     mfu: model FLOPs (``2 N`` per token forward, ``6 N`` forward and backward; ``N`` the
-      params) per chip over the chip's peak for ``step_s``. None for the push, and when
+      params a token uses, ``presets.active_params``: a mixture of experts counts its ``k``
+      experts) per chip over the chip's peak for ``step_s``. None for the push, and when
       ``per_trip`` is False.
     loops: ``while`` loops in the optimized program (micro-batches, log-prob chunks, the
       scanned layer stack).
@@ -200,7 +201,9 @@ def report_of(program: str, done: Compiled, slice_: SliceType, mesh: jax.shardin
 
 
 # A computation of HLO text starts with its name (after ``ENTRY`` for the entry) and ends
-# with a line holding ``}``; a while loop names its condition and body computations.
+# with a line starting ``}`` (``}, execution_thread="sparsecore"`` for a computation XLA:TPU
+# offloads to the SparseCore, e.g. a MoE's scatter-add); a while loop names its condition and
+# body computations.
 _HEADER = re.compile(r'^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$')
 _WHILE = re.compile(r'=\s*.*\swhile\(%([\w.\-]+)\).*?condition=%([\w.\-]+), body=%([\w.\-]+)')
 _CALLEE = re.compile(r'\b(?:calls|to_apply|condition|body|true_computation|'
@@ -228,7 +231,7 @@ def _computations(hlo: str) -> tuple[str, dict[str, list[str]], str]:
         entry = match[2] if match[1] else entry
     else:
       comps[name].append(line)
-      if line.strip() == '}':
+      if line.startswith('}'):  # '}' or, for a SparseCore offload, '}, execution_thread=...'
         name = None
   return '\n'.join(lines[1:start]), comps, entry
 

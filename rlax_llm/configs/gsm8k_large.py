@@ -1,4 +1,5 @@
-"""GRPO on GSM8K at 8B and 32B (Qwen3-8B, Qwen3-32B), trainer and inference on separate slices.
+"""GRPO on GSM8K at 8B, 32B and 30B-A3B (Qwen3-8B, Qwen3-32B, the mixture of experts
+Qwen3-30B-A3B), trainer and inference on separate slices.
 
 configs/gsm8k.py's recipe (32 questions x 8 samples per update, 384 prompt + 640 completion
 tokens, the math scorer, float32 master weights and AdamW state, bfloat16 compute and worker
@@ -10,7 +11,11 @@ is one host):
 
   Qwen3-8B (the default): trainer v5p-16 (8 chips on 2 hosts, fsdp 8), inference v5e-8
     (data 2 x tensor 4 per worker);
-  Qwen3-32B: trainer v5p-64 (32 chips on 8 hosts, fsdp 32), inference v5p-8 (tensor 4).
+  Qwen3-32B: trainer v5p-64 (32 chips on 8 hosts, fsdp 32), inference v5p-8 (tensor 4);
+  Qwen3-30B-A3B: trainer v5p-32 (16 chips on 4 hosts, data 4 x fsdp 4: the 128 experts of
+    each layer split over data, expert parallelism, and each expert's matrices over fsdp, so
+    the experts' weights, gradients and AdamW state are 16-way and the rest 4-way),
+    inference v5p-8 (tensor 4: heads and each expert's width over the 4 chips).
 
 Check and compile before booking the slices (docs/own_model_and_data.md, "Before you book a
 TPU")::
@@ -27,13 +32,19 @@ from rlax_llm.cli import CONFIG_DIR, load_config_file, variant_entry
 MODELS = {
     'Qwen3-8B': ('qwen3-8b', 'Qwen/Qwen3-8B', 4),
     'Qwen3-32B': ('qwen3-32b', 'Qwen/Qwen3-32B', 4),
+    'Qwen3-30B-A3B': ('qwen3-30b-a3b', 'Qwen/Qwen3-30B-A3B', 4),
 }
 VARIANTS = tuple(MODELS)
 # Hub name -> (trainer slice, inference slice): python -m launch.recipes ray / compile.
 SLICES = {
     'Qwen3-8B': ('v5p-16', 'v5e-8'),
     'Qwen3-32B': ('v5p-64', 'v5p-8'),
+    'Qwen3-30B-A3B': ('v5p-32', 'v5p-8'),
 }
+# Hub name -> the trainer's data axis (default 1: fsdp over every chip). A mixture of experts
+# splits its experts over data (``sharding.LOGICAL_RULES``: expert -> data) and the rest of
+# each weight over fsdp.
+TRAINER_DATA = {'Qwen3-30B-A3B': 4}
 
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
@@ -43,6 +54,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c.name = f'gsm8k_{preset}'
   c.backend = 'ray'
   c.model.update(dict(name=preset, path=repo))
-  c.mesh.trainer.update(dict(data=1, fsdp=-1, tensor=1))
+  c.mesh.trainer.update(dict(data=TRAINER_DATA.get(variant or VARIANTS[0], 1), fsdp=-1,
+                            tensor=1))
   c.mesh.inference.update(dict(data=-1, fsdp=1, tensor=tensor))
   return c

@@ -87,6 +87,17 @@ def count_params(config: DecoderConfig) -> int:
   return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
 
 
+def active_params(config: DecoderConfig) -> int:
+  """Parameters one token's forward pass uses: ``count_params`` less, in a mixture of
+  experts, the ``num_experts - num_experts_per_tok`` experts it is not routed to
+  (``3 * embed * moe_mlp_dim`` each per layer). The ``N`` of the ``2 N`` / ``6 N`` model
+  FLOPs per token (Qwen3-30B-A3B: 3.35 B of 30.53 B; Mixtral-8x7B: 12.88 B of 46.70 B, the
+  published 3.3 B and 12.9 B active)."""
+  idle = config.num_experts - config.num_experts_per_tok
+  return count_params(config) - config.num_layers * idle * 3 * config.embed_dim * (
+      config.moe_mlp_dim)
+
+
 def _leaf_shards(abstract: Any, shardings: Any) -> list[tuple[tuple, int, int]]:
   """``(path, elements, bytes)`` of each leaf of ``abstract`` (``ShapeDtypeStruct`` leaves)
   on one device of its ``NamedSharding`` (``shardings``, the same tree), the most loaded one:
@@ -222,19 +233,63 @@ def memory_per_device(config: DecoderConfig, mesh: Mesh, *, optimizer_moments: i
           'num_params': float(count_params(config))}
 
 
-# Bytes per token per layer that a block keeps for the backward pass, in units of the compute
-# dtype's itemsize, as multiples of the widths below (``activation_bytes``).
-_SAVED_PER_TOKEN = {
+# Bytes per token per layer that a block's attention keeps for the backward pass, in units of
+# the compute dtype's itemsize, as multiples of the widths below (``activation_bytes``); the
+# MLP's part is ``_mlp_saved_per_token``.
+_SAVED_ATTENTION = {
     # every intermediate: the block input and its two norms (3 d), q, k, v before and after
-    # RoPE (2 q + 4 kv), the attention output (q) and its projection (d), the MLP's gate, up,
-    # silu(gate) and product (4 mlp) and its output (d).
-    'none': lambda d, q, kv, mlp: 5 * d + 3 * q + 4 * kv + 4 * mlp,
-    # the matmul outputs only (jax.checkpoint_policies.checkpoint_dots): q, k, v, the
-    # attention output's projection, gate, up and down.
-    'dots': lambda d, q, kv, mlp: 2 * d + q + 2 * kv + 2 * mlp,
+    # RoPE (2 q + 4 kv), the attention output (q) and its projection (d).
+    'none': lambda d, q, kv: 4 * d + 3 * q + 4 * kv,
+    # the matmul outputs only (jax.checkpoint_policies.checkpoint_dots): q, k, v and the
+    # attention output's projection.
+    'dots': lambda d, q, kv: d + q + 2 * kv,
     # the block input only; the block is recomputed in the backward pass.
-    'full': lambda d, q, kv, mlp: d,
+    'full': lambda d, q, kv: d,
 }
+
+
+def _mlp_saved_per_token(config: DecoderConfig, remat: str, tensor: int) -> float:
+  """What a block's MLP keeps per token for the backward pass, in units of the compute
+  dtype's itemsize (``activation_bytes``), ``mlp`` / ``f`` split over ``tensor`` where they
+  divide.
+
+  A dense SwiGLU of width ``mlp``: its gate, up, silu(gate) and product and its output
+  (``4 mlp + d``); with remat 'dots' the gate's and up's products and the output
+  (``2 mlp + d``). A mixture of ``E`` experts of width ``f``, ``k`` per token
+  (``models.moe``): the router's logits and float32 probabilities ``E (1 + 4 / itemsize)``,
+  then with ``moe_impl='ragged'`` the ``k`` sorted copies of the token, the grouped
+  products' outputs and the unsorted copies ``k (3 d + 4 f)`` and the combined output ``d``;
+  with ``'dense'`` every expert on every token, ``7 E f`` (gate, up, silu, product, the
+  gated product and, in flight in the backward pass, the gradients of gate and up; within
+  7% of XLA:CPU's compiled step at 8 and 16 experts, tests/test_configs_real_sizes.py) and
+  the combine weights ``E`` and output ``d``. With 'dots' the dot outputs alone: ragged
+  ``E + d`` (``jax.lax.ragged_dot`` is recomputed: the policy saves
+  ``dot_general``'s outputs only), dense ``E (2 + 3 f) + d``. 0 with 'full'.
+  """
+  if remat == 'full':
+    return 0.0
+  d = config.embed_dim
+  split = lambda n: n // tensor if n % tensor == 0 else n  # noqa: E731  (replicated else)
+  if not config.is_moe:
+    mlp = split(config.mlp_dim)
+    return float((4 if remat == 'none' else 2) * mlp + d)
+  e, k, f = config.num_experts, config.num_experts_per_tok, split(config.moe_mlp_dim)
+  if remat == 'dots':
+    return float(e + d if config.execution.moe_impl == 'ragged' else e * (2 + 3 * f) + d)
+  router = e * (1 + 4 / jnp.dtype(config.execution.dtype).itemsize)
+  if config.execution.moe_impl == 'ragged':
+    return float(router + k * (3 * d + 4 * f) + d)
+  return float(router + 7 * e * f + e + d)
+
+
+# Off TPU and GPU, jax lowers ``jax.lax.ragged_dot`` as a dense product over a masked copy of
+# its operand per expert (``lax._ragged_dot_general_impl``: ``[experts, rows, in]``), so
+# XLA:CPU's MoE step holds, beside one block in flight, about this many of the three
+# products' masked copies (``k E (2 d + f)`` per token) by remat policy: the forward's and
+# the backward's, and with remat the recomputed forward's too. Fitted to XLA:CPU's compiled
+# step at 16 experts k = 2 and 8 experts k = 4 (the plan 1.07-1.12x of it; counted as a dense
+# MLP of ``mlp_dim``, 0.32-0.54x).
+_CPU_RAGGED_COPIES = {'none': 2, 'dots': 3, 'full': 3}
 
 
 # Attention-sized float32 buffers ``[rows, heads, T, T]`` per layer that the backward pass
@@ -262,12 +317,17 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
                                                             float32 attention-sized buffers
     work   = t * itemsize(dtype) * S('none')               one block recomputed / in flight
              + (0 with 'none', else 3) * 4 * rows * heads/tensor * length^2
+             (+ XLA:CPU's masked copies of a ragged MoE, ``_CPU_RAGGED_COPIES``)
     logits = 3 * 4 * rows * L * vocab/tensor                float32 logits, log-softmax and
                                                             gradient, L = logprob_chunk or length
 
-  where ``S('none') = 5 d + 3 q + 4 kv + 4 mlp``, ``S('dots') = 2 d + q + 2 kv + 2 mlp``,
-  ``S('full') = d``, ``A('none') = 3`` (the softmax's exponentials, its normaliser broadcast
-  to their shape and the probabilities; 1 with ``platform='tpu'``, as XLA:TPU keeps them),
+  where ``S('none') = 4 d + 3 q + 4 kv + M('none')``, ``S('dots') = d + q + 2 kv +
+  M('dots')``, ``S('full') = d``, ``M`` the MLP's part (``_mlp_saved_per_token``: a dense
+  SwiGLU's ``M('none') = 4 mlp + d``, ``M('dots') = 2 mlp + d``; a mixture of experts' router,
+  its ``k`` experts' products and the ragged path's sorted copies of the tokens, or with
+  ``moe_impl='dense'`` every expert on every token), ``A('none') = 3`` (the softmax's
+  exponentials, its normaliser broadcast to their shape and the probabilities; 1 with
+  ``platform='tpu'``, as XLA:TPU keeps them),
   ``A('dots') = 1`` (the scores), ``A('full') = 0``
   (``d`` the embedding width, ``q = heads * head_dim / tensor``,
   ``kv = kv_heads * head_dim / tensor``, ``mlp = mlp_dim / tensor``). With ``lora`` (not with
@@ -289,13 +349,17 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
   tokens = rows * length
   scores = 4 * rows * heads * length * length  # one float32 [rows, heads, T, T]
   remat = c.execution.remat
+  per_token = lambda policy: (_SAVED_ATTENTION[policy](d, q, kv)  # noqa: E731
+                              + _mlp_saved_per_token(c, policy, tensor))
   outputs = {'q': q, 'k': kv, 'v': kv, 'o': d, 'gate': mlp, 'up': mlp, 'down': d}
   adapted = 0 if lora is None or remat == 'full' else sum(outputs[t] for t in lora.targets)
   kept = (_TPU_SAVED_SCORES if platform == 'tpu' else _SAVED_SCORES)[remat]
-  saved = c.num_layers * (tokens * itemsize * (_SAVED_PER_TOKEN[remat](d, q, kv, mlp) + adapted)
-                          + kept * scores)
-  work = (tokens * itemsize * _SAVED_PER_TOKEN['none'](d, q, kv, mlp)
+  saved = c.num_layers * (tokens * itemsize * (per_token(remat) + adapted) + kept * scores)
+  work = (tokens * itemsize * per_token('none')
           + (0 if remat == 'none' else _SAVED_SCORES['none']) * scores)
+  if c.is_moe and c.execution.moe_impl == 'ragged' and platform == 'cpu':
+    work += (_CPU_RAGGED_COPIES[remat] * tokens * itemsize * c.num_experts_per_tok
+             * c.num_experts * (2 * d + split(c.moe_mlp_dim)))
   logits = 3 * 4 * rows * (logprob_chunk or length) * split(c.vocab_size)
   return {'saved_bytes': float(saved), 'work_bytes': float(work), 'logits_bytes': float(logits),
           'total_bytes': float(saved + work + logits)}

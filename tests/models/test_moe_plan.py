@@ -1,0 +1,108 @@
+"""The memory plan of a mixture of experts (``presets.memory_plan``, ``activation_bytes``): the
+published parameter counts (total and active), the experts' weights split over the data axis
+(``expert -> data``), and the activations of k experts per token, the router and the ragged
+path's sorted copies against a hand calculation. The plan against XLA:CPU's compiled MoE step
+is in tests/test_configs_real_sizes.py, against XLA:TPU's Qwen3-30B-A3B step in
+tests/test_tpu_compile.py."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import pytest
+
+from rlax_llm.models import presets
+
+# Model cards: Qwen3-30B-A3B "30.5B in total and 3.3B activated"; Mixtral-8x7B 46.7B, 12.9B
+# active per token. Our counts to the parameter: 30,532,122,624 and 46,702,792,704.
+PUBLISHED = {'qwen3-30b-a3b': (30.53, 3.3), 'mixtral-8x7b': (46.70, 12.9)}
+ONE = {'data': 1, 'fsdp': 1, 'tensor': 1}
+
+
+def _expert_params(config) -> int:
+  """The experts' and the routers' parameters: every leaf with an ``expert`` axis."""
+  return config.num_layers * config.num_experts * config.embed_dim * (
+      3 * config.moe_mlp_dim + 1)
+
+
+@pytest.mark.parametrize('name', sorted(PUBLISHED))
+def test_total_and_active_parameters_match_the_model_cards(name):
+  config = presets.get_preset(name)
+  total, active = PUBLISHED[name]
+  assert presets.count_params(config) / 1e9 == pytest.approx(total, abs=0.005)
+  assert presets.active_params(config) / 1e9 == pytest.approx(active, rel=0.02)
+  dense = presets.get_preset('qwen3-8b')
+  assert presets.active_params(dense) == presets.count_params(dense)
+
+
+def test_the_experts_weights_are_split_over_the_data_axis():
+  """Expert parallelism: the experts' weights (and the routers' ``[embed, experts]``), their
+  gradients and AdamW moments divide by the data axis (and fsdp: the embedding dimension of
+  each expert); the other weights only by fsdp (data-parallel copies)."""
+  config = presets.get_preset('qwen3-30b-a3b')
+  experts = _expert_params(config)
+  rest = presets.count_params(config) - experts
+  for mesh, expert_split, rest_split in (({'data': 4, 'fsdp': 1, 'tensor': 1}, 4, 1),
+                                         ({'data': 4, 'fsdp': 4, 'tensor': 1}, 16, 4),
+                                         ({'data': 1, 'fsdp': 8, 'tensor': 1}, 8, 8)):
+    plan = presets.memory_plan(config, mesh, ONE, train_rows=16, train_length=8, slots=1,
+                               cache_length=8)
+    expected = 4 * (experts / expert_split + rest / rest_split)
+    assert plan.params == pytest.approx(expected, rel=1e-3), mesh
+    assert plan.optimizer == pytest.approx(2 * expected, rel=1e-3)
+    assert plan.gradients == pytest.approx(expected, rel=1e-3)
+
+
+@pytest.mark.parametrize('impl', ['ragged', 'dense'])
+@pytest.mark.parametrize('remat', ['none', 'dots', 'full'])
+def test_moe_activations_count_the_router_k_experts_and_the_sorted_copies(impl, remat):
+  """A hand calculation of what one MoE layer keeps per token beyond the same block with no
+  MLP: bfloat16 compute, 16 experts of width 64, k = 2, hidden 128, split over tensor 2."""
+  config = presets.TINY_MOE_PRESETS['tiny-qwen3-moe']
+  config = dataclasses.replace(config, embed_dim=128, num_experts=16, num_experts_per_tok=2,
+                               moe_mlp_dim=128).with_execution(
+                                   dtype=jnp.bfloat16, remat=remat, moe_impl=impl)
+  d, e, k, f = 128, 16, 2, 64  # f: 128 over tensor 2
+  rows, length = 4, 16
+  got = presets.activation_bytes(config, rows=rows, length=length, tensor=2, platform='tpu')
+  dense = presets.activation_bytes(
+      dataclasses.replace(config, family='qwen3', num_experts=0, num_experts_per_tok=0,
+                          moe_mlp_dim=0, mlp_dim=2 * 32), rows=rows, length=length, tensor=2,
+      platform='tpu')
+  # the dense model's MLP part: 4 mlp + d ('none'), 2 mlp + d ('dots'), 0 ('full'), mlp 32
+  dense_mlp = {'none': 4 * 32 + d, 'dots': 2 * 32 + d, 'full': 0}[remat]
+  moe_mlp = {
+      ('ragged', 'none'): e * (1 + 4 / 2) + k * (3 * d + 4 * f) + d,
+      ('ragged', 'dots'): e + d,
+      ('dense', 'none'): e * (1 + 4 / 2) + 7 * e * f + e + d,
+      ('dense', 'dots'): e * (2 + 3 * f) + d,
+  }.get((impl, remat), 0)
+  tokens, layers, itemsize = rows * length, config.num_layers, 2
+  saved = got['saved_bytes'] - dense['saved_bytes']
+  assert saved == pytest.approx(layers * tokens * itemsize * (moe_mlp - dense_mlp))
+  # one block in flight, as without remat
+  none_moe = (e * 3 + k * (3 * d + 4 * f) + d if impl == 'ragged'
+              else e * 3 + 7 * e * f + e + d)
+  assert got['work_bytes'] - dense['work_bytes'] == pytest.approx(
+      tokens * itemsize * (none_moe - (4 * 32 + d)))
+  # XLA:CPU's ragged_dot: the masked copies [experts, rows, in] of the three products
+  cpu = presets.activation_bytes(config, rows=rows, length=length, tensor=2, platform='cpu')
+  copies = (2 if remat == 'none' else 3) * k * e * (2 * d + f) if impl == 'ragged' else 0
+  assert cpu['work_bytes'] - got['work_bytes'] == pytest.approx(tokens * itemsize * copies)
+  assert got['logits_bytes'] == dense['logits_bytes']
+
+
+def test_the_dense_fallback_plans_every_expert_on_every_token():
+  """At Qwen3-30B-A3B's widths (128 experts of 768, k = 8, hidden 2048; 32 heads and 4 kv
+  heads of 128) without remat, the dense fallback keeps 5.2x the ragged path's activations:
+  the plan says why 'dense' is for tiny models."""
+  config = presets.get_preset('qwen3-30b-a3b').with_execution(dtype=jnp.bfloat16)
+  ragged = presets.activation_bytes(config, rows=1, length=256)
+  dense = presets.activation_bytes(config.with_execution(moe_impl='dense'), rows=1, length=256)
+  d, e, k, f, q, kv = 2048, 128, 8, 768, 32 * 128, 4 * 128
+  attention = 4 * d + 3 * q + 4 * kv
+  per_token = {'ragged': attention + 3 * e + k * (3 * d + 4 * f) + d,
+               'dense': attention + 3 * e + 7 * e * f + e + d}
+  scores = 4 * 32 * 256 * 256  # one float32 attention-sized buffer, 3 kept on XLA:CPU
+  for got, impl in ((ragged, 'ragged'), (dense, 'dense')):
+    assert got['saved_bytes'] == 48 * (256 * 2 * per_token[impl] + 3 * scores)
+  assert dense['saved_bytes'] / ragged['saved_bytes'] == pytest.approx(5.16, abs=0.01)
