@@ -5,10 +5,12 @@ XLA reads the flag when the backend initialises, so it must be set before jax is
 
 import json
 import os
+import pathlib
 import resource
 import time
 
 import pytest
+from tiers import EXTENDED
 
 # LLVM's optimisation of the generated code is most of XLA:CPU's compile time, and the tests'
 # programs are small: at level 0 the CPU seconds of tests/trainer/test_trainer.py fell from 151
@@ -95,9 +97,63 @@ LONGEST_FILES = (
 )
 
 
+def _extended_entry(nodeid: str) -> str | None:
+  """The key of tests/tiers.py's ``EXTENDED`` naming this test (exactly, or its function for
+  every parametrisation), or None."""
+  if nodeid in EXTENDED:
+    return nodeid
+  function = nodeid.split('[', 1)[0]
+  return function if function in EXTENDED else None
+
+
+def _collected_whole(config: pytest.Config, path: str) -> bool:
+  """Whether the command named the test file ``path`` (relative to the rootdir) or a folder
+  above it, so that every test of the file was collected."""
+  target = config.rootpath / path
+  for arg in config.args:
+    if '::' in arg:
+      continue
+    named = pathlib.Path(config.invocation_params.dir, arg).resolve()
+    if target == named or named in target.parents:
+      return True
+  return False
+
+
+def _check_tiers(config: pytest.Config, items: list[pytest.Item]) -> None:
+  """Where the command collected a test file whole: every test tests/tiers.py moves to the
+  extended tier is there, and every counterpart it names is there and in the default run."""
+  problems = []
+  for entry, (counterpart, _) in EXTENDED.items():
+    if _collected_whole(config, entry.split('::', 1)[0]) and not any(
+        _extended_entry(item.nodeid) == entry for item in items):
+      problems.append(f'{entry}: its file has no such test (renamed, or its parameters '
+                      'changed): rename the entry to its node id (pytest --collect-only -q '
+                      'FILE), or delete it')
+    if not _collected_whole(config, counterpart.split('::', 1)[0]):
+      continue
+    found = [item for item in items
+             if counterpart in (item.nodeid, item.nodeid.split('[', 1)[0])]
+    if not found or any(item.get_closest_marker('slow') or item.get_closest_marker('extended')
+                        for item in found):
+      problems.append(f'{entry}: its counterpart {counterpart} is ' + (
+          'not a test' if not found else 'not in the default run (slow or extended)') +
+                      ': name a test of the default run that checks the same guarantee, or '
+                      'keep this one in the default run')
+  if problems:
+    raise pytest.UsageError('tests/tiers.py: ' + '; '.join(problems))
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the marker must be on the items by then
 def pytest_collection_modifyitems(session, config, items):
-  """Puts the tests of LONGEST_FILES first, in that order; the rest keep their order."""
-  del session, config
+  """Marks the tests tests/tiers.py lists ``extended`` (and checks its table against the
+  collected tests: ``_check_tiers``), then puts the tests of LONGEST_FILES first, in that
+  order (the rest keep theirs)."""
+  del session
+  for item in items:
+    entry = _extended_entry(item.nodeid)
+    if entry is not None:
+      item.add_marker(pytest.mark.extended(counterpart=EXTENDED[entry][0]))
+  _check_tiers(config, items)
   rank = {path: i for i, path in enumerate(LONGEST_FILES)}
   items.sort(key=lambda item: rank.get(item.nodeid.split('::', 1)[0], len(rank)))
 
