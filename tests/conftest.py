@@ -58,41 +58,41 @@ def pytest_sessionfinish(session, exitstatus):
     session.exitstatus = 1
 
 
-# The test files that take longest in total, longest first (tests' durations summed per file,
-# `bash scripts/test.sh --durations=0`, on a 2-core machine: 291 s down to 45 s each, about
-# 2,900 of the 3,300 s the two processes spend). scripts/test.sh hands whole files to its two
-# pytest-xdist processes in collection order (`--dist loadfile --no-loadscope-reorder`), so
-# these start first and the many short files fill in behind them: otherwise xdist orders
-# files by their number of tests, the few-test, long files (the SmolLM2 engine, resume, ray)
-# start last, and one process can be left running one of them alone at the end. The order
-# only balances the two processes: a file missing here runs after these, in its place.
+# The test files of the default run that take longest in total, longest first (CPU seconds of
+# their default-tier tests, `python scripts/test_costs.py LOG --default_tier` on a cost log of
+# a whole run, 2026-12-06: 127 s down to about 10 s each; tests/backends/test_ray.py by its
+# wall time, which its Ray actors spend outside pytest's CPU count). scripts/test.sh hands
+# whole files to its two pytest-xdist processes in collection order (`--dist loadfile
+# --no-loadscope-reorder`), so these start first and the many short files fill in behind
+# them: otherwise xdist orders files by their number of tests, the few-test, long files start
+# last, and one process can be left running one of them alone at the end. The order only
+# balances the two processes: a file missing here runs after these, in its place.
 LONGEST_FILES = (
-    'tests/test_controller.py',
-    'tests/rollout/test_engine.py',
-    'tests/trainer/test_shared_prefix.py',
-    'tests/rollout/test_engine_smollm2.py',
-    'tests/test_async.py',
-    'tests/models/test_batch_invariant.py',
-    'tests/test_policy_sampling.py',
-    'tests/backends/test_ray.py',
-    'tests/backends/test_ray_resume.py',
-    'tests/backends/test_ray_gang.py',
     'tests/test_multihost.py',
-    'tests/test_default_run.py',
-    'tests/test_lora_resume.py',
-    'tests/test_resume.py',
-    'tests/test_storage.py',
-    'tests/rollout/test_worker.py',
-    'tests/losses/test_policy.py',
-    'tests/test_launch.py',
+    'tests/test_async.py',
+    'tests/test_policy_sampling.py',
+    'tests/test_controller.py',
     'tests/test_launch_recipes.py',
+    'tests/test_default_run.py',
+    'tests/rollout/test_engine.py',
     'tests/models/test_decoder.py',
-    'tests/trainer/test_efficiency.py',
+    'tests/test_resume.py',
+    'tests/test_agent_run.py',
     'tests/trainer/test_trainer.py',
-    'tests/test_colabs.py',
+    'tests/trainer/test_shared_prefix.py',
+    'tests/trainer/test_efficiency.py',
+    'tests/rollout/test_worker.py',
+    'tests/test_launch.py',
+    'tests/backends/test_ray.py',
+    'tests/losses/test_policy.py',
+    'tests/models/test_batch_invariant.py',
+    'tests/test_wheel.py',
+    'tests/test_storage.py',
     'tests/test_benchmark_lora.py',
-    'tests/models/test_hf_parity.py',
+    'tests/test_lora_resume.py',
+    'tests/test_colabs.py',
     'tests/losses/test_advantages.py',
+    'tests/models/test_hf_parity.py',
     'tests/rollout/test_jetstream_adapter.py',
 )
 

@@ -27,10 +27,10 @@ EXTENDED: dict[str, tuple[str, str]] = {
         'two workers on disjoint device sets (the counterpart: two workers on shared devices, '
         'one lost mid-run, draw the reference tokens)'),
     'tests/test_async.py::test_rollouts_are_trained_filtered_or_recycled': (
-        'tests/test_async.py::test_partial_rollouts_are_continued_deterministically',
+        'tests/test_resume.py::test_partial_rollouts_resume_exactly',
         'the group accounting with oversampling and stale drops, without partial rollouts'),
     'tests/test_async.py::test_partial_rollouts_on_policy_restart_what_saw_an_update': (
-        'tests/test_async.py::test_partial_rollouts_are_continued_deterministically',
+        'tests/test_resume.py::test_partial_rollouts_resume_exactly',
         'k=1: every carried group restarted (the counterpart counts restarts and continuations)'),
     'tests/test_async.py::test_short_batches_wait_trains_only_full_informative_batches': (
         'tests/test_schedule.py::test_short_batch_wait_keeps_the_informative_groups',
@@ -39,8 +39,8 @@ EXTENDED: dict[str, tuple[str, str]] = {
         'tests/test_async.py::test_step_times_count_the_generation[True]',
         'the inline (not concurrent) controller'),
     'tests/test_async.py::test_free_running_keeps_the_bound_at_larger_j_and_k': (
-        'tests/test_async.py::test_free_running_swaps_weights_mid_generation_within_the_bound',
-        '(j, k) = (2, 4) under random timings'),
+        'tests/rollout/test_worker.py::test_free_running_pulls_between_decode_steps',
+        'the free-running schedule at (j, k) = (2, 4) under random timings'),
     # tests/trainer/test_shared_prefix.py
     'tests/trainer/test_shared_prefix.py::test_every_loss_gives_the_unshared_update[cispo]': (
         _SHARED_LOSS,
@@ -234,12 +234,13 @@ EXTENDED: dict[str, tuple[str, str]] = {
         'sides)'),
     # tests/test_benchmark_lora.py
     'tests/test_benchmark_lora.py::test_shared_prefix_batch': (
-        'tests/test_benchmark_lora.py::test_train_step_figures',
-        'the benchmark again with --shared_prefix (the trainer side: '
-        'tests/trainer/test_shared_prefix.py)'),
+        'tests/trainer/test_shared_prefix.py::test_every_loss_gives_the_unshared_update[grpo]',
+        'benchmarks/lora.py again with --shared_prefix (the counterpart: the shared-prefix update '
+        'equals the unshared one)'),
     'tests/test_benchmark_lora.py::test_bfloat16_base': (
-        'tests/test_benchmark_lora.py::test_train_step_figures',
-        'the benchmark again on a bfloat16 base'),
+        'tests/models/test_hf_parity.py::test_bf16_compute_with_fp32_master_weights',
+        'benchmarks/lora.py again on a bfloat16 base (the counterpart: bfloat16 compute over '
+        'float32 master weights)'),
     # tests/models/test_gguf.py
     'tests/models/test_gguf.py::test_smollm2_config_matches_transformers': (
         'tests/models/test_gguf.py::test_tiny_qwen_matches_transformers',
@@ -492,4 +493,65 @@ EXTENDED: dict[str, tuple[str, str]] = {
         'tests/test_imports.py::test_the_package_has_no_import_cycle',
         'each module imported first in a fresh process (the counterpart: the import graph has no '
         'cycle, function-level imports included; every module is imported by the suite)'),
+    # tests/test_async.py
+    'tests/test_async.py::test_lockstep_on_threads_reproduces_the_synchronous_run': (
+        'tests/test_async.py::test_async_run_is_deterministic_under_random_timings',
+        '(1, 1) on threads against the inline reference (the counterpart compares (4, 8) on '
+        'threads, under random timings, with the inline run)'),
+    'tests/test_async.py::test_weight_update_accounting': (
+        'tests/paramserver/test_publisher.py::test_each_version_is_pushed_once_in_the_workers_dtyp'
+        'e',
+        'the push accounting counted through a whole run (the counterpart: each version pushed '
+        'once; tests/paramserver/test_receiver.py: pulled whole once, then deltas)'),
+    # tests/test_controller.py
+    'tests/test_controller.py::test_state_restores_the_run_exactly[0.5]': (
+        'tests/test_resume.py::test_three_preemptions_resume_exactly[4-8-1]',
+        'the controller state restored in-process, with replay (the counterpart: three '
+        'preemptions of a launched run resume exactly)'),
+    # tests/backends/test_ray.py
+    'tests/backends/test_ray.py::test_the_server_actor_keeps_the_object_stores_arrays_and_they_n'
+    'ever_change': (
+        'tests/backends/test_ray.py::test_ray_and_local_give_the_same_run',
+        "the server actor's object-store arrays, checked one by one (the counterpart: a Ray run "
+        "equals the local run)"),
+    'tests/backends/test_ray.py::test_on_one_machine_versions_move_through_the_servers_shared_me'
+    'mory': (
+        'tests/backends/test_ray.py::test_ray_and_local_give_the_same_run',
+        'the shared-memory transport on one machine (tests/paramserver/test_shm.py: the '
+        'transport itself)'),
+    # tests/test_tpu_compile.py
+    'tests/test_tpu_compile.py::test_the_untied_trainer_step_on_four_hosts_fits_and_matches_the_'
+    'plan': (
+        'tests/test_tpu_compile.py::test_the_tied_trainer_step_on_one_host_fits_and_matches_the_pl'
+        'an',
+        'an XLA:TPU compile of the untied model on a four-host v5e-16 (the counterpart: the tied '
+        'model on one host, held to the same tolerance)'),
+    'tests/test_tpu_compile.py::test_the_decode_step_on_four_hosts_fits': (
+        'tests/test_tpu_compile.py::test_the_decode_step_on_one_host_fits_beside_the_trainer',
+        'an XLA:TPU compile of the decode step on four hosts'),
+    # tests/test_async.py
+    'tests/test_async.py::test_partial_rollouts_are_continued_deterministically': (
+        'tests/test_resume.py::test_partial_rollouts_resume_exactly',
+        'APRIL through a (2, 3) run under random timings (the counterpart: an APRIL run, '
+        'continued groups and all, preempted and resumed exactly; '
+        'tests/rollout/test_engine.py::test_partial_rollouts_continue_as_if_uninterrupted[spec0]: '
+        'a continued sample)'),
+    'tests/test_async.py::test_free_running_swaps_weights_mid_generation_within_the_bound': (
+        'tests/rollout/test_worker.py::test_free_running_pulls_between_decode_steps',
+        "the free-running schedule through a whole run (the counterpart: the worker pulls "
+        "between decode steps and records each token's version)"),
+    # tests/test_benchmark_lora.py
+    'tests/test_benchmark_lora.py::test_train_step_figures': (
+        'tests/models/test_lora.py::test_peft_export_loads_in_peft_and_transformers',
+        "benchmarks/lora.py end to end against peft (the counterpart: our adapters, exported, "
+        "give peft's logits)"),
+    'tests/test_benchmark_lora.py::test_memory_figures': (
+        'tests/models/test_lora.py::test_only_the_adapters_train',
+        "the benchmark's memory accounting (the counterpart: optimizer state for the adapters "
+        "only)"),
+    'tests/test_benchmark_lora.py::test_sync_figures': (
+        'tests/paramserver/test_publisher.py::test_adapter_sync_pushes_the_base_once_then_the_adap'
+        'ters',
+        "the benchmark's sync byte counts (the counterpart: the publisher pushes the base once, "
+        "then the adapters)"),
 }
