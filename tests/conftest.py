@@ -122,17 +122,20 @@ def _collected_whole(config: pytest.Config, path: str) -> bool:
 def _check_tiers(config: pytest.Config, items: list[pytest.Item]) -> None:
   """Where the command collected a test file whole: every test tests/tiers.py moves to the
   extended tier is there, and every counterpart it names is there and in the default run."""
+  by_name = {}  # node id, and function for every parametrisation -> its items
+  for item in items:
+    by_name.setdefault(item.nodeid, []).append(item)
+    if '[' in item.nodeid:
+      by_name.setdefault(item.nodeid.split('[', 1)[0], []).append(item)
   problems = []
   for entry, (counterpart, _) in EXTENDED.items():
-    if _collected_whole(config, entry.split('::', 1)[0]) and not any(
-        _extended_entry(item.nodeid) == entry for item in items):
+    if _collected_whole(config, entry.split('::', 1)[0]) and entry not in by_name:
       problems.append(f'{entry}: its file has no such test (renamed, or its parameters '
                       'changed): rename the entry to its node id (pytest --collect-only -q '
                       'FILE), or delete it')
     if not _collected_whole(config, counterpart.split('::', 1)[0]):
       continue
-    found = [item for item in items
-             if counterpart in (item.nodeid, item.nodeid.split('[', 1)[0])]
+    found = by_name.get(counterpart, [])
     if not found or any(item.get_closest_marker('slow') or item.get_closest_marker('extended')
                         for item in found):
       problems.append(f'{entry}: its counterpart {counterpart} is ' + (

@@ -3,6 +3,7 @@ test of the default run: no guarantee leaves the default run with its variant. (
 collected tests, tests/conftest.py checks the table at every run that collects a file whole.)"""
 
 import ast
+import functools
 import shlex
 import sys
 import tomllib
@@ -14,7 +15,8 @@ from one_device import ROOT
 from tiers import EXTENDED
 
 
-def _functions(path: str) -> set[str]:
+@functools.cache
+def _functions(path: str) -> frozenset[str]:
   """The test functions of a test file (methods as ``Class::test``)."""
   tree = ast.parse((ROOT / path).read_text(), filename=path)
   found = set()
@@ -24,7 +26,7 @@ def _functions(path: str) -> set[str]:
     elif isinstance(node, ast.ClassDef) and node.name.startswith('Test'):
       found |= {f'{node.name}::{method.name}' for method in node.body
                 if isinstance(method, ast.FunctionDef) and method.name.startswith('test')}
-  return found
+  return frozenset(found)
 
 
 def _split(nodeid: str) -> tuple[str, str]:
