@@ -59,8 +59,8 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 # The test files of the default run that take longest in total, longest first (CPU seconds of
-# their default-tier tests, `python scripts/test_costs.py LOG --default_tier` on a cost log of
-# a whole run, 2026-12-06: 127 s down to about 10 s each; tests/backends/test_ray.py by its
+# their default-tier tests, `python scripts/test_costs.py LOG --default_tier` on the cost log
+# of a fresh-clone run, 2026-12-06: 127 s down to about 10 s each; tests/backends/test_ray.py by its
 # wall time, which its Ray actors spend outside pytest's CPU count). scripts/test.sh hands
 # whole files to its two pytest-xdist processes in collection order (`--dist loadfile
 # --no-loadscope-reorder`), so these start first and the many short files fill in behind

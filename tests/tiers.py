@@ -8,7 +8,9 @@ Each entry: a test (its node id; without ``[...]`` every parametrisation of the 
 ``(the default-run test that still checks its guarantee, what this variant adds)``. A test
 joins this tier only where its counterpart runs by default and checks the same guarantee on
 the same code path (another loss, shape, architecture or sampling setting of one program, a
-second process launch where one suffices); tests/test_tiers.py holds the table to that.
+second process launch where one suffices). tests/test_tiers.py checks that both tests of an
+entry exist; tests/conftest.py stops a run that collects a stale entry or a counterpart that
+is not in the default run.
 """
 
 _SHARED_LOSS = ('tests/trainer/test_shared_prefix.py::test_every_loss_gives_the_unshared_update'
