@@ -29,11 +29,15 @@ EXTENDED: dict[str, tuple[str, str]] = {
         'two workers on disjoint device sets (the counterpart: two workers on shared devices, '
         'one lost mid-run, draw the reference tokens)'),
     'tests/test_async.py::test_rollouts_are_trained_filtered_or_recycled': (
-        'tests/test_resume.py::test_partial_rollouts_resume_exactly',
-        'the group accounting with oversampling and stale drops, without partial rollouts'),
+        'tests/test_controller.py::test_dynamic_sampling_pads_short_batches_to_one_shape',
+        'the group accounting under random timings at (2, 3), stale drops included (the '
+        'counterpart: with oversampling, every group trained, padded, filtered, dropped or '
+        'recycled is counted once)'),
     'tests/test_async.py::test_partial_rollouts_on_policy_restart_what_saw_an_update': (
-        'tests/test_resume.py::test_partial_rollouts_resume_exactly',
-        'k=1: every carried group restarted (the counterpart counts restarts and continuations)'),
+        'tests/rollout/test_engine.py::'
+        'test_continued_samples_keep_old_versions_and_discard_restarts_them',
+        'k=1 through a whole run: every carried group that saw an update restarted (the '
+        "counterpart: the engine's 'discard' restarts a sample that saw a swap)"),
     'tests/test_async.py::test_short_batches_wait_trains_only_full_informative_batches': (
         'tests/test_schedule.py::test_short_batch_wait_keeps_the_informative_groups',
         "short_batches='wait' through a whole run (the counterpart: the batch rule itself)"),
