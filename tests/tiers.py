@@ -579,4 +579,34 @@ EXTENDED: dict[str, tuple[str, str]] = {
         'test_a_lora_run_sigtermed_and_relaunched_equals_the_uninterrupted_one',
         'a LoRA run in this process (the counterparts: a launched LoRA run, SIGTERMed and '
         'resumed exactly; tests/paramserver/test_publisher.py: the base once, then the adapters)'),
+    # tests/rollout/test_engine_extend.py
+    'tests/rollout/test_engine_extend.py::'
+    'test_turn_two_after_extend_equals_a_prefill_from_scratch[spec1-one block]': (
+        'tests/rollout/test_engine_extend.py::'
+        'test_turn_two_after_extend_equals_a_prefill_from_scratch[spec1-blocks of 8]',
+        'another cache layout'),
+    'tests/rollout/test_engine_extend.py::'
+    'test_turn_two_after_extend_equals_a_prefill_from_scratch[spec1-blocks of 10]': (
+        'tests/rollout/test_engine_extend.py::'
+        'test_turn_two_after_extend_equals_a_prefill_from_scratch[spec1-blocks of 8]',
+        'another cache layout'),
+    'tests/rollout/test_engine_extend.py::'
+    'test_turn_two_after_extend_equals_a_prefill_from_scratch[spec0-blocks of 8]': (
+        'tests/rollout/test_engine_extend.py::'
+        'test_turn_two_after_extend_equals_a_prefill_from_scratch[spec0-one block]',
+        'another cache layout'),
+    'tests/rollout/test_engine_extend.py::'
+    'test_turn_two_after_extend_equals_a_prefill_from_scratch[spec0-blocks of 10]': (
+        'tests/rollout/test_engine_extend.py::'
+        'test_turn_two_after_extend_equals_a_prefill_from_scratch[spec0-one block]',
+        'another cache layout'),
+    # tests/models/test_presets.py
+    'tests/models/test_presets.py::test_parameter_counts_match_published[qwq-32b]': (
+        'tests/models/test_presets.py::test_parameter_counts_match_published[qwen3-8b]',
+        "a 32B preset's count (the counterpart counts the same architecture at 8B; each count "
+        "traces the model's init)"),
+    'tests/models/test_presets.py::test_parameter_counts_match_published[qwen3-32b]': (
+        'tests/models/test_presets.py::test_parameter_counts_match_published[qwen3-8b]',
+        "a 32B preset's count (the counterpart counts the same architecture at 8B; each count "
+        "traces the model's init)"),
 }
