@@ -4,11 +4,18 @@
   python scripts/test_costs.py /tmp/costs.jsonl [--top=30]
 
 Prints JSON: the totals, the files by CPU seconds (own + children), and the costliest tests.
+``--remeasured LOG ...`` replaces the rows of every test file those logs hold (a file measured
+again after a change); ``--default_tier`` leaves out the tests tests/tiers.py moves to the
+extended tier (a log of ``--extended`` or of an earlier tree: what the default run would cost).
 """
 
 import argparse
 import collections
 import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def summarise(rows: list[dict], top: int) -> dict:
@@ -30,13 +37,44 @@ def summarise(rows: list[dict], top: int) -> dict:
   }
 
 
+def _read(path: str) -> list[dict]:
+  with open(path, encoding='utf-8') as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _file(row: dict) -> str:
+  return row['test'].split('::', 1)[0]
+
+
+def replace_files(rows: list[dict], remeasured: list[dict]) -> list[dict]:
+  """``rows`` less every row of a test file ``remeasured`` has rows of, plus ``remeasured``."""
+  files = {_file(row) for row in remeasured}
+  return [row for row in rows if _file(row) not in files] + remeasured
+
+
+def default_tier(rows: list[dict], extended: dict) -> list[dict]:
+  """``rows`` less the tests ``extended`` (tests/tiers.py's ``EXTENDED``) names: by node id, or
+  by function for every parametrisation."""
+  return [row for row in rows
+          if row['test'] not in extended and row['test'].split('[', 1)[0] not in extended]
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('log', help='the JSON-lines file RLAX_TEST_COSTS named')
   parser.add_argument('--top', type=int, default=30, help='how many single tests to list')
+  parser.add_argument('--remeasured', nargs='*', default=[],
+                      help="logs whose test files' rows replace the first log's")
+  parser.add_argument('--default_tier', action='store_true',
+                      help='leave out the tests tests/tiers.py moves to the extended tier')
   args = parser.parse_args()
-  with open(args.log, encoding='utf-8') as f:
-    rows = [json.loads(line) for line in f if line.strip()]
+  rows = _read(args.log)
+  if args.remeasured:
+    rows = replace_files(rows, [row for log in args.remeasured for row in _read(log)])
+  if args.default_tier:
+    sys.path.insert(0, str(ROOT / 'tests'))
+    from tiers import EXTENDED  # pylint: disable=import-outside-toplevel
+    rows = default_tier(rows, EXTENDED)
   print(json.dumps(summarise(rows, args.top), indent=1))
 
 

@@ -5,10 +5,12 @@ XLA reads the flag when the backend initialises, so it must be set before jax is
 
 import json
 import os
+import pathlib
 import resource
 import time
 
 import pytest
+from tiers import EXTENDED
 
 # LLVM's optimisation of the generated code is most of XLA:CPU's compile time, and the tests'
 # programs are small: at level 0 the CPU seconds of tests/trainer/test_trainer.py fell from 151
@@ -56,48 +58,105 @@ def pytest_sessionfinish(session, exitstatus):
     session.exitstatus = 1
 
 
-# The test files that take longest in total, longest first (tests' durations summed per file,
-# `bash scripts/test.sh --durations=0`, on a 2-core machine: 291 s down to 45 s each, about
-# 2,900 of the 3,300 s the two processes spend). scripts/test.sh hands whole files to its two
-# pytest-xdist processes in collection order (`--dist loadfile --no-loadscope-reorder`), so
-# these start first and the many short files fill in behind them: otherwise xdist orders
-# files by their number of tests, the few-test, long files (the SmolLM2 engine, resume, ray)
-# start last, and one process can be left running one of them alone at the end. The order
-# only balances the two processes: a file missing here runs after these, in its place.
+# The test files of the default run that take longest in total, longest first (CPU seconds of
+# their default-tier tests, `python scripts/test_costs.py LOG --default_tier` on the cost log
+# of a fresh-clone run, 2026-12-06: 127 s down to about 10 s each; tests/backends/test_ray.py by its
+# wall time, which its Ray actors spend outside pytest's CPU count). scripts/test.sh hands
+# whole files to its two pytest-xdist processes in collection order (`--dist loadfile
+# --no-loadscope-reorder`), so these start first and the many short files fill in behind
+# them: otherwise xdist orders files by their number of tests, the few-test, long files start
+# last, and one process can be left running one of them alone at the end. The order only
+# balances the two processes: a file missing here runs after these, in its place.
 LONGEST_FILES = (
-    'tests/test_controller.py',
-    'tests/rollout/test_engine.py',
-    'tests/trainer/test_shared_prefix.py',
-    'tests/rollout/test_engine_smollm2.py',
-    'tests/test_async.py',
-    'tests/models/test_batch_invariant.py',
-    'tests/test_policy_sampling.py',
-    'tests/backends/test_ray.py',
-    'tests/backends/test_ray_resume.py',
-    'tests/backends/test_ray_gang.py',
     'tests/test_multihost.py',
-    'tests/test_default_run.py',
-    'tests/test_lora_resume.py',
-    'tests/test_resume.py',
-    'tests/test_storage.py',
-    'tests/rollout/test_worker.py',
-    'tests/losses/test_policy.py',
-    'tests/test_launch.py',
+    'tests/test_async.py',
+    'tests/test_policy_sampling.py',
+    'tests/test_controller.py',
     'tests/test_launch_recipes.py',
+    'tests/test_default_run.py',
+    'tests/rollout/test_engine.py',
     'tests/models/test_decoder.py',
-    'tests/trainer/test_efficiency.py',
+    'tests/test_resume.py',
+    'tests/test_agent_run.py',
     'tests/trainer/test_trainer.py',
-    'tests/test_colabs.py',
+    'tests/trainer/test_shared_prefix.py',
+    'tests/trainer/test_efficiency.py',
+    'tests/rollout/test_worker.py',
+    'tests/test_launch.py',
+    'tests/backends/test_ray.py',
+    'tests/losses/test_policy.py',
+    'tests/models/test_batch_invariant.py',
+    'tests/test_wheel.py',
+    'tests/test_storage.py',
     'tests/test_benchmark_lora.py',
-    'tests/models/test_hf_parity.py',
+    'tests/test_lora_resume.py',
+    'tests/test_colabs.py',
     'tests/losses/test_advantages.py',
+    'tests/models/test_hf_parity.py',
     'tests/rollout/test_jetstream_adapter.py',
 )
 
 
+def _extended_entry(nodeid: str) -> str | None:
+  """The key of tests/tiers.py's ``EXTENDED`` naming this test (exactly, or its function for
+  every parametrisation), or None."""
+  if nodeid in EXTENDED:
+    return nodeid
+  function = nodeid.split('[', 1)[0]
+  return function if function in EXTENDED else None
+
+
+def _collected_whole(config: pytest.Config, path: str) -> bool:
+  """Whether the command named the test file ``path`` (relative to the rootdir) or a folder
+  above it, so that every test of the file was collected."""
+  target = config.rootpath / path
+  for arg in config.args:
+    if '::' in arg:
+      continue
+    named = pathlib.Path(config.invocation_params.dir, arg).resolve()
+    if target == named or named in target.parents:
+      return True
+  return False
+
+
+def _check_tiers(config: pytest.Config, items: list[pytest.Item]) -> None:
+  """Where the command collected a test file whole: every test tests/tiers.py moves to the
+  extended tier is there, and every counterpart it names is there and in the default run."""
+  by_name = {}  # node id, and function for every parametrisation -> its items
+  for item in items:
+    by_name.setdefault(item.nodeid, []).append(item)
+    if '[' in item.nodeid:
+      by_name.setdefault(item.nodeid.split('[', 1)[0], []).append(item)
+  problems = []
+  for entry, (counterpart, _) in EXTENDED.items():
+    if _collected_whole(config, entry.split('::', 1)[0]) and entry not in by_name:
+      problems.append(f'{entry}: its file has no such test (renamed, or its parameters '
+                      'changed): rename the entry to its node id (pytest --collect-only -q '
+                      'FILE), or delete it')
+    if not _collected_whole(config, counterpart.split('::', 1)[0]):
+      continue
+    found = by_name.get(counterpart, [])
+    if not found or any(item.get_closest_marker('slow') or item.get_closest_marker('extended')
+                        for item in found):
+      problems.append(f'{entry}: its counterpart {counterpart} is ' + (
+          'not a test' if not found else 'not in the default run (slow or extended)') +
+                      ': name a test of the default run that checks the same guarantee, or '
+                      'keep this one in the default run')
+  if problems:
+    raise pytest.UsageError('tests/tiers.py: ' + '; '.join(problems))
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the marker must be on the items by then
 def pytest_collection_modifyitems(session, config, items):
-  """Puts the tests of LONGEST_FILES first, in that order; the rest keep their order."""
-  del session, config
+  """Marks the tests tests/tiers.py lists ``extended`` (and checks its table against the
+  collected tests: ``_check_tiers``), then puts the tests of LONGEST_FILES first, in that
+  order (the rest keep theirs)."""
+  del session
+  for item in items:
+    entry = _extended_entry(item.nodeid)
+    if entry is not None:
+      item.add_marker(pytest.mark.extended(counterpart=EXTENDED[entry][0]))
+  _check_tiers(config, items)
   rank = {path: i for i, path in enumerate(LONGEST_FILES)}
   items.sort(key=lambda item: rank.get(item.nodeid.split('::', 1)[0], len(rank)))
 

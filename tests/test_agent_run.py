@@ -79,15 +79,24 @@ def _metrics(workdir):
 
 @pytest.fixture(scope='module')
 def smoke_runs(tmp_path_factory):
-  workdirs = [tmp_path_factory.mktemp('agent') / f'run{n}' for n in range(2)]
-  for workdir in workdirs:  # a checkpoint after the last step (python -m rlax_llm.evaluate)
-    _launch('--config=configs/agent.py:smoke', f'--workdir={workdir}',
-            '--config.checkpoint.every_steps=3', '--config.checkpoint.async_save=False')
-  return workdirs
+  """``smoke_runs(n)``: the workdir of the ``n``-th launch of the smoke variant, launched on
+  first use (the default run reads only the first; the second is for the extended tier's
+  bit-for-bit test), with a checkpoint after the last step (python -m rlax_llm.evaluate)."""
+  workdirs = {}
+
+  def get(n: int) -> pathlib.Path:
+    if n not in workdirs:
+      workdir = tmp_path_factory.mktemp('agent') / f'run{n}'
+      _launch('--config=configs/agent.py:smoke', f'--workdir={workdir}',
+              '--config.checkpoint.every_steps=3', '--config.checkpoint.async_save=False')
+      workdirs[n] = workdir
+    return workdirs[n]
+
+  return get
 
 
 def test_the_smoke_variant_trains_on_episodes(smoke_runs):
-  workdir = smoke_runs[0]
+  workdir = smoke_runs(0)
   rows = read_metrics(workdir / 'metrics.jsonl')
   assert [r['step'] for r in rows] == [1, 2, 3]
   assert [r['version'] for r in rows] == [1, 2, 3]  # every step made a version
@@ -106,7 +115,7 @@ def test_the_smoke_variant_trains_on_episodes(smoke_runs):
 
 
 def test_two_smoke_runs_are_equal_bit_for_bit(smoke_runs):
-  first, second = (_metrics(w) for w in smoke_runs)
+  first, second = (_metrics(smoke_runs(n)) for n in (0, 1))
   assert first == second
 
 
@@ -114,7 +123,7 @@ def test_evaluate_cli_scores_the_episodes_as_the_run_did(smoke_runs):
   """``python -m rlax_llm.evaluate --config=configs/agent.py:smoke --checkpoint=...`` plays
   the held-out seeds' greedy episodes (``evaluation.evaluate_episodes``, through the run's
   rollout kind), not the seeds as prompts: its figures are the run's own last evaluation."""
-  workdir = smoke_runs[0]
+  workdir = smoke_runs(0)
   result = _launch('--config=configs/agent.py:smoke', f'--checkpoint={workdir}',
                    module='rlax_llm.evaluate')
   record = json.loads(result.stdout.strip().splitlines()[-1])
@@ -199,4 +208,4 @@ def test_the_ray_backend_plays_the_same_episodes(smoke_runs, tmp_path):
           f'--workdir={tmp_path / "ray"}', timeout=600)
   without_sync = lambda rows: [{k: v for k, v in row.items() if not k.startswith('sync/')}
                                for row in rows]
-  assert without_sync(_metrics(tmp_path / 'ray')) == without_sync(_metrics(smoke_runs[0]))
+  assert without_sync(_metrics(tmp_path / 'ray')) == without_sync(_metrics(smoke_runs(0)))

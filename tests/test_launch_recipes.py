@@ -4,6 +4,8 @@ Nothing here reaches a cloud: dry runs print commands, and the run mode is exerc
 stand-in ``gcloud`` on PATH that records its arguments.
 """
 
+import contextlib
+import io
 import json
 import os
 import pathlib
@@ -13,6 +15,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 
@@ -26,7 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the recipes' tooling lives in the checkout, not the package
 
 # pylint: disable=wrong-import-position
-from launch.recipes import cli, scripts
+from launch.recipes import cli, scripts, serve_tpu_vm
 from launch.recipes.checks import check_local, check_ray
 from launch.recipes.slices import SLICES, SliceError, get_slice, slice_table
 from rlax_llm.cli import config_variants, load_config
@@ -43,11 +46,60 @@ def _config(**fields) -> ml_collections.ConfigDict:
 
 def _recipes(*args: str, env: dict | None = None, timeout: int = 120
              ) -> subprocess.CompletedProcess:
+  """``python -m launch.recipes ARGS``: its exit status and output. A dry run whose ``env``
+  sets at most ``TMPDIR`` runs in this process (``launch/recipes/__main__.py``'s dispatch,
+  its output captured): a process of its own spends about 3.5 CPU seconds importing what this
+  one has imported already. The rest (they run scripts, with a stand-in gcloud on ``PATH``),
+  and a dry run that validates the config on another number of devices than this process's
+  JAX has (it needs a fresh process), run as that command."""
   # HF_HUB_OFFLINE: the dry run's hub check (rlax_llm.hub_check) never asks the real hub here.
+  if '--dry-run' in args and set(env or {}) <= {'TMPDIR'}:
+    result = _recipes_here(list(args), (env or {}).get('TMPDIR'))
+    if result is not None:
+      return result
   full_env = dict(os.environ, HF_HUB_OFFLINE='1', **(env or {}))
   full_env['PYTHONPATH'] = str(ROOT) + os.pathsep + full_env.get('PYTHONPATH', '')
   return subprocess.run([sys.executable, '-m', 'launch.recipes', *args], cwd=ROOT,
                         env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def _recipes_here(args: list[str], tmpdir: str | None) -> subprocess.CompletedProcess | None:
+  """``_recipes`` in this process: ``HF_HUB_OFFLINE=1`` and ``tmpdir`` (as ``TMPDIR``) for
+  the call; ``SystemExit`` read as the process's exit status (a message: printed, status 1).
+  None where the recipe asks for a fresh process (its slice has another number of devices)."""
+  out, err = io.StringIO(), io.StringIO()
+  saved_env = {name: os.environ.get(name) for name in ('HF_HUB_OFFLINE', 'TMPDIR')}
+  saved_tempdir, saved_cwd = tempfile.tempdir, os.getcwd()
+  os.environ['HF_HUB_OFFLINE'] = '1'
+  if tmpdir is not None:
+    os.environ['TMPDIR'], tempfile.tempdir = tmpdir, tmpdir
+  try:
+    os.chdir(ROOT)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+      try:
+        if args[:1] == ['serve-tpu-vm']:
+          cli.main(args[1:], command=serve_tpu_vm.run)
+        else:
+          cli.main(args)
+        code = 0
+      except RuntimeError as error:
+        if 'validate in a fresh process' in str(error):
+          return None
+        raise
+      except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
+        if isinstance(exit_.code, str):
+          print(exit_.code, file=sys.stderr)
+  finally:
+    os.chdir(saved_cwd)
+    tempfile.tempdir = saved_tempdir
+    for name, value in saved_env.items():
+      if value is None:
+        os.environ.pop(name, None)
+      else:
+        os.environ[name] = value
+  return subprocess.CompletedProcess(['launch.recipes', *args], code, out.getvalue(),
+                                     err.getvalue())
 
 
 def _commands(script: str) -> list[str]:
