@@ -245,11 +245,6 @@ def _distill_config(config: ml_collections.ConfigDict) -> DistillConfig:
         f"config.teacher.name={t.name!r} with config.model.name={config.model.name!r}: a "
         "'tiny' teacher has the tiny student's character tokenizer, so both are 'tiny' or "
         'neither is (the teacher must share the student\'s tokenizer).')
-  if distill.kind == 'gkd':
-    raise ConfigError(
-        "config.rl.distill.kind='gkd': the GKD loss (losses.gkd_loss) and the teacher's top-k "
-        "scores (Teacher(top_k=...)) exist, but the trainer does not yet read the student's "
-        "distribution on the teacher's support; use kind='reverse_kl'.")
   if config.backend != 'local':
     raise ConfigError(f'config.backend={config.backend!r} with rl.distill: the teacher role '
                       "runs on the local backend only so far; set backend='local'.")
