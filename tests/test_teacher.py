@@ -15,7 +15,7 @@ import pytest
 
 from smoke_config import smoke_config
 
-from rlax_llm import roles
+from rlax_llm import memory_fit, roles
 from rlax_llm.backends.local import build_run
 from rlax_llm.cli import load_config_file
 from rlax_llm.config import run_spec, validate_config
@@ -318,3 +318,27 @@ def test_gkd_run_lowers_the_student_teacher_kl(tmp_path):
   assert np.mean(kl[-2:]) < 0.7 * np.mean(kl[:2]), kl
   assert np.mean(gkd[-2:]) < 0.7 * np.mean(gkd[:2]), gkd
 
+
+def test_memory_plan_counts_the_teacher_on_the_first_chip(tiny):
+  config = _distill_config(1, teacher__quant='none')
+  # A tiny teacher has the tiny student's shapes: the student's params stand for its own.
+  _, student, teacher_params, _, _ = tiny
+  one = {'data': 1, 'fsdp': 1, 'tensor': 1}
+  plan = memory_fit.run_memory_plan(student.config, config, one, one, shared=True)
+  alone = memory_fit.run_memory_plan(student.config, smoke_config(), one, one, shared=True)
+  assert plan.teacher_params == sum(x.nbytes for x in jax.tree.leaves(teacher_params))
+  assert plan.teacher_scoring > 0 and alone.teacher_bytes == 0
+  (_, need, _), = plan.needs(1e12)
+  (_, need_alone, _), = alone.needs(1e12)
+  assert need == pytest.approx(need_alone + plan.teacher_bytes)
+  assert any(line.startswith('teacher (on the first trainer chip): params')
+             for line in plan.table(1e12))
+  int8 = memory_fit.run_memory_plan(student.config, _distill_config(1, teacher__quant='int8'),
+                                    one, one, shared=True)
+  assert int8.teacher_params < plan.teacher_params
+  # A named preset teacher in its dtype: SmolLM2-135M's 134.5M params, 4 then 2 bytes each.
+  smol = load_config_file(str(ROOT / 'configs' / 'distill.py'))
+  for dtype, itemsize in (('float32', 4), ('bfloat16', 2)):
+    smol.teacher.dtype = dtype
+    held = memory_fit.teacher_memory_bytes(memory_fit.teacher_model(smol, None), smol)
+    assert 134e6 * itemsize < held['params'] < 135e6 * itemsize, held
