@@ -26,6 +26,7 @@ from rlax_llm.loss_spec import DistillConfig, LossConfig
 from rlax_llm.losses import batch_totals, gkd_loss
 from rlax_llm.metrics import read_metrics
 from rlax_llm.models.decoder_config import DecoderConfig
+from rlax_llm.models import lora as lora_lib
 from rlax_llm.models.model import create_model
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.sharding import make_mesh
@@ -164,6 +165,33 @@ def test_gkd_updates_lower_the_divergence_to_the_teacher(tiny):
                     make_mesh({'data': 1}, jax.devices()[:1]), totals_fn=loss_totals)
   divergence = [trainer.step(batch)['distill/gkd'] for _ in range(6)]
   assert divergence[-1] < 0.5 * divergence[0], divergence
+
+
+def test_a_lora_student_distils_its_adapters_alone(tiny):
+  # A LoRA student (lora.rank > 0): the GKD term's gradient trains the adapters; the frozen
+  # base stays as it was, and the teacher (its own params, never the trainer's) too.
+  tokenizer, model, params, tokens, mask = tiny
+  batch = dataclasses.replace(_gkd_batch(tiny), advantages=np.zeros(3, np.float32))
+  student, student_params = lora_lib.create(model, params,
+                                            lora_lib.LoRAConfig(rank=4, alpha=8.0), seed=0)
+  trainable = lora_lib.trainable_mask(student)
+  objective = functools.partial(rl_objective, Policy(student, SamplingSpec(temperature=0.7)),
+                                LossConfig(), gkd=GKD)
+  trainer = Trainer(student, student_params, optax.adam(3e-2), objective,
+                    make_mesh({'data': 1}, jax.devices()[:1]), totals_fn=loss_totals,
+                    trainable=trainable)
+  divergence = [trainer.step(batch)['distill/gkd'] for _ in range(6)]
+  assert divergence[-1] < 0.8 * divergence[0], divergence
+  changed = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))),
+                         trainer.host_params(), student_params)
+  flat_changed, flat_trainable = jax.tree.leaves(changed), jax.tree.leaves(trainable)
+  assert any(flat_changed) and flat_changed == flat_trainable  # adapters, and only they
+  _, teacher_params = create_model(model.config, seed=11)
+  teacher = Teacher(model, teacher_params, tokenizer, tokenizer, top_k=4, temperature=0.7)
+  np.testing.assert_array_equal(teacher.score(tokens, mask).top_logp, batch.teacher_top_logp)
+  # And a run's config takes a LoRA student with a teacher.
+  assert validate_config(_distill_config(1, lora__rank=4, rl__distill__kind='gkd',
+                                         rl__distill__top_k=4)).distill.kind == 'gkd'
 
 
 def test_tokenizer_mismatch_is_refused_naming_both():
