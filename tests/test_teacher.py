@@ -361,12 +361,12 @@ def test_memory_plan_counts_the_teacher_on_the_first_chip(tiny):
   assert need == pytest.approx(need_alone + plan.teacher_bytes)
   assert any(line.startswith('teacher (on the first trainer chip): params')
              for line in plan.table(1e12))
-  int8 = memory_fit.run_memory_plan(student.config, _distill_config(1, teacher__quant='int8'),
-                                    one, one, shared=True)
-  assert int8.teacher_params < plan.teacher_params
-  # A named preset teacher in its dtype: SmolLM2-135M's 134.5M params, 4 then 2 bytes each.
+  # Its own dtype and quantisation.
+  plan_of = lambda **kw: memory_fit.run_memory_plan(student.config, _distill_config(1, **kw),
+                                                    one, one, shared=True)
+  assert plan_of(teacher__dtype='bfloat16').teacher_params == plan.teacher_params / 2
+  assert plan_of(teacher__quant='int8').teacher_params < plan.teacher_params
+  # A named preset teacher: SmolLM2-135M's 134.5M float32 params.
   smol = load_config_file(str(ROOT / 'configs' / 'distill.py'))
-  for dtype, itemsize in (('float32', 4), ('bfloat16', 2)):
-    smol.teacher.dtype = dtype
-    held = memory_fit.teacher_memory_bytes(memory_fit.teacher_model(smol, None), smol)
-    assert 134e6 * itemsize < held['params'] < 135e6 * itemsize, held
+  held = memory_fit.teacher_memory_bytes(memory_fit.teacher_model(smol, None), smol)
+  assert 134e6 * 4 < held['params'] < 135e6 * 4, held
