@@ -273,8 +273,8 @@ def test_distill_batch_of_a_multi_turn_row_signals_only_the_sampled_tokens(tiny)
      "teacher.dtype='int4' is not valid"),
     (dict(rl__distill__kind='reverse_kl', teacher__enabled=True, rl__distill__weight=-1.0),
      'distill.weight=-1.0'),
-    (dict(rl__distill__kind='reverse_kl', teacher__enabled=True, backend='ray'),
-     'local backend only'),
+    (dict(rl__distill__kind='reverse_kl', teacher__enabled=True,
+          staleness__schedule='free'), "staleness.schedule='free' with rl.distill"),
 ])
 def test_config_refuses(fields, message):
   with pytest.raises(ConfigError, match=message):
