@@ -8,8 +8,9 @@ It runs the trainer's scoring definitions (``rlax_llm.policy.log_probs``, chunke
 the full vocabulary (``scoring.full_support``): the student's behaviour log-probs it is
 compared with are at that temperature, so a teacher equal to the student scores every token
 exactly as the student sampled it (advantage 0), and the student's model, not its
-temperature-scaled sampler, is drawn to the teacher's (docs/losses.md "On-policy distillation", "The temperature").
-The controller asks it for the scores of each gathered batch, in the controller's
+temperature-scaled sampler, is drawn to the teacher's (docs/losses.md "On-policy
+distillation", "The temperature"). The controller asks it (on Ray through
+``ray_actors.TeacherRole``, the actor holding it) for the scores of each gathered batch, in its
 deterministic order, and puts them into the trainer's batch (``losses.distill``); weights
 never move through the controller. A teacher must share the student's tokenizer: the same
 vocabulary with the same ids (``check_same_tokenizer``, before any compute).
