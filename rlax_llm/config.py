@@ -222,8 +222,8 @@ def _loss_config(config: ml_collections.ConfigDict) -> LossConfig:
 
 def _distill_config(config: ml_collections.ConfigDict) -> DistillConfig:
   """The ``DistillConfig`` of ``rl.distill``, and the teacher it needs: ``teacher.enabled``
-  exactly when ``rl.distill.kind`` is not 'off', a teacher model name, and a backend and
-  schedule that carry the teacher's scores (local, deterministic)."""
+  exactly when ``rl.distill.kind`` is not 'off', a teacher model name, and a schedule that
+  carries the teacher's scores (deterministic)."""
   with naming('rl.'):
     distill = DistillConfig(**config.rl.distill.to_dict())
   t = config.teacher
@@ -245,14 +245,6 @@ def _distill_config(config: ml_collections.ConfigDict) -> DistillConfig:
         f"config.teacher.name={t.name!r} with config.model.name={config.model.name!r}: a "
         "'tiny' teacher has the tiny student's character tokenizer, so both are 'tiny' or "
         'neither is (the teacher must share the student\'s tokenizer).')
-  if distill.kind == 'gkd':
-    raise ConfigError(
-        "config.rl.distill.kind='gkd': the GKD loss (losses.gkd_loss) and the teacher's top-k "
-        "scores (Teacher(top_k=...)) exist, but the trainer does not yet read the student's "
-        "distribution on the teacher's support; use kind='reverse_kl'.")
-  if config.backend != 'local':
-    raise ConfigError(f'config.backend={config.backend!r} with rl.distill: the teacher role '
-                      "runs on the local backend only so far; set backend='local'.")
   if config.staleness.schedule != 'deterministic':
     raise ConfigError("config.staleness.schedule='free' with rl.distill: the teacher scores "
                       "batches in the controller's deterministic order; use 'deterministic'.")

@@ -246,6 +246,11 @@ class TrainBatch:
   advantages: jax.Array
   versions: jax.Array  # int32 [B, T]: -1 off the loss mask
   group_ids: jax.Array  # int32 [B]
+  # On-policy distillation with GKD (rl.distill.kind='gkd'; trainer.teacher.TeacherScores):
+  # the teacher's top-k next-token ids and log-probs at each position, aligned with ``tokens``
+  # (0 off the loss mask); None when unused.
+  teacher_top_ids: jax.Array | None = None  # int32 [B, T, K]
+  teacher_top_logp: jax.Array | None = None  # float32 [B, T, K]
 
 
 def make_train_batch(rollouts: Rollouts, advantages: np.ndarray) -> TrainBatch:

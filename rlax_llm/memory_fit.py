@@ -17,6 +17,7 @@ plan), or does not fit (refused).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -86,19 +87,54 @@ def rollout_memory_bytes(model: DecoderConfig, config: ml_collections.ConfigDict
           'logits_bytes': float(logits), 'per_device_bytes': float(per_device)}
 
 
+def teacher_model(config: ml_collections.ConfigDict, student: DecoderConfig
+                  ) -> DecoderConfig | None:
+  """The architecture of on-policy distillation's teacher (``config.teacher``) in its
+  ``teacher.dtype``, as far as the config names it: a 'tiny' teacher has the tiny student's
+  (``student``), a preset name its preset's; None without distillation or for ``'auto'``
+  (known only from its checkpoint: the local backend passes the loaded one)."""
+  t = config.teacher
+  if not t.enabled or t.name not in ('tiny', *presets.PRESETS):
+    return None
+  arch = student if t.name == 'tiny' else presets.get_preset(t.name)
+  return arch.with_execution(param_dtype=DTYPES[t.dtype], dtype=DTYPES[t.dtype])
+
+
+def teacher_memory_bytes(teacher: DecoderConfig, config: ml_collections.ConfigDict
+                         ) -> dict[str, float]:
+  """The teacher's bytes on its device (``trainer.teacher.Teacher``: one device, the first):
+  ``'params'``, its params in ``teacher.dtype`` (``teacher.quant='int8'``: int8 projections
+  and their scales, ``presets.worker_param_bytes``), and ``'scoring'``, one batch's forward
+  with no backward pass: one block in flight and the float32 logits and log-softmax of
+  ``rl.logprob_chunk`` positions (all with 0) of every row (``presets.activation_bytes``'
+  ``work`` and two of its three logits buffers)."""
+  one = {'data': 1, 'fsdp': 1, 'tensor': 1}
+  params = presets.worker_param_bytes(teacher, one, quant=config.teacher.quant)['params']
+  rl, s = config.rl, config.sampling
+  act = presets.activation_bytes(teacher, rows=rl.prompts_per_step * rl.group_size,
+                                 length=s.max_prompt_len + s.max_new_tokens,
+                                 logprob_chunk=rl.logprob_chunk)
+  return {'params': float(params),
+          'scoring': float(act['work_bytes'] + act['logits_bytes'] * 2 / 3)}
+
+
 def run_memory_plan(model: DecoderConfig, config: ml_collections.ConfigDict,
                     trainer_mesh: dict[str, int], inference_mesh: dict[str, int], *,
-                    shared: bool, platform: str = 'cpu') -> presets.MemoryPlan:
+                    shared: bool, platform: str = 'cpu',
+                    teacher: DecoderConfig | None = None) -> presets.MemoryPlan:
   """``presets.memory_plan`` of a run: its batch, lengths, micro-batches, KV-cache slots,
   workers, the workers' params dtype (``model.inference_param_dtype``) and quantisation
   (``model.inference_quant``), LoRA adapters (``lora``) and KL reference from ``config``; the
   meshes resolved (``sharding.mesh_shape``). ``shared``: the trainer and the
   workers share chips (the local backend without ``mesh.disjoint``; every worker's mesh then
   starts at the first chip). ``platform``: whose compiled trainer step the plan follows
-  (``presets.PLATFORMS``: ``'tpu'`` for a TPU's XLA:TPU, else ``'cpu'``)."""
+  (``presets.PLATFORMS``: ``'tpu'`` for a TPU's XLA:TPU, else ``'cpu'``). With
+  distillation the teacher counts on the first chip (``teacher_memory_bytes`` of
+  ``teacher``, or of ``teacher_model`` when None: an ``'auto'`` teacher is then not
+  counted)."""
   rl, s = config.rl, config.sampling
   length = s.max_prompt_len + s.max_new_tokens
-  return presets.memory_plan(
+  plan = presets.memory_plan(
       model, trainer_mesh, inference_mesh,
       inference_param_dtype=DTYPES[config_lib.inference_param_dtype(config)],
       train_rows=rl.prompts_per_step * rl.group_size,
@@ -108,6 +144,12 @@ def run_memory_plan(model: DecoderConfig, config: ml_collections.ConfigDict,
       reference=(rl.kl_beta or 0) > 0, lora=lora_lib.from_config(config),
       inference_quant=config.model.inference_quant,
       kv_cache_quant=config.model.kv_cache_quant, platform=platform)
+  teacher = teacher or teacher_model(config, model)
+  if teacher is None:
+    return plan
+  held = teacher_memory_bytes(teacher, config)
+  return dataclasses.replace(plan, teacher_params=held['params'],
+                             teacher_scoring=held['scoring'])
 
 
 def available_memory_bytes() -> float:
@@ -127,7 +169,8 @@ def available_memory_bytes() -> float:
 
 
 def check_plan_fits(config: ml_collections.ConfigDict, model: DecoderConfig,
-                    meshes: dict[str, Any], *, held_bytes: float = 0.0) -> presets.MemoryPlan:
+                    meshes: dict[str, Any], *, held_bytes: float = 0.0,
+                    teacher: DecoderConfig | None = None) -> presets.MemoryPlan:
   """Checks, before the trainer and the workers are built, that the run's memory plan
   (``run_memory_plan`` on the resolved ``meshes``, ``roles.meshes``: the trainer's params,
   optimizer state, gradients and activations, and every worker's params, KV cache and
@@ -136,20 +179,24 @@ def check_plan_fits(config: ml_collections.ConfigDict, model: DecoderConfig,
   the host's available memory plus ``held_bytes`` (what the process already holds that the
   plan counts again: the loaded params). The plan is a lower bound of a process's memory on
   CPU (XLA's scratch, the compiled programs, host copies and Python are not in it), so a run
-  it refuses could not have run. Returns the plan; raises ConfigError naming what to change.
+  it refuses could not have run. ``teacher``: the loaded teacher's architecture
+  (``run_memory_plan``; its params, already loaded, belong in ``held_bytes`` on CPU).
+  Returns the plan; raises ConfigError naming what to change.
   """
   trainer_mesh, inference = meshes['trainer'], meshes['inference']
   shared = not config.mesh.disjoint
   platform = jax.devices()[0].platform
   plan = run_memory_plan(model, config, dict(trainer_mesh.shape), dict(inference[0].shape),
-                         shared=shared, platform='tpu' if platform == 'tpu' else 'cpu')
+                         shared=shared, platform='tpu' if platform == 'tpu' else 'cpu',
+                         teacher=teacher)
   available = available_memory_bytes()
   if platform == 'cpu':
     trainer_devices = trainer_mesh.devices.size
     inference_devices = sum(mesh.devices.size for mesh in inference)
     # Shared meshes start at the first device: each worker's mesh on the trainer's devices.
     need = (plan.trainer_bytes * trainer_devices
-            + (plan.inference_bytes / plan.workers_per_chip) * inference_devices)
+            + (plan.inference_bytes / plan.workers_per_chip) * inference_devices
+            + plan.teacher_bytes)
     rows = [('the host (every CPU device)', need, available + held_bytes)]
   else:
     rows = plan.needs(available)

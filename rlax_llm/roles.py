@@ -264,8 +264,9 @@ def build_trainer(config: ml_collections.ConfigDict, spec: config_lib.RunSpec, m
   if rl.shared_prefix:  # score only the completions; each group's prompt runs once
     scoring, check = shared_prefix_scoring(config.sampling.max_new_tokens, rl.group_size,
                                            rl.micro_batches)
+  gkd = spec.distill if spec.distill.kind == 'gkd' else None  # the trainer's GKD term
   objective = functools.partial(rl_objective, policy, loss, logprob_chunk=rl.logprob_chunk,
-                                **scoring)
+                                gkd=gkd, **scoring)
   return Trainer(model, params, optimizer, objective, mesh,
                  reference_params=params if loss.kl_beta > 0 else None,
                  max_nonfinite_updates=rl.max_nonfinite_updates,
@@ -326,7 +327,8 @@ def build_teacher(config: ml_collections.ConfigDict, spec: config_lib.RunSpec, t
     params = quantize_params(params, model)
   return Teacher(model, params, tokenizer, student_tokenizer,
                  top_k=spec.distill.top_k if spec.distill.kind == 'gkd' else 0,
-                 chunk=config.rl.logprob_chunk, name=names['teacher_name'],
+                 chunk=config.rl.logprob_chunk, temperature=spec.sampling.temperature,
+                 name=names['teacher_name'],
                  student_name=names['student_name'])
 
 

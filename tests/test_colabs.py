@@ -23,7 +23,7 @@ from nbclient import NotebookClient
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = ('quickstart', 'losses', 'staleness', 'smollm2_grpo', 'agent_calculator',
-             'lora_grpo')
+             'lora_grpo', 'distill')
 
 
 def _execute(name: str, tmp_path: pathlib.Path, timeout: int) -> nbformat.NotebookNode:
@@ -132,6 +132,15 @@ def test_lora_notebook_plans_a_model_only_lora_fits_on_a_v5e_chip_and_trains(tmp
   need = [float(t.split('trainer + inference: ')[1].split(' GiB')[0]) for t in (full, lora)]
   assert need[0] > 16 > need[1], need
   assert 'LoRA rank 4' in text and 'held-out greedy accuracy' in text
+
+
+def test_distill_notebook_plans_the_teacher_and_lowers_the_kl(tmp_path):
+  notebook = _execute('distill', tmp_path, timeout=300)
+  assert len(_outputs(notebook, 'image/png')) == 1
+  text = _stream_text(notebook)
+  assert 'teacher (on the first trainer chip): params' in text
+  assert 'gkd: reverse KL to the teacher per step' in text
+  _assert_one_run_written(tmp_path)
 
 
 @pytest.mark.slow  # SmolLM2's 30 layers compile for about a minute on a CPU

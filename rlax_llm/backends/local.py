@@ -194,8 +194,10 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   # CPU the host memory it holds is already out of what the plan is checked against.
   teacher = roles.build_teacher(config, spec, task, tokenizer)
   meshes = roles.meshes(config)
+  held = [params] if teacher is None else [params, teacher.params]
   memory_fit.check_plan_fits(config, model.config, meshes,
-                        held_bytes=sum(x.nbytes for x in jax.tree.leaves(params)))
+                             held_bytes=sum(x.nbytes for x in jax.tree.leaves(held)),
+                             teacher=None if teacher is None else teacher.model.config)
   threaded = config.local.concurrent
   checkpointer = checkpoints.build_checkpointer(config, workdir)
   trainer, warmup_metrics = roles.warm_trainer(config, spec, task, model, params, tokenizer,

@@ -94,8 +94,10 @@ from rlax_llm import config as config_lib
 from rlax_llm import roles, storage
 from rlax_llm.backends import tpu_env
 from rlax_llm.backends.assembly import Run, assemble
-from rlax_llm.backends.ray_actors import ServerRole, TrainerRole, WorkerRole, import_ray
+from rlax_llm.backends.ray_actors import (ServerRole, TeacherRole, TrainerRole, WorkerRole,
+                                          import_ray)
 from rlax_llm.checkpoint import latest_step
+from rlax_llm.controller.completions import Distillation
 from rlax_llm.errors import RlaxError
 from rlax_llm.paramserver.publisher import adapter_sync
 
@@ -229,6 +231,17 @@ class RayTrainer:
     return self._call('state')
 
 
+class RayTeacher:
+  """On-policy distillation's teacher over its actor (``TeacherRole``): ``score`` as the
+  local ``trainer.teacher.Teacher``'s, the token ids sent and the scores received."""
+
+  def __init__(self, actor):
+    self.actor = actor
+
+  def score(self, tokens, loss_mask):
+    return RayFuture(self.actor.score.remote(tokens, loss_mask)).result()
+
+
 class RayWorker:
   """``WorkerHandle`` over a worker actor."""
 
@@ -325,6 +338,10 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   trainer_actors = [trainer_cls.remote() for _ in range(processes)]
   worker_actors = [worker_cls.remote(payload, n, server_actor, base_actor)
                    for n in range(config.rollout.workers)]
+  # On-policy distillation's teacher: an actor of its own (no resources asked: it runs where
+  # Ray places it, on that process's first device), asked for each batch's scores.
+  teacher_actor = (ray.remote(num_cpus=0, max_restarts=0)(TeacherRole).remote(payload)
+                   if spec.distill.enabled else None)
   trainer = None
   try:
     coordinator, addresses = None, ()
@@ -338,9 +355,11 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
     _same_start(starts)
     warmup_metrics, resume, version = starts[0]
     trainer = RayTrainer(trainer_actors, version, workdir, server_actor, base_actor)
+    teacher = (None if teacher_actor is None
+               else Distillation(RayTeacher(teacher_actor), spec.distill))
     with assemble(config, spec.controller, workdir, task, trainer,
                   [RayWorker(actor) for actor in worker_actors], warmup_metrics,
-                  resume=resume, stop=stop) as run:
+                  resume=resume, stop=stop, teacher=teacher) as run:
       yield run
   finally:
     if trainer is not None:
@@ -348,7 +367,8 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
     servers = [server_actor] + ([base_actor] if base_actor is not None else [])
     with contextlib.suppress(Exception):
       ray.get([server.close.remote() for server in servers], timeout=30)
-    for actor in [*trainer_actors, *worker_actors, *servers]:
+    teachers = [] if teacher_actor is None else [teacher_actor]
+    for actor in [*trainer_actors, *worker_actors, *teachers, *servers]:
       with contextlib.suppress(Exception):
         ray.kill(actor)
     if started:

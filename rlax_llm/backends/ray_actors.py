@@ -385,6 +385,23 @@ class TrainerRole:
     return (params, opt_state, self.trainer.counters()) if self.process_index == 0 else None
 
 
+class TeacherRole:
+  """On-policy distillation's teacher as an actor (``roles.build_teacher`` from the run's
+  config, loaded once in this process, on its first device): the driver's controller sends
+  it each trained batch's token ids and loss mask and receives the teacher's scores
+  (``trainer.teacher.TeacherScores``); its weights never leave it."""
+
+  def __init__(self, payload: str):
+    pin_tpu_chips()
+    config = _config_from(payload)
+    task = roles.build_task(config)
+    self.teacher = roles.build_teacher(config, config_lib.run_spec(config), task,
+                                       roles.load_tokenizer(config, task))
+
+  def score(self, tokens: np.ndarray, loss_mask: np.ndarray):
+    return self.teacher.score(tokens, loss_mask)
+
+
 class WorkerRole:
   """An inference worker actor; pulls the versions it is asked for from the server actor
   ``server`` itself."""

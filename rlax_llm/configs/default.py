@@ -120,7 +120,8 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # 'off'): name/path/revision as model.* ('tiny': model.tiny's architecture initialised from
   # seed, for tests); it must share the student's tokenizer. dtype: its params' and compute
   # dtype; quant 'int8': its projections held int8 (models/quant.py). It runs in the
-  # controller's process on the first device (docs/architecture.md, the role table).
+  # controller's process on the first device, or on Ray in an actor of its own
+  # (docs/architecture.md, the role table).
   c.teacher = ml_collections.ConfigDict(dict(
       enabled=False, name='tiny', path=placeholder(str), revision='', dtype='float32',
       quant='none', seed=1))

@@ -9,6 +9,7 @@ On-policy distillation (``Distillation``, issue 63): the teacher scores each tra
 tokens in the controller's deterministic order, and the per-token advantages become
 ``A_task + lambda * (log pi_teacher - log pi_behaviour)`` on the student's sampled tokens
 (``losses.distill``); the trainer's loss then applies its ratios, clipping and TIS to them.
+With GKD the batch carries the teacher's top-k instead, for the trainer's GKD term.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from rlax_llm.verifiers import score_rollouts
 @dataclasses.dataclass(frozen=True)
 class Distillation:
   """On-policy distillation's teacher as the controller holds it: ``teacher.score(tokens,
-  loss_mask)`` returns the teacher's per-token log-probs aligned with the tokens
-  (``trainer.teacher.Teacher``), ``config`` how they enter the advantages."""
+  loss_mask)`` returns the teacher's per-token log-probs aligned with the tokens, and its
+  top-k for GKD (``trainer.teacher.Teacher``), ``config`` how they enter the batch."""
 
   teacher: Any
   config: DistillConfig
@@ -45,21 +46,34 @@ class Distillation:
 
 def distill_batch(batch: TrainBatch, distillation: Distillation
                   ) -> tuple[TrainBatch, dict[str, float]]:
-  """``batch`` with per-token advantages ``[B, T]``: its task advantages (``[B]``; dropped with
-  ``with_reward=False``) plus ``weight`` times the reverse-KL advantages
-  ``log pi_teacher - log pi_behaviour`` on its loss tokens (``losses.mix_advantages``), and the
-  metrics ``distill/reverse_kl`` (the mean over the sampled tokens of ``log pi_behaviour -
-  log pi_teacher``: a Monte-Carlo estimate of the per-token KL(student || teacher)) and
-  ``distill/teacher_logp``."""
+  """``batch`` with the teacher's signal, and the metrics ``distill/reverse_kl`` (the mean over
+  the sampled tokens of ``log pi_behaviour - log pi_teacher``: a Monte-Carlo estimate of the
+  per-token KL(student || teacher)) and ``distill/teacher_logp``.
+
+  ``kind='reverse_kl'``: per-token advantages ``[B, T]``, its task advantages (``[B]``;
+  dropped with ``with_reward=False``) plus ``weight`` times the reverse-KL advantages
+  ``log pi_teacher - log pi_behaviour`` on its loss tokens (``losses.mix_advantages``).
+  ``kind='gkd'``: the teacher's top-k ids and log-probs per position
+  (``TrainBatch.teacher_top_ids`` / ``teacher_top_logp``, ``[B, T, K]``) for the trainer's GKD
+  term (``trainer.objectives.rl_objective``); the advantages stay the task's (0 with
+  ``with_reward=False``)."""
   config = distillation.config
   mask = np.asarray(batch.loss_mask)
-  teacher_logp = distillation.teacher.score(batch.tokens, mask).logp
+  scores = distillation.teacher.score(batch.tokens, mask)
+  teacher_logp = scores.logp
+  on = mask > 0
+  reverse_kl = np.where(on, np.asarray(batch.behaviour_logprobs) - teacher_logp, 0.0)
+  metrics = {'distill/reverse_kl': float(reverse_kl[on].mean()) if on.any() else 0.0,
+             'distill/teacher_logp': float(teacher_logp[on].mean()) if on.any() else 0.0}
+  if config.kind == 'gkd':
+    advantages = (batch.advantages if config.with_reward
+                  else np.zeros_like(np.asarray(batch.advantages)))
+    return (dataclasses.replace(batch, advantages=np.asarray(advantages, np.float32),
+                                teacher_top_ids=scores.top_ids,
+                                teacher_top_logp=scores.top_logp), metrics)
   distill = losses.reverse_kl_advantages(teacher_logp, batch.behaviour_logprobs, mask)
   advantages = losses.mix_advantages(batch.advantages if config.with_reward else None,
                                      distill, mask, config.weight)
-  on = mask > 0
-  metrics = {'distill/reverse_kl': float(-np.asarray(distill)[on].mean()) if on.any() else 0.0,
-             'distill/teacher_logp': float(teacher_logp[on].mean()) if on.any() else 0.0}
   return (dataclasses.replace(batch, advantages=np.asarray(advantages, np.float32)),
           metrics)
 

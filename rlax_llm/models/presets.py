@@ -425,6 +425,10 @@ class MemoryPlan:
       (``tpu_trainer_terms``' ``head`` and what lies beside it: the blocks' saved inputs,
       the chunk's logits, with a tied table its lookup's gradient, ``lookup``); the
       trainer's peak holds it instead of the rest of the step when larger. 0 otherwise.
+    teacher_params, teacher_scoring: on-policy distillation's teacher, on the first chip (the
+      trainer's, which it shares): its params (its dtype, int8 with ``teacher.quant``) and
+      one batch's scoring pass (``memory_fit.teacher_memory_bytes``), counted on the
+      trainer's row of ``needs``; 0 without distillation.
   """
   params: float
   optimizer: float
@@ -442,6 +446,8 @@ class MemoryPlan:
   lookup: float = 0.0
   gathered: float = 0.0
   head: float = 0.0
+  teacher_params: float = 0.0
+  teacher_scoring: float = 0.0
 
   @property
   def trainer_bytes(self) -> float:
@@ -458,14 +464,20 @@ class MemoryPlan:
     return self.workers_per_chip * (self.inference_base + self.inference_params + self.kv_cache
                                     + self.inference_logits)
 
+  @property
+  def teacher_bytes(self) -> float:
+    return self.teacher_params + self.teacher_scoring
+
   def needs(self, trainer_hbm_bytes: float, inference_hbm_bytes: float | None = None
             ) -> list[tuple[str, float, float]]:
     """``(chips, bytes needed per chip, bytes of HBM per chip)``: one row when the roles
-    share chips, else one for the trainer's and one for the workers'."""
+    share chips, else one for the trainer's and one for the workers'. A teacher counts on
+    the trainer's (its first chip is the teacher's)."""
     if self.shared:
-      return [('trainer + inference', self.trainer_bytes + self.inference_bytes,
+      return [('trainer + inference',
+               self.trainer_bytes + self.inference_bytes + self.teacher_bytes,
                trainer_hbm_bytes)]
-    return [('trainer', self.trainer_bytes, trainer_hbm_bytes),
+    return [('trainer', self.trainer_bytes + self.teacher_bytes, trainer_hbm_bytes),
             ('inference', self.inference_bytes,
              trainer_hbm_bytes if inference_hbm_bytes is None else inference_hbm_bytes)]
 
@@ -489,6 +501,9 @@ class MemoryPlan:
          + (f', LoRA base {gib(self.inference_base)}' if self.inference_base else '')
          + f', KV cache {gib(self.kv_cache)}, logits '
          f'{gib(self.inference_logits)}) = {gib(self.inference_bytes)}')]
+    if self.teacher_bytes:
+      lines.append(f'teacher (on the first trainer chip): params {gib(self.teacher_params)}, '
+                   f'scoring {gib(self.teacher_scoring)} = {gib(self.teacher_bytes)}')
     for chips, need, hbm in self.needs(trainer_hbm_bytes, inference_hbm_bytes):
       lines.append(f'{chips}: {gib(need)} of {gib(hbm)} HBM per chip ({100 * need / hbm:.0f}%)')
     return lines

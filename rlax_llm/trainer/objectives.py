@@ -22,6 +22,7 @@ import numpy as np
 
 from rlax_llm import losses
 from rlax_llm.data_types import TrainBatch
+from rlax_llm.loss_spec import DistillConfig
 from rlax_llm.losses.supervised import token_cross_entropy
 from rlax_llm.models.model import Model, Params
 from rlax_llm.trainer.scoring import Policy
@@ -37,7 +38,8 @@ def loss_totals(batch: TrainBatch | dict[str, jax.Array]) -> losses.Totals:
 def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
                  batch: TrainBatch, reference_params: Params | None,
                  totals: losses.Totals | None = None, *, logprob_chunk: int = 0,
-                 window: int = 0, share: int = 1) -> tuple[jax.Array, dict[str, Any]]:
+                 window: int = 0, share: int = 1, gkd: DistillConfig | None = None
+                 ) -> tuple[jax.Array, dict[str, Any]]:
   """Recomputes the log-probs of the batch's tokens under ``policy`` (with the support sizes
   the sampler recorded) and applies the loss.
 
@@ -58,7 +60,21 @@ def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
   its row's window and blocks must share their prompts; ``check_windows`` checks a batch on
   the host. The loss and gradients equal the unwindowed ones to float rounding (the
   Dr. GRPO length constant stays the padded width ``T - 1``).
+
+  ``gkd`` (on-policy distillation with ``kind='gkd'``): the loss adds ``gkd.weight`` times
+  ``losses.gkd_loss`` (GKD's generalised JSD, ``gkd.beta``) between the teacher's top-k
+  log-probs (``batch.teacher_top_logp``, ids ``batch.teacher_top_ids``, ``[B, T, K]``) and the
+  student's log-softmax at those ids (at the sampling temperature, ``scoring.full_support``),
+  both renormalised on the teacher's support, over the sampled tokens. The student's
+  log-softmax is read chunk by chunk (``logprob_chunk``) and in the windows (``window``) like
+  the log-probs. Metric ``distill/gkd``: that divergence's token mean.
   """
+  if gkd is not None and (batch.teacher_top_ids is None or batch.teacher_top_logp is None):
+    raise ValueError("rl_objective(gkd=...) needs the teacher's top-k in the batch "
+                     '(teacher_top_ids and teacher_top_logp, [B, T, K]); this batch has none: '
+                     'distill it with controller.completions.distill_batch first.')
+  ids = batch.teacher_top_ids if gkd is not None else None
+  teacher_logp = batch.teacher_top_logp
   length = batch.tokens.shape[1]
   if window:
     starts = jnp.argmax(batch.loss_mask > 0, axis=1).astype(jnp.int32)
@@ -68,17 +84,22 @@ def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
     mask = jnp.where(offsets < length, pick(batch.loss_mask), 0.0)
     behaviour = pick(batch.behaviour_logprobs)
     advantages = pick(batch.advantages) if batch.advantages.ndim == 2 else batch.advantages
-    score = lambda p: policy.window_log_probs(p, batch.tokens, batch.support_sizes, starts,
-                                              width=window, share=share, chunk=logprob_chunk)
+    if ids is not None:
+      teacher_logp = jnp.take_along_axis(teacher_logp, index[..., None], axis=1)
+    score = lambda p, ids=None: policy.window_log_probs(
+        p, batch.tokens, batch.support_sizes, starts, width=window, share=share,
+        chunk=logprob_chunk, support_ids=ids)
   else:
     mask = batch.loss_mask[:, 1:]
     behaviour = batch.behaviour_logprobs[:, 1:]
     # Per-token advantages [B, T] (multi-turn credit) are aligned with the tokens: position t
     # is token t, predicted from < t, like the loss mask.
     advantages = batch.advantages[:, 1:] if batch.advantages.ndim == 2 else batch.advantages
-    score = lambda p: policy.sequence_log_probs(p, batch.tokens, batch.support_sizes,
-                                                chunk=logprob_chunk)
-  scored = score(params)
+    if ids is not None:
+      teacher_logp = teacher_logp[:, 1:]
+    score = lambda p, ids=None: policy.sequence_log_probs(
+        p, batch.tokens, batch.support_sizes, chunk=logprob_chunk, support_ids=ids)
+  scored = score(params, ids)
   ref_logp = None
   if loss_config.kl_beta > 0:
     if reference_params is None:
@@ -90,6 +111,13 @@ def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
       loss_config, scored.logp, behaviour, advantages, mask, old_logp=old_logp,
       ref_logp=ref_logp, max_length=length - 1, totals=totals)
   diagnostics = dict(diagnostics)
+  if gkd is not None:
+    divergence = losses.gkd_loss(scored.support_logp, teacher_logp, mask, gkd.beta)
+    # A micro-batch's share of the whole batch's token mean (the shares sum to it).
+    share_of = (1.0 if totals is None else
+                jnp.sum(mask > 0) / jnp.maximum(totals.tokens, 1.0))
+    loss = loss + gkd.weight * divergence * share_of
+    diagnostics['distill/gkd'] = divergence
   diagnostics['entropy'] = losses.masked_token_mean(scored.entropy, mask)
   diagnostics['policy/out_of_support_fraction'] = losses.masked_token_mean(
       ~scored.in_support, mask)

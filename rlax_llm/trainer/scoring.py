@@ -11,6 +11,7 @@ The trainer's objectives recompute log-probs through it; whole sequences
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
 import chex
 import flax.struct
@@ -18,8 +19,16 @@ import jax
 import jax.numpy as jnp
 
 from rlax_llm.models.model import Model, Params
-from rlax_llm.policy import entropy, token_log_probs
+from rlax_llm.policy import entropy, log_probs, token_log_probs
 from rlax_llm.sampling_spec import SamplingSpec
+
+
+def full_support(spec: SamplingSpec) -> SamplingSpec:
+  """``spec``'s temperature without its top-k/top-p truncation: the distribution on-policy
+  distillation compares, the teacher's and the student's alike (a token outside one model's
+  truncated support would have log-prob -inf there; docs/losses.md "On-policy
+  distillation")."""
+  return SamplingSpec(temperature=spec.temperature)
 
 
 @flax.struct.dataclass
@@ -33,6 +42,9 @@ class SequenceLogProbs:
   logp: jax.Array  # float32 [B, T - 1]
   in_support: jax.Array  # bool [B, T - 1]
   entropy: jax.Array  # float32 [B, T - 1], stop-gradient
+  # float32 [B, T - 1, K]: with ``support_ids``, the log-probs (``full_support`` of the
+  # policy's transform) of those ids; None without.
+  support_logp: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +63,8 @@ class Policy:
     return Policy(self.model, sampling)
 
   def sequence_log_probs(self, params: Params, tokens: jax.Array,
-                         support_sizes: jax.Array | None = None, *, chunk: int = 0
-                         ) -> SequenceLogProbs:
+                         support_sizes: jax.Array | None = None, *, chunk: int = 0,
+                         support_ids: jax.Array | None = None) -> SequenceLogProbs:
     """Log-probs of each next token of ``tokens`` (int32 ``[B, T]``) under ``params``.
 
     ``support_sizes``: optional int ``[B, T]`` aligned with ``tokens`` (the support size the
@@ -61,16 +73,22 @@ class Policy:
     the lm head ``chunk`` positions at a time, each chunk's logits rematerialised in the
     backward pass, so the log-prob computation's memory is ``B * chunk * V``, not
     ``B * T * V``. The results equal the unchunked ones to float rounding.
+    ``support_ids``: optional int ``[B, T, K]`` aligned with ``tokens`` (ids of the
+    distribution predicting token ``t``, e.g. the teacher's top-k of on-policy distillation):
+    ``support_logp`` is then the full-support log-softmax at those ids (``full_support``),
+    computed chunk by chunk like the log-probs.
     """
     sizes = None if support_sizes is None else support_sizes[:, 1:]
+    ids = None if support_ids is None else support_ids[:, 1:]
     if chunk <= 0:
-      return self._score(self.model.apply(params, tokens)[:, :-1], tokens[:, 1:], sizes)
+      return self._score(self.model.apply(params, tokens)[:, :-1], tokens[:, 1:], sizes, ids)
     hidden = self.model.apply(params, tokens, features=True)[:, :-1]
-    return self._score_hidden(params, hidden, tokens[:, 1:], sizes, chunk)
+    return self._score_hidden(params, hidden, tokens[:, 1:], sizes, chunk, ids)
 
   def window_log_probs(self, params: Params, tokens: jax.Array,
                        support_sizes: jax.Array | None, starts: jax.Array, *, width: int,
-                       share: int = 1, chunk: int = 0) -> SequenceLogProbs:
+                       share: int = 1, chunk: int = 0,
+                       support_ids: jax.Array | None = None) -> SequenceLogProbs:
     """Log-probs of ``width`` tokens of each row from ``starts[b]`` on; the positions before
     (the prompt) run through the model as context but are never scored.
 
@@ -97,6 +115,7 @@ class Policy:
         window is all masked out may give any start <= it). ``B`` must be a multiple of
         ``share``.
       chunk: as in ``sequence_log_probs``, over the window.
+      support_ids: optional int ``[B, T, K]`` aligned with ``tokens`` (``sequence_log_probs``).
     Returns:
       ``SequenceLogProbs`` of ``[B, width]``: entry ``j`` scores token ``starts[b] + j``.
       Entries whose token lies past ``T`` score a clipped position: mask them out.
@@ -122,38 +141,55 @@ class Policy:
     hidden = jnp.concatenate([repeat(last), hidden[:, :-1]], axis=1)
     sizes = (None if support_sizes is None
              else jnp.take_along_axis(support_sizes, index, axis=1))
+    ids = (None if support_ids is None
+           else jnp.take_along_axis(support_ids, index[..., None], axis=1))
     if chunk <= 0:
       logits = self.model.logits(params, hidden)
-      return self._score(logits, window, sizes)
-    return self._score_hidden(params, hidden, window, sizes, chunk)
+      return self._score(logits, window, sizes, ids)
+    return self._score_hidden(params, hidden, window, sizes, chunk, ids)
 
-  def _score(self, logits, targets, sizes) -> SequenceLogProbs:
+  def _score(self, logits, targets, sizes, ids=None) -> SequenceLogProbs:
+    invariant = self.model.config.execution.batch_invariant
     logp, in_support = token_log_probs(logits, targets, self.sampling, sizes,
-                                       invariant=self.model.config.execution.batch_invariant)
+                                       invariant=invariant)
+    support_logp = None
+    if ids is not None:
+      full, _ = log_probs(logits, full_support(self.sampling), invariant=invariant)
+      support_logp = jnp.take_along_axis(full, ids.astype(jnp.int32), axis=-1)
     return SequenceLogProbs(logp, in_support,
-                            jax.lax.stop_gradient(entropy(logits, self.sampling, sizes)))
+                            jax.lax.stop_gradient(entropy(logits, self.sampling, sizes)),
+                            support_logp)
 
-  def _score_hidden(self, params, hidden, targets, sizes, chunk) -> SequenceLogProbs:
+  def _score_hidden(self, params, hidden, targets, sizes, chunk, ids=None
+                    ) -> SequenceLogProbs:
     """``_score`` of hidden states ``[B, n, E]``, ``chunk`` positions at a time, each chunk's
     logits rematerialised in the backward pass."""
-    batch, n = targets.shape
-    size = min(chunk, n)
-    count = -(-n // size)
-    pad = count * size - n
-
-    def split(x):  # [B, n, ...] -> [count, B, size, ...]
-      x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-      return jnp.moveaxis(x.reshape((batch, count, size) + x.shape[2:]), 1, 0)
 
     @jax.checkpoint
-    def one(parts):
-      h, t, z = parts
-      logits = self.model.logits(params, h)
-      scored = self._score(logits, t, z)
-      return scored.logp, scored.in_support, scored.entropy
+    def one(h, t, z, i):
+      scored = self._score(self.model.logits(params, h), t, z, i)
+      return scored.logp, scored.in_support, scored.entropy, scored.support_logp
 
-    outs = jax.lax.map(one, (split(hidden), split(targets),
-                             None if sizes is None else split(sizes)))
-    join = lambda x: jnp.moveaxis(x, 0, 1).reshape(batch, count * size)[:, :n]
-    return SequenceLogProbs(*map(join, outs))
+    return SequenceLogProbs(*map_chunks(one, chunk, hidden, targets, sizes, ids))
 
+
+def map_chunks(fn: Callable[..., Any], chunk: int, *arrays: jax.Array | None) -> Any:
+  """``fn(*arrays)`` computed ``chunk`` positions at a time (``jax.lax.map`` over chunks of
+  axis 1), for functions of ``[B, n, ...]`` arrays (None passes through as None) whose
+  outputs are ``[B, n, ...]`` arrays (or None): at most ``B * chunk`` positions of ``fn``'s
+  intermediates (e.g. ``[B, chunk, V]`` logits) live at once. The last chunk is zero-padded.
+  """
+  batch, n = next(x for x in arrays if x is not None).shape[:2]
+  size = min(chunk, n)
+  count = -(-n // size)
+
+  def split(x):  # [B, n, ...] -> [count, B, size, ...]
+    x = jnp.pad(x, [(0, 0), (0, count * size - n)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape((batch, count, size) + x.shape[2:]), 1, 0)
+
+  def join(x):  # [count, B, size, ...] -> [B, n, ...]
+    return jnp.moveaxis(x, 0, 1).reshape((batch, count * size) + x.shape[3:])[:, :n]
+
+  outs = jax.lax.map(lambda parts: fn(*parts),
+                     tuple(None if x is None else split(x) for x in arrays))
+  return jax.tree.map(join, outs)

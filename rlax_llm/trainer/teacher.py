@@ -3,9 +3,14 @@
 ``Teacher`` holds a model's params, loaded once (``roles.build_teacher``: the loaders the
 trainer's model uses), never updated, and answers ``score(tokens, loss_mask)`` with its
 per-token log-probs of the tokens (and optionally its top-k log-probs per position, for GKD).
-It runs the trainer's scoring code (``scoring.Policy.sequence_log_probs``, chunked by
-``rl.logprob_chunk``) under the teacher's own distribution (temperature 1, full support).
-The controller asks it for the scores of each gathered batch, in the controller's
+It runs the trainer's scoring definitions (``rlax_llm.policy.log_probs``, chunked by
+``rl.logprob_chunk`` with ``scoring.map_chunks``) at the student's sampling temperature over
+the full vocabulary (``scoring.full_support``): the student's behaviour log-probs it is
+compared with are at that temperature, so a teacher equal to the student scores every token
+exactly as the student sampled it (advantage 0), and the student's model, not its
+temperature-scaled sampler, is drawn to the teacher's (docs/losses.md "On-policy
+distillation", "The temperature"). The controller asks it (on Ray through
+``ray_actors.TeacherRole``, the actor holding it) for the scores of each gathered batch, in its
 deterministic order, and puts them into the trainer's batch (``losses.distill``); weights
 never move through the controller. A teacher must share the student's tokenizer: the same
 vocabulary with the same ids (``check_same_tokenizer``, before any compute).
@@ -22,13 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlax_llm.models.model import Model, Params
-from rlax_llm.policy import token_log_probs
+from rlax_llm.policy import log_probs
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.tokenization import Tokenizer
-from rlax_llm.trainer.scoring import Policy
-
-# The teacher's own distribution: temperature 1, every token.
-TEACHER_SAMPLING = SamplingSpec()
+from rlax_llm.trainer.scoring import Policy, full_support, map_chunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,23 +89,25 @@ class Teacher:
     params: its params (host or device arrays), copied onto ``device`` once.
     tokenizer, student_tokenizer: checked equal first (``check_same_tokenizer``).
     top_k: > 0: ``score`` also returns the teacher's top-``top_k`` log-probs per position.
-    chunk: > 0: log-probs ``chunk`` positions at a time (``Policy.sequence_log_probs``);
-      only without ``top_k`` (the top-k path reads whole logits).
+    chunk: > 0: log-probs (and top-k) ``chunk`` positions at a time
+      (``scoring.map_chunks``): the ``[B, T, V]`` logits are never whole.
+    temperature: the student's sampling temperature (``sampling.temperature``); the teacher
+      scores ``log_softmax(logits / temperature)`` over the whole vocabulary.
     device: where the params live and the forward runs (None: the default device).
     name, student_name: how messages name the two models.
   """
 
   def __init__(self, model: Model, params: Params, tokenizer: Tokenizer,
                student_tokenizer: Tokenizer, *, top_k: int = 0, chunk: int = 0,
-               device: jax.Device | None = None, name: str = 'teacher',
-               student_name: str = 'student'):
+               temperature: float = 1.0, device: jax.Device | None = None,
+               name: str = 'teacher', student_name: str = 'student'):
     check_same_tokenizer(tokenizer, student_tokenizer, teacher_name=name,
                          student_name=student_name)
     if top_k < 0 or top_k > model.config.vocab_size:
       raise ValueError(f'top_k={top_k} must be in [0, vocab_size = {model.config.vocab_size}].')
     self.model = model
     self.top_k = top_k
-    self.policy = Policy(model, TEACHER_SAMPLING)
+    self.policy = Policy(model, full_support(SamplingSpec(temperature=temperature)))
     self.params = jax.device_put(jax.tree.map(jnp.asarray, params),
                                  device or jax.devices()[0])
     self._score = jax.jit(functools.partial(_score, self.policy, top_k, chunk))
@@ -121,15 +125,24 @@ class Teacher:
 
 def _score(policy: Policy, top_k: int, chunk: int, params: Params, tokens: jax.Array,
            loss_mask: jax.Array):
+  """``Teacher.score`` on the device: one forward, the lm head and log-softmax ``chunk``
+  positions at a time (``scoring.map_chunks``; all at once for 0)."""
+  invariant = policy.model.config.execution.batch_invariant
+
+  def one(hidden, targets):  # [B, n, E], [B, n] -> logp [B, n] (, top-k [B, n, K] twice)
+    full, _ = log_probs(policy.model.logits(params, hidden), policy.sampling,
+                        invariant=invariant)
+    logp = jnp.take_along_axis(full, targets[..., None], axis=-1)[..., 0]
+    return (logp, *jax.lax.top_k(full, top_k)) if top_k else (logp,)
+
+  hidden = policy.model.apply(params, tokens, features=True)[:, :-1]
+  outs = (map_chunks(one, chunk, hidden, tokens[:, 1:]) if chunk > 0
+          else one(hidden, tokens[:, 1:]))
   mask = loss_mask > 0
   pad = lambda x: jnp.pad(x, [(0, 0), (1, 0)] + [(0, 0)] * (x.ndim - 2))  # align with tokens
+  logp = jnp.where(mask, pad(outs[0]), 0.0)
   if not top_k:
-    logp = policy.sequence_log_probs(params, tokens, chunk=chunk).logp
-    return jnp.where(mask, pad(logp), 0.0), None, None
-  logits = policy.model.apply(params, tokens)[:, :-1]
-  logp, _ = token_log_probs(logits, tokens[:, 1:], TEACHER_SAMPLING,
-                            invariant=policy.model.config.execution.batch_invariant)
-  top_logp, top_ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32)), top_k)
+    return logp, None, None
   keep = mask[..., None]
-  return (jnp.where(mask, pad(logp), 0.0), jnp.where(keep, pad(top_logp), 0.0),
-          jnp.where(keep, pad(top_ids), 0).astype(jnp.int32))
+  return (logp, jnp.where(keep, pad(outs[1]), 0.0),
+          jnp.where(keep, pad(outs[2]), 0).astype(jnp.int32))
