@@ -337,6 +337,12 @@ EXTENDED: dict[str, tuple[str, str]] = {
         "another notebook executed whole (the counterpart executes one; tests/test_docs.py's "
         "test_notebooks_use_only_code_and_config_keys_that_exist checks every notebook's names and "
         "keys)"),
+    'tests/test_colabs.py::test_distill_notebook_plans_the_teacher_and_lowers_the_kl': (
+        'tests/test_distill_resume.py::'
+        'test_distillation_preempted_after_step_one_resumes_exactly',
+        'the notebook executed whole (the counterpart runs a distillation through the launch, '
+        "resumed; tests/test_docs.py's test_notebooks_use_only_code_and_config_keys_that_exist "
+        "checks the notebook's names and keys)"),
     'tests/test_colabs.py::test_losses_notebook_plots_what_each_loss_keeps': (
         'tests/test_colabs.py::test_quickstart_runs_and_plots_the_curves',
         "another notebook executed whole (the counterpart executes one; tests/test_docs.py's "
