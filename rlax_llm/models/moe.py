@@ -45,16 +45,11 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from rlax_llm.model_spec import NO_ROUTE, route_dtype  # noqa: F401  (R3's, re-exported)
+
 Array = jax.Array
 
 EXPERT_AXIS = 'expert'  # the experts' stacked leading logical axis
-NO_ROUTE = -1  # a token's recorded route where none was recorded (padding, unfed tokens)
-
-
-def route_dtype(num_experts: int) -> jnp.dtype:
-  """The compact dtype of recorded expert indices: int8 for up to 127 experts, else int16
-  (2 bytes per (token, layer, slot))."""
-  return jnp.dtype(jnp.int8 if num_experts <= 127 else jnp.int16)
 
 
 def route(logits: Array, top_k: int, renormalize: bool) -> tuple[Array, Array, Array]:
@@ -77,6 +72,14 @@ def route(logits: Array, top_k: int, renormalize: bool) -> tuple[Array, Array, A
   return probs, gates, experts.astype(jnp.int32)
 
 
+def replayed_experts(own: Array, routes: Array) -> Array:
+  """int32 ``[..., k]``: the experts routing replay routes each token to: its recorded ones
+  ``routes [..., k]``, or the router's own ``own [..., k]`` where none was recorded
+  (``NO_ROUTE`` in slot 0)."""
+  chex.assert_equal_shape([own, routes])
+  return jnp.where(routes[..., :1] >= 0, routes.astype(jnp.int32), own.astype(jnp.int32))
+
+
 def replay(probs: Array, own: Array, routes: Array, renormalize: bool) -> tuple[Array, Array]:
   """Routing replay (R3): each token routed to its recorded experts, the gates the router's
   probabilities at them (differentiable), renormalised as ``route`` does.
@@ -90,9 +93,7 @@ def replay(probs: Array, own: Array, routes: Array, renormalize: bool) -> tuple[
   Returns:
     ``(gates float32 [tokens, k], experts int32 [tokens, k])``.
   """
-  chex.assert_equal_shape([own, routes])
-  recorded = routes[:, :1] >= 0
-  experts = jnp.where(recorded, routes.astype(jnp.int32), own)
+  experts = replayed_experts(own, routes)
   gates = jnp.take_along_axis(probs, experts, axis=-1)
   if renormalize:
     gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
