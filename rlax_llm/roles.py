@@ -265,7 +265,8 @@ def build_trainer(config: ml_collections.ConfigDict, spec: config_lib.RunSpec, m
     scoring, check = shared_prefix_scoring(config.sampling.max_new_tokens, rl.group_size,
                                            rl.micro_batches)
   objective = functools.partial(rl_objective, policy, loss, logprob_chunk=rl.logprob_chunk,
-                                **scoring)
+                                routing_replay=config.model.routing_replay == 'r3',
+                                moe_aux_loss_coef=float(rl.moe_aux_loss_coef), **scoring)
   return Trainer(model, params, optimizer, objective, mesh,
                  reference_params=params if loss.kl_beta > 0 else None,
                  max_nonfinite_updates=rl.max_nonfinite_updates,
@@ -361,6 +362,7 @@ def build_worker(config: ml_collections.ConfigDict, model: Model, tokenizer: Tok
                          quant=config.model.inference_quant,
                          kv_cache_quant=config.model.kv_cache_quant,
                          layer_loop=config.rollout.layer_loop,
+                         record_routes=config.model.routing_replay == 'r3',
                          lora=lora, fetch_base=None if lora is None else fetch_base)
 
 

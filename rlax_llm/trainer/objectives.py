@@ -37,7 +37,8 @@ def loss_totals(batch: TrainBatch | dict[str, jax.Array]) -> losses.Totals:
 def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
                  batch: TrainBatch, reference_params: Params | None,
                  totals: losses.Totals | None = None, *, logprob_chunk: int = 0,
-                 window: int = 0, share: int = 1) -> tuple[jax.Array, dict[str, Any]]:
+                 window: int = 0, share: int = 1, routing_replay: bool = False,
+                 moe_aux_loss_coef: float = 0.0) -> tuple[jax.Array, dict[str, Any]]:
   """Recomputes the log-probs of the batch's tokens under ``policy`` (with the support sizes
   the sampler recorded) and applies the loss.
 
@@ -58,8 +59,31 @@ def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
   its row's window and blocks must share their prompts; ``check_windows`` checks a batch on
   the host. The loss and gradients equal the unwindowed ones to float rounding (the
   Dr. GRPO length constant stays the padded width ``T - 1``).
+
+  A mixture of experts: ``routing_replay`` (``model.routing_replay='r3'``) routes every
+  token by the experts the rollout engine recorded (``batch.routes``; the policy, reference
+  and recomputed log-probs alike) and reports ``moe/route_flip_fraction``, the fraction of
+  those choices the trainer's own router would have made otherwise (Ma et al., arXiv
+  2510.11370). ``moe_aux_loss_coef`` > 0 (``rl.moe_aux_loss_coef``) adds that times the
+  router's load-balancing loss over each row's tokens up to its last loss token (padding
+  excluded; ``moe/aux_loss``; full forward only); 0 leaves the objective as without it.
   """
   length = batch.tokens.shape[1]
+  routes = None
+  if routing_replay:
+    if batch.routes is None:
+      raise ValueError('routing_replay=True replays the experts the rollout recorded, but the '
+                       'batch has no routes; the inference workers must record them '
+                       '(model.routing_replay=\'r3\').')
+    routes = batch.routes
+  aux_mask = None
+  if moe_aux_loss_coef > 0:
+    if window:
+      raise ValueError('rl.moe_aux_loss_coef > 0 needs the full forward; rl.shared_prefix '
+                       'scores through a KV cache. Set one of them off.')
+    last = length - 1 - jnp.argmax(batch.loss_mask[:, ::-1] > 0, axis=1)
+    aux_mask = ((jnp.arange(length)[None, :] <= last[:, None])
+                & jnp.any(batch.loss_mask > 0, axis=1, keepdims=True)).astype(jnp.float32)
   if window:
     starts = jnp.argmax(batch.loss_mask > 0, axis=1).astype(jnp.int32)
     offsets = starts[:, None] + jnp.arange(window, dtype=jnp.int32)
@@ -68,17 +92,19 @@ def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
     mask = jnp.where(offsets < length, pick(batch.loss_mask), 0.0)
     behaviour = pick(batch.behaviour_logprobs)
     advantages = pick(batch.advantages) if batch.advantages.ndim == 2 else batch.advantages
-    score = lambda p: policy.window_log_probs(p, batch.tokens, batch.support_sizes, starts,
-                                              width=window, share=share, chunk=logprob_chunk)
+    score = lambda p, **kw: policy.window_log_probs(p, batch.tokens, batch.support_sizes,
+                                                    starts, width=window, share=share,
+                                                    chunk=logprob_chunk, routes=routes)
   else:
     mask = batch.loss_mask[:, 1:]
     behaviour = batch.behaviour_logprobs[:, 1:]
     # Per-token advantages [B, T] (multi-turn credit) are aligned with the tokens: position t
     # is token t, predicted from < t, like the loss mask.
     advantages = batch.advantages[:, 1:] if batch.advantages.ndim == 2 else batch.advantages
-    score = lambda p: policy.sequence_log_probs(p, batch.tokens, batch.support_sizes,
-                                                chunk=logprob_chunk)
-  scored = score(params)
+    score = lambda p, aux_mask=None: policy.sequence_log_probs(
+        p, batch.tokens, batch.support_sizes, chunk=logprob_chunk, routes=routes,
+        aux_mask=aux_mask)
+  scored = score(params, aux_mask=aux_mask)
   ref_logp = None
   if loss_config.kl_beta > 0:
     if reference_params is None:
@@ -90,6 +116,12 @@ def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
       loss_config, scored.logp, behaviour, advantages, mask, old_logp=old_logp,
       ref_logp=ref_logp, max_length=length - 1, totals=totals)
   diagnostics = dict(diagnostics)
+  if scored.aux_loss is not None:
+    share_of_rows = 1.0 if totals is None else batch.tokens.shape[0] / totals.rows
+    loss = loss + moe_aux_loss_coef * scored.aux_loss * share_of_rows
+    diagnostics['moe/aux_loss'] = scored.aux_loss
+  if scored.route_flips is not None:
+    diagnostics['moe/route_flip_fraction'] = scored.route_flips
   diagnostics['entropy'] = losses.masked_token_mean(scored.entropy, mask)
   diagnostics['policy/out_of_support_fraction'] = losses.masked_token_mean(
       ~scored.in_support, mask)
