@@ -132,24 +132,28 @@ def objective(model_and_params, rollouts):
   batch = jax.tree.map(jnp.asarray, make_train_batch(
       rollouts, np.linspace(-1.0, 1.0, len(rollouts)).astype(np.float32)))
 
-  @functools.partial(jax.jit, static_argnames=('window', 'replay', 'coef', 'grads'))
-  def run(params, window=0, replay=False, coef=0.0, grads=False):
+  @functools.partial(jax.jit, static_argnames=('window', 'chunk', 'replay', 'coef', 'grads'))
+  def run(params, window=0, chunk=0, replay=False, coef=0.0, grads=False):
     fn = lambda p: rl_objective(Policy(model, SPEC), LossConfig(), p, batch, None,
-                                window=window, routing_replay=replay, moe_aux_loss_coef=coef)
+                                logprob_chunk=chunk, window=window, routing_replay=replay,
+                                moe_aux_loss_coef=coef)
     return jax.value_and_grad(fn, has_aux=True)(params) if grads else fn(params)
   return run
 
 
 def test_replaying_float32_routes_changes_nothing_and_flips_none(objective, model_and_params):
   """The rollouts' engine ran in float32: replaying its routes is the trainer's own routing,
-  in the full forward and the shared-prefix one (Prefix Grouper's windows). (Replayed
-  gradients: tests/models/test_moe_replay.py.)"""
+  in the full forward, the chunked log-prob one and the shared-prefix one (Prefix Grouper's
+  windows). (Replayed gradients: tests/models/test_moe_replay.py.)"""
   params = model_and_params[1]
   loss, metrics = objective(params, replay=True)
   plain_loss, plain = objective(params)
   assert float(metrics['moe/route_flip_fraction']) == 0.0
   assert 'moe/route_flip_fraction' not in plain
   np.testing.assert_allclose(loss, plain_loss, atol=1e-6)
+  chunked_loss, chunked_metrics = objective(params, chunk=4, replay=True)
+  assert float(chunked_metrics['moe/route_flip_fraction']) == 0.0
+  np.testing.assert_allclose(chunked_loss, loss, atol=1e-5)
   window_loss, window_metrics = objective(params, window=8, replay=True)
   assert float(window_metrics['moe/route_flip_fraction']) == 0.0
   np.testing.assert_allclose(window_loss, loss, atol=1e-5)
