@@ -58,6 +58,10 @@ REQUIRED_KEYS = (
 OPEN_GROUPS = ('task.', 'env.', 'ray.trainer_resources.', 'ray.worker_resources.',
                'ray.trainer_env.', 'reward', 'model.tiny')
 
+# model.routing_replay: 'off' (the trainer routes a mixture of experts by its own router) or
+# 'r3' (rollout routing replay: by the experts the inference workers recorded).
+ROUTING_REPLAY_MODES = ('off', 'r3')
+
 # Choice fields -> valid values, each named by the module that uses the value (the loss's,
 # the sampling's and the task's other fields are checked by their own types).
 CHOICES = {
@@ -69,6 +73,7 @@ CHOICES = {
     'model.kv_cache_quant': model_spec.KV_CACHE_QUANT_MODES,
     'model.remat': model_spec.REMAT_POLICIES,
     'model.invariant_rows': model_spec.INVARIANT_ROWS_MODES,
+    'model.routing_replay': ROUTING_REPLAY_MODES,
     'lora.sync': model_spec.LORA_SYNCS,
     'lora.base_quant': model_spec.QUANT_MODES,
     'lora.sync_dtype': model_spec.LORA_SYNC_DTYPES,
@@ -97,6 +102,7 @@ FLOATS = {
     'rl.learning_rate': (0.0, False),
     'rl.max_grad_norm': (0.0, True),
     'rl.weight_decay': (0.0, True),
+    'rl.moe_aux_loss_coef': (0.0, True),
     'lora.alpha': (0.0, False),
     'warmup.learning_rate': (0.0, False),
     'checkpoint.every_seconds': (0.0, True),
@@ -408,12 +414,36 @@ def validate_config(config: ml_collections.ConfigDict, *, read_hub: bool = True)
   _validate_free_running(config)
   if config.env.name:
     _validate_episodes(config)
+  _validate_moe(config)
   task = _validate_task(config, read_hub)
   if settings.reward and task is not None:
     with naming(''):
       rewards.make_components(settings.reward, task, settings.max_new_tokens)
   model_spec.check_config(config)
   return spec
+
+
+def _validate_moe(config: ml_collections.ConfigDict) -> None:
+  """``model.routing_replay='r3'`` and ``rl.moe_aux_loss_coef > 0`` need a mixture of experts
+  (known here for the tiny model and the presets; ``'auto'`` is checked when the workers'
+  engines are built); the aux loss needs the full forward (not ``rl.shared_prefix``)."""
+  m = config.model
+  used = [key for key, on in (('model.routing_replay', m.routing_replay != 'off'),
+                              ('rl.moe_aux_loss_coef', config.rl.moe_aux_loss_coef > 0)) if on]
+  if not used:
+    return
+  if m.name == 'tiny':
+    experts = m.tiny.to_dict().get('num_experts', 0)
+  else:
+    preset = model_spec.PRESET_ARCHITECTURES.get(m.name)
+    experts = None if preset is None else preset.num_experts
+  if experts == 0:
+    raise ConfigError(f'config.{used[0]} applies to a mixture of experts, but '
+                      f'model.name={m.name!r} is dense (num_experts=0); set it off, or pick a '
+                      'MoE model (e.g. model.tiny.num_experts > 0).')
+  if config.rl.moe_aux_loss_coef > 0 and config.rl.shared_prefix:
+    raise ConfigError('config.rl.moe_aux_loss_coef > 0 needs the full forward but '
+                      'rl.shared_prefix=True scores through a KV cache; set one of them off.')
 
 
 def _check_choice(key: str, value, valid) -> None:

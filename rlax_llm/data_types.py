@@ -16,6 +16,7 @@ import flax.struct
 import jax
 import numpy as np
 
+from rlax_llm.model_spec import NO_ROUTE
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.tasks.base import Prompt
 
@@ -100,6 +101,12 @@ class Rollouts:
   restarts: np.ndarray | None = None  # int32 [B]: times a sample was discarded and redone
   on_swap: str = 'continue'  # what a weight swap did to samples in flight
   sample_keys: np.ndarray | None = None  # uint32 [B, key_size]: each sample's PRNG key data
+  # Rollout routing replay (a mixture of experts, ``model.routing_replay='r3'``): the experts
+  # each prompt / completion token was routed to by the engine, int8 (int16 past 127
+  # experts) [B, P or N, layers, k]; NO_ROUTE (-1) on padding and on each row's last token
+  # (never fed to the model). None when not recorded.
+  prompt_routes: np.ndarray | None = None
+  completion_routes: np.ndarray | None = None
 
   def __len__(self) -> int:
     return len(self.prompt_ids)
@@ -155,12 +162,13 @@ class Rollouts:
         support_sizes=self.support_sizes[index], versions=self.versions[index],
         finish_reasons=self.finish_reasons[index],
         completions=[self.completions[i] for i in index], rewards=take(self.rewards),
-        restarts=take(self.restarts), sample_keys=take(self.sample_keys))
+        restarts=take(self.restarts), sample_keys=take(self.sample_keys),
+        prompt_routes=take(self.prompt_routes), completion_routes=take(self.completion_routes))
 
   # The arrays that ``to_state`` stores as arrays (the rest goes into its JSON part).
   _ARRAYS = ('prompt_ids', 'group_ids', 'prompt_tokens', 'prompt_lengths', 'completion_tokens',
              'completion_mask', 'behaviour_logprobs', 'support_sizes', 'versions', 'rewards',
-             'restarts', 'sample_keys')
+             'restarts', 'sample_keys', 'prompt_routes', 'completion_routes')
 
   def to_state(self) -> tuple[dict[str, np.ndarray], dict]:
     """``(arrays, meta)``: numeric arrays (finish reasons as indices into
@@ -203,10 +211,10 @@ class Rollouts:
       arrays = [getattr(p, name) for p in parts]
       if arrays[0] is None:
         return None
-      if arrays[0].ndim == 2:
+      if arrays[0].ndim >= 2:
         width = max(a.shape[1] for a in arrays)
-        arrays = [np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=pad)
-                  for a in arrays]
+        arrays = [np.pad(a, ((0, 0), (0, width - a.shape[1])) + ((0, 0),) * (a.ndim - 2),
+                         constant_values=pad) for a in arrays]
       return np.concatenate(arrays)
     groups, offset = [], 0
     for part in parts:
@@ -230,7 +238,11 @@ class Rollouts:
         rewards=cat('rewards', 0.0), verifier_errors=sum(p.verifier_errors for p in parts),
         restarts=cat('restarts', 0), on_swap=first.on_swap,
         sample_keys=(None if any(p.sample_keys is None for p in parts)
-                     else cat('sample_keys', 0)))
+                     else cat('sample_keys', 0)),
+        prompt_routes=(None if any(p.prompt_routes is None for p in parts)
+                       else cat('prompt_routes', NO_ROUTE)),
+        completion_routes=(None if any(p.completion_routes is None for p in parts)
+                           else cat('completion_routes', NO_ROUTE)))
 
 
 @flax.struct.dataclass
@@ -251,6 +263,9 @@ class TrainBatch:
   # (0 off the loss mask); None when unused.
   teacher_top_ids: jax.Array | None = None  # int32 [B, T, K]
   teacher_top_logp: jax.Array | None = None  # float32 [B, T, K]
+  # Rollout routing replay: the experts the engine routed each token to, int8/int16
+  # [B, T, layers, k], NO_ROUTE (-1) where none was recorded; None when not replayed.
+  routes: jax.Array | None = None
 
 
 def make_train_batch(rollouts: Rollouts, advantages: np.ndarray) -> TrainBatch:
@@ -269,6 +284,10 @@ def make_train_batch(rollouts: Rollouts, advantages: np.ndarray) -> TrainBatch:
   logps = np.zeros((b, length), np.float32)
   supports = np.zeros((b, length), np.int32)
   versions = np.full((b, length), -1, np.int32)
+  routes = None
+  if rollouts.prompt_routes is not None and rollouts.completion_routes is not None:
+    shape = rollouts.completion_routes.shape[2:]
+    routes = np.full((b, length) + shape, NO_ROUTE, rollouts.completion_routes.dtype)
   comp_len = rollouts.completion_mask.sum(axis=1)
   for i in range(b):
     lp, lc = int(rollouts.prompt_lengths[i]), int(comp_len[i])
@@ -278,9 +297,12 @@ def make_train_batch(rollouts: Rollouts, advantages: np.ndarray) -> TrainBatch:
     logps[i, lp:lp + lc] = rollouts.behaviour_logprobs[i, :lc]
     supports[i, lp:lp + lc] = rollouts.support_sizes[i, :lc]
     versions[i, lp:lp + lc] = rollouts.versions[i, :lc]
+    if routes is not None:
+      routes[i, :lp] = rollouts.prompt_routes[i, :lp]
+      routes[i, lp:lp + lc] = rollouts.completion_routes[i, :lc]
   return TrainBatch(tokens=tokens, loss_mask=loss_mask, behaviour_logprobs=logps,
                     support_sizes=supports, advantages=np.asarray(advantages, np.float32), versions=versions,
-                    group_ids=np.asarray(rollouts.group_ids, np.int32))
+                    group_ids=np.asarray(rollouts.group_ids, np.int32), routes=routes)
 
 
 # Why an episode ended (rlax_llm.rollout.episodes): the environment said done; it reached its
@@ -321,9 +343,15 @@ class Trajectory:
   termination: str  # one of TERMINATIONS
   texts: tuple[str, ...] = ()  # each turn's decoded action text
   success: bool = False  # the last step's info['success']: the episode reached its goal
+  # Rollout routing replay: the experts the engine routed each token to (prompt, sampled and
+  # observation tokens alike), int8/int16 [T, layers, k], NO_ROUTE where none (the last
+  # token); None when not recorded.
+  routes: np.ndarray | None = None
 
   def __post_init__(self):
     t, n = len(self.tokens), len(self.turn_starts)
+    if self.routes is not None and len(self.routes) != t:
+      raise ValueError(f'Trajectory.routes has {len(self.routes)} entries for {t} tokens.')
     for name in ('loss_mask', 'behaviour_logprobs', 'support_sizes', 'versions', 'token_turn'):
       if len(getattr(self, name)) != t:
         raise ValueError(f'Trajectory.{name} has {len(getattr(self, name))} entries for '
@@ -377,6 +405,10 @@ def make_trajectory_batch(trajectories: list[Trajectory], advantages: np.ndarray
   turn_rewards = np.zeros((b, n), np.float32)
   turn_mask = np.zeros((b, n), bool)
   state_ids = np.zeros((b, n), np.int64)
+  routes = None
+  if trajectories and all(x.routes is not None for x in trajectories):
+    first = trajectories[0].routes
+    routes = np.full((b, width) + first.shape[1:], NO_ROUTE, first.dtype)
   for i, x in enumerate(trajectories):
     t, k = len(x.tokens), x.num_turns
     if t > width or k > n:
@@ -391,10 +423,13 @@ def make_trajectory_batch(trajectories: list[Trajectory], advantages: np.ndarray
     turn_rewards[i, :k] = x.turn_rewards
     turn_mask[i, :k] = x.turn_mask
     state_ids[i, :k] = x.state_ids
+    if routes is not None:
+      routes[i, :t] = x.routes
   train = TrainBatch(tokens=tokens, loss_mask=loss_mask, behaviour_logprobs=logps,
                      support_sizes=supports, advantages=np.asarray(advantages, np.float32),
                      versions=versions,
-                     group_ids=np.asarray([x.group_id for x in trajectories], np.int32))
+                     group_ids=np.asarray([x.group_id for x in trajectories], np.int32),
+                     routes=routes)
   return TrajectoryBatch(train=train, token_turn=token_turn, turn_rewards=turn_rewards,
                          turn_mask=turn_mask, state_ids=state_ids,
                          episode_returns=np.asarray([x.episode_return for x in trajectories],

@@ -29,6 +29,16 @@ LAYER_LOOPS = ('scan', 'unrolled')  # decoder_config.Execution.layer_loop
 # matmul (``jax.lax.ragged_dot``) over the tokens sorted by expert, or 'dense', every expert
 # on every token weighted by the sparse gates (exact, for tiny models and CPU).
 MOE_IMPLS = ('ragged', 'dense')
+# Rollout routing replay (``models.moe.replay``): a token's recorded expert index where none
+# was recorded (padding, a sample's last token), and the indices' compact dtype name: int8
+# for up to 127 experts, else int16 (``route_dtype``).
+NO_ROUTE = -1
+
+
+def route_dtype(num_experts: int) -> str:
+  """The dtype (a numpy / JAX dtype name) of recorded expert indices: ``'int8'`` for up to
+  127 experts, else ``'int16'`` (2 bytes per (token, layer, slot))."""
+  return 'int8' if num_experts <= 127 else 'int16'
 # Hugging Face architectures a decoder exports to.
 FAMILIES = ('llama', 'qwen2', 'qwen3', 'qwen3_moe', 'mixtral')
 # The families whose MLPs are mixtures of experts (``Architecture.num_experts > 0``).

@@ -266,7 +266,8 @@ def build_trainer(config: ml_collections.ConfigDict, spec: config_lib.RunSpec, m
                                            rl.micro_batches)
   gkd = spec.distill if spec.distill.kind == 'gkd' else None  # the trainer's GKD term
   objective = functools.partial(rl_objective, policy, loss, logprob_chunk=rl.logprob_chunk,
-                                gkd=gkd, **scoring)
+                                gkd=gkd, routing_replay=config.model.routing_replay == 'r3',
+                                moe_aux_loss_coef=float(rl.moe_aux_loss_coef), **scoring)
   return Trainer(model, params, optimizer, objective, mesh,
                  reference_params=params if loss.kl_beta > 0 else None,
                  max_nonfinite_updates=rl.max_nonfinite_updates,
@@ -363,6 +364,7 @@ def build_worker(config: ml_collections.ConfigDict, model: Model, tokenizer: Tok
                          quant=config.model.inference_quant,
                          kv_cache_quant=config.model.kv_cache_quant,
                          layer_loop=config.rollout.layer_loop,
+                         record_routes=config.model.routing_replay == 'r3',
                          lora=lora, fetch_base=None if lora is None else fetch_base)
 
 

@@ -50,6 +50,10 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       # With batch_invariant: 'chunks' (fastest for engines of up to 32 slots) or 'floor'
       # (no slower than the default numerics for 64 slots or more; needs mesh.*.data == 1).
       invariant_rows='chunks',
+      # A mixture of experts: 'r3' (rollout routing replay) records the experts the workers
+      # routed every token to and the trainer routes by them (docs/models.md "Rollout
+      # routing replay"); 'off': the trainer routes by its own router.
+      routing_replay='off',
   ))
   # LoRA (rlax_llm/models/lora.py, docs/models.md "LoRA"): rank 0 = off (full fine-tuning);
   # rank > 0 trains only low-rank adapters (scale alpha / rank) on the comma-separated targets
@@ -97,6 +101,10 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       micro_batches=1,  # gradient accumulation: activation memory of batch / micro_batches rows
       logprob_chunk=0,  # > 0: lm head + log-probs this many positions at a time (no [B,T,V])
       shared_prefix=False,  # True: score completions only; each group's prompt runs once
+      # A mixture of experts: the weight of the router's load-balancing loss in the trainer's
+      # objective (0: off, as in the peers' RL; the checkpoint's router_aux_loss_coef is
+      # pre-training's and is not read by RL).
+      moe_aux_loss_coef=0.0,
       advantage_estimator=placeholder(str), eps_low=placeholder(float),
       eps_high=placeholder(float), aggregation=placeholder(str),
       kl_beta=0.0, kl_estimator=placeholder(str),

@@ -58,7 +58,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       # copy, which the trainer pushes (half the bytes, sparse deltas between versions).
       param_dtype='float32', inference_param_dtype='bfloat16', inference_quant='none',
       kv_cache_quant='none', dtype='bfloat16', remat='full',
-      batch_invariant=False, invariant_rows='chunks',
+      batch_invariant=False, invariant_rows='chunks', routing_replay='off',
   ))
   # Every argument of MathTask at its default (task_section) but these: GSM8K from the hub,
   # 200 of its test split held out, asked in a chat turn, scored by the math scorer.

@@ -359,20 +359,28 @@ class MoE(nnx.Module):
     self.experts_down = _param(rngs, (e, f, d), (moe.EXPERT_AXIS, 'mlp', 'embed'), dt, f ** -0.5)
     self.config = c
 
-  def __call__(self, x: Array) -> tuple[Array, Array]:
+  def __call__(self, x: Array, routes: Array | None = None, weights: Array | None = None
+               ) -> tuple[Array, Array, Array]:
     """x ``[batch, length, embed]`` -> ``(out [batch, length, embed] in Execution.dtype,
-    moe.router_stats float32 [2, experts])``."""
+    moe.router_stats float32 [2, experts], the router's own top-k experts int32 [batch,
+    length, k])``. ``routes`` (int ``[batch, length, k]``, ``moe.NO_ROUTE`` where none):
+    replay these experts (``moe.replay``). ``weights`` (float ``[batch, length]``): the
+    tokens' weights in the router statistics (a padding mask)."""
     c = self.config
     dt = c.execution.dtype
     chex.assert_rank(x, 3)
     flat = x.reshape(-1, x.shape[-1]).astype(dt)
-    probs, gates, experts = moe.route(linear(flat, self.router[...].astype(dt), c),
-                                      c.num_experts_per_tok, c.norm_topk_prob)
-    weights = [w[...].astype(dt) for w in (self.experts_gate, self.experts_up,
+    probs, gates, own = moe.route(linear(flat, self.router[...].astype(dt), c),
+                                  c.num_experts_per_tok, c.norm_topk_prob)
+    experts = own
+    if routes is not None:
+      gates, experts = moe.replay(probs, own, routes.reshape(own.shape), c.norm_topk_prob)
+    kernels = [w[...].astype(dt) for w in (self.experts_gate, self.experts_up,
                                            self.experts_down)]
-    out = moe.EXPERT_IMPLS[c.execution.moe_impl](flat, experts, gates, *weights).astype(dt)
-    return (constrain(out.reshape(x.shape), ('batch', 'length', 'embed')),
-            moe.router_stats(probs, experts))
+    out = moe.EXPERT_IMPLS[c.execution.moe_impl](flat, experts, gates, *kernels).astype(dt)
+    stats = moe.router_stats(probs, experts, None if weights is None else weights.reshape(-1))
+    return (constrain(out.reshape(x.shape), ('batch', 'length', 'embed')), stats,
+            own.reshape(x.shape[:2] + own.shape[-1:]))
 
 
 class Block(nnx.Module):
@@ -391,14 +399,15 @@ class Block(nnx.Module):
     else:
       self.mlp = MLP(config, rngs=rngs)
 
-  def __call__(self, x, rope_cs, mask, kv, starts):
-    """``(x, the layer's new cache blocks or None, the MoE's ``router_stats`` float32
-    ``[2, experts]`` or None in a dense block)``."""
+  def __call__(self, x, rope_cs, mask, kv, starts, routes=None, weights=None):
+    """``(x, the layer's new cache blocks or None, the MoE's ``(router_stats float32
+    [2, experts], own top-k experts int32 [B, T, k])`` or None in a dense block)``;
+    ``routes`` and ``weights`` go to the ``MoE``."""
     h, new_kv = self.attn(self.attn_norm(x), rope_cs, mask, kv, starts)
     x = x + h
     if hasattr(self, 'moe'):
-      h, stats = self.moe(self.mlp_norm(x))
-      return x + h, new_kv, stats
+      h, stats, own = self.moe(self.mlp_norm(x), routes, weights)
+      return x + h, new_kv, (stats, own)
     return x + self.mlp(self.mlp_norm(x)), new_kv, None
 
 
@@ -430,8 +439,10 @@ _REMAT_POLICY = {
 
 def run_layers(blocks: Block | nnx.List, x: Array, rope_cs: tuple[Array, Array], mask: Array,
                kv: LayerBlocks | tuple[LayerBlocks, ...] | None, starts: Array | None,
-               remat: str
-               ) -> tuple[Array, LayerBlocks | tuple[LayerBlocks, ...] | None, Array | None]:
+               remat: str, routes: Array | None = None, weights: Array | None = None,
+               record: bool = False
+               ) -> tuple[Array, LayerBlocks | tuple[LayerBlocks, ...] | None, Array | None,
+                          Array | None]:
   """``x`` ``[B, T, E]`` through the decoder's ``blocks`` in order (``Execution.layer_loop``).
 
   Stacked ``blocks`` (``stack_layers``, ``'scan'``): one ``jax.lax.scan`` over their layer
@@ -445,13 +456,18 @@ def run_layers(blocks: Block | nnx.List, x: Array, rope_cs: tuple[Array, Array],
   ``jax.checkpoint`` that keeps only what the policy saves for the backward pass, which
   recomputes the rest layer by layer (in a scan the backward scan runs after the forward
   one, so XLA cannot merge the two; the unrolled loop is the engine's, which has no backward
-  pass). Returns ``(x, the new cache blocks, in ``kv``'s layout, or None, the MoE layers'
+  pass).
+
+  A mixture of experts: ``routes`` (int ``[B, T, layers, k]``, ``moe.NO_ROUTE`` where none)
+  are replayed layer by layer (``moe.replay``); ``weights`` (float ``[B, T]``) weigh the
+  tokens in the router statistics; ``record`` returns each layer's own top-k experts.
+  Returns ``(x, the new cache blocks, in ``kv``'s layout, or None, the MoE layers'
   ``moe.router_stats`` summed over the layers (float32 ``[2, experts]``) or None when
-  dense)``.
+  dense, the router's own experts int32 ``[B, T, layers, k]`` with ``record``, else None)``.
   """
-  def layer(graphdef):  # a layer: (its state, x, its cache blocks) -> (x, kv, router stats)
-    def call(state, x, kv):
-      return nnx.merge(graphdef, state)(x, rope_cs, mask, kv, starts)
+  def layer(graphdef):  # (its state, x, its cache blocks, its routes) -> (x, kv, moe out)
+    def call(state, x, kv, layer_routes):
+      return nnx.merge(graphdef, state)(x, rope_cs, mask, kv, starts, layer_routes, weights)
     if remat == 'none':
       return call
     return jax.checkpoint(call, policy=_REMAT_POLICY[remat], prevent_cse=False)
@@ -459,13 +475,17 @@ def run_layers(blocks: Block | nnx.List, x: Array, rope_cs: tuple[Array, Array],
   add = lambda total, stats: None if stats is None else (
       stats if total is None else total + stats)
   if isinstance(blocks, nnx.List):
-    new, total = [], None
+    new, total, chosen = [], None, []
     for i, block in enumerate(blocks):
       graphdef, state = nnx.split(block)
-      x, layer_kv, stats = layer(graphdef)(state, x, None if kv is None else kv[i])
+      x, layer_kv, out = layer(graphdef)(state, x, None if kv is None else kv[i],
+                                         None if routes is None else routes[:, :, i])
       new.append(layer_kv)
-      total = add(total, stats)
-    return x, None if kv is None else tuple(new), total
+      if out is not None:
+        total = add(total, out[0])
+        chosen.append(out[1])
+    own = jnp.stack(chosen, axis=2) if record and chosen else None
+    return x, None if kv is None else tuple(new), total, own
   graphdef, state = nnx.split(blocks)
   step = layer(graphdef)
   num_layers = jax.tree.leaves(state)[0].shape[0]
@@ -474,16 +494,20 @@ def run_layers(blocks: Block | nnx.List, x: Array, rope_cs: tuple[Array, Array],
 
   def body(carry, xs):
     x, cache, total = carry
-    state, i = xs
+    state, i, layer_routes = xs
     at = lambda b: jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False)
-    x, new, stats = step(state, x, None if cache is None else jax.tree.map(at, cache))
+    x, new, out = step(state, x, None if cache is None else jax.tree.map(at, cache),
+                       layer_routes)
     if cache is not None:
       cache = jax.tree.map(lambda b, n: jax.lax.dynamic_update_index_in_dim(b, n, i, 0),
                            cache, new)
-    return (x, cache, add(total, stats)), None
+    own = out[1] if record and out is not None else None
+    return (x, cache, add(total, None if out is None else out[0])), own
 
-  (x, kv, total), _ = jax.lax.scan(body, (x, kv, total), (state, jnp.arange(num_layers)))
-  return x, kv, total
+  layer_routes = None if routes is None else jnp.moveaxis(routes, 2, 0)
+  (x, kv, total), own = jax.lax.scan(body, (x, kv, total),
+                                     (state, jnp.arange(num_layers), layer_routes))
+  return x, kv, total, None if own is None else jnp.moveaxis(own, 0, 2)
 
 
 def head_is_vocab_major(config: DecoderConfig, rows: int) -> bool:
@@ -560,7 +584,8 @@ class Decoder(nnx.Module):
 
   def __call__(self, tokens: Array, *, cache: KVCache | None = None,
                num_valid: Array | None = None, attend: int | None = None,
-               features: bool = False, aux_loss: bool = False):
+               features: bool = False, aux_loss: bool = False, routes: Array | None = None,
+               return_routes: bool = False, token_mask: Array | None = None):
     """``attend`` (static, with a cache): attention reads only the first ``attend`` cache
     positions; every row's ``lengths + T`` must be ``<= attend``. Decoding passes the
     smallest bucket that holds its longest row, so short sequences do not pay for the whole
@@ -569,7 +594,14 @@ class Decoder(nnx.Module):
     ``(hidden, new_cache)``. ``aux_loss`` (a mixture of experts, without a cache): return
     ``(out, loss)``, ``loss`` the router's load-balancing loss over all layers and tokens
     (``moe.load_balancing_loss``, float32 scalar, not yet scaled by
-    ``router_aux_loss_coef``)."""
+    ``router_aux_loss_coef``), over the tokens where ``token_mask`` (float ``[B, T]``, e.g.
+    the non-padding positions) is nonzero, or all.
+
+    Rollout routing replay (a mixture of experts): ``routes`` (int ``[B, T, layers, k]``,
+    ``moe.NO_ROUTE`` where none was recorded) routes each token by the recorded experts
+    (``moe.replay``); ``return_routes`` appends the experts the router itself chose at each
+    token (``[B, T, layers, k]`` in ``moe.route_dtype``) to what is returned: ``(out,
+    routes)``, ``(out, loss, routes)`` or ``(out, new_cache, routes)``."""
     c = self.config
     chex.assert_rank(tokens, 2)
     batch, length = tokens.shape
@@ -596,14 +628,23 @@ class Decoder(nnx.Module):
                        f'mixture of experts without a cache, but num_experts={c.num_experts} '
                        f'and cache={"given" if cache is not None else None}; pass '
                        'aux_loss=False.')
-    x, new_kv, stats = run_layers(self.blocks, x, rope_cs, mask,
-                                  None if cache is None else cache.layers(used), starts,
-                                  c.execution.remat)
+    if (routes is not None or return_routes) and not c.is_moe:
+      raise ValueError('Decoder(routes=..., return_routes=True) replays or records the '
+                       f'experts of a mixture of experts, but num_experts={c.num_experts}; '
+                       'route replay needs a MoE model.')
+    if routes is not None:
+      chex.assert_shape(routes, (batch, length, c.num_layers, c.num_experts_per_tok))
+    x, new_kv, stats, own = run_layers(self.blocks, x, rope_cs, mask,
+                                       None if cache is None else cache.layers(used), starts,
+                                       c.execution.remat, routes, token_mask, return_routes)
     x = self.final_norm(x)
     out = x if features else constrain(self.head(x), ('batch', 'length', 'vocab'))
+    recorded = (own.astype(moe.route_dtype(c.num_experts)),) if return_routes else ()
     if cache is None:
-      return (out, moe.load_balancing_loss(stats, c.num_experts_per_tok)) if aux_loss else out
+      loss = (moe.load_balancing_loss(stats, c.num_experts_per_tok),) if aux_loss else ()
+      result = (out, *loss, *recorded)
+      return result if len(result) > 1 else out
     if num_valid is None:
       num_valid = jnp.full((batch,), length, jnp.int32)
     new_cache = cache.with_layers(new_kv, used, cache.lengths + num_valid.astype(jnp.int32))
-    return out, new_cache
+    return (out, new_cache, *recorded)

@@ -35,7 +35,8 @@ class Model:
 
   def apply(self, params: Params, tokens: jax.Array, *, cache: KVCache | None = None,
             num_valid: jax.Array | None = None, attend: int | None = None,
-            features: bool = False, aux_loss: bool = False):
+            features: bool = False, aux_loss: bool = False, routes: jax.Array | None = None,
+            return_routes: bool = False, token_mask: jax.Array | None = None):
     """Runs the decoder. tokens: int32 ``[batch, length]``.
 
     Returns float32 logits ``[batch, length, vocab]``, or ``(logits, new_cache)`` when a
@@ -44,11 +45,18 @@ class Model:
     take the logits' place (``logits`` makes them logits). ``aux_loss`` (a mixture of
     experts, no cache): ``(logits, the router's load-balancing loss)``, a float32 scalar
     (``rlax_llm.models.moe.load_balancing_loss``; the trainer weighs it by
-    ``config.router_aux_loss_coef``).
+    ``config.router_aux_loss_coef``), over the tokens where ``token_mask`` (float
+    ``[batch, length]``) is nonzero. ``routes`` (int ``[batch, length, layers, k]``) replays
+    recorded experts and ``return_routes`` appends the router's own (rollout routing replay,
+    ``Decoder``; ``rlax_llm.models.moe.replay``).
     """
     module = nnx.merge(self.graphdef, params)
+    extra = {name: value for name, value in (('aux_loss', aux_loss), ('routes', routes),
+                                             ('return_routes', return_routes),
+                                             ('token_mask', token_mask)) if value is not None
+             and value is not False}
     return module(tokens, cache=cache, num_valid=num_valid, attend=attend, features=features,
-                  **({'aux_loss': True} if aux_loss else {}))
+                  **extra)
 
   def logits(self, params: Params, hidden: jax.Array) -> jax.Array:
     """float32 logits ``[..., vocab]`` of final-normed hidden states ``[..., embed]`` (what
@@ -61,8 +69,8 @@ class Model:
     (default one block; layouts in ``KVCache``)."""
     return KVCache.init(self.config, batch, max_len, block_length)
 
-  def prefill(self, params: Params, tokens: jax.Array, lengths: jax.Array, cache: KVCache
-              ) -> tuple[jax.Array, KVCache]:
+  def prefill(self, params: Params, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
+              *, return_routes: bool = False):
     """Writes right-padded prompts into the cache slots.
 
     Args:
@@ -73,10 +81,13 @@ class Model:
       ``(logits of each row's last valid token, float32 [batch, vocab], new cache)``. Only
       those rows go through the lm head: logits at every position would cost SmolLM2-135M
       a fifth more FLOPs and a ``[batch, P, vocab]`` buffer nobody reads.
+      ``return_routes`` (a mixture of experts) appends the experts each token was routed to,
+      ``[batch, P, layers, k]`` (``Decoder``).
     """
-    hidden, cache = self.apply(params, tokens, cache=cache, num_valid=lengths, features=True)
+    hidden, cache, *routes = self.apply(params, tokens, cache=cache, num_valid=lengths,
+                                        features=True, return_routes=return_routes)
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    return self.logits(params, last), cache
+    return (self.logits(params, last), cache, *routes)
 
   def decode_step(self, params: Params, tokens: jax.Array, cache: KVCache
                   ) -> tuple[jax.Array, KVCache]:

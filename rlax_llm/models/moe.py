@@ -16,6 +16,13 @@ The experts' weights are stacked ``[experts, ...]`` under the logical axis ``exp
 inputs first (``[experts, in, out]``, whatever ``Execution.weight_layout``); the router is an
 ordinary ``[embed, experts]`` weight without bias.
 
+Rollout routing replay (R3): ``replay`` routes tokens to recorded experts (``routes``,
+each token's top-k indices per layer, ``route_dtype``: int8 for up to 127 experts, else
+int16; ``NO_ROUTE`` where nothing was recorded) with the gates still the router's softmax
+at those experts (renormalised as the family does), so the choice is fixed and the router
+is trained through the gates; ``flipped`` counts the recorded choices the router's own
+top-k would not have made.
+
 The block also returns its router statistics (``router_stats``) from which
 ``load_balancing_loss`` computes the Switch Transformer auxiliary loss as transformers does
 over all layers.
@@ -28,6 +35,8 @@ References:
   Gale et al., "MegaBlocks: Efficient Sparse Training with Mixture-of-Experts", arXiv
   2211.15841 (dropless grouped matmuls).
   Qwen Team, "Qwen3 Technical Report", arXiv 2505.09388.
+  Ma et al., "Stabilizing MoE Reinforcement Learning by Aligning Training and Inference
+  Routers", arXiv 2510.11370 (rollout routing replay, R3).
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ from __future__ import annotations
 import chex
 import jax
 import jax.numpy as jnp
+
+from rlax_llm.model_spec import NO_ROUTE, route_dtype  # noqa: F401  (R3's, re-exported)
 
 Array = jax.Array
 
@@ -61,20 +72,64 @@ def route(logits: Array, top_k: int, renormalize: bool) -> tuple[Array, Array, A
   return probs, gates, experts.astype(jnp.int32)
 
 
-def router_stats(probs: Array, experts: Array) -> Array:
+def replayed_experts(own: Array, routes: Array) -> Array:
+  """int32 ``[..., k]``: the experts routing replay routes each token to: its recorded ones
+  ``routes [..., k]``, or the router's own ``own [..., k]`` where none was recorded
+  (``NO_ROUTE`` in slot 0)."""
+  chex.assert_equal_shape([own, routes])
+  return jnp.where(routes[..., :1] >= 0, routes.astype(jnp.int32), own.astype(jnp.int32))
+
+
+def replay(probs: Array, own: Array, routes: Array, renormalize: bool) -> tuple[Array, Array]:
+  """Routing replay (R3): each token routed to its recorded experts, the gates the router's
+  probabilities at them (differentiable), renormalised as ``route`` does.
+
+  Args:
+    probs: float32 ``[tokens, experts]``, the router's softmax (``route``).
+    own: int32 ``[tokens, k]``, the router's own top-k (``route``): a token whose recorded
+      route is ``NO_ROUTE`` (slot 0 negative) keeps it.
+    routes: int ``[tokens, k]``, the recorded experts.
+    renormalize: as in ``route``.
+  Returns:
+    ``(gates float32 [tokens, k], experts int32 [tokens, k])``.
+  """
+  experts = replayed_experts(own, routes)
+  gates = jnp.take_along_axis(probs, experts, axis=-1)
+  if renormalize:
+    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+  return gates, experts
+
+
+def flipped(own: Array, routes: Array) -> Array:
+  """int32 ``[...]``: per token, how many of its recorded experts ``routes [..., k]`` are not
+  among the router's own top-k ``own [..., k]`` (0 where nothing was recorded): the choices
+  routing replay overrides (a set difference: the order of the slots does not count)."""
+  chex.assert_equal_shape([own, routes])
+  hit = jnp.any(routes[..., :, None].astype(jnp.int32) == own[..., None, :].astype(jnp.int32),
+                axis=-1)
+  return jnp.where(routes[..., 0] >= 0, jnp.sum(~hit, axis=-1), 0).astype(jnp.int32)
+
+
+def router_stats(probs: Array, experts: Array, weights: Array | None = None) -> Array:
   """float32 ``[2, num_experts]``: how many of the (token, slot) choices went to each expert,
-  and the sum over tokens of each expert's router probability. Summed over layers they give
+  and the sum over tokens of each expert's router probability; ``weights`` (float ``[tokens]``,
+  e.g. a padding mask) counts each token that many times. Summed over layers they give
   ``load_balancing_loss``."""
   num_experts = probs.shape[-1]
-  counts = jnp.zeros((num_experts,), jnp.float32).at[experts.reshape(-1)].add(1.0)
-  return jnp.stack([jax.lax.stop_gradient(counts), jnp.sum(probs, axis=0)])
+  if weights is None:
+    weights = jnp.ones(probs.shape[:1], jnp.float32)
+  weights = weights.astype(jnp.float32)
+  slots = jnp.broadcast_to(weights[:, None], experts.shape).reshape(-1)
+  counts = jnp.zeros((num_experts,), jnp.float32).at[experts.reshape(-1)].add(slots)
+  return jnp.stack([jax.lax.stop_gradient(counts), jnp.sum(probs * weights[:, None], axis=0)])
 
 
 def load_balancing_loss(stats: Array, top_k: int) -> Array:
   """The Switch Transformer load-balancing loss (Fedus et al. eqs. 4-6) as transformers'
   ``load_balancing_loss_func`` computes it over all MoE layers (no attention mask):
   ``num_experts * sum_e f_e * P_e``, ``f_e`` the fraction of (token, layer) rows that chose
-  expert ``e`` (summed over the k slots), ``P_e`` its mean router probability.
+  expert ``e`` (summed over the k slots), ``P_e`` its mean router probability; with weighted
+  stats (a padding mask) over the weighted tokens only, as transformers' attention mask.
 
   Args:
     stats: ``router_stats`` summed over the layers, float32 ``[2, num_experts]``.
@@ -85,7 +140,7 @@ def load_balancing_loss(stats: Array, top_k: int) -> Array:
   """
   chex.assert_shape(stats, (2, None))
   counts, prob_sums = stats[0], stats[1]
-  rows = jnp.sum(counts) / top_k  # tokens x layers
+  rows = jnp.maximum(jnp.sum(counts) / top_k, 1e-9)  # tokens x layers
   return stats.shape[-1] * jnp.sum((counts / rows) * (prob_sums / rows))
 
 

@@ -138,7 +138,11 @@ def _token_ids(name: str, ids) -> tuple[int, ...]:
 
 @dataclasses.dataclass
 class Sample:
-  """One generated completion."""
+  """One generated completion. With an engine that records routes (``record_routes``),
+  ``prompt_routes`` (int ``[P, layers, k]``) and ``routes`` (one int ``[layers, k]`` per
+  token fed so far: all tokens but the last) are the experts each prompt and sampled token
+  was routed to when it went through the model (a continued sample's drawn tokens: as its
+  continuation's prefill routed them)."""
 
   tokens: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
@@ -146,6 +150,8 @@ class Sample:
   versions: list[int] = dataclasses.field(default_factory=list)
   finish_reason: str | None = None  # 'stop' | 'length' | 'cancelled'; None: unfinished
   restarts: int = 0
+  prompt_routes: np.ndarray | None = None
+  routes: list[np.ndarray] = dataclasses.field(default_factory=list)
 
   def append(self, token: int, logprob: float, support: int, version: int) -> None:
     self.tokens.append(int(token))
@@ -156,10 +162,12 @@ class Sample:
   def copy(self) -> 'Sample':
     """A copy whose token lists can grow without touching this one."""
     return dataclasses.replace(self, tokens=list(self.tokens), logprobs=list(self.logprobs),
-                               supports=list(self.supports), versions=list(self.versions))
+                               supports=list(self.supports), versions=list(self.versions),
+                               routes=list(self.routes))
 
   def restart(self) -> None:
     self.tokens, self.logprobs, self.supports, self.versions = [], [], [], []
+    self.prompt_routes, self.routes = None, []
     self.finish_reason = None
     self.restarts += 1
 
@@ -304,7 +312,8 @@ class Driver:
                                 if results[j][i].finish_reason is None)
     # New samples of a job share its prompt's prefill; continued ones have their own.
     to_insert = collections.Counter(j for j, i in pending if not results[j][i].tokens)
-    prefixes: dict[Any, tuple[int, Any, int]] = {}  # job or (job, i) -> (version, Prefix, row)
+    # job or (job, i) -> (version, Prefix, row, its routes on the host or None)
+    prefixes: dict[Any, tuple[int, Any, int, Any]] = {}
     slots: list[tuple[int, int] | None] = [None] * e.slots
     self.state = e.release_all(self.state)
     version = None
@@ -399,6 +408,8 @@ class Driver:
                            'inactive; host and device bookkeeping disagree.')
       self.stats['slot_steps'] += 1
       sample = results[j][i]
+      if host.routes is not None:  # the token this step fed: the sample's last
+        sample.routes.append(host.routes[slot])
       token = int(host.tokens[slot])
       sample.append(token, host.logprobs[slot], host.supports[slot], version)
       if host.done[slot]:
@@ -438,14 +449,19 @@ class Driver:
       self.stats['prefill_s'] += time.perf_counter() - t0
       self.stats['prefills'] += len(need)
       self.stats['prefill_calls'] += 1
+      routes = None if prefix.routes is None else np.asarray(jax.device_get(prefix.routes))
       for row, u in enumerate(need):
-        prefixes[u] = (version, prefix, row)
+        prefixes[u] = (version, prefix, row, routes)
     groups: dict[int, tuple[Any, int, list]] = {}
     for slot, (j, i) in zip(free, take):
       u = unit(j, i)
-      prefix_version, prefix, row = prefixes[u]
+      prefix_version, prefix, row, routes = prefixes[u]
       groups.setdefault(id(prefix), (prefix, prefix_version, []))[2].append(
           (slot, j, i, row, len(results[j][i].tokens)))
+      if routes is not None:  # the prompt's and a continuation's drawn tokens' routing
+        sample, length = results[j][i], len(jobs[j].prompt_ids)
+        sample.prompt_routes = routes[row, :length]
+        sample.routes = list(routes[row, length:length + len(sample.tokens)])
       if isinstance(u, int):
         to_insert[j] -= 1
         if to_insert[j] == 0:

@@ -24,6 +24,12 @@ a fixed set of KV-cache *slots*; rlax_llm's engine keeps that shape:
 * ``generate(params, state, spec) -> (state, StepResult)``: one decode step for every slot:
   feed each slot's last token, sample the next from the policy, write its key/value.
 
+Rollout routing replay (``record_routes``, a mixture of experts): a prefill returns the
+experts each prompt token was routed to (``Prefix.routes``) and a decode step those of the
+token each slot fed (``HostStep.routes``: the token the slot sampled the step before), so
+the driver records every token's routing but a sample's last (never fed), which the trainer
+then replays (``rlax_llm.models.moe.replay``).
+
 JetStream's own signatures (one prompt per prefill, one slot per insert) are the batch-1
 case; ``rlax_llm.rollout.jetstream_adapter`` wraps them for JetStream's orchestrator.
 
@@ -63,6 +69,7 @@ from rlax_llm.models.kv_cache import (ATTEND_BUCKETS, BLOCK_ALIGN, KEY_BLOCK_AXE
                                       VALUE_BLOCK_AXES, VALUE_POSITION_AXIS, KVCache,
                                       block_layout, cache_block_shape)
 from rlax_llm.models.model import Model, Params, to_weight_layout, with_weight_layout
+from rlax_llm.models.moe import NO_ROUTE
 from rlax_llm.models.quant import QUANT_MODES, quantize_params, quantized_shardings
 from rlax_llm.paramserver.shards import leaf_specs
 from rlax_llm.policy import sample_rows
@@ -88,6 +95,9 @@ class Prefix:
   # 1; None (per layer: ()) if not.
   k_scale: jax.Array | tuple[jax.Array, ...] | None = None
   v_scale: jax.Array | tuple[jax.Array, ...] | None = None
+  # ``record_routes``: the experts each token was routed to, ``[K, bucket, layers, k]`` in
+  # ``moe.route_dtype`` (``moe.NO_ROUTE`` past a row's length); None if not recorded.
+  routes: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,21 +144,35 @@ class StepResult:
   """One step's output per slot (JetStream's ``ResultTokens``, with log-probs), packed in one
   int32 ``[S, 5]`` array so that a single device-to-host copy brings it back: columns
   token (pad where not valid), behaviour log-prob (float32 bits; 0 where not valid), support
-  size, valid (the slot was active and sampled a token), done (it finished at this step)."""
+  size, valid (the slot was active and sampled a token), done (it finished at this step);
+  with ``record_routes``, ``layers x k`` more columns: the experts the token the slot fed
+  was routed to (``moe.NO_ROUTE`` where it fed none)."""
 
   data: jax.Array
+  route_shape: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
+  # ``extend`` with ``record_routes``: the experts of the tokens it appended, ``[R, width,
+  # layers, k]`` (row ``i``: ``extends[i].tokens``, ``moe.NO_ROUTE`` past them).
+  prefilled: jax.Array | None = None
 
   @classmethod
-  def pack(cls, tokens, logprobs, supports, valid, done) -> 'StepResult':
+  def pack(cls, tokens, logprobs, supports, valid, done, routes=None) -> 'StepResult':
     bits = jax.lax.bitcast_convert_type(logprobs.astype(jnp.float32), jnp.int32)
-    return cls(jnp.stack([tokens.astype(jnp.int32), bits, supports.astype(jnp.int32),
-                          valid.astype(jnp.int32), done.astype(jnp.int32)], axis=1))
+    columns = jnp.stack([tokens.astype(jnp.int32), bits, supports.astype(jnp.int32),
+                         valid.astype(jnp.int32), done.astype(jnp.int32)], axis=1)
+    if routes is None:
+      return cls(columns)
+    flat = routes.reshape(routes.shape[0], -1).astype(jnp.int32)
+    return cls(jnp.concatenate([columns, flat], axis=1), tuple(routes.shape[1:]))
 
   def to_host(self) -> 'HostStep':
     data = np.asarray(jax.device_get(self.data))
+    routes = (data[:, 5:].reshape((len(data),) + self.route_shape).astype(np.int16)
+              if self.route_shape else None)
+    prefilled = (None if self.prefilled is None
+                 else np.asarray(jax.device_get(self.prefilled)).astype(np.int16))
     return HostStep(tokens=data[:, 0], logprobs=data[:, 1].view(np.float32),
                     supports=data[:, 2], valid=data[:, 3].astype(bool),
-                    done=data[:, 4].astype(bool))
+                    done=data[:, 4].astype(bool), routes=routes, prefilled=prefilled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +184,9 @@ class HostStep:
   supports: np.ndarray
   valid: np.ndarray
   done: np.ndarray
+  routes: np.ndarray | None = None  # int16 [S, layers, k] (record_routes): the fed token's
+  #   experts, NO_ROUTE where a slot fed none
+  prefilled: np.ndarray | None = None  # int16 [R, width, layers, k]: extend's tokens' experts
 
 
 def default_buckets(max_prefill_length: int) -> tuple[int, ...]:
@@ -227,6 +254,8 @@ class Engine:
       ``batch_invariant`` (its log-probs must equal the trainer's scanned forward's bit for
       bit, and the two loops compile to different fusions); else ``'scan'`` (accelerators
       read the slice in the dot; compile time independent of depth matters there).
+    record_routes: a mixture of experts only: record each token's experts for routing
+      replay (``Prefix.routes``, ``HostStep.routes``; ``model.routing_replay='r3'``).
   """
 
   def __init__(self, model: Model, mesh: Mesh, *, slots: int, max_prefill_length: int,
@@ -236,7 +265,13 @@ class Engine:
                block_align: int = BLOCK_ALIGN,
                rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES,
                weight_layout: str | None = None, decode_attention: str | None = None,
-               quant: str = 'none', kv_cache_quant: str = 'none', layer_loop: str = 'auto'):
+               quant: str = 'none', kv_cache_quant: str = 'none', layer_loop: str = 'auto',
+               record_routes: bool = False):
+    if record_routes and not model.config.is_moe:
+      raise ValueError('record_routes=True records the experts of a mixture of experts, but '
+                       f'the model is dense (num_experts={model.config.num_experts}); pass '
+                       'record_routes=False.')
+    self.record_routes = bool(record_routes)
     if kv_cache_quant not in KV_CACHE_QUANT_MODES:
       raise ValueError(f'kv_cache_quant={kv_cache_quant!r} is not a KV cache quantisation; '
                        f'choose one of {list(KV_CACHE_QUANT_MODES)}.')
@@ -611,11 +646,16 @@ class Engine:
   def _prefill_impl(self, params, tokens, lengths):
     cache = KVCache.init(self.model.config, tokens.shape[0], tokens.shape[1],
                          quant=self.kv_cache_quant)
-    last, cache = self.model.prefill(params, tokens, lengths, cache)
+    last, cache, *routes = self.model.prefill(params, tokens, lengths, cache,
+                                              return_routes=self.record_routes)
     only = lambda part: self._layer_groups(  # the one block
         lambda blocks, lead: blocks[0] if blocks else None, part)
+    if routes:
+      valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+      routes = [jnp.where(valid[:, :, None, None], routes[0], NO_ROUTE).astype(routes[0].dtype)]
     return Prefix(k=only(cache.k), v=only(cache.v), lengths=lengths, logits=last,
-                  k_scale=only(cache.k_scale), v_scale=only(cache.v_scale))
+                  k_scale=only(cache.k_scale), v_scale=only(cache.v_scale),
+                  routes=routes[0] if routes else None)
 
   def _layer_groups(self, fn, *parts):
     """``fn(*blocks, lead=...)`` over the layer groups of cache ``parts`` (a ``KVCache``'s
@@ -681,7 +721,15 @@ class Engine:
         remaining=set_rows(state.remaining, remaining),
         stop_ids=set_rows(state.stop_ids, stop_ids))
     valid = slots < state.tokens.shape[0]
-    return state, StepResult.pack(token, logp, support, valid, valid & (remaining == 0))
+    return state, StepResult.pack(token, logp, support, valid, valid & (remaining == 0),
+                                  self._no_routes(token.shape[0]))
+
+  def _no_routes(self, rows: int) -> jax.Array | None:
+    """``StepResult`` route columns of ``rows`` that fed no token (None: not recording)."""
+    if not self.record_routes:
+      return None
+    c = self.model.config
+    return jnp.full((rows, c.num_layers, c.num_experts_per_tok), NO_ROUTE, jnp.int32)
 
   def _extend_impl(self, params, state, tokens, lengths, slots, keys, max_new, offsets,
                    stop_ids, *, spec):
@@ -708,7 +756,8 @@ class Engine:
                     lengths=state.cache.lengths[gather],
                     k_scale=joins(state.cache.k_scale, KEY_POSITION_AXIS),
                     v_scale=joins(state.cache.v_scale, VALUE_POSITION_AXIS), stacked=stacked)
-    last, cache = self.model.prefill(params, tokens, lengths, cache)
+    last, cache, *routes = self.model.prefill(params, tokens, lengths, cache,
+                                              return_routes=self.record_routes)
 
     def split(buffers, new, axis, lead):
       if not buffers:
@@ -729,13 +778,21 @@ class Engine:
         k_scale=splits(state.cache.k_scale, cache.k_scale, KEY_POSITION_AXIS),
         v_scale=splits(state.cache.v_scale, cache.v_scale, VALUE_POSITION_AXIS),
         stacked=stacked)
-    return self._start_samples(state, new_cache, last, slots, keys, max_new, offsets,
-                               stop_ids, spec)
+    state, result = self._start_samples(state, new_cache, last, slots, keys, max_new, offsets,
+                                        stop_ids, spec)
+    if routes:
+      valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+      result = result.replace(prefilled=jnp.where(valid[:, :, None, None], routes[0],
+                                                  NO_ROUTE).astype(routes[0].dtype))
+    return state, result
 
   def _generate_impl(self, params, state, *, spec, attend):
     active = state.remaining > 0
-    logits, cache = self.model.apply(params, state.tokens[:, None], cache=state.cache,
-                                     num_valid=active.astype(jnp.int32), attend=attend)
+    logits, cache, *routes = self.model.apply(
+        params, state.tokens[:, None], cache=state.cache, num_valid=active.astype(jnp.int32),
+        attend=attend, return_routes=self.record_routes)
+    routes = (jnp.where(active[:, None, None], routes[0][:, 0].astype(jnp.int32), NO_ROUTE)
+              if routes else None)
     keys = jax.vmap(lambda data, position: jax.random.fold_in(
         jax.random.wrap_key_data(data), position))(state.keys, state.positions)
     token, logp, support = sample_rows(
@@ -750,5 +807,6 @@ class Engine:
     state = DecodeState(cache=cache, tokens=jnp.where(active, token, state.tokens),
                         keys=state.keys, positions=state.positions + active,
                         remaining=remaining, stop_ids=state.stop_ids)
-    return state, StepResult.pack(token, logp, support, active, active & (remaining == 0))
+    return state, StepResult.pack(token, logp, support, active, active & (remaining == 0),
+                                  routes)
 

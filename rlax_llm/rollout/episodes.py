@@ -63,6 +63,7 @@ from rlax_llm.envs.conversation import (
   observe,
 )
 from rlax_llm.envs.seeds import env_seed
+from rlax_llm.models.moe import NO_ROUTE, route_dtype
 from rlax_llm.rollout.driver import VersionedParams
 from rlax_llm.rollout.engine import DecodeState, Engine, Extend, HostStep, Insert
 from rlax_llm.sampling_spec import SamplingSpec
@@ -136,6 +137,8 @@ class _Live:
   texts: list = dataclasses.field(default_factory=list)
   rows: list = dataclasses.field(default_factory=list)
   turns: list = dataclasses.field(default_factory=list)
+  # An engine that records routes: the experts of rows[:len(routes)], the rows fed so far.
+  routes: list = dataclasses.field(default_factory=list)
 
   @property
   def tokens(self) -> list[int]:
@@ -321,8 +324,11 @@ class EpisodeRunner:
       chunk = ready[lo:lo + e.slots]
       version, params = self.holder.get()
       prefix = e.prefill(params, [lv.tokens for lv in chunk])
+      routes = None if prefix.routes is None else np.asarray(jax.device_get(prefix.routes))
       inserts = []
       for row, live in enumerate(chunk):
+        if routes is not None:
+          live.routes = list(routes[row, :len(live.rows)])
         live.slot = free.pop(0)
         slots[live.slot] = live
         inserts.append(Insert(row=row, slot=live.slot, key=self._turn_key(live),
@@ -355,6 +361,8 @@ class EpisodeRunner:
     """Appends each episode's token from ``host`` row ``rows[i]``; returns those done."""
     ended = []
     for live, row in zip(lives, rows):
+      if host.routes is not None and host.routes[row][0, 0] != NO_ROUTE:  # it fed a token
+        live.routes.append(host.routes[row])
       live.sampled(host.tokens[row], host.logprobs[row], host.supports[row], version)
       self.stats['model_tokens'] += 1
       if host.done[row]:
@@ -417,7 +425,11 @@ class EpisodeRunner:
       return []
     version, params = self.holder.get()
     self.state, first = e.extend(params, self.state, extends, spec)
-    return self._record(first.to_host(), continuing, range(len(extends)), version)
+    host = first.to_host()
+    if host.prefilled is not None:  # the last sampled token and the observation
+      for i, (live, x) in enumerate(zip(continuing, extends)):
+        live.routes += list(host.prefilled[i, :len(x.tokens)])
+    return self._record(host, continuing, range(len(extends)), version)
 
   # ----------------------------------------------------------------------- helpers
 
@@ -441,6 +453,13 @@ class EpisodeRunner:
     turns = live.turns
     rewards = [t.reward if reason != 'env_error' else 0.0 for t in turns]
     columns = list(zip(*live.rows)) or [()] * 6
+    routes = {}
+    if self.engine.record_routes:
+      c = self.engine.model.config
+      routes['routes'] = np.full((len(live.rows), c.num_layers, c.num_experts_per_tok),
+                                 NO_ROUTE, route_dtype(c.num_experts))
+      if live.routes:
+        routes['routes'][:len(live.routes)] = live.routes
     results[live.index] = Trajectory(
         episode_id=live.index, group_id=live.episode.group_id,
         prompt_id=live.episode.prompt_id,
@@ -454,7 +473,7 @@ class EpisodeRunner:
         turn_mask=np.asarray([t.ok for t in turns], bool),
         state_ids=np.asarray([t.state for t in turns], np.int64),
         episode_return=float(sum(rewards)), termination=reason, texts=tuple(live.texts),
-        success=live.success and reason == 'done')
+        success=live.success and reason == 'done', **routes)
 
 
 def _timed(call):

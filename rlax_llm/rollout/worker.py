@@ -40,7 +40,9 @@ from jax.sharding import Mesh
 from rlax_llm import sharding as sharding_lib
 from rlax_llm.data_types import FollowLatest, GenerationRequest, Rollouts, Trajectory
 from rlax_llm.models import lora as lora_lib
+from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.model import Model
+from rlax_llm.models.moe import NO_ROUTE, route_dtype
 from rlax_llm.paramserver.receiver import Fetch, FetchBase, Latest, Receiver
 from rlax_llm.rollout.driver import Driver, Job, Sample, VersionedParams
 from rlax_llm.rollout.engine import Engine
@@ -75,6 +77,9 @@ class InferenceWorker:
       into the base pulled once through ``fetch_base`` (``Receiver``). None: the versions
       are the model's params.
     fetch_base: the backend's way to pull that base (``FetchBase``).
+    record_routes: a mixture of experts under ``model.routing_replay='r3'``: the rollouts
+      carry the experts every prompt and completion token was routed to
+      (``Rollouts.prompt_routes``/``completion_routes``, ``Engine``).
   """
 
   def __init__(self, model: Model, tokenizer: Tokenizer, mesh: Mesh, *, max_prompt_len: int,
@@ -83,7 +88,7 @@ class InferenceWorker:
                rules: Sequence[tuple[str, Any]] = sharding_lib.LOGICAL_RULES,
                quant: str = 'none', lora: lora_lib.LoRAConfig | None = None,
                fetch_base: FetchBase | None = None, kv_cache_quant: str = 'none',
-               layer_loop: str = 'auto'):
+               layer_loop: str = 'auto', record_routes: bool = False):
     self.model = model
     self.tokenizer = tokenizer
     self.mesh = mesh
@@ -91,7 +96,8 @@ class InferenceWorker:
     self.engine = Engine(model, mesh, slots=slots, max_prefill_length=max_prompt_len,
                          max_decode_length=max_new_tokens, pad_id=tokenizer.pad_id,
                          prefill_buckets=prefill_buckets, rules=rules, quant=quant,
-                         kv_cache_quant=kv_cache_quant, layer_loop=layer_loop)
+                         kv_cache_quant=kv_cache_quant, layer_loop=layer_loop,
+                         record_routes=record_routes)
     self.holder = VersionedParams()
     self.driver = Driver(self.engine, self.holder, on_swap=on_swap)
     self.reloads = 0
@@ -245,7 +251,12 @@ class InferenceWorker:
     """Row ``row`` of ``rows`` as the driver's ``Sample`` (to be kept or continued)."""
     n = int(rows.completion_mask[row].sum())
     reason = str(rows.finish_reasons[row])
-    return Sample(tokens=rows.completion_tokens[row, :n].tolist(),
+    routes = {}
+    if rows.completion_routes is not None:  # the recorded ones: all fed tokens'
+      fed = rows.completion_routes[row, :n]
+      routes = dict(prompt_routes=rows.prompt_routes[row, :int(rows.prompt_lengths[row])],
+                    routes=list(fed[fed[:, 0, 0] >= 0]))
+    return Sample(**routes,tokens=rows.completion_tokens[row, :n].tolist(),
                   logprobs=rows.behaviour_logprobs[row, :n].tolist(),
                   supports=rows.support_sizes[row, :n].tolist(),
                   versions=rows.versions[row, :n].tolist(),
@@ -279,6 +290,11 @@ class InferenceWorker:
         finish.append(sample.finish_reason or 'unfinished')
         restarts[row] = sample.restarts
         row += 1
+    routes = {}
+    if self.engine.record_routes:
+      samples = [sample for group in results for sample in group]
+      routes = dict(zip(('prompt_routes', 'completion_routes'), pack_routes(
+          samples, self.engine.model.config, self.max_prompt_len, width)))
     stats = self.driver.stats
     carried = sum(int(r.resume.completion_mask.sum()) for r in requests if r.resume is not None)
     generated = int(mask.sum()) - carried  # by this call
@@ -298,4 +314,23 @@ class InferenceWorker:
                  'slot_occupancy': stats.get('slot_steps', 0.0) / max(
                      1.0, stats.get('steps', 0.0) * self.engine.slots)},
         restarts=restarts, on_swap=self.driver.on_swap,
-        sample_keys=np.concatenate(keys).astype(np.uint32))
+        sample_keys=np.concatenate(keys).astype(np.uint32), **routes)
+
+
+def pack_routes(samples: Sequence[Sample], config: DecoderConfig, prompt_width: int,
+                width: int) -> tuple[np.ndarray, np.ndarray]:
+  """The routes an engine recorded for ``samples`` (``Sample.prompt_routes`` and
+  ``Sample.routes``) as ``Rollouts.prompt_routes`` ``[B, prompt_width, layers, k]`` and
+  ``Rollouts.completion_routes`` ``[B, width, layers, k]`` in ``moe.route_dtype``,
+  ``moe.NO_ROUTE`` where none was recorded."""
+  shape = (len(samples),)
+  per_token = (config.num_layers, config.num_experts_per_tok)
+  dtype = route_dtype(config.num_experts)
+  prompt = np.full(shape + (prompt_width,) + per_token, NO_ROUTE, dtype)
+  completion = np.full(shape + (width,) + per_token, NO_ROUTE, dtype)
+  for row, sample in enumerate(samples):
+    if sample.prompt_routes is not None:
+      prompt[row, :len(sample.prompt_routes)] = sample.prompt_routes
+    if sample.routes:  # a one-token sample fed none
+      completion[row, :len(sample.routes)] = sample.routes
+  return prompt, completion

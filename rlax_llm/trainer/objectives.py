@@ -38,7 +38,8 @@ def loss_totals(batch: TrainBatch | dict[str, jax.Array]) -> losses.Totals:
 def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
                  batch: TrainBatch, reference_params: Params | None,
                  totals: losses.Totals | None = None, *, logprob_chunk: int = 0,
-                 window: int = 0, share: int = 1, gkd: DistillConfig | None = None
+                 window: int = 0, share: int = 1, gkd: DistillConfig | None = None,
+                 routing_replay: bool = False, moe_aux_loss_coef: float = 0.0
                  ) -> tuple[jax.Array, dict[str, Any]]:
   """Recomputes the log-probs of the batch's tokens under ``policy`` (with the support sizes
   the sampler recorded) and applies the loss.
@@ -68,6 +69,14 @@ def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
   both renormalised on the teacher's support, over the sampled tokens. The student's
   log-softmax is read chunk by chunk (``logprob_chunk``) and in the windows (``window``) like
   the log-probs. Metric ``distill/gkd``: that divergence's token mean.
+
+  A mixture of experts: ``routing_replay`` (``model.routing_replay='r3'``) routes every
+  token by the experts the rollout engine recorded (``batch.routes``; the policy, reference
+  and recomputed log-probs alike) and reports ``moe/route_flip_fraction``, the fraction of
+  those choices the trainer's own router would have made otherwise (Ma et al., arXiv
+  2510.11370). ``moe_aux_loss_coef`` > 0 (``rl.moe_aux_loss_coef``) adds that times the
+  router's load-balancing loss over each row's tokens up to its last loss token (padding
+  excluded; ``moe/aux_loss``; full forward only); 0 leaves the objective as without it.
   """
   if gkd is not None and (batch.teacher_top_ids is None or batch.teacher_top_logp is None):
     raise ValueError("rl_objective(gkd=...) needs the teacher's top-k in the batch "
@@ -76,6 +85,21 @@ def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
   ids = batch.teacher_top_ids if gkd is not None else None
   teacher_logp = batch.teacher_top_logp
   length = batch.tokens.shape[1]
+  routes = None
+  if routing_replay:
+    if batch.routes is None:
+      raise ValueError('routing_replay=True replays the experts the rollout recorded, but the '
+                       'batch has no routes; the inference workers must record them '
+                       '(model.routing_replay=\'r3\').')
+    routes = batch.routes
+  aux_mask = None
+  if moe_aux_loss_coef > 0:
+    if window:
+      raise ValueError('rl.moe_aux_loss_coef > 0 needs the full forward; rl.shared_prefix '
+                       'scores through a KV cache. Set one of them off.')
+    last = length - 1 - jnp.argmax(batch.loss_mask[:, ::-1] > 0, axis=1)
+    aux_mask = ((jnp.arange(length)[None, :] <= last[:, None])
+                & jnp.any(batch.loss_mask > 0, axis=1, keepdims=True)).astype(jnp.float32)
   if window:
     starts = jnp.argmax(batch.loss_mask > 0, axis=1).astype(jnp.int32)
     offsets = starts[:, None] + jnp.arange(window, dtype=jnp.int32)
@@ -86,9 +110,9 @@ def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
     advantages = pick(batch.advantages) if batch.advantages.ndim == 2 else batch.advantages
     if ids is not None:
       teacher_logp = jnp.take_along_axis(teacher_logp, index[..., None], axis=1)
-    score = lambda p, ids=None: policy.window_log_probs(
+    score = lambda p, ids=None, aux_mask=None: policy.window_log_probs(
         p, batch.tokens, batch.support_sizes, starts, width=window, share=share,
-        chunk=logprob_chunk, support_ids=ids)
+        chunk=logprob_chunk, support_ids=ids, routes=routes)
   else:
     mask = batch.loss_mask[:, 1:]
     behaviour = batch.behaviour_logprobs[:, 1:]
@@ -97,9 +121,10 @@ def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
     advantages = batch.advantages[:, 1:] if batch.advantages.ndim == 2 else batch.advantages
     if ids is not None:
       teacher_logp = teacher_logp[:, 1:]
-    score = lambda p, ids=None: policy.sequence_log_probs(
-        p, batch.tokens, batch.support_sizes, chunk=logprob_chunk, support_ids=ids)
-  scored = score(params, ids)
+    score = lambda p, ids=None, aux_mask=None: policy.sequence_log_probs(
+        p, batch.tokens, batch.support_sizes, chunk=logprob_chunk, support_ids=ids,
+        routes=routes, aux_mask=aux_mask)
+  scored = score(params, ids, aux_mask=aux_mask)
   ref_logp = None
   if loss_config.kl_beta > 0:
     if reference_params is None:
@@ -118,6 +143,12 @@ def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
                 jnp.sum(mask > 0) / jnp.maximum(totals.tokens, 1.0))
     loss = loss + gkd.weight * divergence * share_of
     diagnostics['distill/gkd'] = divergence
+  if scored.aux_loss is not None:
+    share_of_rows = 1.0 if totals is None else batch.tokens.shape[0] / totals.rows
+    loss = loss + moe_aux_loss_coef * scored.aux_loss * share_of_rows
+    diagnostics['moe/aux_loss'] = scored.aux_loss
+  if scored.route_flips is not None:
+    diagnostics['moe/route_flip_fraction'] = scored.route_flips
   diagnostics['entropy'] = losses.masked_token_mean(scored.entropy, mask)
   diagnostics['policy/out_of_support_fraction'] = losses.masked_token_mean(
       ~scored.in_support, mask)

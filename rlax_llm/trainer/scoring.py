@@ -6,6 +6,11 @@ inference engine samples with (``rlax_llm.policy.sample_rows``), so on-policy ra
 The trainer's objectives recompute log-probs through it; whole sequences
 (``sequence_log_probs``) or only the completion windows after a shared prompt
 (``window_log_probs``, Prefix Grouper).
+
+A mixture of experts: both take the experts the engine routed each token to (``routes``,
+rollout routing replay: ``rlax_llm.models.moe.replay``) and report the fraction of those
+choices the trainer's own router would not have made (``route_flips``); the full forward
+also returns the router's load-balancing loss over the non-padding tokens (``aux_mask``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from rlax_llm.models import moe
 from rlax_llm.models.model import Model, Params
 from rlax_llm.policy import entropy, log_probs, token_log_probs
 from rlax_llm.sampling_spec import SamplingSpec
@@ -45,6 +51,22 @@ class SequenceLogProbs:
   # float32 [B, T - 1, K]: with ``support_ids``, the log-probs (``full_support`` of the
   # policy's transform) of those ids; None without.
   support_logp: jax.Array | None = None
+  # With ``routes``: the fraction of the recorded (token, layer, slot) expert choices the
+  # trainer's router would have made otherwise (``moe.flipped``), float32 scalar.
+  route_flips: jax.Array | None = None
+  # With ``aux_mask``: the router's load-balancing loss (``moe.load_balancing_loss``).
+  aux_loss: jax.Array | None = None
+
+
+def route_flip_fraction(own: jax.Array, routes: jax.Array) -> jax.Array:
+  """float32 scalar: of the recorded expert choices ``routes`` (int ``[..., layers, k]``,
+  e.g. ``[B, T, layers, k]``; ``moe.NO_ROUTE`` where none), the fraction not among the
+  router's own top-k ``own`` (the same shape) at the same (token, layer): the choices
+  routing replay overrode. 0 when nothing was recorded."""
+  chex.assert_equal_shape([own, routes])
+  recorded = jnp.sum(routes[..., 0] >= 0) * routes.shape[-1]
+  flips = jnp.sum(moe.flipped(own, routes))
+  return (flips / jnp.maximum(recorded, 1)).astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +86,8 @@ class Policy:
 
   def sequence_log_probs(self, params: Params, tokens: jax.Array,
                          support_sizes: jax.Array | None = None, *, chunk: int = 0,
-                         support_ids: jax.Array | None = None) -> SequenceLogProbs:
+                         support_ids: jax.Array | None = None, routes: jax.Array | None = None,
+                         aux_mask: jax.Array | None = None) -> SequenceLogProbs:
     """Log-probs of each next token of ``tokens`` (int32 ``[B, T]``) under ``params``.
 
     ``support_sizes``: optional int ``[B, T]`` aligned with ``tokens`` (the support size the
@@ -77,18 +100,29 @@ class Policy:
     distribution predicting token ``t``, e.g. the teacher's top-k of on-policy distillation):
     ``support_logp`` is then the full-support log-softmax at those ids (``full_support``),
     computed chunk by chunk like the log-probs.
+    ``routes`` (a mixture of experts): int ``[B, T, layers, k]``, the experts to route each
+    token to (``moe.NO_ROUTE``: the router's own), with ``route_flips`` in the result.
+    ``aux_mask`` (a mixture of experts): float ``[B, T]``, the tokens the router's
+    load-balancing loss counts (``aux_loss`` in the result).
     """
     sizes = None if support_sizes is None else support_sizes[:, 1:]
     ids = None if support_ids is None else support_ids[:, 1:]
+    out = self.model.apply(params, tokens, features=chunk > 0, routes=routes,
+                           return_routes=routes is not None, aux_loss=aux_mask is not None,
+                           token_mask=aux_mask)
+    out, *extra = out if isinstance(out, tuple) else (out,)
+    aux = extra.pop(0) if aux_mask is not None else None
+    flips = None if routes is None else route_flip_fraction(extra[0], routes)
     if chunk <= 0:
-      return self._score(self.model.apply(params, tokens)[:, :-1], tokens[:, 1:], sizes, ids)
-    hidden = self.model.apply(params, tokens, features=True)[:, :-1]
-    return self._score_hidden(params, hidden, tokens[:, 1:], sizes, chunk, ids)
+      scored = self._score(out[:, :-1], tokens[:, 1:], sizes, ids)
+    else:
+      scored = self._score_hidden(params, out[:, :-1], tokens[:, 1:], sizes, chunk, ids)
+    return scored.replace(route_flips=flips, aux_loss=aux)
 
   def window_log_probs(self, params: Params, tokens: jax.Array,
                        support_sizes: jax.Array | None, starts: jax.Array, *, width: int,
-                       share: int = 1, chunk: int = 0,
-                       support_ids: jax.Array | None = None) -> SequenceLogProbs:
+                       share: int = 1, chunk: int = 0, support_ids: jax.Array | None = None,
+                       routes: jax.Array | None = None) -> SequenceLogProbs:
     """Log-probs of ``width`` tokens of each row from ``starts[b]`` on; the positions before
     (the prompt) run through the model as context but are never scored.
 
@@ -116,6 +150,8 @@ class Policy:
         ``share``.
       chunk: as in ``sequence_log_probs``, over the window.
       support_ids: optional int ``[B, T, K]`` aligned with ``tokens`` (``sequence_log_probs``).
+      routes: as in ``sequence_log_probs``: the prefix's (each block's first row's) and the
+        windows' tokens are routed by them; ``route_flips`` counts the choices of both.
     Returns:
       ``SequenceLogProbs`` of ``[B, width]``: entry ``j`` scores token ``starts[b] + j``.
       Entries whose token lies past ``T`` score a clipped position: mask them out.
@@ -129,24 +165,41 @@ class Policy:
     starts = starts.astype(jnp.int32)
     lead = starts.reshape(-1, share).max(axis=1)  # a row with nothing to score may say 0
     cache = self.model.init_cache(batch // share, length)
-    hidden, cache = self.model.apply(params, tokens[::share, :length - width], cache=cache,
-                                     num_valid=lead, features=True)
+    replay = routes is not None
+    pick = lambda r: dict(routes=r, return_routes=True) if replay else {}
+    prefix_routes = routes[::share, :length - width] if replay else None
+    hidden, cache, *own = self.model.apply(params, tokens[::share, :length - width],
+                                           cache=cache, num_valid=lead, features=True,
+                                           **pick(prefix_routes))
     # The hidden state of each prefix's last token predicts the window's first token.
     last = jnp.take_along_axis(hidden, jnp.maximum(lead - 1, 0)[:, None, None], axis=1)
     repeat = lambda x: jnp.repeat(x, share, axis=0)
     cache = cache.repeat(share)
     index = jnp.minimum(starts[:, None] + jnp.arange(width, dtype=jnp.int32), length - 1)
     window = jnp.take_along_axis(tokens, index, axis=1)
-    hidden, _ = self.model.apply(params, window, cache=cache, features=True)
+    flips = None
+    if replay:  # the prefix's routes past each block's prompt are not its: not counted
+      inside = jnp.arange(length - width)[None, :] < lead[:, None]
+      prefix_routes = jnp.where(inside[:, :, None, None], prefix_routes, moe.NO_ROUTE)
+      window_routes = jnp.take_along_axis(routes, index[:, :, None, None], axis=1)
+      scored_here = (starts[:, None] + jnp.arange(width) < length)[:, :, None, None]
+      window_routes = jnp.where(scored_here, window_routes, moe.NO_ROUTE)
+    hidden, _, *window_own = self.model.apply(params, window, cache=cache, features=True,
+                                              **pick(window_routes if replay else None))
+    if replay:
+      flat = lambda x: x.reshape(-1, *x.shape[-2:])  # [tokens, layers, k]
+      flips = route_flip_fraction(jnp.concatenate([flat(own[0]), flat(window_own[0])]),
+                                  jnp.concatenate([flat(prefix_routes), flat(window_routes)]))
     hidden = jnp.concatenate([repeat(last), hidden[:, :-1]], axis=1)
     sizes = (None if support_sizes is None
              else jnp.take_along_axis(support_sizes, index, axis=1))
     ids = (None if support_ids is None
            else jnp.take_along_axis(support_ids, index[..., None], axis=1))
     if chunk <= 0:
-      logits = self.model.logits(params, hidden)
-      return self._score(logits, window, sizes, ids)
-    return self._score_hidden(params, hidden, window, sizes, chunk, ids)
+      scored = self._score(self.model.logits(params, hidden), window, sizes, ids)
+    else:
+      scored = self._score_hidden(params, hidden, window, sizes, chunk, ids)
+    return scored.replace(route_flips=flips)
 
   def _score(self, logits, targets, sizes, ids=None) -> SequenceLogProbs:
     invariant = self.model.config.execution.batch_invariant
