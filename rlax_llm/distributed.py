@@ -102,12 +102,13 @@ class JobStop:
   any process's ``event`` is set (``checkpoint.PreemptionGuard.requested``), so every process
   saves and stops after the same step.
 
-  In a multi-process job ``is_set()`` is a collective (an all-gather of a few ints): every
-  process must call it at the same points, as the controller and the warm-up do (after each
-  step, from the main thread). One process: ``event.is_set()``.
+  In a multi-process job ``is_set()`` is a collective (``_Votes``: every process's few ints
+  through the job's coordination service): every process must call it at the same points,
+  as the controller and the warm-up do (after each step, from the main thread). One process:
+  ``event.is_set()``.
 
   Within a step, ``wait`` makes the job abandon it together (``Controller._abandon_window``):
-  its agreement points are the same all-gather, so a signal that reaches one process (or each
+  its agreement points are the same exchange, so a signal that reaches one process (or each
   at its own instant) is acted on by every process at the same point, and never by raising
   at an arbitrary point of one process.
   """
@@ -125,7 +126,7 @@ class JobStop:
 
   def is_set(self) -> bool:
     """Whether any process of the job has been asked to stop."""
-    return bool(np.any(_gather_votes(int(self.event.is_set()), 0, 1)[:, 0]))
+    return bool(np.any(_VOTES.exchange(int(self.event.is_set()), 0, 1)[:, 0]))
 
   def agree(self, ready: bool, overruns: Callable[[], bool]) -> tuple[bool, bool, bool]:
     """One agreement point (a collective in a multi-process job): ``(stop, abandon, ready)``,
@@ -134,7 +135,7 @@ class JobStop:
     cannot decide differently); ``ready``: every process passed ``ready`` True."""
     import jax  # pylint: disable=import-outside-toplevel  # this module stays jax-free to import
     overrun = jax.process_index() == 0 and overruns()
-    votes = _gather_votes(int(self.event.is_set()), int(overrun), int(ready))
+    votes = _VOTES.exchange(int(self.event.is_set()), int(overrun), int(ready))
     stop = bool(np.any(votes[:, 0]))
     return stop, stop and bool(votes[0, 1]), bool(np.all(votes[:, 2]))
 
@@ -168,13 +169,43 @@ class JobStop:
     return False
 
 
-def _gather_votes(*votes: int) -> np.ndarray:
-  """``[process, len(votes)]`` int32: every process's ``votes`` (a collective in a
-  multi-process job, ``multihost_utils.process_allgather``; one shape for every caller, so
-  the job compiles it once); ``[[*votes]]`` in a single-process run."""
-  import jax  # pylint: disable=import-outside-toplevel  # this module stays jax-free to import
-  mine = np.asarray(votes, np.int32)
-  if jax.process_count() == 1:
-    return mine[None]
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  return np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
+class _Votes:
+  """Every process's few ints at the same point of the job (a collective: every process calls
+  ``exchange`` the same number of times, in the same order; one sequence per process,
+  ``_VOTES``, whichever ``JobStop`` asks).
+
+  Through the coordination service ``jax.distributed.initialize`` started (its key-value
+  store, which Orbax's barriers and JAX's preemption sync manager use too), not a device
+  collective: a ``multihost_utils.process_allgather`` runs on the devices, queued behind the
+  program a process's inference worker is running there, and took seconds to answer while
+  the workers generated (measured on the 2-process CPU job; docs/checkpoints.md). Round
+  ``r`` is ``KEY/<r>/<process>``; a process deletes its key of round ``r - 2`` at round
+  ``r`` (every process has read it: each finished round ``r - 1``'s reads before this one).
+  """
+
+  KEY = 'rlax_llm/job_stop'
+  TIMEOUT_MS = 3_600_000  # a process that dies is reported by the service before that
+
+  def __init__(self):
+    self.round = 0
+
+  def exchange(self, *votes: int) -> np.ndarray:
+    """``[process, len(votes)]`` int: every process's ``votes`` (this process's alone in a
+    single-process run)."""
+    import jax  # pylint: disable=import-outside-toplevel  # this module stays jax-free to import
+    if jax.process_count() == 1:
+      return np.asarray(votes, np.int64)[None]
+    # The client of jax.distributed.initialize (what orbax.checkpoint.multihost uses).
+    from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
+    client = jax_distributed.global_state.client
+    self.round += 1
+    client.key_value_set(f'{self.KEY}/{self.round}/{jax.process_index()}',
+                         ','.join(str(int(v)) for v in votes))
+    rows = [client.blocking_key_value_get(f'{self.KEY}/{self.round}/{p}', self.TIMEOUT_MS)
+            for p in range(jax.process_count())]
+    if self.round > 2:
+      client.key_value_delete(f'{self.KEY}/{self.round - 2}/{jax.process_index()}')
+    return np.asarray([[int(v) for v in row.split(',')] for row in rows], np.int64)
+
+
+_VOTES = _Votes()

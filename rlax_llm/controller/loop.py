@@ -32,7 +32,8 @@ from rlax_llm.tasks import Task
 def _agreement_every_s(notice_s: float) -> float:
   """How often a multi-process job's processes agree whether to abandon the step while they
   wait (``distributed.JobStop.wait``): a tenth of the preemption notice, at most 1 s (each
-  agreement is one all-gather of a few ints: about 2 ms on the 2-process CPU job)."""
+  agreement is one exchange of a few ints through the coordination service, milliseconds;
+  docs/checkpoints.md)."""
   return min(1.0, notice_s / 10)
 
 
@@ -393,14 +394,17 @@ class Controller(Snapshots):
 
   def _abandon(self, pending, started: float) -> None:
     """Saves ``pending`` (``_abandon_window``'s snapshot; None: saved already) after the
-    step in progress since ``started`` was abandoned."""
+    step in progress since ``started`` was abandoned. Its message says how long the step
+    had run and how long the save took."""
+    ran = time.perf_counter() - started
     if pending is not None:
       self._save_snapshot(*pending)
     message = (f'preempted: abandoned step {self.step + 1} of {self.settings.total_steps} '
-               f'after {time.perf_counter() - started:.1f} s (it would have overrun the '
+               f'after {ran:.1f} s (it would have overrun the '
                f'{self.checkpoints.preemption_notice_s:g} s preemption notice); the '
-               f'checkpoint after step {self.step} is saved, relaunch with the same '
-               '--workdir to resume (the step is generated again).')
+               f'checkpoint after step {self.step} is saved'
+               + (f' (in {self._save_s:.2f} s)' if pending is not None else '')
+               + ', relaunch with the same --workdir to resume (the step is generated again).')
     logging.warning(message)
 
   def _train_step(self, batch: Batch, made: Made, queued: int, started: float
