@@ -69,7 +69,7 @@ def _scenarios(process: int) -> dict:
   # finish the step (no more agreement points in it) and stop after it.
   run('both_fits', [later(0.8)], lambda: process == 1, signal_at=0.2 + 0.15 * process)
   stop = JobStop(threading.Event())  # the cost of one agreement point
-  stop.agree(True, lambda: False)  # compiled by the job once, as JobStop.is_set uses it too
+  stop.agree(True, lambda: False)  # not timed: the first exchange after the scenarios
   costs = []
   for _ in range(50):
     began = time.perf_counter()
