@@ -33,8 +33,10 @@ never pairs weights with the wrong data position::
   the same ``--workdir`` resumes. A step that would overrun the notice
   (``checkpoint.preemption_notice_s``) is abandoned instead: while the controller holds an
   abandon window (``PreemptionGuard.abandon_window``: from a step's start until its update is
-  submitted) the signal handler raises ``StepAbandoned`` in the main thread, and the
-  controller saves the state it had before the step (docs/checkpoints.md, "Preemption").
+  submitted) the signal handler raises ``StepAbandoned`` in the main thread (in a
+  multi-process job the processes agree at agreement points instead, ``distributed.JobStop``,
+  and raise it together), and the controller saves the state it had before the step
+  (docs/checkpoints.md, "Preemption").
 
 Who does what: the controller decides *when* to save (``SaveSchedule``: every_steps,
 every_seconds, the last step, a preemption) and hands its own small state and the in-flight
@@ -427,6 +429,7 @@ class PreemptionGuard:
     self._previous: dict[int, Any] = {}
     self.installed = False
     self._overruns: Callable[[], bool] | None = None
+    self._raises = True
 
   @classmethod
   def active(cls) -> PreemptionGuard | None:
@@ -434,16 +437,23 @@ class PreemptionGuard:
     return cls._installed[-1] if cls._installed else None
 
   @contextlib.contextmanager
-  def abandon_window(self, overruns: Callable[[], bool]) -> Iterator[None]:
+  def abandon_window(self, overruns: Callable[[], bool], raises: bool = True
+                     ) -> Iterator[None]:
     """Within it, a preemption signal calls ``overruns()`` (from the handler, in the main
     thread: it must be quick and must not block) and, when True, raises ``StepAbandoned``
     wherever the main thread is; when False, the step goes on and the run saves after it. A
     signal that came before the window opened raises at once when ``overruns()`` is True.
     ``StepAbandoned`` may also surface as the window closes; the caller handles it around the
-    window, not inside."""
+    window, not inside.
+
+    ``raises=False`` (a multi-process job): the handler only sets ``requested``; the job's
+    agreement points (``distributed.JobStop.wait``) decide, in every process at once,
+    whether to abandon the step (raising at an arbitrary point of one process would leave
+    the others waiting in a collective it never joins)."""
     self._overruns = overruns
+    self._raises = raises
     try:
-      if self.requested.is_set() and overruns():
+      if raises and self.requested.is_set() and overruns():
         raise StepAbandoned
       yield
     finally:
@@ -456,6 +466,11 @@ class PreemptionGuard:
     self.signal_name = signal.Signals(signum).name
     self.requested.set()
     overruns = self._overruns
+    if overruns is not None and not self._raises:
+      logging.warning('%s received: the job decides at its next agreement point whether the '
+                      'current step fits the preemption notice (else it is abandoned and the '
+                      'state before it saved), then saves and exits.', self.signal_name)
+      return
     if overruns is not None and overruns():
       logging.warning('%s received: the current step would overrun the preemption notice; '
                       'abandoning it and saving the state before it, then exiting.',

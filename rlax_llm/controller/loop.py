@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from rlax_llm import console, schedule
+from rlax_llm import console, distributed, schedule
 from rlax_llm.checkpoint import PreemptionGuard, StepAbandoned
 from rlax_llm.controller.completions import Completions
 from rlax_llm.controller.episodes import Episodes
@@ -27,6 +27,14 @@ from rlax_llm.errors import NonFiniteError
 from rlax_llm.metrics import MetricsWriter
 from rlax_llm.schedule import ControllerSettings
 from rlax_llm.tasks import Task
+
+
+def _agreement_every_s(notice_s: float) -> float:
+  """How often a multi-process job's processes agree whether to abandon the step while they
+  wait (``distributed.JobStop.wait``): a tenth of the preemption notice, at most 1 s (each
+  agreement is one exchange of a few ints through the coordination service, milliseconds;
+  docs/checkpoints.md)."""
+  return min(1.0, notice_s / 10)
 
 
 def rollout_kind(settings: ControllerSettings, task: Task, teacher=None) -> RolloutKind:
@@ -54,7 +62,8 @@ class Controller(Snapshots):
       current step the controller saves a checkpoint and returns, ``summary['preempted']``
       True. A step that would overrun the notice (``SaveSchedule.preemption_notice_s``) is
       abandoned instead (``_abandon_window``): the controller saves the state it had before
-      the step and returns.
+      the step and returns. A multi-process job passes its ``distributed.JobStop``, whose
+      agreement points make every process abandon the same step.
     teacher: the on-policy distillation teacher (``completions.Distillation``) or None.
   """
 
@@ -95,6 +104,7 @@ class Controller(Snapshots):
     self._step_s: float | None = None
     self._save_s = 0.0
     self._saved_step: int | None = None
+    self._helper: concurrent.futures.ThreadPoolExecutor | None = None  # ``_make``'s thread
 
   # ------------------------------------------------------------------------ scheduling
 
@@ -262,16 +272,24 @@ class Controller(Snapshots):
     while self.step < s.total_steps:
       started = time.perf_counter()
       guard, pending = self._abandon_window(in_flight)
+      # Several processes: the job's agreement points decide (``_agreed``), not the handler.
+      agreed = guard is not None and jax.process_count() > 1
+      overruns = (lambda: self._overruns(started, _agreement_every_s(
+          self.checkpoints.preemption_notice_s) if agreed else 0.0))
       try:
-        with (guard.abandon_window(lambda: self._overruns(started)) if guard is not None
+        with (guard.abandon_window(overruns, raises=not agreed) if guard is not None
               else contextlib.nullcontext()):
+          if agreed:  # a signal since the last step's check (distributed.JobStop.is_set)
+            self._agreed([], overruns)
           # Launch every batch whose sampling params exist (at most k ahead: the schedule).
           while schedule.launch_due(next_batch, self.step, s):
             in_flight.append(self._launch_step(next_batch))
             next_batch += 1
           batch = in_flight.popleft()
-          made = self.kind.make(batch, self.kind.merge(self._gather(
-              batch, self._sampling_root(batch.index))), self.trainer.version)
+          if agreed:  # the rollouts' generation
+            self._agreed([future for _, _, future in batch.chunks], overruns)
+          merged = self.kind.merge(self._gather(batch, self._sampling_root(batch.index)))
+          made = self._make(batch, merged, overruns if agreed else None)
       except StepAbandoned:
         self._abandon(pending, started)
         preempted = True
@@ -326,38 +344,67 @@ class Controller(Snapshots):
     launches or draws anything; None when the checkpoint of this step already exists).
 
     A step may be abandoned when the run checkpoints with a notice
-    (``SaveSchedule.preemption_notice_s`` > 0), a guard's handlers are installed (the
-    launch's) and the job is one process (on several, every process would have to abandon
-    at the same point: they finish the step instead). Until its update is submitted a step
-    has changed nothing the trainer holds, so the snapshot taken before it, saved with the
-    trainer's params, is the checkpoint the step before wrote or would have written: the
-    relaunch regenerates the abandoned step's rollouts with the same keys and version."""
+    (``SaveSchedule.preemption_notice_s`` > 0) and a guard's handlers are installed (the
+    launch's); in a multi-process job, when ``stop`` is the job's ``distributed.JobStop``:
+    every process must abandon at the same point, so there the handler only sets the flag and
+    the processes agree at the window's agreement points (``_agreed``). Until its update is
+    submitted a step has changed nothing the trainer holds, so the snapshot taken before it
+    (every process takes the same one), saved with the trainer's params, is the checkpoint
+    the step before wrote or would have written: the relaunch regenerates the abandoned
+    step's rollouts with the same keys and version."""
     guard = PreemptionGuard.active()
     if (guard is None or self.checkpoints is None or self.stop is None
-        or not self.checkpoints.preemption_notice_s or jax.process_count() > 1):
+        or not self.checkpoints.preemption_notice_s
+        or (jax.process_count() > 1 and not isinstance(self.stop, distributed.JobStop))):
       return None, None
     return guard, (None if self._saved_step == self.step else self.snapshot(in_flight))
 
-  def _overruns(self, started: float) -> bool:
+  def _overruns(self, started: float, margin: float = 0.0) -> bool:
     """Whether the step that began at ``started`` (``time.perf_counter()``), finished and
     then saved, would end later than the preemption notice from now: its expected rest (the
     last step's wall time minus what it has run; unknown for a process's first step, which
-    compiles: True) plus the last save's hand-over time."""
+    compiles: True) plus the last save's hand-over time plus ``margin`` (a multi-process
+    job: the seconds a signal may wait for the next agreement point)."""
     if self._step_s is None:
       return True
     rest = max(0.0, started + self._step_s - time.perf_counter())
-    return rest + self._save_s > self.checkpoints.preemption_notice_s
+    return rest + self._save_s + margin > self.checkpoints.preemption_notice_s
+
+  def _agreed(self, futures: Sequence[concurrent.futures.Future], overruns) -> None:
+    """A multi-process job's agreement points while ``futures`` are pending
+    (``distributed.JobStop.wait``, every ``_agreement_every_s``): raises ``StepAbandoned``
+    in every process at the same point when the job agrees to abandon the step."""
+    if self.stop.wait(futures, overruns,
+                      _agreement_every_s(self.checkpoints.preemption_notice_s),
+                      self.settings.worker_timeout_s):
+      raise StepAbandoned
+
+  def _make(self, batch: Batch, merged: Any, overruns) -> Made:
+    """``kind.make`` of ``batch``'s rollouts ``merged`` (scoring: a reward function may take
+    long). With ``overruns`` (a multi-process abandon window) it runs on the controller's
+    helper thread while the main thread passes agreement points (``_agreed``); an abandoned
+    step's call then runs to its end there, changing only state the saved snapshot copied."""
+    if overruns is None or self.stop.finishing:
+      return self.kind.make(batch, merged, self.trainer.version)
+    if self._helper is None:
+      self._helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='make')
+    future = self._helper.submit(self.kind.make, batch, merged, self.trainer.version)
+    self._agreed([future], overruns)
+    return future.result()
 
   def _abandon(self, pending, started: float) -> None:
     """Saves ``pending`` (``_abandon_window``'s snapshot; None: saved already) after the
-    step in progress since ``started`` was abandoned."""
+    step in progress since ``started`` was abandoned. Its message says how long the step
+    had run and how long the save took."""
+    ran = time.perf_counter() - started
     if pending is not None:
       self._save_snapshot(*pending)
     message = (f'preempted: abandoned step {self.step + 1} of {self.settings.total_steps} '
-               f'after {time.perf_counter() - started:.1f} s (it would have overrun the '
+               f'after {ran:.1f} s (it would have overrun the '
                f'{self.checkpoints.preemption_notice_s:g} s preemption notice); the '
-               f'checkpoint after step {self.step} is saved, relaunch with the same '
-               '--workdir to resume (the step is generated again).')
+               f'checkpoint after step {self.step} is saved'
+               + (f' (in {self._save_s:.2f} s)' if pending is not None else '')
+               + ', relaunch with the same --workdir to resume (the step is generated again).')
     logging.warning(message)
 
   def _train_step(self, batch: Batch, made: Made, queued: int, started: float
