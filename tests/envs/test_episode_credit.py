@@ -88,3 +88,14 @@ def test_credit_metrics_count_what_has_no_signal():
   assert out['credit/turn2_mean'] == -1.0 and 'credit/turn3_mean' not in out
   assert out['credit/step_groups'] == 6 and out['credit/step_group_size'] == pytest.approx(8 / 6)
   assert out['credit/singleton_turns'] == pytest.approx(4 / 8)  # steps 1, 2, 3, 5
+
+
+def test_a_trajectory_without_a_turn_is_no_member_of_its_group():
+  """A^E of the others is their own group's: a row whose every turn is masked (cut before its
+  first step completed) neither counts in the mean nor gets credit."""
+  returns = np.array([1.0, 0.0, 0.0, 0.0], np.float32)
+  mask = np.array([[1, 1], [1, 0], [1, 1], [0, 0]], bool)
+  adv = np.asarray(losses.trajectory_advantages(returns, np.zeros(4, np.int32), mask))
+  alone = np.asarray(losses.group_advantages(returns[:3], np.zeros(3, np.int32)))
+  np.testing.assert_allclose(adv[:3][mask[:3]], np.repeat(alone, mask[:3].sum(1)), rtol=1e-6)
+  assert np.all(adv[3] == 0)
