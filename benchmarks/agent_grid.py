@@ -5,9 +5,15 @@ returns) and ``configs/agent.py:grid_small_gigpo`` (GiGPO's step-level credit) f
 with the same config otherwise (same steps, batch, warm-up), and prints one JSON object: per
 seed and estimator the held-out greedy episode success at the RL starting point (``before``)
 and at the end (``after``), the curve (``[[step, success], ...]``, step 0 the starting
-point), wall times, and per estimator the means over seeds.
+point), wall times, the per-step diagnostics of the collapse investigation (``DIAGNOSTICS``:
+policy entropy, clip fraction, grad norm, what the credit holds, how episodes ended), and
+per estimator the means over seeds.
 
     .venv/bin/python benchmarks/agent_grid.py --seeds=0,1,2 --parallel=2
+
+``--split=validation`` evaluates on the validation maps (seeds from
+``envs.seeds.VALIDATION_SEED_START``, maps disjoint from the held-out ones with the recipe's
+``env.split_maps``) instead of the held-out ones: hyper-parameters are picked there.
 
 Extra ``--config.*`` overrides after ``--`` apply to every run (both estimators alike).
 """
@@ -26,24 +32,33 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from rlax_llm.envs.seeds import VALIDATION_SEED_START  # noqa: E402  (the repo on the path)
+
 # Estimator -> the configs/agent.py variant that trains with it.
 VARIANTS = {'grpo': 'grid_small', 'gigpo': 'grid_small_gigpo'}
+# The per-step metrics kept for each run (metrics.jsonl; the credit/* ones are
+# losses.credit_metrics'): what the collapse investigation reads.
+DIAGNOSTICS = ('episode/success', 'entropy', 'clip_fraction', 'grad_norm',
+               'credit/zero_fraction', 'credit/flat_groups', 'credit/abs_mean',
+               'credit/singleton_turns', 'credit/step_group_size', 'termination/timeout',
+               'termination/context_full', 'episode/turns')
+SPLITS = {'held_out': [], 'validation': [f'--config.agent.eval_seed_start={VALIDATION_SEED_START}']}
 
 
 def read_run(workdir: pathlib.Path) -> dict:
   """The held-out success before / after RL and the curve of one run's workdir (its
   ``summary.json`` and ``metrics.jsonl``)."""
   summary = json.loads((workdir / 'summary.json').read_text())
+  rows = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
   curve = []
-  for line in (workdir / 'metrics.jsonl').read_text().splitlines():
-    row = json.loads(line)
+  for row in rows:
     if 'eval/start_success' in row:
       curve.append([0, row['eval/start_success']])
     if 'eval/success' in row:
       curve.append([row['step'], row['eval/success']])
-  train = [json.loads(line).get('episode/success')
-           for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
-  train = [s for s in train if s is not None]
+  train = [row['episode/success'] for row in rows if 'episode/success' in row]
+  steps = [row for row in rows if 'grad_norm' in row]  # the RL steps' rows
   edge = max(1, min(5, len(train) // 2))  # the first and last (up to) 5 steps
   return {
       'before': summary['eval/start_accuracy'],
@@ -55,6 +70,11 @@ def read_run(workdir: pathlib.Path) -> dict:
       'train_success_first_last': ([statistics.fmean(train[:edge]),
                                     statistics.fmean(train[-edge:])] if train else None),
       'steps': summary['steps'],
+      # Per RL step, each DIAGNOSTICS metric the run logged (None where a step lacks it),
+      # and how many steps had no gradient at all (every group's returns equal).
+      'diagnostics': {key: [row.get(key) for row in steps] for key in DIAGNOSTICS
+                      if any(key in row for row in steps)},
+      'zero_grad_steps': sum(row['grad_norm'] == 0 for row in steps),
       'warmup_s': summary.get('warmup/time_s'),
       'rl_s': summary['time/rl_s'],
   }
@@ -102,6 +122,8 @@ def main() -> None:
   parser.add_argument('--steps', type=int, default=None, help='total_steps (default: config)')
   parser.add_argument('--parallel', type=int, default=1, help='runs at a time (1 or 2)')
   parser.add_argument('--workdir', default='', help='keep the runs here (default: a tmp dir)')
+  parser.add_argument('--split', choices=sorted(SPLITS), default='held_out',
+                      help='evaluate on the held-out maps or the validation maps (tuning)')
   parser.add_argument('extra', nargs='*', help='extra --config.* overrides')
   args = parser.parse_args()
   seeds = [int(s) for s in args.seeds.split(',')]
@@ -115,7 +137,8 @@ def main() -> None:
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max(1, min(args.parallel, 2))) as pool:
       runs = list(pool.map(
-          lambda job: run_one(*job, base / f'{job[0]}_seed{job[1]}', args.steps, args.extra),
+          lambda job: run_one(*job, base / f'{job[0]}_seed{job[1]}', args.steps,
+                              [*SPLITS[args.split], *args.extra]),
           jobs))
     total = time.perf_counter() - start
   print(json.dumps({
@@ -123,6 +146,7 @@ def main() -> None:
       'runs': runs,
       'means': summarise(runs),
       'total_wall_s': total,
+      'split': args.split,
       'extra': args.extra,
   }, indent=2))
 

@@ -28,6 +28,14 @@ def _flat(config) -> dict:
   return {k: v for k, v in json.loads(config.to_json()).items() if k != 'name'}
 
 
+def test_the_validation_split_evaluates_on_validation_seeds():
+  from rlax_llm.envs.seeds import VALIDATION_SEED_START, seed_split
+  assert agent_grid.SPLITS['held_out'] == []  # the recipe's own held-out seeds
+  (flag,) = agent_grid.SPLITS['validation']
+  assert flag == f'--config.agent.eval_seed_start={VALIDATION_SEED_START}'
+  assert seed_split(VALIDATION_SEED_START) == 'validation'
+
+
 def test_the_two_estimators_differ_only_in_the_estimator():
   """Same budget: grid_small and grid_small_gigpo are one config but rl.advantage_estimator."""
   grpo, gigpo = (load_config_file(str(ROOT / f'configs/agent.py:{v}'))
@@ -42,9 +50,12 @@ def test_the_two_estimators_differ_only_in_the_estimator():
 def _fake_run(workdir: pathlib.Path) -> None:
   """A workdir as a launch leaves it: metrics rows (eval every 2 steps) and the summary."""
   workdir.mkdir()
-  rows = [{'step': 1, 'episode/success': 0.25, 'eval/start_success': 0.5},
-          {'step': 2, 'episode/success': 0.5, 'eval/success': 0.625},
-          {'step': 3, 'episode/success': 0.75, 'eval/success': 0.75}]
+  rows = [{'step': 1, 'episode/success': 0.25, 'eval/start_success': 0.5, 'grad_norm': 0.0,
+           'entropy': 0.2, 'credit/flat_groups': 1.0},
+          {'step': 2, 'episode/success': 0.5, 'eval/success': 0.625, 'grad_norm': 0.5,
+           'entropy': 0.1, 'credit/flat_groups': 0.5},
+          {'step': 3, 'episode/success': 0.75, 'eval/success': 0.75, 'grad_norm': 0.25,
+           'entropy': 0.05}]
   (workdir / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
   (workdir / 'summary.json').write_text(json.dumps({
       'steps': 3, 'eval/start_accuracy': 0.5, 'eval/final_accuracy': 0.75,
@@ -57,6 +68,11 @@ def test_read_run_and_the_means(tmp_path):
   assert run['before'] == 0.5 and run['after'] == 0.75
   assert run['curve'] == [[0, 0.5], [2, 0.625], [3, 0.75]]
   assert run['best'] == 0.75 and run['train_success_first_last'] == [0.25, 0.75]  # 1 each
+  # The per-step diagnostics: only the metrics the run logged, None where a step lacks one.
+  assert run['diagnostics'] == {'episode/success': [0.25, 0.5, 0.75], 'entropy': [0.2, 0.1, 0.05],
+                                'grad_norm': [0.0, 0.5, 0.25],
+                                'credit/flat_groups': [1.0, 0.5, None]}
+  assert run['zero_grad_steps'] == 1
   means = agent_grid.summarise([
       {'estimator': 'grpo', 'seed': 0, **run},
       {'estimator': 'grpo', 'seed': 1, **run, 'after': 0.25},

@@ -88,7 +88,8 @@ class Episodes:
                                                           for x in trajectories]))
                   for reason in TERMINATIONS},
                'sampling_version': batch.version}
-    train_batch = self._train_batch(trajectories)
+    train_batch, credit = self._train_batch(trajectories)
+    metrics.update(credit)
     if self.teacher is not None:  # only the model's sampled tokens (the loss mask) get a signal
       train_batch, distill_metrics = distill_batch(train_batch, self.teacher)
       metrics.update(distill_metrics)
@@ -127,27 +128,40 @@ class Episodes:
                   prompts=[Prompt.from_dict(p) for p in batch['prompts']], chunks=[])
             for batch in state.inflight]
 
-  def _train_batch(self, trajectories: list[Trajectory]) -> TrainBatch:
+  def _train_batch(self, trajectories: list[Trajectory]) -> tuple[TrainBatch, dict[str, float]]:
     """The trainer's rows of ``trajectories``, ``episodes.length`` wide (one shape every
     step), with their advantages: ``rl.advantage_estimator`` a group estimator
     (``losses.ESTIMATORS``, e.g. GRPO over episode returns: ``[B]``) or a multi-turn one
     (``losses.TURN_ESTIMATORS``: per-turn advantages broadcast to the turns' tokens,
-    ``[B, T]``). Environment state keys become dense ids per batch (``losses.multi_turn``)."""
+    ``[B, T]``). Environment state keys become dense ids per batch (``losses.multi_turn``).
+    An episode ended by its wall-clock deadline (``'timeout'``) gets advantage 0 and joins
+    no group: the machine's load, not its actions, ended it, so its 0 return is no failure
+    to learn from (on a loaded host the longest episodes, those still walking to the goal,
+    were the ones cut). Also returns what the credit holds (``losses.credit_metrics``)."""
     s = self.settings
     e = s.episodes
     returns = np.asarray([x.episode_return for x in trajectories], np.float32)
     group_ids = np.asarray([x.group_id for x in trajectories], np.int32)
+    timely = np.asarray([x.termination != 'timeout' for x in trajectories])
     if s.advantage_estimator not in losses.TURN_ESTIMATORS:
       advantages = np.asarray(losses.group_advantages(returns, group_ids,
-                                                      s.advantage_estimator))
-      return make_trajectory_batch(trajectories, advantages, length=e.length).train
+                                                      s.advantage_estimator, valid=timely))
+      packed = make_trajectory_batch(trajectories, advantages, length=e.length)
+      turn_mask = packed.turn_mask & timely[:, None]
+      per_turn = np.where(turn_mask, advantages[:, None], 0.0)
+      return packed.train, losses.credit_metrics(per_turn, turn_mask, group_ids, returns)
     packed = make_trajectory_batch(trajectories, np.zeros(len(trajectories), np.float32),
                                    length=e.length)
     _, dense = np.unique(packed.state_ids, return_inverse=True)
+    state_ids = dense.reshape(packed.state_ids.shape).astype(np.int32)
+    turn_mask = packed.turn_mask & timely[:, None]
     per_turn = losses.turn_advantages(
         s.advantage_estimator, episode_returns=packed.episode_returns, group_ids=group_ids,
-        turn_rewards=packed.turn_rewards, turn_mask=packed.turn_mask,
-        state_ids=dense.reshape(packed.state_ids.shape).astype(np.int32), gamma=e.gamma,
-        omega=e.omega, norm=e.norm)
+        turn_rewards=packed.turn_rewards, turn_mask=turn_mask, state_ids=state_ids,
+        gamma=e.gamma, omega=e.omega, norm=e.norm)
     tokens = losses.broadcast_turn_advantages(per_turn, packed.token_turn)
-    return packed.train.replace(advantages=np.asarray(tokens, np.float32))
+    step_ids = (losses.step_group_ids(group_ids, state_ids, turn_mask)
+                if s.advantage_estimator == 'gigpo' else None)
+    credit = losses.credit_metrics(np.asarray(per_turn), turn_mask, group_ids, returns,
+                                   None if step_ids is None else np.asarray(step_ids))
+    return packed.train.replace(advantages=np.asarray(tokens, np.float32)), credit

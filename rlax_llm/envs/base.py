@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol, runtime_checkable
 
-from rlax_llm.tasks._util import check_int
+from rlax_llm.tasks._util import CounterRng, check_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,3 +125,20 @@ class TextEnv:
 
   def state_key(self) -> str:
     raise NotImplementedError
+
+
+def check_demo_error_rate(owner: str, value: object, mistake: str) -> float:
+  """An environment's ``demo_error_rate`` (the fraction of its oracle's demonstrations that
+  make ``mistake``) as a float; ValueError naming ``owner`` unless it is a number in
+  ``[0, 1]``."""
+  if (isinstance(value, bool) or not isinstance(value, (int, float))
+      or not 0.0 <= value <= 1.0):
+    raise ValueError(f'{owner} demo_error_rate must be a number in [0, 1] (the fraction of '
+                     f'demonstrations that {mistake}), got {value!r}.')
+  return float(value)
+
+
+def draw_demo_error(stream: str, seed: int, rate: float) -> bool:
+  """Whether the oracle's demonstration of ``seed`` makes its mistake: a draw below ``rate``,
+  a pure function of ``(stream, seed)`` (the same in every process); never for rate 0."""
+  return rate > 0 and CounterRng(stream, seed).uniform() < rate

@@ -11,6 +11,13 @@ message with neither, a malformed call, an unknown tool or a bad expression is d
 the observation and costs the turn; ``max_turns`` turns without an answer end the episode with
 reward 0.
 
+``oracle_action`` solves every episode in two turns (the supervised warm-up's
+demonstrations). With ``demo_error_rate > 0`` the demonstrations are imperfect, as
+``task.demo_error_rate``'s are for arithmetic: the episode of a seed is, with that
+probability (a pure function of the seed), demonstrated by an oracle that calls the tool on
+``a + b`` instead of ``a * b`` and answers with that (a systematic mistake: a warm-up on
+these demonstrations plateaus below every problem solved).
+
 ``calculate(expression)`` evaluates non-negative integer literals with ``+ - * /`` and
 parentheses exactly (``rlax_llm.tasks.countdown.arithmetic_value``: parsed, never
 ``eval``-ed) and returns the value (an integer, or a decimal to 10 significant digits), or
@@ -21,7 +28,7 @@ from __future__ import annotations
 
 import re
 
-from rlax_llm.envs.base import EnvStep, TextEnv
+from rlax_llm.envs.base import EnvStep, TextEnv, check_demo_error_rate, draw_demo_error
 from rlax_llm.envs.tool_calls import (
   ToolCallError,
   check_format,
@@ -47,6 +54,7 @@ NO_TOOL_INSTRUCTION = 'What is {a} * {b}? Give the final answer as \\boxed{{N}}.
 # The final answer: the last \boxed{N} or "Answer: N" (thousands commas allowed).
 _ANSWER_RE = re.compile(r'\\boxed\{\s*(-?[0-9][0-9,]{0,40})\s*\}|Answer:\s*(-?[0-9][0-9,]{0,40})')
 _STREAM = 'calculator'
+_DEMO_STREAM = 'calculator_demo'  # the CounterRng stream of demo_error_rate's draws
 
 
 def calculate(expression: str) -> str:
@@ -78,7 +86,8 @@ class CalculatorEnv(TextEnv):
 
   def __init__(self, min_a: int = 100, max_a: int = 999, min_b: int = 10, max_b: int = 99,
                max_turns: int = 4, tool_format: str = 'simple',
-               instruction: str | None = None, tools: bool = True):
+               instruction: str | None = None, tools: bool = True,
+               demo_error_rate: float = 0.0):
     """Validates the arguments.
 
     Args:
@@ -91,6 +100,9 @@ class CalculatorEnv(TextEnv):
       tools: False asks the same problems (the same seeds give the same ``a``, ``b``) with
         no tool shown to the model; a tool call is then an unknown tool's (``error: ...``).
         The starting point without the tool, for comparison (no oracle: it needs the tool).
+      demo_error_rate: the probability, in ``[0, 1]``, that a seed's episode is demonstrated
+        with ``a + b`` for ``a * b`` (module docstring); 0: every demonstration is right.
+        Only ``oracle_action`` (the warm-up) reads it.
     Raises ValueError for an invalid argument.
     """
     owner = type(self).__name__
@@ -111,6 +123,9 @@ class CalculatorEnv(TextEnv):
       raise ValueError(f'{owner} instruction={instruction!r} is not a str.format template '
                        f'over {{a}}, {{b}}: {e!r}.') from None
     self.instruction = instruction
+    self.demo_error_rate = check_demo_error_rate(owner, demo_error_rate,
+                                                 'add instead of multiply')
+    self.demo_errs = False  # whether this seed's demonstration adds instead of multiplying
     self.a = self.b = 0
     self.last_result: str | None = None
 
@@ -119,6 +134,7 @@ class CalculatorEnv(TextEnv):
     self.a = rng.integers(self.min_a, self.max_a)
     self.b = rng.integers(self.min_b, self.max_b)
     self.last_result = None
+    self.demo_errs = draw_demo_error(_DEMO_STREAM, seed, self.demo_error_rate)
     return self.instruction.format(a=self.a, b=self.b)
 
   def _step(self, action: str) -> EnvStep:
@@ -152,11 +168,13 @@ class CalculatorEnv(TextEnv):
 
   def oracle_action(self) -> str:
     """A scripted policy that solves every episode in two turns: call ``calculate`` on
-    ``a * b``, then answer with the tool's result. Raises ValueError without the tool."""
+    ``a * b`` (``a + b`` on the seeds ``demo_error_rate`` picks, ``demo_errs``), then answer
+    with the tool's result. Raises ValueError without the tool."""
     if not self.functions:
       raise ValueError(f'{self.name}: the oracle calls the calculate tool, and tools=False '
                        'hides it; warm up with tools=True.')
     if self.last_result is None:
-      return render_tool_call('calculate', {'expression': f'{self.a} * {self.b}'},
+      op = '+' if self.demo_errs else '*'
+      return render_tool_call('calculate', {'expression': f'{self.a} {op} {self.b}'},
                               self.tool_format)
     return f'The product is \\boxed{{{self.last_result}}}.'

@@ -56,6 +56,7 @@ from rlax_llm.losses.kl import kl_penalty
 from rlax_llm.losses.multi_turn import (
                                         TURN_ESTIMATORS,
                                         broadcast_turn_advantages,
+                                        credit_metrics,
                                         discounted_turn_returns,
                                         gigpo_advantages,
                                         step_group_ids,
@@ -75,7 +76,7 @@ __all__ = [
     'LOG_RATIO_BIN_EDGES', 'log_ratio_histogram',
     'masked_token_mean', 'mismatch_diagnostics', 'mismatch_weights', 'policy_loss',
     'ppo_clip_objective', 'ratio_diagnostics', 'sequence_log_ratio', 'token_log_ratio',
-    'TURN_ESTIMATORS', 'broadcast_turn_advantages', 'discounted_turn_returns',
+    'TURN_ESTIMATORS', 'broadcast_turn_advantages', 'credit_metrics', 'discounted_turn_returns',
     'gigpo_advantages', 'step_group_ids', 'trajectory_advantages', 'turn_advantages',
     'turn_grpo_advantages', 'generalized_jsd', 'gkd_loss', 'mix_advantages',
     'reverse_kl_advantages',

@@ -56,7 +56,9 @@ its trajectories, as Eq. 3 writes.
 
 Masked turns contribute nothing: no reward, no discount step (``gamma`` counts the turns
 that happened, so a dropped turn inside a trajectory does not shorten the horizon), no
-member of any group, and advantage 0.
+member of any group, and advantage 0; a trajectory all of whose turns are masked is no
+member of its episode group either (the environment runner masks every turn of an episode
+that timed out: ``controller.episodes``).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from collections.abc import Callable
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rlax_llm import loss_spec
 from rlax_llm.loss_spec import NORMS
@@ -173,7 +176,10 @@ def trajectory_advantages(episode_returns: jax.Array, group_ids: jax.Array,
   estimator = _check_norm(norm)
   _check_turns(group_ids, turn_mask)
   chex.assert_shape(episode_returns, group_ids.shape)
-  episode = group_advantages(episode_returns, group_ids, estimator, eps=eps)
+  # A trajectory none of whose turns happened (timed out, or its environment failed, before
+  # its first step completed) is no member of its group: its return says nothing of a policy.
+  episode = group_advantages(episode_returns, group_ids, estimator,
+                             valid=turn_mask.astype(bool).any(axis=1), eps=eps)
   return jnp.where(turn_mask.astype(bool), episode[:, None], 0.0)
 
 
@@ -302,3 +308,52 @@ def turn_advantages(estimator: str, *, episode_returns: jax.Array, group_ids: ja
                      f'{list(TURN_ESTIMATORS)}.')
   return TURN_ESTIMATORS[estimator](episode_returns, group_ids, turn_rewards, turn_mask,
                                     state_ids, gamma, omega, norm, eps)
+
+
+def credit_metrics(turn_advantages: np.ndarray, turn_mask: np.ndarray, group_ids: np.ndarray,
+                   episode_returns: np.ndarray, step_ids: np.ndarray | None = None,
+                   eps: float = 1e-6) -> dict[str, float]:
+  """What a batch's multi-turn credit holds, for the run's metrics (host numpy; not jitted).
+
+  Args:
+    turn_advantages: float ``[B, N]``, each turn's advantage (a trajectory-level estimator's
+      ``[B]`` broadcast over its turns).
+    turn_mask: bool ``[B, N]``, True for turns that happened.
+    group_ids: int ``[B]``.
+    episode_returns: float ``[B]``.
+    step_ids: int ``[B, N]``, GiGPO's step groups (``step_group_ids``; -1 masked), or None.
+    eps: below this magnitude an advantage counts as zero.
+  Returns:
+    ``credit/zero_fraction`` (turns with no signal), ``credit/abs_mean`` and ``credit/std``
+    over the turns that happened; ``credit/flat_groups``: the fraction of groups whose
+    episodes all returned the same (GRPO's advantage is 0 there); per turn index ``t``
+    (where any happened) ``credit/turn{t}_mean`` and ``credit/turn{t}_zero``; with
+    ``step_ids``: ``credit/step_groups`` (count), ``credit/step_group_size`` (mean turns
+    per step group) and ``credit/singleton_turns`` (the fraction of turns alone in their
+    step group: their ``A^S`` is 0).
+  """
+  adv = np.asarray(turn_advantages, np.float64)
+  mask = np.asarray(turn_mask, bool)
+  chex.assert_equal_shape([adv, mask])
+  groups = np.asarray(group_ids)
+  returns = np.asarray(episode_returns, np.float64)
+  chex.assert_shape([groups, returns], adv.shape[:1])
+  real = adv[mask]
+  out = {'credit/zero_fraction': float(np.mean(np.abs(real) < eps)) if real.size else 1.0,
+         'credit/abs_mean': float(np.mean(np.abs(real))) if real.size else 0.0,
+         'credit/std': float(np.std(real)) if real.size else 0.0,
+         'credit/flat_groups': float(np.mean([np.ptp(returns[groups == g]) < eps
+                                              for g in np.unique(groups)]))}
+  for t in range(adv.shape[1]):
+    if mask[:, t].any():
+      column = adv[mask[:, t], t]
+      out[f'credit/turn{t}_mean'] = float(column.mean())
+      out[f'credit/turn{t}_zero'] = float(np.mean(np.abs(column) < eps))
+  if step_ids is not None:
+    ids = np.asarray(step_ids)[mask]
+    _, sizes = np.unique(ids, return_counts=True)
+    out['credit/step_groups'] = float(len(sizes))
+    out['credit/step_group_size'] = float(sizes.mean()) if len(sizes) else 0.0
+    out['credit/singleton_turns'] = (float(np.sum(sizes == 1) / len(ids)) if len(ids)
+                                     else 0.0)
+  return out

@@ -436,13 +436,14 @@ def _normalise(values, norm, eps):
 
 def gigpo_parts(episode_returns, group_ids, turn_rewards, turn_mask, state_ids, gamma,
                 norm='std', eps=1e-6):
-  """``(A^E [B, N], A^S [B, N])``: Eq. 3 over each group's trajectories, Eq. 7 over each step
-  group ``{(group, state)}`` (Eq. 6) of the discounted returns (Eq. 5); 0 on masked turns."""
+  """``(A^E [B, N], A^S [B, N])``: Eq. 3 over each group's trajectories (those with a turn
+  that happened), Eq. 7 over each step group ``{(group, state)}`` (Eq. 6) of the discounted
+  returns (Eq. 5); 0 on masked turns."""
   group_ids, mask = np.asarray(group_ids), np.asarray(turn_mask, bool)
   returns = discounted_turn_returns(turn_rewards, mask, gamma)
   episode = np.zeros(mask.shape)
   for g in set(group_ids.tolist()):
-    rows = np.flatnonzero(group_ids == g)
+    rows = np.flatnonzero((group_ids == g) & mask.any(axis=1))
     episode[rows] = _normalise(f64(episode_returns)[rows], norm, eps)[:, None]
   step_groups = {}
   for i, t in zip(*np.nonzero(mask)):
