@@ -4,8 +4,8 @@ collected tests, tests/conftest.py checks the table at every run that collects a
 
 import ast
 import functools
+import pathlib
 import shlex
-import sys
 import tomllib
 import types
 
@@ -72,8 +72,13 @@ class _Item:
     return name if name in self.markers else None
 
 
-def test_the_hook_marks_the_table_and_refuses_a_stale_entry_or_counterpart(monkeypatch):
-  conftest = sys.modules['conftest']
+def test_the_hook_marks_the_table_and_refuses_a_stale_entry_or_counterpart(monkeypatch,
+                                                                         pytestconfig):
+  # tests/conftest.py as pytest registered it (sys.modules['conftest'] is whichever folder's
+  # conftest was imported last, e.g. tests/backends/conftest.py).
+  path = ROOT / 'tests' / 'conftest.py'
+  (conftest,) = [m for m in pytestconfig.pluginmanager.get_plugins()
+                 if pathlib.Path(getattr(m, '__file__', None) or '.') == path]
   config = types.SimpleNamespace(rootpath=ROOT, args=['tests/x.py'],
                                  invocation_params=types.SimpleNamespace(dir=ROOT))
   table = {'tests/x.py::test_a[1]': ('tests/x.py::test_a[0]', 'another number'),
