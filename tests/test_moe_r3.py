@@ -213,20 +213,13 @@ def test_episodes_record_the_routes_of_the_whole_conversation():
 def r3_smoke(steps=4):
   """configs/default.py:smoke on a tiny mixture of experts (model.tiny overrides) with R3
   and a bfloat16 inference copy."""
-  from rlax_llm.cli import load_config_file
-  config = load_config_file(str(ROOT / 'configs/default.py') + ':smoke')
+  from test_resume import smoke  # its 4 warm-up steps, evaluation and checkpoints every 2
+  config = smoke(steps)
   with config.unlocked():
     config.model.tiny.update(family='qwen3_moe', num_experts=4, num_experts_per_tok=2,
                              moe_mlp_dim=64, norm_topk_prob=True, qk_norm=True)
   config.model.routing_replay = 'r3'
   config.model.inference_param_dtype = 'bfloat16'
-  config.total_steps = steps
-  config.warmup.steps = 4
-  config.log.tensorboard = False
-  config.log.console_every = 100
-  config.eval.every_steps = 2
-  config.checkpoint.every_steps = 2
-  config.checkpoint.every_seconds = 0.0
   return config
 
 
