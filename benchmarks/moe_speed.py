@@ -39,7 +39,6 @@ import pathlib
 import statistics
 import sys
 import tempfile
-import time
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
@@ -51,6 +50,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from batch_invariant import alternate  # noqa: E402  # this folder (sys.path[0])
 from rlax_llm.models.decoder_config import DecoderConfig  # noqa: E402
 from rlax_llm.models.files import hf  # noqa: E402
 from rlax_llm.models.model import create_model, token_logprobs  # noqa: E402
@@ -98,18 +98,10 @@ def torch_train_step(model, tokens: np.ndarray):
   return step
 
 
-def alternate(calls: dict, repeats: int) -> dict:
-  """``{name: median seconds}``: each call once untimed, then ``repeats`` rounds of every
-  call in turn."""
-  for fn in calls.values():
-    fn()
-  times = {name: [] for name in calls}
-  for _ in range(repeats):
-    for name, fn in calls.items():
-      start = time.perf_counter()
-      fn()
-      times[name].append(time.perf_counter() - start)
-  return {name: statistics.median(t) for name, t in times.items()}
+def median_times(calls: dict, repeats: int) -> dict:
+  """``{name: median seconds}`` of ``calls`` run alternately (``batch_invariant.alternate``:
+  each once untimed, then ``repeats`` rounds of every call in turn)."""
+  return {name: statistics.median(t) for name, t in alternate(calls, repeats).items()}
 
 
 def against_transformers(args) -> dict:
@@ -129,7 +121,7 @@ def against_transformers(args) -> dict:
   loss = float(step(params, jtokens)[0])
   torch_step = torch_train_step(reference, tokens)
   torch_loss = torch_step()
-  train = alternate({'ours': lambda: jax.block_until_ready(step(params, jtokens)),
+  train = median_times({'ours': lambda: jax.block_until_ready(step(params, jtokens)),
                      'torch': torch_step}, args.repeats)
 
   reference.eval()
@@ -145,7 +137,7 @@ def against_transformers(args) -> dict:
                                 attention_mask=torch.ones(prompts.shape, dtype=torch.long),
                                 max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                                 do_sample=False, pad_token_id=0)
-  decode = alternate({'ours': ours_decode, 'torch': torch_decode}, args.repeats)
+  decode = median_times({'ours': ours_decode, 'torch': torch_decode}, args.repeats)
   ours_tokens = np.array([s.tokens for s in ours_decode()])
   torch_tokens = torch_decode()[:, args.prompt:].numpy()
   train_tokens = args.batch * args.length
@@ -178,7 +170,7 @@ def impls(args) -> list[dict]:
           lambda s=step, p=params: jax.block_until_ready(s(p, tokens)))
       calls[f'{impl}_decode_forward'] = (
           lambda f=forward, p=params: jax.block_until_ready(f(p, one_each)))
-    times = alternate(calls, args.repeats)
+    times = median_times(calls, args.repeats)
     out.append({'experts': experts, 'top_k': top_k,
                 **{f'{name}_s': t for name, t in times.items()},
                 'train_dense_over_ragged': times['dense_train'] / times['ragged_train'],
