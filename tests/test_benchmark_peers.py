@@ -129,3 +129,14 @@ def test_driver_figures():
   assert got['rollout_tokens_per_s'] == 200.0  # the first step (compiling) left out
   assert got['train_tokens_per_s'] == 500.0
   assert (got['first_step_s'], got['peak_rss_mb'], got['steps_logged']) == (90.0, 30.0, 3)
+
+
+def test_driver_save_intervals():
+  sides = ['rlax_llm', 'trl', 'tunix']
+  assert driver.save_intervals('5', sides) == {'rlax_llm': 5, 'trl': 5, 'tunix': 5}
+  assert driver.save_intervals('trl=10,tunix=10', sides) == {'rlax_llm': 20, 'trl': 10,
+                                                             'tunix': 10}
+  with pytest.raises(SystemExit, match='torch=3'):
+    driver.save_intervals('torch=3', sides)
+  with pytest.raises(SystemExit, match='trl=0'):
+    driver.save_intervals('trl=0', sides)

@@ -150,13 +150,30 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
   fig.savefig(path, dpi=100)
 
 
+def save_intervals(spec: str, sides: list[str]) -> dict[str, int]:
+  """``--save_every``: one interval for every side (``'20'``) or ``side=N`` pairs, a side
+  not named keeping 20 (a slower side saves more often, so its curve has points)."""
+  if '=' not in spec:
+    return dict.fromkeys(sides, int(spec))
+  out = dict.fromkeys(sides, 20)
+  for pair in spec.split(','):
+    side, _, steps = pair.partition('=')
+    if side not in SCRIPTS or not steps.isdigit() or int(steps) < 1:
+      raise SystemExit(f'--save_every: {pair!r} is not side=N with side in {sorted(SCRIPTS)} '
+                       'and N >= 1.')
+    out[side] = int(steps)
+  return {side: out[side] for side in sides}
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--root', default='/tmp/peers_h2h', help='run directories go here')
   parser.add_argument('--cache_dir', default=None, help='default: job.py\'s')
   parser.add_argument('--sides', default=','.join(SCRIPTS))
   parser.add_argument('--steps', type=int, default=None, help='default: the recipe\'s 240')
-  parser.add_argument('--save_every', type=int, default=20)
+  parser.add_argument('--save_every', default='20',
+                      help='steps between checkpoints: N for every side, or side=N pairs '
+                           '(e.g. rlax_llm=20,trl=10,tunix=10; a side not named keeps 20)')
   parser.add_argument('--budget_minutes', type=float, default=None, help='per side')
   parser.add_argument('--num_eval', type=int, default=None, help='default: all 100')
   parser.add_argument('--target', type=float, default=0.8)
@@ -170,6 +187,7 @@ def main() -> None:
     raise SystemExit(f'--sides: unknown {unknown}; choose from {sorted(SCRIPTS)}.')
   for side in sides:
     python_of(side)  # every venv is there before anything runs
+  save_every = save_intervals(args.save_every, sides)
 
   job_args = [] if args.cache_dir is None else [f'--cache_dir={args.cache_dir}']
   if run([str(python_of('rlax_llm')), str(HERE / 'job.py'), *job_args], root / 'job.log'):
@@ -180,7 +198,7 @@ def main() -> None:
   budget = None if args.budget_minutes is None else 60 * args.budget_minutes
   for side in sides:
     command = [str(python_of(side)), str(HERE / SCRIPTS[side]), f'--job={job_path}',
-               f'--run_dir={root / side}', f'--save_every={args.save_every}']
+               f'--run_dir={root / side}', f'--save_every={save_every[side]}']
     if args.steps:
       command.append(f'--steps={args.steps}')
     print(f'driver: running {side} ...', flush=True)
