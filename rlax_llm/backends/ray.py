@@ -1,5 +1,5 @@
-"""The Ray backend: the trainer, the parameter server and each inference worker in a Ray
-actor of its own.
+"""The Ray backend: the trainer, the parameter server, each inference worker and on-policy
+distillation's teacher in a Ray actor of its own.
 
 The controller (``rlax_llm.controller``) stays in the launching process (the driver); roles
 are actors whose method calls return object refs, wrapped as the futures the controller
