@@ -56,7 +56,7 @@ REQUIRED_KEYS = (
 # model.name='tiny'). The schema does not fix their keys (a prefix ending in '.' keeps the
 # group itself required); their owners validate them.
 OPEN_GROUPS = ('task.', 'env.', 'ray.trainer_resources.', 'ray.worker_resources.',
-               'ray.trainer_env.', 'reward', 'model.tiny')
+               'ray.teacher_resources.', 'ray.trainer_env.', 'reward', 'model.tiny')
 
 # model.routing_replay: 'off' (the trainer routes a mixture of experts by its own router) or
 # 'r3' (rollout routing replay: by the experts the inference workers recorded).
@@ -228,8 +228,9 @@ def _loss_config(config: ml_collections.ConfigDict) -> LossConfig:
 
 def _distill_config(config: ml_collections.ConfigDict) -> DistillConfig:
   """The ``DistillConfig`` of ``rl.distill``, and the teacher it needs: ``teacher.enabled``
-  exactly when ``rl.distill.kind`` is not 'off', a teacher model name, and a schedule that
-  carries the teacher's scores (deterministic)."""
+  exactly when ``rl.distill.kind`` is not 'off', and a teacher model name. Either schedule:
+  the teacher scores the tokens a batch trains, whichever versions drew them (free-running),
+  and the signal uses each token's own behaviour log-prob (docs/losses.md)."""
   with naming('rl.'):
     distill = DistillConfig(**config.rl.distill.to_dict())
   t = config.teacher
@@ -251,9 +252,6 @@ def _distill_config(config: ml_collections.ConfigDict) -> DistillConfig:
         f"config.teacher.name={t.name!r} with config.model.name={config.model.name!r}: a "
         "'tiny' teacher has the tiny student's character tokenizer, so both are 'tiny' or "
         'neither is (the teacher must share the student\'s tokenizer).')
-  if config.staleness.schedule != 'deterministic':
-    raise ConfigError("config.staleness.schedule='free' with rl.distill: the teacher scores "
-                      "batches in the controller's deterministic order; use 'deterministic'.")
   return distill
 
 
@@ -489,8 +487,22 @@ def _validate_checkpoint(config: ml_collections.ConfigDict) -> None:
 
 def _validate_ray(config: ml_collections.ConfigDict) -> None:
   """``ray.trainer_processes`` > 1 is a Ray trainer gang (a local multi-host run is
-  ``distributed.*``); ``ray.trainer_env`` maps variable names to strings."""
+  ``distributed.*``); ``ray.trainer_env`` maps variable names to strings; on Ray a teacher
+  asks for resources of its own when the other roles ask for chips (``ray.teacher_resources``:
+  Ray holds none for an actor that asks for none, so it would share, or fail to open, chips
+  the trainer or a worker holds)."""
   r = config.ray
+  others = [f'ray.{role}_resources' for role in ('trainer', 'worker')
+            if 'TPU' in r[f'{role}_resources']]
+  if (config.backend == 'ray' and config.teacher.enabled and others
+      and not r.teacher_resources):
+    raise ConfigError(
+        f'config.ray.teacher_resources is empty but {" and ".join(others)} ask for \'TPU\': '
+        'on-policy distillation\'s teacher actor would be given no chip of its own (Ray '
+        'places it on any node and holds nothing for it, so it opens chips another actor '
+        "holds, or runs on the CPU). Set --config.ray.teacher_resources='{\"TPU\": 1}' (a "
+        'chip of its own; on a host shared with other actors, the same "TPU" count as '
+        "theirs), or '{\"CPU\": 1}' to score on a CPU host on purpose.")
   if r.trainer_processes > 1 and config.backend != 'ray':
     raise ConfigError(f'config.ray.trainer_processes={r.trainer_processes} with backend='
                       f'{config.backend!r}: it sets how many Ray actors the trainer spans; '

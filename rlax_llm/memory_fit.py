@@ -129,9 +129,10 @@ def run_memory_plan(model: DecoderConfig, config: ml_collections.ConfigDict,
   workers share chips (the local backend without ``mesh.disjoint``; every worker's mesh then
   starts at the first chip). ``platform``: whose compiled trainer step the plan follows
   (``presets.PLATFORMS``: ``'tpu'`` for a TPU's XLA:TPU, else ``'cpu'``). With
-  distillation the teacher counts on the first chip (``teacher_memory_bytes`` of
-  ``teacher``, or of ``teacher_model`` when None: an ``'auto'`` teacher is then not
-  counted)."""
+  distillation the teacher (``teacher_memory_bytes`` of ``teacher``, or of ``teacher_model``
+  when None: an ``'auto'`` teacher is then not counted) counts on the first chip, or on
+  ``backend='ray'`` on a row of its own (``MemoryPlan.teacher_apart``: its actor's chip,
+  ``ray.teacher_resources``)."""
   rl, s = config.rl, config.sampling
   length = s.max_prompt_len + s.max_new_tokens
   plan = presets.memory_plan(
@@ -149,7 +150,8 @@ def run_memory_plan(model: DecoderConfig, config: ml_collections.ConfigDict,
     return plan
   held = teacher_memory_bytes(teacher, config)
   return dataclasses.replace(plan, teacher_params=held['params'],
-                             teacher_scoring=held['scoring'])
+                             teacher_scoring=held['scoring'],
+                             teacher_apart=config.backend == 'ray')
 
 
 def available_memory_bytes() -> float:

@@ -273,12 +273,24 @@ def test_distill_batch_of_a_multi_turn_row_signals_only_the_sampled_tokens(tiny)
      "teacher.dtype='int4' is not valid"),
     (dict(rl__distill__kind='reverse_kl', teacher__enabled=True, rl__distill__weight=-1.0),
      'distill.weight=-1.0'),
-    (dict(rl__distill__kind='reverse_kl', teacher__enabled=True,
-          staleness__schedule='free'), "staleness.schedule='free' with rl.distill"),
+    (dict(rl__distill__kind='reverse_kl', teacher__enabled=True, backend='ray',
+          ray__worker_resources={'TPU': 4}),
+     r"ray.teacher_resources is empty but ray.worker_resources ask for 'TPU'"),
 ])
 def test_config_refuses(fields, message):
   with pytest.raises(ConfigError, match=message):
     validate_config(smoke_config(**fields))
+
+
+def test_config_accepts_the_free_schedule_and_a_teacher_with_its_own_chip():
+  """The free schedule (its run: test_a_free_running_distillation_run_trains) and, on Ray
+  beside roles on TPU chips, a teacher asking for resources of its own."""
+  free = _distill_config(2, staleness__schedule='free', staleness__k=3)
+  assert validate_config(free).controller.schedule == 'free'
+  on_ray = _distill_config(2, backend='ray', ray__trainer_resources={'TPU': 4},
+                           ray__teacher_resources={'TPU': 1})
+  assert validate_config(on_ray).distill.enabled
+
 
 
 def test_build_teacher_refuses_a_tiny_teacher_of_another_charset():
@@ -370,3 +382,49 @@ def test_memory_plan_counts_the_teacher_on_the_first_chip(tiny):
   smol = load_config_file(str(ROOT / 'configs' / 'distill.py'))
   held = memory_fit.teacher_memory_bytes(memory_fit.teacher_model(smol, None), smol)
   assert 134e6 * 4 < held['params'] < 135e6 * 4, held
+
+
+def test_on_ray_the_memory_plan_gives_the_teacher_a_row_of_its_own(tiny):
+  """``backend='ray'``: the teacher actor's chip (``ray.teacher_resources``) is a row of its
+  own, against its chips' HBM, and the trainer's row no longer counts it (local: above)."""
+  student = tiny[1]
+  one = {'data': 1, 'fsdp': 1, 'tensor': 1}
+  plan_of = lambda backend, shared: memory_fit.run_memory_plan(
+      student.config, _distill_config(1, backend=backend), one, one, shared=shared)
+  local, ray = plan_of('local', False), plan_of('ray', False)
+  assert ray.teacher_apart and not local.teacher_apart and ray.teacher_bytes > 0
+  assert ray.needs(1e12, 2e12, 3e12) == [
+      ('trainer', ray.trainer_bytes, 1e12), ('inference', ray.inference_bytes, 2e12),
+      ('teacher', ray.teacher_bytes, 3e12)]
+  assert local.needs(1e12, 2e12, 3e12) == [
+      ('trainer', local.trainer_bytes + local.teacher_bytes, 1e12),
+      ('inference', local.inference_bytes, 2e12)]
+  shared = plan_of('ray', True).needs(1e12)  # one row for the roles' chips, one the teacher's
+  assert [chips for chips, _, _ in shared] == ['trainer + inference', 'teacher']
+  assert shared[1] == ('teacher', ray.teacher_bytes, 1e12)  # a trainer chip's HBM unless told
+  assert any(line.startswith('teacher (on its own chip): params') for line in ray.table(1e12))
+
+
+# A run compiles the engine, the trainer and the teacher: about 15 s warm, a minute cold on a
+# loaded 2-core machine. Its counterparts in the default run: the config is accepted
+# (test_config_accepts_the_free_schedule_and_a_teacher_with_its_own_chip), the teacher's
+# signal is each token's own log pi_teacher - log pi_behaviour whatever drew it
+# (test_distill_batch_mixes_reverse_kl_advantages_on_the_loss_tokens), and free-running runs
+# in tests/test_async.py.
+@pytest.mark.slow
+def test_a_free_running_distillation_run_trains(tmp_path):
+  """staleness.schedule='free' with a teacher: versions swap in mid-generation (samples of
+  two versions; tests/test_async.py's ``swaps_mid_generation``), the teacher scores every
+  trained batch, every step updates, and no trained token is k or more versions old. (No
+  resume: a free-running run writes no checkpoints.)"""
+  from test_async import swaps_mid_generation  # pylint: disable=import-outside-toplevel
+  config = _distill_config(4, warmup__steps=0, staleness__schedule='free', staleness__j=1,
+                           staleness__k=2)
+  with build_run(config, tmp_path, run_spec(config)) as run:
+    swaps_mid_generation([])(run.controller)
+    summary = run.execute()
+  rows = read_metrics(tmp_path / 'metrics.jsonl')
+  assert summary['steps'] == 4 and len(rows) == 4
+  assert sum(row['rollout/mixed_version_samples'] for row in rows) > 0
+  assert all(np.isfinite(row['distill/reverse_kl']) and row['update/skipped'] == 0
+             and row['grad_norm'] > 0 and row['staleness/max'] <= 1 for row in rows)

@@ -1,5 +1,5 @@
-"""The Ray backend: the trainer, the parameter server and each inference worker in a Ray
-actor of its own.
+"""The Ray backend: the trainer, the parameter server, each inference worker and on-policy
+distillation's teacher in a Ray actor of its own.
 
 The controller (``rlax_llm.controller``) stays in the launching process (the driver); roles
 are actors whose method calls return object refs, wrapped as the futures the controller
@@ -61,9 +61,11 @@ the others. A lost trainer actor (any of them, when there are several) stops the
 ``RlaxError`` naming the checkpoint step to resume from (relaunching with the same
 ``--workdir`` resumes there).
 
-Placement: each actor asks for ``ray.trainer_resources`` / ``ray.worker_resources`` (e.g.
-``{'TPU': 4}`` on a TPU VM host, so Ray puts the trainer and the workers on different hosts;
-empty on a laptop). ``ray.address='local'`` starts a private single-node cluster on loopback
+Placement: each actor asks for its role's resources (``actor_options``:
+``ray.trainer_resources``, ``ray.worker_resources``, and on-policy distillation's teacher
+``ray.teacher_resources``; e.g. ``{'TPU': 4}`` on a TPU VM host, so Ray puts the trainer and
+the workers on different hosts, and ``{'TPU': 1}`` for a teacher on a chip of its own; empty
+on a laptop). ``ray.address='local'`` starts a private single-node cluster on loopback
 (tests do this); any other value is passed to ``ray.init(address=...)`` to join a running
 cluster (``launch/ray``). Each actor builds its role from the run's config
 (``rlax_llm.roles``); the actors' classes and the transport between them are
@@ -278,6 +280,35 @@ def _same_start(values: list[tuple[Any, Any, int]]) -> None:
                     'the same workdir (shared storage).')
 
 
+# The roles whose actors ask for resources of their own (``ray.<role>_resources``).
+ROLES = ('trainer', 'worker', 'teacher')
+
+
+def actor_options(config: ml_collections.ConfigDict, role: str) -> dict[str, Any]:
+  """The ``ray.remote`` options of ``role``'s actors (one of ``ROLES``): the resources
+  ``config.ray.<role>_resources`` names (e.g. ``{'TPU': 4}``; Ray places the actor where they
+  are free and holds them for it, and an actor given ``'TPU'`` opens only its chips:
+  ``ray_actors.pin_tpu_chips``; ``'CPU'`` and ``'GPU'`` become Ray's ``num_cpus`` and
+  ``num_gpus``), no CPU held unless named (the roles' work is on their devices), and what
+  Ray does when the actor's process is lost. A worker is restarted ``ray.worker_restarts``
+  times and its call retried there (it pulls its weights again); a trainer is not (its state
+  is the checkpoint's: the run stops), nor the teacher (the run stops). The trainer's
+  processes also get ``ray.trainer_env``."""
+  if role not in ROLES:
+    raise ValueError(f'role={role!r} is not one of the Ray roles {ROLES}.')
+  r = config.ray
+  resources = r[f'{role}_resources'].to_dict()
+  options: dict[str, Any] = dict(num_cpus=resources.pop('CPU', 0), resources=resources,
+                                 max_restarts=0)
+  if 'GPU' in resources:
+    options['num_gpus'] = resources.pop('GPU')
+  if role == 'worker':
+    options.update(max_restarts=r.worker_restarts, max_task_retries=r.worker_restarts)
+  if role == 'trainer' and r.trainer_env:
+    options['runtime_env'] = {'env_vars': r.trainer_env.to_dict()}
+  return options
+
+
 def init_ray(config: ml_collections.ConfigDict) -> bool:
   """Starts (``address='local'``) or joins a Ray cluster; returns whether this call started
   it. Actors inherit this process's JAX/XLA environment and can import rlax_llm."""
@@ -319,16 +350,9 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   started = init_ray(config)
   payload = json.dumps(config.to_dict())
   workdir = storage.absolute(workdir)
-  # A lost trainer is not restarted (its state is the checkpoint's): the run stops.
   processes = config.ray.trainer_processes
-  trainer_cls = ray.remote(num_cpus=0, resources=config.ray.trainer_resources.to_dict(),
-                           max_restarts=0)(TrainerRole)
-  if config.ray.trainer_env:
-    trainer_cls = trainer_cls.options(
-        runtime_env={'env_vars': config.ray.trainer_env.to_dict()})
-  restarts = config.ray.worker_restarts
-  worker_cls = ray.remote(num_cpus=0, resources=config.ray.worker_resources.to_dict(),
-                          max_restarts=restarts, max_task_retries=restarts)(WorkerRole)
+  trainer_cls = ray.remote(**actor_options(config, 'trainer'))(TrainerRole)
+  worker_cls = ray.remote(**actor_options(config, 'worker'))(WorkerRole)
   # Threads for the trainer's processes pushing a version at once beside workers' pulls.
   server_cls = ray.remote(num_cpus=0, max_concurrency=max(4, processes + 2))(ServerRole)
   server_actor = server_cls.remote(spec.keep_versions, spec.transport)
@@ -338,9 +362,9 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   trainer_actors = [trainer_cls.remote() for _ in range(processes)]
   worker_actors = [worker_cls.remote(payload, n, server_actor, base_actor)
                    for n in range(config.rollout.workers)]
-  # On-policy distillation's teacher: an actor of its own (no resources asked: it runs where
-  # Ray places it, on that process's first device), asked for each batch's scores.
-  teacher_actor = (ray.remote(num_cpus=0, max_restarts=0)(TeacherRole).remote(payload)
+  # On-policy distillation's teacher: an actor of its own on the resources it asks for (its
+  # process's first device), asked for each batch's scores.
+  teacher_actor = (ray.remote(**actor_options(config, 'teacher'))(TeacherRole).remote(payload)
                    if spec.distill.enabled else None)
   trainer = None
   try:

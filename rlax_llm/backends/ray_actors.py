@@ -1,14 +1,15 @@
-"""What runs inside the Ray backend's actors: the three roles and the transport between them.
+"""What runs inside the Ray backend's actors: the roles and the transport between them.
 
-``ServerRole`` (the parameter server), ``TrainerRole`` (one per trainer process) and
-``WorkerRole`` (one per inference worker) are the classes ``rlax_llm.backends.ray`` makes
-actors of; each builds its role from the run's config (``rlax_llm.roles``). Weights move
-between them without the driver: ``push_shards`` (a trainer's blocks to the server actor,
-through a shared-memory slot on the server's machine or the object store) and
-``fetch_update`` (a version from the server actor to a worker, whole leaves read zero-copy
-from the trainer's object or mapped from a slot). ``pin_tpu_chips`` is what an actor given
-``'TPU'`` resources runs first, so that libtpu opens only the chips Ray assigned to it.
-The module docstring of ``rlax_llm.backends.ray`` describes the whole protocol.
+``ServerRole`` (the parameter server), ``TrainerRole`` (one per trainer process),
+``WorkerRole`` (one per inference worker) and ``TeacherRole`` (on-policy distillation's
+teacher) are the classes ``rlax_llm.backends.ray`` makes actors of; each builds its role
+from the run's config (``rlax_llm.roles``). Weights move between them without the driver:
+``push_shards`` (a trainer's blocks to the server actor, through a shared-memory slot on the
+server's machine or the object store) and ``fetch_update`` (a version from the server actor
+to a worker, whole leaves read zero-copy from the trainer's object or mapped from a slot).
+``pin_tpu_chips`` is what an actor given ``'TPU'`` resources runs first, so that libtpu opens
+only the chips Ray assigned to it. The module docstring of ``rlax_llm.backends.ray``
+describes the whole protocol.
 """
 
 from __future__ import annotations
@@ -387,8 +388,9 @@ class TrainerRole:
 
 class TeacherRole:
   """On-policy distillation's teacher as an actor (``roles.build_teacher`` from the run's
-  config, loaded once in this process, on its first device): the driver's controller sends
-  it each trained batch's token ids and loss mask and receives the teacher's scores
+  config, loaded once in this process, on its first device: with ``'TPU'`` in
+  ``ray.teacher_resources``, a chip of its own, ``pin_tpu_chips``): the driver's controller
+  sends it each trained batch's token ids and loss mask and receives the teacher's scores
   (``trainer.teacher.TeacherScores``); its weights never leave it."""
 
   def __init__(self, payload: str):

@@ -425,10 +425,12 @@ class MemoryPlan:
       (``tpu_trainer_terms``' ``head`` and what lies beside it: the blocks' saved inputs,
       the chunk's logits, with a tied table its lookup's gradient, ``lookup``); the
       trainer's peak holds it instead of the rest of the step when larger. 0 otherwise.
-    teacher_params, teacher_scoring: on-policy distillation's teacher, on the first chip (the
-      trainer's, which it shares): its params (its dtype, int8 with ``teacher.quant``) and
-      one batch's scoring pass (``memory_fit.teacher_memory_bytes``), counted on the
-      trainer's row of ``needs``; 0 without distillation.
+    teacher_params, teacher_scoring: on-policy distillation's teacher: its params (its
+      dtype, int8 with ``teacher.quant``) and one batch's scoring pass
+      (``memory_fit.teacher_memory_bytes``); 0 without distillation.
+    teacher_apart: whether the teacher has a chip of its own (the Ray backend's teacher
+      actor, ``ray.teacher_resources``): a row of its own in ``needs``. Else (the local
+      backend) it lies on the trainer's first chip and counts on the trainer's row.
   """
   params: float
   optimizer: float
@@ -448,6 +450,7 @@ class MemoryPlan:
   head: float = 0.0
   teacher_params: float = 0.0
   teacher_scoring: float = 0.0
+  teacher_apart: bool = False
 
   @property
   def trainer_bytes(self) -> float:
@@ -468,18 +471,24 @@ class MemoryPlan:
   def teacher_bytes(self) -> float:
     return self.teacher_params + self.teacher_scoring
 
-  def needs(self, trainer_hbm_bytes: float, inference_hbm_bytes: float | None = None
-            ) -> list[tuple[str, float, float]]:
+  def needs(self, trainer_hbm_bytes: float, inference_hbm_bytes: float | None = None,
+            teacher_hbm_bytes: float | None = None) -> list[tuple[str, float, float]]:
     """``(chips, bytes needed per chip, bytes of HBM per chip)``: one row when the roles
     share chips, else one for the trainer's and one for the workers'. A teacher counts on
-    the trainer's (its first chip is the teacher's)."""
+    the trainer's (its first chip is the teacher's), or with ``teacher_apart`` on a row of
+    its own, against ``teacher_hbm_bytes`` (None: a trainer chip's)."""
+    on_trainer = 0.0 if self.teacher_apart else self.teacher_bytes
     if self.shared:
-      return [('trainer + inference',
-               self.trainer_bytes + self.inference_bytes + self.teacher_bytes,
+      rows = [('trainer + inference', self.trainer_bytes + self.inference_bytes + on_trainer,
                trainer_hbm_bytes)]
-    return [('trainer', self.trainer_bytes + self.teacher_bytes, trainer_hbm_bytes),
-            ('inference', self.inference_bytes,
-             trainer_hbm_bytes if inference_hbm_bytes is None else inference_hbm_bytes)]
+    else:
+      rows = [('trainer', self.trainer_bytes + on_trainer, trainer_hbm_bytes),
+              ('inference', self.inference_bytes,
+               trainer_hbm_bytes if inference_hbm_bytes is None else inference_hbm_bytes)]
+    if self.teacher_apart and self.teacher_bytes:
+      rows.append(('teacher', self.teacher_bytes,
+                   trainer_hbm_bytes if teacher_hbm_bytes is None else teacher_hbm_bytes))
+    return rows
 
   def table(self, trainer_hbm_bytes: float, inference_hbm_bytes: float | None = None
             ) -> list[str]:
@@ -502,7 +511,8 @@ class MemoryPlan:
          + f', KV cache {gib(self.kv_cache)}, logits '
          f'{gib(self.inference_logits)}) = {gib(self.inference_bytes)}')]
     if self.teacher_bytes:
-      lines.append(f'teacher (on the first trainer chip): params {gib(self.teacher_params)}, '
+      where = 'its own chip' if self.teacher_apart else 'the first trainer chip'
+      lines.append(f'teacher (on {where}): params {gib(self.teacher_params)}, '
                    f'scoring {gib(self.teacher_scoring)} = {gib(self.teacher_bytes)}')
     for chips, need, hbm in self.needs(trainer_hbm_bytes, inference_hbm_bytes):
       lines.append(f'{chips}: {gib(need)} of {gib(hbm)} HBM per chip ({100 * need / hbm:.0f}%)')

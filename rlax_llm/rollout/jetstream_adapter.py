@@ -23,7 +23,8 @@ call raises):
 Clients use JetStream's own stub (``jetstream_pb2_grpc.OrchestratorStub``) with
 ``DecodeRequest(token_content=..., max_tokens=...)``; replies carry token ids (and text for
 text requests) but, as JetStream's protocol has no field for them, neither log-probs nor
-versions: RL rollouts use ``rlax_llm.rollout.driver``, not this server. Known JetStream
+versions nor a mixture of experts' routes (an engine recording them for R3 is refused): RL
+rollouts use ``rlax_llm.rollout.driver``, not this server. Known JetStream
 behaviour kept as it is: it prepends the tokenizer's bos to every new prompt (this adapter
 drops it again when the checkpoint does not want one, so ``session_cache`` conversation
 history is not supported); server-side detokenization decodes one token at a time, which
@@ -150,7 +151,13 @@ class _State:
 def make_engine(js: types.SimpleNamespace, engine: Engine, tokenizer, holder: VersionedParams,
                 *, sampling: SamplingSpec = GREEDY, seed: int = 0):
   """A ``jetstream.engine.engine_api.Engine`` serving ``engine`` with weights from
-  ``holder`` and the model's ``tokenizer``."""
+  ``holder`` and the model's ``tokenizer``. Refuses an engine that records routes (R3):
+  JetStream's replies have no field for them."""
+  if engine.record_routes:
+    raise ValueError('the engine records routes (record_routes=True, for R3: '
+                     "model.routing_replay='r3') but JetStream's replies have no field for "
+                     'them, so they would be lost; serve an engine built without '
+                     'record_routes (R3 rollouts run through rlax_llm.rollout.driver).')
   tokenizer_cls = _tokenizer_class(js)
   add_bos = bool(getattr(tokenizer, 'add_bos_token', False))
 

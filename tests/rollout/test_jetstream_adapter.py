@@ -133,6 +133,13 @@ def _in_process(tokenizer, max_prefill_length, max_decode_length):
   return model, params, engine, holder, served
 
 
+def test_an_engine_recording_routes_is_refused():
+  """R3's routes have no field in JetStream's replies: an engine that records them is
+  refused before anything is built."""
+  with pytest.raises(ValueError, match=r'the engine records routes \(record_routes=True'):
+    jetstream_adapter.make_engine(None, types.SimpleNamespace(record_routes=True), None, None)
+
+
 @pytest.mark.parametrize('bos_id', [1, None])
 def test_prefill_drops_the_id_jetstream_prepends(bos_id):
   """JetStream prepends its tokenizer's bos_id, the pad id when the checkpoint has no bos;
