@@ -55,18 +55,20 @@ def programs_made():
 
 
 def _batch():
+  """8 rows of 10 tokens: tests/trainer/test_trainer.py's batch shape, so that in one process
+  the two files' equal trainers share the step's compiled program too."""
   rng = np.random.RandomState(0)
-  tokens = rng.randint(0, 16, (4, 10)).astype(np.int32)
-  mask = np.zeros((4, 10), np.float32)
-  for row, length in enumerate((2, 6, 4, 7)):  # the token- and sequence-means differ
+  tokens = rng.randint(0, 16, (8, 10)).astype(np.int32)
+  mask = np.zeros((8, 10), np.float32)
+  for row, length in enumerate((2, 6, 4, 7, 1, 5, 3, 6)):  # the token- and sequence-means differ
     mask[row, 3:3 + length] = 1.0
   return TrainBatch(
       tokens=tokens, loss_mask=mask,
-      behaviour_logprobs=(np.log(rng.uniform(0.05, 0.5, (4, 10))) * mask).astype(np.float32),
+      behaviour_logprobs=(np.log(rng.uniform(0.05, 0.5, (8, 10))) * mask).astype(np.float32),
       support_sizes=np.where(mask > 0, 16, 0).astype(np.int32),
-      advantages=np.array([1.0, -1.0, 0.5, -0.5], np.float32),
+      advantages=rng.randn(8).astype(np.float32),
       versions=np.where(mask > 0, 0, -1).astype(np.int32),
-      group_ids=np.zeros(4, np.int32))
+      group_ids=np.repeat(np.arange(2), 4).astype(np.int32))
 
 
 def _trainer(learning_rate=1e-2, loss='grpo', mesh=ONE, bind=Bound):
