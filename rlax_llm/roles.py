@@ -53,7 +53,7 @@ from rlax_llm.tokenization import CharTokenizer, Tokenizer, encode_prompts
 from rlax_llm.trainer.objectives import loss_totals, rl_objective, shared_prefix_scoring
 from rlax_llm.trainer.scoring import Policy
 from rlax_llm.trainer.teacher import Teacher, check_same_tokenizer
-from rlax_llm.trainer.trainer import Trainer, learning_rate_schedule, make_optimizer
+from rlax_llm.trainer.trainer import Bound, Trainer, learning_rate_schedule, make_optimizer
 from rlax_llm.trainer.warmup import demo_batch, supervised_warmup
 
 # The architecture fields a checkpoint must share with the preset it is loaded as.
@@ -265,9 +265,9 @@ def build_trainer(config: ml_collections.ConfigDict, spec: config_lib.RunSpec, m
     scoring, check = shared_prefix_scoring(config.sampling.max_new_tokens, rl.group_size,
                                            rl.micro_batches)
   gkd = spec.distill if spec.distill.kind == 'gkd' else None  # the trainer's GKD term
-  objective = functools.partial(rl_objective, policy, loss, logprob_chunk=rl.logprob_chunk,
-                                gkd=gkd, routing_replay=config.model.routing_replay == 'r3',
-                                moe_aux_loss_coef=float(rl.moe_aux_loss_coef), **scoring)
+  objective = Bound(rl_objective, policy, loss, logprob_chunk=rl.logprob_chunk,
+                    gkd=gkd, routing_replay=config.model.routing_replay == 'r3',
+                    moe_aux_loss_coef=float(rl.moe_aux_loss_coef), **scoring)
   return Trainer(model, params, optimizer, objective, mesh,
                  reference_params=params if loss.kl_beta > 0 else None,
                  max_nonfinite_updates=rl.max_nonfinite_updates,

@@ -26,7 +26,7 @@ from rlax_llm import workdir as workdir_lib
 from rlax_llm import workdir_claim
 from rlax_llm.metrics import read_metrics
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from one_device import ROOT, one_device_env  # tests/one_device.py
 
 # The smoke config, shorter: staleness k=2 so checkpoints hold an in-flight batch's rollouts.
 FLAGS = ('--config=configs/default.py:smoke', '--config.warmup.steps=20',
@@ -45,9 +45,11 @@ def _launch(workdir: pathlib.Path, processes: int, *flags: str, timeout: float =
   """Runs the launch as ``processes`` processes on 4 CPU devices in all, on ``workdir``;
   returns each process's ``(returncode, stdout, stderr)`` in process order.
   ``while_running(procs)``: called once the processes have started."""
-  env = dict(os.environ, JAX_PLATFORMS='cpu',
-             XLA_FLAGS=f'--xla_force_host_platform_device_count={4 // processes}',
-             PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get('PYTHONPATH', ''))
+  # The tests' XLA flags (tests/conftest.py's optimisation level: these short runs cost
+  # mostly compiles; every run here is compiled alike), with the job's devices per process.
+  env = one_device_env()
+  env.update(JAX_PLATFORMS='cpu', XLA_FLAGS=f'{env["XLA_FLAGS"]} '
+             f'--xla_force_host_platform_device_count={4 // processes}'.strip())
   job = []
   if processes > 1:
     job = ['--config.distributed.initialize=true',

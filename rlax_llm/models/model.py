@@ -1,7 +1,8 @@
 """The functional face of a decoder: a static graph plus a pure params pytree.
 
 Every other role (trainer, parameter server, sampler) sees a model as ``Model`` (static,
-hashable by identity, safe as a ``jax.jit`` static argument) and ``params``: a nested
+equal and hashed by value: its config and graph, safe as a ``jax.jit`` static argument, so
+two models built alike share their compiled programs) and ``params``: a nested
 ``dict`` of arrays (``flax.nnx.to_pure_dict`` layout, e.g. ``params['blocks']['attn']['wq']``,
 the blocks stacked over a leading layer axis). Keeping params a plain pytree lets optax update
 them, the parameter server validate and copy them, and ``NamedSharding`` trees mirror them.
@@ -28,10 +29,36 @@ Params = dict[str, Any]
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Model:
-  """A decoder's static structure. Build with ``create_model``."""
+  """A decoder's static structure. Build with ``create_model``.
+
+  Equal, and hashed alike, when of the same class with equal fields (the config and the NNX
+  graph, a subclass's own fields too: ``LoRAModel``'s adapters): what a program traced with
+  the model depends on, so equal models share a ``jax.jit`` cache entry (a second run in one
+  process reuses the first's programs) and different ones never do. The hash is computed
+  once (a deep model's graph is large and ``jax.jit`` hashes its static arguments per call).
+  """
 
   config: DecoderConfig
   graphdef: Any
+
+  def _fields(self) -> tuple[Any, ...]:
+    return tuple(getattr(self, field.name) for field in dataclasses.fields(self))
+
+  def __eq__(self, other: object) -> bool:
+    if self is other:
+      return True
+    return type(other) is type(self) and self._fields() == other._fields()
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  @functools.cached_property
+  def _hash(self) -> int:
+    return hash((type(self), *self._fields()))
+
+  def __getstate__(self) -> dict[str, Any]:
+    # Not the cached hash: a string's hash differs between processes (a Ray actor's model).
+    return {name: value for name, value in self.__dict__.items() if name != '_hash'}
 
   def apply(self, params: Params, tokens: jax.Array, *, cache: KVCache | None = None,
             num_valid: jax.Array | None = None, attend: int | None = None,

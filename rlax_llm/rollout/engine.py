@@ -339,22 +339,13 @@ class Engine:
       self.param_shardings = quantized_shardings(self.param_shardings, self.model)
     self.key_size = int(jax.random.key_data(jax.random.key(0)).shape[-1])  # uint32 words
     self.state_shardings = self._state_shardings(rules)
-    self._quantize = jax.jit(functools.partial(quantize_params, model=self.model))
-    self._prefill = jax.jit(self._prefill_impl)
-    self._insert = jax.jit(self._insert_impl, static_argnames=('spec',), donate_argnums=(1,),
-                           out_shardings=(self.state_shardings, None))
-    self._generate = jax.jit(self._generate_impl, static_argnames=('spec', 'attend'),
-                             donate_argnums=(1,),
-                             out_shardings=(self.state_shardings, None))
-    self._extend = jax.jit(self._extend_impl, static_argnames=('spec',), donate_argnums=(1,),
-                           out_shardings=(self.state_shardings, None))
     self.prefilled_tokens = 0  # true (unpadded) tokens prefill and extend have run
-    self._release_all = jax.jit(
-        lambda state: state.replace(remaining=jnp.zeros_like(state.remaining)),
-        donate_argnums=(0,), out_shardings=self.state_shardings)
-    self._release = jax.jit(
-        lambda state, mask: state.replace(remaining=jnp.where(mask, 0, state.remaining)),
-        donate_argnums=(0,), out_shardings=self.state_shardings)
+    # The device programs, shared with every engine alike in this process (``_jitted``).
+    code = _DeviceCode(model=self.model, slots=slots, block_length=self.block_length,
+                       pad_id=self.pad_id, kv_cache_quant=kv_cache_quant,
+                       record_routes=self.record_routes, layer_loop=layer_loop)
+    (self._quantize, self._prefill, self._insert, self._generate, self._extend,
+     self._release_all, self._release) = _jitted(code, self.state_shardings)
 
   def _decode_attention(self, model: Model, mesh: Mesh, wanted: str | None
                         ) -> tuple[str, str]:
@@ -612,7 +603,8 @@ class Engine:
     return self._release(state, jnp.asarray(mask))
 
   def compilations(self) -> int:
-    """How many programs the engine's jitted functions have compiled so far."""
+    """How many programs the engine's jitted functions have compiled so far (shared with
+    the engines alike in this process: ``_jitted``)."""
     jitted = (self._prefill, self._insert, self._generate, self._extend, self._release_all,
               self._release)
     return sum(f._cache_size() for f in jitted)  # pylint: disable=protected-access
@@ -643,7 +635,21 @@ class Engine:
         tokens=per_slot, keys=per_slot_2d(self.key_size), positions=per_slot,
         remaining=per_slot, stop_ids=per_slot_2d(MAX_STOP_IDS))
 
-  def _prefill_impl(self, params, tokens, lengths):
+
+@dataclasses.dataclass(frozen=True)
+class _DeviceCode:
+  """What the engine's device programs read, compared and hashed by value: engines with
+  equal ones (and equal state shardings) share their jitted functions (``_jitted``)."""
+
+  model: Model  # the engine's own: its weight layout, decode attention and layer loop
+  slots: int
+  block_length: int
+  pad_id: int
+  kv_cache_quant: str
+  record_routes: bool
+  layer_loop: str
+
+  def prefill(self, params, tokens, lengths):
     cache = KVCache.init(self.model.config, tokens.shape[0], tokens.shape[1],
                          quant=self.kv_cache_quant)
     last, cache, *routes = self.model.prefill(params, tokens, lengths, cache,
@@ -666,8 +672,7 @@ class Engine:
       return fn(*parts, lead=LAYERED)
     return tuple(fn(*group, lead=0) for group in zip(*parts))
 
-  def _insert_impl(self, prefix, state, rows, slots, keys, max_new, offsets, stop_ids, *,
-                   spec):
+  def insert(self, prefix, state, rows, slots, keys, max_new, offsets, stop_ids, *, spec):
     # Entries with slot == S are padding: scatters drop them (mode='drop').
     stacked = self.layer_loop == 'scan'
     bucket = (prefix.v if stacked else prefix.v[0]).shape[
@@ -731,8 +736,8 @@ class Engine:
     c = self.model.config
     return jnp.full((rows, c.num_layers, c.num_experts_per_tok), NO_ROUTE, jnp.int32)
 
-  def _extend_impl(self, params, state, tokens, lengths, slots, keys, max_new, offsets,
-                   stop_ids, *, spec):
+  def extend(self, params, state, tokens, lengths, slots, keys, max_new, offsets, stop_ids,
+             *, spec):
     # The slots' blocks joined into one contiguous cache (all layers), with room past its end
     # for the new tokens wherever they start (a one-block write clamps at the end), run
     # as a prefill over it, then split back into blocks and scattered to the slots.
@@ -786,7 +791,7 @@ class Engine:
                                                   NO_ROUTE).astype(routes[0].dtype))
     return state, result
 
-  def _generate_impl(self, params, state, *, spec, attend):
+  def generate(self, params, state, *, spec, attend):
     active = state.remaining > 0
     logits, cache, *routes = self.model.apply(
         params, state.tokens[:, None], cache=state.cache, num_valid=active.astype(jnp.int32),
@@ -810,3 +815,23 @@ class Engine:
     return state, StepResult.pack(token, logp, support, active, active & (remaining == 0),
                                   routes)
 
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted(code: _DeviceCode, state_shardings: DecodeState) -> tuple[Any, ...]:
+  """The engine's jitted functions, ``(quantize, prefill, insert, generate, extend,
+  release_all, release)``, made once per ``(code, state_shardings)`` (both by value): a
+  second engine alike in one process (a new run, an evaluation beside training, a sweep)
+  gets the same ``jax.jit`` objects, and JAX's own cache serves its calls without tracing,
+  lowering or compiling. The decode state is donated to every function that updates it."""
+  steps = dict(donate_argnums=(1,), out_shardings=(state_shardings, None))
+  return (
+      jax.jit(functools.partial(quantize_params, model=code.model)),
+      jax.jit(code.prefill),
+      jax.jit(code.insert, static_argnames=('spec',), **steps),
+      jax.jit(code.generate, static_argnames=('spec', 'attend'), **steps),
+      jax.jit(code.extend, static_argnames=('spec',), **steps),
+      jax.jit(lambda state: state.replace(remaining=jnp.zeros_like(state.remaining)),
+              donate_argnums=(0,), out_shardings=state_shardings),
+      jax.jit(lambda state, mask: state.replace(remaining=jnp.where(mask, 0, state.remaining)),
+              donate_argnums=(0,), out_shardings=state_shardings))

@@ -74,7 +74,7 @@ class Policy:
   """A model plus its sampling transform, scoring sequences for the trainer (the engine
   samples with the same transform through ``rlax_llm.policy.sample_rows``).
 
-  Hashable (the model by identity, the spec by value), so it is a ``jax.jit`` static
+  Hashable by value (the model's config and graph, the spec), so it is a ``jax.jit`` static
   argument and equal policies share one compilation.
   """
 

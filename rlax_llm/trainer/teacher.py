@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import chex
 import jax
@@ -110,7 +112,7 @@ class Teacher:
     self.policy = Policy(model, full_support(SamplingSpec(temperature=temperature)))
     self.params = jax.device_put(jax.tree.map(jnp.asarray, params),
                                  device or jax.devices()[0])
-    self._score = jax.jit(functools.partial(_score, self.policy, top_k, chunk))
+    self._score = _score_program(self.policy, top_k, chunk)
 
   def score(self, tokens: np.ndarray, loss_mask: np.ndarray) -> TeacherScores:
     """The teacher's scores of ``tokens`` (int32 ``[B, T]``) on ``loss_mask`` (``[B, T]``,
@@ -121,6 +123,13 @@ class Teacher:
     out = jax.device_get(self._score(self.params, tokens.astype(np.int32),
                                      loss_mask.astype(np.float32)))
     return TeacherScores(*(None if x is None else np.asarray(x) for x in out))
+
+
+@functools.lru_cache(maxsize=8)
+def _score_program(policy: Policy, top_k: int, chunk: int) -> Callable[..., Any]:
+  """``_score`` jitted once per (policy, top_k, chunk), each by value: teachers alike (a
+  second run's) share the compiled program."""
+  return jax.jit(functools.partial(_score, policy, top_k, chunk))
 
 
 def _score(policy: Policy, top_k: int, chunk: int, params: Params, tokens: jax.Array,

@@ -11,6 +11,14 @@ parameter is NaN/Inf, the step keeps the previous params and optimizer state and
 ``update/skipped = 1``. After ``max_nonfinite_updates`` skipped updates in a row the trainer
 raises ``NonFiniteError``: a run whose updates have diverged stops instead of carrying on.
 
+Trainers alike share their programs: the jitted step (and the placement and optimizer-state
+init) is made once per value key, ``(model, mesh, rules, optimizer, objective, micro_batches,
+totals_fn, trainable)`` (``_programs``), so a second trainer of the same run in one process (a
+new run, a sweep, an evaluation then training) traces, lowers and compiles nothing. The model
+compares by value (``models.model.Model``); an objective built with ``Bound`` and an
+optimizer from ``make_optimizer`` do too, while any other callable is its own key (no
+sharing, never a wrong program).
+
 Versions count applied updates: after ``n`` applied updates the params are version ``n``
 (docs/architecture.md "Versions and staleness"); a skipped update does not make a new version.
 """
@@ -19,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,20 +46,42 @@ from rlax_llm.models.model import Model, Params
 Objective = Callable[..., tuple[jax.Array, dict[str, Any]]]
 
 
+class Bound(functools.partial):
+  """``functools.partial`` equal to another (and hashed alike) when its function, arguments
+  and keywords are equal (``functools.partial`` compares by identity): an objective bound to
+  the same settings twice, e.g. ``Bound(rl_objective, policy, loss, logprob_chunk=0)``, is
+  the same objective, so the trainers given them share their compiled step. Every argument
+  must be hashable by value (models, policies, frozen configs, numbers)."""
+
+  def __eq__(self, other: object) -> bool:
+    return type(other) is type(self) and (self.func, self.args, self.keywords) == (
+        other.func, other.args, other.keywords)
+
+  def __hash__(self) -> int:
+    return hash((self.func, self.args, tuple(sorted(self.keywords.items()))))
+
+
+@functools.lru_cache(maxsize=64)
 def learning_rate_schedule(learning_rate: float, decay_steps: int = 0
                            ) -> float | optax.Schedule:
   """The RL learning rate: constant for ``decay_steps == 0``, else a cosine decay from
   ``learning_rate`` to a tenth of it over ``decay_steps`` optimizer updates, then flat (an
-  update skipped for non-finite gradients or an empty batch does not advance it)."""
+  update skipped for non-finite gradients or an empty batch does not advance it). One object
+  per settings (memoised), so optimizers built on it compare equal (``make_optimizer``)."""
   if decay_steps == 0:
     return learning_rate
   return optax.cosine_decay_schedule(learning_rate, decay_steps, alpha=0.1)
 
 
+@functools.lru_cache(maxsize=64)
 def make_optimizer(learning_rate: float | optax.Schedule, *, b1: float = 0.9, b2: float = 0.99,
                    weight_decay: float = 0.0, max_grad_norm: float = 1.0
                    ) -> optax.GradientTransformation:
-  """AdamW with global-norm gradient clipping (``max_grad_norm <= 0`` disables clipping)."""
+  """AdamW with global-norm gradient clipping (``max_grad_norm <= 0`` disables clipping).
+
+  Memoised: the same settings (a schedule: the same object) give the same transformation,
+  so trainers built with equal settings share their compiled step (``Trainer``); optax
+  transformations hold no state, so sharing one is safe."""
   parts = []
   if max_grad_norm > 0:
     parts.append(optax.clip_by_global_norm(max_grad_norm))
@@ -109,37 +139,36 @@ class Trainer:
     self.mesh = mesh
     self.rules = rules
     self.max_nonfinite_updates = max_nonfinite_updates
-    self.param_shardings = sharding_lib.param_shardings(
-        model.abstract_params(), model.logical_axes(), mesh, rules)
+    key = (model, mesh, _hashable_rules(rules), optimizer, objective, micro_batches, totals_fn,
+           _mask_key(trainable))
+    try:
+      hash(key)
+    except TypeError:  # e.g. a Bound objective with an unhashable argument: not shared
+      programs = _programs.__wrapped__(*key)
+    else:
+      programs = _programs(*key)
+    self.param_shardings = programs.param_shardings
+    # Param-shaped optimizer leaves (moments) are sharded like their params; the rest
+    # (step counts) is replicated on the mesh.
+    # (Kept as an attribute: a compile-only lowering of the step places its abstract
+    # optimizer state by them, launch/recipes/compile.py.)
+    self.opt_shardings = programs.opt_shardings
+    self._copy = programs.copy
     # The step donates self.params, so it must never share a buffer with the caller's
     # arrays or with reference_params: place fresh copies.
     self.params = self._place_copy(params)
     self.reference_params = (None if reference_params is None
                              else self._place_copy(reference_params))
-    # Param-shaped optimizer leaves (moments) are sharded like their params; the rest
-    # (step counts) is replicated on the mesh.
-    # (Kept as an attribute: a compile-only lowering of the step places its abstract
-    # optimizer state by them, launch/recipes/compile.py.)
-    self.opt_shardings = opt_shardings = optax.tree_utils.tree_map_params(
-        optimizer, lambda _, sharding: sharding,
-        jax.eval_shape(optimizer.init, _trained(self.params, trainable)),
-        _trained(self.param_shardings, trainable),
-        transform_non_params=lambda _: sharding_lib.replicated(mesh))
-    self.opt_state = jax.jit(lambda p: optimizer.init(_trained(p, trainable)),
-                             out_shardings=opt_shardings)(self.params)
+    self.opt_state = programs.init(self.params)
     self.version = 0
     self.nonfinite_streak = 0
-    self._step = jax.jit(
-        functools.partial(_update, optimizer, objective, micro_batches, totals_fn, trainable),
-        donate_argnums=(0, 1),
-        out_shardings=(self.param_shardings, opt_shardings, sharding_lib.replicated(mesh)))
+    self._step = programs.step
 
   def _place_copy(self, params: Params) -> Params:
     # jnp.copy is a real op in the jaxpr, so jit returns new buffers (device_put may reuse
     # the source buffer for a shard already on the right device). sharding.place: on several
     # hosts each process places its own copy (e.g. the warm-up's params, restored).
-    copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=self.param_shardings)
-    return copy(sharding_lib.place(params, self.param_shardings))
+    return self._copy(sharding_lib.place(params, self.param_shardings))
 
   def step(self, batch: Any) -> dict[str, float]:
     """One update on ``batch`` (a pytree of ``[B, ...]`` arrays). Returns host metrics.
@@ -199,6 +228,61 @@ class Trainer:
     self.opt_state = opt_state
     self.version = int(counters['version'])
     self.nonfinite_streak = int(counters['nonfinite_streak'])
+
+
+class _Programs(NamedTuple):
+  """A trainer's shardings and jitted functions (``_programs``)."""
+
+  param_shardings: Params
+  opt_shardings: Any
+  copy: Callable[[Params], Params]  # fresh buffers on param_shardings
+  init: Callable[[Params], Any]  # params -> optimizer state on opt_shardings
+  step: Callable[..., Any]  # (params, opt_state, batch, reference) -> (params, opt_state, metrics)
+
+
+@functools.lru_cache(maxsize=16)
+def _programs(model: Model, mesh: Mesh, rules: tuple[tuple[str, Any], ...],
+              optimizer: optax.GradientTransformation, objective: Objective,
+              micro_batches: int, totals_fn: Callable[[Any], Any] | None,
+              trainable: tuple[Any, tuple[bool, ...]] | None) -> _Programs:
+  """The shardings and jitted functions of a trainer with these arguments, made once per
+  value key (``functools.lru_cache``): trainers alike get the same ``jax.jit`` objects, so
+  JAX's own cache serves the second one's calls without tracing, lowering or compiling.
+
+  Every input a program closes over is in the key: the model (by value), the mesh (by its
+  devices and axes) and logical-axis ``rules`` (the shardings, and the activation sharding
+  the step is traced under, ``Trainer.step``), the optimizer and objective (by value when
+  built with ``make_optimizer``/``Bound``, else by identity), the micro-batching and the
+  trainable mask (``_mask_key``). Donation and out_shardings are those of one trainer.
+  """
+  trainable = None if trainable is None else jax.tree.unflatten(trainable[0], trainable[1])
+  param_shardings = sharding_lib.param_shardings(
+      model.abstract_params(), model.logical_axes(), mesh, rules)
+  opt_shardings = optax.tree_utils.tree_map_params(
+      optimizer, lambda _, sharding: sharding,
+      jax.eval_shape(optimizer.init, _trained(model.abstract_params(), trainable)),
+      _trained(param_shardings, trainable),
+      transform_non_params=lambda _: sharding_lib.replicated(mesh))
+  copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=param_shardings)
+  init = jax.jit(lambda p: optimizer.init(_trained(p, trainable)), out_shardings=opt_shardings)
+  step = jax.jit(
+      functools.partial(_update, optimizer, objective, micro_batches, totals_fn, trainable),
+      donate_argnums=(0, 1),
+      out_shardings=(param_shardings, opt_shardings, sharding_lib.replicated(mesh)))
+  return _Programs(param_shardings, opt_shardings, copy, init, step)
+
+
+def _hashable_rules(rules: Sequence[tuple[str, Any]]) -> tuple[tuple[str, Any], ...]:
+  """Logical-axis rules as a tuple of ``(name, axes)`` with ``axes`` a tuple if a list."""
+  return tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in rules)
+
+
+def _mask_key(trainable: Params | None) -> tuple[Any, tuple[bool, ...]] | None:
+  """A ``trainable`` mask as ``(treedef, leaves)``: hashable, equal for equal masks."""
+  if trainable is None:
+    return None
+  leaves, treedef = jax.tree.flatten(trainable)
+  return treedef, tuple(bool(leaf) for leaf in leaves)
 
 
 def host_arrays(tree: Any) -> Any:

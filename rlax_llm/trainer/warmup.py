@@ -28,7 +28,7 @@ from rlax_llm.models.model import Model, Params
 from rlax_llm.envs.conversation import demonstration
 from rlax_llm.tokenization import Tokenizer
 from rlax_llm.trainer.objectives import sft_objective
-from rlax_llm.trainer.trainer import Trainer, make_optimizer
+from rlax_llm.trainer.trainer import Bound, Trainer, make_optimizer
 
 
 def supervised_warmup(model: Model, params: Params,
@@ -55,10 +55,8 @@ def supervised_warmup(model: Model, params: Params,
   if steps <= 0:
     return params, {}
   console.phase(f'warm-up: {steps} supervised steps on {source}')
-  schedule = optax.warmup_cosine_decay_schedule(
-      0.0, learning_rate, min(warmup_steps, steps // 2), steps, end_value=0.1 * learning_rate)
-  trainer = Trainer(model, params, make_optimizer(schedule),
-                    functools.partial(sft_objective, model), mesh,
+  schedule = _schedule(learning_rate, min(warmup_steps, steps // 2), steps)
+  trainer = Trainer(model, params, make_optimizer(schedule), Bound(sft_objective, model), mesh,
                     max_nonfinite_updates=max_nonfinite_updates)
   start = time.perf_counter()
   metrics: dict[str, float] = {}
@@ -79,6 +77,15 @@ def supervised_warmup(model: Model, params: Params,
   metrics = {'warmup/loss': metrics['loss'], 'warmup/token_accuracy': metrics['accuracy'],
              'warmup/time_s': time.perf_counter() - start}
   return trainer.host_params(), metrics
+
+
+@functools.lru_cache(maxsize=16)
+def _schedule(learning_rate: float, warmup_steps: int, steps: int) -> optax.Schedule:
+  """The warm-up's learning rate: linear warm-up over ``warmup_steps``, then a cosine decay to
+  a tenth at ``steps``. One object per settings, so equal warm-ups get equal optimizers
+  (``make_optimizer``) and share their compiled step (``trainer.Trainer``)."""
+  return optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup_steps, steps,
+                                            end_value=0.1 * learning_rate)
 
 
 def widened(batch: dict[str, np.ndarray], width: int) -> dict[str, np.ndarray]:

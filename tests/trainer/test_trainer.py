@@ -20,7 +20,7 @@ from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.trainer.scoring import Policy
 from rlax_llm.sharding import make_mesh
 from rlax_llm.trainer.objectives import rl_objective, sft_objective
-from rlax_llm.trainer.trainer import (NonFiniteError, Trainer, learning_rate_schedule,
+from rlax_llm.trainer.trainer import (Bound, NonFiniteError, Trainer, learning_rate_schedule,
                                      make_optimizer)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -48,8 +48,8 @@ def _rl_batch(seed=0, batch=8, length=10):
 def _make_trainer(mesh_shape, kl_beta=0.0, learning_rate=1e-2, max_nonfinite_updates=3,
                   config=CONFIG):
   model, params = create_model(config, seed=0)
-  objective = functools.partial(rl_objective, Policy(model, SamplingSpec()),
-                                LossConfig(kl_beta=kl_beta))
+  # Bound: equal trainers (this file's, tests/test_shared_programs.py's) share their programs.
+  objective = Bound(rl_objective, Policy(model, SamplingSpec()), LossConfig(kl_beta=kl_beta))
   mesh = make_mesh(mesh_shape, jax.devices()[:int(np.prod(list(mesh_shape.values())))])
   return Trainer(model, params, make_optimizer(learning_rate), objective, mesh,
                  reference_params=params if kl_beta > 0 else None,
