@@ -280,6 +280,14 @@ def _used_names(source: str) -> set[str]:
   return used
 
 
+def _sources(root: pathlib.Path, pattern: str) -> list[pathlib.Path]:
+  """The files under ``root`` matching ``pattern``, outside hidden folders: a virtualenv
+  there (benchmarks/peers/.venv-trl from setup.sh) holds other projects' code, some of it in
+  syntax newer than this Python."""
+  return [path for path in sorted(root.rglob(pattern))
+          if not any(part.startswith('.') for part in path.relative_to(root).parts[:-1])]
+
+
 def unused_definitions(package: pathlib.Path, users: list[pathlib.Path],
                        docs: list[pathlib.Path]) -> list[str]:
   """``path:line name`` of each public top-level function and class of ``package`` that no
@@ -287,9 +295,9 @@ def unused_definitions(package: pathlib.Path, users: list[pathlib.Path],
   names: code only tests call (``tests/`` is never among ``users``)."""
   used: set[str] = set()
   for root in users:
-    for path in sorted(root.rglob('*.py')):
+    for path in _sources(root, '*.py'):
       used |= _used_names(path.read_text(encoding='utf-8'))
-    for path in sorted(root.rglob('*.ipynb')):
+    for path in _sources(root, '*.ipynb'):
       used |= _used_names(notebook_code(path))
   documented = set(re.findall(r'\w+', ' '.join(p.read_text(encoding='utf-8') for p in docs)))
   found = []
