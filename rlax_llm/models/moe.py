@@ -340,8 +340,6 @@ def _local_experts(x: Array, experts: Array, gates: Array, *weights: Array,
   received = _exchange(rows, jnp.zeros((parts * n * k, x.shape[1]), x.dtype),
                        _exclusive_cumsum(counts, 0), counts, landing.reshape(-1),
                        mine.reshape(-1), axis=ep, parts=parts, padded=padded)
-  if summed:  # the rows meet weights that differ over these axes: so do their gradients
-    received = jax.lax.pcast(received, _axis_name(summed), to='varying')
   out = _swiglu_experts(received, held[me], w_gate, w_up, w_down)
   # Back: the slice (source s, my expert j) -> s, where s's rows of that expert started.
   sent_from = _exclusive_cumsum(held[me], 0)[None] + _exclusive_cumsum(mine, 0)
@@ -423,7 +421,7 @@ def expert_parallel_experts(x: Array, experts: Array, gates: Array, w_gate: Arra
                            gather=gather, summed=summed,
                            padded=mesh.devices.flat[0].platform in _PADDED_EXCHANGE)
   out = jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, up, up, down),
-                      out_specs=rows)(x, experts, gates, w_gate, w_up, w_down)
+                      out_specs=rows, check_vma=False)(x, experts, gates, w_gate, w_up, w_down)
   return out[:n]
 
 

@@ -86,6 +86,9 @@ def test_the_tpu_program_traces_a_ragged_all_to_all_and_the_tgmm_kernel(monkeypa
   assert 'pallas_call' in jaxpr
 
 
+# ~30 s (the tiny model's sharded step compiled twice); its CI counterparts: the dispatch tests
+# above (routes given, as replay gives them) and test_moe.py's sharded model step (data 2).
+@pytest.mark.slow
 def test_the_sharded_model_step_with_replayed_routes_dispatches_per_device():
   """The tiny Qwen3-MoE's loss (with the router's aux loss), logits and every gradient
   under R3 replay (the recorded routes given, a third of them overridden) on data 4 x fsdp
