@@ -245,6 +245,23 @@ def activation_sharding(mesh: Mesh, rules: Sequence[tuple[str, Any]] = LOGICAL_R
     _ACTIVATION.reset(token)
 
 
+def activation_context() -> tuple[Mesh, tuple[tuple[str, Any], ...]] | None:
+  """``(mesh, rules)`` of the enclosing ``activation_sharding`` (at trace time), or None: the
+  mesh a model's activations are laid out on (``models.moe`` dispatches tokens over it)."""
+  return _ACTIVATION.get()
+
+
+def mesh_axes_of(name: str, mesh: Mesh | Mapping[str, int],
+                 rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> tuple[str, ...]:
+  """The mesh axes of size > 1 that ``rules`` map the logical axis ``name`` to (major
+  first), as ``logical_to_spec`` uses them for a leading dimension that divides; ``mesh`` a
+  ``Mesh`` or its axis sizes."""
+  axes = _mesh_axes_for(name, dict(rules))
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  sizes = mesh.shape if isinstance(mesh, Mesh) else mesh
+  return tuple(a for a in axes if sizes[a] > 1)
+
+
 def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
   """``with_sharding_constraint`` by logical axis names; identity outside the context."""
   context = _ACTIVATION.get()

@@ -377,7 +377,7 @@ class MoE(nnx.Module):
       gates, experts = moe.replay(probs, own, routes.reshape(own.shape), c.norm_topk_prob)
     kernels = [w[...].astype(dt) for w in (self.experts_gate, self.experts_up,
                                            self.experts_down)]
-    out = moe.EXPERT_IMPLS[c.execution.moe_impl](flat, experts, gates, *kernels).astype(dt)
+    out = moe.run_experts(c.execution.moe_impl, flat, experts, gates, *kernels).astype(dt)
     stats = moe.router_stats(probs, experts, None if weights is None else weights.reshape(-1))
     return (constrain(out.reshape(x.shape), ('batch', 'length', 'embed')), stats,
             own.reshape(x.shape[:2] + own.shape[-1:]))

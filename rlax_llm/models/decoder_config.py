@@ -64,7 +64,9 @@ class Execution:
   # either way, equal to rounding): 'ragged', a grouped matmul (``jax.lax.ragged_dot``, TPU's
   # grouped-matmul kernel) over the tokens sorted by expert, or 'dense', every expert on
   # every token weighted by the sparse gates (num_experts / top-k times the FLOPs; for tiny
-  # models and CPU). Dense models ignore it.
+  # models and CPU). Dense models ignore it. 'ragged' is expert-parallel by itself where the
+  # mesh splits the experts (``moe.run_experts``: under the trainer's mesh with expert ->
+  # data and data > 1, each device's tokens go to the experts' devices by all-to-all).
   moe_impl: str = 'ragged'
 
   def __post_init__(self):

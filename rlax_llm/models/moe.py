@@ -7,9 +7,17 @@ output is their SwiGLU outputs weighted by those probabilities (renormalised ove
 with ``norm_topk_prob``; Mixtral always does). No capacity factor: every token's k experts
 are computed, whatever the load. ``Execution.moe_impl`` picks how (the same function to
 rounding): ``'ragged'``, the (token, expert) pairs sorted by expert and one grouped matmul
-per projection (``jax.lax.ragged_dot``, which lowers to TPU's grouped-matmul kernel;
-``k / num_experts`` of the dense FLOPs), or ``'dense'``, every expert on every token and
-the outputs combined by the sparse gates (exact and simple; for tiny models and CPU).
+per projection (``grouped_matmul``: ``jax.lax.ragged_dot``, which lowers to TPU's
+grouped-matmul kernel, with a grouped weight gradient; ``k / num_experts`` of the dense
+FLOPs), or ``'dense'``, every expert on every token and the outputs combined by the sparse
+gates (exact and simple; for tiny models and CPU).
+
+Expert parallelism: under the trainer's mesh (``sharding.activation_sharding``) with the
+experts split over a mesh axis that splits the tokens too (``LOGICAL_RULES``: expert ->
+data, data > 1), ``'ragged'`` dispatches per device (``expert_parallel_experts``): each
+device sorts its own tokens, sends each row to its expert's device with a ragged
+all-to-all, runs its own experts and sends the results back; elsewhere (one device, the
+engine, data 1) it is the one-device path that XLA partitions (``run_experts``).
 
 The experts' weights are stacked ``[experts, ...]`` under the logical axis ``expert``
 (``rlax_llm.sharding.LOGICAL_RULES`` shards it for expert parallelism) and always stored
@@ -34,6 +42,8 @@ References:
   Jiang et al., "Mixtral of Experts", arXiv 2401.04088.
   Gale et al., "MegaBlocks: Efficient Sparse Training with Mixture-of-Experts", arXiv
   2211.15841 (dropless grouped matmuls).
+  Lepikhin et al., "GShard: Scaling Giant Models with Conditional Computation and Automatic
+  Sharding", arXiv 2006.16668 (experts split over devices, tokens dispatched all-to-all).
   Qwen Team, "Qwen3 Technical Report", arXiv 2505.09388.
   Ma et al., "Stabilizing MoE Reinforcement Learning by Aligning Training and Inference
   Routers", arXiv 2510.11370 (rollout routing replay, R3).
@@ -41,11 +51,18 @@ References:
 
 from __future__ import annotations
 
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import chex
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from rlax_llm.model_spec import NO_ROUTE, route_dtype  # noqa: F401  (R3's, re-exported)
+from rlax_llm.sharding import activation_context, logical_to_spec, mesh_axes_of
 
 Array = jax.Array
 
@@ -144,21 +161,268 @@ def load_balancing_loss(stats: Array, top_k: int) -> Array:
   return stats.shape[-1] * jnp.sum((counts / rows) * (prob_sums / rows))
 
 
+# The weight gradient's tiles on TPU (megablox ``tgmm``: rows, in, out), each at most this and
+# a multiple of 128 that divides its dimension (else the whole dimension).
+_TGMM_TILE = 512
+
+
+def grouped_matmul(x: Array, w: Array, sizes: Array) -> Array:
+  """A grouped matmul (MegaBlocks' dropless experts, Gale et al. 2022): the rows of ``x``
+  ``[rows, in]`` in consecutive groups of ``sizes`` (int32 ``[groups]``) rows, group ``g``
+  times ``w[g]`` (``w [groups, in, out]``); ``[rows, out]``, 0 in the rows past
+  ``sum(sizes)``.
+
+  The forward and the gradient of ``x`` are ``jax.lax.ragged_dot`` (on TPU XLA's
+  grouped-matmul kernel); the gradient of ``w`` is ``grouped_weight_gradient``, one
+  transposed product ``x_g^T @ dy_g`` per group (XLA:TPU lowers ``ragged_dot``'s own weight
+  gradient as a dense product over every group with a mask: ``groups`` times the FLOPs).
+  """
+  chex.assert_rank([x, w, sizes], [2, 3, 1])
+  return _grouped_matmul(x, w, sizes)
+
+
+@jax.custom_vjp
+def _grouped_matmul(x: Array, w: Array, sizes: Array) -> Array:
+  return jax.lax.ragged_dot(x, w, sizes)
+
+
+def _grouped_matmul_fwd(x, w, sizes):
+  return _grouped_matmul(x, w, sizes), (x, w, sizes)
+
+
+def _grouped_matmul_bwd(residuals, dy):
+  x, w, sizes = residuals
+  dx = jax.lax.ragged_dot(dy, jnp.swapaxes(w, 1, 2), sizes)
+  return dx.astype(x.dtype), grouped_weight_gradient(x, dy, sizes).astype(w.dtype), None
+
+
+_grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+
+
+def grouped_weight_gradient(x: Array, dy: Array, sizes: Array) -> Array:
+  """float32 ``[groups, in, out]``: per group ``g`` of consecutive rows (``sizes`` int32
+  ``[groups]``), ``x_g^T @ dy_g`` for ``x [rows, in]``, ``dy [rows, out]`` (rows past
+  ``sum(sizes)`` count nowhere): ``grouped_matmul``'s weight gradient.
+
+  With ``jax.default_backend()`` 'tpu' (as the TPU compile traces, launch/recipes/compile.py)
+  megablox's transposed grouped matmul ``tgmm`` (a Pallas kernel that visits each group's row
+  tiles only); elsewhere ``jax.lax.ragged_dot_general`` with the rows as the ragged
+  contracting dimension (jax's own ``ragged_dot`` transpose).
+  """
+  chex.assert_rank([x, dy, sizes], [2, 2, 1])
+  chex.assert_equal_shape_prefix([x, dy], 1)
+  if jax.default_backend() == 'tpu':
+    return _tgmm_weight_gradient(x, dy, sizes)
+  dims = jax.lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
+      rhs_group_dimensions=[])
+  return jax.lax.ragged_dot_general(x, dy, sizes, dims, preferred_element_type=jnp.float32)
+
+
+def _tile(n: int) -> int:
+  """The largest multiple of 128 up to ``_TGMM_TILE`` that divides ``n``, else ``n``."""
+  return next((t for t in range(_TGMM_TILE, 127, -128) if n % t == 0), n)
+
+
+def _tgmm_weight_gradient(x: Array, dy: Array, sizes: Array, interpret: bool = False) -> Array:
+  """``grouped_weight_gradient`` by megablox ``tgmm`` (rows padded to its row tile);
+  ``interpret`` runs the kernel in Pallas' interpreter (any backend: the tests')."""
+  from jax.experimental.pallas.ops.tpu.megablox.gmm import \
+      tgmm  # pylint: disable=import-outside-toplevel  (TPU only)
+  rows = x.shape[0]
+  tm = min(_TGMM_TILE, -(-rows // 128) * 128)
+  pad = ((0, -rows % tm), (0, 0))
+  x, dy = jnp.pad(x, pad), jnp.pad(dy, pad)
+  return tgmm(x.T, dy, sizes.astype(jnp.int32), preferred_element_type=jnp.float32,
+              tiling=(tm, _tile(x.shape[1]), _tile(dy.shape[1])), interpret=interpret)
+
+
+def _swiglu_experts(rows: Array, sizes: Array, w_gate: Array, w_up: Array, w_down: Array
+                    ) -> Array:
+  """The experts' SwiGLU over ``rows [m, embed]`` grouped by expert (``sizes [experts]``):
+  ``[m, embed]``, 0 past ``sum(sizes)``."""
+  hidden = (jax.nn.silu(grouped_matmul(rows, w_gate, sizes))
+            * grouped_matmul(rows, w_up, sizes))
+  return grouped_matmul(hidden, w_down, sizes)
+
+
+def _sort_by_expert(x: Array, experts: Array, num_experts: int) -> tuple[Array, Array, Array]:
+  """``(order int32 [tokens k], rows [tokens k, embed], sizes int32 [num_experts])``: the
+  (token, slot) pairs sorted by expert (stable), their tokens' rows and each expert's count;
+  an expert id of ``num_experts`` or more (padding) sorts last and is counted nowhere."""
+  k = experts.shape[1]
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[
+      jnp.minimum(flat, num_experts)].add(1)[:num_experts]
+  return order, jnp.take(x, order // k, axis=0), sizes
+
+
+def _combine(out: Array, order: Array, gates: Array) -> Array:
+  """The sorted rows' outputs ``out [tokens k, embed]`` back in (token, slot) order, summed
+  over each token's slots weighted by ``gates [tokens, k]``: ``[tokens, embed]``."""
+  tokens, k = gates.shape
+  out = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+  return jnp.einsum('tkd,tk->td', out.reshape(tokens, k, -1), gates.astype(out.dtype))
+
+
 def _ragged_experts(x: Array, experts: Array, gates: Array, w_gate: Array, w_up: Array,
                     w_down: Array) -> Array:
   """Each token's k experts by grouped matmuls over the (token, slot) rows sorted by
   expert; ``[tokens, embed]``."""
-  tokens, k = experts.shape
-  num_experts = w_gate.shape[0]
-  flat = experts.reshape(-1)
-  order = jnp.argsort(flat, stable=True)  # (token, slot) rows grouped by expert
-  rows = jnp.take(x, order // k, axis=0)
-  sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
-  hidden = (jax.nn.silu(jax.lax.ragged_dot(rows, w_gate, sizes))
-            * jax.lax.ragged_dot(rows, w_up, sizes))
-  out = jax.lax.ragged_dot(hidden, w_down, sizes)
-  out = jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # back to (token, slot)
-  return jnp.einsum('tkd,tk->td', out.reshape(tokens, k, -1), gates.astype(out.dtype))
+  order, rows, sizes = _sort_by_expert(x, experts, w_gate.shape[0])
+  return _combine(_swiglu_experts(rows, sizes, w_gate, w_up, w_down), order, gates)
+
+
+# The devices' platforms without XLA's ragged all-to-all, where ``expert_parallel_experts``
+# exchanges rows by a padded ``all_to_all`` instead (``_exchange``).
+_PADDED_EXCHANGE = ('cpu',)
+
+
+def _exclusive_cumsum(x: Array, axis: int) -> Array:
+  return jnp.cumsum(x, axis=axis) - x
+
+
+def _axis_name(axes: tuple[str, ...]) -> str | tuple[str, ...]:
+  return axes[0] if len(axes) == 1 else axes
+
+
+def _exchange(operand: Array, output: Array, input_offsets: Array, send_sizes: Array,
+              output_offsets: Array, recv_sizes: Array, *, axis: tuple[str, ...], parts: int,
+              padded: bool) -> Array:
+  """``jax.lax.ragged_all_to_all`` over the mesh axes ``axis`` (``parts`` devices), its
+  slices ``i`` going to device ``i // (len(send_sizes) // parts)``; with ``padded`` (XLA:CPU,
+  which has no ragged all-to-all) the same result by an ``all_to_all`` of a ``[parts,
+  operand rows]`` block per device, each row sent with the place it lands at."""
+  name = _axis_name(axis)
+  if not padded:
+    return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes,
+                                     output_offsets, recv_sizes, axis_name=name)
+  cap, per = operand.shape[0], send_sizes.shape[0] // parts
+  sizes = send_sizes.reshape(parts, per)
+  ends = jnp.cumsum(sizes, axis=1)
+  r = jnp.arange(cap, dtype=ends.dtype)
+  piece = jax.vmap(lambda e: jnp.searchsorted(e, r, side='right'))(ends)  # [parts, cap]
+  valid = piece < per
+  piece = jnp.minimum(piece, per - 1)
+  within = r[None] - jnp.take_along_axis(ends - sizes, piece, 1)
+  at = lambda offsets: jnp.take_along_axis(offsets.reshape(parts, per), piece, 1) + within
+  rows = jnp.take(operand, jnp.where(valid, at(input_offsets), 0), axis=0)
+  dest = jnp.where(valid, at(output_offsets), output.shape[0])
+  rows = jax.lax.all_to_all(rows, name, 0, 0)
+  dest = jax.lax.all_to_all(dest, name, 0, 0)
+  return output.at[dest.reshape(-1)].set(rows.reshape(-1, *operand.shape[1:]), mode='drop')
+
+
+def _local_experts(x: Array, experts: Array, gates: Array, *weights: Array,
+                   ep: tuple[str, ...], parts: int, gather: tuple, summed: tuple[str, ...],
+                   padded: bool) -> Array:
+  """One device's part of ``expert_parallel_experts`` (the body of its ``shard_map``): its
+  own tokens ``x [n, embed]`` (``experts``, ``gates [n, k]``) and its ``experts / parts``
+  experts' ``weights`` (gate, up, down), whose dimensions ``gather`` (per weight, ``(dim,
+  mesh axes)`` pairs) are all-gathered first; ``summed``: the mesh axes that split the
+  experts' width, over which the output is summed."""
+  w_gate, w_up, w_down = (
+      functools.reduce(lambda w, g: jax.lax.all_gather(w, _axis_name(g[1]), axis=g[0],
+                                                       tiled=True), dims, w)
+      for w, dims in zip(weights, gather))
+  local = w_gate.shape[0]
+  n, k = experts.shape
+  order, rows, counts = _sort_by_expert(x, experts, local * parts)
+  name = _axis_name(ep)
+  me = jax.lax.axis_index(name)
+  table = jax.lax.all_gather(counts, name).reshape(parts, parts, local)  # [source, owner, j]
+  held = jnp.sum(table, axis=0)  # [owner, j]: the rows each owner gets of its expert j
+  mine = table[:, me]  # [source, j]: the rows I get from each source of my expert j
+  # There: my slice e (my rows of expert e) -> its owner, landing after the owner's rows of
+  # its lower experts and, within expert e, after the lower sources' rows.
+  landing = _exclusive_cumsum(held, 1) + _exclusive_cumsum(table, 0)[me]
+  received = _exchange(rows, jnp.zeros((parts * n * k, x.shape[1]), x.dtype),
+                       _exclusive_cumsum(counts, 0), counts, landing.reshape(-1),
+                       mine.reshape(-1), axis=ep, parts=parts, padded=padded)
+  out = _swiglu_experts(received, held[me], w_gate, w_up, w_down)
+  # Back: the slice (source s, my expert j) -> s, where s's rows of that expert started.
+  sent_from = _exclusive_cumsum(held[me], 0)[None] + _exclusive_cumsum(mine, 0)
+  starts = _exclusive_cumsum(table.reshape(parts, -1), 1)  # [source, expert]
+  back_to = jax.lax.dynamic_slice_in_dim(starts, me * local, local, axis=1)
+  back = _exchange(out, jnp.zeros((n * k, out.shape[1]), out.dtype), sent_from.reshape(-1),
+                   mine.reshape(-1), back_to.reshape(-1), counts, axis=ep, parts=parts,
+                   padded=padded)
+  y = _combine(back, order, gates)
+  return jax.lax.psum(y, _axis_name(summed)) if summed else y
+
+
+def expert_parallel_axes(mesh: jax.sharding.Mesh | Mapping[str, int],
+                         rules: Sequence[tuple[str, Any]], num_experts: int
+                         ) -> tuple[str, ...]:
+  """The mesh axes ``'ragged'`` dispatches tokens over (``expert_parallel_experts``): those
+  ``rules`` map ``EXPERT_AXIS`` to (size > 1) when they divide ``num_experts`` (so the
+  experts are split over them) and split the tokens too (the logical ``batch``); else ``()``
+  (the experts are not split, or each of their devices holds the same tokens). ``mesh``: a
+  ``Mesh`` or its axis sizes (``presets.memory_plan``'s)."""
+  ep = mesh_axes_of(EXPERT_AXIS, mesh, rules)
+  sizes = mesh.shape if isinstance(mesh, jax.sharding.Mesh) else mesh
+  if (not ep or num_experts % math.prod(sizes[a] for a in ep)
+      or not set(ep) <= set(mesh_axes_of('batch', mesh, rules))):
+    return ()
+  return ep
+
+
+def expert_parallel_experts(x: Array, experts: Array, gates: Array, w_gate: Array,
+                            w_up: Array, w_down: Array, mesh: jax.sharding.Mesh,
+                            rules: Sequence[tuple[str, Any]]) -> Array | None:
+  """``_ragged_experts`` with per-device token dispatch (expert parallelism, GShard's
+  layout: Lepikhin et al., arXiv 2006.16668), or None where ``mesh`` and ``rules`` split the
+  experts over no mesh axis that also splits the tokens (``expert_parallel_axes``).
+
+  A ``jax.shard_map`` over ``mesh``: each device sorts only its own tokens' (token, slot)
+  rows by expert (the tokens split as the logical ``batch`` axis, padded to the devices),
+  sends each expert's rows to the device holding that expert (``EXPERT_AXIS``'s mesh axes,
+  where the weights already lie: ``rules``) with one ragged all-to-all, lands them grouped
+  by its local expert, runs its local experts' grouped matmuls (``grouped_matmul``; each
+  expert's matrices all-gathered over the axes that split their embedding, fsdp's, and
+  split over tensor as the dense MLP's, the outputs summed), and sends the results back the
+  same way. Dropless: the receiving buffer holds ``devices x tokens x k`` rows (every
+  source's every row on one device). The same function as ``_ragged_experts`` to rounding.
+
+  Args:
+    x, experts, gates, w_gate, w_up, w_down: as ``EXPERT_IMPLS``' (``x [tokens, embed]``,
+      ``experts`` int32 ``[tokens, k]``, ``gates [tokens, k]``, ``w_gate``/``w_up
+      [experts, embed, moe_mlp]``, ``w_down [experts, moe_mlp, embed]``).
+    mesh, rules: the activations' mesh and logical-axis rules
+      (``sharding.activation_context``).
+  Returns:
+    ``[tokens, embed]`` in ``x``'s dtype, or None.
+  """
+  chex.assert_rank([x, experts, gates, w_gate, w_up, w_down], [2, 2, 2, 3, 3, 3])
+  ep = expert_parallel_axes(mesh, rules, w_gate.shape[0])
+  if not ep:
+    return None
+  axes = lambda entry: () if entry is None else (  # noqa: E731
+      (entry,) if isinstance(entry, str) else tuple(entry))
+  up = logical_to_spec(PartitionSpec(EXPERT_AXIS, 'embed', 'mlp'), w_gate.shape, mesh, rules)
+  down = logical_to_spec(PartitionSpec(EXPERT_AXIS, 'mlp', 'embed'), w_down.shape, mesh,
+                         rules)
+  assert axes(up[0]) == axes(down[0]) == ep, (up, down, ep)  # the expert dimension leads
+  tokens = mesh_axes_of('batch', mesh, rules)
+  width = axes(up[2])
+  summed = width if width == axes(down[1]) and not set(width) & set(tokens) else ()
+  gather = tuple(tuple((dim, axes(spec[dim])) for dim in dims
+                       if axes(spec[dim]) and (dim == embed or not summed))
+                 for spec, dims, embed in ((up, (1, 2), 1), (up, (1, 2), 1), (down, (2, 1), 2)))
+  n = x.shape[0]
+  pad = -n % math.prod(mesh.shape[a] for a in tokens)
+  if pad:  # a padding token's slots sort past every expert: never sent, never computed
+    x = jnp.pad(x, ((0, pad), (0, 0)))
+    experts = jnp.pad(experts, ((0, pad), (0, 0)), constant_values=w_gate.shape[0])
+    gates = jnp.pad(gates, ((0, pad), (0, 0)))
+  rows = PartitionSpec(_axis_name(tokens), None)
+  body = functools.partial(_local_experts, ep=ep, parts=math.prod(mesh.shape[a] for a in ep),
+                           gather=gather, summed=summed,
+                           padded=mesh.devices.flat[0].platform in _PADDED_EXCHANGE)
+  out = jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, up, up, down),
+                      out_specs=rows, check_vma=False)(x, experts, gates, w_gate, w_up, w_down)
+  return out[:n]
 
 
 def _dense_experts(x: Array, experts: Array, gates: Array, w_gate: Array, w_up: Array,
@@ -176,3 +440,22 @@ def _dense_experts(x: Array, experts: Array, gates: Array, w_gate: Array, w_up: 
 # [tokens, k], gates [tokens, k], w_gate, w_up [experts, embed, moe_mlp], w_down [experts,
 # moe_mlp, embed]) -> [tokens, embed]``.
 EXPERT_IMPLS = {'ragged': _ragged_experts, 'dense': _dense_experts}
+
+
+def run_experts(impl: str, x: Array, experts: Array, gates: Array, w_gate: Array,
+                w_up: Array, w_down: Array) -> Array:
+  """The experts of ``Execution.moe_impl`` ``impl`` (``EXPERT_IMPLS``' arguments and result).
+
+  ``'ragged'`` inside ``sharding.activation_sharding`` (the trainer's step) on a mesh whose
+  ``EXPERT_AXIS`` axes split the experts and the tokens (``LOGICAL_RULES``: expert -> data,
+  data > 1) dispatches each device's tokens to the experts' devices
+  (``expert_parallel_experts``); anywhere else (one device, the engine, no data axis) every
+  device runs ``_ragged_experts`` on the tokens XLA's partitioner gives it.
+  """
+  if impl == 'ragged':
+    context = activation_context()
+    if context is not None:
+      out = expert_parallel_experts(x, experts, gates, w_gate, w_up, w_down, *context)
+      if out is not None:
+        return out
+  return EXPERT_IMPLS[impl](x, experts, gates, w_gate, w_up, w_down)

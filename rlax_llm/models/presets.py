@@ -30,6 +30,7 @@ from rlax_llm import model_spec
 from rlax_llm import sharding as sharding_lib
 from rlax_llm.errors import ConfigError
 from rlax_llm.models import lora as lora_lib
+from rlax_llm.models import moe
 from rlax_llm.models.decoder_config import DecoderConfig
 from rlax_llm.models.files.gguf import smollm2_gguf_path
 from rlax_llm.models.kv_cache import KV_CACHE_QUANT_MODES, block_layout
@@ -248,7 +249,8 @@ _SAVED_ATTENTION = {
 }
 
 
-def _mlp_saved_per_token(config: DecoderConfig, remat: str, tensor: int) -> float:
+def _mlp_saved_per_token(config: DecoderConfig, remat: str, tensor: int,
+                         experts: int = 1) -> float:
   """What a block's MLP keeps per token for the backward pass, in units of the compute
   dtype's itemsize (``activation_bytes``), ``mlp`` / ``f`` split over ``tensor`` where they
   divide.
@@ -264,7 +266,11 @@ def _mlp_saved_per_token(config: DecoderConfig, remat: str, tensor: int) -> floa
   7% of XLA:CPU's compiled step at 8 and 16 experts, tests/test_configs_real_sizes.py) and
   the combine weights ``E`` and output ``d``. With 'dots' the dot outputs alone: ragged
   ``E + d`` (``jax.lax.ragged_dot`` is recomputed: the policy saves
-  ``dot_general``'s outputs only), dense ``E (2 + 3 f) + d``. 0 with 'full'.
+  ``dot_general``'s outputs only), dense ``E (2 + 3 f) + d``. 0 with 'full'. Dispatched over
+  ``experts`` devices (``moe.expert_parallel_experts``, ``experts > 1``), 'ragged' keeps
+  ``k 3 d`` (the sorted copies, the rows come back and unsorted) and, in buffers sized for
+  every source's rows on one device, ``experts k (2 d + 4 f)`` (the rows received and their
+  outputs, the grouped products) in place of ``k (3 d + 4 f)``.
   """
   if remat == 'full':
     return 0.0
@@ -278,6 +284,8 @@ def _mlp_saved_per_token(config: DecoderConfig, remat: str, tensor: int) -> floa
     return float(e + d if config.execution.moe_impl == 'ragged' else e * (2 + 3 * f) + d)
   router = e * (1 + 4 / jnp.dtype(config.execution.dtype).itemsize)
   if config.execution.moe_impl == 'ragged':
+    if experts > 1:
+      return float(router + k * 3 * d + experts * k * (2 * d + 4 * f) + d)
     return float(router + k * (3 * d + 4 * f) + d)
   return float(router + 7 * e * f + e + d)
 
@@ -305,7 +313,7 @@ _TPU_SAVED_SCORES = {'none': 1, 'dots': 1, 'full': 0}
 
 def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: int = 1,
                      logprob_chunk: int = 0, lora: lora_lib.LoRAConfig | None = None,
-                     platform: str = 'cpu') -> dict[str, float]:
+                     platform: str = 'cpu', experts: int = 1) -> dict[str, float]:
   """Activation bytes of one micro-batch's forward and backward pass on one device.
 
   ``rows`` and ``length``: the device's rows of one micro-batch and their length (tokens
@@ -318,6 +326,8 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
     work   = t * itemsize(dtype) * S('none')               one block recomputed / in flight
              + (0 with 'none', else 3) * 4 * rows * heads/tensor * length^2
              (+ XLA:CPU's masked copies of a ragged MoE, ``_CPU_RAGGED_COPIES``)
+             (+ 2 * 3 * E / experts * d * moe_mlp/tensor * itemsize, an expert-parallel
+             MoE's experts gathered whole on their device and their gradients)
     logits = 3 * 4 * rows * L * vocab/tensor                float32 logits, log-softmax and
                                                             gradient, L = logprob_chunk or length
 
@@ -328,7 +338,9 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
   ``moe_impl='dense'`` every expert on every token), ``A('none') = 3`` (the softmax's
   exponentials, its normaliser broadcast to their shape and the probabilities; 1 with
   ``platform='tpu'``, as XLA:TPU keeps them),
-  ``A('dots') = 1`` (the scores), ``A('full') = 0``
+  ``A('dots') = 1`` (the scores), ``A('full') = 0``, ``experts`` the devices a ragged
+  mixture of experts dispatches each device's tokens over (``moe.expert_parallel_axes``:
+  the trainer's data axis; 1: none)
   (``d`` the embedding width, ``q = heads * head_dim / tensor``,
   ``kv = kv_heads * head_dim / tensor``, ``mlp = mlp_dim / tensor``). With ``lora`` (not with
   remat 'full'), ``saved`` adds one ``[t, N]`` per adapted projection of ``N`` outputs
@@ -350,7 +362,7 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
   scores = 4 * rows * heads * length * length  # one float32 [rows, heads, T, T]
   remat = c.execution.remat
   per_token = lambda policy: (_SAVED_ATTENTION[policy](d, q, kv)  # noqa: E731
-                              + _mlp_saved_per_token(c, policy, tensor))
+                              + _mlp_saved_per_token(c, policy, tensor, experts))
   outputs = {'q': q, 'k': kv, 'v': kv, 'o': d, 'gate': mlp, 'up': mlp, 'down': d}
   adapted = 0 if lora is None or remat == 'full' else sum(outputs[t] for t in lora.targets)
   kept = (_TPU_SAVED_SCORES if platform == 'tpu' else _SAVED_SCORES)[remat]
@@ -360,6 +372,8 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
   if c.is_moe and c.execution.moe_impl == 'ragged' and platform == 'cpu':
     work += (_CPU_RAGGED_COPIES[remat] * tokens * itemsize * c.num_experts_per_tok
              * c.num_experts * (2 * d + split(c.moe_mlp_dim)))
+  if c.is_moe and c.execution.moe_impl == 'ragged' and experts > 1:
+    work += 2 * 3 * c.num_experts // experts * d * split(c.moe_mlp_dim) * itemsize
   logits = 3 * 4 * rows * (logprob_chunk or length) * split(c.vocab_size)
   return {'saved_bytes': float(saved), 'work_bytes': float(work), 'logits_bytes': float(logits),
           'total_bytes': float(saved + work + logits)}
@@ -666,9 +680,12 @@ def memory_plan(config: DecoderConfig, trainer_mesh: Mapping[str, int],
   gradients = trained_bytes * (2 if micro_batches > 1 else 1)
   batch_shards = trainer_mesh['data'] * trainer_mesh['fsdp']
   rows = max(1, math.ceil(train_rows / micro_batches / batch_shards))
+  dispatch = (moe.expert_parallel_axes(trainer_mesh, rules, config.num_experts)
+              if config.is_moe else ())
   activation = activation_bytes(config, rows=rows, length=train_length,
                                 tensor=trainer_mesh['tensor'], logprob_chunk=logprob_chunk,
-                                lora=lora, platform=platform)
+                                lora=lora, platform=platform,
+                                experts=math.prod(trainer_mesh[a] for a in dispatch))
   if lora is None:
     push = 0
   elif lora.sync == 'adapters':

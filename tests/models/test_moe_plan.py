@@ -106,3 +106,32 @@ def test_the_dense_fallback_plans_every_expert_on_every_token():
   for got, impl in ((ragged, 'ragged'), (dense, 'dense')):
     assert got['saved_bytes'] == 48 * (256 * 2 * per_token[impl] + 3 * scores)
   assert dense['saved_bytes'] / ragged['saved_bytes'] == pytest.approx(5.16, abs=0.01)
+
+
+def test_expert_parallel_activations_count_the_dispatch_buffers():
+  """Dispatched over 4 devices (``moe.expert_parallel_experts``), a ragged MoE layer keeps
+  ``k 3 d + 4 k (2 d + 4 f)`` per token (sorted, returned and unsorted copies; the rows
+  received for the local experts and their products, sized for every source's rows) in
+  place of ``k (3 d + 4 f)``, and works on its 16 / 4 experts gathered whole and their
+  gradients; ``memory_plan`` dispatches over data where data splits the experts."""
+  config = presets.TINY_MOE_PRESETS['tiny-qwen3-moe']
+  config = dataclasses.replace(config, embed_dim=128, num_experts=16, num_experts_per_tok=2,
+                               moe_mlp_dim=128).with_execution(dtype=jnp.bfloat16)
+  d, e, k, f, parts = 128, 16, 2, 64, 4  # f: 128 over tensor 2
+  rows, length, itemsize = 4, 16, 2
+  tokens = rows * length
+  one, four = (presets.activation_bytes(config, rows=rows, length=length, tensor=2,
+                                        platform='tpu', experts=n) for n in (1, parts))
+  per_token = k * 3 * d + parts * k * (2 * d + 4 * f) - k * (3 * d + 4 * f)
+  assert four['saved_bytes'] - one['saved_bytes'] == pytest.approx(
+      config.num_layers * tokens * itemsize * per_token)
+  assert four['work_bytes'] - one['work_bytes'] == pytest.approx(
+      tokens * itemsize * per_token + 2 * 3 * (e // parts) * d * f * itemsize)
+  plan = lambda mesh: presets.memory_plan(  # noqa: E731
+      config, mesh, ONE, train_rows=16, train_length=length, slots=1, cache_length=8,
+      platform='tpu')
+  expected = presets.activation_bytes(config, rows=1, length=length, platform='tpu',
+                                      experts=parts)['total_bytes']
+  assert plan({'data': parts, 'fsdp': 4, 'tensor': 1}).activations == expected
+  assert plan({'data': 1, 'fsdp': 16, 'tensor': 1}).activations == presets.activation_bytes(
+      config, rows=1, length=length, platform='tpu')['total_bytes']
