@@ -202,6 +202,9 @@ def build_run(config: ml_collections.ConfigDict, workdir, spec: config_lib.RunSp
   checkpointer = checkpoints.build_checkpointer(config, workdir)
   trainer, warmup_metrics = roles.warm_trainer(config, spec, task, model, params, tokenizer,
                                                meshes['trainer'], checkpointer, stop)
+  # The trainer placed its own copy: the loaded params would otherwise stay alive in this
+  # frame for the whole run (one more copy of the model in host memory).
+  del params, held
   server = ParameterServer(keep=spec.keep_versions)
   # LoRA with adapter-only sync: the base goes through a server of its own, once.
   base_server = ParameterServer(keep=1) if adapter_sync(config) is not None else None
