@@ -547,6 +547,19 @@ def test_ray_dry_run_puts_roles_on_their_slices(tmp_path):
   _check_shell(out, tmp_path)
 
 
+def test_ray_dry_run_refuses_a_teacher_without_resources_of_its_own():
+  """The recipe gives the trainer and the workers TPU resources; a distillation teacher that
+  asks for none would open chips another actor holds. The dry run validates the config with
+  the resources the recipe passes its driver, so it is refused there, naming the override."""
+  result = _recipes('ray', '--trainer-tpu-type=v5p-8', '--inference-tpu-type=v5e-8',
+                    '--zone=us-east5-a', '--workdir=gs://b/runs/ray',
+                    '--config=configs/distill.py:smoke', '--dry-run')
+  assert result.returncode != 0
+  assert ("config.ray.teacher_resources is empty but ray.trainer_resources and "
+          "ray.worker_resources ask for 'TPU'") in result.stderr
+  assert '--config.ray.teacher_resources=' in result.stderr
+
+
 def test_ray_dry_run_spans_a_multi_host_trainer_slice(tmp_path):
   """A v5p-16 trainer slice (2 hosts x 4 chips): every trainer host joins Ray with its 4
   chips of rlax_trainer, and the driver (validating over the slice's 8 chips) runs 2 trainer

@@ -154,7 +154,8 @@ def check_ray(config: ml_collections.ConfigDict, trainer: SliceType, inference: 
   mesh (1, 2, 4 or 8, dividing a host); and because a worker (and a one-host trainer)
   builds all role meshes over its own chips (``rlax_llm.roles.meshes``) and the driver
   validates the config over the trainer's chips, each mesh must also fit the other role's
-  chips.
+  chips. Sets ``config.ray.trainer_resources`` and ``worker_resources`` to the plan's, as the
+  recipe's driver flags will.
   """
   if inference_slices < 1:
     raise SliceError(f'--inference-slices={inference_slices} must be >= 1.')
@@ -244,6 +245,10 @@ def check_ray(config: ml_collections.ConfigDict, trainer: SliceType, inference: 
     if before and before != plan.resources[role]:
       plan.notes.append(f'config.ray.{role}_resources={before} is replaced by '
                         f'{plan.resources[role]} (the recipe places the actors).')
+    # As the driver will run it (scripts.ray_driver_overrides passes these), so that what
+    # validate_config checks against the actors' resources (a distillation teacher with none
+    # while the others ask for TPU) is refused by the dry run, not by the launched driver.
+    config.ray[f'{role}_resources'] = ml_collections.ConfigDict(plan.resources[role])
   return plan
 
 
