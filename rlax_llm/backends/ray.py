@@ -291,9 +291,11 @@ def actor_options(config: ml_collections.ConfigDict, role: str) -> dict[str, Any
   ``ray_actors.pin_tpu_chips``; ``'CPU'`` and ``'GPU'`` become Ray's ``num_cpus`` and
   ``num_gpus``), no CPU held unless named (the roles' work is on their devices), and what
   Ray does when the actor's process is lost. A worker is restarted ``ray.worker_restarts``
-  times and its call retried there (it pulls its weights again); a trainer is not (its state
-  is the checkpoint's: the run stops), nor the teacher (the run stops). The trainer's
-  processes also get ``ray.trainer_env``."""
+  times and its call retried there (it pulls its weights again); the teacher
+  ``ray.teacher_restarts`` times, its call retried there (it loads its frozen weights again:
+  its scores depend only on the tokens, so the run is unchanged); a trainer is not (its
+  state is the checkpoint's: the run stops). The trainer's processes also get
+  ``ray.trainer_env``."""
   if role not in ROLES:
     raise ValueError(f'role={role!r} is not one of the Ray roles {ROLES}.')
   r = config.ray
@@ -302,8 +304,9 @@ def actor_options(config: ml_collections.ConfigDict, role: str) -> dict[str, Any
                                  max_restarts=0)
   if 'GPU' in resources:
     options['num_gpus'] = resources.pop('GPU')
-  if role == 'worker':
-    options.update(max_restarts=r.worker_restarts, max_task_retries=r.worker_restarts)
+  if role in ('worker', 'teacher'):
+    restarts = r[f'{role}_restarts']
+    options.update(max_restarts=restarts, max_task_retries=restarts)
   if role == 'trainer' and r.trainer_env:
     options['runtime_env'] = {'env_vars': r.trainer_env.to_dict()}
   return options

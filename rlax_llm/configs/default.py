@@ -172,14 +172,15 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # Resources each actor asks for, e.g. {'TPU': 4} to put roles on separate TPU hosts;
   # teacher_resources: on-policy distillation's teacher's, e.g. {'TPU': 1} (a chip of its own;
   # needed when the other roles ask for 'TPU').
-  # worker_restarts: how often Ray restarts a lost worker actor (its call is retried there).
+  # worker_restarts / teacher_restarts: how often Ray restarts a lost worker / teacher actor
+  # (its call is retried there).
   # trainer_processes: trainer actors forming one jax.distributed job (one per host of a
   # multi-host trainer slice; each asks for trainer_resources and pushes its own shards);
   # trainer_env: environment variables of each trainer actor's process (e.g. XLA_FLAGS).
   c.ray = ml_collections.ConfigDict(dict(
       address='local', num_cpus=0, trainer_resources=ml_collections.ConfigDict(),
       worker_resources=ml_collections.ConfigDict(), teacher_resources=ml_collections.ConfigDict(),
-      worker_restarts=3, trainer_processes=1, trainer_env=ml_collections.ConfigDict()))
+      worker_restarts=3, teacher_restarts=3, trainer_processes=1, trainer_env=ml_collections.ConfigDict()))
   # The parameter server (the trainer pushes each version, workers pull theirs): keep_versions
   # is how many versions it holds, at least staleness.k + 2 (0: exactly k + 2). transport (Ray):
   # 'auto' moves versions between actors of one machine through the server's reused shared-

@@ -22,23 +22,24 @@ from smoke_config import smoke_config  # noqa: E402  (tests/smoke_config.py)
 
 
 def test_each_role_asks_for_the_resources_its_config_names():
-  """``ray.<role>_resources`` as Ray's options (``'CPU'`` as ``num_cpus``), the workers'
-  restarts, the trainer's environment; the options are ones ``ray.remote`` accepts."""
+  """``ray.<role>_resources`` as Ray's options (``'CPU'`` as ``num_cpus``), the workers' and
+  the teacher's restarts, the trainer's environment; the options are ones ``ray.remote`` accepts."""
   config = smoke_config(
       backend='ray', ray__trainer_resources={'TPU': 4, 'rlax_trainer': 4},
       ray__worker_resources={'TPU': 4}, ray__teacher_resources={'TPU': 1, 'CPU': 2},
-      ray__worker_restarts=2, ray__trainer_env={'XLA_FLAGS': '--xla_dump_to=/tmp/x'})
+      ray__worker_restarts=2, ray__teacher_restarts=1,
+      ray__trainer_env={'XLA_FLAGS': '--xla_dump_to=/tmp/x'})
   options = {role: actor_options(config, role) for role in ('trainer', 'worker', 'teacher')}
   assert options == {
       'trainer': dict(num_cpus=0, resources={'TPU': 4, 'rlax_trainer': 4}, max_restarts=0,
                       runtime_env={'env_vars': {'XLA_FLAGS': '--xla_dump_to=/tmp/x'}}),
       'worker': dict(num_cpus=0, resources={'TPU': 4}, max_restarts=2, max_task_retries=2),
-      'teacher': dict(num_cpus=2, resources={'TPU': 1}, max_restarts=0)}
+      'teacher': dict(num_cpus=2, resources={'TPU': 1}, max_restarts=1, max_task_retries=1)}
   for role, cls in (('trainer', TrainerRole), ('worker', WorkerRole), ('teacher', TeacherRole)):
     ray.remote(**options[role])(cls)  # Ray checks the options' names and values here
   # Nothing asked on a laptop: no CPU held, no resources.
   assert actor_options(smoke_config(backend='ray'), 'teacher') == dict(
-      num_cpus=0, resources={}, max_restarts=0)
+      num_cpus=0, resources={}, max_restarts=3, max_task_retries=3)
   with pytest.raises(ValueError, match="role='server' is not one of the Ray roles"):
     actor_options(config, 'server')
 
@@ -82,3 +83,33 @@ def test_a_distillation_run_on_ray_equals_local(cluster, tmp_path):
   assert len(ray_rows) == 3 and all('distill/gkd' in r and 'distill/reverse_kl' in r
                                     for r in ray_rows)
   assert ray_rows == _run('local', tmp_path / 'local')[1]
+
+
+@pytest.mark.slow  # two Ray runs of the roles; the restart options are checked in CI above
+def test_a_killed_teacher_actor_restarts_and_the_run_is_unchanged(cluster, tmp_path):
+  """The teacher actor's process is killed just before its 2nd scoring call (a lost process:
+  ``no_restart=False``): Ray restarts it (``ray.teacher_restarts``), the new process loads
+  the frozen teacher again and the call is retried there, and the run equals the local one."""
+  del cluster
+  config = smoke_config(
+      backend='ray', total_steps=3, warmup__steps=0, rl__distill__kind='gkd',
+      rl__distill__top_k=4, rl__distill__with_reward=False, teacher__enabled=True,
+      rl__learning_rate=3e-3, log__tensorboard=False, eval__every_steps=0,
+      checkpoint__every_steps=0, checkpoint__every_seconds=0.0, staleness__j=2,
+      staleness__k=2)
+  calls = []
+  with build_run(config, tmp_path / 'ray', run_spec(config)) as run:
+    ray_teacher = run.controller.kind.teacher.teacher
+    score = ray_teacher.score
+
+    def killed_before_the_second(tokens, loss_mask):
+      calls.append(len(calls))
+      if len(calls) == 2:
+        ray.kill(ray_teacher.actor, no_restart=False)
+      return score(tokens, loss_mask)
+    ray_teacher.score = killed_before_the_second
+    run.execute()
+  assert len(calls) == 3
+  rows = [{k: v for k, v in row.items() if not k.startswith('time/')}
+          for row in read_metrics(tmp_path / 'ray' / 'metrics.jsonl')]
+  assert rows == _run('local', tmp_path / 'local')[1]
