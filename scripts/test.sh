@@ -8,21 +8,29 @@
 # machine; 0 runs them in this process); a file's tests stay in one process (its fixtures are
 # shared), the longest files first (tests/conftest.py: LONGEST_FILES), and XLA's compilation
 # cache is shared between the processes (tests/conftest.py).
+# A test that runs past its limit (pytest-timeout: 300 s in the default run, whose tests take
+# under 60 s; 1800 s with --extended or --all) prints every thread's stack and ends its
+# process; a process that dies (a hang cut short, a crash) ends the run with that test failed
+# (--max-worker-restart=0): pytest-xdist's file-by-file scheduling otherwise re-runs the
+# crashed file on a new process and can wait forever for it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tier=()
+limit=300
 args=()
 for arg in "$@"; do
   case "$arg" in
-    --extended) tier=(-m 'not slow') ;;
-    --all) tier=(-m '') ;;
+    --extended) tier=(-m 'not slow'); limit=1800 ;;
+    --all) tier=(-m ''); limit=1800 ;;
     *) args+=("$arg") ;;
   esac
 done
 bash scripts/setup.sh
 workers="${RLAX_TEST_WORKERS:-2}"
 if [[ "$workers" == 0 ]]; then
-  exec .venv/bin/python -m pytest -q ${tier[@]+"${tier[@]}"} ${args[@]+"${args[@]}"}
+  exec .venv/bin/python -m pytest -q --timeout="$limit" --timeout-method=thread \
+    ${tier[@]+"${tier[@]}"} ${args[@]+"${args[@]}"}
 fi
 exec .venv/bin/python -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder \
+  --max-worker-restart=0 --timeout="$limit" --timeout-method=thread \
   ${tier[@]+"${tier[@]}"} ${args[@]+"${args[@]}"}
