@@ -56,6 +56,8 @@ PEER_CHANGES: dict[str, dict[str, tuple[Any, str]]] = {
         'rollout_engine': ('transformers generate (torch, eager, CPU)',
                            'TRL samples with the model it trains (no vLLM on CPU)'),
         'compute': ('torch 2.13 CPU', 'a PyTorch library'),
+        'remat': ('none', 'torch\'s gradient checkpointing recomputes whole layers, not the '
+                  'recipe\'s dots policy (matmul outputs kept); off, as in the study'),
     },
     'tunix': {
         'dynamic_sampling': (
@@ -68,6 +70,8 @@ PEER_CHANGES: dict[str, dict[str, tuple[Any, str]]] = {
         'compute': ('JAX/XLA CPU (rlax_llm\'s jax 0.10.2)', 'a JAX library'),
         'eos_in_loss': (False, 'its completion mask is token != pad, and SmolLM2\'s pad token '
                         'is its eos: the sampled eos is not trained on'),
+        'remat': ('none', 'run_tunix.py sets no rematerialisation (its Llama\'s default), as in '
+                  'the study'),
     },
 }
 

@@ -51,7 +51,10 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict(dict(
       name='smollm2-135m', path=placeholder(str), revision='', max_seq_len=placeholder(int),
-      param_dtype='float32', dtype='float32', remat='none', inference_param_dtype='',
+      # 'dots': the update keeps each layer's matmul outputs and recomputes the rest in its
+      # backward (the step's temporaries 2.95 -> 1.91 GiB; benchmarks/RESULTS.md "Peak memory
+      # on the head-to-head recipe").
+      param_dtype='float32', dtype='float32', remat='dots', inference_param_dtype='',
       inference_quant='none', kv_cache_quant='none',  # docs/rollout.md "Quantised rollouts"
       batch_invariant=False,  # True: sampler and trainer log-probs bitwise equal (docs/models.md)
       # With batch_invariant: 128 slots decode 128 rows a step, so 'floor' runs at the
@@ -68,7 +71,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
                    shared_prefix=True))
   c.sampling.update(dict(temperature=0.7, max_prompt_len=48, max_new_tokens=16))
   c.rollout.update(dict(slots=128, oversample=3.0, short_batches='wait'))
-  c.checkpoint.update(dict(every_steps=25, keep=2))
+  # Saved before the next update starts: an asynchronous save's host copy of the params and
+  # moments (1.5 GiB) would be held through that update's peak.
+  c.checkpoint.update(dict(every_steps=25, keep=2, async_save=False))
   c.eval.every_steps = 10
   del c['reward']  # the task's reward alone
 

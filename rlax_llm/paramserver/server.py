@@ -107,7 +107,7 @@ class ParameterServer:
       update = server.update(1, 0)        # holding version 0: a delta from it
   """
 
-  def __init__(self, keep: int = 2, template: Any = None):
+  def __init__(self, keep: int = 2, template: Any = None, reuse_buffers: bool = True):
     """Creates an empty server.
 
     Args:
@@ -115,6 +115,12 @@ class ParameterServer:
         template: optional pytree of arrays or ``jax.ShapeDtypeStruct`` fixing the tree
             structure, leaf shapes and dtypes that every push must match. ``None``: the
             first push fixes them.
+        reuse_buffers: keep the leaves of the last dropped version until the next push and
+            copy it into them when nobody holds them (about twice as fast as into fresh
+            pages), so the server holds ``keep + 1`` versions between pushes. False: a
+            dropped version is freed at once (``keep`` versions between pushes, ``keep + 1``
+            only while a push is written); for a server whose process also runs the trainer's
+            step, whose peak the spare version would add to (``backends.local``).
     """
     if isinstance(keep, bool) or not isinstance(keep, (int, np.integer)) or keep < 1:
       raise ValueError(
@@ -122,6 +128,7 @@ class ParameterServer:
         'use keep=1 to hold only the latest version.'
       )
     self._keep = int(keep)
+    self._reuse_buffers = bool(reuse_buffers)
     self._lock = threading.Lock()
     # version -> (treedef, leaves, checksums); dict order is ascending version order.
     self._store: dict[int, tuple[Any, list[np.ndarray], tuple[int, ...]]] = {}
@@ -279,7 +286,7 @@ class ParameterServer:
     while len(self._store) > self._keep:
       _, dropped, _ = self._store.pop(next(iter(self._store)))
       self._spare = {}
-      for leaf in dropped:
+      for leaf in dropped if self._reuse_buffers else ():
         if leaf.flags.owndata:  # an array this server allocated
           self._spare.setdefault(leaf_spec(leaf), []).append(leaf)
 

@@ -1,6 +1,7 @@
 """Tests for rlax_llm.paramserver.server."""
 
 import re
+import sys
 
 import hypothesis
 import hypothesis.strategies as st
@@ -235,6 +236,25 @@ def test_a_dropped_versions_buffers_are_reused_only_when_nobody_holds_them():
   for leaf in jax.tree_util.tree_leaves(server.get(3).params):
     assert not leaf.flags.writeable
   np.testing.assert_array_equal(view, np.arange(6, dtype=np.float32))
+
+
+@pytest.mark.parametrize('reuse_buffers', [True, False])
+def test_a_server_not_reusing_buffers_holds_no_dropped_version(reuse_buffers):
+  """reuse_buffers=False (the local backend's server, in the trainer's process): a dropped
+  version is freed at once, so between pushes the server holds ``keep`` versions, not
+  ``keep + 1``; the versions it holds are the same either way."""
+  server = ParameterServer(keep=1, reuse_buffers=reuse_buffers)
+  server.push(0, make_params(scale=1.0))
+  leaves = jax.tree_util.tree_leaves(server.get(0).params)
+  before = [sys.getrefcount(leaf) for leaf in leaves]
+  server.push(1, make_params(scale=2.0))  # drops 0
+  held = [sys.getrefcount(leaf) for leaf in leaves]
+  # The store's reference is gone; the spare pool keeps one only when reusing buffers.
+  assert held == [n - 1 + reuse_buffers for n in before]
+  assert server.versions() == [1]
+  assert_tree_equal(server.get(1).params, make_params(scale=2.0))
+  server.push(2, make_params(scale=3.0))
+  assert_tree_equal(server.get(2).params, make_params(scale=3.0))
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:
