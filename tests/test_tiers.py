@@ -56,7 +56,8 @@ def test_the_default_run_leaves_the_tier_out_and_the_script_brings_it_back():
   assert shlex.split(ini['addopts']) == ['-m', 'not slow and not extended'], ini['addopts']
   assert any(marker.startswith('extended:') for marker in ini['markers'])
   script = (ROOT / 'scripts/test.sh').read_text()
-  assert "--extended) tier=(-m 'not slow') ;;" in script and "--all) tier=(-m '') ;;" in script
+  assert "--extended) tier=(-m 'not slow'); limit=1800 ;;" in script
+  assert "--all) tier=(-m ''); limit=1800 ;;" in script
 
 
 class _Item:
