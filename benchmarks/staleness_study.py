@@ -255,7 +255,8 @@ def plot(result: dict, path: pathlib.Path) -> None:
         ax.plot(steps, [100 * m for m in mean], label=f's = {s} ({len(runs)} seeds)')
     ax.set(title=loss, xlabel='RL step', ylabel='held-out greedy accuracy (%)')
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.lines:
+      ax.legend(fontsize=8)
   ax = axes[-1]
   for s in staleness:
     runs = [result['cells'][k]['series']['m2po/masked_fraction'] for seed in result['seeds']
@@ -266,7 +267,8 @@ def plot(result: dict, path: pathlib.Path) -> None:
       ax.plot(range(1, len(smooth) + 1), smooth, label=f's = {s}')
   ax.set(title='M2PO masked-token fraction', xlabel='RL step', ylabel='fraction of tokens')
   ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
+  if ax.lines:
+    ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
 
@@ -303,6 +305,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument('--steps', type=int, default=800)
   parser.add_argument('--lr', type=float, default=1e-5)
   parser.add_argument('--eval_every', type=int, default=50)
+  parser.add_argument('--no_run', action='store_true',
+                      help='run no cell: print (and plot) what --output holds so far')
   parser.add_argument('--set', action='append', default=[], metavar='--config.KEY=VALUE',
                       help='an extra launch override for every cell (repeatable), e.g. the '
                            "paper's settings; part of the study's settings")
@@ -337,8 +341,9 @@ def load_previous(path: pathlib.Path, expected: dict) -> dict[str, dict]:
 def study(args: argparse.Namespace,
           run: Callable[[str, int, int, argparse.Namespace, pathlib.Path], dict] = run_cell
           ) -> dict:
-  """Runs every missing cell in ``cell_order``, rewriting ``args.output`` after each, and
-  returns the whole study (``run``: one cell's figures, ``run_cell`` unless a test's)."""
+  """Runs every missing cell in ``cell_order`` (none with ``args.no_run``), rewriting
+  ``args.output`` after each, and returns the whole study (``run``: one cell's figures,
+  ``run_cell`` unless a test's)."""
   root = args.workdir or args.output.parent / 'runs'
   expected = settings(args)
   cells = load_previous(args.output, expected)
@@ -355,7 +360,7 @@ def study(args: argparse.Namespace,
   args.output.parent.mkdir(parents=True, exist_ok=True)
   for loss, s, seed in order:
     key = cell_key(loss, s, seed)
-    if key in cells:
+    if key in cells or args.no_run:
       continue
     cells[key] = run(loss, s, seed, args, root)
     tmp = args.output.with_suffix('.tmp')

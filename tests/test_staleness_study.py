@@ -138,6 +138,9 @@ def test_study_resumes_without_rerunning_finished_cells(tmp_path):
   assert saved['cells'].keys() == first['cells'].keys()
 
   ran.clear()
+  partial = study_lib.study(study_lib.parse_args([*argv, '--seeds=0,1', '--no_run']), fake_run)
+  assert not ran and partial['finished'] == 4 and partial['cells_total'] == 8
+  assert not partial['table']['grpo']['0']['complete']
   second = study_lib.study(study_lib.parse_args([*argv, '--seeds=0,1']), fake_run)
   assert ran == ['grpo-s0-seed1', 'm2po-s0-seed1', 'grpo-s256-seed1', 'm2po-s256-seed1']
   assert second['table']['grpo']['0']['finals'] == [0.5, 0.6]
