@@ -188,8 +188,10 @@ def run_cell(loss: str, staleness: int, seed: int, args: argparse.Namespace,
 def aggregate(cells: dict[str, dict], losses: Sequence[str], staleness: Sequence[int],
               seeds: Sequence[int]) -> dict:
   """Per loss and staleness: the finals of the seeds that finished (``None`` for the others),
-  their mean and spread (max - min) in accuracy, and run means of the step series (M2PO's
-  masked fraction, the clip fraction, the ratio statistics); ``complete`` when every seed
+  their mean and spread (max - min) in accuracy; ``curve_means``, each finished seed's mean
+  accuracy over its evaluations after step 0 (the area under the curve, which also sees how
+  late a cell got there), and their mean; run means of the step series (M2PO's masked
+  fraction, the clip fraction, the ratio statistics); ``complete`` when every seed
   finished."""
   table = {}
   for loss in losses:
@@ -199,6 +201,8 @@ def aggregate(cells: dict[str, dict], losses: Sequence[str], staleness: Sequence
       if not done:
         continue
       finals = [r['final'] for r in done]
+      curve_means = [statistics.fmean(acc for step, acc in r['curve'] if step > 0)
+                     for r in done]
       means = {}
       for name in SERIES:
         values = [v for r in done for v in r['series'].get(name, [])]
@@ -207,6 +211,7 @@ def aggregate(cells: dict[str, dict], losses: Sequence[str], staleness: Sequence
       table.setdefault(loss, {})[str(s)] = {
           'finals': [None if r is None else r['final'] for r in runs],
           'mean': statistics.fmean(finals), 'spread': max(finals) - min(finals),
+          'curve_means': curve_means, 'curve_mean': statistics.fmean(curve_means),
           'start_mean': statistics.fmean(r['start'] for r in done),
           'complete': len(done) == len(seeds), 'series_means': means}
   return table
@@ -219,7 +224,8 @@ def judge(table: dict, staleness: Sequence[int]) -> dict:
   * ``grpo_falls``: met when GRPO's mean at ``hi`` is below on-policy GRPO's by more than it;
   * ``m2po_holds``: met when M2PO's mean at ``hi`` is not below on-policy GRPO's by more than
     it (above counts as holding: the paper's M2PO at 256 is above on-policy).
-  A goal is ``pending`` while one of its cells lacks a seed.
+  A goal is ``pending`` while one of its cells lacks a seed. ``curve_mean_gap`` (not judged):
+  the same difference in the mean accuracy over the curve.
   """
   lo, hi = min(staleness), max(staleness)
   on_policy = table.get('grpo', {}).get(str(lo))
@@ -233,7 +239,8 @@ def judge(table: dict, staleness: Sequence[int]) -> dict:
     spread = max(on_policy['spread'], cell['spread'])
     met = gap < -spread if goal == 'grpo_falls' else gap >= -spread
     out[goal] = {'status': 'met' if met else 'missed', 'gap': gap, 'spread': spread,
-                 'on_policy_mean': on_policy['mean'], f'{loss}_s{hi}_mean': cell['mean']}
+                 'on_policy_mean': on_policy['mean'], f'{loss}_s{hi}_mean': cell['mean'],
+                 'curve_mean_gap': cell['curve_mean'] - on_policy['curve_mean']}
   return out
 
 

@@ -78,7 +78,8 @@ def test_read_run_keeps_the_curve_and_the_step_series(tmp_path):
 
 
 def _cell(final: float, masked: float = 0.0) -> dict:
-  return {'start': 0.2, 'final': final, 'series': {'m2po/masked_fraction': [masked, 3 * masked]}}
+  return {'start': 0.2, 'final': final, 'curve': [[0, 0.2], [2, 0.5], [4, final]],
+          'series': {'m2po/masked_fraction': [masked, 3 * masked]}}
 
 
 def test_aggregate_gives_mean_spread_and_marks_missing_seeds():
@@ -88,6 +89,8 @@ def test_aggregate_gives_mean_spread_and_marks_missing_seeds():
   grpo = table['grpo']['0']
   assert grpo['finals'] == [0.6, 0.7] and grpo['complete']
   assert grpo['mean'] == pytest.approx(0.65) and grpo['spread'] == pytest.approx(0.1)
+  assert grpo['curve_means'] == pytest.approx([0.55, 0.6])  # step 0 left out
+  assert grpo['curve_mean'] == pytest.approx(0.575)
   m2po = table['m2po']['0']
   assert m2po['finals'] == [0.5, None] and not m2po['complete']
   assert m2po['series_means']['m2po/masked_fraction'] == 0.5
@@ -108,6 +111,7 @@ def test_judge_reproduced_ordering_is_met():
   assert goals['grpo_falls']['status'] == 'met'
   assert goals['grpo_falls']['gap'] == pytest.approx(0.4233333 - 0.62)
   assert goals['grpo_falls']['spread'] == pytest.approx(0.05)  # grpo s=256's max - min
+  assert goals['grpo_falls']['curve_mean_gap'] == pytest.approx((0.4233333 - 0.62) / 2)
   assert goals['m2po_holds']['status'] == 'met'  # above on-policy counts as holding
 
 
