@@ -224,8 +224,10 @@ def judge(table: dict, staleness: Sequence[int]) -> dict:
   * ``grpo_falls``: met when GRPO's mean at ``hi`` is below on-policy GRPO's by more than it;
   * ``m2po_holds``: met when M2PO's mean at ``hi`` is not below on-policy GRPO's by more than
     it (above counts as holding: the paper's M2PO at 256 is above on-policy).
-  A goal is ``pending`` while one of its cells lacks a seed. ``curve_mean_gap`` (not judged):
-  the same difference in the mean accuracy over the curve.
+  A goal is ``pending`` while one of its cells lacks a seed. Not judged, beside it:
+  ``curve_mean_gap``, the same difference in the mean accuracy over the curve, and
+  ``paired_gaps``, the difference seed by seed (a seed fixes the warm-up and the held-out
+  problems, so the seed spread holds differences between seeds that a pair cancels).
   """
   lo, hi = min(staleness), max(staleness)
   on_policy = table.get('grpo', {}).get(str(lo))
@@ -240,7 +242,8 @@ def judge(table: dict, staleness: Sequence[int]) -> dict:
     met = gap < -spread if goal == 'grpo_falls' else gap >= -spread
     out[goal] = {'status': 'met' if met else 'missed', 'gap': gap, 'spread': spread,
                  'on_policy_mean': on_policy['mean'], f'{loss}_s{hi}_mean': cell['mean'],
-                 'curve_mean_gap': cell['curve_mean'] - on_policy['curve_mean']}
+                 'curve_mean_gap': cell['curve_mean'] - on_policy['curve_mean'],
+                 'paired_gaps': [a - b for a, b in zip(cell['finals'], on_policy['finals'])]}
   return out
 
 

@@ -112,6 +112,7 @@ def test_judge_reproduced_ordering_is_met():
   assert goals['grpo_falls']['gap'] == pytest.approx(0.4233333 - 0.62)
   assert goals['grpo_falls']['spread'] == pytest.approx(0.05)  # grpo s=256's max - min
   assert goals['grpo_falls']['curve_mean_gap'] == pytest.approx((0.4233333 - 0.62) / 2)
+  assert goals['grpo_falls']['paired_gaps'] == pytest.approx([-0.2, -0.17, -0.22])
   assert goals['m2po_holds']['status'] == 'met'  # above on-policy counts as holding
 
 
