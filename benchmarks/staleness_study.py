@@ -247,38 +247,50 @@ def judge(table: dict, staleness: Sequence[int]) -> dict:
   return out
 
 
+# The token fractions the losses take out of the gradient, plotted per step.
+REMOVED = (('m2po', 'm2po/masked_fraction', 'M2PO masked-token fraction'),
+           ('grpo', 'clip_fraction', 'GRPO clipped-token fraction'))
+
+
 def plot(result: dict, path: pathlib.Path) -> None:
   """Held-out accuracy curves (mean over the finished seeds) per loss, one line per
-  staleness, and M2PO's masked-token fraction per step (seed mean, 20-step running mean)."""
+  staleness, then per step the fraction of tokens M2PO masks and GRPO's clip removes (seed
+  mean, 20-step running mean)."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   losses, staleness = result['losses'], result['staleness']
-  fig, axes = plt.subplots(1, len(losses) + 1, figsize=(4.2 * (len(losses) + 1), 3.6))
+  panels = len(losses) + len(REMOVED)
+  fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.6))
+
+  def finished(loss, s):
+    return [result['cells'][k] for seed in result['seeds']
+            if (k := cell_key(loss, s, seed)) in result['cells']]
+
+  def close(ax, title, ylabel):
+    ax.set(title=title, xlabel='RL step', ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    if ax.lines:
+      ax.legend(fontsize=8)
+    else:
+      ax.text(0.5, 0.5, 'no cell finished yet', ha='center', transform=ax.transAxes)
+
   for ax, loss in zip(axes, losses):
     for s in staleness:
-      runs = [result['cells'][k] for seed in result['seeds']
-              if (k := cell_key(loss, s, seed)) in result['cells']]
+      runs = finished(loss, s)
       if runs:
         steps = [p[0] for p in runs[0]['curve']]
         mean = [statistics.fmean(r['curve'][i][1] for r in runs) for i in range(len(steps))]
         ax.plot(steps, [100 * m for m in mean], label=f's = {s} ({len(runs)} seeds)')
-    ax.set(title=loss, xlabel='RL step', ylabel='held-out greedy accuracy (%)')
-    ax.grid(alpha=0.3)
-    if ax.lines:
-      ax.legend(fontsize=8)
-  ax = axes[-1]
-  for s in staleness:
-    runs = [result['cells'][k]['series']['m2po/masked_fraction'] for seed in result['seeds']
-            if (k := cell_key('m2po', s, seed)) in result['cells']]
-    if runs:
-      mean = [statistics.fmean(v) for v in zip(*runs)]
-      smooth = [statistics.fmean(mean[max(0, i - 19):i + 1]) for i in range(len(mean))]
-      ax.plot(range(1, len(smooth) + 1), smooth, label=f's = {s}')
-  ax.set(title='M2PO masked-token fraction', xlabel='RL step', ylabel='fraction of tokens')
-  ax.grid(alpha=0.3)
-  if ax.lines:
-    ax.legend(fontsize=8)
+    close(ax, loss, 'held-out greedy accuracy (%)')
+  for ax, (loss, name, title) in zip(axes[len(losses):], REMOVED):
+    for s in staleness:
+      runs = [r['series'][name] for r in finished(loss, s) if name in r['series']]
+      if runs:
+        mean = [statistics.fmean(v) for v in zip(*runs)]
+        smooth = [statistics.fmean(mean[max(0, i - 19):i + 1]) for i in range(len(mean))]
+        ax.plot(range(1, len(smooth) + 1), smooth, label=f's = {s}')
+    close(ax, title, 'fraction of tokens')
   fig.tight_layout()
   fig.savefig(path, dpi=110)
 
