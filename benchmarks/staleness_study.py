@@ -41,8 +41,8 @@ masked-token fraction, the clip fraction, the importance-ratio statistics agains
 behaviour/proximal log-probs, reward and staleness); per (loss, staleness) the finals of the
 seeds, their mean and spread; and the issue's two goals judged (``judge``).
 
-    .venv/bin/python benchmarks/staleness_study.py --output=runs/staleness/study.json \\
-        [--plot=docs/staleness_study.png] [--seeds=0,1,2] [--staleness=0,16,64,256]
+    .venv/bin/python benchmarks/staleness_study.py [--output=runs/staleness_study/study.json]
+        [--plot=docs/staleness_study.png] [--seeds=0,1,2] [--staleness=0,16,64,256] [--no_run]
 """
 
 from __future__ import annotations
@@ -316,7 +316,8 @@ def _losses(text: str) -> list[str]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  parser.add_argument('--output', required=True, type=pathlib.Path,
+  parser.add_argument('--output', type=pathlib.Path,
+                      default=ROOT / 'runs' / 'staleness_study' / 'study.json',
                       help='the study JSON, rewritten after every cell; resumed from')
   parser.add_argument('--workdir', type=pathlib.Path, default=None,
                       help='where the cells\' runs go (default: <output dir>/runs)')

@@ -165,6 +165,12 @@ def test_run_cell_reads_a_finished_workdir_back_without_launching(tmp_path, monk
   assert study_lib.run_cell('m2po', 16, 1, args, tmp_path)['final'] == 0.5
 
 
+def test_the_default_output_is_in_the_runs_folder():
+  args = study_lib.parse_args([])
+  assert args.output == ROOT / 'runs' / 'staleness_study' / 'study.json'
+  assert args.workdir is None  # then <output dir>/runs
+
+
 @pytest.mark.parametrize('argv, message', [
     (['--staleness=0,x'], 'comma-separated integers'),
     (['--seeds=0,0'], 'distinct integers'),
