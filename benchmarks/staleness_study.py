@@ -17,7 +17,9 @@ imperfect demonstrations (no-carry answers at rate 0.6), then RL on **3-digit ad
 at lr 1e-5, for 800 updates (about three times the largest staleness). The default run's
 2-digit addition saturates (99% by step 200 at every staleness), which left nothing for
 staleness to take away. On this task on-policy GRPO (seed 0) goes 29% -> 61.5% (step 200) ->
-71% (400) -> 75% (600) -> 78% (800) held-out greedy accuracy: still rising at the end. Two
+71% (400) -> 75% (600) -> 78% (800) held-out greedy accuracy: still rising at the end (the
+other seeds level off earlier: seed 1 at 85% from step 500, seed 2, whose warm-up leaves 15%,
+at 30-32% from step 400; RESULTS.md says what that does to the finals). Two
 pilots were dropped (benchmarks/LAB_NOTES.md): lr 5e-5 rises too fast (70.5% by step 60), and
 3-digit ``+-`` leaves the warm-up at 1.5% with no reward to learn from.
 
