@@ -1,90 +1,407 @@
-"""Benchmark (slow): final accuracy and steps to a target accuracy, GRPO vs GRPO+TIS vs M2PO,
-at staleness 0, 4, 16, 64, over 3 seeds.
+"""Benchmark (slow): M2PO's staleness claim in miniature. GRPO, GRPO + TIS and M2PO trained
+on batches exactly ``s`` policy versions old, s in {0, 16, 64, 256}, 3 seeds each.
 
-Staleness ``s`` is the asynchronous schedule ``(j, k) = (1, s + 1)``: batch ``i`` is sampled
-with the params after step ``i - s`` (deterministic, so every run is reproducible). The task is
-the default run's 2-digit addition with a learning rate low enough that on-policy GRPO does
-not saturate in its first steps (``--lr``). Losses:
+The claim (Zheng et al., "M2PO: Second-moment trust policy optimization", arXiv 2510.01161,
+Table 1): at staleness 256 plain GRPO falls well below on-policy training (50.7 -> 40.1 on
+the paper's benchmark average) while M2PO stays at the on-policy level (51.3).
 
-* ``grpo``: ratios against the behaviour log-probs, PPO clip 0.2;
+Staleness ``s`` is the deterministic schedule ``(j, k) = (1, s + 1)``: batch ``i`` is sampled
+with the params after step ``max(0, i - s)`` (so with s = 256 the first 256 updates all train
+on the initial policy's samples), every batch exactly ``s`` versions old once the pipeline is
+full, as in the paper; every run is reproducible.
+
+The task (``TASK_FLAGS``) is chosen so that on-policy GRPO keeps improving for the whole
+budget: the default 2-layer model (``configs/default.py``) and its supervised warm-up on
+imperfect demonstrations (no-carry answers at rate 0.6), then RL on **3-digit addition**
+(``a + b`` with ``a, b`` in [0, 999]; 9-token prompts) with 8 prompts x 8 samples per update
+at lr 1e-5, for 800 updates (about three times the largest staleness). The default run's
+2-digit addition saturates (99% by step 200 at every staleness), which left nothing for
+staleness to take away. On this task on-policy GRPO (seed 0) goes 29% -> 61.5% (step 200) ->
+71% (400) -> 75% (600) -> 78% (800) held-out greedy accuracy: still rising at the end (the
+other seeds level off earlier: seed 1 at 85% from step 500, seed 2, whose warm-up leaves 15%,
+at 30-32% from step 400; RESULTS.md says what that does to the finals). Two
+pilots were dropped (benchmarks/LAB_NOTES.md): lr 5e-5 rises too fast (70.5% by step 60), and
+3-digit ``+-`` leaves the warm-up at 1.5% with no reward to learn from.
+
+Losses (``LOSSES``):
+
+* ``grpo``: ratios against the behaviour log-probs, PPO clip 0.2 (the paper's GRPO baseline);
 * ``grpo_tis``: decoupled PPO: ratios against the trainer's recomputed log-probs, staleness
   corrected by truncated importance weights (``rl.mismatch``: token TIS, threshold 2);
 * ``m2po``: the paper's variant, tau 0.04.
 
-Runs ``python -m rlax_llm.launch`` for every combination and prints one JSON object with,
-per loss and staleness, the final held-out accuracy (mean and each seed) and the first step
-at which the evaluated accuracy reached ``--target``.
+Each cell (loss, staleness, seed) is one ``python -m rlax_llm.launch`` in
+``<workdir>/<loss>-s<s>-seed<seed>``; cells run one after another, the most informative first
+(``cell_order``), and each finished cell is written to ``--output`` at once, so an interrupted
+study resumes where it stopped: a cell already in the output JSON (or whose workdir holds a
+finished run) is not run again. The supervised warm-up of a seed is run once and reused by
+that seed's other cells (its checkpoint is copied to ``<workdir>/warmup/seed<seed>``).
 
-    .venv/bin/python benchmarks/staleness_study.py [--seeds=0,1,2] [--staleness=0,4,16,64]
+The JSON printed at the end (and kept in ``--output``) holds per cell the start and final
+held-out greedy accuracy, the eval curve and, per RL step, the series in ``SERIES`` (M2PO's
+masked-token fraction, the clip fraction, the importance-ratio statistics against the
+behaviour/proximal log-probs, reward and staleness); per (loss, staleness) the finals of the
+seeds, their mean and spread; and the issue's two goals judged (``judge``).
+
+    .venv/bin/python benchmarks/staleness_study.py [--output=runs/staleness_study/study.json]
+        [--plot=docs/staleness_study.png] [--seeds=0,1,2] [--staleness=0,16,64,256] [--no_run]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
+import shutil
+import statistics
 import subprocess
 import sys
-import tempfile
+from collections.abc import Callable, Sequence
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from rlax_llm.cli import load_config  # noqa: E402  (after the repository joins the path)
+
+# The non-saturating task (see the docstring). max_prompt_len 9: '999-999=' and BOS.
+TASK_FLAGS = ('--config.task.max_operand=999', '--config.task.operations=+',
+              '--config.sampling.max_prompt_len=9', '--config.rl.prompts_per_step=8')
 LOSSES = {
-    'grpo': [],
-    'grpo_tis': ['--config.rl.old_logprobs=recompute', '--config.rl.mismatch.enabled=true',
-                 '--config.rl.mismatch.mode=truncate', '--config.rl.mismatch.threshold=2.0'],
-    'm2po': ['--config.rl.loss=m2po'],
+    'grpo': (),
+    'grpo_tis': ('--config.rl.old_logprobs=recompute', '--config.rl.mismatch.enabled=true',
+                 '--config.rl.mismatch.mode=truncate', '--config.rl.mismatch.threshold=2.0'),
+    'm2po': ('--config.rl.loss=m2po',),
 }
+# Per-step metrics kept for every cell (the trainer's names; absent ones are skipped).
+SERIES = ('reward/mean', 'staleness/mean', 'clip_fraction', 'm2po/masked_fraction',
+          'm2po/m2_before', 'm2po/m2_after', 'is/ratio_mean', 'is/ratio_min', 'is/ratio_max',
+          'is/m2', 'mismatch/kl', 'mismatch/ess_fraction', 'mismatch/kept_fraction',
+          'mismatch/weight_mean', 'entropy')
+# The two losses whose ordering is the claim; the others run last.
+MAIN_LOSSES = ('grpo', 'm2po')
 
 
-def run(loss: str, staleness: int, seed: int, args, workdir: pathlib.Path) -> dict:
-  flags = [f'--config.seed={seed}', f'--config.total_steps={args.steps}',
-           f'--config.rl.learning_rate={args.lr}', f'--config.eval.every_steps={args.eval_every}',
-           '--config.staleness.j=1', f'--config.staleness.k={staleness + 1}',
-           '--config.log.tensorboard=false', '--config.log.console_every=1000', *LOSSES[loss]]
+def cell_key(loss: str, staleness: int, seed: int) -> str:
+  """The name of a cell in the output JSON and of its workdir: ``grpo-s256-seed0``."""
+  return f'{loss}-s{staleness}-seed{seed}'
+
+
+def cell_order(losses: Sequence[str], staleness: Sequence[int], seeds: Sequence[int]
+               ) -> list[tuple[str, int, int]]:
+  """Every (loss, staleness, seed) cell, the most informative first.
+
+  Tiers: GRPO and M2PO at the smallest and largest staleness on the first seed (the claim on
+  one seed), then on the other seeds, then GRPO and M2PO at the middle staleness values, then
+  the other losses (GRPO + TIS). Within a tier: by seed, staleness, then loss as given.
+  """
+  lo, hi = min(staleness), max(staleness)
+
+  def tier(cell):
+    loss, s, seed = cell
+    if loss not in MAIN_LOSSES:
+      return 3
+    if s not in (lo, hi):
+      return 2
+    return 0 if seed == seeds[0] else 1
+
+  cells = [(loss, s, seed) for seed in seeds for s in staleness for loss in losses]
+  return sorted(cells, key=tier)  # stable: the seed, staleness, loss order within a tier
+
+
+def launch_flags(loss: str, staleness: int, seed: int, args: argparse.Namespace) -> list[str]:
+  """The ``rlax_llm.launch`` config arguments of one cell."""
+  return ['--config=configs/default.py', *TASK_FLAGS, f'--config.seed={seed}',
+          f'--config.total_steps={args.steps}', f'--config.rl.learning_rate={args.lr}',
+          f'--config.eval.every_steps={args.eval_every}', '--config.staleness.j=1',
+          f'--config.staleness.k={staleness + 1}', '--config.log.tensorboard=false',
+          f'--config.log.console_every={args.eval_every}',
+          # Checkpoints on (for the warm-up's, reused across a seed's cells) but no step save
+          # before the last one.
+          f'--config.checkpoint.every_steps={args.steps + 1}',
+          '--config.checkpoint.every_seconds=0', *LOSSES[loss], *args.set]
+
+
+def _round(value: float) -> float:
+  return float(f'{value:.5g}') if math.isfinite(value) else value
+
+
+def read_run(workdir: pathlib.Path) -> dict | None:
+  """A finished run's figures from its workdir (None when it has not finished).
+
+  Returns ``start``/``final`` (held-out greedy accuracy before and after RL), ``curve``
+  ([step, accuracy] of every evaluation, step 0 the start), ``series`` (per name in
+  ``SERIES`` the value at every RL step), ``max_staleness`` and ``rl_s`` (RL wall seconds).
+  """
+  summary_path = workdir / 'summary.json'
+  if not summary_path.exists():
+    return None
+  summary = json.loads(summary_path.read_text())
+  rows = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()
+          if line.strip()]
+  train = [r for r in rows if 'reward/mean' in r]
+  series = {name: [_round(r[name]) for r in train] for name in SERIES
+            if train and all(name in r for r in train)}
+  curve = [[0, _round(summary['eval/start_accuracy'])]]
+  curve += [[r['step'], _round(r['eval/accuracy'])] for r in rows if 'eval/accuracy' in r]
+  return {'start': summary['eval/start_accuracy'], 'final': summary['eval/final_accuracy'],
+          'steps': summary['steps'], 'curve': curve, 'series': series,
+          'max_staleness': max((r['staleness/max'] for r in train), default=0),
+          'rl_s': round(summary['time/rl_s'], 1), 'total_s': round(summary['time/total_s'], 1)}
+
+
+def run_cell(loss: str, staleness: int, seed: int, args: argparse.Namespace,
+             root: pathlib.Path) -> dict:
+  """Runs one cell (or reads it back when its workdir holds a finished run) and returns
+  ``read_run``'s figures. The seed's warm-up checkpoint is reused when one is stored."""
+  workdir = root / cell_key(loss, staleness, seed)
+  done = read_run(workdir)
+  if done is not None:
+    return done
+  if workdir.exists():  # an unfinished run (no step checkpoint before the last): start over
+    shutil.rmtree(workdir)
+  flags = launch_flags(loss, staleness, seed, args)
+  warmup = root / 'warmup' / f'seed{seed}'
+  run_warmup = workdir / 'checkpoints' / 'warmup'
+  workdir.mkdir(parents=True)
+  if warmup.exists():
+    # The workdir of this cell's run preempted right after its warm-up: the launch resumes
+    # from the warm-up (a checkpointed workdir needs its run's config.json, as launch writes).
+    shutil.copytree(warmup, run_warmup)
+    (workdir / 'config.json').write_text(
+        load_config(flags).to_json_best_effort(indent=2, sort_keys=True))
   env = dict(os.environ, PYTHONPATH=str(ROOT))
-  result = subprocess.run(
-      [sys.executable, '-m', 'rlax_llm.launch', '--config=configs/default.py', *flags,
-       f'--workdir={workdir}'], cwd=ROOT, env=env, capture_output=True, text=True)
+  with open(workdir.with_suffix('.log'), 'w') as log:
+    result = subprocess.run(
+        [sys.executable, '-m', 'rlax_llm.launch', *flags, f'--workdir={workdir}'], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
   if result.returncode != 0:
-    raise SystemExit(f'{loss} staleness {staleness} seed {seed} failed:\n'
-                     f'{result.stderr[-3000:]}')
-  rows = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
-  evals = [(r['step'], r['eval/accuracy']) for r in rows if 'eval/accuracy' in r]
-  reached = next((step for step, acc in evals if acc >= args.target), None)
-  return {'start': rows[-1]['eval/start_accuracy'], 'final': rows[-1]['eval/final_accuracy'],
-          'steps_to_target': reached, 'max_staleness': max(r['staleness/max'] for r in rows),
-          'curve': evals}
+    raise SystemExit(f'{cell_key(loss, staleness, seed)} failed (exit {result.returncode}); '
+                     f'its log: {workdir.with_suffix(".log")}')
+  if not warmup.exists() and run_warmup.exists():
+    shutil.copytree(run_warmup, warmup)
+  shutil.rmtree(workdir / 'checkpoints', ignore_errors=True)  # the final step's: not needed
+  figures = read_run(workdir)
+  if figures is None:
+    raise SystemExit(f'{cell_key(loss, staleness, seed)} exited 0 but wrote no summary.json '
+                     f'in {workdir}.')
+  return figures
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser()
-  parser.add_argument('--seeds', default='0,1,2')
-  parser.add_argument('--staleness', default='0,4,16,64')
-  parser.add_argument('--losses', default=','.join(LOSSES))
-  parser.add_argument('--steps', type=int, default=200)
-  parser.add_argument('--lr', type=float, default=5e-5)
-  parser.add_argument('--eval_every', type=int, default=20)
-  parser.add_argument('--target', type=float, default=0.9)
-  args = parser.parse_args()
+def aggregate(cells: dict[str, dict], losses: Sequence[str], staleness: Sequence[int],
+              seeds: Sequence[int]) -> dict:
+  """Per loss and staleness: the finals of the seeds that finished (``None`` for the others),
+  their mean and spread (max - min) in accuracy; ``curve_means``, each finished seed's mean
+  accuracy over its evaluations after step 0 (the area under the curve, which also sees how
+  late a cell got there), and their mean; run means of the step series (M2PO's masked
+  fraction, the clip fraction, the ratio statistics); ``complete`` when every seed
+  finished."""
+  table = {}
+  for loss in losses:
+    for s in staleness:
+      runs = [cells.get(cell_key(loss, s, seed)) for seed in seeds]
+      done = [r for r in runs if r is not None]
+      if not done:
+        continue
+      finals = [r['final'] for r in done]
+      curve_means = [statistics.fmean(acc for step, acc in r['curve'] if step > 0)
+                     for r in done]
+      means = {}
+      for name in SERIES:
+        values = [v for r in done for v in r['series'].get(name, [])]
+        if values:
+          means[name] = _round(statistics.fmean(values))
+      table.setdefault(loss, {})[str(s)] = {
+          'finals': [None if r is None else r['final'] for r in runs],
+          'mean': statistics.fmean(finals), 'spread': max(finals) - min(finals),
+          'curve_means': curve_means, 'curve_mean': statistics.fmean(curve_means),
+          'start_mean': statistics.fmean(r['start'] for r in done),
+          'complete': len(done) == len(seeds), 'series_means': means}
+  return table
+
+
+def judge(table: dict, staleness: Sequence[int]) -> dict:
+  """The issue's goals at the largest staleness ``hi`` against on-policy GRPO (s = 0).
+
+  The seed spread of a comparison is the larger max - min of its two cells' finals.
+  * ``grpo_falls``: met when GRPO's mean at ``hi`` is below on-policy GRPO's by more than it;
+  * ``m2po_holds``: met when M2PO's mean at ``hi`` is not below on-policy GRPO's by more than
+    it (above counts as holding: the paper's M2PO at 256 is above on-policy).
+  A goal is ``pending`` while one of its cells lacks a seed. Not judged, beside it:
+  ``curve_mean_gap``, the same difference in the mean accuracy over the curve, and
+  ``paired_gaps``, the difference seed by seed (a seed fixes the warm-up and the held-out
+  problems, so the seed spread holds differences between seeds that a pair cancels).
+  """
+  lo, hi = min(staleness), max(staleness)
+  on_policy = table.get('grpo', {}).get(str(lo))
   out = {}
-  with tempfile.TemporaryDirectory() as tmp:
-    for loss in args.losses.split(','):
-      for staleness in [int(s) for s in args.staleness.split(',')]:
-        runs = [run(loss, staleness, int(seed), args,
-                    pathlib.Path(tmp) / f'{loss}-{staleness}-{seed}')
-                for seed in args.seeds.split(',')]
-        finals = [r['final'] for r in runs]
-        out.setdefault(loss, {})[str(staleness)] = {
-            'final_mean': sum(finals) / len(finals), 'finals': finals,
-            'start_mean': sum(r['start'] for r in runs) / len(runs),
-            'steps_to_target': [r['steps_to_target'] for r in runs],
-            'max_staleness_seen': max(r['max_staleness'] for r in runs),
-            'curves': [r['curve'] for r in runs]}
-        print(json.dumps({loss: {staleness: {k: v for k, v in out[loss][str(staleness)].items()
-                                             if k != 'curves'}}}), flush=True)
-  print(json.dumps({'benchmark': 'staleness_study', 'steps': args.steps, 'lr': args.lr,
-                    'target': args.target, 'results': out}, indent=2))
+  for goal, loss in (('grpo_falls', 'grpo'), ('m2po_holds', 'm2po')):
+    cell = table.get(loss, {}).get(str(hi))
+    if on_policy is None or cell is None or not (on_policy['complete'] and cell['complete']):
+      out[goal] = {'status': 'pending'}
+      continue
+    gap = cell['mean'] - on_policy['mean']
+    spread = max(on_policy['spread'], cell['spread'])
+    met = gap < -spread if goal == 'grpo_falls' else gap >= -spread
+    out[goal] = {'status': 'met' if met else 'missed', 'gap': gap, 'spread': spread,
+                 'on_policy_mean': on_policy['mean'], f'{loss}_s{hi}_mean': cell['mean'],
+                 'curve_mean_gap': cell['curve_mean'] - on_policy['curve_mean'],
+                 'paired_gaps': [a - b for a, b in zip(cell['finals'], on_policy['finals'])]}
+  return out
+
+
+# The token fractions the losses take out of the gradient, plotted per step.
+REMOVED = (('m2po', 'm2po/masked_fraction', 'M2PO masked-token fraction'),
+           ('grpo', 'clip_fraction', 'GRPO clipped-token fraction'))
+
+
+def plot(result: dict, path: pathlib.Path) -> None:
+  """Held-out accuracy curves (mean over the finished seeds) per loss, one line per
+  staleness, then per step the fraction of tokens M2PO masks and GRPO's clip removes (seed
+  mean, 20-step running mean)."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  losses, staleness = result['losses'], result['staleness']
+  panels = len(losses) + len(REMOVED)
+  fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.6))
+
+  def finished(loss, s):
+    return [result['cells'][k] for seed in result['seeds']
+            if (k := cell_key(loss, s, seed)) in result['cells']]
+
+  def close(ax, title, ylabel):
+    ax.set(title=title, xlabel='RL step', ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    if ax.lines:
+      ax.legend(fontsize=8)
+    else:
+      ax.text(0.5, 0.5, 'no cell finished yet', ha='center', transform=ax.transAxes)
+
+  for ax, loss in zip(axes, losses):
+    for s in staleness:
+      runs = finished(loss, s)
+      if runs:
+        steps = [p[0] for p in runs[0]['curve']]
+        mean = [statistics.fmean(r['curve'][i][1] for r in runs) for i in range(len(steps))]
+        ax.plot(steps, [100 * m for m in mean], label=f's = {s} ({len(runs)} seeds)')
+    close(ax, loss, 'held-out greedy accuracy (%)')
+  for ax, (loss, name, title) in zip(axes[len(losses):], REMOVED):
+    for s in staleness:
+      runs = [r['series'][name] for r in finished(loss, s) if name in r['series']]
+      if runs:
+        mean = [statistics.fmean(v) for v in zip(*runs)]
+        smooth = [statistics.fmean(mean[max(0, i - 19):i + 1]) for i in range(len(mean))]
+        ax.plot(range(1, len(smooth) + 1), smooth, label=f's = {s}')
+    close(ax, title, 'fraction of tokens')
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def _ints(text: str) -> list[int]:
+  try:
+    values = [int(v) for v in text.split(',')]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f'expected comma-separated integers, got {text!r}') from None
+  if any(v < 0 for v in values) or len(set(values)) != len(values):
+    raise argparse.ArgumentTypeError(f'expected distinct integers >= 0, got {text!r}')
+  return values
+
+
+def _losses(text: str) -> list[str]:
+  names = text.split(',')
+  unknown = [n for n in names if n not in LOSSES]
+  if unknown or len(set(names)) != len(names):
+    raise argparse.ArgumentTypeError(f'--losses={text!r}: expected distinct names from '
+                                     f'{", ".join(LOSSES)}')
+  return names
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--output', type=pathlib.Path,
+                      default=ROOT / 'runs' / 'staleness_study' / 'study.json',
+                      help='the study JSON, rewritten after every cell; resumed from')
+  parser.add_argument('--workdir', type=pathlib.Path, default=None,
+                      help='where the cells\' runs go (default: <output dir>/runs)')
+  parser.add_argument('--plot', type=pathlib.Path, default=None, help='a PNG of the curves')
+  parser.add_argument('--seeds', type=_ints, default=[0, 1, 2])
+  parser.add_argument('--staleness', type=_ints, default=[0, 16, 64, 256])
+  parser.add_argument('--losses', type=_losses, default=list(LOSSES))
+  parser.add_argument('--steps', type=int, default=800)
+  parser.add_argument('--lr', type=float, default=1e-5)
+  parser.add_argument('--eval_every', type=int, default=50)
+  parser.add_argument('--no_run', action='store_true',
+                      help='run no cell: print (and plot) what --output holds so far')
+  parser.add_argument('--set', action='append', default=[], metavar='--config.KEY=VALUE',
+                      help='an extra launch override for every cell (repeatable), e.g. the '
+                           "paper's settings; part of the study's settings")
+  args = parser.parse_args(argv)
+  bad = [s for s in args.set if not s.startswith('--config.') or '=' not in s]
+  if bad:
+    parser.error(f'--set takes --config.KEY=VALUE launch overrides, got {bad}')
+  if args.steps <= 0 or args.eval_every <= 0 or args.lr <= 0:
+    parser.error(f'--steps={args.steps}, --eval_every={args.eval_every} and --lr={args.lr} '
+                 'must be > 0')
+  return args
+
+
+def settings(args: argparse.Namespace) -> dict:
+  """What every cell's figures depend on besides (loss, staleness, seed): a resumed study
+  must have the same, or its cells would mix two experiments."""
+  return {'task_flags': list(TASK_FLAGS), 'steps': args.steps, 'lr': args.lr,
+          'eval_every': args.eval_every, 'set': list(args.set)}
+
+
+def load_previous(path: pathlib.Path, expected: dict) -> dict[str, dict]:
+  """The cells already in ``path`` (none when it does not exist); refuses another study's."""
+  if not path.exists():
+    return {}
+  previous = json.loads(path.read_text())
+  if previous.get('settings') != expected:
+    raise SystemExit(f'{path} holds a study with settings {previous.get("settings")}, not '
+                     f'{expected}; pass another --output (and --workdir) for these settings.')
+  return previous.get('cells', {})
+
+
+def study(args: argparse.Namespace,
+          run: Callable[[str, int, int, argparse.Namespace, pathlib.Path], dict] = run_cell
+          ) -> dict:
+  """Runs every missing cell in ``cell_order`` (none with ``args.no_run``), rewriting
+  ``args.output`` after each, and returns the whole study (``run``: one cell's figures,
+  ``run_cell`` unless a test's)."""
+  root = args.workdir or args.output.parent / 'runs'
+  expected = settings(args)
+  cells = load_previous(args.output, expected)
+  order = cell_order(args.losses, args.staleness, args.seeds)
+
+  def result() -> dict:
+    table = aggregate(cells, args.losses, args.staleness, args.seeds)
+    return {'benchmark': 'staleness_study', 'settings': expected, 'losses': args.losses,
+            'staleness': args.staleness, 'seeds': args.seeds,
+            'order': [cell_key(*c) for c in order],
+            'finished': sum(cell_key(*c) in cells for c in order), 'cells_total': len(order),
+            'table': table, 'goals': judge(table, args.staleness), 'cells': cells}
+
+  args.output.parent.mkdir(parents=True, exist_ok=True)
+  for loss, s, seed in order:
+    key = cell_key(loss, s, seed)
+    if key in cells or args.no_run:
+      continue
+    cells[key] = run(loss, s, seed, args, root)
+    tmp = args.output.with_suffix('.tmp')
+    tmp.write_text(json.dumps(result()))
+    tmp.replace(args.output)
+    print(f'{key}: start {cells[key]["start"]:.3f} final {cells[key]["final"]:.3f} '
+          f'({cells[key]["total_s"]:.0f} s)', file=sys.stderr, flush=True)
+  return result()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  args = parse_args(argv)
+  out = study(args)
+  if args.plot is not None:
+    plot(out, args.plot)
+  print(json.dumps(out))
 
 
 if __name__ == '__main__':
