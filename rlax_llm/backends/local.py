@@ -71,8 +71,9 @@ MMAP_THRESHOLD_BYTES = 1 << 20
 
 
 def return_freed_buffers(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
-  """Makes glibc's malloc map every allocation of ``threshold`` bytes or more on its own,
-  so that its memory goes back to the system when it is freed, and returns True (False where
+  """Makes glibc's malloc map every allocation of ``threshold`` bytes or more on its own
+  (one its heaps cannot serve from a free chunk that large), so that its memory goes back
+  to the system when it is freed, and returns True (False where
   the C library has no ``mallopt``, e.g. not glibc: nothing changes).
 
   glibc raises its mapping threshold to the size of each mapped buffer freed, up to 32 MiB,
