@@ -9,7 +9,7 @@ object.
 ``--step_memory``: the recipe's update compiled for its batch (``rl.prompts_per_step *
 rl.group_size`` rows of ``sampling.max_prompt_len + sampling.max_new_tokens`` tokens), XLA's
 memory analysis in MiB (``temp``: the step's temporaries, beside the donated params and
-moments); ``--set=model.remat='none'`` (repeatable) changes a config value first.
+moments); ``--set=--config.model.remat=none`` (repeatable) overrides the config first.
 
 ``--launch``: the recipe run as the head-to-head runs it (benchmarks/peers/run_rlax.py:
 ``python -m rlax_llm.launch``, in-run evaluation off, Orbax checkpoints every
@@ -132,23 +132,16 @@ def main() -> None:
   parser.add_argument('--checkpoint_every', type=int, default=20, help='with --launch')
   parser.add_argument('--step_memory', action='store_true',
                       help="compile the recipe's update and print its memory analysis")
-  parser.add_argument('--set', action='append', default=[],
-                      help="with --step_memory: KEY=VALUE (a Python literal), e.g. "
-                      "model.remat='none'")
+  parser.add_argument('--set', action='append', default=[], metavar='--config.KEY=VALUE',
+                      help='with --step_memory: a config override, as rlax_llm.launch takes '
+                      'it (repeatable), e.g. --config.model.remat=none')
   args = parser.parse_args()
+  bad = [s for s in args.set if not s.startswith('--config.') or '=' not in s]
+  if bad:
+    parser.error(f'--set takes --config.KEY=VALUE overrides, got {bad}')
   if args.step_memory:
-    # pylint: disable=import-outside-toplevel
-    import ast
-
-    from rlax_llm.cli import load_config_file
-    config = load_config_file(args.config)
-    for item in args.set:
-      key, _, value = item.partition('=')
-      *parents, leaf = key.split('.')
-      node = config
-      for part in parents:
-        node = node[part]
-      node[leaf] = ast.literal_eval(value)
+    from rlax_llm.cli import load_config  # pylint: disable=import-outside-toplevel
+    config = load_config([f'--config={args.config}', *args.set])
     print(json.dumps({'benchmark': 'live_memory', 'config': args.config, 'set': args.set,
                       'step_memory_mib': step_memory(config)}))
     return
