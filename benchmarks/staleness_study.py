@@ -173,7 +173,8 @@ def run_cell(loss: str, staleness: int, seed: int, args: argparse.Namespace,
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   with open(workdir.with_suffix('.log'), 'w') as log:
     result = subprocess.run(
-        [sys.executable, '-m', 'rlax_llm.launch', *flags, f'--workdir={workdir}'], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        [sys.executable, '-m', 'rlax_llm.launch', *flags, f'--workdir={workdir}'], cwd=ROOT,
+        env=env, stdout=log, stderr=subprocess.STDOUT)
   if result.returncode != 0:
     raise SystemExit(f'{cell_key(loss, staleness, seed)} failed (exit {result.returncode}); '
                      f'its log: {workdir.with_suffix(".log")}')

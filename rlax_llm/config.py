@@ -94,8 +94,8 @@ POSITIVE_INTS = ('rl.group_size', 'rl.prompts_per_step', 'rl.max_nonfinite_updat
 NON_NEGATIVE_INTS = ('seed', 'total_steps', 'rl.logprob_chunk', 'rl.lr_decay_steps',
                      'rollout.stop_after_groups', 'warmup.steps', 'warmup.warmup_steps',
                      'eval.every_steps', 'checkpoint.every_steps', 'log.text_every',
-                     'ray.worker_restarts', 'ray.teacher_restarts', 'lora.rank', 'agent.max_turns',
-                     'agent.max_concurrent_episodes', 'agent.max_turn_tokens',
+                     'ray.worker_restarts', 'ray.teacher_restarts', 'lora.rank',
+                     'agent.max_turns', 'agent.max_concurrent_episodes', 'agent.max_turn_tokens',
                      'agent.eval_seed_start', 'teacher.seed')
 # Floats: key -> (lowest valid value, whether the lowest value itself is valid).
 FLOATS = {

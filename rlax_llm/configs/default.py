@@ -180,7 +180,8 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c.ray = ml_collections.ConfigDict(dict(
       address='local', num_cpus=0, trainer_resources=ml_collections.ConfigDict(),
       worker_resources=ml_collections.ConfigDict(), teacher_resources=ml_collections.ConfigDict(),
-      worker_restarts=3, teacher_restarts=3, trainer_processes=1, trainer_env=ml_collections.ConfigDict()))
+      worker_restarts=3, teacher_restarts=3, trainer_processes=1,
+      trainer_env=ml_collections.ConfigDict()))
   # The parameter server (the trainer pushes each version, workers pull theirs): keep_versions
   # is how many versions it holds, at least staleness.k + 2 (0: exactly k + 2). transport (Ray):
   # 'auto' moves versions between actors of one machine through the server's reused shared-
