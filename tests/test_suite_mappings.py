@@ -1,6 +1,7 @@
 """The test session's guard against the kernel's memory-mapping limit (tests/program_memory.py,
-called by tests/conftest.py): ``release_programs`` drops the compiled programs JAX and rlax_llm's memoised functions hold,
-and with them the memory mappings XLA:CPU's JIT linker made for each."""
+called by tests/conftest.py): ``release_programs`` drops the compiled programs JAX and
+rlax_llm's memoised functions hold, and with them the memory mappings XLA:CPU's JIT linker
+made for each."""
 
 import jax
 import jax.numpy as jnp
