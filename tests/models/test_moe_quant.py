@@ -2,7 +2,8 @@
 experts): ``quant.quantize_params`` quantises the stacked expert weights with a float32 scale
 per (layer, expert, output channel), the router kept; the int8 model's logits equal those of
 the float32 model whose weights are ``q * scale`` in both ``moe_impl``s; the engine samples
-with the int8 copy and records its routes for R3.
+with the int8 copy and records its routes for R3; a QLoRA base of a mixture of experts holds
+int8 experts too.
 """
 
 import pathlib
@@ -12,10 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import traverse_util
 
 from rlax_llm.data_types import make_train_batch
 from rlax_llm.loss_spec import LossConfig
-from rlax_llm.models.model import create_model, to_weight_layout, with_weight_layout
+from rlax_llm.models import lora as lora_lib
+from rlax_llm.models.model import create_model, to_weight_layout, token_logprobs, \
+    with_weight_layout
 from rlax_llm.models.presets import TINY_MOE_PRESETS
 from rlax_llm.models.quant import EXPERTS, Int8Weight, dequantize, quantize_params
 from rlax_llm.sampling_spec import SamplingSpec
@@ -124,3 +128,26 @@ def test_the_int8_engine_samples_and_records_the_int8_models_routes(model_and_pa
                                               routing_replay=True))(params)
   assert 0.0 <= float(metrics['moe/route_flip_fraction']) < 1.0
   assert np.isfinite(float(metrics['mismatch/kl'])) and float(metrics['mismatch/kl']) > 0
+
+
+def test_a_qlora_base_of_a_mixture_of_experts_holds_int8_experts(model_and_params):
+  """``lora.base_quant='int8'`` quantises the frozen base with the same ``quantize_params``:
+  the experts int8 too; the adapters train through them (finite, non-zero gradients) and the
+  merged model (``lora.merge``: ``q * scale`` folded back) gives the QLoRA model's logits."""
+  model, params = model_and_params
+  lmodel, lparams = lora_lib.create(model, params, lora_lib.LoRAConfig(
+      rank=2, alpha=4.0, targets=('q', 'v'), base_quant='int8'))
+  assert isinstance(lparams['blocks']['moe']['experts_down'], Int8Weight)
+  marks = traverse_util.flatten_dict(lora_lib.trainable_mask(lmodel))
+  flat = traverse_util.flatten_dict(lparams)
+
+  def loss(adapters):
+    logits = lmodel.apply(traverse_util.unflatten_dict({**flat, **adapters}), TOKENS)
+    return -jnp.mean(token_logprobs(logits[:, :-1], TOKENS[:, 1:])), logits
+  (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
+      {k: v for k, v in flat.items() if marks[k]})
+  norms = [float(jnp.linalg.norm(g)) for g in grads.values()]
+  assert all(np.isfinite(norms)) and max(norms) > 0
+  merged_model, merged = lora_lib.merge(lmodel, lparams)
+  np.testing.assert_allclose(jax.jit(merged_model.apply)(merged, TOKENS), logits, atol=1e-5,
+                             rtol=0)
