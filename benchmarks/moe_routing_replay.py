@@ -48,15 +48,16 @@ DENSE = dataclasses.replace(MOE, family='qwen3', num_experts=0, num_experts_per_
 
 
 def rollouts(config: DecoderConfig, params, *, prompts: int, prompt_len: int, new_tokens: int,
-             seed: int, inference_dtype) -> Rollouts:
+             seed: int, inference_dtype, quant: str = 'none') -> Rollouts:
   """Samples (temperature 1) one completion per random prompt with a ``inference_dtype`` copy
-  of ``params`` through the engine (recording routes when MoE), as ``Rollouts``."""
+  of ``params`` (``quant='int8'``: quantised, ``Engine(quant=...)``) through the engine
+  (recording routes when MoE), as ``Rollouts``."""
   model = create_model(config, seed=seed)[0]
   served = with_param_dtype(model, inference_dtype)
   moe = config.is_moe
   engine = Engine(served, make_mesh({'data': 1}, jax.devices()[:1]), slots=min(prompts, 16),
                   max_prefill_length=prompt_len, max_decode_length=new_tokens, pad_id=0,
-                  record_routes=moe)
+                  record_routes=moe, quant=quant)
   holder = VersionedParams()
   holder.set(0, engine.place_params(cast_params(params, served)))
   rng = np.random.RandomState(seed)
@@ -86,14 +87,16 @@ def rollouts(config: DecoderConfig, params, *, prompts: int, prompt_len: int, ne
 
 
 def measure(config: DecoderConfig, *, prompts: int = 32, prompt_len: int = 8,
-            new_tokens: int = 32, seed: int = 0, inference_dtype=jnp.bfloat16) -> dict:
+            new_tokens: int = 32, seed: int = 0, inference_dtype=jnp.bfloat16,
+            quant: str = 'none') -> dict:
   """The trainer's (float32) ``mismatch/*`` against the ``inference_dtype`` engine's
-  behaviour log-probs, with R3 off and (a mixture of experts) on, and the route flip
-  fractions: ``{'off': {...}, 'on': {...}}`` (dense: ``{'off': ...}`` only)."""
+  behaviour log-probs (``quant='int8'``: an int8 engine copy), with R3 off and (a mixture of
+  experts) on, and the route flip fractions: ``{'off': {...}, 'on': {...}}`` (dense:
+  ``{'off': ...}`` only)."""
   model, params = create_model(config, seed=seed)
   batch = make_train_batch(rollouts(config, params, prompts=prompts, prompt_len=prompt_len,
                                     new_tokens=new_tokens, seed=seed,
-                                    inference_dtype=inference_dtype),
+                                    inference_dtype=inference_dtype, quant=quant),
                            np.zeros(prompts, np.float32))
   batch = jax.tree.map(jnp.asarray, batch)
   policy = Policy(model, SamplingSpec(temperature=1.0))
@@ -123,13 +126,14 @@ def main() -> None:
   parser.add_argument('--prompt_len', type=int, default=8)
   parser.add_argument('--new_tokens', type=int, default=48)
   parser.add_argument('--seeds', default='0,1,2')
+  parser.add_argument('--quant', default='none', help="the engine copy's model.inference_quant")
   args = parser.parse_args()
   report = {'setup': {'moe': 'tiny-qwen3-moe (8 experts, top-2, 2 layers)',
                       'inference_param_dtype': 'bfloat16', 'trainer': 'float32',
                       **{k: v for k, v in vars(args).items()}, 'backend': jax.default_backend()}}
   for seed in map(int, args.seeds.split(',')):
     sizes = dict(prompts=args.prompts, prompt_len=args.prompt_len,
-                 new_tokens=args.new_tokens, seed=seed)
+                 new_tokens=args.new_tokens, seed=seed, quant=args.quant)
     report[f'seed{seed}'] = {'moe': measure(MOE, **sizes), 'dense': measure(DENSE, **sizes)}
   print(json.dumps(report, indent=1))
 

@@ -11,11 +11,14 @@ compiler's FLOPs and bytes accessed, each loop's body counted once per trip
 counts, not a measurement). Needs the TPU compiler: ``pip install -e '.[tpu]'`` (or ``.[test]``).
 
     PYTHONPATH=. python benchmarks/tpu_compile.py [--recipes=NAME,...] [--programs=...]
-        [--layers=N]
+        [--layers=N] [--moe_impl=ragged|dense] [--set=KEY=VALUE ...]
 
 ``--layers`` compiles each preset with that many layers (a quick look; memory and time are
 then not the run's). Without it every program compiles at the model's real depth: the
 trainer's layer stack and the engine's are scans, so compile time does not grow with depth.
+``--moe_impl`` compiles a mixture of experts with that ``Execution.moe_impl`` (default: the
+model's, ``'ragged'``); ``--set`` overrides a config leaf of every recipe (``--set
+rollout.layer_loop=unrolled``: the engine's layers unrolled).
 Recipes (``RECIPES``): the shipped SmolLM2, math and GSM8K configs on v5e-8, a four-host
 v5e-16, and the 8B/32B recipes (configs/gsm8k_large.py) on their trainer and inference
 slices.
@@ -54,23 +57,32 @@ RECIPES = {
 }
 
 
-def compile_recipe(name: str, programs, layers: int | None) -> dict:
-  """One recipe's reports as JSON-ready dicts."""
+def compile_recipe(name: str, programs, layers: int | None, moe_impl: str | None = None,
+                   overrides: tuple[str, ...] = ()) -> dict:
+  """One recipe's reports as JSON-ready dicts (``moe_impl``: a mixture of experts' experts
+  computed so, ``Execution.moe_impl``; None: the model's; ``overrides``: ``KEY=VALUE``
+  config leaves)."""
   spec, trainer_type, inference_type = RECIPES[name]
   ray = inference_type is not None
-  config = load_config([f'--config={ROOT / spec}', *(['--config.backend=ray'] if ray else [])])
+  config = load_config([f'--config={ROOT / spec}', *(['--config.backend=ray'] if ray else []),
+                        *(f'--config.{item}' for item in overrides)])
   trainer = get_slice(trainer_type)
   inference = get_slice(inference_type) if ray else trainer
   if ray:
     plan = checks.check_ray(config, trainer, inference, inference_slices=1)
   else:
     plan = checks.check_local(config, trainer, 'multihost' if trainer.multi_host else 'tpu-vm')
+  model = checks.run_model(config, layers)
+  if moe_impl is not None:
+    model = model.with_execution(moe_impl=moe_impl)
   start = time.perf_counter()
   reports = compile_lib.compile_run(config, plan, trainer, inference,
                                     shared=not ray and not config.mesh.disjoint,
-                                    programs=programs, model=checks.run_model(config, layers))
+                                    programs=programs, model=model)
   return {'recipe': name, 'config': spec, 'trainer_slice': trainer.name,
           'inference_slice': inference.name, 'layers': layers,
+          **({'moe_impl': model.execution.moe_impl} if model.is_moe else {}),
+          **({'set': list(overrides)} if overrides else {}),
           'wall_s': round(time.perf_counter() - start, 1),
           'programs': [r.as_dict() for r in reports]}
 
@@ -80,12 +92,15 @@ def main() -> None:
   parser.add_argument('--recipes', default=','.join(RECIPES))
   parser.add_argument('--programs', default=','.join(compile_lib.PROGRAMS))
   parser.add_argument('--layers', type=int, default=None)
+  parser.add_argument('--moe_impl', default=None, help="a mixture of experts' Execution.moe_impl")
+  parser.add_argument('--set', action='append', default=[], help='KEY=VALUE: a config leaf')
   args = parser.parse_args()
   programs = args.programs.split(',')
   out = {'benchmark': 'tpu_compile', 'kind': 'compiled for TPU on a CPU host; step times are '
          'the compiler model (FLOPs / peak, bytes accessed / HBM bandwidth)', 'recipes': []}
   for name in args.recipes.split(','):
-    out['recipes'].append(compile_recipe(name, programs, args.layers))
+    out['recipes'].append(compile_recipe(name, programs, args.layers, args.moe_impl,
+                                          tuple(args.set)))
     print(json.dumps(out['recipes'][-1]), file=sys.stderr, flush=True)  # progress
   print(json.dumps(out, indent=1))
 

@@ -190,7 +190,7 @@ def compile_trainer(config: ml_collections.ConfigDict, model: DecoderConfig,
 def make_engine(config: ml_collections.ConfigDict, model: DecoderConfig,
                 mesh: jax.sharding.Mesh, quant: str) -> Engine:
   """The engine an inference worker of the run builds (``roles.build_worker``: the workers'
-  dtype, slots, lengths, KV-cache quantisation), with ``quant`` weights and the layout and
+  dtype, slots, lengths, KV-cache quantisation, layer loop), with ``quant`` weights and the layout and
   decode attention a TPU host gets (the model's own)."""
   inference = roles.inference_model(config, abstract_model(model))
   run = inference.config.execution
@@ -198,7 +198,7 @@ def make_engine(config: ml_collections.ConfigDict, model: DecoderConfig,
   return Engine(inference, mesh, slots=config.rollout.slots, max_prefill_length=s.max_prompt_len,
                 max_decode_length=s.max_new_tokens, pad_id=0, quant=quant,
                 kv_cache_quant=config.model.kv_cache_quant, weight_layout=run.weight_layout,
-                decode_attention=run.decode_attention)
+                decode_attention=run.decode_attention, layer_loop=config.rollout.layer_loop)
 
 
 def _engine_params(engine: Engine) -> Any:

@@ -346,7 +346,8 @@ class MoE(nnx.Module):
   Params: ``router [embed, experts]`` (in ``Execution.weight_layout`` order), and
   ``experts_gate``/``experts_up [experts, embed, moe_mlp]``, ``experts_down [experts,
   moe_mlp, embed]`` (logical axes ``expert``, ``embed``, ``mlp``; inputs first whatever the
-  weight layout).
+  weight layout); in the engine's int8 copy each expert weight a ``quant.Int8Weight``
+  (``quant.quantize_experts``), which ``moe.run_experts`` computes with.
   """
 
   def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):

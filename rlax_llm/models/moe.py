@@ -31,6 +31,14 @@ at those experts (renormalised as the family does), so the choice is fixed and t
 is trained through the gates; ``flipped`` counts the recorded choices the router's own
 top-k would not have made.
 
+Int8 experts (the engine's copy with ``model.inference_quant='int8'``, ``quant.quantize_experts``):
+each expert weight an ``Int8Weight`` (int8 ``q [experts, K, N]``, a float32 scale per expert
+and output channel ``[experts, 1, N]``) in place of the float array, in every path: the
+grouped matmul converts ``q`` inside the product and scales each sorted row by its expert's
+scales (``grouped_matmul``), the dense fallback scales each expert's gate and up products
+(``_expert_product``) and takes the down weights as ``q * scale``, and the expert-parallel
+dispatch sends the scales with their experts.
+
 The block also returns its router statistics (``router_stats``) from which
 ``load_balancing_loss`` computes the Switch Transformer auxiliary loss as transformers does
 over all layers.
@@ -62,9 +70,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from rlax_llm.model_spec import NO_ROUTE, route_dtype  # noqa: F401  (R3's, re-exported)
+from rlax_llm.models.quant import Int8Weight, expert_scale_spec
 from rlax_llm.sharding import activation_context, logical_to_spec, mesh_axes_of
 
 Array = jax.Array
+# An expert weight ``[experts, K, N]``: float, or int8 (``quant.quantize_experts``).
+Experts = Array | Int8Weight
 
 EXPERT_AXIS = 'expert'  # the experts' stacked leading logical axis
 
@@ -166,18 +177,29 @@ def load_balancing_loss(stats: Array, top_k: int) -> Array:
 _TGMM_TILE = 512
 
 
-def grouped_matmul(x: Array, w: Array, sizes: Array) -> Array:
+def grouped_matmul(x: Array, w: Experts, sizes: Array) -> Array:
   """A grouped matmul (MegaBlocks' dropless experts, Gale et al. 2022): the rows of ``x``
   ``[rows, in]`` in consecutive groups of ``sizes`` (int32 ``[groups]``) rows, group ``g``
   times ``w[g]`` (``w [groups, in, out]``); ``[rows, out]``, 0 in the rows past
   ``sum(sizes)``.
+
+  An ``Int8Weight`` ``w`` (int8 ``q [groups, in, out]``, float32 ``scale [groups, 1, out]``):
+  ``ragged_dot(x, q)`` with ``q`` converted to ``x``'s dtype inside it and float32
+  accumulation, each row then times its group's scales, in ``x``'s dtype (differentiable in
+  ``x`` by ``ragged_dot``'s own rules; ``q`` is not trained).
 
   The forward and the gradient of ``x`` are ``jax.lax.ragged_dot`` (on TPU XLA's
   grouped-matmul kernel); the gradient of ``w`` is ``grouped_weight_gradient``, one
   transposed product ``x_g^T @ dy_g`` per group (XLA:TPU lowers ``ragged_dot``'s own weight
   gradient as a dense product over every group with a mask: ``groups`` times the FLOPs).
   """
-  chex.assert_rank([x, w, sizes], [2, 3, 1])
+  chex.assert_rank([x, sizes], [2, 1])
+  if isinstance(w, Int8Weight):
+    chex.assert_rank([w.q, w.scale], [3, 3])
+    y = jax.lax.ragged_dot(x, w.q.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
+    rows = jnp.repeat(w.scale[:, 0], sizes, axis=0, total_repeat_length=x.shape[0])
+    return (y * rows).astype(x.dtype)
+  chex.assert_rank(w, 3)
   return _grouped_matmul(x, w, sizes)
 
 
@@ -237,8 +259,8 @@ def _tgmm_weight_gradient(x: Array, dy: Array, sizes: Array, interpret: bool = F
               tiling=(tm, _tile(x.shape[1]), _tile(dy.shape[1])), interpret=interpret)
 
 
-def _swiglu_experts(rows: Array, sizes: Array, w_gate: Array, w_up: Array, w_down: Array
-                    ) -> Array:
+def _swiglu_experts(rows: Array, sizes: Array, w_gate: Experts, w_up: Experts,
+                    w_down: Experts) -> Array:
   """The experts' SwiGLU over ``rows [m, embed]`` grouped by expert (``sizes [experts]``):
   ``[m, embed]``, 0 past ``sum(sizes)``."""
   hidden = (jax.nn.silu(grouped_matmul(rows, w_gate, sizes))
@@ -266,8 +288,8 @@ def _combine(out: Array, order: Array, gates: Array) -> Array:
   return jnp.einsum('tkd,tk->td', out.reshape(tokens, k, -1), gates.astype(out.dtype))
 
 
-def _ragged_experts(x: Array, experts: Array, gates: Array, w_gate: Array, w_up: Array,
-                    w_down: Array) -> Array:
+def _ragged_experts(x: Array, experts: Array, gates: Array, w_gate: Experts, w_up: Experts,
+                    w_down: Experts) -> Array:
   """Each token's k experts by grouped matmuls over the (token, slot) rows sorted by
   expert; ``[tokens, embed]``."""
   order, rows, sizes = _sort_by_expert(x, experts, w_gate.shape[0])
@@ -314,18 +336,28 @@ def _exchange(operand: Array, output: Array, input_offsets: Array, send_sizes: A
   return output.at[dest.reshape(-1)].set(rows.reshape(-1, *operand.shape[1:]), mode='drop')
 
 
-def _local_experts(x: Array, experts: Array, gates: Array, *weights: Array,
+def _gathered(w: Experts, dims: tuple) -> Experts:
+  """An expert weight (``[experts, K, N]`` on one device) all-gathered over ``dims`` (``(dim,
+  mesh axes)`` pairs); an ``Int8Weight``'s scales (``[experts, 1, N]``) with it, but for the
+  inputs dimension 1 they do not have."""
+  def gather(a, dims):
+    return functools.reduce(lambda a, g: jax.lax.all_gather(a, _axis_name(g[1]), axis=g[0],
+                                                            tiled=True), dims, a)
+  if isinstance(w, Int8Weight):
+    return Int8Weight(q=gather(w.q, dims), scale=gather(w.scale, [g for g in dims if g[0] != 1]))
+  return gather(w, dims)
+
+
+def _local_experts(x: Array, experts: Array, gates: Array, *weights: Experts,
                    ep: tuple[str, ...], parts: int, gather: tuple, summed: tuple[str, ...],
                    padded: bool) -> Array:
   """One device's part of ``expert_parallel_experts`` (the body of its ``shard_map``): its
   own tokens ``x [n, embed]`` (``experts``, ``gates [n, k]``) and its ``experts / parts``
-  experts' ``weights`` (gate, up, down), whose dimensions ``gather`` (per weight, ``(dim,
-  mesh axes)`` pairs) are all-gathered first; ``summed``: the mesh axes that split the
-  experts' width, over which the output is summed."""
-  w_gate, w_up, w_down = (
-      functools.reduce(lambda w, g: jax.lax.all_gather(w, _axis_name(g[1]), axis=g[0],
-                                                       tiled=True), dims, w)
-      for w, dims in zip(weights, gather))
+  experts' ``weights`` (gate, up, down; float or ``Int8Weight``), whose dimensions ``gather``
+  (per weight, ``(dim, mesh axes)`` pairs) are all-gathered first (``_gathered``);
+  ``summed``: the mesh axes that split the experts' width, over which the output is
+  summed."""
+  w_gate, w_up, w_down = (_gathered(w, dims) for w, dims in zip(weights, gather))
   local = w_gate.shape[0]
   n, k = experts.shape
   order, rows, counts = _sort_by_expert(x, experts, local * parts)
@@ -368,8 +400,8 @@ def expert_parallel_axes(mesh: jax.sharding.Mesh | Mapping[str, int],
   return ep
 
 
-def expert_parallel_experts(x: Array, experts: Array, gates: Array, w_gate: Array,
-                            w_up: Array, w_down: Array, mesh: jax.sharding.Mesh,
+def expert_parallel_experts(x: Array, experts: Array, gates: Array, w_gate: Experts,
+                            w_up: Experts, w_down: Experts, mesh: jax.sharding.Mesh,
                             rules: Sequence[tuple[str, Any]]) -> Array | None:
   """``_ragged_experts`` with per-device token dispatch (expert parallelism, GShard's
   layout: Lepikhin et al., arXiv 2006.16668), or None where ``mesh`` and ``rules`` split the
@@ -388,13 +420,15 @@ def expert_parallel_experts(x: Array, experts: Array, gates: Array, w_gate: Arra
   Args:
     x, experts, gates, w_gate, w_up, w_down: as ``EXPERT_IMPLS``' (``x [tokens, embed]``,
       ``experts`` int32 ``[tokens, k]``, ``gates [tokens, k]``, ``w_gate``/``w_up
-      [experts, embed, moe_mlp]``, ``w_down [experts, moe_mlp, embed]``).
+      [experts, embed, moe_mlp]``, ``w_down [experts, moe_mlp, embed]``; or ``Int8Weight``s,
+      whose scales go to the devices of their experts and output channels).
     mesh, rules: the activations' mesh and logical-axis rules
       (``sharding.activation_context``).
   Returns:
     ``[tokens, embed]`` in ``x``'s dtype, or None.
   """
-  chex.assert_rank([x, experts, gates, w_gate, w_up, w_down], [2, 2, 2, 3, 3, 3])
+  chex.assert_rank([x, experts, gates], [2, 2, 2])
+  chex.assert_rank([w.q if isinstance(w, Int8Weight) else w for w in (w_gate, w_up, w_down)], 3)
   ep = expert_parallel_axes(mesh, rules, w_gate.shape[0])
   if not ep:
     return None
@@ -420,19 +454,35 @@ def expert_parallel_experts(x: Array, experts: Array, gates: Array, w_gate: Arra
   body = functools.partial(_local_experts, ep=ep, parts=math.prod(mesh.shape[a] for a in ep),
                            gather=gather, summed=summed,
                            padded=mesh.devices.flat[0].platform in _PADDED_EXCHANGE)
-  out = jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, up, up, down),
+  specs = tuple(Int8Weight(q=spec, scale=expert_scale_spec(spec, 3))
+                if isinstance(w, Int8Weight) else spec
+                for w, spec in ((w_gate, up), (w_up, up), (w_down, down)))
+  out = jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, *specs),
                       out_specs=rows, check_vma=False)(x, experts, gates, w_gate, w_up, w_down)
   return out[:n]
 
 
-def _dense_experts(x: Array, experts: Array, gates: Array, w_gate: Array, w_up: Array,
-                   w_down: Array) -> Array:
+def _expert_product(x: Array, w: Experts) -> Array:
+  """Every expert's product ``x [tokens, in]`` times ``w [experts, in, out]``: ``[experts,
+  tokens, out]``; an ``Int8Weight`` as ``(x @ q) * scale`` per expert (float32 accumulation,
+  ``x``'s dtype)."""
+  if not isinstance(w, Int8Weight):
+    return jnp.einsum('td,edf->etf', x, w)
+  y = jnp.einsum('td,edf->etf', x, w.q.astype(x.dtype), preferred_element_type=jnp.float32)
+  return (y * w.scale).astype(x.dtype)
+
+
+def _dense_experts(x: Array, experts: Array, gates: Array, w_gate: Experts, w_up: Experts,
+                   w_down: Experts) -> Array:
   """Every expert on every token, combined by the sparse gates; ``[tokens, embed]``."""
   num_experts = w_gate.shape[0]
   combine = jnp.einsum('tke,tk->te', jax.nn.one_hot(experts, num_experts, dtype=gates.dtype),
                        gates).astype(x.dtype)
-  hidden = (jax.nn.silu(jnp.einsum('td,edf->etf', x, w_gate))
-            * jnp.einsum('td,edf->etf', x, w_up))
+  hidden = jax.nn.silu(_expert_product(x, w_gate)) * _expert_product(x, w_up)
+  if isinstance(w_down, Int8Weight):
+    # q * scale in the product: scaling each expert's [tokens, embed] output before the sum
+    # over experts would make (and on XLA:TPU all-reduce) an [experts, tokens, embed] array.
+    w_down = w_down.q.astype(x.dtype) * w_down.scale.astype(x.dtype)
   return jnp.einsum('etf,efd,te->td', hidden, w_down, combine)
 
 
@@ -442,8 +492,8 @@ def _dense_experts(x: Array, experts: Array, gates: Array, w_gate: Array, w_up: 
 EXPERT_IMPLS = {'ragged': _ragged_experts, 'dense': _dense_experts}
 
 
-def run_experts(impl: str, x: Array, experts: Array, gates: Array, w_gate: Array,
-                w_up: Array, w_down: Array) -> Array:
+def run_experts(impl: str, x: Array, experts: Array, gates: Array, w_gate: Experts,
+                w_up: Experts, w_down: Experts) -> Array:
   """The experts of ``Execution.moe_impl`` ``impl`` (``EXPERT_IMPLS``' arguments and result).
 
   ``'ragged'`` inside ``sharding.activation_sharding`` (the trainer's step) on a mesh whose

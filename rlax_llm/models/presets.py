@@ -180,9 +180,11 @@ def worker_param_bytes(config: DecoderConfig, mesh: Mapping[str, int], *, quant:
     mesh: the worker's axis sizes (``{'data', 'fsdp', 'tensor'}``; all 1: the whole copy).
     quant: ``model.inference_quant``. ``'int8'``: the copy the engine samples with is
       ``quant.quantize_params``' tree (one byte per projection weight, a float32 scale per
-      output channel, replicated; the embedding, lm head and norms in ``param_dtype``), as
-      ``quant.quantized_shardings`` places it; the unquantised version the worker applies
-      deltas to is on its host (``rollout.worker``), not counted.
+      output channel, replicated; a mixture of experts' expert weights likewise, a scale per
+      layer, expert and output channel, placed with their experts; the embedding, lm head,
+      norms and routers in ``param_dtype``), as ``quant.quantized_shardings`` places it; the
+      unquantised version the worker applies deltas to is on its host (``rollout.worker``),
+      not counted.
     lora: the trainer's adapters (None: no LoRA). With ``sync='adapters'`` the worker also
       keeps the base it pulled once on its devices, unquantised, and merges each version's
       adapters into it (``lora.merge_program``); its host then keeps the adapters alone. With

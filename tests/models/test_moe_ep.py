@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rlax_llm.models import moe
 from rlax_llm.models.model import create_model, token_logprobs
 from rlax_llm.models.presets import TINY_MOE_PRESETS
+from rlax_llm.models.quant import dequantize, quantize_experts
 from rlax_llm.sharding import activation_sharding, make_mesh, param_shardings
 
 # 37 tokens (prime: padded to each mesh's 8 token shards), 8 experts, k = 2.
@@ -70,6 +71,31 @@ def test_per_device_dispatch_equals_the_one_device_ragged_path(references, axes)
       got = step(X, experts, GATES, *WEIGHTS)
       jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=ATOL, rtol=0), got,
                    references[name])
+  assert 'all-to-all' in hlo
+
+
+@pytest.mark.parametrize('axes', [{'data': 4, 'fsdp': 2}, {'data': 2, 'fsdp': 2, 'tensor': 2}],
+                         ids=['ep4_fsdp2', 'ep2_fsdp2_tensor2'])
+def test_int8_experts_dispatch_with_their_scales_as_on_one_device(axes):
+  """The engine's int8 experts (``quant.quantize_experts``: scales ``[experts, 1, out]``
+  sharded with their experts and output channels) through the per-device dispatch equal the
+  one-device int8 ragged path and the float path of the dequantised weights, for balanced and
+  all-on-two-experts routing."""
+  int8 = tuple(quantize_experts(w) for w in WEIGHTS)
+  dequantised = tuple(dequantize(w, 'in_out') for w in int8)
+  forward = lambda: jax.jit(lambda *args: moe.run_experts('ragged', *args))  # noqa: E731
+  one = forward()  # its own trace: no mesh
+  want = {name: one(X, experts, GATES, *int8) for name, experts in ROUTES.items()}
+  for name, experts in ROUTES.items():
+    np.testing.assert_allclose(want[name], one(X, experts, GATES, *dequantised), atol=ATOL,
+                               rtol=0)
+  mesh = make_mesh(axes)
+  with activation_sharding(mesh):
+    step = forward()  # traced under this mesh: the shard_map dispatch
+    hlo = step.lower(X, ROUTES['balanced'], GATES, *int8).compile().as_text()
+    for name, experts in ROUTES.items():
+      got = step(X, experts, GATES, *int8)
+      np.testing.assert_allclose(got, want[name], atol=ATOL, rtol=0)
   assert 'all-to-all' in hlo
 
 

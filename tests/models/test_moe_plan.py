@@ -135,3 +135,23 @@ def test_expert_parallel_activations_count_the_dispatch_buffers():
   assert plan({'data': parts, 'fsdp': 4, 'tensor': 1}).activations == expected
   assert plan({'data': 1, 'fsdp': 16, 'tensor': 1}).activations == presets.activation_bytes(
       config, rows=1, length=length, platform='tpu')['total_bytes']
+
+
+def test_an_int8_worker_copy_counts_the_experts_at_one_byte_and_their_scales():
+  """``worker_param_bytes(quant='int8')`` of Qwen3-30B-A3B's bfloat16 copy, one device: the
+  experts and the attention's projections at one byte a weight plus a float32 scale per
+  output channel (the experts': per layer, expert and channel), the rest (embedding, lm head,
+  norms, routers) at two bytes."""
+  config = presets.get_preset('qwen3-30b-a3b').with_execution(param_dtype=jnp.bfloat16)
+  c = config
+  experts = c.num_layers * c.num_experts * 3 * c.embed_dim * c.moe_mlp_dim
+  expert_scales = c.num_layers * c.num_experts * (2 * c.moe_mlp_dim + c.embed_dim)
+  q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+  attention = c.num_layers * 2 * c.embed_dim * (q + kv)
+  attention_scales = c.num_layers * (q + 2 * kv + c.embed_dim)
+  rest = presets.count_params(config) - experts - attention
+  got = presets.worker_param_bytes(config, ONE, quant='int8')
+  assert got['params'] == experts + attention + 4 * (expert_scales + attention_scales) + 2 * rest
+  bf16 = presets.worker_param_bytes(config, ONE)['params']
+  assert bf16 == 2 * presets.count_params(config)
+  assert 0.5 < got['params'] / bf16 < 0.52  # the embedding and lm head stay bfloat16
