@@ -615,6 +615,20 @@ def test_ray_dry_run_keeps_the_users_teacher_resources():
   assert 'name that resource in yours for the teacher to land there' in result.stdout
 
 
+def test_check_ray_places_a_teacher_only_on_the_slice_it_is_given():
+  """``check_ray`` without a teacher slice (and no ray.teacher_resources) leaves the teacher
+  unplaced, for validate_config to refuse; given one, it asks for all of that host's chips."""
+  config = load_config(['--config=configs/distill.py:smoke', '--config.backend=ray'])
+  plan = check_ray(config, get_slice('v5p-8'), get_slice('v5e-8'), 1)
+  assert (plan.teacher_slice, plan.teacher_hbm_gib) == (None, None)
+  assert 'teacher' not in plan.resources and config.ray.teacher_resources.to_dict() == {}
+  assert not any('teacher' in line for line in plan.notes + plan.checked)
+  plan = check_ray(config, get_slice('v5p-8'), get_slice('v5e-8'), 1, get_slice('v6e-4'))
+  assert (plan.teacher_slice.name, plan.teacher_hbm_gib) == ('v6e-4', 32)
+  assert plan.resources['teacher'] == {'TPU': 4, 'rlax_teacher': 4}
+  assert config.ray.teacher_resources.to_dict() == plan.resources['teacher']
+
+
 @pytest.mark.parametrize('args, message', [
     (('--config.teacher.name=qwen3-8b', '--config.teacher.path=/ckpt/qwen3-8b'),
      'error: memory: the teacher (qwen3-8b, float32) needs 33.49 GiB on the one chip it scores '

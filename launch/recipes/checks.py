@@ -179,9 +179,9 @@ def _check_teacher(config: ml_collections.ConfigDict, plan: Plan, teacher: Slice
   """The teacher's part of ``check_ray``: its actor holds every chip of one host of its
   slice (``rlax_teacher``, one unit per chip), or the user's ``ray.teacher_resources``
   place it; sets ``plan.teacher_hbm_gib`` (where it scores) and ``plan.resources``."""
-  if not config.teacher.enabled:
-    return
   mine = config.ray.teacher_resources.to_dict()
+  if not config.teacher.enabled or (teacher is None and not mine):
+    return  # no teacher; or none placed, which validate_config refuses naming the override
   if teacher is not None:
     if teacher.multi_host:
       single = smallest_single_host(teacher.generation)
