@@ -544,20 +544,106 @@ def test_ray_dry_run_puts_roles_on_their_slices(tmp_path):
                        '--config.ray.trainer_resources={"TPU": 4, "rlax_trainer": 4}',
                        '--config.ray.worker_resources={"TPU": 4, "rlax_inference": 4}',
                        '--workdir=gs://b/runs/ray']
+  # No distillation: no teacher slice, resources or memory row.
+  assert not re.search(r'rlax_teacher|smollm2-teacher|teacher_resources|teacher[ :]', out)
   _check_shell(out, tmp_path)
 
 
-def test_ray_dry_run_refuses_a_teacher_without_resources_of_its_own():
-  """The recipe gives the trainer and the workers TPU resources; a distillation teacher that
-  asks for none would open chips another actor holds. The dry run validates the config with
-  the resources the recipe passes its driver, so it is refused there, naming the override."""
-  result = _recipes('ray', '--trainer-tpu-type=v5p-8', '--inference-tpu-type=v5e-8',
-                    '--zone=us-east5-a', '--workdir=gs://b/runs/ray',
-                    '--config=configs/distill.py:smoke', '--dry-run')
-  assert result.returncode != 0
-  assert ("config.ray.teacher_resources is empty but ray.trainer_resources and "
-          "ray.worker_resources ask for 'TPU'") in result.stderr
-  assert '--config.ray.teacher_resources=' in result.stderr
+def _distill_dry_run(*args: str) -> subprocess.CompletedProcess:
+  """The ray recipe's dry run of configs/distill.py (a SmolLM2-135M teacher) on a v5p-8
+  trainer and a v5e-8 inference slice, with ``args``."""
+  return _recipes('ray', '--trainer-tpu-type=v5p-8', '--inference-tpu-type=v5e-8',
+                  '--zone=us-east5-a', '--workdir=gs://b/runs/distill',
+                  '--config=configs/distill.py', *args, '--dry-run')
+
+
+def test_ray_dry_run_gives_a_distillation_teacher_a_slice_of_its_own(tmp_path):
+  """By default the teacher gets the smallest single-host slice of the inference generation
+  (v5e-4: it scores on one chip), whose host joins Ray with rlax_teacher (one unit per chip);
+  the driver asks for those chips, and the memory plan's teacher row is held against a v5e
+  chip."""
+  result = _distill_dry_run()
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = result.stdout
+  assert ', teacher on v5e-4 (gcloud v5litepod-4: 4 chips on 1 host, 16 GiB HBM per chip)' in out
+  assert ('# checked: teacher actor: one host of v5e-4 (gcloud v5litepod-4: 4 chips on 1 host, '
+          '16 GiB HBM per chip) of its own, joining Ray with {"rlax_teacher": 4}') in out
+  assert ('# checked: memory plan per chip (smollm2-135m): teacher: 1.34 GiB of 16.00 GiB HBM '
+          'per chip (8%)\n') in out
+  commands = _commands(out)
+  assert ('gcloud compute tpus tpu-vm create rlax-distill-teacher --zone=us-east5-a '
+          '--accelerator-type=v5litepod-4 --version=v2-alpha-tpuv5-lite') in commands
+  assert any(c.startswith('gcloud compute tpus tpu-vm scp /') and 'rlax-distill-teacher:' in c
+             for c in commands)
+  joins = [c for c in commands if 'ray start --address' in c]
+  assert [j.split()[5] for j in joins] == ['rlax-distill-trainer', 'rlax-distill-inference-0',
+                                           'rlax-distill-teacher']
+  assert '{\\"rlax_teacher\\": 4}' in joins[2]
+  args = shlex.split(_remote(commands[-1]).partition(' && ')[2])
+  assert args[-3:] == ['--config.ray.worker_resources={"TPU": 1, "rlax_inference": 1}',
+                       '--config.ray.teacher_resources={"TPU": 4, "rlax_teacher": 4}',
+                       '--workdir=gs://b/runs/distill']
+  assert 'tpu-vm delete rlax-distill-teacher --zone=us-east5-a --quiet' in out
+  _check_shell(out, tmp_path)
+  # --teacher-tpu-type chooses the slice.
+  result = _distill_dry_run('--teacher-tpu-type=v6e-8')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert '--accelerator-type=v6e-8 --version=v2-alpha-tpuv6e' in result.stdout
+  assert '--config.ray.teacher_resources={\\"TPU\\": 8, \\"rlax_teacher\\": 8}' in result.stdout
+
+
+def test_ray_dry_run_keeps_the_users_teacher_resources():
+  """A --config.ray.teacher_resources of the user's wins: the driver gets it and no other,
+  and no teacher slice is made (unless --teacher-tpu-type asks for one: then it is made and
+  the user's resources are still the ones passed)."""
+  mine = '--config.ray.teacher_resources={"TPU": 4, "rlax_inference": 4}'
+  result = _distill_dry_run(mine)
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = result.stdout
+  assert 'rlax-distill-teacher' not in out and 'rlax_teacher' not in out
+  assert ("# note: config.ray.teacher_resources={'TPU': 4, 'rlax_inference': 4} is yours: it "
+          'places the teacher and the recipe adds no teacher slice') in out
+  # Against the inference host it names.
+  assert '(smollm2-135m): teacher: 1.34 GiB of 16.00 GiB HBM per chip' in out
+  args = shlex.split(_remote(_commands(out)[-1]).partition(' && ')[2])
+  assert [a for a in args if 'teacher_resources' in a] == [mine]
+  result = _distill_dry_run(mine, '--teacher-tpu-type=v5p-8')
+  assert result.returncode == 0, result.stderr[-3000:]
+  args = shlex.split(_remote(_commands(result.stdout)[-1]).partition(' && ')[2])
+  assert [a for a in args if 'teacher_resources' in a] == [mine]
+  assert 'create rlax-distill-teacher --zone=us-east5-a --accelerator-type=v5p-8' in result.stdout
+  assert 'name that resource in yours for the teacher to land there' in result.stdout
+
+
+def test_check_ray_places_a_teacher_only_on_the_slice_it_is_given():
+  """``check_ray`` without a teacher slice (and no ray.teacher_resources) leaves the teacher
+  unplaced, for validate_config to refuse; given one, it asks for all of that host's chips."""
+  config = load_config(['--config=configs/distill.py:smoke', '--config.backend=ray'])
+  plan = check_ray(config, get_slice('v5p-8'), get_slice('v5e-8'), 1)
+  assert (plan.teacher_slice, plan.teacher_hbm_gib) == (None, None)
+  assert 'teacher' not in plan.resources and config.ray.teacher_resources.to_dict() == {}
+  assert not any('teacher' in line for line in plan.notes + plan.checked)
+  plan = check_ray(config, get_slice('v5p-8'), get_slice('v5e-8'), 1, get_slice('v6e-4'))
+  assert (plan.teacher_slice.name, plan.teacher_hbm_gib) == ('v6e-4', 32)
+  assert plan.resources['teacher'] == {'TPU': 4, 'rlax_teacher': 4}
+  assert config.ray.teacher_resources.to_dict() == plan.resources['teacher']
+
+
+@pytest.mark.parametrize('args, message', [
+    (('--config.teacher.name=qwen3-8b', '--config.teacher.path=/ckpt/qwen3-8b'),
+     'error: memory: the teacher (qwen3-8b, float32) needs 33.49 GiB on the one chip it scores '
+     'on, but a chip of its slice v5e-4 (--teacher-tpu-type) has 16 GiB of HBM (teacher (on '
+     'its own chip): params 30.51 GiB, scoring 2.97 GiB = 33.49 GiB; teacher: 33.49 GiB of '
+     '16.00 GiB HBM per chip (209%)); give it a slice with more HBM per chip, e.g. '
+     '--teacher-tpu-type=v5p-8 (95 GiB), or shrink it: --config.teacher.quant=int8'),
+    (('--teacher-tpu-type=v5e-16',),
+     'error: --teacher-tpu-type=v5e-16 has 4 hosts, but the teacher actor uses the chips of '
+     'one host (it scores on one chip); use a single-host slice, e.g. --teacher-tpu-type=v5e-4.'),
+])
+def test_ray_dry_run_refuses_a_teacher_that_does_not_fit_its_slice(args, message):
+  result = _distill_dry_run(*args)
+  assert result.returncode == 1 and result.stdout == ''
+  assert message in result.stderr and 'Traceback' not in result.stderr, result.stderr[-2000:]
 
 
 def test_ray_dry_run_spans_a_multi_host_trainer_slice(tmp_path):
@@ -690,6 +776,27 @@ def test_gke_ray_dry_run_gives_a_multi_host_trainer_one_pod_and_actor_per_host()
                         '--workdir=/w']
 
 
+def test_gke_ray_dry_run_gives_a_distillation_teacher_a_node_pool_of_its_own():
+  """configs/distill.py on gke-ray: a third worker group, one v5e-4 host (2x2) offering 4
+  rlax_teacher, and the driver's teacher actor asks for them."""
+  result = _recipes('gke-ray', '--trainer-tpu-type=v5p-8', '--inference-tpu-type=v5e-8',
+                    '--image=i', '--workdir=/w', '--config=configs/distill.py:smoke', '--dry-run')
+  assert result.returncode == 0, result.stderr[-3000:]
+  manifest = yaml.safe_load(result.stdout)
+  groups = manifest['spec']['rayClusterSpec']['workerGroupSpecs']
+  assert [g['groupName'] for g in groups] == ['trainer', 'inference', 'teacher']
+  teacher = groups[2]
+  assert (teacher['replicas'], teacher['numOfHosts']) == (1, 1)
+  assert teacher['template']['spec']['nodeSelector'] == {
+      'cloud.google.com/gke-tpu-accelerator': 'tpu-v5-lite-podslice',
+      'cloud.google.com/gke-tpu-topology': '2x2'}
+  assert json.loads(teacher['rayStartParams']['resources'].strip('"').replace('\\"', '"')) == {
+      'rlax_teacher': 4}
+  entry = shlex.split(manifest['spec']['entrypoint'].partition(' && ')[2])
+  assert entry[-2:] == ['--config.ray.teacher_resources={"TPU": 4, "rlax_teacher": 4}',
+                        '--workdir=/w']
+
+
 @pytest.mark.parametrize('args, message', [
     (('tpu-vm', '--tpu-type=v5p-32'), 'error: --tpu-type=v5p-32 has 4 hosts; the tpu-vm recipe '
      'is for one host: use the multihost recipe (launch/multihost)'),
@@ -707,6 +814,9 @@ def test_gke_ray_dry_run_gives_a_multi_host_trainer_one_pod_and_actor_per_host()
     (('tpu-vm', '--tpu-type=v5e-8', '--config.rl.los=grpo'),
      "error: --config.rl.los: unknown config key 'rl.los'. Did you mean rl.loss"),
     (('tpu-vm', '--tpu-type=v5e-8', '--bogus=1'), "error: unknown argument '--bogus=1'"),
+    (('ray', '--trainer-tpu-type=v5p-8', '--inference-tpu-type=v5e-8', '--teacher-tpu-type=v5e-4'),
+     "error: --teacher-tpu-type=v5e-4 but the config has no teacher (config.teacher.enabled="
+     "False, rl.distill.kind='off'); drop the flag"),
     (('tpu-vm', '--tpu-type=v5e-8', '--name=Bad_Name'), "error: --name='Bad_Name': use 1-40"),
 ])
 def test_a_config_that_does_not_fit_the_slice_fails_with_a_clear_message(args, message):

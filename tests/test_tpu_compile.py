@@ -181,6 +181,10 @@ def test_cli_refuses_an_impossible_run_before_compiling():
   with pytest.raises(SliceError, match='compile takes --tpu-type=SLICE'):
     cli.run(['compile', f'--config={SMOKE}', '--tpu-type=v5e-8',
              '--trainer-tpu-type=v5p-16'])
+  with pytest.raises(SliceError, match='--teacher-tpu-type=v5e-4 is the teacher\'s slice of a '
+                     "backend='ray' run"):
+    cli.run(['compile', '--config=configs/distill.py:smoke', '--tpu-type=v5e-8',
+             '--teacher-tpu-type=v5e-4'])
 
 
 def test_every_slice_of_the_table_has_a_compile_topology():
@@ -249,3 +253,29 @@ def test_qwen3_30b_a3b_trainer_step_fits_a_v5p_32_and_matches_the_plan():
   assert step.fits and abs(step.plan_ratio - 1) <= PLAN_TOLERANCE, step.line()
   assert step.per_trip and step.mfu is not None, step.line()
   assert decode.fits and abs(decode.plan_ratio - 1) <= PLAN_TOLERANCE, decode.line()
+
+
+def test_the_teachers_scoring_forward_compiles_for_the_first_chip_of_its_slice():
+  """configs/distill.py:smoke at one layer on the ray backend: ``teacher_score`` (the
+  teacher's jitted scoring of one batch) compiled for the first chip of the teacher's own
+  slice (the default v5e-4 beside v5e-8 workers), nothing held beside it, and near the
+  memory plan's teacher row (0.79x at one layer: the plan counts the float32 log-softmax of
+  every position, XLA fuses part of it). A config without a teacher compiles no such program."""
+  config = load_config(['--config=configs/distill.py:smoke', '--config.backend=ray'])
+  trainer, inference = get_slice('v5p-8'), get_slice('v5e-8')
+  plan = checks.check_ray(config, trainer, inference, 1,
+                          checks.teacher_slice(config, None, inference))
+  model = checks.run_model(config, num_layers=1)
+  with _effort(-1):
+    (report,) = compile_lib.compile_run(
+        config, plan, trainer, inference, shared=False, programs=('teacher_score',),
+        model=model, teacher_slice=plan.teacher_slice,
+        teacher=checks.run_teacher_model(config, num_layers=1))
+  assert (report.program, report.slice, report.beside) == ('teacher_score', 'v5e-4', 0.0)
+  assert report.mesh == {'data': 1, 'fsdp': 1, 'tensor': 1}
+  _assert_fits(report)
+  assert 0.6 <= report.plan_ratio <= 1 + PLAN_TOLERANCE, report.line()
+  plain = load_config([f'--config={SMOKE}'])
+  assert compile_lib.compile_run(plain, checks.check_local(plain, get_slice('v5e-4'), 'tpu-vm'),
+                                 get_slice('v5e-4'), get_slice('v5e-4'), shared=True,
+                                 programs=('teacher_score',), model=model) == []

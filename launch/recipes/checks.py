@@ -18,7 +18,8 @@ import jax
 import ml_collections
 from jax._src import xla_bridge
 
-from launch.recipes.slices import SLICES, SliceError, SliceType, with_chips
+from launch.recipes.slices import (SLICES, SliceError, SliceType, get_slice,
+                                   smallest_single_host, with_chips)
 from rlax_llm import hub_check, memory_fit, roles
 from rlax_llm.config import validate_config
 from rlax_llm.models import presets
@@ -59,6 +60,10 @@ class Plan:
     resources: the Ray resources each actor asks for (ray recipe only).
     trainer_processes: the trainer actors, one per host of the trainer slice (ray recipe).
     trainer_mesh, inference_mesh: the role meshes' axis sizes on the slice (one worker's).
+    teacher_slice: on-policy distillation's teacher slice (ray recipes; ``teacher_slice``):
+      None without a teacher, or when ``config.ray.teacher_resources`` places it.
+    teacher_hbm_gib: HBM per chip where the teacher scores (its slice's, or the slice its
+      resources name); None: not on a TPU chip, or no teacher.
   """
   devices: int
   trainer_processes: int = 1
@@ -67,6 +72,8 @@ class Plan:
   checked: list[str] = dataclasses.field(default_factory=list)
   notes: list[str] = dataclasses.field(default_factory=list)
   resources: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+  teacher_slice: SliceType | None = None
+  teacher_hbm_gib: float | None = None
 
 
 def check_local(config: ml_collections.ConfigDict, slice_: SliceType, recipe: str) -> Plan:
@@ -141,8 +148,76 @@ def check_local(config: ml_collections.ConfigDict, slice_: SliceType, recipe: st
   return plan
 
 
+def teacher_slice(config: ml_collections.ConfigDict, tpu_type: str | None,
+                  inference: SliceType) -> SliceType | None:
+  """The slice the ray recipes give on-policy distillation's teacher (``--teacher-tpu-type``).
+
+  With ``config.teacher.enabled``: ``tpu_type`` when given, else the single-host slice of
+  the inference slice's generation with the fewest chips (``slices.smallest_single_host``:
+  the teacher scores on one chip, ``trainer.teacher.Teacher``, so more chips buy nothing;
+  a teacher too big for one chip needs a generation with more HBM per chip, or int8).
+  A ``config.ray.teacher_resources`` of the user's (the config or
+  ``--config.ray.teacher_resources``) places the teacher itself: no slice unless
+  ``tpu_type`` asks for one. Raises SliceError for ``tpu_type`` without a teacher.
+  """
+  if not config.teacher.enabled:
+    if tpu_type is not None:
+      raise SliceError(f'--teacher-tpu-type={tpu_type} but the config has no teacher '
+                       f'(config.teacher.enabled=False, rl.distill.kind='
+                       f'{config.rl.distill.kind!r}); drop the flag, or distil (e.g. '
+                       '--config=configs/distill.py).')
+    return None
+  if tpu_type is not None:
+    return get_slice(tpu_type)
+  if config.ray.teacher_resources.to_dict():
+    return None
+  return smallest_single_host(inference.generation)
+
+
+def _check_teacher(config: ml_collections.ConfigDict, plan: Plan, teacher: SliceType | None,
+                   trainer: SliceType, inference: SliceType) -> None:
+  """The teacher's part of ``check_ray``: its actor holds every chip of one host of its
+  slice (``rlax_teacher``, one unit per chip), or the user's ``ray.teacher_resources``
+  place it; sets ``plan.teacher_hbm_gib`` (where it scores) and ``plan.resources``."""
+  mine = config.ray.teacher_resources.to_dict()
+  if not config.teacher.enabled or (teacher is None and not mine):
+    return  # no teacher; or none placed, which validate_config refuses naming the override
+  if teacher is not None:
+    if teacher.multi_host:
+      single = smallest_single_host(teacher.generation)
+      raise SliceError(
+          f'--teacher-tpu-type={teacher.name} has {teacher.hosts} hosts, but the teacher '
+          'actor uses the chips of one host (it scores on one chip); use a single-host slice, '
+          f'e.g. --teacher-tpu-type={single.name}.')
+    chips = teacher.chips_per_host
+    plan.teacher_slice, plan.teacher_hbm_gib = teacher, teacher.hbm_gib
+    if mine:
+      plan.notes.append(
+          f'config.ray.teacher_resources={mine} is yours and is kept (the recipe passes none); '
+          f'the teacher slice {teacher.name} joins Ray with {{"rlax_teacher": {chips}}}, so '
+          'name that resource in yours for the teacher to land there.')
+    else:
+      plan.resources['teacher'] = {'TPU': chips, 'rlax_teacher': chips}
+      config.ray.teacher_resources = ml_collections.ConfigDict(plan.resources['teacher'])
+    plan.checked.append(
+        f'teacher actor: one host of {teacher.describe()} of its own, joining Ray with '
+        f'{{"rlax_teacher": {chips}}}; it scores on its first chip (trainer.teacher.Teacher)')
+    return
+  where = ('rlax_inference' in mine and inference) or ('rlax_trainer' in mine and trainer)
+  if where:
+    plan.teacher_hbm_gib = where.hbm_gib
+  elif 'TPU' in mine:
+    plan.teacher_hbm_gib = min(trainer.hbm_gib, inference.hbm_gib)
+  plan.notes.append(
+      f'config.ray.teacher_resources={mine} is yours: it places the teacher and the recipe '
+      'adds no teacher slice (pass --teacher-tpu-type=SLICE for one of its own)'
+      + ('' if plan.teacher_hbm_gib is not None else
+         '; it asks for no TPU, so it scores on a CPU host and its memory is not checked '
+         'against HBM') + '.')
+
+
 def check_ray(config: ml_collections.ConfigDict, trainer: SliceType, inference: SliceType,
-              inference_slices: int) -> Plan:
+              inference_slices: int, teacher: SliceType | None = None) -> Plan:
   """Checks a config for the ray backend: the trainer on its slice, workers on others.
 
   The Ray backend (``rlax_llm/backends/ray.py``) runs each inference worker as one actor and
@@ -155,7 +230,9 @@ def check_ray(config: ml_collections.ConfigDict, trainer: SliceType, inference: 
   builds all role meshes over its own chips (``rlax_llm.roles.meshes``) and the driver
   validates the config over the trainer's chips, each mesh must also fit the other role's
   chips. Sets ``config.ray.trainer_resources`` and ``worker_resources`` to the plan's, as the
-  recipe's driver flags will.
+  recipe's driver flags will. ``teacher``: on-policy distillation's teacher slice
+  (``teacher_slice``), one host whose chips the teacher actor holds: ``ray.teacher_resources``
+  becomes ``{'TPU': chips, 'rlax_teacher': chips}`` unless the config sets its own.
   """
   if inference_slices < 1:
     raise SliceError(f'--inference-slices={inference_slices} must be >= 1.')
@@ -249,6 +326,7 @@ def check_ray(config: ml_collections.ConfigDict, trainer: SliceType, inference: 
     # validate_config checks against the actors' resources (a distillation teacher with none
     # while the others ask for TPU) is refused by the dry run, not by the launched driver.
     config.ray[f'{role}_resources'] = ml_collections.ConfigDict(plan.resources[role])
+  _check_teacher(config, plan, teacher, trainer, inference)
   return plan
 
 
@@ -303,6 +381,25 @@ def run_model(config: ml_collections.ConfigDict, num_layers: int | None = None
                                dtype=DTYPES[config.model.dtype], remat=config.model.remat)
 
 
+def run_teacher_model(config: ml_collections.ConfigDict, num_layers: int | None = None
+                      ) -> DecoderConfig | None:
+  """On-policy distillation's teacher as ``memory_fit.teacher_model`` names it (a preset in
+  ``teacher.dtype``; a 'tiny' teacher: the student's architecture), with ``num_layers``
+  layers instead when given; None without a teacher or for one known only from its
+  checkpoint (``teacher.name='auto'``)."""
+  student = (presets.get_preset(config.model.name,
+                                **({} if num_layers is None else {'num_layers': num_layers}))
+             if config.model.name in presets.PRESETS else None)
+  if config.teacher.name == 'tiny' and student is None:
+    return None
+  teacher = memory_fit.teacher_model(config, student)
+  if teacher is None or num_layers is None or config.teacher.name == 'tiny':
+    return teacher
+  preset = presets.get_preset(config.teacher.name, num_layers=num_layers)
+  return preset.with_execution(param_dtype=teacher.execution.param_dtype,
+                               dtype=teacher.execution.dtype)
+
+
 def memory_check(config: ml_collections.ConfigDict, plan: Plan, trainer_hbm: float,
                  inference_hbm: float, shared: bool) -> list[str] | None:
   """The memory plan per chip against HBM (GiB per chip); returns its lines.
@@ -315,7 +412,9 @@ def memory_check(config: ml_collections.ConfigDict, plan: Plan, trainer_hbm: flo
   HBM a warning line (naming the keys that make room) ends the lines. The plan is XLA:TPU's
   (``platform='tpu'``: what ``python -m launch.recipes compile`` holds its programs against).
   Named presets only: returns ``None`` for another model. Raises SliceError naming the keys
-  that shrink it when a chip's HBM is too small.
+  that shrink it when a chip's HBM is too small. On the ray backend a distillation teacher
+  is a row of its own against ``plan.teacher_hbm_gib`` (``check_ray``: its slice's chip); one
+  too big for it is refused naming ``--teacher-tpu-type``; one on a CPU host has no row.
   """
   name = config.model.name
   if name not in presets.PRESETS:
@@ -324,10 +423,17 @@ def memory_check(config: ml_collections.ConfigDict, plan: Plan, trainer_hbm: flo
   memory = memory_fit.run_memory_plan(model, config, plan.trainer_mesh, plan.inference_mesh,
                                       shared=shared, platform='tpu')
   trainer_bytes, inference_bytes = trainer_hbm * 2**30, inference_hbm * 2**30
-  lines = memory.table(trainer_bytes, inference_bytes)
+  teacher_bytes = None if plan.teacher_hbm_gib is None else plan.teacher_hbm_gib * 2**30
+  rows = memory.needs(trainer_bytes, inference_bytes, teacher_bytes)
+  lines = memory.table(trainer_bytes, inference_bytes, teacher_bytes)
+  if memory.teacher_apart and teacher_bytes is None:  # a teacher on a CPU host: no HBM row
+    rows = [row for row in rows if row[0] != 'teacher']
+    lines = [line for line in lines if not line.startswith('teacher: ')]
   warnings = []
-  for chips, need, hbm in memory.needs(trainer_bytes, inference_bytes):
+  for chips, need, hbm in rows:
     band = memory_fit.fit_band(need, hbm)
+    if band == 'over' and chips == 'teacher':
+      raise SliceError(_teacher_too_big(config, plan, need, hbm, lines))
     if band == 'over':
       raise SliceError(
           f'memory: the {chips} chips need {need / 2**30:.2f} GiB each for {name} but a chip '
@@ -336,6 +442,24 @@ def memory_check(config: ml_collections.ConfigDict, plan: Plan, trainer_hbm: flo
       warnings.append('memory: warning: ' + memory_fit.tight_warning(f'the {chips} chips',
                                                                     need, hbm))
   return [f'memory plan per chip ({name}): {line}' for line in lines] + warnings
+
+
+def _teacher_too_big(config: ml_collections.ConfigDict, plan: Plan, need: float, hbm: float,
+                     lines: list[str]) -> str:
+  """The refusal of a teacher whose scoring does not fit one chip where it runs (``lines``:
+  the memory plan's, of which the teacher's are quoted)."""
+  teacher_lines = [line for line in lines if line.startswith('teacher')]
+  roomy = max((s for s in SLICES.values() if not s.multi_host), key=lambda s: s.hbm_gib)
+  where = (f'a chip of its slice {plan.teacher_slice.name} (--teacher-tpu-type)'
+           if plan.teacher_slice is not None else
+           f'a chip where config.ray.teacher_resources={config.ray.teacher_resources.to_dict()} '
+           'places it')
+  return (f'memory: the teacher ({config.teacher.name}, {config.teacher.dtype}) needs '
+          f'{need / 2**30:.2f} GiB on the one chip it scores on, but {where} has '
+          f'{hbm / 2**30:g} GiB of HBM ({"; ".join(teacher_lines)}); give it a slice with more '
+          f'HBM per chip, e.g. --teacher-tpu-type={roomy.name} ({roomy.hbm_gib:g} GiB), or '
+          'shrink it: --config.teacher.quant=int8, --config.teacher.dtype=bfloat16, or log-probs in '
+          'chunks (--config.rl.logprob_chunk=128).')
 
 
 def _library_dirs() -> tuple[pathlib.Path, ...]:

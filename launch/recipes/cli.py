@@ -17,7 +17,8 @@ import ml_collections
 from launch.recipes import compile as compile_lib
 from launch.recipes import manifests, program_report, scripts
 from launch.recipes.checks import (check_local, check_ray, check_shipped, memory_check,
-                                   run_model, validate_on_devices)
+                                   run_model, run_teacher_model, teacher_slice,
+                                   validate_on_devices)
 from launch.recipes.scripts import RAY_OVERRIDES, REMOTE_DIR, ROOT, Raw
 from launch.recipes.slices import SLICES, SliceError, SliceType, get_slice, slice_table
 from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config
@@ -26,6 +27,12 @@ from rlax_llm.models import presets
 
 COORDINATOR_PORT = 8476
 RAY_REQUIREMENT = 'ray[default]==2.60.0'  # launch/host_setup.sh installs the same
+TEACHER_HELP = ('on-policy distillation\'s teacher slice (a config with teacher.enabled): '
+                'one host whose chips the teacher actor holds, joining Ray with the resource '
+                'rlax_teacher; default: the smallest single-host slice of the inference '
+                'generation (the teacher scores on one chip). A --config.ray.teacher_resources '
+                'of yours places the teacher instead (then no teacher slice unless this flag '
+                'asks for one)')
 
 
 def _remote_spec(spec: str, ref: str | None, strict: bool) -> tuple[str, list[str]]:
@@ -169,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help='slice, e.g. v5p-8 (several hosts: one trainer actor per host)')
   p.add_argument('--inference-tpu-type', required=True, help='slice, e.g. v5e-8')
   p.add_argument('--inference-slices', type=int, default=1)
+  p.add_argument('--teacher-tpu-type', help=TEACHER_HELP)
   p.add_argument('--head-machine-type', default='n2-standard-16',
                  help='CPU VM for the Ray head and the driver (holds host copies of weights)')
   p = sub.add_parser('gke', help='a JobSet manifest for a GKE TPU node pool',
@@ -192,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help='slice, e.g. v5p-8 (several hosts: one trainer actor per host)')
   p.add_argument('--inference-tpu-type', required=True, help='slice, e.g. v5e-8')
   p.add_argument('--inference-slices', type=int, default=1)
+  p.add_argument('--teacher-tpu-type', help=TEACHER_HELP)
   p.add_argument('--image', required=True,
                  help='container image with this checkout at /app/rlax_llm and Ray '
                  '(launch/gke/Dockerfile with SETUP_FLAGS="--tpu --data --smollm2 --ray")')
@@ -214,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--trainer-tpu-type', help='the trainer\'s slice of a ray run (e.g. v5p-16)')
   p.add_argument('--inference-tpu-type', help='one worker\'s slice of a ray run (e.g. v5e-8)')
   p.add_argument('--inference-slices', type=int, default=1)
+  p.add_argument('--teacher-tpu-type', help='the teacher\'s slice of a ray run that distils '
+                 '(as the ray recipe\'s flag; default the same); the teacher_score program '
+                 'is compiled for its first chip')
   p.add_argument('--programs', default=','.join(compile_lib.PROGRAMS),
                  help=f'comma-separated, of {",".join(compile_lib.PROGRAMS)} (default: all)')
   p.add_argument('--layers', type=int,
@@ -234,10 +246,18 @@ def run_compile(opts, overrides: Sequence[str]) -> int:
                      '--trainer-tpu-type and --inference-tpu-type (a backend=\'ray\' run).')
   config = load_config([f'--config={opts.config}', *overrides,
                         *(RAY_OVERRIDES if ray else ())])
+  if opts.teacher_tpu_type is not None and not ray:
+    raise SliceError(f'--teacher-tpu-type={opts.teacher_tpu_type} is the teacher\'s slice of a '
+                     'backend=\'ray\' run; with --tpu-type the teacher scores on the first '
+                     'trainer chip: drop the flag.')
+  teacher = None
   if ray:
     trainer, inference = get_slice(opts.trainer_tpu_type), get_slice(opts.inference_tpu_type)
-    plan = check_ray(config, trainer, inference, opts.inference_slices)
+    plan = check_ray(config, trainer, inference, opts.inference_slices,
+                     teacher_slice(config, opts.teacher_tpu_type, inference))
     shared = False
+    # A teacher your ray.teacher_resources place: compiled for an inference host's chip.
+    teacher = plan.teacher_slice or inference
   else:
     trainer = inference = get_slice(opts.tpu_type)
     plan = check_local(config, trainer, 'multihost' if trainer.multi_host else 'tpu-vm')
@@ -254,12 +274,15 @@ def run_compile(opts, overrides: Sequence[str]) -> int:
     say(line)
   reports = compile_lib.compile_run(config, plan, trainer, inference, shared=shared,
                                     programs=programs, model=model,
-                                    log=lambda name: say(f'compiling {name} ...'))
+                                    log=lambda name: say(f'compiling {name} ...'),
+                                    teacher_slice=teacher,
+                                    teacher=run_teacher_model(config, opts.layers))
   if opts.json:
     print(json.dumps([r.as_dict() for r in reports], indent=1))
   else:
     print(f'# {config.name}: compiled for trainer {trainer.describe()}'
           + ('' if trainer is inference else f', inference {inference.describe()}')
+          + (f', teacher {plan.teacher_slice.describe()}' if plan.teacher_slice else '')
           + '; the step times are the compiler model (FLOPs / peak, bytes / HBM bandwidth), '
           'not a measurement')
     for report in reports:
@@ -305,7 +328,8 @@ def run(argv: Sequence[str]) -> int:
   notes += _workdir_notes(opts.workdir, opts.recipe)
   if opts.recipe in ('ray', 'gke-ray'):
     trainer, inference = get_slice(opts.trainer_tpu_type), get_slice(opts.inference_tpu_type)
-    plan = check_ray(config, trainer, inference, opts.inference_slices)
+    plan = check_ray(config, trainer, inference, opts.inference_slices,
+                     teacher_slice(config, opts.teacher_tpu_type, inference))
     shared, hbm = False, (trainer.hbm_gib, inference.hbm_gib)
   else:
     slice_ = get_slice(opts.tpu_type)

@@ -16,6 +16,11 @@ a run executes, as the run builds them:
   run's slots, lengths, KV-cache quantisation and weights (``decode_int8``: int8 weights too
   when the run samples with bfloat16 ones, so a run can see what ``inference_quant='int8'``
   would change).
+- ``teacher_score``: with on-policy distillation, the teacher's scoring forward
+  (``trainer.teacher.Teacher.score``'s jitted program: one batch's token ids in, per-token
+  log-probs out, in ``teacher.dtype``, int8 with ``teacher.quant``) on the one chip it
+  scores on: the first of its own slice on the Ray backend (``--teacher-tpu-type``), the
+  first trainer chip on the local backend.
 
 The transfer of a version to the workers goes through the parameter server's host copy, not
 a compiled program.
@@ -45,7 +50,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from launch.recipes.checks import Plan, run_model
+from launch.recipes.checks import Plan, run_model, run_teacher_model
 from launch.recipes.program_report import (Compiled, ProgramReport, report_of,
                                            s8_dot_lines)
 from launch.recipes.slices import SliceError, SliceType
@@ -60,8 +65,11 @@ from rlax_llm.models.model import abstract_model, cast_params
 from rlax_llm.models.quant import quantize_params
 from rlax_llm.rollout.engine import Engine
 from rlax_llm.sampling_spec import SamplingSpec
+from rlax_llm.trainer import teacher as teacher_lib
+from rlax_llm.trainer.scoring import Policy, full_support
 
-PROGRAMS = ('trainer_step', 'push', 'prefill', 'decode', 'decode_int8')
+PROGRAMS = ('trainer_step', 'push', 'prefill', 'decode', 'decode_int8',
+            'teacher_score')
 @functools.cache
 def tpu_devices(slice_: SliceType) -> tuple[Any, ...]:
   """Compile-only devices of ``slice_``'s chips (``get_topology_desc``), in the order a
@@ -277,6 +285,42 @@ def compile_push(config: ml_collections.ConfigDict, model: DecoderConfig,
   return report_of('push', done, slice_, mesh, plan=None, beside=beside)
 
 
+def compile_teacher(config: ml_collections.ConfigDict, teacher: DecoderConfig,
+                    slice_: SliceType, *, plan: float | None, beside: float = 0.0,
+                    where: str = 'the first chip of its own slice') -> ProgramReport:
+  """The teacher's scoring program (``trainer.teacher._score_program``, as
+  ``roles.build_teacher`` configures it: top-k for GKD, ``rl.logprob_chunk``, the sampling
+  temperature) on one batch (``prompts_per_step x group_size`` rows of prompt + completion
+  positions), compiled for the first chip of ``slice_``, where ``Teacher`` puts its params.
+  ``teacher``: its architecture in ``teacher.dtype`` (``checks.run_teacher_model``);
+  ``where``: how the report's note names that chip."""
+  spec = config_lib.run_spec(config)
+  model = abstract_model(teacher)
+  mesh = sharding_lib.make_mesh({'data': 1, 'fsdp': 1, 'tensor': 1}, [tpu_devices(slice_)[0]])
+  one = sharding_lib.replicated(mesh)
+  abstract = model.abstract_params()
+  if config.teacher.quant == 'int8':
+    abstract = jax.eval_shape(functools.partial(quantize_params, model=model), abstract)
+  params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one),
+                        abstract)
+  rows = config.rl.prompts_per_step * config.rl.group_size
+  length = config.sampling.max_prompt_len + config.sampling.max_new_tokens
+  tokens = jax.ShapeDtypeStruct((rows, length), np.int32, sharding=one)
+  mask = jax.ShapeDtypeStruct((rows, length), np.float32, sharding=one)
+  policy = Policy(model, full_support(SamplingSpec(temperature=spec.sampling.temperature)))
+  top_k = spec.distill.top_k if spec.distill.kind == 'gkd' else 0
+  # pylint: disable-next=protected-access
+  score = teacher_lib._score_program(policy, top_k, config.rl.logprob_chunk)
+  done = _compile(lambda: score.lower(params, tokens, mask))
+  report = report_of('teacher_score', done, slice_, mesh, plan=plan, beside=beside,
+                     tokens=rows * length,
+                     model_flops=2 * presets.active_params(teacher) * rows * length)
+  report.notes.append(f'the teacher ({config.teacher.name}, {config.teacher.dtype}'
+                      + (', int8' if config.teacher.quant == 'int8' else '')
+                      + f') on {where}, {slice_.name}: {rows} rows x {length} positions')
+  return report
+
+
 def _devices_of_first_host(devices: Sequence[Any]) -> list[Any]:
   first = min(d.process_index for d in devices)
   return [d for d in devices if d.process_index == first]
@@ -285,7 +329,8 @@ def _devices_of_first_host(devices: Sequence[Any]) -> list[Any]:
 def compile_run(config: ml_collections.ConfigDict, plan: Plan, trainer_slice: SliceType,
                 inference_slice: SliceType, *, shared: bool,
                 programs: Sequence[str] = PROGRAMS, model: DecoderConfig | None = None,
-                log=None) -> list[ProgramReport]:
+                log=None, teacher_slice: SliceType | None = None,
+                teacher: DecoderConfig | None = None) -> list[ProgramReport]:
   """Compiles ``programs`` of the run ``config`` describes for its slices.
 
   Args:
@@ -301,6 +346,12 @@ def compile_run(config: ml_collections.ConfigDict, plan: Plan, trainer_slice: Sl
     model: the architecture (default: ``checks.run_model``, the preset ``config.model.name``
       with the run's dtypes and remat); e.g. fewer layers for a quick check.
     log: optional ``str -> None`` told when each program starts compiling.
+    teacher_slice: the slice of the Ray backend's teacher (``plan.teacher_slice``); None: the
+      teacher scores on the first trainer chip (local backend), beside what the trainer (and
+      a shared worker) holds there.
+    teacher: the teacher's architecture (default: ``checks.run_teacher_model``); the program
+      ``teacher_score`` is compiled only for a run that distils from a named preset or
+      'tiny' teacher.
   Returns:
     One ``ProgramReport`` per program compiled, in ``PROGRAMS`` order.
   """
@@ -316,8 +367,9 @@ def compile_run(config: ml_collections.ConfigDict, plan: Plan, trainer_slice: Sl
     inference_devices = trainer_devices[math.prod(plan.trainer_mesh.values()):]
   trainer_mesh = sharding_lib.make_mesh(plan.trainer_mesh, list(trainer_devices))
   worker_mesh = sharding_lib.make_mesh(plan.inference_mesh, list(inference_devices))
+  teacher = teacher or run_teacher_model(config)
   memory = memory_fit.run_memory_plan(model, config, plan.trainer_mesh, plan.inference_mesh,
-                                      shared=shared, platform='tpu')
+                                      shared=shared, platform='tpu', teacher=teacher)
   workers = memory.workers_per_chip
   lora = lora_lib.from_config(config)
   reports: list[ProgramReport] = []
@@ -369,4 +421,12 @@ def compile_run(config: ml_collections.ConfigDict, plan: Plan, trainer_slice: Sl
                                beside=(trainer_held + (workers - 1) * worker_held) if shared
                                else 0.0)
     reports.append(report)
+  if 'teacher_score' in programs and teacher is not None:
+    log('teacher_score')
+    if teacher_slice is None:  # the local backend: the first trainer chip
+      beside = (trainer_held + workers * worker_held) if shared else trainer_held
+      reports.append(compile_teacher(config, teacher, trainer_slice, plan=memory.teacher_bytes,
+                                     beside=beside, where='the first trainer chip'))
+    else:
+      reports.append(compile_teacher(config, teacher, teacher_slice, plan=memory.teacher_bytes))
   return reports

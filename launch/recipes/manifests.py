@@ -122,7 +122,8 @@ def render_rayjob(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceT
                   inference: SliceType, opts: argparse.Namespace, spec: str,
                   overrides: Sequence[str]) -> str:
   """A KubeRay RayJob: a CPU head (the driver: controller, parameter server, metrics), a
-  trainer worker group on one TPU node pool and an inference group on another."""
+  trainer worker group on one TPU node pool and an inference group on another; with
+  on-policy distillation a teacher group on a third (``plan.teacher_slice``)."""
   driver = [str(a) for a in launch_args(spec, [
       *overrides, *ray_driver_overrides(plan, '--config.ray.address=auto')], opts.workdir)]
   # The driver validates with as many (CPU) devices as the trainer slice has TPU chips.
@@ -167,12 +168,16 @@ def render_rayjob(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceT
               },
               'workerGroupSpecs': [
                   group('trainer', trainer, 1, 'rlax_trainer'),
-                  group('inference', inference, opts.inference_slices, 'rlax_inference')],
+                  group('inference', inference, opts.inference_slices, 'rlax_inference'),
+                  *([group('teacher', plan.teacher_slice, 1, 'rlax_teacher')]
+                    if plan.teacher_slice is not None else [])],
           },
       },
   }
   comments = [(f'rlax_llm gke-ray recipe: {spec}; trainer on {trainer.describe()}, workers on '
-            f'{opts.inference_slices} x {inference.describe()}; apply with: kubectl apply -f '
+            f'{opts.inference_slices} x {inference.describe()}'
+            + (f', teacher on {plan.teacher_slice.describe()}' if plan.teacher_slice else '')
+            + '; apply with: kubectl apply -f '
             'FILE (KubeRay must be installed in the cluster)')]
   accounts, credentials = _service_account(opts)
   comments += header(config, plan, spec, overrides)

@@ -140,13 +140,17 @@ def resources_json(resources: Mapping[str, int]) -> str:
 def ray_driver_overrides(plan: Plan, address: str) -> list[str]:
   """The ``--config.ray.*`` flags the ray recipes give the driver: the cluster's
   ``address`` (a ``Raw`` piece when it is a remote shell expansion), the trainer actors (one
-  per host of a multi-host trainer slice) and the resources each actor asks for."""
+  per host of a multi-host trainer slice) and the resources each actor asks for (a
+  distillation teacher's when the recipe placed it on its slice: a
+  ``config.ray.teacher_resources`` of the user's is not overridden, ``checks.check_ray``)."""
   res = plan.resources
   processes = ([f'--config.ray.trainer_processes={plan.trainer_processes}']
                if plan.trainer_processes > 1 else [])
+  teacher = ([f'--config.ray.teacher_resources={resources_json(res["teacher"])}']
+             if 'teacher' in res else [])
   return [*RAY_OVERRIDES, address, *processes,
           f'--config.ray.trainer_resources={resources_json(res["trainer"])}',
-          f'--config.ray.worker_resources={resources_json(res["worker"])}']
+          f'--config.ray.worker_resources={resources_json(res["worker"])}', *teacher]
 
 
 def launch_args(spec: str, overrides: Sequence[str], workdir: str) -> list[str]:
@@ -294,6 +298,9 @@ def render_ray(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceType
   head = f'{name}-head'
   t_name = f'{name}-trainer'
   i_names = [f'{name}-inference-{i}' for i in range(opts.inference_slices)]
+  teacher = plan.teacher_slice  # on-policy distillation's teacher: a slice of its own
+  teacher_names = [f'{name}-teacher'] if teacher is not None else []
+  tpu_names = [t_name, *i_names, *teacher_names]
   gflags = _gcloud_flags(opts)
   setup_tpu = setup_flags(config, tpu=True, ray=True)
   setup_head = setup_flags(config, tpu=False, ray=True)
@@ -315,8 +322,11 @@ def render_ray(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceType
                     f'--machine-type={opts.head_machine_type}', '--image-family=ubuntu-2204-lts',
                     '--image-project=ubuntu-os-cloud', '--boot-disk-size=200GB'])]),
       ((f'Create the trainer slice ({trainer.name}) and {len(i_names)} inference slice(s) '
-        f'({inference.name}).'),
-       [_tpu_create(t_name, trainer, opts), *[_tpu_create(n, inference, opts) for n in i_names]]),
+        f'({inference.name})' + (f', and the teacher\'s slice ({teacher.name}: on-policy '
+                                 'distillation\'s teacher actor holds its chips)'
+                                 if teacher is not None else '') + f' in {opts.zone}.'),
+       [_tpu_create(t_name, trainer, opts), *[_tpu_create(n, inference, opts) for n in i_names],
+        *[_tpu_create(n, teacher, opts) for n in teacher_names]]),
       ((f'Copy this checkout ({opts.ref}) to every machine and install it (same path and Ray '
         'version everywhere: actors import rlax_llm from the driver\'s checkout path).'),
        [_archive(name, opts),
@@ -325,10 +335,10 @@ def render_ray(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceType
         shell_join(head_ssh) + ' --command=' + shlex.quote(
             f'tar xzf {REMOTE_DIR}.tar.gz && bash {REMOTE_DIR}/launch/host_setup.sh '
             f'{setup_head}'.rstrip()),
-        *[c for n in [t_name, *i_names]
-          for c in _copy_and_setup_tpu(n, opts, setup_tpu, _tarball(name))]]),
+        *[c for n in tpu_names for c in _copy_and_setup_tpu(n, opts, setup_tpu, _tarball(name))]]),
       (('Start Ray: the head, then every TPU host joins with a role resource (one unit per '
-        'chip) so the trainer lands on the trainer slice and workers on inference slices.'
+        'chip) so the trainer lands on the trainer slice and workers on inference slices'
+        + (' (and the teacher on its slice, rlax_teacher).' if teacher is not None else '.')
         + (f' The trainer is {trainer.hosts} actors, one on each host of {trainer.name}, '
            'ordered by the hosts\' TPU worker ids (one jax.distributed job).'
            if trainer.multi_host else '')),
@@ -338,7 +348,9 @@ def render_ray(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceType
                                     '--format=get(networkInterfaces[0].networkIP)']) + ')"',
         _tpu_ssh(t_name, opts, join('rlax_trainer', trainer.chips_per_host)),
         *[_tpu_ssh(n, opts, join('rlax_inference', inference.chips_per_host))
-          for n in i_names]]),
+          for n in i_names],
+        *[_tpu_ssh(n, opts, join('rlax_teacher', teacher.chips_per_host))
+          for n in teacher_names]]),
       ('Run the driver (controller, parameter server, metrics) on the head.',
        [shell_join(head_ssh) + ' --command=' + double_quote(driver_cmd, ['HEAD_IP'])]),
   ]
@@ -350,12 +362,17 @@ def render_ray(config: ml_collections.ConfigDict, plan: Plan, trainer: SliceType
       'they can be placed, else the run goes on with the others); a preempted trainer slice',
       'stops the run naming the checkpoint step: recreate it, rejoin it to Ray (step 4) and',
       'rerun step 5 with the same --workdir to resume.']
+  if teacher is not None:
+    footer += ['A preempted teacher slice loses the teacher actor: Ray restarts it when it can',
+               'be placed (ray.teacher_restarts; recreate the slice and rejoin it, step 4) and',
+               'its scoring call is retried; past its restarts the run stops.']
   footer.append('When done: ' + '; '.join(
       [shell_join(['gcloud', 'compute', 'tpus', 'tpu-vm', 'delete', n, *gflags, '--quiet'])
-       for n in [t_name, *i_names]]
+       for n in tpu_names]
       + [shell_join(['gcloud', 'compute', 'instances', 'delete', head, *gflags, '--quiet'])]))
   title = (f'rlax_llm ray recipe: {spec}; trainer on {trainer.describe()}, workers on '
-           f'{opts.inference_slices} x {inference.describe()}')
+           f'{opts.inference_slices} x {inference.describe()}'
+           + (f', teacher on {teacher.describe()}' if teacher is not None else ''))
   return Recipe(title, header(config, plan, spec, overrides), steps, footer)
 
 

@@ -125,3 +125,10 @@ def with_chips(chips: int) -> str:
   """The names of the slices with ``chips`` chips, for a message."""
   names = [s.name for s in SLICES.values() if s.chips == chips]
   return ', '.join(names) if names else 'none in the table'
+
+
+def smallest_single_host(generation: str) -> SliceType:
+  """The single-host slice of ``generation`` (``v5e``) with the fewest chips: the default
+  slice of a distillation teacher, which scores on one chip (``trainer.teacher.Teacher``)."""
+  hosts = [s for s in SLICES.values() if s.generation == generation and not s.multi_host]
+  return min(hosts, key=lambda s: s.chips)

@@ -506,9 +506,10 @@ class MemoryPlan:
                    trainer_hbm_bytes if teacher_hbm_bytes is None else teacher_hbm_bytes))
     return rows
 
-  def table(self, trainer_hbm_bytes: float, inference_hbm_bytes: float | None = None
-            ) -> list[str]:
-    """The plan as lines of text: each part in GiB, then each total against the HBM."""
+  def table(self, trainer_hbm_bytes: float, inference_hbm_bytes: float | None = None,
+            teacher_hbm_bytes: float | None = None) -> list[str]:
+    """The plan as lines of text: each part in GiB, then each total against the HBM
+    (``needs``' rows)."""
     gib = lambda n: f'{n / 2**30:.2f} GiB'  # noqa: E731
     lines = [
         (f'trainer: params {gib(self.params)}, optimizer {gib(self.optimizer)}, gradients '
@@ -530,7 +531,8 @@ class MemoryPlan:
       where = 'its own chip' if self.teacher_apart else 'the first trainer chip'
       lines.append(f'teacher (on {where}): params {gib(self.teacher_params)}, '
                    f'scoring {gib(self.teacher_scoring)} = {gib(self.teacher_bytes)}')
-    for chips, need, hbm in self.needs(trainer_hbm_bytes, inference_hbm_bytes):
+    for chips, need, hbm in self.needs(trainer_hbm_bytes, inference_hbm_bytes,
+                                       teacher_hbm_bytes):
       lines.append(f'{chips}: {gib(need)} of {gib(hbm)} HBM per chip ({100 * need / hbm:.0f}%)')
     return lines
 
