@@ -26,6 +26,7 @@ from rlax_llm.rollout.driver import Driver, Job, VersionedParams
 from rlax_llm.rollout.engine import Engine
 from rlax_llm.sampling_spec import SamplingSpec
 from rlax_llm.sharding import make_mesh
+from rlax_llm.tokenization import CharTokenizer
 
 from smoke_config import smoke_config  # tests/smoke_config.py
 
@@ -98,8 +99,11 @@ def test_the_knob_sets_the_engines_execution_and_leaves_the_trainers(model_and_p
   assert (runs['dense_decode'].moe_impl, runs['dense_decode'].decode_moe_impl) == ('ragged',
                                                                                     'dense')
   mesh = make_mesh({'data': 1}, jax.devices()[:1])
-  engine = compile_lib.make_engine(_config('dense_decode'), CONFIG, mesh, 'none')
-  assert engine.model.config.execution.decode_moe_impl == 'dense'
+  worker = roles.build_worker(_config('dense_decode'), model, CharTokenizer('abc'), mesh)
+  compiled = compile_lib.make_engine(_config('dense_decode'), CONFIG, mesh, 'none')
+  for engine in (worker.engine, compiled):
+    run = engine.model.config.execution
+    assert (run.moe_impl, run.decode_moe_impl) == ('ragged', 'dense')
   assert model.config.execution == Execution()  # the trainer's: ragged everywhere
 
 
