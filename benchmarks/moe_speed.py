@@ -21,7 +21,12 @@ computation).
   median time, prefill included on both sides.
 - **impls**: our train step (as above) and a decode-sized forward (``--batch`` tokens, one per
   row) with ``moe_impl='ragged'`` and ``'dense'`` at each ``--points`` (experts x k) with the
-  model's other sizes; ``dense_over_ragged`` > 1: ragged is faster.
+  model's other sizes; ``dense_over_ragged`` > 1: ragged is faster. And the engine's greedy
+  generation (as **decode**: prefill, then ``--new_tokens`` decode steps with the KV cache)
+  with the trainer's experts (ragged) and with ``model.inference_moe_impl='dense_decode'``
+  (``Execution.decode_moe_impl='dense'``: the decode steps dense, the prefill ragged):
+  ``engine_decode_dense_over_ragged``, and ``engine_greedy_tokens_equal`` (the fraction of
+  equal greedy tokens, 1.0 expected).
 
 Timing: one untimed call (compilation / warm-up), then ``--repeats`` calls of each side
 alternately (so both see the same load), the median of each. The machine may be shared: the
@@ -33,6 +38,7 @@ load average is printed before and after; compare the ratios, not the absolute f
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -53,7 +59,7 @@ import transformers  # noqa: E402
 from batch_invariant import alternate  # noqa: E402  # this folder (sys.path[0])
 from rlax_llm.models.decoder_config import DecoderConfig  # noqa: E402
 from rlax_llm.models.files import hf  # noqa: E402
-from rlax_llm.models.model import create_model, token_logprobs  # noqa: E402
+from rlax_llm.models.model import abstract_model, create_model, token_logprobs  # noqa: E402
 from rlax_llm.rollout.driver import generate  # noqa: E402
 from rlax_llm.rollout.engine import Engine  # noqa: E402
 from rlax_llm.sampling_spec import GREEDY  # noqa: E402
@@ -160,6 +166,7 @@ def impls(args) -> list[dict]:
   out = []
   tokens = jnp.asarray(tokens_of(args))
   one_each = tokens[:, :1]
+  prompts = tokens_of(args)[:, :args.prompt].tolist()
   for point in args.points.split(','):
     experts, top_k = (int(x) for x in point.split('x'))
     calls = {}
@@ -170,12 +177,27 @@ def impls(args) -> list[dict]:
           lambda s=step, p=params: jax.block_until_ready(s(p, tokens)))
       calls[f'{impl}_decode_forward'] = (
           lambda f=forward, p=params: jax.block_until_ready(f(p, one_each)))
+    generations = {}
+    for impl in ('ragged', 'dense'):  # the engine's decode steps so; its prefill ragged
+      model = abstract_model(model_config(args, experts, top_k).with_execution(
+          decode_moe_impl='' if impl == 'ragged' else impl))
+      engine = Engine(model, make_mesh({'data': 1}, jax.devices()[:1]), slots=args.batch,
+                      max_prefill_length=args.prompt, max_decode_length=args.new_tokens,
+                      pad_id=0)
+      generations[impl] = calls[f'{impl}_engine_decode'] = functools.partial(
+          generate, model, params, prompts, GREEDY, max_new_tokens=args.new_tokens,
+          engine=engine)
     times = median_times(calls, args.repeats)
+    greedy = {impl: np.array([s.tokens for s in run()]) for impl, run in generations.items()}
     out.append({'experts': experts, 'top_k': top_k,
                 **{f'{name}_s': t for name, t in times.items()},
                 'train_dense_over_ragged': times['dense_train'] / times['ragged_train'],
                 'decode_forward_dense_over_ragged': (times['dense_decode_forward']
-                                                     / times['ragged_decode_forward'])})
+                                                     / times['ragged_decode_forward']),
+                'engine_decode_dense_over_ragged': (times['dense_engine_decode']
+                                                    / times['ragged_engine_decode']),
+                'engine_greedy_tokens_equal': float(np.mean(greedy['dense']
+                                                            == greedy['ragged']))})
   return out
 
 

@@ -17,8 +17,10 @@ counts, not a measurement). Needs the TPU compiler: ``pip install -e '.[tpu]'`` 
 then not the run's). Without it every program compiles at the model's real depth: the
 trainer's layer stack and the engine's are scans, so compile time does not grow with depth.
 ``--moe_impl`` compiles a mixture of experts with that ``Execution.moe_impl`` (default: the
-model's, ``'ragged'``); ``--set`` overrides a config leaf of every recipe (``--set
-rollout.layer_loop=unrolled``: the engine's layers unrolled).
+model's, ``'ragged'``) in the trainer and the engine alike; ``--set`` overrides a config leaf
+of every recipe (``--set rollout.layer_loop=unrolled``: the engine's layers unrolled; ``--set
+model.inference_moe_impl=dense_decode``: the engine's experts computed apart from the
+trainer's, ``roles.inference_model``, named in each recipe's JSON).
 Recipes (``RECIPES``): the shipped SmolLM2, math and GSM8K configs on v5e-8, a four-host
 v5e-16, and the 8B/32B recipes (configs/gsm8k_large.py) on their trainer and inference
 slices.
@@ -81,7 +83,8 @@ def compile_recipe(name: str, programs, layers: int | None, moe_impl: str | None
                                     programs=programs, model=model)
   return {'recipe': name, 'config': spec, 'trainer_slice': trainer.name,
           'inference_slice': inference.name, 'layers': layers,
-          **({'moe_impl': model.execution.moe_impl} if model.is_moe else {}),
+          **({'moe_impl': model.execution.moe_impl,
+              'inference_moe_impl': config.model.inference_moe_impl} if model.is_moe else {}),
           **({'set': list(overrides)} if overrides else {}),
           'wall_s': round(time.perf_counter() - start, 1),
           'programs': [r.as_dict() for r in reports]}

@@ -61,6 +61,11 @@ OPEN_GROUPS = ('task.', 'env.', 'ray.trainer_resources.', 'ray.worker_resources.
 # model.routing_replay: 'off' (the trainer routes a mixture of experts by its own router) or
 # 'r3' (rollout routing replay: by the experts the inference workers recorded).
 ROUTING_REPLAY_MODES = ('off', 'r3')
+# model.inference_moe_impl: how the inference workers' engine computes a mixture of experts'
+# experts (``roles.inference_model``): '' (as the trainer, ``Execution.moe_impl``), 'ragged'
+# (grouped matmuls), 'dense' (every expert on every token, prefill and decode), or
+# 'dense_decode' (dense in the decode step only, the trainer's in prefill; docs/models.md).
+INFERENCE_MOE_IMPLS = ('', *model_spec.MOE_IMPLS, 'dense_decode')
 
 # Choice fields -> valid values, each named by the module that uses the value (the loss's,
 # the sampling's and the task's other fields are checked by their own types).
@@ -74,6 +79,7 @@ CHOICES = {
     'model.remat': model_spec.REMAT_POLICIES,
     'model.invariant_rows': model_spec.INVARIANT_ROWS_MODES,
     'model.routing_replay': ROUTING_REPLAY_MODES,
+    'model.inference_moe_impl': INFERENCE_MOE_IMPLS,
     'lora.sync': model_spec.LORA_SYNCS,
     'lora.base_quant': model_spec.QUANT_MODES,
     'lora.sync_dtype': model_spec.LORA_SYNC_DTYPES,
@@ -422,12 +428,15 @@ def validate_config(config: ml_collections.ConfigDict, *, read_hub: bool = True)
 
 
 def _validate_moe(config: ml_collections.ConfigDict) -> None:
-  """``model.routing_replay='r3'`` and ``rl.moe_aux_loss_coef > 0`` need a mixture of experts
-  (known here for the tiny model and the presets; ``'auto'`` is checked when the workers'
-  engines are built); the aux loss needs the full forward (not ``rl.shared_prefix``)."""
+  """``model.routing_replay='r3'``, ``rl.moe_aux_loss_coef > 0`` and
+  ``model.inference_moe_impl`` other than '' need a mixture of experts (known here for the
+  tiny model and the presets; ``'auto'`` is checked when the workers' engines are built,
+  ``roles.inference_model``): set on a dense model they would do nothing, which is refused
+  rather than ignored. The aux loss needs the full forward (not ``rl.shared_prefix``)."""
   m = config.model
   used = [key for key, on in (('model.routing_replay', m.routing_replay != 'off'),
-                              ('rl.moe_aux_loss_coef', config.rl.moe_aux_loss_coef > 0)) if on]
+                              ('rl.moe_aux_loss_coef', config.rl.moe_aux_loss_coef > 0),
+                              ('model.inference_moe_impl', m.inference_moe_impl != '')) if on]
   if not used:
     return
   if m.name == 'tiny':
@@ -437,8 +446,9 @@ def _validate_moe(config: ml_collections.ConfigDict) -> None:
     experts = None if preset is None else preset.num_experts
   if experts == 0:
     raise ConfigError(f'config.{used[0]} applies to a mixture of experts, but '
-                      f'model.name={m.name!r} is dense (num_experts=0); set it off, or pick a '
-                      'MoE model (e.g. model.tiny.num_experts > 0).')
+                      f'model.name={m.name!r} is dense (num_experts=0); set it off '
+                      "(routing_replay='off', moe_aux_loss_coef=0, inference_moe_impl=''), or "
+                      'pick a MoE model (e.g. model.tiny.num_experts > 0).')
   if config.rl.moe_aux_loss_coef > 0 and config.rl.shared_prefix:
     raise ConfigError('config.rl.moe_aux_loss_coef > 0 needs the full forward but '
                       'rl.shared_prefix=True scores through a KV cache; set one of them off.')

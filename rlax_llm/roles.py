@@ -40,7 +40,14 @@ from rlax_llm.models import lora as lora_lib
 from rlax_llm.models.decoder_config import DTYPES, DecoderConfig, Execution
 from rlax_llm.models.files import hub
 from rlax_llm.models.files.tokenizer import HFTokenizer
-from rlax_llm.models.model import Model, Params, create_model, split_module, with_param_dtype
+from rlax_llm.models.model import (
+    Model,
+    Params,
+    abstract_model,
+    create_model,
+    split_module,
+    with_param_dtype,
+)
 from rlax_llm.models.quant import quantize_params
 from rlax_llm.paramserver.publisher import adapter_sync
 from rlax_llm.paramserver.receiver import FetchBase
@@ -342,8 +349,23 @@ def inference_model(config: ml_collections.ConfigDict, model: Model) -> Model:
   """The model as the inference workers hold it: its params in
   ``config_lib.inference_param_dtype(config)`` (``model.inference_param_dtype``, default
   ``model.param_dtype``), e.g. a bfloat16 copy of float32 master weights. The trainer pushes
-  its params cast to this model's dtypes (``models.model.cast_params``), once per version."""
-  return with_param_dtype(model, DTYPES[config_lib.inference_param_dtype(config)])
+  its params cast to this model's dtypes (``models.model.cast_params``), once per version.
+  A mixture of experts computes its experts as ``model.inference_moe_impl`` says ('': as
+  ``model``, the trainer's; ``'ragged'``/``'dense'``: ``Execution.moe_impl``;
+  ``'dense_decode'``: ``Execution.decode_moe_impl='dense'``, the decode step dense and
+  prefill as the trainer); the params are the same whichever. ConfigError on a dense model
+  with it set (an ``'auto'`` checkpoint's architecture is known only here)."""
+  model = with_param_dtype(model, DTYPES[config_lib.inference_param_dtype(config)])
+  impl = config.model.inference_moe_impl
+  if not impl:
+    return model
+  if not model.config.is_moe:
+    raise ConfigError(f'config.model.inference_moe_impl={impl!r} picks how the engine computes '
+                      f'a mixture of experts\' experts, but model {_shown(config.model)} is '
+                      "dense (num_experts=0); set model.inference_moe_impl=''.")
+  changes = ({'decode_moe_impl': 'dense'} if impl == 'dense_decode'
+             else {'moe_impl': impl, 'decode_moe_impl': ''})
+  return abstract_model(model.config.with_execution(**changes))
 
 
 def build_worker(config: ml_collections.ConfigDict, model: Model, tokenizer: Tokenizer,

@@ -40,3 +40,7 @@ def test_the_tiny_benchmark_runs_equal_work_and_prints_every_figure():
   assert point['train_dense_over_ragged'] == pytest.approx(
       point['dense_train_s'] / point['ragged_train_s'])
   assert point['decode_forward_dense_over_ragged'] > 0
+  # The engine with its decode steps dense (model.inference_moe_impl='dense_decode').
+  assert point['engine_decode_dense_over_ragged'] == pytest.approx(
+      point['dense_engine_decode_s'] / point['ragged_engine_decode_s'])
+  assert point['engine_greedy_tokens_equal'] == 1.0

@@ -54,6 +54,11 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       # routed every token to and the trainer routes by them (docs/models.md "Rollout
       # routing replay"); 'off': the trainer routes by its own router.
       routing_replay='off',
+      # A mixture of experts: how the workers' engine computes the experts, apart from the
+      # trainer (docs/models.md "Experts in the engine"): '' (the trainer's grouped matmul),
+      # 'ragged', 'dense' (every expert on every token) or 'dense_decode' (dense in the decode
+      # step only: fewer HBM bytes than the grouped matmul on XLA:TPU by the compiler's model).
+      inference_moe_impl='',
   ))
   # LoRA (rlax_llm/models/lora.py, docs/models.md "LoRA"): rank 0 = off (full fine-tuning);
   # rank > 0 trains only low-rank adapters (scale alpha / rank) on the comma-separated targets

@@ -378,7 +378,9 @@ class MoE(nnx.Module):
       gates, experts = moe.replay(probs, own, routes.reshape(own.shape), c.norm_topk_prob)
     kernels = [w[...].astype(dt) for w in (self.experts_gate, self.experts_up,
                                            self.experts_down)]
-    out = moe.run_experts(c.execution.moe_impl, flat, experts, gates, *kernels).astype(dt)
+    run = c.execution  # a decode step (one token per row) may compute its own way
+    impl = run.decode_moe_impl if run.decode_moe_impl and x.shape[1] == 1 else run.moe_impl
+    out = moe.run_experts(impl, flat, experts, gates, *kernels).astype(dt)
     stats = moe.router_stats(probs, experts, None if weights is None else weights.reshape(-1))
     return (constrain(out.reshape(x.shape), ('batch', 'length', 'embed')), stats,
             own.reshape(x.shape[:2] + own.shape[-1:]))

@@ -68,12 +68,19 @@ class Execution:
   # mesh splits the experts (``moe.run_experts``: under the trainer's mesh with expert ->
   # data and data > 1, each device's tokens go to the experts' devices by all-to-all).
   moe_impl: str = 'ragged'
+  # How a decode step's experts compute (one token per row, ``MoE`` on a length-1 input):
+  # one of MOE_IMPLS, or '' (``moe_impl``). The engine's copy sets it with
+  # ``model.inference_moe_impl='dense_decode'`` (``roles.inference_model``): decode is
+  # bound by reading the experts' weights, where XLA:TPU's dense path reads fewer bytes than
+  # its grouped matmul, while prefill and the trainer keep ``moe_impl`` (docs/models.md).
+  decode_moe_impl: str = ''
 
   def __post_init__(self):
     for name, choices in (('remat', REMAT_POLICIES), ('invariant_rows', INVARIANT_ROWS_MODES),
                           ('weight_layout', WEIGHT_LAYOUTS),
                           ('decode_attention', DECODE_ATTENTIONS),
-                          ('layer_loop', LAYER_LOOPS), ('moe_impl', MOE_IMPLS)):
+                          ('layer_loop', LAYER_LOOPS), ('moe_impl', MOE_IMPLS),
+                          ('decode_moe_impl', ('', *MOE_IMPLS))):
       if getattr(self, name) not in choices:
         raise ValueError(f'Execution.{name}={getattr(self, name)!r}; choose one of '
                          f'{choices}.')
