@@ -43,8 +43,23 @@ masked-token fraction, the clip fraction, the importance-ratio statistics agains
 behaviour/proximal log-probs, reward and staleness); per (loss, staleness) the finals of the
 seeds, their mean and spread; and the issue's two goals judged (``judge``).
 
+**RL seeds** (``--rl_seeds=0,1,2``). ``config.seed`` fixes the model init, the warm-up and its
+result, the prompt stream and the held-out problems, so the spread over ``--seeds`` is mostly
+the warm-up's (on this task seed 2's warm-up leaves 15% and plateaus at 30%, seeds 0 and 1
+reach 78-85%), not RL's. With ``--rl_seeds`` every cell runs on the warm-up of the first
+``--seeds`` seed and only ``rl.seed`` varies: the seed of the RL batches' sampling keys (the
+prompt stream and evaluation stay on ``config.seed``: the cells differ in their samples
+alone). Cells are ``<loss>-s<s>-seed<warm-up seed>-rl<rl seed>``; the spread judged (and
+plotted) is the RL seeds' and ``paired_gaps`` pair cells of one RL seed. A cell whose RL seed
+is its warm-up seed is launched without ``rl.seed`` (``launch_flags``): it is the ``--seeds``
+study's cell of that seed bit for bit, so linking that finished workdir in as
+``<loss>-s<s>-seed0-rl0`` reuses it instead of running it again (as the first ``--rl_seeds``
+study did, from the ``--seeds`` study's workdir; its warm-up checkpoint copied to
+``<workdir>/warmup/seed0``).
+
     .venv/bin/python benchmarks/staleness_study.py [--output=runs/staleness_study/study.json]
-        [--plot=docs/staleness_study.png] [--seeds=0,1,2] [--staleness=0,16,64,256] [--no_run]
+        [--plot=docs/staleness_study.png] [--seeds=0,1,2] [--rl_seeds=0,1,2]
+        [--staleness=0,16,64,256] [--no_run]
 """
 
 from __future__ import annotations
