@@ -40,7 +40,8 @@ def _run(config, workdir):
   with build_run(config, workdir, run_spec(config)) as run:
     summary = run.execute()
     ctl = run.controller
-    roots = [np.asarray(jax.random.key_data(ctl._sampling_root(i))) for i in range(2)]  # pylint: disable=protected-access
+    sampling_root = ctl._sampling_root  # pylint: disable=protected-access
+    roots = [np.asarray(jax.random.key_data(sampling_root(i))) for i in range(2)]
     state = ControllerState.from_dict(ctl.state().to_dict())  # a JSON round trip
     params = ctl.trainer.host_params().result()
     opt_state = jax.device_get(ctl.trainer.trainer.opt_state)
