@@ -161,7 +161,8 @@ def _round(value: float) -> float:
 
 
 def read_run(workdir: pathlib.Path) -> dict | None:
-  """A finished run's figures from its workdir (None when it has not finished).
+  """A finished run's figures from its workdir (None when it has not finished, or was
+  preempted: its summary says so).
 
   Returns ``start``/``final`` (held-out greedy accuracy before and after RL), ``curve``
   ([step, accuracy] of every evaluation, step 0 the start), ``series`` (per name in
@@ -171,6 +172,8 @@ def read_run(workdir: pathlib.Path) -> dict | None:
   if not summary_path.exists():
     return None
   summary = json.loads(summary_path.read_text())
+  if summary.get('preempted'):  # stopped by a signal before total_steps: not finished
+    return None
   rows = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()
           if line.strip()]
   train = [r for r in rows if 'reward/mean' in r]
@@ -194,7 +197,7 @@ def run_cell(loss: str, staleness: int, seed: int, args: argparse.Namespace,
   done = read_run(workdir)
   if done is not None:
     return done
-  if workdir.exists():  # an unfinished run (no step checkpoint before the last): start over
+  if workdir.exists():  # an unfinished or preempted run: start over
     shutil.rmtree(workdir)
   flags = launch_flags(loss, staleness, seed, args, rl_seed)
   warmup = root / 'warmup' / f'seed{seed}'
@@ -219,8 +222,8 @@ def run_cell(loss: str, staleness: int, seed: int, args: argparse.Namespace,
   shutil.rmtree(workdir / 'checkpoints', ignore_errors=True)  # the final step's: not needed
   figures = read_run(workdir)
   if figures is None:
-    raise SystemExit(f'{name} exited 0 but wrote no summary.json '
-                     f'in {workdir}.')
+    raise SystemExit(f'{name} exited 0 but left no finished run in {workdir} (no '
+                     'summary.json, or a preempted one); run the study again to redo it.')
   return figures
 
 

@@ -75,6 +75,9 @@ def test_read_run_keeps_the_curve_and_the_step_series(tmp_path):
   assert run['series']['clip_fraction'] == [0.5] * 4
   assert 'is/m2' not in run['series']  # not logged by this run: skipped
   assert (run['rl_s'], run['total_s']) == (12.3, 20.0)
+  summary = json.loads((tmp_path / 'run' / 'summary.json').read_text())
+  (tmp_path / 'run' / 'summary.json').write_text(json.dumps({**summary, 'preempted': True}))
+  assert study_lib.read_run(tmp_path / 'run') is None  # stopped by a signal: run it again
 
 
 def _cell(final: float, masked: float = 0.0) -> dict:
