@@ -324,20 +324,21 @@ def plot(result: dict, path: pathlib.Path) -> None:
       ax.text(0.5, 0.5, 'no cell finished yet', ha='center', transform=ax.transAxes)
 
   for ax, loss in zip(axes, losses):
-    for s in staleness:
+    for color, s in enumerate(staleness):  # one colour per staleness in every panel
       runs = finished(loss, s)
       if runs:
         steps = [p[0] for p in runs[0]['curve']]
         mean = [statistics.fmean(r['curve'][i][1] for r in runs) for i in range(len(steps))]
-        ax.plot(steps, [100 * m for m in mean], label=f's = {s} ({len(runs)} {what})')
+        ax.plot(steps, [100 * m for m in mean], label=f's = {s} ({len(runs)} {what})',
+                color=f'C{color}')
     close(ax, loss, 'held-out greedy accuracy (%)')
   for ax, (loss, name, title) in zip(axes[len(losses):], REMOVED):
-    for s in staleness:
+    for color, s in enumerate(staleness):  # one colour per staleness in every panel
       runs = [r['series'][name] for r in finished(loss, s) if name in r['series']]
       if runs:
         mean = [statistics.fmean(v) for v in zip(*runs)]
         smooth = [statistics.fmean(mean[max(0, i - 19):i + 1]) for i in range(len(mean))]
-        ax.plot(range(1, len(smooth) + 1), smooth, label=f's = {s}')
+        ax.plot(range(1, len(smooth) + 1), smooth, label=f's = {s}', color=f'C{color}')
     close(ax, title, 'fraction of tokens')
   fig.tight_layout()
   fig.savefig(path, dpi=110)
