@@ -43,8 +43,23 @@ masked-token fraction, the clip fraction, the importance-ratio statistics agains
 behaviour/proximal log-probs, reward and staleness); per (loss, staleness) the finals of the
 seeds, their mean and spread; and the issue's two goals judged (``judge``).
 
+**RL seeds** (``--rl_seeds=0,1,2``). ``config.seed`` fixes the model init, the warm-up and its
+result, the prompt stream and the held-out problems, so the spread over ``--seeds`` is mostly
+the warm-up's (on this task seed 2's warm-up leaves 15% and plateaus at 30%, seeds 0 and 1
+reach 78-85%), not RL's. With ``--rl_seeds`` every cell runs on the warm-up of the first
+``--seeds`` seed and only ``rl.seed`` varies: the seed of the RL batches' sampling keys (the
+prompt stream and evaluation stay on ``config.seed``: the cells differ in their samples
+alone). Cells are ``<loss>-s<s>-seed<warm-up seed>-rl<rl seed>``; the spread judged (and
+plotted) is the RL seeds' and ``paired_gaps`` pair cells of one RL seed. A cell whose RL seed
+is its warm-up seed is launched without ``rl.seed`` (``launch_flags``): it is the ``--seeds``
+study's cell of that seed bit for bit, so linking that finished workdir in as
+``<loss>-s<s>-seed0-rl0`` reuses it instead of running it again (as the first ``--rl_seeds``
+study did, from the ``--seeds`` study's workdir; its warm-up checkpoint copied to
+``<workdir>/warmup/seed0``).
+
     .venv/bin/python benchmarks/staleness_study.py [--output=runs/staleness_study/study.json]
-        [--plot=docs/staleness_study.png] [--seeds=0,1,2] [--staleness=0,16,64,256] [--no_run]
+        [--plot=docs/staleness_study.png] [--seeds=0,1,2] [--rl_seeds=0,1,2]
+        [--staleness=0,16,64,256] [--no_run]
 """
 
 from __future__ import annotations
@@ -82,9 +97,24 @@ SERIES = ('reward/mean', 'staleness/mean', 'clip_fraction', 'm2po/masked_fractio
 MAIN_LOSSES = ('grpo', 'm2po')
 
 
-def cell_key(loss: str, staleness: int, seed: int) -> str:
-  """The name of a cell in the output JSON and of its workdir: ``grpo-s256-seed0``."""
-  return f'{loss}-s{staleness}-seed{seed}'
+def cell_key(loss: str, staleness: int, seed: int, rl_seed: int | None = None) -> str:
+  """The name of a cell in the output JSON and of its workdir: ``grpo-s256-seed0`` (warm-up
+  and RL on ``config.seed``), ``grpo-s256-seed0-rl1`` (warm-up seed 0, ``rl.seed`` 1)."""
+  return f'{loss}-s{staleness}-seed{seed}' + ('' if rl_seed is None else f'-rl{rl_seed}')
+
+
+def cell_keyer(args: argparse.Namespace) -> Callable[[str, int, int], str]:
+  """``(loss, staleness, varied seed) -> cell key`` of the study's mode: the varied seed is
+  ``config.seed`` (``--seeds``), or with ``--rl_seeds`` the RL seed on the warm-up of the
+  first ``--seeds`` seed."""
+  if args.rl_seeds is None:
+    return cell_key
+  return lambda loss, s, rl_seed: cell_key(loss, s, args.seeds[0], rl_seed)
+
+
+def varied_seeds(args: argparse.Namespace) -> list[int]:
+  """The seeds whose spread the study judges by: ``--rl_seeds``, else ``--seeds``."""
+  return args.seeds if args.rl_seeds is None else args.rl_seeds
 
 
 def cell_order(losses: Sequence[str], staleness: Sequence[int], seeds: Sequence[int]
@@ -109,9 +139,13 @@ def cell_order(losses: Sequence[str], staleness: Sequence[int], seeds: Sequence[
   return sorted(cells, key=tier)  # stable: the seed, staleness, loss order within a tier
 
 
-def launch_flags(loss: str, staleness: int, seed: int, args: argparse.Namespace) -> list[str]:
-  """The ``rlax_llm.launch`` config arguments of one cell."""
-  return ['--config=configs/default.py', *TASK_FLAGS, f'--config.seed={seed}',
+def launch_flags(loss: str, staleness: int, seed: int, args: argparse.Namespace,
+                 rl_seed: int | None = None) -> list[str]:
+  """The ``rlax_llm.launch`` config arguments of one cell. ``rl_seed`` (``rl.seed``) is
+  passed only when it differs from ``seed``: a cell whose RL seed is its warm-up seed has the
+  flags of the ``config.seed`` cell, so it is that run, bit for bit."""
+  rl = [] if rl_seed is None or rl_seed == seed else [f'--config.rl.seed={rl_seed}']
+  return ['--config=configs/default.py', *TASK_FLAGS, f'--config.seed={seed}', *rl,
           f'--config.total_steps={args.steps}', f'--config.rl.learning_rate={args.lr}',
           f'--config.eval.every_steps={args.eval_every}', '--config.staleness.j=1',
           f'--config.staleness.k={staleness + 1}', '--config.log.tensorboard=false',
@@ -127,7 +161,8 @@ def _round(value: float) -> float:
 
 
 def read_run(workdir: pathlib.Path) -> dict | None:
-  """A finished run's figures from its workdir (None when it has not finished).
+  """A finished run's figures from its workdir (None when it has not finished, or was
+  preempted: its summary says so).
 
   Returns ``start``/``final`` (held-out greedy accuracy before and after RL), ``curve``
   ([step, accuracy] of every evaluation, step 0 the start), ``series`` (per name in
@@ -137,6 +172,8 @@ def read_run(workdir: pathlib.Path) -> dict | None:
   if not summary_path.exists():
     return None
   summary = json.loads(summary_path.read_text())
+  if summary.get('preempted'):  # stopped by a signal before total_steps: not finished
+    return None
   rows = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()
           if line.strip()]
   train = [r for r in rows if 'reward/mean' in r]
@@ -151,16 +188,18 @@ def read_run(workdir: pathlib.Path) -> dict | None:
 
 
 def run_cell(loss: str, staleness: int, seed: int, args: argparse.Namespace,
-             root: pathlib.Path) -> dict:
+             root: pathlib.Path, rl_seed: int | None = None) -> dict:
   """Runs one cell (or reads it back when its workdir holds a finished run) and returns
-  ``read_run``'s figures. The seed's warm-up checkpoint is reused when one is stored."""
-  workdir = root / cell_key(loss, staleness, seed)
+  ``read_run``'s figures. The seed's warm-up checkpoint is reused when one is stored;
+  ``rl_seed``: the cell's ``rl.seed`` (None: ``seed``)."""
+  name = cell_key(loss, staleness, seed, rl_seed)
+  workdir = root / name
   done = read_run(workdir)
   if done is not None:
     return done
-  if workdir.exists():  # an unfinished run (no step checkpoint before the last): start over
+  if workdir.exists():  # an unfinished or preempted run: start over
     shutil.rmtree(workdir)
-  flags = launch_flags(loss, staleness, seed, args)
+  flags = launch_flags(loss, staleness, seed, args, rl_seed)
   warmup = root / 'warmup' / f'seed{seed}'
   run_warmup = workdir / 'checkpoints' / 'warmup'
   workdir.mkdir(parents=True)
@@ -176,30 +215,31 @@ def run_cell(loss: str, staleness: int, seed: int, args: argparse.Namespace,
         [sys.executable, '-m', 'rlax_llm.launch', *flags, f'--workdir={workdir}'], cwd=ROOT,
         env=env, stdout=log, stderr=subprocess.STDOUT)
   if result.returncode != 0:
-    raise SystemExit(f'{cell_key(loss, staleness, seed)} failed (exit {result.returncode}); '
+    raise SystemExit(f'{name} failed (exit {result.returncode}); '
                      f'its log: {workdir.with_suffix(".log")}')
   if not warmup.exists() and run_warmup.exists():
     shutil.copytree(run_warmup, warmup)
   shutil.rmtree(workdir / 'checkpoints', ignore_errors=True)  # the final step's: not needed
   figures = read_run(workdir)
   if figures is None:
-    raise SystemExit(f'{cell_key(loss, staleness, seed)} exited 0 but wrote no summary.json '
-                     f'in {workdir}.')
+    raise SystemExit(f'{name} exited 0 but left no finished run in {workdir} (no '
+                     'summary.json, or a preempted one); run the study again to redo it.')
   return figures
 
 
 def aggregate(cells: dict[str, dict], losses: Sequence[str], staleness: Sequence[int],
-              seeds: Sequence[int]) -> dict:
+              seeds: Sequence[int], key: Callable[[str, int, int], str] = cell_key) -> dict:
   """Per loss and staleness: the finals of the seeds that finished (``None`` for the others),
   their mean and spread (max - min) in accuracy; ``curve_means``, each finished seed's mean
   accuracy over its evaluations after step 0 (the area under the curve, which also sees how
   late a cell got there), and their mean; run means of the step series (M2PO's masked
   fraction, the clip fraction, the ratio statistics); ``complete`` when every seed
-  finished."""
+  finished. ``seeds``: the varied seeds, ``key``: a cell's key from (loss, staleness, seed)
+  (``cell_keyer``; with ``--rl_seeds`` the seeds are RL seeds and the spread theirs)."""
   table = {}
   for loss in losses:
     for s in staleness:
-      runs = [cells.get(cell_key(loss, s, seed)) for seed in seeds]
+      runs = [cells.get(key(loss, s, seed)) for seed in seeds]
       done = [r for r in runs if r is not None]
       if not done:
         continue
@@ -230,7 +270,9 @@ def judge(table: dict, staleness: Sequence[int]) -> dict:
   A goal is ``pending`` while one of its cells lacks a seed. Not judged, beside it:
   ``curve_mean_gap``, the same difference in the mean accuracy over the curve, and
   ``paired_gaps``, the difference seed by seed (a seed fixes the warm-up and the held-out
-  problems, so the seed spread holds differences between seeds that a pair cancels).
+  problems, so the seed spread holds differences between seeds that a pair cancels). With
+  ``--rl_seeds`` the table's seeds are RL seeds on one warm-up: the spread is the RL phase's
+  own (sampling) noise and the pairs share the RL seed.
   """
   lo, hi = min(staleness), max(staleness)
   on_policy = table.get('grpo', {}).get(str(lo))
@@ -256,19 +298,22 @@ REMOVED = (('m2po', 'm2po/masked_fraction', 'M2PO masked-token fraction'),
 
 
 def plot(result: dict, path: pathlib.Path) -> None:
-  """Held-out accuracy curves (mean over the finished seeds) per loss, one line per
-  staleness, then per step the fraction of tokens M2PO masks and GRPO's clip removes (seed
-  mean, 20-step running mean)."""
+  """Held-out accuracy curves (mean over the finished seeds: RL seeds with ``--rl_seeds``)
+  per loss, one line per staleness, then per step the fraction of tokens M2PO masks and
+  GRPO's clip removes (seed mean, 20-step running mean)."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   losses, staleness = result['losses'], result['staleness']
+  # (No 'rl_seeds' in a study JSON from before --rl_seeds.)
+  mode = argparse.Namespace(seeds=result['seeds'], rl_seeds=result.get('rl_seeds'))
+  seeds, key = varied_seeds(mode), cell_keyer(mode)
+  what = 'seeds' if mode.rl_seeds is None else f'RL seeds, warm-up seed {mode.seeds[0]}'
   panels = len(losses) + len(REMOVED)
   fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.6))
 
   def finished(loss, s):
-    return [result['cells'][k] for seed in result['seeds']
-            if (k := cell_key(loss, s, seed)) in result['cells']]
+    return [result['cells'][k] for seed in seeds if (k := key(loss, s, seed)) in result['cells']]
 
   def close(ax, title, ylabel):
     ax.set(title=title, xlabel='RL step', ylabel=ylabel)
@@ -279,20 +324,21 @@ def plot(result: dict, path: pathlib.Path) -> None:
       ax.text(0.5, 0.5, 'no cell finished yet', ha='center', transform=ax.transAxes)
 
   for ax, loss in zip(axes, losses):
-    for s in staleness:
+    for color, s in enumerate(staleness):  # one colour per staleness in every panel
       runs = finished(loss, s)
       if runs:
         steps = [p[0] for p in runs[0]['curve']]
         mean = [statistics.fmean(r['curve'][i][1] for r in runs) for i in range(len(steps))]
-        ax.plot(steps, [100 * m for m in mean], label=f's = {s} ({len(runs)} seeds)')
+        ax.plot(steps, [100 * m for m in mean], label=f's = {s} ({len(runs)} {what})',
+                color=f'C{color}')
     close(ax, loss, 'held-out greedy accuracy (%)')
   for ax, (loss, name, title) in zip(axes[len(losses):], REMOVED):
-    for s in staleness:
+    for color, s in enumerate(staleness):  # one colour per staleness in every panel
       runs = [r['series'][name] for r in finished(loss, s) if name in r['series']]
       if runs:
         mean = [statistics.fmean(v) for v in zip(*runs)]
         smooth = [statistics.fmean(mean[max(0, i - 19):i + 1]) for i in range(len(mean))]
-        ax.plot(range(1, len(smooth) + 1), smooth, label=f's = {s}')
+        ax.plot(range(1, len(smooth) + 1), smooth, label=f's = {s}', color=f'C{color}')
     close(ax, title, 'fraction of tokens')
   fig.tight_layout()
   fig.savefig(path, dpi=110)
@@ -325,7 +371,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument('--workdir', type=pathlib.Path, default=None,
                       help='where the cells\' runs go (default: <output dir>/runs)')
   parser.add_argument('--plot', type=pathlib.Path, default=None, help='a PNG of the curves')
-  parser.add_argument('--seeds', type=_ints, default=[0, 1, 2])
+  parser.add_argument('--seeds', type=_ints, default=[0, 1, 2],
+                      help='config.seed of the cells (with --rl_seeds: the first is the '
+                           'warm-up seed of every cell)')
+  parser.add_argument('--rl_seeds', type=_ints, default=None,
+                      help='vary rl.seed (the RL sampling keys) on the warm-up of the first '
+                           '--seeds seed instead of config.seed; the spread judged is theirs')
   parser.add_argument('--staleness', type=_ints, default=[0, 16, 64, 256])
   parser.add_argument('--losses', type=_losses, default=list(LOSSES))
   parser.add_argument('--steps', type=int, default=800)
@@ -349,8 +400,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def settings(args: argparse.Namespace) -> dict:
   """What every cell's figures depend on besides (loss, staleness, seed): a resumed study
   must have the same, or its cells would mix two experiments."""
-  return {'task_flags': list(TASK_FLAGS), 'steps': args.steps, 'lr': args.lr,
-          'eval_every': args.eval_every, 'set': list(args.set)}
+  out = {'task_flags': list(TASK_FLAGS), 'steps': args.steps, 'lr': args.lr,
+         'eval_every': args.eval_every, 'set': list(args.set)}
+  if args.rl_seeds is not None:  # (absent otherwise: the older studies' JSON still re-reads)
+    out['warmup_seed'] = args.seeds[0]
+  return out
 
 
 def load_previous(path: pathlib.Path, expected: dict) -> dict[str, dict]:
@@ -365,35 +419,37 @@ def load_previous(path: pathlib.Path, expected: dict) -> dict[str, dict]:
 
 
 def study(args: argparse.Namespace,
-          run: Callable[[str, int, int, argparse.Namespace, pathlib.Path], dict] = run_cell
-          ) -> dict:
+          run: Callable[..., dict] = run_cell) -> dict:
   """Runs every missing cell in ``cell_order`` (none with ``args.no_run``), rewriting
   ``args.output`` after each, and returns the whole study (``run``: one cell's figures,
-  ``run_cell`` unless a test's)."""
+  ``run_cell`` unless a test's; with ``--rl_seeds`` called with ``rl_seed=``)."""
   root = args.workdir or args.output.parent / 'runs'
   expected = settings(args)
   cells = load_previous(args.output, expected)
-  order = cell_order(args.losses, args.staleness, args.seeds)
+  seeds, key = varied_seeds(args), cell_keyer(args)
+  order = cell_order(args.losses, args.staleness, seeds)
 
   def result() -> dict:
-    table = aggregate(cells, args.losses, args.staleness, args.seeds)
+    table = aggregate(cells, args.losses, args.staleness, seeds, key)
+    mode = {} if args.rl_seeds is None else {'rl_seeds': args.rl_seeds}
     return {'benchmark': 'staleness_study', 'settings': expected, 'losses': args.losses,
-            'staleness': args.staleness, 'seeds': args.seeds,
-            'order': [cell_key(*c) for c in order],
-            'finished': sum(cell_key(*c) in cells for c in order), 'cells_total': len(order),
+            'staleness': args.staleness, 'seeds': args.seeds, **mode,
+            'order': [key(*c) for c in order],
+            'finished': sum(key(*c) in cells for c in order), 'cells_total': len(order),
             'table': table, 'goals': judge(table, args.staleness), 'cells': cells}
 
   args.output.parent.mkdir(parents=True, exist_ok=True)
   for loss, s, seed in order:
-    key = cell_key(loss, s, seed)
-    if key in cells or args.no_run:
+    name = key(loss, s, seed)
+    if name in cells or args.no_run:
       continue
-    cells[key] = run(loss, s, seed, args, root)
+    cells[name] = (run(loss, s, seed, args, root) if args.rl_seeds is None
+                   else run(loss, s, args.seeds[0], args, root, rl_seed=seed))
     tmp = args.output.with_suffix('.tmp')
     tmp.write_text(json.dumps(result()))
     tmp.replace(args.output)
-    print(f'{key}: start {cells[key]["start"]:.3f} final {cells[key]["final"]:.3f} '
-          f'({cells[key]["total_s"]:.0f} s)', file=sys.stderr, flush=True)
+    print(f'{name}: start {cells[name]["start"]:.3f} final {cells[name]["final"]:.3f} '
+          f'({cells[name]["total_s"]:.0f} s)', file=sys.stderr, flush=True)
   return result()
 
 

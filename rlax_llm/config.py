@@ -286,6 +286,7 @@ def _controller_settings(config: ml_collections.ConfigDict, loss: LossConfig,
         total_steps=config.total_steps, prompts_per_step=config.rl.prompts_per_step,
         group_size=config.rl.group_size, staleness_j=config.staleness.j,
         staleness_k=config.staleness.k, eval_every=config.eval.every_steps, seed=config.seed,
+        rl_seed=_rl_seed(config),
         sampling=sampling, max_new_tokens=config.sampling.max_new_tokens,
         advantage_estimator=loss.estimator, oversample=r.oversample,
         worker_timeout_s=r.worker_timeout_s, stop_after_groups=r.stop_after_groups,
@@ -294,6 +295,15 @@ def _controller_settings(config: ml_collections.ConfigDict, loss: LossConfig,
         reward=(config.reward.to_dict() if config.get('reward') and not config.env.name
                 else None),
         episodes=_episode_settings(config) if config.env.name else None)
+
+
+def _rl_seed(config: ml_collections.ConfigDict) -> int | None:
+  """``rl.seed``: None (the RL sampling keys follow ``config.seed``) or an int >= 0."""
+  value = lookup(config, 'rl.seed')
+  if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+    raise ConfigError(f'config.rl.seed={value!r} must be None (the RL sampling keys follow '
+                      'config.seed) or an int >= 0 (their own seed); e.g. --config.rl.seed=1.')
+  return value
 
 
 def _episode_settings(config: ml_collections.ConfigDict) -> EpisodeSettings:

@@ -160,7 +160,7 @@ class ControllerSettings:
   staleness_j: int
   staleness_k: int
   eval_every: int
-  seed: int
+  seed: int  # config.seed: held-out evaluation's keys (and, rl_seed None, the RL sampling's)
   sampling: SamplingSpec
   max_new_tokens: int
   advantage_estimator: str = 'grpo'
@@ -173,6 +173,12 @@ class ControllerSettings:
   replay: float = 0.0  # fraction of a batch's new prompts re-asked from the replay pool
   schedule: str = 'deterministic'  # 'deterministic' (versions named) | 'free' (SCHEDULES)
   episodes: EpisodeSettings | None = None  # an environment run's (None: single-turn task)
+  rl_seed: int | None = None  # config.rl.seed: the RL sampling keys' seed (None: ``seed``)
+
+  @property
+  def sampling_seed(self) -> int:
+    """The seed of the RL batches' sampling keys: ``rl_seed``, or ``seed`` when unset."""
+    return self.seed if self.rl_seed is None else self.rl_seed
 
   @property
   def replay_capacity(self) -> int:

@@ -75,6 +75,9 @@ def test_read_run_keeps_the_curve_and_the_step_series(tmp_path):
   assert run['series']['clip_fraction'] == [0.5] * 4
   assert 'is/m2' not in run['series']  # not logged by this run: skipped
   assert (run['rl_s'], run['total_s']) == (12.3, 20.0)
+  summary = json.loads((tmp_path / 'run' / 'summary.json').read_text())
+  (tmp_path / 'run' / 'summary.json').write_text(json.dumps({**summary, 'preempted': True}))
+  assert study_lib.read_run(tmp_path / 'run') is None  # stopped by a signal: run it again
 
 
 def _cell(final: float, masked: float = 0.0) -> dict:
@@ -227,3 +230,67 @@ def test_run_cell_resumes_from_the_seeds_stored_warmup(tmp_path, monkeypatch):
   assert launched == ['grpo-s64-seed1', 'm2po-s0-seed2']
   assert (tmp_path / 'warmup' / 'seed2' / '0').is_dir()  # stored for seed 2's other cells
   assert not (tmp_path / 'grpo-s64-seed1' / 'checkpoints').exists()  # the last step's: gone
+
+
+def test_a_cell_whose_rl_seed_is_its_warmup_seed_is_the_config_seed_cell():
+  """--rl_seeds: rl.seed is passed only when it differs from the warm-up seed, so the rl-seed-0
+  cells of warm-up seed 0 are the earlier study's seed-0 runs (reused, not run again)."""
+  args = study_lib.parse_args(['--output=/nonexistent/x.json', '--rl_seeds=0,1'])
+  assert study_lib.launch_flags('grpo', 256, 0, args, 0) == study_lib.launch_flags(
+      'grpo', 256, 0, args)
+  config = load_config(study_lib.launch_flags('m2po', 256, 0, args, 1))
+  validate_config(config, read_hub=False)
+  assert (config.seed, config.rl.seed) == (0, 1)
+  assert load_config(study_lib.launch_flags('m2po', 256, 0, args)).rl.seed is None
+  assert study_lib.cell_key('grpo', 256, 0, 1) == 'grpo-s256-seed0-rl1'
+
+
+def test_rl_seeds_study_varies_the_rl_seed_on_the_first_seeds_warmup(tmp_path):
+  """Every cell on warm-up seed 0, keys naming both seeds; the spread and the paired gaps
+  judged are the RL seeds'; the old mode's settings (and so its JSON) are unchanged."""
+  calls = []
+
+  def fake_run(loss, s, seed, args, root, rl_seed=None):
+    calls.append((loss, s, seed, rl_seed))
+    final = {('grpo', 0): 0.6, ('grpo', 256): 0.4, ('m2po', 256): 0.6}.get((loss, s), 0.6)
+    return {**_cell(final + 0.01 * rl_seed), 'total_s': 1.0}
+
+  argv = [f'--output={tmp_path / "study.json"}', '--losses=grpo,m2po', '--staleness=0,256',
+          '--rl_seeds=0,1,2']
+  out = study_lib.study(study_lib.parse_args(argv), fake_run)
+  assert {c[2] for c in calls} == {0} and [c[3] for c in calls[:4]] == [0] * 4
+  assert out['order'][4:8] == ['grpo-s0-seed0-rl1', 'm2po-s0-seed0-rl1', 'grpo-s256-seed0-rl1',
+                               'm2po-s256-seed0-rl1']
+  assert out['rl_seeds'] == [0, 1, 2] and out['settings']['warmup_seed'] == 0
+  row = out['table']['grpo']['256']
+  assert row['finals'] == pytest.approx([0.4, 0.41, 0.42])
+  assert row['spread'] == pytest.approx(0.02) and row['complete']
+  goals = out['goals']
+  assert goals['grpo_falls']['status'] == 'met' and goals['m2po_holds']['status'] == 'met'
+  assert goals['grpo_falls']['paired_gaps'] == pytest.approx([-0.2] * 3)
+  assert 'warmup_seed' not in study_lib.settings(study_lib.parse_args(argv[:3]))
+  path = tmp_path / 'rl.png'
+  study_lib.plot(out, path)
+  assert path.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
+def test_run_cell_with_an_rl_seed_resumes_from_the_warmup_seeds_checkpoint(tmp_path,
+                                                                           monkeypatch):
+  from rlax_llm.run_config import check_resume_config
+  args = study_lib.parse_args([f'--output={tmp_path / "s.json"}', '--rl_seeds=0,2'])
+  (tmp_path / 'warmup' / 'seed0' / '0').mkdir(parents=True)
+  launched = []
+
+  def fake_launch(cmd, cwd, env, stdout, stderr):
+    workdir = pathlib.Path(cmd[-1].removeprefix('--workdir='))
+    launched.append(workdir.name)
+    assert (workdir / 'checkpoints/warmup/0').is_dir()
+    flags = [a for a in cmd if a.startswith('--config')]
+    assert '--config.rl.seed=2' in flags
+    check_resume_config(json.loads((workdir / 'config.json').read_text()), load_config(flags))
+    _write_run(workdir, 0.3, 0.4)
+    return study_lib.subprocess.CompletedProcess(cmd, 0)
+
+  monkeypatch.setattr(study_lib.subprocess, 'run', fake_launch)
+  assert study_lib.run_cell('m2po', 256, 0, args, tmp_path, rl_seed=2)['final'] == 0.4
+  assert launched == ['m2po-s256-seed0-rl2']

@@ -100,6 +100,10 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # named loss's defaults: its advantage estimator, clip range, aggregation, KL estimator.
   c.rl = ml_collections.ConfigDict(dict(
       loss='grpo', group_size=8, prompts_per_step=32, learning_rate=3e-4,
+      # The seed of the RL batches' sampling keys alone (None: config.seed). Model init, the
+      # warm-up, the prompt stream, the held-out split and evaluation keep config.seed, so
+      # runs of one warm-up that differ only in rl.seed measure the RL phase's own noise.
+      seed=placeholder(int),
       lr_decay_steps=0,
       max_grad_norm=1.0, weight_decay=0.0,
       max_nonfinite_updates=3,  # consecutive skipped (NaN/Inf) updates before the run stops

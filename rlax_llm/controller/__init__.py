@@ -1,7 +1,8 @@
 """The controller: the one active part, scheduling the RL loop deterministically.
 
 It owns the data order (a grain dataset of prompt batches and its iterator position), the RNG
-(one root key; batch ``i`` samples with ``fold_in(root, i)``), the step counter and the
+(one root key, ``rl.seed``'s or by default ``config.seed``'s; batch ``i`` samples with
+``fold_in(root, i)``; held-out evaluation keeps ``config.seed``'s), the step counter and the
 staleness schedule; the trainer and the inference workers act only when it calls them,
 through typed interfaces (``GenerationRequest``s in, ``Rollouts`` out, ``TrainBatch`` to the
 trainer) and through *handles* whose calls return futures, so the same code drives roles in

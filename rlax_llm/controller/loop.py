@@ -80,7 +80,11 @@ class Controller(Snapshots):
     self.writer = writer
     self.step = 0
     self._prompts = iter(prompt_dataset(task, 1).to_iter_dataset())
-    self._root_key = jax.random.key(settings.seed)
+    # The RL batches' sampling root (``rl.seed``, by default ``config.seed``; a snapshot
+    # stores it) and held-out evaluation's key (``config.seed`` always, so that runs of one
+    # warm-up with different RL seeds are evaluated alike).
+    self._root_key = jax.random.key(settings.sampling_seed)
+    self._eval_key = jax.random.key(settings.seed)
     self._eval_prompts = task.eval_prompts()
     self.start_accuracy: float | None = None
     self._start_eval: dict[str, float] = {}
@@ -244,7 +248,7 @@ class Controller(Snapshots):
                     chunks=[(worker, requests, self._submit(worker, requests, key, version))])
       return self.kind.merge(self._gather(batch, key))
 
-    return self.kind.evaluate(run, self._eval_prompts, self._root_key)
+    return self.kind.evaluate(run, self._eval_prompts, self._eval_key)
 
   # -------------------------------------------------------------------------------- run
 

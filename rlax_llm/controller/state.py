@@ -22,7 +22,9 @@ class ControllerState:
   Attributes:
     step: RL steps completed (updates attempted).
     data: the prompt iterator's position (grain iterator state).
-    rng: the root PRNG key's data (uint32 array); batch ``i`` uses ``fold_in(root, i)``.
+    rng: the RL sampling root key's data (uint32 array; ``rl.seed``'s, by default
+      ``config.seed``'s); batch ``i`` uses ``fold_in(root, i)``. ``restore`` checks it
+      equals the resuming run's.
     trainer_version: the version the trainer's params are at.
     worker_version: the version the first inference worker holds (-1: none yet).
     start_accuracy: held-out accuracy of the RL starting point (None until measured).
@@ -101,7 +103,14 @@ class Snapshots:
     self.step = state.step
     self._oldest_held = state.trainer_version
     self._prompts.set_state(state.data)
-    self._root_key = jax.random.wrap_key_data(np.asarray(state.rng, np.uint32))
+    stored = np.asarray(state.rng, np.uint32)
+    configured = np.asarray(jax.random.key_data(self._root_key))
+    if not np.array_equal(stored, configured):
+      raise ValueError(
+          f'the controller state was saved by a run whose RL sampling key is {stored.tolist()}'
+          f', but this run\'s rl.seed={self.settings.rl_seed!r} (config.seed='
+          f'{self.settings.seed}) gives {configured.tolist()}; resume with the rl.seed (and '
+          'config.seed) the run was started with, or start it in a new workdir.')
     self.start_accuracy = state.start_accuracy
     self.accuracy = state.accuracy
     self.step_versions = list(state.step_versions)
