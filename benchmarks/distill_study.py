@@ -12,8 +12,10 @@ one ``python -m rlax_llm.launch`` in ``<workdir>/<arm>``, run one after another:
   ``log pi_teacher - log pi_student`` alone (docs/losses.md "On-policy distillation").
 * ``distill_reward``: ``configs/distill.py:reward``, the same plus the task's group advantage.
 
-The distillation arms run ``--distill_steps`` (default 120: half the GRPO arm's steps, the
-most the goal allows; the launch has no clean early stop, so an arm runs its budget).
+The distillation arms run ``--distill_steps`` each; the default (0) is the steps the GRPO arm
+took to reach the target (all its steps when it did not): twice the most the goal allows, so
+an arm that meets it shows the margin, and one that needs more than that would miss it
+anyway (the launch has no clean early stop, so an arm runs its budget).
 
 This process watches each launch as the head-to-head does (``benchmarks/peers/run_rlax.py``'s
 ``watch``): a step's wall time is when its line reached ``metrics.jsonl``, counted from the
@@ -24,7 +26,8 @@ the held-out accuracy against steps and against wall seconds, the steps and wall
 ``--target`` (the first evaluation at or above it; "not reached" with the best otherwise),
 rollout tokens/s (the median over steps of rlax_llm's ``time/rollout_tokens_per_s``), train
 tokens/s (the median over updates of trained rows x mean completion length / ``time/train_s``:
-the sampled tokens an update trains on, per second), peak RSS, the final accuracy.
+the sampled tokens an update trains on, per second), peak RSS, the final accuracy, and the
+machine's mean 1-minute load average over the arm (other processes slow its wall time).
 
 The goal (``judge``): distillation reaches the target in at most half of GRPO's steps and at
 most half of its wall time, judged for ``distill`` and ``distill_reward`` each.
@@ -37,7 +40,7 @@ one is started over.
 
     .venv/bin/python benchmarks/distill_study.py [--workdir=runs/distill_study]
         [--output=runs/distill_study/study.json] [--plot=docs/distill_study.png]
-        [--distill_steps=120] [--no_run] [--set=--config.KEY=VALUE ...]
+        [--distill_steps=0] [--no_run] [--set=--config.KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -70,8 +74,17 @@ WATCH_FILE = 'watch.json'  # the watcher's record, beside the launch's files in 
 
 
 def arm_steps(arm: str, args: argparse.Namespace) -> int:
-  """The RL steps of ``arm``."""
+  """The RL steps of ``arm`` (``args.distill_steps`` resolved: see ``distill_budget``)."""
   return args.grpo_steps if arm == 'grpo' else args.distill_steps
+
+
+def distill_budget(args: argparse.Namespace, grpo: dict) -> int:
+  """Each distillation arm's steps: ``--distill_steps``, or when 0 the steps the GRPO arm
+  (``grpo``: its ``read_arm`` figures) took to reach the target, all its steps when it did
+  not."""
+  if args.distill_steps:
+    return args.distill_steps
+  return max(1, grpo['steps_to_target'] or args.grpo_steps)
 
 
 def launch_flags(arm: str, args: argparse.Namespace, teacher: pathlib.Path) -> list[str]:
@@ -139,6 +152,7 @@ def read_arm(workdir: pathlib.Path, target: float) -> dict | None:
           'rollout_tokens_per_s': _round(statistics.median(rollout_rates)),
           'train_tokens_per_s': _round(statistics.median(train_rates)) if train_rates else 0.0,
           'peak_rss_mib': round(watched['peak_rss_mib'], 1),
+          'load_mean': watched.get('load_mean'),
           'total_wall_s': round(max(arrived.values()), 1),
           'rl_s': round(summary['time/rl_s'], 1), 'total_s': round(summary['time/total_s'], 1)}
 
@@ -147,6 +161,14 @@ def _launch(command: list[str], workdir: pathlib.Path, log_path: pathlib.Path) -
   """Runs ``python -m rlax_llm.launch`` watched, writing the watcher's record into the
   workdir (the arm counts as finished once it is there)."""
   env = dict(os.environ, PYTHONPATH=str(ROOT))
+  loads, stop = [], threading.Event()
+
+  def sample_load():  # the 1-minute load average every 10 s while the arm runs
+    while not stop.wait(10.0):
+      loads.append(os.getloadavg()[0])
+
+  sampler = threading.Thread(target=sample_load, daemon=True)
+  sampler.start()
   started = time.time()
   with open(log_path, 'w', encoding='utf-8') as log:
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -155,10 +177,13 @@ def _launch(command: list[str], workdir: pathlib.Path, log_path: pathlib.Path) -
       arrived, peak = watch(process, workdir / 'metrics.jsonl', started)
     finally:
       signal.signal(signal.SIGTERM, previous)
+      stop.set()
   if process.returncode:
     raise SystemExit(f'the launch in {workdir} failed (exit {process.returncode}); its log: '
                      f'{log_path}')
-  (workdir / WATCH_FILE).write_text(json.dumps({'arrived': arrived, 'peak_rss_mib': peak}))
+  (workdir / WATCH_FILE).write_text(json.dumps({
+      'arrived': arrived, 'peak_rss_mib': peak,
+      'load_mean': round(statistics.fmean(loads), 2) if loads else None}))
 
 
 def export_teacher(grpo: pathlib.Path, out: pathlib.Path) -> None:
@@ -182,7 +207,7 @@ def run_arm(arm: str, args: argparse.Namespace, root: pathlib.Path) -> dict:
   ``read_arm``'s figures; after the ``grpo`` arm, exports the teacher."""
   workdir, teacher = root / arm, root / 'teacher'
   done = read_arm(workdir, args.target)
-  if done is None:
+  if done is None or done['steps'] != arm_steps(arm, args):
     if arm in DISTILL_ARMS and not (teacher / 'config.json').exists():
       raise SystemExit(f'{arm} needs the teacher exported to {teacher}: run the grpo arm '
                        'first (the study runs the arms in order).')
@@ -273,8 +298,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument('--seed', type=int, default=0)
   parser.add_argument('--grpo_steps', type=int, default=240,
                       help="the GRPO arm's steps (the shipped recipe's 240)")
-  parser.add_argument('--distill_steps', type=int, default=120,
-                      help="each distillation arm's steps (at most --grpo_steps)")
+  parser.add_argument('--distill_steps', type=int, default=0,
+                      help="each distillation arm's steps (at most --grpo_steps); 0: the steps "
+                           'the GRPO arm took to reach --target')
   parser.add_argument('--target', type=float, default=0.8,
                       help='the held-out accuracy the goal times (0.8: 80%%)')
   parser.add_argument('--no_run', action='store_true',
@@ -286,30 +312,46 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   bad = [s for s in args.set if not s.startswith('--config.') or '=' not in s]
   if bad:
     parser.error(f'--set takes --config.KEY=VALUE launch overrides, got {bad}')
-  if args.grpo_steps <= 0 or not 0 < args.distill_steps <= args.grpo_steps:
+  if args.grpo_steps <= 0 or not 0 <= args.distill_steps <= args.grpo_steps:
     parser.error(f'--grpo_steps={args.grpo_steps} must be > 0 and --distill_steps='
-                 f'{args.distill_steps} in [1, --grpo_steps]: distillation gets no more steps '
-                 'than GRPO.')
+                 f'{args.distill_steps} in [0, --grpo_steps] (0: GRPO\'s steps to the target): '
+                 'distillation gets no more steps than GRPO.')
   if not 0 < args.target <= 1:
     parser.error(f'--target={args.target} is an accuracy: give one in (0, 1].')
   return args
 
 
 def settings(args: argparse.Namespace) -> dict:
-  """What the arms' figures depend on: a resumed study must have the same."""
+  """The study's settings (every arm's, in the output JSON)."""
   return {'seed': args.seed, 'grpo_steps': args.grpo_steps,
           'distill_steps': args.distill_steps, 'target': args.target, 'set': list(args.set)}
 
 
+def arm_settings(study_settings: dict, arm: str) -> dict:
+  """What ``arm``'s figures depend on, from the study's ``settings``: the ``grpo`` arm (the
+  teacher) on all but ``distill_steps``, a distillation arm on all. A finished arm is reused
+  when these are the same, so a new ``--distill_steps`` reruns the distillation arms only."""
+  keys = ['seed', 'grpo_steps', 'target', 'set'] + (['distill_steps'] if arm != 'grpo' else [])
+  return {k: study_settings[k] for k in keys}
+
+
 def load_previous(path: pathlib.Path, expected: dict) -> dict[str, dict]:
-  """The arms already in ``path`` (none when it does not exist); refuses another study's."""
+  """The arms already in ``path`` (none when it does not exist) that were run with the
+  settings ``expected`` gives them (``arm_settings``); those of other settings are left out,
+  to be run again, and refused when the teacher's own differ."""
   if not path.exists():
     return {}
   previous = json.loads(path.read_text())
-  if previous.get('settings') != expected:
-    raise SystemExit(f'{path} holds a study with settings {previous.get("settings")}, not '
-                     f'{expected}; pass another --output (and --workdir) for these settings.')
-  return previous.get('arms', {})
+  kept = {}
+  for arm, figures in previous.get('arms', {}).items():
+    if arm_settings(previous['settings'], arm) == arm_settings(expected, arm):
+      kept[arm] = figures
+    elif arm == 'grpo':
+      raise SystemExit(f'{path} holds a study whose teacher was run with settings '
+                       f'{arm_settings(previous["settings"], arm)}, not '
+                       f'{arm_settings(expected, arm)}; pass another --output (and --workdir) '
+                       'for these settings.')
+  return kept
 
 
 def study(args: argparse.Namespace,
@@ -330,7 +372,11 @@ def study(args: argparse.Namespace,
   for arm in ARMS:
     if arm in arms or args.no_run:
       continue
-    arms[arm] = run(arm, args, root)
+    if arm == 'grpo':
+      arms[arm] = run(arm, args, root)
+    else:  # the budget resolved (GRPO's steps to the target by default)
+      steps = distill_budget(args, arms['grpo'])
+      arms[arm] = run(arm, argparse.Namespace(**{**vars(args), 'distill_steps': steps}), root)
     write_text_atomic(args.output, json.dumps(result()))
     print(f'{arm}: start {arms[arm]["start"]:.3f} final {arms[arm]["final"]:.3f} '
           f'(to {args.target:g}: step {arms[arm]["steps_to_target"]}, '

@@ -20,7 +20,8 @@ import distill_study as study_lib  # benchmarks/ is not a package: on the path a
 def test_launch_flags_are_a_valid_run_of_each_arm(arm, tmp_path):
   """Each arm is a config the launcher accepts: its recipe, seed 0, its budget, the final step
   saved only, the teacher's export for the distillation arms."""
-  args = study_lib.parse_args(['--output=/nonexistent/x.json', '--set=--config.rl.group_size=4'])
+  args = study_lib.parse_args(['--output=/nonexistent/x.json', '--set=--config.rl.group_size=4',
+                               '--distill_steps=120'])
   config = load_config(study_lib.launch_flags(arm, args, tmp_path / 'teacher'))
   validate_config(config, read_hub=False)
   steps = 240 if arm == 'grpo' else 120
@@ -54,7 +55,8 @@ def _finished_arm(workdir: pathlib.Path, accuracies: dict[int, float], *, watche
       'time/rl_s': 40.04, 'time/total_s': 70.0}))
   if watched:
     (workdir / study_lib.WATCH_FILE).write_text(json.dumps(
-        {'arrived': {str(s): 20.0 + 10 * s for s in range(1, 5)}, 'peak_rss_mib': 8146.04}))
+        {'arrived': {str(s): 20.0 + 10 * s for s in range(1, 5)}, 'peak_rss_mib': 8146.04,
+         'load_mean': 4.5}))
 
 
 def test_read_arm_times_the_target_in_steps_and_wall_seconds(tmp_path):
@@ -68,6 +70,7 @@ def test_read_arm_times_the_target_in_steps_and_wall_seconds(tmp_path):
   assert run['rollout_tokens_per_s'] == 25.0
   assert run['train_tokens_per_s'] == pytest.approx((40 / 4 + 40 / 6) / 2, rel=1e-4)
   assert (run['peak_rss_mib'], run['total_wall_s'], run['rl_s']) == (8146.0, 60.0, 40.0)
+  assert run['load_mean'] == 4.5
 
 
 def test_read_arm_not_reached_keeps_the_best_and_unfinished_is_none(tmp_path):
@@ -131,8 +134,33 @@ def test_study_resumes_arm_by_arm_and_refuses_other_settings(tmp_path):
   with pytest.raises(SystemExit, match='interrupted'):
     study_lib.study(study_lib.parse_args(argv), fake_run)
   assert ran == ['distill']  # grpo was not run again
-  with pytest.raises(SystemExit, match='another --output'):
-    study_lib.study(study_lib.parse_args([*argv, '--distill_steps=60']), fake_run)
+  with pytest.raises(SystemExit, match='another --output'):  # another teacher
+    study_lib.study(study_lib.parse_args([*argv, '--grpo_steps=200']), fake_run)
+
+
+def test_a_new_distillation_budget_reruns_the_distillation_arms_only(tmp_path):
+  ran = []
+
+  def fake_run(arm, args, root):
+    ran.append((arm, args.distill_steps))
+    return {**_arm(100, 2000.0), 'start': 0.25, 'final': 0.85}
+
+  argv = [f'--output={tmp_path / "study.json"}']
+  study_lib.study(study_lib.parse_args(argv), fake_run)
+  # By default the distillation arms get the steps GRPO took to reach the target.
+  assert ran == [('grpo', 0), ('distill', 100), ('distill_reward', 100)]
+  ran.clear()
+  again = study_lib.study(study_lib.parse_args([*argv, '--distill_steps=60']), fake_run)
+  assert ran == [('distill', 60), ('distill_reward', 60)]
+  assert again['settings']['distill_steps'] == 60 and again['finished'] == list(study_lib.ARMS)
+
+
+def test_the_default_budget_is_grpos_steps_to_the_target():
+  args = study_lib.parse_args(['--output=x.json'])
+  assert study_lib.distill_budget(args, _arm(60, 900.0)) == 60
+  assert study_lib.distill_budget(args, _arm(None, None)) == 240  # not reached: all its steps
+  given = study_lib.parse_args(['--output=x.json', '--distill_steps=30'])
+  assert study_lib.distill_budget(given, _arm(60, 900.0)) == 30
 
 
 def test_run_arm_reads_a_finished_workdir_back_without_launching(tmp_path, monkeypatch):
@@ -143,7 +171,7 @@ def test_run_arm_reads_a_finished_workdir_back_without_launching(tmp_path, monke
     raise AssertionError('a finished arm was launched again')
 
   monkeypatch.setattr(study_lib.subprocess, 'Popen', no_launch)
-  args = study_lib.parse_args([f'--output={tmp_path / "s.json"}'])
+  args = study_lib.parse_args([f'--output={tmp_path / "s.json"}', '--distill_steps=4'])
   assert study_lib.run_arm('distill', args, tmp_path)['steps_to_target'] == 4
   assert not (tmp_path / 'distill' / 'checkpoints').exists()  # its final save: not needed
 
@@ -157,6 +185,7 @@ def test_a_distillation_arm_without_the_teacher_is_refused(tmp_path):
 @pytest.mark.parametrize('argv, message', [
     (['--set=rl.lr=1'], '--set takes'),
     (['--distill_steps=241'], 'no more steps than GRPO'),
+    (['--distill_steps=-1'], 'in [0, --grpo_steps]'),
     (['--grpo_steps=0'], 'must be > 0'),
     (['--target=80'], 'is an accuracy'),
 ])
