@@ -202,3 +202,21 @@ def test_plot_draws_both_panels(tmp_path):
   path = tmp_path / 'study.png'
   study_lib.plot({'settings': {'target': 0.8}, 'arms': arms}, path)
   assert path.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
+def test_launch_is_watched_and_a_failure_names_its_log(tmp_path):
+  """``_launch`` records each metrics line's arrival, the peak memory and the load; a launch
+  that fails raises with its log's path (a stand-in process, not rlax_llm.launch)."""
+  workdir = tmp_path / 'arm'
+  workdir.mkdir()
+  writes = ('import json, sys, time; f = open(sys.argv[1], "a")\n'
+            'for step in (1, 2):\n'
+            '  f.write(json.dumps({"step": step}) + "\\n"); f.flush(); time.sleep(0.6)\n')
+  study_lib._launch([sys.executable, '-c', writes, str(workdir / 'metrics.jsonl')], workdir,
+                    tmp_path / 'arm.log')
+  watched = json.loads((workdir / study_lib.WATCH_FILE).read_text())
+  assert sorted(watched['arrived']) == ['1', '2']
+  assert 0 < watched['arrived']['1'] < watched['arrived']['2']
+  assert watched['peak_rss_mib'] > 0
+  with pytest.raises(SystemExit, match='arm.log'):
+    study_lib._launch([sys.executable, '-c', 'raise SystemExit(3)'], workdir, tmp_path / 'arm.log')
