@@ -78,6 +78,7 @@ from collections.abc import Callable, Sequence
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from rlax_llm.cli import load_config  # noqa: E402  (after the repository joins the path)
+from rlax_llm.storage import write_text_atomic  # noqa: E402
 
 # The non-saturating task (see the docstring). max_prompt_len 9: '999-999=' and BOS.
 TASK_FLAGS = ('--config.task.max_operand=999', '--config.task.operations=+',
@@ -445,9 +446,7 @@ def study(args: argparse.Namespace,
       continue
     cells[name] = (run(loss, s, seed, args, root) if args.rl_seeds is None
                    else run(loss, s, args.seeds[0], args, root, rl_seed=seed))
-    tmp = args.output.with_suffix('.tmp')
-    tmp.write_text(json.dumps(result()))
-    tmp.replace(args.output)
+    write_text_atomic(args.output, json.dumps(result()))
     print(f'{name}: start {cells[name]["start"]:.3f} final {cells[name]["final"]:.3f} '
           f'({cells[name]["total_s"]:.0f} s)', file=sys.stderr, flush=True)
   return result()
