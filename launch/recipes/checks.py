@@ -458,8 +458,8 @@ def _teacher_too_big(config: ml_collections.ConfigDict, plan: Plan, need: float,
           f'{need / 2**30:.2f} GiB on the one chip it scores on, but {where} has '
           f'{hbm / 2**30:g} GiB of HBM ({"; ".join(teacher_lines)}); give it a slice with more '
           f'HBM per chip, e.g. --teacher-tpu-type={roomy.name} ({roomy.hbm_gib:g} GiB), or '
-          'shrink it: --config.teacher.quant=int8, --config.teacher.dtype=bfloat16, or log-probs in '
-          'chunks (--config.rl.logprob_chunk=128).')
+          'shrink it: --config.teacher.quant=int8, --config.teacher.dtype=bfloat16, or '
+          'log-probs in chunks (--config.rl.logprob_chunk=128).')
 
 
 def _library_dirs() -> tuple[pathlib.Path, ...]:

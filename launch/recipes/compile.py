@@ -198,8 +198,8 @@ def compile_trainer(config: ml_collections.ConfigDict, model: DecoderConfig,
 def make_engine(config: ml_collections.ConfigDict, model: DecoderConfig,
                 mesh: jax.sharding.Mesh, quant: str) -> Engine:
   """The engine an inference worker of the run builds (``roles.build_worker``: the workers'
-  dtype, slots, lengths, KV-cache quantisation, layer loop), with ``quant`` weights and the layout and
-  decode attention a TPU host gets (the model's own)."""
+  dtype, slots, lengths, KV-cache quantisation, layer loop), with ``quant`` weights and the
+  layout and decode attention a TPU host gets (the model's own)."""
   inference = roles.inference_model(config, abstract_model(model))
   run = inference.config.execution
   s = config.sampling
