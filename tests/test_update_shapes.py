@@ -12,6 +12,7 @@ from rlax_llm.cli import load_config_file
 from rlax_llm.config import run_spec
 from rlax_llm.metrics import read_metrics
 from rlax_llm.tasks import ArithmeticTask
+from rlax_llm.trainer import trainer as trainer_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -25,6 +26,10 @@ class _SparseTask(ArithmeticTask):
 
 
 def test_waiting_for_informative_groups_compiles_one_update_step(tmp_path):
+  # Trainers alike share their jitted step (trainer._programs is memoised per process): an
+  # earlier test file in this process may have compiled the smoke config's step for another
+  # batch shape, so this run starts from fresh programs and counts only its own compiles.
+  trainer_lib._programs.cache_clear()  # pylint: disable=protected-access
   config = load_config_file(str(ROOT / 'configs/default.py') + ':smoke')
   config.total_steps = 6
   config.warmup.steps = 0  # the rewards are _SparseTask's: no competent model needed
