@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))  # the recipes' tooling lives in the checkout, not
 
 # pylint: disable=wrong-import-position
 from launch.recipes import cli, scripts, serve_tpu_vm
-from launch.recipes.checks import check_local, check_ray
+from launch.recipes.checks import check_local, check_ray, memory_check
 from launch.recipes.slices import SLICES, SliceError, get_slice, slice_table
 from rlax_llm.cli import config_variants, load_config
 
@@ -1162,3 +1162,15 @@ def test_gke_notes_a_workdir_not_on_gs_and_refuses_bad_account_names(tmp_path):
     result = _recipes('gke', '--tpu-type=v5e-8', '--image=i', '--workdir=gs://b/r',
                       '--config=configs/default.py:smoke', flag, '--dry-run')
     assert result.returncode == 1 and f'error: {message}' in result.stderr, result.stderr
+
+
+def test_memory_check_puts_a_teacher_on_a_cpu_host_on_no_chips_row():
+  """A ``ray.teacher_resources`` of the user's that places the teacher on a CPU host: the plan
+  says so and holds no chip's HBM against it (``MemoryPlan.needs(teacher_on_host=True)``)."""
+  config = load_config(['--config=configs/distill.py', '--config.backend=ray',
+                        '--config.ray.teacher_resources={"CPU": 1}'])
+  plan = check_ray(config, get_slice('v5p-8'), get_slice('v5e-8'), 1)
+  assert plan.teacher_hbm_gib is None
+  lines = memory_check(config, plan, 95, 16, shared=False)
+  assert any('teacher (on a CPU host, in host memory): params' in line for line in lines), lines
+  assert not any(': teacher: ' in line for line in lines), lines

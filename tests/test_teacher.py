@@ -403,6 +403,12 @@ def test_on_ray_the_memory_plan_gives_the_teacher_a_row_of_its_own(tiny):
   assert [chips for chips, _, _ in shared] == ['trainer + inference', 'teacher']
   assert shared[1] == ('teacher', ray.teacher_bytes, 1e12)  # a trainer chip's HBM unless told
   assert any(line.startswith('teacher (on its own chip): params') for line in ray.table(1e12))
+  # Placed on a CPU host (the ray recipes' dry run with CPU teacher_resources): no HBM row.
+  assert ray.needs(1e12, 2e12, teacher_on_host=True) == ray.needs(1e12, 2e12)[:2]
+  on_host = ray.table(1e12, 2e12, teacher_on_host=True)
+  assert any(line.startswith('teacher (on a CPU host, in host memory): params')
+             for line in on_host)
+  assert not any(line.startswith('teacher: ') for line in on_host), on_host
 
 
 # A run compiles the engine, the trainer and the teacher: about 15 s warm, a minute cold on a

@@ -424,11 +424,9 @@ def memory_check(config: ml_collections.ConfigDict, plan: Plan, trainer_hbm: flo
                                       shared=shared, platform='tpu')
   trainer_bytes, inference_bytes = trainer_hbm * 2**30, inference_hbm * 2**30
   teacher_bytes = None if plan.teacher_hbm_gib is None else plan.teacher_hbm_gib * 2**30
-  rows = memory.needs(trainer_bytes, inference_bytes, teacher_bytes)
-  lines = memory.table(trainer_bytes, inference_bytes, teacher_bytes)
-  if memory.teacher_apart and teacher_bytes is None:  # a teacher on a CPU host: no HBM row
-    rows = [row for row in rows if row[0] != 'teacher']
-    lines = [line for line in lines if not line.startswith('teacher: ')]
+  on_host = teacher_bytes is None  # an apart teacher placed on a CPU host: no HBM row
+  rows = memory.needs(trainer_bytes, inference_bytes, teacher_bytes, teacher_on_host=on_host)
+  lines = memory.table(trainer_bytes, inference_bytes, teacher_bytes, teacher_on_host=on_host)
   warnings = []
   for chips, need, hbm in rows:
     band = memory_fit.fit_band(need, hbm)

@@ -488,11 +488,13 @@ class MemoryPlan:
     return self.teacher_params + self.teacher_scoring
 
   def needs(self, trainer_hbm_bytes: float, inference_hbm_bytes: float | None = None,
-            teacher_hbm_bytes: float | None = None) -> list[tuple[str, float, float]]:
+            teacher_hbm_bytes: float | None = None, *,
+            teacher_on_host: bool = False) -> list[tuple[str, float, float]]:
     """``(chips, bytes needed per chip, bytes of HBM per chip)``: one row when the roles
     share chips, else one for the trainer's and one for the workers'. A teacher counts on
     the trainer's (its first chip is the teacher's), or with ``teacher_apart`` on a row of
-    its own, against ``teacher_hbm_bytes`` (None: a trainer chip's)."""
+    its own, against ``teacher_hbm_bytes`` (None: a trainer chip's); with
+    ``teacher_on_host`` (an apart teacher placed on a CPU host) on no chip's row."""
     on_trainer = 0.0 if self.teacher_apart else self.teacher_bytes
     if self.shared:
       rows = [('trainer + inference', self.trainer_bytes + self.inference_bytes + on_trainer,
@@ -501,15 +503,16 @@ class MemoryPlan:
       rows = [('trainer', self.trainer_bytes + on_trainer, trainer_hbm_bytes),
               ('inference', self.inference_bytes,
                trainer_hbm_bytes if inference_hbm_bytes is None else inference_hbm_bytes)]
-    if self.teacher_apart and self.teacher_bytes:
+    if self.teacher_apart and self.teacher_bytes and not teacher_on_host:
       rows.append(('teacher', self.teacher_bytes,
                    trainer_hbm_bytes if teacher_hbm_bytes is None else teacher_hbm_bytes))
     return rows
 
   def table(self, trainer_hbm_bytes: float, inference_hbm_bytes: float | None = None,
-            teacher_hbm_bytes: float | None = None) -> list[str]:
+            teacher_hbm_bytes: float | None = None, *, teacher_on_host: bool = False
+            ) -> list[str]:
     """The plan as lines of text: each part in GiB, then each total against the HBM
-    (``needs``' rows)."""
+    (``needs``' rows, with the same arguments)."""
     gib = lambda n: f'{n / 2**30:.2f} GiB'  # noqa: E731
     lines = [
         (f'trainer: params {gib(self.params)}, optimizer {gib(self.optimizer)}, gradients '
@@ -528,11 +531,12 @@ class MemoryPlan:
          + f', KV cache {gib(self.kv_cache)}, logits '
          f'{gib(self.inference_logits)}) = {gib(self.inference_bytes)}')]
     if self.teacher_bytes:
-      where = 'its own chip' if self.teacher_apart else 'the first trainer chip'
+      where = ('a CPU host, in host memory' if self.teacher_apart and teacher_on_host else
+               'its own chip' if self.teacher_apart else 'the first trainer chip')
       lines.append(f'teacher (on {where}): params {gib(self.teacher_params)}, '
                    f'scoring {gib(self.teacher_scoring)} = {gib(self.teacher_bytes)}')
     for chips, need, hbm in self.needs(trainer_hbm_bytes, inference_hbm_bytes,
-                                       teacher_hbm_bytes):
+                                       teacher_hbm_bytes, teacher_on_host=teacher_on_host):
       lines.append(f'{chips}: {gib(need)} of {gib(hbm)} HBM per chip ({100 * need / hbm:.0f}%)')
     return lines
 
