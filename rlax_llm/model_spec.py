@@ -28,7 +28,7 @@ LAYER_LOOPS = ('scan', 'unrolled')  # decoder_config.Execution.layer_loop
 # How a mixture-of-experts block computes its experts (``models.moe``): 'ragged', a grouped
 # matmul (``jax.lax.ragged_dot``) over the tokens sorted by expert, or 'dense', every expert
 # on every token weighted by the sparse gates (exact, for tiny models and CPU).
-MOE_IMPLS = ('ragged', 'dense')
+MOE_IMPLS = ('ragged', 'dense', 'blocked')
 # Rollout routing replay (``models.moe.replay``): a token's recorded expert index where none
 # was recorded (padding, a sample's last token), and the indices' compact dtype name: int8
 # for up to 127 experts, else int16 (``route_dtype``).
