@@ -9,8 +9,10 @@ are computed, whatever the load. ``Execution.moe_impl`` picks how (the same func
 rounding): ``'ragged'``, the (token, expert) pairs sorted by expert and one grouped matmul
 per projection (``grouped_matmul``: ``jax.lax.ragged_dot``, which lowers to TPU's
 grouped-matmul kernel, with a grouped weight gradient; ``k / num_experts`` of the dense
-FLOPs), or ``'dense'``, every expert on every token and the outputs combined by the sparse
-gates (exact and simple; for tiny models and CPU).
+FLOPs), ``'dense'``, every expert on every token and the outputs combined by the sparse
+gates (exact and simple), or ``'blocked'``, the sorted pairs padded to blocks of one expert
+each and a scan over the blocks (``_blocked_experts``: about the routed FLOPs with static
+shapes on any backend, where XLA:CPU lowers ``ragged_dot`` as every expert over every row).
 
 Expert parallelism: under the trainer's mesh (``sharding.activation_sharding``) with the
 experts split over a mesh axis that splits the tokens too (``LOGICAL_RULES``: expert ->
