@@ -205,22 +205,13 @@ def impls(args) -> list[dict]:
           engine=engine)
     times = median_times(calls, args.repeats)
     greedy = {impl: np.array([s.tokens for s in run()]) for impl, run in generations.items()}
+    equal = lambda impl: float(np.mean(greedy[impl] == greedy['ragged']))  # noqa: E731
     out.append({'experts': experts, 'top_k': top_k,
                 **{f'{name}_s': t for name, t in times.items()},
-                'train_dense_over_ragged': times['dense_train'] / times['ragged_train'],
-                'decode_forward_dense_over_ragged': (times['dense_decode_forward']
-                                                     / times['ragged_decode_forward']),
-                'engine_decode_dense_over_ragged': (times['dense_engine_decode']
-                                                    / times['ragged_engine_decode']),
-                'engine_greedy_tokens_equal': float(np.mean(greedy['dense']
-                                                            == greedy['ragged'])),
-                'train_blocked_over_ragged': times['blocked_train'] / times['ragged_train'],
-                'decode_forward_blocked_over_ragged': (times['blocked_decode_forward']
-                                                       / times['ragged_decode_forward']),
-                'engine_decode_blocked_over_ragged': (times['blocked_engine_decode']
-                                                      / times['ragged_engine_decode']),
-                'engine_blocked_greedy_tokens_equal': float(np.mean(greedy['blocked']
-                                                                    == greedy['ragged']))})
+                **{f'{step}_{impl}_over_ragged': times[f'{impl}_{step}'] / times[f'ragged_{step}']
+                   for impl in IMPLS[1:] for step in ('train', 'decode_forward', 'engine_decode')},
+                'engine_greedy_tokens_equal': equal('dense'),
+                'engine_blocked_greedy_tokens_equal': equal('blocked')})
   return out
 
 
