@@ -516,7 +516,7 @@ def block_rows(rows: int, num_experts: int) -> int:
 def _block_layout(experts: Array, num_experts: int, block: int
                   ) -> tuple[Array, Array, Array, Array]:
   """Where ``'blocked'`` puts each (token, slot) pair: the pairs sorted by expert
-  (``_sort_by_expert``), each expert's group padded to a multiple of ``block`` rows, so each
+  (``_expert_order``), each expert's group padded to a multiple of ``block`` rows, so each
   block of ``block`` consecutive rows holds one expert's pairs.
 
   Args:
@@ -578,6 +578,8 @@ def _blocked_experts(x: Array, experts: Array, gates: Array, w_gate: Experts, w_
   every row (``'ragged'``) and ``'dense'`` every expert on every token. The blocks past the
   used ones (all padding) compute zeros with the last expert.
   """
+  chex.assert_rank([x, experts, gates], 2)
+  chex.assert_equal_shape([experts, gates])
   tokens, k = experts.shape
   num_experts = w_gate.shape[0]
   block = block_rows(tokens * k, num_experts)
