@@ -1,7 +1,8 @@
 """Benchmark: a tiny Qwen3-MoE decoder in rlax_llm (JAX) vs transformers' Qwen3MoeForCausalLM
-(torch eager, CPU), same run, same shapes, same weights, float32; and rlax_llm's two expert
-paths (``Execution.moe_impl``: 'ragged', grouped matmuls, vs 'dense', every expert on every
-token) at a few (experts, k) points.
+(torch eager, CPU), same run, same shapes, same weights, float32; and rlax_llm's three expert
+paths (``Execution.moe_impl``: 'ragged', grouped matmuls, 'dense', every expert on every
+token, and 'blocked', the routed rows in blocks of one expert each) at a few (experts, k)
+points.
 
 The model (defaults; every size a flag): 2 layers, hidden 256, 4 heads of 64 (2 kv heads),
 16 experts of width 256, top-2 with renormalised gates (``norm_topk_prob``), a 4096-word
@@ -12,27 +13,33 @@ computation).
 
 - **train**: one forward and backward pass (the gradient of every parameter) of the mean
   token log-probability of ``--batch`` x ``--length`` random tokens: ours ``jax.jit`` of
-  ``jax.value_and_grad`` over ``Model.apply``; torch ``loss.backward()`` on the module's
-  logits. tokens/s = batch x length / median step time.
+  ``jax.value_and_grad`` over ``Model.apply`` with ``moe_impl=--moe_impl`` (default
+  'blocked', XLA:CPU's fastest: **impls**); torch ``loss.backward()`` on the module's
+  logits. tokens/s = batch x length / median step time. ``moe_impl`` and
+  ``decode_moe_impl`` in the output say which paths ours ran.
 - **decode**: greedy generation of ``--new_tokens`` tokens for ``--batch`` prompts of
   ``--prompt`` tokens, each side with its KV cache: ours the ``Engine`` (``rollout.driver.
   generate``; prefill, then one jitted decode step per token), torch ``model.generate``
-  (``min_new_tokens`` = ``max_new_tokens``: no early stop). tokens/s = batch x new tokens /
-  median time, prefill included on both sides.
+  (``min_new_tokens`` = ``max_new_tokens``: no early stop); ours with ``--moe_impl`` in
+  prefill and ``--decode_moe_impl`` in the decode steps (default 'blocked' for both).
+  tokens/s = batch x new tokens / median time, prefill included on both sides.
 - **impls**: our train step (as above) and a decode-sized forward (``--batch`` tokens, one per
-  row) with ``moe_impl='ragged'`` and ``'dense'`` at each ``--points`` (experts x k) with the
-  model's other sizes; ``dense_over_ragged`` > 1: ragged is faster. And the engine's greedy
-  generation (as **decode**: prefill, then ``--new_tokens`` decode steps with the KV cache)
-  with the trainer's experts (ragged) and with ``model.inference_moe_impl='dense_decode'``
-  (``Execution.decode_moe_impl='dense'``: the decode steps dense, the prefill ragged):
-  ``engine_decode_dense_over_ragged``, and ``engine_greedy_tokens_equal`` (the fraction of
-  equal greedy tokens, 1.0 expected).
+  row) with ``moe_impl='ragged'``, ``'dense'`` and ``'blocked'`` at each ``--points``
+  (experts x k) with the model's other sizes; ``X_over_ragged`` > 1: ragged is faster than
+  X. And the engine's greedy generation (as **decode**: prefill, then ``--new_tokens``
+  decode steps with the KV cache) with the trainer's experts (ragged), with
+  ``model.inference_moe_impl='dense_decode'`` (``Execution.decode_moe_impl='dense'``: the
+  decode steps dense, the prefill ragged) and with ``'blocked'`` everywhere
+  (``model.inference_moe_impl='blocked'``): ``engine_decode_X_over_ragged``, and
+  ``engine_greedy_tokens_equal`` / ``engine_blocked_greedy_tokens_equal`` (the fraction of
+  greedy tokens equal to ragged's, 1.0 expected).
 
 Timing: one untimed call (compilation / warm-up), then ``--repeats`` calls of each side
 alternately (so both see the same load), the median of each. The machine may be shared: the
 load average is printed before and after; compare the ratios, not the absolute figures.
 
     PYTHONPATH=. .venv/bin/python benchmarks/moe_speed.py [--repeats=5] [--points=8x2,16x2,64x8]
+        [--moe_impl=blocked] [--decode_moe_impl=blocked]
 """
 
 from __future__ import annotations
@@ -64,6 +71,10 @@ from rlax_llm.rollout.driver import generate  # noqa: E402
 from rlax_llm.rollout.engine import Engine  # noqa: E402
 from rlax_llm.sampling_spec import GREEDY  # noqa: E402
 from rlax_llm.sharding import make_mesh  # noqa: E402
+
+
+# The expert paths compared (``Execution.moe_impl``).
+IMPLS = ('ragged', 'dense', 'blocked')
 
 
 def model_config(args, experts: int, top_k: int, impl: str = 'ragged') -> DecoderConfig:
@@ -111,8 +122,10 @@ def median_times(calls: dict, repeats: int) -> dict:
 
 
 def against_transformers(args) -> dict:
-  """The train and decode steps, ours vs transformers', same weights and shapes."""
-  config = model_config(args, args.experts, args.top_k)
+  """The train and decode steps, ours (``--moe_impl``, ``--decode_moe_impl``) vs
+  transformers', same weights and shapes."""
+  config = model_config(args, args.experts, args.top_k, args.moe_impl).with_execution(
+      decode_moe_impl=args.decode_moe_impl)
   model, params = create_model(config, seed=0)
   with tempfile.TemporaryDirectory() as directory:
     with open(os.path.join(directory, 'config.json'), 'w', encoding='utf-8') as f:
@@ -149,6 +162,7 @@ def against_transformers(args) -> dict:
   train_tokens = args.batch * args.length
   decode_tokens = args.batch * args.new_tokens
   return {
+      'moe_impl': args.moe_impl, 'decode_moe_impl': args.decode_moe_impl or args.moe_impl,
       'loss': loss, 'torch_loss': torch_loss,
       'train': {'ours_s': train['ours'], 'torch_s': train['torch'],
                 'ours_tok_s': train_tokens / train['ours'],
@@ -162,7 +176,8 @@ def against_transformers(args) -> dict:
 
 
 def impls(args) -> list[dict]:
-  """Ours with ``moe_impl='ragged'`` vs ``'dense'`` at each (experts, k) point."""
+  """Ours with ``moe_impl='ragged'``, ``'dense'`` and ``'blocked'`` at each (experts, k)
+  point."""
   out = []
   tokens = jnp.asarray(tokens_of(args))
   one_each = tokens[:, :1]
@@ -170,7 +185,7 @@ def impls(args) -> list[dict]:
   for point in args.points.split(','):
     experts, top_k = (int(x) for x in point.split('x'))
     calls = {}
-    for impl in ('ragged', 'dense'):
+    for impl in IMPLS:
       model, params = create_model(model_config(args, experts, top_k, impl), seed=0)
       step, forward = ours_train_step(model), jax.jit(model.apply)
       calls[f'{impl}_train'] = (
@@ -178,8 +193,9 @@ def impls(args) -> list[dict]:
       calls[f'{impl}_decode_forward'] = (
           lambda f=forward, p=params: jax.block_until_ready(f(p, one_each)))
     generations = {}
-    for impl in ('ragged', 'dense'):  # the engine's decode steps so; its prefill ragged
+    for impl in IMPLS:  # the engine's decode steps so; its prefill ragged, blocked's blocked
       model = abstract_model(model_config(args, experts, top_k).with_execution(
+          moe_impl='blocked' if impl == 'blocked' else 'ragged',
           decode_moe_impl='' if impl == 'ragged' else impl))
       engine = Engine(model, make_mesh({'data': 1}, jax.devices()[:1]), slots=args.batch,
                       max_prefill_length=args.prompt, max_decode_length=args.new_tokens,
@@ -189,15 +205,13 @@ def impls(args) -> list[dict]:
           engine=engine)
     times = median_times(calls, args.repeats)
     greedy = {impl: np.array([s.tokens for s in run()]) for impl, run in generations.items()}
+    equal = lambda impl: float(np.mean(greedy[impl] == greedy['ragged']))  # noqa: E731
     out.append({'experts': experts, 'top_k': top_k,
                 **{f'{name}_s': t for name, t in times.items()},
-                'train_dense_over_ragged': times['dense_train'] / times['ragged_train'],
-                'decode_forward_dense_over_ragged': (times['dense_decode_forward']
-                                                     / times['ragged_decode_forward']),
-                'engine_decode_dense_over_ragged': (times['dense_engine_decode']
-                                                    / times['ragged_engine_decode']),
-                'engine_greedy_tokens_equal': float(np.mean(greedy['dense']
-                                                            == greedy['ragged']))})
+                **{f'{step}_{impl}_over_ragged': times[f'{impl}_{step}'] / times[f'ragged_{step}']
+                   for impl in IMPLS[1:] for step in ('train', 'decode_forward', 'engine_decode')},
+                'engine_greedy_tokens_equal': equal('dense'),
+                'engine_blocked_greedy_tokens_equal': equal('blocked')})
   return out
 
 
@@ -218,6 +232,10 @@ def main() -> None:
   parser.add_argument('--points', default='8x2,16x2,64x8',
                       help='(experts)x(k) points of the ragged/dense comparison')
   parser.add_argument('--repeats', type=int, default=5)
+  parser.add_argument('--moe_impl', default='blocked', choices=IMPLS,
+                      help='ours in the head-to-head: the train step and the prefill')
+  parser.add_argument('--decode_moe_impl', default='blocked', choices=('', *IMPLS),
+                      help="ours in the head-to-head: the decode steps ('': --moe_impl)")
   args = parser.parse_args()
   torch.set_num_threads(os.cpu_count() or 1)
   out = {'benchmark': 'moe_speed', 'load_average_start': os.getloadavg()[0],

@@ -63,7 +63,8 @@ OPEN_GROUPS = ('task.', 'env.', 'ray.trainer_resources.', 'ray.worker_resources.
 ROUTING_REPLAY_MODES = ('off', 'r3')
 # model.inference_moe_impl: how the inference workers' engine computes a mixture of experts'
 # experts (``roles.inference_model``): '' (as the trainer, ``Execution.moe_impl``), 'ragged'
-# (grouped matmuls), 'dense' (every expert on every token, prefill and decode), or
+# (grouped matmuls), 'dense' (every expert on every token, prefill and decode), 'blocked'
+# (the routed rows in blocks of one expert each; XLA:CPU's fastest), or
 # 'dense_decode' (dense in the decode step only, the trainer's in prefill; docs/models.md).
 INFERENCE_MOE_IMPLS = ('', *model_spec.MOE_IMPLS, 'dense_decode')
 

@@ -44,3 +44,11 @@ def test_the_tiny_benchmark_runs_equal_work_and_prints_every_figure():
   assert point['engine_decode_dense_over_ragged'] == pytest.approx(
       point['dense_engine_decode_s'] / point['ragged_engine_decode_s'])
   assert point['engine_greedy_tokens_equal'] == 1.0
+  # The blocked path beside them, and the head-to-head's paths named (XLA:CPU's fastest).
+  assert (report['moe_impl'], report['decode_moe_impl']) == ('blocked', 'blocked')
+  assert point['train_blocked_over_ragged'] == pytest.approx(
+      point['blocked_train_s'] / point['ragged_train_s'])
+  assert point['decode_forward_blocked_over_ragged'] > 0
+  assert point['engine_decode_blocked_over_ragged'] == pytest.approx(
+      point['blocked_engine_decode_s'] / point['ragged_engine_decode_s'])
+  assert point['engine_blocked_greedy_tokens_equal'] == 1.0

@@ -62,11 +62,15 @@ class Execution:
   layer_loop: str = 'scan'
   # MOE_IMPLS: how a mixture-of-experts block computes its experts (``models.moe``; dropless
   # either way, equal to rounding): 'ragged', a grouped matmul (``jax.lax.ragged_dot``, TPU's
-  # grouped-matmul kernel) over the tokens sorted by expert, or 'dense', every expert on
-  # every token weighted by the sparse gates (num_experts / top-k times the FLOPs; for tiny
-  # models and CPU). Dense models ignore it. 'ragged' is expert-parallel by itself where the
-  # mesh splits the experts (``moe.run_experts``: under the trainer's mesh with expert ->
-  # data and data > 1, each device's tokens go to the experts' devices by all-to-all).
+  # grouped-matmul kernel) over the tokens sorted by expert, 'dense', every expert on
+  # every token weighted by the sparse gates (num_experts / top-k times the FLOPs), or
+  # 'blocked', the sorted rows in blocks of one expert each (``moe._blocked_experts``:
+  # about the routed FLOPs on any backend; XLA:CPU's fastest, where ``ragged_dot`` computes
+  # every expert over every row). The default is 'ragged' on every platform (docs/models.md
+  # says why); a CPU run picks 'blocked'. Dense models ignore it. 'ragged' is
+  # expert-parallel by itself where the mesh splits the experts (``moe.run_experts``: under
+  # the trainer's mesh with expert -> data and data > 1, each device's tokens go to the
+  # experts' devices by all-to-all).
   moe_impl: str = 'ragged'
   # How a decode step's experts compute (one token per row, ``MoE`` on a length-1 input):
   # one of MOE_IMPLS, or '' (``moe_impl``). The engine's copy sets it with

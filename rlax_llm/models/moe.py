@@ -9,8 +9,10 @@ are computed, whatever the load. ``Execution.moe_impl`` picks how (the same func
 rounding): ``'ragged'``, the (token, expert) pairs sorted by expert and one grouped matmul
 per projection (``grouped_matmul``: ``jax.lax.ragged_dot``, which lowers to TPU's
 grouped-matmul kernel, with a grouped weight gradient; ``k / num_experts`` of the dense
-FLOPs), or ``'dense'``, every expert on every token and the outputs combined by the sparse
-gates (exact and simple; for tiny models and CPU).
+FLOPs), ``'dense'``, every expert on every token and the outputs combined by the sparse
+gates (exact and simple), or ``'blocked'``, the sorted pairs padded to blocks of one expert
+each and a scan over the blocks (``_blocked_experts``: about the routed FLOPs with static
+shapes on any backend, where XLA:CPU lowers ``ragged_dot`` as every expert over every row).
 
 Expert parallelism: under the trainer's mesh (``sharding.activation_sharding``) with the
 experts split over a mesh axis that splits the tokens too (``LOGICAL_RULES``: expert ->
@@ -268,16 +270,22 @@ def _swiglu_experts(rows: Array, sizes: Array, w_gate: Experts, w_up: Experts,
   return grouped_matmul(hidden, w_down, sizes)
 
 
-def _sort_by_expert(x: Array, experts: Array, num_experts: int) -> tuple[Array, Array, Array]:
-  """``(order int32 [tokens k], rows [tokens k, embed], sizes int32 [num_experts])``: the
-  (token, slot) pairs sorted by expert (stable), their tokens' rows and each expert's count;
-  an expert id of ``num_experts`` or more (padding) sorts last and is counted nowhere."""
-  k = experts.shape[1]
+def _expert_order(experts: Array, num_experts: int) -> tuple[Array, Array]:
+  """``(order int32 [tokens k], sizes int32 [num_experts])``: the (token, slot) pairs of
+  ``experts`` (int32 ``[tokens, k]``) sorted by expert (stable) and each expert's count; an
+  expert id of ``num_experts`` or more (padding) sorts last and is counted nowhere."""
   flat = experts.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
+  order = jnp.argsort(flat, stable=True).astype(jnp.int32)
   sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[
       jnp.minimum(flat, num_experts)].add(1)[:num_experts]
-  return order, jnp.take(x, order // k, axis=0), sizes
+  return order, sizes
+
+
+def _sort_by_expert(x: Array, experts: Array, num_experts: int) -> tuple[Array, Array, Array]:
+  """``(order int32 [tokens k], rows [tokens k, embed], sizes int32 [num_experts])``:
+  ``_expert_order``'s pairs and counts, and the pairs' tokens' rows of ``x``."""
+  order, sizes = _expert_order(experts, num_experts)
+  return order, jnp.take(x, order // experts.shape[1], axis=0), sizes
 
 
 def _combine(out: Array, order: Array, gates: Array) -> Array:
@@ -486,10 +494,114 @@ def _dense_experts(x: Array, experts: Array, gates: Array, w_gate: Experts, w_up
   return jnp.einsum('etf,efd,te->td', hidden, w_down, combine)
 
 
+# The most rows a block of ``'blocked'`` holds (``block_rows``): past it XLA:CPU's products
+# gain little per row and the padding (up to ``experts x (B - 1)`` rows) grows.
+_MAX_BLOCK_ROWS = 128
+
+
+def block_rows(rows: int, num_experts: int) -> int:
+  """``'blocked'``'s rows per block ``B`` for ``rows`` (token, slot) pairs over
+  ``num_experts`` experts: the largest power of two at most the mean rows per expert
+  (``rows / num_experts``), within ``[1, _MAX_BLOCK_ROWS]``. Static (shapes only). So the
+  padding, at most ``B - 1`` rows per expert, is at most the routed rows, and each block's
+  product is as long as the mean expert's rows allow; a decode step (a few rows per expert
+  or fewer) gets ``B = 1``: one row per block, the routed experts' weights only."""
+  if rows < 1 or num_experts < 1:
+    raise ValueError(f'block_rows needs rows >= 1 and num_experts >= 1, got rows={rows}, '
+                     f'num_experts={num_experts}.')
+  mean = max(rows // num_experts, 1)
+  return min(1 << (mean.bit_length() - 1), _MAX_BLOCK_ROWS)
+
+
+def _block_layout(experts: Array, num_experts: int, block: int
+                  ) -> tuple[Array, Array, Array, Array]:
+  """Where ``'blocked'`` puts each (token, slot) pair: the pairs sorted by expert
+  (``_expert_order``), each expert's group padded to a multiple of ``block`` rows, so each
+  block of ``block`` consecutive rows holds one expert's pairs.
+
+  Args:
+    experts: int32 ``[tokens, k]``; an id of ``num_experts`` or more (padding) is placed
+      nowhere.
+    num_experts: the experts' count ``E``.
+    block: rows per block ``B``.
+  Returns:
+    ``(block_experts int32 [blocks], token int32 [blocks B], valid bool [blocks B],
+    position int32 [tokens k])``: each block's expert (the last expert for the blocks past
+    the used ones, whose rows are all invalid), each padded row's token (0 where
+    invalid), whether it holds a pair, and each pair's padded row (``blocks B`` where it has
+    none). ``blocks = (tokens k + E (B - 1)) // B``: every expert's padding fits.
+  """
+  tokens, k = experts.shape
+  pairs = tokens * k
+  blocks = (pairs + num_experts * (block - 1)) // block
+  order, sizes = _expert_order(experts, num_experts)
+  starts = _exclusive_cumsum(sizes, 0)  # each expert's first sorted pair
+  owned = -(-sizes // block)  # each expert's blocks
+  ends = jnp.cumsum(owned)
+  block_experts = jnp.minimum(
+      jnp.searchsorted(ends, jnp.arange(blocks, dtype=jnp.int32), side='right'),
+      num_experts - 1).astype(jnp.int32)
+  row = jnp.arange(blocks * block, dtype=jnp.int32)
+  expert = block_experts[row // block]
+  within = row - (ends - owned)[expert] * block
+  valid = within < sizes[expert]
+  pair = jnp.where(valid, order[jnp.where(valid, starts[expert] + within, 0)], pairs)
+  position = jnp.full((pairs + 1,), blocks * block, jnp.int32).at[pair].set(row)[:pairs]
+  return block_experts, jnp.where(valid, pair // k, 0), valid, position
+
+
+def _block_product(rows: Array, w: Experts, expert: Array) -> Array:
+  """One block's rows ``rows [B, in]`` times expert ``expert``'s (int32 scalar) weight of
+  ``w [experts, in, out]``, read in place (a dynamic slice, no copy of the experts):
+  ``[B, out]``; an ``Int8Weight`` as ``(rows @ q) * scale`` (``q`` converted inside the
+  product, float32 accumulation, ``rows``' dtype)."""
+  pick = lambda a: jax.lax.dynamic_index_in_dim(a, expert, keepdims=False)  # noqa: E731
+  if not isinstance(w, Int8Weight):
+    return rows @ pick(w)
+  y = jnp.dot(rows, pick(w.q).astype(rows.dtype), preferred_element_type=jnp.float32)
+  return (y * pick(w.scale)).astype(rows.dtype)
+
+
+def _blocked_experts(x: Array, experts: Array, gates: Array, w_gate: Experts, w_up: Experts,
+                     w_down: Experts) -> Array:
+  """Each token's k experts over blocks of ``B`` rows (``block_rows``), each block one
+  expert's (token, slot) pairs (``_block_layout``: sorted by expert, each expert's group
+  padded to a multiple of ``B``): a ``jax.lax.scan`` over the blocks computes each block's
+  SwiGLU with its expert's weights (``_block_product``: ``[B, embed] x [embed, moe_mlp]``
+  products), then each pair's row comes back and the slots are combined by the gates;
+  ``[tokens, embed]``.
+
+  Plain JAX with static shapes (``(tokens k + E (B - 1)) // B`` blocks), differentiable by
+  autodiff (the scan's transpose accumulates each block's weight gradient into its
+  expert's): about the routed FLOPs (``tokens k`` rows plus at most ``B - 1`` padding rows
+  per expert) on any backend, where XLA:CPU's ``ragged_dot`` computes every expert over
+  every row (``'ragged'``) and ``'dense'`` every expert on every token. The blocks past the
+  used ones (all padding) compute zeros with the last expert.
+  """
+  chex.assert_rank([x, experts, gates], 2)
+  chex.assert_equal_shape([experts, gates])
+  tokens, k = experts.shape
+  num_experts = w_gate.shape[0]
+  block = block_rows(tokens * k, num_experts)
+  block_experts, token, valid, position = _block_layout(experts, num_experts, block)
+  rows = jnp.where(valid[:, None], jnp.take(x, token, axis=0), 0)
+
+  def swiglu(carry, block_in):
+    rows, expert = block_in
+    hidden = (jax.nn.silu(_block_product(rows, w_gate, expert))
+              * _block_product(rows, w_up, expert))
+    return carry, _block_product(hidden, w_down, expert)
+
+  _, out = jax.lax.scan(swiglu, None, (rows.reshape(-1, block, x.shape[1]), block_experts))
+  out = jnp.take(out.reshape(-1, x.shape[1]), position, axis=0, mode='fill', fill_value=0)
+  return jnp.einsum('tkd,tk->td', out.reshape(tokens, k, -1), gates.astype(out.dtype))
+
+
 # ``Execution.moe_impl`` -> how the experts run: ``(x [tokens, embed], experts int32
 # [tokens, k], gates [tokens, k], w_gate, w_up [experts, embed, moe_mlp], w_down [experts,
 # moe_mlp, embed]) -> [tokens, embed]``.
-EXPERT_IMPLS = {'ragged': _ragged_experts, 'dense': _dense_experts}
+EXPERT_IMPLS = {'ragged': _ragged_experts, 'dense': _dense_experts,
+                'blocked': _blocked_experts}
 
 
 def run_experts(impl: str, x: Array, experts: Array, gates: Array, w_gate: Experts,

@@ -150,7 +150,8 @@ def test_moe_fields_are_checked(changes, message):
 
 
 def test_moe_execution_and_aux_loss_misuse_are_refused(model_and_params):
-  with pytest.raises(ValueError, match=r"moe_impl='grouped'; choose one of \('ragged', 'dense'\)"):
+  with pytest.raises(ValueError,
+                     match=r"moe_impl='grouped'; choose one of \('ragged', 'dense', 'blocked'\)"):
     CONFIG.with_execution(moe_impl='grouped')
   with pytest.raises(ValueError, match='num_experts=8 with Execution.batch_invariant=True'):
     CONFIG.with_execution(batch_invariant=True)

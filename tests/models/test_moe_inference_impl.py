@@ -68,11 +68,11 @@ def ragged_samples(model_and_params):
   return _sample(roles.inference_model(_config(''), model), params)
 
 
-@pytest.mark.parametrize('impl', ['dense', 'dense_decode'])
+@pytest.mark.parametrize('impl', ['dense', 'dense_decode', 'blocked'])
 def test_the_engine_samples_and_routes_as_the_trainers_impl(model_and_params, ragged_samples,
                                                             impl):
-  """An engine computing its experts densely (every program, or the decode step alone)
-  samples the same tokens with the same behaviour log-probs (float32 rounding) and records
+  """An engine computing its experts densely (every program, or the decode step alone) or
+  in blocks of one expert each ('blocked', every program) samples the same tokens with the same behaviour log-probs (float32 rounding) and records
   the same experts for every prompt and sampled token as the trainer's grouped matmul."""
   model, params = model_and_params
   served = roles.inference_model(_config(impl), model)
