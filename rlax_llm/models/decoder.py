@@ -502,19 +502,19 @@ def run_layers(blocks: Block | nnx.List, x: Array, rope_cs: tuple[Array, Array],
 
   def body(carry, xs):
     x, cache, total = carry
-    state, i, layer_routes = xs
-    at = lambda b: jax.lax.dynamic_index_in_dim(b, first + i, 0, keepdims=False)
+    state, i, layer_routes = xs  # i: the layer's index in the whole stack (the cache's)
+    at = lambda b: jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False)
     x, new, out = step(state, x, None if cache is None else jax.tree.map(at, cache),
                        layer_routes)
     if cache is not None:
-      cache = jax.tree.map(
-          lambda b, n: jax.lax.dynamic_update_index_in_dim(b, n, first + i, 0), cache, new)
+      cache = jax.tree.map(lambda b, n: jax.lax.dynamic_update_index_in_dim(b, n, i, 0),
+                           cache, new)
     own = out[1] if record and out is not None else None
     return (x, cache, add(total, None if out is None else out[0])), own
 
   layer_routes = None if routes is None else jnp.moveaxis(routes, 2, 0)
   (x, kv, total), own = jax.lax.scan(body, (x, kv, total),
-                                     (state, jnp.arange(num_layers), layer_routes))
+                                     (state, jnp.arange(first, first + num_layers), layer_routes))
   return x, kv, total, None if own is None else jnp.moveaxis(own, 0, 2)
 
 

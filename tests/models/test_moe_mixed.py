@@ -34,8 +34,8 @@ from rlax_llm.models.quant import Int8Weight  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 # tests/models/test_moe_parity.py: the random transformers reference and its torch side.
-from test_moe_parity import (ATOL, _reference, _tokens, _torch_grads,  # noqa: E402
-                             _torch_logits)
+from test_moe_parity import (ATOL, _tokens, _torch_grads, _torch_logits,  # noqa: E402
+                             references)
 
 # The issue's layout (dense, MoE, dense, MoE: every run one layer) and one with longer runs
 # (dense, dense, MoE, MoE, dense).
@@ -54,23 +54,15 @@ def jitted(model, **options):
   return jax.jit(functools.partial(model.apply, **options))
 
 
-@pytest.fixture(scope='module')
-def references(tmp_path_factory):
-  """``get(name) -> (transformers model, ours, directory)``, each built once."""
-  built = {}
-
-  def get(name):
-    if name not in built:
-      directory = tmp_path_factory.mktemp(name)
-      model = _reference('qwen3_moe', directory, **MIXED[name])
-      built[name] = model, from_pretrained(directory)[0], directory
-    return built[name]
-  return get
+@pytest.fixture(name='mixed')
+def mixed_fixture(mixed):
+  """``get(name) -> (transformers model, ours, directory)`` of ``MIXED[name]``."""
+  return lambda name: references('qwen3_moe', **MIXED[name])[1:]
 
 
 @pytest.mark.parametrize('name', sorted(MIXED))
-def test_moe_layers_follow_transformers_rule_and_runs_are_stacked(references, name):
-  model, ours, _ = references(name)
+def test_moe_layers_follow_transformers_rule_and_runs_are_stacked(mixed, name):
+  model, ours, _ = mixed(name)
   c = ours.config
   theirs = tuple(i for i, layer in enumerate(model.model.layers)
                  if type(layer.mlp).__name__ == 'Qwen3MoeSparseMoeBlock')
@@ -96,16 +88,16 @@ def test_moe_layers_follow_transformers_rule_and_runs_are_stacked(references, na
 
 
 @pytest.mark.parametrize('name', sorted(MIXED))
-def test_logits_match_transformers(references, name):
-  model, ours, _ = references(name)
+def test_logits_match_transformers(mixed, name):
+  model, ours, _ = mixed(name)
   tokens = _tokens()
   got = np.asarray(ours(jnp.asarray(tokens, jnp.int32)))
   np.testing.assert_allclose(got, _torch_logits(model, tokens), atol=ATOL, rtol=0)
 
 
-def test_gradients_and_aux_loss_match_transformers(references):
+def test_gradients_and_aux_loss_match_transformers(mixed):
   """The aux loss counts the MoE layers' routers only, as transformers' does."""
-  model, ours, _ = references('step2')
+  model, ours, _ = mixed('step2')
   tokens = _tokens(1)
   ref_grads, ref_aux = _torch_grads(model, tokens)
   graph, params = split_module(ours)
@@ -127,8 +119,8 @@ def test_gradients_and_aux_loss_match_transformers(references):
     assert error < 1e-4, (tensor, error)
 
 
-def test_export_loads_in_transformers_with_the_same_logits(references, tmp_path):
-  model, ours, directory = references('step2')
+def test_export_loads_in_transformers_with_the_same_logits(mixed, tmp_path):
+  model, ours, directory = mixed('step2')
   save_pretrained(ours, None, tmp_path / 'export')
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'export').eval()
   assert (reloaded.config.decoder_sparse_step, reloaded.config.mlp_only_layers) == (2, [0])
@@ -272,9 +264,50 @@ def test_active_params_count_the_idle_experts_of_moe_layers_only():
   assert count_params(MIXED_TINY) - active_params(MIXED_TINY) == 2 * idle
 
 
+def test_engine_routes_replayed_by_the_objective_flip_nothing(tiny_mixed):
+  """R3 on a mixed stack: a float32 engine (its unrolled layers) records one route per MoE
+  layer for every token it feeds, and the trainer's objective replaying them flips no
+  choice and gives the unreplayed loss and gradients."""
+  from rlax_llm.data_types import make_train_batch
+  from rlax_llm.loss_spec import LossConfig
+  from rlax_llm.sampling_spec import SamplingSpec
+  from rlax_llm.trainer.objectives import rl_objective
+  from rlax_llm.trainer.scoring import Policy
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / 'benchmarks'))
+  import moe_routing_replay  # benchmarks/moe_routing_replay.py
+  model, params = tiny_mixed
+  rollouts = moe_routing_replay.rollouts(MIXED_TINY, params, prompts=4, prompt_len=5,
+                                         new_tokens=6, seed=1, inference_dtype=jnp.float32)
+  assert rollouts.completion_routes.shape[2:] == (MIXED_TINY.num_moe_layers,
+                                                  MIXED_TINY.num_experts_per_tok)
+  batch = jax.tree.map(jnp.asarray, make_train_batch(
+      rollouts, np.linspace(-1.0, 1.0, len(rollouts)).astype(np.float32)))
+  own = jitted(model, return_routes=True)(params, batch.tokens)[1]
+  length = rollouts.prompt_lengths + rollouts.completion_mask.sum(axis=1)
+  for i, n in enumerate(length):
+    np.testing.assert_array_equal(np.asarray(batch.routes[i, :n - 1]), np.asarray(own[i, :n - 1]))
+
+  @functools.partial(jax.jit, static_argnames='replay')
+  def objective(params, replay):
+    fn = lambda p: rl_objective(Policy(model, SamplingSpec(temperature=1.0)), LossConfig(), p,
+                                batch, None, routing_replay=replay)
+    return jax.value_and_grad(fn, has_aux=True)(params)
+  (loss, metrics), grads = objective(params, True)
+  (plain_loss, _), plain_grads = objective(params, False)
+  assert float(metrics['moe/route_flip_fraction']) == 0.0
+  np.testing.assert_allclose(loss, plain_loss, atol=1e-6)
+  jax.tree.map(functools.partial(np.testing.assert_allclose, atol=1e-5), grads, plain_grads)
+  assert float(jnp.abs(grads['blocks']['mlp']['w_up']).max()) > 0  # a dense run trains
+
+
+# One launch of a tiny mixed MoE run (its 4 warm-up and 4 RL steps): minutes on a loaded
+# 2-core machine. Its default-run counterpart: the replaying objective above.
+@pytest.mark.slow
 def test_a_grpo_run_with_r3_on_a_mixed_stack_trains(tmp_path):
   """tests/test_moe_r3.py's smoke run (4 RL steps, a bfloat16 inference copy on the engine's
-  unrolled layers) on the issue's layout: every step replays routes, one per MoE layer."""
+  unrolled layers) on the issue's layout: every step replays routes, one per MoE layer, and
+  the run updates the weights (a step whose groups all tied has zero advantages and no
+  gradient)."""
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
   from test_moe_r3 import r3_smoke
   from test_resume import read, run_once
@@ -285,7 +318,7 @@ def test_a_grpo_run_with_r3_on_a_mixed_stack_trains(tmp_path):
   metrics, _ = read(tmp_path / 'run')
   assert summary['steps'] == 4 and len(metrics) == 4
   assert all('moe/route_flip_fraction' in row and np.isfinite(row['loss']) for row in metrics)
-  assert all(row['grad_norm'] > 0 for row in metrics)
+  assert any(row['grad_norm'] > 0 for row in metrics)
   assert sorted(k for k in params if k.startswith('blocks')) == [
       'blocks', 'blocks_1', 'blocks_2', 'blocks_3']
   assert 'mlp' in params['blocks'] and 'moe' in params['blocks_3']

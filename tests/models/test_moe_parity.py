@@ -61,15 +61,17 @@ PER_FAMILY = ('mixtral', 'qwen3_moe')
 
 @pytest.fixture(scope='module')
 def references(tmp_path_factory):
-  """``get(name) -> (name, transformers model, ours, directory)``, each built once."""
+  """``get(name, **changes) -> (name, transformers model, ours, directory)`` (``changes``:
+  to the config's fields, ``_reference``), each built once."""
   built = {}
 
-  def get(name):
-    if name not in built:
+  def get(name, **changes):
+    key = name, repr(sorted(changes.items()))
+    if key not in built:
       directory = tmp_path_factory.mktemp(name)
-      model = _reference(name, directory)
-      built[name] = name, model, from_pretrained(directory)[0], directory
-    return built[name]
+      model = _reference(name, directory, **changes)
+      built[key] = name, model, from_pretrained(directory)[0], directory
+    return built[key]
   return get
 
 
