@@ -55,7 +55,7 @@ def jitted(model, **options):
 
 
 @pytest.fixture(name='mixed')
-def mixed_fixture(mixed):
+def mixed_fixture(references):
   """``get(name) -> (transformers model, ours, directory)`` of ``MIXED[name]``."""
   return lambda name: references('qwen3_moe', **MIXED[name])[1:]
 
