@@ -71,6 +71,31 @@ class RopeScaling:
   original_max_position_embeddings: int = 8192
 
 
+def block_run_name(index: int) -> str:
+  """The decoder attribute (and params key) of the ``index``-th run of layers
+  (``Architecture.layer_runs``): ``'blocks'``, then ``'blocks_1'``, ``'blocks_2'``, ..."""
+  return 'blocks' if index == 0 else f'blocks_{index}'
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRun:
+  """Consecutive layers ``first .. first + count - 1`` of one kind (``moe``: mixtures of
+  experts, else dense MLPs), stacked in the params under ``name`` (leading layer axis of
+  ``count``); ``first_moe``: the number of MoE layers before ``first`` (a MoE run's offset on
+  the layer axis of recorded routes)."""
+
+  name: str
+  first: int
+  count: int
+  moe: bool
+  first_moe: int
+
+  @property
+  def layers(self) -> range:
+    """The run's layer indices in the whole stack."""
+    return range(self.first, self.first + self.count)
+
+
 @dataclasses.dataclass(frozen=True)
 class Architecture:
   """Architecture of a decoder (what a checkpoint's ``config.json`` says), validated when
@@ -96,8 +121,9 @@ class Architecture:
   # dense), each token routed to ``num_experts_per_tok`` of them, each a SwiGLU of width
   # ``moe_mlp_dim`` (HF ``moe_intermediate_size``; Mixtral's experts use
   # ``intermediate_size``). ``norm_topk_prob``: the top-k gates renormalised to sum to 1
-  # (Qwen3-MoE's flag; Mixtral always does). Every ``decoder_sparse_step``-th layer not in
-  # ``mlp_only_layers`` is MoE (only homogeneous stacks are built: step 1, no dense layers).
+  # (Qwen3-MoE's flag; Mixtral always does). Layer ``i`` is MoE iff ``i`` is not in
+  # ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0`` (HF Qwen3MoeDecoderLayer),
+  # else a dense SwiGLU of width ``mlp_dim`` (HF ``intermediate_size``); ``layer_runs``.
   # ``router_aux_loss_coef``: the weight of the router's load-balancing loss (Switch /
   # Mixtral form) in the trainer's loss; 0 (off) in RL.
   num_experts: int = 0
@@ -111,7 +137,6 @@ class Architecture:
   def __post_init__(self):
     if self.family not in FAMILIES:
       raise ValueError(f'DecoderConfig.family={self.family!r}; choose one of {FAMILIES}.')
-    self._check_moe()
     for name in ('vocab_size', 'num_layers', 'embed_dim', 'num_heads', 'num_kv_heads',
                  'head_dim', 'mlp_dim', 'max_seq_len'):
       value = getattr(self, name)
@@ -123,6 +148,7 @@ class Architecture:
           f'({self.num_kv_heads}) for grouped-query attention.')
     if self.head_dim % 2:
       raise ValueError(f'head_dim must be even for RoPE, got {self.head_dim}.')
+    self._check_moe()
 
   def _check_moe(self) -> None:
     """Raises ValueError naming the MoE field, its value and the fix."""
@@ -152,12 +178,29 @@ class Architecture:
     if self.family == 'mixtral' and not self.norm_topk_prob:
       raise ValueError('DecoderConfig.norm_topk_prob=False, but family=\'mixtral\' always '
                        'renormalises its top-k gates; set norm_topk_prob=True.')
-    if self.decoder_sparse_step != 1 or self.mlp_only_layers:
+    if self.decoder_sparse_step < 1:
+      raise ValueError(f'DecoderConfig.decoder_sparse_step={self.decoder_sparse_step} must be '
+                       '>= 1: every decoder_sparse_step-th layer is MoE (HF '
+                       'decoder_sparse_step; 1 = every layer).')
+    if self.family == 'mixtral' and (self.decoder_sparse_step != 1 or self.mlp_only_layers):
       raise ValueError(
           f'DecoderConfig.decoder_sparse_step={self.decoder_sparse_step} and mlp_only_layers='
-          f'{tuple(self.mlp_only_layers)} mix dense and MoE layers, which the scanned layer '
-          'stack does not build yet; only decoder_sparse_step=1 with mlp_only_layers=() (every '
-          'layer MoE) is supported.')
+          f'{tuple(self.mlp_only_layers)} mix dense and MoE layers, which Mixtral does not '
+          '(every layer is MoE); set decoder_sparse_step=1 and mlp_only_layers=(), or '
+          "family='qwen3_moe'.")
+    layers = self.mlp_only_layers
+    if (not isinstance(layers, tuple) or len(set(layers)) != len(layers)
+        or any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_layers
+               for i in layers)):
+      raise ValueError(
+          f'DecoderConfig.mlp_only_layers={layers!r} must be a tuple of distinct layer indices '
+          f'in [0, num_layers={self.num_layers}): the layers that keep a dense MLP (HF '
+          'mlp_only_layers).')
+    if not self.num_moe_layers:
+      raise ValueError(
+          f'DecoderConfig.decoder_sparse_step={self.decoder_sparse_step} and mlp_only_layers='
+          f'{layers} leave none of the {self.num_layers} layers MoE; set num_experts=0 and a '
+          'dense family for a dense model, or make some layer MoE.')
     coef = self.router_aux_loss_coef
     if not isinstance(coef, (int, float)) or isinstance(coef, bool) or coef < 0:
       raise ValueError(f'DecoderConfig.router_aux_loss_coef={coef!r} must be a float >= 0 '
@@ -165,8 +208,42 @@ class Architecture:
 
   @property
   def is_moe(self) -> bool:
-    """Whether the MLPs are mixtures of experts (``num_experts > 0``)."""
+    """Whether the model has mixtures of experts (``num_experts > 0``; some of its layers
+    may still be dense: ``is_moe_layer``)."""
     return self.num_experts > 0
+
+  def is_moe_layer(self, i: int) -> bool:
+    """Whether layer ``i``'s MLP is a mixture of experts: HF Qwen3MoeDecoderLayer's rule,
+    ``i not in mlp_only_layers and num_experts > 0 and (i + 1) % decoder_sparse_step == 0``."""
+    return (self.num_experts > 0 and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0)
+
+  @property
+  def num_moe_layers(self) -> int:
+    """How many layers are MoE (``is_moe_layer``): the layer axis of recorded routes."""
+    return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+  @property
+  def stack_names(self) -> tuple[str, ...]:
+    """The params keys of the decoder's layers: each run's (``layer_runs``), the first
+    always ``'blocks'`` (an ``'unrolled'`` decoder's list of every layer's block)."""
+    return tuple(run.name for run in self.layer_runs())
+
+  def layer_runs(self) -> tuple[LayerRun, ...]:
+    """The layers split into maximal runs of consecutive layers of one kind (dense or
+    MoE), in order: each run is one stacked, scanned params subtree of the decoder. A
+    homogeneous stack is one run named ``'blocks'``; the others are named ``'blocks_1'``,
+    ``'blocks_2'``, ... (``LayerRun``)."""
+    runs: list[LayerRun] = []
+    moe_seen = 0
+    for i in range(self.num_layers):
+      moe = self.is_moe_layer(i)
+      if runs and runs[-1].moe == moe:
+        runs[-1] = dataclasses.replace(runs[-1], count=runs[-1].count + 1)
+      else:
+        runs.append(LayerRun(block_run_name(len(runs)), i, 1, moe, moe_seen))
+      moe_seen += moe
+    return tuple(runs)
 
   def fields(self) -> dict:
     """The architecture's fields by name (``rope_scaling`` kept a ``RopeScaling``)."""

@@ -387,17 +387,18 @@ class MoE(nnx.Module):
 
 
 class Block(nnx.Module):
-  """Pre-norm transformer block: attention, then a SwiGLU ``mlp`` or, in a mixture of
-  experts (``config.num_experts > 0``), a ``moe`` (``MoE``)."""
+  """Pre-norm transformer block: attention, then a SwiGLU ``mlp`` (of width ``mlp_dim``) or,
+  with ``moe`` (a mixture of experts' MoE layer, ``Architecture.is_moe_layer``), a ``moe``
+  (``MoE``)."""
 
-  def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: DecoderConfig, *, moe: bool, rngs: nnx.Rngs):
     run = config.execution
     norm = lambda: RMSNorm(config.embed_dim, config.norm_eps, run.param_dtype, rngs=rngs,
                            invariant=run.batch_invariant)
     self.attn_norm = norm()
     self.attn = Attention(config, rngs=rngs)
     self.mlp_norm = norm()
-    if config.is_moe:
+    if moe:
       self.moe = MoE(config, rngs=rngs)
     else:
       self.mlp = MLP(config, rngs=rngs)
@@ -443,17 +444,19 @@ _REMAT_POLICY = {
 def run_layers(blocks: Block | nnx.List, x: Array, rope_cs: tuple[Array, Array], mask: Array,
                kv: LayerBlocks | tuple[LayerBlocks, ...] | None, starts: Array | None,
                remat: str, routes: Array | None = None, weights: Array | None = None,
-               record: bool = False
+               record: bool = False, first: int = 0
                ) -> tuple[Array, LayerBlocks | tuple[LayerBlocks, ...] | None, Array | None,
                           Array | None]:
-  """``x`` ``[B, T, E]`` through the decoder's ``blocks`` in order (``Execution.layer_loop``).
+  """``x`` ``[B, T, E]`` through ``blocks`` in order (``Execution.layer_loop``): one run of
+  the decoder's layers (``Architecture.layer_runs``) or, unrolled, all of them.
 
-  Stacked ``blocks`` (``stack_layers``, ``'scan'``): one ``jax.lax.scan`` over their layer
-  axis, so one layer is compiled whatever the depth; ``kv``, the cache blocks the layers
-  read and write (``KVCache.layers``: tuples of ``[layers, ...]`` blocks), is carried
-  through the scan and updated in place, layer ``i`` reading and writing its own ``[i]``.
-  A list of blocks (``'unrolled'``): a Python loop, layer ``i`` reading its own weight
-  buffers and ``kv[i]`` (its own blocks). None without a cache.
+  Stacked ``blocks`` (``stack_layers``, ``'scan'``: the layers ``first ..`` of one kind):
+  one ``jax.lax.scan`` over their layer axis, so one layer is compiled whatever the depth;
+  ``kv``, the cache blocks of all the decoder's layers (``KVCache.layers``: tuples of
+  ``[num_layers, ...]`` blocks), is carried through the scan and updated in place, the
+  run's layer ``i`` reading and writing its own ``[first + i]``. A list of blocks
+  (``'unrolled'``, every layer, ``first`` 0): a Python loop, layer ``i`` reading its own
+  weight buffers and ``kv[i]`` (its own blocks). None without a cache.
 
   ``remat`` (``Execution.remat``, ``'none'``, ``'full'`` or ``'dots'``): each layer is a
   ``jax.checkpoint`` that keeps only what the policy saves for the backward pass, which
@@ -461,12 +464,13 @@ def run_layers(blocks: Block | nnx.List, x: Array, rope_cs: tuple[Array, Array],
   one, so XLA cannot merge the two; the unrolled loop is the engine's, which has no backward
   pass).
 
-  A mixture of experts: ``routes`` (int ``[B, T, layers, k]``, ``moe.NO_ROUTE`` where none)
-  are replayed layer by layer (``moe.replay``); ``weights`` (float ``[B, T]``) weigh the
-  tokens in the router statistics; ``record`` returns each layer's own top-k experts.
-  Returns ``(x, the new cache blocks, in ``kv``'s layout, or None, the MoE layers'
-  ``moe.router_stats`` summed over the layers (float32 ``[2, experts]``) or None when
-  dense, the router's own experts int32 ``[B, T, layers, k]`` with ``record``, else None)``.
+  A mixture of experts: ``routes`` (int ``[B, T, moe_layers, k]``, one per MoE layer among
+  ``blocks``, ``moe.NO_ROUTE`` where none) are replayed layer by layer (``moe.replay``);
+  ``weights`` (float ``[B, T]``) weigh the tokens in the router statistics; ``record``
+  returns each MoE layer's own top-k experts. Returns ``(x, the new cache blocks, in
+  ``kv``'s layout, or None, the MoE layers' ``moe.router_stats`` summed over the layers
+  (float32 ``[2, experts]``) or None when all are dense, the router's own experts int32
+  ``[B, T, moe_layers, k]`` with ``record`` (None when all are dense), else None)``.
   """
   def layer(graphdef):  # (its state, x, its cache blocks, its routes) -> (x, kv, moe out)
     def call(state, x, kv, layer_routes):
@@ -479,10 +483,11 @@ def run_layers(blocks: Block | nnx.List, x: Array, rope_cs: tuple[Array, Array],
       stats if total is None else total + stats)
   if isinstance(blocks, nnx.List):
     new, total, chosen = [], None, []
-    for i, block in enumerate(blocks):
+    for block in blocks:
       graphdef, state = nnx.split(block)
-      x, layer_kv, out = layer(graphdef)(state, x, None if kv is None else kv[i],
-                                         None if routes is None else routes[:, :, i])
+      replay = None if routes is None or not hasattr(block, 'moe') else routes[:, :, len(chosen)]
+      x, layer_kv, out = layer(graphdef)(state, x, None if kv is None else kv[len(new)],
+                                         replay)
       new.append(layer_kv)
       if out is not None:
         total = add(total, out[0])
@@ -497,7 +502,7 @@ def run_layers(blocks: Block | nnx.List, x: Array, rope_cs: tuple[Array, Array],
 
   def body(carry, xs):
     x, cache, total = carry
-    state, i, layer_routes = xs
+    state, i, layer_routes = xs  # i: the layer's index in the whole stack (the cache's)
     at = lambda b: jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False)
     x, new, out = step(state, x, None if cache is None else jax.tree.map(at, cache),
                        layer_routes)
@@ -509,7 +514,7 @@ def run_layers(blocks: Block | nnx.List, x: Array, rope_cs: tuple[Array, Array],
 
   layer_routes = None if routes is None else jnp.moveaxis(routes, 2, 0)
   (x, kv, total), own = jax.lax.scan(body, (x, kv, total),
-                                     (state, jnp.arange(num_layers), layer_routes))
+                                     (state, jnp.arange(first, first + num_layers), layer_routes))
   return x, kv, total, None if own is None else jnp.moveaxis(own, 0, 2)
 
 
@@ -567,17 +572,43 @@ class Decoder(nnx.Module):
     run = c.execution
     self.embed = _param(rngs, (c.vocab_size, c.embed_dim), ('vocab', 'embed'), run.param_dtype,
                         c.embed_dim ** -0.5)
-    # 'scan': every layer's params stacked on a leading layer axis, run by one scan;
-    # 'unrolled': a list of per-layer blocks (``run_layers``). One seed draws the same weights.
+    # 'scan': each run of layers of one kind (``Architecture.layer_runs``: all the layers of
+    # a homogeneous stack, as ``blocks``) with its params stacked on a leading layer axis,
+    # run by one scan; 'unrolled': ``blocks``, a list of every layer's block
+    # (``run_layers``). One seed draws the same weights (layer by layer, in order).
     if run.layer_loop == 'scan':
-      self.blocks = stack_layers(lambda r: Block(c, rngs=r), c.num_layers, rngs)
+      for layers in c.layer_runs():
+        setattr(self, layers.name, stack_layers(
+            lambda r, moe=layers.moe: Block(c, moe=moe, rngs=r), layers.count, rngs))
     else:
-      self.blocks = nnx.List([Block(c, rngs=rngs) for _ in range(c.num_layers)])
+      self.blocks = nnx.List([Block(c, moe=c.is_moe_layer(i), rngs=rngs)
+                              for i in range(c.num_layers)])
     self.final_norm = RMSNorm(c.embed_dim, c.norm_eps, run.param_dtype, rngs=rngs,
                               invariant=run.batch_invariant)
     if not c.tie_embeddings:
       self.lm_head = _kernel(rngs, c, ((c.embed_dim, 'embed'),), ((c.vocab_size, 'vocab'),),
                              c.embed_dim ** -0.5)
+
+  def _run_layers(self, x, rope_cs, mask, kv, starts, routes, weights, record):
+    """``run_layers`` over every layer: the ``'unrolled'`` list at once, or each run's
+    stack in turn (``Architecture.layer_runs``), the cache carried from run to run, each
+    MoE run replaying its own slice of ``routes``; the router statistics summed and the
+    recorded experts joined over the runs."""
+    c = self.config
+    if isinstance(self.blocks, nnx.List):
+      return run_layers(self.blocks, x, rope_cs, mask, kv, starts, c.execution.remat, routes,
+                        weights, record)
+    total, chosen = None, []
+    for layers in c.layer_runs():
+      replay = None if routes is None or not layers.moe else (
+          routes[:, :, layers.first_moe:layers.first_moe + layers.count])
+      x, kv, stats, own = run_layers(getattr(self, layers.name), x, rope_cs, mask, kv, starts,
+                                     c.execution.remat, replay, weights, record, layers.first)
+      if stats is not None:
+        total = stats if total is None else total + stats
+      if own is not None:
+        chosen.append(own)
+    return x, kv, total, jnp.concatenate(chosen, axis=2) if chosen else None
 
   def head(self, x: Array) -> Array:
     """float32 logits ``[..., V]`` of final-normed hidden states ``x`` ``[..., E]``, by the
@@ -600,10 +631,11 @@ class Decoder(nnx.Module):
     ``router_aux_loss_coef``), over the tokens where ``token_mask`` (float ``[B, T]``, e.g.
     the non-padding positions) is nonzero, or all.
 
-    Rollout routing replay (a mixture of experts): ``routes`` (int ``[B, T, layers, k]``,
+    Rollout routing replay (a mixture of experts): ``routes`` (int ``[B, T, moe_layers,
+    k]``, ``moe_layers = Architecture.num_moe_layers``: the MoE layers only, in order;
     ``moe.NO_ROUTE`` where none was recorded) routes each token by the recorded experts
     (``moe.replay``); ``return_routes`` appends the experts the router itself chose at each
-    token (``[B, T, layers, k]`` in ``moe.route_dtype``) to what is returned: ``(out,
+    token (``[B, T, moe_layers, k]`` in ``moe.route_dtype``) to what is returned: ``(out,
     routes)``, ``(out, loss, routes)`` or ``(out, new_cache, routes)``."""
     c = self.config
     chex.assert_rank(tokens, 2)
@@ -636,10 +668,10 @@ class Decoder(nnx.Module):
                        f'experts of a mixture of experts, but num_experts={c.num_experts}; '
                        'route replay needs a MoE model.')
     if routes is not None:
-      chex.assert_shape(routes, (batch, length, c.num_layers, c.num_experts_per_tok))
-    x, new_kv, stats, own = run_layers(self.blocks, x, rope_cs, mask,
-                                       None if cache is None else cache.layers(used), starts,
-                                       c.execution.remat, routes, token_mask, return_routes)
+      chex.assert_shape(routes, (batch, length, c.num_moe_layers, c.num_experts_per_tok))
+    x, new_kv, stats, own = self._run_layers(x, rope_cs, mask,
+                                             None if cache is None else cache.layers(used),
+                                             starts, routes, token_mask, return_routes)
     x = self.final_norm(x)
     out = x if features else constrain(self.head(x), ('batch', 'length', 'vocab'))
     recorded = (own.astype(moe.route_dtype(c.num_experts)),) if return_routes else ()

@@ -12,7 +12,8 @@ replicated). The adapters live on the decoder's ``Attention``/``MLP`` modules as
 
 A ``LoRAModel`` is a ``Model`` whose params hold the base and the adapters, stacked over the
 layers like the weights they adapt (``params['blocks']['attn']['wq_lora'] = {'a': A [layers,
-in..., r], 'b': B [layers, r, out...]}``); ``trainable_mask`` marks
+in..., r], 'b': B [layers, r, out...]}``; in a stack mixing dense and MoE layers, in each run's
+stack: ``Architecture.layer_runs``); ``trainable_mask`` marks
 the adapters (by their ``nnx.LoRAParam`` type) for ``Trainer(trainable=...)``. ``merge``
 folds them into the base (``W + s * A @ B``); ``save_merged`` writes that as a Hugging Face
 checkpoint and ``save_peft`` the adapters alone in PEFT's format
@@ -165,22 +166,24 @@ def _sides(weight: nnx.Param, num_in: int, layout: str):
 def add_adapters(decoder: Decoder, lora: LoRAConfig, rngs: nnx.Rngs) -> Decoder:
   """Attaches a fresh ``Adapter`` to each of ``lora.targets`` in every block of ``decoder``
   (in place; returned for convenience): one per target stacked over the layers
-  (``decoder.stack_layers``), as the blocks are. Adapters are float32 whatever the base's
+  (``decoder.stack_layers``), as the blocks are (per run of layers in a stack mixing dense
+  and MoE layers, ``Architecture.layer_runs``). Adapters are float32 whatever the base's
   ``param_dtype`` (a bfloat16 base keeps float32 trained state, as PEFT does)."""
   run = decoder.config.execution
   dense_mlp = sorted(t for t in lora.targets if _WEIGHTS[t][0] == 'mlp')
   if decoder.config.is_moe and dense_mlp:
-    raise ConfigError(f'lora.targets includes {dense_mlp}, but this mixture of experts has no '
-                      'dense MLP (adapters on the experts are not built yet); set lora.targets '
-                      'to attention weights only, e.g. \'q,k,v,o\'.')
-  for target in lora.targets:
-    part, name, num_in, _ = _WEIGHTS[target]
-    module = getattr(decoder.blocks, part)
-    inputs, outputs = _sides(getattr(module, name), num_in, run.weight_layout)
-    setattr(module, name + SUFFIX, stack_layers(
-        lambda r, inputs=inputs, outputs=outputs: Adapter(inputs, outputs, lora.rank, lora.scale,
-                                                          jnp.float32, rngs=r),
-        decoder.config.num_layers, rngs))
+    raise ConfigError(f'lora.targets includes {dense_mlp}, but this mixture of experts\' MoE '
+                      'layers have no dense MLP (adapters on the experts are not built yet); '
+                      'set lora.targets to attention weights only, e.g. \'q,k,v,o\'.')
+  for layers in decoder.config.layer_runs():
+    for target in lora.targets:
+      part, name, num_in, _ = _WEIGHTS[target]
+      module = getattr(getattr(decoder, layers.name), part)
+      inputs, outputs = _sides(getattr(module, name), num_in, run.weight_layout)
+      setattr(module, name + SUFFIX, stack_layers(
+          lambda r, inputs=inputs, outputs=outputs: Adapter(
+              inputs, outputs, lora.rank, lora.scale, jnp.float32, rngs=r),
+          layers.count, rngs))
   return decoder
 
 
@@ -245,12 +248,14 @@ def trainable_mask(model: LoRAModel) -> Params:
 
 
 def _adapted(model: LoRAModel, params: Params):
-  """``(target, the blocks' params dict of its part, weight name, adapter params)`` of every
-  adapted weight (all stacked over the layers)."""
-  for target in model.lora.targets:
-    part, name, _, _ = _WEIGHTS[target]
-    node = params['blocks'][part]
-    yield target, node, name, node[name + SUFFIX]
+  """``(run of layers, target, the run's blocks' params dict of its part, weight name,
+  adapter params)`` of every adapted weight (all stacked over the run's layers;
+  ``Architecture.layer_runs``)."""
+  for layers in model.config.layer_runs():
+    for target in model.lora.targets:
+      part, name, _, _ = _WEIGHTS[target]
+      node = params[layers.name][part]
+      yield layers, target, node, name, node[name + SUFFIX]
 
 
 def delta(model: LoRAModel, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -283,7 +288,7 @@ def merge(model: LoRAModel, params: Params) -> tuple[Model, Params]:
   the jitted form)."""
   out = jax.tree.map(lambda x: x, params, is_leaf=lambda x: isinstance(x, Int8Weight))
   dtype = model.config.execution.param_dtype
-  for _, node, name, adapter in _adapted(model, out):
+  for _, _, node, name, adapter in _adapted(model, out):
     weight = dequantized(model, node[name])
     change = jax.vmap(functools.partial(delta, model))(  # layer by layer: [layers, K, N]
         wire_factor(adapter['a'], 'a'), wire_factor(adapter['b'], 'b'))
@@ -291,7 +296,7 @@ def merge(model: LoRAModel, params: Params) -> tuple[Model, Params]:
       change = jnp.swapaxes(change, 1, 2)
     stored = dtype if isinstance(node[name], Int8Weight) else weight.dtype
     node[name] = (weight.astype(jnp.float32) + change.reshape(weight.shape)).astype(stored)
-  for _, node, name, _ in list(_adapted(model, out)):
+  for _, _, node, name, _ in list(_adapted(model, out)):
     del node[name + SUFFIX]
   return abstract_model(model.config), dequantized(model, out, dtype)
 
@@ -313,14 +318,12 @@ def peft_tensors(model: LoRAModel, params: Params) -> dict[str, np.ndarray]:
                       f'weight_layout={model.config.execution.weight_layout!r}.')
   tensors = {}
   rank = model.lora.rank
-  stacked = {target: (np.asarray(jax.device_get(adapter['a'])),
-                      np.asarray(jax.device_get(adapter['b'])))
-             for target, _, _, adapter in _adapted(model, params)}
-  for i in range(model.config.num_layers):
-    for target, (a, b) in stacked.items():
+  for layers, target, _, _, adapter in _adapted(model, params):
+    a, b = (np.asarray(jax.device_get(adapter[factor])) for factor in 'ab')
+    for j, i in enumerate(layers.layers):
       prefix = f'base_model.model.model.layers.{i}.{_WEIGHTS[target][3]}'
-      tensors[f'{prefix}.lora_A.weight'] = np.ascontiguousarray(a[i].reshape(-1, rank).T)
-      tensors[f'{prefix}.lora_B.weight'] = np.ascontiguousarray(b[i].reshape(rank, -1).T)
+      tensors[f'{prefix}.lora_A.weight'] = np.ascontiguousarray(a[j].reshape(-1, rank).T)
+      tensors[f'{prefix}.lora_B.weight'] = np.ascontiguousarray(b[j].reshape(rank, -1).T)
   return tensors
 
 

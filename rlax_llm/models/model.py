@@ -4,7 +4,9 @@ Every other role (trainer, parameter server, sampler) sees a model as ``Model`` 
 equal and hashed by value: its config and graph, safe as a ``jax.jit`` static argument, so
 two models built alike share their compiled programs) and ``params``: a nested
 ``dict`` of arrays (``flax.nnx.to_pure_dict`` layout, e.g. ``params['blocks']['attn']['wq']``,
-the blocks stacked over a leading layer axis). Keeping params a plain pytree lets optax update
+the blocks stacked over a leading layer axis; a stack mixing dense and MoE layers has one such
+subtree per run of layers of one kind, ``blocks``, ``blocks_1``, ...:
+``Architecture.layer_runs``). Keeping params a plain pytree lets optax update
 them, the parameter server validate and copy them, and ``NamedSharding`` trees mirror them.
 """
 
@@ -201,10 +203,12 @@ def to_weight_layout(params: Params, source: Model, target: Model) -> Params:
 
   Each weight is transposed so that its logical axes (``Model.logical_axes``, which record
   the layout) come in ``target``'s order; every other param is passed through. Blocks
-  stacked over the layers (``layer_loop='scan'``) going to an ``'unrolled'`` model become one
-  tree per layer (``params['blocks'][i]``), leaf by leaf: each leaf's layers are sliced out
-  and transposed one at a time (the only transient copy: one layer's slice), so nothing is
-  built beyond the per-layer copy; the other way they are stacked. One definition for both
+  stacked over the layers (``layer_loop='scan'``: one stack per run of layers,
+  ``Architecture.layer_runs``) going to an ``'unrolled'`` model become one tree per layer
+  (``params['blocks'][i]``, ``i`` over the whole stack), leaf by leaf: each leaf's layers
+  are sliced out and transposed one at a time (the only transient copy: one layer's slice),
+  so nothing is built beyond the per-layer copy; the other way they are stacked run by
+  run. One definition for both
   directions: the engine converts the trainer's params with it, and a round trip is the
   identity (tested).
   """
@@ -224,23 +228,28 @@ def to_weight_layout(params: Params, source: Model, target: Model) -> Params:
   loops = (source.config.execution.layer_loop, target_run.layer_loop)
   if loops[0] == loops[1]:
     return jax.tree.map(move, params, axes_from, axes_to)
+  runs = source.config.layer_runs()
   out = {name: jax.tree.map(move, value, axes_from[name], axes_to[name])
-         for name, value in params.items() if name != 'blocks'}
-  layers = range(source.config.num_layers)
+         for name, value in params.items() if name not in source.config.stack_names}
+  unstacked = lambda spec: PartitionSpec(*tuple(spec)[1:])
   if loops == ('scan', 'unrolled'):
-    unstack = lambda value, spec_from, spec_to: [
-        move(value[i], PartitionSpec(*tuple(spec_from)[1:]), spec_to) for i in layers]
-    per_leaf = jax.tree.map(unstack, params['blocks'], axes_from['blocks'], axes_to['blocks'][0])
-    out['blocks'] = {i: jax.tree.map(lambda leaf, i=i: leaf[i], per_leaf,
-                                     is_leaf=lambda x: isinstance(x, list)) for i in layers}
+    out['blocks'] = {}
+    for run in runs:
+      unstack = lambda value, spec_from, spec_to, n=run.count: [
+          move(value[i], unstacked(spec_from), spec_to) for i in range(n)]
+      per_leaf = jax.tree.map(unstack, params[run.name], axes_from[run.name],
+                              axes_to['blocks'][run.first])
+      out['blocks'].update({run.first + i: jax.tree.map(lambda leaf, i=i: leaf[i], per_leaf,
+                                                        is_leaf=lambda x: isinstance(x, list))
+                            for i in range(run.count)})
   else:
     stack = lambda *values: jnp.stack(values)
-    moved = [jax.tree.map(move, params['blocks'][i], axes_from['blocks'][i],
-                          jax.tree.map(lambda s: PartitionSpec(*tuple(s)[1:]),
-                                       axes_to['blocks'],
-                                       is_leaf=lambda x: isinstance(x, PartitionSpec)))
-             for i in layers]
-    out['blocks'] = jax.tree.map(stack, *moved)
+    for run in runs:
+      moved = [jax.tree.map(move, params['blocks'][i], axes_from['blocks'][i],
+                            jax.tree.map(unstacked, axes_to[run.name],
+                                         is_leaf=lambda x: isinstance(x, PartitionSpec)))
+               for i in run.layers]
+      out[run.name] = jax.tree.map(stack, *moved)
   return out
 
 

@@ -91,11 +91,11 @@ def count_params(config: DecoderConfig) -> int:
 def active_params(config: DecoderConfig) -> int:
   """Parameters one token's forward pass uses: ``count_params`` less, in a mixture of
   experts, the ``num_experts - num_experts_per_tok`` experts it is not routed to
-  (``3 * embed * moe_mlp_dim`` each per layer). The ``N`` of the ``2 N`` / ``6 N`` model
+  (``3 * embed * moe_mlp_dim`` each per MoE layer). The ``N`` of the ``2 N`` / ``6 N`` model
   FLOPs per token (Qwen3-30B-A3B: 3.35 B of 30.53 B; Mixtral-8x7B: 12.88 B of 46.70 B, the
   published 3.3 B and 12.9 B active)."""
   idle = config.num_experts - config.num_experts_per_tok
-  return count_params(config) - config.num_layers * idle * 3 * config.embed_dim * (
+  return count_params(config) - config.num_moe_layers * idle * 3 * config.embed_dim * (
       config.moe_mlp_dim)
 
 

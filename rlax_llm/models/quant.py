@@ -166,7 +166,8 @@ def _projections(model: Model) -> dict[str, _Quantised]:
   out = {}
   for path, spec in axes:
     spec = tuple(spec)
-    if path[0].key != 'blocks' or path[-1].key not in PROJECTIONS + EXPERTS:
+    if (path[0].key not in model.config.stack_names
+        or path[-1].key not in PROJECTIONS + EXPERTS):
       continue
     stacked = spec[0] == LAYERS_AXIS
     expert = path[-1].key in EXPERTS

@@ -734,7 +734,7 @@ class _DeviceCode:
     if not self.record_routes:
       return None
     c = self.model.config
-    return jnp.full((rows, c.num_layers, c.num_experts_per_tok), NO_ROUTE, jnp.int32)
+    return jnp.full((rows, c.num_moe_layers, c.num_experts_per_tok), NO_ROUTE, jnp.int32)
 
   def extend(self, params, state, tokens, lengths, slots, keys, max_new, offsets, stop_ids,
              *, spec):

@@ -456,7 +456,7 @@ class EpisodeRunner:
     routes = {}
     if self.engine.record_routes:
       c = self.engine.model.config
-      routes['routes'] = np.full((len(live.rows), c.num_layers, c.num_experts_per_tok),
+      routes['routes'] = np.full((len(live.rows), c.num_moe_layers, c.num_experts_per_tok),
                                  NO_ROUTE, route_dtype(c.num_experts))
       if live.routes:
         routes['routes'][:len(live.routes)] = live.routes

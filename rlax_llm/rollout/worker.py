@@ -324,7 +324,7 @@ def pack_routes(samples: Sequence[Sample], config: DecoderConfig, prompt_width: 
   ``Rollouts.completion_routes`` ``[B, width, layers, k]`` in ``moe.route_dtype``,
   ``moe.NO_ROUTE`` where none was recorded."""
   shape = (len(samples),)
-  per_token = (config.num_layers, config.num_experts_per_tok)
+  per_token = (config.num_moe_layers, config.num_experts_per_tok)
   dtype = route_dtype(config.num_experts)
   prompt = np.full(shape + (prompt_width,) + per_token, NO_ROUTE, dtype)
   completion = np.full(shape + (width,) + per_token, NO_ROUTE, dtype)

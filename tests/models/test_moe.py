@@ -140,8 +140,14 @@ MOE = dict(vocab_size=8, family='qwen3_moe', num_experts=4, num_experts_per_tok=
     (dict(num_experts_per_tok=5), r'num_experts_per_tok=5 must be in \[1, num_experts=4\]'),
     (dict(moe_mlp_dim=0), r'moe_mlp_dim=0 must be positive'),
     (dict(family='mixtral'), r"norm_topk_prob=False, but family='mixtral'"),
-    (dict(decoder_sparse_step=2), r'decoder_sparse_step=2 and mlp_only_layers=\(\) mix'),
-    (dict(mlp_only_layers=(0,)), r'mlp_only_layers=\(0,\) mix dense and MoE layers'),
+    (dict(decoder_sparse_step=0), r'decoder_sparse_step=0 must be >= 1'),
+    (dict(mlp_only_layers=(2,)), r'mlp_only_layers=\(2,\) must be a tuple of distinct layer '
+                                 r'indices in \[0, num_layers=2\)'),
+    (dict(mlp_only_layers=[0]), r'mlp_only_layers=\[0\] must be a tuple'),
+    (dict(mlp_only_layers=(0, 1)), r'leave none of the 2 layers MoE'),
+    (dict(decoder_sparse_step=3), r'leave none of the 2 layers MoE'),
+    (dict(family='mixtral', norm_topk_prob=True, decoder_sparse_step=2),
+     r'which Mixtral does not'),
     (dict(router_aux_loss_coef=-1.0), r'router_aux_loss_coef=-1.0 must be a float >= 0'),
 ])
 def test_moe_fields_are_checked(changes, message):

@@ -36,12 +36,14 @@ FAMILIES = {
 ATOL = 1e-4
 
 
-def _reference(name, directory):
-  """A random transformers model of ``name`` saved in ``directory``: routers drawn wide
-  (std 0.5), so no token's top-k is a near tie that rounding could flip."""
+def _reference(name, directory, **changes):
+  """A random transformers model of ``name`` (``changes``: to its config's fields) saved in
+  ``directory``: routers drawn wide (std 0.5), so no token's top-k is a near tie that
+  rounding could flip."""
   config_cls, extra = FAMILIES[name]
   torch.manual_seed(0)
-  model = transformers.AutoModelForCausalLM.from_config(config_cls(**SMALL, **extra)).eval()
+  model = transformers.AutoModelForCausalLM.from_config(
+      config_cls(**{**SMALL, **extra, **changes})).eval()
   with torch.no_grad():
     for pname, p in model.named_parameters():
       if pname.endswith('norm.weight'):
@@ -59,15 +61,17 @@ PER_FAMILY = ('mixtral', 'qwen3_moe')
 
 @pytest.fixture(scope='module')
 def references(tmp_path_factory):
-  """``get(name) -> (name, transformers model, ours, directory)``, each built once."""
+  """``get(name, **changes) -> (name, transformers model, ours, directory)`` (``changes``:
+  to the config's fields, ``_reference``), each built once."""
   built = {}
 
-  def get(name):
-    if name not in built:
+  def get(name, **changes):
+    key = name, repr(sorted(changes.items()))
+    if key not in built:
       directory = tmp_path_factory.mktemp(name)
-      model = _reference(name, directory)
-      built[name] = name, model, from_pretrained(directory)[0], directory
-    return built[name]
+      model = _reference(name, directory, **changes)
+      built[key] = name, model, from_pretrained(directory)[0], directory
+    return built[key]
   return get
 
 
@@ -125,6 +129,12 @@ def _torch_grads(model, tokens):
 @pytest.mark.parametrize('name', PER_FAMILY)
 def test_gradients_and_aux_loss_match_transformers(references, name):
   _, model, ours, _ = references(name)
+  check_gradients_and_aux_loss(model, ours)
+
+
+def check_gradients_and_aux_loss(model, ours) -> set[str]:
+  """Asserts that ``ours`` (loaded from transformers' ``model``) has its gradients (1e-4
+  relative, per checkpoint tensor) and aux loss; returns the tensors' names."""
   tokens = _tokens(1)
   ref_grads, ref_aux = _torch_grads(model, tokens)
   graph, params = split_module(ours)
@@ -142,6 +152,7 @@ def test_gradients_and_aux_loss_match_transformers(references, name):
     ref = ref_grads[name]
     error = np.linalg.norm(g - ref) / max(np.linalg.norm(ref), 1e-12)
     assert error < 1e-4, (name, error)
+  return set(ours_named)
 
 
 @pytest.mark.parametrize('name', PER_FAMILY)
@@ -176,10 +187,3 @@ def test_config_round_trip_keeps_the_moe_fields(references, name):
   _, _, ours, _ = references(name)
   assert hf.config_from_hf(hf.config_to_hf(ours.config)) == ours.config
 
-
-def test_mixed_dense_and_moe_stack_is_refused_naming_the_fields():
-  config = FAMILIES['qwen3_moe'][0](**SMALL, **FAMILIES['qwen3_moe'][1],
-                                    mlp_only_layers=[1]).to_dict()
-  config['architectures'] = ['Qwen3MoeForCausalLM']
-  with pytest.raises(hf.CheckpointError, match=r'mlp_only_layers=\(1,\)'):
-    hf.config_from_hf(config)

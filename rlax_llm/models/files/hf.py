@@ -198,22 +198,25 @@ _MOE_WEIGHTS = {
 
 
 def weight_layout(config: DecoderConfig) -> Iterator[tuple[tuple, str, str]]:
-  """Yields ``(our param path, HF tensor name, kind)`` for every tensor of the model; a
-  layer's path is ``('blocks', i, ...)``: layer ``i`` of the stacked leaf ``('blocks', ...)``;
-  an expert's ``('blocks', i, ..., e)``: expert ``e`` of layer ``i`` (``layer_of``)."""
+  """Yields ``(our param path, HF tensor name, kind)`` for every tensor of the model; HF
+  layer ``i``'s path is ``(run, j, ...)``: layer ``j`` of the stacked leaf ``(run, ...)`` of
+  the run of layers holding it (``Architecture.layer_runs``: ``('blocks', i, ...)`` in a
+  homogeneous stack); an expert's ``(run, j, ..., e)``: expert ``e`` of that layer
+  (``layer_of``). A dense layer has the ``mlp`` tensors, a MoE layer its family's router
+  and experts."""
   yield ('embed',), 'model.embed_tokens.weight', 'embed'
-  mlp = _LAYER_WEIGHTS[4:7] if not config.is_moe else ()
-  per_layer = _LAYER_WEIGHTS[:4] + mlp + _LAYER_WEIGHTS[7:] + (
-      _BIAS_WEIGHTS if config.qkv_bias else ()) + (_QK_NORM_WEIGHTS if config.qk_norm else ())
-  for i in range(config.num_layers):
-    for path, name, kind in per_layer:
-      yield ('blocks', i) + path, f'model.layers.{i}.{name}', kind
-    for path, name, kind in _MOE_WEIGHTS.get(config.family, ()) if config.is_moe else ():
-      if '{e}' not in name:
-        yield ('blocks', i) + path, f'model.layers.{i}.{name}', kind
-        continue
-      for e in range(config.num_experts):
-        yield ('blocks', i) + path + (e,), f'model.layers.{i}.{name.format(e=e)}', kind
+  extra = (_BIAS_WEIGHTS if config.qkv_bias else ()) + (
+      _QK_NORM_WEIGHTS if config.qk_norm else ())
+  for run in config.layer_runs():
+    per_layer = (_LAYER_WEIGHTS[:4] + _LAYER_WEIGHTS[7:] + extra + _MOE_WEIGHTS[config.family]
+                 if run.moe else _LAYER_WEIGHTS + extra)
+    for j, i in enumerate(run.layers):
+      for path, name, kind in per_layer:
+        if '{e}' not in name:
+          yield (run.name, j) + path, f'model.layers.{i}.{name}', kind
+          continue
+        for e in range(config.num_experts):
+          yield (run.name, j) + path + (e,), f'model.layers.{i}.{name.format(e=e)}', kind
   yield ('final_norm', 'scale'), 'model.norm.weight', 'vector'
   if not config.tie_embeddings:
     yield ('lm_head',), 'lm_head.weight', 'linear'
@@ -250,14 +253,14 @@ def _to_hf(kind: str, array: np.ndarray) -> np.ndarray:
 
 
 def layer_of(path: tuple) -> tuple[tuple, tuple[int, ...] | None]:
-  """``(the params path, index)`` of a ``weight_layout`` path: ``('blocks', i, ...)`` is
-  ``[i]`` of the leaf at ``('blocks', ...)`` (the blocks are stacked over the layers), and
-  an expert's ``('blocks', i, ..., e)`` is ``[i, e]`` of the leaf ``('blocks', ...)`` (the
-  experts stacked too); any other path is its own leaf (index None)."""
-  if path[0] == 'blocks':
+  """``(the params path, index)`` of a ``weight_layout`` path: a run's ``(run, j, ...)`` is
+  ``[j]`` of the leaf at ``(run, ...)`` (each run's blocks are stacked over its layers), and
+  an expert's ``(run, j, ..., e)`` is ``[j, e]`` of the leaf ``(run, ...)`` (the experts
+  stacked too); any other path is its own leaf (index None)."""
+  if len(path) > 1 and isinstance(path[1], int):
     if isinstance(path[-1], int):
-      return ('blocks',) + path[2:-1], (path[1], path[-1])
-    return ('blocks',) + path[2:], (path[1],)
+      return (path[0],) + path[2:-1], (path[1], path[-1])
+    return (path[0],) + path[2:], (path[1],)
   return path, None
 
 
