@@ -1,6 +1,6 @@
-"""scripts/setup.sh installs without byte-compiling, and scripts/test.sh lets Python write the
-bytecode of what the tests import: pip would compile every installed module (about 22,000, of
-which the tests import about a quarter), and with ``PYTHONDONTWRITEBYTECODE`` set in the
+"""scripts/setup.sh installs without byte-compiling, and scripts/test.sh (and run.sh) let Python
+write the bytecode of what the tests import: pip would compile every installed module (about
+22,000, of which the tests import about a quarter), and with ``PYTHONDONTWRITEBYTECODE`` set in the
 environment every test process and every run a test launches would compile its imports again.
 Checked on the scripts' text (running them installs a virtualenv) and on a Python started with
 the variable cleared as test.sh clears it."""
@@ -33,6 +33,13 @@ def test_test_sh_clears_pythondontwritebytecode_before_setup_and_pytest():
   cleared = commands.index('unset PYTHONDONTWRITEBYTECODE')
   assert cleared < commands.index('bash scripts/setup.sh')
   assert all(cleared < i for i, c in enumerate(commands) if '-m pytest' in c)
+
+
+def test_run_sh_clears_pythondontwritebytecode_before_setup_and_the_launch():
+  commands = _commands('scripts/run.sh')
+  cleared = commands.index('unset PYTHONDONTWRITEBYTECODE')
+  assert cleared < commands.index('bash scripts/setup.sh')
+  assert cleared < next(i for i, c in enumerate(commands) if '-m rlax_llm.launch' in c)
 
 
 def test_a_python_started_without_the_variable_writes_the_bytecode_of_its_imports(tmp_path):
