@@ -80,6 +80,7 @@ CHOICES = {
     'model.remat': model_spec.REMAT_POLICIES,
     'model.invariant_rows': model_spec.INVARIANT_ROWS_MODES,
     'model.routing_replay': ROUTING_REPLAY_MODES,
+    'model.moe_impl': ('', *model_spec.MOE_IMPLS),  # '': Execution's default
     'model.inference_moe_impl': INFERENCE_MOE_IMPLS,
     'lora.sync': model_spec.LORA_SYNCS,
     'lora.base_quant': model_spec.QUANT_MODES,
@@ -439,7 +440,7 @@ def validate_config(config: ml_collections.ConfigDict, *, read_hub: bool = True)
 
 
 def _validate_moe(config: ml_collections.ConfigDict) -> None:
-  """``model.routing_replay='r3'``, ``rl.moe_aux_loss_coef > 0`` and
+  """``model.routing_replay='r3'``, ``rl.moe_aux_loss_coef > 0`` and ``model.moe_impl`` or
   ``model.inference_moe_impl`` other than '' need a mixture of experts (known here for the
   tiny model and the presets; ``'auto'`` is checked when the workers' engines are built,
   ``roles.inference_model``): set on a dense model they would do nothing, which is refused
@@ -447,6 +448,7 @@ def _validate_moe(config: ml_collections.ConfigDict) -> None:
   m = config.model
   used = [key for key, on in (('model.routing_replay', m.routing_replay != 'off'),
                               ('rl.moe_aux_loss_coef', config.rl.moe_aux_loss_coef > 0),
+                              ('model.moe_impl', m.moe_impl != ''),
                               ('model.inference_moe_impl', m.inference_moe_impl != '')) if on]
   if not used:
     return
@@ -458,7 +460,8 @@ def _validate_moe(config: ml_collections.ConfigDict) -> None:
   if experts == 0:
     raise ConfigError(f'config.{used[0]} applies to a mixture of experts, but '
                       f'model.name={m.name!r} is dense (num_experts=0); set it off '
-                      "(routing_replay='off', moe_aux_loss_coef=0, inference_moe_impl=''), or "
+                      "(routing_replay='off', moe_aux_loss_coef=0, moe_impl='', "
+                      "inference_moe_impl=''), or "
                       'pick a MoE model (e.g. model.tiny.num_experts > 0).')
   if config.rl.moe_aux_loss_coef > 0 and config.rl.shared_prefix:
     raise ConfigError('config.rl.moe_aux_loss_coef > 0 needs the full forward but '

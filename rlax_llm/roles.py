@@ -103,6 +103,8 @@ def build_model(config: ml_collections.ConfigDict, task: Task
   ``model.path`` (or the packaged one) with its own tokenizer and chat template; its
   architecture must be the preset's. ``'auto'``: the checkpoint at ``model.path``, whatever
   supported architecture its ``config.json`` names.
+    ``model.moe_impl`` (a mixture of experts; '' keeps ``Execution``'s default) picks how its
+  experts run (``_with_moe_impl``).
   """
   m = config.model
   if m.name == 'tiny':
@@ -117,7 +119,7 @@ def build_model(config: ml_collections.ConfigDict, task: Task
     decoder = DecoderConfig(vocab_size=tokenizer.vocab_size, max_seq_len=m.max_seq_len,
                             execution=execution, **m.tiny.to_dict())
     model, params = create_model(decoder, seed=config.seed)
-    return model, params, tokenizer
+    return _with_moe_impl(config, model), params, tokenizer
   path = checkpoint_path(config)
   shown = repr(m.path) if m.path is not None else repr(str(path))
   if m.path is not None and path != pathlib.Path(m.path):
@@ -131,7 +133,7 @@ def build_model(config: ml_collections.ConfigDict, task: Task
     raise _no_tokenizer(shown)
   model, params = split_module(module)
   if m.name == 'auto':
-    return model, params, tokenizer
+    return _with_moe_impl(config, model), params, tokenizer
   preset = presets.PRESETS[m.name]
   differ = {f: (getattr(model.config, f), getattr(preset, f)) for f in _ARCHITECTURE_FIELDS
             if getattr(model.config, f) != getattr(preset, f)}
@@ -141,7 +143,23 @@ def build_model(config: ml_collections.ConfigDict, task: Task
         + ', '.join(f'{f} {a!r} (preset: {b!r})' for f, (a, b) in differ.items())
         + '. Set config.model.name to the checkpoint\'s preset, or to \'auto\' (the '
         'architecture of its config.json).')
-  return model, params, tokenizer
+  return _with_moe_impl(config, model), params, tokenizer
+
+
+def _with_moe_impl(config: ml_collections.ConfigDict, model: Model) -> Model:
+  """``model`` with ``Execution.moe_impl`` = ``model.moe_impl`` ('': unchanged): how a mixture
+  of experts computes its experts in the trainer, and in the engine unless
+  ``model.inference_moe_impl`` says otherwise (``inference_model``). The params are the same
+  whichever. ConfigError on a dense model with it set (an ``'auto'`` checkpoint's architecture
+  is known only here; the tiny model and the presets are refused at validation)."""
+  impl = config.model.moe_impl
+  if not impl:
+    return model
+  if not model.config.is_moe:
+    raise ConfigError(f'config.model.moe_impl={impl!r} picks how a mixture of experts\' experts '
+                      f'run, but model {_shown(config.model)} is dense (num_experts=0); set '
+                      "model.moe_impl=''.")
+  return abstract_model(model.config.with_execution(moe_impl=impl))
 
 
 def check_fits(config: ml_collections.ConfigDict, task: Task, model: Model,

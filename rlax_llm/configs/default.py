@@ -54,6 +54,11 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       # routed every token to and the trainer routes by them (docs/models.md "Rollout
       # routing replay"); 'off': the trainer routes by its own router.
       routing_replay='off',
+      # A mixture of experts: how its experts run in the trainer (and the engine, unless
+      # inference_moe_impl below says otherwise): '' (Execution's default, 'ragged': grouped
+      # matmuls, XLA:TPU's kernel), 'ragged', 'dense' (every expert on every token) or
+      # 'blocked' (the routed rows in blocks of one expert: the fastest on XLA:CPU).
+      moe_impl='',
       # A mixture of experts: how the workers' engine computes the experts, apart from the
       # trainer (docs/models.md "Experts in the engine"): '' (the trainer's grouped matmul),
       # 'ragged', 'dense' (every expert on every token) or 'dense_decode' (dense in the decode

@@ -59,7 +59,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       param_dtype='float32', inference_param_dtype='bfloat16', inference_quant='none',
       kv_cache_quant='none', dtype='bfloat16', remat='full',
       batch_invariant=False, invariant_rows='chunks', routing_replay='off',
-      inference_moe_impl='',  # a mixture of experts: configs/gsm8k_large.py
+      moe_impl='', inference_moe_impl='',  # a mixture of experts: configs/gsm8k_large.py
   ))
   # Every argument of MathTask at its default (task_section) but these: GSM8K from the hub,
   # 200 of its test split held out, asked in a chat turn, scored by the math scorer.

@@ -59,7 +59,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       batch_invariant=False,  # True: sampler and trainer log-probs bitwise equal (docs/models.md)
       # With batch_invariant: 128 slots decode 128 rows a step, so 'floor' runs at the
       # default numerics' speed; it needs one data shard per role (else use 'chunks').
-      invariant_rows='floor', routing_replay='off', inference_moe_impl='',
+      invariant_rows='floor', routing_replay='off', moe_impl='', inference_moe_impl='',
   ))
   c.task = ml_collections.ConfigDict(dict(
       name='arithmetic', max_operand=99, operations='+', num_eval=100, demo_error_rate=0.0,

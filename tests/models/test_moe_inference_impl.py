@@ -72,8 +72,9 @@ def ragged_samples(model_and_params):
 def test_the_engine_samples_and_routes_as_the_trainers_impl(model_and_params, ragged_samples,
                                                             impl):
   """An engine computing its experts densely (every program, or the decode step alone) or
-  in blocks of one expert each ('blocked', every program) samples the same tokens with the same behaviour log-probs (float32 rounding) and records
-  the same experts for every prompt and sampled token as the trainer's grouped matmul."""
+  in blocks of one expert each ('blocked', every program) samples the same tokens with the
+  same behaviour log-probs (float32 rounding) and records the same experts for every prompt
+  and sampled token as the trainer's grouped matmul."""
   model, params = model_and_params
   served = roles.inference_model(_config(impl), model)
   for got, want in zip(_sample(served, params), ragged_samples, strict=True):
@@ -152,3 +153,34 @@ def test_a_dense_model_with_the_knob_set_is_refused():
     validate_config(_config('grouped'))
   with pytest.raises(ValueError, match=r"Execution.decode_moe_impl='grouped'"):
     Execution(decode_moe_impl='grouped')
+
+
+def test_model_moe_impl_sets_the_trainers_experts_and_the_engines_by_default(model_and_params):
+  """``model.moe_impl`` (e.g. 'blocked', the CPU path) reaches the trainer's model
+  (``roles.build_model``) and the workers' (``roles.inference_model``: the trainer's unless
+  ``model.inference_moe_impl`` says otherwise); '' keeps ``Execution``'s default; refused on a
+  dense model (at validation for the tiny model, when built for an 'auto' checkpoint)."""
+  config = smoke_config(model__moe_impl='blocked')
+  with config.unlocked():
+    config.model.tiny.update(family='qwen3_moe', num_experts=4, num_experts_per_tok=2,
+                             moe_mlp_dim=64, norm_topk_prob=True, qk_norm=True)
+  validate_config(config)
+  model, _, _ = roles.build_model(config, roles.build_task(config))
+  assert model.config.execution.moe_impl == 'blocked'
+  assert roles.inference_model(config, model).config.execution.moe_impl == 'blocked'
+  config.model.inference_moe_impl = 'ragged'
+  assert roles.inference_model(config, model).config.execution.moe_impl == 'ragged'
+  config.model.moe_impl = ''
+  assert roles.build_model(config, roles.build_task(config))[0].config.execution.moe_impl == (
+      Execution().moe_impl)
+  with pytest.raises(ConfigError, match=r"config.model.moe_impl applies to a mixture of "
+                                        r"experts, but model.name='tiny' is dense"):
+    validate_config(smoke_config(model__moe_impl='blocked'))
+  with pytest.raises(ConfigError, match=r"config.model.moe_impl='grouped' is not valid"):
+    validate_config(smoke_config(model__moe_impl='grouped'))
+  dense = abstract_model(dataclasses.replace(CONFIG, family='qwen3', num_experts=0,
+                                             num_experts_per_tok=0))
+  with pytest.raises(ConfigError, match=r"model.moe_impl='blocked' .* is dense "
+                                        r"\(num_experts=0\); set model.moe_impl=''"):
+    # pylint: disable-next=protected-access
+    roles._with_moe_impl(smoke_config(model__moe_impl='blocked'), dense)
