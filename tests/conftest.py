@@ -79,6 +79,8 @@ LONGEST_FILES = (
     'tests/test_policy_sampling.py',
     'tests/test_moe_r3.py',
     'tests/models/test_moe_parity.py',
+    'tests/models/test_moe_mixed.py',
+    'tests/models/test_moe_blocked.py',
     'tests/test_controller.py',
     'tests/test_launch_recipes.py',
     'tests/test_default_run.py',
