@@ -562,53 +562,65 @@ def _block_product(rows: Array, w: Experts, expert: Array) -> Array:
   return (y * pick(w.scale)).astype(rows.dtype)
 
 
-def _blocked_swiglu(rows: Array, block_experts: Array, w_gate: Experts, w_up: Experts,
-                    w_down: Experts) -> Array:
+def _blocked_swiglu(rows: Array, block_experts: Array, used: Array, w_gate: Experts,
+                    w_up: Experts, w_down: Experts) -> Array:
   """Each block's SwiGLU with its expert's weights: ``rows [blocks, B, embed]``,
-  ``block_experts`` int32 ``[blocks]``, ``w_gate, w_up [experts, embed, moe_mlp]``,
-  ``w_down [experts, moe_mlp, embed]``; ``[blocks, B, embed]`` (``rows``' dtype).
+  ``block_experts`` int32 ``[blocks]``, ``used`` bool ``[blocks]`` (whether the block holds
+  a pair: the others are skipped, 0), ``w_gate, w_up [experts, embed, moe_mlp]``, ``w_down
+  [experts, moe_mlp, embed]``; ``[blocks, B, embed]`` (``rows``' dtype).
 
   A ``jax.lax.scan`` over the blocks, each expert's weights read in place
   (``_block_product``). Float weights have their own backward (``_blocked_swiglu_float``);
   ``Int8Weight`` experts (not trained) are differentiated in ``rows`` by autodiff.
   """
   if not any(isinstance(w, Int8Weight) for w in (w_gate, w_up, w_down)):
-    return _blocked_swiglu_float(rows, block_experts, w_gate, w_up, w_down)
+    return _blocked_swiglu_float(rows, block_experts, used, w_gate, w_up, w_down)
 
-  def swiglu(carry, block_in):
-    rows, expert = block_in
+  def swiglu(rows, expert):
     hidden = (jax.nn.silu(_block_product(rows, w_gate, expert))
               * _block_product(rows, w_up, expert))
-    return carry, _block_product(hidden, w_down, expert)
+    return _block_product(hidden, w_down, expert)
 
-  return jax.lax.scan(swiglu, None, (rows, block_experts))[1]
+  def block(carry, block_in):
+    rows, expert, used = block_in
+    return carry, jax.lax.cond(used, swiglu, lambda rows, _: jnp.zeros_like(rows), rows,
+                               expert)
+
+  return jax.lax.scan(block, None, (rows, block_experts, used))[1]
 
 
-def _blocked_swiglu_scan(rows: Array, block_experts: Array, w_gate: Array, w_up: Array,
-                         w_down: Array) -> tuple[Array, Array, Array]:
+def _blocked_swiglu_scan(rows: Array, block_experts: Array, used: Array, w_gate: Array,
+                         w_up: Array, w_down: Array) -> tuple[Array, Array, Array]:
   """``_blocked_swiglu``'s scan for float weights: ``(out [blocks, B, embed], gate, up
   [blocks, B, moe_mlp])``, ``gate``/``up`` the blocks' products before the SwiGLU (the
-  backward's residuals)."""
-  def swiglu(carry, block_in):
-    rows, expert = block_in
+  backward's residuals); 0 in the blocks not ``used``."""
+  def swiglu(rows, expert):
     gate = _block_product(rows, w_gate, expert)
     up = _block_product(rows, w_up, expert)
-    return carry, (_block_product(jax.nn.silu(gate) * up, w_down, expert), gate, up)
+    return _block_product(jax.nn.silu(gate) * up, w_down, expert), gate, up
 
-  return jax.lax.scan(swiglu, None, (rows, block_experts))[1]
+  def skip(rows, _):
+    hidden = jnp.zeros(rows.shape[:1] + w_gate.shape[2:], rows.dtype)
+    return jnp.zeros_like(rows), hidden, hidden
+
+  def block(carry, block_in):
+    rows, expert, used = block_in
+    return carry, jax.lax.cond(used, swiglu, skip, rows, expert)
+
+  return jax.lax.scan(block, None, (rows, block_experts, used))[1]
 
 
 @jax.custom_vjp
-def _blocked_swiglu_float(rows: Array, block_experts: Array, w_gate: Array, w_up: Array,
-                          w_down: Array) -> Array:
+def _blocked_swiglu_float(rows: Array, block_experts: Array, used: Array, w_gate: Array,
+                          w_up: Array, w_down: Array) -> Array:
   """``_blocked_swiglu`` for float weights, with a backward of its own
   (``_blocked_swiglu_bwd``)."""
-  return _blocked_swiglu_scan(rows, block_experts, w_gate, w_up, w_down)[0]
+  return _blocked_swiglu_scan(rows, block_experts, used, w_gate, w_up, w_down)[0]
 
 
-def _blocked_swiglu_fwd(rows, block_experts, w_gate, w_up, w_down):
-  out, gate, up = _blocked_swiglu_scan(rows, block_experts, w_gate, w_up, w_down)
-  return out, (rows, block_experts, w_gate, w_up, w_down, gate, up)
+def _blocked_swiglu_fwd(rows, block_experts, used, w_gate, w_up, w_down):
+  out, gate, up = _blocked_swiglu_scan(rows, block_experts, used, w_gate, w_up, w_down)
+  return out, (rows, block_experts, used, w_gate, w_up, w_down, gate, up)
 
 
 def _blocked_swiglu_bwd(residuals, d_out):
@@ -618,12 +630,11 @@ def _blocked_swiglu_bwd(residuals, d_out):
   blocks' gate and up products. Autodiff's transpose of the forward scan saves a copy of
   every block's expert weights instead (``[blocks, in, out]`` per weight): 1.6x this
   layer's forward and backward time on XLA:CPU (benchmarks/LAB_NOTES.md)."""
-  rows, block_experts, w_gate, w_up, w_down, gate, up = residuals
+  rows, block_experts, used, w_gate, w_up, w_down, gate, up = residuals
   weights = (w_gate, w_up, w_down)
   pick = lambda a, e: jax.lax.dynamic_index_in_dim(a, e, keepdims=False)  # noqa: E731
 
-  def block_grads(acc, block_in):
-    rows, expert, d_out, gate, up = block_in
+  def grads(acc, rows, expert, d_out, gate, up):
     sig = jax.nn.sigmoid(gate)
     silu = gate * sig
     d_hidden = d_out @ pick(w_down, expert).T
@@ -634,9 +645,14 @@ def _blocked_swiglu_bwd(residuals, d_out):
     acc = tuple(a.at[expert].add(g.astype(a.dtype)) for a, g in zip(acc, grads))
     return acc, d_rows.astype(rows.dtype)
 
+  def block(acc, block_in):
+    used, rows = block_in[:2]
+    return jax.lax.cond(used, grads, lambda acc, rows, *_: (acc, jnp.zeros_like(rows)), acc,
+                        *block_in[1:])
+
   acc = tuple(jnp.zeros(w.shape, jnp.promote_types(w.dtype, jnp.float32)) for w in weights)
-  acc, d_rows = jax.lax.scan(block_grads, acc, (rows, block_experts, d_out, gate, up))
-  return (d_rows, None) + tuple(a.astype(w.dtype) for a, w in zip(acc, weights))
+  acc, d_rows = jax.lax.scan(block, acc, (used, rows, block_experts, d_out, gate, up))
+  return (d_rows, None, None) + tuple(a.astype(w.dtype) for a, w in zip(acc, weights))
 
 
 _blocked_swiglu_float.defvjp(_blocked_swiglu_fwd, _blocked_swiglu_bwd)
@@ -656,8 +672,8 @@ def _blocked_experts(x: Array, experts: Array, gates: Array, w_gate: Experts, w_
   where XLA:CPU's ``ragged_dot`` computes every expert over every row (``'ragged'``) and
   ``'dense'`` every expert on every token. The backward of float experts is a scan of its
   own that adds each block's weight gradient into its expert's only
-  (``_blocked_swiglu_bwd``). The blocks past the used ones (all padding) compute zeros
-  with the last expert.
+  (``_blocked_swiglu_bwd``). The blocks past the used ones (all padding, fewer than ``E``) are
+  skipped (a ``jax.lax.cond``), forward and backward.
   """
   chex.assert_rank([x, experts, gates], 2)
   chex.assert_equal_shape([experts, gates])
@@ -666,8 +682,9 @@ def _blocked_experts(x: Array, experts: Array, gates: Array, w_gate: Experts, w_
   block = block_rows(tokens * k, num_experts)
   block_experts, token, valid, position = _block_layout(experts, num_experts, block)
   rows = jnp.where(valid[:, None], jnp.take(x, token, axis=0), 0)
-  out = _blocked_swiglu(rows.reshape(-1, block, x.shape[1]), block_experts, w_gate, w_up,
-                        w_down)
+  used = valid.reshape(-1, block)[:, 0]  # a used block's first row holds a pair
+  out = _blocked_swiglu(rows.reshape(-1, block, x.shape[1]), block_experts, used, w_gate,
+                        w_up, w_down)
   out = jnp.take(out.reshape(-1, x.shape[1]), position, axis=0, mode='fill', fill_value=0)
   return jnp.einsum('tkd,tk->td', out.reshape(tokens, k, -1), gates.astype(out.dtype))
 
