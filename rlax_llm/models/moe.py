@@ -550,16 +550,22 @@ def _block_layout(experts: Array, num_experts: int, block: int
   return block_experts, jnp.where(valid, pair // k, 0), valid, position
 
 
+def _expert_weight(w: Array, expert: Array) -> Array:
+  """Expert ``expert``'s (int32 scalar) slice of ``w [experts, ...]``, a dynamic slice
+  (read in place inside a loop)."""
+  return jax.lax.dynamic_index_in_dim(w, expert, keepdims=False)
+
+
 def _block_product(rows: Array, w: Experts, expert: Array) -> Array:
   """One block's rows ``rows [B, in]`` times expert ``expert``'s (int32 scalar) weight of
   ``w [experts, in, out]``, read in place (a dynamic slice, no copy of the experts):
   ``[B, out]``; an ``Int8Weight`` as ``(rows @ q) * scale`` (``q`` converted inside the
   product, float32 accumulation, ``rows``' dtype)."""
-  pick = lambda a: jax.lax.dynamic_index_in_dim(a, expert, keepdims=False)  # noqa: E731
   if not isinstance(w, Int8Weight):
-    return rows @ pick(w)
-  y = jnp.dot(rows, pick(w.q).astype(rows.dtype), preferred_element_type=jnp.float32)
-  return (y * pick(w.scale)).astype(rows.dtype)
+    return rows @ _expert_weight(w, expert)
+  y = jnp.dot(rows, _expert_weight(w.q, expert).astype(rows.dtype),
+              preferred_element_type=jnp.float32)
+  return (y * _expert_weight(w.scale, expert)).astype(rows.dtype)
 
 
 def _blocked_swiglu(rows: Array, block_experts: Array, used: Array, w_gate: Experts,
@@ -575,25 +581,14 @@ def _blocked_swiglu(rows: Array, block_experts: Array, used: Array, w_gate: Expe
   """
   if not any(isinstance(w, Int8Weight) for w in (w_gate, w_up, w_down)):
     return _blocked_swiglu_float(rows, block_experts, used, w_gate, w_up, w_down)
-
-  def swiglu(rows, expert):
-    hidden = (jax.nn.silu(_block_product(rows, w_gate, expert))
-              * _block_product(rows, w_up, expert))
-    return _block_product(hidden, w_down, expert)
-
-  def block(carry, block_in):
-    rows, expert, used = block_in
-    return carry, jax.lax.cond(used, swiglu, lambda rows, _: jnp.zeros_like(rows), rows,
-                               expert)
-
-  return jax.lax.scan(block, None, (rows, block_experts, used))[1]
+  return _blocked_swiglu_scan(rows, block_experts, used, w_gate, w_up, w_down)[0]
 
 
-def _blocked_swiglu_scan(rows: Array, block_experts: Array, used: Array, w_gate: Array,
-                         w_up: Array, w_down: Array) -> tuple[Array, Array, Array]:
-  """``_blocked_swiglu``'s scan for float weights: ``(out [blocks, B, embed], gate, up
-  [blocks, B, moe_mlp])``, ``gate``/``up`` the blocks' products before the SwiGLU (the
-  backward's residuals); 0 in the blocks not ``used``."""
+def _blocked_swiglu_scan(rows: Array, block_experts: Array, used: Array, w_gate: Experts,
+                         w_up: Experts, w_down: Experts) -> tuple[Array, Array, Array]:
+  """``_blocked_swiglu``'s scan: ``(out [blocks, B, embed], gate, up [blocks, B,
+  moe_mlp])``, ``gate``/``up`` the blocks' products before the SwiGLU (the float backward's
+  residuals); 0 in the blocks not ``used``."""
   def swiglu(rows, expert):
     gate = _block_product(rows, w_gate, expert)
     up = _block_product(rows, w_up, expert)
@@ -632,17 +627,16 @@ def _blocked_swiglu_bwd(residuals, d_out):
   layer's forward and backward time on XLA:CPU (benchmarks/LAB_NOTES.md)."""
   rows, block_experts, used, w_gate, w_up, w_down, gate, up = residuals
   weights = (w_gate, w_up, w_down)
-  pick = lambda a, e: jax.lax.dynamic_index_in_dim(a, e, keepdims=False)  # noqa: E731
 
   def grads(acc, rows, expert, d_out, gate, up):
     sig = jax.nn.sigmoid(gate)
     silu = gate * sig
-    d_hidden = d_out @ pick(w_down, expert).T
+    d_hidden = d_out @ _expert_weight(w_down, expert).T
     d_up = d_hidden * silu
     d_gate = d_hidden * up * sig * (1 + gate * (1 - sig))  # silu' = sig (1 + x (1 - sig))
-    d_rows = d_gate @ pick(w_gate, expert).T + d_up @ pick(w_up, expert).T
-    grads = (rows.T @ d_gate, rows.T @ d_up, (silu * up).T @ d_out)
-    acc = tuple(a.at[expert].add(g.astype(a.dtype)) for a, g in zip(acc, grads))
+    d_rows = d_gate @ _expert_weight(w_gate, expert).T + d_up @ _expert_weight(w_up, expert).T
+    weight_grads = (rows.T @ d_gate, rows.T @ d_up, (silu * up).T @ d_out)
+    acc = tuple(a.at[expert].add(g.astype(a.dtype)) for a, g in zip(acc, weight_grads))
     return acc, d_rows.astype(rows.dtype)
 
   def block(acc, block_in):
