@@ -550,16 +550,106 @@ def _block_layout(experts: Array, num_experts: int, block: int
   return block_experts, jnp.where(valid, pair // k, 0), valid, position
 
 
+def _expert_weight(w: Array, expert: Array) -> Array:
+  """Expert ``expert``'s (int32 scalar) slice of ``w [experts, ...]``, a dynamic slice
+  (read in place inside a loop)."""
+  return jax.lax.dynamic_index_in_dim(w, expert, keepdims=False)
+
+
 def _block_product(rows: Array, w: Experts, expert: Array) -> Array:
   """One block's rows ``rows [B, in]`` times expert ``expert``'s (int32 scalar) weight of
   ``w [experts, in, out]``, read in place (a dynamic slice, no copy of the experts):
   ``[B, out]``; an ``Int8Weight`` as ``(rows @ q) * scale`` (``q`` converted inside the
   product, float32 accumulation, ``rows``' dtype)."""
-  pick = lambda a: jax.lax.dynamic_index_in_dim(a, expert, keepdims=False)  # noqa: E731
   if not isinstance(w, Int8Weight):
-    return rows @ pick(w)
-  y = jnp.dot(rows, pick(w.q).astype(rows.dtype), preferred_element_type=jnp.float32)
-  return (y * pick(w.scale)).astype(rows.dtype)
+    return rows @ _expert_weight(w, expert)
+  y = jnp.dot(rows, _expert_weight(w.q, expert).astype(rows.dtype),
+              preferred_element_type=jnp.float32)
+  return (y * _expert_weight(w.scale, expert)).astype(rows.dtype)
+
+
+def _blocked_swiglu(rows: Array, block_experts: Array, used: Array, w_gate: Experts,
+                    w_up: Experts, w_down: Experts) -> Array:
+  """Each block's SwiGLU with its expert's weights: ``rows [blocks, B, embed]``,
+  ``block_experts`` int32 ``[blocks]``, ``used`` bool ``[blocks]`` (whether the block holds
+  a pair: the others are skipped, 0), ``w_gate, w_up [experts, embed, moe_mlp]``, ``w_down
+  [experts, moe_mlp, embed]``; ``[blocks, B, embed]`` (``rows``' dtype).
+
+  A ``jax.lax.scan`` over the blocks, each expert's weights read in place
+  (``_block_product``). Float weights have their own backward (``_blocked_swiglu_float``);
+  ``Int8Weight`` experts (not trained) are differentiated in ``rows`` by autodiff.
+  """
+  if not any(isinstance(w, Int8Weight) for w in (w_gate, w_up, w_down)):
+    return _blocked_swiglu_float(rows, block_experts, used, w_gate, w_up, w_down)
+  return _blocked_swiglu_scan(rows, block_experts, used, w_gate, w_up, w_down)[0]
+
+
+def _blocked_swiglu_scan(rows: Array, block_experts: Array, used: Array, w_gate: Experts,
+                         w_up: Experts, w_down: Experts) -> tuple[Array, Array, Array]:
+  """``_blocked_swiglu``'s scan: ``(out [blocks, B, embed], gate, up [blocks, B,
+  moe_mlp])``, ``gate``/``up`` the blocks' products before the SwiGLU (the float backward's
+  residuals); 0 in the blocks not ``used``."""
+  def swiglu(rows, expert):
+    gate = _block_product(rows, w_gate, expert)
+    up = _block_product(rows, w_up, expert)
+    return _block_product(jax.nn.silu(gate) * up, w_down, expert), gate, up
+
+  def skip(rows, _):
+    hidden = jnp.zeros(rows.shape[:1] + w_gate.shape[2:], rows.dtype)
+    return jnp.zeros_like(rows), hidden, hidden
+
+  def block(carry, block_in):
+    rows, expert, used = block_in
+    return carry, jax.lax.cond(used, swiglu, skip, rows, expert)
+
+  return jax.lax.scan(block, None, (rows, block_experts, used))[1]
+
+
+@jax.custom_vjp
+def _blocked_swiglu_float(rows: Array, block_experts: Array, used: Array, w_gate: Array,
+                          w_up: Array, w_down: Array) -> Array:
+  """``_blocked_swiglu`` for float weights, with a backward of its own
+  (``_blocked_swiglu_bwd``)."""
+  return _blocked_swiglu_scan(rows, block_experts, used, w_gate, w_up, w_down)[0]
+
+
+def _blocked_swiglu_fwd(rows, block_experts, used, w_gate, w_up, w_down):
+  out, gate, up = _blocked_swiglu_scan(rows, block_experts, used, w_gate, w_up, w_down)
+  return out, (rows, block_experts, used, w_gate, w_up, w_down, gate, up)
+
+
+def _blocked_swiglu_bwd(residuals, d_out):
+  """A scan over the blocks: each block's row gradient, and its weight gradients added into
+  its expert's slice of carried ``[experts, ...]`` float32 accumulators
+  (``acc.at[expert].add``, in place in XLA's loop); the residuals are the rows and the
+  blocks' gate and up products. Autodiff's transpose of the forward scan saves a copy of
+  every block's expert weights instead (``[blocks, in, out]`` per weight): 1.6x this
+  layer's forward and backward time on XLA:CPU (benchmarks/LAB_NOTES.md)."""
+  rows, block_experts, used, w_gate, w_up, w_down, gate, up = residuals
+  weights = (w_gate, w_up, w_down)
+
+  def grads(acc, rows, expert, d_out, gate, up):
+    sig = jax.nn.sigmoid(gate)
+    silu = gate * sig
+    d_hidden = d_out @ _expert_weight(w_down, expert).T
+    d_up = d_hidden * silu
+    d_gate = d_hidden * up * sig * (1 + gate * (1 - sig))  # silu' = sig (1 + x (1 - sig))
+    d_rows = d_gate @ _expert_weight(w_gate, expert).T + d_up @ _expert_weight(w_up, expert).T
+    weight_grads = (rows.T @ d_gate, rows.T @ d_up, (silu * up).T @ d_out)
+    acc = tuple(a.at[expert].add(g.astype(a.dtype)) for a, g in zip(acc, weight_grads))
+    return acc, d_rows.astype(rows.dtype)
+
+  def block(acc, block_in):
+    used, rows = block_in[:2]
+    return jax.lax.cond(used, grads, lambda acc, rows, *_: (acc, jnp.zeros_like(rows)), acc,
+                        *block_in[1:])
+
+  acc = tuple(jnp.zeros(w.shape, jnp.promote_types(w.dtype, jnp.float32)) for w in weights)
+  acc, d_rows = jax.lax.scan(block, acc, (used, rows, block_experts, d_out, gate, up))
+  return (d_rows, None, None) + tuple(a.astype(w.dtype) for a, w in zip(acc, weights))
+
+
+_blocked_swiglu_float.defvjp(_blocked_swiglu_fwd, _blocked_swiglu_bwd)
 
 
 def _blocked_experts(x: Array, experts: Array, gates: Array, w_gate: Experts, w_up: Experts,
@@ -567,16 +657,17 @@ def _blocked_experts(x: Array, experts: Array, gates: Array, w_gate: Experts, w_
   """Each token's k experts over blocks of ``B`` rows (``block_rows``), each block one
   expert's (token, slot) pairs (``_block_layout``: sorted by expert, each expert's group
   padded to a multiple of ``B``): a ``jax.lax.scan`` over the blocks computes each block's
-  SwiGLU with its expert's weights (``_block_product``: ``[B, embed] x [embed, moe_mlp]``
+  SwiGLU with its expert's weights (``_blocked_swiglu``: ``[B, embed] x [embed, moe_mlp]``
   products), then each pair's row comes back and the slots are combined by the gates;
   ``[tokens, embed]``.
 
-  Plain JAX with static shapes (``(tokens k + E (B - 1)) // B`` blocks), differentiable by
-  autodiff (the scan's transpose accumulates each block's weight gradient into its
-  expert's): about the routed FLOPs (``tokens k`` rows plus at most ``B - 1`` padding rows
-  per expert) on any backend, where XLA:CPU's ``ragged_dot`` computes every expert over
-  every row (``'ragged'``) and ``'dense'`` every expert on every token. The blocks past the
-  used ones (all padding) compute zeros with the last expert.
+  Plain JAX with static shapes (``(tokens k + E (B - 1)) // B`` blocks): about the routed
+  FLOPs (``tokens k`` rows plus at most ``B - 1`` padding rows per expert) on any backend,
+  where XLA:CPU's ``ragged_dot`` computes every expert over every row (``'ragged'``) and
+  ``'dense'`` every expert on every token. The backward of float experts is a scan of its
+  own that adds each block's weight gradient into its expert's only
+  (``_blocked_swiglu_bwd``). The blocks past the used ones (all padding, fewer than ``E``) are
+  skipped (a ``jax.lax.cond``), forward and backward.
   """
   chex.assert_rank([x, experts, gates], 2)
   chex.assert_equal_shape([experts, gates])
@@ -585,14 +676,9 @@ def _blocked_experts(x: Array, experts: Array, gates: Array, w_gate: Experts, w_
   block = block_rows(tokens * k, num_experts)
   block_experts, token, valid, position = _block_layout(experts, num_experts, block)
   rows = jnp.where(valid[:, None], jnp.take(x, token, axis=0), 0)
-
-  def swiglu(carry, block_in):
-    rows, expert = block_in
-    hidden = (jax.nn.silu(_block_product(rows, w_gate, expert))
-              * _block_product(rows, w_up, expert))
-    return carry, _block_product(hidden, w_down, expert)
-
-  _, out = jax.lax.scan(swiglu, None, (rows.reshape(-1, block, x.shape[1]), block_experts))
+  used = valid.reshape(-1, block)[:, 0]  # a used block's first row holds a pair
+  out = _blocked_swiglu(rows.reshape(-1, block, x.shape[1]), block_experts, used, w_gate,
+                        w_up, w_down)
   out = jnp.take(out.reshape(-1, x.shape[1]), position, axis=0, mode='fill', fill_value=0)
   return jnp.einsum('tkd,tk->td', out.reshape(tokens, k, -1), gates.astype(out.dtype))
 
