@@ -155,11 +155,16 @@ def _with_moe_impl(config: ml_collections.ConfigDict, model: Model) -> Model:
   impl = config.model.moe_impl
   if not impl:
     return model
-  if not model.config.is_moe:
-    raise ConfigError(f'config.model.moe_impl={impl!r} picks how a mixture of experts\' experts '
-                      f'run, but model {_shown(config.model)} is dense (num_experts=0); set '
-                      "model.moe_impl=''.")
+  _require_moe(config, model, 'moe_impl', "a mixture of experts' experts run")
   return abstract_model(model.config.with_execution(moe_impl=impl))
+
+
+def _require_moe(config: ml_collections.ConfigDict, model: Model, key: str, what: str) -> None:
+  """ConfigError when ``model`` is dense but ``config.model.<key>`` (which picks how ``what``)
+  is set: on a dense model it would do nothing, which is refused rather than ignored."""
+  if not model.config.is_moe:
+    raise ConfigError(f'config.model.{key}={config.model[key]!r} picks how {what}, but model '
+                      f'{_shown(config.model)} is dense (num_experts=0); set model.{key}=\'\'.')
 
 
 def check_fits(config: ml_collections.ConfigDict, task: Task, model: Model,
@@ -377,10 +382,8 @@ def inference_model(config: ml_collections.ConfigDict, model: Model) -> Model:
   impl = config.model.inference_moe_impl
   if not impl:
     return model
-  if not model.config.is_moe:
-    raise ConfigError(f'config.model.inference_moe_impl={impl!r} picks how the engine computes '
-                      f'a mixture of experts\' experts, but model {_shown(config.model)} is '
-                      "dense (num_experts=0); set model.inference_moe_impl=''.")
+  _require_moe(config, model, 'inference_moe_impl',
+               "the engine computes a mixture of experts' experts")
   changes = ({'decode_moe_impl': 'dense'} if impl == 'dense_decode'
              else {'moe_impl': impl, 'decode_moe_impl': ''})
   return abstract_model(model.config.with_execution(**changes))
