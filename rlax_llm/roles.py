@@ -66,7 +66,8 @@ from rlax_llm.trainer.warmup import demo_batch, supervised_warmup
 # The architecture fields a checkpoint must share with the preset it is loaded as.
 _ARCHITECTURE_FIELDS = ('vocab_size', 'num_layers', 'embed_dim', 'num_heads', 'num_kv_heads',
                         'head_dim', 'mlp_dim', 'tie_embeddings', 'qkv_bias', 'qk_norm',
-                        'family')
+                        'family', 'num_experts', 'num_experts_per_tok', 'moe_mlp_dim',
+                        'norm_topk_prob', 'decoder_sparse_step', 'mlp_only_layers')
 
 
 def build_task(config: ml_collections.ConfigDict) -> Task:

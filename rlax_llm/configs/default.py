@@ -61,8 +61,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       moe_impl='',
       # A mixture of experts: how the workers' engine computes the experts, apart from the
       # trainer (docs/models.md "Experts in the engine"): '' (the trainer's grouped matmul),
-      # 'ragged', 'dense' (every expert on every token) or 'dense_decode' (dense in the decode
-      # step only: fewer HBM bytes than the grouped matmul on XLA:TPU by the compiler's model).
+      # 'ragged', 'dense' (every expert on every token), 'blocked' (as model.moe_impl) or
+      # 'dense_decode' (dense in the decode step only: fewer HBM bytes than the grouped matmul
+      # on XLA:TPU by the compiler's model).
       inference_moe_impl='',
   ))
   # LoRA (rlax_llm/models/lora.py, docs/models.md "LoRA"): rank 0 = off (full fine-tuning);

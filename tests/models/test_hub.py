@@ -8,6 +8,7 @@ that cache with ``HF_HUB_OFFLINE=1``. Logits are compared with transformers' at 
 tolerance of ``test_hf_parity``.
 """
 
+import dataclasses
 import json
 import pathlib
 import sys
@@ -284,6 +285,14 @@ def test_auto_and_a_matching_preset_load_a_hub_model_a_mismatch_is_named(served,
   assert message.startswith("config.model.path='org/tiny-qwen3' (at ")
   assert "is not a 'qwen3-0.6b' checkpoint: vocab_size 64 (preset: 151936)" in message
   assert "or to 'auto'" in message
+  # The experts' fields are the architecture's too: a dense checkpoint under a MoE preset.
+  moe = dataclasses.replace(tiny_qwen3, family='qwen3_moe', num_experts=4,
+                            num_experts_per_tok=2, moe_mlp_dim=16)
+  monkeypatch.setitem(presets.PRESETS, 'test-qwen3', moe)
+  with hub_environment(fake, tmp_path), pytest.raises(ConfigError, match=(
+      r"family 'qwen3' \(preset: 'qwen3_moe'\), num_experts 0 \(preset: 4\), "
+      r"num_experts_per_tok 0 \(preset: 2\), moe_mlp_dim 0 \(preset: 16\)")):
+    roles.build_model(_config(name='test-qwen3', path='org/tiny-qwen3', max_seq_len=None), None)
 
 
 # ----------------------------------------------------------------------------- export
