@@ -640,7 +640,7 @@ def _blocked_swiglu_bwd(residuals, d_out):
     return acc, d_rows.astype(rows.dtype)
 
   def block(acc, block_in):
-    used, rows = block_in[:2]
+    used = block_in[0]
     return jax.lax.cond(used, grads, lambda acc, rows, *_: (acc, jnp.zeros_like(rows)), acc,
                         *block_in[1:])
 
