@@ -3,7 +3,9 @@
   RLAX_TEST_COSTS=/tmp/costs.jsonl bash scripts/test.sh
   python scripts/test_costs.py /tmp/costs.jsonl [--top=30]
 
-Prints JSON: the totals, the files by CPU seconds (own + children), and the costliest tests.
+Prints JSON: the totals, the files by CPU seconds (own + children), and the costliest tests;
+with the seconds of JAX's compile path where the log has them (tracing, lowering, XLA's
+compile or the persistent cache's read, and the number of programs).
 ``--remeasured LOG ...`` replaces the rows of every test file those logs hold (a file measured
 again after a change); ``--default_tier`` leaves out the tests tests/tiers.py moves to the
 extended tier (a log of ``--extended`` or of an earlier tree: what the default run would cost).
@@ -18,6 +20,11 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+# The compile-path fields of a row (tests/conftest.py's ``_JAX_EVENTS``, and ``programs``),
+# summed where the log has them: logs written before they were added lack them.
+JAX_FIELDS = ('trace_s', 'lower_s', 'backend_s', 'cache_read_s', 'programs')
+
+
 def summarise(rows: list[dict], top: int) -> dict:
   """Totals, per-file sums (sorted by CPU, largest first) and the ``top`` costliest tests."""
   files = collections.defaultdict(lambda: {'tests': 0, 'cpu_s': 0.0, 'wall_s': 0.0})
@@ -26,12 +33,17 @@ def summarise(rows: list[dict], top: int) -> dict:
     entry['tests'] += 1
     entry['cpu_s'] += row['cpu_s'] + row['child_cpu_s']
     entry['wall_s'] += row['wall_s']
+    for field in JAX_FIELDS:
+      if field in row:
+        entry[field] = entry.get(field, 0.0) + row[field]
   by_cost = sorted(files.items(), key=lambda kv: -kv[1]['cpu_s'])
   tests = sorted(rows, key=lambda r: -(r['cpu_s'] + r['child_cpu_s']))[:top]
   return {
       'tests': len(rows),
       'cpu_s': round(sum(r['cpu_s'] + r['child_cpu_s'] for r in rows), 1),
       'wall_s': round(sum(r['wall_s'] for r in rows), 1),
+      **{field: round(sum(r.get(field, 0.0) for r in rows), 1) for field in JAX_FIELDS
+         if any(field in r for r in rows)},
       'files': [{'file': f, **{k: round(v, 1) for k, v in e.items()}} for f, e in by_cost],
       'costliest_tests': tests,
   }

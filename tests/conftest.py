@@ -179,6 +179,35 @@ def _cpu_seconds() -> tuple[float, float]:
   return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
 
 
+# JAX's compile-path events summed per test for the cost log (in this process; a test's
+# subprocesses are not seen): tracing to a jaxpr, lowering to MLIR, and the backend step,
+# which is XLA's compile or, on a persistent-cache hit, the cache's read.
+_JAX_EVENTS = {'/jax/core/compile/jaxpr_trace_duration': 'trace_s',
+               '/jax/core/compile/jaxpr_to_mlir_module_duration': 'lower_s',
+               '/jax/core/compile/backend_compile_duration': 'backend_s',
+               '/jax/compilation_cache/cache_retrieval_time_sec': 'cache_read_s'}
+_jax_seconds: dict[str, float] = {}
+_jax_listening = []
+
+
+def _listen_to_jax() -> None:
+  """Registers the listener that sums ``_JAX_EVENTS`` into ``_jax_seconds`` (once)."""
+  if _jax_listening:
+    return
+  from jax import monitoring  # pylint: disable=import-outside-toplevel
+
+  def listen(event: str, duration: float, **kwargs) -> None:
+    del kwargs
+    key = _JAX_EVENTS.get(event)
+    if key is not None:
+      _jax_seconds[key] = _jax_seconds.get(key, 0.0) + duration
+      if key == 'backend_s':
+        _jax_seconds['programs'] = _jax_seconds.get('programs', 0) + 1
+
+  monitoring.register_event_duration_secs_listener(listen)
+  _jax_listening.append(listen)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
   """With ``RLAX_TEST_COSTS=FILE`` set, appends each test's cost to FILE as a JSON line.
@@ -187,17 +216,22 @@ def pytest_runtest_protocol(item, nextitem):
   (XLA's compile and run threads included) and of the subprocesses it waited for. CPU seconds
   are what the suite's time on a 2-core machine is made of, and they change far less with the
   machine's load than wall seconds: ``python scripts/test_costs.py FILE`` sums them per file.
+  Also the seconds of JAX's compile path in this process (``_JAX_EVENTS``) and ``programs``,
+  the number of backend compiles or persistent-cache reads.
   """
   del nextitem
   path = os.environ.get('RLAX_TEST_COSTS')
   if not path:
     yield
     return
+  _listen_to_jax()
+  _jax_seconds.clear()
   wall, (own, children) = time.perf_counter(), _cpu_seconds()
   yield
   own_after, children_after = _cpu_seconds()
   row = {'test': item.nodeid, 'wall_s': round(time.perf_counter() - wall, 3),
-         'cpu_s': round(own_after - own, 3), 'child_cpu_s': round(children_after - children, 3)}
+         'cpu_s': round(own_after - own, 3), 'child_cpu_s': round(children_after - children, 3),
+         **{key: round(value, 3) for key, value in _jax_seconds.items()}}
   with open(path, 'a', encoding='utf-8') as f:  # one short line per write: xdist-safe append
     f.write(json.dumps(row) + '\n')
 

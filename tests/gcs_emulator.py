@@ -36,6 +36,8 @@ from gcp_storage_emulator import server as server_lib
 from gcp_storage_emulator.exceptions import NotFound
 from gcp_storage_emulator.handlers import objects
 
+from ports import free_port  # tests/ports.py
+
 
 def _precondition_failed(response, message: str) -> None:
   response.status = HTTPStatus.PRECONDITION_FAILED
@@ -119,17 +121,12 @@ def enforce_preconditions() -> None:
 ENV_KEYS = ('STORAGE_EMULATOR_HOST', 'TENSORSTORE_GCS_HTTP_URL')
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
-
 
 @contextlib.contextmanager
 def running(bucket: str = 'test-bucket', timeout: float = 30.0) -> Iterator[str]:
   """Serves an emulator with ``bucket`` while the block runs, with this process's
   environment pointing at it; yields its URL."""
-  port = _free_port()
+  port = free_port()
   proc = subprocess.Popen([sys.executable, __file__, '--port', str(port), '--bucket', bucket],
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   url = f'http://127.0.0.1:{port}'

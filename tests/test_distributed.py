@@ -3,7 +3,6 @@ validates the config (which builds meshes over jax.devices())."""
 
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -11,6 +10,8 @@ import pytest
 
 from rlax_llm import distributed
 from rlax_llm.cli import load_config_file
+
+from ports import free_port  # tests/ports.py
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -40,11 +41,6 @@ def test_inconsistent_settings_fail_with_the_key_and_the_fix(fields, message):
   with pytest.raises(ValueError, match=message):
     distributed.settings(_config(initialize=True, **fields))
 
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
 
 
 _CHILD = """
@@ -96,7 +92,7 @@ def test_two_processes_join_into_one_job_that_sees_every_device():
   """Two CPU processes with 2 devices each: after initialize, each sees 4 devices; the
   trainer's mesh spans both processes, each inference mesh stays in its process; ``agree``
   and ``JobStop`` give every process the same answer."""
-  port = _free_port()
+  port = free_port()
   env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get('PYTHONPATH', ''))
   env.pop('XLA_FLAGS', None)
   procs = [subprocess.Popen(
@@ -117,7 +113,7 @@ def test_the_launch_joins_before_it_validates(tmp_path):
   result = subprocess.run(
       [sys.executable, '-c', 'from rlax_llm import launch; launch.run_cli()',
        '--config=configs/default.py:smoke', '--config.distributed.initialize=true',
-       f'--config.distributed.coordinator_address=127.0.0.1:{_free_port()}',
+       f'--config.distributed.coordinator_address=127.0.0.1:{free_port()}',
        '--config.distributed.num_processes=1', '--config.distributed.process_id=0',
        '--config.total_steps=0', '--config.warmup.steps=0', f'--workdir={tmp_path / "wd"}'],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

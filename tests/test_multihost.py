@@ -15,7 +15,6 @@ import os
 import pathlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,17 +26,13 @@ from rlax_llm import workdir_claim
 from rlax_llm.metrics import read_metrics
 
 from one_device import ROOT, one_device_env  # tests/one_device.py
+from ports import free_port  # tests/ports.py
 
 # The smoke config, shorter: staleness k=2 so checkpoints hold an in-flight batch's rollouts.
 FLAGS = ('--config=configs/default.py:smoke', '--config.warmup.steps=20',
          '--config.total_steps=4', '--config.eval.every_steps=2', '--config.staleness.k=2',
          '--config.checkpoint.every_steps=2', '--config.checkpoint.every_seconds=0')
 
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
 
 
 def _launch(workdir: pathlib.Path, processes: int, *flags: str, timeout: float = 400,
@@ -53,7 +48,7 @@ def _launch(workdir: pathlib.Path, processes: int, *flags: str, timeout: float =
   job = []
   if processes > 1:
     job = ['--config.distributed.initialize=true',
-           f'--config.distributed.coordinator_address=127.0.0.1:{_free_port()}',
+           f'--config.distributed.coordinator_address=127.0.0.1:{free_port()}',
            f'--config.distributed.num_processes={processes}']
   procs = [subprocess.Popen(
       [sys.executable, '-m', 'rlax_llm.launch', *FLAGS, *flags, f'--workdir={workdir}', *job,

@@ -93,8 +93,8 @@ def test_every_process_abandons_at_the_same_agreement_point():
   env = dict(os.environ, JAX_PLATFORMS='cpu',
              XLA_FLAGS='--xla_force_host_platform_device_count=1',
              PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get('PYTHONPATH', ''))
-  import test_multihost as multihost  # pylint: disable=import-outside-toplevel
-  port = multihost._free_port()
+  from ports import free_port  # pylint: disable=import-outside-toplevel
+  port = free_port()
   procs = [subprocess.Popen([sys.executable, __file__, str(p), str(port)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
            for p in range(2)]

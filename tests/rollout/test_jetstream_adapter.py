@@ -4,7 +4,6 @@ rlax_llm's driver."""
 
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import time
@@ -26,14 +25,11 @@ from rlax_llm.sampling_spec import GREEDY  # noqa: E402
 from rlax_llm.rollout import jetstream_adapter  # noqa: E402
 from rlax_llm.rollout.driver import generate  # noqa: E402
 
+from ports import free_port  # noqa: E402  (tests/ports.py)
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NEW = 12
 
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('localhost', 0))
-    return s.getsockname()[1]
 
 
 @pytest.fixture(scope='module')
@@ -53,7 +49,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def server(checkpoint):
-  port = _free_port()
+  port = free_port()
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu', XLA_FLAGS='')
   proc = subprocess.Popen(
       [sys.executable, '-m', 'rlax_llm.rollout.jetstream_adapter', f'--checkpoint={checkpoint}',
