@@ -139,6 +139,7 @@ def test_the_default_numerics_differ_on_the_same_comparisons():
   assert max(gaps.values()) > 0.0, gaps
 
 
+@pytest.mark.default_emitters
 def test_trainer_scoring_paths_agree_bitwise():
   """Full sequence, lm head in chunks, and the shared-prefix window all give the same bits."""
   model, params = create_model(GQA, seed=0)
@@ -157,6 +158,7 @@ def test_trainer_scoring_paths_agree_bitwise():
   np.testing.assert_array_equal(window, full[:, 19:59])
 
 
+@pytest.mark.default_emitters
 def test_a_data_parallel_mesh_keeps_the_bits():
   model, params = create_model(dataclasses.replace(MHA, num_layers=1), seed=0)
   tokens = jnp.asarray(np.random.RandomState(5).randint(0, MHA.vocab_size, (8, 48)), jnp.int32)
