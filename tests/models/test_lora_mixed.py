@@ -21,6 +21,7 @@ from rlax_llm.models import lora as lora_lib
 from rlax_llm.models.files.pretrained import save_pretrained
 from rlax_llm.models.model import create_model
 from rlax_llm.models.presets import TINY_MOE_PRESETS
+from rlax_llm.models.quant import Int8Weight
 from rlax_llm.sharding import make_mesh
 from rlax_llm.trainer.trainer import Trainer
 
@@ -39,12 +40,16 @@ def _models():
   factor random (fresh ones are zeros: no signal)."""
   base, params = create_model(MIXED, seed=0)
   model, lparams = lora_lib.create(base, params, lora_lib.LoRAConfig(4, 8.0, TARGETS), seed=1)
+  return base, params, model, _random_b(lparams)
+
+
+def _random_b(params):
+  """``params`` with each adapter's B factor random (0.1 N(0, 1))."""
   keys = iter(jax.random.split(jax.random.key(2), 64))
-  lparams = jax.tree_util.tree_map_with_path(
+  return jax.tree_util.tree_map_with_path(
       lambda path, x: (0.1 * jax.random.normal(next(keys), x.shape, x.dtype)
                        if lora_lib.is_adapter_path(path) and path[-1].key == 'b' else x),
-      lparams)
-  return base, params, model, lparams
+      params)
 
 
 def _adapters(params):
@@ -157,3 +162,32 @@ def test_mlp_targets_are_refused_where_every_layer_is_moe():
   base, params = create_model(TINY, seed=0)
   with pytest.raises(ConfigError, match=r"lora.targets includes \['down', 'up'\].*'q,k,v,o'"):
     lora_lib.create(base, params, lora_lib.LoRAConfig(2, 4.0, ('q', 'up', 'down')))
+
+
+@pytest.mark.parametrize('sync_dtype', ['float32', 'int8'])
+def test_adapter_only_sync_and_an_int8_base_follow_the_dense_runs(sync_dtype):
+  """The adapter tree a version pushes (``adapter_tree``, on the wire in ``sync_dtype``)
+  holds the dense runs' MLP adapters; a worker merging it into the base it pulled once
+  (``pushed_base``, ``merge_program``) gets the trainer's merged weights. With a QLoRA base
+  (``base_quant='int8'``) the MoE run's experts are int8 too and the merge is the
+  dequantised base plus the adapters."""
+  base, base_params, _, _ = _models()
+  config = lora_lib.LoRAConfig(4, 8.0, TARGETS, base_quant='int8', sync_dtype=sync_dtype)
+  model, params = lora_lib.create(base, base_params, config, seed=1)
+  params = _random_b(params)
+  assert isinstance(params['blocks']['mlp']['w_up'], Int8Weight)
+  assert any(isinstance(w, Int8Weight) for w in params['blocks_1']['moe'].values())
+  adapters = lora_lib.adapter_tree(params)
+  assert _adapters(adapters) == _adapters(_models()[3])
+  pushed = lora_lib.pushed_params(model, params, base)
+  worker = lora_lib.merge_program(model)(
+      lora_lib.with_adapters(lora_lib.pushed_base(model, params, base), pushed))
+  trainer = lora_lib.merge_program(model)(params)
+  assert not np.allclose(trainer['blocks_2']['mlp']['w_down'],
+                         lora_lib.dequantized(model, lora_lib.base_tree(params))['blocks_2']['mlp'][
+                             'w_down'])
+  atol = 1e-6 if sync_dtype == 'float32' else 1e-2  # int8: the wire's rounding of B
+  jax.tree.map(functools.partial(np.testing.assert_allclose, atol=atol, rtol=0), worker,
+               trainer)
+  np.testing.assert_allclose(np.asarray(jax.jit(base.apply)(trainer, TOKENS)),
+                             np.asarray(jax.jit(model.apply)(params, TOKENS)), atol=1e-4)
