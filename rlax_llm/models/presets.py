@@ -350,6 +350,8 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
     work   = t * itemsize(dtype) * S('none')               one block recomputed / in flight
              + (0 with 'none', else 3) * 4 * rows * heads/tensor * length^2
              (+ XLA:CPU's masked copies of a ragged MoE, ``_CPU_RAGGED_COPIES``)
+             (+ 2 * P * d * itemsize, a blocked MoE's backward cotangents of its ``P``
+             padded rows and their outputs, ``_blocked_rows``)
              (+ 2 * 3 * E / experts * d * moe_mlp/tensor * itemsize, an expert-parallel
              MoE's experts gathered whole on their device and their gradients)
     logits = 3 * 4 * rows * L * vocab/tensor                float32 logits, log-softmax and
@@ -358,8 +360,9 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
   where ``S('none') = 4 d + 3 q + 4 kv + M('none')``, ``S('dots') = d + q + 2 kv +
   M('dots')``, ``S('full') = d``, ``M`` the MLP's part (``_mlp_saved_per_token``: a dense
   SwiGLU's ``M('none') = 4 mlp + d``, ``M('dots') = 2 mlp + d``; a mixture of experts' router,
-  its ``k`` experts' products and the ragged path's sorted copies of the tokens, or with
-  ``moe_impl='dense'`` every expert on every token), ``A('none') = 3`` (the softmax's
+  its ``k`` experts' products and the ragged path's sorted copies of the tokens, with
+  ``moe_impl='dense'`` every expert on every token, with ``'blocked'`` its rows padded to
+  whole blocks per expert), ``A('none') = 3`` (the softmax's
   exponentials, its normaliser broadcast to their shape and the probabilities; 1 with
   ``platform='tpu'``, as XLA:TPU keeps them),
   ``A('dots') = 1`` (the scores), ``A('full') = 0``, ``experts`` the devices a ragged
@@ -370,11 +373,16 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
   remat 'full'), ``saved`` adds one ``[t, N]`` per adapted projection of ``N`` outputs
   (``q``: q, ``k``/``v``: kv, ``o``/``down``: d, ``gate``/``up``: mlp): the base product beside
   its sum with the low-rank one (``decoder.linear``), which XLA:CPU's compiled step kept
-  (tests/test_configs_real_sizes.py). Returns
+  (tests/test_configs_real_sizes.py); the MLP adapters (``gate``, ``up``, ``down``) are on
+  the dense layers alone. A stack mixing dense and MoE layers (``decoder_sparse_step``,
+  ``mlp_only_layers``) sums ``saved`` over its layers, each with its own kind's ``M`` (the
+  ``num_moe_layers`` MoE layers' and the rest's dense SwiGLU), and ``work`` holds the
+  larger kind's block. Returns
   ``{'saved_bytes', 'work_bytes', 'logits_bytes', 'total_bytes'}``. With ``memory_plan``'s
   other parts, checked on XLA:CPU against the compiled train step's memory analysis
   (tests/test_configs_real_sizes.py: remat 'none' at 128 positions, where the widths
-  dominate, and 'none' and 'full' with micro-batches at 512, where attention does).
+  dominate, and 'none' and 'full' with micro-batches at 512, where attention does;
+  tests/models/test_moe_plan.py: 'blocked' and a mixed stack).
   """
   c = config
   split = lambda n: n // tensor if n % tensor == 0 else n  # noqa: E731  (replicated else)
