@@ -13,11 +13,11 @@ replicated). The adapters live on the decoder's ``Attention``/``MLP`` modules as
 A ``LoRAModel`` is a ``Model`` whose params hold the base and the adapters, stacked over the
 layers like the weights they adapt (``params['blocks']['attn']['wq_lora'] = {'a': A [layers,
 in..., r], 'b': B [layers, r, out...]}``; in a stack mixing dense and MoE layers, in each run's
-stack: ``Architecture.layer_runs``); ``trainable_mask`` marks
-the adapters (by their ``nnx.LoRAParam`` type) for ``Trainer(trainable=...)``. ``merge``
-folds them into the base (``W + s * A @ B``); ``save_merged`` writes that as a Hugging Face
-checkpoint and ``save_peft`` the adapters alone in PEFT's format
-(``adapter_config.json`` + ``adapter_model.safetensors``).
+stack: ``Architecture.layer_runs``, the MLP targets in the dense runs only, ``run_targets``);
+``trainable_mask`` marks the adapters (by their ``nnx.LoRAParam`` type) for
+``Trainer(trainable=...)``. ``merge`` folds them into the base (``W + s * A @ B``);
+``save_merged`` writes that as a Hugging Face checkpoint and ``save_peft`` the adapters alone
+in PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``).
 
 Weight sync (``LoRAConfig.sync``, ``lora.sync``): with ``'adapters'`` a trainer pushes
 ``pushed_base`` once (the base, in the workers' dtype) and ``pushed_params`` per version,
@@ -353,7 +353,10 @@ def save_peft(model: LoRAModel, params: Params, out_dir: str | pathlib.Path, *,
   (``['q_proj', ...]``); with MLP targets on a stack mixing dense and MoE layers it is a
   regular expression (which PEFT matches whole against each module's name) naming the
   projections by their place in a layer (``self_attn.q_proj``, ``mlp.gate_proj``), so the
-  MoE layers' experts (``mlp.experts...``) are never adapted."""
+  MoE layers' experts (``mlp.experts...``) are never adapted. PEFT 0.21 on transformers 5
+  does not load those onto the dense MLPs: it rewrites a Qwen3-MoE model's ``gate_proj``,
+  ``up_proj`` and ``down_proj`` targets to its fused experts' parameters whatever the
+  pattern (docs/models.md#lora; ``save_merged`` exports such a model)."""
   out = pathlib.Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   config = {
