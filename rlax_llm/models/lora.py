@@ -13,11 +13,11 @@ replicated). The adapters live on the decoder's ``Attention``/``MLP`` modules as
 A ``LoRAModel`` is a ``Model`` whose params hold the base and the adapters, stacked over the
 layers like the weights they adapt (``params['blocks']['attn']['wq_lora'] = {'a': A [layers,
 in..., r], 'b': B [layers, r, out...]}``; in a stack mixing dense and MoE layers, in each run's
-stack: ``Architecture.layer_runs``); ``trainable_mask`` marks
-the adapters (by their ``nnx.LoRAParam`` type) for ``Trainer(trainable=...)``. ``merge``
-folds them into the base (``W + s * A @ B``); ``save_merged`` writes that as a Hugging Face
-checkpoint and ``save_peft`` the adapters alone in PEFT's format
-(``adapter_config.json`` + ``adapter_model.safetensors``).
+stack: ``Architecture.layer_runs``, the MLP targets in the dense runs only, ``run_targets``);
+``trainable_mask`` marks the adapters (by their ``nnx.LoRAParam`` type) for
+``Trainer(trainable=...)``. ``merge`` folds them into the base (``W + s * A @ B``);
+``save_merged`` writes that as a Hugging Face checkpoint and ``save_peft`` the adapters alone
+in PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``).
 
 Weight sync (``LoRAConfig.sync``, ``lora.sync``): with ``'adapters'`` a trainer pushes
 ``pushed_base`` once (the base, in the workers' dtype) and ``pushed_params`` per version,
@@ -74,6 +74,8 @@ _WEIGHTS = {
     'up': ('mlp', 'w_up', 1, 'mlp.up_proj'),
     'down': ('mlp', 'w_down', 1, 'mlp.down_proj'),
 }
+# The targets in a block's dense MLP: a MoE layer has none (its experts get no adapters).
+MLP_TARGETS = tuple(t for t in TARGETS if _WEIGHTS[t][0] == 'mlp')
 SUFFIX = '_lora'  # an adapter's attribute: f'{weight}{SUFFIX}' (decoder.low_rank reads it)
 # How a LoRA trainer sends each version (``lora.sync``) and the dtype adapter versions travel
 # in (``lora.sync_dtype``): named in ``model_spec``, where they are described.
@@ -163,20 +165,35 @@ def _sides(weight: nnx.Param, num_in: int, layout: str):
   return pairs[-num_in:], pairs[:-num_in]
 
 
+def run_targets(lora: LoRAConfig, run: model_spec.LayerRun) -> tuple[str, ...]:
+  """The targets of ``lora`` adapted in ``run`` (``Architecture.layer_runs``): all of them in
+  a run of dense layers, the attention's alone in a run of MoE layers (its experts have no
+  adapters: ``MLP_TARGETS`` adapt the dense layers of a stack mixing both)."""
+  return tuple(t for t in lora.targets if not (run.moe and t in MLP_TARGETS))
+
+
 def add_adapters(decoder: Decoder, lora: LoRAConfig, rngs: nnx.Rngs) -> Decoder:
   """Attaches a fresh ``Adapter`` to each of ``lora.targets`` in every block of ``decoder``
   (in place; returned for convenience): one per target stacked over the layers
   (``decoder.stack_layers``), as the blocks are (per run of layers in a stack mixing dense
   and MoE layers, ``Architecture.layer_runs``). Adapters are float32 whatever the base's
-  ``param_dtype`` (a bfloat16 base keeps float32 trained state, as PEFT does)."""
+  ``param_dtype`` (a bfloat16 base keeps float32 trained state, as PEFT does).
+
+  The MLP targets (``MLP_TARGETS``: ``gate, up, down``) adapt dense MLPs only
+  (``run_targets``): in a stack mixing dense and MoE layers (Qwen3-MoE's
+  ``decoder_sparse_step``, ``mlp_only_layers``) the dense layers' MLPs, the MoE layers'
+  experts staying without adapters. Raises ConfigError naming them when the model has no
+  dense layer (every layer a mixture of experts)."""
   run = decoder.config.execution
-  dense_mlp = sorted(t for t in lora.targets if _WEIGHTS[t][0] == 'mlp')
-  if decoder.config.is_moe and dense_mlp:
-    raise ConfigError(f'lora.targets includes {dense_mlp}, but this mixture of experts\' MoE '
-                      'layers have no dense MLP (adapters on the experts are not built yet); '
-                      'set lora.targets to attention weights only, e.g. \'q,k,v,o\'.')
+  dense_mlp = sorted(t for t in lora.targets if t in MLP_TARGETS)
+  c = decoder.config
+  if c.is_moe and dense_mlp and c.num_moe_layers == c.num_layers:
+    raise ConfigError(f'lora.targets includes {dense_mlp}, but every layer of this mixture of '
+                      'experts is MoE: none has a dense MLP (adapters on the experts are not '
+                      'built yet); set lora.targets to attention weights only, e.g. '
+                      '\'q,k,v,o\'.')
   for layers in decoder.config.layer_runs():
-    for target in lora.targets:
+    for target in run_targets(lora, layers):
       part, name, num_in, _ = _WEIGHTS[target]
       module = getattr(getattr(decoder, layers.name), part)
       inputs, outputs = _sides(getattr(module, name), num_in, run.weight_layout)
@@ -250,9 +267,9 @@ def trainable_mask(model: LoRAModel) -> Params:
 def _adapted(model: LoRAModel, params: Params):
   """``(run of layers, target, the run's blocks' params dict of its part, weight name,
   adapter params)`` of every adapted weight (all stacked over the run's layers;
-  ``Architecture.layer_runs``)."""
+  ``Architecture.layer_runs``; a MoE run's attention targets only, ``run_targets``)."""
   for layers in model.config.layer_runs():
-    for target in model.lora.targets:
+    for target in run_targets(model.lora, layers):
       part, name, _, _ = _WEIGHTS[target]
       node = params[layers.name][part]
       yield layers, target, node, name, node[name + SUFFIX]
@@ -332,19 +349,35 @@ def save_peft(model: LoRAModel, params: Params, out_dir: str | pathlib.Path, *,
   """The adapters alone in PEFT's format: ``adapter_config.json`` and
   ``adapter_model.safetensors``, which ``peft.PeftModel.from_pretrained`` loads onto the
   ``transformers`` model of the base (``base_model``: its hub id or path, recorded as
-  ``base_model_name_or_path``)."""
+  ``base_model_name_or_path``). ``target_modules`` names the adapted projections
+  (``['q_proj', ...]``); with MLP targets on a stack mixing dense and MoE layers it is a
+  regular expression (which PEFT matches whole against each module's name) naming the
+  projections by their place in a layer (``self_attn.q_proj``, ``mlp.gate_proj``), so the
+  MoE layers' experts (``mlp.experts...``) are never adapted. PEFT 0.21 on transformers 5
+  does not load those onto the dense MLPs: it rewrites a Qwen3-MoE model's ``gate_proj``,
+  ``up_proj`` and ``down_proj`` targets to its fused experts' parameters whatever the
+  pattern (docs/models.md#lora; ``save_merged`` exports such a model)."""
   out = pathlib.Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   config = {
       'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'base_model_name_or_path': base_model,
       'r': model.lora.rank, 'lora_alpha': model.lora.alpha, 'lora_dropout': 0.0,
-      'target_modules': sorted(_WEIGHTS[t][3].split('.')[-1] for t in model.lora.targets),
+      'target_modules': _peft_target_modules(model),
       'bias': 'none', 'fan_in_fan_out': False, 'use_rslora': False, 'use_dora': False,
       'init_lora_weights': True, 'inference_mode': True, 'modules_to_save': None,
       'layers_to_transform': None, 'rank_pattern': {}, 'alpha_pattern': {},
   }
   (out / 'adapter_config.json').write_text(json.dumps(config, indent=2))
   hf.write_safetensors(out / 'adapter_model.safetensors', peft_tensors(model, params))
+
+
+def _peft_target_modules(model: LoRAModel) -> list[str] | str:
+  """PEFT's ``target_modules`` for ``model``'s adapters (``save_peft``)."""
+  targets = model.lora.targets
+  if not (model.config.is_moe and any(t in MLP_TARGETS for t in targets)):
+    return sorted(_WEIGHTS[t][3].split('.')[-1] for t in targets)
+  places = '|'.join(_WEIGHTS[t][3].replace('.', r'\.') for t in targets)
+  return rf'.*\.layers\.\d+\.({places})'
 
 
 @functools.cache

@@ -251,11 +251,23 @@ _SAVED_ATTENTION = {
 }
 
 
-def _mlp_saved_per_token(config: DecoderConfig, remat: str, tensor: int,
-                         experts: int = 1) -> float:
+def _blocked_rows(config: DecoderConfig, tokens: int) -> int:
+  """The padded rows ``P`` of ``moe_impl='blocked'`` over ``tokens`` tokens (``tokens k``
+  (token, slot) pairs): ``blocks * B`` for ``B = moe.block_rows(tokens k, E)`` and ``blocks =
+  (tokens k + E (B - 1)) // B`` (``moe._block_layout``: every expert's group padded to whole
+  blocks), the rows its scan runs and keeps."""
+  pairs, e = tokens * config.num_experts_per_tok, config.num_experts
+  block = moe.block_rows(pairs, e)
+  return (pairs + e * (block - 1)) // block * block
+
+
+def _mlp_saved_per_token(config: DecoderConfig, remat: str, tensor: int, *, moe_layer: bool,
+                         tokens: int, experts: int = 1) -> float:
   """What a block's MLP keeps per token for the backward pass, in units of the compute
   dtype's itemsize (``activation_bytes``), ``mlp`` / ``f`` split over ``tensor`` where they
-  divide.
+  divide; ``moe_layer``: whether the block is one of ``config``'s MoE layers
+  (``is_moe_layer``; a mixed stack has both kinds), ``tokens``: the device's tokens of one
+  micro-batch (``'blocked'``'s padding depends on them).
 
   A dense SwiGLU of width ``mlp``: its gate, up, silu(gate) and product and its output
   (``4 mlp + d``); with remat 'dots' the gate's and up's products and the output
@@ -266,29 +278,39 @@ def _mlp_saved_per_token(config: DecoderConfig, remat: str, tensor: int,
   with ``'dense'`` every expert on every token, ``7 E f`` (gate, up, silu, product, the
   gated product and, in flight in the backward pass, the gradients of gate and up; within
   7% of XLA:CPU's compiled step at 8 and 16 experts, tests/test_configs_real_sizes.py) and
-  the combine weights ``E`` and output ``d``. With 'dots' the dot outputs alone: ragged
-  ``E + d`` (``jax.lax.ragged_dot`` is recomputed: the policy saves
-  ``dot_general``'s outputs only), dense ``E (2 + 3 f) + d``. 0 with 'full'. Dispatched over
-  ``experts`` devices (``moe.expert_parallel_experts``, ``experts > 1``), 'ragged' keeps
-  ``k 3 d`` (the sorted copies, the rows come back and unsorted) and, in buffers sized for
-  every source's rows on one device, ``experts k (2 d + 4 f)`` (the rows received and their
-  outputs, the grouped products) in place of ``k (3 d + 4 f)``.
+  the combine weights ``E`` and output ``d``; with ``'blocked'`` the residuals of its scan
+  over ``P`` padded rows (``_blocked_rows``: the sorted pairs, each expert's padded to whole
+  blocks of ``moe.block_rows`` rows), ``P / t (d + 2 f)`` per token (the rows and their gate
+  and up products, ``moe._blocked_swiglu_fwd``), the ``k`` outputs gathered back ``k d`` and
+  the output ``d``. With 'dots' the dot outputs alone: ragged ``E + d``
+  (``jax.lax.ragged_dot`` is recomputed: the policy saves ``dot_general``'s outputs only),
+  dense ``E (2 + 3 f) + d``, blocked ``E + P / t (d + 2 f) + d`` (the policy keeps its
+  custom backward's residuals whole). 0 with 'full'. Dispatched over ``experts`` devices
+  (``moe.expert_parallel_experts``, ``experts > 1``), 'ragged' keeps ``k 3 d`` (the sorted
+  copies, the rows come back and unsorted) and, in buffers sized for every source's rows on
+  one device, ``experts k (2 d + 4 f)`` (the rows received and their outputs, the grouped
+  products) in place of ``k (3 d + 4 f)``.
   """
   if remat == 'full':
     return 0.0
   d = config.embed_dim
   split = lambda n: n // tensor if n % tensor == 0 else n  # noqa: E731  (replicated else)
-  if not config.is_moe:
+  if not moe_layer:
     mlp = split(config.mlp_dim)
     return float((4 if remat == 'none' else 2) * mlp + d)
   e, k, f = config.num_experts, config.num_experts_per_tok, split(config.moe_mlp_dim)
+  impl = config.execution.moe_impl
+  # 'blocked''s padded rows per token and their gate and up products
+  rows = _blocked_rows(config, tokens) / tokens if impl == 'blocked' else 0.0
   if remat == 'dots':
-    return float(e + d if config.execution.moe_impl == 'ragged' else e * (2 + 3 * f) + d)
+    return float(e + d + rows * (d + 2 * f) if impl != 'dense' else e * (2 + 3 * f) + d)
   router = e * (1 + 4 / jnp.dtype(config.execution.dtype).itemsize)
-  if config.execution.moe_impl == 'ragged':
+  if impl == 'ragged':
     if experts > 1:
       return float(router + k * 3 * d + experts * k * (2 * d + 4 * f) + d)
     return float(router + k * (3 * d + 4 * f) + d)
+  if impl == 'blocked':
+    return float(router + rows * (2 * d + 2 * f) + k * d + d)
   return float(router + 7 * e * f + e + d)
 
 
@@ -328,6 +350,8 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
     work   = t * itemsize(dtype) * S('none')               one block recomputed / in flight
              + (0 with 'none', else 3) * 4 * rows * heads/tensor * length^2
              (+ XLA:CPU's masked copies of a ragged MoE, ``_CPU_RAGGED_COPIES``)
+             (+ 2 * P * d * itemsize, a blocked MoE's backward cotangents of its ``P``
+             padded rows and their outputs, ``_blocked_rows``)
              (+ 2 * 3 * E / experts * d * moe_mlp/tensor * itemsize, an expert-parallel
              MoE's experts gathered whole on their device and their gradients)
     logits = 3 * 4 * rows * L * vocab/tensor                float32 logits, log-softmax and
@@ -336,8 +360,9 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
   where ``S('none') = 4 d + 3 q + 4 kv + M('none')``, ``S('dots') = d + q + 2 kv +
   M('dots')``, ``S('full') = d``, ``M`` the MLP's part (``_mlp_saved_per_token``: a dense
   SwiGLU's ``M('none') = 4 mlp + d``, ``M('dots') = 2 mlp + d``; a mixture of experts' router,
-  its ``k`` experts' products and the ragged path's sorted copies of the tokens, or with
-  ``moe_impl='dense'`` every expert on every token), ``A('none') = 3`` (the softmax's
+  its ``k`` experts' products and the ragged path's sorted copies of the tokens, with
+  ``moe_impl='dense'`` every expert on every token, with ``'blocked'`` its rows padded to
+  whole blocks per expert), ``A('none') = 3`` (the softmax's
   exponentials, its normaliser broadcast to their shape and the probabilities; 1 with
   ``platform='tpu'``, as XLA:TPU keeps them),
   ``A('dots') = 1`` (the scores), ``A('full') = 0``, ``experts`` the devices a ragged
@@ -348,11 +373,16 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
   remat 'full'), ``saved`` adds one ``[t, N]`` per adapted projection of ``N`` outputs
   (``q``: q, ``k``/``v``: kv, ``o``/``down``: d, ``gate``/``up``: mlp): the base product beside
   its sum with the low-rank one (``decoder.linear``), which XLA:CPU's compiled step kept
-  (tests/test_configs_real_sizes.py). Returns
+  (tests/test_configs_real_sizes.py); the MLP adapters (``gate``, ``up``, ``down``) are on
+  the dense layers alone. A stack mixing dense and MoE layers (``decoder_sparse_step``,
+  ``mlp_only_layers``) sums ``saved`` over its layers, each with its own kind's ``M`` (the
+  ``num_moe_layers`` MoE layers' and the rest's dense SwiGLU), and ``work`` holds the
+  larger kind's block. Returns
   ``{'saved_bytes', 'work_bytes', 'logits_bytes', 'total_bytes'}``. With ``memory_plan``'s
   other parts, checked on XLA:CPU against the compiled train step's memory analysis
   (tests/test_configs_real_sizes.py: remat 'none' at 128 positions, where the widths
-  dominate, and 'none' and 'full' with micro-batches at 512, where attention does).
+  dominate, and 'none' and 'full' with micro-batches at 512, where attention does;
+  tests/models/test_moe_plan.py: 'blocked' and a mixed stack).
   """
   c = config
   split = lambda n: n // tensor if n % tensor == 0 else n  # noqa: E731  (replicated else)
@@ -363,17 +393,28 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
   tokens = rows * length
   scores = 4 * rows * heads * length * length  # one float32 [rows, heads, T, T]
   remat = c.execution.remat
-  per_token = lambda policy: (_SAVED_ATTENTION[policy](d, q, kv)  # noqa: E731
-                              + _mlp_saved_per_token(c, policy, tensor, experts))
+  # The layers of each kind: a mixed stack's MoE and dense layers (``is_moe_layer``).
+  kinds = {True: c.num_moe_layers, False: c.num_layers - c.num_moe_layers}
+  kinds = {moe_layer: n for moe_layer, n in kinds.items() if n}
+  per_token = lambda policy, moe_layer: (  # noqa: E731
+      _SAVED_ATTENTION[policy](d, q, kv) + _mlp_saved_per_token(
+          c, policy, tensor, moe_layer=moe_layer, tokens=tokens, experts=experts))
   outputs = {'q': q, 'k': kv, 'v': kv, 'o': d, 'gate': mlp, 'up': mlp, 'down': d}
-  adapted = 0 if lora is None or remat == 'full' else sum(outputs[t] for t in lora.targets)
+  # MLP adapters are on the dense layers only (``lora.add_adapters``: not on experts).
+  adapted = lambda moe_layer: (  # noqa: E731
+      0 if lora is None or remat == 'full' else
+      sum(outputs[t] for t in lora.targets if not (moe_layer and t in lora_lib.MLP_TARGETS)))
   kept = (_TPU_SAVED_SCORES if platform == 'tpu' else _SAVED_SCORES)[remat]
-  saved = c.num_layers * (tokens * itemsize * (per_token(remat) + adapted) + kept * scores)
-  work = (tokens * itemsize * per_token('none')
+  saved = sum(n * (tokens * itemsize * (per_token(remat, moe_layer) + adapted(moe_layer))
+                   + kept * scores) for moe_layer, n in kinds.items())
+  work = (tokens * itemsize * max(per_token('none', moe_layer) for moe_layer in kinds)
           + (0 if remat == 'none' else _SAVED_SCORES['none']) * scores)
   if c.is_moe and c.execution.moe_impl == 'ragged' and platform == 'cpu':
     work += (_CPU_RAGGED_COPIES[remat] * tokens * itemsize * c.num_experts_per_tok
              * c.num_experts * (2 * d + split(c.moe_mlp_dim)))
+  if c.is_moe and c.execution.moe_impl == 'blocked':
+    # its backward's row cotangents: the outputs' and the rows' over the padded rows
+    work += 2 * _blocked_rows(c, tokens) * d * itemsize
   if c.is_moe and c.execution.moe_impl == 'ragged' and experts > 1:
     work += 2 * 3 * c.num_experts // experts * d * split(c.moe_mlp_dim) * itemsize
   logits = 3 * 4 * rows * (logprob_chunk or length) * split(c.vocab_size)

@@ -222,8 +222,11 @@ def test_lora_adapts_the_attention_of_every_run(tiny_mixed):
   assert len(tensors) == 2 * 2 * MIXED_TINY.num_layers
   b4 = tensors['base_model.model.model.layers.4.self_attn.v_proj.lora_B.weight']
   np.testing.assert_allclose(b4, 0.01 * 5, rtol=1e-6)  # layer 4 is the third run's first
-  with pytest.raises(Exception, match=r"lora.targets includes \['up'\]"):
-    lora.create(model, params, lora.LoRAConfig(rank=2, alpha=4.0, targets=('q', 'up')))
+  # MLP targets adapt the dense runs only (tests/models/test_lora_mixed.py)
+  _, mlp_params = lora.create(model, params, lora.LoRAConfig(rank=2, alpha=4.0,
+                                                             targets=('q', 'up')), seed=1)
+  assert ['w_up_lora' in mlp_params[run.name].get('mlp', {})
+          for run in MIXED_TINY.layer_runs()] == [True, False, True]
 
 
 def test_the_int8_copy_quantises_every_run(tiny_mixed):
