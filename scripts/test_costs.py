@@ -5,7 +5,8 @@
 
 Prints JSON: the totals, the files by CPU seconds (own + children), and the costliest tests;
 with the seconds of JAX's compile path where the log has them (tracing, lowering, XLA's
-compile or the persistent cache's read, and the number of programs).
+compile or the persistent cache's read, and the number of programs), and per pytest-xdist
+process its CPU seconds and when it went idle.
 ``--remeasured LOG ...`` replaces the rows of every test file those logs hold (a file measured
 again after a change); ``--default_tier`` leaves out the tests tests/tiers.py moves to the
 extended tier (a log of ``--extended`` or of an earlier tree: what the default run would cost).
@@ -25,6 +26,23 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 JAX_FIELDS = ('trace_s', 'lower_s', 'backend_s', 'cache_read_s', 'programs')
 
 
+def workers(rows: list[dict]) -> dict:
+  """Per pytest-xdist process, where the log has it: its tests, CPU seconds (own + children)
+  and ``idle_from_s``, when its last test ended, counted from the first test's start (the
+  gap between the processes' ``idle_from_s`` is the run's imbalance)."""
+  timed = [row for row in rows if 'worker' in row and 'end' in row]
+  if not timed:
+    return {}
+  start = min(row['end'] - row['wall_s'] for row in timed)
+  out = {}
+  for row in timed:
+    entry = out.setdefault(row['worker'] or 'main', {'tests': 0, 'cpu_s': 0.0, 'idle_from_s': 0.0})
+    entry['tests'] += 1
+    entry['cpu_s'] = round(entry['cpu_s'] + row['cpu_s'] + row['child_cpu_s'], 1)
+    entry['idle_from_s'] = round(max(entry['idle_from_s'], row['end'] - start), 1)
+  return dict(sorted(out.items()))
+
+
 def summarise(rows: list[dict], top: int) -> dict:
   """Totals, per-file sums (sorted by CPU, largest first) and the ``top`` costliest tests."""
   files = collections.defaultdict(lambda: {'tests': 0, 'cpu_s': 0.0, 'wall_s': 0.0})
@@ -37,6 +55,7 @@ def summarise(rows: list[dict], top: int) -> dict:
       if field in row:
         entry[field] = entry.get(field, 0.0) + row[field]
   by_cost = sorted(files.items(), key=lambda kv: -kv[1]['cpu_s'])
+  summary_workers = workers(rows)
   tests = sorted(rows, key=lambda r: -(r['cpu_s'] + r['child_cpu_s']))[:top]
   return {
       'tests': len(rows),
@@ -44,6 +63,7 @@ def summarise(rows: list[dict], top: int) -> dict:
       'wall_s': round(sum(r['wall_s'] for r in rows), 1),
       **{field: round(sum(r.get(field, 0.0) for r in rows), 1) for field in JAX_FIELDS
          if any(field in r for r in rows)},
+      **({'workers': summary_workers} if summary_workers else {}),
       'files': [{'file': f, **{k: round(v, 1) for k, v in e.items()}} for f, e in by_cost],
       'costliest_tests': tests,
   }

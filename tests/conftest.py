@@ -234,7 +234,8 @@ def pytest_runtest_protocol(item, nextitem):
   are what the suite's time on a 2-core machine is made of, and they change far less with the
   machine's load than wall seconds: ``python scripts/test_costs.py FILE`` sums them per file.
   Also the seconds of JAX's compile path in this process (``_JAX_EVENTS``) and ``programs``,
-  the number of backend compiles or persistent-cache reads.
+  the number of backend compiles or persistent-cache reads; the pytest-xdist process and the
+  time the test ended (when each process went idle: the run's balance).
   """
   del nextitem
   path = os.environ.get('RLAX_TEST_COSTS')
@@ -246,7 +247,8 @@ def pytest_runtest_protocol(item, nextitem):
   wall, (own, children) = time.perf_counter(), _cpu_seconds()
   yield
   own_after, children_after = _cpu_seconds()
-  row = {'test': item.nodeid, 'wall_s': round(time.perf_counter() - wall, 3),
+  row = {'test': item.nodeid, 'worker': os.environ.get('PYTEST_XDIST_WORKER', ''),
+         'end': round(time.time(), 1), 'wall_s': round(time.perf_counter() - wall, 3),
          'cpu_s': round(own_after - own, 3), 'child_cpu_s': round(children_after - children, 3),
          **{key: round(value, 3) for key, value in _jax_seconds.items()}}
   with open(path, 'a', encoding='utf-8') as f:  # one short line per write: xdist-safe append

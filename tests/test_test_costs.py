@@ -31,3 +31,20 @@ def test_the_default_tier_leaves_out_extended_tests_by_id_or_function():
   rows = [{'test': t} for t in ('f.py::a[1]', 'f.py::a[2]', 'f.py::b', 'f.py::c')]
   kept = test_costs.default_tier(rows, {'f.py::a': None, 'f.py::b': None})
   assert [r['test'] for r in kept] == ['f.py::c']
+
+
+def test_workers_sum_their_tests_and_say_when_each_went_idle():
+  rows = [
+      {'test': 'a.py::x', 'worker': 'gw0', 'end': 105.0, 'wall_s': 5.0, 'cpu_s': 4.0,
+       'child_cpu_s': 1.0},
+      {'test': 'b.py::y', 'worker': 'gw1', 'end': 130.0, 'wall_s': 20.0, 'cpu_s': 2.0,
+       'child_cpu_s': 0.0},
+      {'test': 'a.py::z', 'worker': 'gw0', 'end': 112.5, 'wall_s': 7.5, 'cpu_s': 7.0,
+       'child_cpu_s': 0.0},
+  ]
+  assert test_costs.summarise(rows, top=0)['workers'] == {
+      'gw0': {'tests': 2, 'cpu_s': 12.0, 'idle_from_s': 12.5},
+      'gw1': {'tests': 1, 'cpu_s': 2.0, 'idle_from_s': 30.0}}
+  assert 'workers' not in test_costs.summarise([{k: v for k, v in row.items()
+                                                 if k not in ('worker', 'end')}
+                                                for row in rows], top=0)
