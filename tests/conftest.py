@@ -23,12 +23,12 @@ from tiers import EXTENDED
 # compares programs compiled alike. Benchmarks and users' runs keep XLA's default level.
 # XLA:CPU's older elemental emitters (``--xla_cpu_use_fusion_emitters=false``) then compile a
 # program in about 40% of the time its default fusion emitters take (62 small programs: 4.5 ->
-# 1.8 s; the whole suite's CPU seconds 2,171 -> 1,576), with the same operations (no fast-math
-# either). What they do not keep is the order of a reduction's additions across programs of
-# different shapes: a test
-# of bitwise equality between such programs (batch-invariant numerics, whose guarantee is for
-# the emitters users run) is marked ``default_emitters`` and runs in a pytest subprocess without
-# this flag (``pytest_pyfunc_call`` below; tests/codegen.py).
+# 1.8 s; the whole suite's CPU seconds fell by about a quarter), with the same operations (no
+# fast-math either). What they do not keep is the order of a reduction's additions across
+# programs of different shapes: a test of bitwise equality between such programs
+# (batch-invariant numerics, whose guarantee is for the emitters users run) is marked
+# ``default_emitters`` and runs in a pytest subprocess without this flag (``pytest_pyfunc_call``
+# below; tests/codegen.py).
 _flags = [flag for flag in os.environ.get('XLA_FLAGS', '').split() if flag != LEGACY_EMITTERS]
 _flags += ['--xla_force_host_platform_device_count=8', '--xla_backend_optimization_level=0']
 if not os.environ.get(DEFAULT_EMITTERS_ENV):
