@@ -34,13 +34,14 @@ def workers(rows: list[dict]) -> dict:
   if not timed:
     return {}
   start = min(row['end'] - row['wall_s'] for row in timed)
-  out = {}
+  out = collections.defaultdict(lambda: {'tests': 0, 'cpu_s': 0.0, 'idle_from_s': 0.0})
   for row in timed:
-    entry = out.setdefault(row['worker'] or 'main', {'tests': 0, 'cpu_s': 0.0, 'idle_from_s': 0.0})
+    entry = out[row['worker'] or 'main']
     entry['tests'] += 1
-    entry['cpu_s'] = round(entry['cpu_s'] + row['cpu_s'] + row['child_cpu_s'], 1)
-    entry['idle_from_s'] = round(max(entry['idle_from_s'], row['end'] - start), 1)
-  return dict(sorted(out.items()))
+    entry['cpu_s'] += row['cpu_s'] + row['child_cpu_s']
+    entry['idle_from_s'] = max(entry['idle_from_s'], row['end'] - start)
+  return {worker: {k: round(v, 1) for k, v in entry.items()}
+          for worker, entry in sorted(out.items())}
 
 
 def summarise(rows: list[dict], top: int) -> dict:
@@ -55,7 +56,7 @@ def summarise(rows: list[dict], top: int) -> dict:
       if field in row:
         entry[field] = entry.get(field, 0.0) + row[field]
   by_cost = sorted(files.items(), key=lambda kv: -kv[1]['cpu_s'])
-  summary_workers = workers(rows)
+  per_worker = workers(rows)
   tests = sorted(rows, key=lambda r: -(r['cpu_s'] + r['child_cpu_s']))[:top]
   return {
       'tests': len(rows),
@@ -63,7 +64,7 @@ def summarise(rows: list[dict], top: int) -> dict:
       'wall_s': round(sum(r['wall_s'] for r in rows), 1),
       **{field: round(sum(r.get(field, 0.0) for r in rows), 1) for field in JAX_FIELDS
          if any(field in r for r in rows)},
-      **({'workers': summary_workers} if summary_workers else {}),
+      **({'workers': per_worker} if per_worker else {}),
       'files': [{'file': f, **{k: round(v, 1) for k, v in e.items()}} for f, e in by_cost],
       'costliest_tests': tests,
   }

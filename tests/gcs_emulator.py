@@ -121,7 +121,6 @@ def enforce_preconditions() -> None:
 ENV_KEYS = ('STORAGE_EMULATOR_HOST', 'TENSORSTORE_GCS_HTTP_URL')
 
 
-
 @contextlib.contextmanager
 def running(bucket: str = 'test-bucket', timeout: float = 30.0) -> Iterator[str]:
   """Serves an emulator with ``bucket`` while the block runs, with this process's

@@ -42,7 +42,6 @@ def test_inconsistent_settings_fail_with_the_key_and_the_fix(fields, message):
     distributed.settings(_config(initialize=True, **fields))
 
 
-
 _CHILD = """
 import sys
 import jax

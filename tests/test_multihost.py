@@ -34,7 +34,6 @@ FLAGS = ('--config=configs/default.py:smoke', '--config.warmup.steps=20',
          '--config.checkpoint.every_steps=2', '--config.checkpoint.every_seconds=0')
 
 
-
 def _launch(workdir: pathlib.Path, processes: int, *flags: str, timeout: float = 400,
             while_running=None) -> list[tuple[int, str, str]]:
   """Runs the launch as ``processes`` processes on 4 CPU devices in all, on ``workdir``;

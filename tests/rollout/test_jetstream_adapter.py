@@ -31,7 +31,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 NEW = 12
 
 
-
 @pytest.fixture(scope='module')
 def checkpoint(tmp_path_factory):
   """A tiny random Llama with SmolLM2's tokenizer (and chat template), as an HF directory."""
