@@ -513,6 +513,14 @@ def block_rows(rows: int, num_experts: int) -> int:
   return min(1 << (mean.bit_length() - 1), _MAX_BLOCK_ROWS)
 
 
+def num_blocks(rows: int, num_experts: int, block: int) -> int:
+  """The blocks of ``block`` rows that ``'blocked'`` lays ``rows`` (token, slot) pairs over
+  (``_block_layout``), static: ``(rows + E (B - 1)) // B``, so that every expert's group,
+  padded to whole blocks (at most ``B - 1`` padding rows each), fits; the memory plan counts
+  the same ``num_blocks * block`` rows (``presets``)."""
+  return (rows + num_experts * (block - 1)) // block
+
+
 def _block_layout(experts: Array, num_experts: int, block: int
                   ) -> tuple[Array, Array, Array, Array]:
   """Where ``'blocked'`` puts each (token, slot) pair: the pairs sorted by expert
@@ -529,11 +537,11 @@ def _block_layout(experts: Array, num_experts: int, block: int
     position int32 [tokens k])``: each block's expert (the last expert for the blocks past
     the used ones, whose rows are all invalid), each padded row's token (0 where
     invalid), whether it holds a pair, and each pair's padded row (``blocks B`` where it has
-    none). ``blocks = (tokens k + E (B - 1)) // B``: every expert's padding fits.
+    none), over ``num_blocks(tokens k, E, B)`` blocks.
   """
   tokens, k = experts.shape
   pairs = tokens * k
-  blocks = (pairs + num_experts * (block - 1)) // block
+  blocks = num_blocks(pairs, num_experts, block)
   order, sizes = _expert_order(experts, num_experts)
   starts = _exclusive_cumsum(sizes, 0)  # each expert's first sorted pair
   owned = -(-sizes // block)  # each expert's blocks

@@ -253,12 +253,11 @@ _SAVED_ATTENTION = {
 
 def _blocked_rows(config: DecoderConfig, tokens: int) -> int:
   """The padded rows ``P`` of ``moe_impl='blocked'`` over ``tokens`` tokens (``tokens k``
-  (token, slot) pairs): ``blocks * B`` for ``B = moe.block_rows(tokens k, E)`` and ``blocks =
-  (tokens k + E (B - 1)) // B`` (``moe._block_layout``: every expert's group padded to whole
-  blocks), the rows its scan runs and keeps."""
+  (token, slot) pairs): ``moe.num_blocks`` blocks of ``B = moe.block_rows(tokens k, E)``
+  rows (every expert's group padded to whole blocks), the rows its scan runs and keeps."""
   pairs, e = tokens * config.num_experts_per_tok, config.num_experts
   block = moe.block_rows(pairs, e)
-  return (pairs + e * (block - 1)) // block * block
+  return moe.num_blocks(pairs, e, block) * block
 
 
 def _mlp_saved_per_token(config: DecoderConfig, remat: str, tensor: int, *, moe_layer: bool,

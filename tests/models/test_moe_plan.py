@@ -287,3 +287,15 @@ def test_the_planned_step_is_within_15_percent_of_the_compiled_one(impl, remat, 
                              cache_length=1)
   compiled = _compiled_step_bytes(decoder, config)
   assert plan.trainer_bytes == pytest.approx(compiled, rel=0.15), (plan, compiled)
+
+
+@pytest.mark.parametrize('tokens', [1, 7, 64, 1024])
+def test_the_plans_blocked_rows_are_the_layouts(tokens):
+  """The plan counts the padded rows the 'blocked' path lays its pairs over (one formula,
+  ``moe.num_blocks``, read by both)."""
+  config = presets.TINY_MOE_PRESETS['tiny-qwen3-moe']
+  k, e = config.num_experts_per_tok, config.num_experts
+  experts = jnp.arange(tokens * k, dtype=jnp.int32).reshape(tokens, k) % e
+  block = moe.block_rows(tokens * k, e)
+  _, token, _, _ = moe._block_layout(experts, e, block)
+  assert presets._blocked_rows(config, tokens) == token.shape[0]
