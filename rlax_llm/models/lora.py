@@ -165,11 +165,13 @@ def _sides(weight: nnx.Param, num_in: int, layout: str):
   return pairs[-num_in:], pairs[:-num_in]
 
 
-def run_targets(lora: LoRAConfig, run: model_spec.LayerRun) -> tuple[str, ...]:
-  """The targets of ``lora`` adapted in ``run`` (``Architecture.layer_runs``): all of them in
-  a run of dense layers, the attention's alone in a run of MoE layers (its experts have no
-  adapters: ``MLP_TARGETS`` adapt the dense layers of a stack mixing both)."""
-  return tuple(t for t in lora.targets if not (run.moe and t in MLP_TARGETS))
+def run_targets(lora: LoRAConfig, moe: bool) -> tuple[str, ...]:
+  """The targets of ``lora`` adapted in a layer (or run of layers,
+  ``Architecture.layer_runs``) that is a MoE layer (``moe``) or not: all of them in a dense
+  layer, the attention's alone in a MoE layer (its experts have no adapters: ``MLP_TARGETS``
+  adapt the dense layers of a stack mixing both). The memory plan counts the same ones
+  (``presets.activation_bytes``)."""
+  return tuple(t for t in lora.targets if not (moe and t in MLP_TARGETS))
 
 
 def add_adapters(decoder: Decoder, lora: LoRAConfig, rngs: nnx.Rngs) -> Decoder:
@@ -193,7 +195,7 @@ def add_adapters(decoder: Decoder, lora: LoRAConfig, rngs: nnx.Rngs) -> Decoder:
                       'built yet); set lora.targets to attention weights only, e.g. '
                       '\'q,k,v,o\'.')
   for layers in decoder.config.layer_runs():
-    for target in run_targets(lora, layers):
+    for target in run_targets(lora, layers.moe):
       part, name, num_in, _ = _WEIGHTS[target]
       module = getattr(getattr(decoder, layers.name), part)
       inputs, outputs = _sides(getattr(module, name), num_in, run.weight_layout)
@@ -269,7 +271,7 @@ def _adapted(model: LoRAModel, params: Params):
   adapter params)`` of every adapted weight (all stacked over the run's layers;
   ``Architecture.layer_runs``; a MoE run's attention targets only, ``run_targets``)."""
   for layers in model.config.layer_runs():
-    for target in run_targets(model.lora, layers):
+    for target in run_targets(model.lora, layers.moe):
       part, name, _, _ = _WEIGHTS[target]
       node = params[layers.name][part]
       yield layers, target, node, name, node[name + SUFFIX]

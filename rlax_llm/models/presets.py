@@ -399,10 +399,10 @@ def activation_bytes(config: DecoderConfig, *, rows: int, length: int, tensor: i
       _SAVED_ATTENTION[policy](d, q, kv) + _mlp_saved_per_token(
           c, policy, tensor, moe_layer=moe_layer, tokens=tokens, experts=experts))
   outputs = {'q': q, 'k': kv, 'v': kv, 'o': d, 'gate': mlp, 'up': mlp, 'down': d}
-  # MLP adapters are on the dense layers only (``lora.add_adapters``: not on experts).
+  # MLP adapters are on the dense layers only (``lora.run_targets``: not on experts).
   adapted = lambda moe_layer: (  # noqa: E731
       0 if lora is None or remat == 'full' else
-      sum(outputs[t] for t in lora.targets if not (moe_layer and t in lora_lib.MLP_TARGETS)))
+      sum(outputs[t] for t in lora_lib.run_targets(lora, moe_layer)))
   kept = (_TPU_SAVED_SCORES if platform == 'tpu' else _SAVED_SCORES)[remat]
   saved = sum(n * (tokens * itemsize * (per_token(remat, moe_layer) + adapted(moe_layer))
                    + kept * scores) for moe_layer, n in kinds.items())

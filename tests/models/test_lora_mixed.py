@@ -71,8 +71,8 @@ def test_mlp_targets_adapt_the_dense_runs_and_not_the_experts():
   assert not any(k.endswith(lora_lib.SUFFIX) for k in params['blocks_1']['moe'])
   assert params['blocks']['mlp']['w_up_lora']['a'].shape == (2, MIXED.embed_dim, 4)
   assert params['blocks_2']['mlp']['w_down_lora']['b'].shape == (1, 4, MIXED.embed_dim)
-  assert lora_lib.run_targets(model.lora, runs[1]) == ('q',)
-  assert lora_lib.run_targets(model.lora, runs[0]) == TARGETS
+  assert lora_lib.run_targets(model.lora, runs[1].moe) == ('q',)
+  assert lora_lib.run_targets(model.lora, runs[0].moe) == TARGETS
   # the trainable mask marks these adapters and nothing else
   mask = lora_lib.trainable_mask(model)
   marked = {path for path, leaf in jax.tree_util.tree_leaves_with_path(mask) if leaf}
