@@ -131,12 +131,18 @@ def test_driver_figures():
   assert (got['first_step_s'], got['peak_rss_mb'], got['steps_logged']) == (90.0, 30.0, 3)
 
 
-def test_driver_save_intervals():
+def test_driver_per_side_flags():
   sides = ['rlax_llm', 'trl', 'tunix']
-  assert driver.save_intervals('5', sides) == {'rlax_llm': 5, 'trl': 5, 'tunix': 5}
-  assert driver.save_intervals('trl=10,tunix=10', sides) == {'rlax_llm': 20, 'trl': 10,
-                                                             'tunix': 10}
+  assert driver.per_side('save_every', '5', sides, 20) == {'rlax_llm': 5, 'trl': 5, 'tunix': 5}
+  assert driver.per_side('save_every', 'trl=10,tunix=10', sides, 20) == {
+      'rlax_llm': 20, 'trl': 10, 'tunix': 10}
+  assert driver.per_side('budget_minutes', 'rlax_llm=25,trl=45', sides, None, float) == {
+      'rlax_llm': 25.0, 'trl': 45.0, 'tunix': None}
+  assert driver.per_side('budget_minutes', '', sides, None, float) == dict.fromkeys(sides)
+  assert driver.per_side('budget_minutes', '0.5', ['trl'], None, float) == {'trl': 0.5}
   with pytest.raises(SystemExit, match='torch=3'):
-    driver.save_intervals('torch=3', sides)
+    driver.per_side('save_every', 'torch=3', sides, 20)
   with pytest.raises(SystemExit, match='trl=0'):
-    driver.save_intervals('trl=0', sides)
+    driver.per_side('save_every', 'trl=0', sides, 20)
+  with pytest.raises(SystemExit, match="--budget_minutes: 'trl=x'"):
+    driver.per_side('budget_minutes', 'trl=x', sides, None, float)

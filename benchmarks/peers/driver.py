@@ -9,10 +9,10 @@ Runs in rlax_llm's virtual environment after ``bash benchmarks/peers/setup.sh``:
 
 Steps: (1) ``job.py`` exports the model and writes the job (once, into ``--cache_dir``);
 (2) each side's script runs alone, in its own virtual environment, in ``<root>/<side>``
-(``--budget_minutes``: a side still running then is stopped, SIGTERM, and keeps the
-checkpoints it saved); (3) ``evaluate.py`` grades every checkpoint; (4) the evaluator's
-consistency check: ``python -m rlax_llm.evaluate`` on the shipped model and the same prompts
-must give the evaluator's step-0 accuracy. The JSON (``<root>/h2h.json``): per side the
+(``--budget_minutes``, one for every side or per side: a side still running then is
+stopped, SIGTERM, and keeps the checkpoints it saved); (3) ``evaluate.py`` grades every
+checkpoint; (4) the evaluator's consistency check: ``python -m rlax_llm.evaluate`` on the
+shipped model and the same prompts must give the evaluator's step-0 accuracy. The JSON (``<root>/h2h.json``): per side the
 accuracy curve against steps and wall time, the wall time to ``--target`` held-out accuracy
 (or the best reached), rollout and train tokens/s (steps after the first, which compiles),
 peak memory, versions; the date, the machine, and the settings table (every setting that
@@ -150,18 +150,31 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
   fig.savefig(path, dpi=100)
 
 
-def save_intervals(spec: str, sides: list[str]) -> dict[str, int]:
-  """``--save_every``: one interval for every side (``'20'``) or ``side=N`` pairs, a side
-  not named keeping 20 (a slower side saves more often, so its curve has points)."""
+def per_side(flag: str, spec: str, sides: list[str], default: float | None,
+             kind: type = int) -> dict[str, Any]:
+  """A per-side flag (``--save_every``, ``--budget_minutes``): one value for every side
+  (``'20'``) or ``side=V`` pairs, a side not named keeping ``default``. Values are positive
+  ``kind`` (a slower side saves more often, so its curve has points; a side known to reach
+  the target early needs a shorter budget)."""
+  def value(text: str, what: str) -> Any:
+    try:
+      out = kind(text)
+    except ValueError:
+      out = None
+    if out is None or out <= 0:
+      raise SystemExit(f'--{flag}: {what!r} is not a positive {kind.__name__} or side=V with '
+                       f'side in {sorted(SCRIPTS)}.')
+    return out
+  if not spec:
+    return dict.fromkeys(sides, default)
   if '=' not in spec:
-    return dict.fromkeys(sides, int(spec))
-  out = dict.fromkeys(sides, 20)
+    return dict.fromkeys(sides, value(spec, spec))
+  out = dict.fromkeys(sides, default)
   for pair in spec.split(','):
-    side, _, steps = pair.partition('=')
-    if side not in SCRIPTS or not steps.isdigit() or int(steps) < 1:
-      raise SystemExit(f'--save_every: {pair!r} is not side=N with side in {sorted(SCRIPTS)} '
-                       'and N >= 1.')
-    out[side] = int(steps)
+    side, _, text = pair.partition('=')
+    if side not in SCRIPTS:
+      raise SystemExit(f'--{flag}: {pair!r} names no side of {sorted(SCRIPTS)}.')
+    out[side] = value(text, pair)
   return {side: out[side] for side in sides}
 
 
@@ -174,7 +187,9 @@ def main() -> None:
   parser.add_argument('--save_every', default='20',
                       help='steps between checkpoints: N for every side, or side=N pairs '
                            '(e.g. rlax_llm=20,trl=10,tunix=10; a side not named keeps 20)')
-  parser.add_argument('--budget_minutes', type=float, default=None, help='per side')
+  parser.add_argument('--budget_minutes', default='',
+                      help='wall minutes per side: M for every side, or side=M pairs '
+                           '(e.g. rlax_llm=25,trl=45,tunix=45; a side not named has none)')
   parser.add_argument('--num_eval', type=int, default=None, help='default: all 100')
   parser.add_argument('--target', type=float, default=0.8)
   parser.add_argument('--plot', default=None, help='PNG path, e.g. docs/peers_h2h.png')
@@ -187,7 +202,8 @@ def main() -> None:
     raise SystemExit(f'--sides: unknown {unknown}; choose from {sorted(SCRIPTS)}.')
   for side in sides:
     python_of(side)  # every venv is there before anything runs
-  save_every = save_intervals(args.save_every, sides)
+  save_every = per_side('save_every', args.save_every, sides, 20)
+  budgets = per_side('budget_minutes', args.budget_minutes, sides, None, float)
 
   job_args = [] if args.cache_dir is None else [f'--cache_dir={args.cache_dir}']
   if run([str(python_of('rlax_llm')), str(HERE / 'job.py'), *job_args], root / 'job.log'):
@@ -195,14 +211,14 @@ def main() -> None:
   job_path = next(l.split()[1] for l in (root / 'job.log').read_text().splitlines()
                   if l.startswith('job: '))
   job = common.read_job(job_path)
-  budget = None if args.budget_minutes is None else 60 * args.budget_minutes
   for side in sides:
     command = [str(python_of(side)), str(HERE / SCRIPTS[side]), f'--job={job_path}',
                f'--run_dir={root / side}', f'--save_every={save_every[side]}']
     if args.steps:
       command.append(f'--steps={args.steps}')
     print(f'driver: running {side} ...', flush=True)
-    status = run(command, root / f'{side}.log', budget)
+    budget = budgets[side]
+    status = run(command, root / f'{side}.log', None if budget is None else 60 * budget)
     print(f'driver: {side} exited {status} (log {root / f"{side}.log"})', flush=True)
 
   eval_json = root / 'evaluation.json'
