@@ -16,6 +16,9 @@ per estimator the means over seeds.
 ``env.split_maps``) instead of the held-out ones: hyper-parameters are picked there.
 
 Extra ``--config.*`` overrides after ``--`` apply to every run (both estimators alike).
+``--plot=PATH`` draws each run's held-out curve (one panel per estimator, one line per seed);
+``--from_json=PATH`` reads the runs from a JSON this script printed instead of running them
+(to draw the plot again).
 """
 
 from __future__ import annotations
@@ -115,6 +118,28 @@ def summarise(runs: list[dict]) -> dict:
   return means
 
 
+def plot(result: dict, path: pathlib.Path) -> None:
+  """Held-out success against the RL step (step 0: after the warm-up), one panel per
+  estimator, one line per seed."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  estimators = [e for e in VARIANTS if any(r['estimator'] == e for r in result['runs'])]
+  fig, axes = plt.subplots(1, len(estimators), figsize=(4.5 * len(estimators), 3.6),
+                           sharey=True, squeeze=False)
+  for ax, estimator in zip(axes[0], estimators):
+    for run in (r for r in result['runs'] if r['estimator'] == estimator):
+      steps, success = zip(*run['curve'])
+      ax.plot(steps, [100 * s for s in success], 'o-', label=f'seed {run["seed"]}')
+    ax.set(title=f'{estimator} ({result.get("split", "held_out")} maps)', xlabel='RL step',
+           ylabel='greedy success, %')
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=100)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--seeds', default='0,1,2')
@@ -124,8 +149,17 @@ def main() -> None:
   parser.add_argument('--workdir', default='', help='keep the runs here (default: a tmp dir)')
   parser.add_argument('--split', choices=sorted(SPLITS), default='held_out',
                       help='evaluate on the held-out maps or the validation maps (tuning)')
+  parser.add_argument('--plot', default='', help='PNG path, e.g. docs/agent_grid.png')
+  parser.add_argument('--from_json', default='',
+                      help='read the runs from this JSON (printed by this script) instead')
   parser.add_argument('extra', nargs='*', help='extra --config.* overrides')
   args = parser.parse_args()
+  if args.from_json:
+    result = json.loads(pathlib.Path(args.from_json).read_text())
+    if args.plot:
+      plot(result, pathlib.Path(args.plot))
+    print(json.dumps(result['means'], indent=2))
+    return
   seeds = [int(s) for s in args.seeds.split(',')]
   estimators = args.estimators.split(',')
   unknown = sorted(set(estimators) - set(VARIANTS))
@@ -141,14 +175,17 @@ def main() -> None:
                               [*SPLITS[args.split], *args.extra]),
           jobs))
     total = time.perf_counter() - start
-  print(json.dumps({
+  result = {
       'benchmark': 'agent_grid',
       'runs': runs,
       'means': summarise(runs),
       'total_wall_s': total,
       'split': args.split,
       'extra': args.extra,
-  }, indent=2))
+  }
+  if args.plot:
+    plot(result, pathlib.Path(args.plot))
+  print(json.dumps(result, indent=2))
 
 
 if __name__ == '__main__':

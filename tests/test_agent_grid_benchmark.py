@@ -82,6 +82,23 @@ def test_read_run_and_the_means(tmp_path):
   assert means['gigpo']['gain'] == 0.25
 
 
+def test_plot_reads_the_printed_json_back(tmp_path):
+  """--from_json with --plot draws the runs of a saved JSON (one panel per estimator)."""
+  _fake_run(tmp_path / 'run')
+  run = agent_grid.read_run(tmp_path / 'run')
+  runs = [{'estimator': e, 'seed': s, **run} for e in ('grpo', 'gigpo') for s in (0, 1)]
+  saved = tmp_path / 'grid.json'
+  saved.write_text(json.dumps({'runs': runs, 'means': agent_grid.summarise(runs),
+                               'split': 'held_out'}))
+  result = subprocess.run(
+      [sys.executable, 'benchmarks/agent_grid.py', f'--from_json={saved}',
+       f'--plot={tmp_path / "grid.png"}'], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+      capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert json.loads(result.stdout)['gigpo']['gain'] == 0.25
+  assert (tmp_path / 'grid.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
 @pytest.mark.slow  # two launches: 1-7 minutes on a shared 2-core machine
 def test_a_tiny_run_of_the_benchmark_prints_its_json():
   result = subprocess.run(
