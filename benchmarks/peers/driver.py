@@ -12,11 +12,11 @@ Steps: (1) ``job.py`` exports the model and writes the job (once, into ``--cache
 (``--budget_minutes``, one for every side or per side: a side still running then is
 stopped, SIGTERM, and keeps the checkpoints it saved); (3) ``evaluate.py`` grades every
 checkpoint; (4) the evaluator's consistency check: ``python -m rlax_llm.evaluate`` on the
-shipped model and the same prompts must give the evaluator's step-0 accuracy. The JSON (``<root>/h2h.json``): per side the
-accuracy curve against steps and wall time, the wall time to ``--target`` held-out accuracy
-(or the best reached), rollout and train tokens/s (steps after the first, which compiles),
-peak memory, versions; the date, the machine, and the settings table (every setting that
-differs). ``--plot=PATH`` draws the curves (matplotlib). Learning runs and timings are the
+shipped model and the same prompts must give the evaluator's step-0 accuracy. The JSON
+(``<root>/h2h.json``): per side the accuracy curve against steps and wall time, the wall
+time to ``--target`` held-out accuracy (or the best reached), rollout and train tokens/s
+(steps after the first, which compiles), peak memory, versions; the date, the machine, and
+the settings table (every setting that differs). ``--plot=PATH`` draws the curves (matplotlib). Learning runs and timings are the
 study only when the machine runs nothing else.
 """
 
