@@ -16,8 +16,9 @@ shipped model and the same prompts must give the evaluator's step-0 accuracy. Th
 (``<root>/h2h.json``): per side the accuracy curve against steps and wall time, the wall
 time to ``--target`` held-out accuracy (or the best reached), rollout and train tokens/s
 (steps after the first, which compiles), peak memory, versions; the date, the machine, and
-the settings table (every setting that differs). ``--plot=PATH`` draws the curves (matplotlib). Learning runs and timings are the
-study only when the machine runs nothing else.
+the settings table (every setting that differs). ``--plot=PATH`` draws the curves
+(matplotlib). Learning runs and timings are the study only when the machine runs nothing
+else.
 """
 
 from __future__ import annotations
