@@ -146,3 +146,5 @@ def test_driver_per_side_flags():
     driver.per_side('save_every', 'trl=0', sides, 20)
   with pytest.raises(SystemExit, match="--budget_minutes: 'trl=x'"):
     driver.per_side('budget_minutes', 'trl=x', sides, None, float)
+  with pytest.raises(SystemExit, match="--budget_minutes: 'nan'"):
+    driver.per_side('budget_minutes', 'nan', sides, None, float)

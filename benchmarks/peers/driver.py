@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import signal
@@ -154,16 +155,16 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
 def per_side(flag: str, spec: str, sides: list[str], default: float | None,
              kind: type = int) -> dict[str, Any]:
   """A per-side flag (``--save_every``, ``--budget_minutes``): one value for every side
-  (``'20'``) or ``side=V`` pairs, a side not named keeping ``default``. Values are positive
-  ``kind`` (a slower side saves more often, so its curve has points; a side known to reach
-  the target early needs a shorter budget)."""
+  (``'20'``) or ``side=V`` pairs, a side not named keeping ``default``. Values are finite,
+  positive ``kind`` (a slower side saves more often, so its curve has points; a side known to
+  reach the target early needs a shorter budget)."""
   def value(text: str, what: str) -> Any:
     try:
       out = kind(text)
     except ValueError:
       out = None
-    if out is None or out <= 0:
-      raise SystemExit(f'--{flag}: {what!r} is not a positive {kind.__name__} or side=V with '
+    if out is None or not math.isfinite(out) or out <= 0:
+      raise SystemExit(f'--{flag}: {what!r} is not a finite, positive {kind.__name__} or side=V with '
                        f'side in {sorted(SCRIPTS)}.')
     return out
   if not spec:
