@@ -164,8 +164,8 @@ def per_side(flag: str, spec: str, sides: list[str], default: float | None,
     except ValueError:
       out = None
     if out is None or not math.isfinite(out) or out <= 0:
-      raise SystemExit(f'--{flag}: {what!r} is not a finite, positive {kind.__name__} or side=V with '
-                       f'side in {sorted(SCRIPTS)}.')
+      raise SystemExit(f'--{flag}: {what!r} is not a finite, positive {kind.__name__} or '
+                       f'side=V with side in {sorted(SCRIPTS)}.')
     return out
   if not spec:
     return dict.fromkeys(sides, default)
