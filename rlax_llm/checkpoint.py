@@ -316,30 +316,42 @@ class Checkpointer:
 
   def save_warmup(self, params: Any, metrics: dict[str, float]) -> None:
     """Saves the warm-up's result (synchronously: it is needed before RL starts)."""
-    path = self.directory / WARMUP_DIRNAME
-    if distributed.agree(path.exists()):  # multi-host: process 0's look, for every process
-      return
-    with ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
-        enable_async_checkpointing=False, create=True),
-                               item_handlers=_handlers('params', json=('metrics',))) as manager:
-      manager.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
-                                              metrics=ocp.args.JsonSave(metrics)))
+    save_warmup(self.directory / WARMUP_DIRNAME, params, metrics)
 
   def restore_warmup(self, params: Any) -> tuple[Any, dict[str, float]] | None:
     """The warm-up's params (onto ``params``' shardings) and metrics; None if not saved."""
-    path = self.directory / WARMUP_DIRNAME
-    if not distributed.agree(path.exists()):  # multi-host: process 0's look, for every process
+    return restore_warmup(self.directory / WARMUP_DIRNAME, params)
+
+
+def save_warmup(path: storage.Path, params: Any, metrics: dict[str, float]) -> None:
+  """Writes a warm-up's result (params and metrics) at ``path``, as one Orbax step 0
+  (synchronously), unless ``path`` exists. The one format of a finished warm-up: a run's
+  ``checkpoints/warmup`` and ``warmup.cache``'s entries (``rlax_llm.warmup_cache``)."""
+  if distributed.agree(path.exists()):  # multi-host: process 0's look, for every process
+    return
+  with ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
+      enable_async_checkpointing=False, create=True),
+                             item_handlers=_handlers('params', json=('metrics',))) as manager:
+    manager.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                            metrics=ocp.args.JsonSave(metrics)))
+
+
+def restore_warmup(path: storage.Path, params: Any) -> tuple[Any, dict[str, float]] | None:
+  """The warm-up ``save_warmup`` wrote at ``path``: its params (onto ``params``' shardings)
+  and metrics; None when there is none (or its save did not finish). Raises CheckpointError
+  when the saved params' shapes or dtypes differ from ``params``'."""
+  if not distributed.agree(path.exists()):  # multi-host: process 0's look, for every process
+    return None
+  with ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
+      enable_async_checkpointing=False, create=False),
+                             item_handlers=_handlers('params', json=('metrics',))) as manager:
+    if manager.latest_step() is None:
       return None
-    with ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
-        enable_async_checkpointing=False, create=False),
-                               item_handlers=_handlers('params', json=('metrics',))) as manager:
-      if manager.latest_step() is None:
-        return None
-      target = abstract_like(params)
-      _check_matches('params', manager.item_metadata(0)['params'], target, path)
-      out = manager.restore(0, args=ocp.args.Composite(
-          params=ocp.args.StandardRestore(target), metrics=ocp.args.JsonRestore()))
-    return out['params'], dict(out['metrics'])
+    target = abstract_like(params)
+    _check_matches('params', manager.item_metadata(0)['params'], target, path)
+    out = manager.restore(0, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(target), metrics=ocp.args.JsonRestore()))
+  return out['params'], dict(out['metrics'])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ import jax
 import ml_collections
 
 from rlax_llm import config as config_lib
-from rlax_llm import console, memory_fit
+from rlax_llm import console, memory_fit, warmup_cache
 from rlax_llm.data import sft_batch
 from rlax_llm.envs import Environment, make_env
 from rlax_llm.envs.seeds import env_seeds
@@ -311,11 +311,20 @@ def warm_trainer(config: ml_collections.ConfigDict, spec: config_lib.RunSpec, ta
                  checkpointer=None, stop=None) -> tuple[Trainer, dict[str, float]]:
   """The RL trainer (``build_trainer``) from the supervised warm-up's params, and the
   warm-up's metrics. With ``warmup.steps > 0`` and a ``checkpointer`` the warm-up's result is
-  restored from it when it holds one, else the warm-up runs and is saved there. ``stop``:
-  the preemption event the warm-up checks between steps."""
+  restored from it when it holds one; else, with ``warmup.cache`` set, from the cache's entry
+  of this warm-up (``rlax_llm.warmup_cache``), copied into the checkpointer; else the warm-up
+  runs and is saved to both. ``stop``: the preemption event the warm-up checks between
+  steps."""
   w = config.warmup
   restored = (checkpointer.restore_warmup(params)
               if checkpointer is not None and w.steps > 0 else None)
+  cache_key = warmup_cache.fingerprint(config, mesh) if w.steps > 0 and w.cache else None
+  if restored is None and cache_key is not None:
+    restored = warmup_cache.restore(w.cache, cache_key, params)
+    if restored is not None:
+      console.phase(f'warm-up: restored from warmup.cache ({w.cache}/{cache_key[:12]}...)')
+      if checkpointer is not None:  # the run's own copy: a resume never needs the cache
+        checkpointer.save_warmup(*restored)
   if restored is not None:
     params, metrics = restored
     logging.info('warm-up restored from its checkpoint')
@@ -333,6 +342,8 @@ def warm_trainer(config: ml_collections.ConfigDict, spec: config_lib.RunSpec, ta
         max_nonfinite_updates=config.rl.max_nonfinite_updates, stop=stop, source=source)
     if checkpointer is not None and w.steps > 0:
       checkpointer.save_warmup(params, metrics)
+    if cache_key is not None:
+      warmup_cache.save(w.cache, cache_key, params, metrics)
   return build_trainer(config, spec, model, params, mesh), metrics
 
 

@@ -22,20 +22,21 @@ from rlax_llm.errors import ConfigError
 # Keys a resumed run may change (``check_resume_config``): how long it runs, how it is watched,
 # checkpointed and placed (the mesh: checkpoints reshard on restore), how many weight
 # versions the server keeps, how often a lost Ray worker restarts, over how many processes the
-# Ray trainer runs (and their environment), and rollout.fault (a removed test knob: runs
-# saved with it resume). Every other key decides what the run computes and must equal the
-# checkpointed run's.
+# Ray trainer runs (and their environment), where finished warm-ups are cached, and
+# rollout.fault (a removed test knob: runs saved with it resume). Every other key decides
+# what the run computes and must equal the checkpointed run's.
 RESUMABLE_CHANGES = ('total_steps', 'checkpoint.', 'log.', 'eval.every_steps', 'mesh.',
                      'local.', 'rollout.worker_timeout_s', 'rollout.fault.', 'distributed.',
                      'paramserver.', 'ray.worker_restarts', 'ray.trainer_processes',
-                     'ray.trainer_env.', 'name')
+                     'ray.trainer_env.', 'name', 'warmup.cache')
 
 
-def _flatten(tree, prefix=''):
+def flatten(tree: dict, prefix: str = '') -> dict:
+  """A nested dict (a config's JSON) as ``{'a.b.c': value}``."""
   out = {}
   for key, value in tree.items():
     if isinstance(value, dict):
-      out.update(_flatten(value, f'{prefix}{key}.'))
+      out.update(flatten(value, f'{prefix}{key}.'))
     else:
       out[f'{prefix}{key}'] = value
   return out
@@ -50,11 +51,11 @@ def config_changes(saved: dict, config: ml_collections.ConfigDict,
   A key the saved config lacks was added to rlax_llm after the run was saved; it passes at
   the packaged default config's value (a new key's default keeps what the code did before it
   existed) and is listed at any other, naming that value."""
-  now = _flatten(json.loads(config.to_json_best_effort()))
-  before = _flatten(saved)
+  now = flatten(json.loads(config.to_json_best_effort()))
+  before = flatten(saved)
   fixed = lambda key: not in_groups(key, may_change)
   added = {key for key in now.keys() - before.keys() if fixed(key)}
-  defaults = _flatten(json.loads(load_config_file(str(DEFAULT_CONFIG_PATH))
+  defaults = flatten(json.loads(load_config_file(str(DEFAULT_CONFIG_PATH))
                                  .to_json_best_effort())) if added else {}
   expected = before | {key: defaults.get(key, '<absent>') for key in added}
   differ = [key for key in sorted(now.keys() | before.keys())

@@ -7,8 +7,10 @@ import json
 import os
 import pathlib
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import program_memory
@@ -45,6 +47,15 @@ os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.join(
     os.environ.get('TMPDIR', '/tmp'), f'rlax_llm_test_jax_cache_{os.getuid()}'))
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.05')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1')
+# Finished supervised warm-ups, shared by the session's runs (``warmup.cache``, which the
+# default config reads from this variable; rlax_llm/warmup_cache.py): most runs the tests build
+# are the smoke config with what follows its 80-step warm-up changed, and that warm-up on 8
+# devices cost about 5 CPU s a run. A run whose warm-up fingerprint is there restores it, the
+# same bits (tests/test_warmup_cache.py). One directory per session, made by the first process
+# (pytest-xdist's workers and the runs tests launch inherit it), removed at its end.
+_OWN_WARMUP_CACHE = 'RLAX_LLM_WARMUP_CACHE' not in os.environ
+if _OWN_WARMUP_CACHE:
+  os.environ['RLAX_LLM_WARMUP_CACHE'] = tempfile.mkdtemp(prefix='rlax_llm_test_warmups_')
 
 
 @pytest.fixture(scope='session')
@@ -58,6 +69,13 @@ def smollm2_tokenizer():
   except FileNotFoundError as error:
     pytest.skip(f'SmolLM2 GGUF checkpoint not installed: {error}')
   return HFTokenizer.from_gguf(path)
+
+
+def pytest_unconfigure(config):
+  """The process that made the session's warm-up cache removes it."""
+  del config
+  if _OWN_WARMUP_CACHE:
+    shutil.rmtree(os.environ['RLAX_LLM_WARMUP_CACHE'], ignore_errors=True)
 
 
 def pytest_sessionfinish(session, exitstatus):

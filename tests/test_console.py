@@ -144,6 +144,7 @@ def test_phase_is_an_info_record_of_the_phase_logger(caplog):
 def _run(module, *args):
   env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get('PYTHONPATH', ''))
   env.pop('JAX_PLATFORMS', None)  # as a user runs it: jax tries (and fails) to open libtpu
+  env.pop('RLAX_LLM_WARMUP_CACHE', None)  # and with no warm-up cache (tests/conftest.py's)
   result = subprocess.run([sys.executable, '-m', module, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=180)
   assert result.returncode == 0, result.stderr[-3000:]

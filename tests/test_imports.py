@@ -193,8 +193,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ('policy and losses', ('rlax_llm.policy', 'rlax_llm.losses')),
     # The trainer (and what its process writes) never reaches into the inference side: the
     # backends connect it to the parameter server, whose workers' engine pulls from it.
-    ('trainer', ('rlax_llm.trainer', 'rlax_llm.checkpoint', 'rlax_llm.metrics',
-                 'rlax_llm.tensorboard_writer')),
+    ('trainer', ('rlax_llm.trainer', 'rlax_llm.checkpoint', 'rlax_llm.warmup_cache',
+                 'rlax_llm.metrics', 'rlax_llm.tensorboard_writer')),
     ('parameter server', ('rlax_llm.paramserver',)),
     ('rollout', ('rlax_llm.rollout',)),
     ('endpoint', ('rlax_llm.serve.',)),

@@ -39,6 +39,7 @@ def smoke(steps=5, j=1, k=1):
   config = load_config_file(str(ROOT / 'configs/default.py') + ':smoke')
   config.total_steps = steps
   config.warmup.steps = WARMUP
+  config.warmup.cache = ''  # the preemptions count the warm-up's steps: it must run
   config.staleness.j, config.staleness.k = j, k
   config.log.tensorboard = False
   config.log.console_every = 100

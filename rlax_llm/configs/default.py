@@ -10,6 +10,8 @@ Variants (``--config=configs/default.py:VARIANT``):
     run whose rewards were all equal would check nothing past the warm-up).
 """
 
+import os
+
 import ml_collections
 from ml_collections.config_dict import placeholder
 
@@ -99,8 +101,13 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       max_turns=0, max_concurrent_episodes=0, timeout_s=300.0, max_turn_tokens=0,
       num_eval=32, eval_seed_start=2**40))
   # Supervised warm-up that produces the RL starting point (0 steps = start from init).
+  # cache: a directory (local or gs://) of finished warm-ups shared by runs; a run whose
+  # warm-up (same model, task, warm-up keys, seed, mesh, code and versions) is there restores
+  # it instead of training it. Default: $RLAX_LLM_WARMUP_CACHE, '' when unset (no cache;
+  # rlax_llm/warmup_cache.py).
   c.warmup = ml_collections.ConfigDict(dict(
       steps=2000, batch_size=64, learning_rate=3e-3, warmup_steps=50,
+      cache=os.environ.get('RLAX_LLM_WARMUP_CACHE', ''),
   ))
   # Loss: any name in rlax_llm.losses.LOSSES (docs/losses.md). Placeholders (None) take the
   # named loss's defaults: its advantage estimator, clip range, aggregation, KL estimator.
