@@ -8,6 +8,11 @@ episode success as eval/success.
 Variants (``--config=configs/agent.py:VARIANT``):
   calculator_no_tool: the same held-out problems asked with no tool (env.tools=False), for the
     starting point without it (run with total_steps=0 and warmup.steps=0).
+  calculator_erring: the recipe with a warm-up on an erring oracle (env.demo_error_rate 0.6:
+    those seeds' demonstrations call the tool on a + b and answer that) run longer (24
+    steps, lr 3e-5: with the perfect oracle that alone reaches 100%), so that imitation
+    plateaus below what RL then reaches (benchmarks/RESULTS.md, "SmolLM2-135M-Instruct
+    learns the calculator tool"; total_steps=0 gives the warm-up alone).
   grid: a 4x4 FrozenLake text puzzle (rlax_llm.envs.GridEnv), one move a turn, GRPO over
     episode returns.
   grid_gigpo: the same with GiGPO's step-level credit (rl.advantage_estimator='gigpo').
@@ -30,8 +35,8 @@ import ml_collections
 
 from rlax_llm.cli import DEFAULT_CONFIG_PATH, load_config_file, unknown_variant
 
-VARIANTS = ('calculator_no_tool', 'grid', 'grid_gigpo', 'grid_small', 'grid_small_gigpo',
-            'smoke', 'harness', 'harness_smoke')
+VARIANTS = ('calculator_no_tool', 'calculator_erring', 'grid', 'grid_gigpo', 'grid_small',
+            'grid_small_gigpo', 'smoke', 'harness', 'harness_smoke')
 # The example agent harness (rlax_llm/serve/calculator_agent.py) of the harness variants.
 HARNESS = 'rlax_llm.serve.calculator_agent:calculator_agent'
 
@@ -56,7 +61,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c.eval.every_steps = 10
   del c['reward']  # the environment's rewards
 
-  if variant in (None, 'calculator_no_tool'):
+  if variant in (None, 'calculator_no_tool', 'calculator_erring'):
     # The calculator recipe (benchmarks/RESULTS.md, "SmolLM2-135M-Instruct learns the
     # calculator tool"): a short supervised warm-up on the oracle's episodes
     # (docs/environments.md), 8 steps of 8 demonstrations, teaches the tool call without
@@ -76,6 +81,10 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.name = 'agent_calculator_no_tool'
     c.env.tools = False
     c.warmup.steps = 0  # the oracle needs the tool
+  elif variant == 'calculator_erring':
+    c.name = 'agent_calculator_erring'
+    c.env.demo_error_rate = 0.6
+    c.warmup.update(dict(steps=24, learning_rate=3e-5))
   elif variant in ('grid', 'grid_gigpo'):
     c.name = f'agent_{variant}'
     c.env = ml_collections.ConfigDict(dict(name='grid', size=4, frozen_fraction=0.8,
