@@ -21,6 +21,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from one_device import one_device_env  # tests/one_device.py
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = ('quickstart', 'losses', 'staleness', 'smollm2_grpo', 'agent_calculator',
              'lora_grpo', 'distill')
@@ -31,7 +33,9 @@ def _execute(name: str, tmp_path: pathlib.Path, timeout: int) -> nbformat.Notebo
   old = {k: os.environ.get(k)
          for k in ('RLAX_LLM_COLAB_SMALL', 'PYTHONPATH', 'MPLBACKEND', 'XLA_FLAGS')}
   os.environ.pop('MPLBACKEND', None)  # the kernel's inline backend: figures become outputs
-  os.environ.pop('XLA_FLAGS', None)  # one CPU device, as on Colab (not conftest's 8)
+  # One CPU device, as on Colab (not conftest's 8); conftest's compile flags kept (the
+  # notebooks' programs compile in about half the time; what they print is not compared).
+  os.environ['XLA_FLAGS'] = one_device_env()['XLA_FLAGS']
   os.environ.update(RLAX_LLM_COLAB_SMALL='1',
                     PYTHONPATH=str(ROOT) + os.pathsep + (old['PYTHONPATH'] or ''))
   try:

@@ -45,14 +45,14 @@ def _strip_times(rows):
 def test_a_run_restores_the_cached_warmup_and_equals_the_run_that_trained_it(tmp_path, warmups):
   cache = tmp_path / 'cache'
   config = smoke_config(total_steps=1, eval__every_steps=0, log__tensorboard=False,
-                        warmup__cache=str(cache))
+                        warmup__steps=8, warmup__cache=str(cache))
   rows, params = _run(config, tmp_path / 'a')
-  assert warmups == [80]
+  assert warmups == [8]
   entries = os.listdir(cache)
   assert len(entries) == 1 and len(entries[0]) == 64, entries  # one finished entry, no staging
   # Another run of what comes after the warm-up (its RL steps, evaluation): restored, not trained.
   again_rows, again_params = _run(config, tmp_path / 'b')
-  assert warmups == [80]
+  assert warmups == [8]
   assert _strip_times(again_rows) == _strip_times(rows)
   jax.tree.map(np.testing.assert_array_equal, again_params, params)
   # The run's own copy: its resume does not need the cache.
@@ -64,7 +64,8 @@ def _mesh():
 
 
 @pytest.mark.parametrize('key, value', [
-    ('rl__learning_rate', 1e-2), ('rl__loss', 'm2po'), ('total_steps', 9), ('eval__every_steps', 1),
+    ('rl__learning_rate', 1e-2), ('rl__loss', 'm2po'), ('total_steps', 9),
+    ('eval__every_steps', 1),
     ('log__tensorboard', False), ('staleness__k', 3), ('rollout__slots', 7),
     ('checkpoint__every_steps', 5), ('warmup__cache', '/elsewhere'), ('name', 'other')])
 def test_what_runs_after_the_warmup_keeps_its_fingerprint(key, value):
@@ -76,7 +77,8 @@ def test_what_runs_after_the_warmup_keeps_its_fingerprint(key, value):
 @pytest.mark.parametrize('key, value', [
     ('warmup__learning_rate', 1e-3), ('warmup__steps', 81), ('warmup__batch_size', 8),
     ('seed', 1), ('task__max_operand', 8), ('model__tiny__num_layers', 1),
-    ('model__dtype', 'bfloat16'), ('rl__max_nonfinite_updates', 5), ('sampling__max_new_tokens', 9)])
+    ('model__dtype', 'bfloat16'), ('rl__max_nonfinite_updates', 5),
+    ('sampling__max_new_tokens', 9)])
 def test_what_the_warmup_reads_changes_its_fingerprint(key, value):
   mesh = _mesh()
   assert (warmup_cache.fingerprint(smoke_config(**{key: value}), mesh)
@@ -88,7 +90,8 @@ def test_the_mesh_and_xla_flags_change_the_fingerprint(monkeypatch):
   base = warmup_cache.fingerprint(config, _mesh())
   assert warmup_cache.fingerprint(config, sharding_lib.make_mesh(
       {'data': 2, 'fsdp': -1, 'tensor': 1})) != base
-  monkeypatch.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', '') + ' --xla_cpu_enable_fast_math=true')
+  monkeypatch.setenv('XLA_FLAGS',
+                     os.environ.get('XLA_FLAGS', '') + ' --xla_cpu_enable_fast_math=true')
   assert warmup_cache.fingerprint(config, _mesh()) != base
 
 
