@@ -75,7 +75,9 @@ def test_tiny_lora_step_profile():
   assert out['mode'] == 'lora rank 4' and out['step_s'] > 0
   assert out['ops_traced'] > 100 and out['ops_matched'] == out['ops_traced']
   assert sum(out['by_opcode'].values()) == pytest.approx(out['ops_s'], rel=1e-3, abs=1e-5)
-  assert 0.1 < out['dot_fraction'] <= 1.0
+  # A timed share: 0.19-0.21 alone under the tests' compile flags (0.40-0.45 at XLA's
+  # defaults), 0.066 once in the whole suite's load, where the fusions' times stretch most.
+  assert 0.02 < out['dot_fraction'] <= 1.0
   seconds = [row['seconds'] for row in out['top']]
   assert len(seconds) == 5 and seconds == sorted(seconds, reverse=True)
 
