@@ -318,8 +318,12 @@ def warm_trainer(config: ml_collections.ConfigDict, spec: config_lib.RunSpec, ta
   w = config.warmup
   restored = (checkpointer.restore_warmup(params)
               if checkpointer is not None and w.steps > 0 else None)
-  cache_key = warmup_cache.fingerprint(config, mesh) if w.steps > 0 and w.cache else None
-  if restored is None and cache_key is not None:
+  if restored is not None:
+    logging.info('warm-up restored from its checkpoint')
+  # Looked up (and later filled) only when the run's own checkpoint holds no warm-up.
+  cache_key = (warmup_cache.fingerprint(config, mesh)
+               if restored is None and w.steps > 0 and w.cache else None)
+  if cache_key is not None:
     restored = warmup_cache.restore(w.cache, cache_key, params)
     if restored is not None:
       console.phase(f'warm-up: restored from warmup.cache ({w.cache}/{cache_key[:12]}...)')
@@ -327,7 +331,6 @@ def warm_trainer(config: ml_collections.ConfigDict, spec: config_lib.RunSpec, ta
         checkpointer.save_warmup(*restored)
   if restored is not None:
     params, metrics = restored
-    logging.info('warm-up restored from its checkpoint')
   else:
     if config.env.name:  # the oracle's episodes, as the episode runner records them
       batches = functools.partial(demo_batch, env_factory(config, tokenizer), tokenizer,

@@ -56,7 +56,7 @@ def config_changes(saved: dict, config: ml_collections.ConfigDict,
   fixed = lambda key: not in_groups(key, may_change)
   added = {key for key in now.keys() - before.keys() if fixed(key)}
   defaults = flatten(json.loads(load_config_file(str(DEFAULT_CONFIG_PATH))
-                                 .to_json_best_effort())) if added else {}
+                                .to_json_best_effort())) if added else {}
   expected = before | {key: defaults.get(key, '<absent>') for key in added}
   differ = [key for key in sorted(now.keys() | before.keys())
             if fixed(key) and now.get(key, '<absent>') != expected.get(key, '<absent>')]

@@ -24,16 +24,15 @@ uploaded files as it reads local ones.
 
 from __future__ import annotations
 
+import importlib
 import os
 import pathlib
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
-
-import importlib
-import sys
 
 import jax
 import numpy as np

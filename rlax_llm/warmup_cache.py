@@ -52,10 +52,10 @@ from rlax_llm.run_config import flatten
 
 # Config keys (prefixes as ``config.in_groups`` reads them) that no warm-up reads: left out of
 # the fingerprint, so runs differing only in these share a warm-up. The mesh section is
-# replaced by the trainer mesh itself; ``rl.max_nonfinite_updates`` is the one RL key the
-# warm-up reads (``roles.warm_trainer``).
+# replaced by the trainer mesh itself. ``READ_RL_KEYS``: the RL keys the warm-up does read
+# (``roles.warm_trainer``), hashed although ``rl.`` is in ``NOT_READ``.
 NOT_READ = ('name', 'total_steps', 'backend', 'checkpoint.', 'distributed.', 'eval.', 'local.',
-            'log.', 'mesh.', 'paramserver.', 'ray.', 'reward.', 'rollout.', 'staleness.',
+            'log.', 'mesh.', 'paramserver.', 'ray.', 'reward.', 'rl.', 'rollout.', 'staleness.',
             'teacher.', 'agent.num_eval', 'agent.eval_seed_start', 'agent.timeout_s',
             'agent.max_concurrent_episodes', 'warmup.cache')
 READ_RL_KEYS = ('rl.max_nonfinite_updates',)
@@ -74,7 +74,7 @@ def _source_digest() -> str:
 def fingerprint(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> str:
   """The hex SHA-256 naming ``config``'s warm-up on ``mesh`` in a cache (module docstring)."""
   keys = {key: value for key, value in flatten(json.loads(config.to_json_best_effort())).items()
-          if key in READ_RL_KEYS or not in_groups(key, NOT_READ + ('rl.',))}
+          if key in READ_RL_KEYS or not in_groups(key, NOT_READ)}
   device = mesh.devices.flat[0]
   what = {'config': keys, 'mesh': {str(k): int(v) for k, v in mesh.shape.items()},
           'device_kind': device.device_kind, 'platform': device.platform,
@@ -111,6 +111,6 @@ def save(cache: str, key: str, params: Any, metrics: dict[str, float]) -> None:
   staging = root / f'.{key}.{uuid.uuid4().hex}'
   checkpoint.save_warmup(staging, params, metrics)
   try:
-    os.rename(staging, path)
+    storage.rename_dir(staging, path)
   except OSError:  # another run added it first: keep theirs (the same bits)
     shutil.rmtree(staging, ignore_errors=True)
