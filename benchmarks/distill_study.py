@@ -41,6 +41,13 @@ one is started over.
     .venv/bin/python benchmarks/distill_study.py [--workdir=runs/distill_study]
         [--output=runs/distill_study/study.json] [--plot=docs/distill_study.png]
         [--distill_steps=0] [--no_run] [--set=--config.KEY=VALUE ...]
+        [--distill_set=--config.KEY=VALUE ...]
+
+Tuning the distillation arms against the same teacher: ``--distill_set`` overrides reach the
+distillation arms only, so with the same ``--workdir`` and another ``--output`` the finished
+``grpo`` arm (the teacher) is read back and only the distillation arms run again. An arm's
+workdir is reused only when it holds a finished run of the same config arguments (kept in its
+watcher's record), so a changed ``--set`` or ``--distill_set`` reruns it.
 """
 
 from __future__ import annotations
@@ -98,6 +105,7 @@ def launch_flags(arm: str, args: argparse.Namespace, teacher: pathlib.Path) -> l
            '--config.checkpoint.keep=1']
   if arm in DISTILL_ARMS:
     flags.append(f'--config.teacher.path={teacher}')
+    return [*flags, *args.set, *args.distill_set]
   return [*flags, *args.set]
 
 
@@ -119,7 +127,8 @@ def read_arm(workdir: pathlib.Path, target: float) -> dict | None:
   evaluation, step 0 the start) and ``wall_curve`` ([wall seconds, accuracy]; the start's
   point is when step 1 began: its line's arrival less its ``time/step_s``), ``steps`` and
   ``wall_s`` to ``target`` (None when not reached), ``best``/``best_step``, the token rates,
-  ``peak_rss_mib``, ``total_wall_s`` (the last step's arrival) and the summary's times.
+  ``peak_rss_mib``, ``total_wall_s`` (the last step's arrival), the summary's times and
+  ``flags``, the launch's config arguments (None in a record from before they were kept).
   """
   summary_path, watch_path = workdir / 'summary.json', workdir / WATCH_FILE
   if not (summary_path.exists() and watch_path.exists()):
@@ -154,12 +163,15 @@ def read_arm(workdir: pathlib.Path, target: float) -> dict | None:
           'peak_rss_mib': round(watched['peak_rss_mib'], 1),
           'load_mean': watched.get('load_mean'),
           'total_wall_s': round(max(arrived.values()), 1),
-          'rl_s': round(summary['time/rl_s'], 1), 'total_s': round(summary['time/total_s'], 1)}
+          'rl_s': round(summary['time/rl_s'], 1), 'total_s': round(summary['time/total_s'], 1),
+          'flags': watched.get('flags')}
 
 
-def _launch(command: list[str], workdir: pathlib.Path, log_path: pathlib.Path) -> None:
-  """Runs ``python -m rlax_llm.launch`` watched, writing the watcher's record into the
-  workdir (the arm counts as finished once it is there)."""
+def _launch(command: list[str], flags: list[str], workdir: pathlib.Path,
+            log_path: pathlib.Path) -> None:
+  """Runs ``python -m rlax_llm.launch`` watched, writing the watcher's record (with
+  ``flags``, the arm's config arguments) into the workdir (the arm counts as finished once it
+  is there)."""
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   loads, stop = [], threading.Event()
 
@@ -182,7 +194,7 @@ def _launch(command: list[str], workdir: pathlib.Path, log_path: pathlib.Path) -
     raise SystemExit(f'the launch in {workdir} failed (exit {process.returncode}); its log: '
                      f'{log_path}')
   (workdir / WATCH_FILE).write_text(json.dumps({
-      'arrived': arrived, 'peak_rss_mib': peak,
+      'arrived': arrived, 'peak_rss_mib': peak, 'flags': flags,
       'load_mean': round(statistics.fmean(loads), 2) if loads else None}))
 
 
@@ -203,20 +215,21 @@ def export_teacher(grpo: pathlib.Path, out: pathlib.Path) -> None:
 
 
 def run_arm(arm: str, args: argparse.Namespace, root: pathlib.Path) -> dict:
-  """Runs one arm (or reads it back when its workdir holds a finished run) and returns
-  ``read_arm``'s figures; after the ``grpo`` arm, exports the teacher."""
+  """Runs one arm (or reads it back when its workdir holds a finished run of the same
+  config arguments) and returns ``read_arm``'s figures; after the ``grpo`` arm, exports the
+  teacher."""
   workdir, teacher = root / arm, root / 'teacher'
+  flags = launch_flags(arm, args, teacher)
   done = read_arm(workdir, args.target)
-  if done is None or done['steps'] != arm_steps(arm, args):
+  if done is None or done['flags'] != flags:
     if arm in DISTILL_ARMS and not (teacher / 'config.json').exists():
       raise SystemExit(f'{arm} needs the teacher exported to {teacher}: run the grpo arm '
                        'first (the study runs the arms in order).')
     if workdir.exists():  # an unfinished or unwatched run: start over
       shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
-    command = [sys.executable, '-m', 'rlax_llm.launch', *launch_flags(arm, args, teacher),
-               f'--workdir={workdir}']
-    _launch(command, workdir, workdir.with_suffix('.log'))
+    command = [sys.executable, '-m', 'rlax_llm.launch', *flags, f'--workdir={workdir}']
+    _launch(command, flags, workdir, workdir.with_suffix('.log'))
     done = read_arm(workdir, args.target)
     if done is None:
       raise SystemExit(f'{arm} exited 0 unfinished (no summary.json, or a preempted one, in '
@@ -308,10 +321,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument('--set', action='append', default=[], metavar='--config.KEY=VALUE',
                       help='an extra launch override for every arm (repeatable; e.g. a tiny '
                            "wiring check); part of the study's settings")
+  parser.add_argument('--distill_set', action='append', default=[],
+                      metavar='--config.KEY=VALUE',
+                      help='an extra launch override for the distillation arms only (tuning '
+                           'them against the same teacher: e.g. --config.rl.learning_rate=5e-5,'
+                           " --config.rl.distill.kind=gkd); part of their settings")
   args = parser.parse_args(argv)
-  bad = [s for s in args.set if not s.startswith('--config.') or '=' not in s]
-  if bad:
-    parser.error(f'--set takes --config.KEY=VALUE launch overrides, got {bad}')
+  for flag in ('set', 'distill_set'):
+    bad = [s for s in getattr(args, flag) if not s.startswith('--config.') or '=' not in s]
+    if bad:
+      parser.error(f'--{flag} takes --config.KEY=VALUE launch overrides, got {bad}')
   if args.grpo_steps <= 0 or not 0 <= args.distill_steps <= args.grpo_steps:
     parser.error(f'--grpo_steps={args.grpo_steps} must be > 0 and --distill_steps='
                  f'{args.distill_steps} in [0, --grpo_steps] (0: GRPO\'s steps to the target): '
@@ -324,15 +343,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def settings(args: argparse.Namespace) -> dict:
   """The study's settings (every arm's, in the output JSON)."""
   return {'seed': args.seed, 'grpo_steps': args.grpo_steps,
-          'distill_steps': args.distill_steps, 'target': args.target, 'set': list(args.set)}
+          'distill_steps': args.distill_steps, 'target': args.target, 'set': list(args.set),
+          'distill_set': list(args.distill_set)}
 
 
 def arm_settings(study_settings: dict, arm: str) -> dict:
   """What ``arm``'s figures depend on, from the study's ``settings``: the ``grpo`` arm (the
-  teacher) on all but ``distill_steps``, a distillation arm on all. A finished arm is reused
-  when these are the same, so a new ``--distill_steps`` reruns the distillation arms only."""
-  keys = ['seed', 'grpo_steps', 'target', 'set'] + (['distill_steps'] if arm != 'grpo' else [])
-  return {k: study_settings[k] for k in keys}
+  teacher) on all but ``distill_steps`` and ``distill_set``, a distillation arm on all. A
+  finished arm is reused when these are the same, so a new ``--distill_steps`` or
+  ``--distill_set`` reruns the distillation arms only."""
+  keys = ['seed', 'grpo_steps', 'target', 'set']
+  if arm != 'grpo':
+    keys += ['distill_steps', 'distill_set']
+  # A study from before --distill_set was kept had none.
+  return {k: study_settings.get(k, [] if k == 'distill_set' else None) for k in keys}
 
 
 def load_previous(path: pathlib.Path, expected: dict) -> dict[str, dict]:

@@ -21,7 +21,8 @@ def test_launch_flags_are_a_valid_run_of_each_arm(arm, tmp_path):
   """Each arm is a config the launcher accepts: its recipe, seed 0, its budget, the final step
   saved only, the teacher's export for the distillation arms."""
   args = study_lib.parse_args(['--output=/nonexistent/x.json', '--set=--config.rl.group_size=4',
-                               '--distill_steps=120'])
+                               '--distill_steps=120',
+                               '--distill_set=--config.rl.learning_rate=5e-5'])
   config = load_config(study_lib.launch_flags(arm, args, tmp_path / 'teacher'))
   validate_config(config, read_hub=False)
   steps = 240 if arm == 'grpo' else 120
@@ -30,15 +31,19 @@ def test_launch_flags_are_a_valid_run_of_each_arm(arm, tmp_path):
   assert config.task.num_eval == 100 and config.rl.group_size == 4  # --set applies to all
   if arm == 'grpo':
     assert not config.teacher.enabled and config.rl.distill.kind == 'off'
+    assert config.rl.learning_rate == 1e-5  # --distill_set leaves the teacher's run alone
   else:
+    assert config.rl.learning_rate == 5e-5
     assert config.teacher.enabled and config.teacher.path == str(tmp_path / 'teacher')
     assert config.rl.distill.kind == 'reverse_kl'
     assert config.rl.distill.with_reward == (arm == 'distill_reward')
 
 
-def _finished_arm(workdir: pathlib.Path, accuracies: dict[int, float], *, watched=True):
+def _finished_arm(workdir: pathlib.Path, accuracies: dict[int, float], *, watched=True,
+                  flags=None):
   """A workdir as a finished launch and the watcher leave it: 4 RL steps of 2 groups x 4
-  samples, 10 s apart, the first arriving at 30 s after a 6 s step, evaluations at ``steps``."""
+  samples, 10 s apart, the first arriving at 30 s after a 6 s step, evaluations at ``steps``;
+  ``flags``: the launch's config arguments the watcher recorded."""
   workdir.mkdir(parents=True)
   (workdir / 'config.json').write_text(json.dumps({'rl': {'group_size': 4}}))
   rows = []
@@ -56,7 +61,7 @@ def _finished_arm(workdir: pathlib.Path, accuracies: dict[int, float], *, watche
   if watched:
     (workdir / study_lib.WATCH_FILE).write_text(json.dumps(
         {'arrived': {str(s): 20.0 + 10 * s for s in range(1, 5)}, 'peak_rss_mib': 8146.04,
-         'load_mean': 4.5}))
+         'load_mean': 4.5, 'flags': flags}))
 
 
 def test_read_arm_times_the_target_in_steps_and_wall_seconds(tmp_path):
@@ -153,6 +158,12 @@ def test_a_new_distillation_budget_reruns_the_distillation_arms_only(tmp_path):
   again = study_lib.study(study_lib.parse_args([*argv, '--distill_steps=60']), fake_run)
   assert ran == [('distill', 60), ('distill_reward', 60)]
   assert again['settings']['distill_steps'] == 60 and again['finished'] == list(study_lib.ARMS)
+  # Tuning the distillation arms against the same teacher: only they run again.
+  ran.clear()
+  tuned = study_lib.study(study_lib.parse_args(
+      [*argv, '--distill_steps=60', '--distill_set=--config.rl.distill.kind=gkd']), fake_run)
+  assert ran == [('distill', 60), ('distill_reward', 60)]
+  assert tuned['settings']['distill_set'] == ['--config.rl.distill.kind=gkd']
 
 
 def test_the_default_budget_is_grpos_steps_to_the_target():
@@ -164,16 +175,28 @@ def test_the_default_budget_is_grpos_steps_to_the_target():
 
 
 def test_run_arm_reads_a_finished_workdir_back_without_launching(tmp_path, monkeypatch):
-  _finished_arm(tmp_path / 'distill', {2: 0.5, 4: 0.85})
+  args = study_lib.parse_args([f'--output={tmp_path / "s.json"}', '--distill_steps=4'])
+  flags = study_lib.launch_flags('distill', args, tmp_path / 'teacher')
+  _finished_arm(tmp_path / 'distill', {2: 0.5, 4: 0.85}, flags=flags)
   (tmp_path / 'distill' / 'checkpoints').mkdir()
+  (tmp_path / 'teacher').mkdir()
+  (tmp_path / 'teacher' / 'config.json').write_text('{}')
+  launched = []
 
-  def no_launch(*args, **kwargs):
-    raise AssertionError('a finished arm was launched again')
+  def no_launch(command, *args, **kwargs):
+    launched.append(command)
+    raise RuntimeError('launched')
 
   monkeypatch.setattr(study_lib.subprocess, 'Popen', no_launch)
-  args = study_lib.parse_args([f'--output={tmp_path / "s.json"}', '--distill_steps=4'])
-  assert study_lib.run_arm('distill', args, tmp_path)['steps_to_target'] == 4
+  run = study_lib.run_arm('distill', args, tmp_path)
+  assert run['steps_to_target'] == 4 and run['flags'] == flags and not launched
   assert not (tmp_path / 'distill' / 'checkpoints').exists()  # its final save: not needed
+  # A finished run of other config arguments (another --distill_set) is launched again.
+  tuned = study_lib.parse_args([f'--output={tmp_path / "s.json"}', '--distill_steps=4',
+                                '--distill_set=--config.rl.learning_rate=5e-5'])
+  with pytest.raises(RuntimeError, match='launched'):
+    study_lib.run_arm('distill', tuned, tmp_path)
+  assert '--config.rl.learning_rate=5e-5' in launched[0]
 
 
 def test_a_distillation_arm_without_the_teacher_is_refused(tmp_path):
@@ -184,6 +207,7 @@ def test_a_distillation_arm_without_the_teacher_is_refused(tmp_path):
 
 @pytest.mark.parametrize('argv, message', [
     (['--set=rl.lr=1'], '--set takes'),
+    (['--distill_set=--config.rl.lr'], '--distill_set takes'),
     (['--distill_steps=241'], 'no more steps than GRPO'),
     (['--distill_steps=-1'], 'in [0, --grpo_steps]'),
     (['--grpo_steps=0'], 'must be > 0'),
@@ -212,11 +236,13 @@ def test_launch_is_watched_and_a_failure_names_its_log(tmp_path):
   writes = ('import json, sys, time; f = open(sys.argv[1], "a")\n'
             'for step in (1, 2):\n'
             '  f.write(json.dumps({"step": step}) + "\\n"); f.flush(); time.sleep(0.6)\n')
-  study_lib._launch([sys.executable, '-c', writes, str(workdir / 'metrics.jsonl')], workdir,
-                    tmp_path / 'arm.log')
+  study_lib._launch([sys.executable, '-c', writes, str(workdir / 'metrics.jsonl')],
+                    ['--config.seed=0'], workdir, tmp_path / 'arm.log')
   watched = json.loads((workdir / study_lib.WATCH_FILE).read_text())
+  assert watched['flags'] == ['--config.seed=0']
   assert sorted(watched['arrived']) == ['1', '2']
   assert 0 < watched['arrived']['1'] < watched['arrived']['2']
   assert watched['peak_rss_mib'] > 0
   with pytest.raises(SystemExit, match='arm.log'):
-    study_lib._launch([sys.executable, '-c', 'raise SystemExit(3)'], workdir, tmp_path / 'arm.log')
+    study_lib._launch([sys.executable, '-c', 'raise SystemExit(3)'], [], workdir,
+                      tmp_path / 'arm.log')
