@@ -94,7 +94,7 @@ def judge(seed: int, runs: dict[str, dict], min_points: float) -> dict:
            if name.startswith(f'seed{seed}_warmup')}
   rl = runs[f'seed{seed}_rl']
   plateau = max(alone.values()) if alone else rl['before']
-  gain = 100.0 * (rl['after'] - plateau)
+  gain = round(100.0 * (rl['after'] - plateau), 2)
   recipe = recipe_warmup_steps()
   return {
       'seed': seed,
