@@ -3,6 +3,7 @@ validates the config (which builds meshes over jax.devices())."""
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -102,11 +103,10 @@ def test_two_processes_join_into_one_job_that_sees_every_device():
   outs = [p.communicate(timeout=60) for p in procs]
   for p, (out, err) in zip(procs, outs):
     assert p.returncode == 0, err[-2000:]
-  # Read the child's own line: gloo writes to stdout too ("Expected number of connected
-  # peer ranks is : 1"), before or after it, as its connections happen to land.
-  jobs = [[line.split()[1:] for line in out.splitlines() if line.startswith('JOB ')]
-          for out, _ in outs]
-  assert sorted(jobs) == [[['0', '2', '4', '2']], [['1', '2', '4', '2']]], outs
+  # Read the child's own words: gloo writes to stdout too ("Expected number of connected
+  # peer ranks is : 1"), before or after them, as its connections happen to land.
+  jobs = [re.findall(r'JOB (\d+) (\d+) (\d+) (\d+)', out) for out, _ in outs]
+  assert sorted(jobs) == [[('0', '2', '4', '2')], [('1', '2', '4', '2')]], outs
 
 
 def test_the_launch_joins_before_it_validates(tmp_path):

@@ -107,8 +107,8 @@ def test_every_process_abandons_at_the_same_agreement_point():
   results = []
   for proc, (out, err) in zip(procs, outs):
     assert proc.returncode == 0, err[-3000:]
-    # Its own line only: gloo may write to stdout after it.
-    results.append(json.loads(out.split('RESULT ', 1)[1].splitlines()[0]))
+    # The JSON alone: gloo may write to stdout right after it, even on the same line.
+    results.append(json.JSONDecoder().raw_decode(out.split('RESULT ', 1)[1])[0])
   zero, one = results
   for name in ('none', 'one', 'both_fits'):
     for key in ('abandon', 'agreements', 'finishing', 'after', 'agreements_after', 'stop'):
