@@ -21,7 +21,10 @@ training it again (``rl.before`` then equals that run's success, which the JSON 
 
 Each SmolLM2 run takes 7-20 minutes on 2 cores and peaks at 7-19 GB resident: the runs go
 one at a time. With ``--workdir``, a run that already finished there (its ``summary.json``,
-not preempted) is read, not run again, so an interrupted study resumes where it stopped.
+not preempted) with the config this study asks for (its ``config.json``; where the warm-up
+cache lives may differ) is read, not run again, so an interrupted study resumes where it
+stopped (an unfinished one is relaunched there and resumes from its checkpoint); a run there
+of another config is cleared and run again.
 Extra ``--config.*`` overrides after ``--`` apply to every run.
 """
 
@@ -31,6 +34,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,7 +43,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from agent_grid import read_run  # noqa: E402  (benchmarks/, this script's directory)
-from rlax_llm.cli import load_config_file  # noqa: E402  (the repo on the path above)
+from rlax_llm.cli import load_config, load_config_file  # noqa: E402  (the repo on the path)
+from rlax_llm.run_config import config_changes  # noqa: E402
 
 CONFIG = 'configs/agent.py:calculator_erring'
 
@@ -63,25 +68,39 @@ def jobs(seed: int, warmup_alone: list[int], base: pathlib.Path) -> list[tuple[s
   return [(name, common + overrides) for name, overrides in runs]
 
 
-def finished(workdir: pathlib.Path) -> bool:
-  """Whether ``workdir`` holds a finished run (a summary that is not a preempted one)."""
-  path = workdir / 'summary.json'
-  return path.exists() and not json.loads(path.read_text()).get('preempted', False)
+def another_config(workdir: pathlib.Path, config) -> bool:
+  """Whether ``workdir`` holds a run of a config that computes another run than ``config``
+  (``run_config.config_changes`` on its ``config.json``; where the warm-up cache lives may
+  differ)."""
+  saved = workdir / 'config.json'
+  return saved.exists() and bool(config_changes(json.loads(saved.read_text()), config,
+                                                ('warmup.cache',)))
+
+
+def finished(workdir: pathlib.Path, config) -> bool:
+  """Whether ``workdir`` holds a finished run of ``config`` (a summary that is not a
+  preempted one, and not ``another_config``'s)."""
+  summary = workdir / 'summary.json'
+  return (summary.exists() and not json.loads(summary.read_text()).get('preempted', False)
+          and (workdir / 'config.json').exists() and not another_config(workdir, config))
 
 
 def run_one(name: str, overrides: list[str], workdir: pathlib.Path,
             extra: list[str]) -> dict:
-  """One launch (skipped when ``workdir`` already holds it finished); its ``read_run``
-  figures and wall time."""
-  command = [sys.executable, '-m', 'rlax_llm.launch', f'--config={CONFIG}',
-             f'--workdir={workdir}', *overrides, *extra]
+  """One launch (skipped when ``workdir`` already holds it finished, with the same config);
+  its ``read_run`` figures and wall time."""
+  config_args = [f'--config={ROOT / CONFIG}', *overrides, *extra]
+  config = load_config(config_args)
+  command = [sys.executable, '-m', 'rlax_llm.launch', *config_args, f'--workdir={workdir}']
   wall = None
-  if not finished(workdir):
+  if not finished(workdir, config):
+    if another_config(workdir, config):  # cleared; an unfinished run of this one resumes
+      shutil.rmtree(workdir)
     start = time.perf_counter()
     result = subprocess.run(command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                             capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
-    if result.returncode != 0 or not finished(workdir):
+    if result.returncode != 0 or not finished(workdir, config):
       raise SystemExit(f'{name} failed (exit {result.returncode}; {" ".join(command)}):\n'
                        f'{result.stderr[-3000:]}')
   return {**read_run(workdir), 'wall_s': wall, 'command': ' '.join(command[1:])}

@@ -13,6 +13,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / 'benchmarks'))
 import agent_calculator  # benchmarks/ is not a package: on the path above
 
+from rlax_llm.cli import load_config
+
 # Held-out success of the fake runs: the warm-up alone by its length, and the RL run's end.
 ALONE = {24: 0.44, 48: 0.30}
 RL_AFTER = 0.9
@@ -20,7 +22,8 @@ RL_AFTER = 0.9
 
 def _fake_launch(calls):
   """A stand-in for ``subprocess.run`` of a launch: writes the workdir a finished run leaves
-  (summary and metrics rows), its figures by the command's warm-up length and total_steps."""
+  (its config, summary and metrics rows), its figures by the command's warm-up length and
+  total_steps."""
 
   def run(command, **kwargs):
     del kwargs
@@ -28,6 +31,8 @@ def _fake_launch(calls):
     flags = dict(arg[2:].split('=', 1) for arg in command if arg.startswith('--'))
     workdir = pathlib.Path(flags['workdir'])
     workdir.mkdir(parents=True)
+    config = load_config([arg for arg in command if arg.startswith('--config')])
+    (workdir / 'config.json').write_text(config.to_json_best_effort())
     steps = int(flags.get('config.warmup.steps', agent_calculator.recipe_warmup_steps()))
     before = ALONE[steps]
     after = before if flags.get('config.total_steps') == '0' else RL_AFTER
@@ -76,12 +81,19 @@ def test_the_study_judges_each_seed_against_the_best_warmup_alone(tmp_path, monk
   assert seed['rl']['curve'] == [[0, 0.44], [2, 0.9]]
   # Judged per seed: a goal of 47 points is missed by every seed (+46 each).
   monkeypatch.setattr(sys, 'argv', ['agent_calculator.py', '--seeds=0', '--min_points=47',
-                                    f'--workdir={tmp_path}'])
+                                    f'--workdir={tmp_path}', '--', '--config.agent.num_eval=4'])
   agent_calculator.main()
   again = json.loads(capsys.readouterr().out)
   assert not again['met'] and not again['seeds'][0]['met']
   # The finished runs were read from the workdir, not launched again.
   assert len(calls) == 6 and all(wall is None for wall in again['seeds'][0]['wall_s'].values())
+  # Runs of another config there (another override) are cleared and launched again.
+  monkeypatch.setattr(sys, 'argv', ['agent_calculator.py', '--seeds=0', '--warmup_alone=24',
+                                    f'--workdir={tmp_path}', '--', '--config.agent.num_eval=5'])
+  agent_calculator.main()
+  rerun = json.loads(capsys.readouterr().out)
+  assert len(calls) == 8 and all('--config.agent.num_eval=5' in c for c in calls[6:])
+  assert all(wall is not None for wall in rerun['seeds'][0]['wall_s'].values())
 
 
 def test_a_failed_run_stops_the_study_with_its_command_and_stderr(tmp_path, monkeypatch):
