@@ -104,9 +104,10 @@ def launch_flags(arm: str, args: argparse.Namespace, teacher: pathlib.Path) -> l
            f'--config.checkpoint.every_steps={steps}', '--config.checkpoint.every_seconds=0',
            '--config.checkpoint.keep=1']
   if arm in DISTILL_ARMS:
-    flags.append(f'--config.teacher.path={teacher}')
-    return [*flags, *args.set, *args.distill_set]
-  return [*flags, *args.set]
+    flags += [f'--config.teacher.path={teacher}', *args.set, *args.distill_set]
+  else:
+    flags += args.set
+  return flags
 
 
 def _round(value: float) -> float:
@@ -225,8 +226,10 @@ def run_arm(arm: str, args: argparse.Namespace, root: pathlib.Path) -> dict:
     if arm in DISTILL_ARMS and not (teacher / 'config.json').exists():
       raise SystemExit(f'{arm} needs the teacher exported to {teacher}: run the grpo arm '
                        'first (the study runs the arms in order).')
-    if workdir.exists():  # an unfinished or unwatched run: start over
+    if workdir.exists():  # an unfinished or unwatched run, or another config's: start over
       shutil.rmtree(workdir)
+    if arm == 'grpo':  # a new teacher: the previous one's export goes with its run
+      shutil.rmtree(teacher, ignore_errors=True)
     workdir.mkdir(parents=True)
     command = [sys.executable, '-m', 'rlax_llm.launch', *flags, f'--workdir={workdir}']
     _launch(command, flags, workdir, workdir.with_suffix('.log'))

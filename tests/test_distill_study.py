@@ -197,6 +197,11 @@ def test_run_arm_reads_a_finished_workdir_back_without_launching(tmp_path, monke
   with pytest.raises(RuntimeError, match='launched'):
     study_lib.run_arm('distill', tuned, tmp_path)
   assert '--config.rl.learning_rate=5e-5' in launched[0]
+  # The teacher's run launched again (another --set): the previous teacher's export goes.
+  _finished_arm(tmp_path / 'grpo', {4: 0.9}, flags=['--config.seed=0'])
+  with pytest.raises(RuntimeError, match='launched'):
+    study_lib.run_arm('grpo', args, tmp_path)
+  assert not (tmp_path / 'teacher').exists()
 
 
 def test_a_distillation_arm_without_the_teacher_is_refused(tmp_path):
