@@ -182,7 +182,7 @@ def impls(args) -> list[dict]:
   tokens = jnp.asarray(tokens_of(args))
   one_each = tokens[:, :1]
   prompts = tokens_of(args)[:, :args.prompt].tolist()
-  for point in args.points.split(','):
+  for point in filter(None, args.points.split(',')):
     experts, top_k = (int(x) for x in point.split('x'))
     calls = {}
     for impl in IMPLS:
@@ -230,7 +230,7 @@ def main() -> None:
   parser.add_argument('--prompt', type=int, default=32)
   parser.add_argument('--new_tokens', type=int, default=64)
   parser.add_argument('--points', default='8x2,16x2,64x8',
-                      help='(experts)x(k) points of the ragged/dense comparison')
+                      help='(experts)x(k) points of the ragged/dense comparison (empty: none)')
   parser.add_argument('--repeats', type=int, default=5)
   parser.add_argument('--moe_impl', default='blocked', choices=IMPLS,
                       help='ours in the head-to-head: the train step and the prefill')

@@ -537,7 +537,8 @@ def head_logits(x: Array, weight: Array, config: DecoderConfig) -> Array:
   ``Execution.dtype``, batch-invariant (``invariant_matmul``) with
   ``Execution.batch_invariant``. On XLA:CPU a ``[V, E]`` head of 2 to ``FLIPPED_MAX_ROWS``
   rows (a decode step's) runs as ``flipped_product``. In bfloat16 (float16) the products
-  are ``accumulated_product``'s, the logits its float32 sums (not rounded to bfloat16)."""
+  are ``accumulated_product``'s, the logits its float32 sums (not rounded to bfloat16).
+  Otherwise the product runs on ``x`` flattened to 2-D rows, as ``linear``'s."""
   run = config.execution
   vocab_first = config.tie_embeddings or run.weight_layout == 'out_in'
   weight = weight.astype(run.dtype)
@@ -550,10 +551,10 @@ def head_logits(x: Array, weight: Array, config: DecoderConfig) -> Array:
                                  jnp.float32).reshape(*x.shape[:-1], -1)
   elif head_is_vocab_major(config, rows):
     logits = flipped_product(x, weight)
-  elif vocab_first:
-    logits = jnp.einsum('...e,ve->...v', x, weight)
-  else:
-    logits = x @ weight
+  else:  # on 2-D rows, as ``linear``: with [B, T] kept, XLA:CPU fed the head's weight
+    # gradient a transposed copy of the whole logits' gradient (benchmarks/LAB_NOTES.md)
+    flat = x.reshape(rows, x.shape[-1])
+    logits = (flat @ weight.T if vocab_first else flat @ weight).reshape(*x.shape[:-1], -1)
   return logits.astype(jnp.float32)
 
 
