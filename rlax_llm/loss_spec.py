@@ -134,6 +134,9 @@ class DistillConfig:
     top_k: int >= 1 with ``kind='gkd'`` (the teacher's support per position); unused (0)
       otherwise.
     with_reward: add the task's group advantage (True) or train on the teacher alone.
+    tail: with ``kind='gkd'``, compare the teacher's top ``top_k`` plus one bucket for each
+      side's mass outside them (``losses.distill.with_tail``) rather than both renormalised
+      on the top ``top_k`` (False, GKD's and TRL's form).
   """
 
   kind: str = 'off'
@@ -141,6 +144,7 @@ class DistillConfig:
   weight: float = 1.0
   top_k: int = 0
   with_reward: bool = True
+  tail: bool = False
 
   def __post_init__(self):
     _choice('distill.kind', self.kind, DISTILL_KINDS)
@@ -157,6 +161,11 @@ class DistillConfig:
                        "distributions over the teacher's top-k tokens; set top_k >= 1 (e.g. 20).")
     if not isinstance(self.with_reward, bool):
       raise ValueError(f'distill.with_reward={self.with_reward!r} must be True or False.')
+    if not isinstance(self.tail, bool):
+      raise ValueError(f'distill.tail={self.tail!r} must be True or False.')
+    if self.tail and self.kind != 'gkd':
+      raise ValueError(f"distill.tail=True with distill.kind={self.kind!r}: the tail bucket is "
+                       "GKD's (its top-k support); set kind='gkd' or tail=False.")
     if self.kind != 'off' and not self.with_reward and self.weight == 0:
       raise ValueError('distill.weight=0 with distill.with_reward=False trains on nothing; set '
                        'weight > 0 or with_reward=True.')

@@ -127,20 +127,26 @@ def test_trainer_gkd_term_equals_gkd_loss_on_the_full_logits(tiny):
   student = jnp.take_along_axis(full, batch.teacher_top_ids[:, 1:], axis=-1)
   want = float(gkd_loss(student, batch.teacher_top_logp[:, 1:], mask[:, 1:], GKD.beta))
   assert want > 1e-3
+  tail = dataclasses.replace(GKD, tail=True)
+  want_tail = float(gkd_loss(student, batch.teacher_top_logp[:, 1:], mask[:, 1:], GKD.beta,
+                             tail=True))
+  assert abs(want_tail - want) > 1e-4
 
   # The variants as one program (one compilation): plain, with the GKD term, the chunked
   # log-prob path and the shared-prefix windows (the loss tokens lie in [5, 10)), and as one
-  # micro-batch of a batch with twice the loss tokens (the term is then its share).
+  # micro-batch of a batch with twice the loss tokens (the term is then its share); GKD with
+  # the tail bucket, chunked.
   double = batch_totals(jnp.concatenate([mask[:, 1:]] * 2))
   variants = [(None, {}), (GKD, {}), (GKD, dict(logprob_chunk=3)),
               (GKD, dict(window=5, logprob_chunk=2)), (None, dict(totals=double)),
-              (GKD, dict(totals=double))]
+              (GKD, dict(totals=double)), (tail, dict(logprob_chunk=3))]
   run = jax.jit(lambda p, b: [rl_objective(policy, LossConfig(), p, b, None, gkd=g, **kw)
                               for g, kw in variants])
-  (plain, _), (loss, metrics), (_, chunked), (_, windowed), (plain_share, _), (share, _) = (
-      run(params, batch))
+  ((plain, _), (loss, metrics), (_, chunked), (_, windowed), (plain_share, _), (share, _),
+   (_, tailed)) = run(params, batch)
   for m in (metrics, chunked, windowed):
     np.testing.assert_allclose(float(m['distill/gkd']), want, rtol=1e-5)
+  np.testing.assert_allclose(float(tailed['distill/gkd']), want_tail, rtol=1e-5)
   np.testing.assert_allclose(float(loss - plain), GKD.weight * want, rtol=1e-4, atol=1e-7)
   np.testing.assert_allclose(float(share - plain_share), GKD.weight * want / 2, rtol=1e-4,
                              atol=1e-7)

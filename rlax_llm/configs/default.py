@@ -142,9 +142,10 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       # kind 'off', 'reverse_kl' (per-token A = A_task + weight * (log pi_teacher - log
       # pi_student) on the sampled tokens; with_reward=False drops A_task) or 'gkd' (GKD's
       # generalised JSD over the teacher's top_k tokens, beta in [0, 1]: 0 forward KL, 1
-      # reverse KL).
+      # reverse KL; tail: one more bucket for each side's mass outside the top_k instead of
+      # renormalising on it).
       distill=ml_collections.ConfigDict(dict(
-          kind='off', beta=0.5, weight=1.0, top_k=0, with_reward=True)),
+          kind='off', beta=0.5, weight=1.0, top_k=0, with_reward=True, tail=False)),
   ))
   # The frozen teacher of on-policy distillation (enabled exactly when rl.distill.kind is not
   # 'off'): name/path/revision as model.* ('tiny': model.tiny's architecture initialised from

@@ -18,7 +18,8 @@ Report, arXiv 2505.09388, section 4.5). Two forms:
   ``[B, T]``): stale student samples are corrected like any others.
 * **GKD's generalised Jensen-Shannon divergence** (``generalized_jsd``, ``gkd_loss``) between
   the teacher's and the student's next-token distributions, over the teacher's top-k support
-  with both distributions renormalised on it. With ``T`` the teacher, ``S`` the student and
+  with both distributions renormalised on it (or, with ``tail``, each completed by one bucket
+  for its mass outside the top-k). With ``T`` the teacher, ``S`` the student and
   ``M = beta T + (1 - beta) S``:
 
       JSD_beta(T || S) = beta KL(T || M) + (1 - beta) KL(S || M),   0 < beta < 1,
@@ -100,14 +101,34 @@ def renormalize(logp: jax.Array) -> jax.Array:
   return logp - jax.nn.logsumexp(logp, axis=-1, keepdims=True)
 
 
-def generalized_jsd(student_logp: jax.Array, teacher_logp: jax.Array, beta: float
-                    ) -> jax.Array:
+# The smallest mass ``with_tail`` resolves outside a support: float32 sums of the support's
+# probabilities round by about 1e-7 each, so a smaller tail is rounding, and a ratio of two
+# such tails (the divergence's gradient) is noise.
+TAIL_FLOOR = 1e-5
+
+
+def with_tail(logp: jax.Array) -> jax.Array:
+  """Full-vocabulary log-probs of ``K`` tokens ``[..., K]`` -> ``[..., K + 1]``: the same,
+  then the log of the mass on every other token, ``log(1 - sum exp(logp))``, held at
+  ``log(TAIL_FLOOR)`` (without gradient) where it is smaller. A top-k support and one bucket
+  for the rest form a distribution that sums to 1 (to ``TAIL_FLOOR``) without renormalising:
+  mass that leaves the top-k shows in the last bucket."""
+  inside = jax.nn.logsumexp(logp, axis=-1, keepdims=True)
+  rest = jnp.log(jnp.maximum(-jnp.expm1(jnp.minimum(inside, 0.0)), TAIL_FLOOR))
+  return jnp.concatenate([logp, rest], axis=-1)
+
+
+def generalized_jsd(student_logp: jax.Array, teacher_logp: jax.Array, beta: float,
+                    tail: bool = False) -> jax.Array:
   """GKD's generalised JSD per position over a support of ``K`` tokens.
 
   Both inputs are renormalised on the support first (``renormalize``): pass the teacher's
   top-k log-probs and the student's full log-softmax gathered at the same token ids (``K = V``
-  with full log-softmaxes is the whole distribution). With ``T``, ``S`` the renormalised
-  teacher and student and ``M = beta T + (1 - beta) S`` (Agarwal et al. 2024, eq. 1;
+  with full log-softmaxes is the whole distribution). ``tail``: instead of renormalising,
+  each side gets one more category, its mass outside the support (``with_tail``; the inputs
+  must then be full-vocabulary log-probs), so a student that moves mass off the teacher's
+  top-k is penalised for it (renormalised, that mass is invisible). With ``T``, ``S`` the
+  teacher and student so made and ``M = beta T + (1 - beta) S`` (Agarwal et al. 2024, eq. 1;
   TRL's ``generalized_jsd_loss``):
 
       beta = 0:      KL(T || S)                                (forward KL)
@@ -118,6 +139,8 @@ def generalized_jsd(student_logp: jax.Array, teacher_logp: jax.Array, beta: floa
     student_logp: float ``[B, T, K]`` student log-probs on the support (gradient flows).
     teacher_logp: float ``[B, T, K]`` teacher log-probs on the support (treated as constant).
     beta: in ``[0, 1]`` (a Python float: the ends select their own formula).
+    tail: compare the supports plus each side's mass outside them (``[..., K + 1]``), not
+      the renormalised supports.
   Returns:
     float ``[B, T]`` divergences (>= 0).
   """
@@ -126,8 +149,9 @@ def generalized_jsd(student_logp: jax.Array, teacher_logp: jax.Array, beta: floa
                      '1: reverse KL(student || teacher)).')
   chex.assert_rank(student_logp, 3)
   chex.assert_equal_shape([student_logp, teacher_logp])
-  s = renormalize(C.as_float(student_logp))
-  t = renormalize(jax.lax.stop_gradient(C.as_float(teacher_logp)))
+  close = with_tail if tail else renormalize
+  s = close(C.as_float(student_logp))
+  t = close(jax.lax.stop_gradient(C.as_float(teacher_logp)))
   kl = lambda p, q: jnp.sum(jnp.exp(p) * (p - q), axis=-1)  # KL(P || Q) from log P, log Q
   if beta == 0.0:
     return kl(t, s)
@@ -138,7 +162,7 @@ def generalized_jsd(student_logp: jax.Array, teacher_logp: jax.Array, beta: floa
 
 
 def gkd_loss(student_logp: jax.Array, teacher_logp: jax.Array, loss_mask: jax.Array,
-             beta: float) -> jax.Array:
+             beta: float, tail: bool = False) -> jax.Array:
   """The token-mean of ``generalized_jsd`` over ``loss_mask`` (a scalar to minimise; 0 with
   no loss token).
 
@@ -146,7 +170,8 @@ def gkd_loss(student_logp: jax.Array, teacher_logp: jax.Array, loss_mask: jax.Ar
     student_logp, teacher_logp: float ``[B, T, K]`` (``generalized_jsd``).
     loss_mask: ``[B, T]``, 1 on the student's sampled tokens.
     beta: in ``[0, 1]``.
+    tail: ``generalized_jsd``'s (the supports plus the mass outside them).
   """
   chex.assert_equal_shape_prefix([student_logp, loss_mask], 2)
-  jsd = generalized_jsd(student_logp, teacher_logp, beta)
+  jsd = generalized_jsd(student_logp, teacher_logp, beta, tail)
   return C.masked_token_mean(jsd, jnp.asarray(loss_mask) > 0)

@@ -66,7 +66,8 @@ def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
   ``losses.gkd_loss`` (GKD's generalised JSD, ``gkd.beta``) between the teacher's top-k
   log-probs (``batch.teacher_top_logp``, ids ``batch.teacher_top_ids``, ``[B, T, K]``) and the
   student's log-softmax at those ids (at the sampling temperature, ``scoring.full_support``),
-  both renormalised on the teacher's support, over the sampled tokens. The student's
+  both renormalised on the teacher's support (``gkd.tail``: each completed by its mass
+  outside it instead), over the sampled tokens. The student's
   log-softmax is read chunk by chunk (``logprob_chunk``) and in the windows (``window``) like
   the log-probs. Metric ``distill/gkd``: that divergence's token mean.
 
@@ -137,7 +138,7 @@ def rl_objective(policy: Policy, loss_config: losses.LossConfig, params: Params,
       ref_logp=ref_logp, max_length=length - 1, totals=totals)
   diagnostics = dict(diagnostics)
   if gkd is not None:
-    divergence = losses.gkd_loss(scored.support_logp, teacher_logp, mask, gkd.beta)
+    divergence = losses.gkd_loss(scored.support_logp, teacher_logp, mask, gkd.beta, gkd.tail)
     # A micro-batch's share of the whole batch's token mean (the shares sum to it).
     share_of = (1.0 if totals is None else
                 jnp.sum(mask > 0) / jnp.maximum(totals.tokens, 1.0))

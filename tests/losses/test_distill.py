@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from rlax_llm.losses import (DistillConfig, LossConfig, generalized_jsd, gkd_loss,
                              mix_advantages, policy_loss, reverse_kl_advantages)
+from rlax_llm.losses.distill import TAIL_FLOOR, with_tail
 
 
 def np_log_softmax(x):
@@ -75,6 +76,50 @@ def test_jsd_renormalises_on_the_support():
                              **TOL)
   np.testing.assert_allclose(generalized_jsd(sub_s - 3.0, sub_t + 1.0, 0.5),
                              generalized_jsd(sub_s, sub_t, 0.5), **TOL)
+
+
+def np_with_tail(logp):
+  """The support's full-vocabulary log-probs and log(1 - their mass), in float64 (the
+  masses here are far above ``TAIL_FLOOR``)."""
+  logp = np.asarray(logp, np.float64)
+  return np.concatenate([logp, np.log1p(-np.exp(logp).sum(-1, keepdims=True))], -1)
+
+
+@pytest.mark.parametrize('beta', [0.0, 0.5, 1.0])
+def test_tail_compares_the_support_and_the_mass_outside_it(beta):
+  full_s, full_t = np_log_softmax(_logits(6, (2, 3, 9))), np_log_softmax(_logits(7, (2, 3, 9)))
+  top = np.argsort(-full_t, axis=-1)[..., :4]
+  sub_s, sub_t = (np.take_along_axis(x, top, -1) for x in (full_s, full_t))
+  got = generalized_jsd(jnp.asarray(sub_s), jnp.asarray(sub_t), beta, tail=True)
+  np.testing.assert_allclose(got, np_jsd(np_with_tail(sub_s), np_with_tail(sub_t), beta),
+                             **TOL)
+
+
+def test_tail_sees_the_mass_the_student_moves_off_the_support():
+  # The student's support shape is the teacher's, but it holds half its mass elsewhere:
+  # renormalised, the two are equal (0); with the tail they are not, and the gradient moves
+  # the student's mass back onto the support (raises every support log-prob).
+  teacher = np.log(np.array([[[0.6, 0.3, 0.05]]]))  # 0.05 outside
+  student = teacher + np.log(0.5 / 0.95)  # the same shape, 0.5 outside
+  np.testing.assert_allclose(generalized_jsd(student, teacher, 0.5), 0.0, atol=1e-6)
+  with_t = generalized_jsd(jnp.asarray(student), jnp.asarray(teacher), 0.5, tail=True)
+  assert float(with_t[0, 0]) > 0.05
+  grad = jax.grad(lambda s: gkd_loss(s, jnp.asarray(teacher), np.ones((1, 1)), 0.5,
+                                     tail=True))(jnp.asarray(student))
+  assert np.all(np.asarray(grad) < 0)
+
+
+def test_a_tail_below_the_floor_is_held_there_without_gradient():
+  # The whole vocabulary as the support: float32 leaves a tail of about 1e-7, rounding.
+  logp = jnp.asarray(np_log_softmax(_logits(8, (1, 2, 5))))
+  out = with_tail(logp)
+  np.testing.assert_allclose(out[..., :5], logp)
+  np.testing.assert_allclose(out[..., 5], np.log(TAIL_FLOOR), rtol=1e-6)
+  grad = jax.grad(lambda s: with_tail(s)[..., 5].sum())(logp)
+  np.testing.assert_array_equal(grad, 0.0)
+  student = jax.nn.log_softmax(logp + jnp.asarray(_logits(9, (1, 2, 5))) * 0.1)
+  np.testing.assert_allclose(generalized_jsd(student, logp, 0.5, tail=True),
+                             generalized_jsd(student, logp, 0.5), rtol=1e-3, atol=1e-6)
 
 
 def test_jsd_refuses_beta_outside_unit_interval():
@@ -168,6 +213,8 @@ def test_reverse_kl_advantages_refuse_mismatched_shapes():
     (dict(kind='gkd', top_k=0), r"distill.top_k=0 with distill.kind='gkd'"),
     (dict(top_k=-2), r'distill.top_k=-2 must be an int >= 0'),
     (dict(kind='reverse_kl', weight=0.0, with_reward=False), r'trains on nothing'),
+    (dict(kind='gkd', top_k=4, tail=1), r'distill.tail=1 must be True or False'),
+    (dict(kind='reverse_kl', tail=True), r"distill.tail=True with distill.kind='reverse_kl'"),
 ])
 def test_distill_config_refuses(fields, message):
   with pytest.raises(ValueError, match=message):
