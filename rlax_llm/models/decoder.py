@@ -543,18 +543,19 @@ def head_logits(x: Array, weight: Array, config: DecoderConfig) -> Array:
   vocab_first = config.tie_embeddings or run.weight_layout == 'out_in'
   weight = weight.astype(run.dtype)
   rows = math.prod(x.shape[:-1])
+  # The products on 2-D rows, as ``linear``'s: with [B, T] kept, XLA:CPU fed the head's
+  # weight gradient a transposed copy of the whole logits' gradient (benchmarks/LAB_NOTES.md).
+  flat = x.reshape(rows, x.shape[-1])
+  unflat = lambda y: y.reshape(*x.shape[:-1], -1)
   if run.batch_invariant:
     logits = invariant_matmul(x, weight, 'ce,ve->cv' if vocab_first else 'ce,ev->cv',
                               run.invariant_rows)
   elif narrow(x, weight):
-    logits = accumulated_product(x.reshape(rows, x.shape[-1]), weight, vocab_first,
-                                 jnp.float32).reshape(*x.shape[:-1], -1)
+    logits = unflat(accumulated_product(flat, weight, vocab_first, jnp.float32))
   elif head_is_vocab_major(config, rows):
     logits = flipped_product(x, weight)
-  else:  # on 2-D rows, as ``linear``: with [B, T] kept, XLA:CPU fed the head's weight
-    # gradient a transposed copy of the whole logits' gradient (benchmarks/LAB_NOTES.md)
-    flat = x.reshape(rows, x.shape[-1])
-    logits = (flat @ weight.T if vocab_first else flat @ weight).reshape(*x.shape[:-1], -1)
+  else:
+    logits = unflat(flat @ (weight.T if vocab_first else weight))
   return logits.astype(jnp.float32)
 
 
